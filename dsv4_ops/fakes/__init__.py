@@ -1,0 +1,5 @@
+"""Fake (meta) implementations of every dsv4 op, one module per op family.
+
+Each module calls ``torch.library.register_fake`` for the ops of its section of the schema table.
+"""
+from dsv4_ops.fakes import quant  # noqa: F401
