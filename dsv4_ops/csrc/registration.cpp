@@ -25,11 +25,34 @@ TORCH_LIBRARY(dsv4, m) {
       "-> (Tensor packed, Tensor block_scale, Tensor global_scale)");
 
   // ---- lightning indexer (issue 2) ----
-  // (defined by the indexer section owner)
+  // Decode-time DeepSeek-V4 lightning indexer: score[b,i] = sum_h weights[b,h] * relu(q[b,h] . k[b,i]) over FP4
+  // (E2M1 codes + UE8M0 block-32 scales) keys i < n_valid[b]; returns int32 [B, topk] indices sorted by
+  // (score desc, index asc), -1 padded. See docs/ops.md "## Indexer".
+  m.def(
+      "indexer_score_topk(Tensor q, Tensor weights, Tensor k_codes, Tensor k_scales, Tensor n_valid, int topk) "
+      "-> Tensor");
 
   // ---- sampler (issue 3) ----
+  // Per-row greedy (temperature <= 0) or temperature / top-k (0 = off) / top-p (>= 1 = off) sampling with a
+  // counter-based RNG keyed by (seed, offset): bump `offset` on device each step. Returns int64 [B].
+  m.def(
+      "sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor seed, Tensor offset) "
+      "-> Tensor");
 
   // ---- NVFP4 GEMM / MoE (issue 7) ----
+  // Weights in the kernel layout of dsv4_model.nvfp4.repack_weight: codes uint8 [N, Kp/2] (Kp = K rounded up
+  // to 128), scale bytes uint8 [N, Kp/16], fp32 0-d global scale (dequant direction). bf16 activations,
+  // fp32 accumulation. See docs/ops.md "## NVFP4 GEMM / MoE".
+  m.def("nvfp4_linear(Tensor x, Tensor w_packed, Tensor w_scale, Tensor w_global_scale) -> Tensor");
+  m.def(
+      "nvfp4_linear_w4a4(Tensor x_packed, Tensor x_scale, Tensor x_global_scale, Tensor w_packed, "
+      "Tensor w_scale, Tensor w_global_scale, ScalarType out_dtype) -> Tensor");
+  m.def(
+      "nvfp4_moe(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_packed, Tensor w13_scale, "
+      "Tensor w13_global_scale, Tensor w2_packed, Tensor w2_scale, Tensor w2_global_scale, "
+      "Tensor? shared_w13_packed, Tensor? shared_w13_scale, Tensor? shared_w13_global_scale, "
+      "Tensor? shared_w2_packed, Tensor? shared_w2_scale, Tensor? shared_w2_global_scale, "
+      "float swiglu_limit) -> Tensor");
 
   // ---- decode state (issue 3) ----
 }

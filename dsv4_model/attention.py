@@ -1,0 +1,344 @@
+"""DeepSeek-V4 attention: shared K=V MQA over a sliding window plus compressed entries (CSA / HCA).
+
+Shapes: B batch, S tokens, H heads, D head_dim (last `rd` dims carry RoPE), W window, m compress ratio.
+
+Per-layer cache (non-persistent buffers, allocated by `alloc_runtime`):
+  kv_cache [max_batch, W + max_seq_len // m, D]: slots 0..W-1 a ring (token p at p % W), slot W+i = entry i.
+  compressor kv_state / score_state fp32 [max_batch, c*m, c*Dc] (c = 2 for the overlapping ratio-4 compressor).
+  indexer kv_cache [max_batch, max_seq_len // m, index_head_dim].
+Validity is derived from positions only (ring slot s valid iff s <= p; entry i valid iff i < (p+1)//m), so rows
+never need clearing between sequences; prefill rewrites every compressor state row.
+
+Indexer top-k order (documented choice): higher score first, equal scores -> lower entry index, -0.0 == +0.0.
+Only the selected SET matters to attention; this makes it deterministic across devices.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .layers import Linear, RMSNorm, apply_rope, unweighted_rms_norm
+from .quant_sim import hadamard_matrix, indexer_fake_quant, kv_fake_quant
+
+
+def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest fp32 scores along the last dim; ties -> lower index (static shapes)."""
+    s = torch.where(scores == 0, torch.zeros_like(scores), scores).float().contiguous()
+    bits = s.view(torch.int32)
+    key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
+    n = scores.shape[-1]
+    idx = torch.arange(n, device=scores.device, dtype=torch.int64)
+    key = key * 4294967296 + (4294967295 - idx)
+    return key.topk(k, dim=-1).indices
+
+
+class Compressor(nn.Module):
+    """Gated pooling of m consecutive tokens into one entry (overlapping 2m-token windows when m == 4)."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int, rotate: bool, max_batch: int):
+        super().__init__()
+        self.ratio = ratio
+        self.overlap = ratio == 4
+        self.coff = 2 if self.overlap else 1
+        self.head_dim = head_dim
+        self.rope_dim = cfg.rope_head_dim
+        self.rotate = rotate  # indexer keys: Hadamard + FP4 instead of FP8 nope dims
+        self.max_batch = max_batch
+        self.simulate_quant = True
+        c = self.coff
+        self.ape = nn.Parameter(torch.empty(ratio, c * head_dim, dtype=torch.float32), requires_grad=False)
+        # checkpoint stores bf16; official runs the compressor projections in fp32
+        self.wkv = Linear(cfg.dim, c * head_dim, torch.float32)
+        self.wgate = Linear(cfg.dim, c * head_dim, torch.float32)
+        self.norm = RMSNorm(head_dim, cfg.norm_eps)
+        self.register_buffer("hadamard", None, persistent=False)  # set by the owning Indexer
+
+    def alloc_runtime(self, device) -> None:
+        c, m = self.coff, self.ratio
+        shape = (self.max_batch, c * m, c * self.head_dim)
+        self.register_buffer("kv_state", torch.zeros(shape, dtype=torch.float32, device=device), persistent=False)
+        self.register_buffer("score_state", torch.full(shape, float("-inf"), dtype=torch.float32, device=device),
+                             persistent=False)
+
+    def reset_state(self) -> None:
+        self.kv_state.zero_()
+        self.score_state.fill_(float("-inf"))
+
+    def _finish(self, pooled: torch.Tensor, cs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        kv = self.norm(pooled.to(dtype))
+        kv = apply_rope(kv, cs, self.rope_dim)
+        if self.simulate_quant:
+            kv = indexer_fake_quant(kv, self.hadamard) if self.rotate else kv_fake_quant(kv, self.rope_dim)
+        return kv
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        xf = x.float()
+        return self.wkv(xf), self.wgate(xf)
+
+    def prefill(self, x: torch.Tensor, lengths: torch.Tensor, rope: torch.Tensor) -> torch.Tensor | None:
+        """x [B, S, dim] from position 0; rows valid up to lengths[b]. Returns entries [B, S//m, Dc] (or None)
+        and sets the decode state of rows [:B] from each row's own length."""
+        B, S, _ = x.shape
+        m, c, hd = self.ratio, self.coff, self.head_dim
+        kv, score = self._project(x)
+        t = torch.arange(S, device=x.device)
+        score = score + self.ape[t % m]
+
+        # decode state: overlap rows 0..m-1 = last full window, rows m.. (or 0.. w/o overlap) = pending tail
+        n_full = (lengths // m).unsqueeze(1)  # [B, 1]
+        r = torch.arange(c * m, device=x.device).unsqueeze(0)
+        if self.overlap:
+            p = torch.where(r < m, m * (n_full - 1) + r, m * n_full + (r - m))
+            valid = torch.where(r < m, n_full >= 1, p < lengths.unsqueeze(1))
+        else:
+            p = m * n_full + r
+            valid = p < lengths.unsqueeze(1)
+        gi = p.clamp(0, S - 1).unsqueeze(-1).expand(-1, -1, c * hd)
+        vmask = valid.unsqueeze(-1)
+        self.kv_state[:B] = torch.where(vmask, kv.gather(1, gi), torch.zeros((), device=x.device))
+        self.score_state[:B] = torch.where(vmask, score.gather(1, gi), torch.full((), float("-inf"), device=x.device))
+
+        n = S // m
+        if n == 0:
+            return None
+        kvw = kv[:, : n * m].view(B, n, m, c * hd)
+        scw = score[:, : n * m].view(B, n, m, c * hd)
+        if self.overlap:
+            prev_kv = F.pad(kvw[:, :-1, :, :hd], (0, 0, 0, 0, 1, 0), value=0.0)
+            prev_sc = F.pad(scw[:, :-1, :, :hd], (0, 0, 0, 0, 1, 0), value=float("-inf"))
+            kvw = torch.cat([prev_kv, kvw[..., hd:]], dim=2)
+            scw = torch.cat([prev_sc, scw[..., hd:]], dim=2)
+        pooled = (kvw * scw.softmax(dim=2)).sum(dim=2)  # [B, n, Dc] fp32
+        cs = rope[torch.arange(n, device=x.device) * m]
+        return self._finish(pooled, cs, x.dtype)
+
+    def decode(self, x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor):
+        """x [B, dim] = token at positions[b]. Updates state rows [:B]; returns (entry [B, Dc] for window
+        positions//m, complete [B] bool: whether that window closed at this token)."""
+        B = x.shape[0]
+        m, hd = self.ratio, self.head_dim
+        rows = torch.arange(B, device=x.device)
+        kv, score = self._project(x)
+        score = score + self.ape[positions % m]
+        slot = (self.coff - 1) * m + positions % m
+        self.kv_state.index_put_((rows, slot), kv)
+        self.score_state.index_put_((rows, slot), score)
+        complete = (positions + 1) % m == 0
+        if self.overlap:
+            kv_s = torch.cat([self.kv_state[:B, :m, :hd], self.kv_state[:B, m:, hd:]], dim=1)
+            sc_s = torch.cat([self.score_state[:B, :m, :hd], self.score_state[:B, m:, hd:]], dim=1)
+            pooled = (kv_s * sc_s.softmax(dim=1)).sum(dim=1)
+            cm = complete.view(B, 1, 1)
+            new_prev_kv = torch.where(cm, self.kv_state[:B, m:], self.kv_state[:B, :m])
+            new_prev_sc = torch.where(cm, self.score_state[:B, m:], self.score_state[:B, :m])
+            self.kv_state[:B, :m] = new_prev_kv
+            self.score_state[:B, :m] = new_prev_sc
+        else:
+            pooled = (self.kv_state[:B] * self.score_state[:B].softmax(dim=1)).sum(dim=1)
+        cs = rope[(positions + 1 - m).clamp(min=0)]
+        return self._finish(pooled, cs, x.dtype), complete
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: score(t, i) = sum_h w[t,h] * relu(qI[t,h] . kI[i]); keeps the top index_topk entries."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int, dtype: torch.dtype, max_batch: int, max_seq_len: int):
+        super().__init__()
+        self.n_heads = cfg.index_n_heads
+        self.head_dim = cfg.index_head_dim
+        self.rope_dim = cfg.rope_head_dim
+        self.index_topk = cfg.index_topk
+        self.ratio = ratio
+        self.max_batch = max_batch
+        self.n_entries = max_seq_len // ratio
+        self.simulate_quant = True
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype)
+        self.weights_proj = Linear(cfg.dim, self.n_heads, dtype)
+        self.weight_scale = self.head_dim**-0.5 * self.n_heads**-0.5
+        self.compressor = Compressor(cfg, ratio, self.head_dim, True, max_batch)
+
+    def alloc_runtime(self, device, dtype: torch.dtype) -> None:
+        self.register_buffer("kv_cache", torch.zeros(self.max_batch, self.n_entries, self.head_dim, dtype=dtype,
+                                                     device=device), persistent=False)
+        h = hadamard_matrix(self.head_dim, device) if self.head_dim & (self.head_dim - 1) == 0 else None
+        self.register_buffer("hadamard", h, persistent=False)
+        self.compressor.register_buffer("hadamard", h, persistent=False)
+
+    def queries(self, qr: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
+        """qr [..., q_lora] -> [..., H_I, Di]; cs broadcastable to the head axis."""
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = apply_rope(q, cs, self.rope_dim)
+        if self.simulate_quant:
+            q = indexer_fake_quant(q, self.hadamard)
+        return q
+
+    def scores(self, q: torch.Tensor, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """q [B, S, H_I, Di], x [B, S, dim], keys [B, T, Di] -> fp32 [B, S, T]."""
+        w = self.weights_proj(x).float() * self.weight_scale
+        s = torch.einsum("bshd,btd->bsht", q.float(), keys.float()).relu()
+        return (s * w.unsqueeze(-1)).sum(dim=2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, max_batch: int, max_seq_len: int):
+        super().__init__()
+        self.ratio = cfg.layer_ratio(layer_id)
+        self.n_heads, self.head_dim, self.rope_dim = cfg.n_heads, cfg.head_dim, cfg.rope_head_dim
+        self.window = cfg.window_size
+        self.eps = cfg.norm_eps
+        self.n_groups, self.o_lora_rank = cfg.o_groups, cfg.o_lora_rank
+        self.max_batch = max_batch
+        self.n_entries = max_seq_len // self.ratio if self.ratio else 0
+        self.softmax_scale = self.head_dim**-0.5
+        self.rope_kind = "compress" if self.ratio else "main"
+        self.simulate_quant = True
+        self.prefill_chunk = 512
+        H, D = self.n_heads, self.head_dim
+        self.attn_sink = nn.Parameter(torch.empty(H, dtype=torch.float32), requires_grad=False)
+        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, dtype)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, H * D, dtype)
+        self.wkv = Linear(cfg.dim, D, dtype)
+        self.kv_norm = RMSNorm(D, cfg.norm_eps)
+        self.wo_a = Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, dtype)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, dtype)
+        self.compressor = Compressor(cfg, self.ratio, D, False, max_batch) if self.ratio else None
+        self.indexer = Indexer(cfg, self.ratio, dtype, max_batch, max_seq_len) if self.ratio == 4 else None
+
+    def alloc_runtime(self, device, dtype: torch.dtype) -> None:
+        self.register_buffer("kv_cache", torch.zeros(self.max_batch, self.window + self.n_entries, self.head_dim,
+                                                     dtype=dtype, device=device), persistent=False)
+
+    # ------------------------------------------------------------------ shared pieces
+    def _qkv(self, x: torch.Tensor, cs: torch.Tensor):
+        """x [..., dim] -> (qr [..., q_lora], q [..., H, D], kv [..., D]); cs: rope rows for x's positions."""
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = apply_rope(unweighted_rms_norm(q, self.eps), cs.unsqueeze(-3), self.rope_dim)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cs, self.rope_dim)
+        if self.simulate_quant:
+            kv = kv_fake_quant(kv, self.rope_dim)
+        return qr, q, kv
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [B, T, H, D], keys [B, J, D] (K == V), mask [B, T, J] -> [B, T, H, D] (fp32 softmax with sink)."""
+        s = torch.einsum("bthd,bjd->bthj", q.float(), keys.float()) * self.softmax_scale
+        s = s.masked_fill(~mask.unsqueeze(2), float("-inf"))
+        sink = self.attn_sink.float().view(1, 1, -1, 1).expand(s.shape[0], s.shape[1], -1, 1)
+        p = torch.cat([s, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        return torch.einsum("bthj,bjd->bthd", p, keys.float()).to(q.dtype)
+
+    def _out(self, o: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
+        """o [..., H, D] -> inverse RoPE at the query position -> grouped low-rank projection -> [..., dim]."""
+        o = apply_rope(o, cs.unsqueeze(-3), self.rope_dim, inverse=True)
+        o = o.flatten(-2).unflatten(-1, (self.n_groups, -1))
+        wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
+        z = torch.einsum("...gd,grd->...gr", o, wo_a)
+        return self.wo_b(z.flatten(-2))
+
+    # ------------------------------------------------------------------ prefill (from position 0)
+    def prefill(self, x: torch.Tensor, lengths: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        W, m, dev = self.window, self.ratio, x.device
+        cs = rope[:S]
+        qr, q, kv = self._qkv(x, cs)
+        self._write_window(kv, lengths)
+
+        comp = ikeys = iq = None
+        if self.indexer is not None:
+            ikeys = self.indexer.compressor.prefill(x, lengths, rope)
+            if ikeys is not None:
+                self.indexer.kv_cache[:B, : ikeys.shape[1]] = ikeys
+                iq = self.indexer.queries(qr, cs.unsqueeze(-3))
+        if self.compressor is not None:
+            comp = self.compressor.prefill(x, lengths, rope)
+            if comp is not None:
+                self.kv_cache[:B, W: W + comp.shape[1]] = comp
+
+        outs = []
+        for t0 in range(0, S, self.prefill_chunk):
+            t1 = min(S, t0 + self.prefill_chunk)
+            j0 = max(0, t0 - W + 1)
+            tq = torch.arange(t0, t1, device=dev).unsqueeze(1)
+            tj = torch.arange(j0, t1, device=dev).unsqueeze(0)
+            mask = ((tj <= tq) & (tj > tq - W)).unsqueeze(0).expand(B, -1, -1)
+            keys = kv[:, j0:t1]
+            if comp is not None:
+                n = comp.shape[1]
+                n_vis = (tq + 1) // m  # [T, 1]
+                vis = torch.arange(n, device=dev).unsqueeze(0) < n_vis  # [T, n]
+                if iq is not None:
+                    sc = self.indexer.scores(iq[:, t0:t1], x[:, t0:t1], ikeys)
+                    sc = sc.masked_fill(~vis, float("-inf"))
+                    idx = topk_indices(sc, min(self.indexer.index_topk, n))
+                    idx = torch.where(idx < n_vis, idx, torch.full_like(idx, n))
+                    sel = torch.zeros(B, t1 - t0, n + 1, dtype=torch.bool, device=dev)
+                    vis = sel.scatter_(-1, idx, True)[..., :n]
+                else:
+                    vis = vis.unsqueeze(0).expand(B, -1, -1)
+                keys = torch.cat([keys, comp], dim=1)
+                mask = torch.cat([mask, vis], dim=-1)
+            outs.append(self._attend(q[:, t0:t1], keys, mask))
+        return self._out(torch.cat(outs, dim=1), cs)
+
+    def _write_window(self, kv: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Ring slot s <- the last position p < lengths[b] with p % W == s (left untouched if none)."""
+        B, S, D = kv.shape
+        W = self.window
+        s = torch.arange(W, device=kv.device).unsqueeze(0)
+        last = (lengths - 1).unsqueeze(1)
+        p = s + W * torch.div(last - s, W, rounding_mode="floor")
+        g = kv.gather(1, p.clamp(0, S - 1).unsqueeze(-1).expand(-1, -1, D))
+        self.kv_cache[:B, :W] = torch.where((p >= 0).unsqueeze(-1), g, self.kv_cache[:B, :W])
+
+    # ------------------------------------------------------------------ one-token decode (static shapes)
+    def decode(self, x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """x [B, dim] at per-row positions [B] (device tensor) -> [B, dim]; updates caches rows [:B]."""
+        B = x.shape[0]
+        W, m, dev = self.window, self.ratio, x.device
+        rows = torch.arange(B, device=dev)
+        cs = rope[positions]
+        qr, q, kv = self._qkv(x, cs)
+
+        sel = sel_valid = None
+        if self.indexer is not None:
+            ientry, icomplete = self.indexer.compressor.decode(x, positions, rope)
+            self._write_entry(self.indexer.kv_cache, 0, positions, ientry, icomplete)
+            iq = self.indexer.queries(qr, cs.unsqueeze(-3))
+            sc = self.indexer.scores(iq.unsqueeze(1), x.unsqueeze(1), self.indexer.kv_cache[:B]).squeeze(1)
+            n_vis = ((positions + 1) // m).unsqueeze(1)
+            sc = sc.masked_fill(torch.arange(self.n_entries, device=dev).unsqueeze(0) >= n_vis, float("-inf"))
+            sel = topk_indices(sc, min(self.indexer.index_topk, self.n_entries))
+            sel_valid = sel < n_vis
+
+        self.kv_cache.index_put_((rows, positions % W), kv)
+        if self.compressor is not None:
+            entry, complete = self.compressor.decode(x, positions, rope)
+            self._write_entry(self.kv_cache, W, positions, entry, complete)
+
+        keys = self.kv_cache[:B, :W]
+        mask = torch.arange(W, device=dev).unsqueeze(0) <= positions.unsqueeze(1)
+        if self.ratio:
+            comp = self.kv_cache[:B, W:]
+            if sel is not None:
+                comp = comp.gather(1, sel.unsqueeze(-1).expand(-1, -1, self.head_dim))
+                cmask = sel_valid
+            else:
+                cmask = torch.arange(self.n_entries, device=dev).unsqueeze(0) < ((positions + 1) // m).unsqueeze(1)
+            keys = torch.cat([keys, comp], dim=1)
+            mask = torch.cat([mask, cmask], dim=1)
+        o = self._attend(q.unsqueeze(1), keys, mask.unsqueeze(1)).squeeze(1)
+        return self._out(o, cs)
+
+    def _write_entry(self, cache: torch.Tensor, offset: int, positions: torch.Tensor, entry: torch.Tensor,
+                     complete: torch.Tensor) -> None:
+        """Write entry positions//m where the window just closed; rewrite the old value elsewhere."""
+        B = entry.shape[0]
+        n = cache.shape[1] - offset
+        rows = torch.arange(B, device=entry.device)
+        slot = offset + (positions // self.ratio).clamp(max=n - 1)
+        old = cache[rows, slot]
+        cache.index_put_((rows, slot), torch.where(complete.unsqueeze(1), entry.to(cache.dtype), old))

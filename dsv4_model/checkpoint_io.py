@@ -1,0 +1,174 @@
+"""Safetensors plumbing shared by the loader and the writers: header-only inventory of a (sharded)
+checkpoint, lazy per-tensor reads straight onto a device, and sharded writing with an index."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the model: missing / unexpected / mis-shaped / mis-typed tensors,
+    an unreadable index, or an invalid config field."""
+
+
+# safetensors dtype tag -> torch dtype
+ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+FLOAT_TAGS = frozenset({"F64", "F32", "F16", "BF16"})
+INT_TAGS = frozenset({"I64", "I32", "I16", "I8", "U8"})
+
+
+def st_dtype_tag(dtype: torch.dtype) -> str:
+    for tag, d in ST_DTYPES.items():
+        if d == dtype:
+            return tag
+    raise KeyError(f"no safetensors dtype for {dtype}")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    key: str
+    file: Path
+    dtype: str  # safetensors tag, e.g. "BF16", "F8_E4M3"
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * ST_DTYPES[self.dtype].itemsize if self.dtype in ST_DTYPES else 0
+
+
+def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{key: (dtype tag, shape)} from a safetensors file's JSON header, without touching tensor data."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise CheckpointError(f"{path}: not a safetensors file (no header length)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > os.path.getsize(path) - 8:
+                raise CheckpointError(f"{path}: safetensors header length {n} exceeds the file size")
+            header = json.loads(f.read(n))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read safetensors header: {e}") from e
+    return {k: (v["dtype"], tuple(v["shape"])) for k, v in header.items() if k != "__metadata__"}
+
+
+def list_tensors(ckpt_dir: str | os.PathLike) -> dict[str, TensorInfo]:
+    """Inventory of every tensor of the checkpoint in `ckpt_dir`: via `model.safetensors.index.json`
+    if present, else `model.safetensors`, else all `*.safetensors` files in the directory."""
+    root = Path(ckpt_dir)
+    index_path = root / INDEX_NAME
+    out: dict[str, TensorInfo] = {}
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index_path}: cannot read weight_map: {e}") from e
+        headers: dict[str, dict] = {}
+        for key, shard in weight_map.items():
+            shard_path = (root / shard).resolve()
+            if root.resolve() not in shard_path.parents:
+                raise CheckpointError(f"{index_path}: shard {shard!r} of {key!r} lies outside {root}")
+            if shard not in headers:
+                if not shard_path.is_file():
+                    raise CheckpointError(f"{index_path}: shard file {shard!r} (holding {key!r}) does not exist")
+                headers[shard] = read_header(shard_path)
+            if key not in headers[shard]:
+                raise CheckpointError(f"{index_path}: {key!r} is mapped to {shard!r} but that shard has no such tensor")
+            dtype, shape = headers[shard][key]
+            out[key] = TensorInfo(key, shard_path, dtype, shape)
+        return out
+    files = [root / SINGLE_NAME] if (root / SINGLE_NAME).is_file() else sorted(root.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{root}: no {INDEX_NAME}, {SINGLE_NAME} or *.safetensors files")
+    for path in files:
+        for key, (dtype, shape) in read_header(path).items():
+            if key in out:
+                raise CheckpointError(f"{key!r} appears in both {out[key].file.name} and {path.name}")
+            out[key] = TensorInfo(key, path, dtype, shape)
+    return out
+
+
+class TensorReader:
+    """Reads single tensors lazily (mmap) from their shard directly onto `device`."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self._handles: dict[Path, object] = {}
+
+    def _handle(self, path: Path):
+        h = self._handles.get(path)
+        if h is None:
+            dev = "cpu" if self.device.type == "cpu" else str(self.device)
+            h = safe_open(str(path), framework="pt", device=dev)
+            self._handles[path] = h
+        return h
+
+    def read(self, info: TensorInfo) -> torch.Tensor:
+        return self._handle(info.file).get_tensor(info.key)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def write_sharded(named: Iterable[tuple[str, torch.Tensor]], out_dir: str | os.PathLike, *,
+                  num_shards: int | None = None, max_shard_bytes: int | None = None,
+                  metadata: dict[str, str] | None = None) -> list[str]:
+    """Write tensors as one `model.safetensors` or as `model-0000i-of-0000n.safetensors` shards plus
+    `model.safetensors.index.json`. Tensors move to CPU one shard at a time. Returns the file names."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    items = [(k, t) for k, t in named]
+    total = sum(t.numel() * t.element_size() for _, t in items)
+    if num_shards is None:
+        num_shards = 1 if not max_shard_bytes else max(1, -(-total // max_shard_bytes))
+    num_shards = max(1, min(num_shards, len(items)))
+    target = -(-total // num_shards)
+    groups: list[list[tuple[str, torch.Tensor]]] = [[]]
+    acc = 0
+    for k, t in items:
+        size = t.numel() * t.element_size()
+        if groups[-1] and acc + size > target and len(groups) < num_shards:
+            groups.append([])
+            acc = 0
+        groups[-1].append((k, t))
+        acc += size
+    meta = {"format": "pt", **(metadata or {})}
+    if len(groups) == 1:
+        save_file({k: t.detach().to("cpu").contiguous() for k, t in groups[0]}, str(out / SINGLE_NAME), metadata=meta)
+        return [SINGLE_NAME]
+    names = []
+    weight_map = {}
+    for i, group in enumerate(groups):
+        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({k: t.detach().to("cpu").contiguous() for k, t in group}, str(out / name), metadata=meta)
+        names.append(name)
+        weight_map.update({k: name for k, _ in group})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / INDEX_NAME).write_text(json.dumps(index, indent=2))
+    return names

@@ -1,0 +1,243 @@
+"""Write random tiny checkpoints in the three layouts the loader reads (hf / official / dsv4).
+
+All three are written from the same "canonical" weights: random values that have already been
+rounded to what the official release would store (FP8 128x128-block or MXFP4 values for quantized
+tensors, bf16 for bf16 tensors, fp32 for fp32 ones). The official layout stores them quantized,
+the hf and dsv4 layouts store the dequantized values (exact in bf16), so every layout loads to
+bit-identical weights.
+
+Tensor names and shapes come from the spec (doc §7), not from the model code, so loading a written
+checkpoint also checks the model's parameter shapes against the spec.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from .checkpoint_io import write_sharded
+from .checkpoint_names import official_storage, official_to_hf_name, split_expert_name
+from .loader import DSV4_FORMAT_KEY, DSV4_FORMAT_VERSION
+from .quant_formats import FP8_BLOCK, dequant_fp8_blocks, dequant_mxfp4, quant_fp8_blocks, quant_mxfp4
+
+# Covers SWA-only (L0), CSA (L1, L3) and HCA (L2, L4) layers, hash (L0-1) and learned (L2-4) MoE,
+# 8 indexer heads, an SWA-only MTP block; wq_b / wo_a span several (partial) 128x128 FP8 blocks.
+TINY_CONFIG = dict(
+    vocab_size=96, dim=64, n_layers=5, n_heads=4, head_dim=80, rope_head_dim=16, q_lora_rank=32,
+    o_groups=2, o_lora_rank=16, window_size=16, compress_ratios=[0, 4, 16, 4, 16, 0],
+    index_n_heads=8, index_head_dim=32, index_topk=4, moe_inter_dim=32, n_routed_experts=8,
+    n_shared_experts=1, n_activated_experts=2, n_hash_layers=2, n_mtp_layers=1, hc_mult=4,
+    max_position_embeddings=4096,
+)
+
+CONFIGS = {"tiny": TINY_CONFIG}
+
+QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                       "weight_block_size": [FP8_BLOCK, FP8_BLOCK], "activation_scheme": "dynamic"}
+
+
+def make_config(name: str = "tiny", **overrides):
+    from .config import ModelConfig
+
+    return ModelConfig(**{**CONFIGS[name], **overrides}).validate()
+
+
+def official_tensor_specs(cfg) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{official name (per-expert form): (shape, storage)} for `cfg`, in a fixed order."""
+    d, hc, H, D = cfg.dim, cfg.hc_mult, cfg.n_heads, cfg.head_dim
+    mix = (2 + hc) * hc
+    shapes: dict[str, tuple[int, ...]] = {
+        "embed.weight": (cfg.vocab_size, d),
+        "head.weight": (cfg.vocab_size, d),
+        "norm.weight": (d,),
+        "hc_head_fn": (hc, hc * d),
+        "hc_head_base": (hc,),
+        "hc_head_scale": (1,),
+    }
+
+    def block(p: str, layer_id: int, hash_routed: bool):
+        ratio = cfg.compress_ratios[layer_id]
+        for site in ("attn", "ffn"):
+            shapes[f"{p}hc_{site}_fn"] = (mix, hc * d)
+            shapes[f"{p}hc_{site}_base"] = (mix,)
+            shapes[f"{p}hc_{site}_scale"] = (3,)
+        shapes[f"{p}attn_norm.weight"] = (d,)
+        shapes[f"{p}ffn_norm.weight"] = (d,)
+        a = p + "attn."
+        shapes[a + "attn_sink"] = (H,)
+        shapes[a + "wq_a.weight"] = (cfg.q_lora_rank, d)
+        shapes[a + "q_norm.weight"] = (cfg.q_lora_rank,)
+        shapes[a + "wq_b.weight"] = (H * D, cfg.q_lora_rank)
+        shapes[a + "wkv.weight"] = (D, d)
+        shapes[a + "kv_norm.weight"] = (D,)
+        shapes[a + "wo_a.weight"] = (cfg.o_groups * cfg.o_lora_rank, H * D // cfg.o_groups)
+        shapes[a + "wo_b.weight"] = (d, cfg.o_groups * cfg.o_lora_rank)
+        if ratio:
+            c = 2 if ratio == 4 else 1
+            shapes[a + "compressor.ape"] = (ratio, c * D)
+            shapes[a + "compressor.wkv.weight"] = (c * D, d)
+            shapes[a + "compressor.wgate.weight"] = (c * D, d)
+            shapes[a + "compressor.norm.weight"] = (D,)
+        if ratio == 4:
+            Di, Hi = cfg.index_head_dim, cfg.index_n_heads
+            shapes[a + "indexer.wq_b.weight"] = (Hi * Di, cfg.q_lora_rank)
+            shapes[a + "indexer.weights_proj.weight"] = (Hi, d)
+            shapes[a + "indexer.compressor.ape"] = (4, 2 * Di)
+            shapes[a + "indexer.compressor.wkv.weight"] = (2 * Di, d)
+            shapes[a + "indexer.compressor.wgate.weight"] = (2 * Di, d)
+            shapes[a + "indexer.compressor.norm.weight"] = (Di,)
+        f = p + "ffn."
+        shapes[f + "gate.weight"] = (cfg.n_routed_experts, d)
+        if hash_routed:
+            shapes[f + "gate.tid2eid"] = (cfg.vocab_size, cfg.n_activated_experts)
+        else:
+            shapes[f + "gate.bias"] = (cfg.n_routed_experts,)
+        inter = cfg.moe_inter_dim
+        for e in range(cfg.n_routed_experts):
+            shapes[f"{f}experts.{e}.w1.weight"] = (inter, d)
+            shapes[f"{f}experts.{e}.w2.weight"] = (d, inter)
+            shapes[f"{f}experts.{e}.w3.weight"] = (inter, d)
+        shared = inter * cfg.n_shared_experts
+        shapes[f + "shared_experts.w1.weight"] = (shared, d)
+        shapes[f + "shared_experts.w2.weight"] = (d, shared)
+        shapes[f + "shared_experts.w3.weight"] = (shared, d)
+
+    for i in range(cfg.n_layers):
+        block(f"layers.{i}.", i, i < cfg.n_hash_layers)
+    for j in range(cfg.n_mtp_layers):
+        p = f"mtp.{j}."
+        shapes[p + "e_proj.weight"] = (d, d)
+        shapes[p + "h_proj.weight"] = (d, d)
+        shapes[p + "enorm.weight"] = (d,)
+        shapes[p + "hnorm.weight"] = (d,)
+        shapes[p + "norm.weight"] = (d,)
+        shapes[p + "hc_head_fn"] = (hc, hc * d)
+        shapes[p + "hc_head_base"] = (hc,)
+        shapes[p + "hc_head_scale"] = (1,)
+        block(p, cfg.n_layers + j, False)
+    return {k: (v, official_storage(k)) for k, v in shapes.items()}
+
+
+def _random_value(name: str, shape: tuple[int, ...], g: torch.Generator, cfg) -> torch.Tensor:
+    def randn(*s):
+        return torch.randn(*s, generator=g)
+
+    leaf = name.rsplit(".", 1)[-1]
+    if name.endswith("tid2eid"):
+        rows = [torch.randperm(cfg.n_routed_experts, generator=g)[: shape[1]] for _ in range(shape[0])]
+        return torch.stack(rows).to(torch.int64)
+    if "norm" in name and leaf == "weight":
+        return 1.0 + 0.1 * randn(*shape)
+    if leaf.endswith("_fn"):
+        return randn(*shape) * (0.5 / math.sqrt(shape[-1]))
+    if leaf.endswith("_base"):
+        return 0.5 * randn(*shape)
+    if leaf.endswith("_scale"):
+        return 0.5 + 0.1 * randn(*shape)
+    if leaf == "attn_sink":
+        return randn(*shape)
+    if leaf == "ape":
+        return 0.5 * randn(*shape)
+    if name.endswith("gate.bias"):
+        return 0.05 * randn(*shape)
+    if name == "embed.weight":
+        return randn(*shape)
+    return randn(*shape) / math.sqrt(shape[-1])
+
+
+def canonical_weights(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights (official per-expert names) already rounded to their release storage format:
+    FP8/MXFP4 tensors hold their dequantized values in bf16, bf16 tensors bf16, fp32 tensors fp32."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, (shape, storage) in official_tensor_specs(cfg).items():
+        w = _random_value(name, shape, g, cfg)
+        if storage == "fp8":
+            w = dequant_fp8_blocks(*quant_fp8_blocks(w), dtype=torch.bfloat16)
+        elif storage == "fp4":
+            w = dequant_mxfp4(*quant_mxfp4(w), dtype=torch.bfloat16)
+        elif storage == "bf16":
+            w = w.to(torch.bfloat16)
+        elif storage == "f32":
+            w = w.to(torch.float32)
+        out[name] = w
+    return out
+
+
+def official_tensors(weights: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """Release storage of canonical weights: FP8 / MXFP4 codes + `.scale` E8M0 for quantized tensors."""
+    out = []
+    for name, w in weights.items():
+        storage = official_storage(name)
+        if storage in ("fp8", "fp4"):
+            q, s = (quant_fp8_blocks if storage == "fp8" else quant_mxfp4)(w.float())
+            out.append((name, q))
+            out.append((name[: -len("weight")] + "scale", s))
+        else:
+            out.append((name, w))
+    return out
+
+
+def hf_tensors(weights: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """transformers `save_pretrained` names; HF has no MTP module, so `mtp.*` is left out."""
+    return [(official_to_hf_name(n), w) for n, w in weights.items() if not n.startswith("mtp.")]
+
+
+def dsv4_tensors(weights: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """Model state_dict names: routed experts stacked into `...ffn.experts.w{1,2,3}` [E, ...]."""
+    out: list = []
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for name, w in weights.items():
+        split = split_expert_name(name)
+        if split is None:
+            out.append((name, w))
+            continue
+        stacked, e = split
+        if stacked not in experts:
+            experts[stacked] = {}
+            out.append((stacked, experts[stacked]))
+        experts[stacked][e] = w
+    return [(n, torch.stack([w[e] for e in sorted(w)]) if isinstance(w, dict) else w) for n, w in out]
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def write_checkpoint(weights: dict[str, torch.Tensor], cfg, out_dir: str | os.PathLike, layout: str, *,
+                     num_shards: int = 1) -> Path:
+    """Write canonical `weights` (official per-expert names) + config files in `layout`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if layout == "official":
+        write_sharded(official_tensors(weights), out, num_shards=num_shards)
+        _write_json(out / "config.json", {**cfg.to_hf_dict(), "quantization_config": QUANTIZATION_CONFIG,
+                                          "expert_dtype": "fp4", "dtype": "bfloat16"})
+        _write_json(out / "inference" / "config.json", {**cfg.to_dict(), "dtype": "fp8", "scale_fmt": "ue8m0",
+                                                        "expert_dtype": "fp4", "scale_dtype": "fp8",
+                                                        "quantization_config": None})
+    elif layout == "hf":
+        write_sharded(hf_tensors(weights), out, num_shards=num_shards)
+        _write_json(out / "config.json", {**cfg.to_hf_dict(), "dtype": "bfloat16", "transformers_version": "5.23.0"})
+    elif layout == "dsv4":
+        write_sharded(dsv4_tensors(weights), out, num_shards=num_shards,
+                      metadata={DSV4_FORMAT_KEY: str(DSV4_FORMAT_VERSION)})
+        _write_json(out / "config.json", {**cfg.to_dict(), DSV4_FORMAT_KEY: DSV4_FORMAT_VERSION})
+    else:
+        raise ValueError(f"layout must be 'hf', 'official' or 'dsv4', got {layout!r}")
+    return out
+
+
+def write_tiny_checkpoint(out_dir: str | os.PathLike, layout: str, seed: int = 0, config=None, *,
+                          num_shards: int = 1):
+    """Random tiny checkpoint in `layout`; the same `seed` and `config` give the same weights in every
+    layout. `config`: a ModelConfig, a preset name from CONFIGS, or None (= "tiny"). Returns the config."""
+    if config is None or isinstance(config, str):
+        config = make_config(config or "tiny")
+    write_checkpoint(canonical_weights(config, seed), config, out_dir, layout, num_shards=num_shards)
+    return config

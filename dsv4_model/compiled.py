@@ -1,0 +1,196 @@
+"""Decode-step execution: eager, torch.compile, and CUDA graphs (one per batch bucket).
+
+One decode step = `model.decode_step` + `dsv4::sample` + feeding the sampled ids back as the next input,
+advancing the positions and the RNG offsets. All of it reads and writes static device buffers owned by
+`DecodeRunner`, so a CUDA-graph replay needs no host input at all: the host only copies the sampled ids
+out (asynchronously) to stream them and check stop conditions.
+
+Batch sizes are padded to buckets 1, 2, 4, ..., max_batch_size (compile/graph modes), so there is one
+compiled graph and one CUDA graph per bucket and none in between. Padded rows run greedy on token 0
+from position 0 in cache rows [B:bucket]; those rows belong to no live sequence, and the model derives
+cache validity from positions only, so whatever they write is never read by a live row.
+
+Graph modes (`graph_mode`):
+  * "manual": torch.compile(mode="default") warmed up on a side stream, then captured into one
+    `torch.cuda.CUDAGraph` per bucket, all sharing one memory pool; replay = one graph launch.
+  * "reduce-overhead": torch.compile's CUDA-graph trees (static inputs marked with mark_static_address).
+The default is "manual" (bench/bench_decode.py measures both; see README "Generation").
+"""
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from .sampling import SamplerBuffers, SamplingParams
+
+GRAPH_MODES = ("manual", "reduce-overhead")
+
+
+def batch_buckets(max_batch_size: int) -> list[int]:
+    """1, 2, 4, ... below max_batch_size, then max_batch_size itself."""
+    out, b = [], 1
+    while b < max_batch_size:
+        out.append(b)
+        b *= 2
+    return out + [max_batch_size]
+
+
+class DecodeRunner:
+    """Runs decode steps of `model` (a `Transformer`) on static buffers of `model.max_batch_size` rows.
+
+    compile: torch.compile the step (fullgraph, static shapes). Default: on for CUDA, off for CPU.
+    cuda_graphs: replay CUDA graphs. Default: on for CUDA. Needs a CUDA model.
+    graph_mode: "manual" (default) or "reduce-overhead" (implies compile).
+
+    Use: `prepare(B)` (compiles / captures; scribbles on cache rows [:bucket], so call it BEFORE prefill),
+    prefill, `begin(positions, params)`, `sample_first(prefill_logits)`, then `step()` per token.
+    """
+
+    def __init__(self, model, *, compile: bool | None = None, cuda_graphs: bool | None = None,
+                 graph_mode: str = "manual"):
+        self.model = model
+        self.device = model.device
+        on_cuda = self.device.type == "cuda"
+        if graph_mode not in GRAPH_MODES:
+            raise ValueError(f"graph_mode must be one of {GRAPH_MODES}, got {graph_mode!r}")
+        self.cuda_graphs = on_cuda if cuda_graphs is None else bool(cuda_graphs)
+        if self.cuda_graphs and not on_cuda:
+            raise ValueError(f"cuda_graphs=True needs the model on a CUDA device (it is on {self.device})")
+        self.graph_mode = graph_mode if self.cuda_graphs else None
+        self.compile = on_cuda if compile is None else bool(compile)
+        if self.graph_mode == "reduce-overhead":
+            self.compile = True
+        self.max_rows = int(model.max_batch_size)
+        self.buckets = batch_buckets(self.max_rows)
+        self.tokens = torch.zeros(self.max_rows, dtype=torch.int64, device=self.device)
+        self.positions = torch.zeros(self.max_rows, dtype=torch.int64, device=self.device)
+        self.sampler = SamplerBuffers(self.max_rows, self.device)
+        self.rows = 0
+        self.padded = 0
+        self._views: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._ready: set[int] = set()
+        self._pool = None
+        self._fn = self._step_impl
+        if self.compile:
+            cfg = torch._dynamo.config
+            cfg.recompile_limit = max(cfg.recompile_limit, len(self.buckets) + 2)
+            cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * len(self.buckets) + 8)
+            mode = "reduce-overhead" if self.graph_mode == "reduce-overhead" else None
+            self._fn = torch.compile(self._step_impl, fullgraph=True, dynamic=False, mode=mode)
+
+    @property
+    def mode_name(self) -> str:
+        if self.graph_mode == "manual":
+            return "compiled+graph" if self.compile else "eager+graph"
+        if self.graph_mode == "reduce-overhead":
+            return "reduce-overhead"
+        return "compiled" if self.compile else "eager"
+
+    # ------------------------------------------------------------------ the step
+    def _step_impl(self, tokens, positions, temperature, top_k, top_p, seed, offset):
+        logits = self.model.decode_step(tokens, positions)
+        nxt = torch.ops.dsv4.sample(logits, temperature, top_k, top_p, seed, offset)
+        tokens.copy_(nxt)
+        positions.add_(1)
+        offset.add_(1)
+        return logits, nxt
+
+    def _view(self, n: int) -> tuple[torch.Tensor, ...]:
+        # The same view objects every call: dynamo and the cudagraph trees see one static input per bucket.
+        if n not in self._views:
+            v = (self.tokens[:n], self.positions[:n], *self.sampler.rows(n))
+            if self.graph_mode == "reduce-overhead":
+                for t in v:
+                    torch._dynamo.mark_static_address(t)
+            self._views[n] = v
+        return self._views[n]
+
+    def bucket(self, rows: int) -> int:
+        if not 1 <= rows <= self.max_rows:
+            raise ValueError(f"batch of {rows} rows: must be in [1, max_batch_size={self.max_rows}]")
+        if not (self.compile or self.cuda_graphs):
+            return rows  # eager: no reason to pad
+        return self.buckets[bisect.bisect_left(self.buckets, rows)]
+
+    # ------------------------------------------------------------------ set-up
+    @torch.no_grad()
+    def prepare(self, rows: int) -> int:
+        """Compile / capture the bucket of `rows` if not done yet; returns the padded row count.
+
+        Warm-up steps write cache rows [:bucket] at positions 0.., so call this before prefill."""
+        n = self.bucket(rows)
+        if n in self._ready:
+            return n
+        self._reset_buffers()
+        view = self._view(n)
+        if self.graph_mode == "manual":
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # compile + autotune outside capture
+                for _ in range(2):
+                    self._fn(*view)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            self._reset_buffers()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits, nxt = self._fn(*view)
+            if self._pool is None:
+                self._pool = graph.pool()
+            self._graphs[n] = (graph, logits, nxt)
+        elif self.compile:
+            for _ in range(3 if self.graph_mode == "reduce-overhead" else 1):  # warm-up, record, replay
+                if self.graph_mode == "reduce-overhead":
+                    torch.compiler.cudagraph_mark_step_begin()
+                self._fn(*view)
+        self._reset_buffers()
+        self._ready.add(n)
+        return n
+
+    def prepare_all(self, buckets: list[int] | None = None) -> None:
+        """Capture several buckets up front, largest first (the pool is sized by the first capture)."""
+        for n in sorted(buckets or self.buckets, reverse=True):
+            self.prepare(n)
+
+    def _reset_buffers(self) -> None:
+        self.tokens.zero_()
+        self.positions.zero_()
+        self.sampler.set([])
+
+    @torch.no_grad()
+    def begin(self, positions: torch.Tensor, params: list[SamplingParams]) -> None:
+        """Start a batch: row b decodes from positions[b] with params[b]; padded rows are reset."""
+        rows = len(params)
+        if positions.shape != (rows,):
+            raise ValueError(f"positions must have shape [{rows}], got {tuple(positions.shape)}")
+        self.padded = self.prepare(rows)
+        self.rows = rows
+        self._reset_buffers()
+        self.positions[:rows].copy_(positions)
+        self.sampler.set(params)
+
+    @torch.no_grad()
+    def sample_first(self, logits: torch.Tensor) -> torch.Tensor:
+        """Sample the first token of every live row from prefill logits [rows, V]; it becomes the next input."""
+        t, k, p, s, o = self.sampler.rows(self.rows)
+        nxt = torch.ops.dsv4.sample(logits.float(), t, k, p, s, o)
+        self.tokens[: self.rows].copy_(nxt)
+        o.add_(1)
+        return nxt
+
+    # ------------------------------------------------------------------ steady state
+    @torch.no_grad()
+    def step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step of the live batch -> (logits [rows, V], next ids [rows]).
+
+        In graph modes both are static buffers overwritten by the next step: copy what you keep."""
+        n = self.padded
+        if self.graph_mode == "manual":
+            graph, logits, nxt = self._graphs[n]
+            graph.replay()
+        else:
+            if self.graph_mode == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()
+            logits, nxt = self._fn(*self._view(n))
+        return logits[: self.rows], nxt[: self.rows]

@@ -1,0 +1,361 @@
+"""DeepSeek-V4 model configuration (official `inference/config.json` field names).
+
+`ModelConfig.from_dict` accepts the three config flavours a checkpoint may ship (doc §1):
+  * the official inference names (`dim`, `n_layers`, `compress_ratios`, `n_hash_layers`, ...),
+  * the released top-level HF `config.json` (`hidden_size`, `compress_ratios`, `num_hash_layers`, `rope_scaling`),
+  * transformers >= 5.23 `DeepseekV4Config` output (`layer_types`, `mlp_layer_types`, `compress_rates`,
+    `rope_parameters` with nested `main` / `compress`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+
+# transformers' layer-type labels; the compress ratio of each label comes from `compress_rates`.
+HF_SWA, HF_CSA, HF_HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 129280
+    dim: int = 4096
+    n_layers: int = 43
+    n_heads: int = 64
+    head_dim: int = 512
+    rope_head_dim: int = 64
+    q_lora_rank: int = 1024
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    window_size: int = 128
+    # one entry per backbone layer plus one per MTP layer; 0 = sliding-window only
+    compress_ratios: list[int] = field(default_factory=lambda: [0, 0] + [4, 128] * 20 + [4] + [0])
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    moe_inter_dim: int = 2048
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    n_activated_experts: int = 6
+    score_func: str = "sqrtsoftplus"
+    route_scale: float = 1.5
+    n_hash_layers: int = 3
+    swiglu_limit: float = 10.0
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_factor: float = 16.0
+    original_seq_len: int = 65536  # 0 disables YaRN on compressed layers
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    max_position_embeddings: int = 1048576
+    n_mtp_layers: int = 1
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    # Informational (checkpoint storage formats); the pure-PyTorch model does not read them.
+    expert_dtype: str | None = None
+    quantization_config: dict | None = None
+
+    # ------------------------------------------------------------------ presets
+    @classmethod
+    def v4_flash(cls) -> "ModelConfig":
+        return cls()
+
+    @classmethod
+    def v4_pro(cls) -> "ModelConfig":
+        return cls(
+            dim=7168, n_layers=61, n_heads=128, q_lora_rank=1536, o_groups=16, index_topk=1024,
+            moe_inter_dim=3072, n_routed_experts=384, route_scale=2.5,
+            compress_ratios=[128, 128] + [4, 128] * 29 + [4] + [0],
+        )
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def n_total_layers(self) -> int:
+        return self.n_layers + self.n_mtp_layers
+
+    def layer_ratio(self, layer_id: int) -> int:
+        return int(self.compress_ratios[layer_id])
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> "ModelConfig":
+        def bad(name: str, why: str):
+            raise ValueError(f"ModelConfig.{name}: {why} (got {getattr(self, name)!r})")
+
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "rope_head_dim", "q_lora_rank",
+                     "o_groups", "o_lora_rank", "window_size", "index_n_heads", "index_head_dim", "index_topk",
+                     "moe_inter_dim", "n_routed_experts", "n_activated_experts", "hc_mult", "hc_sinkhorn_iters",
+                     "max_position_embeddings"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                bad(name, "must be a positive int")
+        for name in ("n_hash_layers", "n_mtp_layers", "n_shared_experts", "original_seq_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                bad(name, "must be a non-negative int")
+        if self.rope_head_dim % 2:
+            bad("rope_head_dim", "must be even (interleaved RoPE pairs)")
+        if self.rope_head_dim >= self.head_dim:
+            bad("rope_head_dim", f"must be smaller than head_dim={self.head_dim}")
+        if self.rope_head_dim > self.index_head_dim:
+            bad("index_head_dim", f"must be >= rope_head_dim={self.rope_head_dim}")
+        if self.n_heads % self.o_groups:
+            bad("o_groups", f"must divide n_heads={self.n_heads}")
+        if self.n_activated_experts > self.n_routed_experts:
+            bad("n_activated_experts", f"must be <= n_routed_experts={self.n_routed_experts}")
+        if self.n_shared_experts != 1:
+            bad("n_shared_experts", "the official model has exactly one shared expert")
+        if self.n_hash_layers > self.n_layers:
+            bad("n_hash_layers", f"must be <= n_layers={self.n_layers}")
+        if self.score_func not in SCORE_FUNCS:
+            bad("score_func", f"must be one of {SCORE_FUNCS}")
+        if not isinstance(self.compress_ratios, (list, tuple)) or len(self.compress_ratios) != self.n_total_layers:
+            bad("compress_ratios", f"needs n_layers + n_mtp_layers = {self.n_total_layers} entries")
+        for r in self.compress_ratios:
+            if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+                bad("compress_ratios", "entries must be non-negative ints (0 = sliding window only)")
+            if r > self.window_size:
+                # tokens of a not-yet-pooled window are only visible through the sliding window
+                bad("compress_ratios", f"ratios must be <= window_size={self.window_size}")
+        for name in ("hc_eps", "norm_eps", "rope_theta", "compress_rope_theta", "route_scale"):
+            if not float(getattr(self, name)) > 0:
+                bad(name, "must be > 0")
+        if self.original_seq_len > 0 and not float(self.rope_factor) > 0:
+            bad("rope_factor", "must be > 0 when YaRN is enabled (original_seq_len > 0)")
+        if self.swiglu_limit < 0:
+            bad("swiglu_limit", "must be >= 0 (0 disables the clamp)")
+        return self
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["compress_ratios"] = list(d["compress_ratios"])
+        return d
+
+    def to_json(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "ModelConfig":
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        if not isinstance(d, dict):
+            raise ValueError(f"config must be a dict, got {type(d).__name__}")
+        is_hf = d.get("model_type") == "deepseek_v4" or "hidden_size" in d or "num_hidden_layers" in d
+        cfg = cls(**(_from_hf(d) if is_hf else _from_official(d)))
+        return cfg.validate()
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A transformers-5.23 `DeepseekV4Config` dict (config.json layout, includes `model_type`)."""
+        ratios = [int(r) for r in self.compress_ratios[: self.n_layers]]
+        hca = sorted({r for r in ratios if r not in (0, 4)})
+        if len(hca) > 1:
+            raise ValueError(f"ModelConfig.compress_ratios: transformers supports one HCA ratio, got {hca}")
+        hca_rate = hca[0] if hca else 128
+        layer_types = [HF_SWA if r == 0 else HF_CSA if r == 4 else HF_HCA for r in ratios]
+        compress = {"rope_theta": self.compress_rope_theta,
+                    "partial_rotary_factor": self.rope_head_dim / self.head_dim}
+        if self.original_seq_len > 0:
+            compress.update(rope_type="yarn", factor=self.rope_factor,
+                            original_max_position_embeddings=self.original_seq_len,
+                            beta_fast=self.beta_fast, beta_slow=self.beta_slow, attention_factor=1.0)
+        else:
+            compress.update(rope_type="default")
+        return {
+            "model_type": "deepseek_v4",
+            "architectures": ["DeepseekV4ForCausalLM"],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.dim,
+            "moe_intermediate_size": self.moe_inter_dim,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": 1,
+            "head_dim": self.head_dim,
+            "partial_rotary_factor": self.rope_head_dim / self.head_dim,
+            "q_lora_rank": self.q_lora_rank,
+            "num_experts_per_tok": self.n_activated_experts,
+            "n_routed_experts": self.n_routed_experts,
+            "n_shared_experts": self.n_shared_experts,
+            "scoring_func": self.score_func,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": self.route_scale,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "compress_rope_theta": self.compress_rope_theta,
+            "rope_parameters": {
+                "main": {"rope_type": "default", "rope_theta": self.rope_theta,
+                         "partial_rotary_factor": self.rope_head_dim / self.head_dim},
+                "compress": compress,
+            },
+            "layer_types": layer_types,
+            "compress_rates": {HF_CSA: 4, HF_HCA: hca_rate},
+            "mlp_layer_types": ["hash_moe" if i < self.n_hash_layers else "moe" for i in range(self.n_layers)],
+            "hc_mult": self.hc_mult,
+            "hc_sinkhorn_iters": self.hc_sinkhorn_iters,
+            "hc_eps": self.hc_eps,
+            "swiglu_limit": self.swiglu_limit,
+            "sliding_window": self.window_size,
+            "o_groups": self.o_groups,
+            "o_lora_rank": self.o_lora_rank,
+            "index_n_heads": self.index_n_heads,
+            "index_head_dim": self.index_head_dim,
+            "index_topk": self.index_topk,
+            "num_nextn_predict_layers": self.n_mtp_layers,
+            "rms_norm_eps": self.norm_eps,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "tie_word_embeddings": False,
+            "hidden_act": "silu",
+            "attention_bias": False,
+        }
+
+
+_OFFICIAL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+def _from_official(d: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in d.items() if k in _OFFICIAL_FIELDS}
+    if "compress_ratios" in out:
+        out["compress_ratios"] = [int(r) for r in out["compress_ratios"]]
+        n_layers = int(out.get("n_layers", ModelConfig.n_layers))
+        n_mtp = int(out.get("n_mtp_layers", ModelConfig.n_mtp_layers))
+        out["compress_ratios"] = _pad_mtp(out["compress_ratios"], n_layers, n_mtp)
+    return out
+
+
+def _pad_mtp(ratios: list[int], n_layers: int, n_mtp: int) -> list[int]:
+    # MTP blocks are sliding-window only (official config: trailing 0 per MTP layer).
+    if len(ratios) == n_layers:
+        return ratios + [0] * n_mtp
+    if len(ratios) > n_layers + n_mtp:
+        return ratios[: n_layers + n_mtp]
+    return ratios
+
+
+def _first(d: dict[str, Any], *keys, default=None):
+    for k in keys:
+        if k in d and d[k] is not None:
+            return d[k]
+    return default
+
+
+def _from_hf(d: dict[str, Any]) -> dict[str, Any]:
+    base = ModelConfig()
+    n_layers = int(_first(d, "num_hidden_layers", "n_layers", default=base.n_layers))
+    n_mtp = int(_first(d, "num_nextn_predict_layers", "n_mtp_layers", default=base.n_mtp_layers))
+    head_dim = int(_first(d, "head_dim", default=base.head_dim))
+    out: dict[str, Any] = {
+        "vocab_size": _first(d, "vocab_size", default=base.vocab_size),
+        "dim": _first(d, "hidden_size", "dim", default=base.dim),
+        "n_layers": n_layers,
+        "n_heads": _first(d, "num_attention_heads", "n_heads", default=base.n_heads),
+        "head_dim": head_dim,
+        "q_lora_rank": _first(d, "q_lora_rank", default=base.q_lora_rank),
+        "o_groups": _first(d, "o_groups", default=base.o_groups),
+        "o_lora_rank": _first(d, "o_lora_rank", default=base.o_lora_rank),
+        "window_size": _first(d, "sliding_window", "window_size", default=base.window_size),
+        "index_n_heads": _first(d, "index_n_heads", default=base.index_n_heads),
+        "index_head_dim": _first(d, "index_head_dim", default=base.index_head_dim),
+        "index_topk": _first(d, "index_topk", default=base.index_topk),
+        "moe_inter_dim": _first(d, "moe_intermediate_size", "moe_inter_dim", default=base.moe_inter_dim),
+        "n_routed_experts": _first(d, "n_routed_experts", "num_local_experts", default=base.n_routed_experts),
+        "n_shared_experts": _first(d, "n_shared_experts", default=base.n_shared_experts),
+        "n_activated_experts": _first(d, "num_experts_per_tok", "n_activated_experts",
+                                      default=base.n_activated_experts),
+        "score_func": _first(d, "scoring_func", "score_func", default=base.score_func),
+        "route_scale": _first(d, "routed_scaling_factor", "route_scale", default=base.route_scale),
+        "swiglu_limit": _first(d, "swiglu_limit", default=base.swiglu_limit),
+        "hc_mult": _first(d, "hc_mult", default=base.hc_mult),
+        "hc_sinkhorn_iters": _first(d, "hc_sinkhorn_iters", default=base.hc_sinkhorn_iters),
+        "hc_eps": _first(d, "hc_eps", default=base.hc_eps),
+        "norm_eps": _first(d, "rms_norm_eps", "norm_eps", default=base.norm_eps),
+        "rope_theta": _first(d, "rope_theta", default=base.rope_theta),
+        "compress_rope_theta": _first(d, "compress_rope_theta", default=base.compress_rope_theta),
+        "max_position_embeddings": _first(d, "max_position_embeddings", default=base.max_position_embeddings),
+        "n_mtp_layers": n_mtp,
+        "bos_token_id": _first(d, "bos_token_id", default=base.bos_token_id),
+        "eos_token_id": _first(d, "eos_token_id", default=base.eos_token_id),
+        "expert_dtype": _first(d, "expert_dtype"),
+        "quantization_config": _first(d, "quantization_config"),
+    }
+    if isinstance(out["eos_token_id"], list):
+        out["eos_token_id"] = out["eos_token_id"][0]
+
+    # rope dims: legacy qk_rope_head_dim > partial_rotary_factor (top-level or nested)
+    rp = d.get("rope_parameters") or {}
+    rope_dim = d.get("qk_rope_head_dim", d.get("rope_head_dim"))
+    if rope_dim is None:
+        prf = d.get("partial_rotary_factor")
+        if prf is None and isinstance(rp.get("main"), dict):
+            prf = rp["main"].get("partial_rotary_factor")
+        rope_dim = round(head_dim * prf) if prf is not None else base.rope_head_dim
+    out["rope_head_dim"] = int(rope_dim)
+
+    # YaRN on compressed layers: nested rope_parameters["compress"] > flat rope_parameters > legacy rope_scaling
+    yarn = None
+    if isinstance(rp.get("compress"), dict):
+        yarn = rp["compress"]
+        if isinstance(rp.get("main"), dict) and "rope_theta" in rp["main"]:
+            out["rope_theta"] = rp["main"]["rope_theta"]
+        if "rope_theta" in yarn:
+            out["compress_rope_theta"] = yarn["rope_theta"]
+    elif rp:
+        yarn = rp
+    elif d.get("rope_scaling"):
+        yarn = d["rope_scaling"]
+    rtype = (yarn or {}).get("rope_type", (yarn or {}).get("type", "default"))
+    if rtype == "yarn":
+        out["rope_factor"] = yarn.get("factor", base.rope_factor)
+        out["original_seq_len"] = int(yarn.get("original_max_position_embeddings", base.original_seq_len))
+        out["beta_fast"] = yarn.get("beta_fast", base.beta_fast) or base.beta_fast
+        out["beta_slow"] = yarn.get("beta_slow", base.beta_slow) or base.beta_slow
+    else:
+        out["original_seq_len"] = 0
+
+    # attention schedule: legacy per-layer compress_ratios > layer_types + compress_rates
+    if d.get("compress_ratios") is not None:
+        ratios = [int(r) for r in d["compress_ratios"]]
+    elif d.get("layer_types") is not None:
+        rates = dict(d.get("compress_rates") or {HF_CSA: 4, HF_HCA: 128})
+        if d.get("compress_rate_csa") is not None:
+            rates[HF_CSA] = d["compress_rate_csa"]
+        if d.get("compress_rate_hca") is not None:
+            rates[HF_HCA] = d["compress_rate_hca"]
+        rates[HF_SWA] = 0
+        try:
+            ratios = [int(rates[t]) for t in d["layer_types"][:n_layers]]
+        except KeyError as e:
+            raise ValueError(f"ModelConfig.compress_ratios: unknown layer type {e} in layer_types") from None
+    else:
+        # transformers' default schedule (2x HCA bootstrap, then CSA/HCA alternation)
+        ratios = [128] * min(n_layers, 2) + [4 if i % 2 else 128 for i in range(max(n_layers - 2, 0))]
+    out["compress_ratios"] = _pad_mtp(ratios, n_layers, n_mtp)
+
+    # hash layers: legacy num_hash_layers > leading "hash_moe" entries of mlp_layer_types
+    if d.get("num_hash_layers") is not None or d.get("n_hash_layers") is not None:
+        out["n_hash_layers"] = int(_first(d, "num_hash_layers", "n_hash_layers"))
+    elif d.get("mlp_layer_types") is not None:
+        types = list(d["mlp_layer_types"])
+        n_hash = 0
+        while n_hash < len(types) and types[n_hash] == "hash_moe":
+            n_hash += 1
+        if "hash_moe" in types[n_hash:]:
+            raise ValueError("ModelConfig.n_hash_layers: hash_moe layers must form a prefix of mlp_layer_types")
+        out["n_hash_layers"] = n_hash
+    else:
+        out["n_hash_layers"] = min(3, n_layers)
+    return out

@@ -1,0 +1,146 @@
+"""Eager inference engine: validated prefill (ragged batches) + per-row incremental decode over a Transformer."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from collections import defaultdict
+
+import torch
+
+from .config import ModelConfig
+from .model import Transformer
+
+
+class Engine:
+    """Owns the per-row positions of a `Transformer` and validates requests before any compute.
+
+    prefill(input_ids [B, S], lengths=None, all_logits=False) -> fp32 logits [B, V] (last valid position of each
+    row) or [B, S, V]; decode(next_ids [B]) -> fp32 [B, V], each row continuing at its own position."""
+
+    def __init__(self, model: Transformer, config: ModelConfig | None = None, device=None):
+        self.model = model
+        self.config = config if config is not None else model.config
+        self.device = torch.device(device) if device is not None else model.device
+        self.max_batch_size = model.max_batch_size
+        self.max_seq_len = model.max_seq_len
+        self.positions = torch.zeros(self.max_batch_size, dtype=torch.long, device=self.device)
+        self._lens: list[int] = []
+
+    @classmethod
+    def from_pretrained(cls, path, *, device="cpu", dtype=torch.bfloat16, max_batch_size: int = 1,
+                        max_seq_len: int = 4096, simulate_quant: bool = True, **options) -> "Engine":
+        try:
+            from .loader import load_model
+        except ImportError:
+            load_model = _fallback_load_model
+        model, config = load_model(path, device=device, dtype=dtype, max_batch_size=max_batch_size,
+                                   max_seq_len=max_seq_len, simulate_quant=simulate_quant)
+        return cls(model, config, device, **options)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def batch_size(self) -> int:
+        return len(self._lens)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens held per row (= position of the next token)."""
+        return list(self._lens)
+
+    def reset(self) -> None:
+        self._lens = []
+        self.positions.zero_()
+
+    # ------------------------------------------------------------------ validation
+    def _check_ids(self, ids: torch.Tensor, what: str) -> None:
+        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+            raise ValueError(f"{what} must be an integer tensor, got {ids.dtype}")
+        if ids.numel() == 0:
+            return
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"{what} contains token id {bad} outside [0, vocab_size={self.config.vocab_size})")
+
+    # ------------------------------------------------------------------ inference
+    def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None,
+                all_logits: bool = False) -> torch.Tensor:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError("input_ids must be a 2-D tensor [batch, seq]")
+        B, S = input_ids.shape
+        if B < 1 or S < 1:
+            raise ValueError(f"empty prompt batch {tuple(input_ids.shape)}")
+        if B > self.max_batch_size:
+            raise ValueError(f"batch size {B} exceeds max_batch_size={self.max_batch_size}")
+        if lengths is None:
+            lens = [S] * B
+        else:
+            lengths = torch.as_tensor(lengths)
+            if lengths.shape != (B,):
+                raise ValueError(f"lengths must have shape ({B},), got {tuple(lengths.shape)}")
+            lens = [int(v) for v in lengths.tolist()]
+            if min(lens) < 1 or max(lens) > S:
+                raise ValueError(f"lengths must lie in [1, {S}], got {lens}")
+        if max(lens) > self.max_seq_len:
+            raise ValueError(f"prompt length {max(lens)} exceeds max_seq_len={self.max_seq_len}")
+        S = max(lens)  # drop all-padding columns
+        valid = torch.arange(S).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+        ids_cpu = input_ids.detach()[:, :S].cpu()
+        self._check_ids(ids_cpu[valid], "input_ids")
+        # padding may hold any value (e.g. -1): feed token 0 there; it never influences valid positions
+        tokens = torch.where(valid, ids_cpu, torch.zeros_like(ids_cpu)).to(device=self.device, dtype=torch.long)
+        len_dev = torch.tensor(lens, dtype=torch.long, device=self.device)
+        logits = self.model.prefill(tokens, len_dev, all_logits=all_logits)
+        self._lens = lens
+        self.positions.zero_()
+        self.positions[:B] = len_dev
+        return logits
+
+    def decode(self, next_ids: torch.Tensor) -> torch.Tensor:
+        if not self._lens:
+            raise ValueError("decode() called before prefill()")
+        next_ids = torch.as_tensor(next_ids)
+        B = len(self._lens)
+        if next_ids.shape != (B,):
+            raise ValueError(f"next_ids must have shape ({B},) to match the prefilled batch, got "
+                             f"{tuple(next_ids.shape)}")
+        if max(self._lens) >= self.max_seq_len:
+            raise ValueError(f"a row already holds {max(self._lens)} tokens = max_seq_len={self.max_seq_len}")
+        self._check_ids(next_ids, "next_ids")
+        logits = self.model.decode_step(next_ids.to(device=self.device, dtype=torch.long), self.positions[:B])
+        self.positions[:B] += 1
+        self._lens = [n + 1 for n in self._lens]
+        return logits
+
+
+# ---------------------------------------------------------------------------------------------------- fallback
+# TODO(loader): replaced by dsv4_model.loader.load_model once it exists. Handles only unquantised safetensors
+# with official names (per-expert or stacked routed experts).
+def _fallback_load_model(path, *, device="cpu", dtype=torch.bfloat16, max_batch_size=1, max_seq_len=4096,
+                         simulate_quant=True):
+    from safetensors.torch import load_file
+
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        cfg_path = os.path.join(path, "inference", "config.json")
+    config = ModelConfig.from_json(cfg_path)
+    model = Transformer(config, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype,
+                        device="meta", simulate_quant=simulate_quant)
+    model.to_empty(device=device)
+    sd: dict[str, torch.Tensor] = {}
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        sd.update(load_file(f))
+    experts: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
+    for k in list(sd):
+        m = re.fullmatch(r"(.*\.ffn\.experts)\.(\d+)\.(w[123])\.weight", k)
+        if m:
+            experts[f"{m.group(1)}.{m.group(3)}"][int(m.group(2))] = sd.pop(k)
+    for k, parts in experts.items():
+        sd[k] = torch.stack([parts[i] for i in range(len(parts))])
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint mismatch: missing {missing[:8]}, unexpected {unexpected[:8]}")
+    model.setup_runtime(device)
+    return model, config

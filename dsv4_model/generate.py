@@ -1,0 +1,189 @@
+"""Batched generation: ragged prefill, then one decode step per token with streaming and per-row stops.
+
+Per step the host reads exactly one thing: the sampled ids, copied asynchronously into pinned memory and
+waited on through an event. Step k+1 is launched before the ids of step k are read (the sampled ids are
+fed back on the device), so host-side work (stop checks, detokenization, streaming) overlaps the GPU.
+A row that stops keeps riding along in the batch (its results are discarded) until every row is done.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .compiled import DecodeRunner
+from .sampling import SamplingParams
+from .tokenizer import StreamDecoder, load_tokenizer
+
+# stream(row, token_id, text): called for every emitted token in order; `text` is the decoded increment
+# ("" while a multi-byte character is incomplete; None without a tokenizer). At the end of a row, a final
+# call with token_id None carries any held-back text.
+StreamCallback = Callable[[int, "int | None", "str | None"], None]
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[list[int]]  # generated ids per prompt (stop tokens not included)
+    texts: list[str] | None  # decoded `token_ids` when a tokenizer was used
+    finish_reasons: list[str]  # "stop" (EOS / stop id) or "length"
+    prompt_lengths: list[int]
+    prefill_seconds: float = 0.0  # up to the first sampled ids on the host (time to first token)
+    decode_seconds: float = 0.0  # the rest of the generation
+    decode_steps: int = 0
+    mode: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_generated(self) -> int:
+        return sum(len(t) for t in self.token_ids)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens produced by decode steps (every token after each row's first) per second of decode."""
+        n = sum(max(0, len(t) - 1) for t in self.token_ids)
+        return n / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def ms_per_step(self) -> float:
+        return 1e3 * self.decode_seconds / self.decode_steps if self.decode_steps else 0.0
+
+
+def get_runner(engine) -> DecodeRunner:
+    """The engine's DecodeRunner, built on first use from `engine.decode_options`
+    (compile / cuda_graphs / graph_mode; defaults: on for CUDA)."""
+    runner = getattr(engine, "_decode_runner", None)
+    if runner is None:
+        runner = DecodeRunner(engine.model, **dict(getattr(engine, "decode_options", None) or {}))
+        engine._decode_runner = runner
+    return runner
+
+
+def get_tokenizer(engine):
+    tok = getattr(engine, "tokenizer", None)
+    if tok is None:
+        tok = load_tokenizer(getattr(engine, "path", None), engine.config)
+        engine.tokenizer = tok
+    return tok
+
+
+def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, seed: int = 0, stop_token_ids=None, stream: StreamCallback | None = None, *,
+             tokenizer=None, add_bos: bool = True) -> GenerationResult:
+    """Generate up to `max_new_tokens` tokens for each prompt.
+
+    prompts: list of strings (encoded with the checkpoint's tokenizer, BOS first) or list of token-id lists.
+    Sampling: temperature 0 = greedy; else temperature / top_k (0 = off) / top_p (1 = off); prompt i draws
+    with seed `seed + i`, so results do not depend on how prompts are batched. A row stops at the config's
+    EOS or any id in `stop_token_ids`. More prompts than `max_batch_size` run in consecutive batches.
+    Every row can generate at most max_seq_len - (longest prompt of its batch) + 1 tokens.
+    """
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    texts_in = all(isinstance(p, str) for p in prompts)
+    if not texts_in and not all(isinstance(p, (list, tuple)) for p in prompts):
+        raise ValueError("prompts must be all strings or all token-id lists")
+    tok = tokenizer if tokenizer is not None else (get_tokenizer(engine) if texts_in or stream else None)
+    ids = [tok.encode(p, add_bos=add_bos) for p in prompts] if texts_in else [list(map(int, p)) for p in prompts]
+    if any(len(p) == 0 for p in ids):
+        raise ValueError("every prompt needs at least one token")
+    stops = {int(engine.config.eos_token_id)} | {int(t) for t in (stop_token_ids or ())}
+    base = SamplingParams(float(temperature), int(top_k), float(top_p), int(seed)).validate()
+    runner = get_runner(engine)
+
+    result = GenerationResult([], [] if tok is not None else None, [], [len(p) for p in ids], mode=runner.mode_name)
+    for start in range(0, len(ids), runner.max_rows):
+        chunk = ids[start : start + runner.max_rows]
+        params = [SamplingParams(base.temperature, base.top_k, base.top_p, base.seed + start + i)
+                  for i in range(len(chunk))]
+        _generate_batch(engine, runner, chunk, params, max_new_tokens, stops, stream, tok, start, result)
+    return result
+
+
+@torch.no_grad()
+def _generate_batch(engine, runner: DecodeRunner, ids: list[list[int]], params: list[SamplingParams],
+                    max_new_tokens: int, stops: set[int], stream, tok, row0: int, result: GenerationResult):
+    B = len(ids)
+    lengths = [len(p) for p in ids]
+    max_len = getattr(engine, "max_seq_len", None) or engine.model.max_seq_len
+    if max(lengths) > max_len:
+        raise ValueError(f"prompt of {max(lengths)} tokens exceeds max_seq_len={max_len}")
+    # All rows step together, so the longest prompt bounds the positions every row may reach.
+    cap = min(max_new_tokens, max_len - max(lengths) + 1)
+    device = runner.device
+    on_cuda = device.type == "cuda"
+
+    runner.prepare(B)  # compile / capture first: warm-up writes cache rows that prefill then rewrites
+    t0 = time.perf_counter()
+    if hasattr(engine, "reset"):
+        engine.reset()
+    padded = torch.zeros(B, max(lengths), dtype=torch.long)
+    for b, p in enumerate(ids):
+        padded[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+    lens_t = torch.tensor(lengths, dtype=torch.long)
+    logits = engine.prefill(padded, lengths=lens_t)
+    runner.begin(lens_t.to(device), params)
+    first = runner.sample_first(logits)
+
+    pinned = [torch.empty(B, dtype=torch.long, pin_memory=on_cuda) for _ in range(2)]
+    events = [torch.cuda.Event() if on_cuda else None for _ in range(2)]
+
+    def launch_copy(src: torch.Tensor, k: int) -> None:
+        pinned[k % 2].copy_(src, non_blocking=on_cuda)
+        if on_cuda:
+            events[k % 2].record()
+
+    out: list[list[int]] = [[] for _ in range(B)]
+    reasons: list[str | None] = [None] * B
+    decoders = [StreamDecoder(tok) for _ in range(B)] if tok is not None else None
+
+    def finish(b: int, why: str) -> None:
+        reasons[b] = why
+        if stream is not None and decoders is not None:
+            rest = decoders[b].flush()
+            if rest:
+                stream(row0 + b, None, rest)
+
+    launch_copy(first, 0)
+    launched = 0  # decode steps launched; step k's ids sit in slot k % 2
+    k = 0
+    t_first = None
+    while True:
+        if launched < cap - 1:  # keep the GPU one step ahead of the host
+            _, nxt = runner.step()
+            launched += 1
+            launch_copy(nxt, launched)
+        if on_cuda:
+            events[k % 2].synchronize()
+        host = pinned[k % 2].tolist()
+        if t_first is None:
+            t_first = time.perf_counter()
+        for b in range(B):
+            if reasons[b] is not None:
+                continue
+            t = host[b]
+            if t in stops:
+                finish(b, "stop")
+                continue
+            out[b].append(t)
+            if stream is not None:
+                stream(row0 + b, t, decoders[b].push(t) if decoders is not None else None)
+            if len(out[b]) >= cap:
+                finish(b, "length")
+        if all(r is not None for r in reasons) or k >= launched:
+            break
+        k += 1
+    if on_cuda:
+        events[launched % 2].synchronize()  # a step launched ahead of a finished batch
+    t_end = time.perf_counter()
+
+    result.token_ids.extend(out)
+    result.finish_reasons.extend(reasons)
+    if result.texts is not None:
+        result.texts.extend(tok.decode(t) for t in out)
+    result.prefill_seconds += t_first - t0
+    result.decode_seconds += t_end - t_first
+    result.decode_steps += k

@@ -1,0 +1,127 @@
+"""Building blocks: bias-free Linear, RMSNorm, interleaved RoPE (+YaRN), mHC hyper-connections."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """y = x @ W^T without bias. Parameters are allocated uninitialised (weights come from a checkpoint)."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, dtype={self.weight.dtype}"
+
+
+class RMSNorm(nn.Module):
+    """Weighted RMSNorm computed in fp32 with an fp32 weight (official keeps norm weights in fp32)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf).to(x.dtype)
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------- RoPE
+def rope_inv_freq(dim: int, base: float, original_seq_len: int = 0, factor: float = 1.0,
+                  beta_fast: float = 32.0, beta_slow: float = 1.0) -> torch.Tensor:
+    """Per-pair inverse frequencies [dim//2] (fp32). YaRN ramp when original_seq_len > 0 (official formula)."""
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if original_seq_len > 0:
+        def corr_dim(rot):
+            return dim * math.log(original_seq_len / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(corr_dim(beta_fast)), 0)
+        high = min(math.ceil(corr_dim(beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        smooth = 1 - ramp
+        freqs = freqs / factor * (1 - smooth) + freqs * smooth
+    return freqs
+
+
+def rope_table(inv_freq: torch.Tensor, n_pos: int, device=None) -> torch.Tensor:
+    """[n_pos, dim//2, 2] fp32 table of (cos, sin) for positions 0..n_pos-1."""
+    t = torch.arange(n_pos, dtype=torch.float32, device=device)
+    ang = torch.outer(t, inv_freq.to(device))
+    return torch.stack([ang.cos(), ang.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cs: torch.Tensor, rope_dim: int, inverse: bool = False) -> torch.Tensor:
+    """Rotate interleaved pairs of the trailing `rope_dim` dims of x.
+
+    cs: (cos, sin) table rows broadcastable to x[..., :rope_dim//2, 2] (leading dims of x, one row per position).
+    inverse=True applies the conjugate rotation (used on the attention output)."""
+    d = x.shape[-1]
+    nope, rope = x[..., : d - rope_dim], x[..., d - rope_dim:]
+    r = rope.float().unflatten(-1, (rope_dim // 2, 2))
+    cos, sin = cs[..., 0], cs[..., 1]
+    if inverse:
+        sin = -sin
+    x0, x1 = r[..., 0], r[..., 1]
+    y = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
+    return torch.cat([nope, y.to(x.dtype)], dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------------- mHC
+def _hc_mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    xf = x.flatten(-2).float()
+    rs = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+    return F.linear(xf, fn.float()) * rs, xf
+
+
+def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
+           hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Collapse the hc residual streams [..., hc, d] into one sublayer input (fp32 math).
+
+    Returns (y [..., d] in x.dtype, post [..., hc] fp32, comb [..., hc, hc] fp32 with comb[i, j] = weight of old
+    stream i in new stream j)."""
+    mixes, _ = _hc_mixes(x, fn, norm_eps)
+    scale = scale.float()
+    base = base.float()
+    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2 * torch.sigmoid(mixes[..., hc: 2 * hc] * scale[1] + base[hc: 2 * hc])
+    comb = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
+    comb = torch.softmax(comb, dim=-1) + hc_eps
+    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    y = (pre.unsqueeze(-1) * x.float()).sum(dim=-2)
+    return y.to(x.dtype), post, comb
+
+
+def hc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """Expand a sublayer output back to hc streams: h'_j = post_j * out + sum_i comb[i, j] * res_i (fp32)."""
+    y = post.unsqueeze(-1) * out.float().unsqueeze(-2) + (comb.unsqueeze(-1) * residual.float().unsqueeze(-2)).sum(-3)
+    return y.to(out.dtype)
+
+
+def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_eps: float,
+            norm_eps: float) -> torch.Tensor:
+    """Final stream collapse (no Sinkhorn, no post): y = sum_i (sigmoid(mix_i*scale + base_i) + eps) h_i."""
+    mixes, _ = _hc_mixes(x, fn, norm_eps)
+    pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
+    return (pre.unsqueeze(-1) * x.float()).sum(dim=-2).to(x.dtype)

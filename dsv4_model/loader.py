@@ -1,0 +1,439 @@
+"""Load a DeepSeek-V4 checkpoint into `dsv4_model.model.Transformer`.
+
+Three layouts (auto-detected, or forced with `layout=`):
+- "hf":       transformers `deepseek_v4` (save_pretrained names with `model.` prefix, or in-memory names
+              incl. fused `mlp.experts.gate_up_proj`); HF configs in `config.json`.
+- "official": the DeepSeek release (`inference/` names, FP8 e4m3 + 128x128 E8M0 scales, MXFP4 routed
+              experts); config from `inference/config.json` if present, else `config.json`.
+- "dsv4":     this project's own format written by `save_model` (model state_dict names, stacked
+              experts, `config.json` = `ModelConfig.to_dict()` + `"dsv4_format": 1`).
+
+The module is built on the meta device; every checkpoint tensor is checked against it from the
+safetensors headers alone (names, shapes, dtypes, quantization scales) before any memory is
+allocated on the target device. Then each tensor is read lazily (mmap), moved to the device,
+dequantized there and copied into its parameter (routed experts into their slot of the stacked
+tensor), so no full-size host copy of the model ever exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .checkpoint_io import (
+    FLOAT_TAGS, INT_TAGS, CheckpointError, TensorInfo, TensorReader, list_tensors, write_sharded,
+)
+from .checkpoint_names import FUSED_W13, hf_to_official_name, split_expert_name
+from .quant_formats import FP4_BLOCK, FP8_BLOCK, dequant_fp8_blocks, dequant_mxfp4, fp8_scale_shape, mxfp4_shapes
+
+LAYOUTS = ("hf", "official", "dsv4")
+DSV4_FORMAT_KEY = "dsv4_format"
+DSV4_FORMAT_VERSION = 1
+
+_FP8_TAGS = frozenset({"F8_E4M3", "F8_E5M2"})
+_PACKED_FP4_TAGS = frozenset({"I8", "U8"})
+_SCALE_TAGS = frozenset({"F8_E8M0", "F32", "BF16"})
+_MAX_LISTED_PROBLEMS = 25
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout and config
+# ---------------------------------------------------------------------------------------------
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read config: {e}") from e
+
+
+def detect_layout(path: str | os.PathLike, tensors: dict[str, TensorInfo] | None = None) -> str:
+    """"dsv4" if config.json carries the dsv4 marker, "hf" if tensor names use HF's `model.` prefix or
+    `lm_head`, else "official"."""
+    root = Path(path)
+    cfg = root / "config.json"
+    if cfg.is_file() and DSV4_FORMAT_KEY in _read_json(cfg):
+        return "dsv4"
+    keys = (tensors if tensors is not None else list_tensors(root)).keys()
+    if any(k.startswith("model.") or k == "lm_head.weight" for k in keys):
+        return "hf"
+    return "official"
+
+
+def config_path_for(path: str | os.PathLike, layout: str) -> Path:
+    root = Path(path)
+    candidates = [root / "config.json"]
+    if layout == "official":
+        candidates.insert(0, root / "inference" / "config.json")
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise CheckpointError(f"{root}: no config file for layout {layout!r} (looked for {', '.join(map(str, candidates))})")
+
+
+def load_config(path: str | os.PathLike, layout: str | None = None):
+    """`ModelConfig` of the checkpoint directory `path`."""
+    from .config import ModelConfig
+
+    layout = layout or detect_layout(path)
+    cfg_path = config_path_for(path, layout)
+    raw = _read_json(cfg_path)
+    version = raw.get(DSV4_FORMAT_KEY)
+    if version is not None and version != DSV4_FORMAT_VERSION:
+        raise CheckpointError(f"{cfg_path}: field {DSV4_FORMAT_KEY!r} is {version!r}, this loader reads version {DSV4_FORMAT_VERSION}")
+    try:
+        return ModelConfig.from_dict(raw)
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{cfg_path}: invalid config: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------------
+# Load plan: which checkpoint tensor goes where, validated from the headers only
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorLoad:
+    """One copy: checkpoint tensor `weight` (+ `scale` if quantized) -> `target` parameter, into slot
+    `index` of a stacked expert tensor if not None, after `narrow` = (dim, start, length) if given."""
+
+    target: str
+    index: int | None
+    weight: TensorInfo
+    scale: TensorInfo | None
+    kind: str  # "plain" | "fp8" | "fp4"
+    narrow: tuple[int, int, int] | None = None
+
+
+def _fmt_shape(shape) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def _src(info: TensorInfo, official: str) -> str:
+    return f"{official!r}" if official == info.key else f"{official!r} (checkpoint key {info.key!r})"
+
+
+def build_load_plan(tensors: dict[str, TensorInfo], expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                    layout: str, *, skip_prefixes: tuple[str, ...] = ()) -> list[TensorLoad]:
+    """Map checkpoint tensors onto the model's state_dict entries `expected` ({name: (shape, dtype)}) and
+    check names, shapes, dtypes and scales. Raises CheckpointError listing every problem."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    to_official = hf_to_official_name if layout == "hf" else (lambda k: k)
+    problems: list[str] = []
+
+    official: dict[str, TensorInfo] = {}
+    for key, info in tensors.items():
+        name = to_official(key)
+        if name in official:
+            problems.append(f"duplicate tensor: {key!r} and {official[name].key!r} both map to {name!r}")
+            continue
+        official[name] = info
+
+    # pair `X.scale` with `X.weight`
+    scales: dict[str, TensorInfo] = {}
+    weights: dict[str, TensorInfo] = {}
+    for name, info in official.items():
+        if name.endswith(".scale") and name[: -len("scale")] + "weight" in official:
+            scales[name[: -len("scale")] + "weight"] = info
+        else:
+            weights[name] = info
+
+    plan: list[TensorLoad] = []
+    covered: dict[str, set[int] | None] = {}
+    # targets whose tensor is present but wrong: reported once, not again as missing
+    rejected: set[tuple[str, int | None]] = set()
+
+    def cover(target: str, index: int | None, what: str) -> bool:
+        slots = covered.setdefault(target, set())
+        if index is None:
+            if slots is None or slots:
+                problems.append(f"{what}: {target!r} is provided more than once")
+                return False
+            covered[target] = None
+            return True
+        if slots is None or index in slots:
+            problems.append(f"{what}: expert {index} of {target!r} is provided more than once")
+            return False
+        slots.add(index)
+        return True
+
+    for name, info in sorted(weights.items()):
+        if any(name.startswith(p) for p in skip_prefixes):
+            continue
+        scale = scales.get(name)
+        where = _src(info, name)
+        # quantization kind from the stored dtype
+        if scale is None:
+            kind = "plain"
+            if info.dtype in _FP8_TAGS or (layout == "official" and info.dtype in _PACKED_FP4_TAGS
+                                            and split_expert_name(name)):
+                problems.append(f"{where}: dtype {info.dtype} needs a scale tensor {name[:-len('weight')] + 'scale'!r}, which is missing")
+                rejected.add(split_expert_name(name) or (name, None))
+                continue
+        elif info.dtype in _FP8_TAGS:
+            kind = "fp8"
+        elif info.dtype in _PACKED_FP4_TAGS:
+            kind = "fp4"
+        else:
+            problems.append(f"{where}: has a scale tensor but dtype {info.dtype} is neither FP8 (F8_E4M3) nor packed FP4 (I8)")
+            rejected.add(split_expert_name(name) or (name, None))
+            continue
+
+        split = split_expert_name(name)
+        if name.endswith("." + FUSED_W13):
+            prefix = name[: -len("w13")]
+            ok = True
+            for part in ("w1", "w3"):
+                if prefix + part not in expected:
+                    problems.append(f"unexpected tensor {where}: the model has no {prefix + part!r}")
+                    ok = False
+            if not ok:
+                continue
+            (e, inter, dim), dtype = expected[prefix + "w1"]
+            if kind != "plain":
+                problems.append(f"{where}: quantized fused gate_up tensors are not supported")
+                continue
+            if info.shape != (e, 2 * inter, dim):
+                problems.append(f"{where}: shape mismatch: expected {_fmt_shape((e, 2 * inter, dim))} (w1 and w3 of "
+                                f"{prefix[:-1]!r} concatenated), got {_fmt_shape(info.shape)}")
+                rejected.update({(prefix + "w1", None), (prefix + "w3", None)})
+                continue
+            if not _dtype_ok(info.dtype, dtype):
+                problems.append(_dtype_problem(where, dtype, info.dtype))
+                rejected.update({(prefix + "w1", None), (prefix + "w3", None)})
+                continue
+            for i, part in enumerate(("w1", "w3")):
+                if cover(prefix + part, None, where):
+                    plan.append(TensorLoad(prefix + part, None, info, None, "plain", (1, i * inter, inter)))
+            continue
+
+        if split is not None:
+            target, index = split
+            if target not in expected:
+                problems.append(f"unexpected tensor {where} (shape {_fmt_shape(info.shape)}, dtype {info.dtype}): "
+                                f"the model has no {target!r}")
+                continue
+            full_shape, dtype = expected[target]
+            if index >= full_shape[0]:
+                problems.append(f"unexpected tensor {where}: expert index {index} out of range, {target!r} holds "
+                                f"{full_shape[0]} experts")
+                continue
+            shape = full_shape[1:]
+        else:
+            target, index = name, None
+            if target not in expected:
+                problems.append(f"unexpected tensor {where} (shape {_fmt_shape(info.shape)}, dtype {info.dtype}): "
+                                f"not a parameter or buffer of the model")
+                continue
+            shape, dtype = expected[target]
+
+        problem = _check_source(where, name, info, scale, kind, shape, dtype)
+        if problem:
+            problems.append(problem)
+            rejected.add((target, index))
+            continue
+        if cover(target, index, where):
+            plan.append(TensorLoad(target, index, info, scale, kind))
+
+    for target, (shape, dtype) in expected.items():
+        if any(target.startswith(p) for p in skip_prefixes):
+            continue
+        slots = covered.get(target, set())
+        if slots is None or (target, None) in rejected:
+            continue
+        if _is_stacked(target, shape):
+            missing = [i for i in range(shape[0]) if i not in slots and (target, i) not in rejected]
+            if missing and len(missing) == shape[0]:
+                problems.append(f"missing tensor: {target!r} (expected shape {_fmt_shape(shape)}, dtype {dtype}; "
+                                f"neither the stacked tensor nor any per-expert tensor is in the checkpoint)")
+            elif missing:
+                problems.append(f"missing tensor: experts {_fmt_list(missing)} of {target!r} (each expected shape "
+                                f"{_fmt_shape(shape[1:])}, dtype {dtype}) are not in the checkpoint")
+        elif not slots:
+            problems.append(f"missing tensor: {target!r} (expected shape {_fmt_shape(shape)}, dtype {dtype}) is not in the checkpoint")
+
+    if problems:
+        shown = problems[:_MAX_LISTED_PROBLEMS]
+        more = len(problems) - len(shown)
+        msg = f"checkpoint does not match the model ({len(problems)} problem{'s' * (len(problems) > 1)}):\n  " + "\n  ".join(shown)
+        if more:
+            msg += f"\n  ... and {more} more"
+        raise CheckpointError(msg)
+    return plan
+
+
+def _is_stacked(target: str, shape: tuple[int, ...]) -> bool:
+    return len(shape) == 3 and target.rsplit(".", 1)[-1] in ("w1", "w2", "w3") and ".ffn.experts." in target + "."
+
+
+def _fmt_list(xs: list[int]) -> str:
+    return ", ".join(map(str, xs)) if len(xs) <= 12 else ", ".join(map(str, xs[:12])) + f", ... ({len(xs)} in all)"
+
+
+def _dtype_ok(tag: str, dtype: torch.dtype) -> bool:
+    if dtype.is_floating_point:
+        return tag in FLOAT_TAGS
+    if dtype == torch.bool:
+        return tag == "BOOL"
+    return tag in INT_TAGS
+
+
+def _dtype_problem(where: str, dtype: torch.dtype, tag: str) -> str:
+    kind = "a floating-point" if dtype.is_floating_point else "an integer"
+    return f"{where}: dtype mismatch: expected {kind} tensor (model dtype {dtype}), got {tag}"
+
+
+def _check_source(where: str, name: str, info: TensorInfo, scale: TensorInfo | None, kind: str,
+                  shape: tuple[int, ...], dtype: torch.dtype) -> str | None:
+    if kind == "plain":
+        if info.shape != shape:
+            return f"{where}: shape mismatch: expected {_fmt_shape(shape)}, got {_fmt_shape(info.shape)}"
+        if not _dtype_ok(info.dtype, dtype):
+            return _dtype_problem(where, dtype, info.dtype)
+        return None
+    if not dtype.is_floating_point or len(shape) != 2:
+        return f"{where}: is quantized ({info.dtype} + scale) but the model tensor {_fmt_shape(shape)} {dtype} is not a float matrix"
+    out_f, in_f = shape
+    swhere = _src(scale, name[: -len("weight")] + "scale")
+    if scale.dtype not in _SCALE_TAGS:
+        return f"{swhere}: dtype mismatch: expected a scale dtype ({', '.join(sorted(_SCALE_TAGS))}), got {scale.dtype}"
+    if kind == "fp8":
+        wshape, sshape = shape, fp8_scale_shape(out_f, in_f, FP8_BLOCK)
+        what = f"FP8 {FP8_BLOCK}x{FP8_BLOCK}-block"
+    else:
+        if in_f % 2:
+            return f"{where}: packed FP4 needs an even input dim, the model tensor is {_fmt_shape(shape)}"
+        wshape, sshape = mxfp4_shapes(out_f, in_f, FP4_BLOCK)
+        what = f"MXFP4 1x{FP4_BLOCK}-block"
+    if info.shape != wshape:
+        return (f"{where}: shape mismatch: expected {_fmt_shape(wshape)} ({what} storage of model tensor "
+                f"{_fmt_shape(shape)}), got {_fmt_shape(info.shape)}")
+    if scale.shape != sshape:
+        return (f"{swhere}: shape mismatch: expected {_fmt_shape(sshape)} ({what} scales of model tensor "
+                f"{_fmt_shape(shape)}), got {_fmt_shape(scale.shape)}")
+    return None
+
+
+def _check_tid2eid(plan: list[TensorLoad], n_experts: int | None) -> None:
+    """Out-of-range hash-routing entries would index past the expert table on the GPU; check them on
+    the host (the tables are small) before any device work."""
+    if not n_experts:
+        return
+    problems = []
+    with TensorReader("cpu") as reader:
+        for load in plan:
+            if not load.target.endswith("ffn.gate.tid2eid"):
+                continue
+            t = reader.read(load.weight).to(torch.int64)
+            bad = (t < 0) | (t >= n_experts)
+            if bad.any():
+                row = int(bad.any(dim=-1).nonzero()[0, 0])
+                problems.append(f"{load.weight.key!r}: expert ids must lie in [0, {n_experts}); row {row} is {t[row].tolist()}")
+                continue
+            srt = t.sort(dim=-1).values
+            dup = (srt[:, 1:] == srt[:, :-1]).any(dim=-1)
+            if dup.any():
+                row = int(dup.nonzero()[0, 0])
+                problems.append(f"{load.weight.key!r}: each token must route to distinct experts; row {row} is {t[row].tolist()}")
+    if problems:
+        raise CheckpointError("invalid hash-routing table:\n  " + "\n  ".join(problems))
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+def _decode(load: TensorLoad, reader: TensorReader, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    w = reader.read(load.weight).to(device)
+    if load.kind == "fp8":
+        w = dequant_fp8_blocks(w, reader.read(load.scale).to(device), dtype, FP8_BLOCK)
+    elif load.kind == "fp4":
+        w = dequant_mxfp4(w, reader.read(load.scale).to(device), dtype, FP4_BLOCK)
+    if load.narrow is not None:
+        w = w.narrow(*load.narrow)
+    return w
+
+
+def _has_mtp(names) -> bool:
+    return any(n.startswith("mtp.") or n.startswith("model.mtp.") for n in names)
+
+
+def _build_meta_model(config, *, max_batch_size: int, max_seq_len: int, dtype: torch.dtype, simulate_quant: bool):
+    from .model import Transformer
+
+    with torch.device("meta"):
+        return Transformer(config, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype,
+                           device="meta", simulate_quant=simulate_quant)
+
+
+def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+               max_batch_size: int = 1, max_seq_len: int = 4096, simulate_quant: bool = True, progress: bool = True,
+               layout: str | None = None, load_mtp: bool | None = None):
+    """Build `Transformer` from the checkpoint directory `path` and return `(model, config)`.
+
+    `layout`: "hf" | "official" | "dsv4" | None (auto). `load_mtp`: None loads the MTP block if the
+    checkpoint has one (HF checkpoints never do) and otherwise builds the model without it; True
+    requires it; False ignores it. Raises `CheckpointError` (a ValueError) before allocating any device
+    memory if the checkpoint does not match the config.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: not a checkpoint directory")
+    device = torch.device(device)
+    tensors = list_tensors(root)
+    layout = layout or detect_layout(root, tensors)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    config = load_config(root, layout)
+
+    n_mtp = int(getattr(config, "n_mtp_layers", 0) or 0)
+    has_mtp = _has_mtp(tensors)
+    skip: tuple[str, ...] = ()
+    if load_mtp is False or (load_mtp is None and n_mtp > 0 and not has_mtp):
+        if load_mtp is None:
+            warnings.warn(f"{root}: checkpoint has no MTP tensors; building the model without the MTP block", stacklevel=2)
+        if n_mtp:
+            ratios = list(config.compress_ratios)[: config.n_layers]
+            config = dataclasses.replace(config, n_mtp_layers=0, compress_ratios=ratios)
+        skip = ("mtp.",)
+
+    model = _build_meta_model(config, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype,
+                              simulate_quant=simulate_quant)
+    expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+    plan = build_load_plan(tensors, expected, layout, skip_prefixes=skip)
+    _check_tid2eid(plan, getattr(config, "n_routed_experts", None))
+
+    model.to_empty(device=device)
+    params = model.state_dict(keep_vars=True)
+    from tqdm.auto import tqdm
+
+    with torch.no_grad(), TensorReader("cpu") as reader:
+        for load in tqdm(plan, desc=f"loading {root.name}", unit="tensor", disable=not progress):
+            dst = params[load.target]
+            if load.index is not None:
+                dst = dst[load.index]
+            dst.copy_(_decode(load, reader, device, dst.dtype))
+    model.setup_runtime(device)
+    model.eval()
+    return model, config
+
+
+def save_model(model, config, path: str | os.PathLike, *, num_shards: int | None = None,
+               max_shard_bytes: int | None = 5 * 2**30) -> None:
+    """Write `model` in the dsv4 layout: its state_dict (stacked experts) as safetensors (sharded with an
+    index above `max_shard_bytes`, or into exactly `num_shards` files) + `config.json`."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    state = model.state_dict()
+    write_sharded(list(state.items()), out, num_shards=num_shards, max_shard_bytes=max_shard_bytes,
+                  metadata={DSV4_FORMAT_KEY: str(DSV4_FORMAT_VERSION)})
+    cfg = {**config.to_dict(), DSV4_FORMAT_KEY: DSV4_FORMAT_VERSION}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

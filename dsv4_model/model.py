@@ -1,0 +1,255 @@
+"""DeepSeek-V4 transformer (pure PyTorch) with preallocated caches and a compile-friendly decode step.
+
+Parameter names = official checkpoint names (doc §7), except routed experts, which are stacked:
+layers.N.ffn.experts.w1 / w3 [E, inter, dim] and w2 [E, dim, inter]. `ffn.gate.tid2eid` is a persistent int64
+buffer. Caches and RoPE tables are non-persistent buffers (re)built by `setup_runtime(device)`.
+
+Parameter dtypes follow the official model: fp32 for norms, mHC params, attn_sink, compressor (ape, wkv, wgate),
+router bias and head.weight (logits are computed in fp32); the model dtype for everything else. A loader must
+copy each checkpoint tensor into the existing parameter (cast to param.dtype).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import Attention, Compressor, Indexer
+from .config import ModelConfig
+from .layers import Linear, RMSNorm, hc_head, hc_post, hc_pre, rope_inv_freq, rope_table
+from .moe import MoE
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, max_batch: int, max_seq_len: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.hc = cfg.hc_mult
+        self.iters, self.hc_eps, self.norm_eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps
+        self.attn = Attention(cfg, layer_id, dtype, max_batch, max_seq_len)
+        self.ffn = MoE(cfg, layer_id, dtype)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        mix, hc_dim = (2 + self.hc) * self.hc, self.hc * cfg.dim
+        for site in ("attn", "ffn"):
+            self.register_parameter(f"hc_{site}_fn", _param(mix, hc_dim))
+            self.register_parameter(f"hc_{site}_base", _param(mix))
+            self.register_parameter(f"hc_{site}_scale", _param(3))
+
+    def _pre(self, h: torch.Tensor, site: str):
+        return hc_pre(h, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
+                      getattr(self, f"hc_{site}_base"), self.hc, self.iters, self.hc_eps, self.norm_eps)
+
+    def prefill(self, h: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, rope: dict) -> torch.Tensor:
+        x, post, comb = self._pre(h, "attn")
+        h = hc_post(self.attn.prefill(self.attn_norm(x), lengths, rope[self.attn.rope_kind]), h, post, comb)
+        x, post, comb = self._pre(h, "ffn")
+        return hc_post(self.ffn(self.ffn_norm(x), ids, static=False), h, post, comb)
+
+    def decode(self, h: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, rope: dict) -> torch.Tensor:
+        x, post, comb = self._pre(h, "attn")
+        h = hc_post(self.attn.decode(self.attn_norm(x), positions, rope[self.attn.rope_kind]), h, post, comb)
+        x, post, comb = self._pre(h, "ffn")
+        return hc_post(self.ffn(self.ffn_norm(x), ids, static=True), h, post, comb)
+
+
+class MTPBlock(Block):
+    """Multi-token-prediction block (weights only for now; shares embed / head with the main model)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, max_batch: int, max_seq_len: int):
+        super().__init__(cfg, layer_id, dtype, max_batch, max_seq_len)
+        self.e_proj = Linear(cfg.dim, cfg.dim, dtype)
+        self.h_proj = Linear(cfg.dim, cfg.dim, dtype)
+        self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.hc_head_fn = _param(cfg.hc_mult, cfg.hc_mult * cfg.dim)
+        self.hc_head_base = _param(cfg.hc_mult)
+        self.hc_head_scale = _param(1)
+
+
+def _param(*shape) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=torch.float32), requires_grad=False)
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig, *, max_batch_size: int = 1, max_seq_len: int = 4096,
+                 dtype: torch.dtype = torch.bfloat16, device=None, simulate_quant: bool = True,
+                 prefill_chunk: int = 512):
+        super().__init__()
+        config.validate()
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be a positive int, got {max_batch_size!r}")
+        max_ratio = max(config.compress_ratios)
+        if not isinstance(max_seq_len, int) or max_seq_len < max(1, max_ratio):
+            raise ValueError(f"max_seq_len must be an int >= the largest compress ratio ({max_ratio}), "
+                             f"got {max_seq_len!r}")
+        if simulate_quant:
+            if (config.head_dim - config.rope_head_dim) % 64:
+                raise ValueError("simulate_quant needs head_dim - rope_head_dim to be a multiple of 64 "
+                                 f"(got {config.head_dim} - {config.rope_head_dim})")
+            if 4 in config.compress_ratios and (config.index_head_dim % 32
+                                                or config.index_head_dim & (config.index_head_dim - 1)):
+                raise ValueError("simulate_quant needs index_head_dim to be a power of two >= 32 "
+                                 f"(got {config.index_head_dim})")
+        self.config = config
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.dtype = dtype
+        self.hc = config.hc_mult
+        ctx = torch.device(device) if device is not None else contextlib.nullcontext()
+        with ctx:
+            self.embed = Embedding(config.vocab_size, config.dim, dtype)
+            self.layers = nn.ModuleList(Block(config, i, dtype, max_batch_size, max_seq_len)
+                                        for i in range(config.n_layers))
+            self.norm = RMSNorm(config.dim, config.norm_eps)
+            self.head = Linear(config.dim, config.vocab_size, torch.float32)
+            self.hc_head_fn = _param(config.hc_mult, config.hc_mult * config.dim)
+            self.hc_head_base = _param(config.hc_mult)
+            self.hc_head_scale = _param(1)
+            self.mtp = nn.ModuleList(MTPBlock(config, config.n_layers + i, dtype, max_batch_size, max_seq_len)
+                                     for i in range(config.n_mtp_layers))
+        self.set_simulate_quant(simulate_quant)
+        self.set_prefill_chunk(prefill_chunk)
+        if self.embed.weight.device.type != "meta":
+            self.setup_runtime()
+
+    # ------------------------------------------------------------------ runtime state
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def set_simulate_quant(self, on: bool) -> None:
+        self.simulate_quant = bool(on)
+        for mod in self.modules():
+            if isinstance(mod, (Attention, Compressor, Indexer)):
+                mod.simulate_quant = self.simulate_quant
+
+    def set_prefill_chunk(self, chunk: int) -> None:
+        for mod in self.modules():
+            if isinstance(mod, Attention):
+                mod.prefill_chunk = int(chunk)
+
+    def setup_runtime(self, device=None) -> None:
+        """(Re)build the non-persistent buffers (RoPE tables, caches) on `device` (default: the params' device).
+        Call after `to_empty(device=...)` + loading weights, or after moving the model."""
+        device = torch.device(device) if device is not None else self.device
+        c = self.config
+        main = rope_inv_freq(c.rope_head_dim, c.rope_theta)
+        comp = rope_inv_freq(c.rope_head_dim, c.compress_rope_theta, c.original_seq_len, c.rope_factor,
+                             c.beta_fast, c.beta_slow)
+        self.register_buffer("rope_main", rope_table(main, self.max_seq_len, device), persistent=False)
+        self.register_buffer("rope_compress", rope_table(comp, self.max_seq_len, device), persistent=False)
+        for mod in self.modules():
+            if isinstance(mod, Attention):
+                mod.alloc_runtime(device, self.dtype)
+            elif isinstance(mod, Indexer):
+                mod.alloc_runtime(device, self.dtype)
+            elif isinstance(mod, Compressor):
+                mod.alloc_runtime(device)
+
+    init_caches = setup_runtime
+
+    @torch.no_grad()
+    def reset_caches(self) -> None:
+        """Zero every cache / state (not needed for correctness: prefill rewrites what decode reads)."""
+        for mod in self.modules():
+            if isinstance(mod, Compressor):
+                mod.reset_state()
+            elif isinstance(mod, (Attention, Indexer)):
+                mod.kv_cache.zero_()
+
+    def cache_nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for n, b in self.named_buffers()
+                   if n.endswith(("kv_cache", "kv_state", "score_state")))
+
+    def _rope(self) -> dict:
+        return {"main": self.rope_main, "compress": self.rope_compress}
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        y = hc_head(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.config.hc_eps,
+                    self.config.norm_eps)
+        y = self.norm(y)
+        return F.linear(y.float(), self.head.weight.float())
+
+    # ------------------------------------------------------------------ inference entry points
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None,
+                all_logits: bool = False) -> torch.Tensor:
+        """Forward `tokens` [B, S] from position 0 and fill cache rows [:B].
+
+        lengths [B] (optional): right-padded rows; row b is valid for positions < lengths[b] and its cache state
+        ends there. Returns fp32 logits [B, V] at position lengths[b]-1 (default S-1), or [B, S, V]."""
+        B, S = tokens.shape
+        if B > self.max_batch_size or S > self.max_seq_len or S < 1:
+            raise ValueError(f"prefill shape {tuple(tokens.shape)} exceeds max_batch_size={self.max_batch_size} "
+                             f"/ max_seq_len={self.max_seq_len}")
+        tokens = tokens.to(self.device)
+        if lengths is None:
+            lengths = torch.full((B,), S, dtype=torch.long, device=self.device)
+        lengths = lengths.to(device=self.device, dtype=torch.long)
+        rope = self._rope()
+        h = self.embed(tokens).unsqueeze(2).repeat(1, 1, self.hc, 1)
+        for layer in self.layers:
+            h = layer.prefill(h, tokens, lengths, rope)
+        if all_logits:
+            return self._logits(h)
+        last = h[torch.arange(B, device=self.device), lengths - 1]
+        return self._logits(last)
+
+    @torch.no_grad()
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One token per row: tokens [B] at positions [B] (device tensors; B <= max_batch_size) -> fp32 [B, V].
+
+        Static shapes, no host syncs: safe for torch.compile(fullgraph=True) and CUDA graphs."""
+        rope = self._rope()
+        h = self.embed(tokens).unsqueeze(1).repeat(1, self.hc, 1)
+        for layer in self.layers:
+            h = layer.decode(h, tokens, positions, rope)
+        return self._logits(h)
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        return self.prefill(tokens, lengths, all_logits=True)
+
+    # ------------------------------------------------------------------ testing helper
+    @torch.no_grad()
+    def init_random_weights(self, seed: int = 0) -> "Transformer":
+        """Deterministic random weights with O(1) activations (for tests / tiny demo checkpoints)."""
+        g = torch.Generator().manual_seed(seed)
+
+        def rnd(*shape):
+            return torch.randn(*shape, generator=g)
+
+        for name, p in self.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if name.endswith("norm.weight"):
+                v = 1.0 + 0.1 * rnd(*p.shape)
+            elif "_scale" in leaf:
+                v = 0.5 + torch.rand(*p.shape, generator=g)
+            elif "_base" in leaf or leaf in ("ape", "bias"):
+                v = 0.3 * rnd(*p.shape)
+            elif leaf == "attn_sink":
+                v = rnd(*p.shape)
+            elif name == "embed.weight":
+                v = rnd(*p.shape)
+            else:
+                v = rnd(*p.shape) / math.sqrt(p.shape[-1])
+            p.copy_(v.to(p.dtype))
+        for name, b in self.named_buffers():
+            if name.endswith("tid2eid"):
+                V, k = b.shape
+                perm = torch.rand(V, self.config.n_routed_experts, generator=g).argsort(dim=-1)[:, :k]
+                b.copy_(perm)
+        return self

@@ -1,0 +1,141 @@
+"""Mixture of experts: sqrt-softplus router (bias for selection only / hash routing), clamped SwiGLU experts.
+
+Routed experts are stored STACKED: experts.w1 / w3 [E, inter, dim], experts.w2 [E, dim, inter].
+
+Repeated experts: a hash-routing row of tid2eid may name the same expert twice. The official MoE does
+`y[idx] += expert(x[idx], w)` with duplicate rows in `idx`, and index_put without accumulate keeps ONE of the
+(identical) contributions, so a repeated expert counts once, with the weight it got from normalising over all k
+picks (duplicates included in the denominator). We reproduce that by zeroing the weight of every later duplicate.
+(transformers 5.23 uses index_add_ and counts it twice.)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .layers import Linear
+
+
+class Gate(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype):
+        super().__init__()
+        self.topk = cfg.n_activated_experts
+        self.score_func = cfg.score_func
+        self.route_scale = cfg.route_scale
+        self.hash = layer_id < cfg.n_hash_layers
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.dim, dtype=dtype), requires_grad=False)
+        if self.hash:
+            self.register_buffer("tid2eid", torch.empty(cfg.vocab_size, cfg.n_activated_experts, dtype=torch.long))
+            self.bias = None
+        else:
+            self.bias = nn.Parameter(torch.empty(cfg.n_routed_experts, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, dim], ids [N] -> (weights [N, k] fp32, indices [N, k] long)."""
+        logits = F.linear(x.float(), self.weight.float())
+        if self.score_func == "softmax":
+            scores = logits.softmax(dim=-1)
+        elif self.score_func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = F.softplus(logits).sqrt()
+        if self.hash:
+            indices = self.tid2eid[ids].long()
+        else:
+            indices = (scores + self.bias).topk(self.topk, dim=-1).indices
+        weights = scores.gather(1, indices)
+        if self.score_func != "softmax":
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.route_scale, indices
+
+
+def _swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
+    g, u = g.float(), u.float()
+    if limit > 0:
+        u = u.clamp(-limit, limit)
+        g = g.clamp(max=limit)
+    return F.silu(g) * u
+
+
+class Expert(nn.Module):
+    """Shared expert (same SwiGLU as the routed ones, no routing weight)."""
+
+    def __init__(self, dim: int, inter: int, dtype: torch.dtype, limit: float):
+        super().__init__()
+        self.w1 = Linear(dim, inter, dtype)
+        self.w2 = Linear(inter, dim, dtype)
+        self.w3 = Linear(dim, inter, dtype)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(_swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        E, d, inter = cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim
+        self.n_experts = E
+        self.limit = cfg.swiglu_limit
+        self.w1 = nn.Parameter(torch.empty(E, inter, d, dtype=dtype), requires_grad=False)
+        self.w3 = nn.Parameter(torch.empty(E, inter, d, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(E, d, inter, dtype=dtype), requires_grad=False)
+
+    def forward_loop(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Eager per-expert loop (data-dependent shapes; prefill). Returns fp32 [N, dim]."""
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        counts = torch.bincount(indices.flatten(), weights=(weights != 0).flatten().float(),
+                                minlength=self.n_experts).tolist()
+        for e in range(self.n_experts):
+            if counts[e] == 0:
+                continue
+            tok, kpos = torch.where((indices == e) & (weights != 0))
+            xe = x[tok]
+            h = _swiglu(F.linear(xe, self.w1[e]), F.linear(xe, self.w3[e]), self.limit)
+            h = weights[tok, kpos, None] * h
+            y.index_add_(0, tok, F.linear(h.to(x.dtype), self.w2[e]).float())
+        return y
+
+    def forward_gather(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Static-shape path (decode): gather each (token, k) expert's weights and batch-matmul."""
+        w1 = self.w1[indices]  # [N, k, inter, d]
+        w3 = self.w3[indices]
+        w2 = self.w2[indices]  # [N, k, d, inter]
+        g = torch.einsum("nd,nkid->nki", x, w1)
+        u = torch.einsum("nd,nkid->nki", x, w3)
+        h = weights.unsqueeze(-1) * _swiglu(g, u, self.limit)
+        out = torch.einsum("nki,nkdi->nkd", h.to(x.dtype), w2)
+        return out.float().sum(dim=1)
+
+
+def dedup_weights(weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Zero the weight of every repeat of an expert within a row (keeps the first occurrence)."""
+    k = indices.shape[-1]
+    same = indices.unsqueeze(-1) == indices.unsqueeze(-2)  # [N, k, k]
+    earlier = torch.ones(k, k, dtype=torch.bool, device=indices.device).tril(-1)
+    dup = (same & earlier).any(dim=-1)
+    return torch.where(dup, torch.zeros_like(weights), weights)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype):
+        super().__init__()
+        self.dim = cfg.dim
+        self.gate = Gate(cfg, layer_id, dtype)
+        self.experts = Experts(cfg, dtype)
+        self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, dtype, cfg.swiglu_limit)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, static: bool = False) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.dim)
+        weights, indices = self.gate(x, ids.reshape(-1))
+        weights = dedup_weights(weights, indices)
+        if static:
+            y = self.experts.forward_gather(x, weights, indices)
+        else:
+            y = self.experts.forward_loop(x, weights, indices)
+        y = y + self.shared_experts(x).float()
+        return y.to(x.dtype).view(shape)

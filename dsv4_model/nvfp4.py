@@ -1,0 +1,327 @@
+"""NVFP4 weights for the dsv4 GEMM/MoE ops: canonical <-> kernel layout, bf16 -> NVFP4, and the modules.
+
+Canonical NVFP4 (ModelOpt checkpoints): codes uint8 [..., N, K/2] (element 2i in the low nibble of byte i,
+E2M1 code -> |value| 0, .5, 1, 1.5, 2, 3, 4, 6, bit 3 = sign), block scales float8_e4m3fn [..., N, K/16],
+one fp32 global scale per matrix in the dequant direction (ModelOpt `weight_scale_2` = amax / 2688);
+value = e2m1 * float(e4m3) * global_scale.
+
+The ops (`torch.ops.dsv4.nvfp4_linear`, `nvfp4_linear_w4a4`, `nvfp4_moe`) take weights in the KERNEL layout
+produced here once at load time by `repack_weight` (lossless, see docs/ops.md "## NVFP4 GEMM / MoE"):
+- K is zero-padded to Kp = ceil(K / 128) * 128 (padded codes and scales are 0).
+- Codes: each row's 128-element chunk (64 bytes) is reordered so that mma lane t (0..3) finds its whole
+  m16n8k16 A fragment for the 8 k-steps of the chunk in 16 contiguous bytes, and the 8 codes of every 32-bit
+  word are bit-shuffled so that one AND (+ one shift) yields two bf16 values (times 2^-126) per register.
+- Block scales: uint8 [..., N, Kp/16], same block order as canonical, re-encoded as (e + 10) << 3 | m for
+  scale = 2^e * (1 + m/8) (every finite E4M3 value, subnormals included, has this form with e in [-9, 8]);
+  0 encodes 0. A negative scale flips the sign of its 16 codes, a zero scale zeroes them, so the
+  represented values are unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+CHUNK = 128  # K granularity of the kernel layout
+BLOCK = 16  # NVFP4 block size along K
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP4_MAX = 6.0
+E4M3_MAX = 448.0
+SCALE_EXP_BIAS = 10  # scale byte = (e + 10) << 3 | m
+
+
+def padded_k(k: int) -> int:
+    return (k + CHUNK - 1) // CHUNK * CHUNK
+
+
+# ------------------------------------------------------------------------------------------- codes
+def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """Canonical packed uint8 [..., K/2] -> int32 codes [..., K] (element order)."""
+    p = packed.to(torch.int32)
+    return torch.stack((p & 0xF, p >> 4), dim=-1).flatten(-2)
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """int codes [..., K] (0..15) -> canonical packed uint8 [..., K/2]."""
+    c = codes.to(torch.int32)
+    return (c[..., 0::2] | (c[..., 1::2] << 4)).to(torch.uint8)
+
+
+def _codes_to_words(codes: torch.Tensor) -> torch.Tensor:
+    """codes int32 [..., N, Kp] -> kernel-layout bytes uint8 [..., N, Kp/2].
+
+    k = 128c + 16s + 8h + 2t + e (k-step s, half h, lane t, e = even/odd) lives in word (c, t, j = s // 2)
+    as pair q = 2 * (s % 2) + h; pair q's two codes (e = 0 low half, e = 1 high half) sit at bits
+      q=0: mag 6-8 / sign 15 and mag 22-24 / sign 31   (decode: w & 0x81C081C0)
+      q=1: the q=0 positions minus 3                      (decode: (w << 3) & 0x81C081C0)
+      q=2: the q=0 positions minus 6                      (decode: (w << 6) & 0x81C081C0)
+      q=3: mag bits 0,1 at 10,11 / 26,27, mag bit 2 at 13 / 29, sign at 14 / 30
+    so each decoded 16-bit half is the bf16 of (+-e2m1) * 2^-126.
+    """
+    *lead, n, kp = codes.shape
+    c = codes.to(torch.int64).reshape(*lead, n, kp // CHUNK, 4, 2, 2, 4, 2)  # (c, j, s%2, h, t, e)
+    c = c.movedim(-2, -5)  # (c, t, j, s%2, h, e)
+    c = c.reshape(*lead, n, kp // CHUNK, 4, 4, 4, 2)  # (c, t, j, q, e)
+    mag, sgn = c & 7, c >> 3
+    lo_m, hi_m = mag[..., 0], mag[..., 1]
+    lo_s, hi_s = sgn[..., 0], sgn[..., 1]
+
+    def std(q: int, shift: int) -> torch.Tensor:
+        w = (lo_m[..., q] << 6) | (lo_s[..., q] << 15) | (hi_m[..., q] << 22) | (hi_s[..., q] << 31)
+        return w >> shift
+
+    w3 = (((lo_m[..., 3] & 3) << 10) | ((lo_m[..., 3] >> 2) << 13) | (lo_s[..., 3] << 14)
+          | ((hi_m[..., 3] & 3) << 26) | ((hi_m[..., 3] >> 2) << 29) | (hi_s[..., 3] << 30))
+    word = std(0, 0) | std(1, 3) | std(2, 6) | w3  # [..., N, C, t, j]
+    byte = torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], dim=-1)  # little endian
+    return byte.to(torch.uint8).reshape(*lead, n, kp // 2)
+
+
+def _words_to_codes(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `_codes_to_words`: kernel-layout uint8 [..., N, Kp/2] -> int32 codes [..., N, Kp]."""
+    *lead, n, kp2 = packed.shape
+    kp = kp2 * 2
+    b = packed.to(torch.int64).reshape(*lead, n, kp // CHUNK, 4, 4, 4)
+    w = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)  # [..., N, C, t, j]
+
+    def code(mag, sgn):
+        return mag | (sgn << 3)
+
+    pairs = []
+    for shift in (0, 3, 6):
+        x = w << shift
+        pairs.append((code((x >> 6) & 7, (x >> 15) & 1), code((x >> 22) & 7, (x >> 31) & 1)))
+    lo3 = code(((w >> 10) & 3) | (((w >> 13) & 1) << 2), (w >> 14) & 1)
+    hi3 = code(((w >> 26) & 3) | (((w >> 29) & 1) << 2), (w >> 30) & 1)
+    pairs.append((lo3, hi3))
+    c = torch.stack([torch.stack(p, dim=-1) for p in pairs], dim=-2)  # (c, t, j, q, e)
+    c = c.reshape(*lead, n, kp // CHUNK, 4, 4, 2, 2, 2)  # (c, t, j, s%2, h, e)
+    c = c.movedim(-5, -2)  # (c, j, s%2, h, t, e)
+    return c.reshape(*lead, n, kp).to(torch.int32)
+
+
+# ------------------------------------------------------------------------------------------- scales
+def encode_scale(s: torch.Tensor) -> torch.Tensor:
+    """Non-negative E4M3-representable fp32 values -> kernel scale bytes ((e + 10) << 3 | m; 0 -> 0)."""
+    mant, exp = torch.frexp(s)  # s = mant * 2^exp, mant in [0.5, 1)
+    e = exp.to(torch.int32) - 1
+    m = ((mant * 2 - 1) * 8).round().to(torch.int32)
+    byte = ((e + SCALE_EXP_BIAS) << 3) | m
+    return torch.where(s > 0, byte, torch.zeros_like(byte)).to(torch.uint8)
+
+
+def decode_scale(b: torch.Tensor) -> torch.Tensor:
+    """Kernel scale bytes -> fp32 scale values."""
+    b = b.to(torch.int32)
+    v = torch.ldexp(1.0 + (b & 7).float() / 8.0, ((b >> 3) - SCALE_EXP_BIAS).float())
+    return torch.where(b == 0, torch.zeros_like(v), v)
+
+
+# ------------------------------------------------------------------------------------------- repack
+def repack_weight(packed: torch.Tensor, block_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Canonical NVFP4 (packed uint8 [..., N, K/2], e4m3 scales [..., N, K/16]) -> kernel layout
+    (packed uint8 [..., N, Kp/2], scale bytes uint8 [..., N, Kp/16]). Lossless; load time only (host syncs
+    on the validity check)."""
+    k = packed.shape[-1] * 2
+    if k % BLOCK != 0 or block_scale.shape[-1] * BLOCK != k or block_scale.shape[:-1] != packed.shape[:-1]:
+        raise ValueError(f"nvfp4 repack: packed {tuple(packed.shape)} / scale {tuple(block_scale.shape)} mismatch")
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"nvfp4 repack: packed must be uint8, got {packed.dtype}")
+    s = block_scale.float()
+    if not bool(torch.isfinite(s).all()) or bool((s.abs() > E4M3_MAX).any()):
+        raise ValueError("nvfp4 repack: block scales must be finite E4M3 values")
+    codes = unpack_codes(packed).unflatten(-1, (-1, BLOCK))
+    neg = (s < 0).unsqueeze(-1)
+    codes = torch.where(neg, codes ^ 8, codes)
+    codes = torch.where((s == 0).unsqueeze(-1), torch.zeros_like(codes), codes).flatten(-2)
+    s = s.abs()
+    kp = padded_k(k)
+    if kp != k:
+        codes = torch.nn.functional.pad(codes, (0, kp - k))
+        s = torch.nn.functional.pad(s, (0, (kp - k) // BLOCK))
+    return _codes_to_words(codes), encode_scale(s)
+
+
+def unrepack_weight(packed_k: torch.Tensor, scale_k: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel layout -> canonical (packed uint8 [..., N, K/2], e4m3 scales [..., N, K/16]) for the first k
+    elements (negative/zero scales come back normalized: |scale| with flipped/zeroed codes)."""
+    codes = _words_to_codes(packed_k)[..., :k]
+    s = decode_scale(scale_k)[..., : k // BLOCK]
+    return pack_codes(codes), s.to(torch.float8_e4m3fn)
+
+
+def dequantize_kernel_layout(packed_k: torch.Tensor, scale_k: torch.Tensor, global_scale: torch.Tensor,
+                             k: int) -> torch.Tensor:
+    """fp32 [..., N, k] weights of a kernel-layout NVFP4 tensor (value = e2m1 * scale * global_scale)."""
+    codes = _words_to_codes(packed_k)[..., :k]
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    v = lut[codes & 7]
+    v = torch.where(codes >= 8, -v, v)
+    s = decode_scale(scale_k)[..., : k // BLOCK]
+    v = (v.unflatten(-1, (-1, BLOCK)) * s.unsqueeze(-1)).flatten(-2)
+    gs = global_scale.float()
+    return v * gs.reshape(gs.shape + (1,) * (v.dim() - gs.dim()))
+
+
+# ------------------------------------------------------------------------------------------- MoE rows
+def interleave_gate_up(t: torch.Tensor) -> torch.Tensor:
+    """[..., 2I, X] with gate rows 0..I-1 then up rows I..2I-1 -> the kernel's row order: groups of 16 rows
+    = 8 gate rows then the 8 matching up rows (so one mma tile holds both halves of 8 SwiGLU outputs)."""
+    two_i = t.shape[-2]
+    if two_i % 16 != 0:
+        raise ValueError(f"gate/up interleave needs the intermediate size to be a multiple of 8, got {two_i // 2}")
+    g, u = t.unflatten(-2, (2, two_i // 16, 8)).unbind(-4)
+    return torch.stack((g, u), dim=-3).flatten(-4, -2)
+
+
+def deinterleave_gate_up(t: torch.Tensor) -> torch.Tensor:
+    """Inverse of `interleave_gate_up`."""
+    two_i = t.shape[-2]
+    x = t.unflatten(-2, (two_i // 16, 2, 8))
+    return torch.cat((x.select(-3, 0).flatten(-3, -2), x.select(-3, 1).flatten(-3, -2)), dim=-2)
+
+
+# ------------------------------------------------------------------------------------------- bf16 -> NVFP4
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Post-training per-tensor-amax NVFP4 quantization (ModelOpt convention) of w [..., N, K] (K % 16 == 0).
+
+    Returns CANONICAL (packed uint8 [..., N, K/2], block scales e4m3 [..., N, K/16], global scale fp32 of
+    shape w.shape[:-2], dequant direction = amax / (6 * 448)); one global scale per matrix. Uses
+    dsv4::nvfp4_quantize (per-row global scales, all equal within a matrix)."""
+    import dsv4_ops  # noqa: F401  (registers torch.ops.dsv4)
+
+    if w.dim() < 2 or w.shape[-1] % BLOCK != 0:
+        raise ValueError(f"quantize_weight: need [..., N, K] with K % 16 == 0, got {tuple(w.shape)}")
+    gs = w.float().abs().amax(dim=(-2, -1)) / (FP4_MAX * E4M3_MAX)
+    row_gs = gs.unsqueeze(-1).expand(w.shape[:-1]).contiguous()
+    packed, block_scale = torch.ops.dsv4.nvfp4_quantize(w.contiguous(), row_gs)
+    return packed, block_scale, gs
+
+
+# ------------------------------------------------------------------------------------------- modules
+class Nvfp4Linear(nn.Module):
+    """y = x @ W^T with an NVFP4 weight (kernel layout buffers). w4a4=False: bf16 activations (W4A16, the fast
+    Hopper path); w4a4=True: activations quantized to NVFP4 per tensor (dsv4::fused_amax_quantize), the
+    numerics of a Blackwell NVFP4 GEMM. Output bf16."""
+
+    def __init__(self, in_features: int, out_features: int, w4a4: bool = False, device=None):
+        super().__init__()
+        if in_features % BLOCK != 0:
+            raise ValueError(f"Nvfp4Linear: in_features must be a multiple of 16, got {in_features}")
+        self.in_features, self.out_features, self.w4a4 = in_features, out_features, w4a4
+        kp = padded_k(in_features)
+        self.register_buffer("weight_packed", torch.zeros(out_features, kp // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("weight_scale", torch.zeros(out_features, kp // BLOCK, dtype=torch.uint8, device=device))
+        self.register_buffer("weight_global_scale", torch.zeros((), dtype=torch.float32, device=device))
+
+    @classmethod
+    def from_nvfp4(cls, packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
+                   w4a4: bool = False) -> "Nvfp4Linear":
+        """From a canonical (ModelOpt) NVFP4 weight [N, K/2] / [N, K/16] / 0-d."""
+        mod = cls(packed.shape[-1] * 2, packed.shape[-2], w4a4, device=packed.device)
+        mod.weight_packed, mod.weight_scale = repack_weight(packed, block_scale)
+        mod.weight_global_scale = global_scale.detach().to(torch.float32).reshape(())
+        return mod
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, w4a4: bool = False) -> "Nvfp4Linear":
+        """Quantize a float weight [N, K] (post-training, per-tensor amax)."""
+        return cls.from_nvfp4(*quantize_weight(weight), w4a4=w4a4)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return dequantize_kernel_layout(self.weight_packed, self.weight_scale, self.weight_global_scale,
+                                        self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w4a4:
+            xp, xs, xg = torch.ops.dsv4.fused_amax_quantize(x)
+            return torch.ops.dsv4.nvfp4_linear_w4a4(xp, xs, xg, self.weight_packed, self.weight_scale,
+                                                     self.weight_global_scale, torch.bfloat16)
+        return torch.ops.dsv4.nvfp4_linear(x.to(torch.bfloat16), self.weight_packed, self.weight_scale,
+                                           self.weight_global_scale)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, w4a4={self.w4a4}"
+
+
+class Nvfp4MoE(nn.Module):
+    """Routed SwiGLU experts (+ optional shared expert) with NVFP4 weights, one dsv4::nvfp4_moe call.
+
+    forward(x bf16 [T, d], topk_ids [T, k], topk_weights fp32 [T, k]) -> bf16 [T, d]
+      = sum_j w_j * expert_{id_j}(x) (+ shared(x)), DeepSeek-V4 clamped SwiGLU (gate <= limit, |up| <= limit),
+    routing weight applied to h before w2 (see docs/ops.md). Buffers in the kernel layout; w13 rows gate/up
+    interleaved by 8 (`interleave_gate_up`); one global scale per expert shared by w1 and w3 (ModelOpt)."""
+
+    def __init__(self, n_experts: int, dim: int, inter: int, shared_inter: int = 0, swiglu_limit: float = 10.0,
+                 device=None):
+        super().__init__()
+        if dim % BLOCK or inter % 8 or inter % BLOCK or shared_inter % BLOCK:
+            raise ValueError(f"Nvfp4MoE: dim/inter must be multiples of 16, got {dim}, {inter}, {shared_inter}")
+        self.n_experts, self.dim, self.inter, self.shared_inter = n_experts, dim, inter, shared_inter
+        self.swiglu_limit = float(swiglu_limit)
+        kd, ki = padded_k(dim), padded_k(inter)
+        u8 = dict(dtype=torch.uint8, device=device)
+        self.register_buffer("w13_packed", torch.zeros(n_experts, 2 * inter, kd // 2, **u8))
+        self.register_buffer("w13_scale", torch.zeros(n_experts, 2 * inter, kd // BLOCK, **u8))
+        self.register_buffer("w13_global_scale", torch.zeros(n_experts, dtype=torch.float32, device=device))
+        self.register_buffer("w2_packed", torch.zeros(n_experts, dim, ki // 2, **u8))
+        self.register_buffer("w2_scale", torch.zeros(n_experts, dim, ki // BLOCK, **u8))
+        self.register_buffer("w2_global_scale", torch.zeros(n_experts, dtype=torch.float32, device=device))
+        if shared_inter:
+            ks = padded_k(shared_inter)
+            self.register_buffer("shared_w13_packed", torch.zeros(2 * shared_inter, kd // 2, **u8))
+            self.register_buffer("shared_w13_scale", torch.zeros(2 * shared_inter, kd // BLOCK, **u8))
+            self.register_buffer("shared_w13_global_scale", torch.zeros((), dtype=torch.float32, device=device))
+            self.register_buffer("shared_w2_packed", torch.zeros(dim, ks // 2, **u8))
+            self.register_buffer("shared_w2_scale", torch.zeros(dim, ks // BLOCK, **u8))
+            self.register_buffer("shared_w2_global_scale", torch.zeros((), dtype=torch.float32, device=device))
+
+    @staticmethod
+    def _kernel_w13(packed, scale):
+        return repack_weight(interleave_gate_up(packed), interleave_gate_up(scale))
+
+    @classmethod
+    def from_nvfp4(cls, w13: tuple, w2: tuple, shared: tuple | None = None, swiglu_limit: float = 10.0) -> "Nvfp4MoE":
+        """From canonical NVFP4 tensors: w13 = (packed [E, 2I, d/2] gate rows first, e4m3 [E, 2I, d/16], gs [E]),
+        w2 = (packed [E, d, I/2], e4m3 [E, d, I/16], gs [E]); shared = (w13 triple, w2 triple) without the E
+        dim (0-d global scales) or None."""
+        E, two_i, d2 = w13[0].shape
+        s_inter = shared[0][0].shape[0] // 2 if shared is not None else 0
+        mod = cls(E, d2 * 2, two_i // 2, s_inter, swiglu_limit, device=w13[0].device)
+        mod.w13_packed, mod.w13_scale = cls._kernel_w13(w13[0], w13[1])
+        mod.w13_global_scale = w13[2].detach().float().reshape(E)
+        mod.w2_packed, mod.w2_scale = repack_weight(w2[0], w2[1])
+        mod.w2_global_scale = w2[2].detach().float().reshape(E)
+        if shared is not None:
+            (sp13, ss13, sg13), (sp2, ss2, sg2) = shared
+            mod.shared_w13_packed, mod.shared_w13_scale = cls._kernel_w13(sp13, ss13)
+            mod.shared_w13_global_scale = sg13.detach().float().reshape(())
+            mod.shared_w2_packed, mod.shared_w2_scale = repack_weight(sp2, ss2)
+            mod.shared_w2_global_scale = sg2.detach().float().reshape(())
+        return mod
+
+    @classmethod
+    def from_float(cls, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, shared: tuple | None = None,
+                   swiglu_limit: float = 10.0) -> "Nvfp4MoE":
+        """Quantize stacked float experts w1/w3 [E, I, d], w2 [E, d, I] (+ shared (w1 [Is, d], w2 [d, Is],
+        w3 [Is, d])): per-expert amax global scale, shared by w1 and w3."""
+        q13 = quantize_weight(torch.cat((w1, w3), dim=-2))
+        q2 = quantize_weight(w2)
+        qs = None
+        if shared is not None:
+            s1, s2, s3 = shared
+            qs = (quantize_weight(torch.cat((s1, s3), dim=-2)), quantize_weight(s2))
+        return cls.from_nvfp4(q13, q2, qs, swiglu_limit)
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        sh = (None,) * 6
+        if self.shared_inter:
+            sh = (self.shared_w13_packed, self.shared_w13_scale, self.shared_w13_global_scale,
+                  self.shared_w2_packed, self.shared_w2_scale, self.shared_w2_global_scale)
+        return torch.ops.dsv4.nvfp4_moe(x.to(torch.bfloat16), topk_ids, topk_weights.float(), self.w13_packed,
+                                        self.w13_scale, self.w13_global_scale, self.w2_packed, self.w2_scale,
+                                        self.w2_global_scale, *sh, self.swiglu_limit)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.n_experts}, dim={self.dim}, inter={self.inter}, shared_inter={self.shared_inter}, "
+                f"swiglu_limit={self.swiglu_limit}")

@@ -1,0 +1,71 @@
+"""Per-row sampling parameters as static device tensors, and the sampling call.
+
+All per-step state the sampler reads (temperature, top-k, top-p, seed, RNG offset) lives in preallocated
+device tensors, so the sampler can sit inside a compiled graph or a CUDA graph: a step draws fresh numbers
+because `offset` is incremented on the device, never because a Python value changed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import dsv4_ops  # noqa: F401  (registers torch.ops.dsv4.sample)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature <= 0: greedy. top_k = 0 and top_p >= 1 switch those filters off. The draws of a row
+    depend only on (seed, step): `generate` gives prompt i the seed `seed + i`."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def validate(self) -> "SamplingParams":
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        return self
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """int64 [B] token ids from fp32 logits [B, V]; see docs/ops.md "Sampler"."""
+    return torch.ops.dsv4.sample(logits, temperature, top_k, top_p, seed, offset)
+
+
+class SamplerBuffers:
+    """Static [max_rows] parameter tensors; rows [:B] are live, padded rows are set to greedy."""
+
+    def __init__(self, max_rows: int, device: torch.device):
+        self.max_rows = max_rows
+        self.temperature = torch.zeros(max_rows, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.top_p = torch.ones(max_rows, dtype=torch.float32, device=device)
+        self.seed = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.offset = torch.zeros(max_rows, dtype=torch.int64, device=device)
+
+    def set(self, params: list[SamplingParams]) -> None:
+        """Row b gets params[b] and offset 0; rows past len(params): greedy."""
+        n = len(params)
+        if n > self.max_rows:
+            raise ValueError(f"{n} rows exceed the {self.max_rows} sampler rows")
+        pad = self.max_rows - n
+        host = {
+            "temperature": torch.tensor([p.temperature for p in params] + [0.0] * pad, dtype=torch.float32),
+            "top_k": torch.tensor([p.top_k for p in params] + [0] * pad, dtype=torch.int64),
+            "top_p": torch.tensor([p.top_p for p in params] + [1.0] * pad, dtype=torch.float32),
+            "seed": torch.tensor([p.seed for p in params] + [0] * pad, dtype=torch.int64),
+        }
+        for name, t in host.items():
+            getattr(self, name).copy_(t)
+        self.offset.zero_()
+
+    def rows(self, n: int) -> tuple[torch.Tensor, ...]:
+        """(temperature, top_k, top_p, seed, offset) views of rows [:n]."""
+        return (self.temperature[:n], self.top_k[:n], self.top_p[:n], self.seed[:n], self.offset[:n])

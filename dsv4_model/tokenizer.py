@@ -1,0 +1,105 @@
+"""Tokenizer of a checkpoint directory, plus incremental (streaming) detokenization.
+
+`load_tokenizer(path, config)` wraps `<path>/tokenizer.json` (HF `tokenizers`); a checkpoint without one
+(random tiny checkpoints) gets `ByteTokenizer`, a lossless byte-level fallback sized to the vocabulary.
+BOS/EOS ids come from the model config, so both kinds agree with the model about special tokens.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class HFTokenizer:
+    """`tokenizers.Tokenizer` from tokenizer.json; `encode` starts with exactly one BOS."""
+
+    kind = "tokenizer.json"
+
+    def __init__(self, path: str | os.PathLike, bos_id: int, eos_id: int):
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(str(path))
+        self.bos_id, self.eos_id = int(bos_id), int(eos_id)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_bos).ids
+        if add_bos and (not ids or ids[0] != self.bos_id):  # the post-processor may or may not add it
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+class ByteTokenizer:
+    """Byte-level fallback: id = special ids, then one id per byte in a fixed preference order.
+
+    With V >= 256 + specials every byte has an id (lossless). A smaller vocabulary (tiny test models) keeps
+    newline, printable ASCII, then the rest in order of usefulness; a byte without an id encodes as '?'.
+    """
+
+    kind = "bytes"
+
+    def __init__(self, vocab_size: int, bos_id: int, eos_id: int):
+        self.bos_id, self.eos_id = int(bos_id), int(eos_id)
+        self.vocab_size = int(vocab_size)
+        self._first = max(self.bos_id, self.eos_id) + 1
+        order = [10, 9] + list(range(32, 127)) + [b for b in range(256) if b not in (9, 10) and not 32 <= b < 127]
+        n = max(0, self.vocab_size - self._first)
+        self._bytes = order[:n]
+        self._id_of = {b: self._first + i for i, b in enumerate(self._bytes)}
+        self._unknown = self._id_of.get(ord("?"), self._first if n else self.eos_id)
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        ids = [self._id_of.get(b, self._unknown) for b in text.encode("utf-8")]
+        return [self.bos_id] + ids if add_bos else ids
+
+    def decode(self, ids: list[int]) -> str:
+        out = bytearray()
+        for i in ids:
+            j = int(i) - self._first
+            if 0 <= j < len(self._bytes):
+                out.append(self._bytes[j])
+        return out.decode("utf-8", errors="replace")
+
+
+def load_tokenizer(path: str | os.PathLike | None, config) -> HFTokenizer | ByteTokenizer:
+    """The tokenizer for a checkpoint at `path` (None or no tokenizer.json: the byte-level fallback)."""
+    bos, eos = int(getattr(config, "bos_token_id", 0)), int(getattr(config, "eos_token_id", 1))
+    if path is not None:
+        f = Path(path) / "tokenizer.json"
+        if f.is_file():
+            return HFTokenizer(f, bos, eos)
+    return ByteTokenizer(config.vocab_size, bos, eos)
+
+
+class StreamDecoder:
+    """Turns a growing list of token ids into text increments.
+
+    Byte-level BPE tokens can end inside a UTF-8 character and decoding is context dependent (leading
+    spaces), so each increment is the difference of two decodes over a short trailing window, held back
+    while the text ends in an incomplete character (U+FFFD).
+    """
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self._prefix = 0  # start of the window that gives decode context
+        self._read = 0  # ids before this have been emitted
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        before = self.tok.decode(self.ids[self._prefix : self._read])
+        after = self.tok.decode(self.ids[self._prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return after[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end)."""
+        before = self.tok.decode(self.ids[self._prefix : self._read])
+        after = self.tok.decode(self.ids[self._prefix :])
+        self._prefix = self._read = len(self.ids)
+        return after[len(before) :]

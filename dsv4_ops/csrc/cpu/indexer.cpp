@@ -1,0 +1,116 @@
+// CPU kernel of dsv4::indexer_score_topk (DeepSeek-V4 lightning indexer at decode).
+// Scores are fp32: per key the dot products run sequentially over d, the head sum sequentially over h
+// (the CUDA kernel sums in another order, so scores may differ in the last bits; exact-input results agree).
+// Ranking uses the same total order as the CUDA kernel: the float mapped to an order-preserving uint32
+// (with -0 folded onto +0) descending, then the index ascending.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr float kE2M1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+
+inline float ue8m0(uint8_t e) { return std::ldexp(1.0f, int(e) - 127); }
+
+inline uint32_t order_key(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u << 1) == 0) u = 0;  // -0 == +0
+  return (u >> 31) ? ~u : (u | 0x80000000u);
+}
+
+void check_inputs(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_codes,
+                  const at::Tensor& k_scales, const at::Tensor& n_valid, int64_t topk) {
+  TORCH_CHECK(q.dim() == 3, "dsv4::indexer_score_topk: q must be [B, H, D], got ", q.sizes());
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat,
+              "dsv4::indexer_score_topk: q must be bfloat16 or float32, got ", q.scalar_type());
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(D > 0 && D % 32 == 0, "dsv4::indexer_score_topk: q's last dim D must be a positive multiple of 32, got ",
+              D);
+  TORCH_CHECK(weights.dim() == 2 && weights.size(0) == B && weights.size(1) == H,
+              "dsv4::indexer_score_topk: weights must be [B, H] = [", B, ", ", H, "], got ", weights.sizes());
+  TORCH_CHECK(weights.scalar_type() == at::kFloat, "dsv4::indexer_score_topk: weights must be float32, got ",
+              weights.scalar_type());
+  TORCH_CHECK(k_codes.dim() == 3 && k_codes.size(0) == B && k_codes.size(2) == D / 2,
+              "dsv4::indexer_score_topk: k_codes must be [B, N, D/2] = [", B, ", N, ", D / 2, "], got ",
+              k_codes.sizes());
+  TORCH_CHECK(k_codes.scalar_type() == at::kByte, "dsv4::indexer_score_topk: k_codes must be uint8, got ",
+              k_codes.scalar_type());
+  const int64_t N = k_codes.size(1);
+  TORCH_CHECK(N < (int64_t(1) << 31), "dsv4::indexer_score_topk: at most 2^31-1 keys per row, got N = ", N);
+  TORCH_CHECK(k_scales.dim() == 3 && k_scales.size(0) == B && k_scales.size(1) == N && k_scales.size(2) == D / 32,
+              "dsv4::indexer_score_topk: k_scales must be [B, N, D/32] = [", B, ", ", N, ", ", D / 32, "], got ",
+              k_scales.sizes());
+  TORCH_CHECK(k_scales.scalar_type() == at::kByte,
+              "dsv4::indexer_score_topk: k_scales must be uint8 (UE8M0 exponents), got ", k_scales.scalar_type());
+  TORCH_CHECK(n_valid.dim() == 1 && n_valid.size(0) == B, "dsv4::indexer_score_topk: n_valid must be [B] = [", B,
+              "], got ", n_valid.sizes());
+  TORCH_CHECK(n_valid.scalar_type() == at::kInt || n_valid.scalar_type() == at::kLong,
+              "dsv4::indexer_score_topk: n_valid must be int32 or int64, got ", n_valid.scalar_type());
+  TORCH_CHECK(topk >= 0, "dsv4::indexer_score_topk: topk must be >= 0, got ", topk);
+  for (const at::Tensor* t : {&weights, &k_codes, &k_scales, &n_valid})
+    TORCH_CHECK(t->device() == q.device(), "dsv4::indexer_score_topk: all inputs must be on ", q.device(),
+                ", got one on ", t->device());
+}
+
+at::Tensor indexer_score_topk_cpu(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_codes,
+                                  const at::Tensor& k_scales, const at::Tensor& n_valid, int64_t topk) {
+  check_inputs(q, weights, k_codes, k_scales, n_valid, topk);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), N = k_codes.size(1);
+  const at::Tensor qf = q.to(at::kFloat).contiguous();
+  const at::Tensor wf = weights.contiguous();
+  const at::Tensor kc = k_codes.contiguous(), ks = k_scales.contiguous();
+  const at::Tensor nv64 = n_valid.to(at::kLong).contiguous();
+  at::Tensor out = at::full({B, topk}, -1, q.options().dtype(at::kInt));
+  const float* qp = qf.data_ptr<float>();
+  const float* wp = wf.data_ptr<float>();
+  const uint8_t* cp = kc.data_ptr<uint8_t>();
+  const uint8_t* sp = ks.data_ptr<uint8_t>();
+  const int64_t* nvp = nv64.data_ptr<int64_t>();
+  int32_t* op = out.data_ptr<int32_t>();
+
+  std::vector<uint32_t> keys(N);
+  std::vector<int32_t> order(N);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t nv = std::min<int64_t>(std::max<int64_t>(nvp[b], 0), N);
+    const float* qb = qp + b * H * D;
+    const float* wb = wp + b * H;
+    at::parallel_for(0, nv, 16, [&](int64_t i0, int64_t i1) {
+      std::vector<float> k(D);
+      for (int64_t i = i0; i < i1; ++i) {
+        const uint8_t* c = cp + (b * N + i) * (D / 2);
+        const uint8_t* s = sp + (b * N + i) * (D / 32);
+        for (int64_t d = 0; d < D; ++d) {
+          const int nib = (d & 1) ? (c[d / 2] >> 4) : (c[d / 2] & 0xF);
+          const float v = kE2M1[nib & 7] * ue8m0(s[d / 32]);
+          k[d] = (nib & 8) ? -v : v;
+        }
+        float score = 0.0f;
+        for (int64_t h = 0; h < H; ++h) {
+          const float* qh = qb + h * D;
+          float dot = 0.0f;
+          for (int64_t d = 0; d < D; ++d) dot += qh[d] * k[d];
+          score += wb[h] * std::max(dot, 0.0f);
+        }
+        keys[i] = order_key(score);
+      }
+    });
+    const int64_t take = std::min<int64_t>(topk, nv);
+    for (int64_t i = 0; i < nv; ++i) order[i] = int32_t(i);
+    std::partial_sort(order.begin(), order.begin() + take, order.begin() + nv, [&](int32_t a, int32_t c) {
+      return keys[a] != keys[c] ? keys[a] > keys[c] : a < c;
+    });
+    std::copy(order.begin(), order.begin() + take, op + b * topk);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dsv4, CPU, m) { m.impl("indexer_score_topk", &indexer_score_topk_cpu); }

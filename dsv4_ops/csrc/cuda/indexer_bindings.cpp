@@ -1,0 +1,78 @@
+// CUDA registration of dsv4::indexer_score_topk: input checks, the score scratch from the caching allocator
+// (graph-pool aware), launch on the current stream. The kernels live in indexer.cu.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+extern "C" int dsv4_indexer_max_topk();
+extern "C" cudaError_t dsv4_indexer_score_topk_launch(const void* q, int q_is_fp32, const float* weights,
+                                                      const uint8_t* codes, const uint8_t* scales,
+                                                      const void* n_valid, int nv_is64, int B, int H, int N,
+                                                      int topk, uint32_t* keys_scratch, int32_t* out,
+                                                      cudaStream_t stream);
+
+namespace {
+
+// The kernels use vector loads: a misaligned (or strided) input is copied into a fresh allocation.
+at::Tensor aligned(const at::Tensor& t, int64_t bytes) {
+  at::Tensor c = t.contiguous();
+  if (reinterpret_cast<uintptr_t>(c.data_ptr()) % bytes != 0) c = c.clone(at::MemoryFormat::Contiguous);
+  return c;
+}
+
+at::Tensor indexer_score_topk_cuda(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_codes,
+                                   const at::Tensor& k_scales, const at::Tensor& n_valid, int64_t topk) {
+  const char* op = "dsv4::indexer_score_topk: ";
+  TORCH_CHECK(q.is_cuda(), op, "q must be a CUDA tensor");
+  TORCH_CHECK(q.dim() == 3, op, "q must be [B, H, D], got ", q.sizes());
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, op,
+              "q must be bfloat16 or float32, got ", q.scalar_type());
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(D == 128, op, "the CUDA kernel supports D = 128 (DeepSeek-V4), got D = ", D);
+  TORCH_CHECK(H <= 64, op, "the CUDA kernel supports at most 64 heads, got H = ", H);
+  TORCH_CHECK(B < 65536, op, "at most 65535 rows, got B = ", B);
+  TORCH_CHECK(weights.dim() == 2 && weights.size(0) == B && weights.size(1) == H, op, "weights must be [B, H] = [",
+              B, ", ", H, "], got ", weights.sizes());
+  TORCH_CHECK(weights.scalar_type() == at::kFloat, op, "weights must be float32, got ", weights.scalar_type());
+  TORCH_CHECK(k_codes.dim() == 3 && k_codes.size(0) == B && k_codes.size(2) == D / 2, op,
+              "k_codes must be [B, N, D/2] = [", B, ", N, ", D / 2, "], got ", k_codes.sizes());
+  TORCH_CHECK(k_codes.scalar_type() == at::kByte, op, "k_codes must be uint8, got ", k_codes.scalar_type());
+  const int64_t N = k_codes.size(1);
+  TORCH_CHECK(N < (int64_t(1) << 31), op, "at most 2^31-1 keys per row, got N = ", N);
+  TORCH_CHECK(k_scales.dim() == 3 && k_scales.size(0) == B && k_scales.size(1) == N && k_scales.size(2) == D / 32, op,
+              "k_scales must be [B, N, D/32] = [", B, ", ", N, ", ", D / 32, "], got ", k_scales.sizes());
+  TORCH_CHECK(k_scales.scalar_type() == at::kByte, op, "k_scales must be uint8 (UE8M0 exponents), got ",
+              k_scales.scalar_type());
+  TORCH_CHECK(n_valid.dim() == 1 && n_valid.size(0) == B, op, "n_valid must be [B] = [", B, "], got ",
+              n_valid.sizes());
+  TORCH_CHECK(n_valid.scalar_type() == at::kInt || n_valid.scalar_type() == at::kLong, op,
+              "n_valid must be int32 or int64, got ", n_valid.scalar_type());
+  TORCH_CHECK(topk >= 0, op, "topk must be >= 0, got ", topk);
+  TORCH_CHECK(topk <= dsv4_indexer_max_topk(), op, "the CUDA kernel supports topk <= ", dsv4_indexer_max_topk(),
+              ", got ", topk);
+  for (const at::Tensor* t : {&weights, &k_codes, &k_scales, &n_valid})
+    TORCH_CHECK(t->device() == q.device(), op, "all inputs must be on ", q.device(), ", got one on ", t->device());
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  const bool q32 = q.scalar_type() == at::kFloat;
+  const at::Tensor qc = aligned(q, 8), wc = aligned(weights, 4), cc = aligned(k_codes, 16),
+                   sc = aligned(k_scales, 4), nc = n_valid.contiguous();
+  at::Tensor out = at::empty({B, topk}, q.options().dtype(at::kInt));
+  if (B == 0 || topk == 0) return out;
+  at::Tensor scratch = at::empty({B, N}, q.options().dtype(at::kInt));
+  const cudaError_t err = dsv4_indexer_score_topk_launch(
+      qc.data_ptr(), q32 ? 1 : 0, wc.data_ptr<float>(), cc.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(),
+      nc.data_ptr(), n_valid.scalar_type() == at::kLong ? 1 : 0, static_cast<int>(B), static_cast<int>(H),
+      static_cast<int>(N), static_cast<int>(topk), reinterpret_cast<uint32_t*>(scratch.data_ptr<int32_t>()),
+      out.data_ptr<int32_t>(), c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == cudaSuccess, op, "kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dsv4, CUDA, m) { m.impl("indexer_score_topk", &indexer_score_topk_cuda); }

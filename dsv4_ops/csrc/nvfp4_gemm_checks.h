@@ -1,0 +1,105 @@
+// Argument checks shared by the CPU and CUDA kernels of dsv4::nvfp4_linear / nvfp4_linear_w4a4 / nvfp4_moe.
+// The weight layout is the kernel layout of dsv4_model.nvfp4.repack_weight (docs/ops.md "## NVFP4 GEMM / MoE").
+#pragma once
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace dsv4_nvfp4 {
+
+constexpr int64_t kChunk = 128;  // K granularity of the kernel layout
+constexpr int64_t kBlock = 16;   // NVFP4 block
+
+inline int64_t padded_k(int64_t k) { return (k + kChunk - 1) / kChunk * kChunk; }
+
+inline void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* op, const char* name) {
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " must be on ", ref.device(), ", got ", t.device());
+}
+
+inline void check_global_scale(const at::Tensor& gs, const at::Tensor& ref, const char* op, const char* name) {
+  TORCH_CHECK(gs.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", gs.scalar_type());
+  TORCH_CHECK(gs.numel() == 1 && gs.dim() <= 1, op, ": ", name, " must be a 0-d (or [1]) tensor, got ", gs.sizes());
+  check_same_device(gs, ref, op, name);
+}
+
+// One kernel-layout matrix [N, Kp/2] + [N, Kp/16] (batch dims in `lead` leading dims, e.g. experts). Returns N.
+inline int64_t check_weight(const at::Tensor& w, const at::Tensor& s, int64_t K, int64_t lead, const at::Tensor& ref,
+                            const char* op, const char* wname, const char* sname) {
+  TORCH_CHECK(w.dim() == 2 + lead, op, ": ", wname, " must have ", 2 + lead, " dims, got ", w.sizes());
+  TORCH_CHECK(w.scalar_type() == at::kByte, op, ": ", wname, " must be uint8 (kernel layout), got ",
+              w.scalar_type());
+  TORCH_CHECK(s.scalar_type() == at::kByte, op, ": ", sname,
+              " must be uint8 (kernel-layout scale bytes from repack_weight), got ", s.scalar_type());
+  TORCH_CHECK(K > 0 && K % kBlock == 0, op, ": the reduction size K must be a positive multiple of 16, got ", K);
+  const int64_t kp = padded_k(K);
+  TORCH_CHECK(w.size(-1) * 2 == kp, op, ": ", wname, " last dim must be Kp/2 = ", kp / 2, " for K = ", K, ", got ",
+              w.size(-1));
+  TORCH_CHECK(s.dim() == w.dim(), op, ": ", sname, " must have ", w.dim(), " dims, got ", s.sizes());
+  for (int64_t d = 0; d < w.dim() - 1; ++d)
+    TORCH_CHECK(s.size(d) == w.size(d), op, ": ", sname, " ", s.sizes(), " does not match ", wname, " ", w.sizes());
+  TORCH_CHECK(s.size(-1) == kp / kBlock, op, ": ", sname, " last dim must be Kp/16 = ", kp / kBlock, ", got ",
+              s.size(-1));
+  check_same_device(w, ref, op, wname);
+  check_same_device(s, ref, op, sname);
+  return w.size(-2);
+}
+
+struct MoeDims {
+  int64_t T, d, k, E, I, Is;  // Is = shared intermediate size (0 without a shared expert)
+  bool has_shared;
+};
+
+inline MoeDims check_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts, const at::Tensor& w13,
+                         const at::Tensor& s13, const at::Tensor& g13, const at::Tensor& w2, const at::Tensor& s2,
+                         const at::Tensor& g2, const std::optional<at::Tensor>& sw13,
+                         const std::optional<at::Tensor>& ss13, const std::optional<at::Tensor>& sg13,
+                         const std::optional<at::Tensor>& sw2, const std::optional<at::Tensor>& ss2,
+                         const std::optional<at::Tensor>& sg2) {
+  const char* op = "dsv4::nvfp4_moe";
+  MoeDims m{};
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": x must be bf16 [T, d], got ",
+              x.scalar_type(), " ", x.sizes());
+  m.T = x.size(0);
+  m.d = x.size(1);
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == m.T, op, ": topk_ids must be [T, k] with T = ", m.T, ", got ",
+              ids.sizes());
+  TORCH_CHECK(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong, op,
+              ": topk_ids must be int32 or int64, got ", ids.scalar_type());
+  m.k = ids.size(1);
+  TORCH_CHECK(m.k > 0, op, ": topk_ids needs k >= 1");
+  TORCH_CHECK(wts.sizes() == ids.sizes() && wts.scalar_type() == at::kFloat, op,
+              ": topk_weights must be float32 of the shape of topk_ids ", ids.sizes(), ", got ", wts.scalar_type(),
+              " ", wts.sizes());
+  check_same_device(ids, x, op, "topk_ids");
+  check_same_device(wts, x, op, "topk_weights");
+  const int64_t two_i = check_weight(w13, s13, m.d, 1, x, op, "w13_packed", "w13_scale");
+  m.E = w13.size(0);
+  TORCH_CHECK(two_i % 16 == 0, op, ": w13 rows (2I) must be a multiple of 16 (gate/up interleave of 8), got ",
+              two_i);
+  m.I = two_i / 2;
+  const int64_t dn = check_weight(w2, s2, m.I, 1, x, op, "w2_packed", "w2_scale");
+  TORCH_CHECK(w2.size(0) == m.E && dn == m.d, op, ": w2_packed must be [E, d, Ip/2] = [", m.E, ", ", m.d,
+              ", ...], got ", w2.sizes());
+  TORCH_CHECK(g13.scalar_type() == at::kFloat && g13.dim() == 1 && g13.size(0) == m.E, op,
+              ": w13_global_scale must be float32 [E], got ", g13.scalar_type(), " ", g13.sizes());
+  TORCH_CHECK(g2.scalar_type() == at::kFloat && g2.dim() == 1 && g2.size(0) == m.E, op,
+              ": w2_global_scale must be float32 [E], got ", g2.scalar_type(), " ", g2.sizes());
+  check_same_device(g13, x, op, "w13_global_scale");
+  check_same_device(g2, x, op, "w2_global_scale");
+  const int n_shared = int(sw13.has_value()) + int(ss13.has_value()) + int(sg13.has_value()) +
+                       int(sw2.has_value()) + int(ss2.has_value()) + int(sg2.has_value());
+  TORCH_CHECK(n_shared == 0 || n_shared == 6, op, ": pass all six shared_* tensors or none");
+  m.has_shared = n_shared == 6;
+  if (m.has_shared) {
+    const int64_t s_two_i = check_weight(*sw13, *ss13, m.d, 0, x, op, "shared_w13_packed", "shared_w13_scale");
+    TORCH_CHECK(s_two_i % 16 == 0, op, ": shared_w13 rows must be a multiple of 16, got ", s_two_i);
+    m.Is = s_two_i / 2;
+    const int64_t sdn = check_weight(*sw2, *ss2, m.Is, 0, x, op, "shared_w2_packed", "shared_w2_scale");
+    TORCH_CHECK(sdn == m.d, op, ": shared_w2_packed must have d = ", m.d, " rows, got ", sdn);
+    check_global_scale(*sg13, x, op, "shared_w13_global_scale");
+    check_global_scale(*sg2, x, op, "shared_w2_global_scale");
+  }
+  return m;
+}
+
+}  // namespace dsv4_nvfp4

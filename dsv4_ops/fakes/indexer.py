@@ -1,0 +1,30 @@
+"""Fake for dsv4::indexer_score_topk: int32 [B, topk] indices; never reads data."""
+import torch
+
+
+def _indexer_score_topk_fake(q, weights, k_codes, k_scales, n_valid, topk):
+    torch._check(q.dim() == 3, lambda: f"dsv4::indexer_score_topk: q must be [B, H, D], got {tuple(q.shape)}")
+    torch._check(q.dtype in (torch.bfloat16, torch.float32),
+                 lambda: f"dsv4::indexer_score_topk: q must be bfloat16 or float32, got {q.dtype}")
+    B, H, D = q.shape
+    torch._check(D % 32 == 0, lambda: "dsv4::indexer_score_topk: D must be a multiple of 32")
+    torch._check(weights.dim() == 2 and weights.shape[0] == B and weights.shape[1] == H,
+                 lambda: "dsv4::indexer_score_topk: weights must be [B, H]")
+    torch._check(weights.dtype == torch.float32, lambda: "dsv4::indexer_score_topk: weights must be float32")
+    torch._check(k_codes.dim() == 3 and k_codes.shape[0] == B and k_codes.shape[2] * 2 == D,
+                 lambda: "dsv4::indexer_score_topk: k_codes must be [B, N, D/2]")
+    torch._check(k_codes.dtype == torch.uint8, lambda: "dsv4::indexer_score_topk: k_codes must be uint8")
+    N = k_codes.shape[1]
+    torch._check(k_scales.dim() == 3 and k_scales.shape[0] == B and k_scales.shape[1] == N
+                 and k_scales.shape[2] * 32 == D, lambda: "dsv4::indexer_score_topk: k_scales must be [B, N, D/32]")
+    torch._check(k_scales.dtype == torch.uint8, lambda: "dsv4::indexer_score_topk: k_scales must be uint8")
+    torch._check(n_valid.dim() == 1 and n_valid.shape[0] == B, lambda: "dsv4::indexer_score_topk: n_valid must be [B]")
+    torch._check(n_valid.dtype in (torch.int32, torch.int64),
+                 lambda: "dsv4::indexer_score_topk: n_valid must be int32 or int64")
+    torch._check(topk >= 0, lambda: "dsv4::indexer_score_topk: topk must be >= 0")
+    return q.new_empty((B, topk), dtype=torch.int32)
+
+
+# A library built before this op existed must still import (other ops keep working).
+if hasattr(torch.ops.dsv4, "indexer_score_topk"):
+    torch.library.register_fake("dsv4::indexer_score_topk")(_indexer_score_topk_fake)

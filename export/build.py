@@ -1,0 +1,302 @@
+"""Exports the decode step and prefill to ONE AOTInductor package (``.pt2``), plus the plain ExportedPrograms.
+
+Entries (each an AOTI model inside the package, loadable by name from Python and C++), all with STATIC shapes:
+  ``decode_b{B}``        one per decode batch bucket. Static rather than one dynamic-batch graph because that
+                         is how the engine runs decode (one compiled graph / CUDA graph per bucket): Inductor
+                         picks kernels for the exact shape, no size guards run per step, a loaded entry can be
+                         captured in a CUDA graph as is, and model code never meets a symbolic batch.
+  ``prefill_b{B}_s{S}``  one per (batch, length) bucket. Prefill cannot take a symbolic length: the model's
+                         prefill has Python control flow on S (chunk loop, ``S // ratio == 0``, ``min(topk, n)``)
+                         that export would have to specialize. Prompts are right-padded to the bucket length and
+                         ``lengths`` tells the model where each row ends (its caches/compressor state end there).
+Weights are constants inside each entry's .so (``package_constants_in_so``, the default): the simplest layout
+that loads the same way from Python and C++ on torch 2.11 and 2.13 (on-disk weight formats differ between the
+two and the pickled one cannot be loaded from C++). The price is one copy of the weights per entry, on disk
+and in memory once loaded: fine for the small models this is meant for; a large model wants few buckets.
+Caches are explicit inputs mutated in place (see entrypoints.py); the package has no hidden state.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from export import metadata as md
+from export import toolchain
+from export.entrypoints import CacheAsInputs, CacheSpec, cache_names, cache_specs, caches_detached, call_decode, \
+    call_prefill
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    name: str
+    kind: str  # "decode" | "prefill"
+    batch: int
+    seq_len: int = 1  # prefill: the (padded) prompt length S
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "batch": self.batch, "seq_len": self.seq_len}
+
+
+def default_prefill_lengths(max_seq_len: int) -> list[int]:
+    """64, 256, 1024, ... below max_seq_len, plus max_seq_len: padding costs at most 4x of a short prompt."""
+    out, s = [], 64
+    while s < max_seq_len:
+        out.append(s)
+        s *= 4
+    return out + [max_seq_len]
+
+
+def plan_entries(decode_batches: Sequence[int], prefill_batches: Sequence[int], prefill_lengths: Sequence[int],
+                 max_batch_size: int, max_seq_len: int) -> list[Entry]:
+    for b in [*decode_batches, *prefill_batches]:
+        if not 1 <= b <= max_batch_size:
+            raise ValueError(f"batch bucket {b} outside [1, max_batch_size={max_batch_size}]")
+    for s in prefill_lengths:
+        if not 1 <= s <= max_seq_len:
+            raise ValueError(f"prefill length {s} outside [1, max_seq_len={max_seq_len}]")
+    if not decode_batches or not prefill_batches or not prefill_lengths:
+        raise ValueError("need at least one decode batch, one prefill batch and one prefill length")
+    entries = [Entry(f"decode_b{b}", "decode", b) for b in sorted(set(decode_batches))]
+    entries += [Entry(f"prefill_b{b}_s{s}", "prefill", b, s)
+                for b in sorted(set(prefill_batches)) for s in sorted(set(prefill_lengths))]
+    return entries
+
+
+def _log(verbose: bool, msg: str) -> None:
+    if verbose:
+        print(f"[export] {msg}", flush=True)
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Records the dsv4 ops an eager run dispatches (to check the exported graph calls the same ones)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "dsv4":
+            self.ops.add(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+def _example_inputs(entry: Entry, device: str) -> tuple[torch.Tensor, ...]:
+    if entry.kind == "decode":
+        return (torch.zeros(entry.batch, dtype=torch.long, device=device),
+                torch.arange(entry.batch, dtype=torch.long, device=device))
+    # Arbitrary ids; full-length rows (the values only matter for the eager probes).
+    return (torch.arange(entry.batch * entry.seq_len, device=device).remainder(7).view(entry.batch, entry.seq_len),
+            torch.full((entry.batch,), entry.seq_len, dtype=torch.long, device=device))
+
+
+def _dsv4_ops_in(ep: torch.export.ExportedProgram) -> dict[str, str]:
+    out = {}
+    for node in ep.graph.nodes:
+        t = node.target
+        if node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t.namespace == "dsv4":
+            out[t._schema.name] = str(t._schema)
+    return dict(sorted(out.items()))
+
+
+def export_entry(model: nn.Module, names: Sequence[str], entry: Entry, *, device: str,
+                 decode_fn: Callable = call_decode, prefill_fn: Callable = call_prefill
+                 ) -> torch.export.ExportedProgram:
+    """torch.export (non-strict) of one entry with the caches as inputs; checks caches are mutated in place."""
+    fn = decode_fn if entry.kind == "decode" else prefill_fn
+    specs = cache_specs(model, names)
+    caches = tuple(torch.zeros(s.shape, dtype=s.dtype, device=device) for s in specs)
+    inputs = _example_inputs(entry, device)
+    wrapper = CacheAsInputs(model, names, fn)
+    with caches_detached(model, names), torch.no_grad():
+        ep = torch.export.export(wrapper, (inputs, caches), strict=False)
+    written = written_inputs(ep)
+    cache_inputs = ep.graph_signature.user_inputs[len(inputs):]
+    not_written = [n for n, i in zip(names, cache_inputs) if i not in written]
+    if not_written:
+        raise RuntimeError(f"{entry.name}: the exported graph does not write caches {not_written}; they would not "
+                           "be updated in place (is the model reading a stale copy of its buffers?)")
+    return ep
+
+
+def written_inputs(ep: torch.export.ExportedProgram) -> set[str]:
+    """Names of the graph inputs that some in-place op writes, directly or through a chain of views.
+
+    The training IR keeps in-place ops as they are, so following each op's schema alias annotations is
+    enough; this is what ``run_decompositions().graph_signature.user_inputs_to_mutate`` reports, without the
+    cost of functionalizing the whole graph (tens of seconds for a small model on CPU).
+    """
+    root: dict[torch.fx.Node, str] = {n: n.name for n in ep.graph.nodes if n.op == "placeholder"}
+    written: set[str] = set()
+    for node in ep.graph.nodes:
+        t = node.target
+        if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+            continue
+        schema = t._schema
+        for i, arg in enumerate(schema.arguments):
+            val = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            vals = val if isinstance(val, (list, tuple)) else [val]
+            for v in vals:
+                if isinstance(v, torch.fx.Node) and v in root and arg.alias_info is not None:
+                    if arg.alias_info.is_write:
+                        written.add(root[v])
+                    elif i == 0 and t.is_view:
+                        root[node] = root[v]
+    return written
+
+
+def eager_dsv4_ops(model: nn.Module, entry: Entry, device: str, fn: Callable) -> set[str]:
+    """The dsv4 ops one eager call of an entry dispatches (state restored afterwards by the caller)."""
+    rec = _OpRecorder()
+    with torch.no_grad(), rec:
+        fn(model, *_example_inputs(entry, device))
+    return rec.ops
+
+
+def compile_entries(eps: dict[str, torch.export.ExportedProgram], out: str, meta: dict[str, str], *,
+                    verbose: bool = True, quick_compile: bool = False) -> str:
+    """AOTInductor-compiles every ExportedProgram and writes them as named models of one .pt2.
+
+    ``quick_compile`` builds the C++ at -O0 (``aot_inductor.debug_compile``, which also makes the wrapper check
+    every input's dtype/shape/stride): several times faster to compile, slow to run; for tests.
+    """
+    choice = toolchain.configure_inductor(verbose=verbose)
+    meta = dict(meta, **{"dsv4.cxx": choice.cxx})
+    files: dict[str, list] = {}
+    for name, ep in eps.items():
+        t0 = time.time()
+        _log(verbose, f"AOTInductor-compiling {name} ...")
+        entry_meta = dict(meta, **{"dsv4.entry": name})
+        args, kwargs = ep.example_inputs
+        # What aoti_compile_and_package does for one model; done per entry so all land in one archive
+        # (the multi-model recipe of its docstring: aot_compile(..., aot_inductor.package) + package_aoti).
+        files[name] = torch._inductor.aot_compile(
+            ep.module(), args, kwargs,
+            options={"aot_inductor.package": True, "aot_inductor.metadata": entry_meta,
+                     "aot_inductor.debug_compile": quick_compile})
+        _log(verbose, f"  {name}: {time.time() - t0:.1f} s")
+    from torch.export.pt2_archive._package import package_pt2
+
+    # Written under its final name in a scratch folder (the archive's root folder is named after the file),
+    # then moved, so a failed build never leaves a truncated package behind.
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(out))) as tmp_dir:
+        tmp = os.path.join(tmp_dir, os.path.basename(out))
+        package_pt2(tmp, aoti_files=files, extra_files={md.EXTRA_FILE: json.dumps(meta, indent=1, sort_keys=True)})
+        os.replace(tmp, out)
+    return out
+
+
+def build_package(model: nn.Module, config: dict, out: str, *, max_batch_size: int, max_seq_len: int,
+                  device: str, decode_batches: Sequence[int] | None = None,
+                  prefill_batches: Sequence[int] | None = None, prefill_lengths: Sequence[int] | None = None,
+                  save_exported_programs: bool = True, quick_compile: bool = False,
+                  dtype: torch.dtype | None = None, verbose: bool = True,
+                  decode_fn: Callable = call_decode, prefill_fn: Callable = call_prefill) -> str:
+    """Exports ``model`` (already on ``device``, caches allocated for max_batch_size x max_seq_len) to ``out``.
+
+    Returns the package path. With ``save_exported_programs`` also writes ``<out stem>.<entry>.ep.pt2``
+    (``torch.export.save``; load with ``torch.export.load`` after ``import dsv4_ops``).
+    """
+    import dsv4_ops  # noqa: F401  (schemas + fakes must exist before tracing)
+
+    if not out.endswith(".pt2"):
+        raise ValueError(f"package path must end in .pt2: {out}")
+    model.eval()
+    entries = plan_entries(decode_batches or [max_batch_size], prefill_batches or [1],
+                           prefill_lengths or default_prefill_lengths(max_seq_len), max_batch_size, max_seq_len)
+    probe_entry = entries[0] if entries[0].kind == "decode" else Entry("probe", "decode", 1)
+    names = cache_names(model, probe=lambda: decode_fn(model, *_example_inputs(probe_entry, device)))
+    if not names:
+        raise RuntimeError("the decode step writes no buffer: nothing to pass as caches")
+    specs = cache_specs(model, names)
+    _log(verbose, f"{len(specs)} cache tensors ({sum(torch.empty(s.shape, dtype=s.dtype, device='meta').nbytes for s in specs) / 2**20:.1f} MiB) "
+                  f"as explicit inputs; entries: {', '.join(e.name for e in entries)}")
+    eps: dict[str, torch.export.ExportedProgram] = {}
+    used: dict[str, str] = {}
+    for e in entries:
+        t0 = time.time()
+        _log(verbose, f"exporting {e.name} ...")
+        eager_ops = _restoring(model, names, lambda: eager_dsv4_ops(model, e, device,
+                                                                      decode_fn if e.kind == "decode" else prefill_fn))
+        ep = export_entry(model, names, e, device=device, decode_fn=decode_fn,
+                          prefill_fn=prefill_fn)
+        in_graph = _dsv4_ops_in(ep)
+        lost = sorted(eager_ops - set(in_graph))
+        if lost:
+            raise RuntimeError(f"{e.name}: dsv4 ops {lost} run eagerly but are not in the exported graph "
+                               "(decomposed or traced through?)")
+        used.update(in_graph)
+        eps[e.name] = ep
+        _log(verbose, f"  {e.name}: {time.time() - t0:.1f} s, dsv4 ops: {', '.join(in_graph) or 'none'}")
+    meta = md.environment(device)
+    vocab = _vocab_size(config)
+    meta.update({
+        md.K_CONFIG: json.dumps(config, sort_keys=True),
+        md.K_ENTRIES: json.dumps({e.name: e.to_json() for e in entries}),
+        md.K_CACHES: json.dumps([s.to_json() for s in specs]),
+        md.K_OPS_USED: json.dumps(used, sort_keys=True),
+        md.K_MAX_BATCH: str(max_batch_size),
+        md.K_MAX_SEQ: str(max_seq_len),
+        md.K_DTYPE: str(dtype).removeprefix("torch.") if dtype is not None else "",
+        md.K_VOCAB: str(vocab),
+        md.K_CPP_DECODE: ",".join(e.name for e in entries if e.kind == "decode"),
+        md.K_CPP_PREFILL: ",".join(e.name for e in entries if e.kind == "prefill"),
+        md.K_CPP_CACHES: ";".join(f"{s.name}:{str(s.dtype).removeprefix('torch.')}:{'x'.join(map(str, s.shape))}"
+                                  for s in specs),
+    })
+    out_dir = os.path.dirname(os.path.abspath(out))
+    os.makedirs(out_dir, exist_ok=True)
+    if save_exported_programs:
+        stem = out[: -len(".pt2")]
+        for name, ep in eps.items():
+            torch.export.save(ep, f"{stem}.{name}.ep.pt2")
+        _log(verbose, f"ExportedPrograms saved as {stem}.<entry>.ep.pt2")
+    compile_entries(eps, out, meta, verbose=verbose, quick_compile=quick_compile)
+    _log(verbose, f"package written: {out} ({os.path.getsize(out) / 2**20:.1f} MiB)")
+    return out
+
+
+def _vocab_size(config: dict) -> int:
+    for k in ("vocab_size", "n_vocab", "vocab"):
+        if k in config:
+            return int(config[k])
+    raise KeyError("config has no vocab_size")
+
+
+def _restoring(model: nn.Module, names: Sequence[str], fn: Callable):
+    """Runs fn, then puts the caches back as they were (eager probes must not leave state behind)."""
+    bufs = [model.get_buffer(n) for n in names]
+    saved = [b.detach().clone() for b in bufs]
+    try:
+        return fn()
+    finally:
+        with torch.no_grad():
+            for b, s in zip(bufs, saved):
+                b.copy_(s)
+
+
+def build_from_checkpoint(path: str, out: str, *, max_batch_size: int, max_seq_len: int, device: str,
+                          dtype: torch.dtype = torch.bfloat16, simulate_quant: bool = True,
+                          decode_batches: Sequence[int] | None = None, prefill_batches: Sequence[int] | None = None,
+                          prefill_lengths: Sequence[int] | None = None, save_exported_programs: bool = True,
+                          verbose: bool = True) -> str:
+    from dsv4_model.loader import load_model
+
+    _log(verbose, f"loading {path} on {device} ({dtype}) ...")
+    model, config = load_model(path, device=device, dtype=dtype, max_batch_size=max_batch_size,
+                               max_seq_len=max_seq_len, simulate_quant=simulate_quant, progress=verbose)
+    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    return build_package(model, cfg, out, max_batch_size=max_batch_size, max_seq_len=max_seq_len, device=device,
+                         decode_batches=decode_batches, prefill_batches=prefill_batches,
+                         prefill_lengths=prefill_lengths, save_exported_programs=save_exported_programs, dtype=dtype, verbose=verbose)
+
+
+__all__ = ["Entry", "plan_entries", "export_entry", "compile_entries", "build_package", "build_from_checkpoint",
+           "CacheSpec"]

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Builds export/cpp/dsv4_run against the installed torch's libtorch.
+# Usage: bash export/cpp/build.sh [BUILD_DIR]   (default: export/cpp/build); prints the binary's path.
+# The compiler must match the libstdc++ the runner will load (the one next to libtorch's users: the system
+# one), so the system g++ is preferred, as for the op library and the AOTI packages; CXX overrides.
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+BUILD_DIR=${1:-$HERE/build}
+PY=${PYTHON:-python3}
+TORCH_PREFIX=$($PY -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+CXX_BIN=${CXX:-}
+if [ -z "$CXX_BIN" ] && [ -x /usr/bin/g++ ]; then CXX_BIN=/usr/bin/g++; fi
+ARGS=(-DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$TORCH_PREFIX")
+[ -n "$CXX_BIN" ] && ARGS+=(-DCMAKE_CXX_COMPILER="$CXX_BIN")
+# A CUDA torch makes find_package(Torch) enable CUDA: use the same host compiler and arch as the op library.
+if [ -x /usr/local/cuda/bin/nvcc ] && ! command -v nvcc >/dev/null 2>&1; then export PATH=/usr/local/cuda/bin:$PATH; fi
+ARGS+=(-DTORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0a}")
+[ -n "$CXX_BIN" ] && ARGS+=(-DCMAKE_CUDA_HOST_COMPILER="$CXX_BIN")
+GEN=()
+command -v ninja >/dev/null 2>&1 && GEN=(-G Ninja)
+mkdir -p "$BUILD_DIR"
+cmake -S "$HERE" -B "$BUILD_DIR" "${GEN[@]}" "${ARGS[@]}" >"$BUILD_DIR/configure.log" 2>&1 \
+  || { cat "$BUILD_DIR/configure.log" >&2; exit 1; }
+cmake --build "$BUILD_DIR" -j "${DSV4_BUILD_JOBS:-2}" >&2
+echo "$BUILD_DIR/dsv4_run"

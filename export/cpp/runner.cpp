@@ -1,0 +1,195 @@
+// dsv4_run: runs a dsv4 .pt2 package without Python.
+//
+//   dsv4_run [--ops-lib PATH] [--max-new-tokens N] [--metadata] PACKAGE.pt2 ID [ID ...]
+//
+// Loads the op library (--ops-lib, else $DSV4_OPS_LIBRARY) with RTLD_GLOBAL BEFORE the package: the package
+// calls dsv4:: ops through the dispatcher, so their schemas must be registered first. Reads the package's
+// dsv4 metadata (entries, cache shapes), allocates the caches, runs prefill on the prompt ids, then greedy
+// decode, and prints "generated: id id ..." on stdout. --metadata prints the decode entry's AOTI metadata.
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+
+#if __has_include(<torch/headeronly/version.h>)
+#include <torch/headeronly/version.h>
+#elif __has_include(<torch/version.h>)
+#include <torch/version.h>
+#endif
+
+namespace {
+
+[[noreturn]] void fail(const std::string& msg) {
+  std::cerr << "dsv4_run: error: " << msg << std::endl;
+  std::exit(2);
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, sep)) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+// The package's extra/dsv4_metadata.json is a flat JSON object of string values; the runner only needs a
+// few keys whose values contain no quotes or escapes, so a string search is enough (no JSON library).
+std::string json_string_value(const std::string& json, const std::string& key) {
+  const std::string needle = "\"" + key + "\"";
+  size_t k = json.find(needle);
+  if (k == std::string::npos) fail("package metadata has no key " + key + " (not a dsv4 package?)");
+  size_t colon = json.find(':', k + needle.size());
+  size_t open = json.find('"', colon + 1);
+  size_t close = json.find('"', open + 1);
+  if (colon == std::string::npos || open == std::string::npos || close == std::string::npos) {
+    fail("malformed package metadata at key " + key);
+  }
+  return json.substr(open + 1, close - open - 1);
+}
+
+std::string read_package_metadata(const std::string& pkg) {
+  caffe2::serialize::PyTorchStreamReader reader(pkg);
+  const std::string record = "extra/dsv4_metadata.json";
+  if (!reader.hasRecord(record)) fail(pkg + " has no " + record + ": build it with `python -m export build`");
+  auto [data, size] = reader.getRecord(record);
+  return std::string(static_cast<const char*>(data.get()), size);
+}
+
+c10::ScalarType parse_dtype(const std::string& s) {
+  static const std::map<std::string, c10::ScalarType> table = {
+      {"float32", at::kFloat},         {"float16", at::kHalf},    {"bfloat16", at::kBFloat16},
+      {"float64", at::kDouble},        {"int64", at::kLong},      {"int32", at::kInt},
+      {"int16", at::kShort},           {"int8", at::kChar},       {"uint8", at::kByte},
+      {"bool", at::kBool},             {"float8_e4m3fn", at::kFloat8_e4m3fn},
+      {"float8_e5m2", at::kFloat8_e5m2}};
+  auto it = table.find(s);
+  if (it == table.end()) fail("unsupported cache dtype " + s);
+  return it->second;
+}
+
+struct Bucketed {
+  int64_t batch;
+  std::string name;
+};
+
+// Entries are named <kind>_b<batch>; pick the smallest batch >= 1.
+Bucketed smallest(const std::string& csv, const std::string& kind) {
+  Bucketed best{-1, ""};
+  for (const auto& name : split(csv, ',')) {
+    size_t p = name.rfind("_b");
+    if (p == std::string::npos) fail("unexpected entry name " + name);
+    int64_t b = std::stoll(name.substr(p + 2));
+    if (best.batch < 0 || b < best.batch) best = {b, name};
+  }
+  if (best.batch < 0) fail("package has no " + kind + " entry");
+  return best;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string ops_lib = std::getenv("DSV4_OPS_LIBRARY") ? std::getenv("DSV4_OPS_LIBRARY") : "";
+  int64_t max_new_tokens = 8;
+  bool print_metadata = false;
+  std::string pkg;
+  std::vector<int64_t> prompt;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--ops-lib" && i + 1 < argc) {
+      ops_lib = argv[++i];
+    } else if (a == "--max-new-tokens" && i + 1 < argc) {
+      max_new_tokens = std::stoll(argv[++i]);
+    } else if (a == "--metadata") {
+      print_metadata = true;
+    } else if (a == "-h" || a == "--help") {
+      std::cout << "usage: dsv4_run [--ops-lib PATH] [--max-new-tokens N] [--metadata] PACKAGE.pt2 ID [ID ...]\n";
+      return 0;
+    } else if (pkg.empty()) {
+      pkg = a;
+    } else {
+      prompt.push_back(std::stoll(a));
+    }
+  }
+  if (pkg.empty() || (prompt.empty() && !print_metadata)) fail("need a package and at least one prompt id (--help)");
+  if (ops_lib.empty()) fail("no op library: pass --ops-lib PATH/libdsv4_ops.so or set DSV4_OPS_LIBRARY");
+  // RTLD_GLOBAL: the library's static initializers register torch.ops.dsv4.* in this process's dispatcher.
+  if (!dlopen(ops_lib.c_str(), RTLD_NOW | RTLD_GLOBAL)) fail(std::string("cannot load op library: ") + dlerror());
+
+  const std::string meta_json = read_package_metadata(pkg);
+  const std::string built_torch = json_string_value(meta_json, "dsv4.torch_version");
+#ifdef TORCH_VERSION_MAJOR
+  {
+    const std::string here = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + ".";
+    if (built_torch.rfind(here, 0) != 0) {
+      fail("package built with torch " + built_torch + ", this runner links torch " + here +
+           "x: rebuild the package (or the runner) with the same torch");
+    }
+  }
+#endif
+  const at::Device device(json_string_value(meta_json, "dsv4.device"));
+  const Bucketed prefill = smallest(json_string_value(meta_json, "dsv4.cpp.prefill_entries"), "prefill");
+  const Bucketed decode = smallest(json_string_value(meta_json, "dsv4.cpp.decode_entries"), "decode");
+  const int64_t max_seq = std::stoll(json_string_value(meta_json, "dsv4.max_seq_len"));
+
+  try {
+    torch::inductor::AOTIModelPackageLoader decode_model(pkg, decode.name);
+    if (print_metadata) {
+      for (const auto& [k, v] : decode_model.get_metadata()) std::cout << k << "=" << v << "\n";
+      return 0;
+    }
+    torch::inductor::AOTIModelPackageLoader prefill_model(pkg, prefill.name);
+    if (static_cast<int64_t>(prompt.size()) + max_new_tokens > max_seq) {
+      fail("prompt + max_new_tokens exceeds the package's max_seq_len " + std::to_string(max_seq));
+    }
+
+    std::vector<at::Tensor> caches;
+    for (const auto& spec : split(json_string_value(meta_json, "dsv4.cpp.caches"), ';')) {
+      auto parts = split(spec, ':');  // name:dtype:d0xd1x...
+      if (parts.size() != 3) fail("malformed cache spec " + spec);
+      std::vector<int64_t> shape;
+      for (const auto& d : split(parts[2], 'x')) shape.push_back(std::stoll(d));
+      caches.push_back(at::zeros(shape, at::TensorOptions().dtype(parse_dtype(parts[1])).device(device)));
+    }
+    auto with_caches = [&](std::vector<at::Tensor> inputs) {
+      inputs.insert(inputs.end(), caches.begin(), caches.end());
+      return inputs;
+    };
+    auto opts = at::TensorOptions().dtype(at::kLong).device(device);
+
+    // Prefill the prompt into cache row 0 (rows 1.. of a larger bucket get token 0 and are never read).
+    const int64_t t = static_cast<int64_t>(prompt.size());
+    at::Tensor tokens = at::zeros({prefill.batch, t}, opts);
+    tokens[0].copy_(at::tensor(prompt, at::kLong));
+    at::Tensor logits = prefill_model.run(with_caches({tokens}))[0];
+
+    std::vector<int64_t> generated;
+    int64_t pos = t;
+    for (int64_t i = 0; i < max_new_tokens; ++i) {
+      const int64_t next = logits[0].argmax().item<int64_t>();
+      generated.push_back(next);
+      if (i + 1 == max_new_tokens) break;
+      at::Tensor tok = at::zeros({decode.batch}, opts);
+      at::Tensor positions = at::zeros({decode.batch}, opts);
+      tok[0].fill_(next);
+      positions[0].fill_(pos++);
+      logits = decode_model.run(with_caches({tok, positions}))[0];
+    }
+    std::cout << "generated:";
+    for (int64_t id : generated) std::cout << " " << id;
+    std::cout << std::endl;
+  } catch (const std::exception& e) {
+    fail(std::string(e.what()));
+  }
+  return 0;
+}

@@ -1,0 +1,83 @@
+"""A tiny stand-in LM with the real model's export interface (used by tests and the benchmark).
+
+Same contract as ``dsv4_model.model.Transformer``: caches are preallocated non-persistent buffers,
+``decode_step(tokens[B], positions[B]) -> float32 logits [B, V]`` writes one position per row in place,
+``prefill(tokens[B, S], lengths[B]) -> float32 logits [B, V]`` at position lengths[b]-1 fills positions
+0..S-1 (right-padded rows: what lies past lengths[b] is masked until decode overwrites it). When the op library
+has a kernel for ``dsv4::nvfp4_quantize`` on the device, the key projection round-trips through NVFP4, so the
+exported graph calls dsv4 ops.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def _has_kernel(op: str, device: torch.device) -> bool:
+    key = "CUDA" if device.type == "cuda" else "CPU"
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
+    except RuntimeError:
+        return False
+
+
+class ToyLM(nn.Module):
+    def __init__(self, vocab_size: int = 96, dim: int = 64, *, max_batch_size: int = 2, max_seq_len: int = 32,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.config = {"vocab_size": vocab_size, "dim": dim, "kind": "toy"}
+        device = torch.device(device)
+
+        def w(*shape):
+            return nn.Parameter((torch.randn(*shape, generator=g) / math.sqrt(shape[-1])).to(device, dtype),
+                                requires_grad=False)
+
+        self.embed = w(vocab_size, dim)
+        self.wq, self.wk, self.wv, self.wo = w(dim, dim), w(dim, dim), w(dim, dim), w(vocab_size, dim)
+        self.register_buffer("k_cache", torch.zeros(max_batch_size, max_seq_len, dim, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("v_cache", torch.zeros(max_batch_size, max_seq_len, dim, dtype=dtype, device=device),
+                             persistent=False)
+        import dsv4_ops  # noqa: F401
+
+        self.use_dsv4 = dim % 16 == 0 and _has_kernel("dsv4::nvfp4_quantize", device)
+
+    def _keys(self, h: torch.Tensor) -> torch.Tensor:
+        k = h @ self.wk.t()
+        if not self.use_dsv4:
+            return k
+        flat = k.reshape(-1, k.shape[-1])
+        gs = torch.ones((), dtype=torch.float32, device=k.device)
+        packed, scales = torch.ops.dsv4.nvfp4_quantize(flat, gs)
+        return torch.ops.dsv4.nvfp4_dequantize(packed, scales, gs, k.dtype).reshape(k.shape)
+
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        b = tokens.shape[0]
+        h = self.embed[tokens]
+        rows = torch.arange(b, device=tokens.device)
+        self.k_cache.index_put_((rows, positions), self._keys(h))
+        self.v_cache.index_put_((rows, positions), h @ self.wv.t())
+        k, v = self.k_cache[:b], self.v_cache[:b]
+        scores = torch.einsum("bd,bsd->bs", h @ self.wq.t(), k) / math.sqrt(h.shape[-1])
+        visible = torch.arange(k.shape[1], device=tokens.device)[None, :] <= positions[:, None]
+        attn = scores.float().masked_fill(~visible, float("-inf")).softmax(-1).to(h.dtype)
+        out = h + torch.einsum("bs,bsd->bd", attn, v)
+        return (out @ self.wo.t()).float()
+
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        b, t = tokens.shape
+        if lengths is None:
+            lengths = torch.full((b,), t, dtype=torch.long, device=tokens.device)
+        h = self.embed[tokens]
+        self.k_cache[:b, :t].copy_(self._keys(h))
+        self.v_cache[:b, :t].copy_(h @ self.wv.t())
+        k, v = self.k_cache[:b, :t], self.v_cache[:b, :t]
+        scores = torch.einsum("btd,bsd->bts", h @ self.wq.t(), k) / math.sqrt(h.shape[-1])
+        causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
+        attn = scores.float().masked_fill(~causal, float("-inf")).softmax(-1).to(h.dtype)
+        out = h + torch.einsum("bts,bsd->btd", attn, v)
+        last = out[torch.arange(b, device=tokens.device), lengths - 1]
+        return (last @ self.wo.t()).float()

@@ -1,0 +1,486 @@
+"""dsv4::nvfp4_linear / nvfp4_linear_w4a4 / nvfp4_moe against the dequantize-then-matmul references
+(dsv4_ops/reference.py), the kernel weight layout (dsv4_model/nvfp4.py), and the NVFP4 modules.
+
+Tolerance of a bf16 output: |out - ref32| <= ulp_bf16(ref32) + 2 * 2e-5 * sum_k |x_k w_k|, i.e. one bf16 rounding
+of a value whose fp32 accumulation may differ from the reference's by reordering (and, on the GPU, the
+tensor-core accumulation) -- far below the effect of a single wrong weight, block scale or token.
+"""
+import contextlib
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import dsv4_ops
+from dsv4_ops import reference as ref
+from dsv4_model import nvfp4 as nv
+
+ops = torch.ops.dsv4
+
+_ALL_E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+_POS_E4M3 = _ALL_E4M3[torch.isfinite(_ALL_E4M3) & (_ALL_E4M3 > 0)]
+_NORMAL = _POS_E4M3[(_POS_E4M3 >= 2.0**-4) & (_POS_E4M3 <= 16.0)]
+_SUBNORMAL = _POS_E4M3[_POS_E4M3 < 2.0**-6]
+
+
+def rand_scales(shape, gen, device="cpu"):
+    """E4M3 block scales, mostly normal, with subnormal, zero and negative ones mixed in."""
+    s = _NORMAL[torch.randint(0, len(_NORMAL), shape, generator=gen)]
+    u = torch.rand(shape, generator=gen)
+    s = torch.where(u < 0.03, _SUBNORMAL[torch.randint(0, len(_SUBNORMAL), shape, generator=gen)], s)
+    s = torch.where((u >= 0.03) & (u < 0.05), torch.zeros_like(s), s)
+    s = torch.where((u >= 0.05) & (u < 0.08), -s, s)
+    return s.to(torch.float8_e4m3fn).to(device)
+
+
+def rand_nvfp4(lead, n, k, gen, device="cpu"):
+    """Canonical NVFP4 (packed, e4m3 scales, fp32 global scale of shape `lead`) with random codes."""
+    packed = torch.randint(0, 256, (*lead, n, k // 2), generator=gen, dtype=torch.uint8).to(device)
+    scale = rand_scales((*lead, n, k // 16), gen, device)
+    gs = (0.005 + 0.02 * torch.rand(lead, generator=gen)).to(device)
+    return packed, scale, gs
+
+
+def rand_x(shape, gen, device="cpu"):
+    return torch.randn(shape, generator=gen).to(torch.bfloat16).to(device)
+
+
+def bf16_ulp(v: torch.Tensor) -> torch.Tensor:
+    e = torch.frexp(v)[1]  # |v| in [2^(e-1), 2^e): bf16 spacing 2^(e-8)
+    return torch.where(v == 0, torch.zeros_like(v), torch.ldexp(torch.ones_like(v), (e - 8).float()))
+
+
+def assert_bf16_close(out, ref32, bound, what, rel=2e-5):
+    assert out.shape == ref32.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref32.shape)}"
+    err = (out.float() - ref32).abs()
+    tol = bf16_ulp(ref32) + 2 * rel * bound + 1e-30
+    bad = ~(err <= tol)
+    assert not bool(bad.any()), (f"{what}: {int(bad.sum())} of {bad.numel()} outside tolerance, "
+                                 f"max err/tol {float((err / tol).max()):.3g}")
+
+
+def linear_case(n, k, m, gen, device):
+    packed, scale, gs = rand_nvfp4((), n, k, gen, device)
+    wk, sk = nv.repack_weight(packed, scale)
+    x = rand_x((m, k), gen, device)
+    w = ref.nvfp4_gemm_dequant_ref(packed, scale, gs)
+    ref32 = x.float() @ w.t()
+    bound = x.float().abs() @ w.abs().t()
+    return x, (wk, sk, gs), ref32, bound
+
+
+@contextlib.contextmanager
+def kernel_choice(name):
+    old = os.environ.get("DSV4_NVFP4_GEMM_KERNEL")
+    os.environ["DSV4_NVFP4_GEMM_KERNEL"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["DSV4_NVFP4_GEMM_KERNEL"]
+        else:
+            os.environ["DSV4_NVFP4_GEMM_KERNEL"] = old
+
+
+# ------------------------------------------------------------------------------------------- layout
+def test_layout_roundtrip_and_decode_tricks():
+    """repack/unrepack are inverse, and the bit tricks the CUDA kernel uses (mirrored here) decode every code of
+    the kernel layout to the canonical value times 2^-126 in the mma A-fragment order."""
+    gen = torch.Generator().manual_seed(1)
+    n, k = 5, 272
+    packed, scale, _ = rand_nvfp4((), n, k, gen)
+    wk, sk = nv.repack_weight(packed, scale)
+    assert wk.shape == (n, 384 // 2) and sk.shape == (n, 384 // 16)
+    one = torch.tensor(1.0)
+    canon = ref.nvfp4_gemm_dequant_ref(packed, scale, one)
+    assert torch.equal(nv.dequantize_kernel_layout(wk, sk, one, k), canon)
+    p2, s2 = nv.unrepack_weight(wk, sk, k)
+    assert torch.equal(ref.nvfp4_gemm_dequant_ref(p2, s2, one), canon)
+
+    words = wk.view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [n, C * 16]: (chunk, lane t, word j)
+    m32 = 0xFFFFFFFF
+    regs = [words & 0x81C081C0, (words << 3) & 0x81C081C0 & m32, (words << 6) & 0x81C081C0 & m32,
+            ((words >> 4) & 0x00C000C0) | ((words >> 5) & 0x01000100) | ((words << 1) & 0x80008000)]
+    sc = nv.decode_scale(sk)
+    got = torch.zeros(n, 384)
+    for q, r in enumerate(regs):
+        for e in range(2):
+            half = ((r >> (16 * e)) & 0xFFFF).to(torch.int32)
+            val = (half << 16).view(torch.float32) * 2.0**126  # bf16 bits -> fp32
+            c, t, j = torch.meshgrid(torch.arange(3), torch.arange(4), torch.arange(4), indexing="ij")
+            s, h = 2 * j + (q >> 1), q & 1
+            kk = (c * 128 + 16 * s + 8 * h + 2 * t + e).reshape(-1)
+            blk = (c * 8 + s).reshape(-1)
+            got[:, kk] = val * sc[:, blk]
+    assert torch.equal(got[:, :k], canon)
+    assert torch.equal(got[:, k:], torch.zeros(n, 384 - k))
+
+
+def test_scale_encoding_covers_e4m3():
+    v = _ALL_E4M3[torch.isfinite(_ALL_E4M3)].abs()
+    b = nv.encode_scale(v)
+    assert torch.equal(nv.decode_scale(b), v)
+    # the CUDA kernel turns a byte into the bf16 of scale * 2^119 as (byte << 4) + (236 << 7)
+    nz = b[b > 0].to(torch.int32)
+    bits = (nz << 4) + (236 << 7)
+    assert int(bits.max()) < 0x7F80
+    assert torch.equal((bits << 16).view(torch.float32), v[b > 0] * 2.0**119)
+
+
+def test_gate_up_interleave_roundtrip():
+    t = torch.arange(2 * 48 * 3).reshape(2, 48, 3)
+    it = nv.interleave_gate_up(t)
+    assert torch.equal(it[0, :8], t[0, :8]) and torch.equal(it[0, 8:16], t[0, 24:32])
+    assert torch.equal(nv.deinterleave_gate_up(it), t)
+
+
+# ------------------------------------------------------------------------------------------- CPU numerics
+@pytest.mark.parametrize("n,k", [(32, 128), (40, 272), (16, 1024)])
+@pytest.mark.parametrize("m", [1, 3, 8, 64, 513])
+def test_linear_cpu(n, k, m):
+    gen = torch.Generator().manual_seed(n * 1000 + k + m)
+    x, w, ref32, bound = linear_case(n, k, m, gen, "cpu")
+    assert_bf16_close(ops.nvfp4_linear(x, *w), ref32, bound, f"cpu linear {m}x{n}x{k}")
+
+
+@pytest.mark.parametrize("n,k,m", [(1024, 4096, 1), (1024, 4096, 3), (1536, 7168, 1)])
+def test_linear_cpu_v4_shapes(n, k, m):
+    gen = torch.Generator().manual_seed(7)
+    x, w, ref32, bound = linear_case(n, k, m, gen, "cpu")
+    assert_bf16_close(ops.nvfp4_linear(x, *w), ref32, bound, f"cpu linear {m}x{n}x{k}")
+
+
+def test_linear_cpu_batched_input_and_reference():
+    gen = torch.Generator().manual_seed(3)
+    packed, scale, gs = rand_nvfp4((), 24, 160, gen)
+    wk, sk = nv.repack_weight(packed, scale)
+    x = rand_x((2, 3, 160), gen)
+    out = ops.nvfp4_linear(x, wk, sk, gs)
+    assert out.shape == (2, 3, 24) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref.nvfp4_linear_ref(x, packed, scale, gs), atol=0, rtol=2**-7)
+
+
+def w4a4_case(n, k, lead, gen, device):
+    xp, xs, xg = rand_nvfp4((), int(torch.tensor(lead).prod()), k, gen, device)
+    xp, xs = xp.reshape(*lead, k // 2), xs.reshape(*lead, k // 16)
+    packed, scale, gs = rand_nvfp4((), n, k, gen, device)
+    wk, sk = nv.repack_weight(packed, scale)
+    xd = ref.nvfp4_gemm_dequant_ref(xp, xs, xg)
+    w = ref.nvfp4_gemm_dequant_ref(packed, scale, gs)
+    return (xp, xs, xg), (wk, sk, gs), xd @ w.t(), xd.abs() @ w.abs().t()
+
+
+@pytest.mark.parametrize("m", [1, 5, 64])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_linear_w4a4_cpu(m, out_dtype):
+    gen = torch.Generator().manual_seed(11 + m)
+    xq, w, ref32, bound = w4a4_case(48, 272, (m,), gen, "cpu")
+    out = ops.nvfp4_linear_w4a4(*xq, *w, out_dtype)
+    assert out.dtype == out_dtype
+    if out_dtype == torch.bfloat16:
+        assert_bf16_close(out, ref32, bound, f"cpu w4a4 m={m}")
+    else:
+        assert bool(((out - ref32).abs() <= 4e-5 * bound + 1e-30).all())
+
+
+def moe_case(E, d, inter, s_inter, T, k, gen, device, dup=False):
+    w13 = rand_nvfp4((E,), 2 * inter, d, gen, device)
+    w2 = rand_nvfp4((E,), d, inter, gen, device)
+    shared = None
+    if s_inter:
+        s13 = rand_nvfp4((), 2 * s_inter, d, gen, device)
+        s2 = rand_nvfp4((), d, s_inter, gen, device)
+        shared = (*s13, *s2)
+    x = rand_x((T, d), gen, device)
+    # a few popular experts, so experts repeat across tokens
+    pool = torch.randperm(E, generator=gen)[: max(k, min(E, 2 * k))]
+    ids = pool[torch.argsort(torch.rand(T, len(pool), generator=gen), dim=1)[:, :k]]
+    if dup and k > 1:
+        ids[0, 1] = ids[0, 0]
+    wts = torch.rand(T, k, generator=gen) * 2
+    ids, wts = ids.to(device), wts.to(device)
+    return x, ids, wts, w13, w2, shared
+
+
+def kernel_moe_args(w13, w2, shared):
+    """Canonical MoE weights -> the op's kernel-layout arguments (per expert, to bound the memory)."""
+    def rep13(p, s):
+        return nv.repack_weight(nv.interleave_gate_up(p), nv.interleave_gate_up(s))
+
+    def stack(fn, p, s):
+        parts = [fn(p[e], s[e]) for e in range(p.shape[0])]
+        return torch.stack([a for a, _ in parts]), torch.stack([b for _, b in parts])
+
+    a13 = (*stack(rep13, w13[0], w13[1]), w13[2])
+    a2 = (*stack(nv.repack_weight, w2[0], w2[1]), w2[2])
+    sh = (None,) * 6
+    if shared is not None:
+        sp13, ss13, sg13, sp2, ss2, sg2 = shared
+        sh = (*rep13(sp13, ss13), sg13, *nv.repack_weight(sp2, ss2), sg2)
+    return (*a13, *a2, *sh)
+
+
+def assert_moe_close(out, expect, what):
+    """bf16 intermediates (gate/up, h, expert outputs) may round differently after an fp32 reordering."""
+    assert out.shape == expect.shape and out.dtype == torch.bfloat16
+    o, e = out.float(), expect.float()
+    rms = e.pow(2).mean().sqrt().clamp_min(1e-30)
+    err = (o - e).abs()
+    assert bool((err <= 2**-6 * e.abs() + 2**-6 * rms).all()), f"{what}: max err {float(err.max()):.3g}, rms {float(rms):.3g}"
+    assert float(err.mean()) <= 2**-9 * float(rms), f"{what}: mean err {float(err.mean()):.3g}"
+
+
+@pytest.mark.parametrize("T", [1, 5, 64])
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_moe_cpu(T, with_shared):
+    gen = torch.Generator().manual_seed(100 + T)
+    x, ids, wts, w13, w2, shared = moe_case(8, 272, 72, 48 if with_shared else 0, T, 3, gen, "cpu", dup=True)
+    out = ops.nvfp4_moe(x, ids, wts, *kernel_moe_args(w13, w2, shared), 10.0)
+    expect = ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, shared, 10.0)
+    assert_moe_close(out, expect, f"cpu moe T={T}")
+    out32 = ops.nvfp4_moe(x, ids.int(), wts, *kernel_moe_args(w13, w2, shared), 10.0)
+    assert torch.equal(out32, out)
+
+
+def test_moe_cpu_invalid_ids_and_no_clamp():
+    gen = torch.Generator().manual_seed(5)
+    x, ids, wts, w13, w2, _ = moe_case(4, 128, 16, 0, 6, 2, gen, "cpu")
+    ids[1, 0] = -1
+    ids[2, 1] = 4
+    for limit in (10.0, 0.0):
+        out = ops.nvfp4_moe(x, ids, wts, *kernel_moe_args(w13, w2, None), limit)
+        assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, None, limit), f"cpu moe limit={limit}")
+
+
+# ------------------------------------------------------------------------------------------- opcheck (CPU)
+def opcheck_args(device, gen):
+    x, w, _, _ = linear_case(32, 272, 3, gen, device)
+    xq, w4, _, _ = w4a4_case(32, 272, (3,), gen, device)
+    mx, ids, wts, w13, w2, shared = moe_case(4, 144, 24, 16, 5, 2, gen, device)
+    return [
+        (ops.nvfp4_linear.default, (x, *w)),
+        (ops.nvfp4_linear.default, (x[0], *w)),
+        (ops.nvfp4_linear_w4a4.default, (*xq, *w4, torch.bfloat16)),
+        (ops.nvfp4_moe.default, (mx, ids, wts, *kernel_moe_args(w13, w2, shared), 10.0)),
+        (ops.nvfp4_moe.default, (mx, ids.int(), wts, *kernel_moe_args(w13, w2, None), 10.0)),
+    ]
+
+
+def test_opcheck_cpu():
+    for op, args in opcheck_args("cpu", torch.Generator().manual_seed(0)):
+        torch.library.opcheck(op, args)
+
+
+def test_fake_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    gen = torch.Generator().manual_seed(0)
+    cases = opcheck_args("cpu", gen)
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        for op, args in cases:
+            fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+            real = op(*args)
+            fake = op(*fargs)
+            assert fake.shape == real.shape and fake.dtype == real.dtype
+
+
+# ------------------------------------------------------------------------------------------- modules (CPU)
+def test_quantize_weight_matches_reference_quantizer():
+    gen = torch.Generator().manual_seed(2)
+    w = (torch.randn(48, 256, generator=gen) * 0.05).to(torch.bfloat16)
+    packed, scale, gs = nv.quantize_weight(w)
+    assert packed.shape == (48, 128) and scale.dtype == torch.float8_e4m3fn and gs.shape == ()
+    assert torch.equal(gs, w.float().abs().amax() / 2688.0)
+    quant_ref = getattr(ref, "nvfp4_quantize_ref", None)
+    if quant_ref is not None:
+        rp, rs = quant_ref(w, gs)
+        assert torch.equal(packed, rp) and torch.equal(scale.view(torch.uint8), rs.view(torch.uint8))
+    deq = ref.nvfp4_gemm_dequant_ref(packed, scale, gs)
+    # round trip: every element within half an E2M1 step of its block (<= 1/6 of the block max, plus the
+    # E4M3 rounding of the block scale)
+    blk_max = w.float().abs().unflatten(-1, (-1, 16)).amax(-1, keepdim=True)
+    err = (deq - w.float()).abs().unflatten(-1, (-1, 16))
+    assert bool((err <= blk_max * (1 / 6 + 1 / 16) + 1e-9).all())
+    # stacked experts: one global scale per matrix
+    ws = torch.stack([w, 2 * w])
+    p2, s2, g2 = nv.quantize_weight(ws)
+    assert g2.shape == (2,) and torch.equal(p2[0], packed) and torch.equal(p2[1], packed)
+
+
+def test_nvfp4_linear_module_vs_bf16():
+    gen = torch.Generator().manual_seed(4)
+    w = (torch.randn(96, 256, generator=gen) * 0.05).to(torch.bfloat16)
+    x = rand_x((5, 256), gen)
+    mod = nv.Nvfp4Linear.from_float(w)
+    y = mod(x)
+    y_bf16 = torch.nn.functional.linear(x, w).float()
+    rel = ((y.float() - y_bf16).pow(2).mean() / y_bf16.pow(2).mean()).sqrt()
+    assert float(rel) < 0.15, f"NVFP4 vs bf16 relative rms error {float(rel):.3f}"
+    wd = mod.dequantized_weight()
+    assert_bf16_close(y, x.float() @ wd.t(), x.float().abs() @ wd.abs().t(), "module vs its dequantized weight")
+    mod4 = nv.Nvfp4Linear.from_float(w, w4a4=True)
+    try:
+        y4 = mod4(x)
+    except NotImplementedError:
+        pytest.skip("dsv4::fused_amax_quantize has no CPU kernel in this build")
+    rel4 = ((y4.float() - y_bf16).pow(2).mean() / y_bf16.pow(2).mean()).sqrt()
+    assert float(rel4) < 0.25, f"W4A4 vs bf16 relative rms error {float(rel4):.3f}"
+    xq = ops.fused_amax_quantize(x)
+    wq = nv.unrepack_weight(mod4.weight_packed, mod4.weight_scale, 256)
+    expect = ref.nvfp4_linear_w4a4_ref(*xq, *wq, mod4.weight_global_scale)
+    torch.testing.assert_close(y4, expect, atol=1e-5, rtol=2**-7)
+
+
+def test_nvfp4_moe_module_vs_bf16():
+    from dsv4_model.moe import Expert, Experts
+
+    gen = torch.Generator().manual_seed(6)
+    E, d, inter, T, k = 6, 128, 64, 7, 2
+    cfg = SimpleNamespace(n_routed_experts=E, dim=d, moe_inter_dim=inter, swiglu_limit=10.0)
+    experts = Experts(cfg, torch.bfloat16)
+    shared = Expert(d, inter, torch.bfloat16, 10.0)
+    for p in list(experts.parameters()) + list(shared.parameters()):
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.08)
+    x = rand_x((T, d), gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    wts = torch.rand(T, k, generator=gen)
+    y_bf16 = (experts.forward_loop(x, wts, ids) + shared(x).float()).to(torch.bfloat16).float()
+    mod = nv.Nvfp4MoE.from_float(experts.w1, experts.w2, experts.w3,
+                                 (shared.w1.weight, shared.w2.weight, shared.w3.weight), 10.0)
+    y = mod(x, ids, wts).float()
+    rel = ((y - y_bf16).pow(2).mean() / y_bf16.pow(2).mean()).sqrt()
+    assert float(rel) < 0.2, f"NVFP4 MoE vs bf16 relative rms error {float(rel):.3f}"
+
+
+# ------------------------------------------------------------------------------------------- CUDA
+V4_FLASH = [(1024, 4096), (32768, 1024), (512, 4096), (4096, 8192), (4096, 4096), (4096, 2048), (2048, 4096)]
+V4_PRO = [(1536, 7168), (65536, 1536), (7168, 16384), (6144, 7168), (7168, 3072)]
+ODD = [(40, 272), (24, 144), (8, 16)]
+
+
+@pytest.mark.cuda
+@pytest.mark.kernels
+@pytest.mark.parametrize("n,k", V4_FLASH + V4_PRO + ODD)
+def test_linear_cuda(n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    packed, scale, gs = rand_nvfp4((), n, k, gen, "cuda")
+    wk, sk = nv.repack_weight(packed, scale)
+    w = ref.nvfp4_gemm_dequant_ref(packed, scale, gs)
+    for m in ([1, 3, 8, 64, 513] if (n, k) not in V4_PRO else [1, 8, 513]):
+        x = rand_x((m, k), gen, "cuda")
+        ref32 = x.float() @ w.t()
+        bound = x.float().abs() @ w.abs().t()
+        assert_bf16_close(ops.nvfp4_linear(x, wk, sk, gs), ref32, bound, f"cuda linear {m}x{n}x{k}")
+
+
+@pytest.mark.cuda
+@pytest.mark.kernels
+@pytest.mark.parametrize("n,k", [(1024, 4096), (40, 272), (24, 144)])
+def test_linear_cuda_simple_kernel(n, k):
+    """The plain fallback kernel (DSV4_NVFP4_GEMM_KERNEL=simple) stays correct too."""
+    gen = torch.Generator().manual_seed(9)
+    for m in (1, 8, 65):
+        x, w, ref32, bound = linear_case(n, k, m, gen, "cuda")
+        with kernel_choice("simple"):
+            out = ops.nvfp4_linear(x, *w)
+        assert_bf16_close(out, ref32, bound, f"cuda simple linear {m}x{n}x{k}")
+
+
+@pytest.mark.cuda
+@pytest.mark.kernels
+@pytest.mark.parametrize("m", [1, 5, 64, 300])
+def test_linear_w4a4_cuda(m):
+    gen = torch.Generator().manual_seed(20 + m)
+    for n, k in [(4096, 4096), (40, 272)]:
+        xq, w, ref32, bound = w4a4_case(n, k, (m,), gen, "cuda")
+        assert_bf16_close(ops.nvfp4_linear_w4a4(*xq, *w, torch.bfloat16), ref32, bound, f"cuda w4a4 {m}x{n}x{k}")
+        out32 = ops.nvfp4_linear_w4a4(*xq, *w, torch.float32)
+        assert bool(((out32 - ref32).abs() <= 4e-5 * bound + 1e-30).all())
+
+
+@pytest.mark.cuda
+@pytest.mark.kernels
+@pytest.mark.parametrize("T", [1, 5, 64])
+def test_moe_cuda_v4_flash(T):
+    gen = torch.Generator().manual_seed(200 + T)
+    x, ids, wts, w13, w2, shared = moe_case(32, 4096, 2048, 2048, T, 6, gen, "cuda")
+    args = kernel_moe_args(w13, w2, shared)
+    out = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
+    assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, shared, 10.0), f"cuda moe T={T}")
+
+
+@pytest.mark.cuda
+@pytest.mark.kernels
+@pytest.mark.parametrize("T", [1, 5, 64, 300])
+def test_moe_cuda_many_experts_padded(T):
+    gen = torch.Generator().manual_seed(300 + T)
+    x, ids, wts, w13, w2, shared = moe_case(256, 272, 72, 48, T, 6, gen, "cuda", dup=True)
+    if T > 1:
+        ids[T // 2] = ids[0]  # two tokens with the same experts
+    for sh in (shared, None):
+        args = kernel_moe_args(w13, w2, sh)
+        out = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
+        assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, sh, 10.0), f"cuda moe padded T={T}")
+    with kernel_choice("simple"):
+        out = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
+    assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, None, 10.0), f"cuda simple moe T={T}")
+
+
+@pytest.mark.cuda
+@pytest.mark.kernels
+def test_moe_cuda_invalid_ids():
+    gen = torch.Generator().manual_seed(8)
+    x, ids, wts, w13, w2, _ = moe_case(4, 128, 16, 0, 6, 2, gen, "cuda")
+    ids[1, 0] = -1
+    ids[2, 1] = 4
+    out = ops.nvfp4_moe(x, ids, wts, *kernel_moe_args(w13, w2, None), 0.0)
+    assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, None, 0.0), "cuda moe invalid ids")
+
+
+@pytest.mark.cuda
+@pytest.mark.kernels
+def test_opcheck_cuda():
+    for op, args in opcheck_args("cuda", torch.Generator().manual_seed(0)):
+        torch.library.opcheck(op, args)
+
+
+@pytest.mark.cuda
+@pytest.mark.kernels
+def test_cuda_graph_replay_and_no_sync():
+    gen = torch.Generator().manual_seed(12)
+    packed, scale, gs = rand_nvfp4((), 4096, 4096, gen, "cuda")
+    wk, sk = nv.repack_weight(packed, scale)
+    xq, w4, _, _ = w4a4_case(512, 1024, (8,), gen, "cuda")
+    mx, ids, wts, w13, w2, shared = moe_case(64, 512, 256, 256, 16, 6, gen, "cuda")
+    margs = kernel_moe_args(w13, w2, shared)
+    xs = {m: rand_x((m, 4096), gen, "cuda") for m in (1, 64, 513)}
+
+    def run():
+        outs = [ops.nvfp4_linear(xs[m], wk, sk, gs) for m in xs]
+        outs.append(ops.nvfp4_linear_w4a4(*xq, *w4, torch.bfloat16))
+        outs.append(ops.nvfp4_moe(mx, ids, wts, *margs, 10.0))
+        return outs
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run()  # warm-up (and: no host sync anywhere in the ops)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_out = run()
+    # new inputs, written into the captured buffers
+    for m in xs:
+        xs[m].copy_(rand_x((m, 4096), gen, "cuda"))
+    mx.copy_(rand_x(mx.shape, gen, "cuda"))
+    ids.copy_(torch.randint(0, 64, ids.shape, generator=gen).to("cuda"))
+    wts.copy_(torch.rand(wts.shape, generator=gen).to("cuda"))
+    xq[0].copy_(torch.randint(0, 256, xq[0].shape, generator=gen, dtype=torch.uint8).to("cuda"))
+    g.replay()
+    torch.cuda.synchronize()
+    eager = run()
+    for i, (a, b) in enumerate(zip(static_out, eager)):
+        assert torch.equal(a, b), f"graph replay output {i} differs from eager"
