@@ -196,6 +196,8 @@ class Attention(nn.Module):
         self.rope_kind = "compress" if self.ratio else "main"
         self.simulate_quant = True
         self.prefill_chunk = 512
+        # CSA prefill: dense mask over all entries up to this many, else gather the top-k entries per query
+        self.prefill_dense_max_entries = 2048
         H, D = self.n_heads, self.head_dim
         self.attn_sink = nn.Parameter(torch.empty(H, dtype=torch.float32), requires_grad=False)
         self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, dtype)
@@ -223,13 +225,24 @@ class Attention(nn.Module):
             kv = kv_fake_quant(kv, self.rope_dim)
         return qr, q, kv
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q [B, T, H, D], keys [B, J, D] (K == V), mask [B, T, J] -> [B, T, H, D] (fp32 softmax with sink)."""
-        s = torch.einsum("bthd,bjd->bthj", q.float(), keys.float()) * self.softmax_scale
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, qkeys: torch.Tensor | None = None,
+                qmask: torch.Tensor | None = None) -> torch.Tensor:
+        """One softmax (fp32, with the per-head sink in the denominator) over the union of
+        shared keys [B, J, D] (mask [B, T, J]) and optional per-query keys [B, T, K, D] (qmask [B, T, K]).
+        q [B, T, H, D] -> [B, T, H, D]; K == V."""
+        s = torch.einsum("bthd,bjd->bthj", q.float(), keys.float())
         s = s.masked_fill(~mask.unsqueeze(2), float("-inf"))
+        if qkeys is not None:
+            s2 = torch.einsum("bthd,btkd->bthk", q.float(), qkeys.float())
+            s = torch.cat([s, s2.masked_fill(~qmask.unsqueeze(2), float("-inf"))], dim=-1)
+        s = s * self.softmax_scale
         sink = self.attn_sink.float().view(1, 1, -1, 1).expand(s.shape[0], s.shape[1], -1, 1)
-        p = torch.cat([s, sink], dim=-1).softmax(dim=-1)[..., :-1]
-        return torch.einsum("bthj,bjd->bthd", p, keys.float()).to(q.dtype)
+        p = torch.cat([s, sink], dim=-1).softmax(dim=-1)
+        J = keys.shape[1]
+        o = torch.einsum("bthj,bjd->bthd", p[..., :J], keys.float())
+        if qkeys is not None:
+            o = o + torch.einsum("bthk,btkd->bthd", p[..., J:-1], qkeys.float())
+        return o.to(q.dtype)
 
     def _out(self, o: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
         """o [..., H, D] -> inverse RoPE at the query position -> grouped low-rank projection -> [..., dim]."""
@@ -266,6 +279,7 @@ class Attention(nn.Module):
             tj = torch.arange(j0, t1, device=dev).unsqueeze(0)
             mask = ((tj <= tq) & (tj > tq - W)).unsqueeze(0).expand(B, -1, -1)
             keys = kv[:, j0:t1]
+            qkeys = qmask = None
             if comp is not None:
                 n = comp.shape[1]
                 n_vis = (tq + 1) // m  # [T, 1]
@@ -274,14 +288,21 @@ class Attention(nn.Module):
                     sc = self.indexer.scores(iq[:, t0:t1], x[:, t0:t1], ikeys)
                     sc = sc.masked_fill(~vis, float("-inf"))
                     idx = topk_indices(sc, min(self.indexer.index_topk, n))
-                    idx = torch.where(idx < n_vis, idx, torch.full_like(idx, n))
-                    sel = torch.zeros(B, t1 - t0, n + 1, dtype=torch.bool, device=dev)
-                    vis = sel.scatter_(-1, idx, True)[..., :n]
+                    valid = idx < n_vis
+                    if n <= self.prefill_dense_max_entries:
+                        idx = torch.where(valid, idx, torch.full_like(idx, n))
+                        sel = torch.zeros(B, t1 - t0, n + 1, dtype=torch.bool, device=dev)
+                        vis = sel.scatter_(-1, idx, True)[..., :n]
+                    else:
+                        k = idx.shape[-1]
+                        qkeys = comp.gather(1, idx.flatten(1).unsqueeze(-1).expand(-1, -1, comp.shape[-1]))
+                        qkeys, qmask = qkeys.view(B, t1 - t0, k, -1), valid
                 else:
                     vis = vis.unsqueeze(0).expand(B, -1, -1)
-                keys = torch.cat([keys, comp], dim=1)
-                mask = torch.cat([mask, vis], dim=-1)
-            outs.append(self._attend(q[:, t0:t1], keys, mask))
+                if qkeys is None:
+                    keys = torch.cat([keys, comp], dim=1)
+                    mask = torch.cat([mask, vis], dim=-1)
+            outs.append(self._attend(q[:, t0:t1], keys, mask, qkeys, qmask))
         return self._out(torch.cat(outs, dim=1), cs)
 
     def _write_window(self, kv: torch.Tensor, lengths: torch.Tensor) -> None:
@@ -320,17 +341,16 @@ class Attention(nn.Module):
             self._write_entry(self.kv_cache, W, positions, entry, complete)
 
         keys = self.kv_cache[:B, :W]
-        mask = torch.arange(W, device=dev).unsqueeze(0) <= positions.unsqueeze(1)
-        if self.ratio:
-            comp = self.kv_cache[:B, W:]
-            if sel is not None:
-                comp = comp.gather(1, sel.unsqueeze(-1).expand(-1, -1, self.head_dim))
-                cmask = sel_valid
-            else:
-                cmask = torch.arange(self.n_entries, device=dev).unsqueeze(0) < ((positions + 1) // m).unsqueeze(1)
-            keys = torch.cat([keys, comp], dim=1)
-            mask = torch.cat([mask, cmask], dim=1)
-        o = self._attend(q.unsqueeze(1), keys, mask.unsqueeze(1)).squeeze(1)
+        mask = (torch.arange(W, device=dev).unsqueeze(0) <= positions.unsqueeze(1)).unsqueeze(1)
+        qkeys = qmask = None
+        if sel is not None:
+            qkeys = self.kv_cache[:B, W:].gather(1, sel.unsqueeze(-1).expand(-1, -1, self.head_dim)).unsqueeze(1)
+            qmask = sel_valid.unsqueeze(1)
+        elif self.ratio:
+            cmask = torch.arange(self.n_entries, device=dev).unsqueeze(0) < ((positions + 1) // m).unsqueeze(1)
+            keys = self.kv_cache[:B]
+            mask = torch.cat([mask, cmask.unsqueeze(1)], dim=-1)
+        o = self._attend(q.unsqueeze(1), keys, mask, qkeys, qmask).squeeze(1)
         return self._out(o, cs)
 
     def _write_entry(self, cache: torch.Tensor, offset: int, positions: torch.Tensor, entry: torch.Tensor,

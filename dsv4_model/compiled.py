@@ -42,13 +42,14 @@ class DecodeRunner:
     compile: torch.compile the step (fullgraph, static shapes). Default: on for CUDA, off for CPU.
     cuda_graphs: replay CUDA graphs. Default: on for CUDA. Needs a CUDA model.
     graph_mode: "manual" (default) or "reduce-overhead" (implies compile).
+    compile_backend: torch.compile backend ("inductor"; tests on CPU may use "aot_eager").
 
     Use: `prepare(B)` (compiles / captures; scribbles on cache rows [:bucket], so call it BEFORE prefill),
     prefill, `begin(positions, params)`, `sample_first(prefill_logits)`, then `step()` per token.
     """
 
     def __init__(self, model, *, compile: bool | None = None, cuda_graphs: bool | None = None,
-                 graph_mode: str = "manual"):
+                 graph_mode: str = "manual", compile_backend: str = "inductor"):
         self.model = model
         self.device = model.device
         on_cuda = self.device.type == "cuda"
@@ -74,11 +75,15 @@ class DecodeRunner:
         self._pool = None
         self._fn = self._step_impl
         if self.compile:
+            # Dynamo counts compiled variants per code object, and every runner compiles the same
+            # `_step_impl`: leave room for one variant per bucket for several runners (past the limit
+            # dynamo would silently fall back to eager).
             cfg = torch._dynamo.config
-            cfg.recompile_limit = max(cfg.recompile_limit, len(self.buckets) + 2)
-            cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * len(self.buckets) + 8)
+            cfg.recompile_limit = max(cfg.recompile_limit, 8 * len(self.buckets))
+            cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 32 * len(self.buckets))
             mode = "reduce-overhead" if self.graph_mode == "reduce-overhead" else None
-            self._fn = torch.compile(self._step_impl, fullgraph=True, dynamic=False, mode=mode)
+            self._fn = torch.compile(self._step_impl, fullgraph=True, dynamic=False, mode=mode,
+                                     backend=compile_backend)
 
     @property
     def mode_name(self) -> str:
@@ -181,12 +186,13 @@ class DecodeRunner:
 
     # ------------------------------------------------------------------ steady state
     @torch.no_grad()
-    def step(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, replay: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of the live batch -> (logits [rows, V], next ids [rows]).
 
-        In graph modes both are static buffers overwritten by the next step: copy what you keep."""
+        In graph modes both are static buffers overwritten by the next step: copy what you keep.
+        replay=False runs the (compiled) step function directly instead of the manual CUDA graph."""
         n = self.padded
-        if self.graph_mode == "manual":
+        if self.graph_mode == "manual" and replay:
             graph, logits, nxt = self._graphs[n]
             graph.replay()
         else:

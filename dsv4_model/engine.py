@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import glob
-import os
-import re
-from collections import defaultdict
-
 import torch
 
 from .config import ModelConfig
@@ -31,13 +26,13 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path, *, device="cpu", dtype=torch.bfloat16, max_batch_size: int = 1,
                         max_seq_len: int = 4096, simulate_quant: bool = True, **options) -> "Engine":
-        try:
-            from .loader import load_model
-        except ImportError:
-            load_model = _fallback_load_model
+        """Load a checkpoint directory via `dsv4_model.loader.load_model`; `options` go to the loader
+        (e.g. layout=, load_mtp=, progress=)."""
+        from .loader import load_model
+
         model, config = load_model(path, device=device, dtype=dtype, max_batch_size=max_batch_size,
-                                   max_seq_len=max_seq_len, simulate_quant=simulate_quant)
-        return cls(model, config, device, **options)
+                                   max_seq_len=max_seq_len, simulate_quant=simulate_quant, **options)
+        return cls(model, config, device)
 
     # ------------------------------------------------------------------ state
     @property
@@ -113,34 +108,3 @@ class Engine:
         self.positions[:B] += 1
         self._lens = [n + 1 for n in self._lens]
         return logits
-
-
-# ---------------------------------------------------------------------------------------------------- fallback
-# TODO(loader): replaced by dsv4_model.loader.load_model once it exists. Handles only unquantised safetensors
-# with official names (per-expert or stacked routed experts).
-def _fallback_load_model(path, *, device="cpu", dtype=torch.bfloat16, max_batch_size=1, max_seq_len=4096,
-                         simulate_quant=True):
-    from safetensors.torch import load_file
-
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.exists(cfg_path):
-        cfg_path = os.path.join(path, "inference", "config.json")
-    config = ModelConfig.from_json(cfg_path)
-    model = Transformer(config, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype,
-                        device="meta", simulate_quant=simulate_quant)
-    model.to_empty(device=device)
-    sd: dict[str, torch.Tensor] = {}
-    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        sd.update(load_file(f))
-    experts: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
-    for k in list(sd):
-        m = re.fullmatch(r"(.*\.ffn\.experts)\.(\d+)\.(w[123])\.weight", k)
-        if m:
-            experts[f"{m.group(1)}.{m.group(3)}"][int(m.group(2))] = sd.pop(k)
-    for k, parts in experts.items():
-        sd[k] = torch.stack([parts[i] for i in range(len(parts))])
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"checkpoint mismatch: missing {missing[:8]}, unexpected {unexpected[:8]}")
-    model.setup_runtime(device)
-    return model, config

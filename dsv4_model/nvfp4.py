@@ -157,10 +157,9 @@ def dequantize_kernel_layout(packed_k: torch.Tensor, scale_k: torch.Tensor, glob
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
     v = lut[codes & 7]
     v = torch.where(codes >= 8, -v, v)
-    s = decode_scale(scale_k)[..., : k // BLOCK]
-    v = (v.unflatten(-1, (-1, BLOCK)) * s.unsqueeze(-1)).flatten(-2)
     gs = global_scale.float()
-    return v * gs.reshape(gs.shape + (1,) * (v.dim() - gs.dim()))
+    s = decode_scale(scale_k)[..., : k // BLOCK] * gs.reshape(gs.shape + (1,) * (v.dim() - gs.dim()))
+    return (v.unflatten(-1, (-1, BLOCK)) * s.unsqueeze(-1)).flatten(-2)  # e2m1 * (scale * gs)
 
 
 # ------------------------------------------------------------------------------------------- MoE rows

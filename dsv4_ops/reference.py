@@ -26,7 +26,7 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 def _f32(v: float, like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(v, dtype=torch.float32, device=like.device)
+    return torch.full((), v, dtype=torch.float32, device=like.device)  # a fill, so CUDA-graph capturable
 
 
 def _sign_bits(x: torch.Tensor) -> torch.Tensor:
@@ -116,7 +116,10 @@ def nvfp4_quantize_ref(x: torch.Tensor, global_scale: torch.Tensor):
 
 
 def nvfp4_dequantize_ref(packed, block_scale, global_scale, dtype):
-    """value = e2m1(code) * (float(block_scale) * global_scale), rounded once to dtype."""
+    """value = e2m1(code) * (float(block_scale) * global_scale), rounded once to dtype. block_scale may be
+    float8_e4m3fn or uint8 holding the same bits."""
+    if block_scale.dtype == torch.uint8:
+        block_scale = block_scale.view(torch.float8_e4m3fn)
     p2, lead = _rows_of(packed)
     R = p2.shape[0]
     codes = nvfp4_unpack(p2)
@@ -322,7 +325,7 @@ def indexer_fp4_quantize_keys(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     assert D % _INDEXER_BLOCK == 0, f"indexer keys need D % 32 == 0, got {D}"
     x = k.float().unflatten(-1, (D // _INDEXER_BLOCK, _INDEXER_BLOCK))
     amax = x.abs().amax(-1).clamp_min(6 * 2.0**-126)
-    r = amax * torch.tensor(1.0 / 6.0, dtype=torch.float32, device=k.device)
+    r = amax * (1.0 / 6.0)  # fp32 product (no host->device tensor: usable inside CUDA-graph capture)
     bits = r.view(torch.int32)
     e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)  # biased exponent of the scale
     scale = _indexer_pow2_from_exponent(e)
@@ -341,8 +344,8 @@ def indexer_fp4_dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: tor
     """Inverse of the key storage: codes uint8 [..., D/2], exponents uint8 [..., D/32] -> [..., D] of `dtype`."""
     c = codes.to(torch.int32)
     nib = torch.stack((c & 0xF, c >> 4), dim=-1).flatten(-2)  # [..., D], element order 0, 1, 2, ...
-    lut = torch.tensor(_INDEXER_E2M1, dtype=torch.float32, device=codes.device)
-    val = lut[nib & 7]
+    m = nib & 7  # E2M1 magnitude from its bits (no host->device LUT: usable inside CUDA-graph capture)
+    val = torch.where(m < 2, m.float() * 0.5, torch.exp2((m >> 1).float() - 1.0) * (1.0 + 0.5 * (m & 1).float()))
     val = torch.where((nib & 8) != 0, -val, val)
     s = _indexer_pow2_from_exponent(scales)
     val = (val.unflatten(-1, (-1, _INDEXER_BLOCK)) * s.unsqueeze(-1)).flatten(-2)
@@ -384,18 +387,13 @@ def indexer_score_topk_reference(q, weights, k_codes, k_scales, n_valid, topk: i
 # float8_e4m3fn block scales [..., N, K/16], fp32 dequant-direction global scale; value = e2m1 * scale * gs.
 # The ops take the kernel layout of dsv4_model.nvfp4.repack_weight; tests feed both from the same tensors.
 
-_GEMM_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
 def nvfp4_gemm_dequant_ref(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """fp32 [..., N, K] = e2m1 * float(e4m3) * global_scale (global_scale 0-d, or [E] for stacked [E, N, K/2])."""
-    c = packed.to(torch.int32)
-    codes = torch.stack((c & 0xF, c >> 4), dim=-1).flatten(-2)
-    lut = torch.tensor(_GEMM_E2M1, dtype=torch.float32, device=packed.device)
-    v = torch.where(codes >= 8, -lut[codes & 7], lut[codes & 7])
-    v = (v.unflatten(-1, (-1, 16)) * block_scale.float().unsqueeze(-1)).flatten(-2)
-    gs = global_scale.float()
-    return v * gs.reshape(gs.shape + (1,) * (v.dim() - gs.dim()))
+    """fp32 [..., N, K] weights via nvfp4_dequantize_ref; global_scale 0-d, or one per matrix (e.g. [E] for
+    stacked [E, N, K/2])."""
+    gs = global_scale.to(torch.float32)
+    if gs.dim() > 0:
+        gs = gs.reshape(gs.shape + (1,) * (packed.dim() - 1 - gs.dim())).expand(packed.shape[:-1])
+    return nvfp4_dequantize_ref(packed, block_scale, gs, torch.float32)
 
 
 def nvfp4_linear_ref(x, w_packed, w_scale, w_global_scale) -> torch.Tensor:

@@ -161,12 +161,8 @@ def eager_dsv4_ops(model: nn.Module, entry: Entry, device: str, fn: Callable) ->
 
 
 def compile_entries(eps: dict[str, torch.export.ExportedProgram], out: str, meta: dict[str, str], *,
-                    verbose: bool = True, quick_compile: bool = False) -> str:
-    """AOTInductor-compiles every ExportedProgram and writes them as named models of one .pt2.
-
-    ``quick_compile`` builds the C++ at -O0 (``aot_inductor.debug_compile``, which also makes the wrapper check
-    every input's dtype/shape/stride): several times faster to compile, slow to run; for tests.
-    """
+                    verbose: bool = True) -> str:
+    """AOTInductor-compiles every ExportedProgram and writes them as named models of one .pt2."""
     choice = toolchain.configure_inductor(verbose=verbose)
     meta = dict(meta, **{"dsv4.cxx": choice.cxx})
     files: dict[str, list] = {}
@@ -179,8 +175,7 @@ def compile_entries(eps: dict[str, torch.export.ExportedProgram], out: str, meta
         # (the multi-model recipe of its docstring: aot_compile(..., aot_inductor.package) + package_aoti).
         files[name] = torch._inductor.aot_compile(
             ep.module(), args, kwargs,
-            options={"aot_inductor.package": True, "aot_inductor.metadata": entry_meta,
-                     "aot_inductor.debug_compile": quick_compile})
+            options={"aot_inductor.package": True, "aot_inductor.metadata": entry_meta})
         _log(verbose, f"  {name}: {time.time() - t0:.1f} s")
     from torch.export.pt2_archive._package import package_pt2
 
@@ -196,7 +191,7 @@ def compile_entries(eps: dict[str, torch.export.ExportedProgram], out: str, meta
 def build_package(model: nn.Module, config: dict, out: str, *, max_batch_size: int, max_seq_len: int,
                   device: str, decode_batches: Sequence[int] | None = None,
                   prefill_batches: Sequence[int] | None = None, prefill_lengths: Sequence[int] | None = None,
-                  save_exported_programs: bool = True, quick_compile: bool = False,
+                  save_exported_programs: bool = True,
                   dtype: torch.dtype | None = None, verbose: bool = True,
                   decode_fn: Callable = call_decode, prefill_fn: Callable = call_prefill) -> str:
     """Exports ``model`` (already on ``device``, caches allocated for max_batch_size x max_seq_len) to ``out``.
@@ -258,7 +253,7 @@ def build_package(model: nn.Module, config: dict, out: str, *, max_batch_size: i
         for name, ep in eps.items():
             torch.export.save(ep, f"{stem}.{name}.ep.pt2")
         _log(verbose, f"ExportedPrograms saved as {stem}.<entry>.ep.pt2")
-    compile_entries(eps, out, meta, verbose=verbose, quick_compile=quick_compile)
+    compile_entries(eps, out, meta, verbose=verbose)
     _log(verbose, f"package written: {out} ({os.path.getsize(out) / 2**20:.1f} MiB)")
     return out
 

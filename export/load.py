@@ -40,34 +40,63 @@ def _bucket(buckets: Sequence[int], n: int, what: str) -> int:
     raise ValueError(f"batch {n} exceeds the largest {what} bucket {max(buckets)} in the package")
 
 
-class ExportedEngine:
-    """prefill / decode / reset over a loaded package; the caches are tensors this object owns.
+class _PackageModel:
+    """The part of the Transformer interface ``dsv4_model.compiled.DecodeRunner`` uses, backed by the package."""
 
-    ``decode(tokens[B], positions[B]) -> float32 logits [B, V]`` (runs the smallest decode bucket >= B;
-    padded rows write into cache rows B.. which no sequence uses).
-    ``prefill(tokens[B, T]) -> float32 logits [B, V]`` (positions 0..T-1 of rows 0..B-1).
-    ``cuda_graph=True`` captures each decode bucket in a CUDA graph on first use (needs a CUDA package;
-    the entries are loaded with ``run_single_threaded=True`` so the call can be captured).
+    def __init__(self, engine: "ExportedEngine"):
+        self._engine = engine
+        self.max_batch_size = engine.max_batch_size
+        self.max_seq_len = engine.max_seq_len
+        self.device = engine.device
+
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self._engine.decode_step(tokens, positions)
+
+
+def _config_object(d: dict):
+    try:
+        from dsv4_model.config import ModelConfig
+
+        return ModelConfig.from_dict(d)
+    except Exception:  # a non-dsv4 config (e.g. export.toy): attribute access is all generate() needs
+        import types
+
+        return types.SimpleNamespace(**d)
+
+
+class ExportedEngine:
+    """The engine interface (``dsv4_model.engine.Engine``) over a loaded package; it owns the caches.
+
+    ``prefill(input_ids [B, S], lengths=None) -> float32 logits [B, V]`` (last valid position of each row; runs
+    the smallest prefill bucket >= (B, S), right-padded). ``decode(next_ids [B]) -> [B, V]`` continues each row
+    at its own position. ``decode_step(tokens [B], positions [B])`` is the raw step (smallest decode bucket >= B;
+    padded rows run token 0 at position 0 in cache rows B.., which no live sequence uses).
+    ``generate(prompts, ...)`` is ``dsv4_model.generate.generate`` on this engine: its DecodeRunner (sampling op,
+    per-bucket CUDA graphs when ``cuda_graph``; default on for CUDA packages) drives ``decode_step``.
     """
 
     def __init__(self, path: str, *, device: str | None = None, config: dict | None = None,
-                 cuda_graph: bool = False, run_single_threaded: bool | None = None, entries: Sequence[str] | None = None):
+                 cuda_graph: bool | None = None, run_single_threaded: bool | None = None,
+                 entries: Sequence[str] | None = None):
         self.library_path = load_op_library()
         self.path = path
         self.metadata = get_metadata(path)
         md.check(self.metadata, device=device, config=config)
         self.device = torch.device(self.metadata[md.K_DEVICE] if device is None else device)
-        if cuda_graph and self.device.type != "cuda":
+        on_cuda = self.device.type == "cuda"
+        self.cuda_graph = on_cuda if cuda_graph is None else bool(cuda_graph)
+        if self.cuda_graph and not on_cuda:
             raise ValueError("cuda_graph=True needs a CUDA package")
-        self.config = json.loads(self.metadata[md.K_CONFIG])
+        self.config_dict = json.loads(self.metadata[md.K_CONFIG])
+        self.config = _config_object(self.config_dict)
         self.max_batch_size = int(self.metadata[md.K_MAX_BATCH])
         self.max_seq_len = int(self.metadata[md.K_MAX_SEQ])
         self.vocab_size = int(self.metadata[md.K_VOCAB])
         self.entries: dict[str, dict] = json.loads(self.metadata[md.K_ENTRIES])
         self.cache_specs = [CacheSpec.from_json(d) for d in json.loads(self.metadata[md.K_CACHES])]
         self.caches = [torch.zeros(s.shape, dtype=s.dtype, device=self.device) for s in self.cache_specs]
-        self.cuda_graph = cuda_graph
-        single = cuda_graph if run_single_threaded is None else run_single_threaded
+        # Single-threaded runners can be captured in a CUDA graph (the multi-threaded container cannot).
+        single = on_cuda if run_single_threaded is None else run_single_threaded
         from torch._inductor.package import load_package
 
         wanted = list(self.entries) if entries is None else list(entries)
@@ -78,86 +107,111 @@ class ExportedEngine:
             self._models[name] = load_package(path, name, run_single_threaded=single,
                                               device_index=self.device.index if self.device.index is not None else -1)
         self._decode = {e["batch"]: n for n, e in self.entries.items() if e["kind"] == "decode" and n in self._models}
-        self._prefill = {e["batch"]: n for n, e in self.entries.items() if e["kind"] == "prefill" and n in self._models}
-        self._graphs: dict[int, tuple] = {}
+        self._prefill = {(e["batch"], e["seq_len"]): n for n, e in self.entries.items()
+                         if e["kind"] == "prefill" and n in self._models}
+        self.model = _PackageModel(self)
+        self.decode_options = {"compile": False, "cuda_graphs": self.cuda_graph}
+        self.positions = torch.zeros(self.max_batch_size, dtype=torch.long, device=self.device)
+        self._lens: list[int] = []
 
     # -- state -------------------------------------------------------------------------------------------
     def reset(self) -> None:
-        for c in self.caches:
-            c.zero_()
+        """Forget the batch. The caches need no clearing: prefill rewrites what decode reads."""
+        self._lens = []
+        self.positions.zero_()
+
+    @property
+    def lengths(self) -> list[int]:
+        return list(self._lens)
 
     def entry_metadata(self, name: str) -> dict[str, str]:
         """AOTI metadata of one loaded entry (what C++ ``get_metadata()`` returns)."""
         return self._models[name].get_metadata()
 
-    # -- steps -------------------------------------------------------------------------------------------
+    # -- raw entries -------------------------------------------------------------------------------------
     def _run(self, name: str, *inputs: torch.Tensor) -> torch.Tensor:
-        out = self._models[name].loader.boxed_run([*inputs, *self.caches])
-        return out[0]
+        return self._models[name].loader.boxed_run([*inputs, *self.caches])[0]
 
-    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
-        tokens = tokens.to(self.device, torch.long)
-        b, t = tokens.shape
-        if not 1 <= t <= self.max_seq_len:
-            raise ValueError(f"prompt length {t} outside [1, {self.max_seq_len}]")
-        bb = _bucket(list(self._prefill), b, "prefill")
-        if bb != b:
-            tokens = torch.cat([tokens, tokens.new_zeros(bb - b, t)])
-        return self._run(self._prefill[bb], tokens)[:b]
-
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        tokens = tokens.to(self.device, torch.long).reshape(-1)
-        positions = positions.to(self.device, torch.long).reshape(-1)
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         b = tokens.shape[0]
         bb = _bucket(list(self._decode), b, "decode")
         if bb != b:
-            # Padded rows write at position 0 of cache rows b..bb-1, which no live sequence uses.
             tokens = torch.cat([tokens, tokens.new_zeros(bb - b)])
             positions = torch.cat([positions, positions.new_zeros(bb - b)])
-        if self.cuda_graph:
-            return self._graph_decode(bb, tokens, positions)[:b]
         return self._run(self._decode[bb], tokens, positions)[:b]
 
-    def _graph_decode(self, bb: int, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if bb not in self._graphs:
-            static_tok, static_pos = tokens.clone(), positions.clone()
-            name = self._decode[bb]
-            saved = [c.clone() for c in self.caches]
-            # Warm up outside capture (first-run allocations, lazy init), then capture one call.
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                self._run(name, static_tok, static_pos)
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                static_out = self._run(name, static_tok, static_pos)
-            for c, v in zip(self.caches, saved):  # warm-up and capture wrote into the caches
-                c.copy_(v)
-            self._graphs[bb] = (g, static_tok, static_pos, static_out)
-        g, static_tok, static_pos, static_out = self._graphs[bb]
-        static_tok.copy_(tokens)
-        static_pos.copy_(positions)
-        g.replay()
-        return static_out.clone()
+    def prefill_step(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        b, s = tokens.shape
+        fits = [(bb, ss) for bb, ss in self._prefill if bb >= b and ss >= s]
+        if not fits:
+            raise ValueError(f"no prefill bucket holds a batch of {b} x {s} tokens (package has "
+                             f"{sorted(self._prefill)} as (batch, length))")
+        bb, ss = min(fits, key=lambda k: (k[0] * k[1], k))
+        padded = tokens.new_zeros(bb, ss)
+        padded[:b, :s] = tokens
+        lens = lengths.new_ones(bb)  # padded rows: one token, never read
+        lens[:b] = lengths
+        return self._run(self._prefill[(bb, ss)], padded, lens)[:b]
+
+    # -- engine interface (mirrors dsv4_model.engine.Engine) -----------------------------------------------
+    def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError("input_ids must be a 2-D tensor [batch, seq]")
+        b, s = input_ids.shape
+        if not 1 <= b <= self.max_batch_size:
+            raise ValueError(f"batch size {b} outside [1, max_batch_size={self.max_batch_size}]")
+        lens = [s] * b if lengths is None else [int(v) for v in torch.as_tensor(lengths).tolist()]
+        if len(lens) != b or min(lens) < 1 or max(lens) > s:
+            raise ValueError(f"lengths must be {b} values in [1, {s}], got {lens}")
+        if max(lens) > self.max_seq_len:
+            raise ValueError(f"prompt length {max(lens)} exceeds max_seq_len={self.max_seq_len}")
+        s = max(lens)
+        ids = input_ids.detach()[:, :s].cpu().long()
+        valid = torch.arange(s).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+        if ids[valid].numel() and (int(ids[valid].min()) < 0 or int(ids[valid].max()) >= self.vocab_size):
+            raise ValueError(f"input_ids outside [0, vocab_size={self.vocab_size})")
+        ids = torch.where(valid, ids, torch.zeros_like(ids)).to(self.device)
+        len_dev = torch.tensor(lens, dtype=torch.long, device=self.device)
+        logits = self.prefill_step(ids, len_dev)
+        self._lens = lens
+        self.positions.zero_()
+        self.positions[:b] = len_dev
+        return logits
+
+    def decode(self, next_ids: torch.Tensor) -> torch.Tensor:
+        if not self._lens:
+            raise ValueError("decode() called before prefill()")
+        next_ids = torch.as_tensor(next_ids).reshape(-1)
+        b = len(self._lens)
+        if next_ids.shape != (b,):
+            raise ValueError(f"next_ids must have shape ({b},), got {tuple(next_ids.shape)}")
+        if max(self._lens) >= self.max_seq_len:
+            raise ValueError(f"a row already holds {max(self._lens)} tokens = max_seq_len={self.max_seq_len}")
+        logits = self.decode_step(next_ids.to(self.device, torch.long), self.positions[:b])
+        self.positions[:b] += 1
+        self._lens = [n + 1 for n in self._lens]
+        return logits
 
     # -- generation ----------------------------------------------------------------------------------------
+    def generate(self, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, stop_token_ids=None, stream=None, **kwargs):
+        """``dsv4_model.generate.generate`` with this engine (same arguments and result)."""
+        from dsv4_model.generate import generate
+
+        return generate(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, stream,
+                        **kwargs)
+
     @torch.no_grad()
     def generate_greedy(self, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
-        """Greedy continuation of one prompt (the same loop the C++ runner runs)."""
+        """Greedy continuation of one prompt, no stop tokens: the loop the C++ runner runs."""
+        if len(prompt_ids) + max_new_tokens - 1 > self.max_seq_len:
+            raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) exceeds "
+                             f"max_seq_len {self.max_seq_len}")
         self.reset()
-        tokens = torch.tensor([list(prompt_ids)], dtype=torch.long)
-        pos = len(prompt_ids)
-        if pos + max_new_tokens > self.max_seq_len:
-            raise ValueError(f"prompt ({pos}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len "
-                             f"{self.max_seq_len}")
-        logits = self.prefill(tokens)
+        logits = self.prefill(torch.tensor([list(prompt_ids)]))
         out: list[int] = []
         for i in range(max_new_tokens):
-            nxt = int(logits[0].argmax())
-            out.append(nxt)
-            if i + 1 == max_new_tokens:
-                break
-            logits = self.decode(torch.tensor([nxt]), torch.tensor([pos]))
-            pos += 1
+            out.append(int(logits[0].argmax()))
+            if i + 1 < max_new_tokens:
+                logits = self.decode(torch.tensor([out[-1]]))
         return out

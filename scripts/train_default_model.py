@@ -18,8 +18,9 @@ Beyond next-token cross-entropy the run trains what the inference model has but 
   * router balance of the learned MoE layers: auxiliary-loss-free bias updates (DeepSeek-V3),
   * the routed experts' MXFP4 storage: quantization-aware training (straight-through fake quant) from
     --qat-start of the schedule on, so the stored 4-bit experts are the weights the model was tuned with.
-The schedule length is fixed in steps: --steps, or measured from the first steps' speed so that training fills
-the time budget; the chosen number is logged, and passing it back as --steps repeats the run.
+The schedule (cosine, QAT start, end) follows the share of the time budget used, so the run ends on time and
+annealed whatever the speed (capped at --max-epochs); --steps N makes it step-based and repeatable instead (the
+log records the steps a timed run made).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import json
 import math
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -82,6 +84,7 @@ def default_config_fields(vocab_size: int) -> dict:
         hc_mult=4,
         n_mtp_layers=1,
         max_position_embeddings=4096,  # trained on 512-token windows; informational
+        expert_dtype="fp4",  # informational, as the official config: routed experts are stored MXFP4
         bos_token_id=td.BOS_ID,
         eos_token_id=td.EOS_ID,
     )
@@ -242,6 +245,7 @@ class RouterBalancer:
 
         self.gates = [g for g in model.modules() if isinstance(g, Gate) and not g.hash]
         self.active = True
+        self.last: dict = {}
         for g in self.gates:
             g.register_buffer("_load", torch.zeros(g.weight.shape[0], device=g.weight.device), persistent=False)
             g.register_forward_hook(self._hook)
@@ -256,12 +260,13 @@ class RouterBalancer:
         for g in self.gates:
             load = g._load
             g.bias.add_(gamma * torch.sign(load.mean() - load))
+            self.last[g] = load.clone()
             load.zero_()
 
     @torch.no_grad()
     def imbalance(self) -> list[float]:
-        """max/mean expert load per learned layer over the last step (1.0 = perfectly balanced)."""
-        return [float(g._load.max() / g._load.mean().clamp_min(1e-9)) for g in self.gates]
+        """max/mean expert load per learned layer in the last step (1.0 = perfectly balanced)."""
+        return [round(float(v.max() / v.mean().clamp_min(1e-9)), 3) for v in self.last.values()]
 
 
 # -------------------------------------------------------------------------------------------------
@@ -353,6 +358,33 @@ class IndexerDistill:
 
 
 # -------------------------------------------------------------------------------------------------
+# Regularisation: dropout on every attention and MoE output (the corpus is small; training runs many epochs)
+# -------------------------------------------------------------------------------------------------
+
+class SublayerDropout:
+    def __init__(self, model, p: float):
+        from dsv4_model.attention import Attention
+        from dsv4_model.moe import MoE
+
+        self.p = p
+        self.active = False
+        for mod in model.modules():
+            if isinstance(mod, Attention):
+                self._wrap_prefill(mod)
+            elif isinstance(mod, MoE):
+                mod.register_forward_hook(lambda m, a, out: self._drop(out))
+
+    def _drop(self, out: torch.Tensor) -> torch.Tensor:
+        if self.active and self.p > 0 and torch.is_grad_enabled():
+            return F.dropout(out, self.p, training=True)
+        return out
+
+    def _wrap_prefill(self, attn) -> None:
+        orig = attn.prefill
+        attn.prefill = lambda x, lengths, rope: self._drop(orig(x, lengths, rope))
+
+
+# -------------------------------------------------------------------------------------------------
 # MXFP4 routed experts: quantization-aware training + storage
 # -------------------------------------------------------------------------------------------------
 
@@ -438,11 +470,14 @@ class _StoredModel:
 # Training
 # -------------------------------------------------------------------------------------------------
 
-def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    t = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t)))
+def _snapshot(model) -> dict:
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def lr_at(step: int, progress: float, peak: float, warmup: int, floor: float = 0.1) -> float:
+    """Linear warm-up over `warmup` steps times a cosine from `peak` to `floor * peak` over progress 0..1."""
+    p = min(1.0, max(0.0, progress))
+    return peak * min(1.0, (step + 1) / warmup) * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
 def param_groups(named_params, weight_decay: float):
@@ -452,10 +487,13 @@ def param_groups(named_params, weight_decay: float):
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+_AUTOCAST = {"on": True, "off": False, "auto": None}
+_autocast_mode: bool | None = None  # None: bf16 autocast on CUDA only
+
+
 def autocast_for(device: torch.device):
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return torch.autocast("cpu", enabled=False)
+    on = device.type == "cuda" if _autocast_mode is None else _autocast_mode
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on)
 
 
 @torch.no_grad()
@@ -527,17 +565,21 @@ def parse_args(argv=None):
     ap.add_argument("--tokenizer", type=Path, help="reuse this tokenizer.json instead of training one")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--warmup", type=int, default=150)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--dropout", type=float, default=0.1, help="on attention and MoE outputs")
+    ap.add_argument("--max-epochs", type=float, default=40.0, help="cap of the auto schedule, in train-set epochs")
     ap.add_argument("--steps", type=int, help="fixed schedule length (default: fill the time budget)")
     ap.add_argument("--mtp-weight", type=float, default=0.3)
     ap.add_argument("--indexer-weight", type=float, default=1.0)
     ap.add_argument("--balance-gamma", type=float, default=1e-3, help="router bias step per training step")
-    ap.add_argument("--qat-start", type=float, default=0.6, help="fraction of the schedule where MXFP4 QAT starts")
+    ap.add_argument("--qat-start", type=float, default=0.3, help="fraction of the schedule where MXFP4 QAT starts")
+    ap.add_argument("--autocast", choices=sorted(_AUTOCAST), default="auto",
+                    help="bf16 autocast (auto: on CUDA only; 'on' on a CPU rehearses the GPU run's dtypes)")
     ap.add_argument("--simulate-quant", action="store_true",
                     help="train with the inference QAT numerics (FP8 KV, FP4 indexer; straight-through)")
-    ap.add_argument("--eval-every", type=float, default=60.0, help="seconds between validation evaluations")
+    ap.add_argument("--eval-every", type=float, default=30.0, help="seconds between validation evaluations")
     ap.add_argument("--eval-windows", type=int, default=64, help="validation/test windows of --seq-len tokens")
     ap.add_argument("--sample-chars", type=int, default=24000, help="size of the shipped held-out sample")
     ap.add_argument("--log-every", type=int, default=10)
@@ -546,11 +588,14 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
+    global _autocast_mode
     args = parse_args(argv)
+    _autocast_mode = _AUTOCAST[args.autocast]
     t_start = time.perf_counter()
     budget_s = args.minutes * 60.0
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
+    torch.set_float32_matmul_precision("high")
 
     def elapsed():
         return time.perf_counter() - t_start
@@ -589,6 +634,7 @@ def main(argv=None) -> dict:
     named = trainable_parameters(model)
     balancer = RouterBalancer(model)
     distill = IndexerDistill(model)
+    dropout = SublayerDropout(model, args.dropout)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"[model] {n_params/1e6:.2f}M parameters; config {args.config}; device {device}; "
           f"{len(distill.layers)} indexers, {len(balancer.gates)} learned routers, MTP {cfg.n_mtp_layers}", flush=True)
@@ -612,101 +658,119 @@ def main(argv=None) -> dict:
            "train": [], "val": [], "tokens_seen": 0, "qat_step": None}
 
     # ---- train
-    total_steps = args.steps
-    qat_step = None if total_steps is None else int(args.qat_start * total_steps)
-    best = (float("inf"), None, -1)
+    # Progress runs 0 -> 1 and drives the cosine, the QAT start and the end: by step count with --steps
+    # (repeatable), else by the share of the time budget used (evaluations included, so the schedule ends on time
+    # even if the speed drifts), capped by --max-epochs.
+    cap_steps = max(1, int(args.max_epochs * streams["train"].numel() / (args.batch_size * args.seq_len)))
+    best = (float("inf"), None, -1)  # best validation of the QAT phase: what gets stored
+    best_any = (float("inf"), None, -1)  # before QAT: only a fallback after an error
     last_eval = time.perf_counter()
-    train_deadline = budget_s - _RESERVE_S
     step = 0
     tokens_per_step = args.batch_size * args.seq_len
     t_train = time.perf_counter()
+    train_budget = max(1.0, budget_s - _RESERVE_S - elapsed())
+    qat_on = False
+
+    def progress() -> float:
+        if args.steps:
+            return step / args.steps
+        return max((time.perf_counter() - t_train) / train_budget, step / cap_steps)
+
     model.train()
-    while True:
-        if total_steps is not None and step >= total_steps:
-            break
-        if elapsed() > train_deadline:
-            print(f"[train] time budget reached at step {step}", flush=True)
-            break
-        if qat_step is not None and step == qat_step:
-            for fq in fqs:
-                fq.enabled = True
-            log["qat_step"] = step
-            best = (float("inf"), None, -1)  # earlier weights were not tuned for their 4-bit storage
-            print(f"[train] step {step}: MXFP4 QAT of the routed experts on", flush=True)
-        warmup = min(args.warmup, max(1, (total_steps or 10**9) // 10))
-        lr = lr_at(step, total_steps or 10**9, args.lr, warmup)
-        for g in opt.param_groups:
-            g["lr"] = lr
+    try:
+        while True:
+            prog = progress()
+            if args.steps and elapsed() > budget_s - _RESERVE_S:
+                print(f"[train] time budget reached at step {step} of {args.steps}", flush=True)
+                break
+            if prog >= 1.0:
+                print(f"[train] schedule done at step {step} ({'steps' if args.steps else 'time / epoch cap'})",
+                      flush=True)
+                break
+            if not qat_on and prog >= args.qat_start:
+                for fq in fqs:
+                    fq.enabled = True
+                qat_on = True
+                log["qat_step"] = step
+                print(f"[train] step {step}: MXFP4 QAT of the routed experts on", flush=True)
+            lr = lr_at(step, prog, args.lr, args.warmup)
+            for g in opt.param_groups:
+                g["lr"] = lr
 
-        batch = sampler.next()
-        distill.active = args.indexer_weight > 0
-        with autocast_for(device), parametrize.cached():
-            h = forward_hidden(model, batch[:, :-1])
-            logits = logits_from_hidden(model, h)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-            total = loss
-            mtp_loss = idx_loss = None
-            if cfg.n_mtp_layers and args.mtp_weight > 0:
-                ml = mtp_logits(model, h[:, :-1], batch[:, 1:-1])
-                mtp_loss = F.cross_entropy(ml.float().flatten(0, 1), batch[:, 2:].flatten())
-                total = total + args.mtp_weight * mtp_loss
-            idx_loss = distill.pop_loss()
-            if idx_loss is not None:
-                total = total + args.indexer_weight * idx_loss
-        distill.active = False
-        detach_runtime_buffers(model)
-        opt.zero_grad(set_to_none=True)
-        total.backward()
-        # separate clipping: the indexer's distillation gradients must not shrink the language model's steps
-        gnorm = torch.nn.utils.clip_grad_norm_(main_params, 1.0)
-        if indexer_params:
-            torch.nn.utils.clip_grad_norm_(indexer_params, 1.0)
-        opt.step()
-        balancer.update(args.balance_gamma)  # uses this step's loads, then clears them
-        step += 1
-        log["tokens_seen"] += tokens_per_step
+            batch = sampler.next()
+            distill.active = args.indexer_weight > 0
+            dropout.active = True
+            with autocast_for(device), parametrize.cached():
+                h = forward_hidden(model, batch[:, :-1])
+                logits = logits_from_hidden(model, h)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+                total = loss
+                mtp_loss = idx_loss = None
+                if cfg.n_mtp_layers and args.mtp_weight > 0:
+                    ml = mtp_logits(model, h[:, :-1], batch[:, 1:-1])
+                    mtp_loss = F.cross_entropy(ml.float().flatten(0, 1), batch[:, 2:].flatten())
+                    total = total + args.mtp_weight * mtp_loss
+                idx_loss = distill.pop_loss()
+                if idx_loss is not None:
+                    total = total + args.indexer_weight * idx_loss
+            distill.active = dropout.active = False
+            detach_runtime_buffers(model)
+            opt.zero_grad(set_to_none=True)
+            total.backward()
+            # separate clipping: the indexer's distillation gradients must not shrink the language model's steps
+            gnorm = torch.nn.utils.clip_grad_norm_(main_params, 1.0)
+            if indexer_params:
+                torch.nn.utils.clip_grad_norm_(indexer_params, 1.0)
+            opt.step()
+            balancer.update(args.balance_gamma)  # uses this step's loads, then clears them
+            step += 1
+            log["tokens_seen"] += tokens_per_step
 
-        if step % args.log_every == 0 or step <= 3 or step == total_steps:
-            rec = {"step": step, "loss": loss.item(), "lr": lr, "grad_norm": gnorm.item(), "time": elapsed()}
-            if mtp_loss is not None:
-                rec["mtp_loss"] = mtp_loss.item()
-            if idx_loss is not None:
-                rec["indexer_kl"] = idx_loss.item()
-            log["train"].append(rec)
-            tps = log["tokens_seen"] / (time.perf_counter() - t_train)
-            extra = "".join(f" {k} {rec[k]:.3f}" for k in ("mtp_loss", "indexer_kl") if k in rec)
-            print(f"[train] step {step}{'/' + str(total_steps) if total_steps else ''} loss {rec['loss']:.4f}{extra} "
-                  f"lr {lr:.2e} gnorm {rec['grad_norm']:.2f} {tps:,.0f} tok/s t={elapsed():.0f}s", flush=True)
-            if not math.isfinite(rec["loss"]):
-                raise RuntimeError(f"non-finite loss at step {step}")
+            if step % args.log_every == 0 or step <= 3 or step == args.steps:
+                rec = {"step": step, "loss": loss.item(), "lr": lr, "grad_norm": gnorm.item(), "time": elapsed(),
+                       "progress": round(prog, 4)}
+                if mtp_loss is not None:
+                    rec["mtp_loss"] = mtp_loss.item()
+                if idx_loss is not None:
+                    rec["indexer_kl"] = idx_loss.item()
+                log["train"].append(rec)
+                tps = log["tokens_seen"] / (time.perf_counter() - t_train)
+                extra = "".join(f" {k} {rec[k]:.3f}" for k in ("mtp_loss", "indexer_kl") if k in rec)
+                print(f"[train] step {step}{'/' + str(args.steps) if args.steps else ''} loss {rec['loss']:.4f}{extra} "
+                      f"lr {lr:.2e} gnorm {rec['grad_norm']:.2f} {tps:,.0f} tok/s t={elapsed():.0f}s", flush=True)
+                if not math.isfinite(rec["loss"]):
+                    raise FloatingPointError(f"non-finite loss at step {step}")
 
-        if total_steps is None and step == _CALIBRATION_START:
-            sync()
-            t_calib = time.perf_counter()
-        if total_steps is None and step == _CALIBRATION_END:
-            # Fix the schedule from the measured speed (after the first, slower steps) so that the cosine ends
-            # when the budget does.
-            sync()
-            per_step = (time.perf_counter() - t_calib) / (_CALIBRATION_END - _CALIBRATION_START)
-            left = train_deadline - elapsed()
-            n_evals = left / args.eval_every + 1
-            eval_cost = n_evals * per_step * (args.eval_windows / args.batch_size) * 0.4
-            total_steps = max(step + 1, step + int((left - eval_cost) / per_step * 0.95))
-            qat_step = max(step, int(args.qat_start * total_steps))
-            log["auto_steps"] = total_steps
-            print(f"[train] {per_step * 1e3:.0f} ms/step, {tokens_per_step / per_step:,.0f} tok/s -> schedule of "
-                  f"{total_steps} steps ({total_steps * tokens_per_step / 1e6:.0f}M tokens, "
-                  f"{total_steps * tokens_per_step / streams['train'].numel():.1f} epochs); QAT from step {qat_step}",
-                  flush=True)
+            if step == _CALIBRATION_START:
+                sync()
+                t_calib = time.perf_counter()
+            if step == _CALIBRATION_END:
+                sync()
+                per_step = (time.perf_counter() - t_calib) / (_CALIBRATION_END - _CALIBRATION_START)
+                est = min(cap_steps, int(train_budget / per_step)) if not args.steps else args.steps
+                log["calibration"] = {"ms_per_step": per_step * 1e3, "tokens_per_s": tokens_per_step / per_step,
+                                      "projected_steps": est}
+                print(f"[train] {per_step * 1e3:.0f} ms/step, {tokens_per_step / per_step:,.0f} tok/s -> about {est} "
+                      f"steps ({est * tokens_per_step / 1e6:.0f}M tokens, "
+                      f"{est * tokens_per_step / streams['train'].numel():.1f} epochs)", flush=True)
 
-        if time.perf_counter() - last_eval > args.eval_every and len(val_windows):
-            vl = evaluate(model, val_windows, args.batch_size, device)
-            log["val"].append({"step": step, "loss": vl, "ppl": math.exp(vl), "time": elapsed(),
-                               "router_max_over_mean": balancer.imbalance()})
-            print(f"[eval] step {step} val loss {vl:.4f} ppl {math.exp(vl):.3f}", flush=True)
-            if vl < best[0] and (qat_step is not None and step > qat_step):
-                best = (vl, {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}, step)
-            last_eval = time.perf_counter()
+            if time.perf_counter() - last_eval > args.eval_every and len(val_windows):
+                vl = evaluate(model, val_windows, args.batch_size, device)
+                log["val"].append({"step": step, "loss": vl, "ppl": math.exp(vl), "time": elapsed(),
+                                   "router_max_over_mean": balancer.imbalance()})
+                print(f"[eval] step {step} val loss {vl:.4f} ppl {math.exp(vl):.3f}", flush=True)
+                if qat_on and vl < best[0]:
+                    best = (vl, _snapshot(model), step)
+                elif not qat_on and vl < best_any[0]:
+                    best_any = (vl, _snapshot(model), step)
+                last_eval = time.perf_counter()
+    except Exception:
+        # Keep what was learnt (the run costs GPU time): fall back to the best validated weights.
+        log["error"] = traceback.format_exc()
+        print(f"[train] stopped by an error at step {step}:\n{log['error']}", flush=True)
+        if best[1] is None and best_any[1] is None:
+            raise
+        model.load_state_dict(best[1] if best[1] is not None else best_any[1])
 
     # ---- final: keep the best validation checkpoint of the QAT phase (a small corpus: late steps may overfit)
     model.eval()

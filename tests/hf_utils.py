@@ -5,9 +5,19 @@ from __future__ import annotations
 import math
 import re
 
+import pytest
 import torch
 
 from dsv4_model.config import ModelConfig
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny-tensor tests: OpenMP fan-out only costs time (badly so on a shared 2-core box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def tiny_config(**overrides) -> ModelConfig:

@@ -190,8 +190,8 @@ def test_dequantize_matches_bruteforce():
             nib = (c[d // 2] >> (4 * (d % 2))) & 0xF
             v = E2M1[nib & 7] * 2.0 ** (s[d // 32] - 127) * (-1 if nib & 8 else 1)
             assert got[idx][d].item() == v
-    # Round trip: quantized values are fixed points of quantize -> dequantize (same scale when the block max
-    # is a full-scale code).
+    # Round trip: stored values are fixed points of quantize -> dequantize (a block whose largest code is below
+    # full scale gets a smaller scale, but its values stay representable).
     x = torch.randn(5, 64, generator=g)
     c, s = ref.indexer_fp4_quantize_keys(x)
     y = ref.indexer_fp4_dequantize(c, s)
@@ -382,3 +382,16 @@ def test_cuda_graph_replay_with_new_data():
         assert torch.equal(out, eager)
         want = ref.indexer_score_topk_reference(*[t.cpu() for t in bufs], n_valid.cpu(), topk)
         assert torch.equal(out.cpu(), want)
+
+
+@pytest.mark.cuda
+@pytest.mark.kernels
+def test_cuda_limits_are_reported():
+    q, w, c, s = exact_inputs(2, 10, 4, 64, device="cuda")
+    nv = torch.tensor([10, 10], dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="supports D = 128"):
+        OP(q, w, c, s, nv, 4)
+    q, w, c, s = exact_inputs(2, 10, 4, 128, device="cuda")
+    with pytest.raises(RuntimeError, match="topk <= 4096"):
+        OP(q, w, c, s, nv, 4097)
+    assert OP(q, w, c, s, nv, 0).shape == (2, 0)

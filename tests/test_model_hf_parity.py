@@ -10,18 +10,9 @@ pytest.importorskip("transformers")
 
 from dsv4_model.engine import Engine  # noqa: E402
 
-from hf_utils import build_pair, hf_logits, tiny_config  # noqa: E402
+from hf_utils import build_pair, hf_logits, one_thread, tiny_config  # noqa: E402,F401
 
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # tiny ops: thread fan-out only costs time on a shared 2-core box
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +35,16 @@ def test_prefill_all_positions_match_hf(pair):
     assert (out - ref).abs().max().item() <= TOL
     # the comparison is meaningful: logits are O(1) and differ between positions
     assert ref.abs().max() > 0.5 and (ref[0, 1:] - ref[0, :-1]).abs().max() > 0.1
+    # CSA prefill with per-query gathered top-k entries instead of a dense mask
+    attns = [layer.attn for layer in ours.layers]
+    for a in attns:
+        a.prefill_dense_max_entries = 0
+    try:
+        out = Engine(ours).prefill(ids, all_logits=True)
+    finally:
+        for a in attns:
+            a.prefill_dense_max_entries = 2048
+    assert (out - ref).abs().max().item() <= TOL
 
 
 def test_decode_200_steps_match_hf(pair):

@@ -235,7 +235,7 @@ def assert_moe_close(out, expect, what):
 @pytest.mark.parametrize("with_shared", [False, True])
 def test_moe_cpu(T, with_shared):
     gen = torch.Generator().manual_seed(100 + T)
-    x, ids, wts, w13, w2, shared = moe_case(8, 272, 72, 48 if with_shared else 0, T, 3, gen, "cpu", dup=True)
+    x, ids, wts, w13, w2, shared = moe_case(8, 272, 80, 48 if with_shared else 0, T, 3, gen, "cpu", dup=True)
     out = ops.nvfp4_moe(x, ids, wts, *kernel_moe_args(w13, w2, shared), 10.0)
     expect = ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, shared, 10.0)
     assert_moe_close(out, expect, f"cpu moe T={T}")
@@ -257,19 +257,28 @@ def test_moe_cpu_invalid_ids_and_no_clamp():
 def opcheck_args(device, gen):
     x, w, _, _ = linear_case(32, 272, 3, gen, device)
     xq, w4, _, _ = w4a4_case(32, 272, (3,), gen, device)
-    mx, ids, wts, w13, w2, shared = moe_case(4, 144, 24, 16, 5, 2, gen, device)
+    mx, ids, wts, w13, w2, shared = moe_case(4, 144, 32, 16, 5, 2, gen, device)
     return [
         (ops.nvfp4_linear.default, (x, *w)),
         (ops.nvfp4_linear.default, (x[0], *w)),
-        (ops.nvfp4_linear_w4a4.default, (*xq, *w4, torch.bfloat16)),
+        # test_schema compares inputs with allclose, which float8 lacks: the uint8 view of the scales runs all four
+        (ops.nvfp4_linear_w4a4.default, (xq[0], xq[1].view(torch.uint8), xq[2], *w4, torch.bfloat16)),
         (ops.nvfp4_moe.default, (mx, ids, wts, *kernel_moe_args(w13, w2, shared), 10.0)),
         (ops.nvfp4_moe.default, (mx, ids.int(), wts, *kernel_moe_args(w13, w2, None), 10.0)),
     ]
 
 
-def test_opcheck_cpu():
-    for op, args in opcheck_args("cpu", torch.Generator().manual_seed(0)):
+def opcheck_all(device):
+    gen = torch.Generator().manual_seed(0)
+    for op, args in opcheck_args(device, gen):
         torch.library.opcheck(op, args)
+    xq, w4, _, _ = w4a4_case(32, 272, (2, 3), gen, device)
+    torch.library.opcheck(ops.nvfp4_linear_w4a4.default, (*xq, *w4, torch.float32),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_opcheck_cpu():
+    opcheck_all("cpu")
 
 
 def test_fake_shapes():
@@ -277,12 +286,13 @@ def test_fake_shapes():
 
     gen = torch.Generator().manual_seed(0)
     cases = opcheck_args("cpu", gen)
-    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
-        for op, args in cases:
+    mode = FakeTensorMode()
+    for op, args in cases:
+        real = op(*args)
+        with mode:
             fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-            real = op(*args)
             fake = op(*fargs)
-            assert fake.shape == real.shape and fake.dtype == real.dtype
+        assert fake.shape == real.shape and fake.dtype == real.dtype and fake.stride() == real.stride()
 
 
 # ------------------------------------------------------------------------------------------- modules (CPU)
@@ -292,10 +302,8 @@ def test_quantize_weight_matches_reference_quantizer():
     packed, scale, gs = nv.quantize_weight(w)
     assert packed.shape == (48, 128) and scale.dtype == torch.float8_e4m3fn and gs.shape == ()
     assert torch.equal(gs, w.float().abs().amax() / 2688.0)
-    quant_ref = getattr(ref, "nvfp4_quantize_ref", None)
-    if quant_ref is not None:
-        rp, rs = quant_ref(w, gs)
-        assert torch.equal(packed, rp) and torch.equal(scale.view(torch.uint8), rs.view(torch.uint8))
+    rp, rs = ref.nvfp4_quantize_ref(w, gs)
+    assert torch.equal(packed, rp) and torch.equal(scale.view(torch.uint8), rs.view(torch.uint8))
     deq = ref.nvfp4_gemm_dequant_ref(packed, scale, gs)
     # round trip: every element within half an E2M1 step of its block (<= 1/6 of the block max, plus the
     # E4M3 rounding of the block scale)
@@ -367,7 +375,10 @@ def test_linear_cuda(n, k):
     packed, scale, gs = rand_nvfp4((), n, k, gen, "cuda")
     wk, sk = nv.repack_weight(packed, scale)
     w = ref.nvfp4_gemm_dequant_ref(packed, scale, gs)
-    for m in ([1, 3, 8, 64, 513] if (n, k) not in V4_PRO else [1, 8, 513]):
+    ms = [1, 3, 8, 64, 513] if (n, k) not in V4_PRO else [1, 8, 513]
+    if (n, k) in ODD or (n, k) == (4096, 2048):
+        ms += [12, 20, 40, 65, 130]  # every token-tile width of the skinny kernel, and the tiled kernel's edges
+    for m in ms:
         x = rand_x((m, k), gen, "cuda")
         ref32 = x.float() @ w.t()
         bound = x.float().abs() @ w.abs().t()
@@ -415,7 +426,7 @@ def test_moe_cuda_v4_flash(T):
 @pytest.mark.parametrize("T", [1, 5, 64, 300])
 def test_moe_cuda_many_experts_padded(T):
     gen = torch.Generator().manual_seed(300 + T)
-    x, ids, wts, w13, w2, shared = moe_case(256, 272, 72, 48, T, 6, gen, "cuda", dup=True)
+    x, ids, wts, w13, w2, shared = moe_case(256, 272, 80, 48, T, 6, gen, "cuda", dup=True)
     if T > 1:
         ids[T // 2] = ids[0]  # two tokens with the same experts
     for sh in (shared, None):
@@ -425,6 +436,18 @@ def test_moe_cuda_many_experts_padded(T):
     with kernel_choice("simple"):
         out = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
     assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, None, 10.0), f"cuda simple moe T={T}")
+
+
+@pytest.mark.cuda
+@pytest.mark.kernels
+@pytest.mark.parametrize("T", [40, 100])
+def test_moe_cuda_many_tokens_per_expert(T):
+    """Few experts, many tokens each: the wider token tiles and the per-expert token loop."""
+    gen = torch.Generator().manual_seed(400 + T)
+    x, ids, wts, w13, w2, shared = moe_case(8, 272, 80, 48, T, 2, gen, "cuda")
+    args = kernel_moe_args(w13, w2, shared)
+    out = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
+    assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, shared, 10.0), f"cuda moe many T={T}")
 
 
 @pytest.mark.cuda
@@ -441,8 +464,7 @@ def test_moe_cuda_invalid_ids():
 @pytest.mark.cuda
 @pytest.mark.kernels
 def test_opcheck_cuda():
-    for op, args in opcheck_args("cuda", torch.Generator().manual_seed(0)):
-        torch.library.opcheck(op, args)
+    opcheck_all("cuda")
 
 
 @pytest.mark.cuda

@@ -161,6 +161,8 @@ def test_dequantize_matches_reference(device, out_dtype):
                 want = ref.nvfp4_dequantize_ref(packed, sf, gs, out_dtype)
                 got = OPS.nvfp4_dequantize(*_on(device, packed, sf, gs), out_dtype)
                 assert_bit_equal(got, want, f"{dtype}/{name}")
+                got = OPS.nvfp4_dequantize(*_on(device, packed, sf.view(torch.uint8), gs), out_dtype)
+                assert_bit_equal(got, want, f"{dtype}/{name} (uint8 scales)")
 
 
 def deint_cases(dtype):
@@ -262,7 +264,7 @@ def test_kernel_encoder_equals_bruteforce_rne():
     assert torch.all(sf.float() == 1.0)
     codes = ref.nvfp4_unpack(packed)
     want = _rne_bruteforce(blocks.abs().flatten()).reshape(blocks.shape)
-    want = want | torch.where(blocks < 0, 8, 0).to(torch.uint8)
+    want = want | torch.where(torch.signbit(blocks), 8, 0).to(torch.uint8)
     assert torch.equal(codes, want)
 
 
@@ -296,7 +298,7 @@ def test_e4m3_cast_is_rne():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dequantize_error_bound(dtype):
     """|dequant(quant(x)) - x| <= half the E2M1 gap at |y| (times the block's dequant scale d), or the
-    saturation error above 6; a block with scale 0 is below the flush bound amax * 2^-10 / 448 * 6."""
+    saturation error above 6; a block with scale 0 is below the flush bound amax * 2^-10 / 448."""
     g = torch.Generator().manual_seed(8)
     x = (torch.randn(64, 256, generator=g) * torch.logspace(-4, 4, 64)[:, None]).to(dtype)
     for packed, sf, gs in [OPS.fused_amax_quantize(x), OPS.fused_amax_quantize_per_row(x)]:
@@ -309,9 +311,9 @@ def test_dequantize_error_bound(dtype):
         bound = torch.where(y <= 6, half_gap, y - 6) * d
         ok = d > 0
         err = (deq - xd).abs()
-        assert torch.all(err[ok] <= bound[ok] * (1 + 2.0**-20) + 1e-300)
-        amax = xd.abs().amax() if gs.dim() == 0 else xd.abs().amax(dim=-1, keepdim=True).expand_as(xd)
-        assert torch.all(xd.abs()[~ok] <= (amax * 2.0**-10 / 448 * 6)[~ok] * (1 + 2.0**-20))
+        assert torch.all(err[ok] <= bound[ok] + xd.abs()[ok] * 2.0**-22)  # slack: fp32 rounding of the dequant
+        amax = (xd.abs().amax() if gs.dim() == 0 else xd.abs().amax(dim=-1, keepdim=True)).expand_as(xd)
+        assert torch.all(xd.abs()[~ok] <= (amax * 2.0**-10 / 448)[~ok] * (1 + 2.0**-20))
         # The element holding the amax is reproduced to fp32 precision (its block scale is 448).
         if gs.dim() == 0:
             i = xd.abs().argmax()
@@ -393,10 +395,19 @@ def _samples(device):
     return out
 
 
+DEFAULT_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
     for op, args in _samples(device):
-        torch.library.opcheck(op, args)
+        if any(isinstance(a, torch.Tensor) and a.dtype == torch.float8_e4m3fn for a in args):
+            # torch's SchemaCheckMode compares inputs with allclose, which has no float8 kernel: run the other
+            # three checks here; the uint8 form of the same bytes gets all four below.
+            torch.library.opcheck(op, args, test_utils=DEFAULT_CHECKS[1:])
+            args = tuple(a.view(torch.uint8) if isinstance(a, torch.Tensor) and a.dtype == torch.float8_e4m3fn
+                         else a for a in args)
+        torch.library.opcheck(op, args, test_utils=DEFAULT_CHECKS)
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])

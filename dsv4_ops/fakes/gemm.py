@@ -34,7 +34,8 @@ def _linear_fake(x, w_packed, w_scale, w_global_scale):
 def _linear_w4a4_fake(x_packed, x_scale, x_global_scale, w_packed, w_scale, w_global_scale, out_dtype):
     op = "dsv4::nvfp4_linear_w4a4"
     torch._check(x_packed.dtype == torch.uint8, lambda: f"{op}: x_packed must be uint8")
-    torch._check(x_scale.dtype == torch.float8_e4m3fn, lambda: f"{op}: x_scale must be float8_e4m3fn")
+    torch._check(x_scale.dtype in (torch.float8_e4m3fn, torch.uint8),
+                 lambda: f"{op}: x_scale must be float8_e4m3fn (or its bytes as uint8)")
     k = x_packed.shape[-1] * 2
     torch._check(x_scale.shape[:-1] == x_packed.shape[:-1] and x_scale.shape[-1] * 16 == k,
                  lambda: f"{op}: x_scale {tuple(x_scale.shape)} does not match x_packed {tuple(x_packed.shape)}")

@@ -33,7 +33,8 @@ def _nvfp4_quantize(x, global_scale):
 @torch.library.register_fake("dsv4::nvfp4_dequantize")
 def _nvfp4_dequantize(packed, block_scale, global_scale, dtype):
     torch._check(packed.dtype == torch.uint8, lambda: "packed must be uint8")
-    torch._check(block_scale.dtype == torch.float8_e4m3fn, lambda: "block_scale must be float8_e4m3fn")
+    torch._check(block_scale.dtype in (torch.float8_e4m3fn, torch.uint8),
+                 lambda: "block_scale must be float8_e4m3fn (or uint8 holding e4m3 bits)")
     torch._check(packed.shape[-1] == block_scale.shape[-1] * 8, lambda: "packed.shape[-1] != 8 * block_scale.shape[-1]")
     torch._check(dtype in _FLOAT_IN, lambda: f"dtype must be bfloat16, float16 or float32, got {dtype}")
     return packed.new_empty((*packed.shape[:-1], packed.shape[-1] * 2), dtype=dtype)

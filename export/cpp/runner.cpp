@@ -4,8 +4,9 @@
 //
 // Loads the op library (--ops-lib, else $DSV4_OPS_LIBRARY) with RTLD_GLOBAL BEFORE the package: the package
 // calls dsv4:: ops through the dispatcher, so their schemas must be registered first. Reads the package's
-// dsv4 metadata (entries, cache shapes), allocates the caches, runs prefill on the prompt ids, then greedy
-// decode, and prints "generated: id id ..." on stdout. --metadata prints the decode entry's AOTI metadata.
+// dsv4 metadata (entries, cache shapes), allocates the caches, runs prefill on the prompt ids (smallest
+// prefill bucket that holds them, right-padded, with lengths), then greedy decode (smallest decode bucket), and
+// prints "generated: id id ..." on stdout. --metadata prints the decode entry's AOTI metadata.
 #include <dlfcn.h>
 
 #include <cstdlib>
@@ -78,21 +79,26 @@ c10::ScalarType parse_dtype(const std::string& s) {
   return it->second;
 }
 
-struct Bucketed {
-  int64_t batch;
+struct Bucket {
+  int64_t batch = -1;
+  int64_t seq_len = 0;  // prefill only
   std::string name;
 };
 
-// Entries are named <kind>_b<batch>; pick the smallest batch >= 1.
-Bucketed smallest(const std::string& csv, const std::string& kind) {
-  Bucketed best{-1, ""};
+// Entry names: decode_b<B> and prefill_b<B>_s<S>. Picks the smallest entry holding 1 row of `tokens` tokens.
+Bucket pick(const std::string& csv, const std::string& kind, int64_t tokens) {
+  Bucket best;
   for (const auto& name : split(csv, ',')) {
-    size_t p = name.rfind("_b");
-    if (p == std::string::npos) fail("unexpected entry name " + name);
-    int64_t b = std::stoll(name.substr(p + 2));
-    if (best.batch < 0 || b < best.batch) best = {b, name};
+    Bucket e;
+    e.name = name;
+    size_t b = name.find("_b"), s = name.find("_s", b == std::string::npos ? 0 : b);
+    if (b == std::string::npos) fail("unexpected entry name " + name);
+    e.batch = std::stoll(name.substr(b + 2, s == std::string::npos ? std::string::npos : s - b - 2));
+    e.seq_len = s == std::string::npos ? 1 : std::stoll(name.substr(s + 2));
+    if (e.seq_len < tokens) continue;
+    if (best.batch < 0 || e.batch * e.seq_len < best.batch * best.seq_len) best = e;
   }
-  if (best.batch < 0) fail("package has no " + kind + " entry");
+  if (best.batch < 0) fail("package has no " + kind + " entry for " + std::to_string(tokens) + " tokens");
   return best;
 }
 
@@ -138,8 +144,9 @@ int main(int argc, char** argv) {
   }
 #endif
   const at::Device device(json_string_value(meta_json, "dsv4.device"));
-  const Bucketed prefill = smallest(json_string_value(meta_json, "dsv4.cpp.prefill_entries"), "prefill");
-  const Bucketed decode = smallest(json_string_value(meta_json, "dsv4.cpp.decode_entries"), "decode");
+  const int64_t t = static_cast<int64_t>(prompt.size());
+  const Bucket prefill = pick(json_string_value(meta_json, "dsv4.cpp.prefill_entries"), "prefill", t);
+  const Bucket decode = pick(json_string_value(meta_json, "dsv4.cpp.decode_entries"), "decode", 1);
   const int64_t max_seq = std::stoll(json_string_value(meta_json, "dsv4.max_seq_len"));
 
   try {
@@ -149,7 +156,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     torch::inductor::AOTIModelPackageLoader prefill_model(pkg, prefill.name);
-    if (static_cast<int64_t>(prompt.size()) + max_new_tokens > max_seq) {
+    if (t + max_new_tokens - 1 > max_seq) {
       fail("prompt + max_new_tokens exceeds the package's max_seq_len " + std::to_string(max_seq));
     }
 
@@ -167,11 +174,13 @@ int main(int argc, char** argv) {
     };
     auto opts = at::TensorOptions().dtype(at::kLong).device(device);
 
-    // Prefill the prompt into cache row 0 (rows 1.. of a larger bucket get token 0 and are never read).
-    const int64_t t = static_cast<int64_t>(prompt.size());
-    at::Tensor tokens = at::zeros({prefill.batch, t}, opts);
-    tokens[0].copy_(at::tensor(prompt, at::kLong));
-    at::Tensor logits = prefill_model.run(with_caches({tokens}))[0];
+    // Prefill the prompt into cache row 0, right-padded to the bucket length; rows 1.. of a larger bucket
+    // get one token 0 and are never read.
+    at::Tensor tokens = at::zeros({prefill.batch, prefill.seq_len}, opts);
+    tokens[0].narrow(0, 0, t).copy_(at::tensor(prompt, at::kLong));
+    at::Tensor lengths = at::ones({prefill.batch}, opts);
+    lengths[0].fill_(t);
+    at::Tensor logits = prefill_model.run(with_caches({tokens, lengths}))[0];
 
     std::vector<int64_t> generated;
     int64_t pos = t;

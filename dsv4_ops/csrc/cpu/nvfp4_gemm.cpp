@@ -51,10 +51,10 @@ at::Tensor dequant_rows(const uint8_t* codes, const uint8_t* scales, int64_t row
             const uint32_t w = uint32_t(p[0]) | (uint32_t(p[1]) << 8) | (uint32_t(p[2]) << 16) | (uint32_t(p[3]) << 24);
             for (int q = 0; q < 4; ++q) {
               const int s = 2 * j + (q >> 1), h = q & 1;
-              const float sc = scale_value(sr[c * 8 + s]);
+              const float sgs = scale_value(sr[c * 8 + s]) * gs;  // nvfp4_dequantize order
               for (int e = 0; e < 2; ++e) {
                 const int64_t k = c * kChunk + 16 * s + 8 * h + 2 * t + e;
-                if (k < K) orow[k] = (e2m1_value(word_code(w, q, e)) * sc) * gs;
+                if (k < K) orow[k] = e2m1_value(word_code(w, q, e)) * sgs;
               }
             }
           }
@@ -87,7 +87,8 @@ at::Tensor nvfp4_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at::
 
 // Canonical NVFP4 activations (element order, e4m3 scales) -> fp32 [rows, K] including the global scale.
 at::Tensor dequant_canonical(const at::Tensor& packed, const at::Tensor& scale, float gs) {
-  const at::Tensor p = packed.contiguous(), sf = scale.contiguous().to(at::kFloat);
+  const at::Tensor s8 = scale.scalar_type() == at::kByte ? scale.view(at::kFloat8_e4m3fn) : scale;
+  const at::Tensor p = packed.contiguous(), sf = s8.contiguous().to(at::kFloat);
   const int64_t K = p.size(-1) * 2;
   const int64_t rows = p.numel() / std::max<int64_t>(p.size(-1), 1);
   at::Tensor out = at::empty({rows, K}, at::TensorOptions().dtype(at::kFloat));
@@ -99,7 +100,7 @@ at::Tensor dequant_canonical(const at::Tensor& packed, const at::Tensor& scale, 
       for (int64_t k = 0; k < K; ++k) {
         const uint8_t b = pp[r * (K / 2) + k / 2];
         const uint32_t code = (k & 1) ? (b >> 4) : (b & 15);
-        o[r * K + k] = (e2m1_value(code) * sp[r * (K / kBlock) + k / kBlock]) * gs;
+        o[r * K + k] = e2m1_value(code) * (sp[r * (K / kBlock) + k / kBlock] * gs);
       }
   });
   return out;
@@ -112,8 +113,8 @@ at::Tensor nvfp4_linear_w4a4_cpu(const at::Tensor& xp, const at::Tensor& xs, con
   TORCH_CHECK(xp.dim() >= 1 && xp.scalar_type() == at::kByte, op, ": x_packed must be uint8 [..., K/2], got ",
               xp.scalar_type(), " ", xp.sizes());
   const int64_t K = xp.size(-1) * 2;
-  TORCH_CHECK(xs.scalar_type() == at::kFloat8_e4m3fn, op, ": x_scale must be float8_e4m3fn, got ",
-              xs.scalar_type());
+  TORCH_CHECK(xs.scalar_type() == at::kFloat8_e4m3fn || xs.scalar_type() == at::kByte, op,
+              ": x_scale must be float8_e4m3fn (or its bytes as uint8), got ", xs.scalar_type());
   TORCH_CHECK(xs.dim() == xp.dim() && xs.sizes().slice(0, xp.dim() - 1) == xp.sizes().slice(0, xp.dim() - 1) &&
                   xs.size(-1) * kBlock == K,
               op, ": x_scale must be [..., K/16] matching x_packed ", xp.sizes(), ", got ", xs.sizes());

@@ -52,8 +52,8 @@ bool check_global_scale(const at::Tensor& gs, at::IntArrayRef lead, const at::Te
 void check_dequant_inputs(const at::Tensor& packed, const at::Tensor& block_scale, at::ScalarType dtype,
                           const char* op) {
   TORCH_CHECK(packed.scalar_type() == at::kByte, op, ": packed must be uint8, got ", packed.scalar_type());
-  TORCH_CHECK(block_scale.scalar_type() == at::kFloat8_e4m3fn, op, ": block_scale must be float8_e4m3fn, got ",
-              block_scale.scalar_type());
+  TORCH_CHECK(block_scale.scalar_type() == at::kFloat8_e4m3fn || block_scale.scalar_type() == at::kByte, op,
+              ": block_scale must be float8_e4m3fn (or uint8 holding e4m3 bits), got ", block_scale.scalar_type());
   TORCH_CHECK(packed.dim() >= 1 && packed.dim() == block_scale.dim(), op,
               ": packed and block_scale must have the same number of dimensions (>= 1)");
   TORCH_CHECK(packed.sizes().slice(0, packed.dim() - 1) == block_scale.sizes().slice(0, block_scale.dim() - 1),

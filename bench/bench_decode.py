@@ -1,0 +1,257 @@
+"""Decode speed on the H200: eager vs compiled vs compiled + CUDA graph (manual capture) vs torch.compile
+"reduce-overhead", against HF transformers `generate` on the same weights, in one run.
+
+Models (random weights, bf16): "micro" (3 layers: SWA, CSA, HCA; dim 64) and "flash2" (V4-Flash widths,
+2 layers: CSA + HCA, 256 experts). Batches 1, 8, 64; prompt 256 tokens, greedy, the same loop as
+`generate` (step, async copy of the ids to pinned memory, wait for the previous step's ids).
+
+Byte floor = weight bytes one step must read / 4.26 TB/s: every non-expert weight (embedding: B rows),
+plus the expected number of distinct routed experts touched by B tokens x 6 (uniform routing:
+E * (1 - (1 - 6/E)^B)). Weights are stored as bf16 (fp32 head) by the pure-PyTorch model; the NVFP4
+kernels (issue 7) shrink the floor ~3.5x. KV-cache reads (256 tokens) are negligible next to weights.
+
+Run: python bench/bench_decode.py [--budget SECONDS] [--models micro,flash2] [--batches 1,8,64]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import re
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+import dsv4_ops  # noqa: E402,F401
+from dsv4_model.checkpoint_writer import TINY_CONFIG  # noqa: E402
+from dsv4_model.compiled import DecodeRunner  # noqa: E402
+from dsv4_model.config import ModelConfig  # noqa: E402
+from dsv4_model.model import Transformer  # noqa: E402
+from dsv4_model.sampling import SamplingParams  # noqa: E402
+
+HBM_BYTES_PER_S = 4.26e12
+PROMPT = 256
+WARM, STEPS, HF_STEPS = 3, 24, 12
+
+
+def model_config(name: str) -> ModelConfig:
+    if name == "micro":
+        return ModelConfig(**{**TINY_CONFIG, "n_layers": 3, "compress_ratios": [0, 4, 16], "n_mtp_layers": 0,
+                              "n_hash_layers": 1, "n_routed_experts": 4}).validate()
+    if name == "flash2":
+        c = ModelConfig.v4_flash()
+        c.n_layers, c.compress_ratios, c.n_mtp_layers, c.n_hash_layers = 2, [4, 128], 0, 0
+        return c.validate()
+    raise ValueError(name)
+
+
+# ------------------------------------------------------------------------------------------ model set-up
+@torch.no_grad()
+def randomize_(module: torch.nn.Module, seed: int, n_experts: int) -> None:
+    """O(1)-activation random weights, generated on the module's device (GBs: no host round trip)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for name, p in module.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if re.search(r"norm\.weight$|layernorm\.weight$", name):
+            p.normal_(1.0, 0.1, generator=g)
+        elif "scale" in leaf:
+            p.uniform_(0.5, 1.5, generator=g)
+        elif "base" in leaf or leaf in ("ape", "bias", "position_bias"):
+            p.normal_(0.0, 0.3, generator=g)
+        elif leaf in ("attn_sink", "sinks") or "embed" in name:
+            p.normal_(0.0, 1.0, generator=g)
+        else:
+            p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=g)
+    for name, b in module.named_buffers():
+        if name.endswith("tid2eid"):
+            V, k = b.shape
+            b.copy_(torch.rand(V, n_experts, device=b.device, generator=g).argsort(dim=-1)[:, :k])
+        elif name.endswith("e_score_correction_bias"):
+            b.normal_(0.0, 0.3, generator=g)
+
+
+def build_models(cfg: ModelConfig, max_batch: int, max_seq: int):
+    """(ours, hf or None, note). HF is built first and its weights copied into ours when the names map."""
+    ours = Transformer(cfg, max_batch_size=max_batch, max_seq_len=max_seq, dtype=torch.bfloat16, device="meta")
+    ours.to_empty(device="cuda")
+    randomize_(ours, 0, cfg.n_routed_experts)
+    hf, note = None, ""
+    try:
+        from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+        hf_cfg = DeepseekV4Config.from_dict(cfg.to_hf_dict())
+        hf_cfg._attn_implementation = "eager"
+        with torch.device("cuda"):
+            hf = DeepseekV4ForCausalLM._from_config(hf_cfg, dtype=torch.bfloat16).eval()
+        randomize_(hf, 1, cfg.n_routed_experts)
+        try:
+            from hf_utils import hf_to_official_state_dict
+
+            missing, unexpected = ours.load_state_dict(hf_to_official_state_dict(hf.state_dict()), strict=False)
+            note = "same weights" if not unexpected else f"weights copied, unexpected {unexpected[:3]}"
+        except Exception as e:  # names differ in this transformers version: same shapes, own weights
+            note = f"HF weight names did not map ({type(e).__name__}: {e}); HF uses its own random weights"
+    except Exception as e:
+        hf, note = None, f"HF model unavailable: {type(e).__name__}: {e}"
+    ours.setup_runtime(torch.device("cuda"))
+    ours.eval()
+    return ours, hf, note
+
+
+def floor_seconds(model: Transformer, cfg: ModelConfig, B: int) -> float:
+    total = 0.0
+    expert = re.compile(r"\.ffn\.experts\.w[123]$")
+    per_expert_layers = []
+    for name, p in model.named_parameters():
+        if name.startswith("mtp."):
+            continue
+        nbytes = p.numel() * p.element_size()
+        if expert.search(name):
+            per_expert_layers.append(nbytes / cfg.n_routed_experts)
+        elif name == "embed.weight":
+            total += B * p.shape[1] * p.element_size()
+        else:
+            total += nbytes
+    E, k = cfg.n_routed_experts, cfg.n_activated_experts
+    distinct = E * (1.0 - (1.0 - k / E) ** B)
+    total += distinct * sum(per_expert_layers)
+    return total / HBM_BYTES_PER_S
+
+
+# ------------------------------------------------------------------------------------------ timing
+@torch.no_grad()
+def time_ours(runner: DecodeRunner, model: Transformer, ids: torch.Tensor, replay: bool = True) -> float:
+    B = ids.shape[0]
+    runner.prepare(B)  # compile / capture: not timed
+    lengths = torch.full((B,), ids.shape[1], dtype=torch.long, device="cuda")
+    logits = model.prefill(ids, lengths)
+    runner.begin(lengths, [SamplingParams() for _ in range(B)])
+    runner.sample_first(logits)
+    for _ in range(WARM):
+        runner.step(replay)
+    pinned = [torch.empty(B, dtype=torch.long, pin_memory=True) for _ in range(2)]
+    events = [torch.cuda.Event(), torch.cuda.Event()]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(STEPS):
+        _, nxt = runner.step(replay)
+        pinned[i % 2].copy_(nxt, non_blocking=True)
+        events[i % 2].record()
+        if i:
+            events[(i - 1) % 2].synchronize()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / STEPS
+
+
+@torch.no_grad()
+def time_hf(hf, ids: torch.Tensor) -> float:
+    mask = torch.ones_like(ids)
+
+    def run(n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                    pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    run(2)
+    t1 = run(1)
+    tn = run(1 + HF_STEPS)
+    return (tn - t1) / HF_STEPS
+
+
+# ------------------------------------------------------------------------------------------ main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--budget", type=float, default=225.0, help="seconds; later compile-heavy cells are skipped")
+    ap.add_argument("--models", default="micro,flash2")
+    ap.add_argument("--batches", default="1,8,64")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_decode: needs a CUDA GPU (skipped)")
+        return 0
+    start = time.perf_counter()
+    batches = [int(b) for b in args.batches.split(",")]
+    rows = []
+
+    def over_budget(frac=1.0):
+        return time.perf_counter() - start > frac * args.budget
+
+    for name in args.models.split(","):
+        cfg = model_config(name)
+        t_build = time.perf_counter()
+        ours, hf, note = build_models(cfg, max(batches), PROMPT + 64)
+        print(f"[{name}] built in {time.perf_counter() - t_build:.1f} s; {note}", flush=True)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        prompts = {B: torch.randint(2, cfg.vocab_size, (B, PROMPT), device="cuda", generator=g) for B in batches}
+        res: dict[tuple[int, str], float | str] = {}
+        if hf is not None:
+            for B in batches:
+                try:
+                    res[(B, "hf generate")] = time_hf(hf, prompts[B])
+                except Exception as e:
+                    res[(B, "hf generate")] = f"failed: {type(e).__name__}: {str(e)[:80]}"
+            del hf
+            gc.collect()
+            torch.cuda.empty_cache()
+        eager = DecodeRunner(ours, compile=False, cuda_graphs=False)
+        manual = DecodeRunner(ours, compile=True, cuda_graphs=True, graph_mode="manual")
+        ro = DecodeRunner(ours, compile=True, cuda_graphs=True, graph_mode="reduce-overhead")
+        for B in batches:
+            res[(B, "eager")] = time_ours(eager, ours, prompts[B])
+            if over_budget(0.8):
+                res[(B, "compiled")] = res[(B, "compiled+graph")] = "skipped (time budget)"
+            else:
+                t = time.perf_counter()
+                res[(B, "compiled+graph")] = time_ours(manual, ours, prompts[B], replay=True)
+                res[(B, "compiled")] = time_ours(manual, ours, prompts[B], replay=False)
+                print(f"[{name}] B={B}: compile + capture + timing {time.perf_counter() - t:.1f} s", flush=True)
+            # reduce-overhead costs one more compile per bucket: batch 1 always (where launch overhead
+            # matters most), larger batches while the budget lasts.
+            if B == batches[0] or not over_budget(0.6):
+                res[(B, "reduce-overhead")] = time_ours(ro, ours, prompts[B])
+            else:
+                res[(B, "reduce-overhead")] = "skipped (time budget)"
+        for B in batches:
+            fl = floor_seconds(ours, cfg, B)
+            hf_t = res.get((B, "hf generate"))
+            for mode in ("eager", "compiled", "compiled+graph", "reduce-overhead", "hf generate"):
+                v = res.get((B, mode), "n/a (no HF model)")
+                rows.append((name, B, mode, v, fl, hf_t))
+        del eager, manual, ro, ours
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch._dynamo.reset()
+
+    print(f"\nDecode step timings (greedy, prompt {PROMPT}, {STEPS} steps; HF: (t(1+{HF_STEPS}) - t(1)) / {HF_STEPS})")
+    hdr = f"{'model':7} {'batch':>5} {'mode':16} {'ms/step':>9} {'tokens/s':>10} {'floor ms':>9} {'% of HBM floor':>15} {'vs HF':>7}"
+    print(hdr)
+    print("-" * len(hdr))
+    for name, B, mode, v, fl, hf_t in rows:
+        if isinstance(v, str):
+            print(f"{name:7} {B:5d} {mode:16} {v}")
+            continue
+        vs = f"{hf_t / v:6.2f}x" if isinstance(hf_t, float) else "   n/a"
+        print(f"{name:7} {B:5d} {mode:16} {1e3 * v:9.3f} {B / v:10.1f} {1e3 * fl:9.3f} {100 * fl / v:14.1f}% {vs}")
+    best = {}
+    for name, B, mode, v, _, _ in rows:
+        if mode in ("compiled+graph", "reduce-overhead") and isinstance(v, float):
+            best.setdefault((name, B), {})[mode] = v
+    for (name, B), d in best.items():
+        if len(d) == 2:
+            w = min(d, key=d.get)
+            print(f"graph mode [{name} B={B}]: {w} faster ({1e3 * d['compiled+graph']:.3f} vs "
+                  f"{1e3 * d['reduce-overhead']:.3f} ms)")
+    print(f"total {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""Benchmark of dsv4::nvfp4_linear (W4A16) and dsv4::nvfp4_moe on the H200, against bf16 PyTorch peers.
+
+Linear: DeepSeek-V4-Flash projection shapes (N x K) at M = 1, 8, 64, 512, 4096 tokens; peer = torch.matmul
+with a bf16 weight of the same shape (cuBLAS). MoE: 256 experts, top-6 (uniform random routing), d = 4096,
+I = 2048, T = 1, 8, 64 tokens, routed only and routed + shared expert; peer = a per-expert bf16 loop in torch
+(index_select, 3 matmuls, clamped SwiGLU, index_add_) for the same routing, captured in a CUDA graph.
+
+Every figure is a CUDA-graph replay of REPS back-to-back calls divided by REPS (best of 3 replays). Calls cycle
+through copies of the weights totalling >= 256 MB, so every call streams its weights from HBM (no L2 reuse across
+calls), for both the op and the peer. GB/s counts weight bytes (NVFP4: codes + block scales; MoE: the unique
+experts touched); "HBM" is that over 4.26 TB/s. TF/s = 2*M*N*K / time.
+
+Run: python bench/bench_nvfp4_gemm.py   (about a minute)
+"""
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+import dsv4_ops  # noqa: F401
+
+ops = torch.ops.dsv4
+HBM = 4.26e12
+ROTATE_BYTES = 256 << 20
+SHAPES = [  # (name, N, K) of y[M, N] = x[M, K] @ W^T
+    ("wq_a", 1024, 4096),
+    ("wq_b", 32768, 1024),
+    ("wkv", 512, 4096),
+    ("wo_b", 4096, 8192),
+    ("w1+w3", 4096, 4096),  # shared expert (and a fused routed expert)
+    ("w2", 4096, 2048),  # shared / routed expert
+    ("expert w1", 2048, 4096),
+]
+MS = [1, 8, 64, 512, 4096]
+E, D, INTER, TOPK = 256, 4096, 2048, 6
+
+
+def graph_us(fn, reps, tries=3):
+    """Time of one fn(i) call: a CUDA graph of fn(0..reps-1), replayed; best of `tries`."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(2):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = math.inf
+    for _ in range(tries):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / reps)
+    del graph
+    return best
+
+
+def reps_for(bytes_moved, flops, out_bytes):
+    t = max(bytes_moved / 3.0e12, flops / 4.0e14) + 4e-6
+    r = int(4e-3 / t)
+    r = min(r, max(1, int(2e9 // max(out_bytes, 1))))
+    return max(2, min(r, 64))
+
+
+def rand_kernel_weight(lead, n, k, gen):
+    """Random NVFP4 weight directly in the kernel layout (any bytes are valid codes; scale bytes in 2^-3..2^2)."""
+    kp = (k + 127) // 128 * 128
+    packed = torch.randint(0, 256, (*lead, n, kp // 2), device="cuda", dtype=torch.uint8, generator=gen)
+    scale = torch.randint(56, 96, (*lead, n, kp // 16), device="cuda", dtype=torch.uint8, generator=gen)
+    return packed, scale
+
+
+def nvfp4_bytes(n, k):
+    return n * k // 2 + n * k // 16
+
+
+def bench_linear(gen):
+    print("\n## nvfp4_linear (W4A16) vs bf16 torch.matmul (cuBLAS), CUDA-graph replay, weights streamed from HBM")
+    hdr = (f"{'proj':>13} {'N x K':>12} {'M':>5} | {'nvfp4 us':>9} {'bf16 us':>9} {'speedup':>7} | "
+           f"{'GB/s':>7} {'HBM':>5} | {'TF/s':>6} {'bf16 TF/s':>9}")
+    print(hdr)
+    print("-" * len(hdr))
+    rows = []
+    for name, n, k in SHAPES:
+        wbytes = nvfp4_bytes(n, k)
+        copies = max(1, min(32, math.ceil(ROTATE_BYTES / wbytes)))
+        ws = [rand_kernel_weight((), n, k, gen) for _ in range(copies)]
+        gs = torch.tensor(0.01, device="cuda")
+        bcopies = max(1, min(8, math.ceil(ROTATE_BYTES / (n * k * 2))))
+        wb = [torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(bcopies)]
+        for m in MS:
+            x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+            flops = 2.0 * m * n * k
+            reps = reps_for(wbytes, flops, m * n * 2)
+            t_op = graph_us(lambda i: ops.nvfp4_linear(x, ws[i % copies][0], ws[i % copies][1], gs), reps)
+            reps_b = reps_for(n * k * 2, flops, m * n * 2)
+            t_peer = graph_us(lambda i: torch.matmul(x, wb[i % bcopies].t()), reps_b)
+            gbs = wbytes / (t_op * 1e-6)
+            print(f"{name:>13} {f'{n}x{k}':>12} {m:>5} | {t_op:9.2f} {t_peer:9.2f} {t_peer / t_op:6.2f}x | "
+                  f"{gbs / 1e9:7.0f} {gbs / HBM:5.0%} | {flops / t_op * 1e-6:6.1f} {flops / t_peer * 1e-6:9.1f}")
+            rows.append((name, n, k, m, t_op, t_peer))
+        del ws, wb
+        torch.cuda.empty_cache()
+    return rows
+
+
+class MoePeer:
+    """bf16 per-expert loop for a fixed routing (the expert list and token indices are prepared up front)."""
+
+    def __init__(self, w1, w2, w3, shared, ids, wts):
+        self.w1, self.w2, self.w3, self.shared = w1, w2, w3, shared
+        self.plan = []
+        ids_cpu = ids.cpu()
+        for e in torch.unique(ids_cpu).tolist():
+            t_idx, j_idx = torch.where(ids_cpu == e)
+            self.plan.append((e, t_idx.cuda(), wts[t_idx.cuda(), j_idx.cuda()].contiguous()))
+
+    @staticmethod
+    def _act(g, u, w=None):
+        h = F.silu(g.float().clamp(max=10.0)) * u.float().clamp(-10.0, 10.0)
+        return (h if w is None else h * w[:, None]).to(torch.bfloat16)
+
+    def __call__(self, x):
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e, idx, w in self.plan:
+            xe = x.index_select(0, idx)
+            h = self._act(xe @ self.w1[e].t(), xe @ self.w3[e].t(), w)
+            y.index_add_(0, idx, (h @ self.w2[e].t()).float())
+        if self.shared is not None:
+            s1, s2, s3 = self.shared
+            y += (self._act(x @ s1.t(), x @ s3.t()) @ s2.t()).float()
+        return y.to(torch.bfloat16)
+
+
+def bench_moe(gen):
+    print(f"\n## nvfp4_moe: {E} experts, top-{TOPK}, d={D}, I={INTER} (routing uniform random), vs bf16 per-expert loop")
+    hdr = (f"{'variant':>15} {'T':>3} {'experts':>7} | {'nvfp4 us':>9} {'GB/s':>7} {'HBM':>5} | "
+           f"{'bf16 us':>9} {'bf16 GB/s':>9} {'speedup':>7}")
+    print(hdr)
+    print("-" * len(hdr))
+    w13, s13 = rand_kernel_weight((E,), 2 * INTER, D, gen)
+    w2, s2 = rand_kernel_weight((E,), D, INTER, gen)
+    g13 = torch.full((E,), 0.01, device="cuda")
+    g2 = torch.full((E,), 0.01, device="cuda")
+    sw13, ss13 = rand_kernel_weight((), 2 * INTER, D, gen)
+    sw2, ss2 = rand_kernel_weight((), D, INTER, gen)
+    sg = torch.tensor(0.01, device="cuda")
+    bw1 = torch.empty(E, INTER, D, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02, generator=gen)
+    bw3 = torch.empty(E, INTER, D, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02, generator=gen)
+    bw2 = torch.empty(E, D, INTER, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02, generator=gen)
+    bshared = tuple(t.normal_(0, 0.02, generator=gen) for t in (
+        torch.empty(INTER, D, device="cuda", dtype=torch.bfloat16),
+        torch.empty(D, INTER, device="cuda", dtype=torch.bfloat16),
+        torch.empty(INTER, D, device="cuda", dtype=torch.bfloat16)))
+    expert_bytes = nvfp4_bytes(2 * INTER, D) + nvfp4_bytes(D, INTER)
+    rows = []
+    for T in (1, 8, 64):
+        x = torch.randn(T, D, device="cuda", generator=gen).to(torch.bfloat16)
+        ids = torch.rand(T, E, device="cuda", generator=gen).topk(TOPK, dim=1).indices.to(torch.int32)
+        wts = torch.rand(T, TOPK, device="cuda", generator=gen)
+        n_unique = int(torch.unique(ids).numel())
+        for variant in ("routed", "routed+shared"):
+            sh = (sw13, ss13, sg, sw2, ss2, sg) if variant != "routed" else (None,) * 6
+            nbytes = n_unique * expert_bytes + (expert_bytes if variant != "routed" else 0)
+            reps = max(2, min(64, int(4e-3 / (nbytes / 3e12 + 10e-6))))
+            t_op = graph_us(lambda i: ops.nvfp4_moe(x, ids, wts, w13, s13, g13, w2, s2, g2, *sh, 10.0), reps)
+            peer = MoePeer(bw1, bw2, bw3, bshared if variant != "routed" else None, ids, wts)
+            bbytes = (n_unique + (variant != "routed")) * 3 * INTER * D * 2
+            t_peer = graph_us(lambda i: peer(x), 2 if T > 8 else 5)
+            gbs = nbytes / (t_op * 1e-6)
+            print(f"{variant:>15} {T:>3} {n_unique:>7} | {t_op:9.1f} {gbs / 1e9:7.0f} {gbs / HBM:5.0%} | "
+                  f"{t_peer:9.1f} {bbytes / (t_peer * 1e-6) / 1e9:9.0f} {t_peer / t_op:6.2f}x")
+            rows.append((variant, T, n_unique, t_op, t_peer))
+    return rows
+
+
+def main():
+    t0 = time.time()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bench_linear(gen)
+    torch.cuda.empty_cache()
+    bench_moe(gen)
+    print(f"\ntotal {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""`python -m dsv4_model generate ...`: stream a completion and report the decode speed.
+
+Without --model it runs the built-in default model: `dsv4_model/assets/default/` when a trained model is
+shipped there, else a random tiny checkpoint written once into a cache directory (its text is gibberish;
+it shows the pipeline, not a language model).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "default"
+RANDOM_TINY_NAME = "random-tiny-v1"
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("DSV4_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dsv4")
+    return Path(root)
+
+
+def default_model_path() -> tuple[Path, str]:
+    """(path, description) of the model used when --model is not given."""
+    if (DEFAULT_MODEL_DIR / "config.json").is_file():
+        return DEFAULT_MODEL_DIR, f"built-in default model {DEFAULT_MODEL_DIR}"
+    path = _cache_dir() / RANDOM_TINY_NAME
+    if not (path / "config.json").is_file():
+        from .checkpoint_writer import write_tiny_checkpoint
+
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        write_tiny_checkpoint(tmp, "dsv4", seed=0)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.replace(tmp, path)  # atomic: a concurrent run sees a complete checkpoint or none
+        except OSError:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
+    return path, (f"no trained default model in {DEFAULT_MODEL_DIR}: using a RANDOM tiny checkpoint at {path} "
+                  "(its output is gibberish; pass --model PATH for a real model)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dsv4_model", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="stream a completion of --prompt")
+    g.add_argument("--model", help="checkpoint directory (hf / official / dsv4 layout); default: built-in")
+    g.add_argument("--prompt", action="append", required=True,
+                   help="prompt text; repeat for a batch (completions are printed one after another)")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the decode step (default: on for CUDA)")
+    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay the decode step as CUDA graphs (default: on for CUDA)")
+    g.add_argument("--graph-mode", choices=("manual", "reduce-overhead"), default="manual")
+    g.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
+    g.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    g.add_argument("--max-seq-len", type=int, default=None,
+                   help="cache length (default: longest prompt + max-new-tokens, rounded up)")
+    g.add_argument("--no-simulate-quant", action="store_true", help="skip the KV/indexer fake quantization")
+    return p
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from .engine import Engine
+    from .generate import generate
+    from .loader import load_config
+    from .tokenizer import load_tokenizer
+
+    if args.model:
+        path = Path(args.model)
+    else:
+        path, what = default_model_path()
+        print(f"[dsv4] {what}", file=sys.stderr)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    config = load_config(path)
+    tok = load_tokenizer(path, config)
+    if tok.kind == "bytes":
+        print(f"[dsv4] {path} has no tokenizer.json: using the byte-level fallback tokenizer", file=sys.stderr)
+    prompt_ids = [tok.encode(p) for p in args.prompt]
+    need = max(len(p) for p in prompt_ids) + args.max_new_tokens
+    max_seq_len = args.max_seq_len or max(_round_up(need, 256), max(config.compress_ratios))
+    t0 = time.perf_counter()
+    engine = Engine.from_pretrained(path, device=device, dtype=getattr(torch, args.dtype),
+                                    max_batch_size=len(prompt_ids), max_seq_len=max_seq_len,
+                                    simulate_quant=not args.no_simulate_quant)
+    engine.path, engine.tokenizer = path, tok
+    engine.decode_options = {"compile": args.compile, "cuda_graphs": args.cuda_graphs,
+                             "graph_mode": args.graph_mode}
+    t_load = time.perf_counter() - t0
+
+    single = len(prompt_ids) == 1
+    if single:
+        sys.stdout.write(args.prompt[0])
+        sys.stdout.flush()
+
+    def on_token(row, token_id, text):
+        if single and text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    t1 = time.perf_counter()
+    res = generate(engine, prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stream=on_token, tokenizer=tok)
+    t_setup = time.perf_counter() - t1 - res.prefill_seconds - res.decode_seconds
+    if single:
+        sys.stdout.write("\n")
+    else:
+        for prompt, text in zip(args.prompt, res.texts):
+            sys.stdout.write(f"--- {prompt!r}\n{prompt}{text}\n")
+    sys.stdout.flush()
+    n = res.num_generated
+    total = res.prefill_seconds + res.decode_seconds
+    print(f"[dsv4] {n} tokens in {total:.2f} s = {n / total if total else 0:.1f} tokens/s "
+          f"(decode {res.decode_tokens_per_s:.1f} tokens/s, {res.ms_per_step:.2f} ms/step at batch "
+          f"{len(prompt_ids)}; first token {1e3 * res.prefill_seconds:.0f} ms; mode {res.mode} on {device}; "
+          f"not counted: load {t_load:.1f} s, compile/capture {t_setup:.1f} s)", file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "generate":
+        return cmd_generate(args)
+    return 2

@@ -1,0 +1,950 @@
+// NVFP4-weight GEMM / GEMV and routed-expert MoE kernels for sm_90a (H200: no FP4 tensor cores, so the
+// weights are decoded to bf16 in registers and fed to mma.sync m16n8k16 with fp32 accumulation).
+//
+// Weight layout: the kernel layout of dsv4_model.nvfp4.repack_weight (docs/ops.md). Per 128-wide K chunk of a
+// row, mma lane t (= lane & 3) finds its A fragments for all 8 k-steps in 16 contiguous bytes; every 32-bit
+// word decodes with one AND (+ one shift) per pair into bf16x2 holding e2m1 * 2^-126, which one bf16x2 multiply
+// by the block scale * 2^119 (exact: <= 5 significant bits, normal range) turns into e2m1 * scale * 2^-7. The
+// fp32 epilogue multiplies by global_scale * 2^7. Weights are the mma A operand ("swap-AB"): 16 output
+// features x 8 tokens per mma, so a single token still uses the tensor cores.
+//
+// Kernels:
+//   skinny (M <= 64, and every MoE projection): each warp owns 16 rows x a K range, streams its weights
+//     straight from HBM into registers (two-deep register prefetch of 2 chunks), B fragments (activations)
+//     from L1/L2; warps of a CTA split K and reduce through shared memory. MoE: blockIdx.y = active-expert
+//     slot (device-side routing, grid sized by min(E, T*k)), gather of token rows, fused SwiGLU epilogue.
+//   tiled (M > 64): 128x128 CTA tile, 3-stage cp.async pipeline (activations swizzled for ldmatrix,
+//     packed weights + scales), 8 warps of 32 features x 64 tokens.
+//   simple: plain CUDA-core reference-style kernels (DSV4_NVFP4_GEMM_KERNEL=simple), any shape.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "nvfp4_gemm.h"
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr uint32_t kPairMask = 0x81C081C0u;   // sign + 3 exponent/mantissa bits of both bf16 halves
+constexpr uint32_t kScaleBias = 0x76007600u;  // (236 << 7) per half: scale byte -> bf16(scale * 2^119)
+constexpr float kUnbias = 128.0f;             // e2m1 * 2^-126 * scale * 2^119 = value * 2^-7
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kStageChunks = 2;               // chunks per register-prefetch stage (skinny kernel)
+
+// ------------------------------------------------------------------------------------------ primitives
+// Four bf16x2 registers (pairs q = 0..3) of one kernel-layout word, each half = +-e2m1 * 2^-126.
+__device__ __forceinline__ void decode_word(uint32_t w, uint32_t (&r)[4]) {
+  r[0] = w & kPairMask;
+  r[1] = (w << 3) & kPairMask;
+  r[2] = (w << 6) & kPairMask;
+  r[3] = ((w >> 4) & 0x00C000C0u) | ((w >> 5) & 0x01000100u) | ((w << 1) & 0x80008000u);
+}
+
+// bf16x2 {scale * 2^119, scale * 2^119} of scale byte b (0..3) of `word`.
+__device__ __forceinline__ uint32_t scale_pair(uint32_t word, int b) {
+  const uint32_t x = __byte_perm(word, 0u, 0x4040u | uint32_t(b) | (uint32_t(b) << 8));
+  return x * 16u + kScaleBias;
+}
+
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Weights are read once: keep them out of L1, let L2 prefetch the rest of the row.
+__device__ __forceinline__ uint4 ld_stream16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
+
+__device__ __forceinline__ void store_out(void* y, size_t idx, float v, int kind) {
+  if (kind == 0)
+    reinterpret_cast<bf16*>(y)[idx] = __float2bfloat16(v);
+  else if (kind == 1)
+    reinterpret_cast<__half*>(y)[idx] = __float2half(v);
+  else
+    reinterpret_cast<float*>(y)[idx] = v;
+}
+
+__device__ __forceinline__ int load_id(const void* ids, int is64, int64_t a) {
+  if (is64) {
+    const int64_t v = reinterpret_cast<const int64_t*>(ids)[a];
+    return (v < 0 || v > 0x7FFFFFFF) ? -1 : int(v);
+  }
+  return reinterpret_cast<const int32_t*>(ids)[a];
+}
+
+__device__ __forceinline__ float swiglu(float gate, float up, float limit) {
+  if (limit > 0.f) {
+    up = fminf(fmaxf(up, -limit), limit);
+    gate = fminf(gate, limit);
+  }
+  return gate / (1.0f + expf(-gate)) * up;
+}
+
+// Exact scale value of a kernel scale byte ((e + 10) << 3 | m, 0 -> 0).
+__device__ __forceinline__ float scale_value(uint32_t b) {
+  return b == 0 ? 0.f : __int_as_float(int((((b >> 3) + 117u) << 23) | ((b & 7u) << 20)));
+}
+
+// Code of pair q, element e (0 = even k) of a kernel-layout word.
+__device__ __forceinline__ uint32_t word_code(uint32_t w, int q, int e) {
+  if (q < 3) {
+    const uint32_t x = w << (3 * q);
+    return e == 0 ? (((x >> 6) & 7u) | (((x >> 15) & 1u) << 3)) : (((x >> 22) & 7u) | (((x >> 31) & 1u) << 3));
+  }
+  const int b = e == 0 ? 0 : 16;
+  return ((w >> (10 + b)) & 3u) | (((w >> (13 + b)) & 1u) << 2) | (((w >> (14 + b)) & 1u) << 3);
+}
+
+__device__ __forceinline__ float e2m1_value(uint32_t code) {
+  const uint32_t c = code & 7u;  // c >= 2: (1 + m/2) * 2^(e-1) with e = c >> 1, m = c & 1
+  const float mag = c < 2u ? 0.5f * float(c) : __int_as_float(int((((c >> 1) + 126u) << 23) | ((c & 1u) << 22)));
+  return (code & 8u) ? -mag : mag;
+}
+
+__device__ __forceinline__ float e4m3_value(uint32_t b) {
+  const uint32_t e = (b >> 3) & 15u, m = b & 7u;
+  float v;
+  if (e == 15u && m == 7u)
+    v = __int_as_float(0x7FC00000);
+  else if (e == 0u)
+    v = float(m) * (1.0f / 512.0f);
+  else
+    v = __int_as_float(int(((e + 120u) << 23) | (m << 20)));
+  return (b & 0x80u) ? -v : v;
+}
+
+// ------------------------------------------------------------------------------------------ skinny kernel
+enum Mode { kDense = 0, kMoeUp = 1, kMoeDown = 2 };
+
+struct SkinnyParams {
+  // dense
+  const bf16* x;
+  void* y;
+  int out_kind;
+  const float* gs_act;
+  int M;
+  // dense matrix, or the stacked routed experts of this projection ([E, N, Kp/2])
+  const uint8_t* w;
+  const uint8_t* s;
+  const float* g;  // dense: 1 value; MoE: [E]
+  int N, K;
+  // shared expert of this projection
+  const uint8_t* sw;
+  const uint8_t* ss;
+  const float* sg;
+  int sN, sK;
+  // MoE routing (route = counts[E], offsets[E], active[E], num_active, sorted assignments[T*k]).
+  // blockIdx.y: slots [0, n_sslots) = the shared expert, s_chunk tokens each (first, so its CTAs start
+  // early); then n_rslots routed slots (active expert i = slot - n_sslots).
+  const int* route;
+  int E, topk, T, n_rslots, n_sslots, s_chunk;
+  const bf16* in;         // B rows: up = x [T, d]; down = routed h [T*k, I]
+  const bf16* in_shared;  // down: shared h [T, Is]
+  bf16* out;              // up: routed h; down: o rows [T*k, d]
+  bf16* out_shared;       // up: shared h; down: o rows T*k.. (shared)
+  const float* wts;
+  float limit;
+  int kw, rt;  // warps splitting K per row tile, row tiles per CTA (kw * rt = 8)
+};
+
+struct Task {
+  const uint8_t* w;
+  const uint8_t* s;
+  float alpha;
+  int N, K, cnt, base, kind;  // kind: 0 dense, 1 routed expert (base = offset in the sorted assignments),
+                              // 2 shared expert (base = first token)
+};
+
+template <int MODE>
+__device__ __forceinline__ bool resolve_task(const SkinnyParams& p, Task& t) {
+  if (MODE == kDense) {
+    t.w = p.w;
+    t.s = p.s;
+    t.N = p.N;
+    t.K = p.K;
+    t.cnt = p.M;
+    t.base = 0;
+    t.kind = 0;
+    float a = __ldg(p.g) * kUnbias;
+    if (p.gs_act != nullptr) a *= __ldg(p.gs_act);
+    t.alpha = a;
+    return true;
+  }
+  const int slot = int(blockIdx.y) - p.n_sslots;
+  if (slot >= 0) {
+    if (slot >= __ldg(p.route + 3 * p.E)) return false;
+    const int e = __ldg(p.route + 2 * p.E + slot);
+    t.cnt = __ldg(p.route + e);
+    t.base = __ldg(p.route + p.E + e);
+    t.kind = 1;
+    t.N = p.N;
+    t.K = p.K;
+    const size_t kp = size_t((p.K + 127) & ~127);
+    t.w = p.w + size_t(e) * size_t(p.N) * (kp / 2);
+    t.s = p.s + size_t(e) * size_t(p.N) * (kp / 16);
+    t.alpha = __ldg(p.g + e) * kUnbias;
+  } else {
+    t.w = p.sw;
+    t.s = p.ss;
+    t.N = p.sN;
+    t.K = p.sK;
+    t.base = int(blockIdx.y) * p.s_chunk;
+    t.cnt = min(p.s_chunk, p.T - t.base);
+    t.kind = 2;
+    t.alpha = __ldg(p.sg) * kUnbias;
+  }
+  return true;
+}
+
+// Row of the B operand (activations) for token-tile position pos < cnt.
+template <int MODE>
+__device__ __forceinline__ const bf16* b_row(const SkinnyParams& p, const Task& t, int pos) {
+  if (MODE == kDense) return p.x + size_t(pos) * size_t(t.K);
+  if (t.kind == 2) return (MODE == kMoeUp ? p.in : p.in_shared) + size_t(t.base + pos) * size_t(t.K);
+  const int a = __ldg(p.route + 3 * p.E + 1 + t.base + pos);
+  return p.in + size_t(MODE == kMoeUp ? a / p.topk : a) * size_t(t.K);
+}
+
+template <int MODE, int NT>
+__device__ __forceinline__ void skinny_epilogue(const SkinnyParams& p, const Task& t, const float (&acc)[NT][4],
+                                                int tile, int tt, int g, int tq) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int pos = tt + nt * 8 + 2 * tq + e;
+      if (pos >= t.cnt) continue;
+      const float lo = acc[nt][e] * t.alpha, hi = acc[nt][2 + e] * t.alpha;
+      if (MODE == kDense) {
+        const int na = tile * 16 + g;
+        if (na < t.N) store_out(p.y, size_t(pos) * t.N + na, lo, p.out_kind);
+        if (na + 8 < t.N) store_out(p.y, size_t(pos) * t.N + na + 8, hi, p.out_kind);
+      } else if (MODE == kMoeUp) {
+        // rows g / g + 8 of the tile are gate / up of SwiGLU column tile * 8 + g
+        const int inter = t.N / 2, col = tile * 8 + g;
+        float h = swiglu(round_bf16(lo), round_bf16(hi), p.limit);
+        if (t.kind == 1) {
+          const int a = __ldg(p.route + 3 * p.E + 1 + t.base + pos);
+          h *= __ldg(p.wts + a);
+          p.out[size_t(a) * inter + col] = __float2bfloat16(h);
+        } else {
+          p.out_shared[size_t(t.base + pos) * inter + col] = __float2bfloat16(h);
+        }
+      } else {
+        const int na = tile * 16 + g;
+        bf16* dst = t.kind == 1 ? p.out + size_t(__ldg(p.route + 3 * p.E + 1 + t.base + pos)) * t.N
+                                : p.out_shared + size_t(t.base + pos) * t.N;
+        if (na < t.N) dst[na] = __float2bfloat16(lo);
+        if (na + 8 < t.N) dst[na + 8] = __float2bfloat16(hi);
+      }
+    }
+  }
+}
+
+struct WStage {
+  uint4 wa[kStageChunks], wb[kStageChunks];
+  uint2 sa[kStageChunks], sb[kStageChunks];
+};
+
+template <int MODE, int NT>
+__global__ void __launch_bounds__(kThreads) nvfp4_skinny_kernel(const SkinnyParams p) {
+  __shared__ float red[kWarps][NT * 4][32];
+  Task task;
+  if (!resolve_task<MODE>(p, task)) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const int kw = warp % p.kw, rt = warp / p.kw;
+  const int ntiles = (task.N + 15) >> 4;
+  const int tile0 = blockIdx.x * p.rt;
+  if (tile0 >= ntiles) return;
+  const bool tile_ok = tile0 + rt < ntiles;
+  const int tile = tile_ok ? tile0 + rt : ntiles - 1;
+  const int row_a = min(tile * 16 + g, task.N - 1), row_b = min(tile * 16 + g + 8, task.N - 1);
+  const int kp = (task.K + 127) & ~127, nchunks = kp >> 7;
+  const int per = (nchunks + p.kw - 1) / p.kw;
+  const int c_begin = min(kw * per, nchunks), c_end = min(c_begin + per, nchunks);
+  const uint8_t* wa_ptr = task.w + size_t(row_a) * size_t(kp >> 1) + tq * 16;
+  const uint8_t* wb_ptr = task.w + size_t(row_b) * size_t(kp >> 1) + tq * 16;
+  const uint8_t* sa_ptr = task.s + size_t(row_a) * size_t(kp >> 4);
+  const uint8_t* sb_ptr = task.s + size_t(row_b) * size_t(kp >> 4);
+
+  for (int tt = 0; tt < task.cnt; tt += 8 * NT) {
+    const uint32_t* brow[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      brow[nt] = reinterpret_cast<const uint32_t*>(b_row<MODE>(p, task, min(tt + nt * 8 + g, task.cnt - 1)));
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+
+    auto load = [&](WStage& st, int c0) {
+#pragma unroll
+      for (int i = 0; i < kStageChunks; ++i) {
+        const int c = c0 + i;
+        if (c < c_end) {
+          st.wa[i] = ld_stream16(wa_ptr + size_t(c) * 64);
+          st.wb[i] = ld_stream16(wb_ptr + size_t(c) * 64);
+          st.sa[i] = __ldg(reinterpret_cast<const uint2*>(sa_ptr + size_t(c) * 8));
+          st.sb[i] = __ldg(reinterpret_cast<const uint2*>(sb_ptr + size_t(c) * 8));
+        } else {
+          st.wa[i] = st.wb[i] = make_uint4(0u, 0u, 0u, 0u);
+          st.sa[i] = st.sb[i] = make_uint2(0u, 0u);
+        }
+      }
+    };
+    auto compute = [&](const WStage& st, int c0) {
+#pragma unroll
+      for (int i = 0; i < kStageChunks; ++i) {
+        const int c = c0 + i;
+        if (c >= c_end) continue;
+        const uint32_t wra[4] = {st.wa[i].x, st.wa[i].y, st.wa[i].z, st.wa[i].w};
+        const uint32_t wrb[4] = {st.wb[i].x, st.wb[i].y, st.wb[i].z, st.wb[i].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          uint32_t ra[4], rb[4];
+          decode_word(wra[j], ra);
+          decode_word(wrb[j], rb);
+#pragma unroll
+          for (int hs = 0; hs < 2; ++hs) {
+            const int s = 2 * j + hs;
+            const int kk = c * 128 + s * 16;
+            if (kk >= task.K) continue;
+            const uint32_t sca = scale_pair(s < 4 ? st.sa[i].x : st.sa[i].y, s & 3);
+            const uint32_t scb = scale_pair(s < 4 ? st.sb[i].x : st.sb[i].y, s & 3);
+            const uint32_t a0 = bf16x2_mul(ra[2 * hs], sca), a1 = bf16x2_mul(rb[2 * hs], scb);
+            const uint32_t a2 = bf16x2_mul(ra[2 * hs + 1], sca), a3 = bf16x2_mul(rb[2 * hs + 1], scb);
+            const int kx = (kk >> 1) + tq;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              const uint32_t b0 = __ldg(brow[nt] + kx), b1 = __ldg(brow[nt] + kx + 4);
+              mma16816(acc[nt], a0, a1, a2, a3, b0, b1);
+            }
+          }
+        }
+      }
+    };
+
+    WStage s0, s1;
+    int c = c_begin;
+    load(s0, c);
+    while (c < c_end) {
+      load(s1, c + kStageChunks);
+      compute(s0, c);
+      c += kStageChunks;
+      if (c >= c_end) break;
+      load(s0, c + kStageChunks);
+      compute(s1, c);
+      c += kStageChunks;
+    }
+
+    if (p.kw > 1) {
+      if (kw != 0) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) red[warp][nt * 4 + r][lane] = acc[nt][r];
+      }
+      __syncthreads();
+      if (kw == 0) {
+        for (int w2 = 1; w2 < p.kw; ++w2) {
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[nt][r] += red[warp + w2][nt * 4 + r][lane];
+        }
+      }
+    }
+    if (kw == 0 && tile_ok) skinny_epilogue<MODE, NT>(p, task, acc, tile, tt, g, tq);
+    if (p.kw > 1) __syncthreads();  // `red` is reused by the next token tile
+  }
+}
+
+// ------------------------------------------------------------------------------------------ tiled kernel
+constexpr int kTileN = 128, kTileM = 128, kStages = 3;
+constexpr int kXStage = kTileM * 128 * 2;  // bf16 activations, 128 tokens x 128 k, swizzled 16-byte pieces
+constexpr int kWStage = kTileN * 64;       // packed weights, 128 rows x one chunk
+constexpr int kSStage = kTileN * 8;        // scale bytes
+constexpr int kStageBytes = kXStage + kWStage + kSStage;
+constexpr int kTiledSmem = kStageBytes * kStages;
+constexpr int kOutStride = kTileN + 4;  // fp32 epilogue staging [token][feature]
+static_assert(kTileM * kOutStride * 4 <= kTiledSmem, "epilogue staging must fit in the pipeline smem");
+
+struct TiledParams {
+  const bf16* x;
+  const uint8_t* w;
+  const uint8_t* s;
+  const float* gs;
+  const float* gs_act;
+  void* y;
+  int out_kind;
+  int M, N, K;
+};
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async8(void* dst, const void* src, int src_bytes) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(d), "l"(src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+__global__ void __launch_bounds__(kThreads, 1) nvfp4_tiled_kernel(const TiledParams p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
+  const int wn = warp & 3, wm = warp >> 2;  // 4 warps along features x 2 along tokens
+  const int n_base = blockIdx.x * kTileN, m_base = blockIdx.y * kTileM;
+  const int kp = (p.K + 127) & ~127, nchunks = kp >> 7;
+
+  auto load_stage = [&](int st, int c) {
+    uint8_t* xs = smem + st * kStageBytes;
+    uint8_t* ws = xs + kXStage;
+    uint8_t* ss = ws + kWStage;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int id = tid + i * kThreads, r = id >> 4, ch = id & 15;
+      const int m = m_base + r, k = c * 128 + ch * 8;
+      const bool ok = m < p.M && k < p.K;
+      const bf16* src = p.x + size_t(min(m, p.M - 1)) * p.K + (ok ? k : 0);
+      cp_async16(xs + r * 256 + ((ch ^ (r & 7)) << 4), src, ok ? 16 : 0);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int id = tid + i * kThreads, r = id >> 2, part = id & 3;
+      const int n = n_base + r;
+      const uint8_t* src = p.w + size_t(min(n, p.N - 1)) * (kp >> 1) + size_t(c) * 64 + part * 16;
+      cp_async16(ws + r * 64 + part * 16, src, n < p.N ? 16 : 0);
+    }
+    if (tid < kTileN) {
+      const int n = n_base + tid;
+      const uint8_t* src = p.s + size_t(min(n, p.N - 1)) * (kp >> 4) + size_t(c) * 8;
+      cp_async8(ss + tid * 8, src, n < p.N ? 8 : 0);
+    }
+  };
+
+  float acc[2][8][4];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
+
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (st < nchunks) load_stage(st, st);
+    cp_async_commit();
+  }
+  for (int c = 0; c < nchunks; ++c) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    const int cn = c + kStages - 1;
+    if (cn < nchunks) load_stage(cn % kStages, cn);
+    cp_async_commit();
+
+    const uint8_t* xs = smem + (c % kStages) * kStageBytes;
+    const uint8_t* ws = xs + kXStage;
+    const uint8_t* ss = ws + kWStage;
+    uint4 wa[2], wb[2];
+    uint2 sa[2], sb[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = wn * 32 + i * 16 + g;
+      wa[i] = *reinterpret_cast<const uint4*>(ws + r * 64 + tq * 16);
+      wb[i] = *reinterpret_cast<const uint4*>(ws + (r + 8) * 64 + tq * 16);
+      sa[i] = *reinterpret_cast<const uint2*>(ss + r * 8);
+      sb[i] = *reinterpret_cast<const uint2*>(ss + (r + 8) * 8);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint32_t ra[2][4], rb[2][4];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const uint32_t wa_j = j == 0 ? wa[i].x : j == 1 ? wa[i].y : j == 2 ? wa[i].z : wa[i].w;
+        const uint32_t wb_j = j == 0 ? wb[i].x : j == 1 ? wb[i].y : j == 2 ? wb[i].z : wb[i].w;
+        decode_word(wa_j, ra[i]);
+        decode_word(wb_j, rb[i]);
+      }
+#pragma unroll
+      for (int hs = 0; hs < 2; ++hs) {
+        const int s = 2 * j + hs;
+        if (c * 128 + s * 16 >= p.K) continue;
+        uint32_t a[2][4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const uint32_t sca = scale_pair(s < 4 ? sa[i].x : sa[i].y, s & 3);
+          const uint32_t scb = scale_pair(s < 4 ? sb[i].x : sb[i].y, s & 3);
+          a[i][0] = bf16x2_mul(ra[i][2 * hs], sca);
+          a[i][1] = bf16x2_mul(rb[i][2 * hs], scb);
+          a[i][2] = bf16x2_mul(ra[i][2 * hs + 1], sca);
+          a[i][3] = bf16x2_mul(rb[i][2 * hs + 1], scb);
+        }
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          const int tok = wm * 64 + (np * 2 + (lane >> 4)) * 8 + (lane & 7);
+          const int ch = 2 * s + ((lane >> 3) & 1);
+          uint32_t b[4];
+          ldmatrix_x4(b, xs + tok * 256 + ((ch ^ (tok & 7)) << 4));
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            mma16816(acc[i][2 * np], a[i][0], a[i][1], a[i][2], a[i][3], b[0], b[1]);
+            mma16816(acc[i][2 * np + 1], a[i][0], a[i][1], a[i][2], a[i][3], b[2], b[3]);
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  float alpha = __ldg(p.gs) * kUnbias;
+  if (p.gs_act != nullptr) alpha *= __ldg(p.gs_act);
+  float* cs = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int row = wn * 32 + i * 16 + g, tok = wm * 64 + nt * 8 + 2 * tq + e;
+        cs[tok * kOutStride + row] = acc[i][nt][e] * alpha;
+        cs[tok * kOutStride + row + 8] = acc[i][nt][2 + e] * alpha;
+      }
+  __syncthreads();
+  const bool vec = (p.N % 8) == 0;
+#pragma unroll 1
+  for (int it = 0; it < (kTileM * kTileN / 8) / kThreads; ++it) {
+    const int id = tid + it * kThreads, tl = id >> 4, fl = (id & 15) * 8;
+    const int m = m_base + tl, n = n_base + fl;
+    if (m >= p.M || n >= p.N) continue;
+    const float* v = cs + tl * kOutStride + fl;
+    const size_t o = size_t(m) * p.N + n;
+    if (vec && p.out_kind == 0) {
+      __nv_bfloat162 q[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) q[u] = __floats2bfloat162_rn(v[2 * u], v[2 * u + 1]);
+      *reinterpret_cast<uint4*>(reinterpret_cast<bf16*>(p.y) + o) = *reinterpret_cast<const uint4*>(q);
+    } else {
+      for (int u = 0; u < 8 && n + u < p.N; ++u) store_out(p.y, o + u, v[u], p.out_kind);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------ simple kernels
+// Warp-reduced sum_k code * scale * x[k] over one kernel-layout row (exact decode, fp32 FMA).
+__device__ float simple_row_dot(const uint8_t* wrow, const uint8_t* srow, int K, const bf16* xrow, int lane) {
+  const int kp = (K + 127) & ~127;
+  float acc = 0.f;
+  for (int wi = lane; wi < kp / 8; wi += 32) {
+    const int c = wi >> 4, t = (wi >> 2) & 3, j = wi & 3;
+    const uint8_t* b = wrow + size_t(wi) * 4;
+    const uint32_t w = uint32_t(b[0]) | (uint32_t(b[1]) << 8) | (uint32_t(b[2]) << 16) | (uint32_t(b[3]) << 24);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int s = 2 * j + (q >> 1), h = q & 1;
+      const float sc = scale_value(srow[c * 8 + s]);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int k = c * 128 + 16 * s + 8 * h + 2 * t + e;
+        if (k < K) acc = fmaf(e2m1_value(word_code(w, q, e)) * sc, __bfloat162float(xrow[k]), acc);
+      }
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xFFFFFFFFu, acc, off);
+  return acc;
+}
+
+__global__ void nvfp4_simple_linear_kernel(const TiledParams p) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int n = blockIdx.x * kWarps + warp;
+  if (n >= p.N) return;
+  const int kp = (p.K + 127) & ~127;
+  float alpha = __ldg(p.gs);
+  if (p.gs_act != nullptr) alpha *= __ldg(p.gs_act);
+  for (int m = blockIdx.y; m < p.M; m += gridDim.y) {
+    const float dot = simple_row_dot(p.w + size_t(n) * (kp / 2), p.s + size_t(n) * (kp / 16), p.K,
+                                     p.x + size_t(m) * p.K, lane);
+    if (lane == 0) store_out(p.y, size_t(m) * p.N + n, dot * alpha, p.out_kind);
+  }
+}
+
+struct SimpleMoeParams {
+  const bf16* x;
+  const void* ids;
+  int ids64;
+  const float* wts;
+  const uint8_t *w13, *s13, *w2, *s2, *sw13, *ss13, *sw2, *ss2;
+  const float *g13, *g2, *sg13, *sg2;
+  int T, d, k, E, I, Is;
+  float limit;
+  bf16* h;   // routed [T*k, I], then shared [T, Is]
+  bf16* o;   // [(T*k + T), d]
+};
+
+// blockIdx.y = assignment row r (< T*k routed, else shared token r - T*k); warps over SwiGLU columns.
+__device__ void simple_moe_up_row(const SimpleMoeParams& p, int r) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int tk = p.T * p.k;
+  const int col = blockIdx.x * kWarps + warp;
+  const uint8_t *w, *s;
+  float gs, route = 1.f;
+  int inter, tok;
+  bf16* dst;
+  const size_t kpd = size_t((p.d + 127) & ~127);
+  if (r < tk) {
+    const int e = load_id(p.ids, p.ids64, r);
+    if (e < 0 || e >= p.E) return;
+    inter = p.I;
+    w = p.w13 + size_t(e) * 2 * p.I * (kpd / 2);
+    s = p.s13 + size_t(e) * 2 * p.I * (kpd / 16);
+    gs = p.g13[e];
+    route = p.wts[r];
+    tok = r / p.k;
+    dst = p.h + size_t(r) * p.I;
+  } else {
+    inter = p.Is;
+    w = p.sw13;
+    s = p.ss13;
+    gs = p.sg13[0];
+    tok = r - tk;
+    dst = p.h + size_t(tk) * p.I + size_t(tok) * p.Is;
+  }
+  if (col >= inter) return;
+  const int grow = (col / 8) * 16 + col % 8;  // gate row in the interleaved layout; up = grow + 8
+  const bf16* xrow = p.x + size_t(tok) * p.d;
+  const float gate = simple_row_dot(w + size_t(grow) * (kpd / 2), s + size_t(grow) * (kpd / 16), p.d, xrow, lane);
+  const float up = simple_row_dot(w + size_t(grow + 8) * (kpd / 2), s + size_t(grow + 8) * (kpd / 16), p.d, xrow, lane);
+  float hv = swiglu(round_bf16(gate * gs), round_bf16(up * gs), p.limit);
+  if (r < tk) hv *= route;
+  if (lane == 0) dst[col] = __float2bfloat16(hv);
+}
+
+__global__ void nvfp4_simple_moe_up_kernel(const SimpleMoeParams p) {
+  for (int r = blockIdx.y; r < p.T * p.k + (p.sw13 != nullptr ? p.T : 0); r += gridDim.y) simple_moe_up_row(p, r);
+}
+
+__device__ void simple_moe_down_row(const SimpleMoeParams& p, int r) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int tk = p.T * p.k;
+  const int n = blockIdx.x * kWarps + warp;
+  if (n >= p.d) return;
+  const uint8_t *w, *s;
+  float gs;
+  int K;
+  const bf16* hrow;
+  if (r < tk) {
+    const int e = load_id(p.ids, p.ids64, r);
+    if (e < 0 || e >= p.E) return;
+    K = p.I;
+    const size_t kp = size_t((K + 127) & ~127);
+    w = p.w2 + size_t(e) * p.d * (kp / 2);
+    s = p.s2 + size_t(e) * p.d * (kp / 16);
+    gs = p.g2[e];
+    hrow = p.h + size_t(r) * p.I;
+  } else {
+    K = p.Is;
+    w = p.sw2;
+    s = p.ss2;
+    gs = p.sg2[0];
+    hrow = p.h + size_t(tk) * p.I + size_t(r - tk) * p.Is;
+  }
+  const size_t kp = size_t((K + 127) & ~127);
+  const float dot = simple_row_dot(w + size_t(n) * (kp / 2), s + size_t(n) * (kp / 16), K, hrow, lane);
+  if (lane == 0) p.o[size_t(r) * p.d + n] = __float2bfloat16(dot * gs);
+}
+
+__global__ void nvfp4_simple_moe_down_kernel(const SimpleMoeParams p) {
+  for (int r = blockIdx.y; r < p.T * p.k + (p.sw13 != nullptr ? p.T : 0); r += gridDim.y) simple_moe_down_row(p, r);
+}
+
+// ------------------------------------------------------------------------------------------ MoE routing
+// One CTA: per-expert counts, exclusive offsets, the list of active experts (ascending id) and the
+// assignments a = t*k + j grouped by expert. route = [counts E | offsets E | active E | n_active | sorted T*k].
+__global__ void __launch_bounds__(1024) nvfp4_moe_route_kernel(const void* ids, int ids64, int TK, int E,
+                                                               int* route) {
+  extern __shared__ int rsm[];
+  int* cnt = rsm;
+  int* cur = rsm + E;
+  __shared__ int wsum[32], wact[32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+  for (int e = tid; e < E; e += blockDim.x) cnt[e] = 0;
+  __syncthreads();
+  for (int a = tid; a < TK; a += blockDim.x) {
+    const int e = load_id(ids, ids64, a);
+    if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
+  }
+  __syncthreads();
+  const int per = (E + blockDim.x - 1) / blockDim.x;
+  const int e0 = min(tid * per, E), e1 = min(e0 + per, E);
+  int lsum = 0, lact = 0;
+  for (int e = e0; e < e1; ++e) {
+    lsum += cnt[e];
+    lact += cnt[e] > 0;
+  }
+  int ssum = lsum, sact = lact;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int v = __shfl_up_sync(0xFFFFFFFFu, ssum, off), u = __shfl_up_sync(0xFFFFFFFFu, sact, off);
+    if (lane >= off) {
+      ssum += v;
+      sact += u;
+    }
+  }
+  if (lane == 31) {
+    wsum[warp] = ssum;
+    wact[warp] = sact;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    int v = lane < nwarps ? wsum[lane] : 0, u = lane < nwarps ? wact[lane] : 0;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int v2 = __shfl_up_sync(0xFFFFFFFFu, v, off), u2 = __shfl_up_sync(0xFFFFFFFFu, u, off);
+      if (lane >= off) {
+        v += v2;
+        u += u2;
+      }
+    }
+    wsum[lane] = v;
+    wact[lane] = u;
+  }
+  __syncthreads();
+  int off_sum = (warp > 0 ? wsum[warp - 1] : 0) + ssum - lsum;
+  int off_act = (warp > 0 ? wact[warp - 1] : 0) + sact - lact;
+  for (int e = e0; e < e1; ++e) {
+    route[e] = cnt[e];
+    route[E + e] = off_sum;
+    cur[e] = off_sum;
+    if (cnt[e] > 0) route[2 * E + off_act++] = e;
+    off_sum += cnt[e];
+  }
+  if (tid == 0) route[3 * E] = wact[nwarps - 1];
+  __syncthreads();
+  for (int a = tid; a < TK; a += blockDim.x) {
+    const int e = load_id(ids, ids64, a);
+    if (e >= 0 && e < E) route[3 * E + 1 + atomicAdd(&cur[e], 1)] = a;
+  }
+}
+
+// y[t] = bf16(sum_j o[t*k + j] (valid ids only, slot order) + o[T*k + t] (shared)), 8 features per thread.
+__global__ void nvfp4_moe_combine_kernel(const bf16* o, const void* ids, int ids64, int T, int k, int E, int d,
+                                         int has_shared, bf16* y) {
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int d8 = d / 8;
+  if (idx >= int64_t(T) * d8) return;
+  const int t = int(idx / d8), n = int(idx % d8) * 8;
+  float acc[8];
+#pragma unroll
+  for (int u = 0; u < 8; ++u) acc[u] = 0.f;
+  auto add_row = [&](int64_t row) {
+    const uint4 v = *reinterpret_cast<const uint4*>(o + row * d + n);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const float2 f = __bfloat1622float2(h[u]);
+      acc[2 * u] += f.x;
+      acc[2 * u + 1] += f.y;
+    }
+  };
+  for (int j = 0; j < k; ++j) {
+    const int e = load_id(ids, ids64, int64_t(t) * k + j);
+    if (e >= 0 && e < E) add_row(int64_t(t) * k + j);
+  }
+  if (has_shared) add_row(int64_t(T) * k + t);
+  __nv_bfloat162 q[4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u) q[u] = __floats2bfloat162_rn(acc[2 * u], acc[2 * u + 1]);
+  *reinterpret_cast<uint4*>(y + int64_t(t) * d + n) = *reinterpret_cast<const uint4*>(q);
+}
+
+__global__ void nvfp4_dequant_act_kernel(const uint8_t* packed, const uint8_t* scale, bf16* out, int64_t nbytes,
+                                         int K) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= nbytes) return;
+  const int64_t row = i / (K / 2), kb = (i % (K / 2)) * 2;
+  const float sc = e4m3_value(scale[row * (K / 16) + kb / 16]);
+  const uint32_t b = packed[i];
+  reinterpret_cast<__nv_bfloat162*>(out)[i] =
+      __floats2bfloat162_rn(e2m1_value(b & 15u) * sc, e2m1_value(b >> 4) * sc);
+}
+
+// ------------------------------------------------------------------------------------------ host side
+int pick_nt(int64_t tokens) { return tokens <= 8 ? 1 : tokens <= 16 ? 2 : tokens <= 32 ? 4 : 8; }
+
+// Warps per row tile along K (kw) and row tiles per CTA (rt): at most ~4 chunks per warp, and enough
+// CTAs for all SMs when the matrix allows.
+void pick_split(int64_t ntiles, int64_t nchunks, int64_t slots, int& kw, int& rt) {
+  kw = 1;
+  while (kw < kWarps && (nchunks + kw - 1) / kw > 4) kw *= 2;
+  rt = kWarps / kw;
+  while (kw < kWarps && ((ntiles + rt - 1) / rt) * slots < 264 && nchunks >= 2 * kw) {
+    kw *= 2;
+    rt = kWarps / kw;
+  }
+}
+
+template <int MODE>
+cudaError_t launch_skinny(const SkinnyParams& p, int nt, dim3 grid, cudaStream_t stream) {
+  switch (nt) {
+    case 1: nvfp4_skinny_kernel<MODE, 1><<<grid, kThreads, 0, stream>>>(p); break;
+    case 2: nvfp4_skinny_kernel<MODE, 2><<<grid, kThreads, 0, stream>>>(p); break;
+    case 4: nvfp4_skinny_kernel<MODE, 4><<<grid, kThreads, 0, stream>>>(p); break;
+    default: nvfp4_skinny_kernel<MODE, 8><<<grid, kThreads, 0, stream>>>(p); break;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+extern "C" cudaError_t dsv4_nvfp4_linear_launch(const Nvfp4LinearArgs* a, cudaStream_t stream) {
+  if (a->M == 0 || a->N == 0) return cudaSuccess;
+  const int64_t kp = (a->K + 127) / 128 * 128, nchunks = kp / 128, ntiles = (a->N + 15) / 16;
+  if (a->simple) {
+    TiledParams p{reinterpret_cast<const bf16*>(a->x), a->w, a->s, a->gs, a->gs_act, a->y, a->out_kind,
+                  int(a->M), int(a->N), int(a->K)};
+    nvfp4_simple_linear_kernel<<<dim3(unsigned((a->N + kWarps - 1) / kWarps), unsigned(a->M < 65535 ? a->M : 65535)),
+                                 kThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  }
+  if (a->M > 64) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(nvfp4_tiled_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTiledSmem);
+    if (err != cudaSuccess) return err;
+    TiledParams p{reinterpret_cast<const bf16*>(a->x), a->w, a->s, a->gs, a->gs_act, a->y, a->out_kind,
+                  int(a->M), int(a->N), int(a->K)};
+    const dim3 grid(unsigned((a->N + kTileN - 1) / kTileN), unsigned((a->M + kTileM - 1) / kTileM));
+    nvfp4_tiled_kernel<<<grid, kThreads, kTiledSmem, stream>>>(p);
+    return cudaGetLastError();
+  }
+  SkinnyParams p{};
+  p.x = reinterpret_cast<const bf16*>(a->x);
+  p.y = a->y;
+  p.out_kind = a->out_kind;
+  p.gs_act = a->gs_act;
+  p.M = int(a->M);
+  p.w = a->w;
+  p.s = a->s;
+  p.g = a->gs;
+  p.N = int(a->N);
+  p.K = int(a->K);
+  pick_split(ntiles, nchunks, 1, p.kw, p.rt);
+  const dim3 grid(unsigned((ntiles + p.rt - 1) / p.rt), 1);
+  return launch_skinny<kDense>(p, pick_nt(a->M), grid, stream);
+}
+
+extern "C" cudaError_t dsv4_nvfp4_dequant_act_launch(const Nvfp4DequantActArgs* a, cudaStream_t stream) {
+  const int64_t nbytes = a->rows * (a->K / 2);
+  if (nbytes == 0) return cudaSuccess;
+  nvfp4_dequant_act_kernel<<<unsigned((nbytes + 255) / 256), 256, 0, stream>>>(
+      a->packed, a->scale, reinterpret_cast<bf16*>(a->out), nbytes, int(a->K));
+  return cudaGetLastError();
+}
+
+extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t stream) {
+  if (a->T == 0) return cudaSuccess;
+  const int64_t TK = a->T * a->k;
+  const bool shared = a->sw13 != nullptr;
+  bf16* h = reinterpret_cast<bf16*>(a->h);
+  bf16* o = reinterpret_cast<bf16*>(a->o);
+  if (a->simple) {
+    SimpleMoeParams p{};
+    p.x = reinterpret_cast<const bf16*>(a->x);
+    p.ids = a->ids;
+    p.ids64 = a->ids_int64;
+    p.wts = a->wts;
+    p.w13 = a->w13, p.s13 = a->s13, p.w2 = a->w2, p.s2 = a->s2;
+    p.sw13 = a->sw13, p.ss13 = a->ss13, p.sw2 = a->sw2, p.ss2 = a->ss2;
+    p.g13 = a->g13, p.g2 = a->g2, p.sg13 = a->sg13, p.sg2 = a->sg2;
+    p.T = int(a->T), p.d = int(a->d), p.k = int(a->k), p.E = int(a->E), p.I = int(a->I), p.Is = int(a->Is);
+    p.limit = a->limit;
+    p.h = h;
+    p.o = o;
+    const int64_t rows = TK + (shared ? a->T : 0) < 65535 ? TK + (shared ? a->T : 0) : 65535;
+    const int64_t imax = a->I > a->Is ? a->I : a->Is;
+    nvfp4_simple_moe_up_kernel<<<dim3(unsigned((imax + kWarps - 1) / kWarps), unsigned(rows)), kThreads, 0,
+                                 stream>>>(p);
+    nvfp4_simple_moe_down_kernel<<<dim3(unsigned((a->d + kWarps - 1) / kWarps), unsigned(rows)), kThreads, 0,
+                                   stream>>>(p);
+  } else {
+    nvfp4_moe_route_kernel<<<1, 1024, size_t(2 * a->E) * sizeof(int), stream>>>(a->ids, a->ids_int64, int(TK),
+                                                                                 int(a->E), a->route);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    SkinnyParams p{};
+    p.route = a->route;
+    p.E = int(a->E);
+    p.topk = int(a->k);
+    p.T = int(a->T);
+    p.n_rslots = int(TK < a->E ? TK : a->E);
+    p.wts = a->wts;
+    p.limit = a->limit;
+    // tokens per tile: ~2x the mean tokens per expert (the kernel loops over more)
+    const int nt = pick_nt((TK + a->E - 1) / a->E * 2);
+    p.s_chunk = 8 * nt;
+    p.n_sslots = shared ? int((a->T + p.s_chunk - 1) / p.s_chunk) : 0;
+    const int slots = p.n_rslots + p.n_sslots;
+    // up: gate/up rows [2I] x K = d; B rows = tokens of x
+    p.w = a->w13, p.s = a->s13, p.g = a->g13, p.N = int(2 * a->I), p.K = int(a->d);
+    p.sw = a->sw13, p.ss = a->ss13, p.sg = a->sg13, p.sN = int(2 * a->Is), p.sK = int(a->d);
+    p.in = reinterpret_cast<const bf16*>(a->x);
+    p.in_shared = p.in;
+    p.out = h;
+    p.out_shared = h + TK * a->I;
+    const int64_t nmax_up = (shared && a->Is > a->I ? a->Is : a->I) * 2;
+    const int64_t kchunks_d = (a->d + 127) / 128;
+    pick_split((nmax_up + 15) / 16, kchunks_d, slots, p.kw, p.rt);
+    err = launch_skinny<kMoeUp>(p, nt, dim3(unsigned(((nmax_up + 15) / 16 + p.rt - 1) / p.rt), unsigned(slots)),
+                                stream);
+    if (err != cudaSuccess) return err;
+    // down: rows d x K = I (Is); B rows = h
+    p.w = a->w2, p.s = a->s2, p.g = a->g2, p.N = int(a->d), p.K = int(a->I);
+    p.sw = a->sw2, p.ss = a->ss2, p.sg = a->sg2, p.sN = int(a->d), p.sK = int(a->Is);
+    p.in = h;
+    p.in_shared = h + TK * a->I;
+    p.out = o;
+    p.out_shared = o + TK * a->d;
+    const int64_t kmax = shared && a->Is > a->I ? a->Is : a->I;
+    const int64_t ntiles_d = (a->d + 15) / 16;
+    pick_split(ntiles_d, (kmax + 127) / 128, slots, p.kw, p.rt);
+    err = launch_skinny<kMoeDown>(p, nt, dim3(unsigned((ntiles_d + p.rt - 1) / p.rt), unsigned(slots)), stream);
+    if (err != cudaSuccess) return err;
+  }
+  const int64_t items = a->T * (a->d / 8);
+  nvfp4_moe_combine_kernel<<<unsigned((items + 255) / 256), 256, 0, stream>>>(
+      o, a->ids, a->ids_int64, int(a->T), int(a->k), int(a->E), int(a->d), shared ? 1 : 0,
+      reinterpret_cast<bf16*>(a->y));
+  return cudaGetLastError();
+}

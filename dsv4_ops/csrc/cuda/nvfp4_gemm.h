@@ -1,0 +1,56 @@
+// Launchers of the NVFP4 GEMM / MoE CUDA kernels (nvfp4_gemm.cu): plain C structs of raw pointers, no torch
+// headers. Weights are in the kernel layout of dsv4_model.nvfp4.repack_weight (docs/ops.md).
+#pragma once
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+// out_kind: 0 = bf16, 1 = fp16, 2 = fp32
+struct Nvfp4LinearArgs {
+  const void* x;            // bf16 [M, K]
+  const uint8_t* w;         // [N, Kp/2]
+  const uint8_t* s;         // [N, Kp/16]
+  const float* gs;          // weight global scale (1 value)
+  const float* gs_act;      // activation global scale (W4A4) or nullptr
+  void* y;                  // [M, N]
+  int out_kind;
+  int64_t M, N, K;
+  int simple;               // 1: the plain CUDA-core kernel
+};
+
+// Canonical NVFP4 activations -> bf16 code * block scale (no global scale), exact.
+struct Nvfp4DequantActArgs {
+  const uint8_t* packed;    // [rows, K/2]
+  const uint8_t* scale;     // e4m3 bytes [rows, K/16]
+  void* out;                // bf16 [rows, K]
+  int64_t rows, K;
+};
+
+struct Nvfp4MoeArgs {
+  const void* x;            // bf16 [T, d]
+  const void* ids;          // [T, k] int32 or int64
+  int ids_int64;
+  const float* wts;         // [T, k]
+  const uint8_t *w13, *s13; // [E, 2I, Kp(d)/2], [E, 2I, Kp(d)/16]
+  const float* g13;         // [E]
+  const uint8_t *w2, *s2;   // [E, d, Kp(I)/2], ...
+  const float* g2;          // [E]
+  const uint8_t *sw13, *ss13, *sw2, *ss2;  // shared expert (nullptr when absent)
+  const float *sg13, *sg2;
+  int64_t T, d, k, E, I, Is;  // Is = 0 without a shared expert
+  float limit;
+  int* route;               // workspace: 3E + 1 + T*k ints
+  void* h;                  // bf16 workspace: T*k*I + T*Is
+  void* o;                  // bf16 workspace: (T*k + T) * d
+  void* y;                  // bf16 [T, d]
+  int simple;
+};
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+cudaError_t dsv4_nvfp4_linear_launch(const Nvfp4LinearArgs* a, cudaStream_t stream);
+cudaError_t dsv4_nvfp4_dequant_act_launch(const Nvfp4DequantActArgs* a, cudaStream_t stream);
+cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t stream);
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,191 @@
+// CUDA registration of dsv4::nvfp4_linear / nvfp4_linear_w4a4 / nvfp4_moe: argument checks (shared with the
+// CPU kernels), outputs and workspaces from the caching allocator (graph-pool aware), launch on the current
+// stream. The kernels live in nvfp4_gemm.cu. DSV4_NVFP4_GEMM_KERNEL=simple selects the plain CUDA-core kernels.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "cuda/nvfp4_gemm.h"
+#include "nvfp4_gemm_checks.h"
+
+namespace {
+
+using namespace dsv4_nvfp4;
+
+bool use_simple() {
+  const char* v = std::getenv("DSV4_NVFP4_GEMM_KERNEL");
+  return v != nullptr && std::strcmp(v, "simple") == 0;
+}
+
+// Contiguous, and aligned for the kernels' vector loads (odd views get copied).
+at::Tensor prep(const at::Tensor& t, uintptr_t align) {
+  at::Tensor c = t.contiguous();
+  if (reinterpret_cast<uintptr_t>(c.data_ptr()) % align != 0) c = c.clone();
+  return c;
+}
+
+void check_cuda(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got ", t.device());
+}
+
+int out_kind_of(at::ScalarType t, const char* op) {
+  if (t == at::kBFloat16) return 0;
+  if (t == at::kHalf) return 1;
+  TORCH_CHECK(t == at::kFloat, op, ": out_dtype must be bfloat16, float16 or float32, got ", t);
+  return 2;
+}
+
+void check_launch(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+}
+
+at::Tensor linear_impl(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& s, const at::Tensor& gs,
+                       const at::Tensor* gs_act, int64_t N, at::ScalarType out_dtype, const char* op) {
+  const int64_t M = x2.size(0), K = x2.size(1);
+  TORCH_CHECK(M < (int64_t(1) << 31) && N < (int64_t(1) << 31) && K < (int64_t(1) << 31), op,
+              ": sizes must fit in int32");
+  at::Tensor out = at::empty({M, N}, x2.options().dtype(out_dtype));
+  const at::Tensor wc = prep(w, 16), sc = prep(s, 8), gc = gs.contiguous();
+  at::Tensor ac;
+  if (gs_act != nullptr) ac = gs_act->contiguous();
+  Nvfp4LinearArgs a{};
+  a.x = x2.data_ptr();
+  a.w = wc.data_ptr<uint8_t>();
+  a.s = sc.data_ptr<uint8_t>();
+  a.gs = gc.data_ptr<float>();
+  a.gs_act = gs_act != nullptr ? ac.data_ptr<float>() : nullptr;
+  a.y = out.data_ptr();
+  a.out_kind = out_kind_of(out_dtype, op);
+  a.M = M;
+  a.N = N;
+  a.K = K;
+  a.simple = use_simple() ? 1 : 0;
+  check_launch(dsv4_nvfp4_linear_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
+  return out;
+}
+
+at::Tensor nvfp4_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const at::Tensor& gs) {
+  const char* op = "dsv4::nvfp4_linear";
+  check_cuda(x, op, "x");
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kBFloat16, op, ": x must be bf16 [..., K], got ",
+              x.scalar_type(), " ", x.sizes());
+  const int64_t K = x.size(-1);
+  const int64_t N = check_weight(w, s, K, 0, x, op, "w_packed", "w_scale");
+  check_global_scale(gs, x, op, "w_global_scale");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor x2 = prep(x.reshape({-1, K}), 16);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  return linear_impl(x2, w, s, gs, nullptr, N, at::kBFloat16, op).view(out_shape);
+}
+
+at::Tensor nvfp4_linear_w4a4_cuda(const at::Tensor& xp, const at::Tensor& xs, const at::Tensor& xg,
+                                  const at::Tensor& w, const at::Tensor& s, const at::Tensor& gs,
+                                  at::ScalarType out_dtype) {
+  const char* op = "dsv4::nvfp4_linear_w4a4";
+  check_cuda(xp, op, "x_packed");
+  TORCH_CHECK(xp.dim() >= 1 && xp.scalar_type() == at::kByte, op, ": x_packed must be uint8 [..., K/2], got ",
+              xp.scalar_type(), " ", xp.sizes());
+  const int64_t K = xp.size(-1) * 2;
+  TORCH_CHECK(xs.scalar_type() == at::kFloat8_e4m3fn || xs.scalar_type() == at::kByte, op,
+              ": x_scale must be float8_e4m3fn (or its bytes as uint8), got ", xs.scalar_type());
+  TORCH_CHECK(xs.dim() == xp.dim() && xs.sizes().slice(0, xp.dim() - 1) == xp.sizes().slice(0, xp.dim() - 1) &&
+                  xs.size(-1) * kBlock == K,
+              op, ": x_scale must be [..., K/16] matching x_packed ", xp.sizes(), ", got ", xs.sizes());
+  check_same_device(xs, xp, op, "x_scale");
+  check_global_scale(xg, xp, op, "x_global_scale");
+  const int64_t N = check_weight(w, s, K, 0, xp, op, "w_packed", "w_scale");
+  check_global_scale(gs, xp, op, "w_global_scale");
+  out_kind_of(out_dtype, op);
+  const c10::cuda::CUDAGuard guard(xp.device());
+  const at::Tensor p2 = xp.reshape({-1, K / 2}).contiguous();
+  const at::Tensor s2 = (xs.scalar_type() == at::kByte ? xs : xs.view(at::kByte)).reshape({-1, K / kBlock}).contiguous();
+  const int64_t rows = p2.size(0);
+  at::Tensor xb = at::empty({rows, K}, xp.options().dtype(at::kBFloat16));
+  Nvfp4DequantActArgs d{};
+  d.packed = p2.data_ptr<uint8_t>();
+  d.scale = s2.data_ptr<uint8_t>();
+  d.out = xb.data_ptr();
+  d.rows = rows;
+  d.K = K;
+  check_launch(dsv4_nvfp4_dequant_act_launch(&d, c10::cuda::getCurrentCUDAStream().stream()), op);
+  std::vector<int64_t> out_shape(xp.sizes().begin(), xp.sizes().end());
+  out_shape.back() = N;
+  return linear_impl(xb, w, s, gs, &xg, N, out_dtype, op).view(out_shape);
+}
+
+at::Tensor nvfp4_moe_cuda(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts, const at::Tensor& w13,
+                          const at::Tensor& s13, const at::Tensor& g13, const at::Tensor& w2, const at::Tensor& s2,
+                          const at::Tensor& g2, const std::optional<at::Tensor>& sw13,
+                          const std::optional<at::Tensor>& ss13, const std::optional<at::Tensor>& sg13,
+                          const std::optional<at::Tensor>& sw2, const std::optional<at::Tensor>& ss2,
+                          const std::optional<at::Tensor>& sg2, double limit) {
+  const char* op = "dsv4::nvfp4_moe";
+  check_cuda(x, op, "x");
+  const MoeDims m = check_moe(x, ids, wts, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2);
+  TORCH_CHECK(m.E <= 4096, op, ": at most 4096 experts (routing histogram in shared memory), got ", m.E);
+  const int64_t TK = m.T * m.k;
+  TORCH_CHECK(TK + m.T < (int64_t(1) << 31) && m.d < (int64_t(1) << 31), op, ": sizes must fit in int32");
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor y = at::empty({m.T, m.d}, x.options());
+  if (m.T == 0) return y;
+  const at::Tensor xc = prep(x, 16), idc = ids.contiguous(), wtc = wts.contiguous();
+  const at::Tensor w13c = prep(w13, 16), s13c = prep(s13, 8), g13c = g13.contiguous();
+  const at::Tensor w2c = prep(w2, 16), s2c = prep(s2, 8), g2c = g2.contiguous();
+  at::Tensor sw13c, ss13c, sg13c, sw2c, ss2c, sg2c;
+  if (m.has_shared) {
+    sw13c = prep(*sw13, 16), ss13c = prep(*ss13, 8), sg13c = sg13->contiguous();
+    sw2c = prep(*sw2, 16), ss2c = prep(*ss2, 8), sg2c = sg2->contiguous();
+  }
+  at::Tensor route = at::empty({3 * m.E + 1 + TK}, x.options().dtype(at::kInt));
+  at::Tensor h = at::empty({TK * m.I + m.T * m.Is}, x.options());
+  at::Tensor o = at::empty({(TK + (m.has_shared ? m.T : 0)) * m.d}, x.options());
+  Nvfp4MoeArgs a{};
+  a.x = xc.data_ptr();
+  a.ids = idc.data_ptr();
+  a.ids_int64 = idc.scalar_type() == at::kLong ? 1 : 0;
+  a.wts = wtc.data_ptr<float>();
+  a.w13 = w13c.data_ptr<uint8_t>();
+  a.s13 = s13c.data_ptr<uint8_t>();
+  a.g13 = g13c.data_ptr<float>();
+  a.w2 = w2c.data_ptr<uint8_t>();
+  a.s2 = s2c.data_ptr<uint8_t>();
+  a.g2 = g2c.data_ptr<float>();
+  if (m.has_shared) {
+    a.sw13 = sw13c.data_ptr<uint8_t>();
+    a.ss13 = ss13c.data_ptr<uint8_t>();
+    a.sg13 = sg13c.data_ptr<float>();
+    a.sw2 = sw2c.data_ptr<uint8_t>();
+    a.ss2 = ss2c.data_ptr<uint8_t>();
+    a.sg2 = sg2c.data_ptr<float>();
+  }
+  a.T = m.T;
+  a.d = m.d;
+  a.k = m.k;
+  a.E = m.E;
+  a.I = m.I;
+  a.Is = m.has_shared ? m.Is : 0;
+  a.limit = float(limit);
+  a.route = route.data_ptr<int>();
+  a.h = h.data_ptr();
+  a.o = o.data_ptr();
+  a.y = y.data_ptr();
+  a.simple = use_simple() ? 1 : 0;
+  check_launch(dsv4_nvfp4_moe_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dsv4, CUDA, m) {
+  m.impl("nvfp4_linear", &nvfp4_linear_cuda);
+  m.impl("nvfp4_linear_w4a4", &nvfp4_linear_w4a4_cuda);
+  m.impl("nvfp4_moe", &nvfp4_moe_cuda);
+}

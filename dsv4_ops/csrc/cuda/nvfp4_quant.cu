@@ -1,0 +1,765 @@
+// CUDA kernels of the NVFP4 quantization ops (docs/ops.md "## NVFP4 quantization"), sm_90a. No torch
+// headers here: launchers take raw pointers and a stream; nvfp4_quant_bindings.cpp checks and allocates.
+//
+// Numerics are bit-identical to the CPU kernel and to dsv4_ops/reference.py: every fp32 step uses an explicit
+// _rn intrinsic (never contracted into an FMA, never approximate), and the E2M1 encoder below is exact RNE.
+//
+// E2M1 encoder: in "code space" the E2M1 grid {0,.5,1,1.5,2,3,4,6} -> {0..7} is piecewise linear and concave,
+// so code(a) = round(min(2a, a+2, a/2+4)) saturated at 7. Rounding is monotone, hence it commutes with min:
+// each piece is rounded on its own by one FFMA/FADD with 2^23 (integer grid, ties to even = even code), then
+// three FMNMX. fminf makes NaN -> 7. Checked equal to the threshold form for every fp32 in [0, 8].
+// The code's sign bit is the input element's raw sign bit (gathered with PRMT sign replication).
+//
+// fused_amax_quantize (per tensor) is one launch:
+//   * small tensors: one thread-block cluster (<= 16 CTAs); the CTAs keep their blocks in registers and
+//     exchange partial maxima through distributed shared memory.
+//   * large tensors: a cooperative persistent grid (SMs x occupancy CTAs, all co-resident). Each CTA keeps
+//     its first R tiles in registers, streams the rest once for the max, publishes its max with atomicMax
+//     on the float bits, arrives on a grid counter, waits, then quantizes (registers first, then re-reads
+//     the remaining tiles newest-first, mostly L2 hits). The last CTA to leave resets the scratch words, so
+//     the launch is self-contained (CUDA-graph replay safe). The scratch is a static __device__ array:
+//     two of these kernels must not run concurrently on different streams of one device.
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+namespace cg = cooperative_groups;
+
+namespace dsv4::nvfp4 {
+// Must match nvfp4_quant_bindings.cpp.
+enum class DType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+}  // namespace dsv4::nvfp4
+
+namespace {
+
+using dsv4::nvfp4::DType;
+
+constexpr int kThreads = 512;  // CTA size of the fused kernels
+constexpr float kFltMax = 3.40282347e38f;
+
+// ------------------------------------------------------------------------------------- small helpers
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+
+enum class Ld { kNormal, kEvictFirst };
+
+template <Ld kPolicy>
+__device__ __forceinline__ uint4 ldg16(const void* p) {
+  uint4 r;
+  if constexpr (kPolicy == Ld::kEvictFirst) {
+    asm volatile(
+        "{\n .reg .b64 pol;\n createpolicy.fractional.L2::evict_first.b64 pol, 1.0;\n"
+        " ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], pol;\n}"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+  } else {
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+  }
+  return r;
+}
+
+// n / d for n < 2^31 with a precomputed magic (Granlund-Montgomery, as in ATen's IntDivider).
+struct FastDiv {
+  uint32_t d = 1, m = 0, s = 0;
+  FastDiv() = default;
+  explicit FastDiv(uint32_t div) : d(div) {
+    while ((1ull << s) < div) ++s;
+    m = (uint32_t)((((1ull << 32) * ((1ull << s) - div)) / div) + 1);
+  }
+  __device__ __forceinline__ uint32_t div(uint32_t n) const { return (__umulhi(n, m) + n) >> s; }
+};
+
+// Row index of quant block q (qbpr blocks per row); fast path when everything fits in 31 bits.
+struct RowOf {
+  FastDiv fd;
+  int64_t qbpr = 1;
+  bool fast = true;
+  __device__ __forceinline__ int64_t operator()(int64_t q) const {
+    return fast ? (int64_t)fd.div((uint32_t)q) : q / qbpr;
+  }
+};
+
+RowOf make_row_of(int64_t qbpr, int64_t n_qb) {
+  RowOf r;
+  r.qbpr = qbpr;
+  r.fast = n_qb < (1ll << 31) && qbpr < (1ll << 31);
+  if (r.fast) r.fd = FastDiv((uint32_t)qbpr);
+  return r;
+}
+
+// ----------------------------------------------------------------------------------- the numerics
+
+__device__ __forceinline__ float gs_enc_of(float gs) { return gs > 0.0f ? fminf(__frcp_rn(gs), kFltMax) : 0.0f; }
+
+__device__ __forceinline__ float e4m3_to_f32(uint32_t b) {  // b in [0, 0x7E]; subnormals handled by fp32 denormals
+  return __fmul_rn(__uint_as_float((b & 0x7Fu) << 20), 0x1p120f);
+}
+
+// 8 codes of v[0..7] * s, packed (element 0 in the low nibble), sign bits from `signs` (0x88888888 positions).
+__device__ __forceinline__ uint32_t encode8(const float* v, float s, uint32_t signs) {
+  uint32_t acc = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float a = fabsf(__fmul_rn(v[j], s));
+    const float c = fminf(fminf(__fmaf_rn(a, 2.0f, 8388608.0f), __fadd_rn(a, 8388610.0f)),
+                          fminf(__fmaf_rn(a, 0.5f, 8388612.0f), 8388615.0f));
+    acc += __float_as_uint(c) << (4 * j);  // = (0x4B000000 + code) << 4j; the constant part is removed below
+  }
+  constexpr uint32_t kBias = 0x4B000000u * 0x11111111u;
+  return (acc - kBias) | (signs & 0x88888888u);
+}
+
+// Sign masks from 16-bit storage: w[0..3] hold elements 0..7 (element 2i in the low half of w[i]).
+__device__ __forceinline__ uint32_t signs16(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
+  const uint32_t a = prmt(w0, w1, 0xFBD9);  // bytes: sign-replicated s0, s2, s1, s3
+  const uint32_t b = prmt(w2, w3, 0xFBD9);  // s4, s6, s5, s7
+  const uint32_t e = prmt(a, b, 0x5410);    // s0, s2, s4, s6
+  const uint32_t o = prmt(a, b, 0x7632);    // s1, s3, s5, s7
+  return (e & 0x0F0F0F0Fu) | (o & 0xF0F0F0F0u);
+}
+
+// Sign masks from 8 fp32 values.
+__device__ __forceinline__ uint32_t signs32(const float* f) {
+  const uint32_t e = prmt(prmt(__float_as_uint(f[0]), __float_as_uint(f[2]), 0x00FB),
+                          prmt(__float_as_uint(f[4]), __float_as_uint(f[6]), 0x00FB), 0x5410);
+  const uint32_t o = prmt(prmt(__float_as_uint(f[1]), __float_as_uint(f[3]), 0x00FB),
+                          prmt(__float_as_uint(f[5]), __float_as_uint(f[7]), 0x00FB), 0x5410);
+  return (e & 0x0F0F0F0Fu) | (o & 0xF0F0F0F0u);
+}
+
+// A decoded 16-element block.
+struct Block {
+  float v[16];
+  uint32_t sg[2];
+};
+
+__device__ __forceinline__ float block_absmax(const Block& b) {
+  float m = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) m = fmaxf(m, fabsf(b.v[i]));  // fmaxf skips NaN
+  return m;
+}
+
+// Quantizes one block given the dequant-direction global scale and its encode-direction inverse.
+__device__ __forceinline__ void quant_block(const Block& b, float vmax, float gs, float gs_enc, uint2* packed,
+                                            uint8_t* sf) {
+  float s = __fdiv_rn(__fmul_rn(gs_enc, vmax), 6.0f);
+  s = fminf(s, 448.0f);  // satfinite; NaN (0 * inf) -> 448
+  const uint32_t sf8 = __nv_cvt_float_to_fp8(s, __NV_SATFINITE, __NV_E4M3);
+  const float sff = e4m3_to_f32(sf8);
+  const float os = sff == 0.0f ? 0.0f : fminf(__frcp_rn(__fmul_rn(sff, gs)), kFltMax);
+  uint2 r;
+  r.x = encode8(b.v, os, b.sg[0]);
+  r.y = encode8(b.v + 8, os, b.sg[1]);
+  *packed = r;
+  *sf = (uint8_t)sf8;
+}
+
+// ------------------------------------------------------------------------------------ element sources
+// Raw: what a thread keeps in registers for one 16-element quant block (q = global block index).
+
+template <typename T>
+struct Src16 {  // bf16 / fp16 input [rows, K]: block q = elements [16q, 16q + 16)
+  static constexpr bool kHeavyLoad = false;
+  struct Raw {
+    uint4 a, b;
+  };
+  const T* x;
+  template <Ld kPolicy>
+  __device__ __forceinline__ void load(Raw& r, int64_t q, int64_t /*row*/) const {
+    const uint4* p = reinterpret_cast<const uint4*>(x) + 2 * q;
+    r.a = ldg16<kPolicy>(p);
+    r.b = ldg16<kPolicy>(p + 1);
+  }
+  __device__ __forceinline__ static float lo(uint32_t w) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) return __uint_as_float(w << 16);
+    else return __half2float(__ushort_as_half((unsigned short)(w & 0xFFFFu)));
+  }
+  __device__ __forceinline__ static float hi(uint32_t w) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) return __uint_as_float(w & 0xFFFF0000u);
+    else return __half2float(__ushort_as_half((unsigned short)(w >> 16)));
+  }
+  __device__ __forceinline__ void decode(const Raw& r, Block& b) const {
+    const uint32_t w[8] = {r.a.x, r.a.y, r.a.z, r.a.w, r.b.x, r.b.y, r.b.z, r.b.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      b.v[2 * i] = lo(w[i]);
+      b.v[2 * i + 1] = hi(w[i]);
+    }
+    b.sg[0] = signs16(w[0], w[1], w[2], w[3]);
+    b.sg[1] = signs16(w[4], w[5], w[6], w[7]);
+  }
+};
+
+struct SrcF32 {  // fp32 input
+  static constexpr bool kHeavyLoad = false;
+  struct Raw {
+    uint4 v[4];
+  };
+  const float* x;
+  template <Ld kPolicy>
+  __device__ __forceinline__ void load(Raw& r, int64_t q, int64_t /*row*/) const {
+    const uint4* p = reinterpret_cast<const uint4*>(x) + 4 * q;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r.v[i] = ldg16<kPolicy>(p + i);
+  }
+  __device__ __forceinline__ void decode(const Raw& r, Block& b) const {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      b.v[4 * i] = __uint_as_float(r.v[i].x);
+      b.v[4 * i + 1] = __uint_as_float(r.v[i].y);
+      b.v[4 * i + 2] = __uint_as_float(r.v[i].z);
+      b.v[4 * i + 3] = __uint_as_float(r.v[i].w);
+    }
+    b.sg[0] = signs32(b.v);
+    b.sg[1] = signs32(b.v + 8);
+  }
+};
+
+// exp from IEEE mul/add only: same steps as reference.exp_portable and the CPU kernel.
+__device__ __forceinline__ float exp_portable(float t) {
+  t = fminf(fmaxf(t, -104.0f), 89.0f);
+  const float kf = __fsub_rn(__fadd_rn(__fmul_rn(t, 0x1.715476p+0f), 12582912.0f), 12582912.0f);
+  const float r = __fsub_rn(__fsub_rn(t, __fmul_rn(kf, 0x1.63p-1f)), __fmul_rn(kf, -0x1.bd0106p-13f));
+  float p = 0x1.a01a02p-13f;
+  p = __fadd_rn(__fmul_rn(p, r), 0x1.6c16c2p-10f);
+  p = __fadd_rn(__fmul_rn(p, r), 0x1.111112p-7f);
+  p = __fadd_rn(__fmul_rn(p, r), 0x1.555556p-5f);
+  p = __fadd_rn(__fmul_rn(p, r), 0x1.555556p-3f);
+  p = __fadd_rn(__fmul_rn(p, r), 0.5f);
+  p = __fadd_rn(__fmul_rn(p, r), 1.0f);
+  p = __fadd_rn(__fmul_rn(p, r), 1.0f);
+  const int k = (int)kf;
+  const int k1 = k >> 1;
+  return __fmul_rn(__fmul_rn(p, __uint_as_float((uint32_t)(k - k1 + 127) << 23)),
+                   __uint_as_float((uint32_t)(k1 + 127) << 23));
+}
+
+__device__ __forceinline__ float swiglu_limited(float g, float u, float limit) {
+  g = g > limit ? limit : g;  // keeps NaN, like torch.clamp
+  u = u > limit ? limit : (u < -limit ? -limit : u);
+  return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, exp_portable(-g))), u);
+}
+
+template <typename T>
+struct SrcDeint {  // gate_up [rows, 2I], element-wise pairs; h block q reads elements [32q, 32q + 32)
+  static constexpr bool kHeavyLoad = true;  // loads twice the bytes and computes swiglu in registers
+  struct Raw {
+    float h[16];
+  };
+  const T* gu;
+  const float* w;  // [rows] or nullptr
+  float limit;
+  __device__ __forceinline__ static float2 pair(uint32_t word) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>)
+      return make_float2(__uint_as_float(word << 16), __uint_as_float(word & 0xFFFF0000u));
+    else return __half22float2(*reinterpret_cast<const __half2*>(&word));
+  }
+  template <Ld kPolicy>
+  __device__ __forceinline__ void load(Raw& r, int64_t q, int64_t row) const {
+    float g[16], u[16];
+    if constexpr (std::is_same_v<T, float>) {
+      const uint4* p = reinterpret_cast<const uint4*>(gu) + 8 * q;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const uint4 v = ldg16<kPolicy>(p + i);
+        g[2 * i] = __uint_as_float(v.x);
+        u[2 * i] = __uint_as_float(v.y);
+        g[2 * i + 1] = __uint_as_float(v.z);
+        u[2 * i + 1] = __uint_as_float(v.w);
+      }
+    } else {
+      const uint4* p = reinterpret_cast<const uint4*>(gu) + 4 * q;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint4 v = ldg16<kPolicy>(p + i);
+        const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = pair(ws[j]);
+          g[4 * i + j] = f.x;
+          u[4 * i + j] = f.y;
+        }
+      }
+    }
+    const float wr = w ? __ldg(w + row) : 1.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      float h = swiglu_limited(g[i], u[i], limit);
+      if (w) h = __fmul_rn(h, wr);
+      r.h[i] = h != h ? __uint_as_float(0x7FC00000u) : h;  // +NaN: a made NaN's sign is platform-dependent
+    }
+  }
+  __device__ __forceinline__ void decode(const Raw& r, Block& b) const {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) b.v[i] = r.h[i];
+    b.sg[0] = signs32(b.v);
+    b.sg[1] = signs32(b.v + 8);
+  }
+};
+
+// Blocks a thread keeps in registers (~64 registers of data) and blocks it streams at once.
+template <class Src>
+constexpr int kRegBlocks = sizeof(typename Src::Raw) <= 32 ? 8 : 4;
+template <class Src>
+constexpr int kStreamUnroll = sizeof(typename Src::Raw) <= 32 ? 4 : Src::kHeavyLoad ? 1 : 2;
+
+// ------------------------------------------------------------------- reductions and the grid barrier
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+  return v;
+}
+
+// Max over the CTA; every thread gets the result. `red` holds >= 33 floats.
+__device__ __forceinline__ float cta_max(float v, float* red) {
+  v = warp_max(v);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float m = lane < (int)(blockDim.x >> 5) ? red[lane] : 0.0f;
+    m = warp_max(m);
+    if (lane == 0) red[32] = m;
+  }
+  __syncthreads();
+  return red[32];
+}
+
+// {amax bits, arrivals, departures, pad} per user; zero at module load, reset by each launch's last CTA.
+__device__ unsigned int g_grid_sync[2][4];
+
+__device__ __forceinline__ unsigned int ld_acquire(const unsigned int* p) {
+  unsigned int v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Grid-wide max of nonnegative floats (thread 0 of each CTA calls it). All CTAs must be co-resident.
+__device__ float grid_max(float v, unsigned int* s) {
+  atomicMax(&s[0], __float_as_uint(v));  // nonnegative floats order like their bits
+  __threadfence();
+  const unsigned int n = gridDim.x;
+  if (atomicAdd(&s[1], 1u) + 1 < n) {
+    while (ld_acquire(&s[1]) < n) __nanosleep(64);
+  }
+  __threadfence();
+  const float m = __uint_as_float(ld_acquire(&s[0]));
+  if (atomicAdd(&s[2], 1u) + 1 == n) {  // everyone has read the max: reset for the next launch
+    s[0] = 0u;
+    s[1] = 0u;
+    s[2] = 0u;
+    __threadfence();
+  }
+  return m;
+}
+
+// ------------------------------------------------------------------------------------------- kernels
+
+template <class Src>
+__global__ void __launch_bounds__(256) quantize_kernel(Src src, int64_t n_qb, const float* __restrict__ gs,
+                                                       RowOf row_of, bool per_row, uint2* __restrict__ packed,
+                                                       uint8_t* __restrict__ sf) {
+  const float gs_t = per_row ? 0.0f : __ldg(gs);
+  const float ge_t = gs_enc_of(gs_t);
+  for (int64_t q = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; q < n_qb; q += (int64_t)gridDim.x * blockDim.x) {
+    typename Src::Raw raw;
+    src.template load<Ld::kNormal>(raw, q, 0);
+    Block b;
+    src.decode(raw, b);
+    float g = gs_t, ge = ge_t;
+    if (per_row) {
+      g = __ldg(gs + row_of(q));
+      ge = gs_enc_of(g);
+    }
+    quant_block(b, block_absmax(b), g, ge, packed + q, sf + q);
+  }
+}
+
+// One launch: amax over the whole tensor (cluster or cooperative grid, see the file comment), then quantize.
+template <class Src, bool kGrid>
+__global__ void __launch_bounds__(kThreads, 1)
+    fused_amax_kernel(Src src, int64_t n_qb, int tiles_per_cta, RowOf row_of, unsigned int* sync,
+                      uint2* __restrict__ packed, uint8_t* __restrict__ sf, float* __restrict__ gs_out) {
+  constexpr int R = kRegBlocks<Src>;
+  constexpr int U = kStreamUnroll<Src>;
+  __shared__ float red[33];
+  const int tid = threadIdx.x;
+  const int64_t n_tiles = (n_qb + kThreads - 1) / kThreads;
+  const int64_t tile0 = (int64_t)blockIdx.x * tiles_per_cta;
+  const int64_t left = n_tiles - tile0;
+  const int nt = left <= 0 ? 0 : (int)(left < tiles_per_cta ? left : tiles_per_cta);
+  auto qb = [&](int i) { return (tile0 + i) * kThreads + tid; };
+
+  typename Src::Raw reg[R];
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+    if (i < nt && qb(i) < n_qb) src.template load<Ld::kEvictFirst>(reg[i], qb(i), row_of(qb(i)));
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    if (i < nt && qb(i) < n_qb) {
+      Block b;
+      src.decode(reg[i], b);
+      amax = fmaxf(amax, block_absmax(b));
+    }
+  }
+  for (int i = R; i < nt; i += U) {  // tiles that do not fit in registers: max only (re-read below)
+    typename Src::Raw t[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (i + u < nt && qb(i + u) < n_qb) src.template load<Ld::kNormal>(t[u], qb(i + u), row_of(qb(i + u)));
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (i + u < nt && qb(i + u) < n_qb) {
+        Block b;
+        src.decode(t[u], b);
+        amax = fmaxf(amax, block_absmax(b));
+      }
+    }
+  }
+
+  amax = cta_max(amax, red);
+  if constexpr (kGrid) {
+    if (tid == 0) red[32] = grid_max(amax, sync);
+    __syncthreads();
+    amax = red[32];
+  } else {
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();  // every CTA's red[32] is final
+    float m = 0.0f;
+    for (unsigned int r = 0; r < cluster.num_blocks(); ++r) m = fmaxf(m, *cluster.map_shared_rank(&red[32], r));
+    cluster.sync();  // no CTA leaves (or reuses red) while others still read its shared memory
+    amax = m;
+  }
+
+  const float gs = __fdiv_rn(amax, 2688.0f);
+  const float ge = gs_enc_of(gs);
+  if (blockIdx.x == 0 && tid == 0) *gs_out = gs;
+
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    if (i < nt && qb(i) < n_qb) {
+      Block b;
+      src.decode(reg[i], b);
+      quant_block(b, block_absmax(b), gs, ge, packed + qb(i), sf + qb(i));
+    }
+  }
+  // Newest first: the tiles streamed last are the likeliest to still be in L2.
+  for (int i = nt - 1; i >= R; i -= U) {
+    typename Src::Raw t[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (i - u >= R && qb(i - u) < n_qb) src.template load<Ld::kEvictFirst>(t[u], qb(i - u), row_of(qb(i - u)));
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (i - u >= R && qb(i - u) < n_qb) {
+        Block b;
+        src.decode(t[u], b);
+        quant_block(b, block_absmax(b), gs, ge, packed + qb(i - u), sf + qb(i - u));
+      }
+    }
+  }
+}
+
+// One CTA per row: per-row amax, then quantize. Rows longer than blockDim * R blocks are read twice.
+template <class Src>
+__global__ void __launch_bounds__(kThreads) fused_per_row_kernel(Src src, int64_t qbpr, uint2* __restrict__ packed,
+                                                                 uint8_t* __restrict__ sf, float* __restrict__ gs_out) {
+  constexpr int R = kRegBlocks<Src>;
+  __shared__ float red[33];
+  const int64_t row = blockIdx.x;
+  const int64_t base = row * qbpr;
+  const int T = blockDim.x;
+  typename Src::Raw reg[R];
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const int64_t j = threadIdx.x + (int64_t)i * T;
+    if (j < qbpr) src.template load<Ld::kNormal>(reg[i], base + j, row);
+  }
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const int64_t j = threadIdx.x + (int64_t)i * T;
+    if (j < qbpr) {
+      Block b;
+      src.decode(reg[i], b);
+      amax = fmaxf(amax, block_absmax(b));
+    }
+  }
+  for (int64_t j = threadIdx.x + (int64_t)R * T; j < qbpr; j += T) {
+    typename Src::Raw t;
+    src.template load<Ld::kNormal>(t, base + j, row);
+    Block b;
+    src.decode(t, b);
+    amax = fmaxf(amax, block_absmax(b));
+  }
+  amax = cta_max(amax, red);
+  const float gs = __fdiv_rn(amax, 2688.0f);
+  const float ge = gs_enc_of(gs);
+  if (threadIdx.x == 0) gs_out[row] = gs;
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const int64_t j = threadIdx.x + (int64_t)i * T;
+    if (j < qbpr) {
+      Block b;
+      src.decode(reg[i], b);
+      quant_block(b, block_absmax(b), gs, ge, packed + base + j, sf + base + j);
+    }
+  }
+  for (int64_t j = threadIdx.x + (int64_t)R * T; j < qbpr; j += T) {
+    typename Src::Raw t;
+    src.template load<Ld::kNormal>(t, base + j, row);
+    Block b;
+    src.decode(t, b);
+    quant_block(b, block_absmax(b), gs, ge, packed + base + j, sf + base + j);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ T from_f32(float v) {
+  if constexpr (std::is_same_v<T, float>) return v;
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16_rn(v);
+  else return __float2half_rn(v);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) dequantize_kernel(const uint2* __restrict__ packed,
+                                                         const uint8_t* __restrict__ sf, const float* __restrict__ gs,
+                                                         RowOf row_of, bool per_row, int64_t n_qb, T* __restrict__ out) {
+  for (int64_t q = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; q < n_qb; q += (int64_t)gridDim.x * blockDim.x) {
+    const uint2 p = __ldg(packed + q);
+    const float g = __ldg(gs + (per_row ? row_of(q) : 0));
+    const float d = __fmul_rn(e4m3_to_f32(__ldg(sf + q)), g);
+    alignas(16) T v[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const uint32_t c = ((i < 8 ? p.x : p.y) >> (4 * (i & 7))) & 0xFu;
+      const uint32_t m = c & 7u;
+      const float mag = m < 2 ? 0.5f * (float)m : __uint_as_float((m << 22) + 0x3F000000u);
+      const float val = __fmul_rn(mag, d);
+      v[i] = from_f32<T>((c & 8u) ? -val : val);
+    }
+    uint4* o = reinterpret_cast<uint4*>(out + 16 * q);
+    const uint4* s = reinterpret_cast<const uint4*>(v);
+#pragma unroll
+    for (int i = 0; i < (int)(16 * sizeof(T) / 16); ++i) o[i] = s[i];
+  }
+}
+
+// --------------------------------------------------------------------------------------- launch helpers
+
+struct DeviceInfo {
+  int sms = 0;
+  unsigned int* sync = nullptr;  // this device's g_grid_sync
+};
+
+DeviceInfo& device_info() {
+  static DeviceInfo info[64];
+  int dev = 0;
+  cudaGetDevice(&dev);
+  DeviceInfo& d = info[dev & 63];
+  if (d.sms == 0) {
+    cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev);
+    void* p = nullptr;
+    cudaGetSymbolAddress(&p, g_grid_sync);
+    d.sync = reinterpret_cast<unsigned int*>(p);
+  }
+  return d;
+}
+
+int grid_for(int64_t items, int threads, int sms) {
+  const int64_t want = (items + threads - 1) / threads;
+  return (int)std::max<int64_t>(1, std::min<int64_t>(want, (int64_t)sms * 16));
+}
+
+// Largest usable cluster size of this kernel (once per kernel; 16 is non-portable).
+template <typename Kernel>
+int max_cluster_of(Kernel kernel) {
+  static int cached = 0;
+  if (cached) return cached;
+  int best = 8;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) {
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 16;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.gridDim = dim3(16);
+    cfg.blockDim = dim3(kThreads);
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) == cudaSuccess && n > 0) best = 16;
+  }
+  cudaGetLastError();  // a refused query leaves no sticky error
+  cached = best;
+  return best;
+}
+
+template <typename Kernel>
+int coop_blocks_per_sm(Kernel kernel) {
+  static int cached = 0;
+  if (!cached) {
+    int n = 0;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0);
+    cached = std::max(n, 1);
+  }
+  return cached;
+}
+
+template <class Src>
+cudaError_t launch_fused(const Src& src, int64_t n_qb, int64_t qbpr, uint2* packed, uint8_t* sf, float* gs_out,
+                         unsigned int* sync, cudaStream_t stream) {
+  constexpr int R = kRegBlocks<Src>;
+  const DeviceInfo& dev = device_info();
+  const int64_t n_tiles = (n_qb + kThreads - 1) / kThreads;
+  const RowOf row_of = make_row_of(qbpr, n_qb);
+  auto cluster_kernel = fused_amax_kernel<Src, false>;
+  const int cmax = max_cluster_of(cluster_kernel);
+  if (n_tiles <= (int64_t)cmax * R) {
+    int c = (int)std::min<int64_t>(n_tiles, cmax);
+    const int tpc = (int)((n_tiles + c - 1) / c);
+    c = (int)((n_tiles + tpc - 1) / tpc);
+    int cp = 1;
+    while (cp < c) cp *= 2;  // power-of-two clusters; spare CTAs contribute 0 to the max
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = cp;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.gridDim = dim3(cp);
+    cfg.blockDim = dim3(kThreads);
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, cluster_kernel, src, n_qb, tpc, row_of, sync, packed, sf, gs_out);
+  }
+  auto grid_kernel = fused_amax_kernel<Src, true>;
+  const int64_t max_ctas = (int64_t)dev.sms * coop_blocks_per_sm(grid_kernel);
+  const int tpc = (int)((n_tiles + max_ctas - 1) / max_ctas);
+  const int grid = (int)((n_tiles + tpc - 1) / tpc);
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, grid_kernel, src, n_qb, tpc, row_of, sync, packed, sf, gs_out);
+}
+
+template <class Src>
+cudaError_t launch_per_row(const Src& src, int64_t rows, int64_t qbpr, uint2* packed, uint8_t* sf, float* gs_out,
+                           cudaStream_t stream) {
+  constexpr int R = kRegBlocks<Src>;
+  // Prefer one block per thread (latency); grow per-thread blocks up to R before growing past 512 threads.
+  int64_t t = std::min<int64_t>(kThreads, (qbpr + 31) / 32 * 32);
+  if (qbpr > t * R) t = kThreads;
+  fused_per_row_kernel<Src><<<(unsigned int)rows, (unsigned int)t, 0, stream>>>(src, qbpr, packed, sf, gs_out);
+  return cudaGetLastError();
+}
+
+unsigned int* sync_slot(int i) { return device_info().sync + 4 * i; }
+
+}  // namespace
+
+namespace dsv4::nvfp4 {
+
+cudaError_t launch_quantize(const void* x, DType dt, int64_t rows, int64_t K, const float* gs, bool per_row,
+                            uint8_t* packed, uint8_t* sf, cudaStream_t stream) {
+  const int64_t qbpr = K / 16, n_qb = rows * qbpr;
+  if (n_qb == 0) return cudaSuccess;
+  const RowOf row_of = make_row_of(qbpr, n_qb);
+  const int grid = grid_for(n_qb, 256, device_info().sms);
+  auto* p = reinterpret_cast<uint2*>(packed);
+  switch (dt) {
+    case DType::kBF16:
+      quantize_kernel<<<grid, 256, 0, stream>>>(Src16<__nv_bfloat16>{(const __nv_bfloat16*)x}, n_qb, gs, row_of,
+                                                per_row, p, sf);
+      break;
+    case DType::kF16:
+      quantize_kernel<<<grid, 256, 0, stream>>>(Src16<__half>{(const __half*)x}, n_qb, gs, row_of, per_row, p, sf);
+      break;
+    case DType::kF32:
+      quantize_kernel<<<grid, 256, 0, stream>>>(SrcF32{(const float*)x}, n_qb, gs, row_of, per_row, p, sf);
+      break;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_dequantize(const uint8_t* packed, const uint8_t* sf, const float* gs, bool per_row, int64_t rows,
+                              int64_t K, void* out, DType dt, cudaStream_t stream) {
+  const int64_t qbpr = K / 16, n_qb = rows * qbpr;
+  if (n_qb == 0) return cudaSuccess;
+  const RowOf row_of = make_row_of(qbpr, n_qb);
+  const int grid = grid_for(n_qb, 256, device_info().sms);
+  const auto* p = reinterpret_cast<const uint2*>(packed);
+  switch (dt) {
+    case DType::kBF16:
+      dequantize_kernel<<<grid, 256, 0, stream>>>(p, sf, gs, row_of, per_row, n_qb, (__nv_bfloat16*)out);
+      break;
+    case DType::kF16:
+      dequantize_kernel<<<grid, 256, 0, stream>>>(p, sf, gs, row_of, per_row, n_qb, (__half*)out);
+      break;
+    case DType::kF32:
+      dequantize_kernel<<<grid, 256, 0, stream>>>(p, sf, gs, row_of, per_row, n_qb, (float*)out);
+      break;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_fused_amax_quantize(const void* x, DType dt, int64_t rows, int64_t K, bool per_row,
+                                       uint8_t* packed, uint8_t* sf, float* gs_out, cudaStream_t stream) {
+  const int64_t qbpr = K / 16, n_qb = rows * qbpr;
+  if (n_qb == 0) return cudaSuccess;
+  auto* p = reinterpret_cast<uint2*>(packed);
+  auto run = [&](auto src) {
+    return per_row ? launch_per_row(src, rows, qbpr, p, sf, gs_out, stream)
+                   : launch_fused(src, n_qb, qbpr, p, sf, gs_out, sync_slot(0), stream);
+  };
+  switch (dt) {
+    case DType::kBF16: return run(Src16<__nv_bfloat16>{(const __nv_bfloat16*)x});
+    case DType::kF16: return run(Src16<__half>{(const __half*)x});
+    case DType::kF32: return run(SrcF32{(const float*)x});
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_fused_deinterleave(const void* gate_up, DType dt, const float* row_weight, float limit,
+                                      int64_t rows, int64_t I, bool per_row, uint8_t* packed, uint8_t* sf,
+                                      float* gs_out, cudaStream_t stream) {
+  const int64_t qbpr = I / 16, n_qb = rows * qbpr;
+  if (n_qb == 0) return cudaSuccess;
+  auto* p = reinterpret_cast<uint2*>(packed);
+  auto run = [&](auto src) {
+    return per_row ? launch_per_row(src, rows, qbpr, p, sf, gs_out, stream)
+                   : launch_fused(src, n_qb, qbpr, p, sf, gs_out, sync_slot(1), stream);
+  };
+  switch (dt) {
+    case DType::kBF16:
+      return run(SrcDeint<__nv_bfloat16>{(const __nv_bfloat16*)gate_up, row_weight, limit});
+    case DType::kF16: return run(SrcDeint<__half>{(const __half*)gate_up, row_weight, limit});
+    case DType::kF32: return run(SrcDeint<float>{(const float*)gate_up, row_weight, limit});
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace dsv4::nvfp4

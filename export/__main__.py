@@ -1,0 +1,119 @@
+"""CLI: build / run / inspect dsv4 AOTInductor packages.
+
+    python -m export build --model CKPT_DIR --out model.pt2 [--max-batch-size 4] [--max-seq-len 4096]
+                           [--device cuda] [--dtype bfloat16] [--decode-batches 1,2,4] [--prefill-batches 1]
+                           [--prefill-lengths 64,256] [--no-simulate-quant] [--no-exported-programs]
+    python -m export run model.pt2 --prompt-ids 1 2 3 [--max-new-tokens 16] [--temperature 0] [--no-cuda-graph]
+    python -m export info model.pt2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m export", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    b = sub.add_parser("build", help="export prefill + decode and compile them into one .pt2")
+    b.add_argument("--model", required=True, help="checkpoint directory (any layout dsv4_model.loader reads)")
+    b.add_argument("--out", required=True, help="package path, must end in .pt2")
+    b.add_argument("--max-batch-size", type=int, default=1)
+    b.add_argument("--max-seq-len", type=int, default=4096)
+    b.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    b.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    b.add_argument("--decode-batches", type=_ints, default=None,
+                   help="decode batch buckets (default: 1, 2, 4, ... up to max-batch-size)")
+    b.add_argument("--prefill-batches", type=_ints, default=None, help="prefill batch buckets (default: 1)")
+    b.add_argument("--prefill-lengths", type=_ints, default=None,
+                   help="prefill length buckets (default: 64, 256, 1024, ... and max-seq-len)")
+    b.add_argument("--no-simulate-quant", action="store_true", help="build the model without simulated quant")
+    b.add_argument("--no-exported-programs", action="store_true",
+                   help="do not also save <out>.<entry>.ep.pt2 (torch.export.save)")
+
+    r = sub.add_parser("run", help="load a package in this process and generate")
+    r.add_argument("package")
+    r.add_argument("--prompt-ids", type=int, nargs="+", required=True)
+    r.add_argument("--max-new-tokens", type=int, default=16)
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--top-k", type=int, default=0)
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--device", default=None, help="default: the device the package was built for")
+    r.add_argument("--no-cuda-graph", action="store_true", help="do not replay decode in CUDA graphs")
+
+    i = sub.add_parser("info", help="print a package's metadata (without loading it)")
+    i.add_argument("package")
+    return ap
+
+
+def _build(a) -> int:
+    import torch
+
+    from export.build import build_from_checkpoint
+
+    from dsv4_model.compiled import batch_buckets
+
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    t0 = time.time()
+    build_from_checkpoint(a.model, a.out, max_batch_size=a.max_batch_size, max_seq_len=a.max_seq_len, device=device,
+                          dtype=getattr(torch, a.dtype), simulate_quant=not a.no_simulate_quant,
+                          decode_batches=a.decode_batches or batch_buckets(a.max_batch_size),
+                          prefill_batches=a.prefill_batches, prefill_lengths=a.prefill_lengths,
+                          save_exported_programs=not a.no_exported_programs)
+    print(f"[export] done in {time.time() - t0:.0f} s: {a.out}")
+    return 0
+
+
+def _run(a) -> int:
+    from export.load import ExportedEngine
+
+    t0 = time.time()
+    eng = ExportedEngine(a.package, device=a.device, cuda_graph=False if a.no_cuda_graph else None)
+    print(f"[export] loaded {a.package} ({', '.join(eng.entries)}) on {eng.device} in {time.time() - t0:.1f} s",
+          file=sys.stderr)
+    res = eng.generate([a.prompt_ids], max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
+                       top_p=a.top_p, seed=a.seed)
+    print("generated:", " ".join(map(str, res.token_ids[0])))
+    print(f"[export] {res.finish_reasons[0]}; prefill {1e3 * res.prefill_seconds:.1f} ms, decode "
+          f"{res.ms_per_step:.2f} ms/step ({res.mode})", file=sys.stderr)
+    return 0
+
+
+def _info(a) -> int:
+    from export.load import get_metadata
+
+    meta = get_metadata(a.package)
+    for k in sorted(meta):
+        v = meta[k]
+        if k in ("dsv4.config", "dsv4.entries", "dsv4.caches", "dsv4.ops_used"):
+            v = json.dumps(json.loads(v), sort_keys=True)
+        print(f"{k} = {v}")
+    return 0
+
+
+def main(argv=None) -> int:
+    a = _parser().parse_args(argv)
+    from export.metadata import PackageMismatch
+    from export.toolchain import ToolchainError
+
+    try:
+        return {"build": _build, "run": _run, "info": _info}[a.cmd](a)
+    except (PackageMismatch, ToolchainError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
