@@ -12,7 +12,9 @@ experts touched); "HBM" is that over 4.26 TB/s. TF/s = 2*M*N*K / time.
 
 Run: python bench/bench_nvfp4_gemm.py   (about a minute)
 """
+import contextlib
 import math
+import os
 import time
 
 import torch
@@ -62,6 +64,20 @@ def graph_us(fn, reps, tries=3):
     return best
 
 
+@contextlib.contextmanager
+def kernel_choice(name):
+    """DSV4_NVFP4_GEMM_KERNEL is read when the op launches, i.e. while the graph is captured."""
+    old = os.environ.get("DSV4_NVFP4_GEMM_KERNEL")
+    os.environ["DSV4_NVFP4_GEMM_KERNEL"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["DSV4_NVFP4_GEMM_KERNEL"]
+        else:
+            os.environ["DSV4_NVFP4_GEMM_KERNEL"] = old
+
+
 def reps_for(bytes_moved, flops, out_bytes):
     t = max(bytes_moved / 3.0e12, flops / 4.0e14) + 4e-6
     r = int(4e-3 / t)
@@ -83,17 +99,19 @@ def nvfp4_bytes(n, k):
 
 def bench_linear(gen):
     print("\n## nvfp4_linear (W4A16) vs bf16 torch.matmul (cuBLAS), CUDA-graph replay, weights streamed from HBM")
+    print("(M > 64: 'nvfp4 us' is the default path -- tiled mma kernel for M < 256, dequantize + cuBLAS for "
+          "M >= 256; 'tiled' / 'deq+cuBLAS' force each path)")
     hdr = (f"{'proj':>13} {'N x K':>12} {'M':>5} | {'nvfp4 us':>9} {'bf16 us':>9} {'speedup':>7} | "
-           f"{'GB/s':>7} {'HBM':>5} | {'TF/s':>6} {'bf16 TF/s':>9}")
+           f"{'GB/s':>7} {'HBM':>5} | {'TF/s':>6} {'bf16 TF/s':>9} | {'tiled us':>8} {'deq+cuBLAS':>10}")
     print(hdr)
     print("-" * len(hdr))
     rows = []
     for name, n, k in SHAPES:
         wbytes = nvfp4_bytes(n, k)
-        copies = max(1, min(32, math.ceil(ROTATE_BYTES / wbytes)))
+        copies = max(1, min(256, math.ceil(ROTATE_BYTES / wbytes)))
         ws = [rand_kernel_weight((), n, k, gen) for _ in range(copies)]
         gs = torch.tensor(0.01, device="cuda")
-        bcopies = max(1, min(8, math.ceil(ROTATE_BYTES / (n * k * 2))))
+        bcopies = max(1, min(64, math.ceil(ROTATE_BYTES / (n * k * 2))))
         wb = [torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(bcopies)]
         for m in MS:
             x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
@@ -102,9 +120,18 @@ def bench_linear(gen):
             t_op = graph_us(lambda i: ops.nvfp4_linear(x, ws[i % copies][0], ws[i % copies][1], gs), reps)
             reps_b = reps_for(n * k * 2, flops, m * n * 2)
             t_peer = graph_us(lambda i: torch.matmul(x, wb[i % bcopies].t()), reps_b)
+            alt = ""
+            if m > 64:
+                ts = []
+                for choice in ("tiled", "cublas"):
+                    with kernel_choice(choice):
+                        ts.append(graph_us(lambda i: ops.nvfp4_linear(x, ws[i % copies][0], ws[i % copies][1], gs),
+                                           reps))
+                alt = f" | {ts[0]:8.1f} {ts[1]:10.1f}"
             gbs = wbytes / (t_op * 1e-6)
             print(f"{name:>13} {f'{n}x{k}':>12} {m:>5} | {t_op:9.2f} {t_peer:9.2f} {t_peer / t_op:6.2f}x | "
-                  f"{gbs / 1e9:7.0f} {gbs / HBM:5.0%} | {flops / t_op * 1e-6:6.1f} {flops / t_peer * 1e-6:9.1f}")
+                  f"{gbs / 1e9:7.0f} {gbs / HBM:5.0%} | {flops / t_op * 1e-6:6.1f} {flops / t_peer * 1e-6:9.1f}"
+                  + alt)
             rows.append((name, n, k, m, t_op, t_peer))
         del ws, wb
         torch.cuda.empty_cache()

@@ -9,6 +9,7 @@ At decode sizes the input stays in L2 across replays, so small rows can exceed H
 Run: python bench/bench_nvfp4_quant.py   (must finish in < 90 s)
 """
 import math
+import os
 import time
 
 import torch
@@ -149,10 +150,20 @@ def main():
             measure(deint, f"fused_deinterleave (per_row={per})", (M, K2),
                     lambda: OPS.fused_deinterleave_amax_quantize(gu, w, 10.0, per),
                     Peer(ref.fused_deinterleave_amax_quantize_ref, gu, w, 10.0, per), "deint", nbytes, reps)
+    paths = []  # the two one-launch schemes of the per-tensor op, forced (auto picks one by size)
+    for M, K in [(8, 7168), (64, 7168), (128, 4096)]:
+        x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
+        for path in ("cluster", "grid"):
+            os.environ["DSV4_NVFP4_FUSED_PATH"] = path
+            paths.append((M, K, path, graph_us(lambda: OPS.fused_amax_quantize(x), 200)))
+        os.environ.pop("DSV4_NVFP4_FUSED_PATH")
     print_table("fused_amax_quantize (per-tensor amax -> global scale -> NVFP4, one launch), bf16", fused)
     print_table("fused_amax_quantize_per_row (per-token global scale), bf16", per_row)
     print_table("nvfp4_quantize with a given global scale, bf16", quant)
     print_table("fused_deinterleave_amax_quantize (swiglu limit 10, routing weight), bf16 gate_up", deint)
+    print("\nfused_amax_quantize one-launch scheme, forced (cluster: <= 16 CTAs + DSMEM; grid: cooperative + atomics):")
+    for M, K, path, us in paths:
+        print(f"  {M}x{K:<6} {path:<8} {us:7.2f} us")
     print("\ndecode latency target (<= 4 us per call under graph replay):")
     for name, shape, us, *_ in fused + per_row:
         if shape in ("1x4096", "64x7168"):

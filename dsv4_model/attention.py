@@ -31,7 +31,8 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
     n = scores.shape[-1]
     idx = torch.arange(n, device=scores.device, dtype=torch.int64)
-    key = key * 4294967296 + (4294967295 - idx)
+    # (n - 1 - idx), not (2**32 - 1 - idx): Inductor's Triton codegen keeps index constants in int32.
+    key = key * 4294967296 + ((n - 1) - idx)
     return key.topk(k, dim=-1).indices
 
 

@@ -7,6 +7,17 @@ buffer. Caches and RoPE tables are non-persistent buffers (re)built by `setup_ru
 Parameter dtypes follow the official model: fp32 for norms, mHC params, attn_sink, compressor (ape, wkv, wgate),
 router bias and head.weight (logits are computed in fp32); the model dtype for everything else. A loader must
 copy each checkpoint tensor into the existing parameter (cast to param.dtype).
+
+Numerics follow the official inference/model.py. Where transformers 5.23 (DeepseekV4ForCausalLM) differs
+(tests/test_model_hf_parity.py shows fp32 parity with simulate_quant=False, max |diff| ~1e-6):
+  * no QAT simulation: no FP8 rounding of KV nope dims, no Hadamard + FP4 on indexer q / keys
+    (our simulate_quant=False reproduces that; True is the official behaviour);
+  * a hash row of tid2eid naming an expert twice: HF adds it twice (index_add_), official once (see moe.py);
+    HF's default init sets tid2eid to all zeros, so parity configs give every row distinct experts;
+  * indexer top-k tie order is implementation-defined in HF (torch.topk); ours is fixed (attention.py);
+  * reduced-precision only (identical in fp32): HF runs compressor projections / pooling product, hc_post,
+    the routed-expert weighting (after w2, accumulated in bf16) and lm_head in the model dtype; official uses fp32
+    there (fp32 logits from an fp32 head). Official computes indexer scores in bf16; we (and HF) use fp32.
 """
 
 from __future__ import annotations

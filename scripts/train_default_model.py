@@ -531,6 +531,7 @@ def plot_losses(log: dict, path: Path) -> bool:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -544,8 +545,11 @@ def plot_losses(log: dict, path: Path) -> bool:
         ax.axvline(log["qat_step"], color="gray", ls="--", lw=0.8, label="MXFP4 QAT on")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title(f"default model: {log['params']/1e6:.1f}M params, {log['tokens_seen']/1e6:.0f}M tokens")
-    ax.set_ylim(top=min(ax.get_ylim()[1], 6.0))
+    ax.set_title(f"default model: {log['params']/1e6:.1f}M params, {log['tokens_seen']/1e6:.1f}M tokens")
+    ax.set_yscale("log")  # the first steps start at ln(vocab); the interesting part is far below
+    fmt = matplotlib.ticker.FormatStrFormatter("%.1f")
+    ax.yaxis.set_major_formatter(fmt)
+    ax.yaxis.set_minor_formatter(fmt)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -580,7 +584,7 @@ def parse_args(argv=None):
     ap.add_argument("--simulate-quant", action="store_true",
                     help="train with the inference QAT numerics (FP8 KV, FP4 indexer; straight-through)")
     ap.add_argument("--eval-every", type=float, default=30.0, help="seconds between validation evaluations")
-    ap.add_argument("--eval-windows", type=int, default=64, help="validation/test windows of --seq-len tokens")
+    ap.add_argument("--eval-windows", type=int, default=128, help="validation/test windows of --seq-len tokens")
     ap.add_argument("--sample-chars", type=int, default=24000, help="size of the shipped held-out sample")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--max-files", type=int, help="use only the first N train files (quick tests)")
@@ -713,6 +717,9 @@ def main(argv=None) -> dict:
                 idx_loss = distill.pop_loss()
                 if idx_loss is not None:
                     total = total + args.indexer_weight * idx_loss
+                elif distill.active and distill.layers:
+                    raise RuntimeError("indexer distillation produced no loss: Attention.prefill no longer calls "
+                                       "_qkv / compressor.prefill as IndexerDistill expects")
             distill.active = dropout.active = False
             detach_runtime_buffers(model)
             opt.zero_grad(set_to_none=True)

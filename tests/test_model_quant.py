@@ -9,7 +9,6 @@ from dsv4_model.quant_sim import fp4_e2m1_block_fake_quant, indexer_fake_quant, 
 from hf_utils import one_thread, tiny_config  # noqa: F401
 
 
-
 def _run(cfg, simulate_quant, ids, P):
     m = Transformer(cfg, max_batch_size=1, max_seq_len=64, dtype=torch.float32, simulate_quant=simulate_quant)
     m.init_random_weights(3)

@@ -387,15 +387,17 @@ def test_linear_cuda(n, k):
 
 @pytest.mark.cuda
 @pytest.mark.kernels
+@pytest.mark.parametrize("choice", ["simple", "tiled", "cublas"])
 @pytest.mark.parametrize("n,k", [(1024, 4096), (40, 272), (24, 144)])
-def test_linear_cuda_simple_kernel(n, k):
-    """The plain fallback kernel (DSV4_NVFP4_GEMM_KERNEL=simple) stays correct too."""
+def test_linear_cuda_forced_kernels(choice, n, k):
+    """Each kernel path forced by DSV4_NVFP4_GEMM_KERNEL (simple: plain CUDA-core kernel, any M; tiled / cublas:
+    the two M > 64 paths) stays correct."""
     gen = torch.Generator().manual_seed(9)
-    for m in (1, 8, 65):
+    for m in ((1, 8, 65) if choice == "simple" else (65, 130, 513, 1000)):
         x, w, ref32, bound = linear_case(n, k, m, gen, "cuda")
-        with kernel_choice("simple"):
+        with kernel_choice(choice):
             out = ops.nvfp4_linear(x, *w)
-        assert_bf16_close(out, ref32, bound, f"cuda simple linear {m}x{n}x{k}")
+        assert_bf16_close(out, ref32, bound, f"cuda {choice} linear {m}x{n}x{k}")
 
 
 @pytest.mark.cuda

@@ -221,6 +221,24 @@ def test_cuda_large_shapes_match_cpu(dtype, shape):
             assert_bit_equal(got, OPS.fused_deinterleave_amax_quantize(x, w, 10.0, per_row), f"deint {per_row}")
 
 
+@pytest.mark.cuda
+@pytest.mark.kernels
+@pytest.mark.parametrize("path", ["cluster", "grid"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(3, 4096), (64, 7168), (300, 4096)])
+def test_cuda_forced_single_launch_paths(monkeypatch, path, dtype, shape):
+    """Both one-launch schemes of the per-tensor ops (cluster with several blocks per thread, cooperative grid
+    with one or a few), forced through DSV4_NVFP4_FUSED_PATH, match the CPU kernel."""
+    monkeypatch.setenv("DSV4_NVFP4_FUSED_PATH", path)
+    g = torch.Generator().manual_seed(shape[0] + 17)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    x.view(-1)[-5] = -77.0
+    assert_bit_equal(OPS.fused_amax_quantize(x.cuda()), OPS.fused_amax_quantize(x), "fused")
+    w = torch.rand(shape[0], generator=g)
+    assert_bit_equal(OPS.fused_deinterleave_amax_quantize(x.cuda(), w.cuda(), 10.0, False),
+                     OPS.fused_deinterleave_amax_quantize(x, w, 10.0, False), "deint")
+
+
 # ------------------------------------------------------------- independent checks of the reference
 
 def _rne_bruteforce(a: torch.Tensor) -> torch.Tensor:

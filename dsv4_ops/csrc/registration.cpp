@@ -16,6 +16,10 @@ extern "C" __attribute__((visibility("default"))) int dsv4_ops_built_with_cuda()
 
 TORCH_LIBRARY(dsv4, m) {
   // ---- NVFP4 quantization (issue 2) ----
+  // E2M1 codes (even element in the low nibble, sign bit 0x8) + one e4m3 scale per 16 contiguous elements +
+  // an fp32 global scale in the ModelOpt dequant direction (amax / 2688), 0-d or one per row (x.shape[:-1]).
+  // Bit-exact definition in docs/ops.md "## NVFP4 quantization". gate_up is [..., 2I] with gate/up interleaved
+  // element-wise (gate_j at 2j, up_j at 2j+1).
   m.def("nvfp4_quantize(Tensor x, Tensor global_scale) -> (Tensor packed, Tensor block_scale)");
   m.def("nvfp4_dequantize(Tensor packed, Tensor block_scale, Tensor global_scale, ScalarType dtype) -> Tensor");
   m.def("fused_amax_quantize(Tensor x) -> (Tensor packed, Tensor block_scale, Tensor global_scale)");

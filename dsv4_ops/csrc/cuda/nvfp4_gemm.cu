@@ -409,11 +409,11 @@ __device__ __forceinline__ void cp_async8(void* dst, const void* src, int src_by
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(d), "l"(src), "r"(src_bytes));
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
@@ -801,6 +801,25 @@ __global__ void nvfp4_dequant_act_kernel(const uint8_t* packed, const uint8_t* s
       __floats2bfloat162_rn(e2m1_value(b & 15u) * sc, e2m1_value(b >> 4) * sc);
 }
 
+// One thread per kernel-layout word: 8 codes -> bf16 e2m1 * scale at their k positions.
+__global__ void nvfp4_dequant_weight_kernel(const uint8_t* w, const uint8_t* s, int64_t N, int K, bf16* out) {
+  const int kp = (K + 127) & ~127, words = kp / 8;
+  const int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (id >= N * words) return;
+  const int64_t n = id / words;
+  const int wi = int(id % words), c = wi >> 4, t = (wi >> 2) & 3, j = wi & 3;
+  const uint32_t word = *reinterpret_cast<const uint32_t*>(w + n * (kp / 2) + size_t(wi) * 4);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int st = 2 * j + (q >> 1), h = q & 1;
+    const int k0 = c * 128 + 16 * st + 8 * h + 2 * t;
+    if (k0 >= K) continue;
+    const float sc = scale_value(s[n * (kp / 16) + c * 8 + st]);
+    reinterpret_cast<__nv_bfloat162*>(out + n * K + k0)[0] =
+        __floats2bfloat162_rn(e2m1_value(word_code(word, q, 0)) * sc, e2m1_value(word_code(word, q, 1)) * sc);
+  }
+}
+
 // ------------------------------------------------------------------------------------------ host side
 int pick_nt(int64_t tokens) { return tokens <= 8 ? 1 : tokens <= 16 ? 2 : tokens <= 32 ? 4 : 8; }
 
@@ -870,6 +889,15 @@ extern "C" cudaError_t dsv4_nvfp4_dequant_act_launch(const Nvfp4DequantActArgs* 
   if (nbytes == 0) return cudaSuccess;
   nvfp4_dequant_act_kernel<<<unsigned((nbytes + 255) / 256), 256, 0, stream>>>(
       a->packed, a->scale, reinterpret_cast<bf16*>(a->out), nbytes, int(a->K));
+  return cudaGetLastError();
+}
+
+extern "C" cudaError_t dsv4_nvfp4_dequant_weight_launch(const uint8_t* w, const uint8_t* s, int64_t N, int64_t K,
+                                                        void* out, cudaStream_t stream) {
+  const int64_t total = N * ((K + 127) / 128 * 16);
+  if (total == 0) return cudaSuccess;
+  nvfp4_dequant_weight_kernel<<<unsigned((total + 255) / 256), 256, 0, stream>>>(w, s, N, int(K),
+                                                                                 reinterpret_cast<bf16*>(out));
   return cudaGetLastError();
 }
 

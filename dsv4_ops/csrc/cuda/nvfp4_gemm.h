@@ -50,6 +50,9 @@ extern "C" {
 #endif
 cudaError_t dsv4_nvfp4_linear_launch(const Nvfp4LinearArgs* a, cudaStream_t stream);
 cudaError_t dsv4_nvfp4_dequant_act_launch(const Nvfp4DequantActArgs* a, cudaStream_t stream);
+// Kernel-layout weight [N, Kp/2] -> bf16 e2m1 * block scale [N, K] (no global scale), exact.
+cudaError_t dsv4_nvfp4_dequant_weight_launch(const uint8_t* w, const uint8_t* s, int64_t N, int64_t K, void* out,
+                                             cudaStream_t stream);
 cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t stream);
 #ifdef __cplusplus
 }

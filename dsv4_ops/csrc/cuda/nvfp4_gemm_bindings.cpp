@@ -1,7 +1,12 @@
 // CUDA registration of dsv4::nvfp4_linear / nvfp4_linear_w4a4 / nvfp4_moe: argument checks (shared with the
 // CPU kernels), outputs and workspaces from the caching allocator (graph-pool aware), launch on the current
-// stream. The kernels live in nvfp4_gemm.cu. DSV4_NVFP4_GEMM_KERNEL=simple selects the plain CUDA-core kernels.
+// stream. The kernels live in nvfp4_gemm.cu.
+// Kernel choice for y = x W^T: M <= 64 tokens -> the skinny (GEMV-like) kernel; 64 < M < 256 -> the tiled
+// mma kernel; M >= 256 -> dequantize W to bf16 (exact e2m1 * block scale) + cuBLAS bf16 GEMM with fp32 output
+// (aten::mm.dtype) + global scale (falls back to the tiled kernel where aten::mm.dtype does not exist).
+// DSV4_NVFP4_GEMM_KERNEL = simple (plain CUDA-core kernels, any shape) | tiled | cublas overrides the M > 64 choice.
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
@@ -19,9 +24,27 @@ namespace {
 
 using namespace dsv4_nvfp4;
 
-bool use_simple() {
+enum class Choice { kAuto, kSimple, kTiled, kCublas };
+
+Choice kernel_choice() {
   const char* v = std::getenv("DSV4_NVFP4_GEMM_KERNEL");
-  return v != nullptr && std::strcmp(v, "simple") == 0;
+  if (v == nullptr) return Choice::kAuto;
+  if (std::strcmp(v, "simple") == 0) return Choice::kSimple;
+  if (std::strcmp(v, "tiled") == 0) return Choice::kTiled;
+  if (std::strcmp(v, "cublas") == 0) return Choice::kCublas;
+  return Choice::kAuto;
+}
+
+bool use_simple() { return kernel_choice() == Choice::kSimple; }
+
+// aten::mm.dtype (bf16 x bf16 -> fp32 on CUDA), looked up at run time so older torch builds still load.
+using MmDtypeFn = at::Tensor(const at::Tensor&, const at::Tensor&, c10::ScalarType);
+const c10::TypedOperatorHandle<MmDtypeFn>* mm_dtype_op() {
+  static const std::optional<c10::TypedOperatorHandle<MmDtypeFn>> op = []() {
+    const auto h = c10::Dispatcher::singleton().findSchema({"aten::mm", "dtype"});
+    return h ? std::optional<c10::TypedOperatorHandle<MmDtypeFn>>(h->typed<MmDtypeFn>()) : std::nullopt;
+  }();
+  return op ? &*op : nullptr;
 }
 
 // Contiguous, and aligned for the kernels' vector loads (odd views get copied).
@@ -51,10 +74,22 @@ at::Tensor linear_impl(const at::Tensor& x2, const at::Tensor& w, const at::Tens
   const int64_t M = x2.size(0), K = x2.size(1);
   TORCH_CHECK(M < (int64_t(1) << 31) && N < (int64_t(1) << 31) && K < (int64_t(1) << 31), op,
               ": sizes must fit in int32");
-  at::Tensor out = at::empty({M, N}, x2.options().dtype(out_dtype));
   const at::Tensor wc = prep(w, 16), sc = prep(s, 8), gc = gs.contiguous();
   at::Tensor ac;
   if (gs_act != nullptr) ac = gs_act->contiguous();
+  const Choice choice = kernel_choice();
+  const auto* mm = mm_dtype_op();
+  if (M > 64 && N > 0 && mm != nullptr &&
+      (choice == Choice::kCublas || (choice == Choice::kAuto && M >= 256))) {
+    at::Tensor wu = at::empty({N, K}, x2.options().dtype(at::kBFloat16));
+    check_launch(dsv4_nvfp4_dequant_weight_launch(wc.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(), N, K,
+                                                  wu.data_ptr(), c10::cuda::getCurrentCUDAStream().stream()),
+                 op);
+    at::Tensor y = mm->call(x2, wu.t(), at::kFloat);
+    y.mul_(gs_act != nullptr ? gc.reshape({}) * ac.reshape({}) : gc.reshape({}));
+    return out_dtype == at::kFloat ? y : y.to(out_dtype);
+  }
+  at::Tensor out = at::empty({M, N}, x2.options().dtype(out_dtype));
   Nvfp4LinearArgs a{};
   a.x = x2.data_ptr();
   a.w = wc.data_ptr<uint8_t>();

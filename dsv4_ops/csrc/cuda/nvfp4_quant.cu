@@ -27,6 +27,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 namespace cg = cooperative_groups;
@@ -40,7 +42,7 @@ namespace {
 
 using dsv4::nvfp4::DType;
 
-constexpr int kThreads = 512;  // CTA size of the fused kernels
+constexpr int kThreads = 512;  // largest CTA of the fused kernels (launch bounds)
 constexpr float kFltMax = 3.40282347e38f;
 
 // ------------------------------------------------------------------------------------- small helpers
@@ -349,22 +351,25 @@ __device__ __forceinline__ unsigned int ld_acquire(const unsigned int* p) {
 }
 
 // Grid-wide max of nonnegative floats (thread 0 of each CTA calls it). All CTAs must be co-resident.
-__device__ float grid_max(float v, unsigned int* s) {
+__device__ float grid_max_arrive_wait(float v, unsigned int* s) {
   atomicMax(&s[0], __float_as_uint(v));  // nonnegative floats order like their bits
   __threadfence();
   const unsigned int n = gridDim.x;
   if (atomicAdd(&s[1], 1u) + 1 < n) {
-    while (ld_acquire(&s[1]) < n) __nanosleep(64);
+    while (ld_acquire(&s[1]) < n) __nanosleep(32);
   }
   __threadfence();
-  const float m = __uint_as_float(ld_acquire(&s[0]));
-  if (atomicAdd(&s[2], 1u) + 1 == n) {  // everyone has read the max: reset for the next launch
+  return __uint_as_float(ld_acquire(&s[0]));
+}
+
+// After reading the max: the last CTA to leave resets the words for the next launch.
+__device__ void grid_max_depart(unsigned int* s) {
+  if (atomicAdd(&s[2], 1u) + 1 == gridDim.x) {
     s[0] = 0u;
     s[1] = 0u;
     s[2] = 0u;
     __threadfence();
   }
-  return m;
 }
 
 // ------------------------------------------------------------------------------------------- kernels
@@ -398,11 +403,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int U = kStreamUnroll<Src>;
   __shared__ float red[33];
   const int tid = threadIdx.x;
-  const int64_t n_tiles = (n_qb + kThreads - 1) / kThreads;
+  const int T = blockDim.x;  // a tile is T consecutive blocks, one per thread
+  const int64_t n_tiles = (n_qb + T - 1) / T;
   const int64_t tile0 = (int64_t)blockIdx.x * tiles_per_cta;
   const int64_t left = n_tiles - tile0;
   const int nt = left <= 0 ? 0 : (int)(left < tiles_per_cta ? left : tiles_per_cta);
-  auto qb = [&](int i) { return (tile0 + i) * kThreads + tid; };
+  auto qb = [&](int i) { return (tile0 + i) * T + tid; };
 
   typename Src::Raw reg[R];
   float amax = 0.0f;
@@ -434,9 +440,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   amax = cta_max(amax, red);
   if constexpr (kGrid) {
-    if (tid == 0) red[32] = grid_max(amax, sync);
+    if (tid == 0) red[32] = grid_max_arrive_wait(amax, sync);
     __syncthreads();
     amax = red[32];
+    if (tid == 0) grid_max_depart(sync);  // off the other warps' critical path
   } else {
     cg::cluster_group cluster = cg::this_cluster();
     cluster.sync();  // every CTA's red[32] is final
@@ -571,7 +578,7 @@ DeviceInfo& device_info() {
   static DeviceInfo info[64];
   int dev = 0;
   cudaGetDevice(&dev);
-  DeviceInfo& d = info[dev & 63];
+  DeviceInfo& d = info[dev & 63];  // (device ids >= 64 are not supported)
   if (d.sms == 0) {
     cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev);
     void* p = nullptr;
@@ -586,10 +593,17 @@ int grid_for(int64_t items, int threads, int sms) {
   return (int)std::max<int64_t>(1, std::min<int64_t>(want, (int64_t)sms * 16));
 }
 
-// Largest usable cluster size of this kernel (once per kernel; 16 is non-portable).
+int current_device() {
+  int dev = 0;
+  cudaGetDevice(&dev);
+  return dev & 63;
+}
+
+// Largest usable cluster size of this kernel (once per kernel and device; 16 is non-portable).
 template <typename Kernel>
 int max_cluster_of(Kernel kernel) {
-  static int cached = 0;
+  static int cache[64] = {};
+  int& cached = cache[current_device()];
   if (cached) return cached;
   int best = 8;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) {
@@ -611,15 +625,35 @@ int max_cluster_of(Kernel kernel) {
   return best;
 }
 
+// Co-resident CTAs per SM of a cooperative kernel at a CTA size (once per kernel and size).
 template <typename Kernel>
-int coop_blocks_per_sm(Kernel kernel) {
-  static int cached = 0;
-  if (!cached) {
+int coop_blocks_per_sm(Kernel kernel, int threads) {
+  static int cache[64][kThreads / 32 + 1] = {};
+  int& c = cache[current_device()][threads / 32];
+  if (!c) {
     int n = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0);
-    cached = std::max(n, 1);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0);
+    c = std::max(n, 1);
   }
-  return cached;
+  return c;
+}
+
+// Which single-launch scheme the per-tensor fused ops use. DSV4_NVFP4_FUSED_PATH=cluster|grid forces one
+// (benchmarks compare them); otherwise a cluster when one block per thread fits in it, else the grid.
+enum class FusedPath { kAuto, kCluster, kGrid };
+
+FusedPath fused_path_override() {
+  const char* e = std::getenv("DSV4_NVFP4_FUSED_PATH");
+  if (!e) return FusedPath::kAuto;
+  if (!std::strcmp(e, "cluster")) return FusedPath::kCluster;
+  if (!std::strcmp(e, "grid")) return FusedPath::kGrid;
+  return FusedPath::kAuto;
+}
+
+int pow2_ceil(int64_t v) {
+  int p = 1;
+  while (p < v) p *= 2;
+  return p;
 }
 
 template <class Src>
@@ -627,31 +661,37 @@ cudaError_t launch_fused(const Src& src, int64_t n_qb, int64_t qbpr, uint2* pack
                          unsigned int* sync, cudaStream_t stream) {
   constexpr int R = kRegBlocks<Src>;
   const DeviceInfo& dev = device_info();
-  const int64_t n_tiles = (n_qb + kThreads - 1) / kThreads;
   const RowOf row_of = make_row_of(qbpr, n_qb);
   auto cluster_kernel = fused_amax_kernel<Src, false>;
   const int cmax = max_cluster_of(cluster_kernel);
-  if (n_tiles <= (int64_t)cmax * R) {
+  const FusedPath force = fused_path_override();
+  const bool fits_cluster = n_qb <= (int64_t)cmax * kThreads * R;
+  const bool use_cluster = fits_cluster && (force == FusedPath::kCluster ||
+                                            (force == FusedPath::kAuto && n_qb <= (int64_t)cmax * kThreads));
+  if (use_cluster) {
+    const int t = (int)std::min<int64_t>(kThreads, (n_qb + 31) / 32 * 32);
+    const int64_t n_tiles = (n_qb + t - 1) / t;
     int c = (int)std::min<int64_t>(n_tiles, cmax);
     const int tpc = (int)((n_tiles + c - 1) / c);
-    c = (int)((n_tiles + tpc - 1) / tpc);
-    int cp = 1;
-    while (cp < c) cp *= 2;  // power-of-two clusters; spare CTAs contribute 0 to the max
+    c = pow2_ceil((n_tiles + tpc - 1) / tpc);  // power-of-two clusters; spare CTAs contribute 0 to the max
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = cp;
+    attr[0].val.clusterDim.x = c;
     attr[0].val.clusterDim.y = 1;
     attr[0].val.clusterDim.z = 1;
-    cfg.gridDim = dim3(cp);
-    cfg.blockDim = dim3(kThreads);
+    cfg.gridDim = dim3(c);
+    cfg.blockDim = dim3(t);
     cfg.stream = stream;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
     return cudaLaunchKernelEx(&cfg, cluster_kernel, src, n_qb, tpc, row_of, sync, packed, sf, gs_out);
   }
+  // Smaller CTAs for mid sizes, so the work spreads over every SM.
+  const int t = n_qb >= (int64_t)dev.sms * kThreads * 2 ? kThreads : n_qb >= (int64_t)dev.sms * 256 ? 256 : 128;
   auto grid_kernel = fused_amax_kernel<Src, true>;
-  const int64_t max_ctas = (int64_t)dev.sms * coop_blocks_per_sm(grid_kernel);
+  const int64_t n_tiles = (n_qb + t - 1) / t;
+  const int64_t max_ctas = (int64_t)dev.sms * coop_blocks_per_sm(grid_kernel, t);
   const int tpc = (int)((n_tiles + max_ctas - 1) / max_ctas);
   const int grid = (int)((n_tiles + tpc - 1) / tpc);
   cudaLaunchConfig_t cfg = {};
@@ -659,7 +699,7 @@ cudaError_t launch_fused(const Src& src, int64_t n_qb, int64_t qbpr, uint2* pack
   attr[0].id = cudaLaunchAttributeCooperative;
   attr[0].val.cooperative = 1;
   cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(kThreads);
+  cfg.blockDim = dim3(t);
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = 1;

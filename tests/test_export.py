@@ -1,0 +1,293 @@
+"""Export -> AOTInductor package -> load in a FRESH process (Python and C++) -> same logits as the eager engine.
+
+One small package (a 2-layer CSA + HCA model, fp32) is compiled per device and shared by the tests of this
+module: AOTI compiles cost tens of seconds each on CPU.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import types
+import zipfile
+
+import pytest
+import torch
+
+import dsv4_ops  # noqa: F401
+from dsv4_model.checkpoint_writer import make_config
+from dsv4_model.engine import Engine
+from dsv4_model.generate import generate
+from dsv4_model.model import Transformer
+from export import metadata as md
+from export.build import build_package, written_inputs
+from export.load import ExportedEngine, PackageMismatch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAX_B, MAX_S, BUCKET_S = 2, 32, 16
+PROMPTS = [[5, 17, 3, 88, 41, 9, 60], [2, 71, 33, 8, 15, 90, 4, 27, 51, 12, 66, 30]]
+STEPS = 8
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def _python(code: str, **env):
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=_env(**env),
+                          capture_output=True, text=True, timeout=600)
+
+
+def _make_model(device):
+    cfg = make_config("tiny", n_layers=2, compress_ratios=[4, 16], n_hash_layers=1, n_mtp_layers=0)
+    model = Transformer(cfg, max_batch_size=MAX_B, max_seq_len=MAX_S, dtype=torch.float32, device=device,
+                        simulate_quant=True).init_random_weights(0)
+    return model, cfg
+
+
+def _build(tmp_path_factory, device):
+    model, cfg = _make_model(device)
+    path = str(tmp_path_factory.mktemp(f"export_{device}") / "tiny.pt2")
+    build_package(model, cfg.to_dict(), path, max_batch_size=MAX_B, max_seq_len=MAX_S, device=device,
+                  decode_batches=[MAX_B], prefill_batches=[MAX_B], prefill_lengths=[BUCKET_S], dtype=torch.float32)
+    return types.SimpleNamespace(path=path, model=model, config=cfg, device=device)
+
+
+@pytest.fixture(scope="module")
+def cpu_pkg(tmp_path_factory):
+    return _build(tmp_path_factory, "cpu")
+
+
+@pytest.fixture(scope="module")
+def cuda_pkg(tmp_path_factory):
+    return _build(tmp_path_factory, "cuda")
+
+
+def _eager_engine(pkg):
+    eng = Engine(pkg.model)
+    eng.decode_options = {"compile": False, "cuda_graphs": False}  # generate(): the plain eager reference
+    return eng
+
+
+def _eager_reference(pkg):
+    """Eager engine: prefill both (ragged) prompts, then STEPS greedy decode steps. Returns (logits, fed ids)."""
+    eng = _eager_engine(pkg)
+    ids = torch.zeros(len(PROMPTS), max(map(len, PROMPTS)), dtype=torch.long)
+    for b, p in enumerate(PROMPTS):
+        ids[b, : len(p)] = torch.tensor(p)
+    lens = torch.tensor([len(p) for p in PROMPTS])
+    logits = [eng.prefill(ids, lengths=lens).cpu()]
+    fed = []
+    for _ in range(STEPS):
+        nxt = logits[-1].argmax(-1)
+        fed.append(nxt.tolist())
+        logits.append(eng.decode(nxt).cpu())
+    return ids, lens, logits, fed
+
+
+def _run_fresh(pkg, tmp_path, ids, lens, fed):
+    """Loads the package in a new interpreter, replays the same inputs, returns what it saw."""
+    inp, out = str(tmp_path / "inputs.pt"), str(tmp_path / "outputs.pt")
+    torch.save({"ids": ids, "lens": lens, "fed": fed, "prompts": PROMPTS}, inp)
+    r = _python(f"""
+        import torch
+        from export.load import ExportedEngine
+        eng = ExportedEngine({pkg.path!r})
+        x = torch.load({inp!r})
+        before = [c.clone() for c in eng.caches]
+        logits = [eng.prefill(x["ids"], lengths=x["lens"]).cpu()]
+        written = sum(not torch.equal(a, b) for a, b in zip(before, eng.caches))
+        for nxt in x["fed"]:
+            logits.append(eng.decode(torch.tensor(nxt)).cpu())
+        gen = eng.generate(x["prompts"], max_new_tokens={STEPS}).token_ids
+        greedy = eng.generate_greedy(x["prompts"][0], {STEPS})
+        meta = eng.entry_metadata("decode_b{MAX_B}")
+        torch.save({{"logits": logits, "written": written, "generate": gen, "greedy": greedy,
+                    "entry_meta": meta, "n_caches": len(eng.caches)}}, {out!r})
+    """)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return torch.load(out)
+
+
+def _check_against_eager(pkg, tmp_path):
+    ids, lens, ref_logits, fed = _eager_reference(pkg)
+    got = _run_fresh(pkg, tmp_path, ids, lens, fed)
+    assert len(got["logits"]) == STEPS + 1
+    for step, (a, b) in enumerate(zip(got["logits"], ref_logits)):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4, msg=lambda m: f"step {step}: {m}")
+        assert torch.equal(a.argmax(-1), b.argmax(-1)), f"greedy token differs at step {step}"
+    # Prefill wrote the caches this process owns (explicit inputs mutated in place, not package state).
+    assert got["written"] == got["n_caches"] > 0
+    ref_gen = generate(_eager_engine(pkg), PROMPTS, max_new_tokens=STEPS).token_ids
+    assert got["generate"] == ref_gen
+    assert got["entry_meta"]["dsv4.torch_version"] == torch.__version__
+    assert json.loads(got["entry_meta"]["dsv4.config"]) == pkg.config.to_dict()
+    return got
+
+
+def test_package_layout_and_metadata(cpu_pkg):
+    meta = md.read_from_archive(cpu_pkg.path)
+    assert json.loads(meta[md.K_ENTRIES]) == {
+        f"decode_b{MAX_B}": {"kind": "decode", "batch": MAX_B, "seq_len": 1},
+        f"prefill_b{MAX_B}_s{BUCKET_S}": {"kind": "prefill", "batch": MAX_B, "seq_len": BUCKET_S}}
+    caches = json.loads(meta[md.K_CACHES])
+    bufs = dict(cpu_pkg.model.named_buffers())
+    # Every buffer decode writes is an explicit input: kv caches and compressor states of both layers.
+    assert {c["name"] for c in caches} >= {"layers.0.attn.kv_cache", "layers.1.attn.kv_cache",
+                                           "layers.0.attn.indexer.kv_cache", "layers.0.attn.compressor.kv_state"}
+    for c in caches:
+        assert tuple(c["shape"]) == tuple(bufs[c["name"]].shape)
+    assert meta[md.K_DEVICE] == "cpu" and meta[md.K_TORCH] == torch.__version__
+    assert json.loads(meta[md.K_CONFIG]) == cpu_pkg.config.to_dict()
+    with zipfile.ZipFile(cpu_pkg.path) as z:
+        names = z.namelist()
+    # Caches are not baked in as constants: the package's .so files are the only large members.
+    assert any(f"/data/aotinductor/decode_b{MAX_B}/" in n and n.endswith(".so") for n in names)
+    assert any(f"/data/aotinductor/prefill_b{MAX_B}_s{BUCKET_S}/" in n and n.endswith(".so") for n in names)
+    stem = cpu_pkg.path[: -len(".pt2")]
+    ep = torch.export.load(f"{stem}.decode_b{MAX_B}.ep.pt2")
+    assert len(ep.graph_signature.user_inputs) == 2 + len(caches)
+
+
+def test_fresh_process_matches_eager_engine_cpu(cpu_pkg, tmp_path):
+    _check_against_eager(cpu_pkg, tmp_path)
+
+
+@pytest.mark.cuda
+def test_fresh_process_matches_eager_engine_cuda(cuda_pkg, tmp_path):
+    got = _check_against_eager(cuda_pkg, tmp_path)
+    cap = torch.cuda.get_device_capability()
+    assert got["entry_meta"]["dsv4.gpu_arch"] == f"sm_{cap[0]}{cap[1]}"
+
+
+@pytest.fixture(scope="module")
+def runner_bin(tmp_path_factory):
+    if shutil.which("cmake") is None or (shutil.which("g++") is None and shutil.which("c++") is None):
+        pytest.skip("the C++ runner needs cmake and a C++ compiler")
+    build_dir = str(tmp_path_factory.mktemp("dsv4_run"))
+    r = subprocess.run(["bash", os.path.join(ROOT, "export", "cpp", "build.sh"), build_dir], cwd=ROOT,
+                       env=_env(), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return r.stdout.strip().splitlines()[-1]
+
+
+def _cpp_greedy(runner_bin, pkg, prompt, n):
+    r = subprocess.run([runner_bin, "--ops-lib", dsv4_ops.library_path(), "--max-new-tokens", str(n), pkg.path,
+                        *map(str, prompt)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("generated:")]
+    assert line, r.stdout
+    return [int(t) for t in line[0].split()[1:]]
+
+
+def _python_greedy(pkg, prompt, n):
+    eng = _eager_engine(pkg)
+    eng.reset()
+    logits = eng.prefill(torch.tensor([prompt]))
+    out = []
+    for i in range(n):
+        out.append(int(logits[0].argmax()))
+        if i + 1 < n:
+            logits = eng.decode(torch.tensor([out[-1]]))
+    return out
+
+
+def test_cpp_runner_matches_python_cpu(cpu_pkg, runner_bin):
+    for prompt in PROMPTS:
+        assert _cpp_greedy(runner_bin, cpu_pkg, prompt, STEPS) == _python_greedy(cpu_pkg, prompt, STEPS)
+    r = subprocess.run([runner_bin, "--ops-lib", dsv4_ops.library_path(), "--metadata", cpu_pkg.path],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    meta = dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
+    assert meta["dsv4.entry"] == f"decode_b{MAX_B}"
+    assert meta["dsv4.torch_version"] == torch.__version__
+    assert json.loads(meta["dsv4.config"]) == cpu_pkg.config.to_dict()
+
+
+@pytest.mark.cuda
+def test_cpp_runner_matches_python_cuda(cuda_pkg, runner_bin):
+    for prompt in PROMPTS:
+        assert _cpp_greedy(runner_bin, cuda_pkg, prompt, STEPS) == _python_greedy(cuda_pkg, prompt, STEPS)
+
+
+def test_cpp_runner_without_op_library_fails_clearly(cpu_pkg, runner_bin):
+    r = subprocess.run([runner_bin, cpu_pkg.path, "1", "2"], env={k: v for k, v in os.environ.items()
+                                                                   if k != "DSV4_OPS_LIBRARY"},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "op library" in r.stderr
+
+
+def test_cli_run_without_op_library_fails_clearly(cpu_pkg):
+    r = subprocess.run([sys.executable, "-m", "export", "run", cpu_pkg.path, "--prompt-ids", "1", "2"], cwd=ROOT,
+                       env=_env(DSV4_OPS_LIBRARY="/nonexistent/libdsv4_ops.so"), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2
+    assert "op library could not be loaded" in r.stderr, r.stderr[-2000:]
+
+
+def test_cli_run_and_info(cpu_pkg):
+    r = subprocess.run([sys.executable, "-m", "export", "run", cpu_pkg.path, "--prompt-ids",
+                        *map(str, PROMPTS[1]), "--max-new-tokens", str(STEPS)], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ids = [int(t) for t in r.stdout.split("generated:")[1].split()]
+    ref = generate(_eager_engine(cpu_pkg), [PROMPTS[1]], max_new_tokens=STEPS).token_ids[0]
+    assert ids == ref
+    r = subprocess.run([sys.executable, "-m", "export", "info", cpu_pkg.path], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and f"dsv4.torch_version = {torch.__version__}" in r.stdout
+
+
+def test_mismatched_config_is_refused_before_loading(cpu_pkg):
+    other = dict(cpu_pkg.config.to_dict(), dim=128)
+    with pytest.raises(PackageMismatch, match="differs in dim"):
+        ExportedEngine(cpu_pkg.path, config=other)
+
+
+def test_metadata_checks_name_the_mismatch(cpu_pkg):
+    meta = md.read_from_archive(cpu_pkg.path)
+    md.check(meta, device="cpu")
+    with pytest.raises(PackageMismatch, match="torch 2.0.0"):
+        md.check(dict(meta, **{md.K_TORCH: "2.0.0"}))
+    with pytest.raises(PackageMismatch, match="built for cpu, asked to run on cuda"):
+        md.check(meta, device="cuda")
+    if not torch.cuda.is_available():
+        with pytest.raises(PackageMismatch, match="no CUDA device"):
+            md.check(dict(meta, **{md.K_DEVICE: "cuda", md.K_ARCH: "sm_90"}))
+    else:
+        with pytest.raises(PackageMismatch, match="GPU arch sm_10"):
+            md.check(dict(meta, **{md.K_DEVICE: "cuda", md.K_ARCH: "sm_10"}))
+    with pytest.raises(PackageMismatch, match="lacks dsv4::no_such_op"):
+        md.check(dict(meta, **{md.K_OPS_USED: json.dumps({"dsv4::no_such_op": "dsv4::no_such_op() -> ()"})}))
+    name, schema = next(iter(md.dsv4_schemas().items()))
+    with pytest.raises(PackageMismatch, match="schemas changed"):
+        md.check_ops({name: schema + " "})
+
+
+def test_not_a_package_is_refused(tmp_path):
+    bogus = tmp_path / "x.pt2"
+    with zipfile.ZipFile(bogus, "w") as z:
+        z.writestr("x/data/whatever", "1")
+    with pytest.raises(PackageMismatch, match="not a dsv4 export package"):
+        ExportedEngine(str(bogus))
+
+
+def test_written_inputs_agrees_with_functionalization():
+    from export.entrypoints import CacheAsInputs, caches_detached, call_decode
+    from export.toy import ToyLM
+
+    m = ToyLM(max_batch_size=2, max_seq_len=8)
+    names = ["k_cache", "v_cache"]
+    caches = tuple(torch.zeros_like(m.get_buffer(n)) for n in names)
+    inputs = (torch.tensor([1, 2]), torch.tensor([0, 3]))
+    with caches_detached(m, names), torch.no_grad():
+        ep = torch.export.export(CacheAsInputs(m, names, call_decode), (inputs, caches), strict=False)
+        ro = torch.export.export(CacheAsInputs(m, names, lambda mod, t, p: mod.k_cache[:2, 0] + mod.v_cache[:2, 0]),
+                                 (inputs, caches), strict=False)
+    functional = set(ep.run_decompositions({}).graph_signature.user_inputs_to_mutate.values())
+    assert written_inputs(ep) == functional == set(ep.graph_signature.user_inputs[2:])
+    assert written_inputs(ro) == set()
