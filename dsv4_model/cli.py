@@ -97,10 +97,9 @@ def cmd_generate(args) -> int:
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(path, device=device, dtype=getattr(torch, args.dtype),
                                     max_batch_size=len(prompt_ids), max_seq_len=max_seq_len,
-                                    simulate_quant=not args.no_simulate_quant)
-    engine.path, engine.tokenizer = path, tok
-    engine.decode_options = {"compile": args.compile, "cuda_graphs": args.cuda_graphs,
-                             "graph_mode": args.graph_mode}
+                                    simulate_quant=not args.no_simulate_quant, compile=args.compile,
+                                    cuda_graphs=args.cuda_graphs, graph_mode=args.graph_mode)
+    engine.tokenizer = tok
     t_load = time.perf_counter() - t0
 
     single = len(prompt_ids) == 1

@@ -51,6 +51,7 @@ class DecodeRunner:
     def __init__(self, model, *, compile: bool | None = None, cuda_graphs: bool | None = None,
                  graph_mode: str = "manual", compile_backend: str = "inductor"):
         self.model = model
+        self.options: dict = {}  # the options it was built from (set by generate.get_runner)
         self.device = model.device
         on_cuda = self.device.type == "cuda"
         if graph_mode not in GRAPH_MODES:

@@ -14,7 +14,8 @@ class Engine:
     prefill(input_ids [B, S], lengths=None, all_logits=False) -> fp32 logits [B, V] (last valid position of each
     row) or [B, S, V]; decode(next_ids [B]) -> fp32 [B, V], each row continuing at its own position."""
 
-    def __init__(self, model: Transformer, config: ModelConfig | None = None, device=None):
+    def __init__(self, model: Transformer, config: ModelConfig | None = None, device=None, *,
+                 compile: bool | None = None, cuda_graphs: bool | None = None, graph_mode: str = "manual"):
         self.model = model
         self.config = config if config is not None else model.config
         self.device = torch.device(device) if device is not None else model.device
@@ -22,17 +23,24 @@ class Engine:
         self.max_seq_len = model.max_seq_len
         self.positions = torch.zeros(self.max_batch_size, dtype=torch.long, device=self.device)
         self._lens: list[int] = []
+        # How generate() runs decode steps (dsv4_model/compiled.py); None = on for CUDA, off for CPU.
+        self.decode_options = {"compile": compile, "cuda_graphs": cuda_graphs, "graph_mode": graph_mode}
+        self.path = None  # checkpoint directory: generate() looks for tokenizer.json there
+        self.tokenizer = None
 
     @classmethod
     def from_pretrained(cls, path, *, device="cpu", dtype=torch.bfloat16, max_batch_size: int = 1,
-                        max_seq_len: int = 4096, simulate_quant: bool = True, **options) -> "Engine":
+                        max_seq_len: int = 4096, simulate_quant: bool = True, compile: bool | None = None,
+                        cuda_graphs: bool | None = None, graph_mode: str = "manual", **options) -> "Engine":
         """Load a checkpoint directory via `dsv4_model.loader.load_model`; `options` go to the loader
-        (e.g. layout=, load_mtp=, progress=)."""
+        (e.g. layout=, load_mtp=, progress=). compile / cuda_graphs / graph_mode: see `generate`."""
         from .loader import load_model
 
         model, config = load_model(path, device=device, dtype=dtype, max_batch_size=max_batch_size,
                                    max_seq_len=max_seq_len, simulate_quant=simulate_quant, **options)
-        return cls(model, config, device)
+        engine = cls(model, config, device, compile=compile, cuda_graphs=cuda_graphs, graph_mode=graph_mode)
+        engine.path = path
+        return engine
 
     # ------------------------------------------------------------------ state
     @property
@@ -108,3 +116,9 @@ class Engine:
         self.positions[:B] += 1
         self._lens = [n + 1 for n in self._lens]
         return logits
+
+    def generate(self, prompts, **kwargs):
+        """Batched, streaming generation (compiled / CUDA-graph decode); see `dsv4_model.generate.generate`."""
+        from .generate import generate
+
+        return generate(self, prompts, **kwargs)

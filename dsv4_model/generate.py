@@ -53,9 +53,11 @@ class GenerationResult:
 def get_runner(engine) -> DecodeRunner:
     """The engine's DecodeRunner, built on first use from `engine.decode_options`
     (compile / cuda_graphs / graph_mode; defaults: on for CUDA)."""
+    opts = dict(getattr(engine, "decode_options", None) or {})
     runner = getattr(engine, "_decode_runner", None)
-    if runner is None:
-        runner = DecodeRunner(engine.model, **dict(getattr(engine, "decode_options", None) or {}))
+    if runner is None or runner.options != opts:  # options changed: new runner (new compile / graphs)
+        runner = DecodeRunner(engine.model, **opts)
+        runner.options = opts
         engine._decode_runner = runner
     return runner
 

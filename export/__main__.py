@@ -87,7 +87,8 @@ def _run(a) -> int:
                        top_p=a.top_p, seed=a.seed)
     print("generated:", " ".join(map(str, res.token_ids[0])))
     print(f"[export] {res.finish_reasons[0]}; prefill {1e3 * res.prefill_seconds:.1f} ms, decode "
-          f"{res.ms_per_step:.2f} ms/step ({res.mode})", file=sys.stderr)
+          f"{res.ms_per_step:.2f} ms/step ({'package + CUDA graphs' if eng.cuda_graph else 'package'})",
+          file=sys.stderr)
     return 0
 
 

@@ -62,8 +62,10 @@ def plan_entries(decode_batches: Sequence[int], prefill_batches: Sequence[int], 
     for s in prefill_lengths:
         if not 1 <= s <= max_seq_len:
             raise ValueError(f"prefill length {s} outside [1, max_seq_len={max_seq_len}]")
-    if not decode_batches or not prefill_batches or not prefill_lengths:
-        raise ValueError("need at least one decode batch, one prefill batch and one prefill length")
+    if not decode_batches:
+        raise ValueError("need at least one decode batch bucket")
+    if prefill_batches and not prefill_lengths:
+        raise ValueError("prefill batch buckets need at least one prefill length")
     entries = [Entry(f"decode_b{b}", "decode", b) for b in sorted(set(decode_batches))]
     entries += [Entry(f"prefill_b{b}_s{s}", "prefill", b, s)
                 for b in sorted(set(prefill_batches)) for s in sorted(set(prefill_lengths))]
@@ -164,7 +166,9 @@ def compile_entries(eps: dict[str, torch.export.ExportedProgram], out: str, meta
                     verbose: bool = True) -> str:
     """AOTInductor-compiles every ExportedProgram and writes them as named models of one .pt2."""
     choice = toolchain.configure_inductor(verbose=verbose)
-    meta = dict(meta, **{"dsv4.cxx": choice.cxx})
+    lib = toolchain.compiler_libstdcxx(choice.cxx)
+    meta = dict(meta, **{md.K_CXX: choice.cxx,
+                         md.K_CXX_GLIBCXX: ".".join(map(str, lib.glibcxx)) if lib and lib.glibcxx else ""})
     files: dict[str, list] = {}
     for name, ep in eps.items():
         t0 = time.time()
@@ -191,39 +195,54 @@ def compile_entries(eps: dict[str, torch.export.ExportedProgram], out: str, meta
 def build_package(model: nn.Module, config: dict, out: str, *, max_batch_size: int, max_seq_len: int,
                   device: str, decode_batches: Sequence[int] | None = None,
                   prefill_batches: Sequence[int] | None = None, prefill_lengths: Sequence[int] | None = None,
-                  save_exported_programs: bool = True,
-                  dtype: torch.dtype | None = None, verbose: bool = True,
+                  save_exported_programs: bool = True, dtype: torch.dtype | None = None, verbose: bool = True,
                   decode_fn: Callable = call_decode, prefill_fn: Callable = call_prefill) -> str:
     """Exports ``model`` (already on ``device``, caches allocated for max_batch_size x max_seq_len) to ``out``.
 
-    Returns the package path. With ``save_exported_programs`` also writes ``<out stem>.<entry>.ep.pt2``
-    (``torch.export.save``; load with ``torch.export.load`` after ``import dsv4_ops``).
+    Decode buckets default to [max_batch_size]; prefill to batch [1] x ``default_prefill_lengths``;
+    ``prefill_batches=[]`` builds a decode-only package. ``config`` (a JSON-able dict, e.g.
+    ``ModelConfig.to_dict()``) is stored in the metadata. Returns the package path. With
+    ``save_exported_programs`` also writes ``<out stem>.<entry>.ep.pt2`` (``torch.export.save``; load them with
+    ``torch.export.load`` after ``import dsv4_ops``).
     """
     import dsv4_ops  # noqa: F401  (schemas + fakes must exist before tracing)
 
     if not out.endswith(".pt2"):
         raise ValueError(f"package path must end in .pt2: {out}")
     model.eval()
-    entries = plan_entries(decode_batches or [max_batch_size], prefill_batches or [1],
+    dtype = dtype if dtype is not None else getattr(model, "dtype", None)
+    entries = plan_entries(decode_batches or [max_batch_size], [1] if prefill_batches is None else prefill_batches,
                            prefill_lengths or default_prefill_lengths(max_seq_len), max_batch_size, max_seq_len)
-    probe_entry = entries[0] if entries[0].kind == "decode" else Entry("probe", "decode", 1)
-    names = cache_names(model, probe=lambda: decode_fn(model, *_example_inputs(probe_entry, device)))
+    # Eager probes run one decode bucket and the smallest prefill bucket (which buffers get written and which
+    # dsv4 ops run do not depend on the bucket size; a large prefill bucket could be costly to run eagerly).
+    probes = [entries[0]] + sorted((e for e in entries if e.kind == "prefill"), key=lambda e: e.batch * e.seq_len)[:1]
+
+    def run_probes():
+        for e in probes:
+            (decode_fn if e.kind == "decode" else prefill_fn)(model, *_example_inputs(e, device))
+
+    names = cache_names(model, probe=run_probes)
     if not names:
         raise RuntimeError("the decode step writes no buffer: nothing to pass as caches")
+    for n in names:
+        aliases = [m for m, b in model.named_buffers(remove_duplicate=False) if b is model.get_buffer(n) and m != n]
+        if aliases:
+            raise RuntimeError(f"cache {n} is also registered as {aliases}: a cache must have one owner to be "
+                               "replaced by an input")
     specs = cache_specs(model, names)
-    _log(verbose, f"{len(specs)} cache tensors ({sum(torch.empty(s.shape, dtype=s.dtype, device='meta').nbytes for s in specs) / 2**20:.1f} MiB) "
-                  f"as explicit inputs; entries: {', '.join(e.name for e in entries)}")
+    cache_mib = sum(model.get_buffer(n).nbytes for n in names) / 2**20
+    _log(verbose, f"{len(specs)} cache tensors ({cache_mib:.1f} MiB) as explicit inputs; "
+                  f"entries: {', '.join(e.name for e in entries)}")
+    eager_ops = {p.kind: _restoring(model, names, lambda: eager_dsv4_ops(
+        model, p, device, decode_fn if p.kind == "decode" else prefill_fn)) for p in probes}
     eps: dict[str, torch.export.ExportedProgram] = {}
     used: dict[str, str] = {}
     for e in entries:
         t0 = time.time()
         _log(verbose, f"exporting {e.name} ...")
-        eager_ops = _restoring(model, names, lambda: eager_dsv4_ops(model, e, device,
-                                                                      decode_fn if e.kind == "decode" else prefill_fn))
-        ep = export_entry(model, names, e, device=device, decode_fn=decode_fn,
-                          prefill_fn=prefill_fn)
+        ep = export_entry(model, names, e, device=device, decode_fn=decode_fn, prefill_fn=prefill_fn)
         in_graph = _dsv4_ops_in(ep)
-        lost = sorted(eager_ops - set(in_graph))
+        lost = sorted(eager_ops[e.kind] - set(in_graph))
         if lost:
             raise RuntimeError(f"{e.name}: dsv4 ops {lost} run eagerly but are not in the exported graph "
                                "(decomposed or traced through?)")
@@ -231,7 +250,6 @@ def build_package(model: nn.Module, config: dict, out: str, *, max_batch_size: i
         eps[e.name] = ep
         _log(verbose, f"  {e.name}: {time.time() - t0:.1f} s, dsv4 ops: {', '.join(in_graph) or 'none'}")
     meta = md.environment(device)
-    vocab = _vocab_size(config)
     meta.update({
         md.K_CONFIG: json.dumps(config, sort_keys=True),
         md.K_ENTRIES: json.dumps({e.name: e.to_json() for e in entries}),
@@ -240,7 +258,7 @@ def build_package(model: nn.Module, config: dict, out: str, *, max_batch_size: i
         md.K_MAX_BATCH: str(max_batch_size),
         md.K_MAX_SEQ: str(max_seq_len),
         md.K_DTYPE: str(dtype).removeprefix("torch.") if dtype is not None else "",
-        md.K_VOCAB: str(vocab),
+        md.K_VOCAB: str(_vocab_size(config)),
         md.K_CPP_DECODE: ",".join(e.name for e in entries if e.kind == "decode"),
         md.K_CPP_PREFILL: ",".join(e.name for e in entries if e.kind == "prefill"),
         md.K_CPP_CACHES: ";".join(f"{s.name}:{str(s.dtype).removeprefix('torch.')}:{'x'.join(map(str, s.shape))}"
@@ -282,6 +300,7 @@ def build_from_checkpoint(path: str, out: str, *, max_batch_size: int, max_seq_l
                           decode_batches: Sequence[int] | None = None, prefill_batches: Sequence[int] | None = None,
                           prefill_lengths: Sequence[int] | None = None, save_exported_programs: bool = True,
                           verbose: bool = True) -> str:
+    """Loads a checkpoint with ``dsv4_model.loader.load_model`` and exports it (see ``build_package``)."""
     from dsv4_model.loader import load_model
 
     _log(verbose, f"loading {path} on {device} ({dtype}) ...")
@@ -290,7 +309,8 @@ def build_from_checkpoint(path: str, out: str, *, max_batch_size: int, max_seq_l
     cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     return build_package(model, cfg, out, max_batch_size=max_batch_size, max_seq_len=max_seq_len, device=device,
                          decode_batches=decode_batches, prefill_batches=prefill_batches,
-                         prefill_lengths=prefill_lengths, save_exported_programs=save_exported_programs, dtype=dtype, verbose=verbose)
+                         prefill_lengths=prefill_lengths, save_exported_programs=save_exported_programs, dtype=dtype,
+                         verbose=verbose)
 
 
 __all__ = ["Entry", "plan_entries", "export_entry", "compile_entries", "build_package", "build_from_checkpoint",

@@ -24,7 +24,7 @@ def load_op_library() -> str:
     try:
         import dsv4_ops
     except ImportError as e:
-        raise PackageMismatch(f"the dsv4 op library could not be loaded, and a dsv4 package calls its ops: {e}") from e
+        raise PackageMismatch(f"the dsv4 op library could not be loaded (dsv4 packages call its ops): {e}") from e
     return dsv4_ops.library_path()
 
 
@@ -34,6 +34,8 @@ def get_metadata(path: str) -> dict[str, str]:
 
 
 def _bucket(buckets: Sequence[int], n: int, what: str) -> int:
+    if not buckets:
+        raise ValueError(f"no {what} entry is loaded from this package")
     for b in sorted(buckets):
         if b >= n:
             return b

@@ -34,6 +34,8 @@ K_MAX_BATCH = "dsv4.max_batch_size"
 K_MAX_SEQ = "dsv4.max_seq_len"
 K_DTYPE = "dsv4.dtype"
 K_VOCAB = "dsv4.vocab_size"
+K_CXX = "dsv4.cxx"  # the compiler of the wrapper .so files
+K_CXX_GLIBCXX = "dsv4.cxx_glibcxx"  # "3.4.33": the newest GLIBCXX its libstdc++ defines ("" if unknown)
 # For C++: "decode_b1,decode_b2" / "prefill_b1" ; caches "name:dtype:d0xd1x..;..." ; "4" / "256".
 K_CPP_DECODE = "dsv4.cpp.decode_entries"
 K_CPP_PREFILL = "dsv4.cpp.prefill_entries"
@@ -100,7 +102,8 @@ def read_from_archive(path: str) -> dict[str, str]:
 def check(meta: dict[str, str], *, device: str | None = None, config: dict | None = None) -> None:
     """Raises PackageMismatch with the reason when this process cannot run the package as built."""
     if meta.get(K_FORMAT) != FORMAT_VERSION:
-        raise PackageMismatch(f"package format {meta.get(K_FORMAT)!r}, this loader reads {FORMAT_VERSION!r}: rebuild it")
+        raise PackageMismatch(f"package format {meta.get(K_FORMAT)!r}, this loader reads {FORMAT_VERSION!r}: "
+                              "rebuild it")
     built_torch = meta[K_TORCH]
     if built_torch != torch.__version__:
         raise PackageMismatch(
@@ -116,12 +119,27 @@ def check(meta: dict[str, str], *, device: str | None = None, config: dict | Non
         here = gpu_arch(device or "cuda")
         if here != meta[K_ARCH]:
             raise PackageMismatch(f"package built for GPU arch {meta[K_ARCH]}, this GPU is {here}: rebuild it here")
+    check_libstdcxx(meta.get(K_CXX_GLIBCXX, ""))
     check_ops(json.loads(meta[K_OPS_USED]))
     if config is not None:
         built = json.loads(meta[K_CONFIG])
         if built != config:
             diff = sorted(k for k in set(built) | set(config) if built.get(k) != config.get(k))
             raise PackageMismatch(f"package built for another model config (differs in {', '.join(diff)})")
+
+
+def check_libstdcxx(built: str) -> None:
+    """The wrapper .so may need GLIBCXX symbols up to ``built``: the loaded libstdc++ must have them."""
+    from export.toolchain import loaded_libstdcxx
+
+    here = loaded_libstdcxx()
+    if not built or here is None or here.glibcxx is None:
+        return
+    need = tuple(int(x) for x in built.split("."))
+    if need > here.glibcxx:
+        raise PackageMismatch(
+            f"package compiled against a libstdc++ with GLIBCXX_{built}, this process has {here.describe()} "
+            "loaded: its wrapper .so cannot load here (missing symbols); rebuild the package on this machine")
 
 
 def check_ops(used: dict[str, str]) -> None:

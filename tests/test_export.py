@@ -261,6 +261,8 @@ def test_metadata_checks_name_the_mismatch(cpu_pkg):
     else:
         with pytest.raises(PackageMismatch, match="GPU arch sm_10"):
             md.check(dict(meta, **{md.K_DEVICE: "cuda", md.K_ARCH: "sm_10"}))
+    with pytest.raises(PackageMismatch, match="GLIBCXX_3.4.999"):
+        md.check(dict(meta, **{md.K_CXX_GLIBCXX: "3.4.999"}))
     with pytest.raises(PackageMismatch, match="lacks dsv4::no_such_op"):
         md.check(dict(meta, **{md.K_OPS_USED: json.dumps({"dsv4::no_such_op": "dsv4::no_such_op() -> ()"})}))
     name, schema = next(iter(md.dsv4_schemas().items()))
@@ -274,6 +276,44 @@ def test_not_a_package_is_refused(tmp_path):
         z.writestr("x/data/whatever", "1")
     with pytest.raises(PackageMismatch, match="not a dsv4 export package"):
         ExportedEngine(str(bogus))
+
+
+@pytest.fixture(scope="module")
+def toy_pkg(tmp_path_factory):
+    from export.toy import ToyLM
+
+    m = ToyLM(max_batch_size=2, max_seq_len=8)
+    path = str(tmp_path_factory.mktemp("export_toy") / "toy.pt2")
+    build_package(m, m.config, path, max_batch_size=2, max_seq_len=8, device="cpu", decode_batches=[2],
+                  prefill_batches=[], save_exported_programs=False, verbose=False)
+    return types.SimpleNamespace(path=path, model=m)
+
+
+def test_dsv4_ops_run_through_the_package_and_need_the_library(toy_pkg, tmp_path):
+    used = json.loads(md.read_from_archive(toy_pkg.path)[md.K_OPS_USED])
+    assert set(used) == {"dsv4::nvfp4_quantize", "dsv4::nvfp4_dequantize"}
+    steps = [([3, 7], [0, 0]), ([11, 2], [1, 1]), ([5, 5], [2, 2])]
+    with torch.no_grad():
+        ref = [toy_pkg.model.decode_step(torch.tensor(t), torch.tensor(p)) for t, p in steps]
+    toy_pkg.model.k_cache.zero_()
+    toy_pkg.model.v_cache.zero_()
+    out = str(tmp_path / "toy_logits.pt")
+    r = _python(f"""
+        import torch
+        from export.load import ExportedEngine
+        eng = ExportedEngine({toy_pkg.path!r})
+        torch.save([eng.decode_step(torch.tensor(t), torch.tensor(p)) for t, p in {steps!r}], {out!r})
+    """)
+    assert r.returncode == 0, r.stderr[-4000:]
+    for a, b in zip(torch.load(out), ref):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    # A process that never loaded the op library cannot even load the package: torch cannot resolve the
+    # dsv4 calls (this is why ExportedEngine / dsv4_run load the library first).
+    r = _python(f"""
+        from torch._inductor.package import load_package
+        load_package({toy_pkg.path!r}, "decode_b2")
+    """)
+    assert r.returncode != 0 and "Could not find schema for dsv4::nvfp4" in r.stderr, r.stderr[-3000:]
 
 
 def test_written_inputs_agrees_with_functionalization():

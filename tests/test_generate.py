@@ -1,5 +1,4 @@
 """generate(): ragged batches, stops, streaming, chunking, seeds; the tokenizer wrappers; the CLI."""
-import copy
 import io
 import types
 from contextlib import redirect_stderr, redirect_stdout

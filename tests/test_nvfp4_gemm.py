@@ -367,10 +367,7 @@ V4_PRO = [(1536, 7168), (65536, 1536), (7168, 16384), (6144, 7168), (7168, 3072)
 ODD = [(40, 272), (24, 144), (8, 16)]
 
 
-@pytest.mark.cuda
-@pytest.mark.kernels
-@pytest.mark.parametrize("n,k", V4_FLASH + V4_PRO + ODD)
-def test_linear_cuda(n, k):
+def _linear_cuda_sweep(n, k):
     gen = torch.Generator().manual_seed(n + k)
     packed, scale, gs = rand_nvfp4((), n, k, gen, "cuda")
     wk, sk = nv.repack_weight(packed, scale)
@@ -383,6 +380,22 @@ def test_linear_cuda(n, k):
         ref32 = x.float() @ w.t()
         bound = x.float().abs() @ w.abs().t()
         assert_bf16_close(ops.nvfp4_linear(x, wk, sk, gs), ref32, bound, f"cuda linear {m}x{n}x{k}")
+
+
+# The full-size sweeps are `slow` and not `kernels`: compute-sanitizer runs the `kernels` tests below, which
+# reach every kernel path (all token-tile widths, K and N tails, tiled / cuBLAS / simple, MoE) at smaller sizes.
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.parametrize("n,k", V4_FLASH + V4_PRO)
+def test_linear_cuda_v4_shapes(n, k):
+    _linear_cuda_sweep(n, k)
+
+
+@pytest.mark.cuda
+@pytest.mark.kernels
+@pytest.mark.parametrize("n,k", ODD + [(4096, 2048)])
+def test_linear_cuda(n, k):
+    _linear_cuda_sweep(n, k)
 
 
 @pytest.mark.cuda
@@ -413,7 +426,7 @@ def test_linear_w4a4_cuda(m):
 
 
 @pytest.mark.cuda
-@pytest.mark.kernels
+@pytest.mark.slow
 @pytest.mark.parametrize("T", [1, 5, 64])
 def test_moe_cuda_v4_flash(T):
     gen = torch.Generator().manual_seed(200 + T)
@@ -421,6 +434,11 @@ def test_moe_cuda_v4_flash(T):
     args = kernel_moe_args(w13, w2, shared)
     out = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
     assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, shared, 10.0), f"cuda moe T={T}")
+    os.environ["DSV4_NVFP4_PDL"] = "0"  # the same kernels without programmatic dependent launch
+    try:
+        assert torch.equal(ops.nvfp4_moe(x, ids, wts, *args, 10.0), out)
+    finally:
+        del os.environ["DSV4_NVFP4_PDL"]
 
 
 @pytest.mark.cuda

@@ -144,6 +144,11 @@ int main(int argc, char** argv) {
   }
 #endif
   const at::Device device(json_string_value(meta_json, "dsv4.device"));
+  if (device.is_cuda()) {
+    // The CUDA runtime pieces (AOTI's CUDA model runner, CUDA hooks) register from libtorch_cuda's static
+    // initializers: make sure it is loaded even if the linker dropped it as unneeded.
+    dlopen("libtorch_cuda.so", RTLD_NOW | RTLD_GLOBAL);
+  }
   const int64_t t = static_cast<int64_t>(prompt.size());
   const Bucket prefill = pick(json_string_value(meta_json, "dsv4.cpp.prefill_entries"), "prefill", t);
   const Bucket decode = pick(json_string_value(meta_json, "dsv4.cpp.decode_entries"), "decode", 1);

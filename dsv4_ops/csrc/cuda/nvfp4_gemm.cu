@@ -13,13 +13,17 @@
 //     straight from HBM into registers (two-deep register prefetch of 2 chunks), B fragments (activations)
 //     from L1/L2; warps of a CTA split K and reduce through shared memory. MoE: blockIdx.y = active-expert
 //     slot (device-side routing, grid sized by min(E, T*k)), gather of token rows, fused SwiGLU epilogue.
-//   tiled (M > 64): 128x128 CTA tile, 3-stage cp.async pipeline (activations swizzled for ldmatrix,
-//     packed weights + scales), 8 warps of 32 features x 64 tokens.
+//   tiled (64 < M < 256 by default): 128x128 CTA tile, 3-stage cp.async pipeline (activations swizzled for
+//     ldmatrix, packed weights + scales), 8 warps of 32 features x 64 tokens.
+//   dequant_weight: W -> bf16 e2m1 * block scale (exact) for the bindings' cuBLAS path (M >= 256).
 //   simple: plain CUDA-core reference-style kernels (DSV4_NVFP4_GEMM_KERNEL=simple), any shape.
+//   MoE: route (one CTA) -> skinny up (SwiGLU epilogue) -> skinny down -> combine, chained with PDL.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include <utility>
 
 #include "nvfp4_gemm.h"
 
@@ -72,6 +76,12 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
                : "l"(p));
   return v;
 }
+
+// Programmatic dependent launch (the MoE chain route -> up -> down -> combine): a kernel launched with the PDL
+// attribute may start before its predecessor finishes; griddepcontrol.wait blocks until the predecessor grids
+// have completed and their writes are visible, launch_dependents lets the successor's CTAs be scheduled.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
@@ -165,6 +175,7 @@ struct SkinnyParams {
   const float* wts;
   float limit;
   int kw, rt;  // warps splitting K per row tile, row tiles per CTA (kw * rt = 8)
+  int pdl;     // launched with programmatic dependent launch
 };
 
 struct Task {
@@ -269,6 +280,7 @@ struct WStage {
 template <int MODE, int NT>
 __global__ void __launch_bounds__(kThreads) nvfp4_skinny_kernel(const SkinnyParams p) {
   __shared__ float red[kWarps][NT * 4][32];
+  if (p.pdl) pdl_wait();
   Task task;
   if (!resolve_task<MODE>(p, task)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
@@ -356,6 +368,8 @@ __global__ void __launch_bounds__(kThreads) nvfp4_skinny_kernel(const SkinnyPara
       c += kStageChunks;
     }
 
+    // every weight load of this CTA is issued: let the next kernel's CTAs fill the SMs this wave frees
+    if (p.pdl && tt + 8 * NT >= task.cnt) pdl_trigger();
     if (p.kw > 1) {
       if (kw != 0) {
 #pragma unroll
@@ -699,6 +713,8 @@ __global__ void __launch_bounds__(1024) nvfp4_moe_route_kernel(const void* ids, 
   int* cnt = rsm;
   int* cur = rsm + E;
   __shared__ int wsum[32], wact[32];
+  pdl_wait();  // topk_ids come from the previous kernel
+  pdl_trigger();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   for (int e = tid; e < E; e += blockDim.x) cnt[e] = 0;
   __syncthreads();
@@ -762,6 +778,7 @@ __global__ void __launch_bounds__(1024) nvfp4_moe_route_kernel(const void* ids, 
 // y[t] = bf16(sum_j o[t*k + j] (valid ids only, slot order) + o[T*k + t] (shared)), 8 features per thread.
 __global__ void nvfp4_moe_combine_kernel(const bf16* o, const void* ids, int ids64, int T, int k, int E, int d,
                                          int has_shared, bf16* y) {
+  pdl_wait();
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int d8 = d / 8;
   if (idx >= int64_t(T) * d8) return;
@@ -835,15 +852,31 @@ void pick_split(int64_t ntiles, int64_t nchunks, int64_t slots, int& kw, int& rt
   }
 }
 
+template <typename... Params, typename... Args>
+cudaError_t launch_ex(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                      Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
 template <int MODE>
 cudaError_t launch_skinny(const SkinnyParams& p, int nt, dim3 grid, cudaStream_t stream) {
+  const bool pdl = p.pdl != 0;
   switch (nt) {
-    case 1: nvfp4_skinny_kernel<MODE, 1><<<grid, kThreads, 0, stream>>>(p); break;
-    case 2: nvfp4_skinny_kernel<MODE, 2><<<grid, kThreads, 0, stream>>>(p); break;
-    case 4: nvfp4_skinny_kernel<MODE, 4><<<grid, kThreads, 0, stream>>>(p); break;
-    default: nvfp4_skinny_kernel<MODE, 8><<<grid, kThreads, 0, stream>>>(p); break;
+    case 1: return launch_ex(pdl, nvfp4_skinny_kernel<MODE, 1>, grid, dim3(kThreads), 0, stream, p);
+    case 2: return launch_ex(pdl, nvfp4_skinny_kernel<MODE, 2>, grid, dim3(kThreads), 0, stream, p);
+    case 4: return launch_ex(pdl, nvfp4_skinny_kernel<MODE, 4>, grid, dim3(kThreads), 0, stream, p);
+    default: return launch_ex(pdl, nvfp4_skinny_kernel<MODE, 8>, grid, dim3(kThreads), 0, stream, p);
   }
-  return cudaGetLastError();
 }
 
 }  // namespace
@@ -927,11 +960,12 @@ extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t
     nvfp4_simple_moe_down_kernel<<<dim3(unsigned((a->d + kWarps - 1) / kWarps), unsigned(rows)), kThreads, 0,
                                    stream>>>(p);
   } else {
-    nvfp4_moe_route_kernel<<<1, 1024, size_t(2 * a->E) * sizeof(int), stream>>>(a->ids, a->ids_int64, int(TK),
-                                                                                 int(a->E), a->route);
-    cudaError_t err = cudaGetLastError();
+    cudaError_t err = launch_ex(a->pdl != 0, nvfp4_moe_route_kernel, dim3(1), dim3(1024),
+                                size_t(2 * a->E) * sizeof(int), stream, a->ids, int(a->ids_int64), int(TK),
+                                int(a->E), a->route);
     if (err != cudaSuccess) return err;
     SkinnyParams p{};
+    p.pdl = a->pdl;
     p.route = a->route;
     p.E = int(a->E);
     p.topk = int(a->k);
@@ -971,8 +1005,7 @@ extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t
     if (err != cudaSuccess) return err;
   }
   const int64_t items = a->T * (a->d / 8);
-  nvfp4_moe_combine_kernel<<<unsigned((items + 255) / 256), 256, 0, stream>>>(
-      o, a->ids, a->ids_int64, int(a->T), int(a->k), int(a->E), int(a->d), shared ? 1 : 0,
-      reinterpret_cast<bf16*>(a->y));
-  return cudaGetLastError();
+  return launch_ex(a->pdl != 0 && !a->simple, nvfp4_moe_combine_kernel, dim3(unsigned((items + 255) / 256)),
+                   dim3(256), 0, stream, static_cast<const bf16*>(o), a->ids, int(a->ids_int64), int(a->T),
+                   int(a->k), int(a->E), int(a->d), shared ? 1 : 0, reinterpret_cast<bf16*>(a->y));
 }

@@ -43,6 +43,7 @@ struct Nvfp4MoeArgs {
   void* o;                  // bf16 workspace: (T*k + T) * d
   void* y;                  // bf16 [T, d]
   int simple;
+  int pdl;                  // chain the MoE kernels with programmatic dependent launch
 };
 
 #ifdef __cplusplus

@@ -4,7 +4,8 @@
 // Kernel choice for y = x W^T: M <= 64 tokens -> the skinny (GEMV-like) kernel; 64 < M < 256 -> the tiled
 // mma kernel; M >= 256 -> dequantize W to bf16 (exact e2m1 * block scale) + cuBLAS bf16 GEMM with fp32 output
 // (aten::mm.dtype) + global scale (falls back to the tiled kernel where aten::mm.dtype does not exist).
-// DSV4_NVFP4_GEMM_KERNEL = simple (plain CUDA-core kernels, any shape) | tiled | cublas overrides the M > 64 choice.
+// DSV4_NVFP4_GEMM_KERNEL = simple (plain CUDA-core kernels, any shape) | tiled | cublas overrides the M > 64 choice;
+// DSV4_NVFP4_PDL=0 turns off programmatic dependent launch between the MoE kernels.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -36,6 +37,12 @@ Choice kernel_choice() {
 }
 
 bool use_simple() { return kernel_choice() == Choice::kSimple; }
+
+// The MoE kernels chain with programmatic dependent launch unless DSV4_NVFP4_PDL=0.
+bool use_pdl() {
+  const char* v = std::getenv("DSV4_NVFP4_PDL");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
 
 // aten::mm.dtype (bf16 x bf16 -> fp32 on CUDA), looked up at run time so older torch builds still load.
 using MmDtypeFn = at::Tensor(const at::Tensor&, const at::Tensor&, c10::ScalarType);
@@ -213,6 +220,7 @@ at::Tensor nvfp4_moe_cuda(const at::Tensor& x, const at::Tensor& ids, const at::
   a.o = o.data_ptr();
   a.y = y.data_ptr();
   a.simple = use_simple() ? 1 : 0;
+  a.pdl = use_pdl() ? 1 : 0;
   check_launch(dsv4_nvfp4_moe_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
   return y;
 }

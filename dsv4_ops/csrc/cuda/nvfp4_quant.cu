@@ -401,7 +401,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                       uint2* __restrict__ packed, uint8_t* __restrict__ sf, float* __restrict__ gs_out) {
   constexpr int R = kRegBlocks<Src>;
   constexpr int U = kStreamUnroll<Src>;
-  __shared__ float red[33];
+  __shared__ float red[34];  // [0, 33): cta_max; [33]: the grid-wide result (a separate word: no hazard)
   const int tid = threadIdx.x;
   const int T = blockDim.x;  // a tile is T consecutive blocks, one per thread
   const int64_t n_tiles = (n_qb + T - 1) / T;
@@ -440,17 +440,20 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   amax = cta_max(amax, red);
   if constexpr (kGrid) {
-    if (tid == 0) red[32] = grid_max_arrive_wait(amax, sync);
+    if (tid == 0) red[33] = grid_max_arrive_wait(amax, sync);
     __syncthreads();
-    amax = red[32];
+    amax = red[33];
     if (tid == 0) grid_max_depart(sync);  // off the other warps' critical path
   } else {
     cg::cluster_group cluster = cg::this_cluster();
     cluster.sync();  // every CTA's red[32] is final
-    float m = 0.0f;
-    for (unsigned int r = 0; r < cluster.num_blocks(); ++r) m = fmaxf(m, *cluster.map_shared_rank(&red[32], r));
-    cluster.sync();  // no CTA leaves (or reuses red) while others still read its shared memory
-    amax = m;
+    if (tid < 32) {  // lane r reads CTA r's partial (<= 16): one round of DSMEM loads, then a shuffle max
+      float m = tid < (int)cluster.num_blocks() ? *cluster.map_shared_rank(&red[32], tid) : 0.0f;
+      m = warp_max(m);
+      if (tid == 0) red[33] = m;
+    }
+    cluster.sync();  // publishes red[33] to the CTA; no CTA leaves while others still read its shared memory
+    amax = red[33];
   }
 
   const float gs = __fdiv_rn(amax, 2688.0f);
