@@ -21,6 +21,11 @@ if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
     -DPython_EXECUTABLE="$(command -v $PY)" -DTORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0a}" >/dev/null
 fi
 cmake --build "$BUILD_DIR" -j "${DSV4_BUILD_JOBS:-$(nproc)}"
+if nm -DC "$BUILD_DIR/libdsv4_ops.so" 2>/dev/null | grep -qE " [TW] std::.*codecvt<"; then
+  echo "build_ops: $BUILD_DIR/libdsv4_ops.so carries a static copy of libstdc++ (exported std::codecvt symbols);" \
+       "its iostream formatting would crash the process. Build with the system compiler (/usr/bin/g++)." >&2
+  exit 1
+fi
 [ -n "${DSV4_NO_INSTALL:-}" ] && { echo "dsv4_ops built in $BUILD_DIR (not copied)"; exit 0; }
 # Copy then rename: a process that has the old library mapped keeps a valid file.
 for f in "$BUILD_DIR"/libdsv4_ops.so "$BUILD_DIR"/_C*.so; do
