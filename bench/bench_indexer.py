@@ -8,12 +8,12 @@ keys stay in L2 across replays, so those rows can exceed HBM bandwidth.
 
 Run: python bench/bench_indexer.py   (must finish in < 90 s)
 """
-import math
 import time
 
 import torch
 
 import dsv4_ops  # noqa: F401
+from timing import graph_us as _graph_us
 from dsv4_ops import reference as ref
 
 HBM_BYTES_PER_S = 4.26e12
@@ -24,6 +24,12 @@ BUDGET_S = 60.0  # skip the compiled peer (a possible recompile) past this point
 
 _E2M1_SIGNED = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 _LUT = None  # bf16 LUT on the GPU, built before any capture (a host->device copy cannot be captured)
+
+
+
+
+def graph_us(fn, reps=None):
+    return _graph_us(fn, REPS if reps is None else reps)
 
 
 def make_inputs(B, N):
@@ -52,30 +58,6 @@ def peer(q, w, codes, scales, n_valid):
     return torch.topk(scores, TOPK, dim=1).indices
 
 
-def graph_us(fn, reps=REPS, tries=3):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = math.inf
-    for _ in range(tries):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps)
-    del graph
-    torch.cuda.empty_cache()
-    return best
 
 
 def main():

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import dsv4_ops  # noqa: F401
+from timing import graph_us as _graph_us
 
 ops = torch.ops.dsv4
 HBM = 4.26e12
@@ -38,33 +39,15 @@ MS = [1, 8, 64, 512, 4096]
 E, D, INTER, TOPK = 256, 4096, 2048, 6
 
 
-def graph_us(fn, reps, tries=3):
-    """Time of one fn(i) call: a CUDA graph of fn(0..reps-1), replayed; best of `tries`."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(2):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = math.inf
-    for _ in range(tries):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps)
-    del graph
-    return best
 
 
 @contextlib.contextmanager
+
+
+def graph_us(fn, reps):
+    return _graph_us(fn, reps, indexed=True)
+
+
 def kernel_choice(name):
     """DSV4_NVFP4_GEMM_KERNEL is read when the op launches, i.e. while the graph is captured."""
     old = os.environ.get("DSV4_NVFP4_GEMM_KERNEL")

@@ -15,6 +15,7 @@ import time
 import torch
 
 import dsv4_ops  # noqa: F401
+from timing import graph_us
 from dsv4_ops import reference as ref
 
 HBM_BYTES_PER_S = 4.26e12
@@ -26,30 +27,6 @@ T0 = time.time()
 OPS = torch.ops.dsv4
 
 
-def graph_us(fn, reps, tries=3):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = math.inf
-    for _ in range(tries):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps)
-    del graph
-    torch.cuda.empty_cache()
-    return best
 
 
 _compiled = {}

@@ -249,8 +249,11 @@ class Attention(nn.Module):
         """o [..., H, D] -> inverse RoPE at the query position -> grouped low-rank projection -> [..., dim]."""
         o = apply_rope(o, cs.unsqueeze(-3), self.rope_dim, inverse=True)
         o = o.flatten(-2).unflatten(-1, (self.n_groups, -1))
-        wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
-        z = torch.einsum("...gd,grd->...gr", o, wo_a)
+        if isinstance(self.wo_a, Linear):
+            wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
+            z = torch.einsum("...gd,grd->...gr", o, wo_a)
+        else:  # grouped NVFP4 projection (dsv4_model.quantize_model.Nvfp4GroupedLinear)
+            z = self.wo_a(o)
         return self.wo_b(z.flatten(-2))
 
     # ------------------------------------------------------------------ prefill (from position 0)

@@ -1,10 +1,17 @@
-"""Write random tiny checkpoints in the three layouts the loader reads (hf / official / dsv4).
+"""Write random tiny checkpoints in the layouts the loader reads (hf / official / dsv4, and modelopt).
 
-All three are written from the same "canonical" weights: random values that have already been
+All are written from the same "canonical" weights: random values that have already been
 rounded to what the official release would store (FP8 128x128-block or MXFP4 values for quantized
 tensors, bf16 for bf16 tensors, fp32 for fp32 ones). The official layout stores them quantized,
 the hf and dsv4 layouts store the dequantized values (exact in bf16), so every layout loads to
 bit-identical weights.
+
+"modelopt" mimics NVIDIA's ModelOpt NVFP4 release of V4 (doc §7): the official layout, except that the main
+model's routed experts are NVFP4 (`.weight` packed uint8 [N, K/2], `.weight_scale` E4M3 [N, K/16],
+`.weight_scale_2` fp32 0-d, `.input_scale` fp32 0-d), converted LOSSLESSLY from their MXFP4 values
+(dsv4_model.nvfp4_convert.mxfp4_to_nvfp4, one power-of-two global scale per tensor, so w1 and w3 of an expert
+may differ by a power of two); MTP experts stay MXFP4. It loads to the same weights as the other layouts.
+Config: an HF `config.json` (base `quant_method` fp8) and an `hf_quant_config.json`.
 
 Tensor names and shapes come from the spec (doc §7), not from the model code, so loading a written
 checkpoint also checks the model's parameter shapes against the spec.
@@ -21,7 +28,8 @@ import torch
 
 from .checkpoint_io import write_sharded
 from .checkpoint_names import official_storage, official_to_hf_name, split_expert_name
-from .loader import DSV4_FORMAT_KEY, DSV4_FORMAT_VERSION
+from .loader import DSV4_FORMAT_KEY, DSV4_FORMAT_VERSION, LAYOUTS
+from .nvfp4_convert import mxfp4_to_nvfp4
 from .quant_formats import FP8_BLOCK, dequant_fp8_blocks, dequant_mxfp4, quant_fp8_blocks, quant_mxfp4
 
 # Covers SWA-only (L0), CSA (L1, L3) and HCA (L2, L4) layers, hash (L0-1) and learned (L2-4) MoE,
@@ -35,6 +43,13 @@ TINY_CONFIG = dict(
 )
 
 CONFIGS = {"tiny": TINY_CONFIG}
+
+WRITER_LAYOUTS = LAYOUTS + ("modelopt",)
+
+# what ModelOpt's hf_quant_config.json says for the V4 NVFP4 release (doc §7; exact extra fields unverified)
+MODELOPT_QUANT_CONFIG = {"producer": {"name": "modelopt"},
+                         "quantization": {"quant_algo": "MIXED_PRECISION", "moe_quant_algo": "NVFP4",
+                                          "group_size": 16, "kv_cache_quant_algo": None}}
 
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
                        "weight_block_size": [FP8_BLOCK, FP8_BLOCK], "activation_scheme": "dynamic"}
@@ -182,6 +197,25 @@ def official_tensors(weights: dict[str, torch.Tensor]) -> list[tuple[str, torch.
     return out
 
 
+def _modelopt_nvfp4(name: str) -> bool:
+    return split_expert_name(name) is not None and not name.startswith("mtp.")
+
+
+def modelopt_tensors(weights: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """Official storage with the main model's routed experts as ModelOpt NVFP4 (lossless from MXFP4)."""
+    out = []
+    for name, w in weights.items():
+        if not _modelopt_nvfp4(name):
+            out += official_tensors({name: w})
+            continue
+        base = name[: -len("weight")]
+        q = mxfp4_to_nvfp4(*quant_mxfp4(w.float()), name=name)
+        amax = w.float().abs().amax()
+        out += [(name, q.packed), (base + "weight_scale", q.scale), (base + "weight_scale_2", q.global_scale),
+                (base + "input_scale", (amax / 2688).reshape(()))]
+    return out
+
+
 def hf_tensors(weights: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
     """transformers `save_pretrained` names; HF has no MTP module, so `mtp.*` is left out."""
     return [(official_to_hf_name(n), w) for n, w in weights.items() if not n.startswith("mtp.")]
@@ -221,6 +255,11 @@ def write_checkpoint(weights: dict[str, torch.Tensor], cfg, out_dir: str | os.Pa
         _write_json(out / "inference" / "config.json", {**cfg.to_dict(), "dtype": "fp8", "scale_fmt": "ue8m0",
                                                         "expert_dtype": "fp4", "scale_dtype": "fp8",
                                                         "quantization_config": None})
+    elif layout == "modelopt":
+        write_sharded(modelopt_tensors(weights), out, num_shards=num_shards)
+        _write_json(out / "config.json", {**cfg.to_hf_dict(), "quantization_config": QUANTIZATION_CONFIG,
+                                          "dtype": "bfloat16"})
+        _write_json(out / "hf_quant_config.json", MODELOPT_QUANT_CONFIG)
     elif layout == "hf":
         write_sharded(hf_tensors(weights), out, num_shards=num_shards)
         _write_json(out / "config.json", {**cfg.to_hf_dict(), "dtype": "bfloat16", "transformers_version": "5.23.0"})
@@ -229,7 +268,7 @@ def write_checkpoint(weights: dict[str, torch.Tensor], cfg, out_dir: str | os.Pa
                       metadata={DSV4_FORMAT_KEY: str(DSV4_FORMAT_VERSION)})
         _write_json(out / "config.json", {**cfg.to_dict(), DSV4_FORMAT_KEY: DSV4_FORMAT_VERSION})
     else:
-        raise ValueError(f"layout must be 'hf', 'official' or 'dsv4', got {layout!r}")
+        raise ValueError(f"layout must be one of {WRITER_LAYOUTS}, got {layout!r}")
     return out
 
 

@@ -31,13 +31,17 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path, *, device="cpu", dtype=torch.bfloat16, max_batch_size: int = 1,
                         max_seq_len: int = 4096, simulate_quant: bool = True, compile: bool | None = None,
-                        cuda_graphs: bool | None = None, graph_mode: str = "manual", **options) -> "Engine":
+                        cuda_graphs: bool | None = None, graph_mode: str = "manual", quant: str | None = None,
+                        act_quant: str | None = None, **options) -> "Engine":
         """Load a checkpoint directory via `dsv4_model.loader.load_model`; `options` go to the loader
-        (e.g. layout=, load_mtp=, progress=). compile / cuda_graphs / graph_mode: see `generate`."""
+        (e.g. layout=, load_mtp=, progress=). compile / cuda_graphs / graph_mode: see `generate`.
+        quant: "none" | "nvfp4" (NVFP4 weights, see dsv4_model/quantize_model.py) | None (as stored);
+        act_quant: "none" (W4A16) | "nvfp4" (W4A4) | None (as stored / "none")."""
         from .loader import load_model
 
         model, config = load_model(path, device=device, dtype=dtype, max_batch_size=max_batch_size,
-                                   max_seq_len=max_seq_len, simulate_quant=simulate_quant, **options)
+                                   max_seq_len=max_seq_len, simulate_quant=simulate_quant, quant=quant,
+                                   act_quant=act_quant, **options)
         engine = cls(model, config, device, compile=compile, cuda_graphs=cuda_graphs, graph_mode=graph_mode)
         engine.path = path
         return engine

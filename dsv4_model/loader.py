@@ -4,9 +4,21 @@ Three layouts (auto-detected, or forced with `layout=`):
 - "hf":       transformers `deepseek_v4` (save_pretrained names with `model.` prefix, or in-memory names
               incl. fused `mlp.experts.gate_up_proj`); HF configs in `config.json`.
 - "official": the DeepSeek release (`inference/` names, FP8 e4m3 + 128x128 E8M0 scales, MXFP4 routed
-              experts); config from `inference/config.json` if present, else `config.json`.
+              experts); config from `inference/config.json` if present, else `config.json`. NVIDIA ModelOpt
+              NVFP4 checkpoints are this layout with NVFP4 routed experts (`.weight` packed uint8 [N, K/2],
+              `.weight_scale` E4M3 [N, K/16], `.weight_scale_2` fp32 0-d, optional `.input_scale`, ignored:
+              activations are quantized dynamically).
 - "dsv4":     this project's own format written by `save_model` (model state_dict names, stacked
-              experts, `config.json` = `ModelConfig.to_dict()` + `"dsv4_format": 1`).
+              experts, `config.json` = `ModelConfig.to_dict()` + `"dsv4_format": 1`). An NVFP4-converted
+              model is saved with its NVFP4 buffers (kernel layout of dsv4_model.nvfp4, see
+              dsv4_model.quantize_model) and `"dsv4_quant": {"method": "nvfp4", "act_quant": ...,
+              "kernel_layout": 1}`; it loads back as is, without re-quantizing.
+
+quant="nvfp4" (see dsv4_model/quantize_model.py for which layers): the model is converted to NVFP4 on the
+meta device BEFORE allocation, so the float weights of converted layers never exist in full; each converted
+layer (each expert) is built from its checkpoint tensors as they are read: MXFP4 experts losslessly where
+possible, NVFP4 (ModelOpt) experts as stored, FP8 / bf16 tensors quantized per tensor
+(dsv4_model/nvfp4_convert.py).
 
 The module is built on the meta device; every checkpoint tensor is checked against it from the
 safetensors headers alone (names, shapes, dtypes, quantization scales) before any memory is
@@ -30,7 +42,12 @@ from .checkpoint_io import (
     FLOAT_TAGS, INT_TAGS, CheckpointError, TensorInfo, TensorReader, list_tensors, write_sharded,
 )
 from .checkpoint_names import FUSED_W13, hf_to_official_name, split_expert_name
+from .nvfp4_convert import Mxfp4Tensor, Nvfp4Tensor
 from .quant_formats import FP4_BLOCK, FP8_BLOCK, dequant_fp8_blocks, dequant_mxfp4, fp8_scale_shape, mxfp4_shapes
+from .quantize_model import (
+    ACT_QUANT_MODES, KERNEL_LAYOUT_VERSION, QUANT_INFO_KEY, check_modes, convert_structure_, dequantize_model_,
+    fill_unit_,
+)
 
 LAYOUTS = ("hf", "official", "dsv4")
 DSV4_FORMAT_KEY = "dsv4_format"
@@ -39,6 +56,9 @@ DSV4_FORMAT_VERSION = 1
 _FP8_TAGS = frozenset({"F8_E4M3", "F8_E5M2"})
 _PACKED_FP4_TAGS = frozenset({"I8", "U8"})
 _SCALE_TAGS = frozenset({"F8_E8M0", "F32", "BF16"})
+_NVFP4_BLOCK = 16
+# ModelOpt NVFP4 companions of `X.weight`
+_NVFP4_SCALE, _NVFP4_SCALE2, _NVFP4_INPUT_SCALE = "weight_scale", "weight_scale_2", "input_scale"
 _MAX_LISTED_PROBLEMS = 25
 
 
@@ -102,14 +122,16 @@ def load_config(path: str | os.PathLike, layout: str | None = None):
 @dataclass(frozen=True)
 class TensorLoad:
     """One copy: checkpoint tensor `weight` (+ `scale` if quantized) -> `target` parameter, into slot
-    `index` of a stacked expert tensor if not None, after `narrow` = (dim, start, length) if given."""
+    `index` of a stacked expert tensor if not None, after `narrow` = (dim, start, length) if given.
+    kind "nvfp4" (ModelOpt): `scale` is `.weight_scale` (E4M3 per 16), `scale2` `.weight_scale_2` (fp32)."""
 
     target: str
     index: int | None
     weight: TensorInfo
     scale: TensorInfo | None
-    kind: str  # "plain" | "fp8" | "fp4"
+    kind: str  # "plain" | "fp8" | "fp4" | "nvfp4"
     narrow: tuple[int, int, int] | None = None
+    scale2: TensorInfo | None = None
 
 
 def _fmt_shape(shape) -> str:
@@ -137,12 +159,17 @@ def build_load_plan(tensors: dict[str, TensorInfo], expected: dict[str, tuple[tu
             continue
         official[name] = info
 
-    # pair `X.scale` with `X.weight`
+    # pair `X.scale` (FP8 / MXFP4) or `X.weight_scale` + `X.weight_scale_2` (NVFP4) with `X.weight`
     scales: dict[str, TensorInfo] = {}
+    nvfp4_scales: dict[str, dict[str, TensorInfo]] = {}
     weights: dict[str, TensorInfo] = {}
     for name, info in official.items():
-        if name.endswith(".scale") and name[: -len("scale")] + "weight" in official:
-            scales[name[: -len("scale")] + "weight"] = info
+        base, _, leaf = name.rpartition(".")
+        wname = base + ".weight"
+        if leaf == "scale" and wname in official:
+            scales[wname] = info
+        elif leaf in (_NVFP4_SCALE, _NVFP4_SCALE2, _NVFP4_INPUT_SCALE) and wname in official:
+            nvfp4_scales.setdefault(wname, {})[leaf] = info
         else:
             weights[name] = info
 
@@ -169,9 +196,22 @@ def build_load_plan(tensors: dict[str, TensorInfo], expected: dict[str, tuple[tu
         if any(name.startswith(p) for p in skip_prefixes):
             continue
         scale = scales.get(name)
+        scale2 = None
         where = _src(info, name)
+        nv = nvfp4_scales.get(name)
         # quantization kind from the stored dtype
-        if scale is None:
+        if nv is not None:
+            base = name[: -len("weight")]
+            missing = [leaf for leaf in (_NVFP4_SCALE, _NVFP4_SCALE2) if leaf not in nv]
+            if scale is not None or missing or info.dtype not in _PACKED_FP4_TAGS:
+                why = (f"has both {base + 'scale'!r} and NVFP4 scales" if scale is not None else
+                       f"NVFP4 scale tensor {base + missing[0]!r} is missing" if missing else
+                       f"has NVFP4 scales but dtype {info.dtype} is not packed FP4 (U8/I8)")
+                problems.append(f"{where}: {why}")
+                rejected.add(split_expert_name(name) or (name, None))
+                continue
+            kind, scale, scale2 = "nvfp4", nv[_NVFP4_SCALE], nv[_NVFP4_SCALE2]
+        elif scale is None:
             kind = "plain"
             if info.dtype in _FP8_TAGS or (layout == "official" and info.dtype in _PACKED_FP4_TAGS
                                             and split_expert_name(name)):
@@ -235,13 +275,13 @@ def build_load_plan(tensors: dict[str, TensorInfo], expected: dict[str, tuple[tu
                 continue
             shape, dtype = expected[target]
 
-        problem = _check_source(where, name, info, scale, kind, shape, dtype)
+        problem = _check_source(where, name, info, scale, kind, shape, dtype, scale2)
         if problem:
             problems.append(problem)
             rejected.add((target, index))
             continue
         if cover(target, index, where):
-            plan.append(TensorLoad(target, index, info, scale, kind))
+            plan.append(TensorLoad(target, index, info, scale, kind, scale2=scale2))
 
     for target, (shape, dtype) in expected.items():
         if any(target.startswith(p) for p in skip_prefixes):
@@ -292,7 +332,7 @@ def _dtype_problem(where: str, dtype: torch.dtype, tag: str) -> str:
 
 
 def _check_source(where: str, name: str, info: TensorInfo, scale: TensorInfo | None, kind: str,
-                  shape: tuple[int, ...], dtype: torch.dtype) -> str | None:
+                  shape: tuple[int, ...], dtype: torch.dtype, scale2: TensorInfo | None = None) -> str | None:
     if kind == "plain":
         if info.shape != shape:
             return f"{where}: shape mismatch: expected {_fmt_shape(shape)}, got {_fmt_shape(info.shape)}"
@@ -302,6 +342,8 @@ def _check_source(where: str, name: str, info: TensorInfo, scale: TensorInfo | N
     if not dtype.is_floating_point or len(shape) != 2:
         return f"{where}: is quantized ({info.dtype} + scale) but the model tensor {_fmt_shape(shape)} {dtype} is not a float matrix"
     out_f, in_f = shape
+    if kind == "nvfp4":
+        return _check_nvfp4(where, name, info, scale, scale2, out_f, in_f)
     swhere = _src(scale, name[: -len("weight")] + "scale")
     if scale.dtype not in _SCALE_TAGS:
         return f"{swhere}: dtype mismatch: expected a scale dtype ({', '.join(sorted(_SCALE_TAGS))}), got {scale.dtype}"
@@ -319,6 +361,25 @@ def _check_source(where: str, name: str, info: TensorInfo, scale: TensorInfo | N
     if scale.shape != sshape:
         return (f"{swhere}: shape mismatch: expected {_fmt_shape(sshape)} ({what} scales of model tensor "
                 f"{_fmt_shape(shape)}), got {_fmt_shape(scale.shape)}")
+    return None
+
+
+def _check_nvfp4(where: str, name: str, info: TensorInfo, scale: TensorInfo, scale2: TensorInfo, out_f: int,
+                 in_f: int) -> str | None:
+    base = name[: -len("weight")]
+    swhere, s2where = _src(scale, base + _NVFP4_SCALE), _src(scale2, base + _NVFP4_SCALE2)
+    if in_f % _NVFP4_BLOCK:
+        return f"{where}: NVFP4 needs an input dim that is a multiple of 16, the model tensor is {_fmt_shape((out_f, in_f))}"
+    if info.shape != (out_f, in_f // 2):
+        return (f"{where}: shape mismatch: expected {_fmt_shape((out_f, in_f // 2))} (NVFP4 packed storage of model "
+                f"tensor {_fmt_shape((out_f, in_f))}), got {_fmt_shape(info.shape)}")
+    if scale.dtype not in ("F8_E4M3", "U8"):
+        return f"{swhere}: dtype mismatch: expected F8_E4M3 (NVFP4 block scales), got {scale.dtype}"
+    if scale.shape != (out_f, in_f // _NVFP4_BLOCK):
+        return (f"{swhere}: shape mismatch: expected {_fmt_shape((out_f, in_f // _NVFP4_BLOCK))} (NVFP4 1x16-block "
+                f"scales of model tensor {_fmt_shape((out_f, in_f))}), got {_fmt_shape(scale.shape)}")
+    if scale2.dtype != "F32" or scale2.shape not in ((), (1,)):
+        return f"{s2where}: expected a float32 scalar (NVFP4 global scale), got {scale2.dtype} {_fmt_shape(scale2.shape)}"
     return None
 
 
@@ -357,9 +418,45 @@ def _decode(load: TensorLoad, reader: TensorReader, device: torch.device, dtype:
         w = dequant_fp8_blocks(w, reader.read(load.scale).to(device), dtype, FP8_BLOCK)
     elif load.kind == "fp4":
         w = dequant_mxfp4(w, reader.read(load.scale).to(device), dtype, FP4_BLOCK)
+    elif load.kind == "nvfp4":
+        w = _read_nvfp4(load, reader, device).dequantize(dtype)
     if load.narrow is not None:
         w = w.narrow(*load.narrow)
     return w
+
+
+def _read_nvfp4(load: TensorLoad, reader: TensorReader, device: torch.device) -> Nvfp4Tensor:
+    scale = reader.read(load.scale).to(device)
+    return Nvfp4Tensor(reader.read(load.weight).to(device).view(torch.uint8),
+                       scale.view(torch.float8_e4m3fn) if scale.dtype == torch.uint8 else scale,
+                       reader.read(load.scale2).to(device=device, dtype=torch.float32).reshape(()))
+
+
+def _source(load: TensorLoad, reader: TensorReader, device: torch.device):
+    """A checkpoint tensor for NVFP4 conversion: MXFP4 / NVFP4 kept encoded, everything else as fp32 values
+    (FP8 dequantized exactly)."""
+    if load.kind == "fp4":
+        return Mxfp4Tensor(reader.read(load.weight).to(device), reader.read(load.scale).to(device))
+    if load.kind == "nvfp4":
+        return _read_nvfp4(load, reader, device)
+    return _decode(load, reader, device, torch.float32)
+
+
+def _unit_getter(plan_by_target: dict, reader: TensorReader, device: torch.device):
+    """get(name, index) for `fill_unit_`: per-expert checkpoint tensors directly, stacked ones (dsv4 / HF
+    layouts) read once per unit and indexed."""
+    cache: dict[str, object] = {}
+
+    def get(name: str, index: int | None):
+        load = plan_by_target.get((name, index))
+        if load is not None:
+            return _source(load, reader, device)
+        if name not in cache:
+            cache[name] = _source(plan_by_target[(name, None)], reader, device)
+        t = cache[name]
+        return t if index is None else t[index]
+
+    return get, cache.clear
 
 
 def _has_mtp(names) -> bool:
@@ -374,15 +471,37 @@ def _build_meta_model(config, *, max_batch_size: int, max_seq_len: int, dtype: t
                            device="meta", simulate_quant=simulate_quant)
 
 
+def _stored_quant(root: Path, layout: str) -> dict | None:
+    """The `dsv4_quant` marker of a converted dsv4 checkpoint (validated), else None."""
+    if layout != "dsv4":
+        return None
+    cfg_path = config_path_for(root, layout)
+    info = _read_json(cfg_path).get(QUANT_INFO_KEY)
+    if info is None:
+        return None
+    if not isinstance(info, dict) or info.get("method") != "nvfp4" or info.get("act_quant") not in ACT_QUANT_MODES:
+        raise CheckpointError(f"{cfg_path}: invalid {QUANT_INFO_KEY!r} field {info!r}")
+    if info.get("kernel_layout") != KERNEL_LAYOUT_VERSION:
+        raise CheckpointError(f"{cfg_path}: NVFP4 kernel layout version {info.get('kernel_layout')!r}, this build "
+                              f"reads version {KERNEL_LAYOUT_VERSION}; re-convert from the original checkpoint")
+    return info
+
+
 def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
                max_batch_size: int = 1, max_seq_len: int = 4096, simulate_quant: bool = True, progress: bool = True,
-               layout: str | None = None, load_mtp: bool | None = None):
+               layout: str | None = None, load_mtp: bool | None = None, quant: str | None = None,
+               act_quant: str | None = None):
     """Build `Transformer` from the checkpoint directory `path` and return `(model, config)`.
 
     `layout`: "hf" | "official" | "dsv4" | None (auto). `load_mtp`: None loads the MTP block if the
     checkpoint has one (HF checkpoints never do) and otherwise builds the model without it; True
     requires it; False ignores it. Raises `CheckpointError` (a ValueError) before allocating any device
     memory if the checkpoint does not match the config.
+
+    `quant`: "none" (float weights; NVFP4 checkpoint tensors are dequantized) | "nvfp4" (convert at load,
+    see the module docstring) | None (= "nvfp4" for an NVFP4-converted dsv4 checkpoint, else "none").
+    `act_quant`: "none" (W4A16) | "nvfp4" (W4A4, needs quant="nvfp4") | None (= what a converted checkpoint
+    was saved with, else "none").
     """
     root = Path(path)
     if not root.is_dir():
@@ -393,6 +512,10 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     config = load_config(root, layout)
+    stored = _stored_quant(root, layout)
+    quant = quant or ("nvfp4" if stored else "none")
+    act_quant = act_quant or (stored["act_quant"] if stored and quant == "nvfp4" else "none")
+    check_modes(quant, act_quant)
 
     n_mtp = int(getattr(config, "n_mtp_layers", 0) or 0)
     has_mtp = _has_mtp(tensors)
@@ -407,20 +530,34 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
 
     model = _build_meta_model(config, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype,
                               simulate_quant=simulate_quant)
+    units = []
+    if stored:  # the checkpoint holds the NVFP4 buffers themselves: convert the structure first
+        convert_structure_(model, act_quant)
     expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
     plan = build_load_plan(tensors, expected, layout, skip_prefixes=skip)
     _check_tid2eid(plan, getattr(config, "n_routed_experts", None))
+    if quant == "nvfp4" and not stored:
+        units = convert_structure_(model, act_quant)
+    unit_sources = {src for u in units for src in u.sources.values()}
 
     model.to_empty(device=device)
     params = model.state_dict(keep_vars=True)
     from tqdm.auto import tqdm
 
+    direct = [load for load in plan if load.target not in unit_sources]
+    by_target = {(load.target, load.index): load for load in plan if load.target in unit_sources}
     with torch.no_grad(), TensorReader("cpu") as reader:
-        for load in tqdm(plan, desc=f"loading {root.name}", unit="tensor", disable=not progress):
+        for load in tqdm(direct, desc=f"loading {root.name}", unit="tensor", disable=not progress):
             dst = params[load.target]
             if load.index is not None:
                 dst = dst[load.index]
             dst.copy_(_decode(load, reader, device, dst.dtype))
+        get, clear = _unit_getter(by_target, reader, device)
+        for unit in tqdm(units, desc=f"NVFP4 {root.name}", unit="layer", disable=not progress):
+            fill_unit_(model, unit, get)
+            clear()
+    if stored and quant == "none":
+        dequantize_model_(model)
     model.setup_runtime(device)
     model.eval()
     return model, config
@@ -429,11 +566,17 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
 def save_model(model, config, path: str | os.PathLike, *, num_shards: int | None = None,
                max_shard_bytes: int | None = 5 * 2**30) -> None:
     """Write `model` in the dsv4 layout: its state_dict (stacked experts) as safetensors (sharded with an
-    index above `max_shard_bytes`, or into exactly `num_shards` files) + `config.json`."""
+    index above `max_shard_bytes`, or into exactly `num_shards` files) + `config.json`. An NVFP4-converted
+    model is written with its NVFP4 buffers and the `dsv4_quant` marker (loads back without re-quantizing)."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     state = model.state_dict()
-    write_sharded(list(state.items()), out, num_shards=num_shards, max_shard_bytes=max_shard_bytes,
-                  metadata={DSV4_FORMAT_KEY: str(DSV4_FORMAT_VERSION)})
+    quant_info = getattr(model, "quant_info", None)
+    meta = {DSV4_FORMAT_KEY: str(DSV4_FORMAT_VERSION)}
+    if quant_info:
+        meta[QUANT_INFO_KEY] = json.dumps(quant_info)
+    write_sharded(list(state.items()), out, num_shards=num_shards, max_shard_bytes=max_shard_bytes, metadata=meta)
     cfg = {**config.to_dict(), DSV4_FORMAT_KEY: DSV4_FORMAT_VERSION}
+    if quant_info:
+        cfg[QUANT_INFO_KEY] = dict(quant_info)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

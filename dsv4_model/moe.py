@@ -127,12 +127,17 @@ class MoE(nn.Module):
         self.gate = Gate(cfg, layer_id, dtype)
         self.experts = Experts(cfg, dtype)
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, dtype, cfg.swiglu_limit)
+        # NVFP4 routed + shared experts in one module (dsv4_model.quantize_model); then experts /
+        # shared_experts are None
+        self.nvfp4 = None
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, static: bool = False) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.dim)
         weights, indices = self.gate(x, ids.reshape(-1))
         weights = dedup_weights(weights, indices)
+        if self.nvfp4 is not None:  # static shapes in prefill and decode
+            return self.nvfp4(x, indices, weights).to(x.dtype).view(shape)
         if static:
             y = self.experts.forward_gather(x, weights, indices)
         else:

@@ -171,47 +171,9 @@ def _aot_compile(ep: torch.export.ExportedProgram, args, kwargs, options: dict) 
     return files
 
 
-def _compile_in_subprocesses(eps: dict[str, torch.export.ExportedProgram], entries: Sequence[Entry],
-                             meta: dict[str, str], options: dict[str, dict], cxx: str, jobs: int) -> dict[str, list]:
-    import concurrent.futures
-    import subprocess
-    import sys
-
-    import dsv4_ops
-
-    by_name = {e.name: e for e in entries}
-    env = dict(os.environ, DSV4_OPS_LIBRARY=dsv4_ops.library_path(),  # the very library this process loaded
-               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    with tempfile.TemporaryDirectory() as tmp:
-        jobs_files = {}
-        for name, ep in eps.items():
-            job = {"ep": os.path.join(tmp, f"{name}.pt2"), "entry": dataclasses.asdict(by_name[name]),
-                   "device": meta[md.K_DEVICE], "caches": json.loads(meta[md.K_CACHES]), "cxx": cxx,
-                   "options": options[name], "result": os.path.join(tmp, f"{name}.files.json")}
-            torch.export.save(ep, job["ep"])
-            jobs_files[name] = os.path.join(tmp, f"{name}.job.json")
-            with open(jobs_files[name], "w") as f:
-                json.dump(job, f)
-
-        def run(name: str) -> list[str]:
-            r = subprocess.run([sys.executable, "-m", "export.compile_worker", jobs_files[name]], env=env,
-                               capture_output=True, text=True)
-            if r.returncode != 0:
-                raise RuntimeError(f"AOTInductor compile of {name} failed:\n{r.stderr[-6000:]}")
-            with open(os.path.join(tmp, f"{name}.files.json")) as f:
-                return json.load(f)
-
-        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-            return dict(zip(eps, pool.map(run, eps)))
-
-
 def compile_entries(eps: dict[str, torch.export.ExportedProgram], out: str, meta: dict[str, str], *,
-                    entries: Sequence[Entry] = (), jobs: int = 1, verbose: bool = True) -> str:
-    """AOTInductor-compiles every ExportedProgram and writes them as named models of one .pt2.
-
-    ``jobs > 1`` compiles entries in that many spawned processes (Inductor's code generation for one graph is
-    single-threaded); ``entries`` must then describe the programs (their example inputs are rebuilt there).
-    """
+                    verbose: bool = True) -> str:
+    """AOTInductor-compiles every ExportedProgram and writes them as named models of one .pt2."""
     choice = toolchain.configure_inductor(verbose=verbose)
     lib = toolchain.compiler_libstdcxx(choice.cxx)
     meta = dict(meta, **{md.K_CXX: choice.cxx,
@@ -219,19 +181,12 @@ def compile_entries(eps: dict[str, torch.export.ExportedProgram], out: str, meta
     options = {name: {"aot_inductor.package": True, "aot_inductor.metadata": dict(meta, **{"dsv4.entry": name})}
                for name in eps}
     files: dict[str, list] = {}
-    t0 = time.time()
-    jobs = max(1, min(jobs, len(eps)))
-    if jobs == 1:
-        for name, ep in eps.items():
-            t1 = time.time()
-            _log(verbose, f"AOTInductor-compiling {name} ...")
-            args, kwargs = ep.example_inputs
-            files[name] = _aot_compile(ep, args, kwargs, options[name])
-            _log(verbose, f"  {name}: {time.time() - t1:.1f} s")
-    else:
-        _log(verbose, f"AOTInductor-compiling {', '.join(eps)} in {jobs} processes ...")
-        files = _compile_in_subprocesses(eps, entries, meta, options, choice.cxx, jobs)
-    _log(verbose, f"compiled in {time.time() - t0:.1f} s")
+    for name, ep in eps.items():
+        t0 = time.time()
+        _log(verbose, f"AOTInductor-compiling {name} ...")
+        args, kwargs = ep.example_inputs
+        files[name] = _aot_compile(ep, args, kwargs, options[name])
+        _log(verbose, f"  {name}: {time.time() - t0:.1f} s")
     from torch.export.pt2_archive._package import package_pt2
 
     # Written under its final name in a scratch folder (the archive's root folder is named after the file),
@@ -247,17 +202,14 @@ def build_package(model: nn.Module, config: dict, out: str, *, max_batch_size: i
                   device: str, decode_batches: Sequence[int] | None = None,
                   prefill_batches: Sequence[int] | None = None, prefill_lengths: Sequence[int] | None = None,
                   save_exported_programs: bool = True, dtype: torch.dtype | None = None, verbose: bool = True,
-                  jobs: int | None = None, decode_fn: Callable = call_decode,
-                  prefill_fn: Callable = call_prefill) -> str:
+                  decode_fn: Callable = call_decode, prefill_fn: Callable = call_prefill) -> str:
     """Exports ``model`` (already on ``device``, caches allocated for max_batch_size x max_seq_len) to ``out``.
 
     Decode buckets default to [max_batch_size]; prefill to batch [1] x ``default_prefill_lengths``;
     ``prefill_batches=[]`` builds a decode-only package. ``config`` (a JSON-able dict, e.g.
     ``ModelConfig.to_dict()``) is stored in the metadata. Returns the package path. With
     ``save_exported_programs`` also writes ``<out stem>.<entry>.ep.pt2`` (``torch.export.save``; load them with
-    ``torch.export.load`` after ``import dsv4_ops``). ``jobs``: entries AOT-compiled in parallel processes
-    (default: up to 4 on CPU, where Inductor's per-graph code generation is serial; 1 on CUDA, where Triton
-    compiles already use every core and each process would hold its own copy of the weights on the GPU).
+    ``torch.export.load`` after ``import dsv4_ops``).
     """
     import dsv4_ops  # noqa: F401  (schemas + fakes must exist before tracing)
 
@@ -325,9 +277,7 @@ def build_package(model: nn.Module, config: dict, out: str, *, max_batch_size: i
         for name, ep in eps.items():
             torch.export.save(ep, f"{stem}.{name}.ep.pt2")
         _log(verbose, f"ExportedPrograms saved as {stem}.<entry>.ep.pt2")
-    if jobs is None:
-        jobs = 1 if torch.device(device).type == "cuda" else min(4, os.cpu_count() or 1)
-    compile_entries(eps, out, meta, entries=entries, jobs=jobs, verbose=verbose)
+    compile_entries(eps, out, meta, verbose=verbose)
     _log(verbose, f"package written: {out} ({os.path.getsize(out) / 2**20:.1f} MiB)")
     return out
 

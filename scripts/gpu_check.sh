@@ -1,41 +1,51 @@
 #!/usr/bin/env bash
 # Everything the GPU machine must show, in one call (device time is scarce):
-#   build the CUDA library, run the whole suite with CUDA, compute-sanitizer on the kernel tests,
-#   the benchmarks; a summary and logs land under $OUT (or ./out).
-# Usage (from the repo root, on the H200): bash scripts/gpu_check.sh [quick]
+#   build the CUDA library, the CUDA tests one file per process (a crash cannot hide other files' results),
+#   compute-sanitizer (memcheck, racecheck) on the direct kernel tests, the benchmarks.
+# $OUT gets summary.txt + logs.tgz (the device tool returns at most 8 files of <= 16 MiB).
+# Usage on the H200, from the repo root:  bash scripts/gpu_check.sh [tests|sanitizer|bench ...]  (default: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
+LOGS=$(mktemp -d)
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 PY=${PYTHON:-python3}
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
+PARTS=${*:-tests sanitizer bench}
 note() { echo "$*" | tee -a "$SUMMARY"; }
-step() {  # step NAME LOG CMD...
-  local name=$1 log=$2; shift 2
+step() {  # step NAME TIMEOUT CMD...  (log in $LOGS/NAME.log)
+  local name=$1 limit=$2; shift 2
   local t0=$(date +%s)
-  "$@" > "$OUT/$log" 2>&1
+  timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
-  note "[$name] rc=$rc $(( $(date +%s) - t0 ))s  (log: $log) $(tail -n 1 "$OUT/$log")"
+  note "[$name] rc=$rc $(( $(date +%s) - t0 ))s $(grep -E 'passed|failed|error|Fatal|ERROR SUMMARY' "$LOGS/$name.log" | tail -n 1)"
   return $rc
 }
-note "date: $(date -u +%FT%TZ)  host: $(hostname)"
-note "$($PY -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")')"
-step build build.log env DSV4_BUILD_JOBS=16 bash scripts/build_ops.sh || { tail -50 "$OUT/build.log"; exit 1; }
+finish() { (cd "$LOGS" && tar czf - .) > "$OUT/logs.tgz"; cat "$SUMMARY"; }
+trap finish EXIT
+note "date: $(date -u +%FT%TZ)  $($PY -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))')"
+step build 300 env DSV4_BUILD_JOBS=16 bash scripts/build_ops.sh || exit 1
 $PY -c 'import dsv4_ops; assert dsv4_ops.built_with_cuda(), "library built without CUDA"' || exit 1
-step tests-cuda tests_cuda.log $PY -m pytest -q -x -m cuda -rs tests
-if [ "${1:-}" != quick ]; then
-  step tests-all tests_all.log $PY -m pytest -q -rs tests
-  if command -v compute-sanitizer >/dev/null 2>&1; then
-    for tool in memcheck racecheck; do
-      step "sanitizer-$tool" "sanitizer_$tool.log" compute-sanitizer --tool "$tool" --error-exitcode 1 \
-        $PY -m pytest -q -x -m "cuda and kernels" tests
-    done
-  fi
-  for b in bench/bench_*.py; do
-    [ -f "$b" ] || continue
-    step "$(basename "$b" .py)" "$(basename "$b" .py).log" $PY "$b"
-  done
-fi
-cat "$SUMMARY"
+KERNEL_TESTS="tests/test_nvfp4_quant.py tests/test_indexer.py tests/test_nvfp4_gemm.py tests/test_sample.py"
+for part in $PARTS; do
+  case $part in
+    tests)
+      for f in tests/test_*.py; do
+        step "$(basename "$f" .py)" "${PER_FILE_TIMEOUT:-240}" $PY -m pytest -q -m cuda -rs -p no:cacheprovider "$f"
+      done ;;
+    sanitizer)
+      command -v compute-sanitizer >/dev/null || { note "no compute-sanitizer"; continue; }
+      for tool in memcheck racecheck; do
+        for f in $KERNEL_TESTS; do
+          step "san_${tool}_$(basename "$f" .py)" 300 compute-sanitizer --tool "$tool" --error-exitcode 1 \
+            $PY -m pytest -q -x -m "cuda and kernels and not slow" -p no:cacheprovider "$f"
+        done
+      done ;;
+    bench)
+      for b in bench/bench_*.py; do
+        step "$(basename "$b" .py)" 300 $PY "$b"
+      done ;;
+  esac
+done

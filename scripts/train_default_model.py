@@ -811,7 +811,8 @@ def main(argv=None) -> dict:
 
     from dsv4_model.loader import save_model
 
-    save_model(_StoredModel(storage_state_dict(model)), cfg, args.out)
+    # Shards under 15 MB: the GPU machine hands back files of at most 16 MiB each.
+    save_model(_StoredModel(storage_state_dict(model)), cfg, args.out, max_shard_bytes=15 * 2**20)
     tok.save(str(args.out / "tokenizer.json"))
     log["wall_seconds"] = elapsed()
     log["plot"] = plot_losses(log, args.out / "loss_curve.png")

@@ -1,7 +1,9 @@
 """Export -> AOTInductor package -> load in a FRESH process (Python and C++) -> same logits as the eager engine.
 
-One small package (a 2-layer CSA + HCA model, fp32) is compiled per device and shared by the tests of this
-module: AOTI compiles cost tens of seconds each on CPU.
+One small package per device is compiled and shared by the tests of this module (AOTI compiles cost tens of
+seconds each on CPU): a 2-layer CSA + HCA model, fp32, converted to NVFP4 weights (W4A16), so its graphs call
+dsv4::nvfp4_linear / nvfp4_moe through AOTI's proxy executor as production packages do. The float model's
+prefill (whose MoE export reroutes to the static-shape path) is checked at the ExportedProgram level.
 """
 import json
 import os
@@ -20,6 +22,7 @@ from dsv4_model.checkpoint_writer import make_config
 from dsv4_model.engine import Engine
 from dsv4_model.generate import generate
 from dsv4_model.model import Transformer
+from dsv4_model.quantize_model import quantize_model_
 from export import metadata as md
 from export.build import build_package, written_inputs
 from export.load import ExportedEngine, PackageMismatch
@@ -42,11 +45,11 @@ def _python(code: str, **env):
                           capture_output=True, text=True, timeout=600)
 
 
-def _make_model(device):
+def _make_model(device, nvfp4=True):
     cfg = make_config("tiny", n_layers=2, compress_ratios=[4, 16], n_hash_layers=1, n_mtp_layers=0)
     model = Transformer(cfg, max_batch_size=MAX_B, max_seq_len=MAX_S, dtype=torch.float32, device=device,
                         simulate_quant=True).init_random_weights(0)
-    return model, cfg
+    return (quantize_model_(model) if nvfp4 else model), cfg
 
 
 def _build(tmp_path_factory, device):
@@ -278,42 +281,36 @@ def test_not_a_package_is_refused(tmp_path):
         ExportedEngine(str(bogus))
 
 
-@pytest.fixture(scope="module")
-def toy_pkg(tmp_path_factory):
-    from export.toy import ToyLM
-
-    m = ToyLM(max_batch_size=2, max_seq_len=8)
-    path = str(tmp_path_factory.mktemp("export_toy") / "toy.pt2")
-    build_package(m, m.config, path, max_batch_size=2, max_seq_len=8, device="cpu", decode_batches=[2],
-                  prefill_batches=[], save_exported_programs=False, verbose=False)
-    return types.SimpleNamespace(path=path, model=m)
-
-
-def test_dsv4_ops_run_through_the_package_and_need_the_library(toy_pkg, tmp_path):
-    used = json.loads(md.read_from_archive(toy_pkg.path)[md.K_OPS_USED])
-    assert set(used) == {"dsv4::nvfp4_quantize", "dsv4::nvfp4_dequantize"}
-    steps = [([3, 7], [0, 0]), ([11, 2], [1, 1]), ([5, 5], [2, 2])]
-    with torch.no_grad():
-        ref = [toy_pkg.model.decode_step(torch.tensor(t), torch.tensor(p)) for t, p in steps]
-    toy_pkg.model.k_cache.zero_()
-    toy_pkg.model.v_cache.zero_()
-    out = str(tmp_path / "toy_logits.pt")
-    r = _python(f"""
-        import torch
-        from export.load import ExportedEngine
-        eng = ExportedEngine({toy_pkg.path!r})
-        torch.save([eng.decode_step(torch.tensor(t), torch.tensor(p)) for t, p in {steps!r}], {out!r})
-    """)
-    assert r.returncode == 0, r.stderr[-4000:]
-    for a, b in zip(torch.load(out), ref):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+def test_dsv4_ops_in_the_package_need_the_library(cpu_pkg):
+    used = json.loads(md.read_from_archive(cpu_pkg.path)[md.K_OPS_USED])
+    assert {"dsv4::nvfp4_linear", "dsv4::nvfp4_moe"} <= set(used)
+    assert all(schema == md.dsv4_schemas()[op] for op, schema in used.items())
     # A process that never loaded the op library cannot even load the package: torch cannot resolve the
     # dsv4 calls (this is why ExportedEngine / dsv4_run load the library first).
     r = _python(f"""
         from torch._inductor.package import load_package
-        load_package({toy_pkg.path!r}, "decode_b2")
+        load_package({cpu_pkg.path!r}, "decode_b{MAX_B}")
     """)
-    assert r.returncode != 0 and "Could not find schema for dsv4::nvfp4" in r.stderr, r.stderr[-3000:]
+    assert r.returncode != 0 and "Could not find schema for dsv4::" in r.stderr, r.stderr[-3000:]
+
+
+def test_float_model_prefill_exports_through_the_static_moe_path():
+    from export.build import Entry, _example_inputs, export_entry
+    from export.entrypoints import cache_names, call_prefill
+
+    model, _ = _make_model("cpu", nvfp4=False)
+    entry = Entry(f"prefill_b{MAX_B}_s{BUCKET_S}", "prefill", MAX_B, BUCKET_S)
+    names = cache_names(model, probe=lambda: call_prefill(model, *_example_inputs(entry, "cpu")))
+    ep = export_entry(model, names, entry, device="cpu")
+    tokens = torch.randint(0, 96, (MAX_B, BUCKET_S), generator=torch.Generator().manual_seed(1))
+    lengths = torch.tensor([BUCKET_S, 9])
+    tokens[1, 9:] = 0  # what Engine feeds in padding (it also reaches the cache slots past a row's length)
+    caches = tuple(torch.zeros_like(model.get_buffer(n)) for n in names)
+    got = ep.module()((tokens, lengths), caches)
+    ref = Engine(model).prefill(tokens, lengths=lengths)  # eager: the data-dependent per-expert loop
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    for n, c in zip(names, caches):  # the graph wrote the caches it was given, like the eager model
+        torch.testing.assert_close(c, model.get_buffer(n), atol=1e-4, rtol=1e-4, msg=lambda m: f"{n}: {m}")
 
 
 def test_written_inputs_agrees_with_functionalization():

@@ -1,0 +1,349 @@
+"""Convert a `Transformer` to NVFP4 weights in place (W4A16, or W4A4 with act_quant="nvfp4").
+
+Converted (the weight bytes that dominate decode):
+- attention: wq_a, wq_b, wkv, wo_b -> `Nvfp4ModelLinear`; wo_a (a grouped einsum, G groups of [R, H*D/G]) ->
+  `Nvfp4GroupedLinear`, G dsv4::nvfp4_linear calls with one global scale per group (official runs wo_a in bf16
+  because it has no grouped FP8 kernel; at 8192x4096 per layer it is as large as the activated experts, so it
+  is worth 4 bits); indexer.wq_b -> `Nvfp4ModelLinear`;
+- MoE: routed experts + shared expert -> ONE `Nvfp4ModelMoE` (dsv4::nvfp4_moe, shared expert fused), one global
+  scale per expert shared by w1 and w3.
+Kept as they are (bf16 / fp32, as in the official numerics):
+- embed (a gather, no GEMM) and head (fp32 logits; precision-sensitive, 1 row per token of a 129k vocab);
+- every RMSNorm weight, mHC parameters (hc_*_fn/base/scale; fp32 in the release), attn_sink;
+- the router gate weight (fp32 logits decide expert selection) and its bias / tid2eid;
+- compressors (wkv / wgate run in fp32, ape fp32) and indexer weights_proj ([H_I, dim], tiny; scales scores);
+- MTP e_proj / h_proj (not on the decode path yet).
+
+Activations: W4A16 feeds bf16 activations. W4A4 (act_quant="nvfp4") quantizes each token's activation row to
+NVFP4 with its own global scale (dsv4::fused_amax_quantize_per_row, so results do not depend on the other rows
+of a batch), runs dsv4::nvfp4_linear_w4a4 with global scale 1 into fp32 and applies the row's global scale
+before the single rounding to the output dtype. In the MoE only the expert INPUT is NVFP4-quantized (quantize ->
+dequantize to bf16, one extra bf16 rounding); the SwiGLU output h feeding w2 stays bf16 inside dsv4::nvfp4_moe.
+
+Every converted module returns the dtype of the module it replaced (the model dtype), so fp32 test models work.
+The decode path stays torch.compile(fullgraph=True)-friendly: only dsv4 ops with fakes, static shapes.
+
+Entry points: `quantize_model_(model, act_quant)` (from the model's float weights), `convert_structure_` +
+`fill_unit_` (the loader: empty modules first, then filled from checkpoint sources without materializing
+float weights), `dequantize_model_(model)` (back to float modules holding the dequantized weights).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .attention import Attention
+from .layers import Linear
+from .moe import MoE, Expert, Experts
+from .nvfp4 import (BLOCK, Nvfp4Linear, Nvfp4MoE, deinterleave_gate_up, dequantize_kernel_layout,
+                    interleave_gate_up, padded_k, repack_weight)
+from .nvfp4_convert import Nvfp4Tensor, float_to_nvfp4, gate_up_to_nvfp4, to_float, to_nvfp4
+
+QUANT_MODES = ("none", "nvfp4")
+ACT_QUANT_MODES = ("none", "nvfp4")
+# Converted checkpoints store the kernel layout of dsv4_model.nvfp4 (repack_weight); bump when it changes.
+KERNEL_LAYOUT_VERSION = 1
+QUANT_INFO_KEY = "dsv4_quant"
+
+
+def check_modes(quant: str, act_quant: str) -> None:
+    if quant not in QUANT_MODES:
+        raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
+    if act_quant not in ACT_QUANT_MODES:
+        raise ValueError(f"act_quant must be one of {ACT_QUANT_MODES}, got {act_quant!r}")
+    if act_quant != "none" and quant == "none":
+        raise ValueError("act_quant='nvfp4' needs quant='nvfp4' (W4A4 runs on NVFP4 weights)")
+
+
+# ---------------------------------------------------------------------------------------------- modules
+def _w4a4_rows(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+    """fp32 x @ W^T with x quantized to NVFP4 per row (own global scale per row)."""
+    xp, xs, xg = torch.ops.dsv4.fused_amax_quantize_per_row(x)
+    one = torch.ones((), dtype=torch.float32, device=x.device)
+    y = torch.ops.dsv4.nvfp4_linear_w4a4(xp, xs, one, packed, scale, gs, torch.float32)
+    return y * xg.unsqueeze(-1)
+
+
+class Nvfp4ModelLinear(Nvfp4Linear):
+    """`Nvfp4Linear` returning `out_dtype`, with per-row (per-token) activation quantization for W4A4."""
+
+    def __init__(self, in_features: int, out_features: int, out_dtype: torch.dtype, act_quant: str = "none",
+                 device=None):
+        super().__init__(in_features, out_features, w4a4=act_quant == "nvfp4", device=device)
+        self.out_dtype = out_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w4a4:
+            y = _w4a4_rows(x, self.weight_packed, self.weight_scale, self.weight_global_scale)
+        else:
+            y = torch.ops.dsv4.nvfp4_linear(x.to(torch.bfloat16), self.weight_packed, self.weight_scale,
+                                            self.weight_global_scale)
+        return y.to(self.out_dtype)
+
+    def load_nvfp4_(self, t: Nvfp4Tensor) -> None:
+        dev = self.weight_packed.device
+        p, s = repack_weight(t.packed.to(dev), t.scale.to(dev))
+        self.weight_packed.copy_(p)
+        self.weight_scale.copy_(s)
+        self.weight_global_scale.copy_(t.global_scale.reshape(()))
+
+
+class Nvfp4GroupedLinear(nn.Module):
+    """Grouped projection z[..., g, :] = x[..., g, :] @ W_g^T (attention wo_a): G NVFP4 matrices [R, K] with one
+    global scale each, run as G dsv4::nvfp4_linear calls. forward(x [..., G, K]) -> [..., G, R]."""
+
+    def __init__(self, groups: int, in_features: int, out_features: int, out_dtype: torch.dtype,
+                 act_quant: str = "none", device=None):
+        super().__init__()
+        if in_features % BLOCK:
+            raise ValueError(f"Nvfp4GroupedLinear: in_features must be a multiple of 16, got {in_features}")
+        self.groups, self.in_features, self.out_features = groups, in_features, out_features
+        self.out_dtype, self.w4a4 = out_dtype, act_quant == "nvfp4"
+        kp = padded_k(in_features)
+        u8 = dict(dtype=torch.uint8, device=device)
+        self.register_buffer("weight_packed", torch.zeros(groups, out_features, kp // 2, **u8))
+        self.register_buffer("weight_scale", torch.zeros(groups, out_features, kp // BLOCK, **u8))
+        self.register_buffer("weight_global_scale", torch.zeros(groups, dtype=torch.float32, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for g in range(self.groups):
+            xg = x[..., g, :]
+            w, s, gs = self.weight_packed[g], self.weight_scale[g], self.weight_global_scale[g]
+            if self.w4a4:
+                outs.append(_w4a4_rows(xg, w, s, gs).to(self.out_dtype))
+            else:
+                outs.append(torch.ops.dsv4.nvfp4_linear(xg.to(torch.bfloat16), w, s, gs).to(self.out_dtype))
+        return torch.stack(outs, dim=-2)
+
+    def load_nvfp4_(self, t: Nvfp4Tensor) -> None:
+        """t: [G, R, K/2] / [G, R, K/16] / [G]."""
+        dev = self.weight_packed.device
+        p, s = repack_weight(t.packed.to(dev), t.scale.to(dev))
+        self.weight_packed.copy_(p)
+        self.weight_scale.copy_(s)
+        self.weight_global_scale.copy_(t.global_scale.reshape(self.groups))
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """fp32 [G * R, K] (the layout of the bf16 wo_a weight)."""
+        w = dequantize_kernel_layout(self.weight_packed, self.weight_scale, self.weight_global_scale,
+                                     self.in_features)
+        return w.flatten(0, 1)
+
+    def extra_repr(self) -> str:
+        return f"groups={self.groups}, {self.in_features}, {self.out_features}, w4a4={self.w4a4}"
+
+
+class Nvfp4ModelMoE(Nvfp4MoE):
+    """`Nvfp4MoE` (routed + fused shared expert) returning `out_dtype`; W4A4 quantizes the expert input per row."""
+
+    def __init__(self, n_experts: int, dim: int, inter: int, shared_inter: int, swiglu_limit: float,
+                 out_dtype: torch.dtype, act_quant: str = "none", device=None):
+        super().__init__(n_experts, dim, inter, shared_inter, swiglu_limit, device=device)
+        self.out_dtype, self.w4a4 = out_dtype, act_quant == "nvfp4"
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if self.w4a4:
+            xp, xs, xg = torch.ops.dsv4.fused_amax_quantize_per_row(x)
+            x = torch.ops.dsv4.nvfp4_dequantize(xp, xs, xg, torch.bfloat16)
+        return super().forward(x, topk_ids, topk_weights).to(self.out_dtype)
+
+    def load_expert_(self, e: int, w13: Nvfp4Tensor, w2: Nvfp4Tensor) -> None:
+        """Expert e from canonical w13 = [gate; up] [2I, d/2] (one global scale) and w2 [d, I/2]."""
+        dev = self.w13_packed.device
+        p, s = repack_weight(interleave_gate_up(w13.packed.to(dev)), interleave_gate_up(w13.scale.to(dev)))
+        self.w13_packed[e].copy_(p)
+        self.w13_scale[e].copy_(s)
+        self.w13_global_scale[e].copy_(w13.global_scale.reshape(()))
+        p, s = repack_weight(w2.packed.to(dev), w2.scale.to(dev))
+        self.w2_packed[e].copy_(p)
+        self.w2_scale[e].copy_(s)
+        self.w2_global_scale[e].copy_(w2.global_scale.reshape(()))
+
+    def load_shared_(self, w13: Nvfp4Tensor, w2: Nvfp4Tensor) -> None:
+        dev = self.w13_packed.device
+        p, s = repack_weight(interleave_gate_up(w13.packed.to(dev)), interleave_gate_up(w13.scale.to(dev)))
+        self.shared_w13_packed.copy_(p)
+        self.shared_w13_scale.copy_(s)
+        self.shared_w13_global_scale.copy_(w13.global_scale.reshape(()))
+        p, s = repack_weight(w2.packed.to(dev), w2.scale.to(dev))
+        self.shared_w2_packed.copy_(p)
+        self.shared_w2_scale.copy_(s)
+        self.shared_w2_global_scale.copy_(w2.global_scale.reshape(()))
+
+    def dequantized_experts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """fp32 stacked (w1 [E, I, d], w2 [E, d, I], w3 [E, I, d])."""
+        w13 = deinterleave_gate_up(dequantize_kernel_layout(self.w13_packed, self.w13_scale, self.w13_global_scale,
+                                                            self.dim))
+        w2 = dequantize_kernel_layout(self.w2_packed, self.w2_scale, self.w2_global_scale, self.inter)
+        return w13[:, : self.inter], w2, w13[:, self.inter:]
+
+    def dequantized_shared(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        w13 = deinterleave_gate_up(dequantize_kernel_layout(self.shared_w13_packed, self.shared_w13_scale,
+                                                            self.shared_w13_global_scale, self.dim))
+        w2 = dequantize_kernel_layout(self.shared_w2_packed, self.shared_w2_scale, self.shared_w2_global_scale,
+                                      self.shared_inter)
+        return w13[: self.shared_inter], w2, w13[self.shared_inter:]
+
+
+# ---------------------------------------------------------------------------------------------- units
+@dataclass
+class QuantUnit:
+    """One converted module. `sources`: role -> name of the float tensor it replaces in the unconverted model's
+    state_dict (routed-expert roles "w1"/"w2"/"w3" name the stacked [E, ...] tensors)."""
+
+    name: str
+    kind: str  # "linear" | "grouped" | "moe"
+    sources: dict[str, str]
+    old: nn.Module | None = field(default=None, repr=False)  # the float module (None once filled)
+
+
+def _get(model: nn.Module, path: str) -> nn.Module:
+    return model.get_submodule(path) if path else model
+
+
+def _set(model: nn.Module, path: str, mod: nn.Module | None) -> None:
+    parent, _, attr = path.rpartition(".")
+    setattr(_get(model, parent), attr, mod)
+
+
+def _linear_ok(lin: nn.Module) -> bool:
+    return isinstance(lin, Linear) and lin.in_features % BLOCK == 0
+
+
+def find_units(model: nn.Module) -> list[QuantUnit]:
+    """The modules `convert_structure_` converts (float ones only), in state_dict order."""
+    units = []
+    skipped = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, Attention):
+            for attr in ("wq_a", "wq_b", "wkv", "wo_b"):
+                lin = getattr(mod, attr)
+                if isinstance(lin, Linear):
+                    (units.append(QuantUnit(f"{name}.{attr}", "linear", {"weight": f"{name}.{attr}.weight"}))
+                     if _linear_ok(lin) else skipped.append(f"{name}.{attr}"))
+            if isinstance(mod.wo_a, Linear):
+                (units.append(QuantUnit(f"{name}.wo_a", "grouped", {"weight": f"{name}.wo_a.weight"}))
+                 if _linear_ok(mod.wo_a) else skipped.append(f"{name}.wo_a"))
+            if mod.indexer is not None and isinstance(mod.indexer.wq_b, Linear):
+                (units.append(QuantUnit(f"{name}.indexer.wq_b", "linear", {"weight": f"{name}.indexer.wq_b.weight"}))
+                 if _linear_ok(mod.indexer.wq_b) else skipped.append(f"{name}.indexer.wq_b"))
+        elif isinstance(mod, MoE) and mod.nvfp4 is None:
+            inter = mod.experts.w1.shape[1]
+            s_inter = mod.shared_experts.w1.out_features
+            if mod.dim % BLOCK or inter % BLOCK or s_inter % BLOCK:
+                skipped.append(f"{name}.experts")
+                continue
+            src = {r: f"{name}.experts.{r}" for r in ("w1", "w2", "w3")}
+            src.update({f"shared_{r}": f"{name}.shared_experts.{r}.weight" for r in ("w1", "w2", "w3")})
+            units.append(QuantUnit(name, "moe", src))
+    if skipped:
+        warnings.warn(f"NVFP4: dimensions not multiples of 16, kept in float: {', '.join(skipped)}", stacklevel=2)
+    return units
+
+
+def convert_structure_(model: nn.Module, act_quant: str = "none") -> list[QuantUnit]:
+    """Swap every convertible module for an EMPTY NVFP4 module on the same device (meta stays meta) and return
+    the units, each holding the replaced float module in `old`. Marks `model.quant_info`."""
+    check_modes("nvfp4", act_quant)
+    units = find_units(model)
+    for u in units:
+        old = _get(model, u.name)
+        u.old = old
+        if u.kind == "linear":
+            new = Nvfp4ModelLinear(old.in_features, old.out_features, old.weight.dtype, act_quant,
+                                   device=old.weight.device)
+            _set(model, u.name, new)
+        elif u.kind == "grouped":
+            attn = _get(model, u.name.rpartition(".")[0])
+            new = Nvfp4GroupedLinear(attn.n_groups, old.in_features, attn.o_lora_rank, old.weight.dtype, act_quant,
+                                     device=old.weight.device)
+            _set(model, u.name, new)
+        else:
+            ex, sh = old.experts, old.shared_experts
+            E, inter, dim = ex.w1.shape
+            new = Nvfp4ModelMoE(E, dim, inter, sh.w1.out_features, ex.limit, ex.w1.dtype, act_quant,
+                                device=ex.w1.device)
+            old.nvfp4 = new
+            old.experts = None
+            old.shared_experts = None
+            u.old = nn.ModuleDict({"experts": ex, "shared_experts": sh})
+    model.quant_info = {"method": "nvfp4", "act_quant": act_quant, "kernel_layout": KERNEL_LAYOUT_VERSION}
+    return units
+
+
+Getter = Callable[[str, "int | None"], object]
+
+
+@torch.no_grad()
+def fill_unit_(model: nn.Module, unit: QuantUnit, get: Getter) -> None:
+    """Fill a converted unit from sources: `get(name, index)` returns the float tensor / `Mxfp4Tensor` /
+    `Nvfp4Tensor` stored under the unconverted model's state_dict `name` (expert `index` of a stacked one)."""
+    if unit.kind == "linear":
+        _get(model, unit.name).load_nvfp4_(to_nvfp4(get(unit.sources["weight"], None), name=unit.name))
+    elif unit.kind == "grouped":
+        mod = _get(model, unit.name)
+        w = to_float(get(unit.sources["weight"], None))
+        mod.load_nvfp4_(float_to_nvfp4(w.view(mod.groups, mod.out_features, mod.in_features)))
+    else:
+        moe = _get(model, unit.name).nvfp4
+        s = unit.sources
+        for e in range(moe.n_experts):
+            w13 = gate_up_to_nvfp4(get(s["w1"], e), get(s["w3"], e), name=f"{unit.name}.experts.{e}.w1/w3")
+            moe.load_expert_(e, w13, to_nvfp4(get(s["w2"], e), name=f"{unit.name}.experts.{e}.w2"))
+        moe.load_shared_(gate_up_to_nvfp4(get(s["shared_w1"], None), get(s["shared_w3"], None),
+                                          name=f"{unit.name}.shared_experts.w1/w3"),
+                         to_nvfp4(get(s["shared_w2"], None), name=f"{unit.name}.shared_experts.w2"))
+    unit.old = None
+
+
+@torch.no_grad()
+def quantize_model_(model: nn.Module, act_quant: str = "none") -> nn.Module:
+    """Convert `model` (float weights, any device) to NVFP4 in place (post-training, per-tensor amax global
+    scales; w1/w3 of an expert share one). Returns the model."""
+    if getattr(model, "quant_info", None):
+        raise ValueError("model is already NVFP4-converted")
+    units = convert_structure_(model, act_quant)
+    for u in units:
+        params = dict(u.old.named_parameters(prefix=u.name))
+
+        def get(name, index, params=params):
+            t = params[name]
+            return t if index is None else t[index]
+
+        fill_unit_(model, u, get)
+    return model
+
+
+@torch.no_grad()
+def dequantize_model_(model: nn.Module) -> nn.Module:
+    """Inverse of the conversion: NVFP4 modules -> float modules (model dtype) holding the dequantized weights,
+    so the result computes with exactly the NVFP4 weight values (rounded once to the model dtype)."""
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, Nvfp4GroupedLinear):
+            lin = Linear(mod.in_features, mod.groups * mod.out_features, mod.out_dtype)
+            lin.weight.data = mod.dequantized_weight().to(mod.out_dtype)
+            _set(model, name, lin)
+        elif isinstance(mod, Nvfp4ModelLinear):
+            lin = Linear(mod.in_features, mod.out_features, mod.out_dtype)
+            lin.weight.data = mod.dequantized_weight().to(mod.out_dtype)
+            _set(model, name, lin)
+        elif isinstance(mod, MoE) and mod.nvfp4 is not None:
+            q = mod.nvfp4
+            ex = Experts.__new__(Experts)
+            nn.Module.__init__(ex)
+            ex.n_experts, ex.limit = q.n_experts, q.swiglu_limit
+            for r, w in zip(("w1", "w2", "w3"), q.dequantized_experts()):
+                setattr(ex, r, nn.Parameter(w.to(q.out_dtype), requires_grad=False))
+            sh = Expert(q.dim, q.shared_inter, q.out_dtype, q.swiglu_limit)
+            for r, w in zip(("w1", "w2", "w3"), q.dequantized_shared()):
+                getattr(sh, r).weight.data = w.to(q.out_dtype)
+            mod.experts, mod.shared_experts = ex, sh
+            mod.nvfp4 = None
+    model.quant_info = None
+    return model
