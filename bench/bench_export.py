@@ -5,14 +5,15 @@ bucket, replayed back to back): "compiled+graph" wraps `torch.compile(model.deco
 wraps the package's `decode_b1` entry loaded with `run_single_threaded=True` (see export/load.py). Target: the
 package within 10% of compiled+graph.
 
-Models (random weights, bf16, batch 1, max_seq_len 1024, decode from position 256):
+Models (random weights converted to NVFP4 W4A16 with `quantize_model_`, or bf16 with `--weights bf16`;
+batch 1, max_seq_len 1024, decode from position 256 after a real prefill):
   "tiny"  3 layers (SWA, CSA, HCA), dim 64;
   "flash" V4-Flash widths (dim 4096, 64 heads x 512), 2 layers (CSA + HCA), but 8 routed experts and a
           16k vocabulary so the package's constants stay below 2 GB (skipped if the time budget is spent).
 Byte floor: weights one step reads (all non-expert weights, one embedding row, top-k experts per layer)
 / 4.26 TB/s.
 
-Run: python bench/bench_export.py [--models tiny,flash] [--budget 170]
+Run: python bench/bench_export.py [--models tiny,flash] [--weights nvfp4|bf16] [--budget 170]
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from dsv4_model.checkpoint_writer import TINY_CONFIG  # noqa: E402
 from dsv4_model.compiled import DecodeRunner  # noqa: E402
 from dsv4_model.config import ModelConfig  # noqa: E402
 from dsv4_model.model import Transformer  # noqa: E402
+from dsv4_model.quantize_model import quantize_model_  # noqa: E402
 from dsv4_model.sampling import SamplingParams  # noqa: E402
 from export.build import build_package  # noqa: E402
 from export.load import ExportedEngine  # noqa: E402
@@ -56,14 +58,19 @@ def model_config(name: str) -> ModelConfig:
 
 
 def floor_seconds(model: Transformer, cfg: ModelConfig) -> float:
-    expert = re.compile(r"\.ffn\.experts\.w[123]$")
+    """Weight bytes one batch-1 step reads / HBM bandwidth (routed experts: top-k of E per layer)."""
+    routed = re.compile(r"\.ffn\.(experts\.w[123]|nvfp4\.w(13|2)_\w+)$")
+    nvfp4_weight = re.compile(r"(weight_packed|weight_scale|weight_global_scale)$|\.ffn\.nvfp4\.")
+    tensors = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if nvfp4_weight.search(n))]
     total = 0.0
-    for name, p in model.named_parameters():
-        nbytes = p.numel() * p.element_size()
-        if expert.search(name):
+    for name, t in tensors:
+        if name.startswith("mtp."):
+            continue
+        nbytes = t.numel() * t.element_size()
+        if routed.search(name):
             total += nbytes * cfg.n_activated_experts / cfg.n_routed_experts
         elif name == "embed.weight":
-            total += p.shape[1] * p.element_size()
+            total += t.shape[1] * t.element_size()
         else:
             total += nbytes
     return total / HBM_BYTES_PER_S
@@ -93,6 +100,7 @@ def time_runner(runner: DecodeRunner, restore) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="tiny,flash")
+    ap.add_argument("--weights", default="nvfp4", choices=["nvfp4", "bf16"])
     ap.add_argument("--budget", type=float, default=170.0, help="seconds; later models are skipped past 40%%")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -109,6 +117,8 @@ def main(argv=None) -> int:
             t = time.perf_counter()
             model = Transformer(cfg, max_batch_size=1, max_seq_len=MAX_SEQ, dtype=torch.bfloat16, device="cuda")
             model.init_random_weights(0)
+            if args.weights == "nvfp4":
+                quantize_model_(model)
             # A real prefilled state (the same for both runners), so no step computes on empty caches.
             g = torch.Generator(device="cuda").manual_seed(0)
             with torch.no_grad():
@@ -138,7 +148,8 @@ def main(argv=None) -> int:
             gc.collect()
             torch.cuda.empty_cache()
 
-    print(f"\nDecode, batch 1, from position {START_POS}, {STEPS} graph replays (dsv4::sample included)")
+    print(f"\nDecode, batch 1, {args.weights} weights, from position {START_POS}, {STEPS} graph replays "
+          "(dsv4::sample included)")
     hdr = (f"{'model':6} {'export+graph ms':>16} {'compiled+graph ms':>18} {'export/compiled':>16} "
            f"{'floor ms':>9} {'% HBM (export)':>15}")
     print(hdr)

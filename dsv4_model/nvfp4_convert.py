@@ -66,9 +66,6 @@ class Mxfp4Tensor:
         return (_e2m1(codes) * s).to(dtype)
 
 
-Source = "torch.Tensor | Mxfp4Tensor | Nvfp4Tensor"
-
-
 def _e2m1(codes: torch.Tensor) -> torch.Tensor:
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
     v = lut[codes & 7]
