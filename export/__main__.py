@@ -2,7 +2,8 @@
 
     python -m export build --model CKPT_DIR --out model.pt2 [--max-batch-size 4] [--max-seq-len 4096]
                            [--device cuda] [--dtype bfloat16] [--decode-batches 1,2,4] [--prefill-batches 1]
-                           [--prefill-lengths 64,256] [--no-simulate-quant] [--no-exported-programs]
+                           [--prefill-lengths 64,256] [--quant nvfp4] [--act-quant nvfp4]
+                           [--no-simulate-quant] [--no-exported-programs]
     python -m export run model.pt2 --prompt-ids 1 2 3 [--max-new-tokens 16] [--temperature 0] [--no-cuda-graph]
     python -m export info model.pt2
 """
@@ -39,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--prefill-lengths", type=_ints, default=None,
                    help="prefill length buckets (default: 64, 256, 1024, ... and max-seq-len)")
     b.add_argument("--no-simulate-quant", action="store_true", help="build the model without simulated quant")
+    b.add_argument("--quant", choices=["none", "nvfp4"], default=None,
+                   help="weights: nvfp4 converts at load (default: as the checkpoint stores them)")
+    b.add_argument("--act-quant", choices=["none", "nvfp4"], default=None, help="NVFP4 activations (W4A4)")
     b.add_argument("--no-exported-programs", action="store_true",
                    help="do not also save <out>.<entry>.ep.pt2 (torch.export.save)")
 
@@ -69,6 +73,7 @@ def _build(a) -> int:
     t0 = time.time()
     build_from_checkpoint(a.model, a.out, max_batch_size=a.max_batch_size, max_seq_len=a.max_seq_len, device=device,
                           dtype=getattr(torch, a.dtype), simulate_quant=not a.no_simulate_quant,
+                          quant=a.quant, act_quant=a.act_quant,
                           decode_batches=a.decode_batches or batch_buckets(a.max_batch_size),
                           prefill_batches=a.prefill_batches, prefill_lengths=a.prefill_lengths,
                           save_exported_programs=not a.no_exported_programs)
@@ -98,7 +103,7 @@ def _info(a) -> int:
     meta = get_metadata(a.package)
     for k in sorted(meta):
         v = meta[k]
-        if k in ("dsv4.config", "dsv4.entries", "dsv4.caches", "dsv4.ops_used"):
+        if k in ("dsv4.config", "dsv4.entries", "dsv4.caches", "dsv4.ops_used", "dsv4.quant_info"):
             v = json.dumps(json.loads(v), sort_keys=True)
         print(f"{k} = {v}")
     return 0

@@ -264,6 +264,7 @@ def build_package(model: nn.Module, config: dict, out: str, *, max_batch_size: i
         md.K_MAX_BATCH: str(max_batch_size),
         md.K_MAX_SEQ: str(max_seq_len),
         md.K_DTYPE: str(dtype).removeprefix("torch.") if dtype is not None else "",
+        md.K_QUANT: json.dumps(getattr(model, "quant_info", None) or {}, sort_keys=True),
         md.K_VOCAB: str(_vocab_size(config)),
         md.K_CPP_DECODE: ",".join(e.name for e in entries if e.kind == "decode"),
         md.K_CPP_PREFILL: ",".join(e.name for e in entries if e.kind == "prefill"),
@@ -303,15 +304,20 @@ def _restoring(model: nn.Module, names: Sequence[str], fn: Callable):
 
 def build_from_checkpoint(path: str, out: str, *, max_batch_size: int, max_seq_len: int, device: str,
                           dtype: torch.dtype = torch.bfloat16, simulate_quant: bool = True,
+                          quant: str | None = None, act_quant: str | None = None,
                           decode_batches: Sequence[int] | None = None, prefill_batches: Sequence[int] | None = None,
                           prefill_lengths: Sequence[int] | None = None, save_exported_programs: bool = True,
                           verbose: bool = True) -> str:
-    """Loads a checkpoint with ``dsv4_model.loader.load_model`` and exports it (see ``build_package``)."""
+    """Loads a checkpoint with ``dsv4_model.loader.load_model`` and exports it (see ``build_package``).
+
+    ``quant`` / ``act_quant``: as for the loader ("nvfp4" converts the weights at load: the exported graphs then
+    call dsv4::nvfp4_linear / nvfp4_moe; None keeps what the checkpoint stores)."""
     from dsv4_model.loader import load_model
 
     _log(verbose, f"loading {path} on {device} ({dtype}) ...")
     model, config = load_model(path, device=device, dtype=dtype, max_batch_size=max_batch_size,
-                               max_seq_len=max_seq_len, simulate_quant=simulate_quant, progress=verbose)
+                               max_seq_len=max_seq_len, simulate_quant=simulate_quant, progress=verbose,
+                               quant=quant, act_quant=act_quant)
     cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     return build_package(model, cfg, out, max_batch_size=max_batch_size, max_seq_len=max_seq_len, device=device,
                          decode_batches=decode_batches, prefill_batches=prefill_batches,

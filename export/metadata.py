@@ -33,6 +33,7 @@ K_OPS_LIB = "dsv4.ops_library_sha256"  # hash of libdsv4_ops.so's bytes (informa
 K_MAX_BATCH = "dsv4.max_batch_size"
 K_MAX_SEQ = "dsv4.max_seq_len"
 K_DTYPE = "dsv4.dtype"
+K_QUANT = "dsv4.quant_info"  # JSON: the model's NVFP4 conversion info ({} for float weights)
 K_VOCAB = "dsv4.vocab_size"
 K_CXX = "dsv4.cxx"  # the compiler of the wrapper .so files
 K_CXX_GLIBCXX = "dsv4.cxx_glibcxx"  # "3.4.33": the newest GLIBCXX its libstdc++ defines ("" if unknown)

@@ -220,3 +220,14 @@ def configure_inductor(verbose: bool = False) -> Choice:
     choice = select_compiler(verbose=verbose)
     inductor_config.cpp.cxx = (choice.cxx,)
     return choice
+
+
+if __name__ == "__main__":
+    # `python -m export.toolchain` prints the chosen compiler (export/cpp/build.sh builds the runner with it).
+    import sys
+
+    try:
+        print(select_compiler().cxx)
+    except ToolchainError as e:
+        print(e, file=sys.stderr)
+        sys.exit(1)

@@ -176,6 +176,7 @@ def test_package_layout_and_metadata(cpu_pkg):
         assert tuple(c["shape"]) == tuple(bufs[c["name"]].shape)
     assert meta[md.K_DEVICE] == "cpu" and meta[md.K_TORCH] == torch.__version__
     assert json.loads(meta[md.K_CONFIG]) == cpu_pkg.config.to_dict()
+    assert json.loads(meta[md.K_QUANT]) == cpu_pkg.model.quant_info
     with zipfile.ZipFile(cpu_pkg.path) as z:
         names = z.namelist()
     # Caches are not baked in as constants: the package's .so files are the only large members.

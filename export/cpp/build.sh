@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Builds export/cpp/dsv4_run against the installed torch's libtorch.
 # Usage: bash export/cpp/build.sh [BUILD_DIR]   (default: export/cpp/build); prints the binary's path.
-# The compiler must match the libstdc++ the runner will load (the one next to libtorch's users: the system
-# one), so the system g++ is preferred, as for the op library and the AOTI packages; CXX overrides.
+# The compiler must link the libstdc++ the runner will load (the one libtorch's process gets: the system one),
+# chosen like the AOTI packages' compiler (export/toolchain.py: the system g++ on the GPU machine, not $CXX =
+# /opt/gcc's); DSV4_CXX overrides.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 BUILD_DIR=${1:-$HERE/build}
 PY=${PYTHON:-python3}
 TORCH_PREFIX=$($PY -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
-CXX_BIN=${CXX:-}
-if [ -z "$CXX_BIN" ] && [ -x /usr/bin/g++ ]; then CXX_BIN=/usr/bin/g++; fi
+REPO="$(cd "$HERE/../.." && pwd)"
+CXX_BIN=${DSV4_CXX:-$(cd "$REPO" && $PY -m export.toolchain)}
 ARGS=(-DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$TORCH_PREFIX")
 [ -n "$CXX_BIN" ] && ARGS+=(-DCMAKE_CXX_COMPILER="$CXX_BIN")
 # A CUDA torch makes find_package(Torch) enable CUDA: use the same host compiler and arch as the op library.
