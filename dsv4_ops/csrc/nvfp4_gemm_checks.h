@@ -23,6 +23,22 @@ inline void check_global_scale(const at::Tensor& gs, const at::Tensor& ref, cons
 }
 
 // One kernel-layout matrix [N, Kp/2] + [N, Kp/16] (batch dims in `lead` leading dims, e.g. experts). Returns N.
+// The NVFP4 activation operand of nvfp4_linear_w4a4 (fused_amax_quantize outputs); returns K.
+inline int64_t check_w4a4_activation(const at::Tensor& xp, const at::Tensor& xs, const at::Tensor& xg,
+                                     const char* op) {
+  TORCH_CHECK(xp.dim() >= 1 && xp.scalar_type() == at::kByte, op, ": x_packed must be uint8 [..., K/2], got ",
+              xp.scalar_type(), " ", xp.sizes());
+  const int64_t K = xp.size(-1) * 2;
+  TORCH_CHECK(xs.scalar_type() == at::kFloat8_e4m3fn || xs.scalar_type() == at::kByte, op,
+              ": x_scale must be float8_e4m3fn (or its bytes as uint8), got ", xs.scalar_type());
+  TORCH_CHECK(xs.dim() == xp.dim() && xs.sizes().slice(0, xp.dim() - 1) == xp.sizes().slice(0, xp.dim() - 1) &&
+                  xs.size(-1) * kBlock == K,
+              op, ": x_scale must be [..., K/16] matching x_packed ", xp.sizes(), ", got ", xs.sizes());
+  check_same_device(xs, xp, op, "x_scale");
+  check_global_scale(xg, xp, op, "x_global_scale");
+  return K;
+}
+
 inline int64_t check_weight(const at::Tensor& w, const at::Tensor& s, int64_t K, int64_t lead, const at::Tensor& ref,
                             const char* op, const char* wname, const char* sname) {
   TORCH_CHECK(w.dim() == 2 + lead, op, ": ", wname, " must have ", 2 + lead, " dims, got ", w.sizes());

@@ -133,16 +133,7 @@ at::Tensor nvfp4_linear_w4a4_cuda(const at::Tensor& xp, const at::Tensor& xs, co
                                   at::ScalarType out_dtype) {
   const char* op = "dsv4::nvfp4_linear_w4a4";
   check_cuda(xp, op, "x_packed");
-  TORCH_CHECK(xp.dim() >= 1 && xp.scalar_type() == at::kByte, op, ": x_packed must be uint8 [..., K/2], got ",
-              xp.scalar_type(), " ", xp.sizes());
-  const int64_t K = xp.size(-1) * 2;
-  TORCH_CHECK(xs.scalar_type() == at::kFloat8_e4m3fn || xs.scalar_type() == at::kByte, op,
-              ": x_scale must be float8_e4m3fn (or its bytes as uint8), got ", xs.scalar_type());
-  TORCH_CHECK(xs.dim() == xp.dim() && xs.sizes().slice(0, xp.dim() - 1) == xp.sizes().slice(0, xp.dim() - 1) &&
-                  xs.size(-1) * kBlock == K,
-              op, ": x_scale must be [..., K/16] matching x_packed ", xp.sizes(), ", got ", xs.sizes());
-  check_same_device(xs, xp, op, "x_scale");
-  check_global_scale(xg, xp, op, "x_global_scale");
+  const int64_t K = check_w4a4_activation(xp, xs, xg, op);
   const int64_t N = check_weight(w, s, K, 0, xp, op, "w_packed", "w_scale");
   check_global_scale(gs, xp, op, "w_global_scale");
   out_kind_of(out_dtype, op);
