@@ -26,7 +26,9 @@ step() {  # step NAME TIMEOUT CMD...  (log in $LOGS/NAME.log)
 finish() { (cd "$LOGS" && tar czf - .) > "$OUT/logs.tgz"; cat "$SUMMARY"; }
 trap finish EXIT
 note "date: $(date -u +%FT%TZ)  $($PY -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))')"
-step build 300 env DSV4_BUILD_JOBS=16 bash scripts/build_ops.sh || exit 1
+# A library with a static libstdc++ still runs its kernels: keep testing, but say so in the summary.
+step build 300 env DSV4_BUILD_JOBS=16 DSV4_ALLOW_STATIC_LIBSTDCXX=1 bash scripts/build_ops.sh || exit 1
+grep -q "static copy of libstdc++" "$LOGS/build.log" && note "WARNING: libdsv4_ops.so links libstdc++ statically (error messages crash)"
 $PY -c 'import dsv4_ops; assert dsv4_ops.built_with_cuda(), "library built without CUDA"' || exit 1
 KERNEL_TESTS="tests/test_nvfp4_quant.py tests/test_indexer.py tests/test_nvfp4_gemm.py tests/test_sample.py"
 for part in $PARTS; do
