@@ -26,8 +26,6 @@ _E2M1_SIGNED = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, 
 _LUT = None  # bf16 LUT on the GPU, built before any capture (a host->device copy cannot be captured)
 
 
-
-
 def graph_us(fn, reps=None):
     return _graph_us(fn, REPS if reps is None else reps)
 

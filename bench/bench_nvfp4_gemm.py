@@ -39,15 +39,11 @@ MS = [1, 8, 64, 512, 4096]
 E, D, INTER, TOPK = 256, 4096, 2048, 6
 
 
-
-
-@contextlib.contextmanager
-
-
 def graph_us(fn, reps):
     return _graph_us(fn, reps, indexed=True)
 
 
+@contextlib.contextmanager
 def kernel_choice(name):
     """DSV4_NVFP4_GEMM_KERNEL is read when the op launches, i.e. while the graph is captured."""
     old = os.environ.get("DSV4_NVFP4_GEMM_KERNEL")
