@@ -12,9 +12,15 @@ import time
 
 import torch
 
-import dsv4_ops  # noqa: F401
-from timing import graph_us as _graph_us
-from dsv4_ops import reference as ref
+import os as _os
+import sys as _sys
+
+# runnable as `python3 bench/<file>.py` from a checkout: the repository root holds dsv4_ops
+_sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))
+
+import dsv4_ops  # noqa: E402,F401
+from timing import graph_us as _graph_us  # noqa: E402
+from dsv4_ops import reference as ref  # noqa: E402
 
 HBM_BYTES_PER_S = 4.26e12
 H, D, TOPK = 64, 128, 512

@@ -20,8 +20,14 @@ import time
 import torch
 import torch.nn.functional as F
 
-import dsv4_ops  # noqa: F401
-from timing import graph_us as _graph_us
+import os as _os
+import sys as _sys
+
+# runnable as `python3 bench/<file>.py` from a checkout: the repository root holds dsv4_ops
+_sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))
+
+import dsv4_ops  # noqa: E402,F401
+from timing import graph_us as _graph_us  # noqa: E402
 
 ops = torch.ops.dsv4
 HBM = 4.26e12
