@@ -30,19 +30,12 @@ from dsv4_model.engine import Engine
 from dsv4_model.loader import load_model, save_model
 from dsv4_model.nvfp4 import dequantize_kernel_layout, pack_codes, repack_weight
 from dsv4_model.quant_formats import dequant_mxfp4, float_to_e8m0
+from hf_utils import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
 from dsv4_model.quantize_model import (
     Nvfp4GroupedLinear, Nvfp4ModelLinear, Nvfp4ModelMoE, dequantize_model_, quantize_model_,
 )
 
 SEQ = 40
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _load(path, **kw):
