@@ -10,7 +10,13 @@ plus the expected number of distinct routed experts touched by B tokens x 6 (uni
 E * (1 - (1 - 6/E)^B)). Weights are stored as bf16 (fp32 head) by the pure-PyTorch model; the NVFP4
 kernels (issue 7) shrink the floor ~3.5x. KV-cache reads (256 tokens) are negligible next to weights.
 
-Run: python bench/bench_decode.py [--budget SECONDS] [--models flash2,micro] [--batches 1,8,64]
+Prefill: the first batch size's prompt through `Transformer.prefill` (ours, eager) and one HF forward, timed
+after one warm-up call each (issue 4: V4-Flash width, `--models flash2 --batches 1 --prompt 4096`).
+--quant nvfp4 converts our model's weights to NVFP4 (W4A16, dsv4_model/quantize_model.py) after copying HF's
+weights, so HF runs bf16 and we run NVFP4 on the same underlying weights; the floor then counts NVFP4 bytes.
+
+Run: python bench/bench_decode.py [--budget SECONDS] [--models flash2,micro] [--batches 1,8,64] [--prompt 256]
+       [--quant none|nvfp4]
 """
 from __future__ import annotations
 
@@ -106,9 +112,10 @@ def build_models(cfg: ModelConfig, max_batch: int, max_seq: int):
 
 def floor_seconds(model: Transformer, cfg: ModelConfig, B: int) -> float:
     total = 0.0
-    expert = re.compile(r"\.ffn\.experts\.w[123]$")
+    # routed experts: bf16 `ffn.experts.w1/2/3`, NVFP4 `ffn.nvfp4.w13_* / w2_*` (shared expert: `shared_*`)
+    expert = re.compile(r"\.ffn\.experts\.w[123]$|\.ffn\.nvfp4\.w(13|2)_(packed|scale|global_scale)$")
     per_expert_layers = []
-    for name, p in model.named_parameters():
+    for name, p in model.state_dict().items():  # weights only: the caches are not in the state dict
         if name.startswith("mtp."):
             continue
         nbytes = p.numel() * p.element_size()
@@ -125,6 +132,18 @@ def floor_seconds(model: Transformer, cfg: ModelConfig, B: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------ timing
+@torch.no_grad()
+def time_prefill(fn, reps: int = 2) -> float:
+    """Seconds of one call of fn(), after a warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / reps
+
+
 @torch.no_grad()
 def time_ours(runner: DecodeRunner, model: Transformer, ids: torch.Tensor, replay: bool = True) -> float:
     B = ids.shape[0]
@@ -173,13 +192,16 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=225.0, help="seconds; later compile-heavy cells are skipped")
     ap.add_argument("--models", default="flash2,micro")
     ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens per row")
+    ap.add_argument("--quant", choices=("none", "nvfp4"), default="none", help="our weights (HF stays bf16)")
     args = ap.parse_args(argv)
+    prompt_len = args.prompt
     if not torch.cuda.is_available():
         print("bench_decode: needs a CUDA GPU (skipped)")
         return 0
     start = time.perf_counter()
     batches = [int(b) for b in args.batches.split(",")]
-    rows = []
+    rows, prefills = [], []
 
     def over_budget(frac=1.0):
         return time.perf_counter() - start > frac * args.budget
@@ -187,11 +209,26 @@ def main(argv=None) -> int:
     for name in args.models.split(","):
         cfg = model_config(name)
         t_build = time.perf_counter()
-        ours, hf, note = build_models(cfg, max(batches), PROMPT + 64)
-        print(f"[{name}] built in {time.perf_counter() - t_build:.1f} s; {note}", flush=True)
+        ours, hf, note = build_models(cfg, max(batches), prompt_len + 64)
+        if args.quant == "nvfp4":
+            from dsv4_model.quantize_model import quantize_model_
+
+            quantize_model_(ours)
+            torch.cuda.empty_cache()
+        print(f"[{name}] built in {time.perf_counter() - t_build:.1f} s; {note}; our weights {args.quant}", flush=True)
         g = torch.Generator(device="cuda").manual_seed(0)
-        prompts = {B: torch.randint(2, cfg.vocab_size, (B, PROMPT), device="cuda", generator=g) for B in batches}
+        prompts = {B: torch.randint(2, cfg.vocab_size, (B, prompt_len), device="cuda", generator=g) for B in batches}
         res: dict[tuple[int, str], float | str] = {}
+        B0 = batches[0]
+        ids0 = prompts[B0]
+        lengths0 = torch.full((B0,), prompt_len, dtype=torch.long, device="cuda")
+        pre = {"ours": time_prefill(lambda: ours.prefill(ids0, lengths0))}
+        if hf is not None:
+            try:
+                pre["hf"] = time_prefill(lambda: hf(input_ids=ids0, use_cache=False, logits_to_keep=1))
+            except Exception as e:
+                pre["hf"] = f"failed: {type(e).__name__}: {str(e)[:80]}"
+        prefills.append((name, B0, pre))
         if hf is not None:
             for B in batches:
                 try:
@@ -230,7 +267,12 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
         torch._dynamo.reset()
 
-    print(f"\nDecode step timings (greedy, prompt {PROMPT}, {STEPS} steps; HF: (t(1+{HF_STEPS}) - t(1)) / {HF_STEPS})")
+    for name, B, pre in prefills:
+        ms = {k: (f"{1e3 * v:.1f} ms" if isinstance(v, float) else v) for k, v in pre.items()}
+        ratio = (f" ({pre['hf'] / pre['ours']:.2f}x HF)" if isinstance(pre.get("hf"), float) else "")
+        print(f"prefill [{name} B={B} x {prompt_len} tokens]: ours {ms['ours']}, HF forward {ms.get('hf', 'n/a')}{ratio}")
+    print(f"\nDecode step timings (greedy, prompt {prompt_len}, {STEPS} steps, our weights {args.quant}; "
+          f"HF: (t(1+{HF_STEPS}) - t(1)) / {HF_STEPS})")
     hdr = f"{'model':7} {'batch':>5} {'mode':16} {'ms/step':>9} {'tokens/s':>10} {'floor us':>9} {'% of HBM floor':>15} {'vs HF':>7}"
     print(hdr)
     print("-" * len(hdr))

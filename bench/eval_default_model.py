@@ -8,13 +8,10 @@ Text: the model directory's ``heldout_sample.txt`` (cut by the training script f
 hash), encoded with the model's own tokenizer as ``<bos> doc <eos> ...`` and cut into non-overlapping windows
 of --seq-len tokens, each run from position 0 through ``Transformer.prefill`` (the inference path).
 
-NVFP4 variants (weights quantized from the stored weights at load, ModelOpt convention: per-tensor amax global
-scale, e4m3 scale per 16): routed + shared experts through ``Nvfp4MoE`` (one ``dsv4::nvfp4_moe`` call), and
-the attention projections wq_a, wq_b, wkv, wo_b and the indexer's wq_b through ``Nvfp4Linear``. wo_a is used
-by the model as a grouped einsum on its weight, so it gets its NVFP4-dequantized weight (weight-only in both
-variants). W4A4: every ``Nvfp4Linear`` quantizes its input per tensor (``dsv4::fused_amax_quantize``); the
-experts' input is NVFP4-rounded the same way before the MoE op, whose w2 input stays bf16 (no W4A4 MoE op).
-Embeddings, head, norms, routers, compressors, indexer weights_proj and mHC stay as stored.
+Variants are the engine's own load paths (`dsv4_model.loader.load_model`): "bf16" = float weights (for an
+NVFP4-stored checkpoint such as the shipped one: its dequantized NVFP4 values), "nvfp4_w4a16" = quant="nvfp4"
+(converted at load, ModelOpt convention, or as stored), "nvfp4_w4a4" = the same weights with act_quant="nvfp4"
+(every NVFP4 GEMM input quantized per token). What is converted and what stays bf16: dsv4_model/quantize_model.py.
 """
 from __future__ import annotations
 
@@ -53,64 +50,17 @@ def heldout_windows(model_dir: Path, seq_len: int, max_windows: int | None = Non
     return td.eval_windows(td.encode_documents(tok, docs), seq_len, max_windows)
 
 
-def load(model_dir: Path, device, *, batch: int, seq_len: int, simulate_quant: bool, dtype=torch.bfloat16):
+QUANT_OF_MODE = {"bf16": ("none", "none"), "nvfp4_w4a16": ("nvfp4", "none"), "nvfp4_w4a4": ("nvfp4", "nvfp4")}
+
+
+def load(model_dir: Path, device, *, batch: int, seq_len: int, simulate_quant: bool, mode: str = "bf16",
+         dtype=torch.bfloat16):
     from dsv4_model.loader import load_model
 
+    quant, act_quant = QUANT_OF_MODE[mode]
     model, _ = load_model(model_dir, device=device, dtype=dtype, max_batch_size=batch, max_seq_len=seq_len,
-                          simulate_quant=simulate_quant, progress=False)
+                          simulate_quant=simulate_quant, progress=False, quant=quant, act_quant=act_quant)
     return model
-
-
-# ------------------------------------------------------------------------------------------------- NVFP4
-class _MoEForward:
-    """MoE.forward with the routed + shared experts in one Nvfp4MoE call (routing unchanged)."""
-
-    def __init__(self, moe, w4a4: bool):
-        from dsv4_model.nvfp4 import Nvfp4MoE
-
-        s = moe.shared_experts
-        self.moe, self.w4a4 = moe, w4a4
-        e = moe.experts
-        self.nv = Nvfp4MoE.from_float(e.w1.data, e.w2.data, e.w3.data,
-                                      shared=(s.w1.weight.data, s.w2.weight.data, s.w3.weight.data),
-                                      swiglu_limit=e.limit)
-
-    def __call__(self, x, ids, static: bool = False):
-        from dsv4_model.moe import dedup_weights
-
-        shape = x.shape
-        x2 = x.reshape(-1, self.moe.dim)
-        weights, indices = self.moe.gate(x2, ids.reshape(-1))
-        weights = dedup_weights(weights, indices)
-        xin = _nvfp4_round(x2) if self.w4a4 else x2
-        return self.nv(xin, indices, weights).to(x.dtype).view(shape)
-
-
-def _nvfp4_round(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to NVFP4 with a per-tensor global scale (what the W4A4 GEMMs do to their input)."""
-    packed, scale, gs = torch.ops.dsv4.fused_amax_quantize(x)
-    return torch.ops.dsv4.nvfp4_dequantize(packed, scale, gs, torch.bfloat16)
-
-
-@torch.no_grad()
-def to_nvfp4(model, w4a4: bool) -> None:
-    """Quantize `model` in place (see the module docstring for what is covered)."""
-    import dsv4_ops  # noqa: F401  (registers torch.ops.dsv4)
-    from dsv4_model.attention import Attention
-    from dsv4_model.moe import MoE
-    from dsv4_model.nvfp4 import Nvfp4Linear, dequantize_kernel_layout
-
-    for mod in list(model.modules()):
-        if isinstance(mod, Attention):
-            for name in ("wq_a", "wq_b", "wkv", "wo_b"):
-                setattr(mod, name, Nvfp4Linear.from_float(getattr(mod, name).weight.data, w4a4=w4a4))
-            if mod.indexer is not None:
-                mod.indexer.wq_b = Nvfp4Linear.from_float(mod.indexer.wq_b.weight.data, w4a4=w4a4)
-            q = Nvfp4Linear.from_float(mod.wo_a.weight.data)
-            w = dequantize_kernel_layout(q.weight_packed, q.weight_scale, q.weight_global_scale, q.in_features)
-            mod.wo_a.weight.copy_(w.to(mod.wo_a.weight.dtype))
-        elif isinstance(mod, MoE):
-            mod.forward = _MoEForward(mod, w4a4)
 
 
 # ------------------------------------------------------------------------------------------------- scoring
@@ -139,9 +89,7 @@ def evaluate(model_dir: Path, device="cpu", *, seq_len: int = 512, max_windows: 
     ref_top1 = None
     for mode in modes:
         t0 = time.perf_counter()
-        model = load(model_dir, device, batch=batch, seq_len=seq_len, simulate_quant=simulate_quant)
-        if mode != "bf16":
-            to_nvfp4(model, w4a4=mode == "nvfp4_w4a4")
+        model = load(model_dir, device, batch=batch, seq_len=seq_len, simulate_quant=simulate_quant, mode=mode)
         nll, count, top1 = score(model, windows, batch)
         r = {"loss": nll / count, "ppl": math.exp(nll / count), "seconds": round(time.perf_counter() - t0, 2)}
         # the first CI_WINDOWS windows alone: the value the CPU test recomputes

@@ -66,6 +66,13 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--max-seq-len", type=int, default=None,
                    help="cache length (default: longest prompt + max-new-tokens, rounded up)")
     g.add_argument("--no-simulate-quant", action="store_true", help="skip the KV/indexer fake quantization")
+    g.add_argument("--quant", choices=("auto", "nvfp4", "none"), default="auto",
+                   help="weights: nvfp4 (dsv4 NVFP4 kernels) or none (float); auto = as stored on CUDA, float on "
+                        "CPU (the CPU NVFP4 kernels are exact references that dequantize per call, ~3x slower)")
+    g.add_argument("--act-quant", choices=("none", "nvfp4"), default=None,
+                   help="nvfp4 = W4A4 (activations quantized per token too); default: as stored, else none")
+    g.add_argument("--threads", type=int, default=None,
+                   help="CPU intra-op threads (default: torch's; 1 is faster when other jobs share the cores)")
     return p
 
 
@@ -87,6 +94,11 @@ def cmd_generate(args) -> int:
         path, what = default_model_path()
         print(f"[dsv4] {what}", file=sys.stderr)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    quant = args.quant if args.quant != "auto" else (None if device.type == "cuda" else "none")
+    if args.act_quant == "nvfp4" and quant == "none":
+        quant = "nvfp4"
     config = load_config(path)
     tok = load_tokenizer(path, config)
     if tok.kind == "bytes":
@@ -98,7 +110,8 @@ def cmd_generate(args) -> int:
     engine = Engine.from_pretrained(path, device=device, dtype=getattr(torch, args.dtype),
                                     max_batch_size=len(prompt_ids), max_seq_len=max_seq_len,
                                     simulate_quant=not args.no_simulate_quant, compile=args.compile,
-                                    cuda_graphs=args.cuda_graphs, graph_mode=args.graph_mode)
+                                    cuda_graphs=args.cuda_graphs, graph_mode=args.graph_mode, quant=quant,
+                                    act_quant=args.act_quant)
     engine.tokenizer = tok
     t_load = time.perf_counter() - t0
 

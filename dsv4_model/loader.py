@@ -553,7 +553,7 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
                 dst = dst[load.index]
             dst.copy_(_decode(load, reader, device, dst.dtype))
         get, clear = _unit_getter(by_target, reader, device)
-        for unit in tqdm(units, desc=f"NVFP4 {root.name}", unit="layer", disable=not progress):
+        for unit in tqdm(units, desc=f"NVFP4 {root.name}", unit="layer", disable=not (progress and units)):
             fill_unit_(model, unit, get)
             clear()
     if stored and quant == "none":

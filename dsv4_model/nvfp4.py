@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import dsv4_ops  # noqa: F401  (the modules below call torch.ops.dsv4.*: a stored NVFP4 model needs no converter)
+
 CHUNK = 128  # K granularity of the kernel layout
 BLOCK = 16  # NVFP4 block size along K
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -187,8 +189,6 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     Returns CANONICAL (packed uint8 [..., N, K/2], block scales e4m3 [..., N, K/16], global scale fp32 of
     shape w.shape[:-2], dequant direction = amax / (6 * 448)); one global scale per matrix. Uses
     dsv4::nvfp4_quantize (per-row global scales, all equal within a matrix)."""
-    import dsv4_ops  # noqa: F401  (registers torch.ops.dsv4)
-
     if w.dim() < 2 or w.shape[-1] % BLOCK != 0:
         raise ValueError(f"quantize_weight: need [..., N, K] with K % 16 == 0, got {tuple(w.shape)}")
     gs = w.float().abs().amax(dim=(-2, -1)) / (FP4_MAX * E4M3_MAX)

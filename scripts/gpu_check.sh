@@ -4,20 +4,28 @@
 #   compute-sanitizer (memcheck, racecheck) on the direct kernel tests, the benchmarks.
 # $OUT gets summary.txt + logs.tgz (the device tool returns at most 8 files of <= 16 MiB).
 # Usage on the H200, from the repo root:  bash scripts/gpu_check.sh [tests|sanitizer|bench ...]  (default: all)
+# Env: GPU_CHECK_SKIP_BUILD=1 (already built), TEST_FILES / BENCHES (space-separated paths; default: all), GPU_CHECK_SECONDS (a total budget: steps get
+# what is left of it and are skipped once it is spent, so the summary always comes back within a device call).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 LOGS=$(mktemp -d)
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD PATH=$PATH:/usr/local/cuda/bin
 PY=${PYTHON:-python3}
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 PARTS=${*:-tests sanitizer bench}
 note() { echo "$*" | tee -a "$SUMMARY"; }
+T_START=$(date +%s)
 step() {  # step NAME TIMEOUT CMD...  (log in $LOGS/NAME.log)
   local name=$1 limit=$2; shift 2
   local t0=$(date +%s)
+  if [ -n "${GPU_CHECK_SECONDS:-}" ]; then
+    local left=$(( GPU_CHECK_SECONDS - (t0 - T_START) ))
+    if [ "$left" -lt 20 ]; then note "[$name] skipped: GPU_CHECK_SECONDS spent"; return 124; fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
   note "[$name] rc=$rc $(( $(date +%s) - t0 ))s $(grep -E 'passed|failed|error|Fatal|ERROR SUMMARY' "$LOGS/$name.log" | tail -n 1)"
@@ -25,28 +33,34 @@ step() {  # step NAME TIMEOUT CMD...  (log in $LOGS/NAME.log)
 }
 finish() { (cd "$LOGS" && tar czf - .) > "$OUT/logs.tgz"; cat "$SUMMARY"; }
 trap finish EXIT
+trap 'exit 143' TERM INT
 note "date: $(date -u +%FT%TZ)  $($PY -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))')"
 # A library with a static libstdc++ still runs its kernels: keep testing, but say so in the summary.
-step build 300 env DSV4_BUILD_JOBS=16 DSV4_ALLOW_STATIC_LIBSTDCXX=1 bash scripts/build_ops.sh || exit 1
-grep -q "static copy of libstdc++" "$LOGS/build.log" && note "WARNING: libdsv4_ops.so links libstdc++ statically (error messages crash)"
+# GPU_CHECK_SKIP_BUILD=1: the library is already built (several gpu_check runs in parallel share one build).
+if [ -z "${GPU_CHECK_SKIP_BUILD:-}" ]; then
+  step build 300 env DSV4_BUILD_JOBS=16 DSV4_ALLOW_STATIC_LIBSTDCXX=1 bash scripts/build_ops.sh || exit 1
+  grep -q "static copy of libstdc++" "$LOGS/build.log" && note "WARNING: libdsv4_ops.so links libstdc++ statically (error messages crash)"
+fi
 $PY -c 'import dsv4_ops; assert dsv4_ops.built_with_cuda(), "library built without CUDA"' || exit 1
 KERNEL_TESTS="tests/test_nvfp4_quant.py tests/test_indexer.py tests/test_nvfp4_gemm.py tests/test_sample.py"
 for part in $PARTS; do
   case $part in
     tests)
-      for f in tests/test_*.py; do
-        step "$(basename "$f" .py)" "${PER_FILE_TIMEOUT:-240}" $PY -m pytest -q -m cuda -rs -p no:cacheprovider "$f"
+      for f in ${TEST_FILES:-tests/test_*.py}; do
+        step "$(basename "$f" .py)" "${PER_FILE_TIMEOUT:-420}" $PY -m pytest -q -m cuda -rs -p no:cacheprovider "$f"
       done ;;
     sanitizer)
       command -v compute-sanitizer >/dev/null || { note "no compute-sanitizer"; continue; }
+      # In parallel: each run is bound by the sanitizer's host-side work, not by the GPU.
       for tool in memcheck racecheck; do
         for f in $KERNEL_TESTS; do
-          step "san_${tool}_$(basename "$f" .py)" 300 compute-sanitizer --tool "$tool" --error-exitcode 1 \
-            $PY -m pytest -q -x -m "cuda and kernels and not slow" -p no:cacheprovider "$f"
+          step "san_${tool}_$(basename "$f" .py)" "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool "$tool" \
+            --error-exitcode 1 $PY -m pytest -q -x -m "cuda and kernels and not slow" -p no:cacheprovider "$f" &
         done
-      done ;;
+      done
+      wait ;;
     bench)
-      for b in bench/bench_*.py; do
+      for b in ${BENCHES:-bench/bench_*.py}; do
         step "$(basename "$b" .py)" 300 $PY "$b"
       done ;;
   esac

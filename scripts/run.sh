@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec ${PYTHON:-python3} -m dsv4_model generate --prompt "def fibonacci(n):" --max-new-tokens 32 "$@"
+exec ${PYTHON:-python3} -m dsv4_model generate --prompt "def fibonacci(n):" --max-new-tokens 64 "$@"

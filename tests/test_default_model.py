@@ -203,9 +203,8 @@ def _recorded() -> dict:
 
 def _ci_ppl(mode: str, ev: dict) -> float:
     windows = evalmod.heldout_windows(ASSETS, ev["seq_len"], ev["ci_windows"])
-    model = evalmod.load(ASSETS, "cpu", batch=2, seq_len=ev["seq_len"], simulate_quant=ev["simulate_quant"])
-    if mode != "bf16":
-        evalmod.to_nvfp4(model, w4a4=mode == "nvfp4_w4a4")
+    model = evalmod.load(ASSETS, "cpu", batch=2, seq_len=ev["seq_len"], simulate_quant=ev["simulate_quant"],
+                         mode=mode)
     nll, count, _ = evalmod.score(model, windows, 2)
     return math.exp(nll / count)
 
