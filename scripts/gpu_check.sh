@@ -42,7 +42,11 @@ if [ -z "${GPU_CHECK_SKIP_BUILD:-}" ]; then
   grep -q "static copy of libstdc++" "$LOGS/build.log" && note "WARNING: libdsv4_ops.so links libstdc++ statically (error messages crash)"
 fi
 $PY -c 'import dsv4_ops; assert dsv4_ops.built_with_cuda(), "library built without CUDA"' || exit 1
-KERNEL_TESTS="tests/test_nvfp4_quant.py tests/test_indexer.py tests/test_nvfp4_gemm.py tests/test_sample.py"
+# Sanitizer runs: FILE or FILE@K (a pytest -k expression). The GEMM and sampler files time out as one run under
+# the sanitizer (300 s): they are split into parallel runs.
+KERNEL_TESTS="tests/test_nvfp4_quant.py tests/test_indexer.py
+  tests/test_nvfp4_gemm.py@linear_cuda@and@not@w4a4 tests/test_nvfp4_gemm.py@w4a4 tests/test_nvfp4_gemm.py@moe
+  tests/test_nvfp4_gemm.py@opcheck@or@graph tests/test_sample.py@chi_square tests/test_sample.py@not@chi_square"
 for part in $PARTS; do
   case $part in
     tests)
@@ -53,9 +57,11 @@ for part in $PARTS; do
       command -v compute-sanitizer >/dev/null || { note "no compute-sanitizer"; continue; }
       # In parallel: each run is bound by the sanitizer's host-side work, not by the GPU.
       for tool in memcheck racecheck; do
-        for f in $KERNEL_TESTS; do
-          step "san_${tool}_$(basename "$f" .py)" "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool "$tool" \
-            --error-exitcode 1 $PY -m pytest -q -x -m "cuda and kernels and not slow" -p no:cacheprovider "$f" &
+        for spec in $KERNEL_TESTS; do
+          f=${spec%%@*}; k=""; name="san_${tool}_$(basename "$f" .py)"
+          if [ "$spec" != "$f" ]; then k=${spec#*@}; k=${k//@/ }; name="${name}_${k// /_}"; fi
+          step "$name" "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool "$tool" --error-exitcode 1 \
+            $PY -m pytest -q -x -m "cuda and kernels and not slow" -p no:cacheprovider ${k:+-k "$k"} "$f" &
         done
       done
       wait ;;

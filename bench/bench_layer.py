@@ -1,0 +1,174 @@
+"""Kernels and microseconds per decoder layer in the batch-1 decode step (issue 7: goal <= 12 kernels and
+<= 45 us for a V4-Flash-width layer).
+
+Method: models that differ by exactly one layer. The base has layers [CSA, HCA] (compress ratios [4, 128]); each
+variant appends one layer of a kind (CSA = ratio 4 with the lightning indexer, HCA = 128, SWA = 0). Per layer =
+variant - base, so the embedding, hc_head, head and sampler cancel out. Every model: V4-Flash widths
+(dim 4096, 64 heads x 512, 256 routed experts top-6, hc 4), random weights, NVFP4 W4A16 (`quantize_model_`),
+the DecodeRunner step (decode_step + dsv4::sample) compiled and captured as one CUDA graph, batch 1, decoding
+from position --prompt after a real prefill.
+  us/step:  CUDA-graph replay, back to back (bench_decode.time_ours).
+  kernels:  GPU kernels of one compiled step run outside the graph (the same kernels the graph holds),
+            counted with torch.profiler (memcpy / memset excluded); the extra layer's kernels are listed by name.
+
+Run: python bench/bench_layer.py [--kinds csa,hca,swa] [--prompt 256] [--experts 256]
+     python bench/bench_layer.py --device cpu --micro --no-compile   # dry run of the method on a CPU
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import dsv4_ops  # noqa: E402,F401
+from dsv4_model.checkpoint_writer import TINY_CONFIG  # noqa: E402
+from dsv4_model.compiled import DecodeRunner  # noqa: E402
+from dsv4_model.config import ModelConfig  # noqa: E402
+from dsv4_model.model import Transformer  # noqa: E402
+from dsv4_model.quantize_model import quantize_model_  # noqa: E402
+from dsv4_model.sampling import SamplingParams  # noqa: E402
+
+RATIO = {"csa": 4, "hca": 128, "swa": 0}
+BASE = [4, 128]
+GOAL_KERNELS, GOAL_US = 12, 45.0
+
+
+def config(ratios: list[int], micro: bool, experts: int) -> ModelConfig:
+    if micro:
+        c = ModelConfig(**{**TINY_CONFIG, "n_layers": len(ratios), "compress_ratios": [min(r, 16) for r in ratios],
+                           "n_mtp_layers": 0, "n_hash_layers": 0, "n_routed_experts": 4})
+    else:
+        c = ModelConfig.v4_flash()
+        c.n_layers, c.compress_ratios, c.n_mtp_layers, c.n_hash_layers = len(ratios), list(ratios), 0, 0
+        c.n_routed_experts = experts
+    return c.validate()
+
+
+def build(cfg: ModelConfig, device: str, max_seq: int) -> Transformer:
+    model = Transformer(cfg, max_batch_size=1, max_seq_len=max_seq, dtype=torch.bfloat16, device="meta")
+    model.to_empty(device=device)
+    if device == "cuda":
+        from bench_decode import randomize_
+
+        randomize_(model, 0, cfg.n_routed_experts)  # on the GPU: GBs of weights, no host round trip
+    else:
+        model.init_random_weights(0)
+    quantize_model_(model)
+    model.setup_runtime(torch.device(device))
+    return model.eval()
+
+
+@torch.no_grad()
+def start(runner: DecodeRunner, model: Transformer, prompt: torch.Tensor) -> None:
+    runner.prepare(1)
+    lengths = torch.full((1,), prompt.shape[1], dtype=torch.long, device=prompt.device)
+    logits = model.prefill(prompt, lengths)
+    runner.begin(lengths, [SamplingParams()])
+    runner.sample_first(logits)
+    for _ in range(3):
+        runner.step(runner.cuda_graphs)
+
+
+@torch.no_grad()
+def us_per_step(runner: DecodeRunner, steps: int) -> float:
+    on_cuda = runner.device.type == "cuda"
+    if on_cuda:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        runner.step(runner.cuda_graphs)
+    if on_cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t) / steps * 1e6
+
+
+@torch.no_grad()
+def kernels_per_step(runner: DecodeRunner, steps: int = 3) -> collections.Counter:
+    """Kernel names of one step (outside the graph), as a multiset."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = runner.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            runner.step(False)
+        if on_cuda:
+            torch.cuda.synchronize()
+    names: collections.Counter = collections.Counter()
+    for e in prof.events():
+        if on_cuda:
+            if e.device_type != DeviceType.CUDA or e.name.startswith(("Memcpy", "Memset")):
+                continue
+        elif not e.name.startswith(("aten::", "dsv4::")) or e.cpu_parent is not None:
+            continue  # CPU dry run: top-level ops stand in for kernels
+        names[e.name] += 1
+    return collections.Counter({k: v // steps for k, v in names.items() if v // steps})
+
+
+def measure(ratios, args, device):
+    cfg = config(ratios, args.micro, args.experts)
+    model = build(cfg, device, args.prompt + 64)
+    runner = DecodeRunner(model, compile=args.compile, cuda_graphs=device == "cuda", graph_mode="manual")
+    g = torch.Generator(device=device).manual_seed(0)
+    prompt = torch.randint(2, cfg.vocab_size, (1, args.prompt), device=device, generator=g)
+    start(runner, model, prompt)
+    us = us_per_step(runner, args.steps)
+    kernels = kernels_per_step(runner)
+    del runner, model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    return us, kernels
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kinds", default="csa,hca,swa")
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--micro", action="store_true", help="tiny widths (a dry run of the method)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_layer: needs a CUDA GPU (skipped; --device cpu --micro dry-runs the method)")
+        return 0
+    t0 = time.perf_counter()
+    base_us, base_k = measure(BASE, args, args.device)
+    print(f"base {BASE}: {base_us:.1f} us/step, {sum(base_k.values())} kernels/step", flush=True)
+    rows = []
+    for kind in [k for k in args.kinds.split(",") if k]:
+        us, k = measure(BASE + [RATIO[kind]], args, args.device)
+        extra = k - base_k
+        n = sum(k.values()) - sum(base_k.values())
+        rows.append((kind, us - base_us, n, extra))
+        print(f"+{kind}: {us:.1f} us/step, {sum(k.values())} kernels/step", flush=True)
+    unit = "kernels" if args.device == "cuda" else "top-level ops (CPU dry run)"
+    print(f"\nPer decoder layer, batch 1, NVFP4 W4A16, {'micro' if args.micro else 'V4-Flash'} widths, "
+          f"{'compiled' if args.compile else 'eager'} + {'CUDA graph' if args.device == 'cuda' else 'no graph'}, "
+          f"position {args.prompt}")
+    print(f"{'layer':6} {'us/layer':>9} {unit:>12}   goal: <= {GOAL_KERNELS} kernels, <= {GOAL_US:.0f} us")
+    for kind, us, n, extra in rows:
+        print(f"{kind:6} {us:9.1f} {n:12d}")
+    for kind, _, _, extra in rows:
+        print(f"\n{kind} layer's {unit} (count x name):")
+        for name, c in extra.most_common():
+            print(f"  {c:3d} x {name[:110]}")
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
