@@ -3,7 +3,7 @@
 #   build the CUDA library, the CUDA tests one file per process (a crash cannot hide other files' results),
 #   compute-sanitizer (memcheck, racecheck) on the direct kernel tests, the benchmarks.
 # $OUT gets summary.txt + logs.tgz (the device tool returns at most 8 files of <= 16 MiB).
-# Usage on the H200, from the repo root:  bash scripts/gpu_check.sh [tests|sanitizer|bench ...]  (default: all)
+# Usage on the H200, from the repo root:  bash scripts/gpu_check.sh [tests|sanitizer|bench|profile ...]  (default: tests sanitizer bench)
 # Env: GPU_CHECK_SKIP_BUILD=1 (already built), TEST_FILES / BENCHES (space-separated paths; default: all), GPU_CHECK_SECONDS (a total budget: steps get
 # what is left of it and are skipped once it is spent, so the summary always comes back within a device call).
 set -uo pipefail
@@ -65,6 +65,13 @@ for part in $PARTS; do
         done
       done
       wait ;;
+    profile)
+      # Nsight Compute on the batch-1 GEMV (why it is latency-bound); text report in the logs.
+      NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+      [ -n "$NCU" ] || { note "no ncu"; continue; }
+      step profile_gemv "${PROFILE_TIMEOUT:-300}" "$NCU" --kernel-name "regex:nvfp4|per_row" --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats --section Occupancy \
+        --section SchedulerStats $PY bench/profile_nvfp4_gemv.py ;;
     bench)
       for b in ${BENCHES:-bench/bench_*.py}; do
         step "$(basename "$b" .py)" 300 $PY "$b"
