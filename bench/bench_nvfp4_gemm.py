@@ -85,7 +85,7 @@ def nvfp4_bytes(n, k):
 def bench_linear(gen):
     print("\n## nvfp4_linear (W4A16) vs bf16 torch.matmul (cuBLAS), CUDA-graph replay, weights streamed from HBM")
     print("(M > 64: 'nvfp4 us' is the default path -- tiled mma kernel for M < 256, dequantize + cuBLAS for "
-          "M >= 256; 'tiled' / 'deq+cuBLAS' force each path)")
+          "M >= 256; 'tiled' / 'deq+cuBLAS' force each path; M <= 8: 'stream' = the opt-in persistent GEMV)")
     hdr = (f"{'proj':>13} {'N x K':>12} {'M':>5} | {'nvfp4 us':>9} {'bf16 us':>9} {'speedup':>7} | "
            f"{'GB/s':>7} {'HBM':>5} | {'TF/s':>6} {'bf16 TF/s':>9} | {'tiled us':>8} {'deq+cuBLAS':>10}")
     print(hdr)
@@ -106,6 +106,11 @@ def bench_linear(gen):
             reps_b = reps_for(n * k * 2, flops, m * n * 2)
             t_peer = graph_us(lambda i: torch.matmul(x, wb[i % bcopies].t()), reps_b)
             alt = ""
+            if m <= 8:  # the opt-in persistent streaming GEMV, same weights and reps
+                with kernel_choice("stream"):
+                    t_stream = graph_us(lambda i: ops.nvfp4_linear(x, ws[i % copies][0], ws[i % copies][1], gs),
+                                        reps)
+                alt = f" | stream {t_stream:7.2f} us ({wbytes / (t_stream * 1e-6) / HBM:4.0%} HBM)"
             if m > 64:
                 ts = []
                 for choice in ("tiled", "cublas"):

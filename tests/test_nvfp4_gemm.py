@@ -413,6 +413,26 @@ def test_linear_cuda_forced_kernels(choice, n, k):
         assert_bf16_close(out, ref32, bound, f"cuda {choice} linear {m}x{n}x{k}")
 
 
+# (32768, 1024): more row-tile groups than SMs (each persistent CTA loops, its register ring runs across
+# groups); (1024, 4096): 8 warps split K; the small ones: N / K tails and groups with no valid tile.
+@pytest.mark.cuda
+@pytest.mark.kernels
+@pytest.mark.parametrize("n,k", [(1024, 4096), (32768, 1024), (4096, 2048), (40, 272), (24, 144), (8, 16)])
+def test_linear_cuda_stream_kernel(n, k):
+    """The opt-in persistent streaming GEMV (DSV4_NVFP4_GEMM_KERNEL=stream, M <= 8), W4A16 and W4A4."""
+    gen = torch.Generator().manual_seed(n + 3 * k)
+    for m in (1, 3, 8):
+        x, w, ref32, bound = linear_case(n, k, m, gen, "cuda")
+        with kernel_choice("stream"):
+            out = ops.nvfp4_linear(x, *w)
+        assert_bf16_close(out, ref32, bound, f"cuda stream linear {m}x{n}x{k}")
+    for m in (1, 8):
+        xq, w, ref32, bound = w4a4_case(n, k, (m,), gen, "cuda")
+        with kernel_choice("stream"):
+            out32 = ops.nvfp4_linear_w4a4(*xq, *w, torch.float32)
+        assert bool(((out32 - ref32).abs() <= 4e-5 * bound + 1e-30).all()), f"cuda stream w4a4 {m}x{n}x{k}"
+
+
 @pytest.mark.cuda
 @pytest.mark.kernels
 @pytest.mark.parametrize("m", [1, 5, 64, 300])

@@ -392,6 +392,148 @@ __global__ void __launch_bounds__(kThreads) nvfp4_skinny_kernel(const SkinnyPara
   }
 }
 
+// ------------------------------------------------------------------------------------------ stream kernel
+// Dense GEMV for M <= 8 tokens (DSV4_NVFP4_GEMM_KERNEL=stream; opt-in until measured on the H200). Persistent:
+// at most one CTA per SM, each looping over groups of rt row tiles x kw K-splits (rt * kw = 8 warps). Every
+// warp walks its chunk sequence through a ring of kRing register stages that runs on across group
+// boundaries, so weight loads stay in flight through a group's K reduction and epilogue (the skinny kernel
+// drains its pipeline at the end of every CTA and relies on more CTAs, i.e. waves, to cover the gap). The
+// activation fragments of a chunk ride in the ring too, so no L1/L2 round trip sits between weights and mma.
+constexpr int kRing = 4;
+
+struct StreamParams {
+  const bf16* x;
+  void* y;
+  int out_kind;
+  const float* gs_act;
+  const uint8_t* w;
+  const uint8_t* s;
+  const float* g;
+  int M, N, K;
+  int kw, rt, per, ngroups;  // per = chunks per warp per group
+};
+
+struct StreamStage {
+  uint4 wa, wb;
+  uint2 sa, sb;
+  uint32_t b[16];  // B fragments of the chunk's 8 k-steps: (b0, b1) per step
+};
+
+// Position of a warp in its step sequence: group iteration gi (group = blockIdx.x + gi * gridDim.x) and
+// chunk j within the warp's K range of that group.
+struct StreamCursor {
+  int gi, j;
+  __device__ __forceinline__ void advance(int per) {
+    if (++j == per) {
+      j = 0;
+      ++gi;
+    }
+  }
+};
+
+__global__ void __launch_bounds__(kThreads, 1) nvfp4_stream_kernel(const StreamParams p) {
+  __shared__ float red[kWarps][4][32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const int kwi = warp % p.kw, rti = warp / p.kw;
+  const int ntiles = (p.N + 15) >> 4;
+  const int kp = (p.K + 127) & ~127, nchunks = kp >> 7;
+  const int my_groups = int(blockIdx.x) < p.ngroups ? (p.ngroups - 1 - int(blockIdx.x)) / int(gridDim.x) + 1 : 0;
+  const int steps = my_groups * p.per;  // the same for every warp of the CTA: __syncthreads below is uniform
+  const uint32_t* brow = reinterpret_cast<const uint32_t*>(p.x + size_t(min(g, p.M - 1)) * size_t(p.K));
+  float alpha = __ldg(p.g) * kUnbias;
+  if (p.gs_act != nullptr) alpha *= __ldg(p.gs_act);
+
+  auto tile_of = [&](int gi) { return (int(blockIdx.x) + gi * int(gridDim.x)) * p.rt + rti; };
+  StreamCursor ld{0, 0}, cm{0, 0};
+  int ld_step = 0;
+  auto load = [&](StreamStage& st) {
+    const int tile = tile_of(ld.gi), c = kwi * p.per + ld.j;
+    if (ld_step < steps && tile < ntiles && c < nchunks) {
+      const int row_a = min(tile * 16 + g, p.N - 1), row_b = min(tile * 16 + g + 8, p.N - 1);
+      st.wa = ld_stream16(p.w + size_t(row_a) * size_t(kp >> 1) + size_t(c) * 64 + tq * 16);
+      st.wb = ld_stream16(p.w + size_t(row_b) * size_t(kp >> 1) + size_t(c) * 64 + tq * 16);
+      st.sa = __ldg(reinterpret_cast<const uint2*>(p.s + size_t(row_a) * size_t(kp >> 4) + size_t(c) * 8));
+      st.sb = __ldg(reinterpret_cast<const uint2*>(p.s + size_t(row_b) * size_t(kp >> 4) + size_t(c) * 8));
+#pragma unroll
+      for (int s = 0; s < 8; ++s) {
+        const int kk = c * 128 + s * 16, kx = (kk >> 1) + tq;
+        st.b[2 * s] = kk < p.K ? __ldg(brow + kx) : 0u;
+        st.b[2 * s + 1] = kk < p.K ? __ldg(brow + kx + 4) : 0u;
+      }
+    } else {
+      st.wa = st.wb = make_uint4(0u, 0u, 0u, 0u);
+      st.sa = st.sb = make_uint2(0u, 0u);
+    }
+    ld.advance(p.per);
+    ++ld_step;
+  };
+  auto compute = [&](const StreamStage& st, float (&acc)[4]) {
+    const int c = kwi * p.per + cm.j;
+    if (tile_of(cm.gi) >= ntiles || c >= nchunks) return;
+    const uint32_t wra[4] = {st.wa.x, st.wa.y, st.wa.z, st.wa.w};
+    const uint32_t wrb[4] = {st.wb.x, st.wb.y, st.wb.z, st.wb.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint32_t ra[4], rb[4];
+      decode_word(wra[j], ra);
+      decode_word(wrb[j], rb);
+#pragma unroll
+      for (int hs = 0; hs < 2; ++hs) {
+        const int s = 2 * j + hs;
+        if (c * 128 + s * 16 >= p.K) continue;
+        const uint32_t sca = scale_pair(s < 4 ? st.sa.x : st.sa.y, s & 3);
+        const uint32_t scb = scale_pair(s < 4 ? st.sb.x : st.sb.y, s & 3);
+        mma16816(acc, bf16x2_mul(ra[2 * hs], sca), bf16x2_mul(rb[2 * hs], scb), bf16x2_mul(ra[2 * hs + 1], sca),
+                 bf16x2_mul(rb[2 * hs + 1], scb), st.b[2 * s], st.b[2 * s + 1]);
+      }
+    }
+  };
+  // End of a group: reduce the kw partial sums of each row tile through shared memory, store.
+  auto finish = [&](float (&acc)[4]) {
+    const int tile = tile_of(cm.gi);
+    if (p.kw > 1) {
+      if (kwi != 0) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) red[warp][r][lane] = acc[r];
+      }
+      __syncthreads();
+      if (kwi == 0) {
+        for (int w2 = 1; w2 < p.kw; ++w2) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) acc[r] += red[warp + w2][r][lane];
+        }
+      }
+    }
+    if (kwi == 0 && tile < ntiles) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int pos = 2 * tq + e, na = tile * 16 + g;
+        if (pos >= p.M) continue;
+        if (na < p.N) store_out(p.y, size_t(pos) * p.N + na, acc[e] * alpha, p.out_kind);
+        if (na + 8 < p.N) store_out(p.y, size_t(pos) * p.N + na + 8, acc[2 + e] * alpha, p.out_kind);
+      }
+    }
+    if (p.kw > 1) __syncthreads();  // `red` is written again by the next group
+    acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+  };
+
+  StreamStage ring[kRing];
+#pragma unroll
+  for (int i = 0; i < kRing; ++i) load(ring[i]);
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int base = 0; base < steps; base += kRing) {
+#pragma unroll
+    for (int i = 0; i < kRing; ++i) {
+      if (base + i < steps) {
+        compute(ring[i], acc);
+        load(ring[i]);  // step base + i + kRing: in flight while the next kRing - 1 stages compute
+        if (cm.j == p.per - 1) finish(acc);
+        cm.advance(p.per);
+      }
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------------------ tiled kernel
 constexpr int kTileN = 128, kTileM = 128, kStages = 3;
 constexpr int kXStage = kTileM * 128 * 2;  // bf16 activations, 128 tokens x 128 k, swizzled 16-byte pieces
@@ -852,6 +994,36 @@ void pick_split(int64_t ntiles, int64_t nchunks, int64_t slots, int& kw, int& rt
   }
 }
 
+int sm_count() {
+  static int cache[64] = {0};  // per device; a racing first call writes the same value
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 132;
+  if (dev >= 0 && dev < 64 && cache[dev] > 0) return cache[dev];
+  int n = 0;
+  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+  n = n > 0 ? n : 132;
+  if (dev >= 0 && dev < 64) cache[dev] = n;
+  return n;
+}
+
+// Stream kernel split: the kw (K-splits per row tile, rt = 8 / kw tiles per CTA) that minimizes the chunks the
+// busiest warp streams, groups spread over at most one CTA per SM; a K split costs about one chunk (reduction).
+void pick_stream_split(int64_t ntiles, int64_t nchunks, int64_t nsm, StreamParams& p) {
+  int64_t best = -1;
+  for (int kw = 1; kw <= kWarps; kw *= 2) {
+    if (kw > 1 && kw / 2 >= nchunks) break;
+    const int64_t rt = kWarps / kw, per = (nchunks + kw - 1) / kw, groups = (ntiles + rt - 1) / rt;
+    const int64_t cost = (groups + nsm - 1) / nsm * per + (kw > 1 ? 1 : 0);
+    if (best < 0 || cost < best) {
+      best = cost;
+      p.kw = kw;
+      p.rt = int(rt);
+      p.per = int(per);
+      p.ngroups = int(groups);
+    }
+  }
+}
+
 template <typename... Params, typename... Args>
 cudaError_t launch_ex(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                       Args&&... args) {
@@ -899,6 +1071,23 @@ extern "C" cudaError_t dsv4_nvfp4_linear_launch(const Nvfp4LinearArgs* a, cudaSt
                   int(a->M), int(a->N), int(a->K)};
     const dim3 grid(unsigned((a->N + kTileN - 1) / kTileN), unsigned((a->M + kTileM - 1) / kTileM));
     nvfp4_tiled_kernel<<<grid, kThreads, kTiledSmem, stream>>>(p);
+    return cudaGetLastError();
+  }
+  if (a->stream && a->M <= 8) {
+    StreamParams p{};
+    p.x = reinterpret_cast<const bf16*>(a->x);
+    p.y = a->y;
+    p.out_kind = a->out_kind;
+    p.gs_act = a->gs_act;
+    p.w = a->w;
+    p.s = a->s;
+    p.g = a->gs;
+    p.M = int(a->M);
+    p.N = int(a->N);
+    p.K = int(a->K);
+    const int nsm = sm_count();
+    pick_stream_split(ntiles, nchunks, nsm, p);
+    nvfp4_stream_kernel<<<unsigned(p.ngroups < nsm ? p.ngroups : nsm), kThreads, 0, stream>>>(p);
     return cudaGetLastError();
   }
   SkinnyParams p{};

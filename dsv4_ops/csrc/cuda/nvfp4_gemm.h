@@ -15,6 +15,7 @@ struct Nvfp4LinearArgs {
   int out_kind;
   int64_t M, N, K;
   int simple;               // 1: the plain CUDA-core kernel
+  int stream;               // 1: the persistent streaming GEMV for M <= 8 (opt-in)
 };
 
 // Canonical NVFP4 activations -> bf16 code * block scale (no global scale), exact.

@@ -5,6 +5,7 @@
 // mma kernel; M >= 256 -> dequantize W to bf16 (exact e2m1 * block scale) + cuBLAS bf16 GEMM with fp32 output
 // (aten::mm.dtype) + global scale (falls back to the tiled kernel where aten::mm.dtype does not exist).
 // DSV4_NVFP4_GEMM_KERNEL = simple (plain CUDA-core kernels, any shape) | tiled | cublas overrides the M > 64 choice;
+// stream selects the persistent streaming GEMV for M <= 8 (opt-in until it is measured faster than skinny);
 // DSV4_NVFP4_PDL=0 turns off programmatic dependent launch between the MoE kernels.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -25,7 +26,7 @@ namespace {
 
 using namespace dsv4_nvfp4;
 
-enum class Choice { kAuto, kSimple, kTiled, kCublas };
+enum class Choice { kAuto, kSimple, kTiled, kCublas, kStream };
 
 Choice kernel_choice() {
   const char* v = std::getenv("DSV4_NVFP4_GEMM_KERNEL");
@@ -33,6 +34,7 @@ Choice kernel_choice() {
   if (std::strcmp(v, "simple") == 0) return Choice::kSimple;
   if (std::strcmp(v, "tiled") == 0) return Choice::kTiled;
   if (std::strcmp(v, "cublas") == 0) return Choice::kCublas;
+  if (std::strcmp(v, "stream") == 0) return Choice::kStream;
   return Choice::kAuto;
 }
 
@@ -109,6 +111,7 @@ at::Tensor linear_impl(const at::Tensor& x2, const at::Tensor& w, const at::Tens
   a.N = N;
   a.K = K;
   a.simple = use_simple() ? 1 : 0;
+  a.stream = choice == Choice::kStream ? 1 : 0;
   check_launch(dsv4_nvfp4_linear_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
   return out;
 }
