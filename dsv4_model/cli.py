@@ -94,6 +94,8 @@ def cmd_generate(args) -> int:
         path, what = default_model_path()
         print(f"[dsv4] {what}", file=sys.stderr)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: this torch ({torch.__version__}) has no usable CUDA device")
     if args.threads:
         torch.set_num_threads(args.threads)
     quant = args.quant if args.quant != "auto" else (None if device.type == "cuda" else "none")
@@ -146,6 +148,10 @@ def cmd_generate(args) -> int:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    if args.command == "generate":
+    if args.command != "generate":
+        return 2
+    try:
         return cmd_generate(args)
-    return 2
+    except (ValueError, FileNotFoundError) as e:  # bad checkpoint / arguments (CheckpointError is a ValueError)
+        print(f"error: {e}", file=sys.stderr)
+        return 2

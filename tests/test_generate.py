@@ -194,3 +194,17 @@ def test_cli_default_model_streams(tmp_path, monkeypatch):
     assert out.getvalue().startswith("def fibonacci(n):")
     assert "RANDOM tiny checkpoint" in err.getvalue() and "tokens/s" in err.getvalue()
     assert (tmp_path / cli.RANDOM_TINY_NAME / "config.json").is_file()
+
+
+def test_cli_bad_arguments_fail_cleanly(tmp_path):
+    # A user error is one line on stderr and exit code 2, not a traceback.
+    from dsv4_model import cli
+
+    err = io.StringIO()
+    with redirect_stderr(err):
+        rc = cli.main(["generate", "--model", str(tmp_path), "--prompt", "x", "--device", "cpu"])  # no checkpoint
+    assert rc == 2 and err.getvalue().startswith("error: ") and str(tmp_path) in err.getvalue(), err.getvalue()
+    err = io.StringIO()
+    with redirect_stderr(err):
+        rc = cli.main(["generate", "--prompt", "x", "--max-new-tokens", "0", "--device", "cpu"])
+    assert rc == 2 and "max_new_tokens must be >= 1" in err.getvalue(), err.getvalue()
