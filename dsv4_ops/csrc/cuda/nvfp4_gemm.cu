@@ -59,6 +59,19 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
   return d;
 }
 
+// A fragment {a0, a1, a2, a3} of k-step s (0..7) of a 128-wide chunk: rows g / g + 8 as decode_word gave them
+// for word s >> 1 (ra / rb), times each row's block scale s (scale bytes sa / sb of the chunk).
+__device__ __forceinline__ void a_fragment(const uint32_t (&ra)[4], const uint32_t (&rb)[4], uint2 sa, uint2 sb,
+                                           int s, uint32_t (&a)[4]) {
+  const int hs = s & 1;
+  const uint32_t sca = scale_pair(s < 4 ? sa.x : sa.y, s & 3);
+  const uint32_t scb = scale_pair(s < 4 ? sb.x : sb.y, s & 3);
+  a[0] = bf16x2_mul(ra[2 * hs], sca);
+  a[1] = bf16x2_mul(rb[2 * hs], scb);
+  a[2] = bf16x2_mul(ra[2 * hs + 1], sca);
+  a[3] = bf16x2_mul(rb[2 * hs + 1], scb);
+}
+
 __device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -340,15 +353,13 @@ __global__ void __launch_bounds__(kThreads) nvfp4_skinny_kernel(const SkinnyPara
             const int s = 2 * j + hs;
             const int kk = c * 128 + s * 16;
             if (kk >= task.K) continue;
-            const uint32_t sca = scale_pair(s < 4 ? st.sa[i].x : st.sa[i].y, s & 3);
-            const uint32_t scb = scale_pair(s < 4 ? st.sb[i].x : st.sb[i].y, s & 3);
-            const uint32_t a0 = bf16x2_mul(ra[2 * hs], sca), a1 = bf16x2_mul(rb[2 * hs], scb);
-            const uint32_t a2 = bf16x2_mul(ra[2 * hs + 1], sca), a3 = bf16x2_mul(rb[2 * hs + 1], scb);
+            uint32_t a[4];
+            a_fragment(ra, rb, st.sa[i], st.sb[i], s, a);
             const int kx = (kk >> 1) + tq;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
               const uint32_t b0 = __ldg(brow[nt] + kx), b1 = __ldg(brow[nt] + kx + 4);
-              mma16816(acc[nt], a0, a1, a2, a3, b0, b1);
+              mma16816(acc[nt], a[0], a[1], a[2], a[3], b0, b1);
             }
           }
         }
@@ -481,10 +492,9 @@ __global__ void __launch_bounds__(kThreads, 1) nvfp4_stream_kernel(const StreamP
       for (int hs = 0; hs < 2; ++hs) {
         const int s = 2 * j + hs;
         if (c * 128 + s * 16 >= p.K) continue;
-        const uint32_t sca = scale_pair(s < 4 ? st.sa.x : st.sa.y, s & 3);
-        const uint32_t scb = scale_pair(s < 4 ? st.sb.x : st.sb.y, s & 3);
-        mma16816(acc, bf16x2_mul(ra[2 * hs], sca), bf16x2_mul(rb[2 * hs], scb), bf16x2_mul(ra[2 * hs + 1], sca),
-                 bf16x2_mul(rb[2 * hs + 1], scb), st.b[2 * s], st.b[2 * s + 1]);
+        uint32_t a[4];
+        a_fragment(ra, rb, st.sa, st.sb, s, a);
+        mma16816(acc, a[0], a[1], a[2], a[3], st.b[2 * s], st.b[2 * s + 1]);
       }
     }
   };
@@ -659,14 +669,7 @@ __global__ void __launch_bounds__(kThreads, 1) nvfp4_tiled_kernel(const TiledPar
         if (c * 128 + s * 16 >= p.K) continue;
         uint32_t a[2][4];
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const uint32_t sca = scale_pair(s < 4 ? sa[i].x : sa[i].y, s & 3);
-          const uint32_t scb = scale_pair(s < 4 ? sb[i].x : sb[i].y, s & 3);
-          a[i][0] = bf16x2_mul(ra[i][2 * hs], sca);
-          a[i][1] = bf16x2_mul(rb[i][2 * hs], scb);
-          a[i][2] = bf16x2_mul(ra[i][2 * hs + 1], sca);
-          a[i][3] = bf16x2_mul(rb[i][2 * hs + 1], scb);
-        }
+        for (int i = 0; i < 2; ++i) a_fragment(ra[i], rb[i], sa[i], sb[i], s, a[i]);
 #pragma unroll
         for (int np = 0; np < 4; ++np) {
           const int tok = wm * 64 + (np * 2 + (lane >> 4)) * 8 + (lane & 7);
