@@ -50,17 +50,21 @@ def graph_us(fn, reps):
 
 
 @contextlib.contextmanager
-def kernel_choice(name):
-    """DSV4_NVFP4_GEMM_KERNEL is read when the op launches, i.e. while the graph is captured."""
-    old = os.environ.get("DSV4_NVFP4_GEMM_KERNEL")
-    os.environ["DSV4_NVFP4_GEMM_KERNEL"] = name
+def env_var(key, value):
+    """DSV4_NVFP4_* are read when the op launches, i.e. while the graph is captured."""
+    old = os.environ.get(key)
+    os.environ[key] = value
     try:
         yield
     finally:
         if old is None:
-            del os.environ["DSV4_NVFP4_GEMM_KERNEL"]
+            del os.environ[key]
         else:
-            os.environ["DSV4_NVFP4_GEMM_KERNEL"] = old
+            os.environ[key] = old
+
+
+def kernel_choice(name):
+    return env_var("DSV4_NVFP4_GEMM_KERNEL", name)
 
 
 def reps_for(bytes_moved, flops, out_bytes):
@@ -85,7 +89,8 @@ def nvfp4_bytes(n, k):
 def bench_linear(gen):
     print("\n## nvfp4_linear (W4A16) vs bf16 torch.matmul (cuBLAS), CUDA-graph replay, weights streamed from HBM")
     print("(M > 64: 'nvfp4 us' is the default path -- tiled mma kernel for M < 256, dequantize + cuBLAS for "
-          "M >= 256; 'tiled' / 'deq+cuBLAS' force each path; M <= 8: 'stream' = the opt-in persistent GEMV)")
+          "M >= 256; 'tiled' / 'deq+cuBLAS' force each path; M <= 8: 'nvfp4 us' is the skinny kernel (default), 'gemv' "
+          "the opt-in cp.async-ring kernel with programmatic dependent launch, 'gemv no-PDL' without)")
     hdr = (f"{'proj':>13} {'N x K':>12} {'M':>5} | {'nvfp4 us':>9} {'bf16 us':>9} {'speedup':>7} | "
            f"{'GB/s':>7} {'HBM':>5} | {'TF/s':>6} {'bf16 TF/s':>9} | {'tiled us':>8} {'deq+cuBLAS':>10}")
     print(hdr)
@@ -106,11 +111,15 @@ def bench_linear(gen):
             reps_b = reps_for(n * k * 2, flops, m * n * 2)
             t_peer = graph_us(lambda i: torch.matmul(x, wb[i % bcopies].t()), reps_b)
             alt = ""
-            if m <= 8:  # the opt-in persistent streaming GEMV, same weights and reps
-                with kernel_choice("stream"):
-                    t_stream = graph_us(lambda i: ops.nvfp4_linear(x, ws[i % copies][0], ws[i % copies][1], gs),
-                                        reps)
-                alt = f" | stream {t_stream:7.2f} us ({wbytes / (t_stream * 1e-6) / HBM:4.0%} HBM)"
+            if m <= 8:  # the opt-in gemv kernel, with and without PDL, same weights and reps
+                ts = []
+                with kernel_choice("gemv"):
+                    for pdl in ("1", "0"):
+                        with env_var("DSV4_NVFP4_PDL", pdl):
+                            ts.append(graph_us(lambda i: ops.nvfp4_linear(x, ws[i % copies][0], ws[i % copies][1],
+                                                                          gs), reps))
+                alt = "".join(f" | {lab} {t:6.2f} us ({wbytes / (t * 1e-6) / HBM:4.0%})"
+                              for lab, t in (("gemv", ts[0]), ("gemv no-PDL", ts[1])))
             if m > 64:
                 ts = []
                 for choice in ("tiled", "cublas"):
@@ -191,9 +200,12 @@ def bench_moe(gen):
             peer = MoePeer(bw1, bw2, bw3, bshared if variant != "routed" else None, ids, wts)
             bbytes = (n_unique + (variant != "routed")) * 3 * INTER * D * 2
             t_peer = graph_us(lambda i: peer(x), 2 if T > 8 else 5)
+            with kernel_choice("gemv"):  # the opt-in decode kernel
+                t_gv = graph_us(lambda i: ops.nvfp4_moe(x, ids, wts, w13, s13, g13, w2, s2, g2, *sh, 10.0), reps)
             gbs = nbytes / (t_op * 1e-6)
             print(f"{variant:>15} {T:>3} {n_unique:>7} | {t_op:9.1f} {gbs / 1e9:7.0f} {gbs / HBM:5.0%} | "
-                  f"{t_peer:9.1f} {bbytes / (t_peer * 1e-6) / 1e9:9.0f} {t_peer / t_op:6.2f}x")
+                  f"{t_peer:9.1f} {bbytes / (t_peer * 1e-6) / 1e9:9.0f} {t_peer / t_op:6.2f}x | "
+                  f"gemv {t_gv:7.1f} us ({nbytes / (t_gv * 1e-6) / HBM:4.0%})")
             rows.append((variant, T, n_unique, t_op, t_peer))
     return rows
 

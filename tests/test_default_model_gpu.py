@@ -1,8 +1,10 @@
 """The shipped default model on the GPU through every execution path: eager, compiled, compiled + CUDA graphs
 ("manual" and "reduce-overhead") and the exported AOTInductor package loaded in a fresh process.
 
-Equality runs in fp32: there compiled and eager logits differ by ~1e-6 relative, so greedy ids must be identical
-on every path (in bf16 Inductor's fused rounding can flip near-ties; see tests/test_compiled_decode.py). The
+Equality runs in fp32, teacher-forced: compiled and eager logits agree to ~1e-6 almost everywhere, but the NVFP4
+ops return bf16 and the KV / indexer keys are rounded to FP8 / FP4, so a value now and then lands one step apart
+(see TOL below): greedy ids must agree wherever the observed drift cannot flip them
+(dsv4_model/decode_compare.py). The
 default settings (bf16, compile + CUDA graphs) are checked against bf16 eager teacher-forcing instead.
 The checkpoint decides its weight format (NVFP4 when converted, else as stored), as `python -m dsv4_model` does.
 The helpers take the device so the same code can be dry-run on the CPU.
@@ -160,8 +162,42 @@ def test_eager_generates_code(fp32_engine, prompt_ids, eager_ids):
         assert agree >= 0.9, f"eager decode vs prefill greedy agreement {agree:.2f}"
 
 
+@pytest.fixture(scope="module")
+def eager_forced(fp32_engine, prompt_ids):
+    from dsv4_model.decode_compare import eager_decode
+    return eager_decode(fp32_engine, prompt_ids, NEW_TOKENS)
+
+
+# Teacher-forced logits of a compiled path vs eager decode. Inductor fuses and reorders the float ops around the
+# dsv4 kernels and the NVFP4 ops return bf16, so now and then a value lands one ulp apart; the model's simulated
+# FP8 KV / FP4 indexer-key rounding can turn that into one FP8 step of a cached entry (which persists: on the CPU
+# every later step of that row drifts by ~1e-2) or, rarely, another top-k choice of the sparse attention (one CPU
+# step drifted by 0.84). A broken kernel drifts at most steps.
+TOL = 5e-2
+
+
+def check_path_against_eager(engine, prompt_ids, eager_ids, eager_forced, res, options, what: str) -> None:
+    """Per (step, row) of teacher-forced decode: the path's logits within TOL of eager's at >= 90% of them,
+    the same greedy token wherever the drift cannot flip it; free-running ids = eager's up to each row's first
+    step that the drift could flip."""
+    from dsv4_model.decode_compare import decidable, forced_decode
+
+    fed, ref = eager_forced
+    got = forced_decode(engine, prompt_ids, fed, **options)
+    drift = (got - ref).abs().amax(dim=-1)  # [steps, B]
+    far = float((drift > TOL).float().mean())
+    assert far <= 0.1, f"{what}: {far:.0%} of decode steps drift by more than {TOL} (max {float(drift.max()):.3g})"
+    dec = decidable(got, ref)
+    assert float(dec.float().mean()) >= 0.75, f"{what}: too many near-ties to compare greedy tokens"
+    assert torch.equal(got.argmax(-1)[dec], ref.argmax(-1)[dec]), f"{what}: a decidable greedy token differs"
+    for row, (g, w) in enumerate(zip(res.token_ids, eager_ids)):
+        undecided = (~dec[:, row]).nonzero()
+        n = int(undecided[0]) + 1 if len(undecided) else len(w)  # tokens fixed before the first near-tie
+        assert g[:n] == w[:n], f"{what}: prompt {row} parts from eager before its first near-tie ({n} tokens)"
+
+
 @pytest.mark.parametrize("path", list(PATHS))
-def test_compiled_path_matches_eager(fp32_engine, prompt_ids, eager_ids, path):
+def test_compiled_path_matches_eager(fp32_engine, prompt_ids, eager_ids, eager_forced, path):
     from torch._dynamo.utils import counters
 
     options, mode = PATHS[path]
@@ -169,7 +205,7 @@ def test_compiled_path_matches_eager(fp32_engine, prompt_ids, eager_ids, path):
     res = run_path(fp32_engine, prompt_ids, **options)
     assert res.mode == mode
     assert counters["inductor"]["cudagraph_skips"] == 0  # reduce-overhead really replayed CUDA graphs
-    assert_same_ids(res.token_ids, eager_ids, path, fp32_engine, prompt_ids)
+    check_path_against_eager(fp32_engine, prompt_ids, eager_ids, eager_forced, res, options, path)
 
 
 def test_exported_artifact_matches_eager(tmp_path, fp32_engine, prompt_ids, eager_ids):

@@ -71,16 +71,21 @@ def linear_case(n, k, m, gen, device):
 
 
 @contextlib.contextmanager
-def kernel_choice(name):
-    old = os.environ.get("DSV4_NVFP4_GEMM_KERNEL")
-    os.environ["DSV4_NVFP4_GEMM_KERNEL"] = name
+def env_var(key, value):
+    """The CUDA bindings read these variables at each launch."""
+    old = os.environ.get(key)
+    os.environ[key] = value
     try:
         yield
     finally:
         if old is None:
-            del os.environ["DSV4_NVFP4_GEMM_KERNEL"]
+            del os.environ[key]
         else:
-            os.environ["DSV4_NVFP4_GEMM_KERNEL"] = old
+            os.environ[key] = old
+
+
+def kernel_choice(name):
+    return env_var("DSV4_NVFP4_GEMM_KERNEL", name)
 
 
 # ------------------------------------------------------------------------------------------- layout
@@ -413,24 +418,29 @@ def test_linear_cuda_forced_kernels(choice, n, k):
         assert_bf16_close(out, ref32, bound, f"cuda {choice} linear {m}x{n}x{k}")
 
 
-# (32768, 1024): more row-tile groups than SMs (each persistent CTA loops, its register ring runs across
-# groups); (1024, 4096): 8 warps split K; the small ones: N / K tails and groups with no valid tile.
+# (1024, 4096): 8 warps split K; (32768, 1024): more CTAs than fit at once; the small ones: N / K tails, CTAs
+# with no valid row tile, K shorter than the ring.
 @pytest.mark.cuda
 @pytest.mark.kernels
 @pytest.mark.parametrize("n,k", [(1024, 4096), (32768, 1024), (4096, 2048), (40, 272), (24, 144), (8, 16)])
-def test_linear_cuda_stream_kernel(n, k):
-    """The opt-in persistent streaming GEMV (DSV4_NVFP4_GEMM_KERNEL=stream, M <= 8), W4A16 and W4A4."""
+def test_linear_cuda_decode_kernels(n, k):
+    """M <= 8: the skinny kernel (default) and the opt-in gemv kernel (DSV4_NVFP4_GEMM_KERNEL=gemv; 2- and
+    8-row passes, with and without programmatic dependent launch), W4A16 and W4A4."""
     gen = torch.Generator().manual_seed(n + 3 * k)
-    for m in (1, 3, 8):
+    for m in (1, 2, 3, 8):
         x, w, ref32, bound = linear_case(n, k, m, gen, "cuda")
-        with kernel_choice("stream"):
+        assert_bf16_close(ops.nvfp4_linear(x, *w), ref32, bound, f"cuda skinny linear {m}x{n}x{k}")
+        with kernel_choice("gemv"):
             out = ops.nvfp4_linear(x, *w)
-        assert_bf16_close(out, ref32, bound, f"cuda stream linear {m}x{n}x{k}")
+            with env_var("DSV4_NVFP4_PDL", "0"):
+                assert torch.equal(ops.nvfp4_linear(x, *w), out), f"gemv without PDL {m}x{n}x{k}"
+        assert_bf16_close(out, ref32, bound, f"cuda gemv linear {m}x{n}x{k}")
     for m in (1, 8):
         xq, w, ref32, bound = w4a4_case(n, k, (m,), gen, "cuda")
-        with kernel_choice("stream"):
-            out32 = ops.nvfp4_linear_w4a4(*xq, *w, torch.float32)
-        assert bool(((out32 - ref32).abs() <= 4e-5 * bound + 1e-30).all()), f"cuda stream w4a4 {m}x{n}x{k}"
+        for choice in ("auto", "gemv"):
+            with kernel_choice(choice):
+                out32 = ops.nvfp4_linear_w4a4(*xq, *w, torch.float32)
+            assert bool(((out32 - ref32).abs() <= 4e-5 * bound + 1e-30).all()), f"cuda {choice} w4a4 {m}x{n}x{k}"
 
 
 @pytest.mark.cuda
@@ -454,16 +464,16 @@ def test_moe_cuda_v4_flash(T):
     args = kernel_moe_args(w13, w2, shared)
     out = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
     assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, shared, 10.0), f"cuda moe T={T}")
-    os.environ["DSV4_NVFP4_PDL"] = "0"  # the same kernels without programmatic dependent launch
-    try:
+    with env_var("DSV4_NVFP4_PDL", "0"):  # the same kernels without programmatic dependent launch
         assert torch.equal(ops.nvfp4_moe(x, ids, wts, *args, 10.0), out)
-    finally:
-        del os.environ["DSV4_NVFP4_PDL"]
+    with kernel_choice("gemv"):
+        assert_moe_close(ops.nvfp4_moe(x, ids, wts, *args, 10.0), ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, shared, 10.0),
+                         f"cuda gemv moe T={T}")
 
 
 @pytest.mark.cuda
 @pytest.mark.kernels
-@pytest.mark.parametrize("T", [1, 5, 64, 300])
+@pytest.mark.parametrize("T", [1, 2, 5, 64, 300])
 def test_moe_cuda_many_experts_padded(T):
     gen = torch.Generator().manual_seed(300 + T)
     x, ids, wts, w13, w2, shared = moe_case(256, 272, 80, 48, T, 6, gen, "cuda", dup=True)
@@ -473,9 +483,10 @@ def test_moe_cuda_many_experts_padded(T):
         args = kernel_moe_args(w13, w2, sh)
         out = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
         assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, sh, 10.0), f"cuda moe padded T={T}")
-    with kernel_choice("simple"):
-        out = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
-    assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, None, 10.0), f"cuda simple moe T={T}")
+    for choice in ("simple", "gemv"):
+        with kernel_choice(choice):
+            out = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
+        assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, None, 10.0), f"cuda {choice} moe T={T}")
 
 
 @pytest.mark.cuda

@@ -9,6 +9,10 @@
 // features x 8 tokens per mma, so a single token still uses the tensor cores.
 //
 // Kernels:
+//   gemv (opt-in, DSV4_NVFP4_GEMM_KERNEL=gemv: M <= 8, and the MoE projections while T*k <= 4E): skinny's work
+//     split, fed through a per-warp cp.async shared-memory ring (weights, scales, activations; see the kernel's
+//     comment); PDL for dense. 1.5-2x faster than skinny on the H200 (bench/RESULTS.md); not the default until
+//     the shipped model's compiled-vs-eager GPU test passes with it.
 //   skinny (M <= 64, and every MoE projection): each warp owns 16 rows x a K range, streams its weights
 //     straight from HBM into registers (two-deep register prefetch of 2 chunks), B fragments (activations)
 //     from L1/L2; warps of a CTA split K and reduce through shared memory. MoE: blockIdx.y = active-expert
@@ -251,13 +255,13 @@ __device__ __forceinline__ const bf16* b_row(const SkinnyParams& p, const Task& 
 
 template <int MODE, int NT>
 __device__ __forceinline__ void skinny_epilogue(const SkinnyParams& p, const Task& t, const float (&acc)[NT][4],
-                                                int tile, int tt, int g, int tq) {
+                                                int tile, int tt, int g, int tq, int width) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int pos = tt + nt * 8 + 2 * tq + e;
-      if (pos >= t.cnt) continue;
+      const int col = nt * 8 + 2 * tq + e, pos = tt + col;
+      if (col >= width || pos >= t.cnt) continue;
       const float lo = acc[nt][e] * t.alpha, hi = acc[nt][2 + e] * t.alpha;
       if (MODE == kDense) {
         const int na = tile * 16 + g;
@@ -398,149 +402,8 @@ __global__ void __launch_bounds__(kThreads) nvfp4_skinny_kernel(const SkinnyPara
         }
       }
     }
-    if (kw == 0 && tile_ok) skinny_epilogue<MODE, NT>(p, task, acc, tile, tt, g, tq);
+    if (kw == 0 && tile_ok) skinny_epilogue<MODE, NT>(p, task, acc, tile, tt, g, tq, 8 * NT);
     if (p.kw > 1) __syncthreads();  // `red` is reused by the next token tile
-  }
-}
-
-// ------------------------------------------------------------------------------------------ stream kernel
-// Dense GEMV for M <= 8 tokens (DSV4_NVFP4_GEMM_KERNEL=stream; opt-in until measured on the H200). Persistent:
-// at most one CTA per SM, each looping over groups of rt row tiles x kw K-splits (rt * kw = 8 warps). Every
-// warp walks its chunk sequence through a ring of kRing register stages that runs on across group
-// boundaries, so weight loads stay in flight through a group's K reduction and epilogue (the skinny kernel
-// drains its pipeline at the end of every CTA and relies on more CTAs, i.e. waves, to cover the gap). The
-// activation fragments of a chunk ride in the ring too, so no L1/L2 round trip sits between weights and mma.
-constexpr int kRing = 4;
-
-struct StreamParams {
-  const bf16* x;
-  void* y;
-  int out_kind;
-  const float* gs_act;
-  const uint8_t* w;
-  const uint8_t* s;
-  const float* g;
-  int M, N, K;
-  int kw, rt, per, ngroups;  // per = chunks per warp per group
-};
-
-struct StreamStage {
-  uint4 wa, wb;
-  uint2 sa, sb;
-  uint32_t b[16];  // B fragments of the chunk's 8 k-steps: (b0, b1) per step
-};
-
-// Position of a warp in its step sequence: group iteration gi (group = blockIdx.x + gi * gridDim.x) and
-// chunk j within the warp's K range of that group.
-struct StreamCursor {
-  int gi, j;
-  __device__ __forceinline__ void advance(int per) {
-    if (++j == per) {
-      j = 0;
-      ++gi;
-    }
-  }
-};
-
-__global__ void __launch_bounds__(kThreads, 1) nvfp4_stream_kernel(const StreamParams p) {
-  __shared__ float red[kWarps][4][32];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-  const int kwi = warp % p.kw, rti = warp / p.kw;
-  const int ntiles = (p.N + 15) >> 4;
-  const int kp = (p.K + 127) & ~127, nchunks = kp >> 7;
-  const int my_groups = int(blockIdx.x) < p.ngroups ? (p.ngroups - 1 - int(blockIdx.x)) / int(gridDim.x) + 1 : 0;
-  const int steps = my_groups * p.per;  // the same for every warp of the CTA: __syncthreads below is uniform
-  const uint32_t* brow = reinterpret_cast<const uint32_t*>(p.x + size_t(min(g, p.M - 1)) * size_t(p.K));
-  float alpha = __ldg(p.g) * kUnbias;
-  if (p.gs_act != nullptr) alpha *= __ldg(p.gs_act);
-
-  auto tile_of = [&](int gi) { return (int(blockIdx.x) + gi * int(gridDim.x)) * p.rt + rti; };
-  StreamCursor ld{0, 0}, cm{0, 0};
-  int ld_step = 0;
-  auto load = [&](StreamStage& st) {
-    const int tile = tile_of(ld.gi), c = kwi * p.per + ld.j;
-    if (ld_step < steps && tile < ntiles && c < nchunks) {
-      const int row_a = min(tile * 16 + g, p.N - 1), row_b = min(tile * 16 + g + 8, p.N - 1);
-      st.wa = ld_stream16(p.w + size_t(row_a) * size_t(kp >> 1) + size_t(c) * 64 + tq * 16);
-      st.wb = ld_stream16(p.w + size_t(row_b) * size_t(kp >> 1) + size_t(c) * 64 + tq * 16);
-      st.sa = __ldg(reinterpret_cast<const uint2*>(p.s + size_t(row_a) * size_t(kp >> 4) + size_t(c) * 8));
-      st.sb = __ldg(reinterpret_cast<const uint2*>(p.s + size_t(row_b) * size_t(kp >> 4) + size_t(c) * 8));
-#pragma unroll
-      for (int s = 0; s < 8; ++s) {
-        const int kk = c * 128 + s * 16, kx = (kk >> 1) + tq;
-        st.b[2 * s] = kk < p.K ? __ldg(brow + kx) : 0u;
-        st.b[2 * s + 1] = kk < p.K ? __ldg(brow + kx + 4) : 0u;
-      }
-    } else {
-      st.wa = st.wb = make_uint4(0u, 0u, 0u, 0u);
-      st.sa = st.sb = make_uint2(0u, 0u);
-    }
-    ld.advance(p.per);
-    ++ld_step;
-  };
-  auto compute = [&](const StreamStage& st, float (&acc)[4]) {
-    const int c = kwi * p.per + cm.j;
-    if (tile_of(cm.gi) >= ntiles || c >= nchunks) return;
-    const uint32_t wra[4] = {st.wa.x, st.wa.y, st.wa.z, st.wa.w};
-    const uint32_t wrb[4] = {st.wb.x, st.wb.y, st.wb.z, st.wb.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      uint32_t ra[4], rb[4];
-      decode_word(wra[j], ra);
-      decode_word(wrb[j], rb);
-#pragma unroll
-      for (int hs = 0; hs < 2; ++hs) {
-        const int s = 2 * j + hs;
-        if (c * 128 + s * 16 >= p.K) continue;
-        uint32_t a[4];
-        a_fragment(ra, rb, st.sa, st.sb, s, a);
-        mma16816(acc, a[0], a[1], a[2], a[3], st.b[2 * s], st.b[2 * s + 1]);
-      }
-    }
-  };
-  // End of a group: reduce the kw partial sums of each row tile through shared memory, store.
-  auto finish = [&](float (&acc)[4]) {
-    const int tile = tile_of(cm.gi);
-    if (p.kw > 1) {
-      if (kwi != 0) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) red[warp][r][lane] = acc[r];
-      }
-      __syncthreads();
-      if (kwi == 0) {
-        for (int w2 = 1; w2 < p.kw; ++w2) {
-#pragma unroll
-          for (int r = 0; r < 4; ++r) acc[r] += red[warp + w2][r][lane];
-        }
-      }
-    }
-    if (kwi == 0 && tile < ntiles) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int pos = 2 * tq + e, na = tile * 16 + g;
-        if (pos >= p.M) continue;
-        if (na < p.N) store_out(p.y, size_t(pos) * p.N + na, acc[e] * alpha, p.out_kind);
-        if (na + 8 < p.N) store_out(p.y, size_t(pos) * p.N + na + 8, acc[2 + e] * alpha, p.out_kind);
-      }
-    }
-    if (p.kw > 1) __syncthreads();  // `red` is written again by the next group
-    acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
-  };
-
-  StreamStage ring[kRing];
-#pragma unroll
-  for (int i = 0; i < kRing; ++i) load(ring[i]);
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int base = 0; base < steps; base += kRing) {
-#pragma unroll
-    for (int i = 0; i < kRing; ++i) {
-      if (base + i < steps) {
-        compute(ring[i], acc);
-        load(ring[i]);  // step base + i + kRing: in flight while the next kRing - 1 stages compute
-        if (cm.j == p.per - 1) finish(acc);
-        cm.advance(p.per);
-      }
-    }
   }
 }
 
@@ -718,6 +581,147 @@ __global__ void __launch_bounds__(kThreads, 1) nvfp4_tiled_kernel(const TiledPar
     } else {
       for (int u = 0; u < 8 && n + u < p.N; ++u) store_out(p.y, o + u, v[u], p.out_kind);
     }
+  }
+}
+
+// ------------------------------------------------------------------------------------------ gemv kernel
+// Decode GEMV: dense M <= 8, and the MoE projections while experts see few tokens. Work split as in skinny (a
+// warp owns 16 rows x a K range, warps of a CTA split K), but each warp streams its chunks through its own
+// shared-memory ring of kStages chunks filled by cp.async (weights, scales and the chunk's activation rows), so
+// kStages - 1 chunks are in flight without holding registers, and the activation fragments come from the ring by
+// ldmatrix: nothing on the mma's critical path waits on L1/L2 (skinny's per-k-step activation loads did).
+// With PDL (dense too) a CTA may start under the previous kernel's tail but reads nothing before
+// griddepcontrol.wait, weights included: the op cannot know that its weights were not just written (a copy of a
+// misaligned view, a buffer materialized by Inductor). A version that prefetched weights before the wait (~1 us
+// faster per call) passed every kernel test but made the shipped model's compiled decode part from eager decode.
+template <int ROWS>  // activation rows per pass (2 or 8); the mma's other columns repeat them and are dropped
+struct GemvCfg {
+  static constexpr int kStages = ROWS <= 2 ? 6 : 3;
+  static constexpr int kW = 1024;        // [2][32 lanes] x 16 B: rows g / g + 8 of the chunk, lane order
+  static constexpr int kS = 128;         // [16 rows] x 8 scale bytes
+  static constexpr int kX = ROWS * 256;  // [ROWS] x 128 bf16, 16-byte pieces XOR-swizzled by row (ldmatrix)
+  static constexpr int kStage = kW + kS + kX;
+  static constexpr int kSmem = kStage * kStages * kWarps;
+};
+
+template <int MODE, int ROWS>
+__global__ void __launch_bounds__(kThreads, 2) nvfp4_gemv_kernel(const SkinnyParams p) {
+  using Cfg = GemvCfg<ROWS>;
+  constexpr int S = Cfg::kStages;
+  extern __shared__ __align__(128) uint8_t gsmem[];
+  __shared__ float red[kWarps][4][32];
+  if (p.pdl) pdl_wait();
+  Task task;
+  if (!resolve_task<MODE>(p, task)) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const int kw = warp % p.kw, rt = warp / p.kw;
+  const int ntiles = (task.N + 15) >> 4;
+  const int tile0 = blockIdx.x * p.rt;
+  if (tile0 >= ntiles) return;
+  const bool tile_ok = tile0 + rt < ntiles;
+  const int tile = tile_ok ? tile0 + rt : ntiles - 1;
+  const int kp = (task.K + 127) & ~127, nchunks = kp >> 7;
+  const int per = (nchunks + p.kw - 1) / p.kw;
+  const int c_begin = min(kw * per, nchunks), c_end = min(c_begin + per, nchunks);
+  const uint8_t* wa_ptr = task.w + size_t(min(tile * 16 + g, task.N - 1)) * size_t(kp >> 1) + tq * 16;
+  const uint8_t* wb_ptr = task.w + size_t(min(tile * 16 + g + 8, task.N - 1)) * size_t(kp >> 1) + tq * 16;
+  const uint8_t* s_ptr = task.s + size_t(min(tile * 16 + (lane & 15), task.N - 1)) * size_t(kp >> 4);
+  uint8_t* ring = gsmem + warp * (Cfg::kStage * S);
+
+  auto issue_w = [&](int c, uint8_t* st) {
+    if (c < c_end) {
+      cp_async16(st + lane * 16, wa_ptr + size_t(c) * 64, 16);
+      cp_async16(st + 512 + lane * 16, wb_ptr + size_t(c) * 64, 16);
+      if (lane < 16) cp_async8(st + Cfg::kW + lane * 8, s_ptr + size_t(c) * 8, 8);
+    }
+  };
+  // Lane: piece lane & 15 (8 bf16) of rows lane >> 4, + 2, ...; rows past the pass and k past K are zero-filled.
+  const bf16* xrow[ROWS / 2];
+  auto issue_x = [&](int c, uint8_t* st, int rows) {
+    if (c < c_end) {
+      const int pc = lane & 15, k0 = c * 128 + pc * 8;
+#pragma unroll
+      for (int i = 0; i < ROWS / 2; ++i) {
+        const int r = (lane >> 4) + 2 * i;
+        const bool ok = r < rows && k0 < task.K;
+        cp_async16(st + Cfg::kW + Cfg::kS + r * 256 + ((pc ^ (r & 7)) << 4), ok ? xrow[i] + k0 : xrow[0],
+                   ok ? 16 : 0);
+      }
+    }
+  };
+
+  for (int tt = 0; tt < task.cnt; tt += ROWS) {
+    const int rows = min(ROWS, task.cnt - tt);
+    // prologue: weights of the first S - 1 chunks as one group, then each chunk's activations as a group
+#pragma unroll
+    for (int j = 0; j < S - 1; ++j) issue_w(c_begin + j, ring + j * Cfg::kStage);
+    cp_async_commit();
+#pragma unroll
+    for (int i = 0; i < ROWS / 2; ++i)
+      xrow[i] = b_row<MODE>(p, task, tt + min((lane >> 4) + 2 * i, rows - 1));
+#pragma unroll
+    for (int j = 0; j < S - 1; ++j) {
+      issue_x(c_begin + j, ring + j * Cfg::kStage, rows);
+      cp_async_commit();
+    }
+    // ldmatrix row address of this lane: matrix m = lane >> 3 (k-step +m/2, half m&1), token lane & 7
+    const int xr = (lane & 7) & (ROWS - 1), xm = lane >> 3;
+    float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int c = c_begin, slot = 0; c < c_end; ++c) {
+      // refill the slot consumed last iteration (the __syncwarp at the loop end ordered its reads first)
+      uint8_t* nx = ring + ((slot + S - 1) % S) * Cfg::kStage;
+      issue_w(c + S - 1, nx);
+      issue_x(c + S - 1, nx, rows);
+      cp_async_commit();
+      cp_async_wait<S - 1>();  // this thread's copies of chunk c have landed
+      __syncwarp();            // ... and every lane's
+      const uint8_t* st = ring + slot * Cfg::kStage;
+      const uint4 wa = *reinterpret_cast<const uint4*>(st + lane * 16);
+      const uint4 wb = *reinterpret_cast<const uint4*>(st + 512 + lane * 16);
+      const uint2 sa = *reinterpret_cast<const uint2*>(st + Cfg::kW + g * 8);
+      const uint2 sb = *reinterpret_cast<const uint2*>(st + Cfg::kW + (g + 8) * 8);
+      uint32_t b[4][4];  // k-steps 2q, 2q + 1: {b0, b1, b0', b1'}
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int pc = (2 * q + (xm >> 1)) * 2 + (xm & 1);
+        ldmatrix_x4(b[q], st + Cfg::kW + Cfg::kS + xr * 256 + ((pc ^ xr) << 4));
+      }
+      const uint32_t wra[4] = {wa.x, wa.y, wa.z, wa.w};
+      const uint32_t wrb[4] = {wb.x, wb.y, wb.z, wb.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint32_t ra[4], rb[4], a[4];
+        decode_word(wra[j], ra);
+        decode_word(wrb[j], rb);
+        a_fragment(ra, rb, sa, sb, 2 * j, a);
+        mma16816(acc0, a[0], a[1], a[2], a[3], b[j][0], b[j][1]);
+        a_fragment(ra, rb, sa, sb, 2 * j + 1, a);
+        mma16816(acc1, a[0], a[1], a[2], a[3], b[j][2], b[j][3]);
+      }
+      __syncwarp();  // every lane's reads of this slot are done before it is refilled
+      slot = slot + 1 == S ? 0 : slot + 1;
+    }
+    cp_async_wait<0>();  // no copy outlives the pass (the next pass refills from slot 0)
+    __syncwarp();
+    float acc[1][4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) acc[0][r] = acc0[r] + acc1[r];
+    if (p.pdl && tt + ROWS >= task.cnt) pdl_trigger();
+    if (p.kw > 1) {
+      if (kw != 0) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) red[warp][r][lane] = acc[0][r];
+      }
+      __syncthreads();
+      if (kw == 0) {
+        for (int w2 = 1; w2 < p.kw; ++w2) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) acc[0][r] += red[warp + w2][r][lane];
+        }
+      }
+    }
+    if (kw == 0 && tile_ok) skinny_epilogue<MODE, 1>(p, task, acc, tile, tt, g, tq, ROWS);
+    if (p.kw > 1) __syncthreads();  // `red` is reused by the next pass
   }
 }
 
@@ -1009,22 +1013,37 @@ int sm_count() {
   return n;
 }
 
-// Stream kernel split: the kw (K-splits per row tile, rt = 8 / kw tiles per CTA) that minimizes the chunks the
-// busiest warp streams, groups spread over at most one CTA per SM; a K split costs about one chunk (reduction).
-void pick_stream_split(int64_t ntiles, int64_t nchunks, int64_t nsm, StreamParams& p) {
+// gemv split: the kw (K-splits per row tile; rt = 8 / kw tiles per CTA) with the fewest chunk-times, counting
+// waves of 2 CTAs per SM and ~4 chunk-times of pipeline fill per wave.
+void pick_gemv_split(int64_t ntiles, int64_t nchunks, int64_t slots, int& kw, int& rt) {
+  const int64_t cap = 2 * int64_t(sm_count());
   int64_t best = -1;
-  for (int kw = 1; kw <= kWarps; kw *= 2) {
-    if (kw > 1 && kw / 2 >= nchunks) break;
-    const int64_t rt = kWarps / kw, per = (nchunks + kw - 1) / kw, groups = (ntiles + rt - 1) / rt;
-    const int64_t cost = (groups + nsm - 1) / nsm * per + (kw > 1 ? 1 : 0);
+  for (int k = 1; k <= kWarps; k *= 2) {
+    if (k > 1 && k / 2 >= nchunks) break;
+    const int64_t r = kWarps / k, per = (nchunks + k - 1) / k;
+    const int64_t waves = (((ntiles + r - 1) / r) * slots + cap - 1) / cap;
+    const int64_t cost = waves * (per + 4) + (k > 1 ? 1 : 0);
     if (best < 0 || cost < best) {
       best = cost;
-      p.kw = kw;
-      p.rt = int(rt);
-      p.per = int(per);
-      p.ngroups = int(groups);
+      kw = k;
+      rt = int(r);
     }
   }
+}
+
+template <int MODE, int ROWS>
+cudaError_t launch_gemv(const SkinnyParams& p, dim3 grid, cudaStream_t stream) {
+  auto kernel = nvfp4_gemv_kernel<MODE, ROWS>;
+  static bool smem_set[64] = {};  // per device; the attribute is set before the first launch (never in capture)
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (!smem_set[dev & 63]) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, GemvCfg<ROWS>::kSmem);
+    if (err != cudaSuccess) return err;
+    smem_set[dev & 63] = true;
+  }
+  return launch_ex(p.pdl != 0, kernel, grid, dim3(kThreads), size_t(GemvCfg<ROWS>::kSmem), stream, p);
 }
 
 template <typename... Params, typename... Args>
@@ -1076,22 +1095,22 @@ extern "C" cudaError_t dsv4_nvfp4_linear_launch(const Nvfp4LinearArgs* a, cudaSt
     nvfp4_tiled_kernel<<<grid, kThreads, kTiledSmem, stream>>>(p);
     return cudaGetLastError();
   }
-  if (a->stream && a->M <= 8) {
-    StreamParams p{};
+  if (a->gemv && a->M <= 8 && reinterpret_cast<uintptr_t>(a->x) % 16 == 0) {
+    SkinnyParams p{};
     p.x = reinterpret_cast<const bf16*>(a->x);
     p.y = a->y;
     p.out_kind = a->out_kind;
     p.gs_act = a->gs_act;
+    p.M = int(a->M);
     p.w = a->w;
     p.s = a->s;
     p.g = a->gs;
-    p.M = int(a->M);
     p.N = int(a->N);
     p.K = int(a->K);
-    const int nsm = sm_count();
-    pick_stream_split(ntiles, nchunks, nsm, p);
-    nvfp4_stream_kernel<<<unsigned(p.ngroups < nsm ? p.ngroups : nsm), kThreads, 0, stream>>>(p);
-    return cudaGetLastError();
+    p.pdl = a->pdl;
+    pick_gemv_split(ntiles, nchunks, 1, p.kw, p.rt);
+    const dim3 grid(unsigned((ntiles + p.rt - 1) / p.rt), 1);
+    return a->M <= 2 ? launch_gemv<kDense, 2>(p, grid, stream) : launch_gemv<kDense, 8>(p, grid, stream);
   }
   SkinnyParams p{};
   p.x = reinterpret_cast<const bf16*>(a->x);
@@ -1165,9 +1184,12 @@ extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t
     p.n_rslots = int(TK < a->E ? TK : a->E);
     p.wts = a->wts;
     p.limit = a->limit;
-    // tokens per tile: ~2x the mean tokens per expert (the kernel loops over more)
+    // tokens per tile: ~2x the mean tokens per expert (the kernel loops over more). One 8-token tile: the
+    // gemv kernel (2-token passes while T <= 2), else skinny with 8 * nt tokens per pass.
     const int nt = pick_nt((TK + a->E - 1) / a->E * 2);
-    p.s_chunk = 8 * nt;
+    const bool gemv = a->gemv && nt == 1;
+    const int gemv_rows = a->T <= 2 ? 2 : 8;
+    p.s_chunk = gemv ? gemv_rows : 8 * nt;
     p.n_sslots = shared ? int((a->T + p.s_chunk - 1) / p.s_chunk) : 0;
     const int slots = p.n_rslots + p.n_sslots;
     // up: gate/up rows [2I] x K = d; B rows = tokens of x
@@ -1179,9 +1201,15 @@ extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t
     p.out_shared = h + TK * a->I;
     const int64_t nmax_up = (shared && a->Is > a->I ? a->Is : a->I) * 2;
     const int64_t kchunks_d = (a->d + 127) / 128;
-    pick_split((nmax_up + 15) / 16, kchunks_d, slots, p.kw, p.rt);
-    err = launch_skinny<kMoeUp>(p, nt, dim3(unsigned(((nmax_up + 15) / 16 + p.rt - 1) / p.rt), unsigned(slots)),
-                                stream);
+    if (gemv) {
+      pick_gemv_split((nmax_up + 15) / 16, kchunks_d, slots, p.kw, p.rt);
+      const dim3 grid(unsigned(((nmax_up + 15) / 16 + p.rt - 1) / p.rt), unsigned(slots));
+      err = gemv_rows == 2 ? launch_gemv<kMoeUp, 2>(p, grid, stream) : launch_gemv<kMoeUp, 8>(p, grid, stream);
+    } else {
+      pick_split((nmax_up + 15) / 16, kchunks_d, slots, p.kw, p.rt);
+      err = launch_skinny<kMoeUp>(p, nt, dim3(unsigned(((nmax_up + 15) / 16 + p.rt - 1) / p.rt), unsigned(slots)),
+                                  stream);
+    }
     if (err != cudaSuccess) return err;
     // down: rows d x K = I (Is); B rows = h
     p.w = a->w2, p.s = a->s2, p.g = a->g2, p.N = int(a->d), p.K = int(a->I);
@@ -1192,8 +1220,14 @@ extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t
     p.out_shared = o + TK * a->d;
     const int64_t kmax = shared && a->Is > a->I ? a->Is : a->I;
     const int64_t ntiles_d = (a->d + 15) / 16;
-    pick_split(ntiles_d, (kmax + 127) / 128, slots, p.kw, p.rt);
-    err = launch_skinny<kMoeDown>(p, nt, dim3(unsigned((ntiles_d + p.rt - 1) / p.rt), unsigned(slots)), stream);
+    if (gemv) {
+      pick_gemv_split(ntiles_d, (kmax + 127) / 128, slots, p.kw, p.rt);
+      const dim3 grid(unsigned((ntiles_d + p.rt - 1) / p.rt), unsigned(slots));
+      err = gemv_rows == 2 ? launch_gemv<kMoeDown, 2>(p, grid, stream) : launch_gemv<kMoeDown, 8>(p, grid, stream);
+    } else {
+      pick_split(ntiles_d, (kmax + 127) / 128, slots, p.kw, p.rt);
+      err = launch_skinny<kMoeDown>(p, nt, dim3(unsigned((ntiles_d + p.rt - 1) / p.rt), unsigned(slots)), stream);
+    }
     if (err != cudaSuccess) return err;
   }
   const int64_t items = a->T * (a->d / 8);

@@ -15,7 +15,8 @@ struct Nvfp4LinearArgs {
   int out_kind;
   int64_t M, N, K;
   int simple;               // 1: the plain CUDA-core kernel
-  int stream;               // 1: the persistent streaming GEMV for M <= 8 (opt-in)
+  int gemv;                 // 1: the gemv kernel for M <= 8 (opt-in; default: skinny)
+  int pdl;                  // launch the gemv kernel with programmatic dependent launch
 };
 
 // Canonical NVFP4 activations -> bf16 code * block scale (no global scale), exact.
@@ -44,6 +45,7 @@ struct Nvfp4MoeArgs {
   void* o;                  // bf16 workspace: (T*k + T) * d
   void* y;                  // bf16 [T, d]
   int simple;
+  int gemv;                 // 1: the gemv kernel while T*k <= 4E (opt-in; default: skinny)
   int pdl;                  // chain the MoE kernels with programmatic dependent launch
 };
 
