@@ -35,10 +35,13 @@ def eager_decode(engine, prompts: list[list[int]], steps: int) -> tuple[torch.Te
 
 
 @torch.no_grad()
-def forced_decode(engine, prompts: list[list[int]], fed: torch.Tensor, **runner_options) -> torch.Tensor:
-    """fp32 logits [steps, B, V] (CPU) of a fresh DecodeRunner(**runner_options) fed `fed` step by step."""
-    torch._dynamo.reset()
-    runner = DecodeRunner(engine.model, **runner_options)
+def forced_decode(engine, prompts: list[list[int]], fed: torch.Tensor, runner: DecodeRunner | None = None,
+                  **runner_options) -> torch.Tensor:
+    """fp32 logits [steps, B, V] (CPU) of `runner` (default: a fresh DecodeRunner(**runner_options)) fed `fed`
+    step by step."""
+    if runner is None:
+        torch._dynamo.reset()
+        runner = DecodeRunner(engine.model, **runner_options)
     b = len(prompts)
     runner.prepare(b)  # compiles / captures; its warm-up writes cache rows, so it runs before the prefill
     _prefill(engine, prompts)

@@ -176,14 +176,15 @@ def eager_forced(fp32_engine, prompt_ids):
 TOL = 5e-2
 
 
-def check_path_against_eager(engine, prompt_ids, eager_ids, eager_forced, res, options, what: str) -> None:
+def check_path_against_eager(engine, prompt_ids, eager_ids, eager_forced, res, what: str) -> None:
     """Per (step, row) of teacher-forced decode: the path's logits within TOL of eager's at >= 90% of them,
     the same greedy token wherever the drift cannot flip it; free-running ids = eager's up to each row's first
     step that the drift could flip."""
     from dsv4_model.decode_compare import decidable, forced_decode
+    from dsv4_model.generate import get_runner
 
     fed, ref = eager_forced
-    got = forced_decode(engine, prompt_ids, fed, **options)
+    got = forced_decode(engine, prompt_ids, fed, runner=get_runner(engine))  # the runner `res` came from
     drift = (got - ref).abs().amax(dim=-1)  # [steps, B]
     far = float((drift > TOL).float().mean())
     assert far <= 0.1, f"{what}: {far:.0%} of decode steps drift by more than {TOL} (max {float(drift.max()):.3g})"
@@ -205,7 +206,7 @@ def test_compiled_path_matches_eager(fp32_engine, prompt_ids, eager_ids, eager_f
     res = run_path(fp32_engine, prompt_ids, **options)
     assert res.mode == mode
     assert counters["inductor"]["cudagraph_skips"] == 0  # reduce-overhead really replayed CUDA graphs
-    check_path_against_eager(fp32_engine, prompt_ids, eager_ids, eager_forced, res, options, path)
+    check_path_against_eager(fp32_engine, prompt_ids, eager_ids, eager_forced, res, path)
 
 
 def test_exported_artifact_matches_eager(tmp_path, fp32_engine, prompt_ids, eager_ids):
