@@ -98,6 +98,12 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
 // attribute may start before its predecessor finishes; griddepcontrol.wait blocks until the predecessor grids
 // have completed and their writes are visible, launch_dependents lets the successor's CTAs be scheduled.
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+// Warm L2 (the GPU's point of coherence: a later write by another kernel updates the same lines, so this is a hint
+// that can never make a later read stale). bytes: a multiple of 16, p 16-byte aligned.
+__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
@@ -297,9 +303,13 @@ struct WStage {
 template <int MODE, int NT>
 __global__ void __launch_bounds__(kThreads) nvfp4_skinny_kernel(const SkinnyParams p) {
   __shared__ float red[kWarps][NT * 4][32];
-  if (p.pdl) pdl_wait();
+  if (MODE != kDense && p.pdl) pdl_wait();  // MoE: the experts come from the routing kernel
   Task task;
-  if (!resolve_task<MODE>(p, task)) return;
+  if (MODE == kDense) {  // the weights and the shape are launch parameters: known before the wait
+    task.w = p.w, task.s = p.s, task.N = p.N, task.K = p.K, task.cnt = p.M, task.base = 0, task.kind = 0;
+  } else if (!resolve_task<MODE>(p, task)) {
+    return;
+  }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   const int kw = warp % p.kw, rt = warp / p.kw;
   const int ntiles = (task.N + 15) >> 4;
@@ -592,8 +602,8 @@ __global__ void __launch_bounds__(kThreads, 1) nvfp4_tiled_kernel(const TiledPar
 // ldmatrix: nothing on the mma's critical path waits on L1/L2 (skinny's per-k-step activation loads did).
 // With PDL (dense too) a CTA may start under the previous kernel's tail but reads nothing before
 // griddepcontrol.wait, weights included: the op cannot know that its weights were not just written (a copy of a
-// misaligned view, a buffer materialized by Inductor). A version that prefetched weights before the wait (~1 us
-// faster per call) passed every kernel test but made the shipped model's compiled decode part from eager decode.
+// misaligned view, a test's copy_). Dense CTAs only warm L2 with their weights before the wait. (Loading weights
+// into the ring before the wait measured ~1 us faster per call.)
 template <int ROWS>  // activation rows per pass (2 or 8); the mma's other columns repeat them and are dropped
 struct GemvCfg {
   static constexpr int kStages = ROWS <= 2 ? 6 : 3;
@@ -610,9 +620,13 @@ __global__ void __launch_bounds__(kThreads, 2) nvfp4_gemv_kernel(const SkinnyPar
   constexpr int S = Cfg::kStages;
   extern __shared__ __align__(128) uint8_t gsmem[];
   __shared__ float red[kWarps][4][32];
-  if (p.pdl) pdl_wait();
+  if (MODE != kDense && p.pdl) pdl_wait();  // MoE: the experts come from the routing kernel
   Task task;
-  if (!resolve_task<MODE>(p, task)) return;
+  if (MODE == kDense) {  // the weights and the shape are launch parameters: known before the wait
+    task.w = p.w, task.s = p.s, task.N = p.N, task.K = p.K, task.cnt = p.M, task.base = 0, task.kind = 0;
+  } else if (!resolve_task<MODE>(p, task)) {
+    return;
+  }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   const int kw = warp % p.kw, rt = warp / p.kw;
   const int ntiles = (task.N + 15) >> 4;
@@ -627,6 +641,21 @@ __global__ void __launch_bounds__(kThreads, 2) nvfp4_gemv_kernel(const SkinnyPar
   const uint8_t* wb_ptr = task.w + size_t(min(tile * 16 + g + 8, task.N - 1)) * size_t(kp >> 1) + tq * 16;
   const uint8_t* s_ptr = task.s + size_t(min(tile * 16 + (lane & 15), task.N - 1)) * size_t(kp >> 4);
   uint8_t* ring = gsmem + warp * (Cfg::kStage * S);
+  if (MODE == kDense) {
+    if (p.pdl) {
+      if (lane < 16 && c_end > c_begin) {  // lane l: row l of the tile, this warp's K range
+        const size_t row = size_t(min(tile * 16 + lane, task.N - 1));
+        prefetch_l2_bulk(task.w + row * size_t(kp >> 1) + size_t(c_begin) * 64, uint32_t(c_end - c_begin) * 64);
+        const uint8_t* srow = task.s + row * size_t(kp >> 4) + size_t(c_begin) * 8;
+        for (int off = 0; off < (c_end - c_begin) * 8; off += 128) prefetch_l2(srow + off);
+        prefetch_l2(srow + (c_end - c_begin) * 8 - 1);
+      }
+      pdl_wait();
+    }
+    float a = __ldg(p.g) * kUnbias;
+    if (p.gs_act != nullptr) a *= __ldg(p.gs_act);
+    task.alpha = a;
+  }
 
   auto issue_w = [&](int c, uint8_t* st) {
     if (c < c_end) {
