@@ -467,8 +467,8 @@ def test_moe_cuda_v4_flash(T):
     with env_var("DSV4_NVFP4_PDL", "0"):  # the same kernels without programmatic dependent launch
         assert torch.equal(ops.nvfp4_moe(x, ids, wts, *args, 10.0), out)
     with kernel_choice("gemv"):
-        assert_moe_close(ops.nvfp4_moe(x, ids, wts, *args, 10.0), ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, shared, 10.0),
-                         f"cuda gemv moe T={T}")
+        out = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
+    assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, shared, 10.0), f"cuda gemv moe T={T}")
 
 
 @pytest.mark.cuda

@@ -657,64 +657,67 @@ __global__ void __launch_bounds__(kThreads, 2) nvfp4_gemv_kernel(const SkinnyPar
     task.alpha = a;
   }
 
-  auto issue_w = [&](int c, uint8_t* st) {
-    if (c < c_end) {
-      cp_async16(st + lane * 16, wa_ptr + size_t(c) * 64, 16);
-      cp_async16(st + 512 + lane * 16, wb_ptr + size_t(c) * 64, 16);
-      if (lane < 16) cp_async8(st + Cfg::kW + lane * 8, s_ptr + size_t(c) * 8, 8);
-    }
-  };
-  // Lane: piece lane & 15 (8 bf16) of rows lane >> 4, + 2, ...; rows past the pass and k past K are zero-filled.
-  const bf16* xrow[ROWS / 2];
-  auto issue_x = [&](int c, uint8_t* st, int rows) {
-    if (c < c_end) {
-      const int pc = lane & 15, k0 = c * 128 + pc * 8;
+  // This lane's copies go to fixed offsets of a stage: its 16 bytes of rows g / g + 8, the scale bytes of row
+  // `lane` (lanes < 16), and piece lane & 15 (8 bf16) of activation rows lane >> 4, + 2, ... (XOR-swizzled).
+  const int pc = lane & 15;
+  uint32_t x_dst[ROWS / 2];
 #pragma unroll
-      for (int i = 0; i < ROWS / 2; ++i) {
-        const int r = (lane >> 4) + 2 * i;
-        const bool ok = r < rows && k0 < task.K;
-        cp_async16(st + Cfg::kW + Cfg::kS + r * 256 + ((pc ^ (r & 7)) << 4), ok ? xrow[i] + k0 : xrow[0],
-                   ok ? 16 : 0);
-      }
-    }
-  };
+  for (int i = 0; i < ROWS / 2; ++i) {
+    const int r = (lane >> 4) + 2 * i;
+    x_dst[i] = Cfg::kW + Cfg::kS + r * 256 + ((pc ^ (r & 7)) << 4);
+  }
+  // ldmatrix: matrix m = lane >> 3 (k-step 2q + m / 2, half m & 1), token row lane & 7 (repeating the pass rows)
+  const int xr = (lane & 7) & (ROWS - 1), xm = lane >> 3;
+  uint32_t ldm[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int piece = (2 * q + (xm >> 1)) * 2 + (xm & 1);
+    ldm[q] = Cfg::kW + Cfg::kS + xr * 256 + ((piece ^ xr) << 4);
+  }
+  uint8_t* const ring_end = ring + Cfg::kStage * S;
 
   for (int tt = 0; tt < task.cnt; tt += ROWS) {
     const int rows = min(ROWS, task.cnt - tt);
-    // prologue: weights of the first S - 1 chunks as one group, then each chunk's activations as a group
-#pragma unroll
-    for (int j = 0; j < S - 1; ++j) issue_w(c_begin + j, ring + j * Cfg::kStage);
-    cp_async_commit();
+    const bf16* xrow[ROWS / 2];
 #pragma unroll
     for (int i = 0; i < ROWS / 2; ++i)
       xrow[i] = b_row<MODE>(p, task, tt + min((lane >> 4) + 2 * i, rows - 1));
+    // Issue cursor: chunk ci (one cp.async group per chunk, empty past c_end) into stage ist.
+    int ci = c_begin, kx = c_begin * 128 + pc * 8;
+    const uint8_t* wa_i = wa_ptr + size_t(c_begin) * 64;
+    const uint8_t* wb_i = wb_ptr + size_t(c_begin) * 64;
+    const uint8_t* s_i = s_ptr + size_t(c_begin) * 8;
+    uint8_t* ist = ring;
+    auto issue = [&]() {
+      if (ci < c_end) {
+        cp_async16(ist + lane * 16, wa_i, 16);
+        cp_async16(ist + 512 + lane * 16, wb_i, 16);
+        if (lane < 16) cp_async8(ist + Cfg::kW + lane * 8, s_i, 8);
 #pragma unroll
-    for (int j = 0; j < S - 1; ++j) {
-      issue_x(c_begin + j, ring + j * Cfg::kStage, rows);
+        for (int i = 0; i < ROWS / 2; ++i) {
+          const bool ok = (lane >> 4) + 2 * i < rows && kx < task.K;
+          cp_async16(ist + x_dst[i], ok ? xrow[i] + kx : xrow[0], ok ? 16 : 0);
+        }
+      }
       cp_async_commit();
-    }
-    // ldmatrix row address of this lane: matrix m = lane >> 3 (k-step +m/2, half m&1), token lane & 7
-    const int xr = (lane & 7) & (ROWS - 1), xm = lane >> 3;
+      ++ci, kx += 128, wa_i += 64, wb_i += 64, s_i += 8;
+      ist = ist + Cfg::kStage == ring_end ? ring : ist + Cfg::kStage;
+    };
+#pragma unroll
+    for (int j = 0; j < S - 1; ++j) issue();
     float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int c = c_begin, slot = 0; c < c_end; ++c) {
-      // refill the slot consumed last iteration (the __syncwarp at the loop end ordered its reads first)
-      uint8_t* nx = ring + ((slot + S - 1) % S) * Cfg::kStage;
-      issue_w(c + S - 1, nx);
-      issue_x(c + S - 1, nx, rows);
-      cp_async_commit();
+    const uint8_t* st = ring;
+    for (int c = c_begin; c < c_end; ++c) {
+      issue();  // chunk c + S - 1 into the stage consumed last iteration (the __syncwarp below ordered its reads)
       cp_async_wait<S - 1>();  // this thread's copies of chunk c have landed
       __syncwarp();            // ... and every lane's
-      const uint8_t* st = ring + slot * Cfg::kStage;
       const uint4 wa = *reinterpret_cast<const uint4*>(st + lane * 16);
       const uint4 wb = *reinterpret_cast<const uint4*>(st + 512 + lane * 16);
       const uint2 sa = *reinterpret_cast<const uint2*>(st + Cfg::kW + g * 8);
       const uint2 sb = *reinterpret_cast<const uint2*>(st + Cfg::kW + (g + 8) * 8);
       uint32_t b[4][4];  // k-steps 2q, 2q + 1: {b0, b1, b0', b1'}
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int pc = (2 * q + (xm >> 1)) * 2 + (xm & 1);
-        ldmatrix_x4(b[q], st + Cfg::kW + Cfg::kS + xr * 256 + ((pc ^ xr) << 4));
-      }
+      for (int q = 0; q < 4; ++q) ldmatrix_x4(b[q], st + ldm[q]);
       const uint32_t wra[4] = {wa.x, wa.y, wa.z, wa.w};
       const uint32_t wrb[4] = {wb.x, wb.y, wb.z, wb.w};
 #pragma unroll
@@ -727,10 +730,10 @@ __global__ void __launch_bounds__(kThreads, 2) nvfp4_gemv_kernel(const SkinnyPar
         a_fragment(ra, rb, sa, sb, 2 * j + 1, a);
         mma16816(acc1, a[0], a[1], a[2], a[3], b[j][2], b[j][3]);
       }
-      __syncwarp();  // every lane's reads of this slot are done before it is refilled
-      slot = slot + 1 == S ? 0 : slot + 1;
+      __syncwarp();  // every lane's reads of this stage are done before it is refilled
+      st = st + Cfg::kStage == ring_end ? ring : st + Cfg::kStage;
     }
-    cp_async_wait<0>();  // no copy outlives the pass (the next pass refills from slot 0)
+    cp_async_wait<0>();  // no copy outlives the pass (the next pass refills from stage 0)
     __syncwarp();
     float acc[1][4];
 #pragma unroll
