@@ -246,3 +246,30 @@ def test_shipped_model_generates_eagerly():
     p = len(tok.encode(prompt))
     agree = (logits[p - 1: p - 1 + len(out)].argmax(-1) == torch.tensor(out)).float().mean()
     assert agree >= 0.9, f"decode/prefill greedy agreement {agree:.2f}"
+
+
+@needs_assets
+def test_teacher_forced_paths_helper():
+    """dsv4_model/decode_compare.py (the GPU test's path comparison): an eager DecodeRunner fed eager's own ids
+    reproduces eager's logits exactly, a runner fed other ids does not, and decidable() excuses exactly the steps
+    whose top-2 gap is within twice the drift."""
+    from dsv4_model.decode_compare import decidable, eager_decode, forced_decode
+    from dsv4_model.engine import Engine
+    from dsv4_model.tokenizer import load_tokenizer
+
+    engine = Engine.from_pretrained(ASSETS, device="cpu", dtype=torch.float32, max_batch_size=2, max_seq_len=64)
+    tok = load_tokenizer(ASSETS, engine.config)
+    prompts = [tok.encode("def fibonacci(n):"), tok.encode("import os\n\n\ndef ")]
+    fed, ref = eager_decode(engine, prompts, 6)
+    assert fed.shape == (6, 2) and ref.shape == (6, 2, engine.config.vocab_size)
+    assert torch.equal(fed[1:], ref[:-1].argmax(-1))  # greedy: each step feeds the previous step's argmax
+    got = forced_decode(engine, prompts, fed, compile=False, cuda_graphs=False)
+    assert torch.equal(got, ref)
+    assert bool(decidable(got, ref).all())
+    other = forced_decode(engine, prompts, (fed + 1) % engine.config.vocab_size, compile=False, cuda_graphs=False)
+    assert float((other - ref).abs().amax()) > 1.0
+    top2 = ref.topk(2, dim=-1).values
+    gap = top2[..., 0] - top2[..., 1]
+    shifted = ref.clone()
+    shifted[..., 0] += gap.amax() + 1.0  # a drift larger than every gap: nothing is decidable
+    assert not bool(decidable(shifted, ref).any())
