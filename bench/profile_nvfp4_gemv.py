@@ -6,7 +6,8 @@ launches to explain (latency vs throughput, stall reasons, occupancy). scripts/g
     ncu --kernel-name "regex:nvfp4|per_row" --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section WarpStateStats --section LaunchStats --section Occupancy python bench/profile_nvfp4_gemv.py
 
-Each shape runs 3 times on fresh weight copies (the first launch of a shape pays module loading / cold TLB).
+Each shape runs twice on fresh weight copies through the default (skinny) kernel, then twice through the opt-in
+gemv kernel (DSV4_NVFP4_GEMM_KERNEL=gemv); the first launch of a kernel pays module loading / a cold TLB.
 A per-row quantization of one 4096-wide row runs too, as the cost of a kernel that does almost nothing.
 """
 import os
@@ -29,13 +30,16 @@ def main() -> int:
         return 0
     gen = torch.Generator(device="cuda").manual_seed(0)
     gs = torch.tensor(0.01, device="cuda")
-    for name, n, k in SHAPES:
-        x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
-        for _ in range(3):
-            w, s = rand_kernel_weight((), n, k, gen)
-            torch.ops.dsv4.nvfp4_linear(x, w, s, gs)
-        torch.cuda.synchronize()
-        print(f"{name} {n}x{k}: launched 3x", flush=True)
+    for kernel in ("skinny", "gemv"):
+        os.environ["DSV4_NVFP4_GEMM_KERNEL"] = "gemv" if kernel == "gemv" else "default"  # read at each launch
+        for name, n, k in SHAPES:
+            x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
+            for _ in range(2):
+                w, s = rand_kernel_weight((), n, k, gen)
+                torch.ops.dsv4.nvfp4_linear(x, w, s, gs)
+            torch.cuda.synchronize()
+            print(f"{kernel} {name} {n}x{k}: launched 2x", flush=True)
+    os.environ.pop("DSV4_NVFP4_GEMM_KERNEL")
     row = torch.randn(1, 4096, device="cuda", generator=gen).to(torch.bfloat16)
     for _ in range(3):
         torch.ops.dsv4.fused_amax_quantize_per_row(row)
