@@ -5,7 +5,9 @@ Shapes: B batch, S tokens, H heads, D head_dim (last `rd` dims carry RoPE), W wi
 Per-layer cache (non-persistent buffers, allocated by `alloc_runtime`):
   kv_cache [max_batch, W + max_seq_len // m, D]: slots 0..W-1 a ring (token p at p % W), slot W+i = entry i.
   compressor kv_state / score_state fp32 [max_batch, c*m, c*Dc] (c = 2 for the overlapping ratio-4 compressor).
-  indexer kv_cache [max_batch, max_seq_len // m, index_head_dim].
+  indexer kv_cache [max_batch, max_seq_len // m, index_head_dim] (FP4-rounded keys in the model dtype), and the
+  same keys as DeepSeek's FP4 indexer cache: k_codes uint8 [.., index_head_dim / 2] + k_scales uint8 (UE8M0 per
+  32) [.., index_head_dim / 32], 68 bytes per 128-dim key, which decode scores with dsv4::indexer_score_topk.
 Validity is derived from positions only (ring slot s valid iff s <= p; entry i valid iff i < (p+1)//m), so rows
 never need clearing between sequences; prefill rewrites every compressor state row.
 
@@ -18,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dsv4_ops.reference import indexer_fp4_quantize_keys
 
 from .config import ModelConfig
 from .layers import Linear, RMSNorm, apply_rope, unweighted_rms_norm
@@ -156,6 +160,7 @@ class Indexer(nn.Module):
         self.max_batch = max_batch
         self.n_entries = max_seq_len // ratio
         self.simulate_quant = True
+        self.packed = True  # False: decode scores the float cache with PyTorch ops (the reference path)
         self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype)
         self.weights_proj = Linear(cfg.dim, self.n_heads, dtype)
         self.weight_scale = self.head_dim**-0.5 * self.n_heads**-0.5
@@ -164,6 +169,11 @@ class Indexer(nn.Module):
     def alloc_runtime(self, device, dtype: torch.dtype) -> None:
         self.register_buffer("kv_cache", torch.zeros(self.max_batch, self.n_entries, self.head_dim, dtype=dtype,
                                                      device=device), persistent=False)
+        u8 = dict(dtype=torch.uint8, device=device)
+        self.register_buffer("k_codes", torch.zeros(self.max_batch, self.n_entries, self.head_dim // 2, **u8),
+                             persistent=False)
+        self.register_buffer("k_scales", torch.zeros(self.max_batch, self.n_entries, self.head_dim // 32, **u8),
+                             persistent=False)
         h = hadamard_matrix(self.head_dim, device) if self.head_dim & (self.head_dim - 1) == 0 else None
         self.register_buffer("hadamard", h, persistent=False)
         self.compressor.register_buffer("hadamard", h, persistent=False)
@@ -175,6 +185,32 @@ class Indexer(nn.Module):
         if self.simulate_quant:
             q = indexer_fake_quant(q, self.hadamard)
         return q
+
+    def packed_decode(self) -> bool:
+        """Decode scores the packed FP4 cache with dsv4::indexer_score_topk: the keys are FP4 (simulate_quant)
+        and the kernel takes the shape (CUDA: D = 128, H <= 64, top-k <= 4096; the CPU kernel: any D % 32 == 0).
+        Both paths select the same entries up to fp32 summation order."""
+        if not (self.simulate_quant and self.packed):
+            return False
+        if self.kv_cache.device.type == "cuda":
+            return self.head_dim == 128 and self.n_heads <= 64 and min(self.index_topk, self.n_entries) <= 4096
+        return self.kv_cache.device.type == "cpu"
+
+    def store_prefill(self, keys: torch.Tensor) -> None:
+        """keys [B, n, Di] (FP4-rounded) -> entries [0, n) of rows [:B] of both caches."""
+        B, n = keys.shape[:2]
+        self.kv_cache[:B, :n] = keys
+        if self.packed_decode():  # FP4 values: the packed form is exact
+            codes, scales = indexer_fp4_quantize_keys(keys)
+            self.k_codes[:B, :n] = codes
+            self.k_scales[:B, :n] = scales
+
+    def select(self, q: torch.Tensor, x: torch.Tensor, n_vis: torch.Tensor, k: int) -> torch.Tensor:
+        """Decode top-k over the packed cache: q [B, H_I, Di], x [B, dim], n_vis [B] -> int32 [B, k], -1 past
+        the valid entries."""
+        B = q.shape[0]
+        w = self.weights_proj(x).float() * self.weight_scale
+        return torch.ops.dsv4.indexer_score_topk(q, w, self.k_codes[:B], self.k_scales[:B], n_vis, k)
 
     def scores(self, q: torch.Tensor, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """q [B, S, H_I, Di], x [B, S, dim], keys [B, T, Di] -> fp32 [B, S, T]."""
@@ -268,7 +304,7 @@ class Attention(nn.Module):
         if self.indexer is not None:
             ikeys = self.indexer.compressor.prefill(x, lengths, rope)
             if ikeys is not None:
-                self.indexer.kv_cache[:B, : ikeys.shape[1]] = ikeys
+                self.indexer.store_prefill(ikeys)
                 iq = self.indexer.queries(qr, cs.unsqueeze(-3))
         if self.compressor is not None:
             comp = self.compressor.prefill(x, lengths, rope)
@@ -330,14 +366,24 @@ class Attention(nn.Module):
 
         sel = sel_valid = None
         if self.indexer is not None:
-            ientry, icomplete = self.indexer.compressor.decode(x, positions, rope)
-            self._write_entry(self.indexer.kv_cache, 0, positions, ientry, icomplete)
-            iq = self.indexer.queries(qr, cs.unsqueeze(-3))
-            sc = self.indexer.scores(iq.unsqueeze(1), x.unsqueeze(1), self.indexer.kv_cache[:B]).squeeze(1)
-            n_vis = ((positions + 1) // m).unsqueeze(1)
-            sc = sc.masked_fill(torch.arange(self.n_entries, device=dev).unsqueeze(0) >= n_vis, float("-inf"))
-            sel = topk_indices(sc, min(self.indexer.index_topk, self.n_entries))
-            sel_valid = sel < n_vis
+            ix = self.indexer
+            ientry, icomplete = ix.compressor.decode(x, positions, rope)
+            self._write_entry(ix.kv_cache, 0, positions, ientry, icomplete)
+            iq = ix.queries(qr, cs.unsqueeze(-3))
+            k = min(ix.index_topk, self.n_entries)
+            if ix.packed_decode():
+                codes, scales = indexer_fp4_quantize_keys(ientry)
+                self._write_entry(ix.k_codes, 0, positions, codes, icomplete)
+                self._write_entry(ix.k_scales, 0, positions, scales, icomplete)
+                sel = ix.select(iq, x, (positions + 1) // m, k)
+                sel_valid = sel >= 0
+                sel = sel.clamp(min=0).long()
+            else:
+                sc = ix.scores(iq.unsqueeze(1), x.unsqueeze(1), ix.kv_cache[:B]).squeeze(1)
+                n_vis = ((positions + 1) // m).unsqueeze(1)
+                sc = sc.masked_fill(torch.arange(self.n_entries, device=dev).unsqueeze(0) >= n_vis, float("-inf"))
+                sel = topk_indices(sc, k)
+                sel_valid = sel < n_vis
 
         self.kv_cache.index_put_((rows, positions % W), kv)
         if self.compressor is not None:

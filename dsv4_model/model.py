@@ -179,12 +179,15 @@ class Transformer(nn.Module):
         for mod in self.modules():
             if isinstance(mod, Compressor):
                 mod.reset_state()
-            elif isinstance(mod, (Attention, Indexer)):
+            elif isinstance(mod, Attention):
                 mod.kv_cache.zero_()
+            elif isinstance(mod, Indexer):
+                for buf in (mod.kv_cache, mod.k_codes, mod.k_scales):
+                    buf.zero_()
 
     def cache_nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for n, b in self.named_buffers()
-                   if n.endswith(("kv_cache", "kv_state", "score_state")))
+                   if n.endswith(("kv_cache", "k_codes", "k_scales", "kv_state", "score_state")))
 
     def _rope(self) -> dict:
         return {"main": self.rope_main, "compress": self.rope_compress}
