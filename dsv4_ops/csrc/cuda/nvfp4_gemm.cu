@@ -303,13 +303,9 @@ struct WStage {
 template <int MODE, int NT>
 __global__ void __launch_bounds__(kThreads) nvfp4_skinny_kernel(const SkinnyParams p) {
   __shared__ float red[kWarps][NT * 4][32];
-  if (MODE != kDense && p.pdl) pdl_wait();  // MoE: the experts come from the routing kernel
+  if (p.pdl) pdl_wait();
   Task task;
-  if (MODE == kDense) {  // the weights and the shape are launch parameters: known before the wait
-    task.w = p.w, task.s = p.s, task.N = p.N, task.K = p.K, task.cnt = p.M, task.base = 0, task.kind = 0;
-  } else if (!resolve_task<MODE>(p, task)) {
-    return;
-  }
+  if (!resolve_task<MODE>(p, task)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   const int kw = warp % p.kw, rt = warp / p.kw;
   const int ntiles = (task.N + 15) >> 4;
