@@ -11,8 +11,8 @@
 // Kernels:
 //   gemv (opt-in, DSV4_NVFP4_GEMM_KERNEL=gemv: M <= 8, and the MoE projections while T*k <= 4E): skinny's work
 //     split, fed through a per-warp cp.async shared-memory ring (weights, scales, activations; see the kernel's
-//     comment); PDL for dense. 1.5-2x faster than skinny on the H200 (bench/RESULTS.md); not the default until
-//     the shipped model's compiled-vs-eager GPU test passes with it.
+//     comment); PDL for dense. 1.25-1.9x faster than skinny at M = 1 on the H200 (bench/RESULTS.md); not the
+//     default until the shipped model's compiled-vs-eager GPU test passes with it.
 //   skinny (M <= 64, and every MoE projection): each warp owns 16 rows x a K range, streams its weights
 //     straight from HBM into registers (two-deep register prefetch of 2 chunks), B fragments (activations)
 //     from L1/L2; warps of a CTA split K and reduce through shared memory. MoE: blockIdx.y = active-expert
