@@ -483,10 +483,10 @@ def test_moe_cuda_many_experts_padded(T):
         args = kernel_moe_args(w13, w2, sh)
         out = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
         assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, sh, 10.0), f"cuda moe padded T={T}")
-    for choice in ("simple", "gemv"):
+    for choice, sh in (("simple", None), ("gemv", shared), ("gemv", None)):
         with kernel_choice(choice):
-            out = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
-        assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, None, 10.0), f"cuda {choice} moe T={T}")
+            out = ops.nvfp4_moe(x, ids, wts, *kernel_moe_args(w13, w2, sh), 10.0)
+        assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, sh, 10.0), f"cuda {choice} moe T={T}")
 
 
 @pytest.mark.cuda
