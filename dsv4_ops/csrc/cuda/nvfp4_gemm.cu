@@ -1123,23 +1123,6 @@ extern "C" cudaError_t dsv4_nvfp4_linear_launch(const Nvfp4LinearArgs* a, cudaSt
     nvfp4_tiled_kernel<<<grid, kThreads, kTiledSmem, stream>>>(p);
     return cudaGetLastError();
   }
-  if (a->gemv && a->M <= 8 && reinterpret_cast<uintptr_t>(a->x) % 16 == 0) {
-    SkinnyParams p{};
-    p.x = reinterpret_cast<const bf16*>(a->x);
-    p.y = a->y;
-    p.out_kind = a->out_kind;
-    p.gs_act = a->gs_act;
-    p.M = int(a->M);
-    p.w = a->w;
-    p.s = a->s;
-    p.g = a->gs;
-    p.N = int(a->N);
-    p.K = int(a->K);
-    p.pdl = a->pdl;
-    pick_gemv_split(ntiles, nchunks, 1, p.kw, p.rt);
-    const dim3 grid(unsigned((ntiles + p.rt - 1) / p.rt), 1);
-    return a->M <= 2 ? launch_gemv<kDense, 2>(p, grid, stream) : launch_gemv<kDense, 8>(p, grid, stream);
-  }
   SkinnyParams p{};
   p.x = reinterpret_cast<const bf16*>(a->x);
   p.y = a->y;
@@ -1151,6 +1134,12 @@ extern "C" cudaError_t dsv4_nvfp4_linear_launch(const Nvfp4LinearArgs* a, cudaSt
   p.g = a->gs;
   p.N = int(a->N);
   p.K = int(a->K);
+  if (a->gemv && a->M <= 8 && reinterpret_cast<uintptr_t>(a->x) % 16 == 0) {
+    p.pdl = a->pdl;
+    pick_gemv_split(ntiles, nchunks, 1, p.kw, p.rt);
+    const dim3 grid(unsigned((ntiles + p.rt - 1) / p.rt), 1);
+    return a->M <= 2 ? launch_gemv<kDense, 2>(p, grid, stream) : launch_gemv<kDense, 8>(p, grid, stream);
+  }
   pick_split(ntiles, nchunks, 1, p.kw, p.rt);
   const dim3 grid(unsigned((ntiles + p.rt - 1) / p.rt), 1);
   return launch_skinny<kDense>(p, pick_nt(a->M), grid, stream);
