@@ -1,7 +1,8 @@
 """Benchmark of dsv4::nvfp4_linear (W4A16) and dsv4::nvfp4_moe on the H200, against bf16 PyTorch peers.
 
 Linear: DeepSeek-V4-Flash projection shapes (N x K) at M = 1, 8, 64, 512, 4096 tokens; peer = torch.matmul
-with a bf16 weight of the same shape (cuBLAS). MoE: 256 experts, top-6 (uniform random routing), d = 4096,
+with a bf16 weight of the same shape (cuBLAS). Grouped (wo_a, 8 x (1024 x 4096)): dsv4::nvfp4_linear_grouped vs
+torch.bmm on bf16 weights and vs 8 nvfp4_linear calls. MoE: 256 experts, top-6 (uniform random routing), d = 4096,
 I = 2048, T = 1, 8, 64 tokens, routed only and routed + shared expert; peer = a per-expert bf16 loop in torch
 (index_select, 3 matmuls, clamped SwiGLU, index_add_) for the same routing, captured in a CUDA graph.
 
@@ -89,8 +90,8 @@ def nvfp4_bytes(n, k):
 def bench_linear(gen):
     print("\n## nvfp4_linear (W4A16) vs bf16 torch.matmul (cuBLAS), CUDA-graph replay, weights streamed from HBM")
     print("(M > 64: 'nvfp4 us' is the default path -- tiled mma kernel for M < 256, dequantize + cuBLAS for "
-          "M >= 256; 'tiled' / 'deq+cuBLAS' force each path; M <= 8: 'nvfp4 us' is the skinny kernel (default), 'gemv' "
-          "the opt-in cp.async-ring kernel with programmatic dependent launch, 'gemv no-PDL' without)")
+          "M >= 256; 'tiled' / 'deq+cuBLAS' force each path; M <= 8: 'nvfp4 us' is the gemv kernel (default, cp.async ring, "
+          "programmatic dependent launch), 'no-PDL' the same without PDL, 'skinny' the M <= 64 kernel)")
     hdr = (f"{'proj':>13} {'N x K':>12} {'M':>5} | {'nvfp4 us':>9} {'bf16 us':>9} {'speedup':>7} | "
            f"{'GB/s':>7} {'HBM':>5} | {'TF/s':>6} {'bf16 TF/s':>9} | {'tiled us':>8} {'deq+cuBLAS':>10}")
     print(hdr)
@@ -111,15 +112,14 @@ def bench_linear(gen):
             reps_b = reps_for(n * k * 2, flops, m * n * 2)
             t_peer = graph_us(lambda i: torch.matmul(x, wb[i % bcopies].t()), reps_b)
             alt = ""
-            if m <= 8:  # the opt-in gemv kernel, with and without PDL, same weights and reps
+            if m <= 8:  # the default gemv kernel without PDL, and the skinny kernel; same weights and reps
                 ts = []
-                with kernel_choice("gemv"):
-                    for pdl in ("1", "0"):
-                        with env_var("DSV4_NVFP4_PDL", pdl):
-                            ts.append(graph_us(lambda i: ops.nvfp4_linear(x, ws[i % copies][0], ws[i % copies][1],
-                                                                          gs), reps))
+                with env_var("DSV4_NVFP4_PDL", "0"):
+                    ts.append(graph_us(lambda i: ops.nvfp4_linear(x, ws[i % copies][0], ws[i % copies][1], gs), reps))
+                with kernel_choice("skinny"):
+                    ts.append(graph_us(lambda i: ops.nvfp4_linear(x, ws[i % copies][0], ws[i % copies][1], gs), reps))
                 alt = "".join(f" | {lab} {t:6.2f} us ({wbytes / (t * 1e-6) / HBM:4.0%})"
-                              for lab, t in (("gemv", ts[0]), ("gemv no-PDL", ts[1])))
+                              for lab, t in (("no-PDL", ts[0]), ("skinny", ts[1])))
             if m > 64:
                 ts = []
                 for choice in ("tiled", "cublas"):
@@ -134,6 +134,44 @@ def bench_linear(gen):
             rows.append((name, n, k, m, t_op, t_peer))
         del ws, wb
         torch.cuda.empty_cache()
+    return rows
+
+
+def bench_grouped(gen):
+    g, n, k = 8, 1024, 4096  # V4-Flash attention wo_a: 8 groups of 1024 x 4096
+    print(f"\n## nvfp4_linear_grouped (wo_a, {g} x ({n}x{k}), one launch at M <= 64) vs bf16 torch.bmm (cuBLAS), "
+          "and vs 8 nvfp4_linear calls")
+    hdr = (f"{'M':>5} | {'grouped us':>10} {'bf16 bmm us':>11} {'speedup':>7} | {'GB/s':>7} {'HBM':>5} | "
+           f"{'8 x linear us':>13}")
+    print(hdr)
+    print("-" * len(hdr))
+    wbytes = g * nvfp4_bytes(n, k)
+    copies = max(1, min(64, math.ceil(ROTATE_BYTES / wbytes)))
+    ws = [rand_kernel_weight((g,), n, k, gen) for _ in range(copies)]
+    gs = torch.full((g,), 0.01, device="cuda")
+    bcopies = max(1, min(16, math.ceil(ROTATE_BYTES / (g * n * k * 2))))
+    wb = [torch.randn(g, n, k, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(bcopies)]
+    rows = []
+    for m in (1, 8, 64):
+        x = torch.randn(m, g, k, device="cuda", generator=gen).to(torch.bfloat16)
+        xt = x.transpose(0, 1).contiguous()  # the peer's [G, M, K]
+        reps = reps_for(wbytes, 2.0 * m * g * n * k, m * g * n * 2)
+        t_op = graph_us(lambda i: ops.nvfp4_linear_grouped(x, ws[i % copies][0], ws[i % copies][1], gs), reps)
+        t_peer = graph_us(lambda i: torch.bmm(xt, wb[i % bcopies].transpose(1, 2)), reps)
+
+        xs = [x[:, j].contiguous() for j in range(g)]
+
+        def loop(i):
+            w, sc = ws[i % copies]
+            return [ops.nvfp4_linear(xs[j], w[j], sc[j], gs[j]) for j in range(g)]
+
+        t_loop = graph_us(loop, reps)
+        gbs = wbytes / (t_op * 1e-6)
+        print(f"{m:>5} | {t_op:10.2f} {t_peer:11.2f} {t_peer / t_op:6.2f}x | {gbs / 1e9:7.0f} {gbs / HBM:5.0%} | "
+              f"{t_loop:13.2f}")
+        rows.append((m, t_op, t_peer, t_loop))
+    del ws, wb
+    torch.cuda.empty_cache()
     return rows
 
 
@@ -200,12 +238,12 @@ def bench_moe(gen):
             peer = MoePeer(bw1, bw2, bw3, bshared if variant != "routed" else None, ids, wts)
             bbytes = (n_unique + (variant != "routed")) * 3 * INTER * D * 2
             t_peer = graph_us(lambda i: peer(x), 2 if T > 8 else 5)
-            with kernel_choice("gemv"):  # the opt-in decode kernel
+            with kernel_choice("skinny"):  # the decode kernel before gemv
                 t_gv = graph_us(lambda i: ops.nvfp4_moe(x, ids, wts, w13, s13, g13, w2, s2, g2, *sh, 10.0), reps)
             gbs = nbytes / (t_op * 1e-6)
             print(f"{variant:>15} {T:>3} {n_unique:>7} | {t_op:9.1f} {gbs / 1e9:7.0f} {gbs / HBM:5.0%} | "
                   f"{t_peer:9.1f} {bbytes / (t_peer * 1e-6) / 1e9:9.0f} {t_peer / t_op:6.2f}x | "
-                  f"gemv {t_gv:7.1f} us ({nbytes / (t_gv * 1e-6) / HBM:4.0%})")
+                  f"skinny {t_gv:7.1f} us ({nbytes / (t_gv * 1e-6) / HBM:4.0%})")
             rows.append((variant, T, n_unique, t_op, t_peer))
     return rows
 
@@ -217,6 +255,7 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     bench_linear(gen)
     torch.cuda.empty_cache()
+    bench_grouped(gen)
     bench_moe(gen)
     print(f"\ntotal {time.time() - t0:.0f} s")
 

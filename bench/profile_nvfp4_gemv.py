@@ -6,8 +6,8 @@ launches to explain (latency vs throughput, stall reasons, occupancy). scripts/g
     ncu --kernel-name "regex:nvfp4|per_row" --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section WarpStateStats --section LaunchStats --section Occupancy python bench/profile_nvfp4_gemv.py
 
-Each shape runs twice on fresh weight copies through the default (skinny) kernel, then twice through the opt-in
-gemv kernel (DSV4_NVFP4_GEMM_KERNEL=gemv); the first launch of a kernel pays module loading / a cold TLB.
+Each shape runs twice on fresh weight copies through the skinny kernel (DSV4_NVFP4_GEMM_KERNEL=skinny), then
+twice through the default gemv kernel; the first launch of a kernel pays module loading / a cold TLB.
 A per-row quantization of one 4096-wide row runs too, as the cost of a kernel that does almost nothing.
 """
 import os
@@ -31,7 +31,7 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     gs = torch.tensor(0.01, device="cuda")
     for kernel in ("skinny", "gemv"):
-        os.environ["DSV4_NVFP4_GEMM_KERNEL"] = "gemv" if kernel == "gemv" else "default"  # read at each launch
+        os.environ["DSV4_NVFP4_GEMM_KERNEL"] = "skinny" if kernel == "skinny" else "default"  # read at each launch
         for name, n, k in SHAPES:
             x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
             for _ in range(2):

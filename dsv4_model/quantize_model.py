@@ -2,7 +2,7 @@
 
 Converted (the weight bytes that dominate decode):
 - attention: wq_a, wq_b, wkv, wo_b -> `Nvfp4ModelLinear`; wo_a (a grouped einsum, G groups of [R, H*D/G]) ->
-  `Nvfp4GroupedLinear`, G dsv4::nvfp4_linear calls with one global scale per group (official runs wo_a in bf16
+  `Nvfp4GroupedLinear`, one dsv4::nvfp4_linear_grouped call, one global scale per group (official runs wo_a in bf16
   because it has no grouped FP8 kernel; at 8192x4096 per layer it is as large as the activated experts, so it
   is worth 4 bits); indexer.wq_b -> `Nvfp4ModelLinear`;
 - MoE: routed experts + shared expert -> ONE `Nvfp4ModelMoE` (dsv4::nvfp4_moe, shared expert fused), one global
@@ -95,7 +95,8 @@ class Nvfp4ModelLinear(Nvfp4Linear):
 
 class Nvfp4GroupedLinear(nn.Module):
     """Grouped projection z[..., g, :] = x[..., g, :] @ W_g^T (attention wo_a): G NVFP4 matrices [R, K] with one
-    global scale each, run as G dsv4::nvfp4_linear calls. forward(x [..., G, K]) -> [..., G, R]."""
+    global scale each: one dsv4::nvfp4_linear_grouped call (W4A16; one launch at decode), G W4A4 linears.
+    forward(x [..., G, K]) -> [..., G, R]."""
 
     def __init__(self, groups: int, in_features: int, out_features: int, out_dtype: torch.dtype,
                  act_quant: str = "none", device=None):
@@ -111,14 +112,14 @@ class Nvfp4GroupedLinear(nn.Module):
         self.register_buffer("weight_global_scale", torch.zeros(groups, dtype=torch.float32, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.w4a4:
+            return torch.ops.dsv4.nvfp4_linear_grouped(x.to(torch.bfloat16), self.weight_packed, self.weight_scale,
+                                                       self.weight_global_scale).to(self.out_dtype)
         outs = []
         for g in range(self.groups):
             xg = x[..., g, :]
             w, s, gs = self.weight_packed[g], self.weight_scale[g], self.weight_global_scale[g]
-            if self.w4a4:
-                outs.append(_w4a4_rows(xg, w, s, gs).to(self.out_dtype))
-            else:
-                outs.append(torch.ops.dsv4.nvfp4_linear(xg.to(torch.bfloat16), w, s, gs).to(self.out_dtype))
+            outs.append(_w4a4_rows(xg, w, s, gs).to(self.out_dtype))
         return torch.stack(outs, dim=-2)
 
     def load_nvfp4_(self, t: Nvfp4Tensor) -> None:

@@ -402,6 +402,12 @@ def nvfp4_linear_ref(x, w_packed, w_scale, w_global_scale) -> torch.Tensor:
     return (x.float() @ w.t()).to(torch.bfloat16)
 
 
+def nvfp4_linear_grouped_ref(x, w_packed, w_scale, w_global_scale) -> torch.Tensor:
+    """x [..., G, K], G stacked matrices, global scales [G]: out[..., g, :] = nvfp4_linear_ref(x[..., g, :], W_g)."""
+    return torch.stack([nvfp4_linear_ref(x[..., g, :], w_packed[g], w_scale[g], w_global_scale[g])
+                        for g in range(x.shape[-2])], dim=-2)
+
+
 def nvfp4_linear_w4a4_ref(x_packed, x_scale, x_global_scale, w_packed, w_scale, w_global_scale,
                           out_dtype=torch.bfloat16) -> torch.Tensor:
     """W4A4 (Blackwell NVFP4 GEMM numerics): both operands dequantized exactly, fp32 accumulation."""

@@ -5,7 +5,7 @@ A kernel bug shows as a drift far above the bf16 rounding level (~1e-2 on the de
 near-tie as an argmax flip where eager's top-2 margin is below the drift.
 
 Run (GPU): python scripts/compare_decode_paths.py [--model DIR] [--dtype float32] [--steps 32]
-           DSV4_NVFP4_GEMM_KERNEL=gemv python scripts/compare_decode_paths.py   (the opt-in kernel)
+           DSV4_NVFP4_GEMM_KERNEL=skinny python scripts/compare_decode_paths.py   (the M <= 64 kernel at decode)
 CPU dry run: python scripts/compare_decode_paths.py --device cpu --paths compiled --steps 4
 """
 from __future__ import annotations

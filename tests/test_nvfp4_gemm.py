@@ -1,4 +1,4 @@
-"""dsv4::nvfp4_linear / nvfp4_linear_w4a4 / nvfp4_moe against the dequantize-then-matmul references
+"""dsv4::nvfp4_linear / nvfp4_linear_grouped / nvfp4_linear_w4a4 / nvfp4_moe against the dequantize-then-matmul references
 (dsv4_ops/reference.py), the kernel weight layout (dsv4_model/nvfp4.py), and the NVFP4 modules.
 
 Tolerance of a bf16 output: |out - ref32| <= ulp_bf16(ref32) + 2 * 2e-5 * sum_k |x_k w_k|, i.e. one bf16 rounding
@@ -68,6 +68,17 @@ def linear_case(n, k, m, gen, device):
     ref32 = x.float() @ w.t()
     bound = x.float().abs() @ w.abs().t()
     return x, (wk, sk, gs), ref32, bound
+
+
+def grouped_case(g, n, k, lead, gen, device):
+    """x [*lead, G, K], G canonical matrices in the kernel layout, fp32 reference and error bound [*lead, G, N]."""
+    packed, scale, gs = rand_nvfp4((g,), n, k, gen, device)
+    wk, sk = nv.repack_weight(packed, scale)
+    x = rand_x((*lead, g, k), gen, device)
+    w = ref.nvfp4_gemm_dequant_ref(packed, scale, gs)  # [G, N, K]
+    ref32 = torch.einsum("...gk,gnk->...gn", x.float(), w)
+    bound = torch.einsum("...gk,gnk->...gn", x.float().abs(), w.abs())
+    return x, (wk, sk, gs), (packed, scale, gs), ref32, bound
 
 
 @contextlib.contextmanager
@@ -258,14 +269,39 @@ def test_moe_cpu_invalid_ids_and_no_clamp():
         assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, None, limit), f"cpu moe limit={limit}")
 
 
+@pytest.mark.parametrize("g,n,k,lead", [(8, 64, 272, (3,)), (3, 40, 144, (2, 1)), (2, 16, 16, ())])
+def test_linear_grouped_cpu(g, n, k, lead):
+    """Each group's output is its own matrix applied to its own slice of x (and equals the grouped reference)."""
+    gen = torch.Generator().manual_seed(g * n + k)
+    x, w, canon, ref32, bound = grouped_case(g, n, k, lead, gen, "cpu")
+    out = ops.nvfp4_linear_grouped(x, *w)
+    assert_bf16_close(out, ref32, bound, f"cpu grouped {g}x{n}x{k}")
+    assert torch.equal(ref.nvfp4_linear_grouped_ref(x, *canon), ops.nvfp4_linear_grouped(x, *w))
+    for i in range(g):  # a group mix-up (weights, scales, x slice) would not match the per-group linear
+        assert torch.equal(out[..., i, :], ops.nvfp4_linear(x[..., i, :].contiguous(), w[0][i], w[1][i], w[2][i]))
+
+
+def test_linear_grouped_bad_args_name_the_argument():
+    gen = torch.Generator().manual_seed(3)
+    x, (wk, sk, gs), _, _, _ = grouped_case(4, 32, 144, (2,), gen, "cpu")
+    with pytest.raises(RuntimeError, match="w_global_scale"):
+        ops.nvfp4_linear_grouped(x, wk, sk, gs[:3])
+    with pytest.raises(RuntimeError, match="w_packed"):
+        ops.nvfp4_linear_grouped(x[..., :3, :], wk, sk, gs[:3])
+    with pytest.raises(RuntimeError, match="x must be bf16"):
+        ops.nvfp4_linear_grouped(x.float(), wk, sk, gs)
+
+
 # ------------------------------------------------------------------------------------------- opcheck (CPU)
 def opcheck_args(device, gen):
     x, w, _, _ = linear_case(32, 272, 3, gen, device)
     xq, w4, _, _ = w4a4_case(32, 272, (3,), gen, device)
     mx, ids, wts, w13, w2, shared = moe_case(4, 144, 32, 16, 5, 2, gen, device)
+    gx, gw, _, _, _ = grouped_case(4, 32, 272, (3,), gen, device)
     return [
         (ops.nvfp4_linear.default, (x, *w)),
         (ops.nvfp4_linear.default, (x[0], *w)),
+        (ops.nvfp4_linear_grouped.default, (gx, *gw)),
         # test_schema compares inputs with allclose, which float8 lacks: the uint8 view of the scales runs all four
         (ops.nvfp4_linear_w4a4.default, (xq[0], xq[1].view(torch.uint8), xq[2], *w4, torch.bfloat16)),
         (ops.nvfp4_moe.default, (mx, ids, wts, *kernel_moe_args(w13, w2, shared), 10.0)),
@@ -424,20 +460,20 @@ def test_linear_cuda_forced_kernels(choice, n, k):
 @pytest.mark.kernels
 @pytest.mark.parametrize("n,k", [(1024, 4096), (32768, 1024), (4096, 2048), (40, 272), (24, 144), (8, 16)])
 def test_linear_cuda_decode_kernels(n, k):
-    """M <= 8: the skinny kernel (default) and the opt-in gemv kernel (DSV4_NVFP4_GEMM_KERNEL=gemv; 2- and
-    8-row passes, with and without programmatic dependent launch), W4A16 and W4A4."""
+    """M <= 8: the gemv kernel (default; 2- and 8-row passes, with and without programmatic dependent launch) and
+    the skinny kernel (DSV4_NVFP4_GEMM_KERNEL=skinny), W4A16 and W4A4."""
     gen = torch.Generator().manual_seed(n + 3 * k)
     for m in (1, 2, 3, 8):
         x, w, ref32, bound = linear_case(n, k, m, gen, "cuda")
-        assert_bf16_close(ops.nvfp4_linear(x, *w), ref32, bound, f"cuda skinny linear {m}x{n}x{k}")
-        with kernel_choice("gemv"):
-            out = ops.nvfp4_linear(x, *w)
-            with env_var("DSV4_NVFP4_PDL", "0"):
-                assert torch.equal(ops.nvfp4_linear(x, *w), out), f"gemv without PDL {m}x{n}x{k}"
+        with kernel_choice("skinny"):
+            assert_bf16_close(ops.nvfp4_linear(x, *w), ref32, bound, f"cuda skinny linear {m}x{n}x{k}")
+        out = ops.nvfp4_linear(x, *w)
+        with env_var("DSV4_NVFP4_PDL", "0"):
+            assert torch.equal(ops.nvfp4_linear(x, *w), out), f"gemv without PDL {m}x{n}x{k}"
         assert_bf16_close(out, ref32, bound, f"cuda gemv linear {m}x{n}x{k}")
     for m in (1, 8):
         xq, w, ref32, bound = w4a4_case(n, k, (m,), gen, "cuda")
-        for choice in ("auto", "gemv"):
+        for choice in ("auto", "skinny"):
             with kernel_choice(choice):
                 out32 = ops.nvfp4_linear_w4a4(*xq, *w, torch.float32)
             assert bool(((out32 - ref32).abs() <= 4e-5 * bound + 1e-30).all()), f"cuda {choice} w4a4 {m}x{n}x{k}"
@@ -456,6 +492,27 @@ def test_linear_w4a4_cuda(m):
 
 
 @pytest.mark.cuda
+@pytest.mark.kernels
+@pytest.mark.parametrize("g,n,k", [(8, 1024, 4096), (3, 40, 272), (2, 24, 144)])
+def test_linear_grouped_cuda(g, n, k):
+    """All groups in one launch at decode sizes (gemv: M <= 8, skinny: M <= 64, both with PDL on and off), each
+    group through the nvfp4_linear paths beyond; V4-Flash wo_a is 8 x (1024 x 4096)."""
+    gen = torch.Generator().manual_seed(g + n + k)
+    for m in (1, 2, 5, 8, 33, 100):
+        x, w, _, ref32, bound = grouped_case(g, n, k, (m,), gen, "cuda")
+        out = ops.nvfp4_linear_grouped(x, *w)
+        assert_bf16_close(out, ref32, bound, f"cuda grouped {m}x{g}x{n}x{k}")
+        with env_var("DSV4_NVFP4_PDL", "0"):
+            assert torch.equal(ops.nvfp4_linear_grouped(x, *w), out), f"grouped without PDL {m}"
+        if m <= 8:
+            with kernel_choice("skinny"):
+                assert_bf16_close(ops.nvfp4_linear_grouped(x, *w), ref32, bound, f"cuda skinny grouped {m}")
+        xs = x[::2] if m > 1 else x  # a strided batch view
+        assert_bf16_close(ops.nvfp4_linear_grouped(xs, *w), ref32[::2] if m > 1 else ref32, bound[::2] if m > 1
+                          else bound, f"cuda grouped strided {m}")
+
+
+@pytest.mark.cuda
 @pytest.mark.slow
 @pytest.mark.parametrize("T", [1, 5, 64])
 def test_moe_cuda_v4_flash(T):
@@ -466,9 +523,9 @@ def test_moe_cuda_v4_flash(T):
     assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, shared, 10.0), f"cuda moe T={T}")
     with env_var("DSV4_NVFP4_PDL", "0"):  # the same kernels without programmatic dependent launch
         assert torch.equal(ops.nvfp4_moe(x, ids, wts, *args, 10.0), out)
-    with kernel_choice("gemv"):
+    with kernel_choice("skinny"):
         out = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
-    assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, shared, 10.0), f"cuda gemv moe T={T}")
+    assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, shared, 10.0), f"cuda skinny moe T={T}")
 
 
 @pytest.mark.cuda
@@ -483,7 +540,7 @@ def test_moe_cuda_many_experts_padded(T):
         args = kernel_moe_args(w13, w2, sh)
         out = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
         assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, sh, 10.0), f"cuda moe padded T={T}")
-    for choice, sh in (("simple", None), ("gemv", shared), ("gemv", None)):
+    for choice, sh in (("simple", None), ("skinny", shared), ("skinny", None)):
         with kernel_choice(choice):
             out = ops.nvfp4_moe(x, ids, wts, *kernel_moe_args(w13, w2, sh), 10.0)
         assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, sh, 10.0), f"cuda {choice} moe T={T}")
@@ -528,9 +585,11 @@ def test_cuda_graph_replay_and_no_sync():
     mx, ids, wts, w13, w2, shared = moe_case(64, 512, 256, 256, 16, 6, gen, "cuda")
     margs = kernel_moe_args(w13, w2, shared)
     xs = {m: rand_x((m, 4096), gen, "cuda") for m in (1, 64, 513)}
+    gx, gw, _, _, _ = grouped_case(8, 256, 512, (2,), gen, "cuda")
 
     def run():
         outs = [ops.nvfp4_linear(xs[m], wk, sk, gs) for m in xs]
+        outs.append(ops.nvfp4_linear_grouped(gx, *gw))
         outs.append(ops.nvfp4_linear_w4a4(*xq, *w4, torch.bfloat16))
         outs.append(ops.nvfp4_moe(mx, ids, wts, *margs, 10.0))
         return outs
@@ -549,6 +608,7 @@ def test_cuda_graph_replay_and_no_sync():
     for m in xs:
         xs[m].copy_(rand_x((m, 4096), gen, "cuda"))
     mx.copy_(rand_x(mx.shape, gen, "cuda"))
+    gx.copy_(rand_x(gx.shape, gen, "cuda"))
     ids.copy_(torch.randint(0, 64, ids.shape, generator=gen).to("cuda"))
     wts.copy_(torch.rand(wts.shape, generator=gen).to("cuda"))
     xq[0].copy_(torch.randint(0, 256, xq[0].shape, generator=gen, dtype=torch.uint8).to("cuda"))

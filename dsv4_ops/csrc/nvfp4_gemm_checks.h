@@ -60,6 +60,20 @@ inline int64_t check_weight(const at::Tensor& w, const at::Tensor& s, int64_t K,
   return w.size(-2);
 }
 
+// dsv4::nvfp4_linear_grouped: x [..., G, K] bf16, G stacked matrices, global scales [G]. Returns {G, N}.
+inline std::pair<int64_t, int64_t> check_grouped(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
+                                                 const at::Tensor& gs, const char* op) {
+  TORCH_CHECK(x.dim() >= 2 && x.scalar_type() == at::kBFloat16, op, ": x must be bf16 [..., G, K], got ",
+              x.scalar_type(), " ", x.sizes());
+  const int64_t G = x.size(-2);
+  const int64_t N = check_weight(w, s, x.size(-1), 1, x, op, "w_packed", "w_scale");
+  TORCH_CHECK(w.size(0) == G, op, ": w_packed must hold G = ", G, " matrices (x.shape[-2]), got ", w.sizes());
+  TORCH_CHECK(gs.scalar_type() == at::kFloat && gs.dim() == 1 && gs.size(0) == G, op,
+              ": w_global_scale must be float32 [G] with G = ", G, ", got ", gs.scalar_type(), " ", gs.sizes());
+  check_same_device(gs, x, op, "w_global_scale");
+  return {G, N};
+}
+
 struct MoeDims {
   int64_t T, d, k, E, I, Is;  // Is = shared intermediate size (0 without a shared expert)
   bool has_shared;

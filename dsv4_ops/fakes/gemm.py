@@ -1,4 +1,5 @@
-"""Fakes for the NVFP4 GEMM / MoE ops (dsv4::nvfp4_linear, nvfp4_linear_w4a4, nvfp4_moe): shapes only."""
+"""Fakes for the NVFP4 GEMM / MoE ops (dsv4::nvfp4_linear, nvfp4_linear_grouped, nvfp4_linear_w4a4, nvfp4_moe):
+shapes only."""
 import torch
 
 _CHUNK = 128
@@ -28,6 +29,16 @@ def _linear_fake(x, w_packed, w_scale, w_global_scale):
     torch._check(x.dtype == torch.bfloat16, lambda: f"{op}: x must be bf16, got {x.dtype}")
     n = _check_weight(op, w_packed, w_scale, x.shape[-1], 0)
     _check_gs(op, w_global_scale)
+    return x.new_empty((*x.shape[:-1], n))
+
+
+def _linear_grouped_fake(x, w_packed, w_scale, w_global_scale):
+    op = "dsv4::nvfp4_linear_grouped"
+    torch._check(x.dtype == torch.bfloat16 and x.dim() >= 2, lambda: f"{op}: x must be bf16 [..., G, K]")
+    n = _check_weight(op, w_packed, w_scale, x.shape[-1], 1)
+    torch._check(w_packed.shape[0] == x.shape[-2], lambda: f"{op}: w_packed must hold x.shape[-2] matrices")
+    torch._check(w_global_scale.dtype == torch.float32 and tuple(w_global_scale.shape) == (x.shape[-2],),
+                 lambda: f"{op}: w_global_scale must be float32 [G]")
     return x.new_empty((*x.shape[:-1], n))
 
 
@@ -76,7 +87,8 @@ def _moe_fake(x, topk_ids, topk_weights, w13_packed, w13_scale, w13_global_scale
 
 
 # A library built before these ops existed must still import (other ops keep working).
-for _name, _fn in (("nvfp4_linear", _linear_fake), ("nvfp4_linear_w4a4", _linear_w4a4_fake),
+for _name, _fn in (("nvfp4_linear", _linear_fake), ("nvfp4_linear_grouped", _linear_grouped_fake),
+                   ("nvfp4_linear_w4a4", _linear_w4a4_fake),
                    ("nvfp4_moe", _moe_fake)):
     if hasattr(torch.ops.dsv4, _name):
         torch.library.register_fake(f"dsv4::{_name}")(_fn)

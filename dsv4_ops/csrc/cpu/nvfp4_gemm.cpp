@@ -85,6 +85,22 @@ at::Tensor nvfp4_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at::
   return at::matmul(x.reshape({-1, K}).to(at::kFloat), W.t()).to(at::kBFloat16).reshape(out_shape);
 }
 
+at::Tensor nvfp4_linear_grouped_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
+                                    const at::Tensor& gs) {
+  const char* op = "dsv4::nvfp4_linear_grouped";
+  const auto [G, N] = check_grouped(x, w, s, gs, op);
+  const int64_t K = x.size(-1);
+  const at::Tensor gsc = gs.contiguous();
+  std::vector<at::Tensor> outs;
+  for (int64_t g = 0; g < G; ++g) {
+    const at::Tensor W = dequant_matrix(w.select(0, g), s.select(0, g), K, gsc.data_ptr<float>()[g]);
+    outs.push_back(at::matmul(x.select(-2, g).reshape({-1, K}).to(at::kFloat), W.t()).to(at::kBFloat16));
+  }
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  return at::stack(outs, 1).reshape(out_shape);
+}
+
 // Canonical NVFP4 activations (element order, e4m3 scales) -> fp32 [rows, K] including the global scale.
 at::Tensor dequant_canonical(const at::Tensor& packed, const at::Tensor& scale, float gs) {
   const at::Tensor s8 = scale.scalar_type() == at::kByte ? scale.view(at::kFloat8_e4m3fn) : scale;
@@ -193,6 +209,7 @@ at::Tensor nvfp4_moe_cpu(const at::Tensor& x, const at::Tensor& ids, const at::T
 
 TORCH_LIBRARY_IMPL(dsv4, CPU, m) {
   m.impl("nvfp4_linear", &nvfp4_linear_cpu);
+  m.impl("nvfp4_linear_grouped", &nvfp4_linear_grouped_cpu);
   m.impl("nvfp4_linear_w4a4", &nvfp4_linear_w4a4_cpu);
   m.impl("nvfp4_moe", &nvfp4_moe_cpu);
 }

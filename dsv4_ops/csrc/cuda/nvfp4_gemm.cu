@@ -9,10 +9,9 @@
 // features x 8 tokens per mma, so a single token still uses the tensor cores.
 //
 // Kernels:
-//   gemv (opt-in, DSV4_NVFP4_GEMM_KERNEL=gemv: M <= 8, and the MoE projections while T*k <= 4E): skinny's work
-//     split, fed through a per-warp cp.async shared-memory ring (weights, scales, activations; see the kernel's
-//     comment); PDL for dense. 1.25-1.9x faster than skinny at M = 1 on the H200 (bench/RESULTS.md); not the
-//     default until the shipped model's compiled-vs-eager GPU test passes with it.
+//   gemv (default for dense M <= 8 and the MoE projections while T*k <= 4E; DSV4_NVFP4_GEMM_KERNEL=skinny opts
+//     out): skinny's work split, fed through a per-warp cp.async shared-memory ring (weights, scales,
+//     activations; see the kernel's comment); PDL for dense. 1.25-1.9x faster than skinny at M = 1 on the H200.
 //   skinny (M <= 64, and every MoE projection): each warp owns 16 rows x a K range, streams its weights
 //     straight from HBM into registers (two-deep register prefetch of 2 chunks), B fragments (activations)
 //     from L1/L2; warps of a CTA split K and reduce through shared memory. MoE: blockIdx.y = active-expert
@@ -176,6 +175,7 @@ struct SkinnyParams {
   int out_kind;
   const float* gs_act;
   int M;
+  int G;  // dense: groups of nvfp4_linear_grouped (1: a plain linear); group = blockIdx.y
   // dense matrix, or the stacked routed experts of this projection ([E, N, Kp/2])
   const uint8_t* w;
   const uint8_t* s;
@@ -207,19 +207,28 @@ struct Task {
   float alpha;
   int N, K, cnt, base, kind;  // kind: 0 dense, 1 routed expert (base = offset in the sorted assignments),
                               // 2 shared expert (base = first token)
+  int grp;                    // dense: the group (x [M, G, K], y [M, G, N])
 };
+
+// Dense matrix of group blockIdx.y (stacked [G, N, Kp/2] / [G, N, Kp/16]); alpha needs the global scale, read
+// by the caller (after griddepcontrol.wait in the gemv kernel).
+__device__ __forceinline__ void dense_task(const SkinnyParams& p, Task& t) {
+  t.grp = int(blockIdx.y);
+  const size_t kp = size_t((p.K + 127) & ~127), off = size_t(t.grp) * size_t(p.N);
+  t.w = p.w + off * (kp / 2);
+  t.s = p.s + off * (kp / 16);
+  t.N = p.N;
+  t.K = p.K;
+  t.cnt = p.M;
+  t.base = 0;
+  t.kind = 0;
+}
 
 template <int MODE>
 __device__ __forceinline__ bool resolve_task(const SkinnyParams& p, Task& t) {
   if (MODE == kDense) {
-    t.w = p.w;
-    t.s = p.s;
-    t.N = p.N;
-    t.K = p.K;
-    t.cnt = p.M;
-    t.base = 0;
-    t.kind = 0;
-    float a = __ldg(p.g) * kUnbias;
+    dense_task(p, t);
+    float a = __ldg(p.g + t.grp) * kUnbias;
     if (p.gs_act != nullptr) a *= __ldg(p.gs_act);
     t.alpha = a;
     return true;
@@ -253,7 +262,7 @@ __device__ __forceinline__ bool resolve_task(const SkinnyParams& p, Task& t) {
 // Row of the B operand (activations) for token-tile position pos < cnt.
 template <int MODE>
 __device__ __forceinline__ const bf16* b_row(const SkinnyParams& p, const Task& t, int pos) {
-  if (MODE == kDense) return p.x + size_t(pos) * size_t(t.K);
+  if (MODE == kDense) return p.x + (size_t(pos) * size_t(p.G) + size_t(t.grp)) * size_t(t.K);
   if (t.kind == 2) return (MODE == kMoeUp ? p.in : p.in_shared) + size_t(t.base + pos) * size_t(t.K);
   const int a = __ldg(p.route + 3 * p.E + 1 + t.base + pos);
   return p.in + size_t(MODE == kMoeUp ? a / p.topk : a) * size_t(t.K);
@@ -271,8 +280,9 @@ __device__ __forceinline__ void skinny_epilogue(const SkinnyParams& p, const Tas
       const float lo = acc[nt][e] * t.alpha, hi = acc[nt][2 + e] * t.alpha;
       if (MODE == kDense) {
         const int na = tile * 16 + g;
-        if (na < t.N) store_out(p.y, size_t(pos) * t.N + na, lo, p.out_kind);
-        if (na + 8 < t.N) store_out(p.y, size_t(pos) * t.N + na + 8, hi, p.out_kind);
+        const size_t row = (size_t(pos) * size_t(p.G) + size_t(t.grp)) * size_t(t.N);
+        if (na < t.N) store_out(p.y, row + na, lo, p.out_kind);
+        if (na + 8 < t.N) store_out(p.y, row + na + 8, hi, p.out_kind);
       } else if (MODE == kMoeUp) {
         // rows g / g + 8 of the tile are gate / up of SwiGLU column tile * 8 + g
         const int inter = t.N / 2, col = tile * 8 + g;
@@ -619,7 +629,7 @@ __global__ void __launch_bounds__(kThreads, 2) nvfp4_gemv_kernel(const SkinnyPar
   if (MODE != kDense && p.pdl) pdl_wait();  // MoE: the experts come from the routing kernel
   Task task;
   if (MODE == kDense) {  // the weights and the shape are launch parameters: known before the wait
-    task.w = p.w, task.s = p.s, task.N = p.N, task.K = p.K, task.cnt = p.M, task.base = 0, task.kind = 0;
+    dense_task(p, task);
   } else if (!resolve_task<MODE>(p, task)) {
     return;
   }
@@ -639,16 +649,19 @@ __global__ void __launch_bounds__(kThreads, 2) nvfp4_gemv_kernel(const SkinnyPar
   uint8_t* ring = gsmem + warp * (Cfg::kStage * S);
   if (MODE == kDense) {
     if (p.pdl) {
-      if (lane < 16 && c_end > c_begin) {  // lane l: row l of the tile, this warp's K range
+      // Only the chunks the ring's first fills read: warming the whole K range slowed large shapes by ~1.3 us
+      // (it competes with the previous kernel's own stream).
+      const int warm = min(c_end - c_begin, S);
+      if (lane < 16 && warm > 0) {  // lane l: row l of the tile
         const size_t row = size_t(min(tile * 16 + lane, task.N - 1));
-        prefetch_l2_bulk(task.w + row * size_t(kp >> 1) + size_t(c_begin) * 64, uint32_t(c_end - c_begin) * 64);
+        prefetch_l2_bulk(task.w + row * size_t(kp >> 1) + size_t(c_begin) * 64, uint32_t(warm) * 64);
         const uint8_t* srow = task.s + row * size_t(kp >> 4) + size_t(c_begin) * 8;
-        for (int off = 0; off < (c_end - c_begin) * 8; off += 128) prefetch_l2(srow + off);
-        prefetch_l2(srow + (c_end - c_begin) * 8 - 1);
+        prefetch_l2(srow);
+        prefetch_l2(srow + warm * 8 - 1);
       }
       pdl_wait();
     }
-    float a = __ldg(p.g) * kUnbias;
+    float a = __ldg(p.g + task.grp) * kUnbias;
     if (p.gs_act != nullptr) a *= __ldg(p.gs_act);
     task.alpha = a;
   }
@@ -1104,7 +1117,8 @@ cudaError_t launch_skinny(const SkinnyParams& p, int nt, dim3 grid, cudaStream_t
 }  // namespace
 
 extern "C" cudaError_t dsv4_nvfp4_linear_launch(const Nvfp4LinearArgs* a, cudaStream_t stream) {
-  if (a->M == 0 || a->N == 0) return cudaSuccess;
+  if (a->M == 0 || a->N == 0) return cudaSuccess;  // (G <= 1: one matrix)
+  if (a->G > 1 && (a->simple || a->M > 64)) return cudaErrorInvalidValue;  // groups: gemv / skinny only
   const int64_t kp = (a->K + 127) / 128 * 128, nchunks = kp / 128, ntiles = (a->N + 15) / 16;
   if (a->simple) {
     TiledParams p{reinterpret_cast<const bf16*>(a->x), a->w, a->s, a->gs, a->gs_act, a->y, a->out_kind,
@@ -1134,14 +1148,15 @@ extern "C" cudaError_t dsv4_nvfp4_linear_launch(const Nvfp4LinearArgs* a, cudaSt
   p.g = a->gs;
   p.N = int(a->N);
   p.K = int(a->K);
+  p.G = a->G > 1 ? int(a->G) : 1;
   if (a->gemv && a->M <= 8 && reinterpret_cast<uintptr_t>(a->x) % 16 == 0) {
     p.pdl = a->pdl;
-    pick_gemv_split(ntiles, nchunks, 1, p.kw, p.rt);
-    const dim3 grid(unsigned((ntiles + p.rt - 1) / p.rt), 1);
+    pick_gemv_split(ntiles, nchunks, p.G, p.kw, p.rt);
+    const dim3 grid(unsigned((ntiles + p.rt - 1) / p.rt), unsigned(p.G));
     return a->M <= 2 ? launch_gemv<kDense, 2>(p, grid, stream) : launch_gemv<kDense, 8>(p, grid, stream);
   }
-  pick_split(ntiles, nchunks, 1, p.kw, p.rt);
-  const dim3 grid(unsigned((ntiles + p.rt - 1) / p.rt), 1);
+  pick_split(ntiles, nchunks, p.G, p.kw, p.rt);
+  const dim3 grid(unsigned((ntiles + p.rt - 1) / p.rt), unsigned(p.G));
   return launch_skinny<kDense>(p, pick_nt(a->M), grid, stream);
 }
 

@@ -14,8 +14,10 @@ struct Nvfp4LinearArgs {
   void* y;                  // [M, N]
   int out_kind;
   int64_t M, N, K;
+  int64_t G;                // > 1: nvfp4_linear_grouped (gemv / skinny only): x [M, G, K], w [G, N, Kp/2], gs [G],
+                            // y [M, G, N], group = blockIdx.y
   int simple;               // 1: the plain CUDA-core kernel
-  int gemv;                 // 1: the gemv kernel for M <= 8 (opt-in; default: skinny)
+  int gemv;                 // 1: the gemv kernel for M <= 8 (the default; 0: skinny)
   int pdl;                  // launch the gemv kernel with programmatic dependent launch
 };
 
@@ -45,7 +47,7 @@ struct Nvfp4MoeArgs {
   void* o;                  // bf16 workspace: (T*k + T) * d
   void* y;                  // bf16 [T, d]
   int simple;
-  int gemv;                 // 1: the gemv kernel while T*k <= 4E (opt-in; default: skinny)
+  int gemv;                 // 1: the gemv kernel while T*k <= 4E (the default; 0: skinny)
   int pdl;                  // chain the MoE kernels with programmatic dependent launch
 };
 

@@ -1,12 +1,12 @@
 // CUDA registration of dsv4::nvfp4_linear / nvfp4_linear_w4a4 / nvfp4_moe: argument checks (shared with the
 // CPU kernels), outputs and workspaces from the caching allocator (graph-pool aware), launch on the current
 // stream. The kernels live in nvfp4_gemm.cu.
-// Kernel choice for y = x W^T: M <= 64 tokens -> the skinny (GEMV-like) kernel; 64 < M < 256 -> the tiled
+// Kernel choice for y = x W^T: M <= 8 tokens -> the gemv kernel (cp.async ring); M <= 64 -> the skinny kernel;
+// 64 < M < 256 -> the tiled
 // mma kernel; M >= 256 -> dequantize W to bf16 (exact e2m1 * block scale) + cuBLAS bf16 GEMM with fp32 output
 // (aten::mm.dtype) + global scale (falls back to the tiled kernel where aten::mm.dtype does not exist).
 // DSV4_NVFP4_GEMM_KERNEL = simple (plain CUDA-core kernels, any shape) | tiled | cublas overrides the M > 64 choice;
-// gemv selects the cp.async-ring gemv kernel for M <= 8 and MoE decode (opt-in until the shipped model's
-// compiled-vs-eager GPU test has passed with it; 1.25-1.9x faster than skinny at M = 1 on the H200);
+// skinny keeps M <= 8 and MoE decode on the skinny kernel (gemv is 1.25-1.9x faster at M = 1 on the H200);
 // DSV4_NVFP4_PDL=0 turns off programmatic dependent launch (the gemv kernels, the MoE chain).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -27,7 +27,7 @@ namespace {
 
 using namespace dsv4_nvfp4;
 
-enum class Choice { kAuto, kSimple, kTiled, kCublas, kGemv };
+enum class Choice { kAuto, kSimple, kTiled, kCublas, kSkinny };
 
 Choice kernel_choice() {
   const char* v = std::getenv("DSV4_NVFP4_GEMM_KERNEL");
@@ -35,7 +35,7 @@ Choice kernel_choice() {
   if (std::strcmp(v, "simple") == 0) return Choice::kSimple;
   if (std::strcmp(v, "tiled") == 0) return Choice::kTiled;
   if (std::strcmp(v, "cublas") == 0) return Choice::kCublas;
-  if (std::strcmp(v, "gemv") == 0) return Choice::kGemv;
+  if (std::strcmp(v, "skinny") == 0) return Choice::kSkinny;
   return Choice::kAuto;
 }
 
@@ -112,7 +112,7 @@ at::Tensor linear_impl(const at::Tensor& x2, const at::Tensor& w, const at::Tens
   a.N = N;
   a.K = K;
   a.simple = use_simple() ? 1 : 0;
-  a.gemv = choice == Choice::kGemv ? 1 : 0;
+  a.gemv = choice == Choice::kSkinny ? 0 : 1;
   a.pdl = use_pdl() ? 1 : 0;
   check_launch(dsv4_nvfp4_linear_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
   return out;
@@ -131,6 +131,47 @@ at::Tensor nvfp4_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at:
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   return linear_impl(x2, w, s, gs, nullptr, N, at::kBFloat16, op).view(out_shape);
+}
+
+// One launch for every group at decode sizes (M <= 64, the gemv / skinny kernels: group = blockIdx.y); larger
+// M runs each group through the nvfp4_linear paths.
+at::Tensor nvfp4_linear_grouped_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
+                                     const at::Tensor& gs) {
+  const char* op = "dsv4::nvfp4_linear_grouped";
+  check_cuda(x, op, "x");
+  const auto [G, N] = check_grouped(x, w, s, gs, op);
+  const int64_t K = x.size(-1);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor x3 = prep(x.reshape({-1, G, K}), 16);
+  const int64_t M = x3.size(0);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  TORCH_CHECK(M < (int64_t(1) << 31) && G * N < (int64_t(1) << 31) && K < (int64_t(1) << 31), op,
+              ": sizes must fit in int32");
+  at::Tensor out = at::empty({M, G, N}, x3.options());
+  if (M > 64 || use_simple()) {
+    for (int64_t g = 0; g < G; ++g)
+      out.select(1, g).copy_(linear_impl(x3.select(1, g).contiguous(), w.select(0, g), s.select(0, g),
+                                         gs.select(0, g), nullptr, N, at::kBFloat16, op));
+    return out.view(out_shape);
+  }
+  const at::Tensor wc = prep(w, 16), sc = prep(s, 8), gc = gs.contiguous();
+  Nvfp4LinearArgs a{};
+  a.x = x3.data_ptr();
+  a.w = wc.data_ptr<uint8_t>();
+  a.s = sc.data_ptr<uint8_t>();
+  a.gs = gc.data_ptr<float>();
+  a.gs_act = nullptr;
+  a.y = out.data_ptr();
+  a.out_kind = 0;
+  a.M = M;
+  a.N = N;
+  a.K = K;
+  a.G = G;
+  a.gemv = kernel_choice() == Choice::kSkinny ? 0 : 1;
+  a.pdl = use_pdl() ? 1 : 0;
+  check_launch(dsv4_nvfp4_linear_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
+  return out.view(out_shape);
 }
 
 at::Tensor nvfp4_linear_w4a4_cuda(const at::Tensor& xp, const at::Tensor& xs, const at::Tensor& xg,
@@ -217,7 +258,7 @@ at::Tensor nvfp4_moe_cuda(const at::Tensor& x, const at::Tensor& ids, const at::
   a.y = y.data_ptr();
   a.simple = use_simple() ? 1 : 0;
   a.pdl = use_pdl() ? 1 : 0;
-  a.gemv = kernel_choice() == Choice::kGemv ? 1 : 0;
+  a.gemv = kernel_choice() == Choice::kSkinny ? 0 : 1;
   check_launch(dsv4_nvfp4_moe_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
   return y;
 }
@@ -226,6 +267,7 @@ at::Tensor nvfp4_moe_cuda(const at::Tensor& x, const at::Tensor& ids, const at::
 
 TORCH_LIBRARY_IMPL(dsv4, CUDA, m) {
   m.impl("nvfp4_linear", &nvfp4_linear_cuda);
+  m.impl("nvfp4_linear_grouped", &nvfp4_linear_grouped_cuda);
   m.impl("nvfp4_linear_w4a4", &nvfp4_linear_w4a4_cuda);
   m.impl("nvfp4_moe", &nvfp4_moe_cuda);
 }
