@@ -2,7 +2,8 @@
 
 Linear: DeepSeek-V4-Flash projection shapes (N x K) at M = 1, 8, 64, 512, 4096 tokens; peer = torch.matmul
 with a bf16 weight of the same shape (cuBLAS). Grouped (wo_a, 8 x (1024 x 4096)): dsv4::nvfp4_linear_grouped vs
-torch.bmm on bf16 weights and vs 8 nvfp4_linear calls. MoE: 256 experts, top-6 (uniform random routing), d = 4096,
+torch.bmm on bf16 weights and vs 8 nvfp4_linear calls. Multi (wq_a + wkv): dsv4::nvfp4_linear_multi vs two
+torch.matmul and two nvfp4_linear calls. MoE: 256 experts, top-6 (uniform random routing), d = 4096,
 I = 2048, T = 1, 8, 64 tokens, routed only and routed + shared expert; peer = a per-expert bf16 loop in torch
 (index_select, 3 matmuls, clamped SwiGLU, index_add_) for the same routing, captured in a CUDA graph.
 
@@ -175,6 +176,36 @@ def bench_grouped(gen):
     return rows
 
 
+def bench_multi(gen):
+    ns, k = (1024, 512), 4096  # V4-Flash wq_a + wkv: both read the layer input x
+    print(f"\n## nvfp4_linear_multi (wq_a + wkv, {ns[0]}+{ns[1]} x {k}, one launch at M <= 64) vs bf16 cuBLAS "
+          "(two matmuls) and vs two nvfp4_linear calls")
+    hdr = f"{'M':>5} | {'multi us':>9} {'bf16 us':>9} {'speedup':>7} | {'GB/s':>7} {'HBM':>5} | {'2 x linear us':>13}"
+    print(hdr)
+    print("-" * len(hdr))
+    wbytes = sum(nvfp4_bytes(n, k) for n in ns)
+    copies = max(1, min(256, math.ceil(ROTATE_BYTES / wbytes)))
+    ws = [[rand_kernel_weight((), n, k, gen) for n in ns] for _ in range(copies)]
+    gs = [torch.tensor(0.01, device="cuda") for _ in ns]
+    bcopies = max(1, min(64, math.ceil(ROTATE_BYTES / (sum(ns) * k * 2))))
+    wb = [[torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16) for n in ns] for _ in range(bcopies)]
+    rows = []
+    for m in (1, 8, 64):
+        x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+        reps = reps_for(wbytes, 2.0 * m * sum(ns) * k, m * sum(ns) * 2)
+        t_op = graph_us(lambda i: ops.nvfp4_linear_multi(x, [w[0] for w in ws[i % copies]],
+                                                         [w[1] for w in ws[i % copies]], gs), reps)
+        t_peer = graph_us(lambda i: [torch.matmul(x, w.t()) for w in wb[i % bcopies]], reps)
+        t_two = graph_us(lambda i: [ops.nvfp4_linear(x, w[0], w[1], g) for w, g in zip(ws[i % copies], gs)], reps)
+        gbs = wbytes / (t_op * 1e-6)
+        print(f"{m:>5} | {t_op:9.2f} {t_peer:9.2f} {t_peer / t_op:6.2f}x | {gbs / 1e9:7.0f} {gbs / HBM:5.0%} | "
+              f"{t_two:13.2f}")
+        rows.append((m, t_op, t_peer, t_two))
+    del ws, wb
+    torch.cuda.empty_cache()
+    return rows
+
+
 class MoePeer:
     """bf16 per-expert loop for a fixed routing (the expert list and token indices are prepared up front)."""
 
@@ -256,6 +287,7 @@ def main():
     bench_linear(gen)
     torch.cuda.empty_cache()
     bench_grouped(gen)
+    bench_multi(gen)
     bench_moe(gen)
     print(f"\ntotal {time.time() - t0:.0f} s")
 

@@ -254,13 +254,25 @@ class Attention(nn.Module):
     # ------------------------------------------------------------------ shared pieces
     def _qkv(self, x: torch.Tensor, cs: torch.Tensor):
         """x [..., dim] -> (qr [..., q_lora], q [..., H, D], kv [..., D]); cs: rope rows for x's positions."""
-        qr = self.q_norm(self.wq_a(x))
+        qa, kva = self._x_projections(x)
+        qr = self.q_norm(qa)
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = apply_rope(unweighted_rms_norm(q, self.eps), cs.unsqueeze(-3), self.rope_dim)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cs, self.rope_dim)
+        kv = apply_rope(self.kv_norm(kva), cs, self.rope_dim)
         if self.simulate_quant:
             kv = kv_fake_quant(kv, self.rope_dim)
         return qr, q, kv
+
+    def _x_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(wq_a(x), wkv(x)); one dsv4::nvfp4_linear_multi launch when both are W4A16 NVFP4 (the same numerics as
+        two nvfp4_linear calls)."""
+        a, b = self.wq_a, self.wkv
+        if getattr(a, "w4a4", True) is False and getattr(b, "w4a4", True) is False and hasattr(a, "out_dtype"):
+            qa, kva = torch.ops.dsv4.nvfp4_linear_multi(
+                x.to(torch.bfloat16), [a.weight_packed, b.weight_packed], [a.weight_scale, b.weight_scale],
+                [a.weight_global_scale, b.weight_global_scale])
+            return qa.to(a.out_dtype), kva.to(b.out_dtype)
+        return a(x), b(x)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, qkeys: torch.Tensor | None = None,
                 qmask: torch.Tensor | None = None) -> torch.Tensor:

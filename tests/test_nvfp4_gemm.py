@@ -1,4 +1,4 @@
-"""dsv4::nvfp4_linear / nvfp4_linear_grouped / nvfp4_linear_w4a4 / nvfp4_moe against the dequantize-then-matmul references
+"""dsv4::nvfp4_linear / nvfp4_linear_grouped / nvfp4_linear_multi / nvfp4_linear_w4a4 / nvfp4_moe against the dequantize-then-matmul references
 (dsv4_ops/reference.py), the kernel weight layout (dsv4_model/nvfp4.py), and the NVFP4 modules.
 
 Tolerance of a bf16 output: |out - ref32| <= ulp_bf16(ref32) + 2 * 2e-5 * sum_k |x_k w_k|, i.e. one bf16 rounding
@@ -281,6 +281,34 @@ def test_linear_grouped_cpu(g, n, k, lead):
         assert torch.equal(out[..., i, :], ops.nvfp4_linear(x[..., i, :].contiguous(), w[0][i], w[1][i], w[2][i]))
 
 
+def multi_case(ns, k, lead, gen, device):
+    """One x [*lead, K], matrices of widths ns (kernel layout), their fp32 references and error bounds."""
+    x = rand_x((*lead, k), gen, device)
+    ws, refs, bounds = [], [], []
+    for n in ns:
+        packed, scale, gs = rand_nvfp4((), n, k, gen, device)
+        ws.append((*nv.repack_weight(packed, scale), gs))
+        w = ref.nvfp4_gemm_dequant_ref(packed, scale, gs)
+        refs.append(x.float() @ w.t())
+        bounds.append(x.float().abs() @ w.abs().t())
+    return x, [list(t) for t in zip(*ws)], refs, bounds
+
+
+def test_linear_multi_cpu():
+    """Each output is nvfp4_linear of its own matrix (widths differ, as wq_a 1024 / wkv 512 do)."""
+    gen = torch.Generator().manual_seed(31)
+    x, (wp, ws, wg), refs, bounds = multi_case((64, 32, 48), 272, (2, 3), gen, "cpu")
+    outs = ops.nvfp4_linear_multi(x, wp, ws, wg)
+    assert len(outs) == 3
+    for i, (o, r, b) in enumerate(zip(outs, refs, bounds)):
+        assert_bf16_close(o, r, b, f"cpu multi {i}")
+        assert torch.equal(o, ops.nvfp4_linear(x, wp[i], ws[i], wg[i]))
+    with pytest.raises(RuntimeError, match=r"w_scale\[1\]"):
+        ops.nvfp4_linear_multi(x, wp, [ws[0], ws[2], ws[1]], wg)
+    with pytest.raises(RuntimeError, match="lists of one length"):
+        ops.nvfp4_linear_multi(x, wp, ws[:2], wg)
+
+
 def test_linear_grouped_bad_args_name_the_argument():
     gen = torch.Generator().manual_seed(3)
     x, (wk, sk, gs), _, _, _ = grouped_case(4, 32, 144, (2,), gen, "cpu")
@@ -298,7 +326,9 @@ def opcheck_args(device, gen):
     xq, w4, _, _ = w4a4_case(32, 272, (3,), gen, device)
     mx, ids, wts, w13, w2, shared = moe_case(4, 144, 32, 16, 5, 2, gen, device)
     gx, gw, _, _, _ = grouped_case(4, 32, 272, (3,), gen, device)
+    mxx, mw, _, _ = multi_case((32, 16), 272, (3,), gen, device)
     return [
+        (ops.nvfp4_linear_multi.default, (mxx, *mw)),
         (ops.nvfp4_linear.default, (x, *w)),
         (ops.nvfp4_linear.default, (x[0], *w)),
         (ops.nvfp4_linear_grouped.default, (gx, *gw)),
@@ -328,12 +358,17 @@ def test_fake_shapes():
     gen = torch.Generator().manual_seed(0)
     cases = opcheck_args("cpu", gen)
     mode = FakeTensorMode()
+    def to_fake(a):
+        if isinstance(a, torch.Tensor):
+            return mode.from_tensor(a)
+        return [to_fake(t) for t in a] if isinstance(a, list) else a
+
     for op, args in cases:
         real = op(*args)
         with mode:
-            fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-            fake = op(*fargs)
-        assert fake.shape == real.shape and fake.dtype == real.dtype and fake.stride() == real.stride()
+            fake = op(*[to_fake(a) for a in args])
+        for f, r in zip(*((fake, real) if isinstance(real, list) else ([fake], [real]))):
+            assert f.shape == r.shape and f.dtype == r.dtype and f.stride() == r.stride()
 
 
 # ------------------------------------------------------------------------------------------- modules (CPU)
@@ -513,6 +548,26 @@ def test_linear_grouped_cuda(g, n, k):
 
 
 @pytest.mark.cuda
+@pytest.mark.kernels
+@pytest.mark.parametrize("ns,k", [((1024, 512), 4096), ((40, 8, 24, 16), 272), ((16, 32, 8, 8, 24), 144)])
+def test_linear_multi_cuda(ns, k):
+    """V4-Flash wq_a + wkv (1024 / 512 x 4096) in one launch at decode sizes (gemv, skinny; PDL on and off);
+    segments narrower than others; five matrices (more than one launch holds) and M > 64 run per matrix."""
+    gen = torch.Generator().manual_seed(len(ns) + k)
+    for m in (1, 3, 8, 40, 100):
+        x, w, refs, bounds = multi_case(ns, k, (m,), gen, "cuda")
+        outs = ops.nvfp4_linear_multi(x, *w)
+        for i, (o, r, b) in enumerate(zip(outs, refs, bounds)):
+            assert_bf16_close(o, r, b, f"cuda multi {m} seg {i}")
+        with env_var("DSV4_NVFP4_PDL", "0"):
+            assert all(torch.equal(a, b) for a, b in zip(ops.nvfp4_linear_multi(x, *w), outs))
+        if m <= 8:
+            with kernel_choice("skinny"):
+                for i, (o, r, b) in enumerate(zip(ops.nvfp4_linear_multi(x, *w), refs, bounds)):
+                    assert_bf16_close(o, r, b, f"cuda skinny multi {m} seg {i}")
+
+
+@pytest.mark.cuda
 @pytest.mark.slow
 @pytest.mark.parametrize("T", [1, 5, 64])
 def test_moe_cuda_v4_flash(T):
@@ -586,10 +641,12 @@ def test_cuda_graph_replay_and_no_sync():
     margs = kernel_moe_args(w13, w2, shared)
     xs = {m: rand_x((m, 4096), gen, "cuda") for m in (1, 64, 513)}
     gx, gw, _, _, _ = grouped_case(8, 256, 512, (2,), gen, "cuda")
+    mw = multi_case((1024, 512), 4096, (1,), gen, "cuda")[1]
 
     def run():
         outs = [ops.nvfp4_linear(xs[m], wk, sk, gs) for m in xs]
         outs.append(ops.nvfp4_linear_grouped(gx, *gw))
+        outs.extend(ops.nvfp4_linear_multi(xs[1], *mw))
         outs.append(ops.nvfp4_linear_w4a4(*xq, *w4, torch.bfloat16))
         outs.append(ops.nvfp4_moe(mx, ids, wts, *margs, 10.0))
         return outs

@@ -231,6 +231,28 @@ def test_structure_and_kept_layers(nvfp4_model):
     assert m.quant_info == {"method": "nvfp4", "act_quant": "none", "kernel_layout": 1}
 
 
+def test_fused_x_projections_equal_separate_calls(nvfp4_model):
+    """Attention runs W4A16 wq_a + wkv as one nvfp4_linear_multi call: the same values as the two modules."""
+    attn = nvfp4_model.layers[1].attn
+    x = torch.randn(2, 3, attn.wq_a.in_features, generator=torch.Generator().manual_seed(4))
+    x = x.to(attn.wq_a.weight_packed.device)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Calls() as calls:
+        qa, kva = attn._x_projections(x)
+    assert "dsv4.nvfp4_linear_multi.default" in calls.names and "dsv4.nvfp4_linear.default" not in calls.names
+    assert torch.equal(qa, attn.wq_a(x)) and torch.equal(kva, attn.wkv(x))
+
+
 def test_nvfp4_model_matches_its_dequantized_twin(ckpts):
     """The kernels against plain float layers holding exactly the NVFP4 weight values. fp32 model,
     simulate_quant off: the only differences are the NVFP4 ops' bf16 activations / outputs (W4A16 rounds the

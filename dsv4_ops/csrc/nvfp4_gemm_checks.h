@@ -4,6 +4,8 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <string>
+#include <vector>
 
 namespace dsv4_nvfp4 {
 
@@ -72,6 +74,24 @@ inline std::pair<int64_t, int64_t> check_grouped(const at::Tensor& x, const at::
               ": w_global_scale must be float32 [G] with G = ", G, ", got ", gs.scalar_type(), " ", gs.sizes());
   check_same_device(gs, x, op, "w_global_scale");
   return {G, N};
+}
+
+// dsv4::nvfp4_linear_multi: one x, n matrices with the same K. Returns each matrix's N.
+inline std::vector<int64_t> check_multi(const at::Tensor& x, at::TensorList w, at::TensorList s, at::TensorList gs,
+                                        const char* op) {
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kBFloat16, op, ": x must be bf16 [..., K], got ",
+              x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(!w.empty() && s.size() == w.size() && gs.size() == w.size(), op,
+              ": w_packed, w_scale and w_global_scale must be non-empty lists of one length, got ", w.size(), ", ",
+              s.size(), ", ", gs.size());
+  std::vector<int64_t> ns;
+  for (size_t i = 0; i < w.size(); ++i) {
+    const std::string wn = "w_packed[" + std::to_string(i) + "]", sn = "w_scale[" + std::to_string(i) + "]",
+                      gn = "w_global_scale[" + std::to_string(i) + "]";
+    ns.push_back(check_weight(w[i], s[i], x.size(-1), 0, x, op, wn.c_str(), sn.c_str()));
+    check_global_scale(gs[i], x, op, gn.c_str());
+  }
+  return ns;
 }
 
 struct MoeDims {

@@ -51,6 +51,9 @@ TORCH_LIBRARY(dsv4, m) {
   // G independent projections in one call (attention wo_a): out[..., g, :] = x[..., g, :] @ W_g^T, with
   // w_packed [G, N, Kp/2], w_scale [G, N, Kp/16], w_global_scale [G]; bf16 out [..., G, N].
   m.def("nvfp4_linear_grouped(Tensor x, Tensor w_packed, Tensor w_scale, Tensor w_global_scale) -> Tensor");
+  // Several projections of the same input in one call (attention wq_a + wkv): out[i] = nvfp4_linear(x, W_i).
+  m.def(
+      "nvfp4_linear_multi(Tensor x, Tensor[] w_packed, Tensor[] w_scale, Tensor[] w_global_scale) -> Tensor[]");
   m.def(
       "nvfp4_linear_w4a4(Tensor x_packed, Tensor x_scale, Tensor x_global_scale, Tensor w_packed, "
       "Tensor w_scale, Tensor w_global_scale, ScalarType out_dtype) -> Tensor");

@@ -1,5 +1,5 @@
-"""Fakes for the NVFP4 GEMM / MoE ops (dsv4::nvfp4_linear, nvfp4_linear_grouped, nvfp4_linear_w4a4, nvfp4_moe):
-shapes only."""
+"""Fakes for the NVFP4 GEMM / MoE ops (dsv4::nvfp4_linear, nvfp4_linear_grouped, nvfp4_linear_multi,
+nvfp4_linear_w4a4, nvfp4_moe): shapes only."""
 import torch
 
 _CHUNK = 128
@@ -40,6 +40,19 @@ def _linear_grouped_fake(x, w_packed, w_scale, w_global_scale):
     torch._check(w_global_scale.dtype == torch.float32 and tuple(w_global_scale.shape) == (x.shape[-2],),
                  lambda: f"{op}: w_global_scale must be float32 [G]")
     return x.new_empty((*x.shape[:-1], n))
+
+
+def _linear_multi_fake(x, w_packed, w_scale, w_global_scale):
+    op = "dsv4::nvfp4_linear_multi"
+    torch._check(x.dtype == torch.bfloat16, lambda: f"{op}: x must be bf16, got {x.dtype}")
+    torch._check(len(w_packed) > 0 and len(w_scale) == len(w_packed) == len(w_global_scale),
+                 lambda: f"{op}: w_packed, w_scale, w_global_scale must be non-empty lists of one length")
+    outs = []
+    for w, s, g in zip(w_packed, w_scale, w_global_scale):
+        n = _check_weight(op, w, s, x.shape[-1], 0)
+        _check_gs(op, g)
+        outs.append(x.new_empty((*x.shape[:-1], n)))
+    return outs
 
 
 def _linear_w4a4_fake(x_packed, x_scale, x_global_scale, w_packed, w_scale, w_global_scale, out_dtype):
@@ -88,6 +101,7 @@ def _moe_fake(x, topk_ids, topk_weights, w13_packed, w13_scale, w13_global_scale
 
 # A library built before these ops existed must still import (other ops keep working).
 for _name, _fn in (("nvfp4_linear", _linear_fake), ("nvfp4_linear_grouped", _linear_grouped_fake),
+                   ("nvfp4_linear_multi", _linear_multi_fake),
                    ("nvfp4_linear_w4a4", _linear_w4a4_fake),
                    ("nvfp4_moe", _moe_fake)):
     if hasattr(torch.ops.dsv4, _name):

@@ -101,6 +101,14 @@ at::Tensor nvfp4_linear_grouped_cpu(const at::Tensor& x, const at::Tensor& w, co
   return at::stack(outs, 1).reshape(out_shape);
 }
 
+std::vector<at::Tensor> nvfp4_linear_multi_cpu(const at::Tensor& x, at::TensorList w, at::TensorList s,
+                                               at::TensorList gs) {
+  check_multi(x, w, s, gs, "dsv4::nvfp4_linear_multi");
+  std::vector<at::Tensor> outs;
+  for (size_t i = 0; i < w.size(); ++i) outs.push_back(nvfp4_linear_cpu(x, w[i], s[i], gs[i]));
+  return outs;
+}
+
 // Canonical NVFP4 activations (element order, e4m3 scales) -> fp32 [rows, K] including the global scale.
 at::Tensor dequant_canonical(const at::Tensor& packed, const at::Tensor& scale, float gs) {
   const at::Tensor s8 = scale.scalar_type() == at::kByte ? scale.view(at::kFloat8_e4m3fn) : scale;
@@ -210,6 +218,7 @@ at::Tensor nvfp4_moe_cpu(const at::Tensor& x, const at::Tensor& ids, const at::T
 TORCH_LIBRARY_IMPL(dsv4, CPU, m) {
   m.impl("nvfp4_linear", &nvfp4_linear_cpu);
   m.impl("nvfp4_linear_grouped", &nvfp4_linear_grouped_cpu);
+  m.impl("nvfp4_linear_multi", &nvfp4_linear_multi_cpu);
   m.impl("nvfp4_linear_w4a4", &nvfp4_linear_w4a4_cpu);
   m.impl("nvfp4_moe", &nvfp4_moe_cpu);
 }

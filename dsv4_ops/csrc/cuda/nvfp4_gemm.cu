@@ -176,6 +176,12 @@ struct SkinnyParams {
   const float* gs_act;
   int M;
   int G;  // dense: groups of nvfp4_linear_grouped (1: a plain linear); group = blockIdx.y
+  int nseg;  // dense: > 0 = nvfp4_linear_multi, segment = blockIdx.y (seg_* replace w, s, g, y, N)
+  const uint8_t* seg_w[kNvfp4MaxSegments];
+  const uint8_t* seg_s[kNvfp4MaxSegments];
+  const float* seg_g[kNvfp4MaxSegments];
+  void* seg_y[kNvfp4MaxSegments];
+  int seg_n[kNvfp4MaxSegments];
   // dense matrix, or the stacked routed experts of this projection ([E, N, Kp/2])
   const uint8_t* w;
   const uint8_t* s;
@@ -208,16 +214,30 @@ struct Task {
   int N, K, cnt, base, kind;  // kind: 0 dense, 1 routed expert (base = offset in the sorted assignments),
                               // 2 shared expert (base = first token)
   int grp;                    // dense: the group (x [M, G, K], y [M, G, N])
+  const float* gsp;           // dense: the global scale
+  void* y;                    // dense: the output
 };
 
 // Dense matrix of group blockIdx.y (stacked [G, N, Kp/2] / [G, N, Kp/16]); alpha needs the global scale, read
 // by the caller (after griddepcontrol.wait in the gemv kernel).
 __device__ __forceinline__ void dense_task(const SkinnyParams& p, Task& t) {
-  t.grp = int(blockIdx.y);
-  const size_t kp = size_t((p.K + 127) & ~127), off = size_t(t.grp) * size_t(p.N);
-  t.w = p.w + off * (kp / 2);
-  t.s = p.s + off * (kp / 16);
-  t.N = p.N;
+  if (p.nseg > 0) {  // nvfp4_linear_multi: segment blockIdx.y, its own matrix and output
+    const int seg = int(blockIdx.y);
+    t.grp = 0;
+    t.w = p.seg_w[seg];
+    t.s = p.seg_s[seg];
+    t.gsp = p.seg_g[seg];
+    t.y = p.seg_y[seg];
+    t.N = p.seg_n[seg];
+  } else {
+    t.grp = int(blockIdx.y);
+    const size_t kp = size_t((p.K + 127) & ~127), off = size_t(t.grp) * size_t(p.N);
+    t.w = p.w + off * (kp / 2);
+    t.s = p.s + off * (kp / 16);
+    t.gsp = p.g + t.grp;
+    t.y = p.y;
+    t.N = p.N;
+  }
   t.K = p.K;
   t.cnt = p.M;
   t.base = 0;
@@ -228,7 +248,7 @@ template <int MODE>
 __device__ __forceinline__ bool resolve_task(const SkinnyParams& p, Task& t) {
   if (MODE == kDense) {
     dense_task(p, t);
-    float a = __ldg(p.g + t.grp) * kUnbias;
+    float a = __ldg(t.gsp) * kUnbias;
     if (p.gs_act != nullptr) a *= __ldg(p.gs_act);
     t.alpha = a;
     return true;
@@ -281,8 +301,8 @@ __device__ __forceinline__ void skinny_epilogue(const SkinnyParams& p, const Tas
       if (MODE == kDense) {
         const int na = tile * 16 + g;
         const size_t row = (size_t(pos) * size_t(p.G) + size_t(t.grp)) * size_t(t.N);
-        if (na < t.N) store_out(p.y, row + na, lo, p.out_kind);
-        if (na + 8 < t.N) store_out(p.y, row + na + 8, hi, p.out_kind);
+        if (na < t.N) store_out(t.y, row + na, lo, p.out_kind);
+        if (na + 8 < t.N) store_out(t.y, row + na + 8, hi, p.out_kind);
       } else if (MODE == kMoeUp) {
         // rows g / g + 8 of the tile are gate / up of SwiGLU column tile * 8 + g
         const int inter = t.N / 2, col = tile * 8 + g;
@@ -661,7 +681,7 @@ __global__ void __launch_bounds__(kThreads, 2) nvfp4_gemv_kernel(const SkinnyPar
       }
       pdl_wait();
     }
-    float a = __ldg(p.g + task.grp) * kUnbias;
+    float a = __ldg(task.gsp) * kUnbias;
     if (p.gs_act != nullptr) a *= __ldg(p.gs_act);
     task.alpha = a;
   }
@@ -1117,9 +1137,15 @@ cudaError_t launch_skinny(const SkinnyParams& p, int nt, dim3 grid, cudaStream_t
 }  // namespace
 
 extern "C" cudaError_t dsv4_nvfp4_linear_launch(const Nvfp4LinearArgs* a, cudaStream_t stream) {
-  if (a->M == 0 || a->N == 0) return cudaSuccess;  // (G <= 1: one matrix)
-  if (a->G > 1 && (a->simple || a->M > 64)) return cudaErrorInvalidValue;  // groups: gemv / skinny only
-  const int64_t kp = (a->K + 127) / 128 * 128, nchunks = kp / 128, ntiles = (a->N + 15) / 16;
+  if ((a->G > 1 || a->nseg > 0) && (a->simple || a->M > 64)) return cudaErrorInvalidValue;  // gemv / skinny only
+  if (a->nseg > kNvfp4MaxSegments) return cudaErrorInvalidValue;
+  int64_t n_max = a->N;  // (G <= 1: one matrix; nseg > 0: the widest segment sizes the grid)
+  if (a->nseg > 0) {
+    n_max = 0;
+    for (int i = 0; i < a->nseg; ++i) n_max = a->seg_n[i] > n_max ? a->seg_n[i] : n_max;
+  }
+  if (a->M == 0 || n_max == 0) return cudaSuccess;
+  const int64_t kp = (a->K + 127) / 128 * 128, nchunks = kp / 128, ntiles = (n_max + 15) / 16;
   if (a->simple) {
     TiledParams p{reinterpret_cast<const bf16*>(a->x), a->w, a->s, a->gs, a->gs_act, a->y, a->out_kind,
                   int(a->M), int(a->N), int(a->K)};
@@ -1149,14 +1175,23 @@ extern "C" cudaError_t dsv4_nvfp4_linear_launch(const Nvfp4LinearArgs* a, cudaSt
   p.N = int(a->N);
   p.K = int(a->K);
   p.G = a->G > 1 ? int(a->G) : 1;
+  p.nseg = a->nseg;
+  for (int i = 0; i < a->nseg; ++i) {
+    p.seg_w[i] = a->seg_w[i];
+    p.seg_s[i] = a->seg_s[i];
+    p.seg_g[i] = a->seg_gs[i];
+    p.seg_y[i] = a->seg_y[i];
+    p.seg_n[i] = int(a->seg_n[i]);
+  }
+  const int ny = a->nseg > 0 ? a->nseg : p.G;  // blockIdx.y: groups or segments
   if (a->gemv && a->M <= 8 && reinterpret_cast<uintptr_t>(a->x) % 16 == 0) {
     p.pdl = a->pdl;
-    pick_gemv_split(ntiles, nchunks, p.G, p.kw, p.rt);
-    const dim3 grid(unsigned((ntiles + p.rt - 1) / p.rt), unsigned(p.G));
+    pick_gemv_split(ntiles, nchunks, ny, p.kw, p.rt);
+    const dim3 grid(unsigned((ntiles + p.rt - 1) / p.rt), unsigned(ny));
     return a->M <= 2 ? launch_gemv<kDense, 2>(p, grid, stream) : launch_gemv<kDense, 8>(p, grid, stream);
   }
-  pick_split(ntiles, nchunks, p.G, p.kw, p.rt);
-  const dim3 grid(unsigned((ntiles + p.rt - 1) / p.rt), unsigned(p.G));
+  pick_split(ntiles, nchunks, ny, p.kw, p.rt);
+  const dim3 grid(unsigned((ntiles + p.rt - 1) / p.rt), unsigned(ny));
   return launch_skinny<kDense>(p, pick_nt(a->M), grid, stream);
 }
 

@@ -5,6 +5,8 @@
 #include <stdint.h>
 
 // out_kind: 0 = bf16, 1 = fp16, 2 = fp32
+constexpr int kNvfp4MaxSegments = 4;  // weights of one nvfp4_linear_multi launch
+
 struct Nvfp4LinearArgs {
   const void* x;            // bf16 [M, K]
   const uint8_t* w;         // [N, Kp/2]
@@ -16,6 +18,13 @@ struct Nvfp4LinearArgs {
   int64_t M, N, K;
   int64_t G;                // > 1: nvfp4_linear_grouped (gemv / skinny only): x [M, G, K], w [G, N, Kp/2], gs [G],
                             // y [M, G, N], group = blockIdx.y
+  int nseg;                 // > 0: nvfp4_linear_multi (gemv / skinny only): y_i = x W_i^T for the segments below
+                            // (w, s, gs, y, N above unused), segment = blockIdx.y
+  const uint8_t* seg_w[kNvfp4MaxSegments];
+  const uint8_t* seg_s[kNvfp4MaxSegments];
+  const float* seg_gs[kNvfp4MaxSegments];
+  void* seg_y[kNvfp4MaxSegments];
+  int64_t seg_n[kNvfp4MaxSegments];
   int simple;               // 1: the plain CUDA-core kernel
   int gemv;                 // 1: the gemv kernel for M <= 8 (the default; 0: skinny)
   int pdl;                  // launch the gemv kernel with programmatic dependent launch

@@ -174,6 +174,56 @@ at::Tensor nvfp4_linear_grouped_cuda(const at::Tensor& x, const at::Tensor& w, c
   return out.view(out_shape);
 }
 
+// One launch for up to kNvfp4MaxSegments matrices at decode sizes (M <= 64: gemv / skinny, segment =
+// blockIdx.y); otherwise one nvfp4_linear per matrix.
+std::vector<at::Tensor> nvfp4_linear_multi_cuda(const at::Tensor& x, at::TensorList w, at::TensorList s,
+                                                at::TensorList gs) {
+  const char* op = "dsv4::nvfp4_linear_multi";
+  check_cuda(x, op, "x");
+  const std::vector<int64_t> ns = check_multi(x, w, s, gs, op);
+  const int64_t K = x.size(-1);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor x2 = prep(x.reshape({-1, K}), 16);
+  const int64_t M = x2.size(0);
+  const int n = int(w.size());
+  std::vector<at::Tensor> outs;
+  auto shaped = [&](const at::Tensor& y, int64_t N) {
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = N;
+    return y.view(shape);
+  };
+  if (M > 64 || use_simple() || n > kNvfp4MaxSegments) {
+    for (int i = 0; i < n; ++i)
+      outs.push_back(shaped(linear_impl(x2, w[i], s[i], gs[i], nullptr, ns[i], at::kBFloat16, op), ns[i]));
+    return outs;
+  }
+  TORCH_CHECK(M < (int64_t(1) << 31) && K < (int64_t(1) << 31), op, ": sizes must fit in int32");
+  Nvfp4LinearArgs a{};
+  std::vector<at::Tensor> keep;  // contiguous / aligned copies live until the launch is enqueued
+  a.x = x2.data_ptr();
+  a.out_kind = 0;
+  a.M = M;
+  a.K = K;
+  a.nseg = n;
+  for (int i = 0; i < n; ++i) {
+    TORCH_CHECK(ns[i] < (int64_t(1) << 31), op, ": sizes must fit in int32");
+    keep.push_back(prep(w[i], 16));
+    keep.push_back(prep(s[i], 8));
+    keep.push_back(gs[i].contiguous());
+    outs.push_back(at::empty({M, ns[i]}, x2.options()));
+    a.seg_w[i] = keep[3 * i].data_ptr<uint8_t>();
+    a.seg_s[i] = keep[3 * i + 1].data_ptr<uint8_t>();
+    a.seg_gs[i] = keep[3 * i + 2].data_ptr<float>();
+    a.seg_y[i] = outs[i].data_ptr();
+    a.seg_n[i] = ns[i];
+  }
+  a.gemv = kernel_choice() == Choice::kSkinny ? 0 : 1;
+  a.pdl = use_pdl() ? 1 : 0;
+  check_launch(dsv4_nvfp4_linear_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
+  for (int i = 0; i < n; ++i) outs[i] = shaped(outs[i], ns[i]);
+  return outs;
+}
+
 at::Tensor nvfp4_linear_w4a4_cuda(const at::Tensor& xp, const at::Tensor& xs, const at::Tensor& xg,
                                   const at::Tensor& w, const at::Tensor& s, const at::Tensor& gs,
                                   at::ScalarType out_dtype) {
@@ -268,6 +318,7 @@ at::Tensor nvfp4_moe_cuda(const at::Tensor& x, const at::Tensor& ids, const at::
 TORCH_LIBRARY_IMPL(dsv4, CUDA, m) {
   m.impl("nvfp4_linear", &nvfp4_linear_cuda);
   m.impl("nvfp4_linear_grouped", &nvfp4_linear_grouped_cuda);
+  m.impl("nvfp4_linear_multi", &nvfp4_linear_multi_cuda);
   m.impl("nvfp4_linear_w4a4", &nvfp4_linear_w4a4_cuda);
   m.impl("nvfp4_moe", &nvfp4_moe_cuda);
 }
