@@ -117,7 +117,7 @@ def kernels_per_step(runner: DecodeRunner, steps: int = 3) -> collections.Counte
 
 def measure(ratios, args, device):
     cfg = config(ratios, args.micro, args.experts)
-    model = build(cfg, device, args.prompt + 64)
+    model = build(cfg, device, args.prompt + args.steps + 64)  # room for every decoded position
     runner = DecodeRunner(model, compile=args.compile, cuda_graphs=device == "cuda", graph_mode="manual")
     g = torch.Generator(device=device).manual_seed(0)
     prompt = torch.randint(2, cfg.vocab_size, (1, args.prompt), device=device, generator=g)

@@ -12,7 +12,7 @@ through copies of the weights totalling >= 256 MB, so every call streams its wei
 calls), for both the op and the peer. GB/s counts weight bytes (NVFP4: codes + block scales; MoE: the unique
 experts touched); "HBM" is that over 4.26 TB/s. TF/s = 2*M*N*K / time.
 
-Run: python bench/bench_nvfp4_gemm.py   (about a minute)
+Run: python bench/bench_nvfp4_gemm.py   (about a minute; BENCH_NVFP4_PARTS=linear,grouped,multi,moe picks tables)
 """
 import contextlib
 import math
@@ -284,11 +284,12 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    bench_linear(gen)
-    torch.cuda.empty_cache()
-    bench_grouped(gen)
-    bench_multi(gen)
-    bench_moe(gen)
+    parts = os.environ.get("BENCH_NVFP4_PARTS", "linear,grouped,multi,moe").split(",")
+    for name, fn in (("linear", bench_linear), ("grouped", bench_grouped), ("multi", bench_multi),
+                     ("moe", bench_moe)):
+        if name in parts:
+            fn(gen)
+            torch.cuda.empty_cache()
     print(f"\ntotal {time.time() - t0:.0f} s")
 
 

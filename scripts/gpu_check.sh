@@ -4,7 +4,8 @@
 #   compute-sanitizer (memcheck, racecheck) on the direct kernel tests, the benchmarks.
 # $OUT gets summary.txt + logs.tgz (the device tool returns at most 8 files of <= 16 MiB).
 # Usage on the H200, from the repo root:  bash scripts/gpu_check.sh [tests|sanitizer|bench|profile ...]  (default: tests sanitizer bench)
-# Env: GPU_CHECK_SKIP_BUILD=1 (already built), TEST_FILES / BENCHES (space-separated paths; default: all), GPU_CHECK_SECONDS (a total budget: steps get
+# Env: GPU_CHECK_SKIP_BUILD=1 (already built), TEST_FILES / BENCHES (space-separated paths; default: all), SANITIZE
+# (a grep -E pattern: only the sanitizer specs it matches), GPU_CHECK_SECONDS (a total budget: steps get
 # what is left of it and are skipped once it is spent, so the summary always comes back within a device call).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,7 +48,9 @@ $PY -c 'import dsv4_ops; assert dsv4_ops.built_with_cuda(), "library built witho
 # kernels the other sampler tests run: memcheck only (racecheck instruments every shared-memory access: > 480 s).
 KERNEL_TESTS="tests/test_nvfp4_quant.py tests/test_indexer.py
   tests/test_nvfp4_gemm.py@decode_kernels tests/test_nvfp4_gemm.py@linear_cuda@and@not@w4a4@and@not@decode
-  tests/test_nvfp4_gemm.py@w4a4 tests/test_nvfp4_gemm.py@moe_cuda_many_experts
+  tests/test_nvfp4_gemm.py@w4a4 tests/test_nvfp4_gemm.py@grouped@or@multi
+  tests/test_nvfp4_gemm.py@moe_cuda_many_experts@and@not@64@and@not@300
+  tests/test_nvfp4_gemm.py@moe_cuda_many_experts@and@(64@or@300)
   tests/test_nvfp4_gemm.py@moe@and@not@many_experts tests/test_nvfp4_gemm.py@opcheck@or@graph
   tests/test_sample.py@not@chi_square"
 MEMCHECK_ONLY="tests/test_sample.py@chi_square"
@@ -66,6 +69,7 @@ for part in $PARTS; do
       for tool in memcheck racecheck; do
         specs=$KERNEL_TESTS; [ "$tool" = memcheck ] && specs="$KERNEL_TESTS $MEMCHECK_ONLY"
         for spec in $specs; do
+          [ -n "${SANITIZE:-}" ] && ! echo "$spec" | grep -qE "$SANITIZE" && continue
           f=${spec%%@*}; k=""; name="san_${tool}_$(basename "$f" .py)"
           if [ "$spec" != "$f" ]; then k=${spec#*@}; k=${k//@/ }; name="${name}_${k// /_}"; fi
           step "$name" "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool "$tool" --error-exitcode 1 \

@@ -20,7 +20,9 @@
 //     ldmatrix, packed weights + scales), 8 warps of 32 features x 64 tokens.
 //   dequant_weight: W -> bf16 e2m1 * block scale (exact) for the bindings' cuBLAS path (M >= 256).
 //   simple: plain CUDA-core reference-style kernels (DSV4_NVFP4_GEMM_KERNEL=simple), any shape.
-//   MoE: route (one CTA) -> skinny up (SwiGLU epilogue) -> skinny down -> combine, chained with PDL.
+//   MoE: route (one CTA) -> up (gemv or skinny, SwiGLU epilogue) -> down -> combine, chained with PDL.
+//   Dense launches also serve nvfp4_linear_grouped (blockIdx.y = group of x [M, G, K]) and nvfp4_linear_multi
+//   (blockIdx.y = one of several matrices sharing x) on the gemv / skinny kernels.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
