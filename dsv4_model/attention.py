@@ -147,6 +147,19 @@ class Compressor(nn.Module):
         return self._finish(pooled, cs, x.dtype), complete
 
 
+def _w4a16(mod: nn.Module) -> bool:
+    """A W4A16 NVFP4 projection (dsv4_model.quantize_model.Nvfp4ModelLinear; not imported: it imports this)."""
+    return getattr(mod, "w4a4", True) is False and hasattr(mod, "out_dtype") and hasattr(mod, "weight_packed")
+
+
+def _multi(x: torch.Tensor, mods) -> tuple[torch.Tensor, ...]:
+    """The W4A16 projections `mods` of the same x in one dsv4::nvfp4_linear_multi call (the values of
+    calling each module)."""
+    outs = torch.ops.dsv4.nvfp4_linear_multi(x.to(torch.bfloat16), [m.weight_packed for m in mods],
+                                             [m.weight_scale for m in mods], [m.weight_global_scale for m in mods])
+    return tuple(o.to(m.out_dtype) for o, m in zip(outs, mods))
+
+
 class Indexer(nn.Module):
     """Lightning indexer: score(t, i) = sum_h w[t,h] * relu(qI[t,h] . kI[i]); keeps the top index_topk entries."""
 
@@ -178,9 +191,10 @@ class Indexer(nn.Module):
         self.register_buffer("hadamard", h, persistent=False)
         self.compressor.register_buffer("hadamard", h, persistent=False)
 
-    def queries(self, qr: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
-        """qr [..., q_lora] -> [..., H_I, Di]; cs broadcastable to the head axis."""
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+    def queries(self, qr: torch.Tensor, cs: torch.Tensor, proj: torch.Tensor | None = None) -> torch.Tensor:
+        """qr [..., q_lora] -> [..., H_I, Di]; cs broadcastable to the head axis. proj: wq_b(qr) if already
+        computed (Attention runs it in the same launch as its own wq_b)."""
+        q = (self.wq_b(qr) if proj is None else proj).unflatten(-1, (self.n_heads, self.head_dim))
         q = apply_rope(q, cs, self.rope_dim)
         if self.simulate_quant:
             q = indexer_fake_quant(q, self.hadamard)
@@ -252,27 +266,31 @@ class Attention(nn.Module):
                                                      dtype=dtype, device=device), persistent=False)
 
     # ------------------------------------------------------------------ shared pieces
-    def _qkv(self, x: torch.Tensor, cs: torch.Tensor):
-        """x [..., dim] -> (qr [..., q_lora], q [..., H, D], kv [..., D]); cs: rope rows for x's positions."""
+    def _qkv(self, x: torch.Tensor, cs: torch.Tensor, index_proj: bool = False):
+        """x [..., dim] -> (qr [..., q_lora], q [..., H, D], kv [..., D], iproj); cs: rope rows for x's positions.
+        iproj: the indexer's wq_b(qr) when index_proj and it ran in the same launch as wq_b (else None)."""
         qa, kva = self._x_projections(x)
         qr = self.q_norm(qa)
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        qb, iproj = self._qr_projections(qr, index_proj)
+        q = qb.unflatten(-1, (self.n_heads, self.head_dim))
         q = apply_rope(unweighted_rms_norm(q, self.eps), cs.unsqueeze(-3), self.rope_dim)
         kv = apply_rope(self.kv_norm(kva), cs, self.rope_dim)
         if self.simulate_quant:
             kv = kv_fake_quant(kv, self.rope_dim)
-        return qr, q, kv
+        return qr, q, kv, iproj
 
     def _x_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(wq_a(x), wkv(x)); one dsv4::nvfp4_linear_multi launch when both are W4A16 NVFP4 (the same numerics as
         two nvfp4_linear calls)."""
-        a, b = self.wq_a, self.wkv
-        if getattr(a, "w4a4", True) is False and getattr(b, "w4a4", True) is False and hasattr(a, "out_dtype"):
-            qa, kva = torch.ops.dsv4.nvfp4_linear_multi(
-                x.to(torch.bfloat16), [a.weight_packed, b.weight_packed], [a.weight_scale, b.weight_scale],
-                [a.weight_global_scale, b.weight_global_scale])
-            return qa.to(a.out_dtype), kva.to(b.out_dtype)
-        return a(x), b(x)
+        if _w4a16(self.wq_a) and _w4a16(self.wkv):
+            return _multi(x, (self.wq_a, self.wkv))
+        return self.wq_a(x), self.wkv(x)
+
+    def _qr_projections(self, qr: torch.Tensor, index_proj: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(wq_b(qr), the indexer's wq_b(qr) or None); both in one launch when asked for and both are W4A16."""
+        if index_proj and self.indexer is not None and _w4a16(self.wq_b) and _w4a16(self.indexer.wq_b):
+            return _multi(qr, (self.wq_b, self.indexer.wq_b))
+        return self.wq_b(qr), None
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, qkeys: torch.Tensor | None = None,
                 qmask: torch.Tensor | None = None) -> torch.Tensor:
@@ -309,7 +327,7 @@ class Attention(nn.Module):
         B, S, _ = x.shape
         W, m, dev = self.window, self.ratio, x.device
         cs = rope[:S]
-        qr, q, kv = self._qkv(x, cs)
+        qr, q, kv, _ = self._qkv(x, cs)
         self._write_window(kv, lengths)
 
         comp = ikeys = iq = None
@@ -374,14 +392,14 @@ class Attention(nn.Module):
         W, m, dev = self.window, self.ratio, x.device
         rows = torch.arange(B, device=dev)
         cs = rope[positions]
-        qr, q, kv = self._qkv(x, cs)
+        qr, q, kv, iproj = self._qkv(x, cs, index_proj=True)
 
         sel = sel_valid = None
         if self.indexer is not None:
             ix = self.indexer
             ientry, icomplete = ix.compressor.decode(x, positions, rope)
             self._write_entry(ix.kv_cache, 0, positions, ientry, icomplete)
-            iq = ix.queries(qr, cs.unsqueeze(-3))
+            iq = ix.queries(qr, cs.unsqueeze(-3), iproj)
             k = min(ix.index_topk, self.n_entries)
             if ix.packed_decode():
                 codes, scales = indexer_fp4_quantize_keys(ientry)

@@ -294,8 +294,8 @@ class IndexerDistill:
         orig_prefill, orig_qkv, orig_comp = attn.prefill, attn._qkv, attn.compressor.prefill
         seen = {}
 
-        def qkv(x, cs):
-            out = orig_qkv(x, cs)
+        def qkv(x, cs, *args, **kwargs):
+            out = orig_qkv(x, cs, *args, **kwargs)
             seen["qr"], seen["q"] = out[0], out[1]
             return out
 

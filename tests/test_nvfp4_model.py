@@ -232,7 +232,8 @@ def test_structure_and_kept_layers(nvfp4_model):
 
 
 def test_fused_x_projections_equal_separate_calls(nvfp4_model):
-    """Attention runs W4A16 wq_a + wkv as one nvfp4_linear_multi call: the same values as the two modules."""
+    """Attention runs W4A16 wq_a + wkv, and (at decode) wq_b + the indexer's wq_b, as one nvfp4_linear_multi call
+    each: the same values as the modules."""
     attn = nvfp4_model.layers[1].attn
     x = torch.randn(2, 3, attn.wq_a.in_features, generator=torch.Generator().manual_seed(4))
     x = x.to(attn.wq_a.weight_packed.device)
@@ -251,6 +252,13 @@ def test_fused_x_projections_equal_separate_calls(nvfp4_model):
         qa, kva = attn._x_projections(x)
     assert "dsv4.nvfp4_linear_multi.default" in calls.names and "dsv4.nvfp4_linear.default" not in calls.names
     assert torch.equal(qa, attn.wq_a(x)) and torch.equal(kva, attn.wkv(x))
+    # the query projections of the attention and of its indexer (both read qr), at decode
+    qr = attn.q_norm(qa)
+    with Calls() as calls:
+        qb, iproj = attn._qr_projections(qr, True)
+    assert calls.names.count("dsv4.nvfp4_linear_multi.default") == 1
+    assert torch.equal(qb, attn.wq_b(qr)) and torch.equal(iproj, attn.indexer.wq_b(qr))
+    assert attn._qr_projections(qr, False)[1] is None
 
 
 def test_nvfp4_model_matches_its_dequantized_twin(ckpts):
