@@ -54,6 +54,19 @@ def forced_decode(engine, prompts: list[list[int]], fed: torch.Tensor, runner: D
     return torch.stack(out)
 
 
+def fixed_prefix(ref: torch.Tensor, drift: float) -> list[int]:
+    """Per row of eager's teacher-forced logits ref [steps, B, V]: how many greedy tokens a path whose logits
+    stay within `drift` of eager's cannot flip (up to and including the first step whose top-2 gap is within
+    2 * drift, the first that could go either way)."""
+    top2 = ref.topk(2, dim=-1).values
+    near = (top2[..., 0] - top2[..., 1]) <= 2 * drift  # [steps, B]
+    out = []
+    for row in range(ref.shape[1]):
+        idx = near[:, row].nonzero()
+        out.append(int(idx[0]) + 1 if len(idx) else ref.shape[0])
+    return out
+
+
 def decidable(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """[steps, B] bool: (step, row) whose greedy token cannot flip within that row's observed drift."""
     top2 = ref.topk(2, dim=-1).values

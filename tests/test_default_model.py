@@ -253,7 +253,7 @@ def test_teacher_forced_paths_helper():
     """dsv4_model/decode_compare.py (the GPU test's path comparison): an eager DecodeRunner fed eager's own ids
     reproduces eager's logits exactly, a runner fed other ids does not, and decidable() excuses exactly the steps
     whose top-2 gap is within twice the drift."""
-    from dsv4_model.decode_compare import decidable, eager_decode, forced_decode
+    from dsv4_model.decode_compare import decidable, eager_decode, fixed_prefix, forced_decode
     from dsv4_model.engine import Engine
     from dsv4_model.tokenizer import load_tokenizer
 
@@ -273,3 +273,9 @@ def test_teacher_forced_paths_helper():
     shifted = ref.clone()
     shifted[..., 0] += gap.amax() + 1.0  # a drift larger than every gap: nothing is decidable
     assert not bool(decidable(shifted, ref).any())
+    # ids fixed before the first near-tie: all of them without drift, only the first step with a huge one
+    assert fixed_prefix(ref, 0.0) == [6, 6]
+    assert fixed_prefix(ref, float(gap.amax()) + 1.0) == [1, 1]
+    row0 = gap[:, 0]
+    k = int(row0.argmin())
+    assert fixed_prefix(ref, float(row0[k]) / 2)[0] == k + 1

@@ -209,12 +209,20 @@ def test_compiled_path_matches_eager(fp32_engine, prompt_ids, eager_ids, eager_f
     check_path_against_eager(fp32_engine, prompt_ids, eager_ids, eager_forced, res, path)
 
 
-def test_exported_artifact_matches_eager(tmp_path, fp32_engine, prompt_ids, eager_ids):
+def test_exported_artifact_matches_eager(tmp_path, fp32_engine, prompt_ids, eager_ids, eager_forced):
+    """The package's greedy ids (a fresh process; only ids come back) equal eager's up to each row's first step
+    whose eager top-2 gap a drift of TOL could close (the compiled-path test bounds the drift of the same
+    kernels by TOL)."""
+    from dsv4_model.decode_compare import fixed_prefix
+
     pkg = build_artifact(tmp_path / "default.pt2", DEVICE, prompt_ids)
     got = run_artifact_fresh(pkg, prompt_ids)
     assert got["device"].startswith(DEVICE)
     assert got["mode"] == ("eager+graph" if DEVICE == "cuda" else "eager")  # package decode in CUDA graphs
-    assert_same_ids(got["ids"], eager_ids, "exported artifact", fp32_engine, prompt_ids)
+    n = fixed_prefix(eager_forced[1], TOL)
+    assert min(n) >= 1 and len(got["ids"]) == len(eager_ids)
+    assert_same_ids([g[:k] for g, k in zip(got["ids"], n)], [w[:k] for w, k in zip(eager_ids, n)],
+                    "exported artifact", fp32_engine, prompt_ids)
 
 
 def test_default_settings_generate_in_bf16(prompt_ids):
