@@ -115,6 +115,23 @@ def kernels_per_step(runner: DecodeRunner, steps: int = 3) -> collections.Counte
     return collections.Counter({k: v // steps for k, v in names.items() if v // steps})
 
 
+CATEGORIES = (  # (label, substrings of a kernel name), first match wins (Inductor names quote the ops they fuse)
+    ("Inductor pointwise", ("triton_poi",)),
+    ("Inductor reduction", ("triton_per", "triton_red")),
+    ("dsv4 NVFP4", ("nvfp4_",)),
+    ("dsv4 other", ("indexer_", "sample", "amax", "quantize")),
+    ("cuBLAS / CUTLASS", ("gemv", "gemm", "dot_kernel", "reduce_1Block", "splitKreduce", "cutlass", "nvjet", "xmma")),
+    ("ATen / other", ("",)),
+)
+
+
+def categorize(kernels: collections.Counter) -> collections.Counter:
+    out: collections.Counter = collections.Counter()
+    for name, count in kernels.items():
+        out[next(label for label, keys in CATEGORIES if any(k in name for k in keys))] += count
+    return out
+
+
 def measure(ratios, args, device):
     cfg = config(ratios, args.micro, args.experts)
     model = build(cfg, device, args.prompt + args.steps + 64)  # room for every decoded position
@@ -162,6 +179,10 @@ def main(argv=None) -> int:
     print(f"{'layer':6} {'us/layer':>9} {unit:>12}   goal: <= {GOAL_KERNELS} kernels, <= {GOAL_US:.0f} us")
     for kind, us, n, extra in rows:
         print(f"{kind:6} {us:9.1f} {n:12d}")
+    for kind, _, _, extra in rows:
+        cats = categorize(extra)
+        print(f"\n{kind} layer by kind: " + ", ".join(f"{label} {cats[label]}" for label, _ in CATEGORIES
+                                                     if cats[label]))
     for kind, _, _, extra in rows:
         print(f"\n{kind} layer's {unit} (count x name):")
         for name, c in extra.most_common():
