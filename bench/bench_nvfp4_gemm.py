@@ -138,14 +138,27 @@ def bench_linear(gen):
     return rows
 
 
-def bench_grouped(gen):
-    g, n, k = 8, 1024, 4096  # V4-Flash attention wo_a: 8 groups of 1024 x 4096
-    print(f"\n## nvfp4_linear_grouped (wo_a, {g} x ({n}x{k}), one launch at M <= 64) vs bf16 torch.bmm (cuBLAS), "
-          "and vs 8 nvfp4_linear calls")
-    hdr = (f"{'M':>5} | {'grouped us':>10} {'bf16 bmm us':>11} {'speedup':>7} | {'GB/s':>7} {'HBM':>5} | "
-           f"{'8 x linear us':>13}")
+def _fused_header(title, label, peer, split):
+    print(title)
+    hdr = f"{'M':>5} | {label:>10} {peer:>11} {'speedup':>7} | {'GB/s':>7} {'HBM':>5} | {split:>13}"
     print(hdr)
     print("-" * len(hdr))
+
+
+def _fused_row(m, wbytes, flops, out_bytes, op, peer, split):
+    """One row of the one-launch tables: the op, its bf16 cuBLAS peer and the same work as separate calls."""
+    reps = reps_for(wbytes, flops, out_bytes)
+    t_op, t_peer, t_split = (graph_us(f, reps) for f in (op, peer, split))
+    gbs = wbytes / (t_op * 1e-6)
+    print(f"{m:>5} | {t_op:10.2f} {t_peer:11.2f} {t_peer / t_op:6.2f}x | {gbs / 1e9:7.0f} {gbs / HBM:5.0%} | "
+          f"{t_split:13.2f}")
+    return m, t_op, t_peer, t_split
+
+
+def bench_grouped(gen):
+    g, n, k = 8, 1024, 4096  # V4-Flash attention wo_a: 8 groups of 1024 x 4096
+    _fused_header(f"\n## nvfp4_linear_grouped (wo_a, {g} x ({n}x{k}), one launch at M <= 64) vs bf16 torch.bmm "
+                  "(cuBLAS), and vs 8 nvfp4_linear calls", "grouped us", "bf16 bmm us", "8 x linear us")
     wbytes = g * nvfp4_bytes(n, k)
     copies = max(1, min(64, math.ceil(ROTATE_BYTES / wbytes)))
     ws = [rand_kernel_weight((g,), n, k, gen) for _ in range(copies)]
@@ -156,21 +169,15 @@ def bench_grouped(gen):
     for m in (1, 8, 64):
         x = torch.randn(m, g, k, device="cuda", generator=gen).to(torch.bfloat16)
         xt = x.transpose(0, 1).contiguous()  # the peer's [G, M, K]
-        reps = reps_for(wbytes, 2.0 * m * g * n * k, m * g * n * 2)
-        t_op = graph_us(lambda i: ops.nvfp4_linear_grouped(x, ws[i % copies][0], ws[i % copies][1], gs), reps)
-        t_peer = graph_us(lambda i: torch.bmm(xt, wb[i % bcopies].transpose(1, 2)), reps)
-
         xs = [x[:, j].contiguous() for j in range(g)]
 
         def loop(i):
             w, sc = ws[i % copies]
             return [ops.nvfp4_linear(xs[j], w[j], sc[j], gs[j]) for j in range(g)]
 
-        t_loop = graph_us(loop, reps)
-        gbs = wbytes / (t_op * 1e-6)
-        print(f"{m:>5} | {t_op:10.2f} {t_peer:11.2f} {t_peer / t_op:6.2f}x | {gbs / 1e9:7.0f} {gbs / HBM:5.0%} | "
-              f"{t_loop:13.2f}")
-        rows.append((m, t_op, t_peer, t_loop))
+        rows.append(_fused_row(m, wbytes, 2.0 * m * g * n * k, m * g * n * 2,
+                               lambda i: ops.nvfp4_linear_grouped(x, ws[i % copies][0], ws[i % copies][1], gs),
+                               lambda i: torch.bmm(xt, wb[i % bcopies].transpose(1, 2)), loop))
     del ws, wb
     torch.cuda.empty_cache()
     return rows
@@ -178,11 +185,8 @@ def bench_grouped(gen):
 
 def bench_multi(gen):
     ns, k = (1024, 512), 4096  # V4-Flash wq_a + wkv: both read the layer input x
-    print(f"\n## nvfp4_linear_multi (wq_a + wkv, {ns[0]}+{ns[1]} x {k}, one launch at M <= 64) vs bf16 cuBLAS "
-          "(two matmuls) and vs two nvfp4_linear calls")
-    hdr = f"{'M':>5} | {'multi us':>9} {'bf16 us':>9} {'speedup':>7} | {'GB/s':>7} {'HBM':>5} | {'2 x linear us':>13}"
-    print(hdr)
-    print("-" * len(hdr))
+    _fused_header(f"\n## nvfp4_linear_multi (wq_a + wkv, {ns[0]}+{ns[1]} x {k}, one launch at M <= 64) vs bf16 "
+                  "cuBLAS (two matmuls) and vs two nvfp4_linear calls", "multi us", "bf16 us", "2 x linear us")
     wbytes = sum(nvfp4_bytes(n, k) for n in ns)
     copies = max(1, min(256, math.ceil(ROTATE_BYTES / wbytes)))
     ws = [[rand_kernel_weight((), n, k, gen) for n in ns] for _ in range(copies)]
@@ -192,15 +196,11 @@ def bench_multi(gen):
     rows = []
     for m in (1, 8, 64):
         x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
-        reps = reps_for(wbytes, 2.0 * m * sum(ns) * k, m * sum(ns) * 2)
-        t_op = graph_us(lambda i: ops.nvfp4_linear_multi(x, [w[0] for w in ws[i % copies]],
-                                                         [w[1] for w in ws[i % copies]], gs), reps)
-        t_peer = graph_us(lambda i: [torch.matmul(x, w.t()) for w in wb[i % bcopies]], reps)
-        t_two = graph_us(lambda i: [ops.nvfp4_linear(x, w[0], w[1], g) for w, g in zip(ws[i % copies], gs)], reps)
-        gbs = wbytes / (t_op * 1e-6)
-        print(f"{m:>5} | {t_op:9.2f} {t_peer:9.2f} {t_peer / t_op:6.2f}x | {gbs / 1e9:7.0f} {gbs / HBM:5.0%} | "
-              f"{t_two:13.2f}")
-        rows.append((m, t_op, t_peer, t_two))
+        rows.append(_fused_row(
+            m, wbytes, 2.0 * m * sum(ns) * k, m * sum(ns) * 2,
+            lambda i: ops.nvfp4_linear_multi(x, [w[0] for w in ws[i % copies]], [w[1] for w in ws[i % copies]], gs),
+            lambda i: [torch.matmul(x, w.t()) for w in wb[i % bcopies]],
+            lambda i: [ops.nvfp4_linear(x, w[0], w[1], g) for w, g in zip(ws[i % copies], gs)]))
     del ws, wb
     torch.cuda.empty_cache()
     return rows
