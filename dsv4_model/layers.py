@@ -92,31 +92,6 @@ def _hc_mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> tuple[torch
     return F.linear(xf, fn.float()) * rs, xf
 
 
-def _sinkhorn_unrolled(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """hc_pre's Sinkhorn normalisation with each of the hc x hc entries its own [...] tensor, so every step is
-    elementwise over the tokens and Inductor fuses all iterations into one kernel (the [..., hc, hc] form costs
-    one kernel per normalisation: 2 * iters per call). Sums run in index order, which is the order torch.sum
-    uses for these 4-element reductions on the CPU (bit-identical there)."""
-    hc = comb.shape[-1]
-    c = [[comb[..., i, j] for j in range(hc)] for i in range(hc)]
-
-    def total(vals):
-        acc = vals[0]
-        for v in vals[1:]:
-            acc = acc + v
-        return acc
-
-    def col_norm(c):
-        s = [total([c[i][j] for i in range(hc)]) + eps for j in range(hc)]
-        return [[c[i][j] / s[j] for j in range(hc)] for i in range(hc)]
-
-    c = col_norm(c)
-    for _ in range(iters - 1):
-        c = [[v / (total(row) + eps) for v in row] for row in c]
-        c = col_norm(c)
-    return torch.stack([torch.stack(row, dim=-1) for row in c], dim=-2)
-
-
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
            hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Collapse the hc residual streams [..., hc, d] into one sublayer input (fp32 math).
@@ -130,13 +105,10 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     post = 2 * torch.sigmoid(mixes[..., hc: 2 * hc] * scale[1] + base[hc: 2 * hc])
     comb = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
     comb = torch.softmax(comb, dim=-1) + hc_eps
-    if torch.compiler.is_compiling():
-        comb = _sinkhorn_unrolled(comb, iters, hc_eps)
-    else:
+    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
-        for _ in range(iters - 1):
-            comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
-            comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
     y = (pre.unsqueeze(-1) * x.float()).sum(dim=-2)
     return y.to(x.dtype), post, comb
 
