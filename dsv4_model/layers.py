@@ -8,6 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import dsv4_ops  # noqa: F401  (loads the op library: torch.ops.dsv4)
+from dsv4_ops.reference import hc_sinkhorn_ref
+
 
 class Linear(nn.Module):
     """y = x @ W^T without bias. Parameters are allocated uninitialised (weights come from a checkpoint)."""
@@ -104,11 +107,12 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2 * torch.sigmoid(mixes[..., hc: 2 * hc] * scale[1] + base[hc: 2 * hc])
     comb = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
-    comb = torch.softmax(comb, dim=-1) + hc_eps
-    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    # row softmax + eps, then Sinkhorn: one kernel (as tensor ops it is 2 * iters GPU kernels); the op has no
+    # backward, so training runs the same steps as tensor ops
+    if torch.is_grad_enabled() and comb.requires_grad:
+        comb = hc_sinkhorn_ref(comb, iters, hc_eps)
+    else:
+        comb = torch.ops.dsv4.hc_sinkhorn(comb, iters, hc_eps)
     y = (pre.unsqueeze(-1) * x.float()).sum(dim=-2)
     return y.to(x.dtype), post, comb
 

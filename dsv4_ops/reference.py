@@ -460,3 +460,18 @@ def nvfp4_moe_ref(x, topk_ids, topk_weights, w13, w13_scale, w13_gs, w2, w2_scal
         acc = acc + _moe_expert_ref(x, nvfp4_gemm_dequant_ref(sw13, ss13, sg13),
                                     nvfp4_gemm_dequant_ref(sw2, ss2, sg2), None, swiglu_limit).float()
     return acc.to(torch.bfloat16)
+
+
+# ======================================================================================================
+# mHC (issue 7): dsv4::hc_sinkhorn
+# ======================================================================================================
+
+def hc_sinkhorn_ref(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """logits fp32 [..., hc, hc] -> the mixing matrix: row softmax + eps, then Sinkhorn (columns, then
+    (iters - 1) x (rows, columns)), each sum + eps (dsv4_model.layers.hc_pre's steps)."""
+    comb = torch.softmax(logits.float(), dim=-1) + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    return comb

@@ -64,5 +64,11 @@ TORCH_LIBRARY(dsv4, m) {
       "Tensor? shared_w2_packed, Tensor? shared_w2_scale, Tensor? shared_w2_global_scale, "
       "float swiglu_limit) -> Tensor");
 
+  // ---- mHC (issue 7: kernels per layer) ----
+  // The hyper-connection mixing matrix of each token: softmax over the last dim of logits [..., hc, hc] (fp32),
+  // + eps, then Sinkhorn normalisation: columns, then (iters - 1) x (rows, columns), each sum + eps. See
+  // docs/ops.md "## mHC".
+  m.def("hc_sinkhorn(Tensor logits, int iters, float eps) -> Tensor");
+
   // ---- decode state (issue 3) ----
 }

@@ -6,3 +6,4 @@ from dsv4_ops.fakes import quant  # noqa: F401
 from dsv4_ops.fakes import sample  # noqa: F401
 from dsv4_ops.fakes import indexer  # noqa: F401
 from dsv4_ops.fakes import gemm  # noqa: F401
+from dsv4_ops.fakes import mhc  # noqa: F401
