@@ -64,16 +64,23 @@ def _close(got, want):
 # The caches hold FP8 / FP4 fake-quantized values: a ~1e-6 difference before rounding can land on the adjacent
 # code (one FP8 step is 2^-3 relative). Such a flip changes an isolated element; a wrong computation changes
 # whole rows. So per step and buffer at most MAX_FLIPS elements may differ (beyond the tolerance); the compiled
-# state is then reset to eager's, so flips never accumulate.
+# state is then reset to eager's, so flips never accumulate. Logits must match at every step, except in a row
+# whose state flipped that step (FLIP_ROW_TOL below).
 MAX_FLIPS = 2
 FLIPS = [0]
 
 
-def _n_mismatched(got, want):
+def _mismatched(got, want):
+    """Bool mask of the elements beyond the tolerance."""
     tol = ATOL_REL if got.device.type == "cpu" else ATOL_REL_CUDA
     got, want = got.float(), want.float()
     err = torch.where(got == want, 0.0, (got - want).abs())
-    return int((err > tol * (1 + want.abs().nan_to_num(posinf=0.0, neginf=0.0))).sum())
+    return err > tol * (1 + want.abs().nan_to_num(posinf=0.0, neginf=0.0))
+
+
+# A flip in an entry the step itself wrote is read by the same step's attention: that row's logits may move by
+# about one FP8 step of one key (measured: 2.6e-4 and 1.1e-3 on the CPU model), never the other rows'.
+FLIP_ROW_TOL = 1e-2
 
 
 def _cache_buffers(model):
@@ -106,14 +113,22 @@ def _run_side_by_side(runner, eager_runner, prompts, steps):
         for step in range(steps):
             le, ne = eager_runner.step()
             lc, nc = runner.step()
-            ok, err = _close(lc, le)
-            worst = max(worst, err)
-            assert ok, f"step {step}: compiled logits differ from eager by {err}"
+            flipped = torch.zeros(B, dtype=torch.bool, device=le.device)  # rows with a flip written this step
             for name, want in eager_state.items():
-                n_bad = _n_mismatched(comp_state[name][:B], want[:B])
+                bad = _mismatched(comp_state[name][:B], want[:B])
+                n_bad = int(bad.sum())
                 assert n_bad <= MAX_FLIPS, f"step {step}: {n_bad} elements of compiled {name} differ from eager"
                 FLIPS[0] += n_bad
+                flipped |= bad.flatten(1).any(1)
                 comp_state[name].copy_(want)
+            for row in range(B):
+                ok, err = _close(lc[row], le[row])
+                if bool(flipped[row]):
+                    err_rel = float(((lc[row] - le[row]).abs() / (1 + le[row].abs())).max())
+                    assert err_rel <= FLIP_ROW_TOL, f"step {step} row {row}: logits moved by {err_rel} after a flip"
+                else:
+                    worst = max(worst, err)
+                    assert ok, f"step {step} row {row}: compiled logits differ from eager by {err}"
             runner.tokens[:B].copy_(ne)  # greedy near-ties may flip: keep both on the same sequence
     return worst
 
