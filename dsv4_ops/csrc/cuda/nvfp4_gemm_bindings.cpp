@@ -2,9 +2,9 @@
 // CPU kernels), outputs and workspaces from the caching allocator (graph-pool aware), launch on the current
 // stream. The kernels live in nvfp4_gemm.cu.
 // Kernel choice for y = x W^T: M <= 8 tokens -> the gemv kernel (cp.async ring); M <= 64 -> the skinny kernel;
-// 64 < M < 256 -> the tiled
-// mma kernel; M >= 256 -> dequantize W to bf16 (exact e2m1 * block scale) + cuBLAS bf16 GEMM with fp32 output
-// (aten::mm.dtype) + global scale (falls back to the tiled kernel where aten::mm.dtype does not exist).
+// 64 < M < 256 -> the tiled mma kernel; M >= 256 -> dequantize W to bf16 (exact e2m1 * block scale) + cuBLAS bf16
+// GEMM with fp32 output (aten::mm.dtype) + global scale (falls back to the tiled kernel where aten::mm.dtype does
+// not exist).
 // DSV4_NVFP4_GEMM_KERNEL = simple (plain CUDA-core kernels, any shape) | tiled | cublas overrides the M > 64 choice;
 // skinny keeps M <= 8 and MoE decode on the skinny kernel (gemv is 1.25-1.9x faster at M = 1 on the H200);
 // DSV4_NVFP4_PDL=0 turns off programmatic dependent launch (the gemv kernels, the MoE chain).
