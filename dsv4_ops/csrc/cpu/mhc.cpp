@@ -13,7 +13,17 @@ namespace {
 
 using dsv4_mhc::kMaxHc;
 
-// softmax over each row + eps, then columns, then (iters - 1) x (rows, columns); sums in index order.
+// Divides every row (rows) or column of c by its sum + eps; sums in index order.
+void normalise(float (&c)[kMaxHc][kMaxHc], int hc, float eps, bool rows) {
+  for (int a = 0; a < hc; ++a) {
+    float s = 0.0f;
+    for (int b = 0; b < hc; ++b) s += rows ? c[a][b] : c[b][a];
+    s += eps;
+    for (int b = 0; b < hc; ++b) (rows ? c[a][b] : c[b][a]) /= s;
+  }
+}
+
+// softmax over each row + eps, then columns, then (iters - 1) x (rows, columns).
 void sinkhorn_one(const float* x, float* y, int hc, int iters, float eps) {
   float c[kMaxHc][kMaxHc];
   for (int i = 0; i < hc; ++i) {
@@ -26,23 +36,10 @@ void sinkhorn_one(const float* x, float* y, int hc, int iters, float eps) {
     }
     for (int j = 0; j < hc; ++j) c[i][j] = c[i][j] / s + eps;
   }
-  auto cols = [&]() {
-    for (int j = 0; j < hc; ++j) {
-      float s = 0.0f;
-      for (int i = 0; i < hc; ++i) s += c[i][j];
-      s += eps;
-      for (int i = 0; i < hc; ++i) c[i][j] /= s;
-    }
-  };
-  cols();
+  normalise(c, hc, eps, false);
   for (int it = 1; it < iters; ++it) {
-    for (int i = 0; i < hc; ++i) {
-      float s = 0.0f;
-      for (int j = 0; j < hc; ++j) s += c[i][j];
-      s += eps;
-      for (int j = 0; j < hc; ++j) c[i][j] /= s;
-    }
-    cols();
+    normalise(c, hc, eps, true);
+    normalise(c, hc, eps, false);
   }
   for (int i = 0; i < hc; ++i)
     for (int j = 0; j < hc; ++j) y[i * hc + j] = c[i][j];

@@ -7,6 +7,27 @@
 
 namespace {
 
+// Divides every row (ROWS) or column of c by its sum + eps; sums in index order.
+template <int MAXHC, bool ROWS>
+__device__ __forceinline__ void normalise(float (&c)[MAXHC][MAXHC], int hc, float eps) {
+#pragma unroll
+  for (int a = 0; a < MAXHC; ++a) {
+    if (a >= hc) break;
+    float s = 0.0f;
+#pragma unroll
+    for (int b = 0; b < MAXHC; ++b)
+      if (b < hc) s = __fadd_rn(s, ROWS ? c[a][b] : c[b][a]);
+    s = __fadd_rn(s, eps);
+#pragma unroll
+    for (int b = 0; b < MAXHC; ++b) {
+      if (b < hc) {
+        float& v = ROWS ? c[a][b] : c[b][a];
+        v = __fdiv_rn(v, s);
+      }
+    }
+  }
+}
+
 template <int MAXHC>  // hc <= MAXHC; the loops run to MAXHC so the matrix stays in registers
 __global__ void __launch_bounds__(128) hc_sinkhorn_kernel(const float* __restrict__ x, float* __restrict__ y,
                                                           int64_t n, int hc, int iters, float eps) {
@@ -33,33 +54,10 @@ __global__ void __launch_bounds__(128) hc_sinkhorn_kernel(const float* __restric
     for (int j = 0; j < MAXHC; ++j)
       if (j < hc) c[i][j] = __fadd_rn(__fdiv_rn(c[i][j], s), eps);
   }
-  for (int it = 0; it < iters; ++it) {
-    if (it > 0) {  // rows (the first pass normalises columns only)
-#pragma unroll
-      for (int i = 0; i < MAXHC; ++i) {
-        if (i >= hc) break;
-        float s = 0.0f;
-#pragma unroll
-        for (int j = 0; j < MAXHC; ++j)
-          if (j < hc) s = __fadd_rn(s, c[i][j]);
-        s = __fadd_rn(s, eps);
-#pragma unroll
-        for (int j = 0; j < MAXHC; ++j)
-          if (j < hc) c[i][j] = __fdiv_rn(c[i][j], s);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < MAXHC; ++j) {
-      if (j >= hc) break;
-      float s = 0.0f;
-#pragma unroll
-      for (int i = 0; i < MAXHC; ++i)
-        if (i < hc) s = __fadd_rn(s, c[i][j]);
-      s = __fadd_rn(s, eps);
-#pragma unroll
-      for (int i = 0; i < MAXHC; ++i)
-        if (i < hc) c[i][j] = __fdiv_rn(c[i][j], s);
-    }
+  normalise<MAXHC, false>(c, hc, eps);
+  for (int it = 1; it < iters; ++it) {
+    normalise<MAXHC, true>(c, hc, eps);
+    normalise<MAXHC, false>(c, hc, eps);
   }
   float* ym = y + t * hc * hc;
 #pragma unroll
