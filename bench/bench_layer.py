@@ -30,6 +30,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import dsv4_ops  # noqa: E402,F401
+from dsv4_model.attention import Compressor  # noqa: E402
 from dsv4_model.checkpoint_writer import TINY_CONFIG  # noqa: E402
 from dsv4_model.compiled import DecodeRunner  # noqa: E402
 from dsv4_model.config import ModelConfig  # noqa: E402
@@ -60,6 +61,11 @@ def build(cfg: ModelConfig, device: str, max_seq: int) -> Transformer:
         from bench_decode import randomize_
 
         randomize_(model, 0, cfg.n_routed_experts)  # on the GPU: GBs of weights, no host round trip
+        for mod in model.modules():  # compressor projections hold bf16 values, as the checkpoints store them
+            if isinstance(mod, Compressor):
+                for w in (mod.wkv.weight, mod.wgate.weight):
+                    w.copy_(w.to(torch.bfloat16))
+        model.narrow_weights_()  # as the loader does
     else:
         model.init_random_weights(0)
     quantize_model_(model)
@@ -112,7 +118,13 @@ def kernels_per_step(runner: DecodeRunner, steps: int = 3) -> collections.Counte
         elif not e.name.startswith(("aten::", "dsv4::")) or e.cpu_parent is not None:
             continue  # CPU dry run: top-level ops stand in for kernels
         names[e.name] += 1
+        KERNEL_US[e.name] += e.time_range.elapsed_us() / steps if on_cuda else 0.0
     return collections.Counter({k: v // steps for k, v in names.items() if v // steps})
+
+
+# Per kernel name: GPU time per step summed over the runs measured (kernels run outside the graph, so each
+# duration is the kernel's own time, without launch gaps); main() reports the extra layer's share.
+KERNEL_US: collections.Counter = collections.Counter()
 
 
 CATEGORIES = (  # (label, substrings of a kernel name), first match wins (Inductor names quote the ops they fuse)
@@ -133,6 +145,7 @@ def categorize(kernels: collections.Counter) -> collections.Counter:
 
 
 def measure(ratios, args, device):
+    KERNEL_US.clear()
     cfg = config(ratios, args.micro, args.experts)
     model = build(cfg, device, args.prompt + args.steps + 64)  # room for every decoded position
     runner = DecodeRunner(model, compile=args.compile, cuda_graphs=device == "cuda", graph_mode="manual")
@@ -141,12 +154,13 @@ def measure(ratios, args, device):
     start(runner, model, prompt)
     us = us_per_step(runner, args.steps)
     kernels = kernels_per_step(runner)
+    busy = collections.Counter(KERNEL_US)
     del runner, model
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
     torch._dynamo.reset()
-    return us, kernels
+    return us, kernels, busy
 
 
 def main(argv=None) -> int:
@@ -163,30 +177,34 @@ def main(argv=None) -> int:
         print("bench_layer: needs a CUDA GPU (skipped; --device cpu --micro dry-runs the method)")
         return 0
     t0 = time.perf_counter()
-    base_us, base_k = measure(BASE, args, args.device)
+    base_us, base_k, base_busy = measure(BASE, args, args.device)
     print(f"base {BASE}: {base_us:.1f} us/step, {sum(base_k.values())} kernels/step", flush=True)
     rows = []
     for kind in [k for k in args.kinds.split(",") if k]:
-        us, k = measure(BASE + [RATIO[kind]], args, args.device)
+        us, k, busy = measure(BASE + [RATIO[kind]], args, args.device)
         extra = k - base_k
         n = sum(k.values()) - sum(base_k.values())
-        rows.append((kind, us - base_us, n, extra))
+        extra_busy = collections.Counter({name: busy[name] - base_busy[name] for name in busy})
+        rows.append((kind, us - base_us, n, extra, extra_busy))
         print(f"+{kind}: {us:.1f} us/step, {sum(k.values())} kernels/step", flush=True)
     unit = "kernels" if args.device == "cuda" else "top-level ops (CPU dry run)"
     print(f"\nPer decoder layer, batch 1, NVFP4 W4A16, {'micro' if args.micro else 'V4-Flash'} widths, "
           f"{'compiled' if args.compile else 'eager'} + {'CUDA graph' if args.device == 'cuda' else 'no graph'}, "
           f"position {args.prompt}")
     print(f"{'layer':6} {'us/layer':>9} {unit:>12}   goal: <= {GOAL_KERNELS} kernels, <= {GOAL_US:.0f} us")
-    for kind, us, n, extra in rows:
+    for kind, us, n, extra, _ in rows:
         print(f"{kind:6} {us:9.1f} {n:12d}")
-    for kind, _, _, extra in rows:
+    for kind, _, _, extra, _ in rows:
         cats = categorize(extra)
         print(f"\n{kind} layer by kind: " + ", ".join(f"{label} {cats[label]}" for label, _ in CATEGORIES
                                                      if cats[label]))
-    for kind, _, _, extra in rows:
-        print(f"\n{kind} layer's {unit} (count x name):")
+    for kind, _, _, extra, busy in rows:
+        print(f"\n{kind} layer's {unit} (count x name; GPU us per step of the layer's share, kernels run outside "
+              f"the graph):")
         for name, c in extra.most_common():
-            print(f"  {c:3d} x {name[:110]}")
+            print(f"  {c:3d} x {busy[name]:7.2f} us  {name[:100]}")
+        if args.device == "cuda":
+            print(f"  busy: {sum(v for v in busy.values()):.1f} us of GPU time in the layer's kernels (sum over names)")
     print(f"total {time.perf_counter() - t0:.0f} s")
     return 0
 

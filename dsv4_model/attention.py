@@ -24,7 +24,7 @@ from torch import nn
 from dsv4_ops.reference import indexer_fp4_quantize_keys
 
 from .config import ModelConfig
-from .layers import Linear, RMSNorm, apply_rope, unweighted_rms_norm
+from .layers import Linear, RMSNorm, apply_rope, fp32_linear, unweighted_rms_norm
 from .quant_sim import hadamard_matrix, indexer_fake_quant, kv_fake_quant
 
 
@@ -68,6 +68,20 @@ class Compressor(nn.Module):
         self.register_buffer("score_state", torch.full(shape, float("-inf"), dtype=torch.float32, device=device),
                              persistent=False)
 
+    @torch.no_grad()
+    def narrow_weights_(self) -> None:
+        """Keep wkv / wgate in bf16 when that is lossless (the released checkpoints store them in bf16): decode
+        reads half the bytes, and dsv4::fp32_linear widens them exactly, so every result is unchanged. Weights
+        with values bf16 cannot hold (e.g. trained or randomised in fp32) stay fp32. Call once the weights are
+        in place (Transformer.narrow_weights_): anything copied in later would be rounded to bf16."""
+        for lin in (self.wkv, self.wgate):
+            w = lin.weight
+            if w.dtype != torch.float32 or w.device.type == "meta" or w.requires_grad:
+                continue
+            narrow = w.to(torch.bfloat16)
+            if torch.equal(narrow.float(), w):
+                lin.weight = nn.Parameter(narrow, requires_grad=False)
+
     def reset_state(self) -> None:
         self.kv_state.zero_()
         self.score_state.fill_(float("-inf"))
@@ -79,9 +93,12 @@ class Compressor(nn.Module):
             kv = indexer_fake_quant(kv, self.hadamard) if self.rotate else kv_fake_quant(kv, self.rope_dim)
         return kv
 
+    def linears(self) -> list[torch.Tensor]:
+        return [self.wkv.weight, self.wgate.weight]
+
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        xf = x.float()
-        return self.wkv(xf), self.wgate(xf)
+        kv, score = fp32_linear(x, self.linears())
+        return kv, score
 
     def prefill(self, x: torch.Tensor, lengths: torch.Tensor, rope: torch.Tensor) -> torch.Tensor | None:
         """x [B, S, dim] from position 0; rows valid up to lengths[b]. Returns entries [B, S//m, Dc] (or None)
@@ -120,13 +137,15 @@ class Compressor(nn.Module):
         cs = rope[torch.arange(n, device=x.device) * m]
         return self._finish(pooled, cs, x.dtype)
 
-    def decode(self, x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor):
+    def decode(self, x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor,
+               proj: tuple[torch.Tensor, torch.Tensor] | None = None):
         """x [B, dim] = token at positions[b]. Updates state rows [:B]; returns (entry [B, Dc] for window
-        positions//m, complete [B] bool: whether that window closed at this token)."""
+        positions//m, complete [B] bool: whether that window closed at this token). proj: (wkv(x), wgate(x))
+        if already computed (Attention runs both compressors' projections in one launch)."""
         B = x.shape[0]
         m, hd = self.ratio, self.head_dim
         rows = torch.arange(B, device=x.device)
-        kv, score = self._project(x)
+        kv, score = self._project(x) if proj is None else proj
         score = score + self.ape[positions % m]
         slot = (self.coff - 1) * m + positions % m
         self.kv_state.index_put_((rows, slot), kv)
@@ -219,11 +238,12 @@ class Indexer(nn.Module):
             self.k_codes[:B, :n] = codes
             self.k_scales[:B, :n] = scales
 
-    def select(self, q: torch.Tensor, x: torch.Tensor, n_vis: torch.Tensor, k: int) -> torch.Tensor:
+    def select(self, q: torch.Tensor, x: torch.Tensor, n_vis: torch.Tensor, k: int,
+               proj: torch.Tensor | None = None) -> torch.Tensor:
         """Decode top-k over the packed cache: q [B, H_I, Di], x [B, dim], n_vis [B] -> int32 [B, k], -1 past
-        the valid entries."""
+        the valid entries. proj: weights_proj(x) if already computed (Attention._fp32_projections)."""
         B = q.shape[0]
-        w = self.weights_proj(x).float() * self.weight_scale
+        w = (self.weights_proj(x) if proj is None else proj).float() * self.weight_scale
         return torch.ops.dsv4.indexer_score_topk(q, w, self.k_codes[:B], self.k_scales[:B], n_vis, k)
 
     def scores(self, q: torch.Tensor, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -291,6 +311,26 @@ class Attention(nn.Module):
         if index_proj and self.indexer is not None and _w4a16(self.wq_b) and _w4a16(self.indexer.wq_b):
             return _multi(qr, (self.wq_b, self.indexer.wq_b))
         return self.wq_b(qr), None
+
+    def _fp32_projections(self, x: torch.Tensor):
+        """The fp32-math projections of x at decode, in one dsv4::fp32_linear call: ((wkv(x), wgate(x)) of the
+        compressor or None, the same of the indexer's compressor or None, the indexer's weights_proj(x) (rounded
+        to its weight's dtype, as the module returns it) or None)."""
+        ix = self.indexer
+        comps = [c for c in (self.compressor, ix.compressor if ix is not None else None) if c is not None]
+        ws = [w for c in comps for w in c.linears()]
+        wp = None
+        if ix is not None and ix.packed_decode() and type(ix.weights_proj) is Linear:
+            wp = ix.weights_proj.weight
+            ws.append(wp)
+        if not ws:
+            return None, None, None
+        outs = fp32_linear(x, ws)
+        wout = outs.pop().to(wp.dtype) if wp is not None else None
+        pairs = [(outs[2 * i], outs[2 * i + 1]) for i in range(len(comps))]
+        if self.compressor is None:
+            return None, (pairs[0] if pairs else None), wout
+        return pairs[0], (pairs[1] if len(pairs) > 1 else None), wout
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, qkeys: torch.Tensor | None = None,
                 qmask: torch.Tensor | None = None) -> torch.Tensor:
@@ -393,11 +433,12 @@ class Attention(nn.Module):
         rows = torch.arange(B, device=dev)
         cs = rope[positions]
         qr, q, kv, iproj = self._qkv(x, cs, index_proj=True)
+        cproj, iproj_c, wproj = self._fp32_projections(x)
 
         sel = sel_valid = None
         if self.indexer is not None:
             ix = self.indexer
-            ientry, icomplete = ix.compressor.decode(x, positions, rope)
+            ientry, icomplete = ix.compressor.decode(x, positions, rope, iproj_c)
             self._write_entry(ix.kv_cache, 0, positions, ientry, icomplete)
             iq = ix.queries(qr, cs.unsqueeze(-3), iproj)
             k = min(ix.index_topk, self.n_entries)
@@ -405,7 +446,7 @@ class Attention(nn.Module):
                 codes, scales = indexer_fp4_quantize_keys(ientry)
                 self._write_entry(ix.k_codes, 0, positions, codes, icomplete)
                 self._write_entry(ix.k_scales, 0, positions, scales, icomplete)
-                sel = ix.select(iq, x, (positions + 1) // m, k)
+                sel = ix.select(iq, x, (positions + 1) // m, k, wproj)
                 sel_valid = sel >= 0
                 sel = sel.clamp(min=0).long()
             else:
@@ -417,7 +458,7 @@ class Attention(nn.Module):
 
         self.kv_cache.index_put_((rows, positions % W), kv)
         if self.compressor is not None:
-            entry, complete = self.compressor.decode(x, positions, rope)
+            entry, complete = self.compressor.decode(x, positions, rope, cproj)
             self._write_entry(self.kv_cache, W, positions, entry, complete)
 
         keys = self.kv_cache[:B, :W]

@@ -88,11 +88,20 @@ def apply_rope(x: torch.Tensor, cs: torch.Tensor, rope_dim: int, inverse: bool =
     return torch.cat([nope, y.to(x.dtype)], dim=-1)
 
 
+def fp32_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[float(x) @ float(w)^T for w in weights] in fp32: the projections official runs in fp32. One
+    dsv4::fp32_linear launch for all of them (x and the weights are read as they are: widening bf16 is exact);
+    the op has no backward, so with a gradient to track they run as F.linear."""
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        return [F.linear(x.float(), w.float()) for w in weights]
+    return list(torch.ops.dsv4.fp32_linear(x, list(weights)))
+
+
 # ---------------------------------------------------------------------------------------------------- mHC
 def _hc_mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.flatten(-2).float()
     rs = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
-    return F.linear(xf, fn.float()) * rs, xf
+    return fp32_linear(x.flatten(-2), [fn])[0] * rs, xf
 
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,

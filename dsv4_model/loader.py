@@ -558,6 +558,7 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
             clear()
     if stored and quant == "none":
         dequantize_model_(model)
+    model.narrow_weights_()
     model.setup_runtime(device)
     model.eval()
     return model, config

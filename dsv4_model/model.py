@@ -174,6 +174,15 @@ class Transformer(nn.Module):
     init_caches = setup_runtime
 
     @torch.no_grad()
+    def narrow_weights_(self) -> "Transformer":
+        """Hold the fp32-math weights that only carry bf16 values in bf16 (Compressor.narrow_weights_: the same
+        results, half the bytes per decode step). The loader calls it after loading."""
+        for mod in self.modules():
+            if isinstance(mod, Compressor):
+                mod.narrow_weights_()
+        return self
+
+    @torch.no_grad()
     def reset_caches(self) -> None:
         """Zero every cache / state (not needed for correctness: prefill rewrites what decode reads)."""
         for mod in self.modules():

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import Linear
+from .layers import Linear, fp32_linear
 
 
 class Gate(nn.Module):
@@ -35,19 +35,24 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, dim], ids [N] -> (weights [N, k] fp32, indices [N, k] long)."""
-        logits = F.linear(x.float(), self.weight.float())
+        logits = fp32_linear(x, [self.weight])[0]
         if self.score_func == "softmax":
             scores = logits.softmax(dim=-1)
         elif self.score_func == "sigmoid":
             scores = logits.sigmoid()
         else:
             scores = F.softplus(logits).sqrt()
+        renorm = self.score_func != "softmax"
+        if (not self.hash and self.topk <= 16 and scores.shape[-1] <= 1024
+                and not (torch.is_grad_enabled() and scores.requires_grad)):
+            # one kernel instead of topk's two, the gather and the renormalisation (the op has no backward)
+            return torch.ops.dsv4.router_topk(scores, self.bias, self.topk, renorm, self.route_scale)
         if self.hash:
             indices = self.tid2eid[ids].long()
         else:
             indices = (scores + self.bias).topk(self.topk, dim=-1).indices
         weights = scores.gather(1, indices)
-        if self.score_func != "softmax":
+        if renorm:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights * self.route_scale, indices
 

@@ -475,3 +475,28 @@ def hc_sinkhorn_ref(logits: torch.Tensor, iters: int, eps: float) -> torch.Tenso
         comb = comb / (comb.sum(-1, keepdim=True) + eps)
         comb = comb / (comb.sum(-2, keepdim=True) + eps)
     return comb
+
+
+# ======================================================================================================
+# fp32 projections (issue 7): dsv4::fp32_linear
+# ======================================================================================================
+
+def fp32_linear_ref(x: torch.Tensor, weight: list[torch.Tensor]) -> list[torch.Tensor]:
+    """out[i] = float(x) @ float(weight[i])^T, summed in float64 and rounded once to fp32 (the op sums in fp32, in
+    an order of its own: compare with a bound on fp32 summation error)."""
+    return [(x.double() @ w.double().t()).float() for w in weight]
+
+
+# ======================================================================================================
+# MoE routing (issue 7): dsv4::router_topk
+# ======================================================================================================
+
+def router_topk_ref(scores: torch.Tensor, bias, k: int, renormalize: bool, scale: float):
+    """(weights fp32 [N, k], indices int64 [N, k]): the k largest scores + bias per row (a stable descending sort:
+    NaN first, ties to the lower index), their unbiased scores, / their sum (renormalize), * scale."""
+    key = scores if bias is None else scores + bias
+    indices = torch.sort(key, dim=-1, descending=True, stable=True).indices[:, :k]
+    weights = scores.gather(1, indices)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * scale, indices

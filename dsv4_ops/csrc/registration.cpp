@@ -70,5 +70,19 @@ TORCH_LIBRARY(dsv4, m) {
   // docs/ops.md "## mHC".
   m.def("hc_sinkhorn(Tensor logits, int iters, float eps) -> Tensor");
 
+  // ---- fp32 projections (issue 7: kernels per layer) ----
+  // out[i] = float(x) @ float(weight[i])^T in fp32 (x [..., K] bf16 / fp16 / fp32, weight[i] [N_i, K] bf16 or
+  // fp32, out[i] fp32 [..., N_i]): the projections official runs in fp32 (compressors, mHC mixes), up to 8 that
+  // read the same x in one call. See docs/ops.md "## fp32 linear".
+  m.def("fp32_linear(Tensor x, Tensor[] weight) -> Tensor[]");
+
+  // ---- MoE routing (issue 7: kernels per layer) ----
+  // Per row of scores fp32 [N, E]: the k experts with the largest scores + bias (NaN above every number, ties to
+  // the lower index), as int64 indices [N, k] in that order, and their unbiased scores fp32 [N, k], divided by
+  // their sum when renormalize, times scale. See docs/ops.md "## Router".
+  m.def(
+      "router_topk(Tensor scores, Tensor? bias, int k, bool renormalize, float scale) -> (Tensor weights, "
+      "Tensor indices)");
+
   // ---- decode state (issue 3) ----
 }

@@ -7,3 +7,5 @@ from dsv4_ops.fakes import sample  # noqa: F401
 from dsv4_ops.fakes import indexer  # noqa: F401
 from dsv4_ops.fakes import gemm  # noqa: F401
 from dsv4_ops.fakes import mhc  # noqa: F401
+from dsv4_ops.fakes import fp32_linear  # noqa: F401
+from dsv4_ops.fakes import router  # noqa: F401

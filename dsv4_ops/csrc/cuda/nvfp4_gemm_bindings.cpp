@@ -2,18 +2,25 @@
 // CPU kernels), outputs and workspaces from the caching allocator (graph-pool aware), launch on the current
 // stream. The kernels live in nvfp4_gemm.cu.
 // Kernel choice for y = x W^T: M <= 8 tokens -> the gemv kernel (cp.async ring); M <= 64 -> the skinny kernel;
-// 64 < M < 256 -> the tiled mma kernel; M >= 256 -> dequantize W to bf16 (exact e2m1 * block scale) + cuBLAS bf16
-// GEMM with fp32 output (aten::mm.dtype) + global scale (falls back to the tiled kernel where aten::mm.dtype does
-// not exist).
-// DSV4_NVFP4_GEMM_KERNEL = simple (plain CUDA-core kernels, any shape) | tiled | cublas overrides the M > 64 choice;
-// skinny keeps M <= 8 and MoE decode on the skinny kernel (gemv is 1.25-1.9x faster at M = 1 on the H200);
-// DSV4_NVFP4_PDL=0 turns off programmatic dependent launch (the gemv kernels, the MoE chain).
+// 64 < M < 256 -> the tiled mma kernel; M >= 256 -> dequantize W to bf16 (exact e2m1 * block scale) + one cublasLt
+// bf16 GEMM whose epilogue applies the global scale (alpha read from device memory, so no host sync and CUDA-graph
+// safe) and rounds once to the output dtype. The previous form of that path (aten::mm.dtype to an fp32 [M, N]
+// product, then one scaling pass) wrote and re-read the fp32 product: 0.38x of a bf16 matmul for wq_b at M = 4096
+// on the H200. It stays as the fallback where cublasLt is not built in, offers no algorithm, fails, or cannot
+// produce the output dtype (fp16 from bf16 operands); without aten::mm.dtype either, the tiled kernel runs.
+// DSV4_NVFP4_GEMM_KERNEL = simple (plain CUDA-core kernels, any shape) | tiled | cublas | cublas_mmdtype (the old
+// mm.dtype form, for A/B runs) overrides the M > 64 choice; skinny keeps M <= 8 and MoE decode on the skinny kernel
+// (gemv is 1.25-1.9x faster at M = 1 on the H200); DSV4_NVFP4_PDL=0 turns off programmatic dependent launch (the
+// gemv kernels, the MoE chain).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 #include <torch/library.h>
+#if defined(DSV4_WITH_CUBLASLT)
+#include <ATen/cuda/CUDAContextLight.h>  // getCurrentCUDABlasLtHandle, cublasLt.h
+#endif
 
 #include <cstdint>
 #include <cstdlib>
@@ -27,7 +34,7 @@ namespace {
 
 using namespace dsv4_nvfp4;
 
-enum class Choice { kAuto, kSimple, kTiled, kCublas, kSkinny };
+enum class Choice { kAuto, kSimple, kTiled, kCublas, kCublasMmDtype, kSkinny };
 
 Choice kernel_choice() {
   const char* v = std::getenv("DSV4_NVFP4_GEMM_KERNEL");
@@ -35,6 +42,7 @@ Choice kernel_choice() {
   if (std::strcmp(v, "simple") == 0) return Choice::kSimple;
   if (std::strcmp(v, "tiled") == 0) return Choice::kTiled;
   if (std::strcmp(v, "cublas") == 0) return Choice::kCublas;
+  if (std::strcmp(v, "cublas_mmdtype") == 0) return Choice::kCublasMmDtype;
   if (std::strcmp(v, "skinny") == 0) return Choice::kSkinny;
   return Choice::kAuto;
 }
@@ -79,6 +87,131 @@ void check_launch(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
 }
 
+#if defined(DSV4_WITH_CUBLASLT)
+// Owns one cublasLt descriptor; every early return of lt_matmul below must release what it created.
+template <typename T, cublasStatus_t (*Destroy)(T)>
+struct LtOwned {
+  T h = nullptr;
+  LtOwned() = default;
+  LtOwned(const LtOwned&) = delete;
+  LtOwned& operator=(const LtOwned&) = delete;
+  ~LtOwned() {
+    if (h != nullptr) Destroy(h);
+  }
+};
+
+// The heuristic assumes 256-byte-aligned operands unless told otherwise, and could then pick a kernel whose vector
+// loads need an alignment that an offset view lacks; so it is told each pointer's real alignment (<= 256).
+uint32_t ptr_alignment(const void* p) {
+  uint32_t a = 256;
+  while (a > 1 && reinterpret_cast<uintptr_t>(p) % a != 0) a /= 2;
+  return a;
+}
+
+// out[M, N] = round(alpha * (x[M, K] @ wu[N, K]^T)) in one cublasLt call: fp32 accumulation, alpha (one fp32 value)
+// read from device memory by the epilogue, one rounding to out's dtype (bf16 or fp32). Returns false, with out
+// unwritten, when cublasLt cannot do it (the caller then takes the aten::mm.dtype path).
+//
+// cuBLAS is column-major; a row-major [R, C] torch tensor is the column-major C x R matrix (its transpose) with
+// leading dim C. So with y = x W^T in row-major terms, the column-major problem is y^T[N, M] = W[N, K] x^T[K, M]:
+//   A = wu, seen column-major as K x N (= W^T), ld K, TRANSA = T  -> op(A) = W    (N x K)
+//   B = x,  seen column-major as K x M (= x^T), ld K, TRANSB = N  -> op(B) = x^T  (K x M)
+//   D = out, column-major N x M (= y^T), ld N: exactly the row-major [M, N] y.
+// (the "TN" form, the one cuBLAS has the most tuned Hopper kernels for).
+bool lt_matmul(const at::Tensor& x, const at::Tensor& wu, const at::Tensor& alpha, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = wu.size(0);
+  cudaDataType_t d_type;
+  if (out.scalar_type() == at::kBFloat16) {
+    d_type = CUDA_R_16BF;
+  } else if (out.scalar_type() == at::kFloat) {
+    d_type = CUDA_R_32F;
+  } else {
+    return false;  // bf16 operands -> fp16 output is not a cublasLt type combination
+  }
+  if (!x.is_contiguous() || !wu.is_contiguous() || !out.is_contiguous() || alpha.numel() != 1 ||
+      alpha.scalar_type() != at::kFloat)
+    return false;
+  auto ok = [](cublasStatus_t st) { return st == CUBLAS_STATUS_SUCCESS; };
+
+  LtOwned<cublasLtMatmulDesc_t, cublasLtMatmulDescDestroy> desc;
+  if (!ok(cublasLtMatmulDescCreate(&desc.h, CUBLAS_COMPUTE_32F, CUDA_R_32F))) return false;
+  const int32_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N, pointer_mode = CUBLASLT_POINTER_MODE_DEVICE;
+  if (!ok(cublasLtMatmulDescSetAttribute(desc.h, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a))) ||
+      !ok(cublasLtMatmulDescSetAttribute(desc.h, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b))) ||
+      !ok(cublasLtMatmulDescSetAttribute(desc.h, CUBLASLT_MATMUL_DESC_POINTER_MODE, &pointer_mode,
+                                         sizeof(pointer_mode))))
+    return false;
+
+  LtOwned<cublasLtMatrixLayout_t, cublasLtMatrixLayoutDestroy> a_layout, b_layout, d_layout;
+  if (!ok(cublasLtMatrixLayoutCreate(&a_layout.h, CUDA_R_16BF, uint64_t(K), uint64_t(N), K)) ||
+      !ok(cublasLtMatrixLayoutCreate(&b_layout.h, CUDA_R_16BF, uint64_t(K), uint64_t(M), K)) ||
+      !ok(cublasLtMatrixLayoutCreate(&d_layout.h, d_type, uint64_t(N), uint64_t(M), N)))
+    return false;
+
+  LtOwned<cublasLtMatmulPreference_t, cublasLtMatmulPreferenceDestroy> pref;
+  if (!ok(cublasLtMatmulPreferenceCreate(&pref.h))) return false;
+  // Split-K only with fp32 partial sums: the in-place / output-type schemes add bf16 partials, i.e. several
+  // roundings instead of the one these ops promise.
+  const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+  const uint64_t max_workspace = uint64_t(32) << 20;
+  const uint32_t align_a = ptr_alignment(wu.data_ptr()), align_b = ptr_alignment(x.data_ptr()),
+                 align_d = ptr_alignment(out.data_ptr());
+  if (!ok(cublasLtMatmulPreferenceSetAttribute(pref.h, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_workspace,
+                                               sizeof(max_workspace))) ||
+      !ok(cublasLtMatmulPreferenceSetAttribute(pref.h, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reduction,
+                                               sizeof(reduction))) ||
+      !ok(cublasLtMatmulPreferenceSetAttribute(pref.h, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a,
+                                               sizeof(align_a))) ||
+      !ok(cublasLtMatmulPreferenceSetAttribute(pref.h, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b,
+                                               sizeof(align_b))) ||
+      !ok(cublasLtMatmulPreferenceSetAttribute(pref.h, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d,
+                                               sizeof(align_d))) ||
+      !ok(cublasLtMatmulPreferenceSetAttribute(pref.h, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d,
+                                               sizeof(align_d))))
+    return false;
+
+  cublasLtHandle_t handle = nullptr;
+  try {
+    handle = at::cuda::getCurrentCUDABlasLtHandle();
+  } catch (const c10::Error&) {
+    return false;
+  }
+  cublasLtMatmulHeuristicResult_t heuristic{};
+  int found = 0;
+  if (!ok(cublasLtMatmulAlgoGetHeuristic(handle, desc.h, a_layout.h, b_layout.h, d_layout.h, d_layout.h, pref.h, 1,
+                                         &heuristic, &found)) ||
+      found < 1 || !ok(heuristic.state))
+    return false;
+
+  // Workspace: exactly what the chosen algorithm needs (often none), from the caching allocator, so it is
+  // stream-ordered and lands in the graph pool under CUDA-graph capture; never cudaMalloc.
+  at::Tensor workspace;
+  void* workspace_ptr = nullptr;
+  if (heuristic.workspaceSize > 0) {
+    workspace = at::empty({int64_t(heuristic.workspaceSize)}, x.options().dtype(at::kByte));
+    workspace_ptr = workspace.data_ptr();
+  }
+  // DEVICE pointer mode makes beta a device pointer too. With beta == 0, C (= D, uninitialized) is not read.
+  const at::Tensor beta = at::zeros({1}, alpha.options());
+  const cublasStatus_t st =
+      cublasLtMatmul(handle, desc.h, alpha.data_ptr(), wu.data_ptr(), a_layout.h, x.data_ptr(), b_layout.h,
+                     beta.data_ptr(), out.data_ptr(), d_layout.h, out.data_ptr(), d_layout.h, &heuristic.algo,
+                     workspace_ptr, heuristic.workspaceSize, c10::cuda::getCurrentCUDAStream().stream());
+  if (!ok(st)) {
+    // A rejected launch may leave a non-sticky error behind; clear it so that the fallback's own launch check
+    // does not report it as its failure.
+    (void)cudaGetLastError();
+    return false;
+  }
+  return true;
+}
+constexpr bool kHaveCublasLt = true;
+#else
+// Built without cuBLASLt (CMake found neither the toolkit's nor the torch wheel's): the mm.dtype form only.
+bool lt_matmul(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&) { return false; }
+constexpr bool kHaveCublasLt = false;
+#endif
+
 at::Tensor linear_impl(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& s, const at::Tensor& gs,
                        const at::Tensor* gs_act, int64_t N, at::ScalarType out_dtype, const char* op) {
   const int64_t M = x2.size(0), K = x2.size(1);
@@ -89,20 +222,32 @@ at::Tensor linear_impl(const at::Tensor& x2, const at::Tensor& w, const at::Tens
   if (gs_act != nullptr) ac = gs_act->contiguous();
   const Choice choice = kernel_choice();
   const auto* mm = mm_dtype_op();
-  if (M > 64 && N > 0 && mm != nullptr &&
-      (choice == Choice::kCublas || (choice == Choice::kAuto && M >= 256))) {
+  const bool dense = M > 64 && N > 0 &&
+                     (choice == Choice::kCublas || choice == Choice::kCublasMmDtype ||
+                      (choice == Choice::kAuto && M >= 256));
+  const bool lt = kHaveCublasLt && dense && choice != Choice::kCublasMmDtype &&
+                  (out_dtype == at::kBFloat16 || out_dtype == at::kFloat);
+  if (dense && (lt || mm != nullptr)) {
     at::Tensor wu = at::empty({N, K}, x2.options().dtype(at::kBFloat16));
     check_launch(dsv4_nvfp4_dequant_weight_launch(wc.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(), N, K,
                                                   wu.data_ptr(), c10::cuda::getCurrentCUDAStream().stream()),
                  op);
-    at::Tensor y = mm->call(x2, wu.t(), at::kFloat);
-    const at::Tensor scale = gs_act != nullptr ? gc.reshape({}) * ac.reshape({}) : gc.reshape({});
-    if (out_dtype == at::kFloat) return y.mul_(scale);
-    // One pass (fp32 product, then one rounding to out_dtype) instead of mul_ + to(): at M = 4096 the fp32
-    // product is the largest tensor of the call (4096 x 32768 x 4 B for wq_b).
-    at::Tensor out = at::empty(y.sizes(), y.options().dtype(out_dtype));
-    at::mul_out(out, y, scale);
-    return out;
+    // One fp32 on the device: the weight's global scale, or gs_x * gs_w (W4A4) by one ATen op (no host read).
+    const at::Tensor alpha = gs_act != nullptr ? gc.reshape({}) * ac.reshape({}) : gc.reshape({});
+    if (lt) {
+      at::Tensor out = at::empty({M, N}, x2.options().dtype(out_dtype));
+      if (lt_matmul(x2, wu, alpha, out)) return out;
+    }
+    if (mm != nullptr) {
+      at::Tensor y = mm->call(x2, wu.t(), at::kFloat);
+      if (out_dtype == at::kFloat) return y.mul_(alpha);
+      // One pass (fp32 product, then one rounding to out_dtype) instead of mul_ + to(): at M = 4096 the fp32
+      // product is the largest tensor of the call (4096 x 32768 x 4 B for wq_b).
+      at::Tensor out = at::empty(y.sizes(), y.options().dtype(out_dtype));
+      at::mul_out(out, y, alpha);
+      return out;
+    }
+    // Neither GEMM form ran (cublasLt declined, no aten::mm.dtype): the tiled kernel below, wu unused.
   }
   at::Tensor out = at::empty({M, N}, x2.options().dtype(out_dtype));
   Nvfp4LinearArgs a{};

@@ -1,0 +1,75 @@
+// CUDA registration of dsv4::fp32_linear: the GEMV kernel (fp32_linear.cu) for up to 8 token rows of bf16 / fp32
+// x and bf16 / fp32 weights with 16-byte aligned rows (one launch per weight dtype in the list); fp32 matmuls of
+// the widened operands otherwise (prefill).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#include <torch/library.h>
+
+#include "fp32_linear_checks.h"
+
+extern "C" cudaError_t dsv4_fp32_linear_launch(const void* x, int x_fp32, int M, int K, const void* const* w,
+                                               int w_fp32, float* const* y, const int* n, int nseg,
+                                               int num_sms, cudaStream_t stream);
+
+namespace {
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+int sm_count(int device) {
+  static int cached[64] = {};
+  if (device < 0 || device >= 64) return 132;
+  if (cached[device] == 0) {
+    int v = 0;
+    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device);
+    cached[device] = v > 0 ? v : 132;
+  }
+  return cached[device];
+}
+
+std::vector<at::Tensor> fp32_linear_cuda(const at::Tensor& x, at::TensorList w) {
+  const char* op = "dsv4::fp32_linear";
+  TORCH_CHECK(x.is_cuda(), op, ": x must be a CUDA tensor, got ", x.device());
+  const std::vector<int64_t> ns = dsv4_fp32_linear::check(x, w);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t K = x.size(-1);
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  bool gemv = M >= 1 && M <= 8 && K % 8 == 0 && K < (int64_t(1) << 30) && x2.scalar_type() != at::kHalf &&
+              aligned16(x2);
+  for (size_t i = 0; i < w.size() && gemv; ++i)
+    gemv = w[i].is_contiguous() && aligned16(w[i]) && ns[i] < (int64_t(1) << 30);
+  if (!gemv) return dsv4_fp32_linear::matmul_each(x, w);
+
+  std::vector<at::Tensor> outs;
+  for (size_t i = 0; i < w.size(); ++i) {
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = ns[i];
+    outs.push_back(at::empty(shape, x.options().dtype(at::kFloat)));
+  }
+  // One launch per weight dtype present (the kernel is compiled per dtype): bf16 weights, then fp32 ones.
+  const int sms = sm_count(x.get_device());
+  for (const at::ScalarType wt : {at::kBFloat16, at::kFloat}) {
+    const void* wp[dsv4_fp32_linear::kMaxWeights];
+    float* yp[dsv4_fp32_linear::kMaxWeights];
+    int n[dsv4_fp32_linear::kMaxWeights];
+    int nseg = 0;
+    for (size_t i = 0; i < w.size(); ++i) {
+      if (w[i].scalar_type() != wt) continue;
+      wp[nseg] = w[i].data_ptr();
+      yp[nseg] = outs[i].data_ptr<float>();
+      n[nseg++] = int(ns[i]);
+    }
+    if (nseg == 0) continue;
+    const cudaError_t err = dsv4_fp32_linear_launch(x2.data_ptr(), x2.scalar_type() == at::kFloat, int(M), int(K),
+                                                    wp, wt == at::kFloat, yp, n, nseg, sms,
+                                                    c10::cuda::getCurrentCUDAStream().stream());
+    TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+  }
+  return outs;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dsv4, CUDA, m) { m.impl("fp32_linear", &fp32_linear_cuda); }
