@@ -63,13 +63,7 @@ template <typename XT, int V>
 __device__ __forceinline__ void load_x(const XT* p, float (&f)[V]) {
   if constexpr (sizeof(XT) == 2) {
     if constexpr (V == 8) {
-      const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
-      const uint32_t a[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        f[2 * i] = bf16_lo(a[i]);
-        f[2 * i + 1] = bf16_hi(a[i]);
-      }
+      widen_w<__nv_bfloat16>(__ldg(reinterpret_cast<const uint4*>(p)), f);
     } else {
       const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
       f[0] = bf16_lo(u.x);
