@@ -17,6 +17,8 @@ Only the selected SET matters to attention; this makes it deterministic across d
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -164,6 +166,12 @@ class Compressor(nn.Module):
             pooled = (self.kv_state[:B] * self.score_state[:B].softmax(dim=1)).sum(dim=1)
         cs = rope[(positions + 1 - m).clamp(min=0)]
         return self._finish(pooled, cs, x.dtype), complete
+
+
+def _fused_decode_attention() -> bool:
+    """Decode attends with dsv4::sparse_attn_decode (one op instead of a gather, two GEMMs per key set, masks and
+    a softmax); DSV4_DECODE_ATTENTION=torch keeps the tensor-op form (_attend), read when the step is traced."""
+    return os.environ.get("DSV4_DECODE_ATTENTION", "fused") != "torch"
 
 
 def _w4a16(mod: nn.Module) -> bool:
@@ -461,6 +469,10 @@ class Attention(nn.Module):
             entry, complete = self.compressor.decode(x, positions, rope, cproj)
             self._write_entry(self.kv_cache, W, positions, entry, complete)
 
+        if _fused_decode_attention() and q.dtype == self.kv_cache.dtype:
+            rows = self._decode_rows(positions, sel, sel_valid)
+            o = torch.ops.dsv4.sparse_attn_decode(q, self.kv_cache[:B], rows, self.attn_sink, self.softmax_scale)
+            return self._out(o, cs)
         keys = self.kv_cache[:B, :W]
         mask = (torch.arange(W, device=dev).unsqueeze(0) <= positions.unsqueeze(1)).unsqueeze(1)
         qkeys = qmask = None
@@ -473,6 +485,20 @@ class Attention(nn.Module):
             mask = torch.cat([mask, cmask.unsqueeze(1)], dim=-1)
         o = self._attend(q.unsqueeze(1), keys, mask, qkeys, qmask).squeeze(1)
         return self._out(o, cs)
+
+    def _decode_rows(self, positions: torch.Tensor, sel: torch.Tensor | None,
+                     sel_valid: torch.Tensor | None) -> torch.Tensor:
+        """The cache rows a decode token attends, int32 [B, J], -1 where masked: the window slots written so far,
+        then the indexer's selection (CSA) or every compressed entry closed so far (HCA), at W + entry."""
+        W, dev = self.window, positions.device
+        win = torch.arange(W, device=dev)
+        parts = [torch.where(win.unsqueeze(0) <= positions.unsqueeze(1), win, -1)]
+        if sel is not None:
+            parts.append(torch.where(sel_valid, W + sel, -1))
+        elif self.ratio:
+            e = torch.arange(self.n_entries, device=dev)
+            parts.append(torch.where(e.unsqueeze(0) < ((positions + 1) // self.ratio).unsqueeze(1), W + e, -1))
+        return torch.cat(parts, dim=1).to(torch.int32)
 
     def _write_entry(self, cache: torch.Tensor, offset: int, positions: torch.Tensor, entry: torch.Tensor,
                      complete: torch.Tensor) -> None:

@@ -500,3 +500,21 @@ def router_topk_ref(scores: torch.Tensor, bias, k: int, renormalize: bool, scale
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights * scale, indices
+
+
+# ======================================================================================================
+# decode attention (issue 7): dsv4::sparse_attn_decode
+# ======================================================================================================
+
+def sparse_attn_decode_ref(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """q [B, H, D] against the rows idx [B, J] of kv [B' >= B, N, D] (entries outside [0, N) skipped): fp32 scores
+    times scale, one softmax together with the per-head sink [H], the fp32 weighted sum of the rows (K = V), in
+    q's dtype (dsv4_model.attention.Attention._attend's steps)."""
+    B, D, N = q.shape[0], q.shape[2], kv.shape[1]
+    valid = (idx >= 0) & (idx < N)
+    rows = torch.where(valid, idx, torch.zeros_like(idx)).long()
+    keys = kv[:B].float().gather(1, rows.unsqueeze(-1).expand(-1, -1, D))
+    s = torch.einsum("bhd,bjd->bhj", q.float(), keys).masked_fill(~valid.unsqueeze(1), float("-inf")) * scale
+    p = torch.cat([s, sink.float().view(1, -1, 1).expand(B, -1, 1)], dim=-1).softmax(dim=-1)
+    return torch.einsum("bhj,bjd->bhd", p[..., :-1], keys).to(q.dtype)

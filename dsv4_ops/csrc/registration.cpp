@@ -76,6 +76,14 @@ TORCH_LIBRARY(dsv4, m) {
   // read the same x in one call. See docs/ops.md "## fp32 linear".
   m.def("fp32_linear(Tensor x, Tensor[] weight) -> Tensor[]");
 
+  // ---- decode attention (issue 7: kernels per layer) ----
+  // One query token per row against the cache rows it lists: q [B, H, D], kv [B' >= B, N, D] (q's dtype), idx
+  // int32 / int64 [B, J] (rows of kv[b]; entries outside [0, N) are skipped), sink fp32 [H]. out [B, H, D] (q's
+  // dtype) = sum_j p_j kv[b, idx[b, j]] with p = softmax over (scale * q . k_j for the listed rows, sink[h]), fp32
+  // math. DeepSeek-V4's sliding window + compressed / top-k entries with one shared K = V head. See docs/ops.md
+  // "## Decode attention".
+  m.def("sparse_attn_decode(Tensor q, Tensor kv, Tensor idx, Tensor sink, float scale) -> Tensor");
+
   // ---- MoE routing (issue 7: kernels per layer) ----
   // Per row of scores fp32 [N, E]: the k experts with the largest scores + bias (NaN above every number, ties to
   // the lower index), as int64 indices [N, k] in that order, and their unbiased scores fp32 [N, k], divided by

@@ -1,0 +1,45 @@
+// Argument checks and the ATen form shared by the CPU and CUDA kernels of dsv4::sparse_attn_decode (docs/ops.md
+// "## Decode attention").
+#pragma once
+#include <ATen/ATen.h>
+
+namespace dsv4_attn {
+
+// Returns nothing; names the argument that is wrong.
+inline void check(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx, const at::Tensor& sink) {
+  const char* op = "dsv4::sparse_attn_decode";
+  TORCH_CHECK(q.dim() == 3, op, ": q must be [B, H, D], got ", q.sizes());
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf || q.scalar_type() == at::kFloat, op,
+              ": q must be bfloat16, float16 or float32, got ", q.scalar_type());
+  TORCH_CHECK(kv.dim() == 3 && kv.size(2) == q.size(2) && kv.size(0) >= q.size(0), op,
+              ": kv must be [B' >= B, N, D = ", q.size(2), "], got ", kv.sizes());
+  TORCH_CHECK(kv.scalar_type() == q.scalar_type(), op, ": kv must have q's dtype ", q.scalar_type(), ", got ",
+              kv.scalar_type());
+  TORCH_CHECK(idx.dim() == 2 && idx.size(0) == q.size(0), op, ": idx must be [B = ", q.size(0), ", J], got ",
+              idx.sizes());
+  TORCH_CHECK(idx.scalar_type() == at::kInt || idx.scalar_type() == at::kLong, op,
+              ": idx must be int32 or int64, got ", idx.scalar_type());
+  TORCH_CHECK(sink.scalar_type() == at::kFloat && sink.dim() == 1 && sink.size(0) == q.size(1), op,
+              ": sink must be float32 [H = ", q.size(1), "], got ", sink.scalar_type(), " ", sink.sizes());
+  for (const at::Tensor* t : {&kv, &idx, &sink})
+    TORCH_CHECK(t->device() == q.device(), op, ": all tensors must be on q's device ", q.device(), ", got ",
+                t->device());
+}
+
+// The op as ATen ops (the reference's steps): fp32 scores of the gathered rows, masked where idx is outside
+// [0, N), times scale, one softmax with the per-head sink, fp32 weighted sum, q's dtype.
+inline at::Tensor attend_aten(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx,
+                              const at::Tensor& sink, double scale) {
+  const int64_t B = q.size(0), N = kv.size(1);
+  const at::Tensor valid = idx.ge(0).logical_and(idx.lt(N));  // [B, J]
+  const at::Tensor rows = at::where(valid, idx, at::zeros({}, idx.options())).to(at::kLong);
+  const at::Tensor keys = kv.narrow(0, 0, B).to(at::kFloat).gather(
+      1, rows.unsqueeze(-1).expand({B, rows.size(1), kv.size(2)}));           // [B, J, D]
+  at::Tensor s = at::matmul(q.to(at::kFloat), keys.transpose(1, 2));          // [B, H, J]
+  s = s.masked_fill(valid.logical_not().unsqueeze(1), -INFINITY).mul(scale);
+  const at::Tensor sk = sink.view({1, -1, 1}).expand({B, q.size(1), 1});
+  const at::Tensor p = at::cat({s, sk}, -1).softmax(-1);
+  return at::matmul(p.narrow(-1, 0, s.size(-1)), keys).to(q.scalar_type());  // [B, H, D]
+}
+
+}  // namespace dsv4_attn

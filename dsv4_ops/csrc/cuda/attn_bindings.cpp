@@ -1,0 +1,61 @@
+// CUDA registration of dsv4::sparse_attn_decode: the split-K decode kernels (attn.cu) for bf16 / fp32 q and kv
+// with D <= 512, D % 8 == 0 and contiguous cache rows; the ATen form (attn_checks.h) otherwise.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#include <torch/library.h>
+
+#include "attn_checks.h"
+
+extern "C" int dsv4_attn_decode_splits(int B, int H, int J, int num_sms, int* rows_per_split);
+extern "C" cudaError_t dsv4_attn_decode_launch(const void* q, const void* kv, const int32_t* idx, const float* sink,
+                                               int is_fp32, int B, int H, int N, int D, int J,
+                                               int64_t kv_batch_stride, float scale, float* ws_o, float* ws_ml,
+                                               int nsplit, int rows_per_split, void* out, cudaStream_t stream);
+
+namespace {
+
+int sm_count(int device) {
+  static int cached[64] = {};
+  if (device < 0 || device >= 64) return 132;
+  if (cached[device] == 0) {
+    int v = 0;
+    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device);
+    cached[device] = v > 0 ? v : 132;
+  }
+  return cached[device];
+}
+
+at::Tensor sparse_attn_decode_cuda(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx,
+                                   const at::Tensor& sink, double scale) {
+  const char* op = "dsv4::sparse_attn_decode";
+  TORCH_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor, got ", q.device());
+  dsv4_attn::check(q, kv, idx, sink);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), N = kv.size(1), J = idx.size(1);
+  const bool kernel = (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat) && D <= 512 &&
+                      D % 8 == 0 && kv.stride(2) == 1 && kv.stride(1) == D && B < 65536 && H < 65536 &&
+                      N < (int64_t(1) << 31) && J < (int64_t(1) << 31);
+  if (!kernel) return dsv4_attn::attend_aten(q, kv, idx, sink, scale);
+  const at::Tensor qc = q.contiguous(), sc = sink.contiguous();
+  // int32 rows for the kernel; int64 values outside [0, N) stay outside after the narrowing
+  const at::Tensor ic = idx.scalar_type() == at::kInt ? idx.contiguous()
+                                                       : idx.clamp(-1, N).to(at::kInt).contiguous();
+  int rows_per_split = 0;
+  const int nsplit = dsv4_attn_decode_splits(int(B), int(H), int(J), sm_count(q.get_device()), &rows_per_split);
+  const at::TensorOptions f32 = q.options().dtype(at::kFloat);
+  at::Tensor ws_o = at::empty({B, nsplit, H, D}, f32);
+  at::Tensor ws_ml = at::empty({B, nsplit, H, 2}, f32);
+  at::Tensor out = at::empty({B, H, D}, q.options());
+  const cudaError_t err = dsv4_attn_decode_launch(
+      qc.data_ptr(), kv.data_ptr(), ic.data_ptr<int32_t>(), sc.data_ptr<float>(), q.scalar_type() == at::kFloat,
+      int(B), int(H), int(N), int(D), int(J), kv.stride(0), float(scale), ws_o.data_ptr<float>(),
+      ws_ml.data_ptr<float>(), nsplit, rows_per_split, out.data_ptr(), c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dsv4, CUDA, m) { m.impl("sparse_attn_decode", &sparse_attn_decode_cuda); }

@@ -1,0 +1,143 @@
+"""dsv4::sparse_attn_decode (a decode step's attention: one query token per row against the window + compressed /
+top-k cache rows it lists, one shared K = V head, per-head sink) against the reference (dsv4_ops/reference.py,
+the steps of dsv4_model.attention.Attention._attend), opcheck, torch.compile, and on CUDA the split-K kernels
+(one and many splits, head counts that do not fill a CTA, skipped rows), a captured graph and no host sync.
+
+Tolerance: fp32 results agree to fp32 rounding of the sums (rtol 1e-5); bf16 results are the same fp32 values
+rounded once, so they may sit one bf16 ulp apart where the two fp32 values straddle a rounding boundary."""
+import math
+
+import pytest
+import torch
+
+import dsv4_ops  # noqa: F401
+from dsv4_ops import reference as ref
+
+ops = torch.ops.dsv4
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.kernels])]
+
+
+def case(B, H, D, N, J, dtype, gen, masked=0.2, kv_rows=None):
+    q = torch.randn(B, H, D, generator=gen).to(dtype)
+    kv = torch.randn(kv_rows or B, N, D, generator=gen).to(dtype)
+    idx = torch.randint(0, N, (B, J), generator=gen)
+    drop = torch.rand(B, J, generator=gen) < masked
+    idx = torch.where(drop, torch.where(torch.rand(B, J, generator=gen) < 0.5, -1, N + 3), idx)
+    sink = torch.randn(H, generator=gen)
+    return q, kv, idx, sink
+
+
+def check(got, q, kv, idx, sink, scale):
+    want = ref.sparse_attn_decode_ref(q.cpu(), kv.cpu(), idx.cpu(), sink.cpu(), scale)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-6)
+    else:
+        torch.testing.assert_close(got.cpu().float(), want.float(), rtol=2 ** -7, atol=1e-5)
+
+
+# (B, H, D, N, J): V4-Flash CSA (window 128 + top-512 of 1024 entries), HCA at long context (many splits),
+# V4-Pro heads, a tiny model (H = 4 does not fill a CTA, D = 80), batch rows with a larger cache batch
+SHAPES = [(1, 64, 512, 1152, 640), (1, 64, 512, 2200, 2176), (2, 128, 512, 700, 640), (3, 4, 80, 40, 20),
+          (2, 12, 64, 300, 33)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("B,H,D,N,J", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_matches_reference(device, B, H, D, N, J, dtype):
+    gen = torch.Generator().manual_seed(B * 1000 + H + D + J)
+    q, kv, idx, sink = case(B, H, D, N, J, dtype, gen, kv_rows=B + 1)
+    scale = D ** -0.5
+    got = ops.sparse_attn_decode(q.to(device), kv.to(device), idx.to(device).int(), sink.to(device), scale)
+    check(got, q, kv, idx, sink, scale)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_skipped_rows_int64_ids_and_empty(device):
+    gen = torch.Generator().manual_seed(1)
+    q, kv, idx, sink = case(2, 8, 64, 50, 40, torch.float32, gen)
+    idx[0] = -1  # row 0 lists nothing: only the sink is left, the output is 0
+    got = ops.sparse_attn_decode(q.to(device), kv.to(device), idx.to(device), sink.to(device), 0.125)
+    check(got, q, kv, idx, sink, 0.125)
+    assert torch.equal(got[0].cpu(), torch.zeros(8, 64))
+    empty = ops.sparse_attn_decode(q.to(device), kv.to(device), idx[:, :0].to(device), sink.to(device), 0.125)
+    assert torch.equal(empty.cpu(), torch.zeros(2, 8, 64))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_wrong_math_is_far(device):
+    gen = torch.Generator().manual_seed(2)
+    q, kv, idx, sink = case(1, 8, 64, 60, 48, torch.float32, gen, masked=0.0)
+    sink = sink + 2.0  # a sink that takes a visible share
+    got = ops.sparse_attn_decode(q.to(device), kv.to(device), idx.to(device), sink.to(device), 0.125).cpu()
+    check(got, q, kv, idx, sink, 0.125)
+    for wrong in (ref.sparse_attn_decode_ref(q, kv, idx, sink - 1e4, 0.125),  # no sink
+                  ref.sparse_attn_decode_ref(q, kv, idx, sink, 0.25),
+                  ref.sparse_attn_decode_ref(q, kv, idx.roll(1, 1).clamp(max=58) + 1, sink, 0.125),
+                  ref.sparse_attn_decode_ref(q, kv, idx[:, :40], sink, 0.125)):
+        assert float((got - wrong).abs().max()) > 1e-3
+
+
+def test_bad_arguments():
+    q, kv = torch.randn(2, 4, 16), torch.randn(2, 10, 16)
+    idx, sink = torch.zeros(2, 3, dtype=torch.int32), torch.zeros(4)
+    with pytest.raises(RuntimeError, match="kv must be"):
+        ops.sparse_attn_decode(q, kv[:, :, :8], idx, sink, 1.0)
+    with pytest.raises(RuntimeError, match="kv must have q's dtype"):
+        ops.sparse_attn_decode(q, kv.double(), idx, sink, 1.0)
+    with pytest.raises(RuntimeError, match="idx must be"):
+        ops.sparse_attn_decode(q, kv, idx.float(), sink, 1.0)
+    with pytest.raises(RuntimeError, match=r"sink must be float32 \[H = 4\]"):
+        ops.sparse_attn_decode(q, kv, idx, torch.zeros(3), 1.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        q, kv, idx, sink = case(2, 8, 64, 30, 20, dtype, gen, kv_rows=3)
+        torch.library.opcheck(ops.sparse_attn_decode.default,
+                              (q.to(device), kv.to(device), idx.int().to(device), sink.to(device), 0.125))
+
+
+def test_compile_fullgraph():
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    gen = torch.Generator().manual_seed(4)
+    q, kv, idx, sink = case(2, 4, 32, 16, 10, torch.float32, gen)
+
+    @torch.compile(fullgraph=True, backend="inductor")
+    def f(q, kv, idx, sink):
+        return ops.sparse_attn_decode(q * 2, kv, idx.int(), sink, 0.5) + 1.0
+
+    torch.testing.assert_close(f(q, kv, idx, sink), ops.sparse_attn_decode(q * 2, kv, idx.int(), sink, 0.5) + 1.0,
+                               rtol=0, atol=0)
+    assert dict(counters["graph_break"]) == {}
+
+
+@pytest.mark.cuda
+@pytest.mark.kernels
+def test_cuda_graph_replay_and_no_sync():
+    gen = torch.Generator().manual_seed(5)
+    q, kv, idx, sink = (t.cuda() for t in case(1, 64, 512, 1152, 640, torch.bfloat16, gen))
+    idx = idx.int()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        first = ops.sparse_attn_decode(q, kv, idx, sink, 512 ** -0.5)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(first, ops.sparse_attn_decode(q, kv, idx, sink, 512 ** -0.5))  # deterministic
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = ops.sparse_attn_decode(q, kv, idx, sink, 512 ** -0.5)
+    q2, kv2, idx2, _ = case(1, 64, 512, 1152, 640, torch.bfloat16, gen)
+    q.copy_(q2.cuda())
+    kv.copy_(kv2.cuda())
+    idx.copy_(idx2.int().cuda())
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ops.sparse_attn_decode(q, kv, idx, sink, 512 ** -0.5))
+    assert math.isfinite(float(out.float().abs().max()))
