@@ -6,6 +6,8 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
+#include "cuda/device_info.h"
+
 #include "attn_checks.h"
 
 extern "C" int dsv4_attn_decode_splits(int B, int H, int J, int num_sms, int* rows_per_split);
@@ -16,16 +18,7 @@ extern "C" cudaError_t dsv4_attn_decode_launch(const void* q, const void* kv, co
 
 namespace {
 
-int sm_count(int device) {
-  static int cached[64] = {};
-  if (device < 0 || device >= 64) return 132;
-  if (cached[device] == 0) {
-    int v = 0;
-    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device);
-    cached[device] = v > 0 ? v : 132;
-  }
-  return cached[device];
-}
+using dsv4_cuda::sm_count;
 
 at::Tensor sparse_attn_decode_cuda(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx,
                                    const at::Tensor& sink, double scale) {

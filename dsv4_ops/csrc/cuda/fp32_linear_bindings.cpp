@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
+#include "cuda/device_info.h"
+
 #include "fp32_linear_checks.h"
 
 extern "C" cudaError_t dsv4_fp32_linear_launch(const void* x, int x_fp32, int M, int K, const void* const* w,
@@ -17,16 +19,7 @@ namespace {
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
-int sm_count(int device) {
-  static int cached[64] = {};
-  if (device < 0 || device >= 64) return 132;
-  if (cached[device] == 0) {
-    int v = 0;
-    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device);
-    cached[device] = v > 0 ? v : 132;
-  }
-  return cached[device];
-}
+using dsv4_cuda::sm_count;
 
 std::vector<at::Tensor> fp32_linear_cuda(const at::Tensor& x, at::TensorList w) {
   const char* op = "dsv4::fp32_linear";
