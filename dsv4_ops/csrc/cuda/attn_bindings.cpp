@@ -36,7 +36,7 @@ at::Tensor sparse_attn_decode_cuda(const at::Tensor& q, const at::Tensor& kv, co
   const at::Tensor ic = idx.scalar_type() == at::kInt ? idx.contiguous()
                                                        : idx.clamp(-1, N).to(at::kInt).contiguous();
   int rows_per_split = 0;
-  const int nsplit = dsv4_attn_decode_splits(int(B), int(H), int(J), sm_count(q.get_device()), &rows_per_split);
+  const int nsplit = dsv4_attn_decode_splits(int(B), int(H), int(J), sm_count(), &rows_per_split);
   const at::TensorOptions f32 = q.options().dtype(at::kFloat);
   at::Tensor ws_o = at::empty({B, nsplit, H, D}, f32);
   at::Tensor ws_ml = at::empty({B, nsplit, H, 2}, f32);

@@ -1,18 +1,21 @@
-// Per-device facts the CUDA bindings size their grids with, read once per device (host-side, no sync).
+// Per-device facts the CUDA code sizes its grids with, read once per device (host-side, no sync).
 #pragma once
 #include <cuda_runtime.h>
 
 namespace dsv4_cuda {
 
-inline int sm_count(int device) {
-  static int cached[64] = {};
-  if (device < 0 || device >= 64) return 132;  // H200
-  if (cached[device] == 0) {
-    int v = 0;
-    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device);
-    cached[device] = v > 0 ? v : 132;
-  }
-  return cached[device];
+// SM count of the current device (the bindings' CUDAGuard makes it the tensors' device); a racing first call
+// writes the same value.
+inline int sm_count() {
+  static int cache[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 132;  // H200
+  if (dev >= 0 && dev < 64 && cache[dev] > 0) return cache[dev];
+  int n = 0;
+  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+  n = n > 0 ? n : 132;
+  if (dev >= 0 && dev < 64) cache[dev] = n;
+  return n;
 }
 
 }  // namespace dsv4_cuda

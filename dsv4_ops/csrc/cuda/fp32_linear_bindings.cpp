@@ -42,7 +42,7 @@ std::vector<at::Tensor> fp32_linear_cuda(const at::Tensor& x, at::TensorList w) 
     outs.push_back(at::empty(shape, x.options().dtype(at::kFloat)));
   }
   // One launch per weight dtype present (the kernel is compiled per dtype): bf16 weights, then fp32 ones.
-  const int sms = sm_count(x.get_device());
+  const int sms = sm_count();
   for (const at::ScalarType wt : {at::kBFloat16, at::kFloat}) {
     const void* wp[dsv4_fp32_linear::kMaxWeights];
     float* yp[dsv4_fp32_linear::kMaxWeights];

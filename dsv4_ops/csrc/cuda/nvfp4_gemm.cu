@@ -30,6 +30,7 @@
 
 #include <utility>
 
+#include "device_info.h"
 #include "nvfp4_gemm.h"
 
 namespace {
@@ -1064,17 +1065,7 @@ void pick_split(int64_t ntiles, int64_t nchunks, int64_t slots, int& kw, int& rt
   }
 }
 
-int sm_count() {
-  static int cache[64] = {0};  // per device; a racing first call writes the same value
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return 132;
-  if (dev >= 0 && dev < 64 && cache[dev] > 0) return cache[dev];
-  int n = 0;
-  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-  n = n > 0 ? n : 132;
-  if (dev >= 0 && dev < 64) cache[dev] = n;
-  return n;
-}
+using dsv4_cuda::sm_count;
 
 // gemv split: the kw (K-splits per row tile; rt = 8 / kw tiles per CTA) with the fewest chunk-times, counting
 // waves of 2 CTAs per SM and ~4 chunk-times of pipeline fill per wave.
