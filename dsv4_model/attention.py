@@ -325,20 +325,16 @@ class Attention(nn.Module):
         compressor or None, the same of the indexer's compressor or None, the indexer's weights_proj(x) (rounded
         to its weight's dtype, as the module returns it) or None)."""
         ix = self.indexer
-        comps = [c for c in (self.compressor, ix.compressor if ix is not None else None) if c is not None]
-        ws = [w for c in comps for w in c.linears()]
-        wp = None
-        if ix is not None and ix.packed_decode() and type(ix.weights_proj) is Linear:
-            wp = ix.weights_proj.weight
-            ws.append(wp)
+        comp, icomp = self.compressor, (ix.compressor if ix is not None else None)
+        wp = ix.weights_proj.weight if (ix is not None and ix.packed_decode()
+                                        and type(ix.weights_proj) is Linear) else None
+        ws = [w for c in (comp, icomp) if c is not None for w in c.linears()] + ([wp] if wp is not None else [])
         if not ws:
             return None, None, None
-        outs = fp32_linear(x, ws)
-        wout = outs.pop().to(wp.dtype) if wp is not None else None
-        pairs = [(outs[2 * i], outs[2 * i + 1]) for i in range(len(comps))]
-        if self.compressor is None:
-            return None, (pairs[0] if pairs else None), wout
-        return pairs[0], (pairs[1] if len(pairs) > 1 else None), wout
+        outs = iter(fp32_linear(x, ws))
+        cproj = (next(outs), next(outs)) if comp is not None else None
+        iproj = (next(outs), next(outs)) if icomp is not None else None
+        return cproj, iproj, (next(outs).to(wp.dtype) if wp is not None else None)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, qkeys: torch.Tensor | None = None,
                 qmask: torch.Tensor | None = None) -> torch.Tensor:
