@@ -33,7 +33,7 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     print(f"{'case':12} {'B':>2} {'J':>5} | {'op us':>7} {'tensor ops us':>13} {'speedup':>8} | {'GB/s':>6} {'HBM':>5}")
     for name, n_entries, listed in CASES:
-        for B in (1, 8):
+        for B in (1, 2, 4, 8):
             N = W + n_entries
             q = torch.randn(B, H, D, device="cuda", generator=gen).to(torch.bfloat16)
             kv = torch.randn(B, N, D, device="cuda", generator=gen).to(torch.bfloat16)

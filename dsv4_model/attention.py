@@ -168,10 +168,21 @@ class Compressor(nn.Module):
         return self._finish(pooled, cs, x.dtype), complete
 
 
-def _fused_decode_attention() -> bool:
+# Above this many (batch rows x listed cache rows) the tensor-op form is faster: the op's CUDA kernel scores and
+# sums on CUDA cores, the tensor-op form's fp32 GEMMs go through cuBLAS. H200, 64 heads x 512, per call
+# (bench_attn_decode.py): 640 rows at B = 1 / 2 / 4 23.2 / 33.6 / 46.0 us vs 28.3 / 43.0 / 48.6 us, at B = 8 99.3
+# vs 58.5 us; the 128-row window alone at B = 8 19.5 vs 49.2 us.
+FUSED_ATTN_MAX_ROWS = 4 * 640
+
+
+def _fused_decode_attention(batch: int, rows: int) -> bool:
     """Decode attends with dsv4::sparse_attn_decode (one op instead of a gather, two GEMMs per key set, masks and
-    a softmax); DSV4_DECODE_ATTENTION=torch keeps the tensor-op form (_attend), read when the step is traced."""
-    return os.environ.get("DSV4_DECODE_ATTENTION", "fused") != "torch"
+    a softmax) while batch * rows <= FUSED_ATTN_MAX_ROWS. DSV4_DECODE_ATTENTION=torch keeps the tensor-op form
+    (_attend), =fused the op at every size; read when the step is traced (shapes are static there)."""
+    mode = os.environ.get("DSV4_DECODE_ATTENTION", "auto")
+    if mode == "torch":
+        return False
+    return mode == "fused" or batch * rows <= FUSED_ATTN_MAX_ROWS
 
 
 def _w4a16(mod: nn.Module) -> bool:
@@ -465,7 +476,8 @@ class Attention(nn.Module):
             entry, complete = self.compressor.decode(x, positions, rope, cproj)
             self._write_entry(self.kv_cache, W, positions, entry, complete)
 
-        if _fused_decode_attention() and q.dtype == self.kv_cache.dtype:
+        listed = W + (sel.shape[1] if sel is not None else self.n_entries if self.ratio else 0)
+        if _fused_decode_attention(B, listed) and q.dtype == self.kv_cache.dtype:
             rows = self._decode_rows(positions, sel, sel_valid)
             o = torch.ops.dsv4.sparse_attn_decode(q, self.kv_cache[:B], rows, self.attn_sink, self.softmax_scale)
             return self._out(o, cs)

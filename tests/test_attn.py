@@ -141,3 +141,19 @@ def test_cuda_graph_replay_and_no_sync():
     torch.cuda.synchronize()
     assert torch.equal(out, ops.sparse_attn_decode(q, kv, idx, sink, 512 ** -0.5))
     assert math.isfinite(float(out.float().abs().max()))
+
+
+def test_model_picks_the_op_by_size(monkeypatch):
+    """Decode calls the op up to FUSED_ATTN_MAX_ROWS (batch x listed rows), the tensor-op form above; the env
+    variable forces either."""
+    from dsv4_model import attention
+
+    limit = attention.FUSED_ATTN_MAX_ROWS
+    monkeypatch.delenv("DSV4_DECODE_ATTENTION", raising=False)
+    assert attention._fused_decode_attention(1, limit)
+    assert attention._fused_decode_attention(4, limit // 4)
+    assert not attention._fused_decode_attention(8, limit // 4)
+    monkeypatch.setenv("DSV4_DECODE_ATTENTION", "fused")
+    assert attention._fused_decode_attention(8, limit)
+    monkeypatch.setenv("DSV4_DECODE_ATTENTION", "torch")
+    assert not attention._fused_decode_attention(1, 1)

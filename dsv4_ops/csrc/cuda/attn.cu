@@ -3,10 +3,11 @@
 // over a few hundred cache rows (128-token window + top-k or all compressed entries) with 64-128 query heads
 // sharing one K = V head of 512 dims: as tensor ops that is a gather, two fp32 GEMMs per key set, masks and a
 // softmax (~13 kernels, ~30 us per CSA layer at batch 1 on the H200). Here: split-K flash decoding in two launches.
-//   partial: a CTA = (split of the listed rows, 8 heads, batch row). Per chunk of 32 rows it stages the rows in
-//     shared memory (fp32 math, rows of skipped entries zero-filled), warp h scores head h against lane j's row
-//     (a full fp32 dot product per lane, rows padded so the lanes hit distinct banks), keeps a running max / sum
-//     (online softmax) and accumulates p_j * row in registers (lane = dims lane, lane + 32, ...). It writes the
+//   partial: a CTA = (split of the listed rows, 8 heads, batch row). Chunks of 32 rows are staged in shared
+//     memory by cp.async, double-buffered (the next chunk's copies fly while this one is computed; rows of
+//     skipped entries zero-filled); warp h scores head h against lane j's row (a full fp32 dot product per lane,
+//     rows padded so the lanes hit distinct banks), keeps a running max / sum (online softmax) and accumulates
+//     p_j * row in registers (lane = 16-byte pieces lane, lane + 32, ... of the row). It writes the
 //     unnormalised sum, the running max and the sum of exponentials of its split.
 //   combine: a CTA per (head, batch row) merges the splits with the head's sink in the softmax's denominator.
 // The reference sums in another order; the results agree to fp32 rounding.
@@ -20,94 +21,135 @@ namespace {
 constexpr int kHeads = 8;    // heads per CTA = warps
 constexpr int kChunk = 32;   // rows per chunk = lanes
 constexpr int kMaxDpl = 16;  // dims per lane: D <= 512
+constexpr int kRowPad = 16;  // bytes after each staged row (see row_bytes)
 
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 
-// Row padding of the staged rows: 8 bytes, so rows stay 8-byte aligned (8-byte loads) and, where a row is a
-// multiple of 128 bytes (D = 512), the row stride is 2 mod 32 words: the 16 lanes of each half-warp, each
-// reading its own row at the same offset, hit distinct bank pairs (other D: at most a few 2-way conflicts).
+// Elements of T per 16-byte piece, and a piece widened to fp32.
 template <typename T>
-__host__ __device__ constexpr int row_pad() {
-  return 8 / int(sizeof(T));
+__host__ __device__ constexpr int epp() {
+  return 16 / int(sizeof(T));
+}
+__device__ __forceinline__ void widen(uint4 u, float (&f)[4]) {
+  f[0] = __uint_as_float(u.x), f[1] = __uint_as_float(u.y), f[2] = __uint_as_float(u.z), f[3] = __uint_as_float(u.w);
+}
+__device__ __forceinline__ void widen(uint4 u, float (&f)[8]) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) f[2 * i] = __uint_as_float(w[i] << 16), f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
 }
 
-// Four consecutive elements of a staged row (8-byte aligned), widened.
-__device__ __forceinline__ float4 load4(const float* p) {
-  const float2 a = *reinterpret_cast<const float2*>(p), b = *reinterpret_cast<const float2*>(p + 2);
-  return make_float4(a.x, a.y, b.x, b.y);
+// A staged row is padded by 16 bytes: 16-byte aligned for cp.async, and where a row is a multiple of 128 bytes
+// the stride is 4 mod 32 words, so the 8 lanes of a quarter-warp, each reading its own row at the same offset
+// (16 bytes per lane), hit distinct banks.
+__host__ __device__ constexpr int row_bytes(int D, int elem) { return D * elem + kRowPad; }
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(src_bytes) : "memory");
 }
-__device__ __forceinline__ float4 load4(const __nv_bfloat16* p) {
-  const uint2 u = *reinterpret_cast<const uint2*>(p);
-  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xFFFF0000u), __uint_as_float(u.y << 16),
-                     __uint_as_float(u.y & 0xFFFF0000u));
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Shared memory of the partial kernel: q of the CTA's heads (fp32), then two chunk buffers (rows + row ids).
+__host__ __device__ constexpr size_t partial_smem(int D, int elem) {
+  return size_t(kHeads) * D * 4 + 2 * (size_t(kChunk) * row_bytes(D, elem) + kChunk * 4);
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kHeads * 32) attn_partial_kernel(
     const T* __restrict__ q, const T* __restrict__ kv, const int32_t* __restrict__ idx, int H, int N, int D, int J,
     int64_t kv_batch_stride, int rows_per_split, float scale, float* __restrict__ ws_o, float* __restrict__ ws_ml) {
+  constexpr int E = epp<T>();
   extern __shared__ __align__(16) unsigned char smem[];
   const int split = blockIdx.x, h0 = blockIdx.y * kHeads, b = blockIdx.z, nsplit = gridDim.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, h = h0 + warp;
-  const int stride = D + row_pad<T>();
-  float* qs = reinterpret_cast<float*>(smem);                   // [kHeads][D]
-  T* ks = reinterpret_cast<T*>(qs + kHeads * D);                // [kChunk][stride]
-  int* rows = reinterpret_cast<int*>(ks + kChunk * stride);     // [kChunk]
-
-  for (int e = threadIdx.x; e < kHeads * D; e += blockDim.x) {
-    const int hh = h0 + e / D;
-    qs[e] = hh < H ? to_f(q[(int64_t(b) * H + hh) * D + e % D]) : 0.0f;
-  }
+  const int rb = row_bytes(D, sizeof(T)), pieces = D / E;
+  float* qs = reinterpret_cast<float*>(smem);  // [kHeads][D]
+  unsigned char* bufs = smem + size_t(kHeads) * D * 4;
+  const size_t buf_bytes = size_t(kChunk) * rb + kChunk * 4;  // rows, then their ids (-1: skipped)
   const T* kvb = kv + int64_t(b) * kv_batch_stride;
+  const int32_t* idxb = idx + int64_t(b) * J;
   const int j_begin = split * rows_per_split, j_end = min(J, j_begin + rows_per_split);
-  const int dpl = (D + 31) / 32;
-  float o[kMaxDpl];
+
+  // Stage the rows of the chunk at c0 into buffer `buf` with cp.async (all copies in flight at once; skipped rows
+  // zero-filled), one commit group per chunk.
+  auto stage = [&](int c0, int buf) {
+    unsigned char* ks = bufs + buf * buf_bytes;
+    int* rows = reinterpret_cast<int*>(ks + size_t(kChunk) * rb);
+    for (int e = threadIdx.x; e < kChunk * pieces; e += blockDim.x) {
+      const int jj = e / pieces, pc = e - jj * pieces, j = c0 + jj;
+      int r = j < j_end ? __ldg(idxb + j) : -1;
+      r = (r >= 0 && r < N) ? r : -1;
+      if (pc == 0) rows[jj] = r;
+      const T* src = r >= 0 ? kvb + int64_t(r) * D + pc * E : kvb;
+      cp_async16(ks + jj * rb + pc * 16, src, r >= 0 ? 16 : 0);
+    }
+    cp_async_commit();
+  };
+  if (j_begin < j_end) stage(j_begin, 0);
+
+  // q of the CTA's heads, widened (overlaps the first chunk's copies)
+  for (int e = threadIdx.x; e < kHeads * pieces; e += blockDim.x) {
+    const int hh = h0 + e / pieces, pc = e % pieces;
+    float f[E];
+    if (hh < H) {
+      widen(__ldg(reinterpret_cast<const uint4*>(q + (int64_t(b) * H + hh) * D) + pc), f);
+    } else {
+#pragma unroll
+      for (int i = 0; i < E; ++i) f[i] = 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < E; ++i) qs[(e / pieces) * D + pc * E + i] = f[i];
+  }
+
+  float o[kMaxDpl];  // dims of pieces lane, lane + 32, ... of the head's output
 #pragma unroll
   for (int i = 0; i < kMaxDpl; ++i) o[i] = 0.0f;
   float m_run = -INFINITY, l_run = 0.0f;
 
-  for (int c0 = j_begin; c0 < j_end; c0 += kChunk) {
-    __syncthreads();  // the previous chunk's rows are no longer read
-    if (threadIdx.x < kChunk) {
-      const int j = c0 + threadIdx.x;
-      const int r = j < j_end ? idx[int64_t(b) * J + j] : -1;
-      rows[threadIdx.x] = (r >= 0 && r < N) ? r : -1;
+  int buf = 0;
+  for (int c0 = j_begin; c0 < j_end; c0 += kChunk, buf ^= 1) {
+    __syncthreads();  // every warp is done with the buffer the next chunk goes to
+    if (c0 + kChunk < j_end) {
+      stage(c0 + kChunk, buf ^ 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
     }
-    __syncthreads();
-    // stage the chunk's rows: 4-byte words (the padded rows are 4-byte aligned), zeros for skipped rows
-    const int words = D * int(sizeof(T)) / 4;
-    for (int e = threadIdx.x; e < kChunk * words; e += blockDim.x) {
-      const int jj = e / words, w = e % words;
-      const int r = rows[jj];
-      const uint32_t v = r >= 0 ? __ldg(reinterpret_cast<const uint32_t*>(kvb + int64_t(r) * D) + w) : 0u;
-      reinterpret_cast<uint32_t*>(ks + jj * stride)[w] = v;
-    }
-    __syncthreads();
+    __syncthreads();  // this chunk's rows (and q) are visible to every thread
+    const unsigned char* ks = bufs + buf * buf_bytes;
+    const int* rows = reinterpret_cast<const int*>(ks + size_t(kChunk) * rb);
 
-    // warp = head, lane = row of the chunk (D % 8 == 0: whole 4-element steps)
+    // warp = head, lane = row of the chunk: a full dot product per lane, four FMA chains
     float s = -INFINITY;
     if (rows[lane] >= 0 && h < H) {
-      const T* k = ks + lane * stride;
+      const unsigned char* k = ks + lane * rb;
       const float* qh = qs + warp * D;
-      float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;  // four chains: the dot product is latency-bound
-      for (int d = 0; d < D; d += 4) {
-        const float4 qv = *reinterpret_cast<const float4*>(qh + d);  // the same address in every lane: broadcast
-        const float4 kv4 = load4(k + d);
-        a0 = fmaf(qv.x, kv4.x, a0);
-        a1 = fmaf(qv.y, kv4.y, a1);
-        a2 = fmaf(qv.z, kv4.z, a2);
-        a3 = fmaf(qv.w, kv4.w, a3);
+      float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (int pc = 0; pc < pieces; ++pc) {
+        float kf[E];
+        widen(*reinterpret_cast<const uint4*>(k + pc * 16), kf);
+#pragma unroll
+        for (int i = 0; i < E; i += 4) {
+          const float4 qv = *reinterpret_cast<const float4*>(qh + pc * E + i);  // same address in every lane
+          a[0] = fmaf(qv.x, kf[i], a[0]);
+          a[1] = fmaf(qv.y, kf[i + 1], a[1]);
+          a[2] = fmaf(qv.z, kf[i + 2], a[2]);
+          a[3] = fmaf(qv.w, kf[i + 3], a[3]);
+        }
       }
-      s = ((a0 + a1) + (a2 + a3)) * scale;
+      s = ((a[0] + a[1]) + (a[2] + a[3])) * scale;
     }
     float cm = s;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, off));
     const float m_new = fmaxf(m_run, cm);
-    if (m_new == -INFINITY) continue;  // nothing listed yet for this head (warp-uniform)
+    if (m_new == -INFINITY) continue;  // nothing listed yet for this head (warp-uniform; no barrier follows)
     const float alpha = m_run == -INFINITY ? 0.0f : expf(m_run - m_new);
     const float p = s == -INFINITY ? 0.0f : expf(s - m_new);
     float ps = p;
@@ -117,23 +159,34 @@ __global__ void __launch_bounds__(kHeads * 32) attn_partial_kernel(
     m_run = m_new;
 #pragma unroll
     for (int i = 0; i < kMaxDpl; ++i) o[i] *= alpha;
+    // p_j * row j: lane owns pieces lane, lane + 32, ... (consecutive lanes read consecutive 16-byte pieces)
     for (int jj = 0; jj < kChunk; ++jj) {
       const float pj = __shfl_sync(0xffffffffu, p, jj);
       if (pj == 0.0f) continue;  // warp-uniform
-      const T* k = ks + jj * stride;
+      const unsigned char* k = ks + jj * rb;
 #pragma unroll
-      for (int i = 0; i < kMaxDpl; ++i) {
-        const int d = lane + 32 * i;
-        if (i < dpl && d < D) o[i] = fmaf(pj, to_f(k[d]), o[i]);
+      for (int t = 0; t < kMaxDpl / E; ++t) {
+        const int pc = lane + 32 * t;
+        if (pc < pieces) {
+          float kf[E];
+          widen(*reinterpret_cast<const uint4*>(k + pc * 16), kf);
+#pragma unroll
+          for (int i = 0; i < E; ++i) o[t * E + i] = fmaf(pj, kf[i], o[t * E + i]);
+        }
       }
     }
   }
   if (h < H) {
     float* wo = ws_o + ((int64_t(b) * nsplit + split) * H + h) * D;
 #pragma unroll
-    for (int i = 0; i < kMaxDpl; ++i) {
-      const int d = lane + 32 * i;
-      if (i < dpl && d < D) wo[d] = o[i];
+    for (int t = 0; t < kMaxDpl / E; ++t) {
+      const int pc = lane + 32 * t;
+      if (pc < pieces) {
+#pragma unroll
+        for (int i = 0; i < E; i += 4)
+          *reinterpret_cast<float4*>(wo + pc * E + i) =
+              make_float4(o[t * E + i], o[t * E + i + 1], o[t * E + i + 2], o[t * E + i + 3]);
+      }
     }
     if (lane == 0) {
       float* ml = ws_ml + ((int64_t(b) * nsplit + split) * H + h) * 2;
@@ -143,26 +196,52 @@ __global__ void __launch_bounds__(kHeads * 32) attn_partial_kernel(
   }
 }
 
+// A CTA per (head, batch row): the splits' weights exp(m_s - M) once (nsplit <= 64), then 4 dims per thread.
 template <typename T>
 __global__ void __launch_bounds__(128) attn_combine_kernel(const float* __restrict__ ws_o,
                                                           const float* __restrict__ ws_ml,
                                                           const float* __restrict__ sink, int H, int D, int nsplit,
                                                           T* __restrict__ out) {
+  __shared__ float wgt[64];
+  __shared__ float total;
   const int h = blockIdx.x, b = blockIdx.y;
-  float M = sink[h];
-  for (int s = 0; s < nsplit; ++s) M = fmaxf(M, ws_ml[((int64_t(b) * nsplit + s) * H + h) * 2]);
-  float L = expf(sink[h] - M);
-  for (int s = 0; s < nsplit; ++s) {
-    const float* ml = ws_ml + ((int64_t(b) * nsplit + s) * H + h) * 2;
-    if (ml[0] != -INFINITY) L += ml[1] * expf(ml[0] - M);
-  }
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float acc = 0.0f;
-    for (int s = 0; s < nsplit; ++s) {
-      const float m = ws_ml[((int64_t(b) * nsplit + s) * H + h) * 2];
-      if (m != -INFINITY) acc = fmaf(ws_o[((int64_t(b) * nsplit + s) * H + h) * D + d], expf(m - M), acc);
+  const int64_t base = int64_t(b) * nsplit * H + h;  // split s: (base + s * H) * {2, D}
+  if (threadIdx.x < 32) {
+    const int l = threadIdx.x;
+    float m[2], lsum[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int s = l + 32 * i;
+      m[i] = s < nsplit ? ws_ml[(base + int64_t(s) * H) * 2] : -INFINITY;
+      lsum[i] = s < nsplit ? ws_ml[(base + int64_t(s) * H) * 2 + 1] : 0.0f;
     }
-    store(out + (int64_t(b) * H + h) * D + d, acc / L);
+    float M = fmaxf(sink[h], fmaxf(m[0], m[1]));
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
+    float L = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float w = m[i] == -INFINITY ? 0.0f : expf(m[i] - M);
+      if (l + 32 * i < nsplit) wgt[l + 32 * i] = w;
+      L = fmaf(lsum[i], w, L);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
+    if (l == 0) total = L + expf(sink[h] - M);
+  }
+  __syncthreads();
+  const float L = total;
+  for (int d = threadIdx.x * 4; d < D; d += blockDim.x * 4) {
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int s = 0; s < nsplit; ++s) {
+      const float w = wgt[s];
+      if (w == 0.0f) continue;  // the same for every thread
+      const float4 v = *reinterpret_cast<const float4*>(ws_o + (base + int64_t(s) * H) * D + d);
+      acc.x = fmaf(v.x, w, acc.x), acc.y = fmaf(v.y, w, acc.y), acc.z = fmaf(v.z, w, acc.z);
+      acc.w = fmaf(v.w, w, acc.w);
+    }
+    T* o = out + (int64_t(b) * H + h) * D + d;
+    store(o, acc.x / L), store(o + 1, acc.y / L), store(o + 2, acc.z / L), store(o + 3, acc.w / L);
   }
 }
 
@@ -170,23 +249,20 @@ template <typename T>
 cudaError_t launch(const void* q, const void* kv, const int32_t* idx, const float* sink, int B, int H, int N,
                    int D, int J, int64_t kv_batch_stride, float scale, float* ws_o, float* ws_ml, int nsplit,
                    int rows_per_split, void* out, cudaStream_t stream) {
-  const size_t smem = size_t(kHeads) * D * sizeof(float) + size_t(kChunk) * (D + row_pad<T>()) * sizeof(T) +
-                      kChunk * sizeof(int);
   // > 48 KB of dynamic shared memory needs an opt-in, per device (a host-side call, not a stream operation)
   static bool opted_in[64] = {};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) dev = 0;
   if (!opted_in[dev]) {
     const cudaError_t e = cudaFuncSetAttribute(attn_partial_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               int(size_t(kHeads) * 512 * 4 + size_t(kChunk) * 516 * sizeof(T) +
-                                                   kChunk * sizeof(int)));
+                                               int(partial_smem(512, sizeof(T))));
     if (e != cudaSuccess) return e;
     opted_in[dev] = true;
   }
   const dim3 grid(nsplit, (H + kHeads - 1) / kHeads, B);
-  attn_partial_kernel<T><<<grid, kHeads * 32, smem, stream>>>(static_cast<const T*>(q), static_cast<const T*>(kv),
-                                                              idx, H, N, D, J, kv_batch_stride, rows_per_split,
-                                                              scale, ws_o, ws_ml);
+  attn_partial_kernel<T><<<grid, kHeads * 32, partial_smem(D, sizeof(T)), stream>>>(
+      static_cast<const T*>(q), static_cast<const T*>(kv), idx, H, N, D, J, kv_batch_stride, rows_per_split, scale,
+      ws_o, ws_ml);
   attn_combine_kernel<T><<<dim3(H, B), 128, 0, stream>>>(ws_o, ws_ml, sink, H, D, nsplit, static_cast<T*>(out));
   return cudaGetLastError();
 }

@@ -1,5 +1,5 @@
 // CUDA registration of dsv4::sparse_attn_decode: the split-K decode kernels (attn.cu) for bf16 / fp32 q and kv
-// with D <= 512, D % 8 == 0 and contiguous cache rows; the ATen form (attn_checks.h) otherwise.
+// with D <= 512, D % 8 == 0 and contiguous, 16-byte aligned cache rows; the ATen form (attn_checks.h) otherwise.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -29,9 +29,13 @@ at::Tensor sparse_attn_decode_cuda(const at::Tensor& q, const at::Tensor& kv, co
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), N = kv.size(1), J = idx.size(1);
   const bool kernel = (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat) && D <= 512 &&
                       D % 8 == 0 && kv.stride(2) == 1 && kv.stride(1) == D && B < 65536 && H < 65536 &&
-                      N < (int64_t(1) << 31) && J < (int64_t(1) << 31);
+                      N < (int64_t(1) << 31) && J < (int64_t(1) << 31) &&
+                      reinterpret_cast<uintptr_t>(kv.data_ptr()) % 16 == 0 &&
+                      (kv.stride(0) * kv.element_size()) % 16 == 0;  // 16-byte row copies
   if (!kernel) return dsv4_attn::attend_aten(q, kv, idx, sink, scale);
-  const at::Tensor qc = q.contiguous(), sc = sink.contiguous();
+  at::Tensor qc = q.contiguous();
+  if (reinterpret_cast<uintptr_t>(qc.data_ptr()) % 16 != 0) qc = qc.clone();  // 16-byte loads of q
+  const at::Tensor sc = sink.contiguous();
   // int32 rows for the kernel; int64 values outside [0, N) stay outside after the narrowing
   const at::Tensor ic = idx.scalar_type() == at::kInt ? idx.contiguous()
                                                        : idx.clamp(-1, N).to(at::kInt).contiguous();

@@ -28,6 +28,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <cstdlib>
 #include <utility>
 
 #include "device_info.h"
@@ -72,6 +73,42 @@ __device__ __forceinline__ void a_fragment(const uint32_t (&ra)[4], const uint32
   const int hs = s & 1;
   const uint32_t sca = scale_pair(s < 4 ? sa.x : sa.y, s & 3);
   const uint32_t scb = scale_pair(s < 4 ? sb.x : sb.y, s & 3);
+  a[0] = bf16x2_mul(ra[2 * hs], sca);
+  a[1] = bf16x2_mul(rb[2 * hs], scb);
+  a[2] = bf16x2_mul(ra[2 * hs + 1], sca);
+  a[3] = bf16x2_mul(rb[2 * hs + 1], scb);
+}
+
+// The 8 block scales of one row of a chunk (scale bytes b) as bf16 scale * 2^119, two per register:
+// {s0, s2}, {s1, s3}, {s4, s6}, {s5, s7} -- 5 instructions per 4 scales instead of a PRMT + IMAD per scale.
+struct RowScales {
+  uint32_t r[4];
+};
+__device__ __forceinline__ RowScales row_scales(uint2 b) {
+  RowScales s;
+  s.r[0] = (b.x & 0x00FF00FFu) * 16u + kScaleBias;
+  s.r[1] = ((b.x >> 8) & 0x00FF00FFu) * 16u + kScaleBias;
+  s.r[2] = (b.y & 0x00FF00FFu) * 16u + kScaleBias;
+  s.r[3] = ((b.y >> 8) & 0x00FF00FFu) * 16u + kScaleBias;
+  return s;
+}
+// {x.lo, x.lo} / {x.hi, x.hi}: ptxas folds these into the multiply's operand selector (HMUL2 ... R.H0_H0).
+__device__ __forceinline__ uint32_t bcast_lo(uint32_t x) {
+  uint32_t d;
+  asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; mov.b32 %0, {l, l};}" : "=r"(d) : "r"(x));
+  return d;
+}
+__device__ __forceinline__ uint32_t bcast_hi(uint32_t x) {
+  uint32_t d;
+  asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; mov.b32 %0, {h, h};}" : "=r"(d) : "r"(x));
+  return d;
+}
+// a_fragment with the scales from row_scales (the same products).
+__device__ __forceinline__ void a_fragment_rs(const uint32_t (&ra)[4], const uint32_t (&rb)[4], const RowScales& sa,
+                                              const RowScales& sb, int s, uint32_t (&a)[4]) {
+  const int hs = s & 1, reg = (s >> 2) * 2 + (s & 1);
+  const uint32_t sca = (s >> 1) & 1 ? bcast_hi(sa.r[reg]) : bcast_lo(sa.r[reg]);
+  const uint32_t scb = (s >> 1) & 1 ? bcast_hi(sb.r[reg]) : bcast_lo(sb.r[reg]);
   a[0] = bf16x2_mul(ra[2 * hs], sca);
   a[1] = bf16x2_mul(rb[2 * hs], scb);
   a[2] = bf16x2_mul(ra[2 * hs + 1], sca);
@@ -633,9 +670,9 @@ __global__ void __launch_bounds__(kThreads, 1) nvfp4_tiled_kernel(const TiledPar
 // griddepcontrol.wait, weights included: the op cannot know that its weights were not just written (a copy of a
 // misaligned view, a test's copy_). Dense CTAs only warm L2 with their weights before the wait. (Loading weights
 // into the ring before the wait measured ~1 us faster per call.)
-template <int ROWS>  // activation rows per pass (2 or 8); the mma's other columns repeat them and are dropped
+template <int ROWS, int OCC>  // activation rows per pass (2 or 8); the mma's other columns repeat them and are dropped
 struct GemvCfg {
-  static constexpr int kStages = ROWS <= 2 ? 6 : 3;
+  static constexpr int kStages = ROWS <= 2 ? (OCC == 3 ? 4 : 6) : 3;
   static constexpr int kW = 1024;        // [2][32 lanes] x 16 B: rows g / g + 8 of the chunk, lane order
   static constexpr int kS = 128;         // [16 rows] x 8 scale bytes
   static constexpr int kX = ROWS * 256;  // [ROWS] x 128 bf16, 16-byte pieces XOR-swizzled by row (ldmatrix)
@@ -643,9 +680,9 @@ struct GemvCfg {
   static constexpr int kSmem = kStage * kStages * kWarps;
 };
 
-template <int MODE, int ROWS>
-__global__ void __launch_bounds__(kThreads, 2) nvfp4_gemv_kernel(const SkinnyParams p) {
-  using Cfg = GemvCfg<ROWS>;
+template <int MODE, int ROWS, int OCC>
+__global__ void __launch_bounds__(kThreads, OCC) nvfp4_gemv_kernel(const SkinnyParams p) {
+  using Cfg = GemvCfg<ROWS, OCC>;
   constexpr int S = Cfg::kStages;
   extern __shared__ __align__(128) uint8_t gsmem[];
   __shared__ float red[kWarps][4][32];
@@ -706,64 +743,62 @@ __global__ void __launch_bounds__(kThreads, 2) nvfp4_gemv_kernel(const SkinnyPar
     const int piece = (2 * q + (xm >> 1)) * 2 + (xm & 1);
     ldm[q] = Cfg::kW + Cfg::kS + xr * 256 + ((piece ^ xr) << 4);
   }
-  uint8_t* const ring_end = ring + Cfg::kStage * S;
-
   for (int tt = 0; tt < task.cnt; tt += ROWS) {
     const int rows = min(ROWS, task.cnt - tt);
     const bf16* xrow[ROWS / 2];
 #pragma unroll
     for (int i = 0; i < ROWS / 2; ++i)
       xrow[i] = b_row<MODE>(p, task, tt + min((lane >> 4) + 2 * i, rows - 1));
-    // Issue cursor: chunk ci (one cp.async group per chunk, empty past c_end) into stage ist.
-    int ci = c_begin, kx = c_begin * 128 + pc * 8;
-    const uint8_t* wa_i = wa_ptr + size_t(c_begin) * 64;
-    const uint8_t* wb_i = wb_ptr + size_t(c_begin) * 64;
-    const uint8_t* s_i = s_ptr + size_t(c_begin) * 8;
-    uint8_t* ist = ring;
-    auto issue = [&]() {
+    // Chunk ci into stage stg: one cp.async group per chunk (empty past c_end).
+    auto issue = [&](int ci, uint8_t* stg) {
       if (ci < c_end) {
-        cp_async16(ist + lane * 16, wa_i, 16);
-        cp_async16(ist + 512 + lane * 16, wb_i, 16);
-        if (lane < 16) cp_async8(ist + Cfg::kW + lane * 8, s_i, 8);
+        cp_async16(stg + lane * 16, wa_ptr + uint32_t(ci) * 64u, 16);
+        cp_async16(stg + 512 + lane * 16, wb_ptr + uint32_t(ci) * 64u, 16);
+        if (lane < 16) cp_async8(stg + Cfg::kW + lane * 8, s_ptr + uint32_t(ci) * 8u, 8);
+        const int kx = ci * 128 + pc * 8;
 #pragma unroll
         for (int i = 0; i < ROWS / 2; ++i) {
           const bool ok = (lane >> 4) + 2 * i < rows && kx < task.K;
-          cp_async16(ist + x_dst[i], ok ? xrow[i] + kx : xrow[0], ok ? 16 : 0);
+          cp_async16(stg + x_dst[i], ok ? xrow[i] + kx : xrow[0], ok ? 16 : 0);
         }
       }
       cp_async_commit();
-      ++ci, kx += 128, wa_i += 64, wb_i += 64, s_i += 8;
-      ist = ist + Cfg::kStage == ring_end ? ring : ist + Cfg::kStage;
     };
 #pragma unroll
-    for (int j = 0; j < S - 1; ++j) issue();
+    for (int j = 0; j < S - 1; ++j) issue(c_begin + j, ring + j * Cfg::kStage);
     float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
-    const uint8_t* st = ring;
-    for (int c = c_begin; c < c_end; ++c) {
-      issue();  // chunk c + S - 1 into the stage consumed last iteration (the __syncwarp below ordered its reads)
-      cp_async_wait<S - 1>();  // this thread's copies of chunk c have landed
-      __syncwarp();            // ... and every lane's
-      const uint4 wa = *reinterpret_cast<const uint4*>(st + lane * 16);
-      const uint4 wb = *reinterpret_cast<const uint4*>(st + 512 + lane * 16);
-      const uint2 sa = *reinterpret_cast<const uint2*>(st + Cfg::kW + g * 8);
-      const uint2 sb = *reinterpret_cast<const uint2*>(st + Cfg::kW + (g + 8) * 8);
-      uint32_t b[4][4];  // k-steps 2q, 2q + 1: {b0, b1, b0', b1'}
+    // One trip of the outer loop walks the whole ring, so every stage offset is a constant.
+    for (int c0 = c_begin; c0 < c_end; c0 += S) {
 #pragma unroll
-      for (int q = 0; q < 4; ++q) ldmatrix_x4(b[q], st + ldm[q]);
-      const uint32_t wra[4] = {wa.x, wa.y, wa.z, wa.w};
-      const uint32_t wrb[4] = {wb.x, wb.y, wb.z, wb.w};
+      for (int j = 0; j < S; ++j) {
+        const int c = c0 + j;
+        if (c >= c_end) break;
+        // chunk c + S - 1 into the stage consumed last step (the __syncwarp below ordered its reads)
+        issue(c + S - 1, ring + ((j + S - 1) % S) * Cfg::kStage);
+        cp_async_wait<S - 1>();  // this thread's copies of chunk c have landed
+        __syncwarp();            // ... and every lane's
+        const uint8_t* st = ring + j * Cfg::kStage;
+        const uint4 wa = *reinterpret_cast<const uint4*>(st + lane * 16);
+        const uint4 wb = *reinterpret_cast<const uint4*>(st + 512 + lane * 16);
+        const RowScales sa = row_scales(*reinterpret_cast<const uint2*>(st + Cfg::kW + g * 8));
+        const RowScales sb = row_scales(*reinterpret_cast<const uint2*>(st + Cfg::kW + (g + 8) * 8));
+        uint32_t b[4][4];  // k-steps 2q, 2q + 1: {b0, b1, b0', b1'}
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        uint32_t ra[4], rb[4], a[4];
-        decode_word(wra[j], ra);
-        decode_word(wrb[j], rb);
-        a_fragment(ra, rb, sa, sb, 2 * j, a);
-        mma16816(acc0, a[0], a[1], a[2], a[3], b[j][0], b[j][1]);
-        a_fragment(ra, rb, sa, sb, 2 * j + 1, a);
-        mma16816(acc1, a[0], a[1], a[2], a[3], b[j][2], b[j][3]);
+        for (int q = 0; q < 4; ++q) ldmatrix_x4(b[q], st + ldm[q]);
+        const uint32_t wra[4] = {wa.x, wa.y, wa.z, wa.w};
+        const uint32_t wrb[4] = {wb.x, wb.y, wb.z, wb.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          uint32_t ra[4], rb[4], a[4];
+          decode_word(wra[q], ra);
+          decode_word(wrb[q], rb);
+          a_fragment_rs(ra, rb, sa, sb, 2 * q, a);
+          mma16816(acc0, a[0], a[1], a[2], a[3], b[q][0], b[q][1]);
+          a_fragment_rs(ra, rb, sa, sb, 2 * q + 1, a);
+          mma16816(acc1, a[0], a[1], a[2], a[3], b[q][2], b[q][3]);
+        }
+        __syncwarp();  // every lane's reads of this stage are done before it is refilled
       }
-      __syncwarp();  // every lane's reads of this stage are done before it is refilled
-      st = st + Cfg::kStage == ring_end ? ring : st + Cfg::kStage;
     }
     cp_async_wait<0>();  // no copy outlives the pass (the next pass refills from stage 0)
     __syncwarp();
@@ -1068,9 +1103,15 @@ void pick_split(int64_t ntiles, int64_t nchunks, int64_t slots, int& kw, int& rt
 using dsv4_cuda::sm_count;
 
 // gemv split: the kw (K-splits per row tile; rt = 8 / kw tiles per CTA) with the fewest chunk-times, counting
-// waves of 2 CTAs per SM and ~4 chunk-times of pipeline fill per wave.
-void pick_gemv_split(int64_t ntiles, int64_t nchunks, int64_t slots, int& kw, int& rt) {
-  const int64_t cap = 2 * int64_t(sm_count());
+// waves of occ CTAs per SM and ~4 chunk-times of pipeline fill per wave.
+// CTAs per SM of the gemv kernel: 3 (a 4-stage ring, <= 80 registers) for 2-token passes over >= 12288 chunks
+// (12 MB of weights), else 2 (a 6-stage ring). H200, M = 1: 3 per SM took wq_b 32768x1024 10.85 -> 9.71 us, wo_b
+// 11.35 -> 10.85, wo_a 8 x 1024x4096 11.46 -> 10.80, the MoE at T = 1 48.3 -> 42.8; but w1+w3 4096x4096 7.70 ->
+// 8.18, w2 / expert-sized 5.5 / 5.1 -> 5.7 / 5.7 (fewer chunks in flight per warp, fewer waves to hide the fill).
+int gemv_occ(int rows, int64_t chunks) { return rows == 2 && chunks >= 12288 ? 3 : 2; }
+
+void pick_gemv_split(int64_t ntiles, int64_t nchunks, int64_t slots, int& kw, int& rt, int occ) {
+  const int64_t cap = occ * int64_t(sm_count());
   int64_t best = -1;
   for (int k = 1; k <= kWarps; k *= 2) {
     if (k > 1 && k / 2 >= nchunks) break;
@@ -1085,19 +1126,25 @@ void pick_gemv_split(int64_t ntiles, int64_t nchunks, int64_t slots, int& kw, in
   }
 }
 
-template <int MODE, int ROWS>
-cudaError_t launch_gemv(const SkinnyParams& p, dim3 grid, cudaStream_t stream) {
-  auto kernel = nvfp4_gemv_kernel<MODE, ROWS>;
+template <int MODE, int ROWS, int OCC>
+cudaError_t launch_gemv_occ(const SkinnyParams& p, dim3 grid, cudaStream_t stream) {
+  auto kernel = nvfp4_gemv_kernel<MODE, ROWS, OCC>;
   static bool smem_set[64] = {};  // per device; the attribute is set before the first launch (never in capture)
   int dev = 0;
   cudaGetDevice(&dev);
   if (!smem_set[dev & 63]) {
     const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, GemvCfg<ROWS>::kSmem);
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, GemvCfg<ROWS, OCC>::kSmem);
     if (err != cudaSuccess) return err;
     smem_set[dev & 63] = true;
   }
-  return launch_ex(p.pdl != 0, kernel, grid, dim3(kThreads), size_t(GemvCfg<ROWS>::kSmem), stream, p);
+  return launch_ex(p.pdl != 0, kernel, grid, dim3(kThreads), size_t(GemvCfg<ROWS, OCC>::kSmem), stream, p);
+}
+
+template <int MODE, int ROWS>
+cudaError_t launch_gemv(const SkinnyParams& p, dim3 grid, cudaStream_t stream, int occ) {
+  if (ROWS == 2 && occ == 3) return launch_gemv_occ<MODE, 2, 3>(p, grid, stream);
+  return launch_gemv_occ<MODE, ROWS, 2>(p, grid, stream);
 }
 
 template <typename... Params, typename... Args>
@@ -1179,9 +1226,10 @@ extern "C" cudaError_t dsv4_nvfp4_linear_launch(const Nvfp4LinearArgs* a, cudaSt
   const int ny = a->nseg > 0 ? a->nseg : p.G;  // blockIdx.y: groups or segments
   if (a->gemv && a->M <= 8 && reinterpret_cast<uintptr_t>(a->x) % 16 == 0) {
     p.pdl = a->pdl;
-    pick_gemv_split(ntiles, nchunks, ny, p.kw, p.rt);
+    const int occ = gemv_occ(a->M <= 2 ? 2 : 8, ntiles * nchunks * ny);
+    pick_gemv_split(ntiles, nchunks, ny, p.kw, p.rt, occ);
     const dim3 grid(unsigned((ntiles + p.rt - 1) / p.rt), unsigned(ny));
-    return a->M <= 2 ? launch_gemv<kDense, 2>(p, grid, stream) : launch_gemv<kDense, 8>(p, grid, stream);
+    return a->M <= 2 ? launch_gemv<kDense, 2>(p, grid, stream, occ) : launch_gemv<kDense, 8>(p, grid, stream, occ);
   }
   pick_split(ntiles, nchunks, ny, p.kw, p.rt);
   const dim3 grid(unsigned((ntiles + p.rt - 1) / p.rt), unsigned(ny));
@@ -1262,9 +1310,11 @@ extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t
     const int64_t nmax_up = (shared && a->Is > a->I ? a->Is : a->I) * 2;
     const int64_t kchunks_d = (a->d + 127) / 128;
     if (gemv) {
-      pick_gemv_split((nmax_up + 15) / 16, kchunks_d, slots, p.kw, p.rt);
+      const int occ = gemv_occ(gemv_rows, (nmax_up + 15) / 16 * kchunks_d * slots);
+      pick_gemv_split((nmax_up + 15) / 16, kchunks_d, slots, p.kw, p.rt, occ);
       const dim3 grid(unsigned(((nmax_up + 15) / 16 + p.rt - 1) / p.rt), unsigned(slots));
-      err = gemv_rows == 2 ? launch_gemv<kMoeUp, 2>(p, grid, stream) : launch_gemv<kMoeUp, 8>(p, grid, stream);
+      err = gemv_rows == 2 ? launch_gemv<kMoeUp, 2>(p, grid, stream, occ)
+                           : launch_gemv<kMoeUp, 8>(p, grid, stream, occ);
     } else {
       pick_split((nmax_up + 15) / 16, kchunks_d, slots, p.kw, p.rt);
       err = launch_skinny<kMoeUp>(p, nt, dim3(unsigned(((nmax_up + 15) / 16 + p.rt - 1) / p.rt), unsigned(slots)),
@@ -1281,9 +1331,11 @@ extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t
     const int64_t kmax = shared && a->Is > a->I ? a->Is : a->I;
     const int64_t ntiles_d = (a->d + 15) / 16;
     if (gemv) {
-      pick_gemv_split(ntiles_d, (kmax + 127) / 128, slots, p.kw, p.rt);
+      const int occ = gemv_occ(gemv_rows, ntiles_d * ((kmax + 127) / 128) * slots);
+      pick_gemv_split(ntiles_d, (kmax + 127) / 128, slots, p.kw, p.rt, occ);
       const dim3 grid(unsigned((ntiles_d + p.rt - 1) / p.rt), unsigned(slots));
-      err = gemv_rows == 2 ? launch_gemv<kMoeDown, 2>(p, grid, stream) : launch_gemv<kMoeDown, 8>(p, grid, stream);
+      err = gemv_rows == 2 ? launch_gemv<kMoeDown, 2>(p, grid, stream, occ)
+                           : launch_gemv<kMoeDown, 8>(p, grid, stream, occ);
     } else {
       pick_split(ntiles_d, (kmax + 127) / 128, slots, p.kw, p.rt);
       err = launch_skinny<kMoeDown>(p, nt, dim3(unsigned((ntiles_d + p.rt - 1) / p.rt), unsigned(slots)), stream);
