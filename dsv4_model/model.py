@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -70,11 +71,21 @@ class Block(nn.Module):
         x, post, comb = self._pre(h, "ffn")
         return hc_post(self.ffn(self.ffn_norm(x), ids, static=False), h, post, comb)
 
+    def _pre_normed(self, h: torch.Tensor, site: str, norm: RMSNorm):
+        """_pre, then the sublayer's norm: at decode one dsv4::hc_pre call where _fused_hc allows it."""
+        fn = getattr(self, f"hc_{site}_fn")
+        if not torch.is_grad_enabled() and _fused_hc(h) and fn.dtype in (torch.float32, torch.bfloat16):
+            return torch.ops.dsv4.hc_pre(h, fn, getattr(self, f"hc_{site}_scale").float(),
+                                         getattr(self, f"hc_{site}_base").float(), norm.weight.float(), self.iters,
+                                         self.hc_eps, self.norm_eps, norm.eps)
+        x, post, comb = self._pre(h, site)
+        return norm(x), post, comb
+
     def decode(self, h: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, rope: dict) -> torch.Tensor:
-        x, post, comb = self._pre(h, "attn")
-        h = hc_post(self.attn.decode(self.attn_norm(x), positions, rope[self.attn.rope_kind]), h, post, comb)
-        x, post, comb = self._pre(h, "ffn")
-        return hc_post(self.ffn(self.ffn_norm(x), ids, static=True), h, post, comb)
+        x, post, comb = self._pre_normed(h, "attn", self.attn_norm)
+        h = hc_post(self.attn.decode(x, positions, rope[self.attn.rope_kind]), h, post, comb)
+        x, post, comb = self._pre_normed(h, "ffn", self.ffn_norm)
+        return hc_post(self.ffn(x, ids, static=True), h, post, comb)
 
 
 class MTPBlock(Block):
@@ -90,6 +101,17 @@ class MTPBlock(Block):
         self.hc_head_fn = _param(cfg.hc_mult, cfg.hc_mult * cfg.dim)
         self.hc_head_base = _param(cfg.hc_mult)
         self.hc_head_scale = _param(1)
+
+
+def _fused_hc(h: torch.Tensor) -> bool:
+    """Decode collapses the hc streams with dsv4::hc_pre (mixes, Sinkhorn, weighted sum and the sublayer's RMSNorm
+    in one op; on CUDA 2 launches instead of ~8 kernels). DSV4_FUSED_HC=1 / 0 forces it on / off; by default it
+    is on for CPU tensors and off on CUDA until its CUDA kernels have run on the H200 (written after the last GPU
+    call of session 6). Read when the step is traced."""
+    mode = os.environ.get("DSV4_FUSED_HC", "")
+    if mode in ("0", "1"):
+        return mode == "1"
+    return h.device.type == "cpu"
 
 
 def _param(*shape) -> nn.Parameter:

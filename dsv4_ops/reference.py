@@ -477,6 +477,24 @@ def hc_sinkhorn_ref(logits: torch.Tensor, iters: int, eps: float) -> torch.Tenso
     return comb
 
 
+def hc_pre_ref(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_weight,
+               iters: int, hc_eps: float, norm_eps: float, out_eps: float):
+    """dsv4::hc_pre as tensor ops in fp32 (dsv4_model.layers.hc_pre, then the sublayer's RMSNorm of y when
+    norm_weight is given): (y [..., d] in x's dtype, post fp32 [..., hc], comb fp32 [..., hc, hc])."""
+    hc = x.shape[-2]
+    xf = x.float()
+    flat = xf.flatten(-2)
+    mixes = (flat @ fn.float().t()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb = hc_sinkhorn_ref((mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc)), iters, hc_eps)
+    y = (pre.unsqueeze(-1) * xf).sum(-2).to(x.dtype)
+    if norm_weight is not None:
+        yf = y.float()
+        y = (norm_weight * (yf * torch.rsqrt(yf.square().mean(-1, keepdim=True) + out_eps))).to(x.dtype)
+    return y, post, comb
+
+
 # ======================================================================================================
 # fp32 projections (issue 7): dsv4::fp32_linear
 # ======================================================================================================

@@ -1,6 +1,13 @@
-// Argument checks shared by the CPU and CUDA kernels of dsv4::hc_sinkhorn (docs/ops.md "## mHC").
+// Argument checks shared by the CPU and CUDA kernels of dsv4::hc_sinkhorn and dsv4::hc_pre (docs/ops.md "## mHC"),
+// and hc_pre as ATen ops (the CUDA registration's form for shapes its kernels do not take).
 #pragma once
 #include <ATen/ATen.h>
+
+#include <algorithm>
+#include <functional>
+#include <optional>
+#include <tuple>
+#include <vector>
 
 namespace dsv4_mhc {
 
@@ -17,6 +24,69 @@ inline int64_t check_hc_sinkhorn(const at::Tensor& logits, int64_t iters, double
   TORCH_CHECK(iters >= 1, op, ": iters must be >= 1, got ", iters);
   TORCH_CHECK(eps >= 0.0, op, ": eps must be >= 0, got ", eps);
   return hc;
+}
+
+struct HcPreShape {
+  int64_t hc, d, mix, tokens;
+};
+
+inline HcPreShape check_hc_pre(const at::Tensor& x, const at::Tensor& fn, const at::Tensor& scale,
+                               const at::Tensor& base, const std::optional<at::Tensor>& norm_weight, int64_t iters,
+                               double hc_eps, double norm_eps, double out_eps) {
+  const char* op = "dsv4::hc_pre";
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf || x.scalar_type() == at::kFloat,
+              op, ": x must be bfloat16, float16 or float32, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 2, op, ": x must be [..., hc, d], got ", x.sizes());
+  HcPreShape sh;
+  sh.hc = x.size(-2), sh.d = x.size(-1), sh.mix = (2 + sh.hc) * sh.hc, sh.tokens = x.numel() / std::max<int64_t>(1, sh.hc * sh.d);
+  if (x.numel() == 0) sh.tokens = 0;
+  TORCH_CHECK(sh.hc >= 1 && sh.hc <= kMaxHc, op, ": hc (x.size(-2)) must be in [1, ", kMaxHc, "], got ", sh.hc);
+  TORCH_CHECK(sh.d >= 1, op, ": d must be >= 1");
+  TORCH_CHECK(fn.scalar_type() == at::kFloat || fn.scalar_type() == at::kBFloat16, op,
+              ": fn must be float32 or bfloat16, got ", fn.scalar_type());
+  TORCH_CHECK(fn.dim() == 2 && fn.size(0) == sh.mix && fn.size(1) == sh.hc * sh.d, op, ": fn must be [(2 + hc) * hc = ",
+              sh.mix, ", hc * d = ", sh.hc * sh.d, "], got ", fn.sizes());
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.size(0) == 3, op,
+              ": scale must be float32 [3], got ", scale.scalar_type(), " ", scale.sizes());
+  TORCH_CHECK(base.scalar_type() == at::kFloat && base.dim() == 1 && base.size(0) == sh.mix, op,
+              ": base must be float32 [", sh.mix, "], got ", base.scalar_type(), " ", base.sizes());
+  if (norm_weight) {
+    TORCH_CHECK(norm_weight->scalar_type() == at::kFloat && norm_weight->dim() == 1 && norm_weight->size(0) == sh.d,
+                op, ": norm_weight must be float32 [d = ", sh.d, "], got ", norm_weight->scalar_type(), " ",
+                norm_weight->sizes());
+    TORCH_CHECK(norm_weight->device() == x.device(), op, ": norm_weight must be on x's device");
+  }
+  TORCH_CHECK(fn.device() == x.device() && scale.device() == x.device() && base.device() == x.device(), op,
+              ": fn, scale and base must be on x's device (", x.device(), ")");
+  TORCH_CHECK(iters >= 1 && iters < (int64_t(1) << 31), op, ": iters must be in [1, 2^31), got ", iters);
+  TORCH_CHECK(hc_eps >= 0.0 && norm_eps >= 0.0 && out_eps >= 0.0, op, ": eps values must be >= 0");
+  return sh;
+}
+
+// The op as ATen ops, every step in fp32 (the CUDA registration's form outside its kernels' shapes).
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre_aten(
+    const at::Tensor& x, const at::Tensor& fn, const at::Tensor& scale, const at::Tensor& base,
+    const std::optional<at::Tensor>& norm_weight, int64_t iters, double hc_eps, double norm_eps, double out_eps,
+    const HcPreShape& sh, const std::function<at::Tensor(const at::Tensor&)>& sinkhorn) {
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor flat = xf.flatten(-2);
+  const at::Tensor rs = at::rsqrt(flat.square().mean(-1, true) + norm_eps);
+  const at::Tensor mixes = at::matmul(flat, fn.to(at::kFloat).t()) * rs;
+  const int64_t hc = sh.hc;
+  const at::Tensor pre = at::sigmoid(mixes.narrow(-1, 0, hc) * scale[0] + base.narrow(0, 0, hc)) + hc_eps;
+  const at::Tensor post = 2 * at::sigmoid(mixes.narrow(-1, hc, hc) * scale[1] + base.narrow(0, hc, hc));
+  std::vector<int64_t> cshape(mixes.sizes().begin(), mixes.sizes().end() - 1);
+  cshape.push_back(hc);
+  cshape.push_back(hc);
+  const at::Tensor comb = sinkhorn(
+      (mixes.narrow(-1, 2 * hc, hc * hc) * scale[2] + base.narrow(0, 2 * hc, hc * hc)).reshape(cshape).contiguous());
+  at::Tensor y = (pre.unsqueeze(-1) * xf).sum(-2).to(x.scalar_type());
+  if (norm_weight) {
+    const at::Tensor yf = y.to(at::kFloat);
+    y = (*norm_weight * (yf * at::rsqrt(yf.square().mean(-1, true) + out_eps))).to(x.scalar_type());
+  }
+  (void)iters;
+  return {y, post.contiguous(), comb};
 }
 
 }  // namespace dsv4_mhc

@@ -69,6 +69,14 @@ TORCH_LIBRARY(dsv4, m) {
   // + eps, then Sinkhorn normalisation: columns, then (iters - 1) x (rows, columns), each sum + eps. See
   // docs/ops.md "## mHC".
   m.def("hc_sinkhorn(Tensor logits, int iters, float eps) -> Tensor");
+  // A token's hc residual streams x [..., hc, d] -> the sublayer input and the mixing weights, in one op (fp32
+  // math): rs = rsqrt(mean(x^2) + norm_eps), mixes = (x_flat @ fn^T) * rs, pre = sigmoid(mixes[:hc] * scale[0] +
+  // base[:hc]) + hc_eps, post = 2 * sigmoid(mixes[hc:2hc] * scale[1] + base), comb = hc_sinkhorn(mixes[2hc:] *
+  // scale[2] + base), y = sum_h pre_h x_h (x's dtype), then with norm_weight the sublayer's RMSNorm of y (out_eps).
+  // Returns (y [..., d], post fp32 [..., hc], comb fp32 [..., hc, hc]). See docs/ops.md "## mHC".
+  m.def(
+      "hc_pre(Tensor x, Tensor fn, Tensor scale, Tensor base, Tensor? norm_weight, int iters, float hc_eps, "
+      "float norm_eps, float out_eps) -> (Tensor, Tensor, Tensor)");
 
   // ---- fp32 projections (issue 7: kernels per layer) ----
   // out[i] = float(x) @ float(weight[i])^T in fp32 (x [..., K] bf16 / fp16 / fp32, weight[i] [N_i, K] bf16 or

@@ -1,4 +1,5 @@
-"""Fake for dsv4::hc_sinkhorn: the shape and dtype of logits."""
+"""Fakes for dsv4::hc_sinkhorn (the shape and dtype of logits) and dsv4::hc_pre (y in x's dtype, post and comb
+fp32)."""
 import torch
 
 
@@ -15,3 +16,29 @@ def _hc_sinkhorn_fake(logits, iters, eps):
 # A library built before this op existed must still import (other ops keep working).
 if hasattr(torch.ops.dsv4, "hc_sinkhorn"):
     torch.library.register_fake("dsv4::hc_sinkhorn")(_hc_sinkhorn_fake)
+
+
+def _hc_pre_fake(x, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, out_eps):
+    op = "dsv4::hc_pre"
+    torch._check(x.dtype in (torch.bfloat16, torch.float16, torch.float32),
+                 lambda: f"{op}: x must be bfloat16, float16 or float32, got {x.dtype}")
+    torch._check(x.dim() >= 2, lambda: f"{op}: x must be [..., hc, d]")
+    hc, d = x.shape[-2], x.shape[-1]
+    torch._check(1 <= hc <= 8, lambda: f"{op}: hc must be in [1, 8]")
+    mix = (2 + hc) * hc
+    torch._check(fn.dtype in (torch.float32, torch.bfloat16), lambda: f"{op}: fn must be float32 or bfloat16")
+    torch._check(fn.dim() == 2 and fn.shape[0] == mix and fn.shape[1] == hc * d,
+                 lambda: f"{op}: fn must be [{mix}, {hc * d}], got {tuple(fn.shape)}")
+    torch._check(scale.dtype == torch.float32 and tuple(scale.shape) == (3,), lambda: f"{op}: scale must be float32 [3]")
+    torch._check(base.dtype == torch.float32 and tuple(base.shape) == (mix,), lambda: f"{op}: base must be float32 [{mix}]")
+    if norm_weight is not None:
+        torch._check(norm_weight.dtype == torch.float32 and tuple(norm_weight.shape) == (d,),
+                     lambda: f"{op}: norm_weight must be float32 [{d}]")
+    torch._check(iters >= 1, lambda: f"{op}: iters must be >= 1")
+    lead = tuple(x.shape[:-2])
+    return (x.new_empty(lead + (d,)), x.new_empty(lead + (hc,), dtype=torch.float32),
+            x.new_empty(lead + (hc, hc), dtype=torch.float32))
+
+
+if hasattr(torch.ops.dsv4, "hc_pre"):
+    torch.library.register_fake("dsv4::hc_pre")(_hc_pre_fake)

@@ -1,11 +1,15 @@
-// CPU kernel of dsv4::hc_sinkhorn: the mHC residual-mixing matrix of DeepSeek-V4 (docs/ops.md "## mHC"), one
-// matrix per token, every step in fp32 in the order the reference (dsv4_ops/reference.py) writes it.
+// CPU kernels of dsv4::hc_sinkhorn (the mHC residual-mixing matrix of DeepSeek-V4, one matrix per token, every
+// step in fp32 in the order the reference (dsv4_ops/reference.py) writes it) and dsv4::hc_pre (docs/ops.md
+// "## mHC"; per token: the sums in index order, then the same steps).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
+#include <tuple>
+#include <vector>
 
 #include "mhc_checks.h"
 
@@ -59,6 +63,86 @@ at::Tensor hc_sinkhorn_cpu(const at::Tensor& logits, int64_t iters, double eps) 
   return out;
 }
 
+template <typename T>
+void hc_pre_token(const T* x, const float* fn, const c10::BFloat16* fn16, const float* scale, const float* base,
+                  const float* norm_w, const dsv4_mhc::HcPreShape& sh, int iters, float hc_eps, float norm_eps,
+                  float out_eps, T* y, float* post, float* comb) {
+  const int64_t hc = sh.hc, d = sh.d, K = hc * d, M = sh.mix;
+  std::vector<float> xf(K);
+  float ss = 0.0f;
+  for (int64_t k = 0; k < K; ++k) {
+    xf[k] = static_cast<float>(x[k]);
+    ss += xf[k] * xf[k];
+  }
+  const float rs = 1.0f / std::sqrt(ss / float(K) + norm_eps);
+  std::vector<float> mix(M);
+  for (int64_t m = 0; m < M; ++m) {
+    float acc = 0.0f;
+    for (int64_t k = 0; k < K; ++k) acc += xf[k] * (fn ? fn[m * K + k] : static_cast<float>(fn16[m * K + k]));
+    mix[m] = acc * rs;
+  }
+  float pre[dsv4_mhc::kMaxHc];
+  for (int64_t i = 0; i < hc; ++i) {
+    pre[i] = 1.0f / (1.0f + std::exp(-(mix[i] * scale[0] + base[i]))) + hc_eps;
+    post[i] = 2.0f / (1.0f + std::exp(-(mix[hc + i] * scale[1] + base[hc + i])));
+  }
+  float logits[dsv4_mhc::kMaxHc * dsv4_mhc::kMaxHc];
+  for (int64_t e = 0; e < hc * hc; ++e) logits[e] = mix[2 * hc + e] * scale[2] + base[2 * hc + e];
+  sinkhorn_one(logits, comb, int(hc), iters, hc_eps);
+  std::vector<T> yr(d);
+  float ss2 = 0.0f;
+  for (int64_t j = 0; j < d; ++j) {
+    float acc = 0.0f;
+    for (int64_t i = 0; i < hc; ++i) acc += pre[i] * xf[i * d + j];
+    yr[j] = static_cast<T>(acc);  // y in x's dtype, as the unfused model rounds it before the sublayer's norm
+    const float r = static_cast<float>(yr[j]);
+    ss2 += r * r;
+  }
+  if (norm_w == nullptr) {
+    std::copy(yr.begin(), yr.end(), y);
+    return;
+  }
+  const float rs2 = 1.0f / std::sqrt(ss2 / float(d) + out_eps);
+  for (int64_t j = 0; j < d; ++j) y[j] = static_cast<T>(norm_w[j] * (static_cast<float>(yr[j]) * rs2));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre_cpu(const at::Tensor& x, const at::Tensor& fn,
+                                                           const at::Tensor& scale, const at::Tensor& base,
+                                                           const std::optional<at::Tensor>& norm_weight,
+                                                           int64_t iters, double hc_eps, double norm_eps,
+                                                           double out_eps) {
+  const dsv4_mhc::HcPreShape sh = dsv4_mhc::check_hc_pre(x, fn, scale, base, norm_weight, iters, hc_eps, norm_eps,
+                                                         out_eps);
+  const at::Tensor xc = x.contiguous(), fc = fn.contiguous(), sc = scale.contiguous(), bc = base.contiguous();
+  const at::Tensor wc = norm_weight ? norm_weight->contiguous() : at::Tensor();
+  std::vector<int64_t> lead(x.sizes().begin(), x.sizes().end() - 2);
+  auto shape = [&](std::initializer_list<int64_t> tail) {
+    std::vector<int64_t> v(lead);
+    v.insert(v.end(), tail);
+    return v;
+  };
+  at::Tensor y = at::empty(shape({sh.d}), x.options());
+  at::Tensor post = at::empty(shape({sh.hc}), x.options().dtype(at::kFloat));
+  at::Tensor comb = at::empty(shape({sh.hc, sh.hc}), x.options().dtype(at::kFloat));
+  const float* fp = fc.scalar_type() == at::kFloat ? fc.data_ptr<float>() : nullptr;
+  const c10::BFloat16* fp16 = fp ? nullptr : fc.data_ptr<c10::BFloat16>();
+  const float* wp = wc.defined() ? wc.data_ptr<float>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "dsv4::hc_pre", [&] {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, sh.tokens, 1, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t)
+        hc_pre_token(xp + t * sh.hc * sh.d, fp, fp16, sc.data_ptr<float>(), bc.data_ptr<float>(), wp, sh,
+                     int(iters), float(hc_eps), float(norm_eps), float(out_eps), yp + t * sh.d,
+                     post.data_ptr<float>() + t * sh.hc, comb.data_ptr<float>() + t * sh.hc * sh.hc);
+    });
+  });
+  return {y, post, comb};
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(dsv4, CPU, m) { m.impl("hc_sinkhorn", &hc_sinkhorn_cpu); }
+TORCH_LIBRARY_IMPL(dsv4, CPU, m) {
+  m.impl("hc_sinkhorn", &hc_sinkhorn_cpu);
+  m.impl("hc_pre", &hc_pre_cpu);
+}

@@ -8,7 +8,10 @@
 //     16 divisions per normalisation run back to back); a lane per entry with __fdiv_rn 6.6 us, with the
 //     branch-free division below 2.6 us (the same bits on every tested input).
 //   hc <= 8: one thread per matrix, all iterations in registers.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <math.h>
 #include <stdint.h>
 
 namespace {
@@ -98,13 +101,10 @@ __device__ __forceinline__ float line_sum(float v, int base, int i, int j, int h
   return s;
 }
 
-__global__ void __launch_bounds__(128) hc_sinkhorn_lanes_kernel(const float* __restrict__ x, float* __restrict__ y,
-                                                                int64_t n, int hc, int iters, float eps) {
-  const int lane = threadIdx.x & 31, base = lane & 16, e = lane & 15, i = e >> 2, j = e & 3;
-  const int64_t t = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 4;
-  // every lane takes part in the shuffles; only entries of a real matrix are read and written
-  const bool live = t < n && i < hc && j < hc;
-  const float v = live ? x[t * hc * hc + i * hc + j] : -INFINITY;
+// The Sinkhorn of one matrix held by a 16-lane group (entry (i, j) at lane 4 * i + j; every lane of the warp
+// calls this, entries of no real matrix pass live = false): returns the lane's entry of the mixing matrix.
+__device__ __forceinline__ float sinkhorn_lanes(float v, bool live, int lane, int hc, int iters, float eps) {
+  const int base = lane & 16, e = lane & 15, i = e >> 2, j = e & 3;
   float m = v;
 #pragma unroll
   for (int b = 0; b < 4; ++b) m = fmaxf(m, __shfl_sync(0xffffffffu, v, base + 4 * i + b));
@@ -115,7 +115,156 @@ __global__ void __launch_bounds__(128) hc_sinkhorn_lanes_kernel(const float* __r
     c = div_fast(c, __fadd_rn(line_sum<true>(c, base, i, j, hc), eps));
     c = div_fast(c, __fadd_rn(line_sum<false>(c, base, i, j, hc), eps));
   }
+  return c;
+}
+
+__global__ void __launch_bounds__(128) hc_sinkhorn_lanes_kernel(const float* __restrict__ x, float* __restrict__ y,
+                                                                int64_t n, int hc, int iters, float eps) {
+  const int lane = threadIdx.x & 31, e = lane & 15, i = e >> 2, j = e & 3;
+  const int64_t t = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 4;
+  // every lane takes part in the shuffles; only entries of a real matrix are read and written
+  const bool live = t < n && i < hc && j < hc;
+  const float v = live ? x[t * hc * hc + i * hc + j] : -INFINITY;
+  const float c = sinkhorn_lanes(v, live, lane, hc, iters, eps);
   if (live) y[t * hc * hc + i * hc + j] = c;
+}
+
+// ------------------------------------------------------------------------------------------------- hc_pre
+// Two launches per call (docs/ops.md "## mHC"). partial: CTA s takes k in [s * kHcChunk, + kHcChunk) of the
+// flattened streams (hc * d) for every token: the 24 dot products with fn's rows (warp w: rows w, w + 8, ...;
+// lane: 4 consecutive k) and the sum of squares, each reduced over the warp by a fixed shuffle tree, into
+// ws [nsplit, T, mix + 1]. finish: a CTA per token sums the splits in order, applies rs, the sigmoids and the
+// Sinkhorn (16 lanes of warp 0), then y = sum_h pre_h x_h rounded to x's dtype and, with a norm weight, the
+// sublayer's RMSNorm of y (block reduction in a fixed order). The reference sums in another order: fp32 rounding.
+constexpr int kHcChunk = 128;
+constexpr int kHcMaxTokens = 16;
+constexpr int kHcMaxMix = 64;  // (2 + hc) * hc for hc <= 6; the kernels take hc <= 4 (24)
+
+__device__ __forceinline__ float load_f(const float* p) { return *p; }
+__device__ __forceinline__ float load_f(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+__device__ __forceinline__ float load_f(const __half* p) { return __half2float(*p); }
+__device__ __forceinline__ float4 load4_f(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 load4_f(const __nv_bfloat16* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xFFFF0000u), __uint_as_float(u.y << 16),
+                     __uint_as_float(u.y & 0xFFFF0000u));
+}
+__device__ __forceinline__ float round_to(float v, float*) { return v; }
+__device__ __forceinline__ float round_to(float v, __nv_bfloat16*) { return __bfloat162float(__float2bfloat16_rn(v)); }
+__device__ __forceinline__ float round_to(float v, __half*) { return __half2float(__float2half_rn(v)); }
+__device__ __forceinline__ void store_to(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store_to(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void store_to(__half* p, float v) { *p = __float2half_rn(v); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+template <typename TX, typename TW>
+__global__ void __launch_bounds__(256) hc_pre_partial_kernel(const TX* __restrict__ x, const TW* __restrict__ fn,
+                                                             int T, int K, int mix, float* __restrict__ ws) {
+  __shared__ __align__(16) float xs[kHcMaxTokens][kHcChunk];
+  const int s = blockIdx.x, k0 = s * kHcChunk, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int e = threadIdx.x; e < T * kHcChunk; e += blockDim.x) {
+    const int t = e / kHcChunk, k = k0 + e % kHcChunk;
+    xs[t][e % kHcChunk] = k < K ? load_f(x + int64_t(t) * K + k) : 0.0f;
+  }
+  __syncthreads();
+  const int kl = 4 * lane, k = k0 + kl;  // K % 4 == 0: a lane's 4 k are all in range or all out
+  for (int m = warp; m <= mix; m += 8) {  // m == mix: the sum of squares
+    float4 w = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (m < mix && k < K) w = load4_f(fn + int64_t(m) * K + k);
+    for (int t = 0; t < T; ++t) {
+      const float4 xv = *reinterpret_cast<const float4*>(&xs[t][kl]);
+      float v;
+      if (m < mix)
+        v = fmaf(w.w, xv.w, fmaf(w.z, xv.z, fmaf(w.y, xv.y, w.x * xv.x)));
+      else
+        v = fmaf(xv.w, xv.w, fmaf(xv.z, xv.z, fmaf(xv.y, xv.y, xv.x * xv.x)));
+      v = warp_sum(v);
+      if (lane == 0) ws[(int64_t(s) * T + t) * (mix + 1) + m] = v;
+    }
+  }
+}
+
+template <typename TX>
+__global__ void __launch_bounds__(256) hc_pre_finish_kernel(
+    const TX* __restrict__ x, const float* __restrict__ ws, int nsplit, int T, int hc, int d, int mix,
+    const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm_w, int iters,
+    float hc_eps, float norm_eps, float out_eps, TX* __restrict__ y, float* __restrict__ post,
+    float* __restrict__ comb) {
+  extern __shared__ __align__(16) float ybuf[];  // [d]: y rounded to x's dtype
+  __shared__ float red[kHcMaxMix + 1];
+  __shared__ float pre[4];
+  __shared__ float wsum[8];
+  const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int K = hc * d;
+  for (int v = warp; v <= mix; v += 8) {  // splits in order per lane, then a fixed shuffle tree
+    float a = 0.0f;
+    for (int sp = lane; sp < nsplit; sp += 32) a += ws[(int64_t(sp) * T + t) * (mix + 1) + v];
+    a = warp_sum(a);
+    if (lane == 0) red[v] = a;
+  }
+  __syncthreads();
+  const float rs = 1.0f / sqrtf(__fadd_rn(red[mix] / float(K), norm_eps));
+  if (threadIdx.x < hc) {
+    const int i = threadIdx.x;
+    pre[i] = 1.0f / (1.0f + expf(-fmaf(red[i] * rs, scale[0], base[i]))) + hc_eps;
+    post[int64_t(t) * hc + i] = 2.0f / (1.0f + expf(-fmaf(red[hc + i] * rs, scale[1], base[hc + i])));
+  }
+  if (warp == 0) {
+    const int e = lane & 15, i = e >> 2, j = e & 3;
+    const bool live = lane < 16 && i < hc && j < hc;
+    const int c = 2 * hc + i * hc + j;
+    const float v = live ? fmaf(red[c] * rs, scale[2], base[c]) : -INFINITY;
+    const float r = sinkhorn_lanes(v, live, lane, hc, iters, hc_eps);
+    if (live) comb[(int64_t(t) * hc + i) * hc + j] = r;
+  }
+  __syncthreads();
+  const TX* xt = x + int64_t(t) * K;
+  float ss = 0.0f;
+  for (int jd = threadIdx.x; jd < d; jd += blockDim.x) {
+    float a = 0.0f;
+    for (int i = 0; i < hc; ++i) a = fmaf(pre[i], load_f(xt + int64_t(i) * d + jd), a);
+    const float r = round_to(a, static_cast<TX*>(nullptr));
+    ybuf[jd] = r;
+    ss = fmaf(r, r, ss);
+  }
+  TX* yt = y + int64_t(t) * d;
+  if (norm_w == nullptr) {
+    for (int jd = threadIdx.x; jd < d; jd += blockDim.x) store_to(yt + jd, ybuf[jd]);
+    return;
+  }
+  ss = warp_sum(ss);
+  if (lane == 0) wsum[warp] = ss;
+  __syncthreads();
+  float tot = 0.0f;
+#pragma unroll
+  for (int w = 0; w < 8; ++w) tot += wsum[w];
+  const float rs2 = 1.0f / sqrtf(__fadd_rn(tot / float(d), out_eps));
+  for (int jd = threadIdx.x; jd < d; jd += blockDim.x) store_to(yt + jd, norm_w[jd] * (ybuf[jd] * rs2));
+}
+
+template <typename TX, typename TW>
+cudaError_t hc_pre_launch_t(const void* x, const void* fn, const float* scale, const float* base,
+                            const float* norm_w, int T, int hc, int d, int iters, float hc_eps, float norm_eps,
+                            float out_eps, float* ws, int nsplit, void* y, float* post, float* comb,
+                            cudaStream_t stream) {
+  const int K = hc * d, mix = (2 + hc) * hc;
+  hc_pre_partial_kernel<TX, TW><<<nsplit, 256, 0, stream>>>(static_cast<const TX*>(x), static_cast<const TW*>(fn),
+                                                              T, K, mix, ws);
+  const size_t smem = size_t(d) * sizeof(float);
+  if (smem > 48 * 1024) {
+    const cudaError_t e = cudaFuncSetAttribute(hc_pre_finish_kernel<TX>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (e != cudaSuccess) return e;
+  }
+  hc_pre_finish_kernel<TX><<<T, 256, smem, stream>>>(static_cast<const TX*>(x), ws, nsplit, T, hc, d, mix, scale,
+                                                     base, norm_w, iters, hc_eps, norm_eps, out_eps,
+                                                     static_cast<TX*>(y), post, comb);
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -130,4 +279,26 @@ extern "C" cudaError_t dsv4_hc_sinkhorn_launch(const float* x, float* y, int64_t
     hc_sinkhorn_kernel<8><<<unsigned((n + 127) / 128), 128, 0, stream>>>(x, y, n, hc, iters, eps);
   }
   return cudaGetLastError();
+}
+
+// hc_pre's kernels (hc <= 4, T <= 16 tokens, K = hc * d % 4 == 0, d <= 12288): x_kind 0 bf16 / 1 fp16 / 2 fp32,
+// fn_bf16: fn held in bf16 (else fp32). ws: fp32 [nsplit, T, (2 + hc) * hc + 1], nsplit = dsv4_hc_pre_splits.
+extern "C" int dsv4_hc_pre_splits(int hc, int d) { return (hc * d + kHcChunk - 1) / kHcChunk; }
+
+extern "C" cudaError_t dsv4_hc_pre_launch(const void* x, int x_kind, const void* fn, int fn_bf16, const float* scale,
+                                          const float* base, const float* norm_w, int T, int hc, int d, int iters,
+                                          float hc_eps, float norm_eps, float out_eps, float* ws, void* y,
+                                          float* post, float* comb, cudaStream_t stream) {
+  if (T == 0) return cudaSuccess;
+  if (hc > 4 || T > kHcMaxTokens || (hc * d) % 4 != 0 || d > 12288) return cudaErrorInvalidValue;
+  const int nsplit = dsv4_hc_pre_splits(hc, d);
+#define DSV4_HC_PRE(TX)                                                                                           \
+  return fn_bf16 ? hc_pre_launch_t<TX, __nv_bfloat16>(x, fn, scale, base, norm_w, T, hc, d, iters, hc_eps,      \
+                                                      norm_eps, out_eps, ws, nsplit, y, post, comb, stream)     \
+                 : hc_pre_launch_t<TX, float>(x, fn, scale, base, norm_w, T, hc, d, iters, hc_eps, norm_eps,     \
+                                              out_eps, ws, nsplit, y, post, comb, stream)
+  if (x_kind == 0) DSV4_HC_PRE(__nv_bfloat16);
+  if (x_kind == 1) DSV4_HC_PRE(__half);
+  DSV4_HC_PRE(float);
+#undef DSV4_HC_PRE
 }

@@ -1,0 +1,177 @@
+"""dsv4::hc_pre (a token's hc residual streams -> the sublayer input, its RMSNorm, and the mHC post / comb weights,
+in one op) against the pure-PyTorch reference (dsv4_ops/reference.py: the steps of dsv4_model.layers.hc_pre and
+RMSNorm), opcheck, torch.compile, and on CUDA the split-K + finish kernels (V4 widths, one and several tokens,
+fp32 / bf16 fn), a captured graph and no host sync.
+
+Tolerance: the mixes are 24 dot products of length hc * d summed in another order than the reference's matmul
+(fp32 rounding, then amplified a little by the sigmoid and 20 Sinkhorn iterations: post / comb to 1e-4 relative);
+y is the same fp32 value rounded once to x's dtype (one ulp where two fp32 values straddle a rounding boundary)."""
+import pytest
+import torch
+
+import dsv4_ops  # noqa: F401
+from dsv4_ops import reference as ref
+
+ops = torch.ops.dsv4
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.kernels])]
+ITERS, HC_EPS, NORM_EPS, OUT_EPS = 20, 1e-6, 1e-6, 1e-6
+
+
+def case(lead, hc, d, dtype, fn_dtype, gen, norm=True):
+    x = (torch.randn(*lead, hc, d, generator=gen) * 2).to(dtype)
+    mix = (2 + hc) * hc
+    fn = (torch.randn(mix, hc * d, generator=gen) * (hc * d) ** -0.5).to(fn_dtype)
+    scale = torch.rand(3, generator=gen) + 0.5
+    base = torch.randn(mix, generator=gen) * 0.5
+    w = torch.rand(d, generator=gen) + 0.5 if norm else None
+    return x, fn, scale, base, w
+
+
+def check(got, want, dtype):
+    y, post, comb = got
+    wy, wpost, wcomb = want
+    assert y.shape == wy.shape and y.dtype == dtype
+    assert post.shape == wpost.shape and post.dtype == torch.float32 and comb.shape == wcomb.shape
+    torch.testing.assert_close(post.cpu(), wpost, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(comb.cpu(), wcomb, rtol=1e-4, atol=1e-5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(y.cpu(), wy, rtol=1e-4, atol=1e-5)
+    else:
+        ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+        torch.testing.assert_close(y.cpu().float(), wy.float(), rtol=2 * ulp, atol=1e-4)
+
+
+# (lead dims, hc, d, x dtype, fn dtype, norm): V4-Flash decode (1 and 8 tokens), V4-Pro width, a tiny model, batch x
+# sequence lead dims, hc != 4, fn held in bf16, no tokens
+CASES = [((1,), 4, 4096, torch.bfloat16, torch.float32, True), ((8,), 4, 4096, torch.bfloat16, torch.float32, True),
+         ((2,), 4, 7168, torch.bfloat16, torch.float32, True), ((3,), 4, 64, torch.float32, torch.float32, True),
+         ((2, 3), 4, 128, torch.float16, torch.float32, False), ((5,), 3, 40, torch.float32, torch.float32, True),
+         ((4,), 4, 256, torch.bfloat16, torch.bfloat16, True), ((0,), 4, 64, torch.bfloat16, torch.float32, True)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lead,hc,d,dtype,fn_dtype,norm", CASES)
+def test_matches_reference(device, lead, hc, d, dtype, fn_dtype, norm):
+    gen = torch.Generator().manual_seed(hc * 1000 + d + len(lead))
+    x, fn, scale, base, w = case(lead, hc, d, dtype, fn_dtype, gen, norm)
+    want = ref.hc_pre_ref(x, fn, scale, base, w, ITERS, HC_EPS, NORM_EPS, OUT_EPS)
+    dev = [t.to(device) if t is not None else None for t in (x, fn, scale, base, w)]
+    got = ops.hc_pre(*dev, ITERS, HC_EPS, NORM_EPS, OUT_EPS)
+    check(got, want, dtype)
+    if device == "cuda":  # the CUDA kernels vs the CPU kernel
+        cpu = ops.hc_pre(x, fn, scale, base, w, ITERS, HC_EPS, NORM_EPS, OUT_EPS)
+        check(got, cpu, dtype)
+
+
+def test_matches_the_model_steps():
+    """The op equals dsv4_model.layers.hc_pre followed by the sublayer's RMSNorm (what the model runs unfused)."""
+    from dsv4_model.layers import RMSNorm, hc_pre
+
+    gen = torch.Generator().manual_seed(7)
+    x, fn, scale, base, w = case((3,), 4, 96, torch.bfloat16, torch.float32, gen)
+    norm = RMSNorm(96, OUT_EPS)
+    norm.weight.data.copy_(w)
+    y, post, comb = hc_pre(x, fn, scale, base, 4, ITERS, HC_EPS, NORM_EPS)
+    got = ops.hc_pre(x, fn, scale, base, w, ITERS, HC_EPS, NORM_EPS, OUT_EPS)
+    check(got, (norm(y), post, comb), torch.bfloat16)
+
+
+def test_wrong_steps_are_far():
+    gen = torch.Generator().manual_seed(8)
+    x, fn, scale, base, w = case((2,), 4, 64, torch.float32, torch.float32, gen)
+    y, post, comb = ops.hc_pre(x, fn, scale, base, w, ITERS, HC_EPS, NORM_EPS, OUT_EPS)
+    for wrong in (ref.hc_pre_ref(x, fn, scale.flip(0), base, w, ITERS, HC_EPS, NORM_EPS, OUT_EPS),
+                  ref.hc_pre_ref(x, fn, scale, base, None, ITERS, HC_EPS, NORM_EPS, OUT_EPS),
+                  ref.hc_pre_ref(x, fn * 2, scale, base, w, ITERS, HC_EPS, NORM_EPS, OUT_EPS),
+                  ref.hc_pre_ref(x, fn, scale, base, w, 1, HC_EPS, NORM_EPS, OUT_EPS)):
+        diff = max(float((a - b).abs().max()) for a, b in zip((y, post, comb), wrong))
+        assert diff > 1e-3
+
+
+def test_bad_arguments():
+    gen = torch.Generator().manual_seed(9)
+    x, fn, scale, base, w = case((2,), 4, 16, torch.float32, torch.float32, gen)
+    with pytest.raises(RuntimeError, match=r"fn must be \[\(2 \+ hc\) \* hc = 24"):
+        ops.hc_pre(x, fn[:, :32], scale, base, w, ITERS, HC_EPS, NORM_EPS, OUT_EPS)
+    with pytest.raises(RuntimeError, match="x must be bfloat16, float16 or float32"):
+        ops.hc_pre(x.double(), fn, scale, base, w, ITERS, HC_EPS, NORM_EPS, OUT_EPS)
+    with pytest.raises(RuntimeError, match=r"norm_weight must be float32 \[d = 16\]"):
+        ops.hc_pre(x, fn, scale, base, w[:8], ITERS, HC_EPS, NORM_EPS, OUT_EPS)
+    with pytest.raises(RuntimeError, match=r"base must be float32 \[24\]"):
+        ops.hc_pre(x, fn, scale, base[:3], w, ITERS, HC_EPS, NORM_EPS, OUT_EPS)
+    with pytest.raises(RuntimeError, match="iters must be"):
+        ops.hc_pre(x, fn, scale, base, w, 0, HC_EPS, NORM_EPS, OUT_EPS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    gen = torch.Generator().manual_seed(10)
+    for dtype, norm in ((torch.bfloat16, True), (torch.float32, False)):
+        x, fn, scale, base, w = case((3,), 4, 32, dtype, torch.float32, gen, norm)
+        args = [t.to(device) if t is not None else None for t in (x, fn, scale, base, w)]
+        torch.library.opcheck(ops.hc_pre.default, (*args, ITERS, HC_EPS, NORM_EPS, OUT_EPS))
+
+
+def test_compile_fullgraph():
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    gen = torch.Generator().manual_seed(11)
+    x, fn, scale, base, w = case((2,), 4, 32, torch.float32, torch.float32, gen)
+
+    @torch.compile(fullgraph=True, backend="inductor")
+    def f(x):
+        y, post, comb = ops.hc_pre(x * 2, fn, scale, base, w, ITERS, HC_EPS, NORM_EPS, OUT_EPS)
+        return y + 1, post, comb
+
+    got = f(x)
+    want = ops.hc_pre(x * 2, fn, scale, base, w, ITERS, HC_EPS, NORM_EPS, OUT_EPS)
+    for a, b in zip(got, (want[0] + 1, want[1], want[2])):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert dict(counters["graph_break"]) == {}
+
+
+@pytest.mark.cuda
+@pytest.mark.kernels
+def test_cuda_graph_replay_and_no_sync():
+    gen = torch.Generator().manual_seed(12)
+    x, fn, scale, base, w = (t.cuda() for t in case((2,), 4, 4096, torch.bfloat16, torch.float32, gen))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ops.hc_pre(x, fn, scale, base, w, ITERS, HC_EPS, NORM_EPS, OUT_EPS)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = ops.hc_pre(x, fn, scale, base, w, ITERS, HC_EPS, NORM_EPS, OUT_EPS)
+    x2 = case((2,), 4, 4096, torch.bfloat16, torch.float32, gen)[0]
+    x.copy_(x2.cuda())
+    g.replay()
+    torch.cuda.synchronize()
+    check(out, ref.hc_pre_ref(x2, fn.cpu(), scale.cpu(), base.cpu(), w.cpu(), ITERS, HC_EPS, NORM_EPS, OUT_EPS),
+          torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_decode_with_and_without_the_op(monkeypatch, dtype):
+    """The decode step through dsv4::hc_pre (DSV4_FUSED_HC=1) gives the logits of the unfused steps (=0); fp32:
+    to summation-order rounding; bf16: the same rounding points (y rounded, then normed), so within bf16 noise."""
+    from dsv4_model.checkpoint_writer import TINY_CONFIG
+    from dsv4_model.config import ModelConfig
+    from dsv4_model.model import Transformer
+
+    cfg = ModelConfig(**{**TINY_CONFIG, "n_layers": 2, "compress_ratios": [0, 4], "n_mtp_layers": 0}).validate()
+    ids = torch.randint(0, cfg.vocab_size, (2, 13), generator=torch.Generator().manual_seed(3))
+    logits, calls = {}, []
+    op = torch.ops.dsv4.hc_pre
+    monkeypatch.setattr(torch.ops.dsv4, "hc_pre", lambda *a: calls.append(1) or op(*a))
+    for mode in ("0", "1"):
+        monkeypatch.setenv("DSV4_FUSED_HC", mode)
+        m = Transformer(cfg, max_batch_size=2, max_seq_len=32, dtype=dtype).init_random_weights(5)
+        m.prefill(ids)
+        logits[mode] = torch.stack([m.decode_step(ids[:, t], torch.full((2,), 13 + t)) for t in range(6)])
+        assert len(calls) == (0 if mode == "0" else 2 * cfg.n_layers * 6)  # two per layer and decode step
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
+    torch.testing.assert_close(logits["1"], logits["0"], **tol)
+    assert float((logits["1"] - logits["0"]).abs().max()) < float(logits["0"].abs().max()) * 0.05
