@@ -63,6 +63,18 @@ inline HcPreShape check_hc_pre(const at::Tensor& x, const at::Tensor& fn, const 
   return sh;
 }
 
+// Outputs of hc_pre: y [..., d] (x's dtype), post fp32 [..., hc], comb fp32 [..., hc, hc].
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre_outputs(const at::Tensor& x, const HcPreShape& sh) {
+  std::vector<int64_t> lead(x.sizes().begin(), x.sizes().end() - 2);
+  auto shape = [&](std::initializer_list<int64_t> tail) {
+    std::vector<int64_t> v(lead);
+    v.insert(v.end(), tail);
+    return v;
+  };
+  return {at::empty(shape({sh.d}), x.options()), at::empty(shape({sh.hc}), x.options().dtype(at::kFloat)),
+          at::empty(shape({sh.hc, sh.hc}), x.options().dtype(at::kFloat))};
+}
+
 // The op as ATen ops, every step in fp32 (the CUDA registration's form outside its kernels' shapes).
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre_aten(
     const at::Tensor& x, const at::Tensor& fn, const at::Tensor& scale, const at::Tensor& base,

@@ -115,15 +115,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre_cpu(const at::Tensor& x, c
                                                          out_eps);
   const at::Tensor xc = x.contiguous(), fc = fn.contiguous(), sc = scale.contiguous(), bc = base.contiguous();
   const at::Tensor wc = norm_weight ? norm_weight->contiguous() : at::Tensor();
-  std::vector<int64_t> lead(x.sizes().begin(), x.sizes().end() - 2);
-  auto shape = [&](std::initializer_list<int64_t> tail) {
-    std::vector<int64_t> v(lead);
-    v.insert(v.end(), tail);
-    return v;
-  };
-  at::Tensor y = at::empty(shape({sh.d}), x.options());
-  at::Tensor post = at::empty(shape({sh.hc}), x.options().dtype(at::kFloat));
-  at::Tensor comb = at::empty(shape({sh.hc, sh.hc}), x.options().dtype(at::kFloat));
+  at::Tensor y, post, comb;
+  std::tie(y, post, comb) = dsv4_mhc::hc_pre_outputs(x, sh);
   const float* fp = fc.scalar_type() == at::kFloat ? fc.data_ptr<float>() : nullptr;
   const c10::BFloat16* fp16 = fp ? nullptr : fc.data_ptr<c10::BFloat16>();
   const float* wp = wc.defined() ? wc.data_ptr<float>() : nullptr;

@@ -57,15 +57,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre_cuda(const at::Tensor& x, 
   }
   const at::Tensor xc = x.contiguous(), sc = scale.contiguous(), bc = base.contiguous();
   const at::Tensor wc = norm_weight ? norm_weight->contiguous() : at::Tensor();
-  std::vector<int64_t> lead(x.sizes().begin(), x.sizes().end() - 2);
-  auto shape = [&](std::initializer_list<int64_t> tail) {
-    std::vector<int64_t> v(lead);
-    v.insert(v.end(), tail);
-    return v;
-  };
-  at::Tensor y = at::empty(shape({sh.d}), x.options());
-  at::Tensor post = at::empty(shape({sh.hc}), x.options().dtype(at::kFloat));
-  at::Tensor comb = at::empty(shape({sh.hc, sh.hc}), x.options().dtype(at::kFloat));
+  at::Tensor y, post, comb;
+  std::tie(y, post, comb) = dsv4_mhc::hc_pre_outputs(x, sh);
   const int nsplit = dsv4_hc_pre_splits(int(sh.hc), int(sh.d));
   at::Tensor ws = at::empty({nsplit, std::max<int64_t>(sh.tokens, 1), sh.mix + 1}, x.options().dtype(at::kFloat));
   const int x_kind = x.scalar_type() == at::kBFloat16 ? 0 : x.scalar_type() == at::kHalf ? 1 : 2;
