@@ -17,21 +17,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dsv4_ops  # noqa: E402,F401
 from dsv4_ops.reference import sparse_attn_decode_ref  # noqa: E402
-from timing import graph_us  # noqa: E402
+from timing import cuda_generator, graph_us, vs_peer  # noqa: E402
 
-HBM = 4.26e12
 H, D, W = 64, 512, 128
 CASES = [("CSA top-512", 1024, 512), ("HCA 64K ctx", 512, 512), ("SWA", 0, 0)]
 
 
 def main() -> int:
-    if not torch.cuda.is_available():
-        print("bench_attn_decode: needs a CUDA GPU (skipped)")
+    gen = cuda_generator("bench_attn_decode")
+    if gen is None:
         return 0
-    gen = torch.Generator(device="cuda").manual_seed(0)
     torch_form = torch.compile(sparse_attn_decode_ref, dynamic=False)
-    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
-    print(f"{'case':12} {'B':>2} {'J':>5} | {'op us':>7} {'tensor ops us':>13} {'speedup':>8} | {'GB/s':>6} {'HBM':>5}")
+    print(f"{'case':12} {'B':>2} {'J':>5} | {'op us':>7} {'peer us':>10} {'speedup':>8} | {'GB/s':>6} {'HBM':>5}")
     for name, n_entries, listed in CASES:
         for B in (1, 2, 4, 8):
             N = W + n_entries
@@ -46,10 +43,8 @@ def main() -> int:
             peer = graph_us(lambda: torch_form(q, kv, idx, sink, scale), 64)
             err = float((torch.ops.dsv4.sparse_attn_decode(q, kv, idx, sink, scale).float()
                          - sparse_attn_decode_ref(q, kv, idx, sink, scale).float()).abs().max())
-            nbytes = B * idx.shape[1] * D * 2
-            gbs = nbytes / ours / 1e3
-            print(f"{name:12} {B:2d} {idx.shape[1]:5d} | {ours:7.2f} {peer:13.2f} {peer / ours:7.2f}x | {gbs:6.0f} "
-                  f"{gbs * 1e9 / HBM:5.1%}   (max |diff| {err:.1e})")
+            print(f"{name:12} {B:2d} {idx.shape[1]:5d} | {vs_peer(ours, peer, B * idx.shape[1] * D * 2)}   "
+                  f"(max |diff| {err:.1e})")
     return 0
 
 

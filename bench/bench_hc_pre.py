@@ -14,9 +14,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dsv4_ops  # noqa: E402,F401
 from dsv4_model.layers import hc_pre  # noqa: E402
-from timing import graph_us  # noqa: E402
+from timing import cuda_generator, graph_us, vs_peer  # noqa: E402
 
-HBM = 4.26e12
 HC, ITERS, EPS = 4, 20, 1e-6
 
 
@@ -27,12 +26,10 @@ def unfused(x, fn, scale, base, w):
 
 
 def main() -> int:
-    if not torch.cuda.is_available():
-        print("bench_hc_pre: needs a CUDA GPU (skipped)")
+    gen = cuda_generator("bench_hc_pre")
+    if gen is None:
         return 0
-    gen = torch.Generator(device="cuda").manual_seed(0)
     peer_fn = torch.compile(unfused, dynamic=False)
-    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     print(f"{'d':>5} {'B':>2} | {'op us':>7} {'unfused us':>10} {'speedup':>8} | {'GB/s':>6} {'HBM':>5} | max |diff| y")
     for d in (4096, 7168):
         mix = (2 + HC) * HC
@@ -47,10 +44,7 @@ def main() -> int:
                 peer = graph_us(lambda: peer_fn(x, fn, scale, base, w), 64)
                 err = float((torch.ops.dsv4.hc_pre(x, fn, scale, base, w, ITERS, EPS, EPS, EPS)[0].float()
                              - unfused(x, fn, scale, base, w)[0].float()).abs().max())
-            nbytes = fn.numel() * 4 + x.numel() * 2
-            gbs = nbytes / ours / 1e3
-            print(f"{d:5d} {B:2d} | {ours:7.2f} {peer:10.2f} {peer / ours:7.2f}x | {gbs:6.0f} {gbs * 1e9 / HBM:5.1%} | "
-                  f"{err:.1e}")
+            print(f"{d:5d} {B:2d} | {vs_peer(ours, peer, fn.numel() * 4 + x.numel() * 2)} | {err:.1e}")
     return 0
 
 

@@ -35,3 +35,18 @@ def graph_us(fn, reps, tries=3, indexed=False):
     del graph
     torch.cuda.empty_cache()
     return best
+
+
+def cuda_generator(bench: str):
+    """A seeded CUDA generator after printing the device line, or None (with a skip line) without a GPU."""
+    if not torch.cuda.is_available():
+        print(f"{bench}: needs a CUDA GPU (skipped)")
+        return None
+    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    return torch.Generator(device="cuda").manual_seed(0)
+
+
+def vs_peer(ours_us: float, peer_us: float, nbytes: int, hbm: float = 4.26e12) -> str:
+    """'ours peer speedup | GB/s %HBM' columns of a kernel-vs-peer row (bytes moved once by the kernel)."""
+    gbs = nbytes / ours_us / 1e3
+    return f"{ours_us:7.2f} {peer_us:10.2f} {peer_us / ours_us:7.2f}x | {gbs:6.0f} {gbs * 1e9 / hbm:5.1%}"
