@@ -1,9 +1,10 @@
 """dsv4::sparse_attn_decode vs the tensor-op form it replaces (the model's Attention._attend: gather, fp32
-einsums, masks, softmax with the sink), same run, batch 1 and 8, V4-Flash decode shapes:
+einsums, masks, softmax with the sink), same run, batch 1, 2, 4 and 8, V4-Flash decode shapes:
   CSA: window 128 + top-512 of the compressed entries; HCA at 64K context: window 128 + 512 entries; SWA: the
   window only. H = 64 heads x D = 512, bf16 cache.
 µs per call by CUDA-graph replay (both sides compiled with torch.compile for the tensor-op form, as in the decode
-step), bytes = the cache rows read once, fraction of 4.26 TB/s.
+step), bytes = the cache rows read once, fraction of 4.26 TB/s; 'mma' = the tensor-core partial kernel
+(DSV4_ATTN_KERNEL=mma) on the same inputs.
 
 Run: python bench/bench_attn_decode.py
 """
@@ -43,8 +44,13 @@ def main() -> int:
             peer = graph_us(lambda: torch_form(q, kv, idx, sink, scale), 64)
             err = float((torch.ops.dsv4.sparse_attn_decode(q, kv, idx, sink, scale).float()
                          - sparse_attn_decode_ref(q, kv, idx, sink, scale).float()).abs().max())
-            print(f"{name:12} {B:2d} {idx.shape[1]:5d} | {vs_peer(ours, peer, B * idx.shape[1] * D * 2)}   "
-                  f"(max |diff| {err:.1e})")
+            os.environ["DSV4_ATTN_KERNEL"] = "mma"  # the tensor-core partial kernel (opt-in), same inputs
+            mma = graph_us(lambda: torch.ops.dsv4.sparse_attn_decode(q, kv, idx, sink, scale), 64)
+            err_mma = float((torch.ops.dsv4.sparse_attn_decode(q, kv, idx, sink, scale).float()
+                             - sparse_attn_decode_ref(q, kv, idx, sink, scale).float()).abs().max())
+            del os.environ["DSV4_ATTN_KERNEL"]
+            print(f"{name:12} {B:2d} {idx.shape[1]:5d} | {vs_peer(ours, peer, B * idx.shape[1] * D * 2)} | "
+                  f"mma {mma:7.2f} us ({peer / mma:5.2f}x)   (max |diff| {err:.1e}, mma {err_mma:.1e})")
     return 0
 
 

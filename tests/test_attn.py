@@ -53,6 +53,24 @@ def test_matches_reference(device, B, H, D, N, J, dtype):
     check(got, q, kv, idx, sink, scale)
 
 
+@pytest.mark.cuda
+@pytest.mark.kernels
+@pytest.mark.parametrize("B,H,D,N,J", [s for s in SHAPES if s[2] % 64 == 0])
+def test_mma_kernel_matches_reference(monkeypatch, B, H, D, N, J):
+    """The tensor-core partial kernel (DSV4_ATTN_KERNEL=mma; bf16, D % 64 == 0): P is applied as bf16 hi + lo
+    parts, so it holds the same tolerance as the CUDA-core kernel; H = 12 leaves heads of a 16-head CTA empty."""
+    monkeypatch.setenv("DSV4_ATTN_KERNEL", "mma")
+    gen = torch.Generator().manual_seed(B * 1000 + H + D + J + 7)
+    q, kv, idx, sink = case(B, H, D, N, J, torch.bfloat16, gen, kv_rows=B + 1)
+    idx[0, :5] = -1  # a chunk that starts with skipped rows
+    scale = D ** -0.5
+    got = ops.sparse_attn_decode(q.cuda(), kv.cuda(), idx.cuda().int(), sink.cuda(), scale)
+    check(got, q, kv, idx, sink, scale)
+    monkeypatch.delenv("DSV4_ATTN_KERNEL")
+    torch.testing.assert_close(got.float(), ops.sparse_attn_decode(q.cuda(), kv.cuda(), idx.cuda().int(), sink.cuda(),
+                                                                   scale).float(), rtol=2 ** -7, atol=1e-5)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_skipped_rows_int64_ids_and_empty(device):
     gen = torch.Generator().manual_seed(1)

@@ -55,6 +55,25 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+// Stage the rows of the chunk at c0 (ids idxb[c0 ..], those at j >= j_end skipped) into ks with cp.async (all
+// copies in flight at once; skipped rows zero-filled and their id -1), one commit group.
+template <typename T>
+__device__ __forceinline__ void stage_chunk(unsigned char* ks, int rb, const T* kvb, const int32_t* idxb, int N, int D,
+                                            int c0, int j_end) {
+  constexpr int E = epp<T>();
+  const int pieces = D / E;
+  int* rows = reinterpret_cast<int*>(ks + size_t(kChunk) * rb);
+  for (int e = threadIdx.x; e < kChunk * pieces; e += blockDim.x) {
+    const int jj = e / pieces, pc = e - jj * pieces, j = c0 + jj;
+    int r = j < j_end ? __ldg(idxb + j) : -1;
+    r = (r >= 0 && r < N) ? r : -1;
+    if (pc == 0) rows[jj] = r;
+    const T* src = r >= 0 ? kvb + int64_t(r) * D + pc * E : kvb;
+    cp_async16(ks + jj * rb + pc * 16, src, r >= 0 ? 16 : 0);
+  }
+  cp_async_commit();
+}
+
 // Shared memory of the partial kernel: q of the CTA's heads (fp32), then two chunk buffers (rows + row ids).
 __host__ __device__ constexpr size_t partial_smem(int D, int elem) {
   return size_t(kHeads) * D * 4 + 2 * (size_t(kChunk) * row_bytes(D, elem) + kChunk * 4);
@@ -79,17 +98,7 @@ __global__ void __launch_bounds__(kHeads * 32) attn_partial_kernel(
   // Stage the rows of the chunk at c0 into buffer `buf` with cp.async (all copies in flight at once; skipped rows
   // zero-filled), one commit group per chunk.
   auto stage = [&](int c0, int buf) {
-    unsigned char* ks = bufs + buf * buf_bytes;
-    int* rows = reinterpret_cast<int*>(ks + size_t(kChunk) * rb);
-    for (int e = threadIdx.x; e < kChunk * pieces; e += blockDim.x) {
-      const int jj = e / pieces, pc = e - jj * pieces, j = c0 + jj;
-      int r = j < j_end ? __ldg(idxb + j) : -1;
-      r = (r >= 0 && r < N) ? r : -1;
-      if (pc == 0) rows[jj] = r;
-      const T* src = r >= 0 ? kvb + int64_t(r) * D + pc * E : kvb;
-      cp_async16(ks + jj * rb + pc * 16, src, r >= 0 ? 16 : 0);
-    }
-    cp_async_commit();
+    stage_chunk(bufs + buf * buf_bytes, rb, kvb, idxb, N, D, c0, j_end);
   };
   if (j_begin < j_end) stage(j_begin, 0);
 
@@ -196,6 +205,201 @@ __global__ void __launch_bounds__(kHeads * 32) attn_partial_kernel(
   }
 }
 
+// ------------------------------------------------------------------------------------------ mma partial kernel
+// bf16, D % 64 == 0, D <= 512: the same split / chunk / online-softmax scheme on tensor cores (mma.sync m16n8k16,
+// fp32 accumulation). A CTA = (split, 16 heads, batch row), 4 warps; warp w owns dims [w * D/4, (w + 1) * D/4).
+// Scores: each warp multiplies its dims of q (A fragments, registers) by its dims of the chunk's 32 rows (B
+// fragments straight from the staged rows), the 4 partial 16 x 32 score tiles are summed through shared memory
+// in warp order, so every warp holds the same scores. P . V: P (fp32) is split into bf16 hi + lo parts (two mmas,
+// ~16 significant bits, so the result keeps fp32-level accuracy instead of bf16-rounded probabilities) against the
+// warp's dims of V (ldmatrix.trans). Same workspace as the CUDA-core kernel; the combine kernel is shared.
+constexpr int kMmaHeads = 16, kMmaWarps = 4, kMmaMaxKs = 512 / kMmaWarps / 16, kMmaMaxNt = 512 / kMmaWarps / 8;
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ uint32_t ld_u32(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+__host__ __device__ constexpr size_t partial_mma_smem(int D) {
+  return size_t(kMmaWarps) * kMmaHeads * kChunk * 4 + 2 * (size_t(kChunk) * row_bytes(D, 2) + kChunk * 4);
+}
+
+__global__ void __launch_bounds__(kMmaWarps * 32) attn_partial_mma_kernel(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv, const int32_t* __restrict__ idx,
+    int H, int N, int D, int J, int64_t kv_batch_stride, int rows_per_split, float scale, float* __restrict__ ws_o,
+    float* __restrict__ ws_ml) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int split = blockIdx.x, h0 = blockIdx.y * kMmaHeads, b = blockIdx.z, nsplit = gridDim.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int rb = row_bytes(D, 2), dq = D / kMmaWarps, d_w = warp * dq, nks = dq / 16, nnt = dq / 8;
+  float* red = reinterpret_cast<float*>(smem);  // [warp][16 heads][32 rows]: partial scores
+  unsigned char* bufs = smem + size_t(kMmaWarps) * kMmaHeads * kChunk * 4;
+  const size_t buf_bytes = size_t(kChunk) * rb + kChunk * 4;
+  const __nv_bfloat16* kvb = kv + int64_t(b) * kv_batch_stride;
+  const int32_t* idxb = idx + int64_t(b) * J;
+  const int j_begin = split * rows_per_split, j_end = min(J, j_begin + rows_per_split);
+  if (j_begin < j_end) stage_chunk(bufs, rb, kvb, idxb, N, D, j_begin, j_end);
+
+  // A fragments of q for this warp's dims: heads g / g + 8, dims 16 ks + 2t (+ 8)
+  const int ha = h0 + g, hb = h0 + g + 8;
+  const __nv_bfloat16* qa_row = q + (int64_t(b) * H + min(ha, H - 1)) * D + d_w + 2 * t;
+  const __nv_bfloat16* qb_row = q + (int64_t(b) * H + min(hb, H - 1)) * D + d_w + 2 * t;
+  uint32_t qf[kMmaMaxKs][4];
+#pragma unroll
+  for (int ks = 0; ks < kMmaMaxKs; ++ks) {
+    const bool ok = ks < nks;
+    qf[ks][0] = ok && ha < H ? ld_u32(qa_row + 16 * ks) : 0u;
+    qf[ks][1] = ok && hb < H ? ld_u32(qb_row + 16 * ks) : 0u;
+    qf[ks][2] = ok && ha < H ? ld_u32(qa_row + 16 * ks + 8) : 0u;
+    qf[ks][3] = ok && hb < H ? ld_u32(qb_row + 16 * ks + 8) : 0u;
+  }
+
+  float o[kMmaMaxNt][4];  // heads g (0, 1) / g + 8 (2, 3) x dims d_w + 8 nt + 2t (+ 1)
+#pragma unroll
+  for (int i = 0; i < kMmaMaxNt; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+
+  int buf = 0;
+  for (int c0 = j_begin; c0 < j_end; c0 += kChunk, buf ^= 1) {
+    __syncthreads();  // every warp is done with the buffer the next chunk goes to, and with `red`
+    if (c0 + kChunk < j_end) {
+      stage_chunk(bufs + (buf ^ 1) * buf_bytes, rb, kvb, idxb, N, D, c0 + kChunk, j_end);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const unsigned char* ks_base = bufs + buf * buf_bytes;
+    const int* rows = reinterpret_cast<const int*>(ks_base + size_t(kChunk) * rb);
+
+    // partial scores over this warp's dims: B fragment of rows 8 nt + g, dims 16 ks + 2t (+ 8)
+    float sc[4][4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+      const unsigned char* kr = ks_base + (8 * nt + g) * rb + (d_w + 2 * t) * 2;
+#pragma unroll
+      for (int ks = 0; ks < kMmaMaxKs; ++ks) {
+        if (ks < nks) {
+          const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr + 32 * ks);
+          const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + 32 * ks + 16);
+          mma_bf16(sc[nt], qf[ks], b0, b1);
+        }
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) red[(warp * kMmaHeads + g + 8 * (c >> 1)) * kChunk + 8 * nt + 2 * t + (c & 1)] = sc[nt][c];
+    __syncthreads();
+    float rmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int hr = g + 8 * (c >> 1), col = 8 * nt + 2 * t + (c & 1);
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kMmaWarps; ++w) v += red[(w * kMmaHeads + hr) * kChunk + col];
+        v = rows[col] >= 0 ? v * scale : -INFINITY;
+        sc[nt][c] = v;
+        rmax[c >> 1] = fmaxf(rmax[c >> 1], v);
+      }
+    }
+    float alpha[2], psum[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      rmax[r] = fmaxf(rmax[r], __shfl_xor_sync(0xffffffffu, rmax[r], 1));
+      rmax[r] = fmaxf(rmax[r], __shfl_xor_sync(0xffffffffu, rmax[r], 2));
+    }
+    // every listed row scores finite for every head, so either both maxima are finite or the chunk lists nothing
+    // and this is true in every lane (no barrier follows in this iteration)
+    if (fmaxf(m_run[0], rmax[0]) == -INFINITY) continue;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float m_new = fmaxf(m_run[r], rmax[r]);
+      alpha[r] = m_run[r] == -INFINITY ? 0.0f : expf(m_run[r] - m_new);
+      m_run[r] = m_new;
+      psum[r] = 0.0f;
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float v = sc[nt][c];
+        const float pv = v == -INFINITY ? 0.0f : expf(v - m_run[c >> 1]);
+        sc[nt][c] = pv;
+        psum[c >> 1] += pv;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      psum[r] += __shfl_xor_sync(0xffffffffu, psum[r], 1);
+      psum[r] += __shfl_xor_sync(0xffffffffu, psum[r], 2);
+      l_run[r] = l_run[r] * alpha[r] + psum[r];
+    }
+#pragma unroll
+    for (int i = 0; i < kMmaMaxNt; ++i) {
+      o[i][0] *= alpha[0], o[i][1] *= alpha[0], o[i][2] *= alpha[1], o[i][3] *= alpha[1];
+    }
+    // P . V over the chunk's two 16-row k-steps; P as bf16 hi + lo
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      uint32_t ph[4], pl[4];
+      const float* p0 = sc[2 * kk];
+      const float* p1 = sc[2 * kk + 1];
+      const float pf[4][2] = {{p0[0], p0[1]}, {p0[2], p0[3]}, {p1[0], p1[1]}, {p1[2], p1[3]}};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        ph[i] = pack_bf16(pf[i][0], pf[i][1]);
+        const __nv_bfloat162 hv = *reinterpret_cast<const __nv_bfloat162*>(&ph[i]);
+        pl[i] = pack_bf16(pf[i][0] - __low2float(hv), pf[i][1] - __high2float(hv));
+      }
+      // matrix m = lane >> 3 of the x4 load: rows 16 kk + 8 (m & 1) + (lane & 7), dims d_w + 8 (nt + (m >> 1))
+      const unsigned char* vrow = ks_base + (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * rb + (d_w + 8 * (lane >> 4)) * 2;
+#pragma unroll
+      for (int nt = 0; nt < kMmaMaxNt; nt += 2) {
+        if (nt < nnt) {
+          uint32_t vb[4];
+          ldsm_x4_trans(vb, vrow + nt * 16);
+          mma_bf16(o[nt], ph, vb[0], vb[1]);
+          mma_bf16(o[nt], pl, vb[0], vb[1]);
+          mma_bf16(o[nt + 1], ph, vb[2], vb[3]);
+          mma_bf16(o[nt + 1], pl, vb[2], vb[3]);
+        }
+      }
+    }
+  }
+  const int64_t base = (int64_t(b) * nsplit + split) * H;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int h = h0 + g + 8 * r;
+    if (h >= H) continue;
+    float* wo = ws_o + (base + h) * D + d_w + 2 * t;
+#pragma unroll
+    for (int nt = 0; nt < kMmaMaxNt; ++nt)
+      if (nt < nnt) *reinterpret_cast<float2*>(wo + 8 * nt) = make_float2(o[nt][2 * r], o[nt][2 * r + 1]);
+    if (warp == 0 && t == 0) {
+      ws_ml[(base + h) * 2] = m_run[r];
+      ws_ml[(base + h) * 2 + 1] = l_run[r];
+    }
+  }
+}
+
 // A CTA per (head, batch row): the splits' weights exp(m_s - M) once (nsplit <= 64), then 4 dims per thread.
 template <typename T>
 __global__ void __launch_bounds__(128) attn_combine_kernel(const float* __restrict__ ws_o,
@@ -248,32 +452,47 @@ __global__ void __launch_bounds__(128) attn_combine_kernel(const float* __restri
 template <typename T>
 cudaError_t launch(const void* q, const void* kv, const int32_t* idx, const float* sink, int B, int H, int N,
                    int D, int J, int64_t kv_batch_stride, float scale, float* ws_o, float* ws_ml, int nsplit,
-                   int rows_per_split, void* out, cudaStream_t stream) {
+                   int rows_per_split, int use_mma, void* out, cudaStream_t stream) {
   // > 48 KB of dynamic shared memory needs an opt-in, per device (a host-side call, not a stream operation)
   static bool opted_in[64] = {};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) dev = 0;
   if (!opted_in[dev]) {
-    const cudaError_t e = cudaFuncSetAttribute(attn_partial_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               int(partial_smem(512, sizeof(T))));
+    cudaError_t e = cudaFuncSetAttribute(attn_partial_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         int(partial_smem(512, sizeof(T))));
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(attn_partial_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               int(partial_mma_smem(512)));
     if (e != cudaSuccess) return e;
     opted_in[dev] = true;
   }
-  const dim3 grid(nsplit, (H + kHeads - 1) / kHeads, B);
-  attn_partial_kernel<T><<<grid, kHeads * 32, partial_smem(D, sizeof(T)), stream>>>(
-      static_cast<const T*>(q), static_cast<const T*>(kv), idx, H, N, D, J, kv_batch_stride, rows_per_split, scale,
-      ws_o, ws_ml);
+  if (use_mma) {
+    const dim3 grid(nsplit, (H + kMmaHeads - 1) / kMmaHeads, B);
+    attn_partial_mma_kernel<<<grid, kMmaWarps * 32, partial_mma_smem(D), stream>>>(
+        static_cast<const __nv_bfloat16*>(q), static_cast<const __nv_bfloat16*>(kv), idx, H, N, D, J,
+        kv_batch_stride, rows_per_split, scale, ws_o, ws_ml);
+  } else {
+    const dim3 grid(nsplit, (H + kHeads - 1) / kHeads, B);
+    attn_partial_kernel<T><<<grid, kHeads * 32, partial_smem(D, sizeof(T)), stream>>>(
+        static_cast<const T*>(q), static_cast<const T*>(kv), idx, H, N, D, J, kv_batch_stride, rows_per_split,
+        scale, ws_o, ws_ml);
+  }
   attn_combine_kernel<T><<<dim3(H, B), 128, 0, stream>>>(ws_o, ws_ml, sink, H, D, nsplit, static_cast<T*>(out));
   return cudaGetLastError();
 }
 
 }  // namespace
 
-// Splits of the listed rows: enough CTAs to cover the GPU at batch 1, at most 64 per (row, head group).
-extern "C" int dsv4_attn_decode_splits(int B, int H, int J, int num_sms, int* rows_per_split) {
-  const int groups = B * ((H + kHeads - 1) / kHeads);
+// Whether the mma kernel takes this call (bf16 only: the caller passes is_fp32 = 0).
+extern "C" int dsv4_attn_decode_mma_ok(int D) { return D % 64 == 0 && D <= 512; }
+
+// Splits of the listed rows: enough CTAs to cover the GPU at batch 1 (~2 CTAs of 8 heads or ~3 of 16 heads per
+// SM), at most 64 per (row, head group).
+extern "C" int dsv4_attn_decode_splits(int B, int H, int J, int num_sms, int use_mma, int* rows_per_split) {
+  const int heads = use_mma ? kMmaHeads : kHeads, per_sm = use_mma ? 3 : 2;
+  const int groups = B * ((H + heads - 1) / heads);
   int n = (J + kChunk - 1) / kChunk;
-  const int want = (2 * num_sms + groups - 1) / groups;  // ~2 CTAs per SM
+  const int want = (per_sm * num_sms + groups - 1) / groups;
   if (n > want) n = want;
   if (n > 64) n = 64;
   if (n < 1) n = 1;
@@ -285,16 +504,18 @@ extern "C" int dsv4_attn_decode_splits(int B, int H, int J, int num_sms, int* ro
 }
 
 // q [B, H, D], kv rows of D elements with kv_batch_stride elements between batch rows, idx int32 [B, J], sink fp32
-// [H], out [B, H, D]; is_fp32: q / kv / out fp32 (else bf16). D <= 512, D % 8 == 0. Workspace: ws_o fp32
-// [B, nsplit, H, D], ws_ml fp32 [B, nsplit, H, 2].
+// [H], out [B, H, D]; is_fp32: q / kv / out fp32 (else bf16); use_mma: the tensor-core partial kernel (bf16,
+// dsv4_attn_decode_mma_ok). D <= 512, D % 8 == 0. Workspace: ws_o fp32 [B, nsplit, H, D], ws_ml fp32
+// [B, nsplit, H, 2].
 extern "C" cudaError_t dsv4_attn_decode_launch(const void* q, const void* kv, const int32_t* idx, const float* sink,
                                                int is_fp32, int B, int H, int N, int D, int J,
                                                int64_t kv_batch_stride, float scale, float* ws_o, float* ws_ml,
-                                               int nsplit, int rows_per_split, void* out, cudaStream_t stream) {
+                                               int nsplit, int rows_per_split, int use_mma, void* out,
+                                               cudaStream_t stream) {
   if (B == 0 || H == 0) return cudaSuccess;
-  if (D > 512 || D % 8 != 0) return cudaErrorInvalidValue;
+  if (D > 512 || D % 8 != 0 || (use_mma && (is_fp32 || !dsv4_attn_decode_mma_ok(D)))) return cudaErrorInvalidValue;
   return is_fp32 ? launch<float>(q, kv, idx, sink, B, H, N, D, J, kv_batch_stride, scale, ws_o, ws_ml, nsplit,
-                                 rows_per_split, out, stream)
+                                 rows_per_split, 0, out, stream)
                  : launch<__nv_bfloat16>(q, kv, idx, sink, B, H, N, D, J, kv_batch_stride, scale, ws_o, ws_ml,
-                                         nsplit, rows_per_split, out, stream);
+                                         nsplit, rows_per_split, use_mma, out, stream);
 }

@@ -6,15 +6,20 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
+#include <cstdlib>
+#include <cstring>
+
 #include "cuda/device_info.h"
 
 #include "attn_checks.h"
 
-extern "C" int dsv4_attn_decode_splits(int B, int H, int J, int num_sms, int* rows_per_split);
+extern "C" int dsv4_attn_decode_mma_ok(int D);
+extern "C" int dsv4_attn_decode_splits(int B, int H, int J, int num_sms, int use_mma, int* rows_per_split);
 extern "C" cudaError_t dsv4_attn_decode_launch(const void* q, const void* kv, const int32_t* idx, const float* sink,
                                                int is_fp32, int B, int H, int N, int D, int J,
                                                int64_t kv_batch_stride, float scale, float* ws_o, float* ws_ml,
-                                               int nsplit, int rows_per_split, void* out, cudaStream_t stream);
+                                               int nsplit, int rows_per_split, int use_mma, void* out,
+                                               cudaStream_t stream);
 
 namespace {
 
@@ -39,8 +44,13 @@ at::Tensor sparse_attn_decode_cuda(const at::Tensor& q, const at::Tensor& kv, co
   // int32 rows for the kernel; int64 values outside [0, N) stay outside after the narrowing
   const at::Tensor ic = idx.scalar_type() == at::kInt ? idx.contiguous()
                                                        : idx.clamp(-1, N).to(at::kInt).contiguous();
+  // The tensor-core partial kernel (bf16, D % 64 == 0) only with DSV4_ATTN_KERNEL=mma until it has run on the
+  // H200 (written after session 6's last GPU call).
+  const char* kind = std::getenv("DSV4_ATTN_KERNEL");
+  const int use_mma = kind != nullptr && std::strcmp(kind, "mma") == 0 && q.scalar_type() == at::kBFloat16 &&
+                      dsv4_attn_decode_mma_ok(int(D));
   int rows_per_split = 0;
-  const int nsplit = dsv4_attn_decode_splits(int(B), int(H), int(J), sm_count(), &rows_per_split);
+  const int nsplit = dsv4_attn_decode_splits(int(B), int(H), int(J), sm_count(), use_mma, &rows_per_split);
   const at::TensorOptions f32 = q.options().dtype(at::kFloat);
   at::Tensor ws_o = at::empty({B, nsplit, H, D}, f32);
   at::Tensor ws_ml = at::empty({B, nsplit, H, 2}, f32);
@@ -48,7 +58,8 @@ at::Tensor sparse_attn_decode_cuda(const at::Tensor& q, const at::Tensor& kv, co
   const cudaError_t err = dsv4_attn_decode_launch(
       qc.data_ptr(), kv.data_ptr(), ic.data_ptr<int32_t>(), sc.data_ptr<float>(), q.scalar_type() == at::kFloat,
       int(B), int(H), int(N), int(D), int(J), kv.stride(0), float(scale), ws_o.data_ptr<float>(),
-      ws_ml.data_ptr<float>(), nsplit, rows_per_split, out.data_ptr(), c10::cuda::getCurrentCUDAStream().stream());
+      ws_ml.data_ptr<float>(), nsplit, rows_per_split, use_mma, out.data_ptr(),
+      c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
   return out;
 }
