@@ -38,8 +38,8 @@ inline HcPreShape check_hc_pre(const at::Tensor& x, const at::Tensor& fn, const 
               op, ": x must be bfloat16, float16 or float32, got ", x.scalar_type());
   TORCH_CHECK(x.dim() >= 2, op, ": x must be [..., hc, d], got ", x.sizes());
   HcPreShape sh;
-  sh.hc = x.size(-2), sh.d = x.size(-1), sh.mix = (2 + sh.hc) * sh.hc, sh.tokens = x.numel() / std::max<int64_t>(1, sh.hc * sh.d);
-  if (x.numel() == 0) sh.tokens = 0;
+  sh.hc = x.size(-2), sh.d = x.size(-1), sh.mix = (2 + sh.hc) * sh.hc;
+  sh.tokens = x.numel() == 0 ? 0 : x.numel() / (sh.hc * sh.d);
   TORCH_CHECK(sh.hc >= 1 && sh.hc <= kMaxHc, op, ": hc (x.size(-2)) must be in [1, ", kMaxHc, "], got ", sh.hc);
   TORCH_CHECK(sh.d >= 1, op, ": d must be >= 1");
   TORCH_CHECK(fn.scalar_type() == at::kFloat || fn.scalar_type() == at::kBFloat16, op,

@@ -29,8 +29,10 @@ def _hc_pre_fake(x, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, out_e
     torch._check(fn.dtype in (torch.float32, torch.bfloat16), lambda: f"{op}: fn must be float32 or bfloat16")
     torch._check(fn.dim() == 2 and fn.shape[0] == mix and fn.shape[1] == hc * d,
                  lambda: f"{op}: fn must be [{mix}, {hc * d}], got {tuple(fn.shape)}")
-    torch._check(scale.dtype == torch.float32 and tuple(scale.shape) == (3,), lambda: f"{op}: scale must be float32 [3]")
-    torch._check(base.dtype == torch.float32 and tuple(base.shape) == (mix,), lambda: f"{op}: base must be float32 [{mix}]")
+    torch._check(scale.dtype == torch.float32 and tuple(scale.shape) == (3,),
+                 lambda: f"{op}: scale must be float32 [3]")
+    torch._check(base.dtype == torch.float32 and tuple(base.shape) == (mix,),
+                 lambda: f"{op}: base must be float32 [{mix}]")
     if norm_weight is not None:
         torch._check(norm_weight.dtype == torch.float32 and tuple(norm_weight.shape) == (d,),
                      lambda: f"{op}: norm_weight must be float32 [{d}]")

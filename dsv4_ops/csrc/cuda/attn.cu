@@ -37,7 +37,10 @@ __device__ __forceinline__ void widen(uint4 u, float (&f)[4]) {
 __device__ __forceinline__ void widen(uint4 u, float (&f)[8]) {
   const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
-  for (int i = 0; i < 4; ++i) f[2 * i] = __uint_as_float(w[i] << 16), f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+  }
 }
 
 // A staged row is padded by 16 bytes: 16-byte aligned for cp.async, and where a row is a multiple of 128 bytes
@@ -304,7 +307,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_partial_mma_kernel(
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) red[(warp * kMmaHeads + g + 8 * (c >> 1)) * kChunk + 8 * nt + 2 * t + (c & 1)] = sc[nt][c];
+      for (int c = 0; c < 4; ++c)
+        red[(warp * kMmaHeads + g + 8 * (c >> 1)) * kChunk + 8 * nt + 2 * t + (c & 1)] = sc[nt][c];
     __syncthreads();
     float rmax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -370,7 +374,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_partial_mma_kernel(
         pl[i] = pack_bf16(pf[i][0] - __low2float(hv), pf[i][1] - __high2float(hv));
       }
       // matrix m = lane >> 3 of the x4 load: rows 16 kk + 8 (m & 1) + (lane & 7), dims d_w + 8 (nt + (m >> 1))
-      const unsigned char* vrow = ks_base + (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * rb + (d_w + 8 * (lane >> 4)) * 2;
+      const unsigned char* vrow =
+          ks_base + (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * rb + (d_w + 8 * (lane >> 4)) * 2;
 #pragma unroll
       for (int nt = 0; nt < kMmaMaxNt; nt += 2) {
         if (nt < nnt) {
