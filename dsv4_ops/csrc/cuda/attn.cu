@@ -16,7 +16,11 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "mma.h"
+
 namespace {
+
+using dsv4_cuda::mma_bf16;
 
 constexpr int kHeads = 8;    // heads per CTA = warps
 constexpr int kChunk = 32;   // rows per chunk = lanes
@@ -218,13 +222,6 @@ __global__ void __launch_bounds__(kHeads * 32) attn_partial_kernel(
 // warp's dims of V (ldmatrix.trans). Same workspace as the CUDA-core kernel; the combine kernel is shared.
 constexpr int kMmaHeads = 16, kMmaWarps = 4, kMmaMaxKs = 512 / kMmaWarps / 16, kMmaMaxNt = 512 / kMmaWarps / 8;
 
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
   const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
