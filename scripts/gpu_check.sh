@@ -96,8 +96,9 @@ for part in $PARTS; do
     optin)
       # The kernels that are opt-in until they have run here (DSV4_FUSED_HC=1: dsv4::hc_pre in the decode step,
       # DSV4_ATTN_KERNEL=mma: the tensor-core attention kernel): their tests, the model's decode through them, and
-      # the layer with / without them -- what turning them on by default needs. Up to ~10 min: GPU_CHECK_SECONDS skips the
-      # steps past its budget (run them in a second call); test_compiled_decode has hung at exit after passing.
+      # the layer with / without them -- what turning them on by default needs. Up to ~10 min: GPU_CHECK_SECONDS
+      # skips the steps past its budget (run them in a second call); test_compiled_decode has hung at exit after
+      # passing.
       step optin_kernels 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_hc_pre.py tests/test_attn.py
       step optin_compiled 150 env DSV4_FUSED_HC=1 DSV4_ATTN_KERNEL=mma $PY -m pytest -q -m cuda -x \
         -p no:cacheprovider tests/test_compiled_decode.py
