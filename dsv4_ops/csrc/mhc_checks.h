@@ -75,10 +75,11 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre_outputs(const at::T
           at::empty(shape({sh.hc, sh.hc}), x.options().dtype(at::kFloat))};
 }
 
-// The op as ATen ops, every step in fp32 (the CUDA registration's form outside its kernels' shapes).
+// The op as ATen ops, every step in fp32 (the CUDA registration's form outside its kernels' shapes); sinkhorn
+// maps the comb logits to the mixing matrix (hc_sinkhorn with the call's iters and hc_eps).
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre_aten(
     const at::Tensor& x, const at::Tensor& fn, const at::Tensor& scale, const at::Tensor& base,
-    const std::optional<at::Tensor>& norm_weight, int64_t iters, double hc_eps, double norm_eps, double out_eps,
+    const std::optional<at::Tensor>& norm_weight, double hc_eps, double norm_eps, double out_eps,
     const HcPreShape& sh, const std::function<at::Tensor(const at::Tensor&)>& sinkhorn) {
   const at::Tensor xf = x.to(at::kFloat);
   const at::Tensor flat = xf.flatten(-2);
@@ -97,7 +98,6 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre_aten(
     const at::Tensor yf = y.to(at::kFloat);
     y = (*norm_weight * (yf * at::rsqrt(yf.square().mean(-1, true) + out_eps))).to(x.scalar_type());
   }
-  (void)iters;
   return {y, post.contiguous(), comb};
 }
 

@@ -53,7 +53,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre_cuda(const at::Tensor& x, 
                       reinterpret_cast<uintptr_t>(fc.data_ptr()) % 16 == 0;
   if (!kernel) {
     auto sinkhorn = [&](const at::Tensor& logits) { return hc_sinkhorn_cuda(logits, iters, hc_eps); };
-    return dsv4_mhc::hc_pre_aten(x, fc, scale, base, norm_weight, iters, hc_eps, norm_eps, out_eps, sh, sinkhorn);
+    return dsv4_mhc::hc_pre_aten(x, fc, scale, base, norm_weight, hc_eps, norm_eps, out_eps, sh, sinkhorn);
   }
   const at::Tensor xc = x.contiguous(), sc = scale.contiguous(), bc = base.contiguous();
   const at::Tensor wc = norm_weight ? norm_weight->contiguous() : at::Tensor();
