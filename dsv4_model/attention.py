@@ -168,21 +168,29 @@ class Compressor(nn.Module):
         return self._finish(pooled, cs, x.dtype), complete
 
 
-# Above this many (batch rows x listed cache rows) the tensor-op form is faster: the op's CUDA kernel scores and
-# sums on CUDA cores, the tensor-op form's fp32 GEMMs go through cuBLAS. H200, 64 heads x 512, per call
-# (bench_attn_decode.py): 640 rows at B = 1 / 2 / 4 23.2 / 33.6 / 46.0 us vs 28.3 / 43.0 / 48.6 us, at B = 8 99.3
-# vs 58.5 us; the 128-row window alone at B = 8 19.5 vs 49.2 us.
+# The op's CUDA partial kernels: tensor cores (bf16, head dim % 64 == 0, <= 512) beat the tensor-op form at
+# every measured size (H200, 64 heads x 512, bench_attn_decode.py: 640 rows at batch 1 / 8 / 32 15.4 / 26.0 /
+# 67.5 us vs 28.2 / 58.0 / 127.2 us). The CUDA-core kernel (fp32, or DSV4_ATTN_KERNEL=simt) wins only while
+# batch x listed rows <= FUSED_ATTN_MAX_ROWS (640 rows: 23.3 / 46.4 / 71.8 us at batch 1 / 4 / 8 vs 28.2 / 48.5 /
+# 58.0 us).
 FUSED_ATTN_MAX_ROWS = 4 * 640
 
 
-def _fused_decode_attention(batch: int, rows: int) -> bool:
+def _attn_tensor_cores(q: torch.Tensor) -> bool:
+    """Whether dsv4::sparse_attn_decode runs its tensor-core partial kernel for q (the CUDA binding's rule)."""
+    return (q.dtype == torch.bfloat16 and q.shape[-1] % 64 == 0 and q.shape[-1] <= 512
+            and os.environ.get("DSV4_ATTN_KERNEL", "") != "simt")
+
+
+def _fused_decode_attention(batch: int, rows: int, q: torch.Tensor) -> bool:
     """Decode attends with dsv4::sparse_attn_decode (one op instead of a gather, two GEMMs per key set, masks and
-    a softmax) while batch * rows <= FUSED_ATTN_MAX_ROWS. DSV4_DECODE_ATTENTION=torch keeps the tensor-op form
-    (_attend), =fused the op at every size; read when the step is traced (shapes are static there)."""
+    a softmax) where it is faster: with its tensor-core kernel always, else while batch * rows <=
+    FUSED_ATTN_MAX_ROWS. DSV4_DECODE_ATTENTION=torch keeps the tensor-op form (_attend), =fused the op at every
+    size; read when the step is traced (shapes are static there)."""
     mode = os.environ.get("DSV4_DECODE_ATTENTION", "auto")
     if mode == "torch":
         return False
-    return mode == "fused" or batch * rows <= FUSED_ATTN_MAX_ROWS
+    return mode == "fused" or _attn_tensor_cores(q) or batch * rows <= FUSED_ATTN_MAX_ROWS
 
 
 def _w4a16(mod: nn.Module) -> bool:
@@ -477,7 +485,7 @@ class Attention(nn.Module):
             self._write_entry(self.kv_cache, W, positions, entry, complete)
 
         listed = W + (sel.shape[1] if sel is not None else self.n_entries if self.ratio else 0)
-        if _fused_decode_attention(B, listed) and q.dtype == self.kv_cache.dtype:
+        if _fused_decode_attention(B, listed, q) and q.dtype == self.kv_cache.dtype:
             rows = self._decode_rows(positions, sel, sel_valid)
             o = torch.ops.dsv4.sparse_attn_decode(q, self.kv_cache[:B], rows, self.attn_sink, self.softmax_scale)
             return self._out(o, cs)

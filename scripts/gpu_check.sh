@@ -3,7 +3,7 @@
 #   build the CUDA library, the CUDA tests one file per process (a crash cannot hide other files' results),
 #   compute-sanitizer (memcheck, racecheck) on the direct kernel tests, the benchmarks.
 # $OUT gets summary.txt + logs.tgz (the device tool returns at most 8 files of <= 16 MiB).
-# Usage on the H200, from the repo root:  bash scripts/gpu_check.sh [tests|sanitizer|bench|profile|optin ...]
+# Usage on the H200, from the repo root:  bash scripts/gpu_check.sh [tests|sanitizer|bench|profile|switches ...]
 # (default: tests sanitizer bench)
 # Env: GPU_CHECK_SKIP_BUILD=1 (already built), TEST_FILES / BENCHES (space-separated paths; default: all), SANITIZE
 # (a grep -E pattern: only the sanitizer specs it matches), GPU_CHECK_SECONDS (a total budget: steps get
@@ -93,21 +93,14 @@ for part in $PARTS; do
       for b in ${BENCHES:-bench/bench_*.py}; do
         step "$(basename "$b" .py)" 300 $PY "$b"
       done ;;
-    optin)
-      # The kernels that are opt-in until they have run here (DSV4_FUSED_HC=1: dsv4::hc_pre in the decode step,
-      # DSV4_ATTN_KERNEL=mma: the tensor-core attention kernel): their tests, the model's decode through them, and
-      # the layer with / without them -- what turning them on by default needs. Up to ~10 min: GPU_CHECK_SECONDS
-      # skips the steps past its budget (run them in a second call); test_compiled_decode has hung at exit after
-      # passing.
-      step optin_kernels 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_hc_pre.py tests/test_attn.py
-      step optin_compiled 150 env DSV4_FUSED_HC=1 DSV4_ATTN_KERNEL=mma $PY -m pytest -q -m cuda -x \
+    switches)
+      # The non-default kernel choices (DSV4_FUSED_HC=0: the separate mHC steps; DSV4_ATTN_KERNEL=simt: the
+      # CUDA-core attention kernel) through the compiled decode step, and the layer with the defaults and with
+      # them (what the defaults buy). test_compiled_decode has hung at exit after passing.
+      step switches_compiled 150 env DSV4_FUSED_HC=0 DSV4_ATTN_KERNEL=simt $PY -m pytest -q -m cuda -x \
         -p no:cacheprovider tests/test_compiled_decode.py
-      step optin_default_model 300 env DSV4_FUSED_HC=1 DSV4_ATTN_KERNEL=mma $PY -m pytest -q -m cuda \
-        -p no:cacheprovider -k "matches_eager and manual" tests/test_default_model_gpu.py
-      step optin_bench_kernels 200 $PY bench/bench_hc_pre.py
-      step optin_bench_attn 200 $PY bench/bench_attn_decode.py
-      step optin_layer_off 200 $PY bench/bench_layer.py --kinds csa --steps 50 --experts 16
-      step optin_layer_on 200 env DSV4_FUSED_HC=1 DSV4_ATTN_KERNEL=mma $PY bench/bench_layer.py --kinds csa \
+      step switches_layer_default 200 $PY bench/bench_layer.py --kinds csa --steps 50 --experts 16
+      step switches_layer_off 200 env DSV4_FUSED_HC=0 DSV4_ATTN_KERNEL=simt $PY bench/bench_layer.py --kinds csa \
         --steps 50 --experts 16 ;;
   esac
 done

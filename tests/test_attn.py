@@ -56,19 +56,22 @@ def test_matches_reference(device, B, H, D, N, J, dtype):
 @pytest.mark.cuda
 @pytest.mark.kernels
 @pytest.mark.parametrize("B,H,D,N,J", [s for s in SHAPES if s[2] % 64 == 0])
-def test_mma_kernel_matches_reference(monkeypatch, B, H, D, N, J):
-    """The tensor-core partial kernel (DSV4_ATTN_KERNEL=mma; bf16, D % 64 == 0): P is applied as bf16 hi + lo
-    parts, so it holds the same tolerance as the CUDA-core kernel; H = 12 leaves heads of a 16-head CTA empty."""
-    monkeypatch.setenv("DSV4_ATTN_KERNEL", "mma")
+def test_both_partial_kernels_match_reference(monkeypatch, B, H, D, N, J):
+    """bf16 with D % 64 == 0 runs the tensor-core partial kernel (P applied as bf16 hi + lo parts: the CUDA-core
+    kernel's tolerance holds); DSV4_ATTN_KERNEL=simt the CUDA-core one; H = 12 leaves heads of a 16-head CTA
+    empty."""
+    monkeypatch.delenv("DSV4_ATTN_KERNEL", raising=False)
     gen = torch.Generator().manual_seed(B * 1000 + H + D + J + 7)
     q, kv, idx, sink = case(B, H, D, N, J, torch.bfloat16, gen, kv_rows=B + 1)
     idx[0, :5] = -1  # a chunk that starts with skipped rows
     scale = D ** -0.5
-    got = ops.sparse_attn_decode(q.cuda(), kv.cuda(), idx.cuda().int(), sink.cuda(), scale)
-    check(got, q, kv, idx, sink, scale)
-    monkeypatch.delenv("DSV4_ATTN_KERNEL")
-    torch.testing.assert_close(got.float(), ops.sparse_attn_decode(q.cuda(), kv.cuda(), idx.cuda().int(), sink.cuda(),
-                                                                   scale).float(), rtol=2 ** -7, atol=1e-5)
+    args = (q.cuda(), kv.cuda(), idx.cuda().int(), sink.cuda(), scale)
+    mma = ops.sparse_attn_decode(*args)
+    check(mma, q, kv, idx, sink, scale)
+    monkeypatch.setenv("DSV4_ATTN_KERNEL", "simt")
+    simt = ops.sparse_attn_decode(*args)
+    check(simt, q, kv, idx, sink, scale)
+    torch.testing.assert_close(mma.float(), simt.float(), rtol=2 ** -7, atol=1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -162,16 +165,23 @@ def test_cuda_graph_replay_and_no_sync():
 
 
 def test_model_picks_the_op_by_size(monkeypatch):
-    """Decode calls the op up to FUSED_ATTN_MAX_ROWS (batch x listed rows), the tensor-op form above; the env
-    variable forces either."""
+    """Decode calls the op whenever its tensor-core kernel runs (bf16, head dim % 64 == 0), else up to
+    FUSED_ATTN_MAX_ROWS (batch x listed rows) and the tensor-op form above; the env variables force either."""
     from dsv4_model import attention
 
     limit = attention.FUSED_ATTN_MAX_ROWS
+    bf16, fp32 = torch.empty(1, 4, 512, dtype=torch.bfloat16), torch.empty(1, 4, 512)
+    odd = torch.empty(1, 4, 72, dtype=torch.bfloat16)
     monkeypatch.delenv("DSV4_DECODE_ATTENTION", raising=False)
-    assert attention._fused_decode_attention(1, limit)
-    assert attention._fused_decode_attention(4, limit // 4)
-    assert not attention._fused_decode_attention(8, limit // 4)
+    monkeypatch.delenv("DSV4_ATTN_KERNEL", raising=False)
+    for q in (fp32, odd):
+        assert attention._fused_decode_attention(1, limit, q)
+        assert attention._fused_decode_attention(4, limit // 4, q)
+        assert not attention._fused_decode_attention(8, limit // 4, q)
+    assert attention._fused_decode_attention(64, limit, bf16)
+    monkeypatch.setenv("DSV4_ATTN_KERNEL", "simt")
+    assert not attention._fused_decode_attention(8, limit // 4, bf16)
     monkeypatch.setenv("DSV4_DECODE_ATTENTION", "fused")
-    assert attention._fused_decode_attention(8, limit)
+    assert attention._fused_decode_attention(8, limit, fp32)
     monkeypatch.setenv("DSV4_DECODE_ATTENTION", "torch")
-    assert not attention._fused_decode_attention(1, 1)
+    assert not attention._fused_decode_attention(1, 1, bf16)

@@ -42,11 +42,13 @@ def check(got, want, dtype):
 
 
 # (lead dims, hc, d, x dtype, fn dtype, norm): V4-Flash decode (1 and 8 tokens), V4-Pro width, a tiny model, batch x
-# sequence lead dims, hc != 4, fn held in bf16, no tokens
+# sequence lead dims, hc != 4 (d % 8 != 0: ATen ops on CUDA), fn held in bf16, no tokens, more 16-byte vectors
+# than the finish kernel's 1024 threads (bf16 with the norm, fp32 without)
 CASES = [((1,), 4, 4096, torch.bfloat16, torch.float32, True), ((8,), 4, 4096, torch.bfloat16, torch.float32, True),
          ((2,), 4, 7168, torch.bfloat16, torch.float32, True), ((3,), 4, 64, torch.float32, torch.float32, True),
          ((2, 3), 4, 128, torch.float16, torch.float32, False), ((5,), 3, 40, torch.float32, torch.float32, True),
-         ((4,), 4, 256, torch.bfloat16, torch.bfloat16, True), ((0,), 4, 64, torch.bfloat16, torch.float32, True)]
+         ((4,), 4, 256, torch.bfloat16, torch.bfloat16, True), ((0,), 4, 64, torch.bfloat16, torch.float32, True),
+         ((2,), 4, 12288, torch.bfloat16, torch.float32, True), ((1,), 2, 8192, torch.float32, torch.float32, False)]
 
 
 @pytest.mark.parametrize("device", DEVICES)

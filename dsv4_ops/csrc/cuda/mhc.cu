@@ -14,6 +14,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include <algorithm>
+
 namespace {
 
 // Divides every row (ROWS) or column of c by its sum + eps; sums in index order.
@@ -136,9 +138,14 @@ __global__ void __launch_bounds__(128) hc_sinkhorn_lanes_kernel(const float* __r
 // ws [nsplit, T, mix + 1]. finish: a CTA per token sums the splits in order, applies rs, the sigmoids and the
 // Sinkhorn (16 lanes of warp 0), then y = sum_h pre_h x_h rounded to x's dtype and, with a norm weight, the
 // sublayer's RMSNorm of y (block reduction in a fixed order). The reference sums in another order: fp32 rounding.
+// Both kernels issue their weight / stream loads first: at decode (one token) each is a single CTA's or a
+// single wave's latency chain. H200, V4-Flash width, batch 1 (bench_hc_pre.py): a finish kernel that loaded x
+// after the Sinkhorn, 4 bytes per thread and iteration, made the op 18.2 us (the unfused steps: 13.8 us); 16-byte
+// loads issued up front 9.0 us.
 constexpr int kHcChunk = 128;
 constexpr int kHcMaxTokens = 16;
-constexpr int kHcMaxMix = 64;  // (2 + hc) * hc for hc <= 6; the kernels take hc <= 4 (24)
+constexpr int kHcMaxMix = 24;     // (2 + hc) * hc for hc <= 4
+constexpr int kHcRowsPerWarp = 4;  // partial: warp w takes m = w + 8 r, r < 4, covering m <= mix (24)
 
 __device__ __forceinline__ float load_f(const float* p) { return *p; }
 __device__ __forceinline__ float load_f(const __nv_bfloat16* p) { return __bfloat162float(*p); }
@@ -149,12 +156,52 @@ __device__ __forceinline__ float4 load4_f(const __nv_bfloat16* p) {
   return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xFFFF0000u), __uint_as_float(u.y << 16),
                      __uint_as_float(u.y & 0xFFFF0000u));
 }
+
+// 16 bytes of x's dtype <-> floats (V = 16 / sizeof(T) of them)
+__device__ __forceinline__ void unpack16(uint4 u, float (&f)[4], float*) {
+  f[0] = __uint_as_float(u.x); f[1] = __uint_as_float(u.y); f[2] = __uint_as_float(u.z); f[3] = __uint_as_float(u.w);
+}
+__device__ __forceinline__ void unpack16(uint4 u, float (&f)[8], __nv_bfloat16*) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    f[2 * k] = __uint_as_float(w[k] << 16);
+    f[2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
+  }
+}
+__device__ __forceinline__ void unpack16(uint4 u, float (&f)[8], __half*) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    __half2 h;
+    memcpy(&h, &w[k], 4);
+    const float2 v = __half22float2(h);
+    f[2 * k] = v.x;
+    f[2 * k + 1] = v.y;
+  }
+}
+__device__ __forceinline__ uint4 pack16(const float (&f)[4], float*) {
+  return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3]));
+}
+template <typename T2, typename F>
+__device__ __forceinline__ uint4 pack16_pairs(const float (&f)[8], F cvt) {
+  uint32_t w[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const T2 h = cvt(make_float2(f[2 * k], f[2 * k + 1]));
+    memcpy(&w[k], &h, 4);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+__device__ __forceinline__ uint4 pack16(const float (&f)[8], __nv_bfloat16*) {
+  return pack16_pairs<__nv_bfloat162>(f, [](float2 v) { return __float22bfloat162_rn(v); });
+}
+__device__ __forceinline__ uint4 pack16(const float (&f)[8], __half*) {
+  return pack16_pairs<__half2>(f, [](float2 v) { return __float22half2_rn(v); });
+}
 __device__ __forceinline__ float round_to(float v, float*) { return v; }
 __device__ __forceinline__ float round_to(float v, __nv_bfloat16*) { return __bfloat162float(__float2bfloat16_rn(v)); }
 __device__ __forceinline__ float round_to(float v, __half*) { return __half2float(__float2half_rn(v)); }
-__device__ __forceinline__ void store_to(float* p, float v) { *p = v; }
-__device__ __forceinline__ void store_to(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
-__device__ __forceinline__ void store_to(__half* p, float v) { *p = __float2half_rn(v); }
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -167,20 +214,28 @@ __global__ void __launch_bounds__(256) hc_pre_partial_kernel(const TX* __restric
                                                              int T, int K, int mix, float* __restrict__ ws) {
   __shared__ __align__(16) float xs[kHcMaxTokens][kHcChunk];
   const int s = blockIdx.x, k0 = s * kHcChunk, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int kl = 4 * lane, k = k0 + kl;  // K % 4 == 0: a lane's 4 k are all in range or all out
+  float4 w[kHcRowsPerWarp];
+#pragma unroll
+  for (int r = 0; r < kHcRowsPerWarp; ++r) {
+    const int m = warp + 8 * r;
+    w[r] = m < mix && k < K ? load4_f(fn + int64_t(m) * K + k) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
   for (int e = threadIdx.x; e < T * kHcChunk; e += blockDim.x) {
-    const int t = e / kHcChunk, k = k0 + e % kHcChunk;
-    xs[t][e % kHcChunk] = k < K ? load_f(x + int64_t(t) * K + k) : 0.0f;
+    const int t = e / kHcChunk, kk = k0 + e % kHcChunk;
+    xs[t][e % kHcChunk] = kk < K ? load_f(x + int64_t(t) * K + kk) : 0.0f;
   }
   __syncthreads();
-  const int kl = 4 * lane, k = k0 + kl;  // K % 4 == 0: a lane's 4 k are all in range or all out
-  for (int m = warp; m <= mix; m += 8) {  // m == mix: the sum of squares
-    float4 w = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (m < mix && k < K) w = load4_f(fn + int64_t(m) * K + k);
+#pragma unroll
+  for (int r = 0; r < kHcRowsPerWarp; ++r) {
+    const int m = warp + 8 * r;  // m == mix: the sum of squares
+    if (m > mix) break;
     for (int t = 0; t < T; ++t) {
       const float4 xv = *reinterpret_cast<const float4*>(&xs[t][kl]);
+      const float4 wr = w[r];
       float v;
       if (m < mix)
-        v = fmaf(w.w, xv.w, fmaf(w.z, xv.z, fmaf(w.y, xv.y, w.x * xv.x)));
+        v = fmaf(wr.w, xv.w, fmaf(wr.z, xv.z, fmaf(wr.y, xv.y, wr.x * xv.x)));
       else
         v = fmaf(xv.w, xv.w, fmaf(xv.z, xv.z, fmaf(xv.y, xv.y, xv.x * xv.x)));
       v = warp_sum(v);
@@ -189,19 +244,38 @@ __global__ void __launch_bounds__(256) hc_pre_partial_kernel(const TX* __restric
   }
 }
 
+// d % V == 0 (V = 16 / sizeof(TX) elements per 16-byte vector). Warp 0 runs the Sinkhorn (a ~2 us chain of 40
+// dependent normalisations) while warps 1.. compute y and its norm, which need only pre: thread 32 + i takes
+// vectors i, i + (blockDim - 32), ...
 template <typename TX>
-__global__ void __launch_bounds__(256) hc_pre_finish_kernel(
+__global__ void __launch_bounds__(1024) hc_pre_finish_kernel(
     const TX* __restrict__ x, const float* __restrict__ ws, int nsplit, int T, int hc, int d, int mix,
     const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm_w, int iters,
     float hc_eps, float norm_eps, float out_eps, TX* __restrict__ y, float* __restrict__ post,
     float* __restrict__ comb) {
+  constexpr int V = 16 / sizeof(TX);
   extern __shared__ __align__(16) float ybuf[];  // [d]: y rounded to x's dtype
   __shared__ float red[kHcMaxMix + 1];
-  __shared__ float pre[4];
-  __shared__ float wsum[8];
-  const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int K = hc * d;
-  for (int v = warp; v <= mix; v += 8) {  // splits in order per lane, then a fixed shuffle tree
+  __shared__ float wsum[32];
+  const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+  const int K = hc * d, nvec = d / V, v0 = int(threadIdx.x) - 32, vstep = int(blockDim.x) - 32;
+  const TX* xt = x + int64_t(t) * K;
+  // The thread's first vector of x and of the norm weight, in flight during the split sums.
+  uint4 x0[4] = {};
+  float w0[V] = {};
+  if (v0 >= 0 && v0 < nvec) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (i < hc) x0[i] = __ldg(reinterpret_cast<const uint4*>(xt + int64_t(i) * d) + v0);
+    if (norm_w != nullptr) {
+#pragma unroll
+      for (int q = 0; q < V / 4; ++q) {
+        const float4 n = __ldg(reinterpret_cast<const float4*>(norm_w + v0 * V) + q);
+        w0[4 * q] = n.x; w0[4 * q + 1] = n.y; w0[4 * q + 2] = n.z; w0[4 * q + 3] = n.w;
+      }
+    }
+  }
+  for (int v = warp; v <= mix; v += nwarps) {  // splits in order per lane, then a fixed shuffle tree
     float a = 0.0f;
     for (int sp = lane; sp < nsplit; sp += 32) a += ws[(int64_t(sp) * T + t) * (mix + 1) + v];
     a = warp_sum(a);
@@ -209,42 +283,59 @@ __global__ void __launch_bounds__(256) hc_pre_finish_kernel(
   }
   __syncthreads();
   const float rs = 1.0f / sqrtf(__fadd_rn(red[mix] / float(K), norm_eps));
-  if (threadIdx.x < hc) {
-    const int i = threadIdx.x;
-    pre[i] = 1.0f / (1.0f + expf(-fmaf(red[i] * rs, scale[0], base[i]))) + hc_eps;
-    post[int64_t(t) * hc + i] = 2.0f / (1.0f + expf(-fmaf(red[hc + i] * rs, scale[1], base[hc + i])));
-  }
   if (warp == 0) {
+    if (lane < hc) post[int64_t(t) * hc + lane] = 2.0f / (1.0f + expf(-fmaf(red[hc + lane] * rs, scale[1],
+                                                                             base[hc + lane])));
     const int e = lane & 15, i = e >> 2, j = e & 3;
     const bool live = lane < 16 && i < hc && j < hc;
     const int c = 2 * hc + i * hc + j;
     const float v = live ? fmaf(red[c] * rs, scale[2], base[c]) : -INFINITY;
     const float r = sinkhorn_lanes(v, live, lane, hc, iters, hc_eps);
     if (live) comb[(int64_t(t) * hc + i) * hc + j] = r;
-  }
-  __syncthreads();
-  const TX* xt = x + int64_t(t) * K;
-  float ss = 0.0f;
-  for (int jd = threadIdx.x; jd < d; jd += blockDim.x) {
-    float a = 0.0f;
-    for (int i = 0; i < hc; ++i) a = fmaf(pre[i], load_f(xt + int64_t(i) * d + jd), a);
-    const float r = round_to(a, static_cast<TX*>(nullptr));
-    ybuf[jd] = r;
-    ss = fmaf(r, r, ss);
-  }
-  TX* yt = y + int64_t(t) * d;
-  if (norm_w == nullptr) {
-    for (int jd = threadIdx.x; jd < d; jd += blockDim.x) store_to(yt + jd, ybuf[jd]);
     return;
   }
+  float pre[4];  // every thread evaluates the same expressions: no barrier to share them
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    pre[i] = i < hc ? 1.0f / (1.0f + expf(-fmaf(red[i] * rs, scale[0], base[i]))) + hc_eps : 0.0f;
+  TX* yt = y + int64_t(t) * d;
+  float ss = 0.0f;
+  for (int v = v0; v < nvec; v += vstep) {
+    float a[V] = {};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (i >= hc) break;
+      float f[V];
+      unpack16(v == v0 ? x0[i] : __ldg(reinterpret_cast<const uint4*>(xt + int64_t(i) * d) + v), f,
+               static_cast<TX*>(nullptr));
+#pragma unroll
+      for (int e = 0; e < V; ++e) a[e] = fmaf(pre[i], f[e], a[e]);
+    }
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      a[e] = round_to(a[e], static_cast<TX*>(nullptr));
+      ss = fmaf(a[e], a[e], ss);
+    }
+    if (norm_w == nullptr) {
+      reinterpret_cast<uint4*>(yt)[v] = pack16(a, static_cast<TX*>(nullptr));
+    } else {
+#pragma unroll
+      for (int e = 0; e < V; ++e) ybuf[v * V + e] = a[e];
+    }
+  }
+  if (norm_w == nullptr) return;
   ss = warp_sum(ss);
   if (lane == 0) wsum[warp] = ss;
-  __syncthreads();
+  asm volatile("bar.sync 1, %0;" ::"r"(vstep) : "memory");  // warps 1.. only
   float tot = 0.0f;
-#pragma unroll
-  for (int w = 0; w < 8; ++w) tot += wsum[w];
+  for (int w = 1; w < nwarps; ++w) tot += wsum[w];
   const float rs2 = 1.0f / sqrtf(__fadd_rn(tot / float(d), out_eps));
-  for (int jd = threadIdx.x; jd < d; jd += blockDim.x) store_to(yt + jd, norm_w[jd] * (ybuf[jd] * rs2));
+  for (int v = v0; v < nvec; v += vstep) {
+    float o[V];
+#pragma unroll
+    for (int e = 0; e < V; ++e) o[e] = (v == v0 ? w0[e] : __ldg(norm_w + v * V + e)) * (ybuf[v * V + e] * rs2);
+    reinterpret_cast<uint4*>(yt)[v] = pack16(o, static_cast<TX*>(nullptr));
+  }
 }
 
 template <typename TX, typename TW>
@@ -255,15 +346,18 @@ cudaError_t hc_pre_launch_t(const void* x, const void* fn, const float* scale, c
   const int K = hc * d, mix = (2 + hc) * hc;
   hc_pre_partial_kernel<TX, TW><<<nsplit, 256, 0, stream>>>(static_cast<const TX*>(x), static_cast<const TW*>(fn),
                                                               T, K, mix, ws);
-  const size_t smem = size_t(d) * sizeof(float);
-  if (smem > 48 * 1024) {
+  const size_t smem = norm_w != nullptr ? size_t(d) * sizeof(float) : 0;
+  if (smem > 40 * 1024) {  // with the static arrays past the 48 KB default
     const cudaError_t e = cudaFuncSetAttribute(hc_pre_finish_kernel<TX>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (e != cudaSuccess) return e;
   }
-  hc_pre_finish_kernel<TX><<<T, 256, smem, stream>>>(static_cast<const TX*>(x), ws, nsplit, T, hc, d, mix, scale,
-                                                     base, norm_w, iters, hc_eps, norm_eps, out_eps,
-                                                     static_cast<TX*>(y), post, comb);
+  // warp 0 + one vector per thread where d allows (V4-Flash / Pro bf16: 32 + 512 / 896 threads)
+  const int nvec = d / int(16 / sizeof(TX));
+  const int threads = 32 + std::min(std::max((nvec + 31) / 32 * 32, 64), 992);
+  hc_pre_finish_kernel<TX><<<T, threads, smem, stream>>>(static_cast<const TX*>(x), ws, nsplit, T, hc, d, mix,
+                                                         scale, base, norm_w, iters, hc_eps, norm_eps, out_eps,
+                                                         static_cast<TX*>(y), post, comb);
   return cudaGetLastError();
 }
 
@@ -281,7 +375,8 @@ extern "C" cudaError_t dsv4_hc_sinkhorn_launch(const float* x, float* y, int64_t
   return cudaGetLastError();
 }
 
-// hc_pre's kernels (hc <= 4, T <= 16 tokens, K = hc * d % 4 == 0, d <= 12288): x_kind 0 bf16 / 1 fp16 / 2 fp32,
+// hc_pre's kernels (hc <= 4, T <= 16 tokens, d % 8 == 0, d <= 12288; x, fn, norm_w 16-byte aligned): x_kind 0
+// bf16 / 1 fp16 / 2 fp32,
 // fn_bf16: fn held in bf16 (else fp32). ws: fp32 [nsplit, T, (2 + hc) * hc + 1], nsplit = dsv4_hc_pre_splits.
 extern "C" int dsv4_hc_pre_splits(int hc, int d) { return (hc * d + kHcChunk - 1) / kHcChunk; }
 
@@ -290,7 +385,7 @@ extern "C" cudaError_t dsv4_hc_pre_launch(const void* x, int x_kind, const void*
                                           float hc_eps, float norm_eps, float out_eps, float* ws, void* y,
                                           float* post, float* comb, cudaStream_t stream) {
   if (T == 0) return cudaSuccess;
-  if (hc > 4 || T > kHcMaxTokens || (hc * d) % 4 != 0 || d > 12288) return cudaErrorInvalidValue;
+  if (hc > 4 || T > kHcMaxTokens || d % 8 != 0 || d > 12288) return cudaErrorInvalidValue;
   const int nsplit = dsv4_hc_pre_splits(hc, d);
 #define DSV4_HC_PRE(TX)                                                                                           \
   return fn_bf16 ? hc_pre_launch_t<TX, __nv_bfloat16>(x, fn, scale, base, norm_w, T, hc, d, iters, hc_eps,      \

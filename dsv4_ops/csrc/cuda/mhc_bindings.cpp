@@ -1,6 +1,6 @@
 // CUDA registration of dsv4::hc_sinkhorn and dsv4::hc_pre: checks, outputs and workspace from the caching
 // allocator, launches on the current stream. The kernels live in mhc.cu; hc_pre runs as ATen ops outside its
-// kernels' shapes (hc > 4, more than 16 tokens, hc * d % 4 != 0, d > 12288, unaligned fn).
+// kernels' shapes (hc > 4, more than 16 tokens, d % 8 != 0, d > 12288, unaligned x / fn / norm weight).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -49,14 +49,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre_cuda(const at::Tensor& x, 
       dsv4_mhc::check_hc_pre(x, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, out_eps);
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor fc = fn.contiguous();
-  const bool kernel = sh.hc <= 4 && sh.tokens <= 16 && (sh.hc * sh.d) % 4 == 0 && sh.d <= 12288 &&
-                      reinterpret_cast<uintptr_t>(fc.data_ptr()) % 16 == 0;
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor wc = norm_weight ? norm_weight->contiguous() : at::Tensor();
+  auto aligned = [](const at::Tensor& t) { return !t.defined() || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
+  const bool kernel = sh.hc <= 4 && sh.tokens <= 16 && sh.d % 8 == 0 && sh.d <= 12288 && aligned(fc) &&
+                      aligned(xc) && aligned(wc);  // 16-byte loads
   if (!kernel) {
     auto sinkhorn = [&](const at::Tensor& logits) { return hc_sinkhorn_cuda(logits, iters, hc_eps); };
     return dsv4_mhc::hc_pre_aten(x, fc, scale, base, norm_weight, hc_eps, norm_eps, out_eps, sh, sinkhorn);
   }
-  const at::Tensor xc = x.contiguous(), sc = scale.contiguous(), bc = base.contiguous();
-  const at::Tensor wc = norm_weight ? norm_weight->contiguous() : at::Tensor();
+  const at::Tensor sc = scale.contiguous(), bc = base.contiguous();
   at::Tensor y, post, comb;
   std::tie(y, post, comb) = dsv4_mhc::hc_pre_outputs(x, sh);
   const int nsplit = dsv4_hc_pre_splits(int(sh.hc), int(sh.d));
