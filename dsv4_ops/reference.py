@@ -536,3 +536,30 @@ def sparse_attn_decode_ref(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
     s = torch.einsum("bhd,bjd->bhj", q.float(), keys).masked_fill(~valid.unsqueeze(1), float("-inf")) * scale
     p = torch.cat([s, sink.float().view(1, -1, 1).expand(B, -1, 1)], dim=-1).softmax(dim=-1)
     return torch.einsum("bhj,bjd->bhd", p[..., :-1], keys).to(q.dtype)
+
+
+# ======================================================================================================
+# compressor decode (issue 7): dsv4::compressor_decode
+# ======================================================================================================
+
+def compressor_decode_ref(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
+                          kv_state: torch.Tensor, score_state: torch.Tensor) -> torch.Tensor:
+    """One decode step of dsv4_model.attention.Compressor.decode's state update and pooling (its tensor ops):
+    writes the token into rows [:B] of the states in place and returns pooled fp32 [B, hd]."""
+    B, C = kv.shape
+    m = ape.shape[0]
+    overlap = kv_state.shape[1] == 2 * m
+    hd = C // 2 if overlap else C
+    rows = torch.arange(B, device=kv.device)
+    pos = positions.long()
+    kv_state.index_put_((rows, (m if overlap else 0) + pos % m), kv)
+    score_state.index_put_((rows, (m if overlap else 0) + pos % m), score + ape[pos % m])
+    if not overlap:
+        return (kv_state[:B] * score_state[:B].softmax(dim=1)).sum(dim=1)
+    kv_s = torch.cat([kv_state[:B, :m, :hd], kv_state[:B, m:, hd:]], dim=1)
+    sc_s = torch.cat([score_state[:B, :m, :hd], score_state[:B, m:, hd:]], dim=1)
+    pooled = (kv_s * sc_s.softmax(dim=1)).sum(dim=1)
+    closed = ((pos + 1) % m == 0).view(B, 1, 1)
+    kv_state[:B, :m] = torch.where(closed, kv_state[:B, m:], kv_state[:B, :m])
+    score_state[:B, :m] = torch.where(closed, score_state[:B, m:], score_state[:B, :m])
+    return pooled

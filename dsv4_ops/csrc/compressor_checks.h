@@ -1,0 +1,61 @@
+// Argument checks shared by the CPU and CUDA kernels of dsv4::compressor_decode (docs/ops.md "## Compressor
+// decode"): every problem is reported, naming the argument, before any state is written.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace dsv4_comp {
+
+struct Shape {
+  int64_t B;   // rows of this step (kv.size(0))
+  int64_t C;   // projected width: coff * hd
+  int64_t m;   // compression ratio (ape.size(0))
+  int64_t R;   // state rows: coff * m
+  int64_t hd;  // entry width
+  bool overlap;
+};
+
+inline Shape check(const at::Tensor& kv, const at::Tensor& score, const at::Tensor& ape, const at::Tensor& positions,
+                   const at::Tensor& kv_state, const at::Tensor& score_state, const at::Tensor& pooled) {
+  const char* op = "dsv4::compressor_decode";
+  auto f32 = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t.scalar_type());
+    TORCH_CHECK(t.device() == kv.device(), op, ": ", name, " is on ", t.device(), ", kv on ", kv.device());
+  };
+  f32(kv, "kv");
+  f32(score, "score");
+  f32(ape, "ape");
+  f32(kv_state, "kv_state");
+  f32(score_state, "score_state");
+  f32(pooled, "pooled");
+  TORCH_CHECK(kv.dim() == 2, op, ": kv must be [B, C], got ", kv.sizes());
+  TORCH_CHECK(score.sizes() == kv.sizes(), op, ": score must match kv ", kv.sizes(), ", got ", score.sizes());
+  const int64_t B = kv.size(0), C = kv.size(1);
+  TORCH_CHECK(ape.dim() == 2 && ape.size(1) == C && ape.size(0) >= 1, op, ": ape must be [m >= 1, C = ", C,
+              "], got ", ape.sizes());
+  const int64_t m = ape.size(0);
+  TORCH_CHECK(positions.scalar_type() == at::kLong || positions.scalar_type() == at::kInt, op,
+              ": positions must be int64 or int32, got ", positions.scalar_type());
+  TORCH_CHECK(positions.device() == kv.device(), op, ": positions is on ", positions.device(), ", kv on ",
+              kv.device());
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == B, op, ": positions must be [B = ", B, "], got ",
+              positions.sizes());
+  TORCH_CHECK(kv_state.dim() == 3 && kv_state.size(0) >= B && kv_state.size(2) == C &&
+                  (kv_state.size(1) == m || kv_state.size(1) == 2 * m),
+              op, ": kv_state must be [>= B = ", B, ", m or 2m (m = ", m, "), C = ", C, "], got ", kv_state.sizes());
+  TORCH_CHECK(score_state.sizes() == kv_state.sizes(), op, ": score_state must match kv_state ", kv_state.sizes(),
+              ", got ", score_state.sizes());
+  TORCH_CHECK(kv_state.is_contiguous() && score_state.is_contiguous(), op,
+              ": kv_state and score_state must be contiguous (written in place)");
+  const bool overlap = kv_state.size(1) == 2 * m;
+  TORCH_CHECK(!overlap || C % 2 == 0, op, ": overlapping windows (2m state rows) need an even C, got ", C);
+  const int64_t hd = overlap ? C / 2 : C;
+  TORCH_CHECK(pooled.dim() == 2 && pooled.size(0) == B && pooled.size(1) == hd && pooled.is_contiguous(), op,
+              ": pooled must be a contiguous [B = ", B, ", ", hd, "], got ", pooled.sizes());
+  TORCH_CHECK(!pooled.is_same(kv_state) && !pooled.is_same(score_state) && !kv_state.is_same(score_state), op,
+              ": pooled, kv_state and score_state must be distinct tensors");
+  return {B, C, m, kv_state.size(1), hd, overlap};
+}
+
+}  // namespace dsv4_comp

@@ -1,0 +1,62 @@
+// CPU kernel of dsv4::compressor_decode (docs/ops.md "## Compressor decode"): per row, the token's projections
+// into its state slot, the gated pooling of the window (softmax over the state rows per column, two passes, sums
+// in row order), then the overlap shift when the window closed.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "compressor_checks.h"
+
+namespace {
+
+void compressor_decode_cpu(const at::Tensor& kv, const at::Tensor& score, const at::Tensor& ape,
+                           const at::Tensor& positions, const at::Tensor& kv_state, const at::Tensor& score_state,
+                           const at::Tensor& pooled) {
+  const dsv4_comp::Shape sh = dsv4_comp::check(kv, score, ape, positions, kv_state, score_state, pooled);
+  TORCH_CHECK(kv.device().is_cpu(), "dsv4::compressor_decode: expected CPU tensors, got ", kv.device());
+  const at::Tensor kc = kv.contiguous(), sc = score.contiguous(), ac = ape.contiguous();
+  const at::Tensor pc = positions.to(at::kLong).contiguous();
+  const int64_t C = sh.C, m = sh.m, R = sh.R, hd = sh.hd;
+  const float* kp = kc.data_ptr<float>();
+  const float* sp = sc.data_ptr<float>();
+  const float* ap = ac.data_ptr<float>();
+  const int64_t* pos = pc.data_ptr<int64_t>();
+  float* ks = kv_state.data_ptr<float>();
+  float* ss = score_state.data_ptr<float>();
+  float* out = pooled.data_ptr<float>();
+  at::parallel_for(0, sh.B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t p = pos[b], r = ((p % m) + m) % m, slot = (sh.overlap ? m : 0) + r;
+      float* kb = ks + b * R * C;
+      float* sb = ss + b * R * C;
+      for (int64_t k = 0; k < C; ++k) {
+        kb[slot * C + k] = kp[b * C + k];
+        sb[slot * C + k] = sp[b * C + k] + ap[r * C + k];
+      }
+      for (int64_t d = 0; d < hd; ++d) {
+        // row j's element of column d: the first m rows' first half, the last m rows' second half (overlap)
+        auto at_ = [&](const float* base, int64_t j) { return base[j * C + (sh.overlap && j >= m ? hd : 0) + d]; };
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < R; ++j) mx = std::max(mx, at_(sb, j));
+        float sum = 0.0f;
+        for (int64_t j = 0; j < R; ++j) sum += std::exp(at_(sb, j) - mx);
+        float acc = 0.0f;
+        for (int64_t j = 0; j < R; ++j) acc += at_(kb, j) * (std::exp(at_(sb, j) - mx) / sum);
+        out[b * hd + d] = acc;
+      }
+      if (sh.overlap && ((p + 1) % m + m) % m == 0) {  // the window closed: its rows become the previous window
+        std::memcpy(kb, kb + m * C, sizeof(float) * m * C);
+        std::memcpy(sb, sb + m * C, sizeof(float) * m * C);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dsv4, CPU, m) { m.impl("compressor_decode", &compressor_decode_cpu); }

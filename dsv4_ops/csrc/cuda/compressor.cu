@@ -1,0 +1,94 @@
+// CUDA kernel of dsv4::compressor_decode (docs/ops.md "## Compressor decode"), sm_90a. No torch headers:
+// compressor_bindings.cpp checks and allocates. One launch per compressor and decode step instead of the ~6
+// kernels of the tensor-op form (state writes, the softmax pooling, the overlap shift, copies back).
+// A CTA owns 32 columns d of one row b (and columns hd + d when windows overlap), so every state element is
+// written and read by one CTA: the slot write, the pooling and the shift are ordered by __syncthreads. Warp w
+// pools state rows w, w + 8, ... with an online softmax; the 8 partials merge in warp order.
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int kCols = 32, kWarps = 8;
+
+template <typename P>
+__global__ void __launch_bounds__(kCols* kWarps) compressor_decode_kernel(
+    const float* __restrict__ kv, const float* __restrict__ score, const float* __restrict__ ape,
+    const P* __restrict__ positions, float* kv_state, float* score_state, float* __restrict__ pooled, int C, int m,
+    int R, int hd, int overlap) {
+  __shared__ float part[3][kWarps][kCols];  // running max, sum, weighted sum
+  const int b = blockIdx.y, d0 = blockIdx.x * kCols, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int d = d0 + lane;
+  const int64_t p = int64_t(positions[b]);
+  const int r = int(((p % m) + m) % m), slot = (overlap ? m : 0) + r;
+  float* kb = kv_state + int64_t(b) * R * C;
+  float* sb = score_state + int64_t(b) * R * C;
+  if (warp < 1 + overlap && d < hd) {  // warp 0: columns d, warp 1: hd + d (overlap)
+    const int k = warp * hd + d;
+    kb[int64_t(slot) * C + k] = kv[int64_t(b) * C + k];
+    sb[int64_t(slot) * C + k] = score[int64_t(b) * C + k] + ape[int64_t(r) * C + k];
+  }
+  __syncthreads();
+  float mx = -INFINITY, sum = 0.0f, acc = 0.0f;
+  if (d < hd) {
+#pragma unroll 4
+    for (int j = warp; j < R; j += kWarps) {
+      const int64_t e = int64_t(j) * C + (overlap && j >= m ? hd : 0) + d;
+      const float s = sb[e], v = kb[e];
+      const float nm = fmaxf(mx, s);
+      // -inf scores (slots not yet written) weigh 0; the first finite score rescales the empty sums by 0
+      const float a = mx == nm ? 1.0f : expf(mx - nm), w = s == -INFINITY ? 0.0f : expf(s - nm);
+      sum = fmaf(sum, a, w);
+      acc = fmaf(acc, a, v * w);
+      mx = nm;
+    }
+  }
+  part[0][warp][lane] = mx;
+  part[1][warp][lane] = sum;
+  part[2][warp][lane] = acc;
+  __syncthreads();
+  if (warp == 0 && d < hd) {
+    float M = part[0][0][lane];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) M = fmaxf(M, part[0][w][lane]);
+    float S = 0.0f, A = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float mw = part[0][w][lane];
+      const float f = mw == -INFINITY ? 0.0f : expf(mw - M);  // a warp with no rows
+      S = fmaf(part[1][w][lane], f, S);
+      A = fmaf(part[2][w][lane], f, A);
+    }
+    pooled[int64_t(b) * hd + d] = A / S;
+  }
+  if (overlap && ((p + 1) % m + m) % m == 0) {  // the window closed: its rows become the previous window
+    for (int e = threadIdx.x; e < m * 2 * kCols; e += blockDim.x) {
+      const int j = e / (2 * kCols), c = e % (2 * kCols), dd = d0 + (c & (kCols - 1));
+      if (dd >= hd) continue;
+      const int64_t k = int64_t(c < kCols ? 0 : hd) + dd;
+      kb[int64_t(j) * C + k] = kb[int64_t(m + j) * C + k];
+      sb[int64_t(j) * C + k] = sb[int64_t(m + j) * C + k];
+    }
+  }
+}
+
+}  // namespace
+
+// kv / score fp32 [B, C], ape fp32 [m, C], positions int64 (pos_i32 = 0) or int32 [B], kv_state / score_state
+// fp32 contiguous [>= B, R, C] (R = m, or 2m with overlap and C = 2 hd), pooled fp32 [B, hd].
+extern "C" cudaError_t dsv4_compressor_decode_launch(const float* kv, const float* score, const float* ape,
+                                                     const void* positions, int pos_i32, float* kv_state,
+                                                     float* score_state, float* pooled, int B, int C, int m, int R,
+                                                     int hd, int overlap, cudaStream_t stream) {
+  if (B == 0 || hd == 0) return cudaSuccess;
+  if (B > 65535) return cudaErrorInvalidValue;
+  const dim3 grid((hd + kCols - 1) / kCols, B);
+  if (pos_i32)
+    compressor_decode_kernel<int32_t><<<grid, kCols * kWarps, 0, stream>>>(
+        kv, score, ape, static_cast<const int32_t*>(positions), kv_state, score_state, pooled, C, m, R, hd, overlap);
+  else
+    compressor_decode_kernel<int64_t><<<grid, kCols * kWarps, 0, stream>>>(
+        kv, score, ape, static_cast<const int64_t*>(positions), kv_state, score_state, pooled, C, m, R, hd, overlap);
+  return cudaGetLastError();
+}

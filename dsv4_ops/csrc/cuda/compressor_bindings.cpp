@@ -1,0 +1,38 @@
+// CUDA registration of dsv4::compressor_decode: checks, launch on the current stream (state and pooled are
+// written in place; nothing is allocated). The kernel lives in compressor.cu.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#include <torch/library.h>
+
+#include "compressor_checks.h"
+
+extern "C" cudaError_t dsv4_compressor_decode_launch(const float* kv, const float* score, const float* ape,
+                                                     const void* positions, int pos_i32, float* kv_state,
+                                                     float* score_state, float* pooled, int B, int C, int m, int R,
+                                                     int hd, int overlap, cudaStream_t stream);
+
+namespace {
+
+void compressor_decode_cuda(const at::Tensor& kv, const at::Tensor& score, const at::Tensor& ape,
+                            const at::Tensor& positions, const at::Tensor& kv_state, const at::Tensor& score_state,
+                            const at::Tensor& pooled) {
+  const char* op = "dsv4::compressor_decode";
+  TORCH_CHECK(kv.is_cuda(), op, ": kv must be a CUDA tensor, got ", kv.device());
+  const dsv4_comp::Shape sh = dsv4_comp::check(kv, score, ape, positions, kv_state, score_state, pooled);
+  TORCH_CHECK(sh.B <= 65535 && sh.R * sh.C < (int64_t(1) << 31), op, ": shapes past the kernel's int ranges: B ",
+              sh.B, ", state rows x C ", sh.R * sh.C);
+  const c10::cuda::CUDAGuard guard(kv.device());
+  const at::Tensor kc = kv.contiguous(), sc = score.contiguous(), ac = ape.contiguous(), pc = positions.contiguous();
+  const cudaError_t err = dsv4_compressor_decode_launch(
+      kc.data_ptr<float>(), sc.data_ptr<float>(), ac.data_ptr<float>(), pc.data_ptr(),
+      pc.scalar_type() == at::kInt, kv_state.data_ptr<float>(), score_state.data_ptr<float>(),
+      pooled.data_ptr<float>(), int(sh.B), int(sh.C), int(sh.m), int(sh.R), int(sh.hd), sh.overlap,
+      c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dsv4, CUDA, m) { m.impl("compressor_decode", &compressor_decode_cuda); }

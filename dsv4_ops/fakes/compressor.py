@@ -1,0 +1,25 @@
+"""Fake for dsv4::compressor_decode: mutates kv_state, score_state and pooled in place, returns nothing."""
+import torch
+
+
+def _compressor_decode_fake(kv, score, ape, positions, kv_state, score_state, pooled):
+    op = "dsv4::compressor_decode"
+    for name, t in (("kv", kv), ("score", score), ("ape", ape), ("kv_state", kv_state),
+                    ("score_state", score_state), ("pooled", pooled)):
+        torch._check(t.dtype == torch.float32, lambda: f"{op}: {name} must be float32, got {t.dtype}")
+    torch._check(kv.dim() == 2 and score.shape == kv.shape, lambda: f"{op}: kv and score must be [B, C]")
+    B, C = kv.shape
+    torch._check(ape.dim() == 2 and ape.shape[1] == C, lambda: f"{op}: ape must be [m, C]")
+    m = ape.shape[0]
+    torch._check(positions.dtype in (torch.int64, torch.int32) and positions.shape == (B,),
+                 lambda: f"{op}: positions must be int64 / int32 [B]")
+    torch._check(kv_state.dim() == 3 and kv_state.shape[0] >= B and kv_state.shape[2] == C
+                 and kv_state.shape[1] in (m, 2 * m), lambda: f"{op}: kv_state must be [>= B, m or 2m, C]")
+    torch._check(score_state.shape == kv_state.shape, lambda: f"{op}: score_state must match kv_state")
+    hd = C // 2 if kv_state.shape[1] == 2 * m else C
+    torch._check(pooled.shape == (B, hd), lambda: f"{op}: pooled must be [B, {hd}]")
+
+
+# A library built before this op existed must still import (other ops keep working).
+if hasattr(torch.ops.dsv4, "compressor_decode"):
+    torch.library.register_fake("dsv4::compressor_decode")(_compressor_decode_fake)

@@ -1,0 +1,187 @@
+"""dsv4::compressor_decode (a KV compressor's decode step: the token into its state slot, the gated pooling of
+the window, the overlap shift) against the pure-PyTorch reference (dsv4_ops/reference.py: the tensor ops of
+dsv4_model.attention.Compressor.decode), step after step across window boundaries; opcheck, torch.compile with
+the states as mutated buffers, a captured CUDA graph, and the model's decode with and without the op.
+
+Tolerance: pooled is a softmax-weighted sum over the window's rows in fp32; the CPU kernel sums in row order, the
+CUDA kernel merges 8 online-softmax partials: a few fp32 ulps of the largest term (rtol 1e-5, atol 1e-6). The
+states are copies: exact."""
+import pytest
+import torch
+
+import dsv4_ops  # noqa: F401
+from dsv4_ops import reference as ref
+
+ops = torch.ops.dsv4
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.kernels])]
+
+
+def fresh_state(rows, R, C, device):
+    return (torch.zeros(rows, R, C, device=device), torch.full((rows, R, C), float("-inf"), device=device))
+
+
+# (B, state rows, m, hd, overlap, positions dtype): V4's CSA compressor (m 4, overlapping, 512) and its indexer's
+# (128), HCA (m 128, 512), a ratio that is not a power of 2, hd not a multiple of the CUDA kernel's 32 columns
+CASES = [(1, 2, 4, 512, True, torch.int64), (3, 4, 4, 128, True, torch.int32), (2, 2, 128, 512, False, torch.int64),
+         (2, 3, 6, 40, False, torch.int64), (3, 3, 3, 72, True, torch.int64)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("B,rows,m,hd,overlap,pdtype", CASES)
+def test_matches_reference_step_by_step(device, B, rows, m, hd, overlap, pdtype):
+    gen = torch.Generator().manual_seed(B * 100 + m + hd)
+    C = 2 * hd if overlap else hd
+    R = 2 * m if overlap else m
+    ape = torch.randn(m, C, generator=gen)
+    ks, ss = fresh_state(rows, R, C, device)
+    rks, rss = fresh_state(rows, R, C, "cpu")
+    start = torch.randint(0, 3 * m, (B,), generator=gen)  # rows at different points of their windows
+    steps = 2 * m + 3 if m <= 8 else m + 5  # crosses a window boundary (HCA: one, at step m - start)
+    for t in range(steps):
+        kv = torch.randn(B, C, generator=gen)
+        score = torch.randn(B, C, generator=gen) * 3
+        pos = (start + t).to(pdtype)
+        pooled = torch.full((B, hd), float("nan"), device=device)
+        ops.compressor_decode(kv.to(device), score.to(device), ape.to(device), pos.to(device), ks, ss, pooled)
+        want = ref.compressor_decode_ref(kv, score, ape, pos, rks, rss)
+        torch.testing.assert_close(pooled.cpu(), want, rtol=1e-5, atol=1e-6, msg=f"step {t}")
+        assert torch.equal(ks.cpu(), rks) and torch.equal(ss.cpu(), rss), f"state differs at step {t}"
+    assert torch.isfinite(ss[:B]).any()
+
+
+def test_wrong_steps_are_far():
+    """The test above would see a missing shift, a wrong slot or a missing ape."""
+    gen = torch.Generator().manual_seed(5)
+    m, hd, B = 4, 16, 1
+    ape = torch.randn(m, 2 * hd, generator=gen)
+    ks, ss = fresh_state(B, 2 * m, 2 * hd, "cpu")
+    outs = []
+    for t in range(2 * m + 1):
+        kv, score = torch.randn(B, 2 * hd, generator=gen), torch.randn(B, 2 * hd, generator=gen)
+        pooled = torch.empty(B, hd)
+        before = ks.clone(), ss.clone()
+        ops.compressor_decode(kv, score, ape, torch.tensor([t]), ks, ss, pooled)
+        wrong_ape = ref.compressor_decode_ref(kv, score, ape * 0, torch.tensor([t]), *[s.clone() for s in before])
+        wrong_slot = ref.compressor_decode_ref(kv, score, ape, torch.tensor([t + 1]), *[s.clone() for s in before])
+        outs.append((pooled, wrong_ape, wrong_slot))
+    # step 0 pools one written row (weight 1 whatever the scores): from step 1 on every mistake shows
+    assert all(float((p - a).abs().max()) > 1e-3 for p, a, _ in outs[1:])
+    assert all(float((p - s).abs().max()) > 1e-3 for p, _, s in outs[1:])
+
+
+def test_bad_arguments():
+    kv, score, ape = torch.randn(2, 32), torch.randn(2, 32), torch.randn(4, 32)
+    pos = torch.tensor([0, 1])
+    ks, ss = fresh_state(2, 8, 32, "cpu")
+    pooled = torch.empty(2, 16)
+    with pytest.raises(RuntimeError, match="score must match kv"):
+        ops.compressor_decode(kv, score[:, :16], ape, pos, ks, ss, pooled)
+    with pytest.raises(RuntimeError, match=r"ape must be \[m >= 1, C = 32\]"):
+        ops.compressor_decode(kv, score, ape[:, :8], pos, ks, ss, pooled)
+    with pytest.raises(RuntimeError, match="positions must be int64 or int32"):
+        ops.compressor_decode(kv, score, ape, pos.float(), ks, ss, pooled)
+    with pytest.raises(RuntimeError, match=r"kv_state must be \[>= B = 2, m or 2m \(m = 4\)"):
+        ops.compressor_decode(kv, score, ape, pos, ks[:, :5], ss[:, :5], pooled)
+    with pytest.raises(RuntimeError, match=r"pooled must be a contiguous \[B = 2, 16\]"):
+        ops.compressor_decode(kv, score, ape, pos, ks, ss, torch.empty(2, 32))
+    with pytest.raises(RuntimeError, match="kv_state must be float32"):
+        ops.compressor_decode(kv, score, ape, pos, ks.double(), ss, pooled)
+    with pytest.raises(RuntimeError, match="must be distinct"):
+        ops.compressor_decode(kv, score, ape, pos, ks, ks, pooled)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    gen = torch.Generator().manual_seed(6)
+    for m, hd, overlap in ((4, 32, True), (8, 40, False)):
+        C, R = (2 * hd, 2 * m) if overlap else (hd, m)
+        ks, ss = fresh_state(3, R, C, device)
+        ss.normal_(generator=None)
+        args = (torch.randn(2, C, generator=gen).to(device), torch.randn(2, C, generator=gen).to(device),
+                torch.randn(m, C, generator=gen).to(device), torch.tensor([3, 8], device=device), ks, ss,
+                torch.empty(2, hd, device=device))
+        torch.library.opcheck(ops.compressor_decode.default, args)
+
+
+def test_compile_fullgraph_mutates_buffers():
+    """Inside torch.compile(fullgraph=True) the op writes a module's state buffers as in eager."""
+    from torch._dynamo.utils import counters
+
+    class Step(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("ks", torch.zeros(2, 8, 64))
+            self.register_buffer("ss", torch.full((2, 8, 64), float("-inf")))
+            self.register_buffer("ape", torch.randn(4, 64, generator=torch.Generator().manual_seed(1)))
+
+        def forward(self, kv, score, pos):
+            pooled = torch.empty(kv.shape[0], 32)
+            ops.compressor_decode(kv * 2, score, self.ape, pos, self.ks, self.ss, pooled)
+            return pooled + 1
+
+    counters.clear()
+    eager, compiled = Step(), Step()
+    fn = torch.compile(compiled, fullgraph=True, backend="inductor")
+    gen = torch.Generator().manual_seed(2)
+    for t in range(6):
+        kv, score, pos = torch.randn(2, 64, generator=gen), torch.randn(2, 64, generator=gen), torch.tensor([t, t + 2])
+        torch.testing.assert_close(fn(kv, score, pos), eager(kv, score, pos), rtol=0, atol=0)
+    assert torch.equal(compiled.ks, eager.ks) and torch.equal(compiled.ss, eager.ss)
+    assert dict(counters["graph_break"]) == {}
+
+
+@pytest.mark.cuda
+@pytest.mark.kernels
+def test_cuda_graph_replay_and_no_sync():
+    gen = torch.Generator().manual_seed(3)
+    m, hd = 4, 512
+    ape = torch.randn(m, 2 * hd, generator=gen).cuda()
+    ks, ss = fresh_state(2, 2 * m, 2 * hd, "cuda")
+    rks, rss = fresh_state(2, 2 * m, 2 * hd, "cpu")
+    kv, score, pos = torch.zeros(2, 2 * hd, device="cuda"), torch.zeros(2, 2 * hd, device="cuda"), \
+        torch.zeros(2, dtype=torch.long, device="cuda")
+    pooled = torch.empty(2, hd, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ops.compressor_decode(kv, score, ape, pos, ks.clone(), ss.clone(), pooled)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ops.compressor_decode(kv, score, ape, pos, ks, ss, pooled)
+    for t in range(2 * m + 1):  # replays with new tokens and positions, across a window boundary
+        k2, s2, p2 = torch.randn(2, 2 * hd, generator=gen), torch.randn(2, 2 * hd, generator=gen), \
+            torch.tensor([t, t + 1])
+        kv.copy_(k2.cuda()), score.copy_(s2.cuda()), pos.copy_(p2.cuda())
+        g.replay()
+        want = ref.compressor_decode_ref(k2, s2, ape.cpu(), p2, rks, rss)
+        torch.testing.assert_close(pooled.cpu(), want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(ks.cpu(), rks) and torch.equal(ss.cpu(), rss)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_model_decode_with_and_without_the_op(monkeypatch, device):
+    """The decode step through dsv4::compressor_decode (DSV4_FUSED_COMPRESSOR=1) gives the logits of the tensor
+    ops (=0), fp32, over enough steps to close CSA (ratio 4) and HCA (ratio 16) windows; the op really runs (once
+    per compressor and step)."""
+    from dsv4_model.checkpoint_writer import TINY_CONFIG
+    from dsv4_model.config import ModelConfig
+    from dsv4_model.model import Transformer
+
+    cfg = ModelConfig(**{**TINY_CONFIG, "n_layers": 3, "compress_ratios": [0, 4, 16], "n_mtp_layers": 0}).validate()
+    ids = torch.randint(0, cfg.vocab_size, (2, 13), generator=torch.Generator().manual_seed(3))
+    logits, calls = {}, []
+    op = torch.ops.dsv4.compressor_decode
+    monkeypatch.setattr(torch.ops.dsv4, "compressor_decode", lambda *a: calls.append(1) or op(*a))
+    steps = 8
+    for mode in ("0", "1"):
+        monkeypatch.setenv("DSV4_FUSED_COMPRESSOR", mode)
+        m = Transformer(cfg, max_batch_size=2, max_seq_len=40, dtype=torch.float32, device=device)
+        m.init_random_weights(5)
+        m.prefill(ids.to(device))
+        logits[mode] = torch.stack([m.decode_step(ids[:, t].to(device), torch.full((2,), 13 + t, device=device))
+                                    for t in range(steps)]).cpu()
+        # CSA layer: its compressor + its indexer's; HCA layer: one
+        assert len(calls) == (0 if mode == "0" else 3 * steps)
+    torch.testing.assert_close(logits["1"], logits["0"], rtol=1e-4, atol=1e-4)
