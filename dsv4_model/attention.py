@@ -53,6 +53,20 @@ def _fused_compressor(x: torch.Tensor) -> bool:
     return x.device.type == "cpu"
 
 
+def _fused_norm_rope(x: torch.Tensor, rope_dim: int) -> bool:
+    """Decode normalises and rotates q / kv / compressed entries [B, H, D] with one dsv4::rms_norm_rope call
+    (with the simulated FP8 rounding of kv) instead of 2-3 Inductor kernels each. DSV4_FUSED_NORM_ROPE=1 / 0
+    forces it on / off where the op takes the shape; by default it is on for CPU tensors and off on CUDA until its
+    CUDA kernel has run on the H200 (written after session 7's last GPU call). Read when the step is traced."""
+    d = x.shape[-1]
+    if x.dtype not in (torch.bfloat16, torch.float32) or d % 4 or rope_dim % 4 or d > 4096:
+        return False
+    mode = os.environ.get("DSV4_FUSED_NORM_ROPE", "")
+    if mode in ("0", "1"):
+        return mode == "1"
+    return x.device.type == "cpu"
+
+
 class Compressor(nn.Module):
     """Gated pooling of m consecutive tokens into one entry (overlapping 2m-token windows when m == 4)."""
 
@@ -100,6 +114,11 @@ class Compressor(nn.Module):
         self.score_state.fill_(float("-inf"))
 
     def _finish(self, pooled: torch.Tensor, cs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if pooled.dim() == 2 and _fused_norm_rope(pooled.to(dtype), self.rope_dim):  # decode: one entry per row
+            fp8 = self.simulate_quant and not self.rotate
+            kv = torch.ops.dsv4.rms_norm_rope(pooled.to(dtype).unsqueeze(1), self.norm.weight, cs, self.norm.eps,
+                                              self.rope_dim, fp8).squeeze(1)
+            return indexer_fake_quant(kv, self.hadamard) if self.simulate_quant and self.rotate else kv
         kv = self.norm(pooled.to(dtype))
         kv = apply_rope(kv, cs, self.rope_dim)
         if self.simulate_quant:
@@ -335,6 +354,11 @@ class Attention(nn.Module):
         qr = self.q_norm(qa)
         qb, iproj = self._qr_projections(qr, index_proj)
         q = qb.unflatten(-1, (self.n_heads, self.head_dim))
+        if q.dim() == 3 and _fused_norm_rope(q, self.rope_dim):  # decode: x [B, dim], cs [B, rope_dim / 2, 2]
+            q = torch.ops.dsv4.rms_norm_rope(q, None, cs, self.eps, self.rope_dim, False)
+            kv = torch.ops.dsv4.rms_norm_rope(kva.unsqueeze(1), self.kv_norm.weight, cs, self.kv_norm.eps,
+                                              self.rope_dim, self.simulate_quant).squeeze(1)
+            return qr, q, kv, iproj
         q = apply_rope(unweighted_rms_norm(q, self.eps), cs.unsqueeze(-3), self.rope_dim)
         kv = apply_rope(self.kv_norm(kva), cs, self.rope_dim)
         if self.simulate_quant:

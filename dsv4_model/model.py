@@ -81,11 +81,27 @@ class Block(nn.Module):
         x, post, comb = self._pre(h, site)
         return norm(x), post, comb
 
-    def decode(self, h: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, rope: dict) -> torch.Tensor:
-        x, post, comb = self._pre_normed(h, "attn", self.attn_norm)
-        h = hc_post(self.attn.decode(x, positions, rope[self.attn.rope_kind]), h, post, comb)
-        x, post, comb = self._pre_normed(h, "ffn", self.ffn_norm)
-        return hc_post(self.ffn(x, ids, static=True), h, post, comb)
+    def _post_pre_normed(self, h: torch.Tensor, pending, site: str, norm: RMSNorm):
+        """hc_post of pending (the previous sublayer's (out, post, comb), or None) into the streams h, then
+        _pre_normed: one dsv4::hc_post_pre call where _fused_hc_post allows it. Returns (h, x, post, comb)."""
+        fn = getattr(self, f"hc_{site}_fn")
+        if (pending is not None and not torch.is_grad_enabled() and _fused_hc() and _fused_hc_post(h)
+                and fn.dtype in (torch.float32, torch.bfloat16) and pending[0].dtype == h.dtype):
+            return torch.ops.dsv4.hc_post_pre(*pending[:1], h, *pending[1:], fn,
+                                              getattr(self, f"hc_{site}_scale").float(),
+                                              getattr(self, f"hc_{site}_base").float(), norm.weight.float(),
+                                              self.iters, self.hc_eps, self.norm_eps, norm.eps)
+        if pending is not None:
+            h = hc_post(pending[0], h, pending[1], pending[2])
+        return (h, *self._pre_normed(h, site, norm))
+
+    def decode(self, h: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, rope: dict, pending=None):
+        """One token per row. pending: the previous block's ffn (out, post, comb) not yet folded into the streams h
+        (its hc_post runs fused with this block's first hc_pre); returns (h, pending) the same way."""
+        h, x, post, comb = self._post_pre_normed(h, pending, "attn", self.attn_norm)
+        out = self.attn.decode(x, positions, rope[self.attn.rope_kind])
+        h, x, post, comb = self._post_pre_normed(h, (out, post, comb), "ffn", self.ffn_norm)
+        return h, (self.ffn(x, ids, static=True), post, comb)
 
 
 class MTPBlock(Block):
@@ -108,6 +124,17 @@ def _fused_hc() -> bool:
     in one op; on CUDA 2 launches instead of ~8 kernels, 1.5x faster on the H200). DSV4_FUSED_HC=0 keeps the
     separate steps. Read when the step is traced."""
     return os.environ.get("DSV4_FUSED_HC", "1") != "0"
+
+
+def _fused_hc_post(h: torch.Tensor) -> bool:
+    """Decode folds each sublayer's output into the streams (hc_post) inside the next stream collapse, one
+    dsv4::hc_post_pre call instead of hc_post + hc_pre (one kernel less per sublayer). DSV4_FUSED_HC_POST=1 / 0
+    forces it on / off; by default it is on for CPU tensors and off on CUDA until its CUDA kernel has run on the
+    H200 (written after session 7's last GPU call). Read when the step is traced."""
+    mode = os.environ.get("DSV4_FUSED_HC_POST", "")
+    if mode in ("0", "1"):
+        return mode == "1"
+    return h.device.type == "cpu"
 
 
 def _param(*shape) -> nn.Parameter:
@@ -257,9 +284,10 @@ class Transformer(nn.Module):
         Static shapes, no host syncs: safe for torch.compile(fullgraph=True) and CUDA graphs."""
         rope = self._rope()
         h = self.embed(tokens).unsqueeze(1).repeat(1, self.hc, 1)
+        pending = None
         for layer in self.layers:
-            h = layer.decode(h, tokens, positions, rope)
-        return self._logits(h)
+            h, pending = layer.decode(h, tokens, positions, rope, pending)
+        return self._logits(hc_post(pending[0], h, pending[1], pending[2]))
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         return self.prefill(tokens, lengths, all_logits=True)

@@ -495,6 +495,19 @@ def hc_pre_ref(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: tor
     return y, post, comb
 
 
+def hc_post_ref(out: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """The new hc streams (dsv4_model.layers.hc_post): stream j = post_j * out + sum_i comb[i, j] * res_i in fp32,
+    in out's dtype."""
+    mixed = (comb.unsqueeze(-1) * res.float().unsqueeze(-2)).sum(-3)
+    return (post.unsqueeze(-1) * out.float().unsqueeze(-2) + mixed).to(out.dtype)
+
+
+def hc_post_pre_ref(out, res, post, comb, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, out_eps):
+    """dsv4::hc_post_pre: (h = hc_post_ref(out, res, post, comb), *hc_pre_ref(h, ...))."""
+    h = hc_post_ref(out, res, post, comb)
+    return (h, *hc_pre_ref(h, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, out_eps))
+
+
 # ======================================================================================================
 # fp32 projections (issue 7): dsv4::fp32_linear
 # ======================================================================================================
@@ -563,3 +576,36 @@ def compressor_decode_ref(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tens
     kv_state[:B, :m] = torch.where(closed, kv_state[:B, m:], kv_state[:B, :m])
     score_state[:B, :m] = torch.where(closed, score_state[:B, m:], score_state[:B, :m])
     return pooled
+
+
+# ======================================================================================================
+# RMSNorm + RoPE (issue 7): dsv4::rms_norm_rope
+# ======================================================================================================
+
+def rms_norm_rope_ref(x: torch.Tensor, weight, cs: torch.Tensor, eps: float, rope_dim: int,
+                      fp8_nope: bool) -> torch.Tensor:
+    """x [rows, heads, d] -> the model's steps as tensor ops: RMSNorm in fp32 (times weight if given) rounded to
+    x's dtype (dsv4_model.layers.RMSNorm / unweighted_rms_norm), RoPE of the trailing interleaved pairs by cs
+    [rows, rope_dim / 2, (cos, sin)] rounded again (apply_rope), and with fp8_nope the leading dims rounded to
+    FP8 e4m3 with a power-of-two scale per 64 (quant_sim.kv_fake_quant)."""
+    d = x.shape[-1]
+    nope = d - rope_dim
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    y = (y if weight is None else weight * y).to(x.dtype).float()
+    r = y[..., nope:].unflatten(-1, (rope_dim // 2, 2))
+    cos, sin = cs[:, None, :, 0], cs[:, None, :, 1]
+    rot = torch.stack([r[..., 0] * cos - r[..., 1] * sin, r[..., 0] * sin + r[..., 1] * cos], -1).flatten(-2)
+    y = torch.cat([y[..., :nope], rot.to(x.dtype).float()], -1)
+    if fp8_nope:
+        b = y[..., :nope].unflatten(-1, (nope // 64, 64))
+        t = (b.abs().amax(-1, keepdim=True).clamp_min(1e-4) * _f32_recip(448.0)).view(torch.int32)
+        s = ((((t >> 23) & 0xFF) + ((t & 0x7FFFFF) != 0).int()) << 23).view(torch.float32)
+        q = (b / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * s
+        y = torch.cat([q.flatten(-2).to(x.dtype).float(), y[..., nope:]], -1)
+    return y.to(x.dtype)
+
+
+def _f32_recip(v: float) -> float:
+    """The fp32-rounded reciprocal (the official kernels multiply by it)."""
+    return float(torch.tensor(1.0 / v, dtype=torch.float32))

@@ -168,6 +168,7 @@ def test_model_decode_with_and_without_the_op(monkeypatch, dtype):
     logits, calls = {}, []
     op = torch.ops.dsv4.hc_pre
     monkeypatch.setattr(torch.ops.dsv4, "hc_pre", lambda *a: calls.append(1) or op(*a))
+    monkeypatch.setenv("DSV4_FUSED_HC_POST", "0")  # every collapse through hc_pre (hc_post_pre: its own test)
     for mode in ("0", "1"):
         monkeypatch.setenv("DSV4_FUSED_HC", mode)
         m = Transformer(cfg, max_batch_size=2, max_seq_len=32, dtype=dtype).init_random_weights(5)
@@ -177,3 +178,135 @@ def test_model_decode_with_and_without_the_op(monkeypatch, dtype):
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
     torch.testing.assert_close(logits["1"], logits["0"], **tol)
     assert float((logits["1"] - logits["0"]).abs().max()) < float(logits["0"].abs().max()) * 0.05
+
+
+# ---------------------------------------------------------------------------------------------- hc_post_pre
+def post_case(lead, hc, d, dtype, gen):
+    """The previous sublayer's output, the streams it updates and its post / comb (comb from a real Sinkhorn)."""
+    out = (torch.randn(*lead, d, generator=gen) * 2).to(dtype)
+    res = (torch.randn(*lead, hc, d, generator=gen) * 2).to(dtype)
+    post = 2 * torch.rand(*lead, hc, generator=gen)
+    comb = ref.hc_sinkhorn_ref(torch.randn(*lead, hc, hc, generator=gen), ITERS, HC_EPS)
+    return out, res, post, comb
+
+
+def check_post(got, want, dtype):
+    h, rest = got[0], got[1:]
+    assert h.shape == want[0].shape and h.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(h.cpu(), want[0], rtol=1e-5, atol=1e-5)
+    else:  # one ulp where the fp32 sums straddle a rounding boundary
+        ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+        torch.testing.assert_close(h.cpu().float(), want[0].float(), rtol=2 * ulp, atol=1e-4)
+    check(rest, want[1:], dtype)
+
+
+POST_CASES = [((1,), 4, 4096, torch.bfloat16, True), ((8,), 4, 4096, torch.bfloat16, True),
+              ((2,), 4, 7168, torch.bfloat16, True), ((3,), 4, 64, torch.float32, True),
+              ((2, 3), 4, 128, torch.float16, False), ((5,), 3, 40, torch.float32, True)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lead,hc,d,dtype,norm", POST_CASES)
+def test_post_pre_matches_reference(device, lead, hc, d, dtype, norm):
+    gen = torch.Generator().manual_seed(hc * 100 + d + len(lead) + 1)
+    out, res, post, comb = post_case(lead, hc, d, dtype, gen)
+    _, fn, scale, base, w = case(lead, hc, d, dtype, torch.float32, gen, norm)
+    want = ref.hc_post_pre_ref(out, res, post, comb, fn, scale, base, w, ITERS, HC_EPS, NORM_EPS, OUT_EPS)
+    dev = [t.to(device) if t is not None else None for t in (out, res, post, comb, fn, scale, base, w)]
+    got = ops.hc_post_pre(*dev, ITERS, HC_EPS, NORM_EPS, OUT_EPS)
+    check_post(got, want, dtype)
+    if device == "cuda":  # the CUDA kernels vs the CPU kernel
+        check_post(got, ops.hc_post_pre(out, res, post, comb, fn, scale, base, w, ITERS, HC_EPS, NORM_EPS, OUT_EPS),
+                   dtype)
+
+
+def test_post_pre_is_the_model_steps():
+    """h equals dsv4_model.layers.hc_post exactly (CPU: the same fp32 steps in the same order), the rest hc_pre of
+    it; a wrong comb orientation (comb[j, i]) is far."""
+    from dsv4_model.layers import hc_post
+
+    gen = torch.Generator().manual_seed(21)
+    out, res, post, comb = post_case((3,), 4, 96, torch.bfloat16, gen)
+    _, fn, scale, base, w = case((3,), 4, 96, torch.bfloat16, torch.float32, gen)
+    got = ops.hc_post_pre(out, res, post, comb, fn, scale, base, w, ITERS, HC_EPS, NORM_EPS, OUT_EPS)
+    h = hc_post(out, res, post, comb)
+    assert torch.equal(got[0], h)
+    for a, b in zip(got[1:], ops.hc_pre(h, fn, scale, base, w, ITERS, HC_EPS, NORM_EPS, OUT_EPS)):
+        assert torch.equal(a, b)
+    wrong = hc_post(out, res, post, comb.transpose(-1, -2))
+    assert float((got[0].float() - wrong.float()).abs().max()) > 1e-2
+
+
+def test_post_pre_bad_arguments():
+    gen = torch.Generator().manual_seed(22)
+    out, res, post, comb = post_case((2,), 4, 16, torch.float32, gen)
+    _, fn, scale, base, w = case((2,), 4, 16, torch.float32, torch.float32, gen)
+    with pytest.raises(RuntimeError, match=r"hc_post_pre: out must be \[2, 16\]"):
+        ops.hc_post_pre(out[:, :8], res, post, comb, fn, scale, base, w, ITERS, HC_EPS, NORM_EPS, OUT_EPS)
+    with pytest.raises(RuntimeError, match="out must have res's dtype"):
+        ops.hc_post_pre(out.bfloat16(), res, post, comb, fn, scale, base, w, ITERS, HC_EPS, NORM_EPS, OUT_EPS)
+    with pytest.raises(RuntimeError, match=r"comb must be float32 \[2, 4, 4\]"):
+        ops.hc_post_pre(out, res, post, comb[..., :3], fn, scale, base, w, ITERS, HC_EPS, NORM_EPS, OUT_EPS)
+    with pytest.raises(RuntimeError, match=r"hc_post_pre: fn must be"):
+        ops.hc_post_pre(out, res, post, comb, fn[:, :32], scale, base, w, ITERS, HC_EPS, NORM_EPS, OUT_EPS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_post_pre_opcheck(device):
+    gen = torch.Generator().manual_seed(23)
+    for dtype, norm in ((torch.bfloat16, True), (torch.float32, False)):
+        out, res, post, comb = post_case((3,), 4, 32, dtype, gen)
+        _, fn, scale, base, w = case((3,), 4, 32, dtype, torch.float32, gen, norm)
+        args = [t.to(device) if t is not None else None for t in (out, res, post, comb, fn, scale, base, w)]
+        torch.library.opcheck(ops.hc_post_pre.default, (*args, ITERS, HC_EPS, NORM_EPS, OUT_EPS))
+
+
+@pytest.mark.cuda
+@pytest.mark.kernels
+def test_post_pre_cuda_graph_replay_and_no_sync():
+    gen = torch.Generator().manual_seed(24)
+    out, res, post, comb = (t.cuda() for t in post_case((2,), 4, 4096, torch.bfloat16, gen))
+    _, fn, scale, base, w = (t.cuda() for t in case((2,), 4, 4096, torch.bfloat16, torch.float32, gen))
+    args = (fn, scale, base, w, ITERS, HC_EPS, NORM_EPS, OUT_EPS)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ops.hc_post_pre(out, res, post, comb, *args)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = ops.hc_post_pre(out, res, post, comb, *args)
+    new = post_case((2,), 4, 4096, torch.bfloat16, gen)
+    for dst, src in zip((out, res, post, comb), new):
+        dst.copy_(src.cuda())
+    g.replay()
+    torch.cuda.synchronize()
+    check_post(got, ref.hc_post_pre_ref(*new, *(t.cpu() for t in args[:4]), *args[4:]), torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_model_decode_with_and_without_post_fusion(monkeypatch, device):
+    """The decode step with hc_post folded into the next collapse (DSV4_FUSED_HC_POST=1) gives the logits of the
+    separate hc_post (=0); fp32; the op runs for every sublayer but the first."""
+    from dsv4_model.checkpoint_writer import TINY_CONFIG
+    from dsv4_model.config import ModelConfig
+    from dsv4_model.model import Transformer
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    cfg = ModelConfig(**{**TINY_CONFIG, "n_layers": 2, "compress_ratios": [0, 4], "n_mtp_layers": 0}).validate()
+    ids = torch.randint(0, cfg.vocab_size, (2, 13), generator=torch.Generator().manual_seed(3))
+    logits, calls = {}, []
+    op = torch.ops.dsv4.hc_post_pre
+    monkeypatch.setattr(torch.ops.dsv4, "hc_post_pre", lambda *a: calls.append(1) or op(*a))
+    for mode in ("0", "1"):
+        monkeypatch.setenv("DSV4_FUSED_HC_POST", mode)
+        m = Transformer(cfg, max_batch_size=2, max_seq_len=32, dtype=torch.float32, device=device)
+        m.init_random_weights(5)
+        m.prefill(ids.to(device))
+        logits[mode] = torch.stack([m.decode_step(ids[:, t].to(device), torch.full((2,), 13 + t, device=device))
+                                    for t in range(4)]).cpu()
+        assert len(calls) == (0 if mode == "0" else (2 * cfg.n_layers - 1) * 4)
+    torch.testing.assert_close(logits["1"], logits["0"], rtol=1e-4, atol=1e-4)

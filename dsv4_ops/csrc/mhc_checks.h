@@ -32,8 +32,7 @@ struct HcPreShape {
 
 inline HcPreShape check_hc_pre(const at::Tensor& x, const at::Tensor& fn, const at::Tensor& scale,
                                const at::Tensor& base, const std::optional<at::Tensor>& norm_weight, int64_t iters,
-                               double hc_eps, double norm_eps, double out_eps) {
-  const char* op = "dsv4::hc_pre";
+                               double hc_eps, double norm_eps, double out_eps, const char* op = "dsv4::hc_pre") {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf || x.scalar_type() == at::kFloat,
               op, ": x must be bfloat16, float16 or float32, got ", x.scalar_type());
   TORCH_CHECK(x.dim() >= 2, op, ": x must be [..., hc, d], got ", x.sizes());
@@ -99,6 +98,39 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre_aten(
     y = (*norm_weight * (yf * at::rsqrt(yf.square().mean(-1, true) + out_eps))).to(x.scalar_type());
   }
   return {y, post.contiguous(), comb};
+}
+
+// hc_post_pre's extra inputs: out [..., d] and res [..., hc, d] of one dtype (bf16 / fp16 / fp32), post fp32
+// [..., hc], comb fp32 [..., hc, hc], all on res's device (res is checked as hc_pre's x).
+inline void check_hc_post(const at::Tensor& out, const at::Tensor& res, const at::Tensor& post,
+                          const at::Tensor& comb) {
+  const char* op = "dsv4::hc_post_pre";
+  TORCH_CHECK(out.scalar_type() == res.scalar_type(), op, ": out must have res's dtype ", res.scalar_type(),
+              ", got ", out.scalar_type());
+  const int64_t hc = res.size(-2);
+  std::vector<int64_t> lead(res.sizes().begin(), res.sizes().end() - 2);
+  auto with = [&](std::initializer_list<int64_t> tail) {
+    std::vector<int64_t> v(lead);
+    v.insert(v.end(), tail);
+    return v;
+  };
+  TORCH_CHECK(out.sizes() == at::IntArrayRef(with({res.size(-1)})), op, ": out must be ",
+              at::IntArrayRef(with({res.size(-1)})), " (res without its hc dim), got ", out.sizes());
+  TORCH_CHECK(post.scalar_type() == at::kFloat && post.sizes() == at::IntArrayRef(with({hc})), op,
+              ": post must be float32 ", at::IntArrayRef(with({hc})), ", got ", post.scalar_type(), " ", post.sizes());
+  TORCH_CHECK(comb.scalar_type() == at::kFloat && comb.sizes() == at::IntArrayRef(with({hc, hc})), op,
+              ": comb must be float32 ", at::IntArrayRef(with({hc, hc})), ", got ", comb.scalar_type(), " ",
+              comb.sizes());
+  TORCH_CHECK(out.device() == res.device() && post.device() == res.device() && comb.device() == res.device(), op,
+              ": out, post and comb must be on res's device (", res.device(), ")");
+}
+
+// hc_post as ATen ops (dsv4_model.layers.hc_post): new stream j = post_j * out + sum_i comb[i, j] * res_i in
+// fp32, rounded to out's dtype.
+inline at::Tensor hc_post_aten(const at::Tensor& out, const at::Tensor& res, const at::Tensor& post,
+                               const at::Tensor& comb) {
+  const at::Tensor mixed = (comb.unsqueeze(-1) * res.to(at::kFloat).unsqueeze(-2)).sum(-3);
+  return (post.unsqueeze(-1) * out.to(at::kFloat).unsqueeze(-2) + mixed).to(out.scalar_type());
 }
 
 }  // namespace dsv4_mhc

@@ -77,6 +77,13 @@ TORCH_LIBRARY(dsv4, m) {
   m.def(
       "hc_pre(Tensor x, Tensor fn, Tensor scale, Tensor base, Tensor? norm_weight, int iters, float hc_eps, "
       "float norm_eps, float out_eps) -> (Tensor, Tensor, Tensor)");
+  // The decode step's hc_post of one sublayer fused with the next hc_pre: h [..., hc, d] = the new streams, new
+  // stream j = post_j * out + sum_i comb[i, j] * res_i (fp32, rounded to out's dtype; out [..., d], res [..., hc,
+  // d], post / comb fp32 from the previous hc_pre), then hc_pre(h, ...). Returns (h, y, post, comb).
+  m.def(
+      "hc_post_pre(Tensor out, Tensor res, Tensor post, Tensor comb, Tensor fn, Tensor scale, Tensor base, "
+      "Tensor? norm_weight, int iters, float hc_eps, float norm_eps, float out_eps) -> (Tensor, Tensor, Tensor, "
+      "Tensor)");
 
   // ---- fp32 projections (issue 7: kernels per layer) ----
   // out[i] = float(x) @ float(weight[i])^T in fp32 (x [..., K] bf16 / fp16 / fp32, weight[i] [N_i, K] bf16 or
@@ -110,6 +117,13 @@ TORCH_LIBRARY(dsv4, m) {
   m.def(
       "compressor_decode(Tensor kv, Tensor score, Tensor ape, Tensor positions, Tensor(a!) kv_state, "
       "Tensor(b!) score_state, Tensor(c!) pooled) -> ()");
+
+  // ---- RMSNorm + RoPE (issue 7: kernels per layer) ----
+  // Per vector x[r, h] (x [rows, heads, d], bf16 / fp32): y = RMSNorm (fp32, times weight fp32 [d] if given)
+  // rounded to x's dtype; its trailing rope_dim dims rotated as interleaved pairs by cs[r] (fp32 [rows,
+  // rope_dim / 2, (cos, sin)]) and rounded again; with fp8_nope the leading d - rope_dim dims rounded to FP8 e4m3
+  // with a power-of-two scale per 64 (the simulated KV quantization). See docs/ops.md "## RMSNorm + RoPE".
+  m.def("rms_norm_rope(Tensor x, Tensor? weight, Tensor cs, float eps, int rope_dim, bool fp8_nope) -> Tensor");
 
   // ---- decode state (issue 3) ----
 }

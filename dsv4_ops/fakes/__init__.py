@@ -11,3 +11,4 @@ from dsv4_ops.fakes import fp32_linear  # noqa: F401
 from dsv4_ops.fakes import router  # noqa: F401
 from dsv4_ops.fakes import attn  # noqa: F401
 from dsv4_ops.fakes import compressor  # noqa: F401
+from dsv4_ops.fakes import norm_rope  # noqa: F401

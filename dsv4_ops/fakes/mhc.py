@@ -1,5 +1,5 @@
-"""Fakes for dsv4::hc_sinkhorn (the shape and dtype of logits) and dsv4::hc_pre (y in x's dtype, post and comb
-fp32)."""
+"""Fakes for dsv4::hc_sinkhorn (the shape and dtype of logits), dsv4::hc_pre (y in x's dtype, post and comb
+fp32) and dsv4::hc_post_pre (the new streams like res, then hc_pre's outputs)."""
 import torch
 
 
@@ -44,3 +44,20 @@ def _hc_pre_fake(x, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, out_e
 
 if hasattr(torch.ops.dsv4, "hc_pre"):
     torch.library.register_fake("dsv4::hc_pre")(_hc_pre_fake)
+
+
+def _hc_post_pre_fake(out, res, post, comb, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, out_eps):
+    op = "dsv4::hc_post_pre"
+    y, post2, comb2 = _hc_pre_fake(res, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, out_eps)
+    lead, hc, d = tuple(res.shape[:-2]), res.shape[-2], res.shape[-1]
+    torch._check(out.dtype == res.dtype and tuple(out.shape) == lead + (d,),
+                 lambda: f"{op}: out must be {lead + (d,)} in res's dtype")
+    torch._check(post.dtype == torch.float32 and tuple(post.shape) == lead + (hc,),
+                 lambda: f"{op}: post must be float32 {lead + (hc,)}")
+    torch._check(comb.dtype == torch.float32 and tuple(comb.shape) == lead + (hc, hc),
+                 lambda: f"{op}: comb must be float32 {lead + (hc, hc)}")
+    return torch.empty_like(res, memory_format=torch.contiguous_format), y, post2, comb2
+
+
+if hasattr(torch.ops.dsv4, "hc_post_pre"):
+    torch.library.register_fake("dsv4::hc_post_pre")(_hc_post_pre_fake)

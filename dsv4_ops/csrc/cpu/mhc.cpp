@@ -133,9 +133,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre_cpu(const at::Tensor& x, c
   return {y, post, comb};
 }
 
+// hc_post (per token: new stream j = post_j * out + sum_i comb[i, j] * res_i, fp32 in index order, rounded to the
+// dtype), then hc_pre of the new streams.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_pre_cpu(
+    const at::Tensor& out, const at::Tensor& res, const at::Tensor& post_in, const at::Tensor& comb_in,
+    const at::Tensor& fn, const at::Tensor& scale, const at::Tensor& base, const std::optional<at::Tensor>& norm_weight,
+    int64_t iters, double hc_eps, double norm_eps, double out_eps) {
+  const dsv4_mhc::HcPreShape sh = dsv4_mhc::check_hc_pre(res, fn, scale, base, norm_weight, iters, hc_eps, norm_eps,
+                                                         out_eps, "dsv4::hc_post_pre");
+  dsv4_mhc::check_hc_post(out, res, post_in, comb_in);
+  const at::Tensor oc = out.contiguous(), rc = res.contiguous(), pc = post_in.contiguous(), cc = comb_in.contiguous();
+  at::Tensor h = at::empty(res.sizes(), res.options());
+  const int64_t hc = sh.hc, d = sh.d;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, res.scalar_type(), "dsv4::hc_post_pre", [&] {
+    const scalar_t* op = oc.data_ptr<scalar_t>();
+    const scalar_t* rp = rc.data_ptr<scalar_t>();
+    const float* pp = pc.data_ptr<float>();
+    const float* cp = cc.data_ptr<float>();
+    scalar_t* hp = h.data_ptr<scalar_t>();
+    at::parallel_for(0, sh.tokens, 1, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t)
+        for (int64_t j = 0; j < hc; ++j)
+          for (int64_t k = 0; k < d; ++k) {
+            float s = 0.0f;
+            for (int64_t i = 0; i < hc; ++i)
+              s += cp[(t * hc + i) * hc + j] * static_cast<float>(rp[(t * hc + i) * d + k]);
+            hp[(t * hc + j) * d + k] = static_cast<scalar_t>(pp[t * hc + j] * static_cast<float>(op[t * d + k]) + s);
+          }
+    });
+  });
+  at::Tensor y, post, comb;
+  std::tie(y, post, comb) = hc_pre_cpu(h, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, out_eps);
+  return {h, y, post, comb};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dsv4, CPU, m) {
   m.impl("hc_sinkhorn", &hc_sinkhorn_cpu);
   m.impl("hc_pre", &hc_pre_cpu);
+  m.impl("hc_post_pre", &hc_post_pre_cpu);
 }

@@ -199,6 +199,9 @@ __device__ __forceinline__ uint4 pack16(const float (&f)[8], __nv_bfloat16*) {
 __device__ __forceinline__ uint4 pack16(const float (&f)[8], __half*) {
   return pack16_pairs<__half2>(f, [](float2 v) { return __float22half2_rn(v); });
 }
+__device__ __forceinline__ void store_one(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store_one(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void store_one(__half* p, float v) { *p = __float2half_rn(v); }
 __device__ __forceinline__ float round_to(float v, float*) { return v; }
 __device__ __forceinline__ float round_to(float v, __nv_bfloat16*) { return __bfloat162float(__float2bfloat16_rn(v)); }
 __device__ __forceinline__ float round_to(float v, __half*) { return __half2float(__float2half_rn(v)); }
@@ -209,9 +212,30 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// hc_post_pre: the streams x are first made from the previous sublayer's output (hc_post): x[t, j, k] =
+// post[t, j] * out[t, k] + sum_i comb[t, i, j] * res[t, i, k] (fp32, the unfused order), rounded to TX; each CTA
+// writes its chunk of x for the finish kernel and the caller.
+template <typename TX>
+struct HcPostIn {
+  const TX* out;  // null: plain hc_pre (x is read)
+  const TX* res;
+  const float* post;
+  const float* comb;
+};
+
+template <typename TX>
+__device__ __forceinline__ float hc_post_value(const HcPostIn<TX>& pi, int t, int hc, int d, int kk) {
+  const int j = kk / d, k = kk - j * d;
+  const float* c = pi.comb + int64_t(t) * hc * hc;
+  float s = 0.0f;
+  for (int i = 0; i < hc; ++i)
+    s = __fadd_rn(s, __fmul_rn(c[i * hc + j], load_f(pi.res + (int64_t(t) * hc + i) * d + k)));
+  return __fadd_rn(__fmul_rn(pi.post[int64_t(t) * hc + j], load_f(pi.out + int64_t(t) * d + k)), s);
+}
+
 template <typename TX, typename TW>
-__global__ void __launch_bounds__(256) hc_pre_partial_kernel(const TX* __restrict__ x, const TW* __restrict__ fn,
-                                                             int T, int K, int mix, float* __restrict__ ws) {
+__global__ void __launch_bounds__(256) hc_pre_partial_kernel(TX* x, const TW* __restrict__ fn, int T, int K, int mix,
+                                                             float* __restrict__ ws, const HcPostIn<TX> pi, int d) {
   __shared__ __align__(16) float xs[kHcMaxTokens][kHcChunk];
   const int s = blockIdx.x, k0 = s * kHcChunk, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int kl = 4 * lane, k = k0 + kl;  // K % 4 == 0: a lane's 4 k are all in range or all out
@@ -223,7 +247,16 @@ __global__ void __launch_bounds__(256) hc_pre_partial_kernel(const TX* __restric
   }
   for (int e = threadIdx.x; e < T * kHcChunk; e += blockDim.x) {
     const int t = e / kHcChunk, kk = k0 + e % kHcChunk;
-    xs[t][e % kHcChunk] = kk < K ? load_f(x + int64_t(t) * K + kk) : 0.0f;
+    float v = 0.0f;
+    if (kk < K) {
+      if (pi.out == nullptr) {
+        v = load_f(x + int64_t(t) * K + kk);
+      } else {
+        v = round_to(hc_post_value(pi, t, K / d, d, kk), static_cast<TX*>(nullptr));
+        store_one(x + int64_t(t) * K + kk, v);
+      }
+    }
+    xs[t][e % kHcChunk] = v;
   }
   __syncthreads();
 #pragma unroll
@@ -339,13 +372,14 @@ __global__ void __launch_bounds__(1024) hc_pre_finish_kernel(
 }
 
 template <typename TX, typename TW>
-cudaError_t hc_pre_launch_t(const void* x, const void* fn, const float* scale, const float* base,
-                            const float* norm_w, int T, int hc, int d, int iters, float hc_eps, float norm_eps,
-                            float out_eps, float* ws, int nsplit, void* y, float* post, float* comb,
-                            cudaStream_t stream) {
+cudaError_t hc_pre_launch_t(void* x, const void* fn, const float* scale, const float* base, const float* norm_w,
+                            int T, int hc, int d, int iters, float hc_eps, float norm_eps, float out_eps, float* ws,
+                            int nsplit, void* y, float* post, float* comb, const void* p_out, const void* p_res,
+                            const float* p_post, const float* p_comb, cudaStream_t stream) {
   const int K = hc * d, mix = (2 + hc) * hc;
-  hc_pre_partial_kernel<TX, TW><<<nsplit, 256, 0, stream>>>(static_cast<const TX*>(x), static_cast<const TW*>(fn),
-                                                              T, K, mix, ws);
+  const HcPostIn<TX> pi{static_cast<const TX*>(p_out), static_cast<const TX*>(p_res), p_post, p_comb};
+  hc_pre_partial_kernel<TX, TW><<<nsplit, 256, 0, stream>>>(static_cast<TX*>(x), static_cast<const TW*>(fn), T, K,
+                                                              mix, ws, pi, d);
   const size_t smem = norm_w != nullptr ? size_t(d) * sizeof(float) : 0;
   if (smem > 40 * 1024) {  // with the static arrays past the 48 KB default
     const cudaError_t e = cudaFuncSetAttribute(hc_pre_finish_kernel<TX>,
@@ -376,22 +410,26 @@ extern "C" cudaError_t dsv4_hc_sinkhorn_launch(const float* x, float* y, int64_t
 }
 
 // hc_pre's kernels (hc <= 4, T <= 16 tokens, d % 8 == 0, d <= 12288; x, fn, norm_w 16-byte aligned): x_kind 0
-// bf16 / 1 fp16 / 2 fp32,
-// fn_bf16: fn held in bf16 (else fp32). ws: fp32 [nsplit, T, (2 + hc) * hc + 1], nsplit = dsv4_hc_pre_splits.
+// bf16 / 1 fp16 / 2 fp32, fn_bf16: fn held in bf16 (else fp32). ws: fp32 [nsplit, T, (2 + hc) * hc + 1], nsplit
+// = dsv4_hc_pre_splits. hc_post_pre: p_out [T, d] / p_res [T, hc, d] (x's dtype), p_post fp32 [T, hc], p_comb fp32
+// [T, hc, hc]; x is then an output (the new streams); p_out null: plain hc_pre, x read.
 extern "C" int dsv4_hc_pre_splits(int hc, int d) { return (hc * d + kHcChunk - 1) / kHcChunk; }
 
-extern "C" cudaError_t dsv4_hc_pre_launch(const void* x, int x_kind, const void* fn, int fn_bf16, const float* scale,
+extern "C" cudaError_t dsv4_hc_pre_launch(void* x, int x_kind, const void* fn, int fn_bf16, const float* scale,
                                           const float* base, const float* norm_w, int T, int hc, int d, int iters,
                                           float hc_eps, float norm_eps, float out_eps, float* ws, void* y,
-                                          float* post, float* comb, cudaStream_t stream) {
+                                          float* post, float* comb, const void* p_out, const void* p_res,
+                                          const float* p_post, const float* p_comb, cudaStream_t stream) {
   if (T == 0) return cudaSuccess;
   if (hc > 4 || T > kHcMaxTokens || d % 8 != 0 || d > 12288) return cudaErrorInvalidValue;
   const int nsplit = dsv4_hc_pre_splits(hc, d);
 #define DSV4_HC_PRE(TX)                                                                                           \
   return fn_bf16 ? hc_pre_launch_t<TX, __nv_bfloat16>(x, fn, scale, base, norm_w, T, hc, d, iters, hc_eps,      \
-                                                      norm_eps, out_eps, ws, nsplit, y, post, comb, stream)     \
+                                                      norm_eps, out_eps, ws, nsplit, y, post, comb, p_out,      \
+                                                      p_res, p_post, p_comb, stream)                            \
                  : hc_pre_launch_t<TX, float>(x, fn, scale, base, norm_w, T, hc, d, iters, hc_eps, norm_eps,     \
-                                              out_eps, ws, nsplit, y, post, comb, stream)
+                                              out_eps, ws, nsplit, y, post, comb, p_out, p_res, p_post, p_comb, \
+                                              stream)
   if (x_kind == 0) DSV4_HC_PRE(__nv_bfloat16);
   if (x_kind == 1) DSV4_HC_PRE(__half);
   DSV4_HC_PRE(float);

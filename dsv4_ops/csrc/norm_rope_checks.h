@@ -1,0 +1,57 @@
+// Argument checks shared by the CPU and CUDA kernels of dsv4::rms_norm_rope (docs/ops.md "## RMSNorm + RoPE"),
+// and the FP8 scale rule of the simulated KV quantization both kernels apply.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+namespace dsv4_norm_rope {
+
+constexpr int64_t kFp8Block = 64;
+constexpr float kFp8Max = 448.0f;
+constexpr float kFp8AmaxFloor = 1e-4f;
+
+struct Shape {
+  int64_t rows, heads, d, nope;
+};
+
+inline Shape check(const at::Tensor& x, const std::optional<at::Tensor>& weight, const at::Tensor& cs, double eps,
+                   int64_t rope_dim, bool fp8_nope) {
+  const char* op = "dsv4::rms_norm_rope";
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, op,
+              ": x must be bfloat16 or float32, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 3, op, ": x must be [rows, heads, d], got ", x.sizes());
+  const int64_t rows = x.size(0), heads = x.size(1), d = x.size(2);
+  TORCH_CHECK(rope_dim >= 0 && rope_dim <= d && rope_dim % 4 == 0 && d % 4 == 0, op,
+              ": rope_dim must be a multiple of 4 in [0, d], d a multiple of 4; got rope_dim ", rope_dim, ", d ", d);
+  TORCH_CHECK(cs.scalar_type() == at::kFloat && cs.dim() == 3 && cs.size(0) == rows && cs.size(1) == rope_dim / 2 &&
+                  cs.size(2) == 2,
+              op, ": cs must be float32 [rows = ", rows, ", rope_dim / 2 = ", rope_dim / 2, ", 2], got ",
+              cs.scalar_type(), " ", cs.sizes());
+  TORCH_CHECK(cs.device() == x.device(), op, ": cs is on ", cs.device(), ", x on ", x.device());
+  if (weight.has_value()) {
+    TORCH_CHECK(weight->scalar_type() == at::kFloat && weight->dim() == 1 && weight->size(0) == d, op,
+                ": weight must be float32 [d = ", d, "], got ", weight->scalar_type(), " ", weight->sizes());
+    TORCH_CHECK(weight->device() == x.device(), op, ": weight is on ", weight->device(), ", x on ", x.device());
+  }
+  TORCH_CHECK(eps >= 0.0, op, ": eps must be >= 0, got ", eps);
+  const int64_t nope = d - rope_dim;
+  TORCH_CHECK(!fp8_nope || nope % kFp8Block == 0, op, ": fp8_nope needs d - rope_dim (", nope,
+              ") to be a multiple of ", kFp8Block);
+  return {rows, heads, d, nope};
+}
+
+// 2^ceil(log2(v)) for positive normal v by its exponent bits (the official kernel's scale rounding).
+inline float pow2_ceil(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, 4);
+  const uint32_t e = ((b >> 23) & 0xFFu) + ((b & 0x7FFFFFu) != 0u ? 1u : 0u);
+  const uint32_t r = e << 23;
+  float out;
+  std::memcpy(&out, &r, 4);
+  return out;
+}
+
+}  // namespace dsv4_norm_rope
