@@ -27,7 +27,7 @@ from dsv4_ops.reference import indexer_fp4_quantize_keys
 
 from .config import ModelConfig
 from .layers import Linear, RMSNorm, apply_rope, fp32_linear, unweighted_rms_norm
-from .quant_sim import hadamard_matrix, indexer_fake_quant, kv_fake_quant
+from .quant_sim import indexer_fake_quant, kv_fake_quant
 
 
 def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -48,6 +48,21 @@ def _fused_compressor(x: torch.Tensor) -> bool:
     tensors and off on CUDA until its CUDA kernel has run on the H200 (written after session 7's last GPU call).
     Read when the step is traced."""
     mode = os.environ.get("DSV4_FUSED_COMPRESSOR", "")
+    if mode in ("0", "1"):
+        return mode == "1"
+    return x.device.type == "cpu"
+
+
+def _fused_hadamard(x: torch.Tensor) -> bool:
+    """Decode's indexer queries (RoPE + Hadamard + FP4) and keys (Hadamard + FP4) as one dsv4::hadamard_fp4 call
+    each, instead of a RoPE kernel, an fp32 GEMM with its reduction and two FP4 kernels. Same bits as the tensor
+    ops (quant_sim.hadamard_rotate is the same butterfly). DSV4_FUSED_HADAMARD=1 / 0 forces it on / off where the
+    op takes the shape; by default it is on for CPU tensors and off on CUDA until its CUDA kernel has run on the
+    H200 (written after session 7's last GPU call). Read when the step is traced."""
+    d = x.shape[-1]
+    if x.dtype not in (torch.bfloat16, torch.float32) or d not in (64, 128, 256):
+        return False
+    mode = os.environ.get("DSV4_FUSED_HADAMARD", "")
     if mode in ("0", "1"):
         return mode == "1"
     return x.device.type == "cpu"
@@ -86,7 +101,6 @@ class Compressor(nn.Module):
         self.wkv = Linear(cfg.dim, c * head_dim, torch.float32)
         self.wgate = Linear(cfg.dim, c * head_dim, torch.float32)
         self.norm = RMSNorm(head_dim, cfg.norm_eps)
-        self.register_buffer("hadamard", None, persistent=False)  # set by the owning Indexer
 
     def alloc_runtime(self, device) -> None:
         c, m = self.coff, self.ratio
@@ -114,16 +128,24 @@ class Compressor(nn.Module):
         self.score_state.fill_(float("-inf"))
 
     def _finish(self, pooled: torch.Tensor, cs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if pooled.dim() == 2 and _fused_norm_rope(pooled.to(dtype), self.rope_dim):  # decode: one entry per row
+        """Pooled entries -> cache entries: RMSNorm, RoPE, and the simulated FP8 (KV) or Hadamard + FP4 (indexer
+        keys) rounding; at decode (one entry per row) through the fused ops where they are on."""
+        decode, x = pooled.dim() == 2, pooled.to(dtype)
+        if decode and _fused_norm_rope(x, self.rope_dim):
             fp8 = self.simulate_quant and not self.rotate
-            kv = torch.ops.dsv4.rms_norm_rope(pooled.to(dtype).unsqueeze(1), self.norm.weight, cs, self.norm.eps,
-                                              self.rope_dim, fp8).squeeze(1)
-            return indexer_fake_quant(kv, self.hadamard) if self.simulate_quant and self.rotate else kv
-        kv = self.norm(pooled.to(dtype))
-        kv = apply_rope(kv, cs, self.rope_dim)
-        if self.simulate_quant:
-            kv = indexer_fake_quant(kv, self.hadamard) if self.rotate else kv_fake_quant(kv, self.rope_dim)
-        return kv
+            kv = torch.ops.dsv4.rms_norm_rope(x.unsqueeze(1), self.norm.weight, cs, self.norm.eps, self.rope_dim,
+                                              fp8).squeeze(1)
+            if not (self.simulate_quant and self.rotate):
+                return kv
+        else:
+            kv = apply_rope(self.norm(x), cs, self.rope_dim)
+            if not self.simulate_quant:
+                return kv
+            if not self.rotate:
+                return kv_fake_quant(kv, self.rope_dim)
+        if decode and _fused_hadamard(kv):
+            return torch.ops.dsv4.hadamard_fp4(kv.unsqueeze(1), None, 0).squeeze(1)
+        return indexer_fake_quant(kv)
 
     def linears(self) -> list[torch.Tensor]:
         return [self.wkv.weight, self.wgate.weight]
@@ -267,17 +289,16 @@ class Indexer(nn.Module):
                              persistent=False)
         self.register_buffer("k_scales", torch.zeros(self.max_batch, self.n_entries, self.head_dim // 32, **u8),
                              persistent=False)
-        h = hadamard_matrix(self.head_dim, device) if self.head_dim & (self.head_dim - 1) == 0 else None
-        self.register_buffer("hadamard", h, persistent=False)
-        self.compressor.register_buffer("hadamard", h, persistent=False)
 
     def queries(self, qr: torch.Tensor, cs: torch.Tensor, proj: torch.Tensor | None = None) -> torch.Tensor:
         """qr [..., q_lora] -> [..., H_I, Di]; cs broadcastable to the head axis. proj: wq_b(qr) if already
         computed (Attention runs it in the same launch as its own wq_b)."""
         q = (self.wq_b(qr) if proj is None else proj).unflatten(-1, (self.n_heads, self.head_dim))
+        if q.dim() == 3 and self.simulate_quant and _fused_hadamard(q):  # decode: cs [B, 1, rope_dim / 2, 2]
+            return torch.ops.dsv4.hadamard_fp4(q, cs.reshape(q.shape[0], self.rope_dim // 2, 2), self.rope_dim)
         q = apply_rope(q, cs, self.rope_dim)
         if self.simulate_quant:
-            q = indexer_fake_quant(q, self.hadamard)
+            q = indexer_fake_quant(q)
         return q
 
     def packed_decode(self) -> bool:

@@ -93,11 +93,23 @@ def hadamard_matrix(n: int, device=None) -> torch.Tensor:
     return _hadamard_cpu(n).to(device)
 
 
-def hadamard_rotate(x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ H_n * n^-0.5 over the last dim (what fast_hadamard_transform(x, scale=n**-0.5) computes)."""
-    if h is None:
-        h = hadamard_matrix(x.shape[-1], x.device)
-    return (x.float() @ h).to(x.dtype)
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """x H_n n^-0.5 over the last dim (n a power of two), as fast_hadamard_transform(x, scale=n**-0.5) computes it:
+    a butterfly in fp32 (stride 1, 2, 4, ...: (a, b) -> (a + b, a - b) for the pair (i, i + stride) with i's
+    stride bit clear), then one multiply by the fp32 n^-0.5, rounded to x's dtype. Fixed order, so the
+    dsv4::hadamard_fp4 kernels reproduce it bit for bit; x @ hadamard_matrix(n) equals it to fp32 rounding."""
+    n = x.shape[-1]
+    if n & (n - 1) or n < 1:
+        raise ValueError(f"Hadamard size {n} is not a power of two")
+    y = x.float()
+    lead = y.shape[:-1]
+    h = 1
+    while h < n:
+        y = y.reshape(*lead, n // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack([a + b, a - b], dim=-2)
+        h *= 2
+    return (y.reshape(*lead, n) * n**-0.5).to(x.dtype)
 
 
 def kv_fake_quant(kv: torch.Tensor, rope_dim: int, block: int = 64) -> torch.Tensor:
@@ -106,6 +118,6 @@ def kv_fake_quant(kv: torch.Tensor, rope_dim: int, block: int = 64) -> torch.Ten
     return torch.cat([fp8_e4m3_block_fake_quant(nope, block), kv[..., kv.shape[-1] - rope_dim:]], dim=-1)
 
 
-def indexer_fake_quant(x: torch.Tensor, h: torch.Tensor | None = None, block: int = 32) -> torch.Tensor:
+def indexer_fake_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """Hadamard-rotate then FP4-round indexer queries / keys (whole vector)."""
-    return fp4_e2m1_block_fake_quant(hadamard_rotate(x, h), block)
+    return fp4_e2m1_block_fake_quant(hadamard_rotate(x), block)

@@ -314,11 +314,11 @@ class IndexerDistill:
         attn._qkv, attn.compressor.prefill, attn.prefill = qkv, comp_prefill, prefill
 
     @staticmethod
-    def _ste_fp4(x: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
+    def _ste_fp4(x: torch.Tensor) -> torch.Tensor:
         """Hadamard + FP4 rounding as the inference indexer applies it, with a straight-through gradient."""
         from dsv4_model.quant_sim import fp4_e2m1_block_fake_quant, hadamard_rotate
 
-        r = hadamard_rotate(x, h)
+        r = hadamard_rotate(x)
         return r + (fp4_e2m1_block_fake_quant(r) - r).detach()
 
     def _loss(self, attn, x, lengths, rope, qr, q, comp) -> torch.Tensor:
@@ -342,7 +342,7 @@ class IndexerDistill:
         finally:
             idx.simulate_quant = idx.compressor.simulate_quant = sim
         if sim:
-            keys, iq = self._ste_fp4(keys, idx.hadamard), self._ste_fp4(iq, idx.hadamard)
+            keys, iq = self._ste_fp4(keys), self._ste_fp4(iq)
         # a large finite fill, not -inf: rows with nothing visible would give NaN gradients through log_softmax
         sc = idx.scores(iq, xd, keys).float().masked_fill(~vis[None], -1e9)
         logq = sc.log_softmax(-1).masked_fill(~vis[None], 0.0)

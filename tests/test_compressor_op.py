@@ -11,6 +11,7 @@ import torch
 
 import dsv4_ops  # noqa: F401
 from dsv4_ops import reference as ref
+from decode_switch import decode_with_switch
 
 ops = torch.ops.dsv4
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.kernels])]
@@ -164,24 +165,10 @@ def test_cuda_graph_replay_and_no_sync():
 def test_model_decode_with_and_without_the_op(monkeypatch, device):
     """The decode step through dsv4::compressor_decode (DSV4_FUSED_COMPRESSOR=1) gives the logits of the tensor
     ops (=0), fp32, over enough steps to close CSA (ratio 4) and HCA (ratio 16) windows; the op really runs (once
-    per compressor and step)."""
-    from dsv4_model.checkpoint_writer import TINY_CONFIG
-    from dsv4_model.config import ModelConfig
-    from dsv4_model.model import Transformer
-
-    cfg = ModelConfig(**{**TINY_CONFIG, "n_layers": 3, "compress_ratios": [0, 4, 16], "n_mtp_layers": 0}).validate()
-    ids = torch.randint(0, cfg.vocab_size, (2, 13), generator=torch.Generator().manual_seed(3))
-    logits, calls = {}, []
-    op = torch.ops.dsv4.compressor_decode
-    monkeypatch.setattr(torch.ops.dsv4, "compressor_decode", lambda *a: calls.append(1) or op(*a))
-    steps = 8
-    for mode in ("0", "1"):
-        monkeypatch.setenv("DSV4_FUSED_COMPRESSOR", mode)
-        m = Transformer(cfg, max_batch_size=2, max_seq_len=40, dtype=torch.float32, device=device)
-        m.init_random_weights(5)
-        m.prefill(ids.to(device))
-        logits[mode] = torch.stack([m.decode_step(ids[:, t].to(device), torch.full((2,), 13 + t, device=device))
-                                    for t in range(steps)]).cpu()
-        # CSA layer: its compressor + its indexer's; HCA layer: one
-        assert len(calls) == (0 if mode == "0" else 3 * steps)
+    per compressor and step: the CSA layer's and its indexer's, the HCA layer's)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    logits, calls, _ = decode_with_switch(monkeypatch, "compressor_decode", "DSV4_FUSED_COMPRESSOR", steps=8,
+                                          device=device, n_layers=3, compress_ratios=[0, 4, 16])
+    assert calls == {"0": 0, "1": 3 * 8}
     torch.testing.assert_close(logits["1"], logits["0"], rtol=1e-4, atol=1e-4)

@@ -11,6 +11,7 @@ import torch
 
 import dsv4_ops  # noqa: F401
 from dsv4_ops import reference as ref
+from decode_switch import decode_with_switch
 
 ops = torch.ops.dsv4
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.kernels])]
@@ -159,22 +160,10 @@ def test_cuda_graph_replay_and_no_sync():
 def test_model_decode_with_and_without_the_op(monkeypatch, dtype):
     """The decode step through dsv4::hc_pre (DSV4_FUSED_HC=1) gives the logits of the unfused steps (=0); fp32:
     to summation-order rounding; bf16: the same rounding points (y rounded, then normed), so within bf16 noise."""
-    from dsv4_model.checkpoint_writer import TINY_CONFIG
-    from dsv4_model.config import ModelConfig
-    from dsv4_model.model import Transformer
-
-    cfg = ModelConfig(**{**TINY_CONFIG, "n_layers": 2, "compress_ratios": [0, 4], "n_mtp_layers": 0}).validate()
-    ids = torch.randint(0, cfg.vocab_size, (2, 13), generator=torch.Generator().manual_seed(3))
-    logits, calls = {}, []
-    op = torch.ops.dsv4.hc_pre
-    monkeypatch.setattr(torch.ops.dsv4, "hc_pre", lambda *a: calls.append(1) or op(*a))
     monkeypatch.setenv("DSV4_FUSED_HC_POST", "0")  # every collapse through hc_pre (hc_post_pre: its own test)
-    for mode in ("0", "1"):
-        monkeypatch.setenv("DSV4_FUSED_HC", mode)
-        m = Transformer(cfg, max_batch_size=2, max_seq_len=32, dtype=dtype).init_random_weights(5)
-        m.prefill(ids)
-        logits[mode] = torch.stack([m.decode_step(ids[:, t], torch.full((2,), 13 + t)) for t in range(6)])
-        assert len(calls) == (0 if mode == "0" else 2 * cfg.n_layers * 6)  # two per layer and decode step
+    logits, calls, cfg = decode_with_switch(monkeypatch, "hc_pre", "DSV4_FUSED_HC", steps=6, dtype=dtype,
+                                            max_seq_len=32, n_layers=2, compress_ratios=[0, 4])
+    assert calls == {"0": 0, "1": 2 * cfg.n_layers * 6}  # two per layer and decode step
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
     torch.testing.assert_close(logits["1"], logits["0"], **tol)
     assert float((logits["1"] - logits["0"]).abs().max()) < float(logits["0"].abs().max()) * 0.05
@@ -290,23 +279,9 @@ def test_post_pre_cuda_graph_replay_and_no_sync():
 def test_model_decode_with_and_without_post_fusion(monkeypatch, device):
     """The decode step with hc_post folded into the next collapse (DSV4_FUSED_HC_POST=1) gives the logits of the
     separate hc_post (=0); fp32; the op runs for every sublayer but the first."""
-    from dsv4_model.checkpoint_writer import TINY_CONFIG
-    from dsv4_model.config import ModelConfig
-    from dsv4_model.model import Transformer
-
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA")
-    cfg = ModelConfig(**{**TINY_CONFIG, "n_layers": 2, "compress_ratios": [0, 4], "n_mtp_layers": 0}).validate()
-    ids = torch.randint(0, cfg.vocab_size, (2, 13), generator=torch.Generator().manual_seed(3))
-    logits, calls = {}, []
-    op = torch.ops.dsv4.hc_post_pre
-    monkeypatch.setattr(torch.ops.dsv4, "hc_post_pre", lambda *a: calls.append(1) or op(*a))
-    for mode in ("0", "1"):
-        monkeypatch.setenv("DSV4_FUSED_HC_POST", mode)
-        m = Transformer(cfg, max_batch_size=2, max_seq_len=32, dtype=torch.float32, device=device)
-        m.init_random_weights(5)
-        m.prefill(ids.to(device))
-        logits[mode] = torch.stack([m.decode_step(ids[:, t].to(device), torch.full((2,), 13 + t, device=device))
-                                    for t in range(4)]).cpu()
-        assert len(calls) == (0 if mode == "0" else (2 * cfg.n_layers - 1) * 4)
+    logits, calls, cfg = decode_with_switch(monkeypatch, "hc_post_pre", "DSV4_FUSED_HC_POST", steps=4,
+                                            device=device, max_seq_len=32, n_layers=2, compress_ratios=[0, 4])
+    assert calls == {"0": 0, "1": (2 * cfg.n_layers - 1) * 4}
     torch.testing.assert_close(logits["1"], logits["0"], rtol=1e-4, atol=1e-4)

@@ -11,6 +11,7 @@ import torch
 
 import dsv4_ops  # noqa: F401
 from dsv4_ops import reference as ref
+from decode_switch import decode_with_switch
 
 ops = torch.ops.dsv4
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.kernels])]
@@ -161,26 +162,11 @@ def test_model_decode_with_and_without_the_op(monkeypatch, device, dtype):
     """The decode step through dsv4::rms_norm_rope (DSV4_FUSED_NORM_ROPE=1) gives the logits of the separate steps
     (=0): fp32 to summation-order rounding, bf16 within bf16 noise; the op runs for q and kv of every layer and
     every compressor's entry."""
-    from dsv4_model.checkpoint_writer import TINY_CONFIG
-    from dsv4_model.config import ModelConfig
-    from dsv4_model.model import Transformer
-
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA")
-    cfg = ModelConfig(**{**TINY_CONFIG, "n_layers": 3, "compress_ratios": [0, 4, 16], "n_mtp_layers": 0}).validate()
-    ids = torch.randint(0, cfg.vocab_size, (2, 13), generator=torch.Generator().manual_seed(3))
-    logits, calls = {}, []
-    op = torch.ops.dsv4.rms_norm_rope
-    monkeypatch.setattr(torch.ops.dsv4, "rms_norm_rope", lambda *a: calls.append(1) or op(*a))
-    steps = 5
-    for mode in ("0", "1"):
-        monkeypatch.setenv("DSV4_FUSED_NORM_ROPE", mode)
-        m = Transformer(cfg, max_batch_size=2, max_seq_len=40, dtype=dtype, device=device)
-        m.init_random_weights(5)
-        m.prefill(ids.to(device))
-        logits[mode] = torch.stack([m.decode_step(ids[:, t].to(device), torch.full((2,), 13 + t, device=device))
-                                    for t in range(steps)]).float().cpu()
-        # per step: q + kv of 3 layers, 3 compressors (CSA's, its indexer's, HCA's)
-        assert len(calls) == (0 if mode == "0" else (2 * 3 + 3) * steps)
+    logits, calls, _ = decode_with_switch(monkeypatch, "rms_norm_rope", "DSV4_FUSED_NORM_ROPE", steps=5,
+                                          device=device, dtype=dtype, n_layers=3, compress_ratios=[0, 4, 16])
+    # per step: q + kv of 3 layers, 3 compressors (CSA's, its indexer's, HCA's)
+    assert calls == {"0": 0, "1": (2 * 3 + 3) * 5}
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
     torch.testing.assert_close(logits["1"], logits["0"], **tol)

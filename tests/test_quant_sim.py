@@ -1,5 +1,6 @@
 """Simulated FP8 / FP4 rounding (dsv4_model.quant_sim) on hand-computed cases."""
 
+import pytest
 import torch
 
 from dsv4_model.quant_sim import (fp4_e2m1_block_fake_quant, fp8_e4m3_block_fake_quant, hadamard_matrix,
@@ -58,10 +59,24 @@ def test_hadamard_sylvester_orthonormal():
     h4 = hadamard_matrix(4)
     x = torch.tensor([1.0, 2.0, 3.0, 4.0])
     # rows of H4: ++++, +-+-, ++--, +--+ ; scale 1/2
-    assert torch.allclose(hadamard_rotate(x, h4), torch.tensor([5.0, -1.0, -2.0, 0.0]))
+    assert torch.equal(x @ h4, torch.tensor([5.0, -1.0, -2.0, 0.0]))
+    assert torch.equal(hadamard_rotate(x), torch.tensor([5.0, -1.0, -2.0, 0.0]))
     h = hadamard_matrix(128)
     assert torch.allclose(h @ h, torch.eye(128), atol=1e-6)
     assert torch.equal(h, h.T)
+
+
+def test_hadamard_butterfly_is_the_matrix_product():
+    """hadamard_rotate's butterfly (the official fast_hadamard_transform's algorithm) equals x @ H n^-0.5 to fp32
+    rounding, for every power of two up to 256, any lead dims, bf16 rounded once at the end."""
+    g = torch.Generator().manual_seed(2)
+    for n in (1, 2, 8, 32, 128, 256):
+        x = torch.randn(3, 5, n, generator=g) * 4
+        want = x.double() @ hadamard_matrix(n).double()
+        torch.testing.assert_close(hadamard_rotate(x).double(), want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(hadamard_rotate(x.bfloat16()), hadamard_rotate(x.bfloat16().float()).bfloat16())
+    with pytest.raises(ValueError, match="not a power of two"):
+        hadamard_rotate(torch.zeros(2, 96))
 
 
 def test_kv_fake_quant_leaves_rope_dims():
@@ -76,8 +91,8 @@ def test_kv_fake_quant_leaves_rope_dims():
 def test_indexer_fake_quant_is_fp4_after_rotation():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(7, 64, generator=g)
-    y = indexer_fake_quant(x, hadamard_matrix(64))
-    r = hadamard_rotate(x, hadamard_matrix(64))
+    y = indexer_fake_quant(x)
+    r = hadamard_rotate(x)
     yb, rb = y.view(7, 2, 32), r.view(7, 2, 32)
     s = pow2_ceil(rb.abs().amax(-1, keepdim=True) / 6.0)
     assert torch.equal(round_to_e2m1(yb / s), yb / s)

@@ -125,5 +125,13 @@ TORCH_LIBRARY(dsv4, m) {
   // with a power-of-two scale per 64 (the simulated KV quantization). See docs/ops.md "## RMSNorm + RoPE".
   m.def("rms_norm_rope(Tensor x, Tensor? weight, Tensor cs, float eps, int rope_dim, bool fp8_nope) -> Tensor");
 
+  // ---- indexer Hadamard + FP4 (issue 7: kernels per layer) ----
+  // Per vector x[r, h] (x [rows, heads, d], bf16 / fp32, d a power of two >= 32): with rope_dim > 0 its trailing
+  // rope_dim dims rotated as interleaved pairs by cs[r] (fp32 [rows, rope_dim / 2, (cos, sin)]) and rounded to x's
+  // dtype; then the Walsh-Hadamard butterfly in fp32 (strides 1, 2, 4, ...) times the fp32 d^-0.5, rounded; then
+  // FP4 e2m1 with a power-of-two scale per 32, dequantized and rounded. The indexer's simulated FP4 queries / keys
+  // (dsv4_model.quant_sim.indexer_fake_quant after apply_rope). See docs/ops.md "## Hadamard + FP4".
+  m.def("hadamard_fp4(Tensor x, Tensor? cs, int rope_dim) -> Tensor");
+
   // ---- decode state (issue 3) ----
 }
