@@ -68,6 +68,20 @@ def _fused_hadamard(x: torch.Tensor) -> bool:
     return x.device.type == "cpu"
 
 
+def _fused_key_store(keys: torch.Tensor) -> bool:
+    """Decode writes a closed window's indexer key into the float and the packed FP4 caches with one
+    dsv4::indexer_store_keys call (instead of the packing kernels and three index_put kernels).
+    DSV4_FUSED_KEY_STORE=1 / 0 forces it on / off where the op takes the shape; by default it is on for CPU
+    tensors and off on CUDA until its CUDA kernel has run on the H200 (written after session 7's last GPU call).
+    Read when the step is traced."""
+    if keys.dtype not in (torch.bfloat16, torch.float32) or keys.shape[-1] not in (64, 128, 256, 512):
+        return False
+    mode = os.environ.get("DSV4_FUSED_KEY_STORE", "")
+    if mode in ("0", "1"):
+        return mode == "1"
+    return keys.device.type == "cpu"
+
+
 def _fused_norm_rope(x: torch.Tensor, rope_dim: int) -> bool:
     """Decode normalises and rotates q / kv / compressed entries [B, H, D] with one dsv4::rms_norm_rope call
     (with the simulated FP8 rounding of kv) instead of 2-3 Inductor kernels each. DSV4_FUSED_NORM_ROPE=1 / 0
@@ -522,13 +536,18 @@ class Attention(nn.Module):
         if self.indexer is not None:
             ix = self.indexer
             ientry, icomplete = ix.compressor.decode(x, positions, rope, iproj_c)
-            self._write_entry(ix.kv_cache, 0, positions, ientry, icomplete)
+            packed = ix.packed_decode()
+            if packed and _fused_key_store(ientry):
+                torch.ops.dsv4.indexer_store_keys(ientry, positions, m, ix.kv_cache, ix.k_codes, ix.k_scales)
+            else:
+                self._write_entry(ix.kv_cache, 0, positions, ientry, icomplete)
+                if packed:
+                    codes, scales = indexer_fp4_quantize_keys(ientry)
+                    self._write_entry(ix.k_codes, 0, positions, codes, icomplete)
+                    self._write_entry(ix.k_scales, 0, positions, scales, icomplete)
             iq = ix.queries(qr, cs.unsqueeze(-3), iproj)
             k = min(ix.index_topk, self.n_entries)
-            if ix.packed_decode():
-                codes, scales = indexer_fp4_quantize_keys(ientry)
-                self._write_entry(ix.k_codes, 0, positions, codes, icomplete)
-                self._write_entry(ix.k_scales, 0, positions, scales, icomplete)
+            if packed:
                 sel = ix.select(iq, x, (positions + 1) // m, k, wproj)
                 sel_valid = sel >= 0
                 sel = sel.clamp(min=0).long()

@@ -641,3 +641,22 @@ def hadamard_fp4_ref(x: torch.Tensor, cs, rope_dim: int) -> torch.Tensor:
     q = torch.where(a < 2, torch.round(a * 2) * 0.5, torch.where(a < 4, torch.round(a), torch.round(a * 0.5) * 2))
     q = torch.where(v < 0, -q, q) * s
     return q.flatten(-2).to(x.dtype)
+
+
+# ======================================================================================================
+# indexer key store (issue 7): dsv4::indexer_store_keys
+# ======================================================================================================
+
+def indexer_store_keys_ref(keys: torch.Tensor, positions: torch.Tensor, ratio: int, kv_cache: torch.Tensor,
+                           k_codes: torch.Tensor, k_scales: torch.Tensor) -> None:
+    """The decode step's indexer key writes (Attention._write_entry of the key and of its FP4 form, by
+    indexer_fp4_quantize_keys): rows whose window closed at this token ((pos + 1) % ratio == 0) get the key at
+    slot min(pos // ratio, n - 1) of each cache, in place; the other rows keep theirs."""
+    B, n = keys.shape[0], kv_cache.shape[1]
+    rows = torch.arange(B)
+    pos = positions.long().cpu()
+    done = (pos + 1) % ratio == 0
+    slot = (pos // ratio).clamp(max=n - 1)
+    codes, scales = indexer_fp4_quantize_keys(keys)
+    for cache, value in ((kv_cache, keys), (k_codes, codes), (k_scales, scales)):
+        cache[rows[done], slot[done]] = value[done].to(cache.dtype)

@@ -49,7 +49,7 @@ $PY -c 'import dsv4_ops; assert dsv4_ops.built_with_cuda(), "library built witho
 # kernels the other sampler tests run: memcheck only (racecheck instruments every shared-memory access: > 480 s).
 KERNEL_TESTS="tests/test_nvfp4_quant.py tests/test_indexer.py tests/test_mhc.py tests/test_fp32_linear.py
   tests/test_router.py tests/test_attn.py tests/test_hc_pre.py tests/test_compressor_op.py
-  tests/test_norm_rope.py tests/test_hadamard_fp4.py
+  tests/test_norm_rope.py tests/test_hadamard_fp4.py tests/test_key_store.py
   tests/test_nvfp4_gemm.py@decode_kernels tests/test_nvfp4_gemm.py@linear_cuda@and@not@w4a4@and@not@decode
   tests/test_nvfp4_gemm.py@w4a4 tests/test_nvfp4_gemm.py@grouped@or@multi
   tests/test_nvfp4_gemm.py@moe_cuda_many_experts@and@not@64@and@not@300
@@ -98,12 +98,14 @@ for part in $PARTS; do
       # The non-default kernel choices (DSV4_FUSED_HC=0: the separate mHC steps; DSV4_ATTN_KERNEL=simt: the
       # CUDA-core attention kernel) and the opt-in ones (DSV4_FUSED_COMPRESSOR=1: dsv4::compressor_decode,
       # DSV4_FUSED_NORM_ROPE=1: dsv4::rms_norm_rope, DSV4_FUSED_HC_POST=1: dsv4::hc_post_pre,
-      # DSV4_FUSED_HADAMARD=1: dsv4::hadamard_fp4; off on CUDA until they have run here): their tests, the
-      # compiled decode step with them and with the non-defaults, and the layer each way (what the defaults buy,
-      # what turning the opt-ins on would). test_compiled_decode has hung at exit after passing.
-      OPTIN="DSV4_FUSED_COMPRESSOR=1 DSV4_FUSED_NORM_ROPE=1 DSV4_FUSED_HC_POST=1 DSV4_FUSED_HADAMARD=1"
+      # DSV4_FUSED_HADAMARD=1: dsv4::hadamard_fp4, DSV4_FUSED_KEY_STORE=1: dsv4::indexer_store_keys; off on
+      # CUDA until they have run here): their tests, the compiled decode step with them and with the
+      # non-defaults, and the layer each way (what the defaults buy, what turning the opt-ins on would).
+      # test_compiled_decode has hung at exit after passing.
+      OPTIN="DSV4_FUSED_COMPRESSOR=1 DSV4_FUSED_NORM_ROPE=1 DSV4_FUSED_HC_POST=1 DSV4_FUSED_HADAMARD=1
+        DSV4_FUSED_KEY_STORE=1"
       step switches_optin_tests 150 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_compressor_op.py \
-        tests/test_norm_rope.py tests/test_hc_pre.py tests/test_hadamard_fp4.py
+        tests/test_norm_rope.py tests/test_hc_pre.py tests/test_hadamard_fp4.py tests/test_key_store.py
       step switches_compiled_optin 150 env $OPTIN $PY -m pytest -q -m cuda -x -p no:cacheprovider \
         tests/test_compiled_decode.py
       step switches_compiled_off 150 env DSV4_FUSED_HC=0 DSV4_ATTN_KERNEL=simt $PY -m pytest -q -m cuda -x \

@@ -133,5 +133,14 @@ TORCH_LIBRARY(dsv4, m) {
   // (dsv4_model.quant_sim.indexer_fake_quant after apply_rope). See docs/ops.md "## Hadamard + FP4".
   m.def("hadamard_fp4(Tensor x, Tensor? cs, int rope_dim) -> Tensor");
 
+  // ---- indexer key store (issue 7: kernels per layer) ----
+  // For each row b < B whose compression window closed at this token ((pos + 1) % ratio == 0, positions >= 0):
+  // slot = min(pos / ratio, n - 1); kv_cache[b, slot] = keys[b] (bf16 / fp32 [B, D], D % 32 == 0) and its FP4
+  // form (E2M1 codes uint8 [D / 2], UE8M0 block-32 exponents uint8 [D / 32], as the indexer cache stores keys)
+  // into k_codes[b, slot] / k_scales[b, slot]. See docs/ops.md "## Indexer key store".
+  m.def(
+      "indexer_store_keys(Tensor keys, Tensor positions, int ratio, Tensor(a!) kv_cache, Tensor(b!) k_codes, "
+      "Tensor(c!) k_scales) -> ()");
+
   // ---- decode state (issue 3) ----
 }

@@ -1,0 +1,93 @@
+// CUDA kernel of dsv4::indexer_store_keys (docs/ops.md "## Indexer key store"), sm_90a. No torch headers:
+// key_store_bindings.cpp checks. One launch writes a closed window's indexer key into the float cache and, as
+// FP4 codes + UE8M0 exponents, into the packed caches (the tensor-op form: the packing kernels and three
+// index_put kernels). A warp per row, lane l holding elements [l E, l E + E) (E = D / 32, even): a block of 32
+// is 32 / E lanes (its amax by shuffles); the same steps and rounding as the CPU kernel (the same bytes).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int kWarpsPerCta = 4;
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+__device__ __forceinline__ uint32_t e2m1_code(float y) {  // y in [-6, 6]; ties to the even code
+  const float a = fabsf(y);
+  const uint32_t mag = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) +
+                       (a > 5.0f);
+  return mag | ((y < 0.0f && mag > 0) ? 8u : 0u);
+}
+
+template <typename T, typename P, int E>
+__global__ void __launch_bounds__(32 * kWarpsPerCta) store_keys_kernel(const T* __restrict__ keys,
+                                                                        const P* __restrict__ positions, int B,
+                                                                        int ratio, int n, T* __restrict__ cache,
+                                                                        uint8_t* __restrict__ codes,
+                                                                        uint8_t* __restrict__ scales) {
+  constexpr int D = 32 * E, kLanesPerBlock = 32 / E;
+  const int b = blockIdx.x * kWarpsPerCta + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (b >= B) return;
+  const int64_t pos = int64_t(positions[b]);
+  if (pos < 0 || (pos + 1) % ratio != 0) return;  // whole warps leave: no window closed in this row
+  const int64_t at = int64_t(b) * n + min(pos / ratio, int64_t(n) - 1);
+  T v[E];
+  float amax = 0.0f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    v[e] = keys[int64_t(b) * D + lane * E + e];
+    cache[at * D + lane * E + e] = v[e];
+    amax = fmaxf(amax, fabsf(to_f(v[e])));
+  }
+#pragma unroll
+  for (int m = kLanesPerBlock / 2; m >= 1; m /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+  const uint32_t bits = __float_as_uint(__fmul_rn(fmaxf(amax, 6.0f * 0x1p-126f), 1.0f / 6.0f));
+  const uint32_t e8 = ((bits >> 23) & 0xFFu) + ((bits & 0x7FFFFFu) != 0u ? 1u : 0u);
+  const float s = __uint_as_float(e8 > 0 ? e8 << 23 : 1u << 22);
+  if (lane % kLanesPerBlock == 0) scales[at * (D / 32) + lane / kLanesPerBlock] = uint8_t(e8);
+#pragma unroll
+  for (int e = 0; e < E; e += 2) {
+    const float y0 = fminf(fmaxf(__fdiv_rn(to_f(v[e]), s), -6.0f), 6.0f);
+    const float y1 = fminf(fmaxf(__fdiv_rn(to_f(v[e + 1]), s), -6.0f), 6.0f);
+    codes[at * (D / 2) + (lane * E + e) / 2] = uint8_t(e2m1_code(y0) | (e2m1_code(y1) << 4));
+  }
+}
+
+template <typename T, typename P>
+cudaError_t launch_t(const void* keys, const void* positions, int B, int D, int ratio, int n, void* cache,
+                     uint8_t* codes, uint8_t* scales, cudaStream_t stream) {
+  const unsigned grid = unsigned((B + kWarpsPerCta - 1) / kWarpsPerCta);
+  const dim3 block(32 * kWarpsPerCta);
+  const T* k = static_cast<const T*>(keys);
+  const P* p = static_cast<const P*>(positions);
+  T* c = static_cast<T*>(cache);
+  switch (D) {
+    case 64: store_keys_kernel<T, P, 2><<<grid, block, 0, stream>>>(k, p, B, ratio, n, c, codes, scales); break;
+    case 128: store_keys_kernel<T, P, 4><<<grid, block, 0, stream>>>(k, p, B, ratio, n, c, codes, scales); break;
+    case 256: store_keys_kernel<T, P, 8><<<grid, block, 0, stream>>>(k, p, B, ratio, n, c, codes, scales); break;
+    case 512: store_keys_kernel<T, P, 16><<<grid, block, 0, stream>>>(k, p, B, ratio, n, c, codes, scales); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+extern "C" int dsv4_store_keys_kernel_ok(int D) { return D == 64 || D == 128 || D == 256 || D == 512; }
+
+// keys [B, D] (keys_fp32: float32, else bf16), positions [B] (pos_i32: int32, else int64), cache [>= B, n, D]
+// of the keys' dtype, codes uint8 [>= B, n, D / 2], scales uint8 [>= B, n, D / 32]; all contiguous.
+extern "C" cudaError_t dsv4_store_keys_launch(const void* keys, int keys_fp32, const void* positions, int pos_i32,
+                                              int B, int D, int ratio, int n, void* cache, uint8_t* codes,
+                                              uint8_t* scales, cudaStream_t stream) {
+  if (B == 0) return cudaSuccess;
+  if (!dsv4_store_keys_kernel_ok(D) || ratio < 1 || n < 1) return cudaErrorInvalidValue;
+  if (keys_fp32)
+    return pos_i32 ? launch_t<float, int32_t>(keys, positions, B, D, ratio, n, cache, codes, scales, stream)
+                   : launch_t<float, int64_t>(keys, positions, B, D, ratio, n, cache, codes, scales, stream);
+  return pos_i32 ? launch_t<__nv_bfloat16, int32_t>(keys, positions, B, D, ratio, n, cache, codes, scales, stream)
+                 : launch_t<__nv_bfloat16, int64_t>(keys, positions, B, D, ratio, n, cache, codes, scales, stream);
+}
