@@ -26,7 +26,7 @@ from torch import nn
 from dsv4_ops.reference import indexer_fp4_quantize_keys
 
 from .config import ModelConfig
-from .layers import Linear, RMSNorm, apply_rope, fp32_linear, unweighted_rms_norm
+from .layers import Linear, RMSNorm, apply_rope, fp32_linear, opt_in, unweighted_rms_norm
 from .quant_sim import indexer_fake_quant, kv_fake_quant
 
 
@@ -47,10 +47,7 @@ def _fused_compressor(x: torch.Tensor) -> bool:
     launch instead of ~6 kernels). DSV4_FUSED_COMPRESSOR=1 / 0 forces it on / off; by default it is on for CPU
     tensors and off on CUDA until its CUDA kernel has run on the H200 (written after session 7's last GPU call).
     Read when the step is traced."""
-    mode = os.environ.get("DSV4_FUSED_COMPRESSOR", "")
-    if mode in ("0", "1"):
-        return mode == "1"
-    return x.device.type == "cpu"
+    return opt_in("DSV4_FUSED_COMPRESSOR", x)
 
 
 def _fused_hadamard(x: torch.Tensor) -> bool:
@@ -62,10 +59,7 @@ def _fused_hadamard(x: torch.Tensor) -> bool:
     d = x.shape[-1]
     if x.dtype not in (torch.bfloat16, torch.float32) or d not in (64, 128, 256):
         return False
-    mode = os.environ.get("DSV4_FUSED_HADAMARD", "")
-    if mode in ("0", "1"):
-        return mode == "1"
-    return x.device.type == "cpu"
+    return opt_in("DSV4_FUSED_HADAMARD", x)
 
 
 def _fused_key_store(keys: torch.Tensor) -> bool:
@@ -76,10 +70,7 @@ def _fused_key_store(keys: torch.Tensor) -> bool:
     Read when the step is traced."""
     if keys.dtype not in (torch.bfloat16, torch.float32) or keys.shape[-1] not in (64, 128, 256, 512):
         return False
-    mode = os.environ.get("DSV4_FUSED_KEY_STORE", "")
-    if mode in ("0", "1"):
-        return mode == "1"
-    return keys.device.type == "cpu"
+    return opt_in("DSV4_FUSED_KEY_STORE", keys)
 
 
 def _fused_norm_rope(x: torch.Tensor, rope_dim: int) -> bool:
@@ -90,10 +81,7 @@ def _fused_norm_rope(x: torch.Tensor, rope_dim: int) -> bool:
     d = x.shape[-1]
     if x.dtype not in (torch.bfloat16, torch.float32) or d % 4 or rope_dim % 4 or d > 4096:
         return False
-    mode = os.environ.get("DSV4_FUSED_NORM_ROPE", "")
-    if mode in ("0", "1"):
-        return mode == "1"
-    return x.device.type == "cpu"
+    return opt_in("DSV4_FUSED_NORM_ROPE", x)
 
 
 class Compressor(nn.Module):

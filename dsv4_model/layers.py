@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,20 @@ class Linear(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, dtype={self.weight.dtype}"
 
+
+
+# The fused decode ops whose CUDA kernels have passed on the H200 (scripts/gpu_check.sh switches): on by default
+# on CUDA too. The others stay opt-in there.
+CUDA_VERIFIED: set[str] = set()
+
+
+def opt_in(env: str, t: torch.Tensor) -> bool:
+    """A fused decode op's switch: env=1 / 0 forces it on / off; unset, it is on for CPU tensors, and on CUDA once
+    the op is in CUDA_VERIFIED. Read when the step is traced."""
+    mode = os.environ.get(env, "")
+    if mode in ("0", "1"):
+        return mode == "1"
+    return t.device.type == "cpu" or env in CUDA_VERIFIED
 
 class RMSNorm(nn.Module):
     """Weighted RMSNorm computed in fp32 with an fp32 weight (official keeps norm weights in fp32)."""

@@ -32,7 +32,7 @@ from torch import nn
 
 from .attention import Attention, Compressor, Indexer
 from .config import ModelConfig
-from .layers import Linear, RMSNorm, hc_head, hc_post, hc_pre, rope_inv_freq, rope_table
+from .layers import Linear, RMSNorm, hc_head, hc_post, hc_pre, opt_in, rope_inv_freq, rope_table
 from .moe import MoE
 
 
@@ -131,10 +131,7 @@ def _fused_hc_post(h: torch.Tensor) -> bool:
     dsv4::hc_post_pre call instead of hc_post + hc_pre (one kernel less per sublayer). DSV4_FUSED_HC_POST=1 / 0
     forces it on / off; by default it is on for CPU tensors and off on CUDA until its CUDA kernel has run on the
     H200 (written after session 7's last GPU call). Read when the step is traced."""
-    mode = os.environ.get("DSV4_FUSED_HC_POST", "")
-    if mode in ("0", "1"):
-        return mode == "1"
-    return h.device.type == "cpu"
+    return opt_in("DSV4_FUSED_HC_POST", h)
 
 
 def _param(*shape) -> nn.Parameter:
