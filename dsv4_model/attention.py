@@ -436,9 +436,11 @@ class Attention(nn.Module):
             o = o + torch.einsum("bthk,btkd->bthd", p[..., J:-1], qkeys.float())
         return o.to(q.dtype)
 
-    def _out(self, o: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
-        """o [..., H, D] -> inverse RoPE at the query position -> grouped low-rank projection -> [..., dim]."""
-        o = apply_rope(o, cs.unsqueeze(-3), self.rope_dim, inverse=True)
+    def _out(self, o: torch.Tensor, cs: torch.Tensor, rotated: bool = False) -> torch.Tensor:
+        """o [..., H, D] -> inverse RoPE at the query position (unless already rotated) -> grouped low-rank
+        projection -> [..., dim]."""
+        if not rotated:
+            o = apply_rope(o, cs.unsqueeze(-3), self.rope_dim, inverse=True)
         o = o.flatten(-2).unflatten(-1, (self.n_groups, -1))
         if isinstance(self.wo_a, Linear):
             wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
@@ -554,6 +556,11 @@ class Attention(nn.Module):
         listed = W + (sel.shape[1] if sel is not None else self.n_entries if self.ratio else 0)
         if _fused_decode_attention(B, listed, q) and q.dtype == self.kv_cache.dtype:
             rows = self._decode_rows(positions, sel, sel_valid)
+            if self.rope_dim > 0 and self.rope_dim % 4 == 0 and opt_in("DSV4_FUSED_OUT_ROPE", q):
+                # the output's inverse RoPE in the op's combine kernel (one kernel less)
+                o = torch.ops.dsv4.sparse_attn_decode(q, self.kv_cache[:B], rows, self.attn_sink,
+                                                      self.softmax_scale, cs, self.rope_dim)
+                return self._out(o, cs, rotated=True)
             o = torch.ops.dsv4.sparse_attn_decode(q, self.kv_cache[:B], rows, self.attn_sink, self.softmax_scale)
             return self._out(o, cs)
         keys = self.kv_cache[:B, :W]

@@ -538,10 +538,22 @@ def router_topk_ref(scores: torch.Tensor, bias, k: int, renormalize: bool, scale
 # ======================================================================================================
 
 def sparse_attn_decode_ref(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, out_rope=None, rope_dim: int = 0) -> torch.Tensor:
     """q [B, H, D] against the rows idx [B, J] of kv [B' >= B, N, D] (entries outside [0, N) skipped): fp32 scores
     times scale, one softmax together with the per-head sink [H], the fp32 weighted sum of the rows (K = V), in
-    q's dtype (dsv4_model.attention.Attention._attend's steps)."""
+    q's dtype (dsv4_model.attention.Attention._attend's steps); with out_rope [B, rope_dim / 2, (cos, sin)] the
+    inverse RoPE of the trailing rope_dim dims, rounded again (Attention._out's first step)."""
+    out = _sparse_attn(q, kv, idx, sink, scale)
+    if out_rope is None:
+        return out
+    nope = q.shape[-1] - rope_dim
+    r = out[..., nope:].float().unflatten(-1, (rope_dim // 2, 2))
+    cos, sin = out_rope[:, None, :, 0], -out_rope[:, None, :, 1]
+    rot = torch.stack([r[..., 0] * cos - r[..., 1] * sin, r[..., 0] * sin + r[..., 1] * cos], -1).flatten(-2)
+    return torch.cat([out[..., :nope], rot.to(out.dtype)], -1)
+
+
+def _sparse_attn(q, kv, idx, sink, scale):
     B, D, N = q.shape[0], q.shape[2], kv.shape[1]
     valid = (idx >= 0) & (idx < N)
     rows = torch.where(valid, idx, torch.zeros_like(idx)).long()

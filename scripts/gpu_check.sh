@@ -98,14 +98,15 @@ for part in $PARTS; do
       # The non-default kernel choices (DSV4_FUSED_HC=0: the separate mHC steps; DSV4_ATTN_KERNEL=simt: the
       # CUDA-core attention kernel) and the opt-in ones (DSV4_FUSED_COMPRESSOR=1: dsv4::compressor_decode,
       # DSV4_FUSED_NORM_ROPE=1: dsv4::rms_norm_rope, DSV4_FUSED_HC_POST=1: dsv4::hc_post_pre,
-      # DSV4_FUSED_HADAMARD=1: dsv4::hadamard_fp4, DSV4_FUSED_KEY_STORE=1: dsv4::indexer_store_keys; off on
-      # CUDA until they have run here): their tests, the compiled decode step with them and with the
+      # DSV4_FUSED_HADAMARD=1: dsv4::hadamard_fp4, DSV4_FUSED_KEY_STORE=1: dsv4::indexer_store_keys,
+      # DSV4_FUSED_OUT_ROPE=1: sparse_attn_decode's out_rope; off on CUDA until they have run here): their tests, the compiled decode step with them and with the
       # non-defaults, and the layer each way (what the defaults buy, what turning the opt-ins on would).
       # test_compiled_decode has hung at exit after passing.
       OPTIN="DSV4_FUSED_COMPRESSOR=1 DSV4_FUSED_NORM_ROPE=1 DSV4_FUSED_HC_POST=1 DSV4_FUSED_HADAMARD=1
-        DSV4_FUSED_KEY_STORE=1"
+        DSV4_FUSED_KEY_STORE=1 DSV4_FUSED_OUT_ROPE=1"
       step switches_optin_tests 150 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_compressor_op.py \
-        tests/test_norm_rope.py tests/test_hc_pre.py tests/test_hadamard_fp4.py tests/test_key_store.py
+        tests/test_norm_rope.py tests/test_hc_pre.py tests/test_hadamard_fp4.py tests/test_key_store.py \
+        tests/test_attn.py
       step switches_compiled_optin 150 env $OPTIN $PY -m pytest -q -m cuda -x -p no:cacheprovider \
         tests/test_compiled_decode.py
       step switches_compiled_off 150 env DSV4_FUSED_HC=0 DSV4_ATTN_KERNEL=simt $PY -m pytest -q -m cuda -x \

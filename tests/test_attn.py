@@ -185,3 +185,62 @@ def test_model_picks_the_op_by_size(monkeypatch):
     assert attention._fused_decode_attention(8, limit, fp32)
     monkeypatch.setenv("DSV4_DECODE_ATTENTION", "torch")
     assert not attention._fused_decode_attention(1, 1, bf16)
+
+
+# ------------------------------------------------------------------------- the output's inverse RoPE (out_rope)
+def rope_case(B, rope, gen):
+    ang = torch.rand(B, rope // 2, generator=gen) * 6.3
+    return torch.stack([ang.cos(), ang.sin()], -1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_out_rope_is_the_model_step(device, dtype):
+    """With out_rope the op's output is the plain output through Attention._out's inverse RoPE (apply_rope with
+    inverse=True) bit for bit (CUDA: the combine kernel rotates the values it rounded; the rest of the row is
+    untouched), and the reference's to rounding; a forward rotation is far."""
+    from dsv4_model.layers import apply_rope
+
+    B, H, D, N, J, rope = 2, 12, 128, 40, 24, 64
+    gen = torch.Generator().manual_seed(31)
+    q, kv, idx, sink = case(B, H, D, N, J, dtype, gen, kv_rows=B + 1)
+    cs = rope_case(B, rope, gen)
+    args = [t.to(device) for t in (q, kv, idx, sink)]
+    plain = ops.sparse_attn_decode(*args, D ** -0.5)
+    got = ops.sparse_attn_decode(*args, D ** -0.5, cs.to(device), rope)
+    assert torch.equal(got, apply_rope(plain, cs.to(device).unsqueeze(-3), rope, inverse=True))
+    assert torch.equal(got[..., :D - rope], plain[..., :D - rope])
+    want = ref.sparse_attn_decode_ref(q, kv, idx, sink, D ** -0.5, cs, rope)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-3)
+    torch.testing.assert_close(got.cpu().float(), want.float(), **tol)
+    forward = apply_rope(plain, cs.to(device).unsqueeze(-3), rope)
+    assert float((got.float() - forward.float()).abs().max()) > 1e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_out_rope_opcheck_and_bad_arguments(device):
+    gen = torch.Generator().manual_seed(32)
+    q, kv, idx, sink = (t.to(device) for t in case(2, 4, 64, 20, 10, torch.bfloat16, gen, kv_rows=3))
+    cs = rope_case(2, 16, gen).to(device)
+    torch.library.opcheck(ops.sparse_attn_decode.default, (q, kv, idx.int(), sink, 0.125, cs, 16))
+    with pytest.raises(RuntimeError, match="rope_dim must be 0 without out_rope"):
+        ops.sparse_attn_decode(q, kv, idx, sink, 0.125, None, 16)
+    with pytest.raises(RuntimeError, match=r"out_rope must be float32 \[B = 2, rope_dim / 2 = 8, 2\]"):
+        ops.sparse_attn_decode(q, kv, idx, sink, 0.125, cs[:1], 16)
+    with pytest.raises(RuntimeError, match="rope_dim must be a multiple of 4"):
+        ops.sparse_attn_decode(q, kv, idx, sink, 0.125, cs[:, :3], 6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_model_decode_with_and_without_out_rope(monkeypatch, device):
+    """The decode step with the output's inverse RoPE inside the attention op (DSV4_FUSED_OUT_ROPE=1) gives the
+    logits of the separate rotation (=0) exactly: the same values rotated by the same operations."""
+    from decode_switch import decode_with_switch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    monkeypatch.setenv("DSV4_DECODE_ATTENTION", "fused")
+    logits, calls, _ = decode_with_switch(monkeypatch, "sparse_attn_decode", "DSV4_FUSED_OUT_ROPE", steps=5,
+                                          device=device, n_layers=3, compress_ratios=[0, 4, 16])
+    assert calls["0"] == calls["1"] == 3 * 5
+    assert torch.equal(logits["1"], logits["0"])

@@ -3,6 +3,8 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <optional>
+
 namespace dsv4_attn {
 
 // Returns nothing; names the argument that is wrong.
@@ -24,6 +26,34 @@ inline void check(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& i
   for (const at::Tensor* t : {&kv, &idx, &sink})
     TORCH_CHECK(t->device() == q.device(), op, ": all tensors must be on q's device ", q.device(), ", got ",
                 t->device());
+}
+
+// out_rope (optional): cs fp32 [B, rope_dim / 2, (cos, sin)] of each row's position; rope_dim a multiple of 4 in
+// (0, D] when given, 0 without.
+inline void check_out_rope(const at::Tensor& q, const std::optional<at::Tensor>& cs, int64_t rope_dim) {
+  const char* op = "dsv4::sparse_attn_decode";
+  if (!cs.has_value()) {
+    TORCH_CHECK(rope_dim == 0, op, ": rope_dim must be 0 without out_rope, got ", rope_dim);
+    return;
+  }
+  TORCH_CHECK(rope_dim > 0 && rope_dim <= q.size(2) && rope_dim % 4 == 0, op,
+              ": rope_dim must be a multiple of 4 in (0, D = ", q.size(2), "] with out_rope, got ", rope_dim);
+  TORCH_CHECK(cs->scalar_type() == at::kFloat && cs->dim() == 3 && cs->size(0) == q.size(0) &&
+                  cs->size(1) == rope_dim / 2 && cs->size(2) == 2,
+              op, ": out_rope must be float32 [B = ", q.size(0), ", rope_dim / 2 = ", rope_dim / 2, ", 2], got ",
+              cs->scalar_type(), " ", cs->sizes());
+  TORCH_CHECK(cs->device() == q.device(), op, ": out_rope is on ", cs->device(), ", q on ", q.device());
+}
+
+// The inverse RoPE of the output's trailing rope_dim dims as ATen ops (dsv4_model.layers.apply_rope with
+// inverse=True: sin negated, the rotation in fp32 from out's values, rounded to out's dtype).
+inline at::Tensor inverse_rope_aten(const at::Tensor& out, const at::Tensor& cs, int64_t rope_dim) {
+  const int64_t nope = out.size(2) - rope_dim;
+  const at::Tensor r = out.narrow(2, nope, rope_dim).to(at::kFloat).unflatten(-1, {rope_dim / 2, 2});
+  const at::Tensor c = cs.unsqueeze(1);
+  const at::Tensor co = c.select(-1, 0), si = c.select(-1, 1).neg(), x0 = r.select(-1, 0), x1 = r.select(-1, 1);
+  const at::Tensor rot = at::stack({x0 * co - x1 * si, x0 * si + x1 * co}, -1).flatten(-2);
+  return at::cat({out.narrow(2, 0, nope), rot.to(out.scalar_type())}, -1);
 }
 
 // The op as ATen ops (the reference's steps): fp32 scores of the gathered rows, masked where idx is outside

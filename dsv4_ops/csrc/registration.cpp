@@ -97,7 +97,11 @@ TORCH_LIBRARY(dsv4, m) {
   // dtype) = sum_j p_j kv[b, idx[b, j]] with p = softmax over (scale * q . k_j for the listed rows, sink[h]), fp32
   // math. DeepSeek-V4's sliding window + compressed / top-k entries with one shared K = V head. See docs/ops.md
   // "## Decode attention".
-  m.def("sparse_attn_decode(Tensor q, Tensor kv, Tensor idx, Tensor sink, float scale) -> Tensor");
+  // With out_rope (fp32 [B, rope_dim / 2, (cos, sin)] of each row's position) the output's trailing rope_dim dims
+  // are then rotated back (inverse RoPE, as the attention output before wo_a) and rounded again.
+  m.def(
+      "sparse_attn_decode(Tensor q, Tensor kv, Tensor idx, Tensor sink, float scale, Tensor? out_rope=None, "
+      "int rope_dim=0) -> Tensor");
 
   // ---- MoE routing (issue 7: kernels per layer) ----
   // Per row of scores fp32 [N, E]: the k experts with the largest scores + bias (NaN above every number, ties to

@@ -1,8 +1,8 @@
-"""Fake for dsv4::sparse_attn_decode: the shape and dtype of q."""
+"""Fake for dsv4::sparse_attn_decode: the shape and dtype of q (with or without the output's inverse RoPE)."""
 import torch
 
 
-def _sparse_attn_decode_fake(q, kv, idx, sink, scale):
+def _sparse_attn_decode_fake(q, kv, idx, sink, scale, out_rope=None, rope_dim=0):
     op = "dsv4::sparse_attn_decode"
     torch._check(q.dim() == 3, lambda: f"{op}: q must be [B, H, D], got {tuple(q.shape)}")
     torch._check(q.dtype in (torch.bfloat16, torch.float16, torch.float32),
@@ -14,6 +14,13 @@ def _sparse_attn_decode_fake(q, kv, idx, sink, scale):
                  lambda: f"{op}: idx must be int32 / int64 [B, J]")
     torch._check(sink.dtype == torch.float32 and sink.dim() == 1 and sink.shape[0] == q.shape[1],
                  lambda: f"{op}: sink must be float32 [H]")
+    if out_rope is None:
+        torch._check(rope_dim == 0, lambda: f"{op}: rope_dim must be 0 without out_rope")
+    else:
+        torch._check(0 < rope_dim <= q.shape[2] and rope_dim % 4 == 0,
+                     lambda: f"{op}: rope_dim must be a multiple of 4 in (0, D] with out_rope")
+        torch._check(out_rope.dtype == torch.float32 and out_rope.shape == (q.shape[0], rope_dim // 2, 2),
+                     lambda: f"{op}: out_rope must be float32 [B, rope_dim / 2, 2]")
     return q.new_empty(q.shape)
 
 

@@ -1,5 +1,6 @@
 // CPU kernel of dsv4::sparse_attn_decode (docs/ops.md "## Decode attention"): per (row, head), fp32 scores of the
-// listed cache rows in list order, the softmax with the head's sink, the fp32 weighted sum in list order.
+// listed cache rows in list order, the softmax with the head's sink, the fp32 weighted sum in list order; with
+// out_rope the output's inverse RoPE as the model's tensor ops.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -53,15 +54,17 @@ void attend_rows(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& id
 }
 
 at::Tensor sparse_attn_decode_cpu(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx,
-                                  const at::Tensor& sink, double scale) {
+                                  const at::Tensor& sink, double scale, const std::optional<at::Tensor>& out_rope,
+                                  int64_t rope_dim) {
   dsv4_attn::check(q, kv, idx, sink);
+  dsv4_attn::check_out_rope(q, out_rope, rope_dim);
   const at::Tensor qc = q.contiguous(), kc = kv.contiguous(), ic = idx.to(at::kLong).contiguous();
   const at::Tensor sc = sink.contiguous();
   at::Tensor out = at::empty(q.sizes(), q.options());
   if (q.scalar_type() == at::kFloat) attend_rows<float>(qc, kc, ic, sc, float(scale), out);
   else if (q.scalar_type() == at::kBFloat16) attend_rows<at::BFloat16>(qc, kc, ic, sc, float(scale), out);
   else attend_rows<at::Half>(qc, kc, ic, sc, float(scale), out);
-  return out;
+  return out_rope.has_value() ? dsv4_attn::inverse_rope_aten(out, out_rope->contiguous(), rope_dim) : out;
 }
 
 }  // namespace

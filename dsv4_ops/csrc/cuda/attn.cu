@@ -29,6 +29,10 @@ constexpr int kRowPad = 16;  // bytes after each staged row (see row_bytes)
 
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+__device__ __forceinline__ float round_to(float v, const float*) { return v; }
+__device__ __forceinline__ float round_to(float v, const __nv_bfloat16*) {
+  return __bfloat162float(__float2bfloat16_rn(v));
+}
 
 // Elements of T per 16-byte piece, and a piece widened to fp32.
 template <typename T>
@@ -407,6 +411,7 @@ template <typename T>
 __global__ void __launch_bounds__(128) attn_combine_kernel(const float* __restrict__ ws_o,
                                                           const float* __restrict__ ws_ml,
                                                           const float* __restrict__ sink, int H, int D, int nsplit,
+                                                          const float* __restrict__ out_rope, int rope_dim,
                                                           T* __restrict__ out) {
   __shared__ float wgt[64];
   __shared__ float total;
@@ -447,14 +452,26 @@ __global__ void __launch_bounds__(128) attn_combine_kernel(const float* __restri
       acc.w = fmaf(v.w, w, acc.w);
     }
     T* o = out + (int64_t(b) * H + h) * D + d;
-    store(o, acc.x / L), store(o + 1, acc.y / L), store(o + 2, acc.z / L), store(o + 3, acc.w / L);
+    float v[4] = {round_to(acc.x / L, o), round_to(acc.y / L, o), round_to(acc.z / L, o), round_to(acc.w / L, o)};
+    const int nope = D - rope_dim;
+    if (out_rope != nullptr && d >= nope) {  // inverse RoPE of the 2 pairs (d - nope is a multiple of 4)
+      const float* c = out_rope + int64_t(b) * rope_dim + (d - nope);  // (cos, sin) of pair (d - nope) / 2, + 1
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const float x0 = v[2 * k], x1 = v[2 * k + 1], co = c[2 * k], si = -c[2 * k + 1];
+        v[2 * k] = round_to(__fsub_rn(__fmul_rn(x0, co), __fmul_rn(x1, si)), o);
+        v[2 * k + 1] = round_to(__fadd_rn(__fmul_rn(x0, si), __fmul_rn(x1, co)), o);
+      }
+    }
+    store(o, v[0]), store(o + 1, v[1]), store(o + 2, v[2]), store(o + 3, v[3]);
   }
 }
 
 template <typename T>
 cudaError_t launch(const void* q, const void* kv, const int32_t* idx, const float* sink, int B, int H, int N,
                    int D, int J, int64_t kv_batch_stride, float scale, float* ws_o, float* ws_ml, int nsplit,
-                   int rows_per_split, int use_mma, void* out, cudaStream_t stream) {
+                   int rows_per_split, int use_mma, const float* out_rope, int rope_dim, void* out,
+                   cudaStream_t stream) {
   // > 48 KB of dynamic shared memory needs an opt-in, per device (a host-side call, not a stream operation)
   static bool opted_in[64] = {};
   int dev = 0;
@@ -479,7 +496,8 @@ cudaError_t launch(const void* q, const void* kv, const int32_t* idx, const floa
         static_cast<const T*>(q), static_cast<const T*>(kv), idx, H, N, D, J, kv_batch_stride, rows_per_split,
         scale, ws_o, ws_ml);
   }
-  attn_combine_kernel<T><<<dim3(H, B), 128, 0, stream>>>(ws_o, ws_ml, sink, H, D, nsplit, static_cast<T*>(out));
+  attn_combine_kernel<T><<<dim3(H, B), 128, 0, stream>>>(ws_o, ws_ml, sink, H, D, nsplit, out_rope, rope_dim,
+                                                         static_cast<T*>(out));
   return cudaGetLastError();
 }
 
@@ -510,16 +528,18 @@ extern "C" int dsv4_attn_decode_splits(int B, int H, int J, int num_sms, int use
 // q [B, H, D], kv rows of D elements with kv_batch_stride elements between batch rows, idx int32 [B, J], sink fp32
 // [H], out [B, H, D]; is_fp32: q / kv / out fp32 (else bf16); use_mma: the tensor-core partial kernel (bf16,
 // dsv4_attn_decode_mma_ok). D <= 512, D % 8 == 0. Workspace: ws_o fp32 [B, nsplit, H, D], ws_ml fp32
-// [B, nsplit, H, 2].
+// [B, nsplit, H, 2]. out_rope: fp32 [B, rope_dim / 2, (cos, sin)] (rope_dim % 4 == 0) or null: the output's
+// inverse RoPE, applied by the combine kernel to the rounded output and rounded again.
 extern "C" cudaError_t dsv4_attn_decode_launch(const void* q, const void* kv, const int32_t* idx, const float* sink,
                                                int is_fp32, int B, int H, int N, int D, int J,
                                                int64_t kv_batch_stride, float scale, float* ws_o, float* ws_ml,
-                                               int nsplit, int rows_per_split, int use_mma, void* out,
-                                               cudaStream_t stream) {
+                                               int nsplit, int rows_per_split, int use_mma, const float* out_rope,
+                                               int rope_dim, void* out, cudaStream_t stream) {
   if (B == 0 || H == 0) return cudaSuccess;
   if (D > 512 || D % 8 != 0 || (use_mma && (is_fp32 || !dsv4_attn_decode_mma_ok(D)))) return cudaErrorInvalidValue;
+  if (out_rope != nullptr && (rope_dim % 4 != 0 || rope_dim <= 0 || rope_dim > D)) return cudaErrorInvalidValue;
   return is_fp32 ? launch<float>(q, kv, idx, sink, B, H, N, D, J, kv_batch_stride, scale, ws_o, ws_ml, nsplit,
-                                 rows_per_split, 0, out, stream)
+                                 rows_per_split, 0, out_rope, rope_dim, out, stream)
                  : launch<__nv_bfloat16>(q, kv, idx, sink, B, H, N, D, J, kv_batch_stride, scale, ws_o, ws_ml,
-                                         nsplit, rows_per_split, use_mma, out, stream);
+                                         nsplit, rows_per_split, use_mma, out_rope, rope_dim, out, stream);
 }

@@ -18,18 +18,20 @@ extern "C" int dsv4_attn_decode_splits(int B, int H, int J, int num_sms, int use
 extern "C" cudaError_t dsv4_attn_decode_launch(const void* q, const void* kv, const int32_t* idx, const float* sink,
                                                int is_fp32, int B, int H, int N, int D, int J,
                                                int64_t kv_batch_stride, float scale, float* ws_o, float* ws_ml,
-                                               int nsplit, int rows_per_split, int use_mma, void* out,
-                                               cudaStream_t stream);
+                                               int nsplit, int rows_per_split, int use_mma, const float* out_rope,
+                                               int rope_dim, void* out, cudaStream_t stream);
 
 namespace {
 
 using dsv4_cuda::sm_count;
 
 at::Tensor sparse_attn_decode_cuda(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx,
-                                   const at::Tensor& sink, double scale) {
+                                   const at::Tensor& sink, double scale, const std::optional<at::Tensor>& out_rope,
+                                   int64_t rope_dim) {
   const char* op = "dsv4::sparse_attn_decode";
   TORCH_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor, got ", q.device());
   dsv4_attn::check(q, kv, idx, sink);
+  dsv4_attn::check_out_rope(q, out_rope, rope_dim);
   const c10::cuda::CUDAGuard guard(q.device());
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), N = kv.size(1), J = idx.size(1);
   const bool kernel = (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat) && D <= 512 &&
@@ -37,7 +39,11 @@ at::Tensor sparse_attn_decode_cuda(const at::Tensor& q, const at::Tensor& kv, co
                       N < (int64_t(1) << 31) && J < (int64_t(1) << 31) &&
                       reinterpret_cast<uintptr_t>(kv.data_ptr()) % 16 == 0 &&
                       (kv.stride(0) * kv.element_size()) % 16 == 0;  // 16-byte row copies
-  if (!kernel) return dsv4_attn::attend_aten(q, kv, idx, sink, scale);
+  if (!kernel) {
+    const at::Tensor out = dsv4_attn::attend_aten(q, kv, idx, sink, scale);
+    return out_rope.has_value() ? dsv4_attn::inverse_rope_aten(out, out_rope->contiguous(), rope_dim) : out;
+  }
+  const at::Tensor rc = out_rope.has_value() ? out_rope->contiguous() : at::Tensor();
   at::Tensor qc = q.contiguous();
   if (reinterpret_cast<uintptr_t>(qc.data_ptr()) % 16 != 0) qc = qc.clone();  // 16-byte loads of q
   const at::Tensor sc = sink.contiguous();
@@ -58,7 +64,8 @@ at::Tensor sparse_attn_decode_cuda(const at::Tensor& q, const at::Tensor& kv, co
   const cudaError_t err = dsv4_attn_decode_launch(
       qc.data_ptr(), kv.data_ptr(), ic.data_ptr<int32_t>(), sc.data_ptr<float>(), q.scalar_type() == at::kFloat,
       int(B), int(H), int(N), int(D), int(J), kv.stride(0), float(scale), ws_o.data_ptr<float>(),
-      ws_ml.data_ptr<float>(), nsplit, rows_per_split, use_mma, out.data_ptr(),
+      ws_ml.data_ptr<float>(), nsplit, rows_per_split, use_mma, rc.defined() ? rc.data_ptr<float>() : nullptr,
+      int(rope_dim), out.data_ptr(),
       c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
   return out;
