@@ -140,7 +140,8 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, self.dim)
         weights, indices = self.gate(x, ids.reshape(-1))
-        weights = dedup_weights(weights, indices)
+        if self.gate.hash:  # a hash table row may repeat an expert; a top-k selection never does
+            weights = dedup_weights(weights, indices)
         if self.nvfp4 is not None:  # static shapes in prefill and decode
             return self.nvfp4(x, indices, weights).to(x.dtype).view(shape)
         if static:

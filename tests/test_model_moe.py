@@ -70,3 +70,23 @@ def test_topk_indices_ties_prefer_lower_index():
     assert topk_indices(s, 7).tolist() == [[1, 4, 0, 2, 7, 3, 5]]
     z = torch.tensor([[0.0, -0.0, -1.0, -0.0]])
     assert topk_indices(z, 3).tolist() == [[0, 1, 3]]
+
+
+def test_learned_routing_selects_distinct_experts():
+    """A learned (top-k) layer's selection never repeats an expert, so MoE.forward skips the dedup step there
+    (hash layers keep it): the router op and the topk fallback, ties included."""
+    from dsv4_model.moe import dedup_weights
+
+    cfg, moe = _moe(2)
+    assert not moe.gate.hash
+    x = torch.randn(16, cfg.dim, generator=torch.Generator().manual_seed(2))
+    x[8:] = x[0]  # equal rows
+    moe.gate.bias.zero_()
+    weights, indices = moe.gate(x, torch.zeros(16, dtype=torch.long))
+    assert all(len(set(row.tolist())) == indices.shape[1] for row in indices)
+    assert torch.equal(dedup_weights(weights, indices), weights)
+    with torch.enable_grad():  # the tensor-op fallback (topk)
+        moe.gate.weight.requires_grad_(True)
+        w2, i2 = moe.gate(x, torch.zeros(16, dtype=torch.long))
+        moe.gate.weight.requires_grad_(False)
+    assert all(len(set(row.tolist())) == i2.shape[1] for row in i2)
