@@ -28,7 +28,6 @@ class Linear(nn.Module):
         return f"{self.in_features}, {self.out_features}, dtype={self.weight.dtype}"
 
 
-
 # The fused decode ops whose CUDA kernels have passed on the H200 (scripts/gpu_check.sh switches): on by default
 # on CUDA too. The others stay opt-in there.
 CUDA_VERIFIED: set[str] = set()
@@ -41,6 +40,7 @@ def opt_in(env: str, t: torch.Tensor) -> bool:
     if mode in ("0", "1"):
         return mode == "1"
     return t.device.type == "cpu" or env in CUDA_VERIFIED
+
 
 class RMSNorm(nn.Module):
     """Weighted RMSNorm computed in fp32 with an fp32 weight (official keeps norm weights in fp32)."""
