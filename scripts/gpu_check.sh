@@ -110,6 +110,7 @@ for part in $PARTS; do
       step switches_compiled_optin 150 env $OPTIN $PY -m pytest -q -m cuda -x -p no:cacheprovider \
         tests/test_compiled_decode.py
       step switches_bench_glue 200 $PY bench/bench_decode_glue.py
+      step switches_count_kernels 200 $PY scripts/count_decode_kernels.py --device cuda
       step switches_compiled_off 150 env DSV4_FUSED_HC=0 DSV4_ATTN_KERNEL=simt $PY -m pytest -q -m cuda -x \
         -p no:cacheprovider tests/test_compiled_decode.py
       step switches_layer_default 200 $PY bench/bench_layer.py --kinds csa --steps 50 --experts 16
