@@ -546,11 +546,19 @@ def sparse_attn_decode_ref(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
     out = _sparse_attn(q, kv, idx, sink, scale)
     if out_rope is None:
         return out
-    nope = q.shape[-1] - rope_dim
-    r = out[..., nope:].float().unflatten(-1, (rope_dim // 2, 2))
-    cos, sin = out_rope[:, None, :, 0], -out_rope[:, None, :, 1]
+    return _rope_rows(out, out_rope, rope_dim, inverse=True)
+
+
+def _rope_rows(x: torch.Tensor, cs: torch.Tensor, rope_dim: int, inverse: bool = False) -> torch.Tensor:
+    """x [rows, heads, d]: its trailing rope_dim dims rotated as interleaved pairs by cs [rows, rope_dim / 2, (cos,
+    sin)] (sin negated when inverse) in fp32 from x's values, rounded to x's dtype (apply_rope's steps)."""
+    nope = x.shape[-1] - rope_dim
+    r = x[..., nope:].float().unflatten(-1, (rope_dim // 2, 2))
+    cos, sin = cs[:, None, :, 0], cs[:, None, :, 1]
+    if inverse:
+        sin = -sin
     rot = torch.stack([r[..., 0] * cos - r[..., 1] * sin, r[..., 0] * sin + r[..., 1] * cos], -1).flatten(-2)
-    return torch.cat([out[..., :nope], rot.to(out.dtype)], -1)
+    return torch.cat([x[..., :nope], rot.to(x.dtype)], -1)
 
 
 def _sparse_attn(q, kv, idx, sink, scale):
@@ -604,11 +612,7 @@ def rms_norm_rope_ref(x: torch.Tensor, weight, cs: torch.Tensor, eps: float, rop
     nope = d - rope_dim
     xf = x.float()
     y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    y = (y if weight is None else weight * y).to(x.dtype).float()
-    r = y[..., nope:].unflatten(-1, (rope_dim // 2, 2))
-    cos, sin = cs[:, None, :, 0], cs[:, None, :, 1]
-    rot = torch.stack([r[..., 0] * cos - r[..., 1] * sin, r[..., 0] * sin + r[..., 1] * cos], -1).flatten(-2)
-    y = torch.cat([y[..., :nope], rot.to(x.dtype).float()], -1)
+    y = _rope_rows((y if weight is None else weight * y).to(x.dtype), cs, rope_dim).float()
     if fp8_nope:
         b = y[..., :nope].unflatten(-1, (nope // 64, 64))
         t = (b.abs().amax(-1, keepdim=True).clamp_min(1e-4) * _f32_recip(448.0)).view(torch.int32)
@@ -633,13 +637,7 @@ def hadamard_fp4_ref(x: torch.Tensor, cs, rope_dim: int) -> torch.Tensor:
     in its own order, so compare within fp32 rounding), rounded to x's dtype, then FP4 e2m1 with a power-of-two
     scale per 32 (amax floored at 6 * 2^-126, times the fp32 1/6, rounded up), dequantized, rounded."""
     d = x.shape[-1]
-    y = x.float()
-    if rope_dim:
-        nope = d - rope_dim
-        r = y[..., nope:].unflatten(-1, (rope_dim // 2, 2))
-        cos, sin = cs[:, None, :, 0], cs[:, None, :, 1]
-        rot = torch.stack([r[..., 0] * cos - r[..., 1] * sin, r[..., 0] * sin + r[..., 1] * cos], -1).flatten(-2)
-        y = torch.cat([y[..., :nope], rot.to(x.dtype).float()], -1)
+    y = (_rope_rows(x, cs, rope_dim) if rope_dim else x).float()
     i = torch.arange(d)
     both = i[:, None] & i[None, :]  # Sylvester order: H[i, j] = (-1)^popcount(i & j)
     parity = sum((both >> k) & 1 for k in range(max(d.bit_length() - 1, 1))) % 2

@@ -1,10 +1,9 @@
 // Argument checks shared by the CPU and CUDA kernels of dsv4::rms_norm_rope (docs/ops.md "## RMSNorm + RoPE"),
-// and the FP8 scale rule of the simulated KV quantization both kernels apply.
+// and the constants of the simulated FP8 KV quantization both kernels apply.
 #pragma once
 #include <ATen/ATen.h>
 
 #include <cstdint>
-#include <cstring>
 #include <optional>
 
 namespace dsv4_norm_rope {
@@ -41,17 +40,6 @@ inline Shape check(const at::Tensor& x, const std::optional<at::Tensor>& weight,
   TORCH_CHECK(!fp8_nope || nope % kFp8Block == 0, op, ": fp8_nope needs d - rope_dim (", nope,
               ") to be a multiple of ", kFp8Block);
   return {rows, heads, d, nope};
-}
-
-// 2^ceil(log2(v)) for positive normal v by its exponent bits (the official kernel's scale rounding).
-inline float pow2_ceil(float v) {
-  uint32_t b;
-  std::memcpy(&b, &v, 4);
-  const uint32_t e = ((b >> 23) & 0xFFu) + ((b & 0x7FFFFFu) != 0u ? 1u : 0u);
-  const uint32_t r = e << 23;
-  float out;
-  std::memcpy(&out, &r, 4);
-  return out;
 }
 
 }  // namespace dsv4_norm_rope

@@ -8,26 +8,17 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <optional>
 #include <vector>
 
 #include "hadamard_checks.h"
+#include "pow2_scale.h"
 
 namespace {
 
 template <typename T>
 float round_to(float v) {
   return static_cast<float>(static_cast<T>(v));
-}
-
-float pow2_ceil(float v) {
-  uint32_t b;
-  std::memcpy(&b, &v, 4);
-  const uint32_t r = (((b >> 23) & 0xFFu) + ((b & 0x7FFFFFu) != 0u ? 1u : 0u)) << 23;
-  float out;
-  std::memcpy(&out, &r, 4);
-  return out;
 }
 
 // Nearest e2m1 value of v in [-6, 6], ties to the even code (round-half-even of v / step in each binade).
@@ -67,7 +58,7 @@ void run(const at::Tensor& x, const float* cs, int64_t rope_dim, const dsv4_hada
       for (int64_t b = 0; b < sh.d; b += dsv4_hadamard::kFp4Block) {
         float amax = 0.0f;
         for (int64_t i = b; i < b + dsv4_hadamard::kFp4Block; ++i) amax = std::max(amax, std::fabs(y[i]));
-        const float s = pow2_ceil(std::max(amax, floor) * inv6);
+        const float s = dsv4::pow2_ceil(std::max(amax, floor) * inv6);
         for (int64_t i = b; i < b + dsv4_hadamard::kFp4Block; ++i)
           y[i] = round_to<T>(round_e2m1(std::min(std::max(y[i] / s, -6.0f), 6.0f)) * s);
       }

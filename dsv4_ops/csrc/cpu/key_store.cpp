@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "key_store_checks.h"
+#include "pow2_scale.h"
 
 namespace {
 
@@ -25,10 +26,7 @@ void store_row(const T* key, int64_t D, T* cache, uint8_t* codes, uint8_t* scale
   for (int64_t b = 0; b < D / 32; ++b) {
     float amax = 0.0f;
     for (int64_t i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(static_cast<float>(key[32 * b + i])));
-    const float r = std::max(amax, 6.0f * std::ldexp(1.0f, -126)) * (1.0f / 6.0f);
-    uint32_t bits;
-    std::memcpy(&bits, &r, 4);
-    const uint32_t e = ((bits >> 23) & 0xFFu) + ((bits & 0x7FFFFFu) != 0u ? 1u : 0u);
+    const uint32_t e = dsv4::pow2_ceil_exponent(std::max(amax, 6.0f * std::ldexp(1.0f, -126)) * (1.0f / 6.0f));
     const uint32_t sbits = e > 0 ? e << 23 : 1u << 22;  // 2^(e - 127); e = 0: the subnormal 2^-127
     float s;
     std::memcpy(&s, &sbits, 4);

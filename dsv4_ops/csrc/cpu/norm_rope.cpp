@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "norm_rope_checks.h"
+#include "pow2_scale.h"
 
 namespace {
 
@@ -51,7 +52,7 @@ void run(const at::Tensor& x, const float* w, const float* cs, float eps, int64_
         for (int64_t b = 0; b < sh.nope; b += dsv4_norm_rope::kFp8Block) {
           float amax = 0.0f;
           for (int64_t i = b; i < b + dsv4_norm_rope::kFp8Block; ++i) amax = std::max(amax, std::fabs(y[i]));
-          const float s = dsv4_norm_rope::pow2_ceil(std::max(amax, dsv4_norm_rope::kFp8AmaxFloor) * inv_max);
+          const float s = dsv4::pow2_ceil(std::max(amax, dsv4_norm_rope::kFp8AmaxFloor) * inv_max);
           for (int64_t i = b; i < b + dsv4_norm_rope::kFp8Block; ++i) {
             const float q = std::min(std::max(y[i] / s, -dsv4_norm_rope::kFp8Max), dsv4_norm_rope::kFp8Max);
             y[i] = round_to<T>(static_cast<float>(c10::Float8_e4m3fn(q)) * s);

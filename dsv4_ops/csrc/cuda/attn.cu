@@ -16,23 +16,20 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "float_cast.h"
 #include "mma.h"
 
 namespace {
 
 using dsv4_cuda::mma_bf16;
+using dsv4_cuda::round_to;
+using dsv4_cuda::store_one;
 
 constexpr int kHeads = 8;    // heads per CTA = warps
 constexpr int kChunk = 32;   // rows per chunk = lanes
 constexpr int kMaxDpl = 16;  // dims per lane: D <= 512
 constexpr int kRowPad = 16;  // bytes after each staged row (see row_bytes)
 
-__device__ __forceinline__ void store(float* p, float v) { *p = v; }
-__device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
-__device__ __forceinline__ float round_to(float v, const float*) { return v; }
-__device__ __forceinline__ float round_to(float v, const __nv_bfloat16*) {
-  return __bfloat162float(__float2bfloat16_rn(v));
-}
 
 // Elements of T per 16-byte piece, and a piece widened to fp32.
 template <typename T>
@@ -463,7 +460,7 @@ __global__ void __launch_bounds__(128) attn_combine_kernel(const float* __restri
         v[2 * k + 1] = round_to(__fadd_rn(__fmul_rn(x0, si), __fmul_rn(x1, co)), o);
       }
     }
-    store(o, v[0]), store(o + 1, v[1]), store(o + 2, v[2]), store(o + 3, v[3]);
+    store_one(o, v[0]), store_one(o + 1, v[1]), store_one(o + 2, v[2]), store_one(o + 3, v[3]);
   }
 }
 

@@ -10,21 +10,18 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "float_cast.h"
+
 namespace {
+
+using dsv4_cuda::load_one;
+using dsv4_cuda::pow2_ceil;
+using dsv4_cuda::round_to;
+using dsv4_cuda::store_one;
 
 constexpr int kWarpsPerCta = 4;
 
-__device__ __forceinline__ float round_to(float v, float*) { return v; }
-__device__ __forceinline__ float round_to(float v, __nv_bfloat16*) { return __bfloat162float(__float2bfloat16_rn(v)); }
-__device__ __forceinline__ float load_one(const float* p) { return *p; }
-__device__ __forceinline__ float load_one(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-__device__ __forceinline__ void store_one(float* p, float v) { *p = v; }
-__device__ __forceinline__ void store_one(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 
-__device__ __forceinline__ float pow2_ceil(float v) {
-  const uint32_t b = __float_as_uint(v);
-  return __uint_as_float((((b >> 23) & 0xFFu) + ((b & 0x7FFFFFu) != 0u ? 1u : 0u)) << 23);
-}
 
 __device__ __forceinline__ float round_e2m1(float v) {
   const float a = fabsf(v);

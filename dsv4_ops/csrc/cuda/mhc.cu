@@ -14,9 +14,15 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "float_cast.h"
+
 #include <algorithm>
 
 namespace {
+
+using dsv4_cuda::load_one;
+using dsv4_cuda::round_to;
+using dsv4_cuda::store_one;
 
 // Divides every row (ROWS) or column of c by its sum + eps; sums in index order.
 template <int MAXHC, bool ROWS>
@@ -147,9 +153,6 @@ constexpr int kHcMaxTokens = 16;
 constexpr int kHcMaxMix = 24;     // (2 + hc) * hc for hc <= 4
 constexpr int kHcRowsPerWarp = 4;  // partial: warp w takes m = w + 8 r, r < 4, covering m <= mix (24)
 
-__device__ __forceinline__ float load_f(const float* p) { return *p; }
-__device__ __forceinline__ float load_f(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-__device__ __forceinline__ float load_f(const __half* p) { return __half2float(*p); }
 __device__ __forceinline__ float4 load4_f(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ float4 load4_f(const __nv_bfloat16* p) {
   const uint2 u = *reinterpret_cast<const uint2*>(p);
@@ -199,12 +202,6 @@ __device__ __forceinline__ uint4 pack16(const float (&f)[8], __nv_bfloat16*) {
 __device__ __forceinline__ uint4 pack16(const float (&f)[8], __half*) {
   return pack16_pairs<__half2>(f, [](float2 v) { return __float22half2_rn(v); });
 }
-__device__ __forceinline__ void store_one(float* p, float v) { *p = v; }
-__device__ __forceinline__ void store_one(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
-__device__ __forceinline__ void store_one(__half* p, float v) { *p = __float2half_rn(v); }
-__device__ __forceinline__ float round_to(float v, float*) { return v; }
-__device__ __forceinline__ float round_to(float v, __nv_bfloat16*) { return __bfloat162float(__float2bfloat16_rn(v)); }
-__device__ __forceinline__ float round_to(float v, __half*) { return __half2float(__float2half_rn(v)); }
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -229,8 +226,8 @@ __device__ __forceinline__ float hc_post_value(const HcPostIn<TX>& pi, int t, in
   const float* c = pi.comb + int64_t(t) * hc * hc;
   float s = 0.0f;
   for (int i = 0; i < hc; ++i)
-    s = __fadd_rn(s, __fmul_rn(c[i * hc + j], load_f(pi.res + (int64_t(t) * hc + i) * d + k)));
-  return __fadd_rn(__fmul_rn(pi.post[int64_t(t) * hc + j], load_f(pi.out + int64_t(t) * d + k)), s);
+    s = __fadd_rn(s, __fmul_rn(c[i * hc + j], load_one(pi.res + (int64_t(t) * hc + i) * d + k)));
+  return __fadd_rn(__fmul_rn(pi.post[int64_t(t) * hc + j], load_one(pi.out + int64_t(t) * d + k)), s);
 }
 
 template <typename TX, typename TW>
@@ -250,7 +247,7 @@ __global__ void __launch_bounds__(256) hc_pre_partial_kernel(TX* x, const TW* __
     float v = 0.0f;
     if (kk < K) {
       if (pi.out == nullptr) {
-        v = load_f(x + int64_t(t) * K + kk);
+        v = load_one(x + int64_t(t) * K + kk);
       } else {
         v = round_to(hc_post_value(pi, t, K / d, d, kk), static_cast<TX*>(nullptr));
         store_one(x + int64_t(t) * K + kk, v);

@@ -11,7 +11,12 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "float_cast.h"
+
 namespace {
+
+using dsv4_cuda::pow2_ceil;
+using dsv4_cuda::round_to;
 
 constexpr float kFp8Max = 448.0f, kFp8AmaxFloor = 1e-4f;
 
@@ -34,13 +39,7 @@ __device__ __forceinline__ void store4(__nv_bfloat16* p, const float (&f)[4]) {
   u.y = *reinterpret_cast<const uint32_t*>(&b);
   *reinterpret_cast<uint2*>(p) = u;
 }
-__device__ __forceinline__ float round_to(float v, float*) { return v; }
-__device__ __forceinline__ float round_to(float v, __nv_bfloat16*) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
-__device__ __forceinline__ float pow2_ceil(float v) {
-  const uint32_t b = __float_as_uint(v);
-  return __uint_as_float((((b >> 23) & 0xFFu) + ((b & 0x7FFFFFu) != 0u ? 1u : 0u)) << 23);
-}
 
 template <typename T>
 __global__ void __launch_bounds__(1024) rms_norm_rope_kernel(const T* __restrict__ x, const float* __restrict__ w,
