@@ -72,7 +72,7 @@ def main() -> int:
                 graph_us(lambda: norm_rope_peer(kv, w, cs, EPS, 64, True), 64), 2 * kv.numel() * 2 + 2048)
             iq = torch.randn(B, 64, 128, device="cuda", generator=gen).to(bf)
             row("hadamard_fp4 queries", B, graph_us(lambda: ops.hadamard_fp4(iq, cs, 64), 64),
-                graph_us(lambda: hadamard_peer(iq, cs, 64), 64), 2 * iq.numel() * 2)
+                graph_us(lambda: hadamard_peer(iq, cs), 64), 2 * iq.numel() * 2)
             keys = torch.randn(B, 128, device="cuda", generator=gen).to(bf)
             caches = (torch.zeros(B, 64, 128, dtype=bf, device="cuda"),
                       torch.zeros(B, 64, 64, dtype=torch.uint8, device="cuda"),

@@ -131,7 +131,8 @@ CATEGORIES = (  # (label, substrings of a kernel name), first match wins (Induct
     ("Inductor pointwise", ("triton_poi",)),
     ("Inductor reduction", ("triton_per", "triton_red")),
     ("dsv4 NVFP4", ("nvfp4_",)),
-    ("dsv4 other", ("indexer_", "sample", "amax", "quantize")),
+    ("dsv4 other", ("indexer_", "sample_", "amax", "quantize", "per_row", "attn_", "hc_", "rms_norm_rope",
+                    "compressor_", "hadamard_", "store_keys", "fp32_linear", "router_topk")),
     ("cuBLAS / CUTLASS", ("gemv", "gemm", "dot_kernel", "reduce_1Block", "splitKreduce", "cutlass", "nvjet", "xmma")),
     ("ATen / other", ("",)),
 )

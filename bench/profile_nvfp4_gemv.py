@@ -1,14 +1,15 @@
-"""Launches the batch-1 NVFP4 GEMV (dsv4::nvfp4_linear, M = 1) on V4-Flash shapes for Nsight Compute.
+"""Launches the batch-1 NVFP4 GEMV (dsv4::nvfp4_linear, M = 1) on V4-Flash shapes and one MoE step (T = 1, 6
+experts + the shared one) for Nsight Compute.
 
-The GEMV measures 6-9 us where its bytes need 0.5-4.4 us (bench/RESULTS.md): this script gives `ncu` the
-launches to explain (latency vs throughput, stall reasons, occupancy). scripts/gpu_check.sh `profile` runs:
+The GEMV measures 2x the time its bytes need at HBM speed (bench/RESULTS.md): this script gives `ncu` the
+launches to explain (issue- vs memory-bound, stall reasons, occupancy). scripts/gpu_check.sh `profile` runs:
 
-    ncu --kernel-name "regex:nvfp4|per_row" --section SpeedOfLight --section MemoryWorkloadAnalysis \
-        --section WarpStateStats --section LaunchStats --section Occupancy python bench/profile_nvfp4_gemv.py
+    ncu --clock-control none --kernel-name "regex:nvfp4" --section SpeedOfLight --section SchedulerStats \
+        --section WarpStateStats --section MemoryWorkloadAnalysis ... python bench/profile_nvfp4_gemv.py
 
-Each shape runs twice on fresh weight copies through the skinny kernel (DSV4_NVFP4_GEMM_KERNEL=skinny), then
-twice through the default gemv kernel; the first launch of a kernel pays module loading / a cold TLB.
-A per-row quantization of one 4096-wide row runs too, as the cost of a kernel that does almost nothing.
+(--clock-control none: ncu's default locks the SM clock at base, which makes an issue-bound kernel look slower
+next to HBM than it is.) Each launch runs twice on fresh weight copies; the first launch of a kernel pays module
+loading / a cold TLB.
 """
 import os
 import sys
@@ -30,20 +31,26 @@ def main() -> int:
         return 0
     gen = torch.Generator(device="cuda").manual_seed(0)
     gs = torch.tensor(0.01, device="cuda")
-    for kernel in ("skinny", "gemv"):
-        os.environ["DSV4_NVFP4_GEMM_KERNEL"] = "skinny" if kernel == "skinny" else "default"  # read at each launch
-        for name, n, k in SHAPES:
-            x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
-            for _ in range(2):
-                w, s = rand_kernel_weight((), n, k, gen)
-                torch.ops.dsv4.nvfp4_linear(x, w, s, gs)
-            torch.cuda.synchronize()
-            print(f"{kernel} {name} {n}x{k}: launched 2x", flush=True)
-    os.environ.pop("DSV4_NVFP4_GEMM_KERNEL")
-    row = torch.randn(1, 4096, device="cuda", generator=gen).to(torch.bfloat16)
-    for _ in range(3):
-        torch.ops.dsv4.fused_amax_quantize_per_row(row)
+    for name, n, k in SHAPES:
+        x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
+        for _ in range(2):
+            w, s = rand_kernel_weight((), n, k, gen)
+            torch.ops.dsv4.nvfp4_linear(x, w, s, gs)
+        torch.cuda.synchronize()
+        print(f"gemv {name} {n}x{k}: launched 2x", flush=True)
+    d, inter, experts = 4096, 2048, 16
+    x = torch.randn(1, d, device="cuda", generator=gen).to(torch.bfloat16)
+    ids = torch.randperm(experts, device="cuda", generator=gen)[:6].view(1, 6).to(torch.int32)
+    wts = torch.rand(1, 6, device="cuda", generator=gen)
+    g = torch.full((experts,), 0.01, device="cuda")
+    for _ in range(2):
+        w13, s13 = rand_kernel_weight((experts,), 2 * inter, d, gen)
+        w2, s2 = rand_kernel_weight((experts,), d, inter, gen)
+        sw13, ss13 = rand_kernel_weight((), 2 * inter, d, gen)
+        sw2, ss2 = rand_kernel_weight((), d, inter, gen)
+        torch.ops.dsv4.nvfp4_moe(x, ids, wts, w13, s13, g, w2, s2, g, sw13, ss13, gs, sw2, ss2, gs, 10.0)
     torch.cuda.synchronize()
+    print("moe T=1 (6 of 16 experts + shared): launched 2x", flush=True)
     return 0
 
 

@@ -26,7 +26,7 @@ from torch import nn
 from dsv4_ops.reference import indexer_fp4_quantize_keys
 
 from .config import ModelConfig
-from .layers import Linear, RMSNorm, apply_rope, fp32_linear, opt_in, unweighted_rms_norm
+from .layers import Linear, RMSNorm, apply_rope, fp32_linear, fused_on, unweighted_rms_norm
 from .quant_sim import indexer_fake_quant, kv_fake_quant
 
 
@@ -44,44 +44,39 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 def _fused_compressor(x: torch.Tensor) -> bool:
     """Decode updates a compressor's state and pools its window with one dsv4::compressor_decode call (one
-    launch instead of ~6 kernels). DSV4_FUSED_COMPRESSOR=1 / 0 forces it on / off; by default it is on for CPU
-    tensors and off on CUDA until its CUDA kernel has run on the H200 (written after session 7's last GPU call).
-    Read when the step is traced."""
-    return opt_in("DSV4_FUSED_COMPRESSOR", x)
+    launch instead of ~6 kernels). On unless DSV4_FUSED_COMPRESSOR=0. Read when the step is
+    traced."""
+    return fused_on("DSV4_FUSED_COMPRESSOR")
 
 
 def _fused_hadamard(x: torch.Tensor) -> bool:
     """Decode's indexer queries (RoPE + Hadamard + FP4) and keys (Hadamard + FP4) as one dsv4::hadamard_fp4 call
     each, instead of a RoPE kernel, an fp32 GEMM with its reduction and two FP4 kernels. Same bits as the tensor
-    ops (quant_sim.hadamard_rotate is the same butterfly). DSV4_FUSED_HADAMARD=1 / 0 forces it on / off where the
-    op takes the shape; by default it is on for CPU tensors and off on CUDA until its CUDA kernel has run on the
-    H200 (written after session 7's last GPU call). Read when the step is traced."""
+    ops (quant_sim.hadamard_rotate is the same butterfly). Where the op takes the shape, on unless
+    DSV4_FUSED_HADAMARD=0. Read when the step is traced."""
     d = x.shape[-1]
     if x.dtype not in (torch.bfloat16, torch.float32) or d not in (64, 128, 256):
         return False
-    return opt_in("DSV4_FUSED_HADAMARD", x)
+    return fused_on("DSV4_FUSED_HADAMARD")
 
 
 def _fused_key_store(keys: torch.Tensor) -> bool:
     """Decode writes a closed window's indexer key into the float and the packed FP4 caches with one
     dsv4::indexer_store_keys call (instead of the packing kernels and three index_put kernels).
-    DSV4_FUSED_KEY_STORE=1 / 0 forces it on / off where the op takes the shape; by default it is on for CPU
-    tensors and off on CUDA until its CUDA kernel has run on the H200 (written after session 7's last GPU call).
-    Read when the step is traced."""
+    Where the op takes the shape, on unless DSV4_FUSED_KEY_STORE=0. Read when the step is traced."""
     if keys.dtype not in (torch.bfloat16, torch.float32) or keys.shape[-1] not in (64, 128, 256, 512):
         return False
-    return opt_in("DSV4_FUSED_KEY_STORE", keys)
+    return fused_on("DSV4_FUSED_KEY_STORE")
 
 
 def _fused_norm_rope(x: torch.Tensor, rope_dim: int) -> bool:
     """Decode normalises and rotates q / kv / compressed entries [B, H, D] with one dsv4::rms_norm_rope call
-    (with the simulated FP8 rounding of kv) instead of 2-3 Inductor kernels each. DSV4_FUSED_NORM_ROPE=1 / 0
-    forces it on / off where the op takes the shape; by default it is on for CPU tensors and off on CUDA until its
-    CUDA kernel has run on the H200 (written after session 7's last GPU call). Read when the step is traced."""
+    (with the simulated FP8 rounding of kv) instead of 2-3 Inductor kernels each. Where the op takes the
+    shape, on unless DSV4_FUSED_NORM_ROPE=0. Read when the step is traced."""
     d = x.shape[-1]
     if x.dtype not in (torch.bfloat16, torch.float32) or d % 4 or rope_dim % 4 or d > 4096:
         return False
-    return opt_in("DSV4_FUSED_NORM_ROPE", x)
+    return fused_on("DSV4_FUSED_NORM_ROPE")
 
 
 class Compressor(nn.Module):
@@ -556,7 +551,7 @@ class Attention(nn.Module):
         listed = W + (sel.shape[1] if sel is not None else self.n_entries if self.ratio else 0)
         if _fused_decode_attention(B, listed, q) and q.dtype == self.kv_cache.dtype:
             rows = self._decode_rows(positions, sel, sel_valid)
-            if self.rope_dim > 0 and self.rope_dim % 4 == 0 and opt_in("DSV4_FUSED_OUT_ROPE", q):
+            if self.rope_dim > 0 and self.rope_dim % 4 == 0 and fused_on("DSV4_FUSED_OUT_ROPE"):
                 # the output's inverse RoPE in the op's combine kernel (one kernel less)
                 o = torch.ops.dsv4.sparse_attn_decode(q, self.kv_cache[:B], rows, self.attn_sink,
                                                       self.softmax_scale, cs, self.rope_dim)

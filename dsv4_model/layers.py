@@ -28,18 +28,10 @@ class Linear(nn.Module):
         return f"{self.in_features}, {self.out_features}, dtype={self.weight.dtype}"
 
 
-# The fused decode ops whose CUDA kernels have passed on the H200 (scripts/gpu_check.sh switches): on by default
-# on CUDA too. The others stay opt-in there.
-CUDA_VERIFIED: set[str] = set()
-
-
-def opt_in(env: str, t: torch.Tensor) -> bool:
-    """A fused decode op's switch: env=1 / 0 forces it on / off; unset, it is on for CPU tensors, and on CUDA once
-    the op is in CUDA_VERIFIED. Read when the step is traced."""
-    mode = os.environ.get(env, "")
-    if mode in ("0", "1"):
-        return mode == "1"
-    return t.device.type == "cpu" or env in CUDA_VERIFIED
+def fused_on(env: str) -> bool:
+    """A fused decode op's switch: on unless env=0 (the steps it replaces run instead; for comparisons and
+    bisecting). Read when the step is traced."""
+    return os.environ.get(env, "1") != "0"
 
 
 class RMSNorm(nn.Module):

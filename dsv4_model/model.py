@@ -32,7 +32,7 @@ from torch import nn
 
 from .attention import Attention, Compressor, Indexer
 from .config import ModelConfig
-from .layers import Linear, RMSNorm, hc_head, hc_post, hc_pre, opt_in, rope_inv_freq, rope_table
+from .layers import Linear, RMSNorm, fused_on, hc_head, hc_post, hc_pre, rope_inv_freq, rope_table
 from .moe import MoE
 
 
@@ -128,10 +128,9 @@ def _fused_hc() -> bool:
 
 def _fused_hc_post(h: torch.Tensor) -> bool:
     """Decode folds each sublayer's output into the streams (hc_post) inside the next stream collapse, one
-    dsv4::hc_post_pre call instead of hc_post + hc_pre (one kernel less per sublayer). DSV4_FUSED_HC_POST=1 / 0
-    forces it on / off; by default it is on for CPU tensors and off on CUDA until its CUDA kernel has run on the
-    H200 (written after session 7's last GPU call). Read when the step is traced."""
-    return opt_in("DSV4_FUSED_HC_POST", h)
+    dsv4::hc_post_pre call instead of hc_post + hc_pre (one kernel less per sublayer). On unless
+    DSV4_FUSED_HC_POST=0. Read when the step is traced."""
+    return fused_on("DSV4_FUSED_HC_POST")
 
 
 def _param(*shape) -> nn.Parameter:

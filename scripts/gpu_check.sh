@@ -84,38 +84,35 @@ for part in $PARTS; do
         [ -f "$log" ] && note "[$(basename "$log" .log)] races in project kernels: $(own_races "$log")"
       done ;;
     profile)
-      # Nsight Compute on the batch-1 GEMV (why it is latency-bound); text report in the logs.
+      # Nsight Compute on the batch-1 GEMV and MoE (what bounds them); text report in the logs.
       NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
       [ -n "$NCU" ] || { note "no ncu"; continue; }
-      step profile_gemv "${PROFILE_TIMEOUT:-300}" "$NCU" --kernel-name "regex:nvfp4|per_row" --section SpeedOfLight \
-        --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats --section Occupancy \
-        --section SchedulerStats $PY bench/profile_nvfp4_gemv.py ;;
+      step profile_gemv "${PROFILE_TIMEOUT:-300}" "$NCU" --clock-control none --kernel-name "regex:nvfp4" \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats \
+        --section Occupancy --section SchedulerStats --section InstructionStats $PY bench/profile_nvfp4_gemv.py ;;
     bench)
       for b in ${BENCHES:-bench/bench_*.py}; do
         step "$(basename "$b" .py)" 300 $PY "$b"
       done ;;
     switches)
       # The non-default kernel choices (DSV4_FUSED_HC=0: the separate mHC steps; DSV4_ATTN_KERNEL=simt: the
-      # CUDA-core attention kernel) and the opt-in ones (DSV4_FUSED_COMPRESSOR=1: dsv4::compressor_decode,
-      # DSV4_FUSED_NORM_ROPE=1: dsv4::rms_norm_rope, DSV4_FUSED_HC_POST=1: dsv4::hc_post_pre,
-      # DSV4_FUSED_HADAMARD=1: dsv4::hadamard_fp4, DSV4_FUSED_KEY_STORE=1: dsv4::indexer_store_keys,
-      # DSV4_FUSED_OUT_ROPE=1: sparse_attn_decode's out_rope; off on CUDA until they have run here): their tests, the compiled decode step with them and with the
-      # non-defaults, and the layer each way (what the defaults buy, what turning the opt-ins on would).
-      # test_compiled_decode has hung at exit after passing.
-      OPTIN="DSV4_FUSED_COMPRESSOR=1 DSV4_FUSED_NORM_ROPE=1 DSV4_FUSED_HC_POST=1 DSV4_FUSED_HADAMARD=1
-        DSV4_FUSED_KEY_STORE=1 DSV4_FUSED_OUT_ROPE=1"
-      step switches_optin_tests 150 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_compressor_op.py \
+      # CUDA-core attention kernel) and the fused decode steps each off (DSV4_FUSED_*=0): the ops' tests, the
+      # compiled decode step with the steps off and with the non-defaults, and the layer each way (what the
+      # defaults buy). test_compiled_decode has hung at exit after passing.
+      FUSED_OFF="DSV4_FUSED_COMPRESSOR=0 DSV4_FUSED_NORM_ROPE=0 DSV4_FUSED_HC_POST=0 DSV4_FUSED_HADAMARD=0
+        DSV4_FUSED_KEY_STORE=0 DSV4_FUSED_OUT_ROPE=0"
+      step switches_op_tests 150 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_compressor_op.py \
         tests/test_norm_rope.py tests/test_hc_pre.py tests/test_hadamard_fp4.py tests/test_key_store.py \
         tests/test_attn.py
-      step switches_compiled_optin 150 env $OPTIN $PY -m pytest -q -m cuda -x -p no:cacheprovider \
+      step switches_compiled_fused_off 150 env $FUSED_OFF $PY -m pytest -q -m cuda -x -p no:cacheprovider \
         tests/test_compiled_decode.py
       step switches_bench_glue 200 $PY bench/bench_decode_glue.py
       step switches_count_kernels 200 $PY scripts/count_decode_kernels.py --device cuda
       step switches_compiled_off 150 env DSV4_FUSED_HC=0 DSV4_ATTN_KERNEL=simt $PY -m pytest -q -m cuda -x \
         -p no:cacheprovider tests/test_compiled_decode.py
       step switches_layer_default 200 $PY bench/bench_layer.py --kinds csa --steps 50 --experts 16
-      step switches_layer_optin 200 env $OPTIN $PY bench/bench_layer.py --kinds csa --steps 50 --experts 16
-      step switches_layer_off 200 env DSV4_FUSED_HC=0 DSV4_ATTN_KERNEL=simt $PY bench/bench_layer.py --kinds csa \
-        --steps 50 --experts 16 ;;
+      step switches_layer_fused_off 200 env $FUSED_OFF $PY bench/bench_layer.py --kinds csa --steps 50 --experts 16
+      step switches_layer_off 200 env $FUSED_OFF DSV4_FUSED_HC=0 DSV4_ATTN_KERNEL=simt $PY bench/bench_layer.py \
+        --kinds csa --steps 50 --experts 16 ;;
   esac
 done

@@ -134,6 +134,6 @@ def test_model_decode_with_and_without_the_op(monkeypatch, device):
         pytest.skip("no CUDA")
     logits, calls, _ = decode_with_switch(monkeypatch, "indexer_store_keys", "DSV4_FUSED_KEY_STORE", steps=9,
                                           device=device, max_seq_len=32, n_layers=2, compress_ratios=[0, 4],
-                                          index_head_dim=64)  # a width the kernels take
+                                          index_head_dim=128)  # the width the CUDA scoring kernel takes
     assert calls == {"0": 0, "1": 9}
     assert torch.equal(logits["1"], logits["0"])

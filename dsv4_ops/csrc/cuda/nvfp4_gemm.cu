@@ -28,6 +28,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <utility>
 
@@ -1103,7 +1104,8 @@ void pick_split(int64_t ntiles, int64_t nchunks, int64_t slots, int& kw, int& rt
 using dsv4_cuda::sm_count;
 
 // gemv split: the kw (K-splits per row tile; rt = 8 / kw tiles per CTA) with the fewest chunk-times, counting
-// waves of occ CTAs per SM and ~4 chunk-times of pipeline fill per wave.
+// waves of occ CTAs per SM and ~3 chunk-times of pipeline fill per wave (session 8's sweep: with 4, the MoE up
+// projection at T = 1 / 2 took kw = 1 / 2 where kw = 4 measured 5-7% faster; the dense picks are the same).
 // CTAs per SM of the gemv kernel: 3 (a 4-stage ring, <= 80 registers) for 2-token passes over >= 12288 chunks
 // (12 MB of weights), else 2 (a 6-stage ring). H200, M = 1: 3 per SM took wq_b 32768x1024 10.85 -> 9.71 us, wo_b
 // 11.35 -> 10.85, wo_a 8 x 1024x4096 11.46 -> 10.80, the MoE at T = 1 48.3 -> 42.8; but w1+w3 4096x4096 7.70 ->
@@ -1117,12 +1119,28 @@ void pick_gemv_split(int64_t ntiles, int64_t nchunks, int64_t slots, int& kw, in
     if (k > 1 && k / 2 >= nchunks) break;
     const int64_t r = kWarps / k, per = (nchunks + k - 1) / k;
     const int64_t waves = (((ntiles + r - 1) / r) * slots + cap - 1) / cap;
-    const int64_t cost = waves * (per + 4) + (k > 1 ? 1 : 0);
+    const int64_t cost = waves * (per + 3) + (k > 1 ? 1 : 0);
     if (best < 0 || cost < best) {
       best = cost;
       kw = k;
       rt = int(r);
     }
+  }
+}
+
+// The gemv launch plan for `rows`-token passes: CTAs per SM (occ), K-splits per row tile (kw) and tiles per CTA
+// (rt). DSV4_GEMV_SPLIT=kw:occ forces one (bench/sweep_gemv_split.py; occ 3 only for 2-token passes; read at each
+// launch). Session 8's sweep on the H200: 4 CTAs per SM (<= 64 registers, 3 stages) lost on every decode shape.
+void plan_gemv(int rows, int64_t ntiles, int64_t nchunks, int64_t slots, int& kw, int& rt, int& occ) {
+  occ = gemv_occ(rows, ntiles * nchunks * slots);
+  pick_gemv_split(ntiles, nchunks, slots, kw, rt, occ);
+  const char* v = std::getenv("DSV4_GEMV_SPLIT");
+  int fk = 0, fo = 0;
+  if (v == nullptr || std::sscanf(v, "%d:%d", &fk, &fo) != 2) return;
+  if ((fk == 1 || fk == 2 || fk == 4 || fk == 8) && fo >= 2 && fo <= (rows == 2 ? 3 : 2)) {
+    kw = fk;
+    rt = kWarps / fk;
+    occ = fo;
   }
 }
 
@@ -1226,8 +1244,8 @@ extern "C" cudaError_t dsv4_nvfp4_linear_launch(const Nvfp4LinearArgs* a, cudaSt
   const int ny = a->nseg > 0 ? a->nseg : p.G;  // blockIdx.y: groups or segments
   if (a->gemv && a->M <= 8 && reinterpret_cast<uintptr_t>(a->x) % 16 == 0) {
     p.pdl = a->pdl;
-    const int occ = gemv_occ(a->M <= 2 ? 2 : 8, ntiles * nchunks * ny);
-    pick_gemv_split(ntiles, nchunks, ny, p.kw, p.rt, occ);
+    int occ = 2;
+    plan_gemv(a->M <= 2 ? 2 : 8, ntiles, nchunks, ny, p.kw, p.rt, occ);
     const dim3 grid(unsigned((ntiles + p.rt - 1) / p.rt), unsigned(ny));
     return a->M <= 2 ? launch_gemv<kDense, 2>(p, grid, stream, occ) : launch_gemv<kDense, 8>(p, grid, stream, occ);
   }
@@ -1310,8 +1328,8 @@ extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t
     const int64_t nmax_up = (shared && a->Is > a->I ? a->Is : a->I) * 2;
     const int64_t kchunks_d = (a->d + 127) / 128;
     if (gemv) {
-      const int occ = gemv_occ(gemv_rows, (nmax_up + 15) / 16 * kchunks_d * slots);
-      pick_gemv_split((nmax_up + 15) / 16, kchunks_d, slots, p.kw, p.rt, occ);
+      int occ = 2;
+      plan_gemv(gemv_rows, (nmax_up + 15) / 16, kchunks_d, slots, p.kw, p.rt, occ);
       const dim3 grid(unsigned(((nmax_up + 15) / 16 + p.rt - 1) / p.rt), unsigned(slots));
       err = gemv_rows == 2 ? launch_gemv<kMoeUp, 2>(p, grid, stream, occ)
                            : launch_gemv<kMoeUp, 8>(p, grid, stream, occ);
@@ -1331,8 +1349,8 @@ extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t
     const int64_t kmax = shared && a->Is > a->I ? a->Is : a->I;
     const int64_t ntiles_d = (a->d + 15) / 16;
     if (gemv) {
-      const int occ = gemv_occ(gemv_rows, ntiles_d * ((kmax + 127) / 128) * slots);
-      pick_gemv_split(ntiles_d, (kmax + 127) / 128, slots, p.kw, p.rt, occ);
+      int occ = 2;
+      plan_gemv(gemv_rows, ntiles_d, (kmax + 127) / 128, slots, p.kw, p.rt, occ);
       const dim3 grid(unsigned((ntiles_d + p.rt - 1) / p.rt), unsigned(slots));
       err = gemv_rows == 2 ? launch_gemv<kMoeDown, 2>(p, grid, stream, occ)
                            : launch_gemv<kMoeDown, 8>(p, grid, stream, occ);
