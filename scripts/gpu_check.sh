@@ -3,7 +3,7 @@
 #   build the CUDA library, the CUDA tests one file per process (a crash cannot hide other files' results),
 #   compute-sanitizer (memcheck, racecheck) on the direct kernel tests, the benchmarks.
 # $OUT gets summary.txt + logs.tgz (the device tool returns at most 8 files of <= 16 MiB).
-# Usage on the H200, from the repo root:  bash scripts/gpu_check.sh [tests|sanitizer|bench|profile|switches ...]
+# Usage on the H200, from the repo root:  bash scripts/gpu_check.sh [tests|sanitizer|bench|profile|switches|pdl ...]
 # (default: tests sanitizer bench)
 # Env: GPU_CHECK_SKIP_BUILD=1 (already built), TEST_FILES / BENCHES (space-separated paths; default: all), SANITIZE
 # (a grep -E pattern: only the sanitizer specs it matches), GPU_CHECK_SECONDS (a total budget: steps get
@@ -114,5 +114,15 @@ for part in $PARTS; do
       step switches_layer_fused_off 200 env $FUSED_OFF $PY bench/bench_layer.py --kinds csa --steps 50 --experts 16
       step switches_layer_off 200 env $FUSED_OFF DSV4_FUSED_HC=0 DSV4_ATTN_KERNEL=simt $PY bench/bench_layer.py \
         --kinds csa --steps 50 --experts 16 ;;
+    pdl)
+      # DSV4_PDL=1 (off by default until this has run): the decode kernels outside the NVFP4 chain launched with
+      # programmatic dependent launch. Their op tests and the compiled decode with it, then the layer both ways.
+      step pdl_op_tests 200 env DSV4_PDL=1 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_compressor_op.py \
+        tests/test_norm_rope.py tests/test_hc_pre.py tests/test_hadamard_fp4.py tests/test_key_store.py \
+        tests/test_attn.py tests/test_indexer.py tests/test_router.py tests/test_fp32_linear.py
+      step pdl_compiled 150 $PY -m pytest -q -m cuda -x -p no:cacheprovider tests/test_compiled_decode.py \
+        -k "graph_logits"
+      step pdl_layer_off 200 $PY bench/bench_layer.py --kinds csa --steps 50 --experts 16
+      step pdl_layer_on 200 env DSV4_PDL=1 $PY bench/bench_layer.py --kinds csa --steps 50 --experts 16 ;;
   esac
 done

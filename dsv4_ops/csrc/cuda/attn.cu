@@ -18,8 +18,12 @@
 
 #include "float_cast.h"
 #include "mma.h"
+#include "pdl.h"
 
 namespace {
+
+using dsv4_cuda::decode_pdl;
+using dsv4_cuda::launch_ex;
 
 using dsv4_cuda::mma_bf16;
 using dsv4_cuda::round_to;
@@ -90,7 +94,10 @@ __host__ __device__ constexpr size_t partial_smem(int D, int elem) {
 template <typename T>
 __global__ void __launch_bounds__(kHeads * 32) attn_partial_kernel(
     const T* __restrict__ q, const T* __restrict__ kv, const int32_t* __restrict__ idx, int H, int N, int D, int J,
-    int64_t kv_batch_stride, int rows_per_split, float scale, float* __restrict__ ws_o, float* __restrict__ ws_ml) {
+    int64_t kv_batch_stride, int rows_per_split, float scale, float* __restrict__ ws_o, float* __restrict__ ws_ml,
+    int pdl) {
+  dsv4_cuda::grid_dep_wait();
+  if (pdl) dsv4_cuda::grid_dep_launch();
   constexpr int E = epp<T>();
   extern __shared__ __align__(16) unsigned char smem[];
   const int split = blockIdx.x, h0 = blockIdx.y * kHeads, b = blockIdx.z, nsplit = gridDim.x;
@@ -242,7 +249,9 @@ __host__ __device__ constexpr size_t partial_mma_smem(int D) {
 __global__ void __launch_bounds__(kMmaWarps * 32) attn_partial_mma_kernel(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv, const int32_t* __restrict__ idx,
     int H, int N, int D, int J, int64_t kv_batch_stride, int rows_per_split, float scale, float* __restrict__ ws_o,
-    float* __restrict__ ws_ml) {
+    float* __restrict__ ws_ml, int pdl) {
+  dsv4_cuda::grid_dep_wait();
+  if (pdl) dsv4_cuda::grid_dep_launch();
   extern __shared__ __align__(16) unsigned char smem[];
   const int split = blockIdx.x, h0 = blockIdx.y * kMmaHeads, b = blockIdx.z, nsplit = gridDim.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -409,7 +418,9 @@ __global__ void __launch_bounds__(128) attn_combine_kernel(const float* __restri
                                                           const float* __restrict__ ws_ml,
                                                           const float* __restrict__ sink, int H, int D, int nsplit,
                                                           const float* __restrict__ out_rope, int rope_dim,
-                                                          T* __restrict__ out) {
+                                                          T* __restrict__ out, int pdl) {
+  dsv4_cuda::grid_dep_wait();
+  if (pdl) dsv4_cuda::grid_dep_launch();
   __shared__ float wgt[64];
   __shared__ float total;
   const int h = blockIdx.x, b = blockIdx.y;
@@ -482,19 +493,20 @@ cudaError_t launch(const void* q, const void* kv, const int32_t* idx, const floa
     if (e != cudaSuccess) return e;
     opted_in[dev] = true;
   }
+  const bool pdl = decode_pdl();
   if (use_mma) {
     const dim3 grid(nsplit, (H + kMmaHeads - 1) / kMmaHeads, B);
-    attn_partial_mma_kernel<<<grid, kMmaWarps * 32, partial_mma_smem(D), stream>>>(
-        static_cast<const __nv_bfloat16*>(q), static_cast<const __nv_bfloat16*>(kv), idx, H, N, D, J,
-        kv_batch_stride, rows_per_split, scale, ws_o, ws_ml);
+    launch_ex(pdl, attn_partial_mma_kernel, grid, dim3(kMmaWarps * 32), partial_mma_smem(D), stream,
+              static_cast<const __nv_bfloat16*>(q), static_cast<const __nv_bfloat16*>(kv), idx, H, N, D, J,
+              kv_batch_stride, rows_per_split, scale, ws_o, ws_ml, int(pdl));
   } else {
     const dim3 grid(nsplit, (H + kHeads - 1) / kHeads, B);
-    attn_partial_kernel<T><<<grid, kHeads * 32, partial_smem(D, sizeof(T)), stream>>>(
-        static_cast<const T*>(q), static_cast<const T*>(kv), idx, H, N, D, J, kv_batch_stride, rows_per_split,
-        scale, ws_o, ws_ml);
+    launch_ex(pdl, attn_partial_kernel<T>, grid, dim3(kHeads * 32), partial_smem(D, sizeof(T)), stream,
+              static_cast<const T*>(q), static_cast<const T*>(kv), idx, H, N, D, J, kv_batch_stride, rows_per_split,
+              scale, ws_o, ws_ml, int(pdl));
   }
-  attn_combine_kernel<T><<<dim3(H, B), 128, 0, stream>>>(ws_o, ws_ml, sink, H, D, nsplit, out_rope, rope_dim,
-                                                         static_cast<T*>(out));
+  launch_ex(pdl, attn_combine_kernel<T>, dim3(H, B), dim3(128), 0, stream, ws_o, ws_ml, sink, H, D, nsplit, out_rope,
+            rope_dim, static_cast<T*>(out), int(pdl));
   return cudaGetLastError();
 }
 

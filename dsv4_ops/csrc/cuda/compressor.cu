@@ -8,7 +8,12 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "pdl.h"
+
 namespace {
+
+using dsv4_cuda::decode_pdl;
+using dsv4_cuda::launch_ex;
 
 constexpr int kCols = 32, kWarps = 8;
 
@@ -16,7 +21,9 @@ template <typename P>
 __global__ void __launch_bounds__(kCols* kWarps) compressor_decode_kernel(
     const float* __restrict__ kv, const float* __restrict__ score, const float* __restrict__ ape,
     const P* __restrict__ positions, float* kv_state, float* score_state, float* __restrict__ pooled, int C, int m,
-    int R, int hd, int overlap) {
+    int R, int hd, int overlap, int pdl) {
+  dsv4_cuda::grid_dep_wait();
+  if (pdl) dsv4_cuda::grid_dep_launch();
   __shared__ float part[3][kWarps][kCols];  // running max, sum, weighted sum
   const int b = blockIdx.y, d0 = blockIdx.x * kCols, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int d = d0 + lane;
@@ -84,11 +91,12 @@ extern "C" cudaError_t dsv4_compressor_decode_launch(const float* kv, const floa
   if (B == 0 || hd == 0) return cudaSuccess;
   if (B > 65535) return cudaErrorInvalidValue;
   const dim3 grid((hd + kCols - 1) / kCols, B);
+  const bool pdl = decode_pdl();
   if (pos_i32)
-    compressor_decode_kernel<int32_t><<<grid, kCols * kWarps, 0, stream>>>(
-        kv, score, ape, static_cast<const int32_t*>(positions), kv_state, score_state, pooled, C, m, R, hd, overlap);
+    launch_ex(pdl, compressor_decode_kernel<int32_t>, grid, dim3(kCols * kWarps), 0, stream, kv, score, ape,
+              static_cast<const int32_t*>(positions), kv_state, score_state, pooled, C, m, R, hd, overlap, int(pdl));
   else
-    compressor_decode_kernel<int64_t><<<grid, kCols * kWarps, 0, stream>>>(
-        kv, score, ape, static_cast<const int64_t*>(positions), kv_state, score_state, pooled, C, m, R, hd, overlap);
+    launch_ex(pdl, compressor_decode_kernel<int64_t>, grid, dim3(kCols * kWarps), 0, stream, kv, score, ape,
+              static_cast<const int64_t*>(positions), kv_state, score_state, pooled, C, m, R, hd, overlap, int(pdl));
   return cudaGetLastError();
 }

@@ -9,7 +9,13 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "pdl.h"
+
 namespace {
+
+using dsv4_cuda::decode_pdl;
+using dsv4_cuda::launch_ex;
+using bf16 = __nv_bfloat16;
 
 constexpr int kMaxSeg = 8;
 constexpr int kMaxThreads = 512;
@@ -85,7 +91,9 @@ __device__ __forceinline__ void load_x(const XT* p, float (&f)[V]) {
 
 // R rows per CTA, MT = token rows the accumulators hold (M <= MT), U pieces per row in flight per thread.
 template <int R, int MT, int U, typename WT, typename XT>
-__global__ void __launch_bounds__(kMaxThreads) fp32_linear_kernel(const Fp32LinearParams p) {
+__global__ void __launch_bounds__(kMaxThreads) fp32_linear_kernel(const Fp32LinearParams p, int pdl) {
+  dsv4_cuda::grid_dep_wait();
+  if (pdl) dsv4_cuda::grid_dep_launch();
   constexpr int V = Piece<WT>::V;
   int seg = 0;
 #pragma unroll
@@ -158,10 +166,12 @@ __global__ void __launch_bounds__(kMaxThreads) fp32_linear_kernel(const Fp32Line
 
 template <int R, int MT, int U>
 cudaError_t launch_rmt(const Fp32LinearParams& p, int w_fp32, int x_fp32, int ctas, int threads, cudaStream_t st) {
-  if (w_fp32 && x_fp32) fp32_linear_kernel<R, MT, U, float, float><<<ctas, threads, 0, st>>>(p);
-  else if (w_fp32) fp32_linear_kernel<R, MT, U, float, __nv_bfloat16><<<ctas, threads, 0, st>>>(p);
-  else if (x_fp32) fp32_linear_kernel<R, MT, U, __nv_bfloat16, float><<<ctas, threads, 0, st>>>(p);
-  else fp32_linear_kernel<R, MT, U, __nv_bfloat16, __nv_bfloat16><<<ctas, threads, 0, st>>>(p);
+  const bool pdl = decode_pdl();
+  const dim3 grid(ctas), block(threads);
+  if (w_fp32 && x_fp32) launch_ex(pdl, fp32_linear_kernel<R, MT, U, float, float>, grid, block, 0, st, p, int(pdl));
+  else if (w_fp32) launch_ex(pdl, fp32_linear_kernel<R, MT, U, float, bf16>, grid, block, 0, st, p, int(pdl));
+  else if (x_fp32) launch_ex(pdl, fp32_linear_kernel<R, MT, U, bf16, float>, grid, block, 0, st, p, int(pdl));
+  else launch_ex(pdl, fp32_linear_kernel<R, MT, U, bf16, bf16>, grid, block, 0, st, p, int(pdl));
   return cudaGetLastError();
 }
 

@@ -11,8 +11,12 @@
 #include <stdint.h>
 
 #include "float_cast.h"
+#include "pdl.h"
 
 namespace {
+
+using dsv4_cuda::decode_pdl;
+using dsv4_cuda::launch_ex;
 
 using dsv4_cuda::load_one;
 using dsv4_cuda::pow2_ceil;
@@ -34,7 +38,10 @@ template <typename T, int E>
 __global__ void __launch_bounds__(32 * kWarpsPerCta) hadamard_fp4_kernel(const T* __restrict__ x,
                                                                           const float* __restrict__ cs,
                                                                           T* __restrict__ out, int64_t vectors,
-                                                                          int heads, int rope_dim, float scale) {
+                                                                          int heads, int rope_dim, float scale,
+                                                                          int pdl) {
+  dsv4_cuda::grid_dep_wait();
+  if (pdl) dsv4_cuda::grid_dep_launch();
   constexpr int D = 32 * E;
   const int lane = threadIdx.x & 31;
   const int64_t v = int64_t(blockIdx.x) * kWarpsPerCta + (threadIdx.x >> 5);
@@ -100,15 +107,19 @@ cudaError_t launch_t(const void* x, const float* cs, void* out, int64_t vectors,
   const T* xp = static_cast<const T*>(x);
   T* op = static_cast<T*>(out);
   const dim3 block(32 * kWarpsPerCta);
+  const bool pdl = decode_pdl();
   switch (d) {
     case 64:
-      hadamard_fp4_kernel<T, 2><<<grid, block, 0, stream>>>(xp, cs, op, vectors, heads, rope_dim, scale);
+      launch_ex(pdl, hadamard_fp4_kernel<T, 2>, grid, block, 0, stream, xp, cs, op, vectors, heads, rope_dim,
+                scale, int(pdl));
       break;
     case 128:
-      hadamard_fp4_kernel<T, 4><<<grid, block, 0, stream>>>(xp, cs, op, vectors, heads, rope_dim, scale);
+      launch_ex(pdl, hadamard_fp4_kernel<T, 4>, grid, block, 0, stream, xp, cs, op, vectors, heads, rope_dim,
+                scale, int(pdl));
       break;
     case 256:
-      hadamard_fp4_kernel<T, 8><<<grid, block, 0, stream>>>(xp, cs, op, vectors, heads, rope_dim, scale);
+      launch_ex(pdl, hadamard_fp4_kernel<T, 8>, grid, block, 0, stream, xp, cs, op, vectors, heads, rope_dim,
+                scale, int(pdl));
       break;
     default:
       return cudaErrorInvalidValue;

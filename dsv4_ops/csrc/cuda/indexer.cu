@@ -19,10 +19,14 @@
 #include <stdint.h>
 
 #include "mma.h"
+#include "pdl.h"
 
 namespace cg = cooperative_groups;
 
 namespace {
+
+using dsv4_cuda::decode_pdl;
+using dsv4_cuda::launch_ex;
 
 using dsv4_cuda::mma_bf16;
 
@@ -109,7 +113,10 @@ template <bool kSplit>
 __global__ void __launch_bounds__(kThreads, 2)
     indexer_score_kernel(const void* __restrict__ q, const float* __restrict__ weights,
                          const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,
-                         const void* __restrict__ n_valid, int nv_is64, int H, int N, uint32_t* __restrict__ keys_out) {
+                         const void* __restrict__ n_valid, int nv_is64, int H, int N, uint32_t* __restrict__ keys_out,
+                         int pdl) {
+  dsv4_cuda::grid_dep_wait();
+  if (pdl) dsv4_cuda::grid_dep_launch();
   constexpr int kHG = kSplit ? 4 : 2;
   constexpr int kKG = (kThreads / 32) / kHG;
   constexpr int kKeysPerWarp = kTK / kKG;
@@ -455,12 +462,13 @@ extern "C" cudaError_t dsv4_indexer_score_topk_launch(const void* q, int q_is_fp
     int gx = slots / B;
     gx = gx < 1 ? 1 : (gx > ntiles ? ntiles : gx);
     const dim3 grid(gx, B);
+    const bool pdl = decode_pdl();
     if (q_is_fp32)
-      indexer_score_kernel<true><<<grid, kThreads, 0, stream>>>(q, weights, codes, scales, n_valid, nv_is64, H, N,
-                                                                keys_scratch);
+      launch_ex(pdl, indexer_score_kernel<true>, grid, dim3(kThreads), 0, stream, q, weights, codes, scales,
+                n_valid, nv_is64, H, N, keys_scratch, int(pdl));
     else
-      indexer_score_kernel<false><<<grid, kThreads, 0, stream>>>(q, weights, codes, scales, n_valid, nv_is64, H, N,
-                                                                 keys_scratch);
+      launch_ex(pdl, indexer_score_kernel<false>, grid, dim3(kThreads), 0, stream, q, weights, codes, scales,
+                n_valid, nv_is64, H, N, keys_scratch, int(pdl));
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }

@@ -8,7 +8,12 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "pdl.h"
+
 namespace {
+
+using dsv4_cuda::decode_pdl;
+using dsv4_cuda::launch_ex;
 
 constexpr int kWarpsPerCta = 4;
 
@@ -27,7 +32,9 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) store_keys_kernel(const T* 
                                                                         const P* __restrict__ positions, int B,
                                                                         int ratio, int n, T* __restrict__ cache,
                                                                         uint8_t* __restrict__ codes,
-                                                                        uint8_t* __restrict__ scales) {
+                                                                        uint8_t* __restrict__ scales, int pdl) {
+  dsv4_cuda::grid_dep_wait();
+  if (pdl) dsv4_cuda::grid_dep_launch();
   constexpr int D = 32 * E, kLanesPerBlock = 32 / E;
   const int b = blockIdx.x * kWarpsPerCta + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (b >= B) return;
@@ -64,11 +71,21 @@ cudaError_t launch_t(const void* keys, const void* positions, int B, int D, int 
   const T* k = static_cast<const T*>(keys);
   const P* p = static_cast<const P*>(positions);
   T* c = static_cast<T*>(cache);
+  const bool pdl = decode_pdl();
   switch (D) {
-    case 64: store_keys_kernel<T, P, 2><<<grid, block, 0, stream>>>(k, p, B, ratio, n, c, codes, scales); break;
-    case 128: store_keys_kernel<T, P, 4><<<grid, block, 0, stream>>>(k, p, B, ratio, n, c, codes, scales); break;
-    case 256: store_keys_kernel<T, P, 8><<<grid, block, 0, stream>>>(k, p, B, ratio, n, c, codes, scales); break;
-    case 512: store_keys_kernel<T, P, 16><<<grid, block, 0, stream>>>(k, p, B, ratio, n, c, codes, scales); break;
+    case 64:
+      launch_ex(pdl, store_keys_kernel<T, P, 2>, grid, block, 0, stream, k, p, B, ratio, n, c, codes, scales, int(pdl));
+      break;
+    case 128:
+      launch_ex(pdl, store_keys_kernel<T, P, 4>, grid, block, 0, stream, k, p, B, ratio, n, c, codes, scales, int(pdl));
+      break;
+    case 256:
+      launch_ex(pdl, store_keys_kernel<T, P, 8>, grid, block, 0, stream, k, p, B, ratio, n, c, codes, scales, int(pdl));
+      break;
+    case 512:
+      launch_ex(pdl, store_keys_kernel<T, P, 16>, grid, block, 0, stream, k, p, B, ratio, n, c, codes, scales,
+                int(pdl));
+      break;
     default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();

@@ -15,10 +15,14 @@
 #include <stdint.h>
 
 #include "float_cast.h"
+#include "pdl.h"
 
 #include <algorithm>
 
 namespace {
+
+using dsv4_cuda::decode_pdl;
+using dsv4_cuda::launch_ex;
 
 using dsv4_cuda::load_one;
 using dsv4_cuda::round_to;
@@ -232,7 +236,10 @@ __device__ __forceinline__ float hc_post_value(const HcPostIn<TX>& pi, int t, in
 
 template <typename TX, typename TW>
 __global__ void __launch_bounds__(256) hc_pre_partial_kernel(TX* x, const TW* __restrict__ fn, int T, int K, int mix,
-                                                             float* __restrict__ ws, const HcPostIn<TX> pi, int d) {
+                                                             float* __restrict__ ws, const HcPostIn<TX> pi, int d,
+                                                             int pdl) {
+  dsv4_cuda::grid_dep_wait();
+  if (pdl) dsv4_cuda::grid_dep_launch();
   __shared__ __align__(16) float xs[kHcMaxTokens][kHcChunk];
   const int s = blockIdx.x, k0 = s * kHcChunk, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int kl = 4 * lane, k = k0 + kl;  // K % 4 == 0: a lane's 4 k are all in range or all out
@@ -282,7 +289,9 @@ __global__ void __launch_bounds__(1024) hc_pre_finish_kernel(
     const TX* __restrict__ x, const float* __restrict__ ws, int nsplit, int T, int hc, int d, int mix,
     const float* __restrict__ scale, const float* __restrict__ base, const float* __restrict__ norm_w, int iters,
     float hc_eps, float norm_eps, float out_eps, TX* __restrict__ y, float* __restrict__ post,
-    float* __restrict__ comb) {
+    float* __restrict__ comb, int pdl) {
+  dsv4_cuda::grid_dep_wait();
+  if (pdl) dsv4_cuda::grid_dep_launch();
   constexpr int V = 16 / sizeof(TX);
   extern __shared__ __align__(16) float ybuf[];  // [d]: y rounded to x's dtype
   __shared__ float red[kHcMaxMix + 1];
@@ -375,8 +384,9 @@ cudaError_t hc_pre_launch_t(void* x, const void* fn, const float* scale, const f
                             const float* p_post, const float* p_comb, cudaStream_t stream) {
   const int K = hc * d, mix = (2 + hc) * hc;
   const HcPostIn<TX> pi{static_cast<const TX*>(p_out), static_cast<const TX*>(p_res), p_post, p_comb};
-  hc_pre_partial_kernel<TX, TW><<<nsplit, 256, 0, stream>>>(static_cast<TX*>(x), static_cast<const TW*>(fn), T, K,
-                                                              mix, ws, pi, d);
+  const bool pdl = decode_pdl();
+  launch_ex(pdl, hc_pre_partial_kernel<TX, TW>, dim3(nsplit), dim3(256), 0, stream, static_cast<TX*>(x),
+            static_cast<const TW*>(fn), T, K, mix, ws, pi, d, int(pdl));
   const size_t smem = norm_w != nullptr ? size_t(d) * sizeof(float) : 0;
   if (smem > 40 * 1024) {  // with the static arrays past the 48 KB default
     const cudaError_t e = cudaFuncSetAttribute(hc_pre_finish_kernel<TX>,
@@ -386,9 +396,9 @@ cudaError_t hc_pre_launch_t(void* x, const void* fn, const float* scale, const f
   // warp 0 + one vector per thread where d allows (V4-Flash / Pro bf16: 32 + 512 / 896 threads)
   const int nvec = d / int(16 / sizeof(TX));
   const int threads = 32 + std::min(std::max((nvec + 31) / 32 * 32, 64), 992);
-  hc_pre_finish_kernel<TX><<<T, threads, smem, stream>>>(static_cast<const TX*>(x), ws, nsplit, T, hc, d, mix,
-                                                         scale, base, norm_w, iters, hc_eps, norm_eps, out_eps,
-                                                         static_cast<TX*>(y), post, comb);
+  launch_ex(pdl, hc_pre_finish_kernel<TX>, dim3(T), dim3(threads), smem, stream, static_cast<const TX*>(x), ws,
+            nsplit, T, hc, d, mix, scale, base, norm_w, iters, hc_eps, norm_eps, out_eps, static_cast<TX*>(y), post,
+            comb, int(pdl));
   return cudaGetLastError();
 }
 

@@ -12,8 +12,12 @@
 #include <stdint.h>
 
 #include "float_cast.h"
+#include "pdl.h"
 
 namespace {
+
+using dsv4_cuda::decode_pdl;
+using dsv4_cuda::launch_ex;
 
 using dsv4_cuda::pow2_ceil;
 using dsv4_cuda::round_to;
@@ -45,7 +49,9 @@ template <typename T>
 __global__ void __launch_bounds__(1024) rms_norm_rope_kernel(const T* __restrict__ x, const float* __restrict__ w,
                                                              const float* __restrict__ cs, T* __restrict__ out,
                                                              int heads, int d, int rope_dim, float eps,
-                                                             int fp8_nope) {
+                                                             int fp8_nope, int pdl) {
+  dsv4_cuda::grid_dep_wait();
+  if (pdl) dsv4_cuda::grid_dep_launch();
   __shared__ float wsum[32];
   const int64_t v = blockIdx.x;
   const int t = threadIdx.x, e0 = 4 * t, nope = d - rope_dim, lane = t & 31, warp = t >> 5;
@@ -105,12 +111,14 @@ extern "C" cudaError_t dsv4_rms_norm_rope_launch(const void* x, int x_fp32, cons
   if (vectors == 0) return cudaSuccess;
   if (d % 4 != 0 || d > 4096 || d < 4 || rope_dim % 4 != 0 || vectors > 0x7FFFFFFF) return cudaErrorInvalidValue;
   const int threads = (d / 4 + 31) / 32 * 32;
+  const bool pdl = decode_pdl();
   if (x_fp32)
-    rms_norm_rope_kernel<float><<<unsigned(vectors), threads, 0, stream>>>(
-        static_cast<const float*>(x), w, cs, static_cast<float*>(out), heads, d, rope_dim, eps, fp8_nope);
+    launch_ex(pdl, rms_norm_rope_kernel<float>, dim3(unsigned(vectors)), dim3(threads), 0, stream,
+              static_cast<const float*>(x), w, cs, static_cast<float*>(out), heads, d, rope_dim, eps, fp8_nope,
+              int(pdl));
   else
-    rms_norm_rope_kernel<__nv_bfloat16><<<unsigned(vectors), threads, 0, stream>>>(
-        static_cast<const __nv_bfloat16*>(x), w, cs, static_cast<__nv_bfloat16*>(out), heads, d, rope_dim, eps,
-        fp8_nope);
+    launch_ex(pdl, rms_norm_rope_kernel<__nv_bfloat16>, dim3(unsigned(vectors)), dim3(threads), 0, stream,
+              static_cast<const __nv_bfloat16*>(x), w, cs, static_cast<__nv_bfloat16*>(out), heads, d, rope_dim, eps,
+              fp8_nope, int(pdl));
   return cudaGetLastError();
 }

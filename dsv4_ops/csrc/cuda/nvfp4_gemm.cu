@@ -34,10 +34,14 @@
 
 #include "device_info.h"
 #include "nvfp4_gemm.h"
+#include "pdl.h"
 
 namespace {
 
 using bf16 = __nv_bfloat16;
+using dsv4_cuda::grid_dep_launch;
+using dsv4_cuda::grid_dep_wait;
+using dsv4_cuda::launch_ex;
 
 constexpr uint32_t kPairMask = 0x81C081C0u;   // sign + 3 exponent/mantissa bits of both bf16 halves
 constexpr uint32_t kScaleBias = 0x76007600u;  // (236 << 7) per half: scale byte -> bf16(scale * 2^119)
@@ -134,17 +138,12 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
   return v;
 }
 
-// Programmatic dependent launch (the MoE chain route -> up -> down -> combine): a kernel launched with the PDL
-// attribute may start before its predecessor finishes; griddepcontrol.wait blocks until the predecessor grids
-// have completed and their writes are visible, launch_dependents lets the successor's CTAs be scheduled.
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 // Warm L2 (the GPU's point of coherence: a later write by another kernel updates the same lines, so this is a hint
 // that can never make a later read stale). bytes: a multiple of 16, p 16-byte aligned.
 __device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
@@ -374,7 +373,7 @@ struct WStage {
 template <int MODE, int NT>
 __global__ void __launch_bounds__(kThreads) nvfp4_skinny_kernel(const SkinnyParams p) {
   __shared__ float red[kWarps][NT * 4][32];
-  if (p.pdl) pdl_wait();
+  if (p.pdl) grid_dep_wait();
   Task task;
   if (!resolve_task<MODE>(p, task)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
@@ -461,7 +460,7 @@ __global__ void __launch_bounds__(kThreads) nvfp4_skinny_kernel(const SkinnyPara
     }
 
     // every weight load of this CTA is issued: let the next kernel's CTAs fill the SMs this wave frees
-    if (p.pdl && tt + 8 * NT >= task.cnt) pdl_trigger();
+    if (p.pdl && tt + 8 * NT >= task.cnt) grid_dep_launch();
     if (p.kw > 1) {
       if (kw != 0) {
 #pragma unroll
@@ -687,7 +686,7 @@ __global__ void __launch_bounds__(kThreads, OCC) nvfp4_gemv_kernel(const SkinnyP
   constexpr int S = Cfg::kStages;
   extern __shared__ __align__(128) uint8_t gsmem[];
   __shared__ float red[kWarps][4][32];
-  if (MODE != kDense && p.pdl) pdl_wait();  // MoE: the experts come from the routing kernel
+  if (MODE != kDense && p.pdl) grid_dep_wait();  // MoE: the experts come from the routing kernel
   Task task;
   if (MODE == kDense) {  // the weights and the shape are launch parameters: known before the wait
     dense_task(p, task);
@@ -720,7 +719,7 @@ __global__ void __launch_bounds__(kThreads, OCC) nvfp4_gemv_kernel(const SkinnyP
         prefetch_l2(srow);
         prefetch_l2(srow + warm * 8 - 1);
       }
-      pdl_wait();
+      grid_dep_wait();
     }
     float a = __ldg(task.gsp) * kUnbias;
     if (p.gs_act != nullptr) a *= __ldg(p.gs_act);
@@ -806,7 +805,7 @@ __global__ void __launch_bounds__(kThreads, OCC) nvfp4_gemv_kernel(const SkinnyP
     float acc[1][4];
 #pragma unroll
     for (int r = 0; r < 4; ++r) acc[0][r] = acc0[r] + acc1[r];
-    if (p.pdl && tt + ROWS >= task.cnt) pdl_trigger();
+    if (p.pdl && tt + ROWS >= task.cnt) grid_dep_launch();
     if (p.kw > 1) {
       if (kw != 0) {
 #pragma unroll
@@ -962,8 +961,8 @@ __global__ void __launch_bounds__(1024) nvfp4_moe_route_kernel(const void* ids, 
   int* cnt = rsm;
   int* cur = rsm + E;
   __shared__ int wsum[32], wact[32];
-  pdl_wait();  // topk_ids come from the previous kernel
-  pdl_trigger();
+  grid_dep_wait();  // topk_ids come from the previous kernel
+  grid_dep_launch();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   for (int e = tid; e < E; e += blockDim.x) cnt[e] = 0;
   __syncthreads();
@@ -1027,7 +1026,7 @@ __global__ void __launch_bounds__(1024) nvfp4_moe_route_kernel(const void* ids, 
 // y[t] = bf16(sum_j o[t*k + j] (valid ids only, slot order) + o[T*k + t] (shared)), 8 features per thread.
 __global__ void nvfp4_moe_combine_kernel(const bf16* o, const void* ids, int ids64, int T, int k, int E, int d,
                                          int has_shared, bf16* y) {
-  pdl_wait();
+  grid_dep_wait();
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int d8 = d / 8;
   if (idx >= int64_t(T) * d8) return;
@@ -1163,22 +1162,6 @@ template <int MODE, int ROWS>
 cudaError_t launch_gemv(const SkinnyParams& p, dim3 grid, cudaStream_t stream, int occ) {
   if (ROWS == 2 && occ == 3) return launch_gemv_occ<MODE, 2, 3>(p, grid, stream);
   return launch_gemv_occ<MODE, ROWS, 2>(p, grid, stream);
-}
-
-template <typename... Params, typename... Args>
-cudaError_t launch_ex(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                      Args&&... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
 template <int MODE>

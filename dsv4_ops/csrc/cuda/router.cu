@@ -6,7 +6,12 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "pdl.h"
+
 namespace {
+
+using dsv4_cuda::decode_pdl;
+using dsv4_cuda::launch_ex;
 
 // Unsigned key in the selection order: NaN above +inf, -0 == +0. Real values never map to 0 (0 marks "taken").
 __device__ __forceinline__ uint32_t order_key(float v) {
@@ -19,7 +24,9 @@ template <int EPL>  // experts per lane: E <= 32 * EPL
 __global__ void __launch_bounds__(128) router_topk_kernel(const float* __restrict__ scores,
                                                          const float* __restrict__ bias, int64_t n, int E, int k,
                                                          int renormalize, float scale, float* __restrict__ weights,
-                                                         int64_t* __restrict__ indices) {
+                                                         int64_t* __restrict__ indices, int pdl) {
+  dsv4_cuda::grid_dep_wait();
+  if (pdl) dsv4_cuda::grid_dep_launch();
   const int lane = threadIdx.x & 31;
   const int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   if (r >= n) return;  // whole warps leave together
@@ -68,9 +75,12 @@ extern "C" cudaError_t dsv4_router_topk_launch(const float* scores, const float*
   if (n == 0) return cudaSuccess;
   if (k < 1 || k > 16 || k > E || E > 1024) return cudaErrorInvalidValue;
   const unsigned grid = unsigned((n + 3) / 4);  // 4 rows (warps) per 128-thread block
+  const bool pdl = decode_pdl();
   if (E <= 256)
-    router_topk_kernel<8><<<grid, 128, 0, stream>>>(scores, bias, n, E, k, renormalize, scale, weights, indices);
+    launch_ex(pdl, router_topk_kernel<8>, grid, dim3(128), 0, stream, scores, bias, n, E, k, renormalize,
+              scale, weights, indices, int(pdl));
   else
-    router_topk_kernel<32><<<grid, 128, 0, stream>>>(scores, bias, n, E, k, renormalize, scale, weights, indices);
+    launch_ex(pdl, router_topk_kernel<32>, grid, dim3(128), 0, stream, scores, bias, n, E, k, renormalize,
+              scale, weights, indices, int(pdl));
   return cudaGetLastError();
 }

@@ -1,0 +1,44 @@
+// Programmatic dependent launch (PDL). A kernel launched with the PDL attribute may be scheduled while its
+// predecessor in the stream is still running, so its launch latency hides under the predecessor's tail (in a
+// CUDA graph too: the edge becomes programmatic). Such a kernel calls grid_dep_wait() before touching global
+// memory another kernel reads or writes: the wait returns once the predecessor grids have completed and their
+// writes are visible (at once for a kernel launched without the attribute). grid_dep_launch() lets the
+// successor's CTAs be scheduled before this grid ends; their own wait still orders them after it.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <utility>
+
+namespace dsv4_cuda {
+
+__device__ __forceinline__ void grid_dep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void grid_dep_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
+// The decode kernels outside the NVFP4 chain (attention, mHC, norm + RoPE, compressor, Hadamard, key store,
+// indexer scoring, fp32 linear, router) launch with PDL when DSV4_PDL=1 (read at each launch, so at capture).
+// Off by default until measured on the H200. Each of them waits at its top, so the attribute never reorders
+// memory accesses.
+inline bool decode_pdl() {
+  const char* v = std::getenv("DSV4_PDL");
+  return v != nullptr && v[0] == '1';
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), with the PDL attribute when pdl.
+template <typename... Params, typename... Args>
+cudaError_t launch_ex(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                      Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
+}  // namespace dsv4_cuda
