@@ -42,6 +42,21 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     return key.topk(k, dim=-1).indices
 
 
+def decode_rope(table: torch.Tensor) -> dict:
+    """A decode step's view of one RoPE table: the rows it reads, gathered once per step and offset and shared
+    by every layer using the table (one gather kernel per step instead of one per layer and use)."""
+    return {"table": table, "rows": {}}
+
+
+def rope_rows(rope: dict, positions: torch.Tensor, m: int = 1) -> torch.Tensor:
+    """table[(positions + 1 - m).clamp(min=0)]: the token's own row (m = 1) or the first row of the m-token window
+    it closes; cached in the step's rope dict (the positions are the step's)."""
+    rows = rope["rows"]
+    if m not in rows:
+        rows[m] = rope["table"][(positions + 1 - m).clamp(min=0)]
+    return rows[m]
+
+
 def _fused_compressor(x: torch.Tensor) -> bool:
     """Decode updates a compressor's state and pools its window with one dsv4::compressor_decode call (one
     launch instead of ~6 kernels). On unless DSV4_FUSED_COMPRESSOR=0. Read when the step is
@@ -188,15 +203,15 @@ class Compressor(nn.Module):
         cs = rope[torch.arange(n, device=x.device) * m]
         return self._finish(pooled, cs, x.dtype)
 
-    def decode(self, x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor,
+    def decode(self, x: torch.Tensor, positions: torch.Tensor, rope: dict,
                proj: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """x [B, dim] = token at positions[b]. Updates state rows [:B]; returns (entry [B, Dc] for window
-        positions//m, complete [B] bool: whether that window closed at this token). proj: (wkv(x), wgate(x))
-        if already computed (Attention runs both compressors' projections in one launch)."""
+        """x [B, dim] = token at positions[b]; rope: the step's decode_rope. Updates state rows [:B]; returns
+        (entry [B, Dc] for window positions//m, complete [B] bool: whether that window closed at this token). proj:
+        (wkv(x), wgate(x)) if already computed (Attention runs both compressors' projections in one launch)."""
         B = x.shape[0]
         m, hd = self.ratio, self.head_dim
         kv, score = self._project(x) if proj is None else proj
-        cs = rope[(positions + 1 - m).clamp(min=0)]
+        cs = rope_rows(rope, positions, m)
         complete = (positions + 1) % m == 0
         if _fused_compressor(x):
             pooled = torch.empty(B, hd, dtype=torch.float32, device=x.device)
@@ -508,12 +523,13 @@ class Attention(nn.Module):
         self.kv_cache[:B, :W] = torch.where((p >= 0).unsqueeze(-1), g, self.kv_cache[:B, :W])
 
     # ------------------------------------------------------------------ one-token decode (static shapes)
-    def decode(self, x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        """x [B, dim] at per-row positions [B] (device tensor) -> [B, dim]; updates caches rows [:B]."""
+    def decode(self, x: torch.Tensor, positions: torch.Tensor, rope: dict) -> torch.Tensor:
+        """x [B, dim] at per-row positions [B] (device tensor) -> [B, dim]; rope: the step's decode_rope of this
+        layer's table. Updates caches rows [:B]."""
         B = x.shape[0]
         W, m, dev = self.window, self.ratio, x.device
         rows = torch.arange(B, device=dev)
-        cs = rope[positions]
+        cs = rope_rows(rope, positions)
         qr, q, kv, iproj = self._qkv(x, cs, index_proj=True)
         cproj, iproj_c, wproj = self._fp32_projections(x)
 

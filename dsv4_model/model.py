@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import Attention, Compressor, Indexer
+from .attention import Attention, Compressor, Indexer, decode_rope
 from .config import ModelConfig
 from .layers import Linear, RMSNorm, fused_on, hc_head, hc_post, hc_pre, rope_inv_freq, rope_table
 from .moe import MoE
@@ -278,7 +278,7 @@ class Transformer(nn.Module):
         """One token per row: tokens [B] at positions [B] (device tensors; B <= max_batch_size) -> fp32 [B, V].
 
         Static shapes, no host syncs: safe for torch.compile(fullgraph=True) and CUDA graphs."""
-        rope = self._rope()
+        rope = {kind: decode_rope(table) for kind, table in self._rope().items()}  # rows shared by the layers
         h = self.embed(tokens).unsqueeze(1).repeat(1, self.hc, 1)
         pending = None
         for layer in self.layers:
