@@ -57,7 +57,7 @@ def rope_rows(rope: dict, positions: torch.Tensor, m: int = 1) -> torch.Tensor:
     return rows[m]
 
 
-def _fused_compressor(x: torch.Tensor) -> bool:
+def _fused_compressor() -> bool:
     """Decode updates a compressor's state and pools its window with one dsv4::compressor_decode call (one
     launch instead of ~6 kernels). On unless DSV4_FUSED_COMPRESSOR=0. Read when the step is
     traced."""
@@ -213,7 +213,7 @@ class Compressor(nn.Module):
         kv, score = self._project(x) if proj is None else proj
         cs = rope_rows(rope, positions, m)
         complete = (positions + 1) % m == 0
-        if _fused_compressor(x):
+        if _fused_compressor():
             pooled = torch.empty(B, hd, dtype=torch.float32, device=x.device)
             torch.ops.dsv4.compressor_decode(kv, score, self.ape, positions, self.kv_state, self.score_state, pooled)
             return self._finish(pooled, cs, x.dtype), complete

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -85,7 +84,7 @@ class Block(nn.Module):
         """hc_post of pending (the previous sublayer's (out, post, comb), or None) into the streams h, then
         _pre_normed: one dsv4::hc_post_pre call where _fused_hc_post allows it. Returns (h, x, post, comb)."""
         fn = getattr(self, f"hc_{site}_fn")
-        if (pending is not None and not torch.is_grad_enabled() and _fused_hc() and _fused_hc_post(h)
+        if (pending is not None and not torch.is_grad_enabled() and _fused_hc() and _fused_hc_post()
                 and fn.dtype in (torch.float32, torch.bfloat16) and pending[0].dtype == h.dtype):
             return torch.ops.dsv4.hc_post_pre(*pending[:1], h, *pending[1:], fn,
                                               getattr(self, f"hc_{site}_scale").float(),
@@ -123,10 +122,10 @@ def _fused_hc() -> bool:
     """Decode collapses the hc streams with dsv4::hc_pre (mixes, Sinkhorn, weighted sum and the sublayer's RMSNorm
     in one op; on CUDA 2 launches instead of ~8 kernels, 1.5x faster on the H200). DSV4_FUSED_HC=0 keeps the
     separate steps. Read when the step is traced."""
-    return os.environ.get("DSV4_FUSED_HC", "1") != "0"
+    return fused_on("DSV4_FUSED_HC")
 
 
-def _fused_hc_post(h: torch.Tensor) -> bool:
+def _fused_hc_post() -> bool:
     """Decode folds each sublayer's output into the streams (hc_post) inside the next stream collapse, one
     dsv4::hc_post_pre call instead of hc_post + hc_pre (one kernel less per sublayer). On unless
     DSV4_FUSED_HC_POST=0. Read when the step is traced."""
