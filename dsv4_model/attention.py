@@ -44,8 +44,9 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 def decode_rope(table: torch.Tensor) -> dict:
     """A decode step's view of one RoPE table: the rows it reads, gathered once per step and offset and shared
-    by every layer using the table (one gather kernel per step instead of one per layer and use)."""
-    return {"table": table, "rows": {}}
+    by every layer using the table (one gather kernel per step instead of one per layer and use), and the
+    step's other per-position values those layers share (n_visible)."""
+    return {"table": table, "rows": {}, "n_vis": {}}
 
 
 def rope_rows(rope: dict, positions: torch.Tensor, m: int = 1) -> torch.Tensor:
@@ -55,6 +56,15 @@ def rope_rows(rope: dict, positions: torch.Tensor, m: int = 1) -> torch.Tensor:
     if m not in rows:
         rows[m] = rope["table"][(positions + 1 - m).clamp(min=0)]
     return rows[m]
+
+
+def n_visible(rope: dict, positions: torch.Tensor, m: int) -> torch.Tensor:
+    """(positions + 1) // m: the compressed entries of ratio m a decode token sees; computed once per step and
+    ratio (the step's rope dict), not in every layer (an Inductor kernel each)."""
+    n_vis = rope["n_vis"]
+    if m not in n_vis:
+        n_vis[m] = (positions + 1) // m
+    return n_vis[m]
 
 
 def _fused_compressor() -> bool:
@@ -92,6 +102,13 @@ def _fused_norm_rope(x: torch.Tensor, rope_dim: int) -> bool:
     if x.dtype not in (torch.bfloat16, torch.float32) or d % 4 or rope_dim % 4 or d > 4096:
         return False
     return fused_on("DSV4_FUSED_NORM_ROPE")
+
+
+def _fused_store(x: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Decode writes its normalised kv / compressed entry straight into the attention cache with
+    dsv4::rms_norm_rope_store (the index_put kernels and the read of the old entry go). Where the op takes the
+    cache, on unless DSV4_FUSED_NORM_ROPE_STORE=0. Read when the step is traced."""
+    return cache.dtype == x.dtype and cache.is_contiguous() and fused_on("DSV4_FUSED_NORM_ROPE_STORE")
 
 
 class Compressor(nn.Module):
@@ -139,16 +156,24 @@ class Compressor(nn.Module):
         self.kv_state.zero_()
         self.score_state.fill_(float("-inf"))
 
-    def _finish(self, pooled: torch.Tensor, cs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _finish(self, pooled: torch.Tensor, cs: torch.Tensor, dtype: torch.dtype, store=None) -> torch.Tensor | None:
         """Pooled entries -> cache entries: RMSNorm, RoPE, and the simulated FP8 (KV) or Hadamard + FP4 (indexer
-        keys) rounding; at decode (one entry per row) through the fused ops where they are on."""
+        keys) rounding; at decode (one entry per row) through the fused ops where they are on. store: (positions,
+        cache, offset) at decode: the entry is written into cache where its window closed (returns None) when the
+        fused op can; else returned for the caller to write."""
         decode, x = pooled.dim() == 2, pooled.to(dtype)
         if decode and _fused_norm_rope(x, self.rope_dim):
             fp8 = self.simulate_quant and not self.rotate
+            if not (self.simulate_quant and self.rotate):
+                if store is not None and _fused_store(x, store[1]):
+                    positions, cache, offset = store
+                    torch.ops.dsv4.rms_norm_rope_store(x, self.norm.weight, cs, self.norm.eps, self.rope_dim, fp8,
+                                                       positions, self.ratio, offset, cache.shape[1] - offset, cache)
+                    return None
+                return torch.ops.dsv4.rms_norm_rope(x.unsqueeze(1), self.norm.weight, cs, self.norm.eps,
+                                                    self.rope_dim, fp8).squeeze(1)
             kv = torch.ops.dsv4.rms_norm_rope(x.unsqueeze(1), self.norm.weight, cs, self.norm.eps, self.rope_dim,
                                               fp8).squeeze(1)
-            if not (self.simulate_quant and self.rotate):
-                return kv
         else:
             kv = apply_rope(self.norm(x), cs, self.rope_dim)
             if not self.simulate_quant:
@@ -204,10 +229,11 @@ class Compressor(nn.Module):
         return self._finish(pooled, cs, x.dtype)
 
     def decode(self, x: torch.Tensor, positions: torch.Tensor, rope: dict,
-               proj: tuple[torch.Tensor, torch.Tensor] | None = None):
+               proj: tuple[torch.Tensor, torch.Tensor] | None = None, store=None):
         """x [B, dim] = token at positions[b]; rope: the step's decode_rope. Updates state rows [:B]; returns
         (entry [B, Dc] for window positions//m, complete [B] bool: whether that window closed at this token). proj:
-        (wkv(x), wgate(x)) if already computed (Attention runs both compressors' projections in one launch)."""
+        (wkv(x), wgate(x)) if already computed (Attention runs both compressors' projections in one launch).
+        store: (positions, cache, offset): entry is None when it was written into cache already (_finish)."""
         B = x.shape[0]
         m, hd = self.ratio, self.head_dim
         kv, score = self._project(x) if proj is None else proj
@@ -216,7 +242,7 @@ class Compressor(nn.Module):
         if _fused_compressor():
             pooled = torch.empty(B, hd, dtype=torch.float32, device=x.device)
             torch.ops.dsv4.compressor_decode(kv, score, self.ape, positions, self.kv_state, self.score_state, pooled)
-            return self._finish(pooled, cs, x.dtype), complete
+            return self._finish(pooled, cs, x.dtype, store), complete
         rows = torch.arange(B, device=x.device)
         score = score + self.ape[positions % m]
         slot = (self.coff - 1) * m + positions % m
@@ -233,7 +259,7 @@ class Compressor(nn.Module):
             self.score_state[:B, :m] = new_prev_sc
         else:
             pooled = (self.kv_state[:B] * self.score_state[:B].softmax(dim=1)).sum(dim=1)
-        return self._finish(pooled, cs, x.dtype), complete
+        return self._finish(pooled, cs, x.dtype, store), complete
 
 
 # The op's CUDA partial kernels: tensor cores (bf16, head dim % 64 == 0, <= 512) beat the tensor-op form at
@@ -380,15 +406,26 @@ class Attention(nn.Module):
                                                      dtype=dtype, device=device), persistent=False)
 
     # ------------------------------------------------------------------ shared pieces
-    def _qkv(self, x: torch.Tensor, cs: torch.Tensor, index_proj: bool = False):
+    def _qkv(self, x: torch.Tensor, cs: torch.Tensor, index_proj: bool = False,
+             positions: torch.Tensor | None = None):
         """x [..., dim] -> (qr [..., q_lora], q [..., H, D], kv [..., D], iproj); cs: rope rows for x's positions.
-        iproj: the indexer's wq_b(qr) when index_proj and it ran in the same launch as wq_b (else None)."""
+        iproj: the indexer's wq_b(qr) when index_proj and it ran in the same launch as wq_b (else None).
+        positions (decode): kv may go straight into the window of kv_cache at positions % window (then None)."""
         qa, kva = self._x_projections(x)
-        qr = self.q_norm(qa)
+        if qa.dim() == 2 and _fused_norm_rope(qa, 0):  # decode: a dsv4 kernel (PDL) instead of Inductor's reduction
+            cs0 = qa.new_empty((qa.shape[0], 0, 2), dtype=torch.float32)
+            qr = torch.ops.dsv4.rms_norm_rope(qa.unsqueeze(1), self.q_norm.weight, cs0, self.q_norm.eps, 0,
+                                              False).squeeze(1)
+        else:
+            qr = self.q_norm(qa)
         qb, iproj = self._qr_projections(qr, index_proj)
         q = qb.unflatten(-1, (self.n_heads, self.head_dim))
         if q.dim() == 3 and _fused_norm_rope(q, self.rope_dim):  # decode: x [B, dim], cs [B, rope_dim / 2, 2]
             q = torch.ops.dsv4.rms_norm_rope(q, None, cs, self.eps, self.rope_dim, False)
+            if positions is not None and _fused_store(kva, self.kv_cache):
+                torch.ops.dsv4.rms_norm_rope_store(kva, self.kv_norm.weight, cs, self.kv_norm.eps, self.rope_dim,
+                                                   self.simulate_quant, positions, 0, 0, self.window, self.kv_cache)
+                return qr, q, None, iproj
             kv = torch.ops.dsv4.rms_norm_rope(kva.unsqueeze(1), self.kv_norm.weight, cs, self.kv_norm.eps,
                                               self.rope_dim, self.simulate_quant).squeeze(1)
             return qr, q, kv, iproj
@@ -530,7 +567,7 @@ class Attention(nn.Module):
         W, m, dev = self.window, self.ratio, x.device
         rows = torch.arange(B, device=dev)
         cs = rope_rows(rope, positions)
-        qr, q, kv, iproj = self._qkv(x, cs, index_proj=True)
+        qr, q, kv, iproj = self._qkv(x, cs, index_proj=True, positions=positions)
         cproj, iproj_c, wproj = self._fp32_projections(x)
 
         sel = sel_valid = None
@@ -549,7 +586,7 @@ class Attention(nn.Module):
             iq = ix.queries(qr, cs.unsqueeze(-3), iproj)
             k = min(ix.index_topk, self.n_entries)
             if packed:
-                sel = ix.select(iq, x, (positions + 1) // m, k, wproj)
+                sel = ix.select(iq, x, n_visible(rope, positions, m), k, wproj)
                 sel_valid = sel >= 0
                 sel = sel.clamp(min=0).long()
             else:
@@ -559,14 +596,16 @@ class Attention(nn.Module):
                 sel = topk_indices(sc, k)
                 sel_valid = sel < n_vis
 
-        self.kv_cache.index_put_((rows, positions % W), kv)
+        if kv is not None:  # else stored by _qkv
+            self.kv_cache.index_put_((rows, positions % W), kv)
         if self.compressor is not None:
-            entry, complete = self.compressor.decode(x, positions, rope, cproj)
-            self._write_entry(self.kv_cache, W, positions, entry, complete)
+            entry, complete = self.compressor.decode(x, positions, rope, cproj, (positions, self.kv_cache, W))
+            if entry is not None:
+                self._write_entry(self.kv_cache, W, positions, entry, complete)
 
         listed = W + (sel.shape[1] if sel is not None else self.n_entries if self.ratio else 0)
         if _fused_decode_attention(B, listed, q) and q.dtype == self.kv_cache.dtype:
-            rows = self._decode_rows(positions, sel, sel_valid)
+            rows = self._decode_rows(positions, sel, sel_valid, n_visible(rope, positions, m) if m else None)
             if self.rope_dim > 0 and self.rope_dim % 4 == 0 and fused_on("DSV4_FUSED_OUT_ROPE"):
                 # the output's inverse RoPE in the op's combine kernel (one kernel less)
                 o = torch.ops.dsv4.sparse_attn_decode(q, self.kv_cache[:B], rows, self.attn_sink,
@@ -587,10 +626,11 @@ class Attention(nn.Module):
         o = self._attend(q.unsqueeze(1), keys, mask, qkeys, qmask).squeeze(1)
         return self._out(o, cs)
 
-    def _decode_rows(self, positions: torch.Tensor, sel: torch.Tensor | None,
-                     sel_valid: torch.Tensor | None) -> torch.Tensor:
+    def _decode_rows(self, positions: torch.Tensor, sel: torch.Tensor | None, sel_valid: torch.Tensor | None,
+                     n_vis: torch.Tensor | None = None) -> torch.Tensor:
         """The cache rows a decode token attends, int32 [B, J], -1 where masked: the window slots written so far,
-        then the indexer's selection (CSA) or every compressed entry closed so far (HCA), at W + entry."""
+        then the indexer's selection (CSA) or every compressed entry closed so far (HCA), at W + entry. n_vis:
+        (positions + 1) // ratio if already computed."""
         W, dev = self.window, positions.device
         win = torch.arange(W, device=dev)
         parts = [torch.where(win.unsqueeze(0) <= positions.unsqueeze(1), win, -1)]
@@ -598,7 +638,9 @@ class Attention(nn.Module):
             parts.append(torch.where(sel_valid, W + sel, -1))
         elif self.ratio:
             e = torch.arange(self.n_entries, device=dev)
-            parts.append(torch.where(e.unsqueeze(0) < ((positions + 1) // self.ratio).unsqueeze(1), W + e, -1))
+            if n_vis is None:
+                n_vis = (positions + 1) // self.ratio
+            parts.append(torch.where(e.unsqueeze(0) < n_vis.unsqueeze(1), W + e, -1))
         return torch.cat(parts, dim=1).to(torch.int32)
 
     def _write_entry(self, cache: torch.Tensor, offset: int, positions: torch.Tensor, entry: torch.Tensor,

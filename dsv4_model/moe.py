@@ -36,6 +36,10 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, dim], ids [N] -> (weights [N, k] fp32, indices [N, k] long)."""
         logits = fp32_linear(x, [self.weight])[0]
+        if (self.score_func == "sqrtsoftplus" and not self.hash and self.topk <= 16 and logits.shape[-1] <= 1024
+                and not (torch.is_grad_enabled() and logits.requires_grad)):
+            # the score function inside the op's kernel too (one kernel for scores, selection and weights)
+            return torch.ops.dsv4.router_topk(logits, self.bias, self.topk, True, self.route_scale, True)
         if self.score_func == "softmax":
             scores = logits.softmax(dim=-1)
         elif self.score_func == "sigmoid":

@@ -522,9 +522,12 @@ def fp32_linear_ref(x: torch.Tensor, weight: list[torch.Tensor]) -> list[torch.T
 # MoE routing (issue 7): dsv4::router_topk
 # ======================================================================================================
 
-def router_topk_ref(scores: torch.Tensor, bias, k: int, renormalize: bool, scale: float):
+def router_topk_ref(scores: torch.Tensor, bias, k: int, renormalize: bool, scale: float, sqrt_softplus: bool = False):
     """(weights fp32 [N, k], indices int64 [N, k]): the k largest scores + bias per row (a stable descending sort:
-    NaN first, ties to the lower index), their unbiased scores, / their sum (renormalize), * scale."""
+    NaN first, ties to the lower index), their unbiased scores, / their sum (renormalize), * scale. sqrt_softplus:
+    scores are the logits, through dsv4_model.moe.Gate's F.softplus(logits).sqrt() first."""
+    if sqrt_softplus:
+        scores = torch.nn.functional.softplus(scores).sqrt()
     key = scores if bias is None else scores + bias
     indices = torch.sort(key, dim=-1, descending=True, stable=True).indices[:, :k]
     weights = scores.gather(1, indices)
@@ -620,6 +623,19 @@ def rms_norm_rope_ref(x: torch.Tensor, weight, cs: torch.Tensor, eps: float, rop
         q = (b / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * s
         y = torch.cat([q.flatten(-2).to(x.dtype).float(), y[..., nope:]], -1)
     return y.to(x.dtype)
+
+
+def rms_norm_rope_store_ref(x: torch.Tensor, weight, cs: torch.Tensor, eps: float, rope_dim: int, fp8_nope: bool,
+                            positions: torch.Tensor, ratio: int, offset: int, slots: int,
+                            cache: torch.Tensor) -> None:
+    """rms_norm_rope_ref of x [rows, d] written into cache [>= rows, S, d] in place: row r at slot offset +
+    positions[r] % slots (ratio 0, a sliding window), or offset + min(positions[r] // ratio, slots - 1) only where
+    (positions[r] + 1) % ratio == 0 (compressed entries); the model's index_put / _write_entry steps."""
+    y = rms_norm_rope_ref(x.unsqueeze(1), weight, cs, eps, rope_dim, fp8_nope).squeeze(1)
+    for r, p in enumerate(positions.tolist()):
+        if p < 0 or (ratio and (p + 1) % ratio):
+            continue
+        cache[r, offset + (p % slots if ratio == 0 else min(p // ratio, slots - 1))] = y[r]
 
 
 def _f32_recip(v: float) -> float:

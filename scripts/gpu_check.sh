@@ -100,7 +100,7 @@ for part in $PARTS; do
       # compiled decode step with the steps off and with the non-defaults, and the layer each way (what the
       # defaults buy). test_compiled_decode has hung at exit after passing.
       FUSED_OFF="DSV4_FUSED_COMPRESSOR=0 DSV4_FUSED_NORM_ROPE=0 DSV4_FUSED_HC_POST=0 DSV4_FUSED_HADAMARD=0
-        DSV4_FUSED_KEY_STORE=0 DSV4_FUSED_OUT_ROPE=0"
+        DSV4_FUSED_KEY_STORE=0 DSV4_FUSED_OUT_ROPE=0 DSV4_FUSED_NORM_ROPE_STORE=0"
       step switches_op_tests 150 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_compressor_op.py \
         tests/test_norm_rope.py tests/test_hc_pre.py tests/test_hadamard_fp4.py tests/test_key_store.py \
         tests/test_attn.py
@@ -115,14 +115,15 @@ for part in $PARTS; do
       step switches_layer_off 200 env $FUSED_OFF DSV4_FUSED_HC=0 DSV4_ATTN_KERNEL=simt $PY bench/bench_layer.py \
         --kinds csa --steps 50 --experts 16 ;;
     pdl)
-      # DSV4_PDL=1 (off by default until this has run): the decode kernels outside the NVFP4 chain launched with
-      # programmatic dependent launch. Their op tests and the compiled decode with it, then the layer both ways.
-      step pdl_op_tests 200 env DSV4_PDL=1 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_compressor_op.py \
+      # DSV4_PDL (on by default): the decode kernels outside the NVFP4 chain launched with programmatic
+      # dependent launch. Their op tests and the compiled decode without it (the default run has it), then the
+      # layer both ways.
+      step pdl_op_tests 200 env DSV4_PDL=0 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_compressor_op.py \
         tests/test_norm_rope.py tests/test_hc_pre.py tests/test_hadamard_fp4.py tests/test_key_store.py \
         tests/test_attn.py tests/test_indexer.py tests/test_router.py tests/test_fp32_linear.py
       step pdl_compiled 150 $PY -m pytest -q -m cuda -x -p no:cacheprovider tests/test_compiled_decode.py \
         -k "graph_logits"
-      step pdl_layer_off 200 $PY bench/bench_layer.py --kinds csa --steps 50 --experts 16
-      step pdl_layer_on 200 env DSV4_PDL=1 $PY bench/bench_layer.py --kinds csa --steps 50 --experts 16 ;;
+      step pdl_layer_off 200 env DSV4_PDL=0 $PY bench/bench_layer.py --kinds csa --steps 50 --experts 16
+      step pdl_layer_on 200 $PY bench/bench_layer.py --kinds csa --steps 50 --experts 16 ;;
   esac
 done

@@ -163,10 +163,10 @@ def _cuda_engine(dtype=torch.float32, **decode_options):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("graph_mode,pdl", [("manual", "0"), ("reduce-overhead", "0"), ("manual", "1")])
+@pytest.mark.parametrize("graph_mode,pdl", [("manual", "1"), ("reduce-overhead", "1"), ("manual", "0")])
 def test_cuda_graph_logits_match_eager(graph_mode, pdl, monkeypatch):
-    # pdl "1": the decode kernels launched with programmatic dependent launch (DSV4_PDL=1, eager and graph), each
-    # waiting at its top: a missing wait would read its predecessor's output early and break the match.
+    # pdl "1" (the default): the decode kernels launched with programmatic dependent launch, each waiting at its
+    # top: a missing wait would read its predecessor's output early and break the match. "0": plain launches.
     monkeypatch.setenv("DSV4_PDL", pdl)
     eager_model = make_model("cuda", max_batch_size=8, max_seq_len=512)
     graph_model = copy.deepcopy(eager_model)

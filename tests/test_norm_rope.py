@@ -1,7 +1,8 @@
 """dsv4::rms_norm_rope (the decode step's RMSNorm + RoPE of q, kv and compressed entries, with the simulated FP8
 rounding of kv) against the pure-PyTorch reference (dsv4_ops/reference.py), which is checked bit for bit against
 the model's own steps (dsv4_model.layers.RMSNorm / unweighted_rms_norm, apply_rope, quant_sim.kv_fake_quant);
-opcheck, torch.compile, a captured CUDA graph, and the model's decode with and without the op.
+opcheck, torch.compile, a captured CUDA graph, and the model's decode with and without the op. The same for
+dsv4::rms_norm_rope_store (the result written into the attention cache's window / entry slots).
 
 Tolerance: the sum of squares runs in another order than torch's mean (rs to an ulp), so a value rounded to
 bf16 can land one ulp away where the fp32 value straddles a rounding boundary, and an FP8 code one step away
@@ -160,13 +161,154 @@ def test_cuda_graph_replay_no_sync_and_unaligned_views():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_model_decode_with_and_without_the_op(monkeypatch, device, dtype):
     """The decode step through dsv4::rms_norm_rope (DSV4_FUSED_NORM_ROPE=1) gives the logits of the separate steps
-    (=0): fp32 to summation-order rounding, bf16 within bf16 noise; the op runs for q and kv of every layer and
-    every compressor's entry."""
+    (=0): fp32 to summation-order rounding, bf16 within bf16 noise; the op runs for q_norm (rope_dim 0), q and kv
+    of every layer and every compressor's entry."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA")
+    monkeypatch.setenv("DSV4_FUSED_NORM_ROPE_STORE", "0")  # kv and entries through rms_norm_rope too
     logits, calls, _ = decode_with_switch(monkeypatch, "rms_norm_rope", "DSV4_FUSED_NORM_ROPE", steps=5,
                                           device=device, dtype=dtype, n_layers=3, compress_ratios=[0, 4, 16])
-    # per step: q + kv of 3 layers, 3 compressors (CSA's, its indexer's, HCA's)
-    assert calls == {"0": 0, "1": (2 * 3 + 3) * 5}
+    # per step: q_norm, q and kv of 3 layers, 3 compressors (CSA's, its indexer's, HCA's)
+    assert calls == {"0": 0, "1": (3 * 3 + 3) * 5}
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
     torch.testing.assert_close(logits["1"], logits["0"], **tol)
+
+
+# ---------------------------------------------------------------------------------------------- rms_norm_rope_store
+def store_case(rows, d, rope, dtype, gen, S=24):
+    x, w, cs = case(rows, 1, d, rope, dtype, True, gen)
+    cache = (torch.randn(rows + 1, S, d, generator=gen)).to(dtype)  # one row more than x: must stay untouched
+    return x.squeeze(1), w, cs, cache
+
+
+# (ratio, offset, slots, positions): the sliding window (every row, wrapping), compressed entries of ratio 4 (rows
+# whose window closes and rows whose does not, one past the last slot: clamped), ratio 1, a negative position
+STORE_CASES = [(0, 0, 8, [0, 5, 8, 21]), (4, 8, 16, [3, 5, 7, 200]), (1, 8, 16, [0, 9, 15, 40]),
+               (0, 3, 5, [-1, 2, 4, 12])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ratio,offset,slots,positions", STORE_CASES)
+def test_store_matches_reference(device, dtype, ratio, offset, slots, positions):
+    gen = torch.Generator().manual_seed(ratio * 100 + offset + slots)
+    x, w, cs, cache = store_case(len(positions), 512, 64, dtype, gen)
+    for pdtype in (torch.int64, torch.int32):
+        pos = torch.tensor(positions, dtype=pdtype)
+        want = cache.clone()
+        ref.rms_norm_rope_store_ref(x, w, cs, EPS, 64, True, pos, ratio, offset, slots, want)
+        got = cache.clone().to(device)
+        dev = [t.to(device) for t in (x, w, cs, pos)]
+        ops.rms_norm_rope_store(dev[0], dev[1], dev[2], EPS, 64, True, dev[3], ratio, offset, slots, got)
+        written = (want != cache).any(-1)  # the slots the reference wrote (random data: every one changes)
+        assert int(written.sum()) == sum(p >= 0 and (ratio == 0 or (p + 1) % ratio == 0) for p in positions)
+        assert torch.equal(got.cpu()[~written], cache[~written])  # every other slot and row untouched
+        close(got.cpu()[written], want[written], True)
+        if device == "cuda":  # the CUDA kernel vs the CPU kernel
+            cpu = cache.clone()
+            ops.rms_norm_rope_store(x, w, cs, EPS, 64, True, pos, ratio, offset, slots, cpu)
+            close(got.cpu(), cpu, True)
+
+
+def test_store_is_rms_norm_rope():
+    """The stored vectors are rms_norm_rope's, bit for bit (same kernel, another destination)."""
+    gen = torch.Generator().manual_seed(7)
+    x, w, cs, cache = store_case(3, 128, 64, torch.float32, gen)
+    ops.rms_norm_rope_store(x, w, cs, EPS, 64, False, torch.tensor([1, 2, 3]), 0, 4, 6, cache)
+    assert torch.equal(cache[[0, 1, 2], [5, 6, 7]], ops.rms_norm_rope(x.unsqueeze(1), w, cs, EPS, 64, False)[:, 0])
+
+
+def test_store_bad_arguments():
+    gen = torch.Generator().manual_seed(8)
+    x, w, cs, cache = store_case(2, 128, 64, torch.float32, gen)
+    pos = torch.tensor([1, 2])
+    with pytest.raises(RuntimeError, match=r"x must be \[rows, d\]"):
+        ops.rms_norm_rope_store(x.unsqueeze(1), w, cs, EPS, 64, False, pos, 0, 0, 8, cache)
+    with pytest.raises(RuntimeError, match=r"positions must be \[rows = 2\]"):
+        ops.rms_norm_rope_store(x, w, cs, EPS, 64, False, pos[:1], 0, 0, 8, cache)
+    with pytest.raises(RuntimeError, match="positions must be int64 or int32"):
+        ops.rms_norm_rope_store(x, w, cs, EPS, 64, False, pos.float(), 0, 0, 8, cache)
+    with pytest.raises(RuntimeError, match=r"cache must be a contiguous Float \[>= rows = 2, >= offset \+ slots = 30"):
+        ops.rms_norm_rope_store(x, w, cs, EPS, 64, False, pos, 0, 10, 20, cache)
+    with pytest.raises(RuntimeError, match="cache must be a contiguous Float"):
+        ops.rms_norm_rope_store(x, w, cs, EPS, 64, False, pos, 0, 0, 8, cache.bfloat16())
+    with pytest.raises(RuntimeError, match="need ratio >= 0, offset >= 0, slots >= 1"):
+        ops.rms_norm_rope_store(x, w, cs, EPS, 64, False, pos, -1, 0, 8, cache)
+    with pytest.raises(RuntimeError, match=r"cs must be float32 \[rows = 2"):
+        ops.rms_norm_rope_store(x, w, cs[:1], EPS, 64, False, pos, 0, 0, 8, cache)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_store_opcheck(device):
+    gen = torch.Generator().manual_seed(9)
+    for dtype, fp8, ratio in ((torch.bfloat16, True, 4), (torch.float32, False, 0)):
+        x, w, cs, cache = store_case(2, 128, 64, dtype, gen)
+        pos = torch.tensor([3, 6])
+        args = [t.to(device) for t in (x, w, cs)]
+        torch.library.opcheck(ops.rms_norm_rope_store.default,
+                              (*args, EPS, 64, fp8, pos.to(device), ratio, 2, 12, cache.to(device)))
+
+
+def test_store_compile_fullgraph():
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    gen = torch.Generator().manual_seed(10)
+    x, w, cs, cache = store_case(2, 128, 64, torch.float32, gen)
+    pos = torch.tensor([3, 9])
+    eager = cache.clone()
+
+    @torch.compile(fullgraph=True, backend="inductor")
+    def f(x, cache):
+        ops.rms_norm_rope_store(x * 2, w, cs, EPS, 64, True, pos, 0, 0, 8, cache)
+        return cache[:2].sum()
+
+    got = f(x, cache)
+    ops.rms_norm_rope_store(x * 2, w, cs, EPS, 64, True, pos, 0, 0, 8, eager)
+    assert torch.equal(cache, eager)
+    torch.testing.assert_close(got, eager[:2].sum())  # read after the write (Inductor's own summation order)
+    assert dict(counters["graph_break"]) == {}
+
+
+@pytest.mark.cuda
+@pytest.mark.kernels
+def test_store_cuda_graph_replay_no_sync():
+    gen = torch.Generator().manual_seed(11)
+    x, w, cs, cache = (t.cuda() for t in store_case(2, 512, 64, torch.bfloat16, gen))
+    pos = torch.tensor([3, 7], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ops.rms_norm_rope_store(x, w, cs, EPS, 64, True, pos, 4, 8, 16, cache)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ops.rms_norm_rope_store(x, w, cs, EPS, 64, True, pos, 4, 8, 16, cache)
+    x2 = store_case(2, 512, 64, torch.bfloat16, gen)[0]
+    x.copy_(x2.cuda())
+    pos.copy_(torch.tensor([11, 15]))  # new slots: 8 + 2, 8 + 3
+    before = cache.cpu()
+    want = before.clone()
+    ref.rms_norm_rope_store_ref(x2, w.cpu(), cs.cpu(), EPS, 64, True, pos.cpu(), 4, 8, 16, want)
+    g.replay()
+    torch.cuda.synchronize()
+    written = (want != before).any(-1)
+    assert written.nonzero().tolist() == [[0, 10], [1, 11]]
+    assert torch.equal(cache.cpu()[~written], before[~written])
+    close(cache.cpu()[written], want[written], True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_decode_with_and_without_the_store(monkeypatch, device, dtype):
+    """The decode step writing kv and compressed entries with dsv4::rms_norm_rope_store
+    (DSV4_FUSED_NORM_ROPE_STORE=1) gives the same logits, bit for bit, as rms_norm_rope + the index_put steps
+    (=0); the op runs for kv of every layer and the entries of the non-indexer compressors."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    logits, calls, _ = decode_with_switch(monkeypatch, "rms_norm_rope_store", "DSV4_FUSED_NORM_ROPE_STORE",
+                                          steps=5, device=device, dtype=dtype, n_layers=3,
+                                          compress_ratios=[0, 4, 16])
+    assert calls == {"0": 0, "1": (3 + 2) * 5}  # kv of 3 layers, the CSA and HCA compressors' entries
+    assert torch.equal(logits["1"], logits["0"])

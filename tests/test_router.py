@@ -2,7 +2,9 @@
 scaled, one kernel) against the reference (dsv4_ops/reference.py: a stable descending sort), opcheck,
 torch.compile, and on CUDA a captured graph without host syncs. Indices must be equal (ties included: NaN first,
 equal values to the lower index); the kernels add, divide and multiply in the reference's order, so weights
-agree to a few ulps (torch may sum the k weights in another order)."""
+agree to a few ulps (torch may sum the k weights in another order). With sqrt_softplus (the op computes V4's
+score function from the logits) the scores are torch's F.softplus(logits).sqrt() to an ulp (CPU: the C library's
+log1p / exp vs torch's vectorised ones; CUDA: the same CUDA math functions as torch's kernel)."""
 import pytest
 import torch
 
@@ -35,6 +37,31 @@ def test_matches_reference(device, n, E, k, renorm):
     bias = torch.randn(E, generator=gen) * 0.1
     check(scores, bias, k, renorm, 2.5, device)
     check(scores, None, k, renorm, 1.0, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n,E,k", [(5, 256, 6), (3, 384, 6), (2, 33, 1), (0, 256, 6)])
+def test_sqrt_softplus_matches_reference(device, n, E, k):
+    gen = torch.Generator().manual_seed(E * 7 + k)
+    logits = torch.randn(n, E, generator=gen) * 4
+    if n:
+        logits[0, :4] = torch.tensor([25.0, -30.0, 20.0, 19.99])  # both sides of softplus's threshold, exp underflow
+    bias = torch.randn(E, generator=gen) * 0.1
+    for b, scale in ((bias, 2.5), (None, 1.0)):
+        w, i = ops.router_topk(logits.to(device), None if b is None else b.to(device), k, True, scale, True)
+        rw, ri = ref.router_topk_ref(logits, b, k, True, scale, True)
+        assert torch.equal(i.cpu(), ri)
+        torch.testing.assert_close(w.cpu(), rw, rtol=1e-6, atol=0)
+        # = the op on the scores torch computes (what the model did before the score function moved in)
+        w2, i2 = ops.router_topk(torch.nn.functional.softplus(logits).sqrt().to(device),
+                                 None if b is None else b.to(device), k, True, scale)
+        assert torch.equal(i, i2)
+        torch.testing.assert_close(w, w2, rtol=1e-6, atol=0)
+    if n and device == "cuda":  # the CUDA kernel's scores are torch's CUDA softplus + sqrt bit for bit
+        one = logits[:1, :8].to(device)
+        w, _ = ops.router_topk(one, None, 8, False, 1.0, True)
+        want = torch.nn.functional.softplus(one).sqrt().sort(descending=True, stable=True).values
+        assert torch.equal(w, want)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -72,6 +99,7 @@ def test_opcheck(device):
     b = torch.randn(64, generator=gen).to(device)
     torch.library.opcheck(ops.router_topk.default, (s, b, 6, True, 2.5))
     torch.library.opcheck(ops.router_topk.default, (s, None, 3, False, 1.0))
+    torch.library.opcheck(ops.router_topk.default, (s * 8 - 4, b, 6, True, 2.5, True))
 
 
 def test_compile_fullgraph():

@@ -3,6 +3,7 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 
@@ -40,6 +41,39 @@ inline Shape check(const at::Tensor& x, const std::optional<at::Tensor>& weight,
   TORCH_CHECK(!fp8_nope || nope % kFp8Block == 0, op, ": fp8_nope needs d - rope_dim (", nope,
               ") to be a multiple of ", kFp8Block);
   return {rows, heads, d, nope};
+}
+
+// dsv4::rms_norm_rope_store: x [rows, d] (as one head), positions int64 / int32 [rows], cache a contiguous
+// [>= rows, >= offset + slots, d] tensor of x's dtype.
+inline Shape check_store(const at::Tensor& x, const std::optional<at::Tensor>& weight, const at::Tensor& cs,
+                         double eps, int64_t rope_dim, bool fp8_nope, const at::Tensor& positions, int64_t ratio,
+                         int64_t offset, int64_t slots, const at::Tensor& cache) {
+  const char* op = "dsv4::rms_norm_rope_store";
+  TORCH_CHECK(x.dim() == 2, op, ": x must be [rows, d], got ", x.sizes());
+  const Shape sh = check(x.unsqueeze(1), weight, cs, eps, rope_dim, fp8_nope);
+  TORCH_CHECK(positions.scalar_type() == at::kLong || positions.scalar_type() == at::kInt, op,
+              ": positions must be int64 or int32, got ", positions.scalar_type());
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == sh.rows, op, ": positions must be [rows = ", sh.rows,
+              "], got ", positions.sizes());
+  TORCH_CHECK(ratio >= 0 && offset >= 0 && slots >= 1, op, ": need ratio >= 0, offset >= 0, slots >= 1; got ",
+              ratio, ", ", offset, ", ", slots);
+  TORCH_CHECK(cache.scalar_type() == x.scalar_type() && cache.dim() == 3 && cache.size(0) >= sh.rows &&
+                  cache.size(1) >= offset + slots && cache.size(2) == sh.d && cache.is_contiguous(),
+              op, ": cache must be a contiguous ", x.scalar_type(), " [>= rows = ", sh.rows, ", >= offset + slots = ",
+              offset + slots, ", d = ", sh.d, "], got ", cache.scalar_type(), " ", cache.sizes());
+  for (const at::Tensor* t : {&positions, &cache})
+    TORCH_CHECK(t->device() == x.device(), op, ": every tensor must be on x's device (", x.device(), ")");
+  return sh;
+}
+
+// The cache slot row r writes, or -1: ratio 0 (a sliding window) every token, at offset + pos % slots; ratio >= 1
+// (compressed entries) only where the window closes ((pos + 1) % ratio == 0), at offset + min(pos / ratio,
+// slots - 1). Negative positions write nothing.
+inline int64_t store_slot(int64_t pos, int64_t ratio, int64_t offset, int64_t slots) {
+  if (pos < 0) return -1;
+  if (ratio == 0) return offset + pos % slots;
+  if ((pos + 1) % ratio != 0) return -1;
+  return offset + std::min(pos / ratio, slots - 1);
 }
 
 }  // namespace dsv4_norm_rope

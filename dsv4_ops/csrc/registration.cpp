@@ -106,10 +106,12 @@ TORCH_LIBRARY(dsv4, m) {
   // ---- MoE routing (issue 7: kernels per layer) ----
   // Per row of scores fp32 [N, E]: the k experts with the largest scores + bias (NaN above every number, ties to
   // the lower index), as int64 indices [N, k] in that order, and their unbiased scores fp32 [N, k], divided by
-  // their sum when renormalize, times scale. See docs/ops.md "## Router".
+  // their sum when renormalize, times scale. With sqrt_softplus the input is the router's logits and the scores
+  // are sqrt(softplus(logits)) (V4's score function; softplus as torch's, threshold 20), computed in the kernel
+  // (one Inductor kernel less per decode layer). See docs/ops.md "## Router".
   m.def(
-      "router_topk(Tensor scores, Tensor? bias, int k, bool renormalize, float scale) -> (Tensor weights, "
-      "Tensor indices)");
+      "router_topk(Tensor scores, Tensor? bias, int k, bool renormalize, float scale, bool sqrt_softplus=False) -> "
+      "(Tensor weights, Tensor indices)");
 
   // ---- compressor decode (issue 7: kernels per layer) ----
   // One decode step of a KV compressor's gated pooling, per row b < B = kv.size(0): score + ape[pos % m] and kv
@@ -128,6 +130,13 @@ TORCH_LIBRARY(dsv4, m) {
   // rope_dim / 2, (cos, sin)]) and rounded again; with fp8_nope the leading d - rope_dim dims rounded to FP8 e4m3
   // with a power-of-two scale per 64 (the simulated KV quantization). See docs/ops.md "## RMSNorm + RoPE".
   m.def("rms_norm_rope(Tensor x, Tensor? weight, Tensor cs, float eps, int rope_dim, bool fp8_nope) -> Tensor");
+  // The same per vector of x [rows, d], written into cache [>= rows, S, d] (x's dtype) at row r, slot: ratio 0 (the
+  // sliding window) offset + positions[r] % slots for every row; ratio >= 1 (compressed entries) offset +
+  // min(positions[r] / ratio, slots - 1) only where (positions[r] + 1) % ratio == 0, other rows untouched. The
+  // decode step's kv and compressed-entry stores without their index_put kernels.
+  m.def(
+      "rms_norm_rope_store(Tensor x, Tensor? weight, Tensor cs, float eps, int rope_dim, bool fp8_nope, "
+      "Tensor positions, int ratio, int offset, int slots, Tensor(a!) cache) -> ()");
 
   // ---- indexer Hadamard + FP4 (issue 7: kernels per layer) ----
   // Per vector x[r, h] (x [rows, heads, d], bf16 / fp32, d a power of two >= 32): with rope_dim > 0 its trailing

@@ -3,6 +3,7 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -25,5 +26,8 @@ inline void check(const at::Tensor& scores, const c10::optional<at::Tensor>& bia
                 scores.device());
   }
 }
+
+// V4's score function, as torch computes it in fp32: F.softplus (beta 1, threshold 20) then sqrt, each rounded.
+inline float sqrt_softplus(float x) { return std::sqrt(x > 20.0f ? x : std::log1p(std::exp(x))); }
 
 }  // namespace dsv4_router

@@ -1,4 +1,4 @@
-"""Fake for dsv4::rms_norm_rope: a tensor like x."""
+"""Fakes for dsv4::rms_norm_rope (a tensor like x) and dsv4::rms_norm_rope_store (writes cache in place)."""
 import torch
 
 
@@ -20,3 +20,20 @@ def _rms_norm_rope_fake(x, weight, cs, eps, rope_dim, fp8_nope):
 # A library built before this op existed must still import (other ops keep working).
 if hasattr(torch.ops.dsv4, "rms_norm_rope"):
     torch.library.register_fake("dsv4::rms_norm_rope")(_rms_norm_rope_fake)
+
+
+def _rms_norm_rope_store_fake(x, weight, cs, eps, rope_dim, fp8_nope, positions, ratio, offset, slots, cache):
+    op = "dsv4::rms_norm_rope_store"
+    torch._check(x.dim() == 2, lambda: f"{op}: x must be [rows, d], got {tuple(x.shape)}")
+    _rms_norm_rope_fake(x.unsqueeze(1), weight, cs, eps, rope_dim, fp8_nope)
+    rows, d = x.shape
+    torch._check(positions.dtype in (torch.int64, torch.int32) and positions.shape == (rows,),
+                 lambda: f"{op}: positions must be int64 / int32 [rows]")
+    torch._check(ratio >= 0 and offset >= 0 and slots >= 1, lambda: f"{op}: need ratio >= 0, offset >= 0, slots >= 1")
+    torch._check(cache.dtype == x.dtype and cache.dim() == 3 and cache.shape[0] >= rows
+                 and cache.shape[1] >= offset + slots and cache.shape[2] == d,
+                 lambda: f"{op}: cache must be [>= rows, >= offset + slots, d] in x's dtype")
+
+
+if hasattr(torch.ops.dsv4, "rms_norm_rope_store"):
+    torch.library.register_fake("dsv4::rms_norm_rope_store")(_rms_norm_rope_store_fake)

@@ -2,7 +2,7 @@
 import torch
 
 
-def _router_topk_fake(scores, bias, k, renormalize, scale):
+def _router_topk_fake(scores, bias, k, renormalize, scale, sqrt_softplus=False):
     op = "dsv4::router_topk"
     torch._check(scores.dtype == torch.float32, lambda: f"{op}: scores must be float32, got {scores.dtype}")
     torch._check(scores.dim() == 2, lambda: f"{op}: scores must be [N, E], got {tuple(scores.shape)}")

@@ -22,15 +22,17 @@ float round_to(float v) {
   return static_cast<float>(static_cast<T>(v));
 }
 
-template <typename T>
+// dst(v): where vector v goes (d elements), or null to skip it
+template <typename T, typename Dst>
 void run(const at::Tensor& x, const float* w, const float* cs, float eps, int64_t rope_dim, bool fp8_nope,
-         const dsv4_norm_rope::Shape& sh, at::Tensor& out) {
+         const dsv4_norm_rope::Shape& sh, const Dst& dst) {
   const T* xp = x.data_ptr<T>();
-  T* op = out.data_ptr<T>();
   const float inv_max = 1.0f / dsv4_norm_rope::kFp8Max;  // the fp32 reciprocal the official kernel multiplies by
   at::parallel_for(0, sh.rows * sh.heads, 16, [&](int64_t v0, int64_t v1) {
     std::vector<float> y(sh.d);
     for (int64_t v = v0; v < v1; ++v) {
+      T* out = dst(v);
+      if (out == nullptr) continue;
       const T* xv = xp + v * sh.d;
       const float* c = cs + (v / sh.heads) * rope_dim;
       float ss = 0.0f;
@@ -59,7 +61,7 @@ void run(const at::Tensor& x, const float* w, const float* cs, float eps, int64_
           }
         }
       }
-      for (int64_t i = 0; i < sh.d; ++i) op[v * sh.d + i] = static_cast<T>(y[i]);
+      for (int64_t i = 0; i < sh.d; ++i) out[i] = static_cast<T>(y[i]);
     }
   });
 }
@@ -72,13 +74,45 @@ at::Tensor rms_norm_rope_cpu(const at::Tensor& x, const std::optional<at::Tensor
   const at::Tensor wc = weight.has_value() ? weight->contiguous() : at::Tensor();
   at::Tensor out = at::empty(x.sizes(), x.options());
   const float* w = wc.defined() ? wc.data_ptr<float>() : nullptr;
-  if (x.scalar_type() == at::kBFloat16)
-    run<c10::BFloat16>(xc, w, cc.data_ptr<float>(), float(eps), rope_dim, fp8_nope, sh, out);
-  else
-    run<float>(xc, w, cc.data_ptr<float>(), float(eps), rope_dim, fp8_nope, sh, out);
+  const int64_t d = sh.d;
+  if (x.scalar_type() == at::kBFloat16) {
+    auto* op = out.data_ptr<c10::BFloat16>();
+    run<c10::BFloat16>(xc, w, cc.data_ptr<float>(), float(eps), rope_dim, fp8_nope, sh,
+                       [&](int64_t v) { return op + v * d; });
+  } else {
+    auto* op = out.data_ptr<float>();
+    run<float>(xc, w, cc.data_ptr<float>(), float(eps), rope_dim, fp8_nope, sh, [&](int64_t v) { return op + v * d; });
+  }
   return out;
+}
+
+void rms_norm_rope_store_cpu(const at::Tensor& x, const std::optional<at::Tensor>& weight, const at::Tensor& cs,
+                             double eps, int64_t rope_dim, bool fp8_nope, const at::Tensor& positions, int64_t ratio,
+                             int64_t offset, int64_t slots, const at::Tensor& cache) {
+  const dsv4_norm_rope::Shape sh =
+      dsv4_norm_rope::check_store(x, weight, cs, eps, rope_dim, fp8_nope, positions, ratio, offset, slots, cache);
+  TORCH_CHECK(x.device().is_cpu(), "dsv4::rms_norm_rope_store: expected CPU tensors, got ", x.device());
+  const at::Tensor xc = x.contiguous(), cc = cs.contiguous(), pc = positions.to(at::kLong).contiguous();
+  const at::Tensor wc = weight.has_value() ? weight->contiguous() : at::Tensor();
+  const float* w = wc.defined() ? wc.data_ptr<float>() : nullptr;
+  const int64_t* pos = pc.data_ptr<int64_t>();
+  const int64_t d = sh.d, row = cache.size(1) * d;
+  auto dst = [&](auto* base) {
+    return [=](int64_t v) -> decltype(base) {
+      const int64_t slot = dsv4_norm_rope::store_slot(pos[v], ratio, offset, slots);
+      return slot < 0 ? nullptr : base + v * row + slot * d;
+    };
+  };
+  if (x.scalar_type() == at::kBFloat16)
+    run<c10::BFloat16>(xc, w, cc.data_ptr<float>(), float(eps), rope_dim, fp8_nope, sh,
+                       dst(cache.data_ptr<c10::BFloat16>()));
+  else
+    run<float>(xc, w, cc.data_ptr<float>(), float(eps), rope_dim, fp8_nope, sh, dst(cache.data_ptr<float>()));
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(dsv4, CPU, m) { m.impl("rms_norm_rope", &rms_norm_rope_cpu); }
+TORCH_LIBRARY_IMPL(dsv4, CPU, m) {
+  m.impl("rms_norm_rope", &rms_norm_rope_cpu);
+  m.impl("rms_norm_rope_store", &rms_norm_rope_store_cpu);
+}

@@ -1,6 +1,6 @@
 // CPU kernel of dsv4::router_topk (docs/ops.md "## Router"): per row, the k largest scores + bias (NaN above
 // every number, ties to the lower expert index), their unbiased scores, optionally divided by their sum, times
-// scale.
+// scale. With sqrt_softplus the scores are sqrt(softplus(input)) first.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -24,7 +24,8 @@ bool before(float a, int64_t ia, float b, int64_t ib) {
 }
 
 std::tuple<at::Tensor, at::Tensor> router_topk_cpu(const at::Tensor& scores, const c10::optional<at::Tensor>& bias,
-                                                   int64_t k, bool renormalize, double scale) {
+                                                   int64_t k, bool renormalize, double scale,
+                                                   bool sqrt_softplus) {
   dsv4_router::check(scores, bias, k);
   const at::Tensor s = scores.contiguous();
   const int64_t N = s.size(0), E = s.size(1);
@@ -38,9 +39,13 @@ std::tuple<at::Tensor, at::Tensor> router_topk_cpu(const at::Tensor& scores, con
   int64_t* ip = indices.data_ptr<int64_t>();
   at::parallel_for(0, N, 64, [&](int64_t r0, int64_t r1) {
     std::vector<int64_t> order(E);
-    std::vector<float> key(E);
+    std::vector<float> key(E), score(E);
     for (int64_t r = r0; r < r1; ++r) {
       const float* row = sp + r * E;
+      if (sqrt_softplus) {
+        for (int64_t e = 0; e < E; ++e) score[e] = dsv4_router::sqrt_softplus(row[e]);
+        row = score.data();
+      }
       for (int64_t e = 0; e < E; ++e) key[e] = bp ? row[e] + bp[e] : row[e];
       std::iota(order.begin(), order.end(), int64_t(0));
       std::partial_sort(order.begin(), order.begin() + k, order.end(),

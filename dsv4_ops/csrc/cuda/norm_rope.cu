@@ -45,15 +45,41 @@ __device__ __forceinline__ void store4(__nv_bfloat16* p, const float (&f)[4]) {
 }
 
 
+// Where vector v goes: out + v * d, or with a store (positions non-null, one head) the cache slot of row v (see
+// dsv4_norm_rope::store_slot), null where that row writes nothing.
+struct Dest {
+  const void* positions;  // int64 / int32 [rows] or null
+  int pos_i32, ratio, offset, slots;
+  int64_t row_stride;  // the cache's elements per row
+};
+
+template <typename T>
+__device__ __forceinline__ T* dest(T* out, const Dest& st, int64_t v, int d) {
+  if (st.positions == nullptr) return out + v * d;
+  const int64_t pos = st.pos_i32 ? int64_t(static_cast<const int32_t*>(st.positions)[v])
+                                 : static_cast<const int64_t*>(st.positions)[v];
+  int64_t slot;
+  if (pos < 0) return nullptr;
+  if (st.ratio == 0) {
+    slot = st.offset + pos % st.slots;
+  } else {
+    if ((pos + 1) % st.ratio != 0) return nullptr;
+    slot = st.offset + min(pos / st.ratio, int64_t(st.slots - 1));
+  }
+  return out + v * st.row_stride + slot * d;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(1024) rms_norm_rope_kernel(const T* __restrict__ x, const float* __restrict__ w,
                                                              const float* __restrict__ cs, T* __restrict__ out,
                                                              int heads, int d, int rope_dim, float eps,
-                                                             int fp8_nope, int pdl) {
+                                                             int fp8_nope, const Dest st, int pdl) {
   dsv4_cuda::grid_dep_wait();
   if (pdl) dsv4_cuda::grid_dep_launch();
   __shared__ float wsum[32];
   const int64_t v = blockIdx.x;
+  T* const dst = dest(out, st, v, d);
+  if (dst == nullptr) return;  // the whole CTA: no barrier is left waiting
   const int t = threadIdx.x, e0 = 4 * t, nope = d - rope_dim, lane = t & 31, warp = t >> 5;
   const bool live = e0 < d;  // the block is padded to whole warps (full-mask shuffles)
   float f[4] = {}, wt[4] = {1.0f, 1.0f, 1.0f, 1.0f}, c[4] = {};
@@ -98,7 +124,24 @@ __global__ void __launch_bounds__(1024) rms_norm_rope_kernel(const T* __restrict
       }
     }
   }
-  if (live) store4(out + v * d + e0, y);
+  if (live) store4(dst + e0, y);
+}
+
+cudaError_t launch(const void* x, int x_fp32, const float* w, const float* cs, void* out, int64_t vectors,
+                   int heads, int d, int rope_dim, float eps, int fp8_nope, const Dest& st, cudaStream_t stream) {
+  if (vectors == 0) return cudaSuccess;
+  if (d % 4 != 0 || d > 4096 || d < 4 || rope_dim % 4 != 0 || vectors > 0x7FFFFFFF) return cudaErrorInvalidValue;
+  const int threads = (d / 4 + 31) / 32 * 32;
+  const bool pdl = decode_pdl();
+  if (x_fp32)
+    launch_ex(pdl, rms_norm_rope_kernel<float>, dim3(unsigned(vectors)), dim3(threads), 0, stream,
+              static_cast<const float*>(x), w, cs, static_cast<float*>(out), heads, d, rope_dim, eps, fp8_nope, st,
+              int(pdl));
+  else
+    launch_ex(pdl, rms_norm_rope_kernel<__nv_bfloat16>, dim3(unsigned(vectors)), dim3(threads), 0, stream,
+              static_cast<const __nv_bfloat16*>(x), w, cs, static_cast<__nv_bfloat16*>(out), heads, d, rope_dim, eps,
+              fp8_nope, st, int(pdl));
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -108,17 +151,16 @@ __global__ void __launch_bounds__(1024) rms_norm_rope_kernel(const T* __restrict
 extern "C" cudaError_t dsv4_rms_norm_rope_launch(const void* x, int x_fp32, const float* w, const float* cs, void* out,
                                                  int64_t vectors, int heads, int d, int rope_dim, float eps,
                                                  int fp8_nope, cudaStream_t stream) {
-  if (vectors == 0) return cudaSuccess;
-  if (d % 4 != 0 || d > 4096 || d < 4 || rope_dim % 4 != 0 || vectors > 0x7FFFFFFF) return cudaErrorInvalidValue;
-  const int threads = (d / 4 + 31) / 32 * 32;
-  const bool pdl = decode_pdl();
-  if (x_fp32)
-    launch_ex(pdl, rms_norm_rope_kernel<float>, dim3(unsigned(vectors)), dim3(threads), 0, stream,
-              static_cast<const float*>(x), w, cs, static_cast<float*>(out), heads, d, rope_dim, eps, fp8_nope,
-              int(pdl));
-  else
-    launch_ex(pdl, rms_norm_rope_kernel<__nv_bfloat16>, dim3(unsigned(vectors)), dim3(threads), 0, stream,
-              static_cast<const __nv_bfloat16*>(x), w, cs, static_cast<__nv_bfloat16*>(out), heads, d, rope_dim, eps,
-              fp8_nope, int(pdl));
-  return cudaGetLastError();
+  return launch(x, x_fp32, w, cs, out, vectors, heads, d, rope_dim, eps, fp8_nope, Dest{}, stream);
+}
+
+// The store form: x [rows, d], cache [>= rows, row_stride / d, d] (16-byte aligned), positions int64 (or int32 when
+// pos_i32) [rows]; slots per dsv4_norm_rope::store_slot.
+extern "C" cudaError_t dsv4_rms_norm_rope_store_launch(const void* x, int x_fp32, const float* w, const float* cs,
+                                                       int64_t rows, int d, int rope_dim, float eps, int fp8_nope,
+                                                       const void* positions, int pos_i32, int ratio, int offset,
+                                                       int slots, void* cache, int64_t row_stride,
+                                                       cudaStream_t stream) {
+  const Dest st{positions, pos_i32, ratio, offset, slots, row_stride};
+  return launch(x, x_fp32, w, cs, cache, rows, 1, d, rope_dim, eps, fp8_nope, st, stream);
 }

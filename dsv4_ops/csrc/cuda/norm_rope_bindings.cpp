@@ -13,8 +13,19 @@
 extern "C" cudaError_t dsv4_rms_norm_rope_launch(const void* x, int x_fp32, const float* w, const float* cs, void* out,
                                                  int64_t vectors, int heads, int d, int rope_dim, float eps,
                                                  int fp8_nope, cudaStream_t stream);
+extern "C" cudaError_t dsv4_rms_norm_rope_store_launch(const void* x, int x_fp32, const float* w, const float* cs,
+                                                       int64_t rows, int d, int rope_dim, float eps, int fp8_nope,
+                                                       const void* positions, int pos_i32, int ratio, int offset,
+                                                       int slots, void* cache, int64_t row_stride,
+                                                       cudaStream_t stream);
 
 namespace {
+
+// 16-byte loads: a view at an odd offset is copied (the allocator's blocks are aligned)
+at::Tensor aligned(const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
+}
 
 at::Tensor rms_norm_rope_cuda(const at::Tensor& x, const std::optional<at::Tensor>& weight, const at::Tensor& cs,
                               double eps, int64_t rope_dim, bool fp8_nope) {
@@ -23,11 +34,6 @@ at::Tensor rms_norm_rope_cuda(const at::Tensor& x, const std::optional<at::Tenso
   const dsv4_norm_rope::Shape sh = dsv4_norm_rope::check(x, weight, cs, eps, rope_dim, fp8_nope);
   const c10::cuda::CUDAGuard guard(x.device());
   TORCH_CHECK(sh.d <= 4096, op, ": the CUDA kernel takes d <= 4096, got ", sh.d);
-  // 16-byte loads: a view at an odd offset is copied (the allocator's blocks are aligned)
-  auto aligned = [](const at::Tensor& t) {
-    const at::Tensor c = t.contiguous();
-    return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
-  };
   const at::Tensor xc = aligned(x), cc = aligned(cs);
   const at::Tensor wc = weight.has_value() ? aligned(*weight) : at::Tensor();
   at::Tensor out = at::empty(x.sizes(), x.options());
@@ -39,6 +45,33 @@ at::Tensor rms_norm_rope_cuda(const at::Tensor& x, const std::optional<at::Tenso
   return out;
 }
 
+void rms_norm_rope_store_cuda(const at::Tensor& x, const std::optional<at::Tensor>& weight, const at::Tensor& cs,
+                              double eps, int64_t rope_dim, bool fp8_nope, const at::Tensor& positions, int64_t ratio,
+                              int64_t offset, int64_t slots, const at::Tensor& cache) {
+  const char* op = "dsv4::rms_norm_rope_store";
+  TORCH_CHECK(x.is_cuda(), op, ": x must be a CUDA tensor, got ", x.device());
+  const dsv4_norm_rope::Shape sh =
+      dsv4_norm_rope::check_store(x, weight, cs, eps, rope_dim, fp8_nope, positions, ratio, offset, slots, cache);
+  TORCH_CHECK(sh.d <= 4096, op, ": the CUDA kernel takes d <= 4096, got ", sh.d);
+  TORCH_CHECK(ratio < (int64_t(1) << 31) && offset + slots < (int64_t(1) << 31), op,
+              ": ratio / offset / slots past the kernel's int range");
+  // d % 4 == 0: every 4-element store is aligned to its size (8 bytes bf16, 16 fp32)
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16 == 0, op,
+              ": the CUDA kernel needs a 16-byte aligned cache (a view at an offset: pass the whole buffer)");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor xc = aligned(x), cc = aligned(cs), pc = positions.contiguous();
+  const at::Tensor wc = weight.has_value() ? aligned(*weight) : at::Tensor();
+  const cudaError_t err = dsv4_rms_norm_rope_store_launch(
+      xc.data_ptr(), x.scalar_type() == at::kFloat, wc.defined() ? wc.data_ptr<float>() : nullptr,
+      cc.data_ptr<float>(), sh.rows, int(sh.d), int(rope_dim), float(eps), fp8_nope, pc.data_ptr(),
+      pc.scalar_type() == at::kInt, int(ratio), int(offset), int(slots), cache.data_ptr(), cache.size(1) * sh.d,
+      c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(dsv4, CUDA, m) { m.impl("rms_norm_rope", &rms_norm_rope_cuda); }
+TORCH_LIBRARY_IMPL(dsv4, CUDA, m) {
+  m.impl("rms_norm_rope", &rms_norm_rope_cuda);
+  m.impl("rms_norm_rope_store", &rms_norm_rope_store_cuda);
+}

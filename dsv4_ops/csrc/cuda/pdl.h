@@ -16,12 +16,11 @@ __device__ __forceinline__ void grid_dep_wait() { asm volatile("griddepcontrol.w
 __device__ __forceinline__ void grid_dep_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 // The decode kernels outside the NVFP4 chain (attention, mHC, norm + RoPE, compressor, Hadamard, key store,
-// indexer scoring, fp32 linear, router) launch with PDL when DSV4_PDL=1 (read at each launch, so at capture).
-// Off by default until measured on the H200. Each of them waits at its top, so the attribute never reorders
-// memory accesses.
+// indexer scoring, fp32 linear, router) launch with PDL unless DSV4_PDL=0 (read at each launch, so at capture).
+// Each of them waits at its top, so the attribute never reorders memory accesses.
 inline bool decode_pdl() {
   const char* v = std::getenv("DSV4_PDL");
-  return v != nullptr && v[0] == '1';
+  return v == nullptr || v[0] != '0';
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), with the PDL attribute when pdl.

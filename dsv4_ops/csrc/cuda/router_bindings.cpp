@@ -11,13 +11,14 @@
 #include "router_checks.h"
 
 extern "C" cudaError_t dsv4_router_topk_launch(const float* scores, const float* bias, int64_t n, int E, int k,
-                                               int renormalize, float scale, float* weights, int64_t* indices,
-                                               cudaStream_t stream);
+                                               int renormalize, float scale, int sqrt_softplus, float* weights,
+                                               int64_t* indices, cudaStream_t stream);
 
 namespace {
 
 std::tuple<at::Tensor, at::Tensor> router_topk_cuda(const at::Tensor& scores, const c10::optional<at::Tensor>& bias,
-                                                    int64_t k, bool renormalize, double scale) {
+                                                    int64_t k, bool renormalize, double scale,
+                                                    bool sqrt_softplus) {
   TORCH_CHECK(scores.is_cuda(), "dsv4::router_topk: scores must be a CUDA tensor, got ", scores.device());
   dsv4_router::check(scores, bias, k);
   const c10::cuda::CUDAGuard guard(scores.device());
@@ -29,7 +30,7 @@ std::tuple<at::Tensor, at::Tensor> router_topk_cuda(const at::Tensor& scores, co
   at::Tensor indices = at::empty({N, k}, s.options().dtype(at::kLong));
   const cudaError_t err = dsv4_router_topk_launch(
       s.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr, N, int(s.size(1)), int(k), renormalize ? 1 : 0,
-      float(scale), weights.data_ptr<float>(), indices.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream().stream());
+      float(scale), sqrt_softplus ? 1 : 0, weights.data_ptr<float>(), indices.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, "dsv4::router_topk: kernel launch failed: ", cudaGetErrorString(err));
   return {weights, indices};
 }
