@@ -45,8 +45,9 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 def decode_rope(table: torch.Tensor) -> dict:
     """A decode step's view of one RoPE table: the rows it reads, gathered once per step and offset and shared
     by every layer using the table (one gather kernel per step instead of one per layer and use), and the
-    step's other per-position values those layers share (n_visible)."""
-    return {"table": table, "rows": {}, "n_vis": {}}
+    step's other per-position values those layers share (n_visible, the attended rows of layers without an
+    indexer)."""
+    return {"table": table, "rows": {}, "n_vis": {}, "attn_rows": {}}
 
 
 def rope_rows(rope: dict, positions: torch.Tensor, m: int = 1) -> torch.Tensor:
@@ -605,7 +606,14 @@ class Attention(nn.Module):
 
         listed = W + (sel.shape[1] if sel is not None else self.n_entries if self.ratio else 0)
         if _fused_decode_attention(B, listed, q) and q.dtype == self.kv_cache.dtype:
-            rows = self._decode_rows(positions, sel, sel_valid, n_visible(rope, positions, m) if m else None)
+            if sel is None:  # the same rows for every layer of this kind and shape: once per step
+                key = (W, m, self.n_entries)
+                if key not in rope["attn_rows"]:
+                    rope["attn_rows"][key] = self._decode_rows(positions, None, None,
+                                                               n_visible(rope, positions, m) if m else None)
+                rows = rope["attn_rows"][key]
+            else:
+                rows = self._decode_rows(positions, sel, sel_valid)
             if self.rope_dim > 0 and self.rope_dim % 4 == 0 and fused_on("DSV4_FUSED_OUT_ROPE"):
                 # the output's inverse RoPE in the op's combine kernel (one kernel less)
                 o = torch.ops.dsv4.sparse_attn_decode(q, self.kv_cache[:B], rows, self.attn_sink,

@@ -113,3 +113,52 @@ def test_bf16_runs_close_to_fp32(simulate_quant):
     # bf16 rounding (and occasional top-k flips) only: logits stay strongly correlated with fp32
     corr = torch.corrcoef(torch.stack([f32.flatten(), b16.flatten()]))[0, 1]
     assert corr > 0.98, corr
+
+
+def test_decode_shares_per_step_values_across_layers(monkeypatch):
+    """Per-position values that do not depend on the layer are computed once per decode step: the attended rows of
+    the layers without an indexer (one per (window, ratio, entries)), n_visible per ratio, the RoPE rows per
+    table and offset; the logits are those of computing them in every layer."""
+    from dsv4_model import attention
+    from dsv4_model.checkpoint_writer import TINY_CONFIG
+    from dsv4_model.config import ModelConfig
+
+    cfg = ModelConfig(**{**TINY_CONFIG, "n_mtp_layers": 0, "n_layers": 5,
+                         "compress_ratios": [0, 16, 4, 16, 0]}).validate()
+    ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    m = Transformer(cfg, max_batch_size=2, max_seq_len=256, dtype=torch.float32, device="cpu")
+    m.init_random_weights(2)
+    m.prefill(ids)
+    calls = []
+    real = attention.Attention._decode_rows
+    monkeypatch.setattr(attention.Attention, "_decode_rows",
+                        lambda self, *a, **k: calls.append(self.ratio) or real(self, *a, **k))
+    monkeypatch.setenv("DSV4_DECODE_ATTENTION", "fused")
+    shared = m.decode_step(ids[:, 0], torch.full((2,), 9))
+    # SWA (0) and HCA (16) once each for their two layers; CSA (4) in its layer (its rows hold its own top-k)
+    assert sorted(calls) == [0, 4, 16]
+
+    from dsv4_model import model as model_mod
+
+    monkeypatch.setattr(model_mod, "decode_rope", lambda table: _NoCache(table))  # every layer computes its own
+    m2 = Transformer(cfg, max_batch_size=2, max_seq_len=256, dtype=torch.float32, device="cpu")
+    m2.init_random_weights(2)
+    m2.prefill(ids)
+    calls.clear()
+    own = m2.decode_step(ids[:, 0], torch.full((2,), 9))
+    assert sorted(calls) == [0, 0, 4, 16, 16]
+    assert torch.equal(shared, own)
+
+
+class _NoCache(dict):
+    """A decode_rope dict whose per-step caches forget every value (each layer recomputes)."""
+
+    def __init__(self, table):
+        super().__init__(table=table, rows=_Forget(), n_vis=_Forget(), attn_rows=_Forget())
+
+
+class _Forget(dict):
+    """Never reports a key as present: each layer computes and stores its own value."""
+
+    def __contains__(self, key):
+        return False
