@@ -42,12 +42,22 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     return key.topk(k, dim=-1).indices
 
 
-def decode_rope(table: torch.Tensor) -> dict:
+def decode_rope(table: torch.Tensor, slots: tuple[torch.Tensor, list[int]] | None = None) -> dict:
     """A decode step's view of one RoPE table: the rows it reads, gathered once per step and offset and shared
     by every layer using the table (one gather kernel per step instead of one per layer and use), and the
     step's other per-position values those layers share (n_visible, the attended rows of layers without an
-    indexer)."""
-    return {"table": table, "rows": {}, "n_vis": {}, "attn_rows": {}}
+    indexer). slots: (buffer [n, max_batch, rope_dim / 2, 2], the offsets m of its n slots): rows of those
+    offsets are written there (see Transformer.setup_runtime for why)."""
+    return {"table": table, "rows": {}, "n_vis": {}, "attn_rows": {}, "slots": slots}
+
+
+def _in_slot(slots, key, value: torch.Tensor) -> torch.Tensor:
+    """value written into its slot of a step's scratch buffer (and that slot returned), where there is one."""
+    if slots is None or key not in slots[1] or slots[0].dtype != value.dtype:
+        return value
+    out = slots[0][slots[1].index(key), :value.shape[0]]
+    out.copy_(value)
+    return out
 
 
 def rope_rows(rope: dict, positions: torch.Tensor, m: int = 1) -> torch.Tensor:
@@ -55,7 +65,7 @@ def rope_rows(rope: dict, positions: torch.Tensor, m: int = 1) -> torch.Tensor:
     it closes; cached in the step's rope dict (the positions are the step's)."""
     rows = rope["rows"]
     if m not in rows:
-        rows[m] = rope["table"][(positions + 1 - m).clamp(min=0)]
+        rows[m] = _in_slot(rope.get("slots"), m, rope["table"][(positions + 1 - m).clamp(min=0)])
     return rows[m]
 
 

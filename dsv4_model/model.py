@@ -203,6 +203,13 @@ class Transformer(nn.Module):
                              c.beta_fast, c.beta_slow)
         self.register_buffer("rope_main", rope_table(main, self.max_seq_len, device), persistent=False)
         self.register_buffer("rope_compress", rope_table(comp, self.max_seq_len, device), persistent=False)
+        # A decode step's gathered RoPE rows, one slot per (table, offset m): written once per step and read by
+        # every layer. Gathered into a plain tensor instead, Inductor would recompute the gather into a copy for
+        # each custom op that reads it (one kernel per layer and use).
+        self.rope_offsets = {"main": [1], "compress": [1] + sorted({r for r in c.compress_ratios if r})}
+        for kind, ms in self.rope_offsets.items():
+            self.register_buffer(f"rope_rows_{kind}", torch.zeros(len(ms), self.max_batch_size, c.rope_head_dim // 2,
+                                                                  2, device=device), persistent=False)
         for mod in self.modules():
             if isinstance(mod, Attention):
                 mod.alloc_runtime(device, self.dtype)
@@ -237,6 +244,10 @@ class Transformer(nn.Module):
     def cache_nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for n, b in self.named_buffers()
                    if n.endswith(("kv_cache", "k_codes", "k_scales", "kv_state", "score_state")))
+
+    def scratch_buffer_names(self) -> list[str]:
+        """Buffers a decode step writes before it reads them (not state carried between steps)."""
+        return [f"rope_rows_{kind}" for kind in self.rope_offsets]
 
     def _rope(self) -> dict:
         return {"main": self.rope_main, "compress": self.rope_compress}
@@ -277,7 +288,8 @@ class Transformer(nn.Module):
         """One token per row: tokens [B] at positions [B] (device tensors; B <= max_batch_size) -> fp32 [B, V].
 
         Static shapes, no host syncs: safe for torch.compile(fullgraph=True) and CUDA graphs."""
-        rope = {kind: decode_rope(table) for kind, table in self._rope().items()}  # rows shared by the layers
+        rope = {kind: decode_rope(table, (getattr(self, f"rope_rows_{kind}"), self.rope_offsets[kind]))
+                for kind, table in self._rope().items()}  # rows shared by the layers
         h = self.embed(tokens).unsqueeze(1).repeat(1, self.hc, 1)
         pending = None
         for layer in self.layers:

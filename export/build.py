@@ -121,7 +121,9 @@ def export_entry(model: nn.Module, names: Sequence[str], entry: Entry, *, device
         ep = torch.export.export(wrapper, (inputs, caches), strict=False)
     written = written_inputs(ep)
     cache_inputs = ep.graph_signature.user_inputs[len(inputs):]
-    not_written = [n for n, i in zip(names, cache_inputs) if i not in written]
+    # a decode step's scratch (written and read within the step) need not be written by every entry
+    scratch = set(model.scratch_buffer_names()) if hasattr(model, "scratch_buffer_names") else set()
+    not_written = [n for n, i in zip(names, cache_inputs) if i not in written and n not in scratch]
     if not_written:
         raise RuntimeError(f"{entry.name}: the exported graph does not write caches {not_written}; they would not "
                            "be updated in place (is the model reading a stale copy of its buffers?)")
