@@ -3,7 +3,7 @@
 #   build the CUDA library, the CUDA tests one file per process (a crash cannot hide other files' results),
 #   compute-sanitizer (memcheck, racecheck) on the direct kernel tests, the benchmarks.
 # $OUT gets summary.txt + logs.tgz (the device tool returns at most 8 files of <= 16 MiB).
-# Usage on the H200, from the repo root:  bash scripts/gpu_check.sh [tests|sanitizer|bench|profile|switches|pdl ...]
+# Usage on the H200, from the repo root:  bash scripts/gpu_check.sh [tests|sanitizer|bench|profile|switches|pdl|decode ...]
 # (default: tests sanitizer bench)
 # Env: GPU_CHECK_SKIP_BUILD=1 (already built), TEST_FILES / BENCHES (space-separated paths; default: all), SANITIZE
 # (a grep -E pattern: only the sanitizer specs it matches), GPU_CHECK_SECONDS (a total budget: steps get
@@ -114,6 +114,14 @@ for part in $PARTS; do
       step switches_layer_fused_off 200 env $FUSED_OFF $PY bench/bench_layer.py --kinds csa --steps 50 --experts 16
       step switches_layer_off 200 env $FUSED_OFF DSV4_FUSED_HC=0 DSV4_ATTN_KERNEL=simt $PY bench/bench_layer.py \
         --kinds csa --steps 50 --experts 16 ;;
+    decode)
+      # The decode step end to end: the compiled / graph-replayed step against eager, the default model's exported
+      # package and bf16 settings, and the per-layer time and kernel count (what a model-level change moves).
+      step decode_compiled 200 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_compiled_decode.py
+      step decode_default_model 420 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_default_model_gpu.py \
+        -k "exported or bf16"
+      step decode_layers 200 $PY bench/bench_layer.py --kinds csa,hca,swa --steps 50 --experts 16
+      step decode_count_kernels 200 $PY scripts/count_decode_kernels.py --device cuda ;;
     pdl)
       # DSV4_PDL (on by default): the decode kernels outside the NVFP4 chain launched with programmatic
       # dependent launch. Their op tests and the compiled decode without it (the default run has it), then the
