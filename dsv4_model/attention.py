@@ -45,10 +45,9 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 def decode_rope(table: torch.Tensor, slots: tuple[torch.Tensor, list[int]] | None = None) -> dict:
     """A decode step's view of one RoPE table: the rows it reads, gathered once per step and offset and shared
     by every layer using the table (one gather kernel per step instead of one per layer and use), and the
-    step's other per-position values those layers share (n_visible, the attended rows of layers without an
-    indexer). slots: (buffer [n, max_batch, rope_dim / 2, 2], the offsets m of its n slots): rows of those
+    step's attended row list of the layers without an indexer. slots: (buffer [n, max_batch, rope_dim / 2, 2], the offsets m of its n slots): rows of those
     offsets are written there (see Transformer.setup_runtime for why)."""
-    return {"table": table, "rows": {}, "n_vis": {}, "attn_rows": {}, "slots": slots}
+    return {"table": table, "rows": {}, "attn_rows": {}, "slots": slots}
 
 
 def _in_slot(slots, key, value: torch.Tensor) -> torch.Tensor:
@@ -67,15 +66,6 @@ def rope_rows(rope: dict, positions: torch.Tensor, m: int = 1) -> torch.Tensor:
     if m not in rows:
         rows[m] = _in_slot(rope.get("slots"), m, rope["table"][(positions + 1 - m).clamp(min=0)])
     return rows[m]
-
-
-def n_visible(rope: dict, positions: torch.Tensor, m: int) -> torch.Tensor:
-    """(positions + 1) // m: the compressed entries of ratio m a decode token sees; computed once per step and
-    ratio (the step's rope dict), not in every layer (an Inductor kernel each)."""
-    n_vis = rope["n_vis"]
-    if m not in n_vis:
-        n_vis[m] = (positions + 1) // m
-    return n_vis[m]
 
 
 def _fused_compressor() -> bool:
@@ -175,16 +165,16 @@ class Compressor(nn.Module):
         decode, x = pooled.dim() == 2, pooled.to(dtype)
         if decode and _fused_norm_rope(x, self.rope_dim):
             fp8 = self.simulate_quant and not self.rotate
-            if not (self.simulate_quant and self.rotate):
-                if store is not None and _fused_store(x, store[1]):
-                    positions, cache, offset = store
-                    torch.ops.dsv4.rms_norm_rope_store(x, self.norm.weight, cs, self.norm.eps, self.rope_dim, fp8,
-                                                       positions, self.ratio, offset, cache.shape[1] - offset, cache)
-                    return None
-                return torch.ops.dsv4.rms_norm_rope(x.unsqueeze(1), self.norm.weight, cs, self.norm.eps,
-                                                    self.rope_dim, fp8).squeeze(1)
+            index_keys = self.simulate_quant and self.rotate  # then the Hadamard + FP4 rounding follows
+            if not index_keys and store is not None and _fused_store(x, store[1]):
+                positions, cache, offset = store
+                torch.ops.dsv4.rms_norm_rope_store(x, self.norm.weight, cs, self.norm.eps, self.rope_dim, fp8,
+                                                   positions, self.ratio, offset, cache.shape[1] - offset, cache)
+                return None
             kv = torch.ops.dsv4.rms_norm_rope(x.unsqueeze(1), self.norm.weight, cs, self.norm.eps, self.rope_dim,
                                               fp8).squeeze(1)
+            if not index_keys:
+                return kv
         else:
             kv = apply_rope(self.norm(x), cs, self.rope_dim)
             if not self.simulate_quant:
@@ -597,7 +587,7 @@ class Attention(nn.Module):
             iq = ix.queries(qr, cs.unsqueeze(-3), iproj)
             k = min(ix.index_topk, self.n_entries)
             if packed:
-                sel = ix.select(iq, x, n_visible(rope, positions, m), k, wproj)
+                sel = ix.select(iq, x, (positions + 1) // m, k, wproj)
                 sel_valid = sel >= 0
                 sel = sel.clamp(min=0).long()
             else:
@@ -619,8 +609,7 @@ class Attention(nn.Module):
             if sel is None:  # the same rows for every layer of this kind and shape: once per step
                 key = (W, m, self.n_entries)
                 if key not in rope["attn_rows"]:
-                    rope["attn_rows"][key] = self._decode_rows(positions, None, None,
-                                                               n_visible(rope, positions, m) if m else None)
+                    rope["attn_rows"][key] = self._decode_rows(positions, None, None)
                 rows = rope["attn_rows"][key]
             else:
                 rows = self._decode_rows(positions, sel, sel_valid)
@@ -644,11 +633,10 @@ class Attention(nn.Module):
         o = self._attend(q.unsqueeze(1), keys, mask, qkeys, qmask).squeeze(1)
         return self._out(o, cs)
 
-    def _decode_rows(self, positions: torch.Tensor, sel: torch.Tensor | None, sel_valid: torch.Tensor | None,
-                     n_vis: torch.Tensor | None = None) -> torch.Tensor:
+    def _decode_rows(self, positions: torch.Tensor, sel: torch.Tensor | None,
+                     sel_valid: torch.Tensor | None) -> torch.Tensor:
         """The cache rows a decode token attends, int32 [B, J], -1 where masked: the window slots written so far,
-        then the indexer's selection (CSA) or every compressed entry closed so far (HCA), at W + entry. n_vis:
-        (positions + 1) // ratio if already computed."""
+        then the indexer's selection (CSA) or every compressed entry closed so far (HCA), at W + entry."""
         W, dev = self.window, positions.device
         win = torch.arange(W, device=dev)
         parts = [torch.where(win.unsqueeze(0) <= positions.unsqueeze(1), win, -1)]
@@ -656,9 +644,7 @@ class Attention(nn.Module):
             parts.append(torch.where(sel_valid, W + sel, -1))
         elif self.ratio:
             e = torch.arange(self.n_entries, device=dev)
-            if n_vis is None:
-                n_vis = (positions + 1) // self.ratio
-            parts.append(torch.where(e.unsqueeze(0) < n_vis.unsqueeze(1), W + e, -1))
+            parts.append(torch.where(e.unsqueeze(0) < ((positions + 1) // self.ratio).unsqueeze(1), W + e, -1))
         return torch.cat(parts, dim=1).to(torch.int32)
 
     def _write_entry(self, cache: torch.Tensor, offset: int, positions: torch.Tensor, entry: torch.Tensor,

@@ -117,8 +117,8 @@ def test_bf16_runs_close_to_fp32(simulate_quant):
 
 def test_decode_shares_per_step_values_across_layers(monkeypatch):
     """Per-position values that do not depend on the layer are computed once per decode step: the attended rows of
-    the layers without an indexer (one per (window, ratio, entries)), n_visible per ratio, the RoPE rows per
-    table and offset; the logits are those of computing them in every layer."""
+    the layers without an indexer (one per (window, ratio, entries)) and the RoPE rows per table and offset; the
+    logits are those of computing them in every layer."""
     from dsv4_model import attention
     from dsv4_model.checkpoint_writer import TINY_CONFIG
     from dsv4_model.config import ModelConfig
@@ -154,7 +154,7 @@ class _NoCache(dict):
     """A decode_rope dict whose per-step caches forget every value (each layer recomputes)."""
 
     def __init__(self, table, slots):
-        super().__init__(table=table, rows=_Forget(), n_vis=_Forget(), attn_rows=_Forget(), slots=slots)
+        super().__init__(table=table, rows=_Forget(), attn_rows=_Forget(), slots=slots)
 
 
 class _Forget(dict):

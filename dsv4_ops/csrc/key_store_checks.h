@@ -43,11 +43,4 @@ inline Shape check(const at::Tensor& keys, const at::Tensor& positions, int64_t 
   return {B, D, n};
 }
 
-// The row's cache slot if its window closed at this token, else -1: slot = min(pos / ratio, n - 1) where
-// (pos + 1) % ratio == 0 (positions >= 0).
-inline int64_t store_slot(int64_t pos, int64_t ratio, int64_t n) {
-  if (pos < 0 || (pos + 1) % ratio != 0) return -1;
-  return std::min(pos / ratio, n - 1);
-}
-
 }  // namespace dsv4_key_store

@@ -3,7 +3,6 @@
 #pragma once
 #include <ATen/ATen.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <optional>
 
@@ -64,16 +63,6 @@ inline Shape check_store(const at::Tensor& x, const std::optional<at::Tensor>& w
   for (const at::Tensor* t : {&positions, &cache})
     TORCH_CHECK(t->device() == x.device(), op, ": every tensor must be on x's device (", x.device(), ")");
   return sh;
-}
-
-// The cache slot row r writes, or -1: ratio 0 (a sliding window) every token, at offset + pos % slots; ratio >= 1
-// (compressed entries) only where the window closes ((pos + 1) % ratio == 0), at offset + min(pos / ratio,
-// slots - 1). Negative positions write nothing.
-inline int64_t store_slot(int64_t pos, int64_t ratio, int64_t offset, int64_t slots) {
-  if (pos < 0) return -1;
-  if (ratio == 0) return offset + pos % slots;
-  if ((pos + 1) % ratio != 0) return -1;
-  return offset + std::min(pos / ratio, slots - 1);
 }
 
 }  // namespace dsv4_norm_rope

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "cache_slot.h"
 #include "key_store_checks.h"
 #include "pow2_scale.h"
 
@@ -46,7 +47,7 @@ void indexer_store_keys_cpu(const at::Tensor& keys, const at::Tensor& positions,
   const at::Tensor kc = keys.contiguous(), pc = positions.to(at::kLong).contiguous();
   const int64_t* pos = pc.data_ptr<int64_t>();
   for (int64_t b = 0; b < sh.B; ++b) {
-    const int64_t slot = dsv4_key_store::store_slot(pos[b], ratio, sh.n);
+    const int64_t slot = dsv4::entry_slot(pos[b], ratio, sh.n);
     if (slot < 0) continue;
     const int64_t at = b * sh.n + slot;
     uint8_t* codes = k_codes.data_ptr<uint8_t>() + at * (sh.D / 2);

@@ -12,6 +12,7 @@
 #include <optional>
 #include <vector>
 
+#include "cache_slot.h"
 #include "norm_rope_checks.h"
 #include "pow2_scale.h"
 
@@ -99,8 +100,8 @@ void rms_norm_rope_store_cpu(const at::Tensor& x, const std::optional<at::Tensor
   const int64_t d = sh.d, row = cache.size(1) * d;
   auto dst = [&](auto* base) {
     return [=](int64_t v) -> decltype(base) {
-      const int64_t slot = dsv4_norm_rope::store_slot(pos[v], ratio, offset, slots);
-      return slot < 0 ? nullptr : base + v * row + slot * d;
+      const int64_t slot = dsv4::cache_slot(pos[v], ratio, slots);  // row v's slot past offset
+      return slot < 0 ? nullptr : base + v * row + (offset + slot) * d;
     };
   };
   if (x.scalar_type() == at::kBFloat16)

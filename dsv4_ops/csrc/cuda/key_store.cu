@@ -8,6 +8,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "cache_slot.h"
 #include "pdl.h"
 
 namespace {
@@ -38,9 +39,9 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) store_keys_kernel(const T* 
   constexpr int D = 32 * E, kLanesPerBlock = 32 / E;
   const int b = blockIdx.x * kWarpsPerCta + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (b >= B) return;
-  const int64_t pos = int64_t(positions[b]);
-  if (pos < 0 || (pos + 1) % ratio != 0) return;  // whole warps leave: no window closed in this row
-  const int64_t at = int64_t(b) * n + min(pos / ratio, int64_t(n) - 1);
+  const int64_t slot = dsv4::entry_slot(int64_t(positions[b]), ratio, n);
+  if (slot < 0) return;  // whole warps leave: no window closed in this row
+  const int64_t at = int64_t(b) * n + slot;
   T v[E];
   float amax = 0.0f;
 #pragma unroll

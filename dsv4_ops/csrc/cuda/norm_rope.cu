@@ -11,6 +11,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "cache_slot.h"
 #include "float_cast.h"
 #include "pdl.h"
 
@@ -45,8 +46,8 @@ __device__ __forceinline__ void store4(__nv_bfloat16* p, const float (&f)[4]) {
 }
 
 
-// Where vector v goes: out + v * d, or with a store (positions non-null, one head) the cache slot of row v (see
-// dsv4_norm_rope::store_slot), null where that row writes nothing.
+// Where vector v goes: out + v * d, or with a store (positions non-null, one head) row v's cache slot (offset +
+// dsv4::cache_slot), null where that row writes nothing.
 struct Dest {
   const void* positions;  // int64 / int32 [rows] or null
   int pos_i32, ratio, offset, slots;
@@ -58,15 +59,8 @@ __device__ __forceinline__ T* dest(T* out, const Dest& st, int64_t v, int d) {
   if (st.positions == nullptr) return out + v * d;
   const int64_t pos = st.pos_i32 ? int64_t(static_cast<const int32_t*>(st.positions)[v])
                                  : static_cast<const int64_t*>(st.positions)[v];
-  int64_t slot;
-  if (pos < 0) return nullptr;
-  if (st.ratio == 0) {
-    slot = st.offset + pos % st.slots;
-  } else {
-    if ((pos + 1) % st.ratio != 0) return nullptr;
-    slot = st.offset + min(pos / st.ratio, int64_t(st.slots - 1));
-  }
-  return out + v * st.row_stride + slot * d;
+  const int64_t slot = dsv4::cache_slot(pos, st.ratio, st.slots);
+  return slot < 0 ? nullptr : out + v * st.row_stride + (st.offset + slot) * d;
 }
 
 template <typename T>
@@ -155,7 +149,7 @@ extern "C" cudaError_t dsv4_rms_norm_rope_launch(const void* x, int x_fp32, cons
 }
 
 // The store form: x [rows, d], cache [>= rows, row_stride / d, d] (16-byte aligned), positions int64 (or int32 when
-// pos_i32) [rows]; slots per dsv4_norm_rope::store_slot.
+// pos_i32) [rows]; slots per dsv4::cache_slot.
 extern "C" cudaError_t dsv4_rms_norm_rope_store_launch(const void* x, int x_fp32, const float* w, const float* cs,
                                                        int64_t rows, int d, int rope_dim, float eps, int fp8_nope,
                                                        const void* positions, int pos_i32, int ratio, int offset,
