@@ -205,6 +205,10 @@ def main(argv=None) -> int:
         for name, c in extra.most_common():
             print(f"  {c:3d} x {busy[name]:7.2f} us  {name[:100]}")
         if args.device == "cuda":
+            # kernels the base model has as often, but which run longer (or shorter) with this layer added
+            shifted = [(v, name) for name, v in busy.items() if name not in extra and abs(v) >= 1.0]
+            for v, name in sorted(shifted, reverse=True):
+                print(f"   same count, {v:+7.2f} us  {name[:100]}")
             print(f"  busy: {sum(v for v in busy.values()):.1f} us of GPU time in the layer's kernels (sum over names)")
     print(f"total {time.perf_counter() - t0:.0f} s")
     return 0

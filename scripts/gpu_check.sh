@@ -50,7 +50,8 @@ $PY -c 'import dsv4_ops; assert dsv4_ops.built_with_cuda(), "library built witho
 KERNEL_TESTS="tests/test_nvfp4_quant.py tests/test_indexer.py tests/test_mhc.py tests/test_fp32_linear.py
   tests/test_router.py tests/test_attn.py tests/test_hc_pre.py tests/test_compressor_op.py
   tests/test_norm_rope.py tests/test_hadamard_fp4.py tests/test_key_store.py
-  tests/test_nvfp4_gemm.py@decode_kernels tests/test_nvfp4_gemm.py@linear_cuda@and@not@w4a4@and@not@decode
+  tests/test_nvfp4_gemm.py@decode_kernels tests/test_nvfp4_gemm.py@bulk
+  tests/test_nvfp4_gemm.py@linear_cuda@and@not@w4a4@and@not@decode@and@not@bulk
   tests/test_nvfp4_gemm.py@w4a4 tests/test_nvfp4_gemm.py@grouped@or@multi
   tests/test_nvfp4_gemm.py@moe_cuda_many_experts@and@not@64@and@not@300
   tests/test_nvfp4_gemm.py@moe_cuda_many_experts@and@(64@or@300)
@@ -118,10 +119,10 @@ for part in $PARTS; do
       # The decode step end to end: the compiled / graph-replayed step against eager, the default model's exported
       # package and bf16 settings, and the per-layer time and kernel count (what a model-level change moves).
       step decode_compiled 200 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_compiled_decode.py
-      step decode_default_model 420 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_default_model_gpu.py \
-        -k "exported or bf16"
       step decode_layers 200 $PY bench/bench_layer.py --kinds csa,hca,swa --steps 50 --experts 16
-      step decode_count_kernels 200 $PY scripts/count_decode_kernels.py --device cuda ;;
+      step decode_count_kernels 200 $PY scripts/count_decode_kernels.py --device cuda
+      step decode_default_model 420 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_default_model_gpu.py \
+        -k "exported or bf16" ;;
     pdl)
       # DSV4_PDL (on by default): the decode kernels outside the NVFP4 chain launched with programmatic
       # dependent launch. Their op tests and the compiled decode without it (the default run has it), then the

@@ -201,7 +201,7 @@ def test_deinterleave_matches_reference(device, dtype, per_row, weighted):
 @pytest.mark.kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 16), (1, 4096), (3, 4096), (64, 7168), (300, 4096), (700, 7168),
-                                   (2048, 7168), (2, 81920)])
+                                   (2048, 7168), (3, 8192), (5, 12288), (2, 81920)])
 def test_cuda_large_shapes_match_cpu(dtype, shape):
     """Every launch path of the CUDA kernels (one CTA, a cluster, the cooperative grid with and without
     re-read tiles, per-row rows longer than one pass) agrees bit for bit with the CPU kernel."""

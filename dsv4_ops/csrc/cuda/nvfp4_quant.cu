@@ -485,11 +485,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// One CTA per row: per-row amax, then quantize. Rows longer than blockDim * R blocks are read twice.
-template <class Src>
-__global__ void __launch_bounds__(kThreads) fused_per_row_kernel(Src src, int64_t qbpr, uint2* __restrict__ packed,
-                                                                 uint8_t* __restrict__ sf, float* __restrict__ gs_out) {
-  constexpr int R = kRegBlocks<Src>;
+// One CTA per row: per-row amax, then quantize. Rows longer than blockDim * R blocks are read twice. R (blocks
+// a thread keeps) and the CTA size are picked per row length (launch_per_row): rows up to 256 * R blocks run in
+// CTAs of <= 256 threads, several per SM, so many rows' loads are in flight at once.
+template <class Src, int R, int kMaxThreads>
+__global__ void __launch_bounds__(kMaxThreads) fused_per_row_kernel(Src src, int64_t qbpr, uint2* __restrict__ packed,
+                                                                    uint8_t* __restrict__ sf,
+                                                                    float* __restrict__ gs_out) {
   __shared__ float red[33];
   const int64_t row = blockIdx.x;
   const int64_t base = row * qbpr;
@@ -712,11 +714,19 @@ cudaError_t launch_fused(const Src& src, int64_t n_qb, int64_t qbpr, uint2* pack
 template <class Src>
 cudaError_t launch_per_row(const Src& src, int64_t rows, int64_t qbpr, uint2* packed, uint8_t* sf, float* gs_out,
                            cudaStream_t stream) {
-  constexpr int R = kRegBlocks<Src>;
-  // Prefer one block per thread (latency); grow per-thread blocks up to R before growing past 512 threads.
-  int64_t t = std::min<int64_t>(kThreads, (qbpr + 31) / 32 * 32);
-  if (qbpr > t * R) t = kThreads;
-  fused_per_row_kernel<Src><<<(unsigned int)rows, (unsigned int)t, 0, stream>>>(src, qbpr, packed, sf, gs_out);
+  // Rows of <= 256 * R blocks: CTAs of <= 256 threads keeping R <= 4 blocks each (one wave of the whole batch
+  // holds many rows in flight; at 8192 x 7168 one 448-thread CTA per row and SM reached 23% of HBM). Longer rows:
+  // 512 threads, kRegBlocks each, the rest streamed twice.
+  auto threads = [&](int r) { return (unsigned int)std::max<int64_t>(32, ((qbpr + r - 1) / r + 31) / 32 * 32); };
+  const unsigned int grid = (unsigned int)rows;
+  if (qbpr <= 256)
+    fused_per_row_kernel<Src, 1, 256><<<grid, threads(1), 0, stream>>>(src, qbpr, packed, sf, gs_out);
+  else if (qbpr <= 512)
+    fused_per_row_kernel<Src, 2, 256><<<grid, threads(2), 0, stream>>>(src, qbpr, packed, sf, gs_out);
+  else if (qbpr <= 1024 && kRegBlocks<Src> >= 4)
+    fused_per_row_kernel<Src, 4, 256><<<grid, threads(4), 0, stream>>>(src, qbpr, packed, sf, gs_out);
+  else
+    fused_per_row_kernel<Src, kRegBlocks<Src>, kThreads><<<grid, kThreads, 0, stream>>>(src, qbpr, packed, sf, gs_out);
   return cudaGetLastError();
 }
 
