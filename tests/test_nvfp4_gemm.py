@@ -668,6 +668,47 @@ def test_moe_cuda_invalid_ids():
     assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, None, 0.0), "cuda moe invalid ids")
 
 
+# T * k = 6 ... 32 (routes itself), 36 (beyond kLocalRouteMax: the route kernel runs), E = 8 / 16 / 256, k = 6 / 2.
+@pytest.mark.cuda
+@pytest.mark.kernels
+@pytest.mark.parametrize("E,T,k", [(256, 1, 6), (256, 2, 6), (16, 3, 6), (256, 5, 6), (256, 6, 6), (8, 16, 2)])
+def test_moe_cuda_local_route(E, T, k):
+    """Local routing (the default while T * k <= 32; DSV4_NVFP4_MOE_LOCAL_ROUTE=0 turns it off): the up / down
+    kernels derive each slot's expert and assignments from the ids (no route kernel) -- bit-equal to the routed path (every assignment's output is computed alone), duplicate
+    experts in a token, invalid ids, with and without the shared expert, gemv and skinny, PDL on and off, and a
+    CUDA graph replayed on new routing."""
+    gen = torch.Generator().manual_seed(500 + E + T)
+    x, ids, wts, w13, w2, shared = moe_case(E, 272, 80, 48, T, k, gen, "cuda", dup=True)
+    if T > 2:
+        ids[T // 2] = ids[0]  # two tokens with the same experts
+        ids[1, 0] = -1
+        ids[2, k - 1] = E  # out of range: dropped
+    for sh in (shared, None):
+        args = kernel_moe_args(w13, w2, sh)
+        expect = ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, sh, 10.0)
+        for choice in ("auto", "skinny"):
+            with kernel_choice(choice):
+                with env_var("DSV4_NVFP4_MOE_LOCAL_ROUTE", "0"):
+                    want = ops.nvfp4_moe(x, ids, wts, *args, 10.0)  # the route kernel
+                with env_var("DSV4_NVFP4_MOE_LOCAL_ROUTE", "1"):
+                    got = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
+                    with env_var("DSV4_NVFP4_PDL", "0"):
+                        assert torch.equal(ops.nvfp4_moe(x, ids, wts, *args, 10.0), got), f"no PDL {choice}"
+            what = f"local route {choice} E={E} T={T} shared={sh is not None}"
+            assert torch.equal(got, want), what
+            assert_moe_close(got, expect, what)
+    args = kernel_moe_args(w13, w2, shared)
+    with env_var("DSV4_NVFP4_MOE_LOCAL_ROUTE", "1"):
+        ops.nvfp4_moe(x, ids, wts, *args, 10.0)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
+        ids.copy_(torch.randint(-1, E + 1, ids.shape, generator=gen).to("cuda"))
+        x.copy_(rand_x(x.shape, gen, "cuda"))
+        graph.replay()
+    assert torch.equal(static_out, ops.nvfp4_moe(x, ids, wts, *args, 10.0)), "local route graph replay"
+
+
 @pytest.mark.cuda
 @pytest.mark.kernels
 def test_opcheck_cuda():
