@@ -1,6 +1,7 @@
 """Benchmark of dsv4::indexer_score_topk (DeepSeek-V4 lightning indexer at decode) on the H200.
 
-64 heads x 128 dims, FP4 keys (64 B codes + 4 B UE8M0 scales per key), top-512, all keys valid. Every figure is
+64 heads x 128 dims, FP4 keys (64 B codes + 4 B UE8M0 scales per key), top-512, all keys valid (N = 64 / 400: fewer
+keys than the top-k, a decode early in a sequence). Every figure is
 a CUDA-graph replay of REPS back-to-back calls divided by REPS (best of a few replays). The peer is plain
 PyTorch in the same run: dequantize the keys to bf16, einsum, relu, weighted head sum, torch.topk; eager and
 torch.compile'd (dynamic shapes, compiled once per batch-size class). GB/s counts key bytes only; at small N the
@@ -25,7 +26,7 @@ from dsv4_ops import reference as ref  # noqa: E402
 HBM_BYTES_PER_S = 4.26e12
 H, D, TOPK = 64, 128, 512
 REPS = 20
-SHAPES = [(1, 4096), (1, 65536), (1, 262144), (8, 4096), (8, 65536), (8, 262144)]
+SHAPES = [(1, 64), (1, 400), (1, 4096), (1, 65536), (1, 262144), (8, 4096), (8, 65536), (8, 262144)]
 BUDGET_S = 60.0  # skip the compiled peer (a possible recompile) past this point: the run must stay < 90 s
 
 _E2M1_SIGNED = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]

@@ -56,7 +56,7 @@ KERNEL_TESTS="tests/test_nvfp4_quant.py tests/test_indexer.py tests/test_mhc.py 
   tests/test_nvfp4_gemm.py@moe_cuda_many_experts@and@not@64@and@not@300
   tests/test_nvfp4_gemm.py@moe_cuda_many_experts@and@(64@or@300)
   tests/test_nvfp4_gemm.py@moe@and@not@many_experts@and@not@local_route
-  tests/test_nvfp4_gemm.py@local_route tests/test_nvfp4_gemm.py@opcheck@or@graph
+  tests/test_nvfp4_gemm.py@local_route@and@(16-3-6@or@8-16-2) tests/test_nvfp4_gemm.py@opcheck@or@graph
   tests/test_sample.py@not@chi_square"
 MEMCHECK_ONLY="tests/test_sample.py@chi_square"
 # Racecheck also reports cuBLAS's own kernels (nvjet_*, run by the tests' references): a run counts as clean when no

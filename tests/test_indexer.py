@@ -54,8 +54,9 @@ def exact_inputs(B, N, H, D, *, q_dtype=torch.bfloat16, seed=0, device="cpu", ze
 
 
 def nvalid_rows(N, topk):
-    """One row per interesting n_valid (0, 1, topk-1, topk, topk+1, N) plus out-of-range values that clamp."""
-    vals = [0, 1, topk - 1, topk, topk + 1, N, N + 7, -3]
+    """One row per interesting n_valid (0, 1, topk-1, topk, topk+1, N) plus out-of-range values that clamp; 37,
+    128, 129: every key selected, ordered by the CUDA kernel's rank count (<= 128 keys) or its sort."""
+    vals = [0, 1, 37, 128, 129, topk - 1, topk, topk + 1, N, N + 7, -3]
     return [min(max(v, -3), N + 7) for v in vals]
 
 

@@ -42,6 +42,9 @@ constexpr int kCluster = 8;
 constexpr int kTopkThreads = 512;
 constexpr int kMaxTopk = 4096;
 constexpr int kSmemBudget = 200 * 1024;
+// Rows of at most this many valid keys (all selected) are ordered by counting ranks (nv compares per key, one
+// pass) instead of a bitonic sort of topk's power of two (45 barrier-separated steps at topk 512).
+constexpr int kRankSortMax = 128;
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -293,6 +296,7 @@ __device__ void bitonic_sort_desc(unsigned long long* a, int n) {
 __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kTopkThreads, 1)
     indexer_topk_kernel(const uint32_t* __restrict__ keys, const void* __restrict__ n_valid, int nv_is64, int N,
                         int k, int kpad, int cache_cap, int32_t* __restrict__ out) {
+  dsv4_cuda::grid_dep_wait();  // keys and n_valid come from the scoring kernel / the step
   cg::cluster_group cluster = cg::this_cluster();
   extern __shared__ __align__(16) unsigned char s_dyn[];
   unsigned long long* cand = reinterpret_cast<unsigned long long*>(s_dyn);  // [kpad], used in rank 0
@@ -313,12 +317,27 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kTopkThreads,
 
   if (nv <= k) {  // every valid key is selected: only the order is left (uniform over the cluster)
     if (rank != 0) return;
-    for (int j = tid; j < kpad; j += blockDim.x)
+    for (int j = tid; j < k; j += blockDim.x)
+      if (j >= nv) orow[j] = -1;
+    if (nv <= kRankSortMax) {  // short rows (decode early in a sequence): one pass, each key's rank by counting
+      for (int j = tid; j < nv; j += blockDim.x)
+        cand[j] = (static_cast<unsigned long long>(row[j]) << 32) | (nm1 - static_cast<uint32_t>(j));
+      __syncthreads();
+      for (int j = tid; j < nv; j += blockDim.x) {
+        const unsigned long long c = cand[j];
+        int r = 0;
+        for (int i = 0; i < nv; ++i) r += cand[i] > c;  // composites are distinct: ranks are a permutation
+        orow[r] = static_cast<int32_t>(nm1 - static_cast<uint32_t>(c));
+      }
+      return;
+    }
+    int npad = 1;  // the sort needs only the valid keys' power of two, not topk's
+    while (npad < nv) npad <<= 1;
+    for (int j = tid; j < npad; j += blockDim.x)
       cand[j] = j < nv ? ((static_cast<unsigned long long>(row[j]) << 32) | (nm1 - static_cast<uint32_t>(j))) : 0ull;
     __syncthreads();
-    bitonic_sort_desc(cand, kpad);
-    for (int j = tid; j < k; j += blockDim.x)
-      orow[j] = j < nv ? static_cast<int32_t>(nm1 - static_cast<uint32_t>(cand[j])) : -1;
+    bitonic_sort_desc(cand, npad);
+    for (int j = tid; j < nv; j += blockDim.x) orow[j] = static_cast<int32_t>(nm1 - static_cast<uint32_t>(cand[j]));
     return;
   }
 
@@ -481,7 +500,6 @@ extern "C" cudaError_t dsv4_indexer_score_topk_launch(const void* q, int q_is_fp
   cudaError_t err = cudaFuncSetAttribute(indexer_topk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem));
   if (err != cudaSuccess) return err;
-  indexer_topk_kernel<<<dim3(kCluster, B), kTopkThreads, smem, stream>>>(keys_scratch, n_valid, nv_is64, N, topk,
-                                                                        kpad, cache_cap, out);
-  return cudaGetLastError();
+  return launch_ex(decode_pdl(), indexer_topk_kernel, dim3(kCluster, B), dim3(kTopkThreads), smem, stream,
+                   static_cast<const uint32_t*>(keys_scratch), n_valid, nv_is64, N, topk, kpad, cache_cap, out);
 }

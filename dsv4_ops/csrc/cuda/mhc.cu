@@ -238,17 +238,20 @@ template <typename TX, typename TW>
 __global__ void __launch_bounds__(256) hc_pre_partial_kernel(TX* x, const TW* __restrict__ fn, int T, int K, int mix,
                                                              float* __restrict__ ws, const HcPostIn<TX> pi, int d,
                                                              int pdl) {
-  dsv4_cuda::grid_dep_wait();
-  if (pdl) dsv4_cuda::grid_dep_launch();
   __shared__ __align__(16) float xs[kHcMaxTokens][kHcChunk];
   const int s = blockIdx.x, k0 = s * kHcChunk, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int kl = 4 * lane, k = k0 + kl;  // K % 4 == 0: a lane's 4 k are all in range or all out
+  // fn is a weight, written by no kernel of the step: its loads go out before the PDL wait, under the
+  // predecessor's tail (these CTAs fit beside a gemv's, unlike a 16-CTA cluster of the whole call, which was
+  // 2 us faster alone at batch 1 and no faster in a layer: it could start only once a GPC had drained).
   float4 w[kHcRowsPerWarp];
 #pragma unroll
   for (int r = 0; r < kHcRowsPerWarp; ++r) {
     const int m = warp + 8 * r;
     w[r] = m < mix && k < K ? load4_f(fn + int64_t(m) * K + k) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
+  dsv4_cuda::grid_dep_wait();
+  if (pdl) dsv4_cuda::grid_dep_launch();
   for (int e = threadIdx.x; e < T * kHcChunk; e += blockDim.x) {
     const int t = e / kHcChunk, kk = k0 + e % kHcChunk;
     float v = 0.0f;

@@ -669,10 +669,13 @@ __global__ void __launch_bounds__(kThreads, OCC) nvfp4_gemv_kernel(const SkinnyP
   extern __shared__ __align__(128) uint8_t gsmem[];
   __shared__ float red[kWarps][4][32];
   __shared__ LocalRoute lr;
-  if (MODE != kDense && p.pdl) grid_dep_wait();  // MoE: the experts come from the routing kernel
+  // The weights and the shape of a dense task or of the shared expert are launch parameters, known before the
+  // wait; a routed expert comes from the routing (its kernel, or the ids: the predecessors' outputs).
+  const bool early = MODE == kDense || int(blockIdx.y) < p.n_sslots;
+  if (!early && p.pdl) grid_dep_wait();
   local_route_cta<MODE>(p, lr);
   Task task;
-  if (MODE == kDense) {  // the weights and the shape are launch parameters: known before the wait
+  if (MODE == kDense) {
     dense_task(p, task);
   } else if (!resolve_task<MODE>(p, task, lr)) {
     return;
@@ -691,20 +694,20 @@ __global__ void __launch_bounds__(kThreads, OCC) nvfp4_gemv_kernel(const SkinnyP
   const uint8_t* wb_ptr = task.w + size_t(min(tile * 16 + g + 8, task.N - 1)) * size_t(kp >> 1) + tq * 16;
   const uint8_t* s_ptr = task.s + size_t(min(tile * 16 + (lane & 15), task.N - 1)) * size_t(kp >> 4);
   uint8_t* ring = gsmem + warp * (Cfg::kStage * S);
-  if (MODE == kDense) {
-    if (p.pdl) {
-      // Only the chunks the ring's first fills read: warming the whole K range slowed large shapes by ~1.3 us
-      // (it competes with the previous kernel's own stream).
-      const int warm = min(c_end - c_begin, S);
-      if (lane < 16 && warm > 0) {  // lane l: row l of the tile
-        const size_t row = size_t(min(tile * 16 + lane, task.N - 1));
-        prefetch_l2_bulk(task.w + row * size_t(kp >> 1) + size_t(c_begin) * 64, uint32_t(warm) * 64);
-        const uint8_t* srow = task.s + row * size_t(kp >> 4) + size_t(c_begin) * 8;
-        prefetch_l2(srow);
-        prefetch_l2(srow + warm * 8 - 1);
-      }
-      grid_dep_wait();
+  if (early && p.pdl) {
+    // Only the chunks the ring's first fills read: warming the whole K range slowed large shapes by ~1.3 us
+    // (it competes with the previous kernel's own stream).
+    const int warm = min(c_end - c_begin, S);
+    if (lane < 16 && warm > 0) {  // lane l: row l of the tile
+      const size_t row = size_t(min(tile * 16 + lane, task.N - 1));
+      prefetch_l2_bulk(task.w + row * size_t(kp >> 1) + size_t(c_begin) * 64, uint32_t(warm) * 64);
+      const uint8_t* srow = task.s + row * size_t(kp >> 4) + size_t(c_begin) * 8;
+      prefetch_l2(srow);
+      prefetch_l2(srow + warm * 8 - 1);
     }
+    grid_dep_wait();
+  }
+  if (MODE == kDense) {
     float a = __ldg(task.gsp) * kUnbias;
     if (p.gs_act != nullptr) a *= __ldg(p.gs_act);
     task.alpha = a;
