@@ -42,12 +42,15 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     return key.topk(k, dim=-1).indices
 
 
-def decode_rope(table: torch.Tensor, slots: tuple[torch.Tensor, list[int]] | None = None) -> dict:
+def decode_rope(table: torch.Tensor, slots: tuple[torch.Tensor, list[int]] | None = None,
+                nvis_slots: tuple[torch.Tensor, list[int]] | None = None) -> dict:
     """A decode step's view of one RoPE table: the rows it reads, gathered once per step and offset and shared
-    by every layer using the table (one gather kernel per step instead of one per layer and use), and the
-    step's attended row list of the layers without an indexer. slots: (buffer [n, max_batch, rope_dim / 2, 2], the offsets m of its n slots): rows of those
-    offsets are written there (see Transformer.setup_runtime for why)."""
-    return {"table": table, "rows": {}, "attn_rows": {}, "slots": slots}
+    by every layer using the table (one gather kernel per step instead of one per layer and use), the step's
+    attended row list of the layers without an indexer, and the visible compressed entries per ratio. slots:
+    (buffer [n, max_batch, rope_dim / 2, 2], the offsets m of its n slots): rows of those offsets are written
+    there (see Transformer.setup_runtime for why); nvis_slots: (int64 buffer [n, max_batch], the ratios) the
+    same for visible_entries."""
+    return {"table": table, "rows": {}, "attn_rows": {}, "slots": slots, "n_vis": {}, "nvis_slots": nvis_slots}
 
 
 def _in_slot(slots, key, value: torch.Tensor) -> torch.Tensor:
@@ -66,6 +69,15 @@ def rope_rows(rope: dict, positions: torch.Tensor, m: int = 1) -> torch.Tensor:
     if m not in rows:
         rows[m] = _in_slot(rope.get("slots"), m, rope["table"][(positions + 1 - m).clamp(min=0)])
     return rows[m]
+
+
+def visible_entries(rope: dict, positions: torch.Tensor, m: int) -> torch.Tensor:
+    """(positions + 1) // m, the compressed entries a decode token sees; once per step and ratio (in the step's
+    scratch slot where there is one: a plain value would be recomputed by Inductor for each op reading it)."""
+    vis = rope.setdefault("n_vis", {})
+    if m not in vis:
+        vis[m] = _in_slot(rope.get("nvis_slots"), m, (positions + 1) // m)
+    return vis[m]
 
 
 def _fused_compressor() -> bool:
@@ -241,7 +253,9 @@ class Compressor(nn.Module):
         cs = rope_rows(rope, positions, m)
         complete = (positions + 1) % m == 0
         if _fused_compressor():
-            pooled = torch.empty(B, hd, dtype=torch.float32, device=x.device)
+            # the op rounds the pooling to x's dtype itself (_finish's .to(dtype) is then no kernel)
+            dt = x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+            pooled = torch.empty(B, hd, dtype=dt, device=x.device)
             torch.ops.dsv4.compressor_decode(kv, score, self.ape, positions, self.kv_state, self.score_state, pooled)
             return self._finish(pooled, cs, x.dtype, store), complete
         rows = torch.arange(B, device=x.device)
@@ -587,7 +601,7 @@ class Attention(nn.Module):
             iq = ix.queries(qr, cs.unsqueeze(-3), iproj)
             k = min(ix.index_topk, self.n_entries)
             if packed:
-                sel = ix.select(iq, x, (positions + 1) // m, k, wproj)
+                sel = ix.select(iq, x, visible_entries(rope, positions, m), k, wproj)
                 sel_valid = sel >= 0
                 sel = sel.clamp(min=0).long()
             else:

@@ -210,6 +210,10 @@ class Transformer(nn.Module):
         for kind, ms in self.rope_offsets.items():
             self.register_buffer(f"rope_rows_{kind}", torch.zeros(len(ms), self.max_batch_size, c.rope_head_dim // 2,
                                                                   2, device=device), persistent=False)
+        # the same for the visible compressed entries (positions + 1) // m the indexers read, per ratio m
+        self.vis_ratios = sorted({r for r in c.compress_ratios if r})
+        self.register_buffer("n_vis_rows", torch.zeros(max(len(self.vis_ratios), 1), self.max_batch_size,
+                                                       dtype=torch.long, device=device), persistent=False)
         for mod in self.modules():
             if isinstance(mod, Attention):
                 mod.alloc_runtime(device, self.dtype)
@@ -247,7 +251,7 @@ class Transformer(nn.Module):
 
     def scratch_buffer_names(self) -> list[str]:
         """Buffers a decode step writes before it reads them (not state carried between steps)."""
-        return [f"rope_rows_{kind}" for kind in self.rope_offsets]
+        return [f"rope_rows_{kind}" for kind in self.rope_offsets] + ["n_vis_rows"]
 
     def _rope(self) -> dict:
         return {"main": self.rope_main, "compress": self.rope_compress}
@@ -288,7 +292,8 @@ class Transformer(nn.Module):
         """One token per row: tokens [B] at positions [B] (device tensors; B <= max_batch_size) -> fp32 [B, V].
 
         Static shapes, no host syncs: safe for torch.compile(fullgraph=True) and CUDA graphs."""
-        rope = {kind: decode_rope(table, (getattr(self, f"rope_rows_{kind}"), self.rope_offsets[kind]))
+        nvis = (self.n_vis_rows, self.vis_ratios)
+        rope = {kind: decode_rope(table, (getattr(self, f"rope_rows_{kind}"), self.rope_offsets[kind]), nvis)
                 for kind, table in self._rope().items()}  # rows shared by the layers
         h = self.embed(tokens).unsqueeze(1).repeat(1, self.hc, 1)
         pending = None

@@ -50,6 +50,30 @@ def test_matches_reference_step_by_step(device, B, rows, m, hd, overlap, pdtype)
     assert torch.isfinite(ss[:B]).any()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_pooled_in_a_narrow_dtype_is_the_fp32_pooling_rounded(device, dtype):
+    """pooled bf16 / fp16: the op's fp32 pooling rounded once (what .to(dtype) gives, bit for bit), same states."""
+    gen = torch.Generator().manual_seed(17)
+    B, m, hd = 3, 4, 72  # hd not a multiple of the CUDA kernel's 32 columns
+    C, R = 2 * hd, 2 * m
+    ape = torch.randn(m, C, generator=gen).to(device)
+    states = fresh_state(B, R, C, device)
+    narrow_states = [s.clone() for s in states]
+    for t in range(2 * m + 1):  # across a window boundary (the overlap shift)
+        kv = (torch.randn(B, C, generator=gen) * 4).to(device)
+        score = (torch.randn(B, C, generator=gen) * 3).to(device)
+        pos = torch.tensor([t, t + 1, t + 3], device=device)
+        wide = torch.empty(B, hd, device=device)
+        narrow = torch.full((B, hd), float("nan"), dtype=dtype, device=device)
+        ops.compressor_decode(kv, score, ape, pos, *states, wide)
+        ops.compressor_decode(kv, score, ape, pos, *narrow_states, narrow)
+        assert torch.equal(narrow, wide.to(dtype)), f"step {t}"
+        assert all(torch.equal(a, b) for a, b in zip(states, narrow_states)), f"state differs at step {t}"
+    with pytest.raises(RuntimeError, match="pooled must be float32, bfloat16 or float16"):
+        ops.compressor_decode(kv, score, ape, pos, *states, torch.empty(B, hd, dtype=torch.float64, device=device))
+
+
 def test_wrong_steps_are_far():
     """The test above would see a missing shift, a wrong slot or a missing ape."""
     gen = torch.Generator().manual_seed(5)
@@ -94,13 +118,14 @@ def test_bad_arguments():
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
     gen = torch.Generator().manual_seed(6)
-    for m, hd, overlap in ((4, 32, True), (8, 40, False)):
+    for m, hd, overlap, dtype in ((4, 32, True, torch.float32), (8, 40, False, torch.float32),
+                                  (4, 32, True, torch.bfloat16)):
         C, R = (2 * hd, 2 * m) if overlap else (hd, m)
         ks, ss = fresh_state(3, R, C, device)
         ss.normal_(generator=None)
         args = (torch.randn(2, C, generator=gen).to(device), torch.randn(2, C, generator=gen).to(device),
                 torch.randn(m, C, generator=gen).to(device), torch.tensor([3, 8], device=device), ks, ss,
-                torch.empty(2, hd, device=device))
+                torch.empty(2, hd, dtype=dtype, device=device))
         torch.library.opcheck(ops.compressor_decode.default, args)
 
 

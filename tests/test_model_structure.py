@@ -140,7 +140,8 @@ def test_decode_shares_per_step_values_across_layers(monkeypatch):
 
     from dsv4_model import model as model_mod
 
-    monkeypatch.setattr(model_mod, "decode_rope", lambda table, *slots: _NoCache(table, *slots))  # every layer computes its own
+    # every layer computes its own
+    monkeypatch.setattr(model_mod, "decode_rope", lambda table, *slots: _NoCache(table, *slots))
     m2 = Transformer(cfg, max_batch_size=2, max_seq_len=256, dtype=torch.float32, device="cpu")
     m2.init_random_weights(2)
     m2.prefill(ids)
@@ -153,8 +154,9 @@ def test_decode_shares_per_step_values_across_layers(monkeypatch):
 class _NoCache(dict):
     """A decode_rope dict whose per-step caches forget every value (each layer recomputes)."""
 
-    def __init__(self, table, slots):
-        super().__init__(table=table, rows=_Forget(), attn_rows=_Forget(), slots=slots)
+    def __init__(self, table, slots, nvis_slots=None):
+        super().__init__(table=table, rows=_Forget(), attn_rows=_Forget(), slots=slots, n_vis=_Forget(),
+                         nvis_slots=nvis_slots)
 
 
 class _Forget(dict):

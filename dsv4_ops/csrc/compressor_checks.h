@@ -28,7 +28,11 @@ inline Shape check(const at::Tensor& kv, const at::Tensor& score, const at::Tens
   f32(ape, "ape");
   f32(kv_state, "kv_state");
   f32(score_state, "score_state");
-  f32(pooled, "pooled");
+  // pooled: the fp32 pooling rounded once to its dtype (the caller's .to(dtype), without its kernel)
+  TORCH_CHECK(pooled.scalar_type() == at::kFloat || pooled.scalar_type() == at::kBFloat16 ||
+                  pooled.scalar_type() == at::kHalf,
+              op, ": pooled must be float32, bfloat16 or float16, got ", pooled.scalar_type());
+  TORCH_CHECK(pooled.device() == kv.device(), op, ": pooled is on ", pooled.device(), ", kv on ", kv.device());
   TORCH_CHECK(kv.dim() == 2, op, ": kv must be [B, C], got ", kv.sizes());
   TORCH_CHECK(score.sizes() == kv.sizes(), op, ": score must match kv ", kv.sizes(), ", got ", score.sizes());
   const int64_t B = kv.size(0), C = kv.size(1);

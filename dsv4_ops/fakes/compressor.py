@@ -1,12 +1,15 @@
-"""Fake for dsv4::compressor_decode: mutates kv_state, score_state and pooled in place, returns nothing."""
+"""Fake for dsv4::compressor_decode: mutates kv_state, score_state and pooled (fp32, or the pooling rounded to bf16
+/ fp16) in place, returns nothing."""
 import torch
 
 
 def _compressor_decode_fake(kv, score, ape, positions, kv_state, score_state, pooled):
     op = "dsv4::compressor_decode"
     for name, t in (("kv", kv), ("score", score), ("ape", ape), ("kv_state", kv_state),
-                    ("score_state", score_state), ("pooled", pooled)):
+                    ("score_state", score_state)):
         torch._check(t.dtype == torch.float32, lambda: f"{op}: {name} must be float32, got {t.dtype}")
+    torch._check(pooled.dtype in (torch.float32, torch.bfloat16, torch.float16),
+                 lambda: f"{op}: pooled must be float32, bfloat16 or float16, got {pooled.dtype}")
     torch._check(kv.dim() == 2 and score.shape == kv.shape, lambda: f"{op}: kv and score must be [B, C]")
     B, C = kv.shape
     torch._check(ape.dim() == 2 and ape.shape[1] == C, lambda: f"{op}: ape must be [m, C]")

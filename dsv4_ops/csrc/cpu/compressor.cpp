@@ -14,6 +14,17 @@
 
 namespace {
 
+// v rounded to-nearest-even into element i of out (float32, bfloat16 or float16)
+void store(void* out, at::ScalarType t, int64_t i, float v) {
+  if (t == at::kFloat) {
+    static_cast<float*>(out)[i] = v;
+  } else if (t == at::kBFloat16) {
+    static_cast<c10::BFloat16*>(out)[i] = c10::BFloat16(v);
+  } else {
+    static_cast<c10::Half*>(out)[i] = c10::Half(v);
+  }
+}
+
 void compressor_decode_cpu(const at::Tensor& kv, const at::Tensor& score, const at::Tensor& ape,
                            const at::Tensor& positions, const at::Tensor& kv_state, const at::Tensor& score_state,
                            const at::Tensor& pooled) {
@@ -28,7 +39,8 @@ void compressor_decode_cpu(const at::Tensor& kv, const at::Tensor& score, const 
   const int64_t* pos = pc.data_ptr<int64_t>();
   float* ks = kv_state.data_ptr<float>();
   float* ss = score_state.data_ptr<float>();
-  float* out = pooled.data_ptr<float>();
+  const at::ScalarType out_type = pooled.scalar_type();
+  void* out = pooled.data_ptr();
   at::parallel_for(0, sh.B, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t p = pos[b], r = ((p % m) + m) % m, slot = (sh.overlap ? m : 0) + r;
@@ -47,7 +59,7 @@ void compressor_decode_cpu(const at::Tensor& kv, const at::Tensor& score, const 
         for (int64_t j = 0; j < R; ++j) sum += std::exp(at_(sb, j) - mx);
         float acc = 0.0f;
         for (int64_t j = 0; j < R; ++j) acc += at_(kb, j) * (std::exp(at_(sb, j) - mx) / sum);
-        out[b * hd + d] = acc;
+        store(out, out_type, b * hd + d, acc);
       }
       if (sh.overlap && ((p + 1) % m + m) % m == 0) {  // the window closed: its rows become the previous window
         std::memcpy(kb, kb + m * C, sizeof(float) * m * C);

@@ -4,10 +4,13 @@
 // A CTA owns 32 columns d of one row b (and columns hd + d when windows overlap), so every state element is
 // written and read by one CTA: the slot write, the pooling and the shift are ordered by __syncthreads. Warp w
 // pools state rows w, w + 8, ... with an online softmax; the 8 partials merge in warp order.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
 
+#include "float_cast.h"
 #include "pdl.h"
 
 namespace {
@@ -17,10 +20,10 @@ using dsv4_cuda::launch_ex;
 
 constexpr int kCols = 32, kWarps = 8;
 
-template <typename P>
+template <typename P, typename O>  // positions' and pooled's types
 __global__ void __launch_bounds__(kCols* kWarps) compressor_decode_kernel(
     const float* __restrict__ kv, const float* __restrict__ score, const float* __restrict__ ape,
-    const P* __restrict__ positions, float* kv_state, float* score_state, float* __restrict__ pooled, int C, int m,
+    const P* __restrict__ positions, float* kv_state, float* score_state, O* __restrict__ pooled, int C, int m,
     int R, int hd, int overlap, int pdl) {
   dsv4_cuda::grid_dep_wait();
   if (pdl) dsv4_cuda::grid_dep_launch();
@@ -67,7 +70,7 @@ __global__ void __launch_bounds__(kCols* kWarps) compressor_decode_kernel(
       S = fmaf(part[1][w][lane], f, S);
       A = fmaf(part[2][w][lane], f, A);
     }
-    pooled[int64_t(b) * hd + d] = A / S;
+    dsv4_cuda::store_one(pooled + int64_t(b) * hd + d, A / S);  // rounded to-nearest-even to O
   }
   if (overlap && ((p + 1) % m + m) % m == 0) {  // the window closed: its rows become the previous window
     for (int e = threadIdx.x; e < m * 2 * kCols; e += blockDim.x) {
@@ -80,23 +83,38 @@ __global__ void __launch_bounds__(kCols* kWarps) compressor_decode_kernel(
   }
 }
 
-}  // namespace
-
-// kv / score fp32 [B, C], ape fp32 [m, C], positions int64 (pos_i32 = 0) or int32 [B], kv_state / score_state
-// fp32 contiguous [>= B, R, C] (R = m, or 2m with overlap and C = 2 hd), pooled fp32 [B, hd].
-extern "C" cudaError_t dsv4_compressor_decode_launch(const float* kv, const float* score, const float* ape,
-                                                     const void* positions, int pos_i32, float* kv_state,
-                                                     float* score_state, float* pooled, int B, int C, int m, int R,
-                                                     int hd, int overlap, cudaStream_t stream) {
-  if (B == 0 || hd == 0) return cudaSuccess;
-  if (B > 65535) return cudaErrorInvalidValue;
+template <typename O>
+cudaError_t launch_out(const float* kv, const float* score, const float* ape, const void* positions, int pos_i32,
+                       float* kv_state, float* score_state, O* pooled, int B, int C, int m, int R, int hd,
+                       int overlap, cudaStream_t stream) {
   const dim3 grid((hd + kCols - 1) / kCols, B);
   const bool pdl = decode_pdl();
   if (pos_i32)
-    launch_ex(pdl, compressor_decode_kernel<int32_t>, grid, dim3(kCols * kWarps), 0, stream, kv, score, ape,
-              static_cast<const int32_t*>(positions), kv_state, score_state, pooled, C, m, R, hd, overlap, int(pdl));
-  else
-    launch_ex(pdl, compressor_decode_kernel<int64_t>, grid, dim3(kCols * kWarps), 0, stream, kv, score, ape,
-              static_cast<const int64_t*>(positions), kv_state, score_state, pooled, C, m, R, hd, overlap, int(pdl));
-  return cudaGetLastError();
+    return launch_ex(pdl, compressor_decode_kernel<int32_t, O>, grid, dim3(kCols * kWarps), 0, stream, kv, score,
+                     ape, static_cast<const int32_t*>(positions), kv_state, score_state, pooled, C, m, R, hd,
+                     overlap, int(pdl));
+  return launch_ex(pdl, compressor_decode_kernel<int64_t, O>, grid, dim3(kCols * kWarps), 0, stream, kv, score,
+                   ape, static_cast<const int64_t*>(positions), kv_state, score_state, pooled, C, m, R, hd, overlap,
+                   int(pdl));
+}
+
+}  // namespace
+
+// kv / score fp32 [B, C], ape fp32 [m, C], positions int64 (pos_i32 = 0) or int32 [B], kv_state / score_state
+// fp32 contiguous [>= B, R, C] (R = m, or 2m with overlap and C = 2 hd), pooled [B, hd]: pooled_kind 0 fp32,
+// 1 bf16, 2 fp16.
+extern "C" cudaError_t dsv4_compressor_decode_launch(const float* kv, const float* score, const float* ape,
+                                                     const void* positions, int pos_i32, float* kv_state,
+                                                     float* score_state, void* pooled, int pooled_kind, int B, int C,
+                                                     int m, int R, int hd, int overlap, cudaStream_t stream) {
+  if (B == 0 || hd == 0) return cudaSuccess;
+  if (B > 65535) return cudaErrorInvalidValue;
+  if (pooled_kind == 1)
+    return launch_out(kv, score, ape, positions, pos_i32, kv_state, score_state,
+                      static_cast<__nv_bfloat16*>(pooled), B, C, m, R, hd, overlap, stream);
+  if (pooled_kind == 2)
+    return launch_out(kv, score, ape, positions, pos_i32, kv_state, score_state, static_cast<__half*>(pooled), B,
+                      C, m, R, hd, overlap, stream);
+  return launch_out(kv, score, ape, positions, pos_i32, kv_state, score_state, static_cast<float*>(pooled), B, C,
+                    m, R, hd, overlap, stream);
 }

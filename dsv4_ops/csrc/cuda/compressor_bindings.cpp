@@ -10,8 +10,8 @@
 
 extern "C" cudaError_t dsv4_compressor_decode_launch(const float* kv, const float* score, const float* ape,
                                                      const void* positions, int pos_i32, float* kv_state,
-                                                     float* score_state, float* pooled, int B, int C, int m, int R,
-                                                     int hd, int overlap, cudaStream_t stream);
+                                                     float* score_state, void* pooled, int pooled_kind, int B, int C,
+                                                     int m, int R, int hd, int overlap, cudaStream_t stream);
 
 namespace {
 
@@ -28,7 +28,8 @@ void compressor_decode_cuda(const at::Tensor& kv, const at::Tensor& score, const
   const cudaError_t err = dsv4_compressor_decode_launch(
       kc.data_ptr<float>(), sc.data_ptr<float>(), ac.data_ptr<float>(), pc.data_ptr(),
       pc.scalar_type() == at::kInt, kv_state.data_ptr<float>(), score_state.data_ptr<float>(),
-      pooled.data_ptr<float>(), int(sh.B), int(sh.C), int(sh.m), int(sh.R), int(sh.hd), sh.overlap,
+      pooled.data_ptr(),
+      pooled.scalar_type() == at::kFloat ? 0 : pooled.scalar_type() == at::kBFloat16 ? 1 : 2, int(sh.B), int(sh.C), int(sh.m), int(sh.R), int(sh.hd), sh.overlap,
       c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
 }
