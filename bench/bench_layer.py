@@ -20,6 +20,7 @@ import argparse
 import collections
 import gc
 import os
+import re
 import sys
 import time
 
@@ -97,6 +98,12 @@ def us_per_step(runner: DecodeRunner, steps: int) -> float:
     return (time.perf_counter() - t) / steps * 1e6
 
 
+def kernel_key(name: str) -> str:
+    """An Inductor kernel's name without its trailing index: the index is the kernel's position in its graph, so
+    the same fused kernel gets another one in the base model and in the model with a layer added."""
+    return re.sub(r"_\d+$", "", name) if name.startswith("triton_") else name
+
+
 @torch.no_grad()
 def kernels_per_step(runner: DecodeRunner, steps: int = 3) -> collections.Counter:
     """Kernel names of one step (outside the graph), as a multiset."""
@@ -117,8 +124,9 @@ def kernels_per_step(runner: DecodeRunner, steps: int = 3) -> collections.Counte
                 continue
         elif not e.name.startswith(("aten::", "dsv4::")) or e.cpu_parent is not None:
             continue  # CPU dry run: top-level ops stand in for kernels
-        names[e.name] += 1
-        KERNEL_US[e.name] += e.time_range.elapsed_us() / steps if on_cuda else 0.0
+        name = kernel_key(e.name)
+        names[name] += 1
+        KERNEL_US[name] += e.time_range.elapsed_us() / steps if on_cuda else 0.0
     return collections.Counter({k: v // steps for k, v in names.items() if v // steps})
 
 
