@@ -43,14 +43,16 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def decode_rope(table: torch.Tensor, slots: tuple[torch.Tensor, list[int]] | None = None,
-                nvis_slots: tuple[torch.Tensor, list[int]] | None = None) -> dict:
+                nvis_slots: tuple[torch.Tensor, list[int]] | None = None, attn_slots: dict | None = None) -> dict:
     """A decode step's view of one RoPE table: the rows it reads, gathered once per step and offset and shared
     by every layer using the table (one gather kernel per step instead of one per layer and use), the step's
     attended row list of the layers without an indexer, and the visible compressed entries per ratio. slots:
     (buffer [n, max_batch, rope_dim / 2, 2], the offsets m of its n slots): rows of those offsets are written
     there (see Transformer.setup_runtime for why); nvis_slots: (int64 buffer [n, max_batch], the ratios) the
-    same for visible_entries."""
-    return {"table": table, "rows": {}, "attn_rows": {}, "slots": slots, "n_vis": {}, "nvis_slots": nvis_slots}
+    same for visible_entries; attn_slots: {(window, ratio, entries): int32 buffer [1, max_batch, J]} the same
+    for the attended rows."""
+    return {"table": table, "rows": {}, "attn_rows": {}, "slots": slots, "n_vis": {}, "nvis_slots": nvis_slots,
+            "attn_slots": attn_slots or {}}
 
 
 def _in_slot(slots, key, value: torch.Tensor) -> torch.Tensor:
@@ -623,7 +625,11 @@ class Attention(nn.Module):
             if sel is None:  # the same rows for every layer of this kind and shape: once per step
                 key = (W, m, self.n_entries)
                 if key not in rope["attn_rows"]:
-                    rope["attn_rows"][key] = self._decode_rows(positions, None, None)
+                    rows = self._decode_rows(positions, None, None)
+                    buf = rope.get("attn_slots", {}).get(key)
+                    if buf is not None and buf.dtype == rows.dtype and buf.shape[2:] == rows.shape[1:]:
+                        rows = _in_slot((buf, [key]), key, rows)  # read in place by every such layer
+                    rope["attn_rows"][key] = rows
                 rows = rope["attn_rows"][key]
             else:
                 rows = self._decode_rows(positions, sel, sel_valid)

@@ -214,6 +214,12 @@ class Transformer(nn.Module):
         self.vis_ratios = sorted({r for r in c.compress_ratios if r})
         self.register_buffer("n_vis_rows", torch.zeros(max(len(self.vis_ratios), 1), self.max_batch_size,
                                                        dtype=torch.long, device=device), persistent=False)
+        # ... and for the attended rows of the layers without an indexer, per (window, ratio, entries)
+        self.attn_row_keys = sorted({(a.window, a.ratio, a.n_entries) for a in self.modules()
+                                     if isinstance(a, Attention) and a.indexer is None})
+        for i, (w, r, n) in enumerate(self.attn_row_keys):
+            self.register_buffer(f"attn_rows_{i}", torch.zeros(1, self.max_batch_size, w + (n if r else 0),
+                                                               dtype=torch.int32, device=device), persistent=False)
         for mod in self.modules():
             if isinstance(mod, Attention):
                 mod.alloc_runtime(device, self.dtype)
@@ -251,7 +257,8 @@ class Transformer(nn.Module):
 
     def scratch_buffer_names(self) -> list[str]:
         """Buffers a decode step writes before it reads them (not state carried between steps)."""
-        return [f"rope_rows_{kind}" for kind in self.rope_offsets] + ["n_vis_rows"]
+        return ([f"rope_rows_{kind}" for kind in self.rope_offsets] + ["n_vis_rows"]
+                + [f"attn_rows_{i}" for i in range(len(self.attn_row_keys))])
 
     def _rope(self) -> dict:
         return {"main": self.rope_main, "compress": self.rope_compress}
@@ -293,7 +300,8 @@ class Transformer(nn.Module):
 
         Static shapes, no host syncs: safe for torch.compile(fullgraph=True) and CUDA graphs."""
         nvis = (self.n_vis_rows, self.vis_ratios)
-        rope = {kind: decode_rope(table, (getattr(self, f"rope_rows_{kind}"), self.rope_offsets[kind]), nvis)
+        attn = {key: getattr(self, f"attn_rows_{i}") for i, key in enumerate(self.attn_row_keys)}
+        rope = {kind: decode_rope(table, (getattr(self, f"rope_rows_{kind}"), self.rope_offsets[kind]), nvis, attn)
                 for kind, table in self._rope().items()}  # rows shared by the layers
         h = self.embed(tokens).unsqueeze(1).repeat(1, self.hc, 1)
         pending = None

@@ -134,9 +134,16 @@ def test_decode_shares_per_step_values_across_layers(monkeypatch):
     monkeypatch.setattr(attention.Attention, "_decode_rows",
                         lambda self, *a, **k: calls.append(self.ratio) or real(self, *a, **k))
     monkeypatch.setenv("DSV4_DECODE_ATTENTION", "fused")
-    shared = m.decode_step(ids[:, 0], torch.full((2,), 9))
+    pos = torch.full((2,), 9)
+    shared = m.decode_step(ids[:, 0], pos)
     # SWA (0) and HCA (16) once each for their two layers; CSA (4) in its layer (its rows hold its own top-k)
     assert sorted(calls) == [0, 4, 16]
+    # the shared values sit in the step's scratch buffers, which those layers read in place
+    assert m.attn_row_keys == [(cfg.window_size, 0, 0), (cfg.window_size, 16, 256 // 16)]
+    for i, key in enumerate(m.attn_row_keys):
+        layer = next(b.attn for b in m.layers if (b.attn.window, b.attn.ratio, b.attn.n_entries) == key)
+        assert torch.equal(getattr(m, f"attn_rows_{i}")[0], layer._decode_rows(pos, None, None)), key
+    assert torch.equal(m.n_vis_rows[m.vis_ratios.index(4)], (pos + 1) // 4)
 
     from dsv4_model import model as model_mod
 
@@ -154,9 +161,9 @@ def test_decode_shares_per_step_values_across_layers(monkeypatch):
 class _NoCache(dict):
     """A decode_rope dict whose per-step caches forget every value (each layer recomputes)."""
 
-    def __init__(self, table, slots, nvis_slots=None):
+    def __init__(self, table, slots, nvis_slots=None, attn_slots=None):
         super().__init__(table=table, rows=_Forget(), attn_rows=_Forget(), slots=slots, n_vis=_Forget(),
-                         nvis_slots=nvis_slots)
+                         nvis_slots=nvis_slots, attn_slots=attn_slots or {})
 
 
 class _Forget(dict):
