@@ -100,6 +100,14 @@ def _fused_hadamard(x: torch.Tensor) -> bool:
     return fused_on("DSV4_FUSED_HADAMARD")
 
 
+def _fused_sel_rows() -> bool:
+    """A CSA layer hands dsv4::sparse_attn_decode the step's window rows (shared by the layers) and its indexer's
+    top-k as they are (the op's idx2 at offset window) instead of a joined row list built per layer (an Inductor
+    kernel per CSA layer). Off unless DSV4_FUSED_SEL_ROWS=1 until timed on the GPU. Read when the step is
+    traced."""
+    return os.environ.get("DSV4_FUSED_SEL_ROWS", "0") == "1"
+
+
 def _fused_key_store(keys: torch.Tensor) -> bool:
     """Decode writes a closed window's indexer key into the float and the packed FP4 caches with one
     dsv4::indexer_store_keys call (instead of the packing kernels and three index_put kernels).
@@ -587,7 +595,7 @@ class Attention(nn.Module):
         qr, q, kv, iproj = self._qkv(x, cs, index_proj=True, positions=positions)
         cproj, iproj_c, wproj = self._fp32_projections(x)
 
-        sel = sel_valid = None
+        sel = sel_valid = sel_raw = None
         if self.indexer is not None:
             ix = self.indexer
             ientry, icomplete = ix.compressor.decode(x, positions, rope, iproj_c)
@@ -603,7 +611,7 @@ class Attention(nn.Module):
             iq = ix.queries(qr, cs.unsqueeze(-3), iproj)
             k = min(ix.index_topk, self.n_entries)
             if packed:
-                sel = ix.select(iq, x, visible_entries(rope, positions, m), k, wproj)
+                sel_raw = sel = ix.select(iq, x, visible_entries(rope, positions, m), k, wproj)
                 sel_valid = sel >= 0
                 sel = sel.clamp(min=0).long()
             else:
@@ -622,24 +630,19 @@ class Attention(nn.Module):
 
         listed = W + (sel.shape[1] if sel is not None else self.n_entries if self.ratio else 0)
         if _fused_decode_attention(B, listed, q) and q.dtype == self.kv_cache.dtype:
+            extra = ()  # the op's (idx2, idx2_offset): the indexer's top-k after the window rows
             if sel is None:  # the same rows for every layer of this kind and shape: once per step
-                key = (W, m, self.n_entries)
-                if key not in rope["attn_rows"]:
-                    rows = self._decode_rows(positions, None, None)
-                    buf = rope.get("attn_slots", {}).get(key)
-                    if buf is not None and buf.dtype == rows.dtype and buf.shape[2:] == rows.shape[1:]:
-                        rows = _in_slot((buf, [key]), key, rows)  # read in place by every such layer
-                    rope["attn_rows"][key] = rows
-                rows = rope["attn_rows"][key]
+                rows = self._shared_rows(rope, positions, (W, m, self.n_entries))
+            elif sel_raw is not None and _fused_sel_rows():
+                rows, extra = self._shared_rows(rope, positions, (W, 0, 0)), (sel_raw, W)
             else:
                 rows = self._decode_rows(positions, sel, sel_valid)
-            if self.rope_dim > 0 and self.rope_dim % 4 == 0 and fused_on("DSV4_FUSED_OUT_ROPE"):
-                # the output's inverse RoPE in the op's combine kernel (one kernel less)
-                o = torch.ops.dsv4.sparse_attn_decode(q, self.kv_cache[:B], rows, self.attn_sink,
-                                                      self.softmax_scale, cs, self.rope_dim)
-                return self._out(o, cs, rotated=True)
-            o = torch.ops.dsv4.sparse_attn_decode(q, self.kv_cache[:B], rows, self.attn_sink, self.softmax_scale)
-            return self._out(o, cs)
+            out_rope = self.rope_dim > 0 and self.rope_dim % 4 == 0 and fused_on("DSV4_FUSED_OUT_ROPE")
+            # with out_rope the output's inverse RoPE runs in the op's combine kernel (one kernel less)
+            rot = (cs, self.rope_dim) if out_rope else (None, 0) if extra else ()
+            o = torch.ops.dsv4.sparse_attn_decode(q, self.kv_cache[:B], rows, self.attn_sink, self.softmax_scale,
+                                                  *rot, *extra)
+            return self._out(o, cs, rotated=out_rope)
         keys = self.kv_cache[:B, :W]
         mask = (torch.arange(W, device=dev).unsqueeze(0) <= positions.unsqueeze(1)).unsqueeze(1)
         qkeys = qmask = None
@@ -653,18 +656,32 @@ class Attention(nn.Module):
         o = self._attend(q.unsqueeze(1), keys, mask, qkeys, qmask).squeeze(1)
         return self._out(o, cs)
 
+    def _shared_rows(self, rope: dict, positions: torch.Tensor, key: tuple) -> torch.Tensor:
+        """The attended rows of a layer without an indexer of this (window, ratio, entries) key (ratio 0: the window
+        alone), once per step and in the step's scratch buffer where there is one (read in place by every layer
+        of the key)."""
+        if key not in rope["attn_rows"]:
+            rows = self._decode_rows(positions, None, None, ratio=key[1])
+            buf = rope.get("attn_slots", {}).get(key)
+            if buf is not None and buf.dtype == rows.dtype and buf.shape[2:] == rows.shape[1:]:
+                rows = _in_slot((buf, [key]), key, rows)
+            rope["attn_rows"][key] = rows
+        return rope["attn_rows"][key]
+
     def _decode_rows(self, positions: torch.Tensor, sel: torch.Tensor | None,
-                     sel_valid: torch.Tensor | None) -> torch.Tensor:
+                     sel_valid: torch.Tensor | None, ratio: int | None = None) -> torch.Tensor:
         """The cache rows a decode token attends, int32 [B, J], -1 where masked: the window slots written so far,
-        then the indexer's selection (CSA) or every compressed entry closed so far (HCA), at W + entry."""
+        then the indexer's selection (CSA) or every compressed entry closed so far (HCA; ratio: this layer's unless
+        given, 0 for the window alone), at W + entry."""
         W, dev = self.window, positions.device
+        ratio = self.ratio if ratio is None else ratio
         win = torch.arange(W, device=dev)
         parts = [torch.where(win.unsqueeze(0) <= positions.unsqueeze(1), win, -1)]
         if sel is not None:
             parts.append(torch.where(sel_valid, W + sel, -1))
-        elif self.ratio:
+        elif ratio:
             e = torch.arange(self.n_entries, device=dev)
-            parts.append(torch.where(e.unsqueeze(0) < ((positions + 1) // self.ratio).unsqueeze(1), W + e, -1))
+            parts.append(torch.where(e.unsqueeze(0) < ((positions + 1) // ratio).unsqueeze(1), W + e, -1))
         return torch.cat(parts, dim=1).to(torch.int32)
 
     def _write_entry(self, cache: torch.Tensor, offset: int, positions: torch.Tensor, entry: torch.Tensor,

@@ -214,9 +214,10 @@ class Transformer(nn.Module):
         self.vis_ratios = sorted({r for r in c.compress_ratios if r})
         self.register_buffer("n_vis_rows", torch.zeros(max(len(self.vis_ratios), 1), self.max_batch_size,
                                                        dtype=torch.long, device=device), persistent=False)
-        # ... and for the attended rows of the layers without an indexer, per (window, ratio, entries)
-        self.attn_row_keys = sorted({(a.window, a.ratio, a.n_entries) for a in self.modules()
-                                     if isinstance(a, Attention) and a.indexer is None})
+        # ... and for the attended rows of the layers without an indexer, per (window, ratio, entries), and the
+        # window rows alone (window, 0, 0) that CSA layers may pass beside their top-k (DSV4_FUSED_SEL_ROWS)
+        self.attn_row_keys = sorted({(a.window, a.ratio, a.n_entries) if a.indexer is None else (a.window, 0, 0)
+                                     for a in self.modules() if isinstance(a, Attention)})
         for i, (w, r, n) in enumerate(self.attn_row_keys):
             self.register_buffer(f"attn_rows_{i}", torch.zeros(1, self.max_batch_size, w + (n if r else 0),
                                                                dtype=torch.int32, device=device), persistent=False)

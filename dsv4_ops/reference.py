@@ -541,11 +541,16 @@ def router_topk_ref(scores: torch.Tensor, bias, k: int, renormalize: bool, scale
 # ======================================================================================================
 
 def sparse_attn_decode_ref(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
-                           scale: float, out_rope=None, rope_dim: int = 0) -> torch.Tensor:
+                           scale: float, out_rope=None, rope_dim: int = 0, idx2=None,
+                           idx2_offset: int = 0) -> torch.Tensor:
     """q [B, H, D] against the rows idx [B, J] of kv [B' >= B, N, D] (entries outside [0, N) skipped): fp32 scores
     times scale, one softmax together with the per-head sink [H], the fp32 weighted sum of the rows (K = V), in
     q's dtype (dsv4_model.attention.Attention._attend's steps); with out_rope [B, rope_dim / 2, (cos, sin)] the
-    inverse RoPE of the trailing rope_dim dims, rounded again (Attention._out's first step)."""
+    inverse RoPE of the trailing rope_dim dims, rounded again (Attention._out's first step). idx2 [B, J2]: more
+    rows, idx2 + idx2_offset where idx2 >= 0 (negative: none), listed after idx."""
+    if idx2 is not None:
+        idx2 = idx2.long()
+        idx = torch.cat([idx.long(), torch.where(idx2 >= 0, idx2 + idx2_offset, -1)], dim=1)
     out = _sparse_attn(q, kv, idx, sink, scale)
     if out_rope is None:
         return out

@@ -100,6 +100,37 @@ def test_wrong_math_is_far(device):
         assert float((got - wrong).abs().max()) > 1e-3
 
 
+# (B, H, D, N, J1, J2, offset): a CSA layer (window 128 + the indexer's top-512 of 1024 entries at offset 128), a
+# tiny one, a window part that is empty
+TWO_LISTS = [(1, 64, 512, 1152, 128, 512, 128), (2, 4, 80, 40, 16, 12, 16), (2, 12, 64, 300, 0, 33, 5)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("B,H,D,N,J1,J2,off", TWO_LISTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_second_row_list_is_the_joined_list(monkeypatch, device, B, H, D, N, J1, J2, off, dtype):
+    """idx2 + idx2_offset (negative idx2: no row) listed after idx: the same bits as the joined list in one idx
+    (the same kernel reads the same rows in the same order), both partial kernels on CUDA, int32 / int64 idx2."""
+    gen = torch.Generator().manual_seed(B * 100 + J1 + J2)
+    q, kv, idx, sink = case(B, H, D, N, J1, dtype, gen, kv_rows=B + 1)
+    sel = torch.randint(0, N - off, (B, J2), generator=gen)
+    sel = torch.where(torch.rand(B, J2, generator=gen) < 0.25, -1, sel)
+    sel[0, -3:] = -1  # the top-k's padding
+    sel[-1, 0] = N  # past the cache: skipped
+    joined = torch.cat([idx, torch.where(sel >= 0, sel + off, -1)], dim=1)
+    scale = D ** -0.5
+    dev = [t.to(device) for t in (q, kv, idx, sink)]
+    for kernel in (("mma", "simt") if device == "cuda" else ("cpu",)):
+        monkeypatch.setenv("DSV4_ATTN_KERNEL", kernel)
+        want = ops.sparse_attn_decode(dev[0], dev[1], joined.to(device).int(), dev[3], scale)
+        for s in (sel.int(), sel):
+            got = ops.sparse_attn_decode(dev[0], dev[1], dev[2].int(), dev[3], scale, None, 0, s.to(device), off)
+            assert torch.equal(got, want), (kernel, s.dtype)
+    check(got, q, kv, joined, sink, scale)
+    torch.testing.assert_close(ref.sparse_attn_decode_ref(q, kv, idx, sink, scale, None, 0, sel, off),
+                               ref.sparse_attn_decode_ref(q, kv, joined, sink, scale), rtol=0, atol=0)
+
+
 def test_bad_arguments():
     q, kv = torch.randn(2, 4, 16), torch.randn(2, 10, 16)
     idx, sink = torch.zeros(2, 3, dtype=torch.int32), torch.zeros(4)
@@ -111,6 +142,12 @@ def test_bad_arguments():
         ops.sparse_attn_decode(q, kv, idx.float(), sink, 1.0)
     with pytest.raises(RuntimeError, match=r"sink must be float32 \[H = 4\]"):
         ops.sparse_attn_decode(q, kv, idx, torch.zeros(3), 1.0)
+    with pytest.raises(RuntimeError, match=r"idx2 must be \[B = 2, J2\]"):
+        ops.sparse_attn_decode(q, kv, idx, sink, 1.0, None, 0, idx[:1], 4)
+    with pytest.raises(RuntimeError, match="idx2 must be int32 or int64"):
+        ops.sparse_attn_decode(q, kv, idx, sink, 1.0, None, 0, idx.float(), 4)
+    with pytest.raises(RuntimeError, match=r"idx2_offset must be in \[0, 2\^31\)"):
+        ops.sparse_attn_decode(q, kv, idx, sink, 1.0, None, 0, idx, -1)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -120,6 +157,9 @@ def test_opcheck(device):
         q, kv, idx, sink = case(2, 8, 64, 30, 20, dtype, gen, kv_rows=3)
         torch.library.opcheck(ops.sparse_attn_decode.default,
                               (q.to(device), kv.to(device), idx.int().to(device), sink.to(device), 0.125))
+        torch.library.opcheck(ops.sparse_attn_decode.default,
+                              (q.to(device), kv.to(device), idx[:, :8].int().to(device), sink.to(device), 0.125,
+                               None, 0, idx[:, 8:].int().to(device), 5))
 
 
 def test_compile_fullgraph():
@@ -243,4 +283,23 @@ def test_model_decode_with_and_without_out_rope(monkeypatch, device):
     logits, calls, _ = decode_with_switch(monkeypatch, "sparse_attn_decode", "DSV4_FUSED_OUT_ROPE", steps=5,
                                           device=device, n_layers=3, compress_ratios=[0, 4, 16])
     assert calls["0"] == calls["1"] == 3 * 5
+    assert torch.equal(logits["1"], logits["0"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_decode_with_the_top_k_as_second_list(monkeypatch, device, dtype):
+    """DSV4_FUSED_SEL_ROWS=1: a CSA layer passes the step's shared window rows and its indexer's top-k (idx2 at
+    offset window) instead of the joined row list: the same logits bit for bit, and the CSA layer's calls do
+    carry idx2."""
+    from decode_switch import decode_with_switch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    real, second = ops.sparse_attn_decode, []
+    monkeypatch.setattr(ops, "sparse_attn_decode", lambda *a: second.append(len(a) > 7) or real(*a))
+    logits, calls, cfg = decode_with_switch(monkeypatch, "sparse_attn_decode", "DSV4_FUSED_SEL_ROWS", steps=4,
+                                            device=device, dtype=dtype, n_layers=2, compress_ratios=[4, 0])
+    assert calls["0"] == calls["1"] == 2 * 4
+    assert sum(second) == 4  # mode 1 only, the CSA layer once per step
     assert torch.equal(logits["1"], logits["0"])

@@ -28,6 +28,26 @@ inline void check(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& i
                 t->device());
 }
 
+// idx2 (optional): int32 / int64 [B, J2], listed after idx as rows idx2 + offset where idx2 >= 0; offset >= 0.
+inline void check_idx2(const at::Tensor& q, const std::optional<at::Tensor>& idx2, int64_t offset) {
+  const char* op = "dsv4::sparse_attn_decode";
+  TORCH_CHECK(offset >= 0 && offset < (int64_t(1) << 31), op, ": idx2_offset must be in [0, 2^31), got ", offset);
+  if (!idx2.has_value()) return;
+  TORCH_CHECK(idx2->dim() == 2 && idx2->size(0) == q.size(0), op, ": idx2 must be [B = ", q.size(0), ", J2], got ",
+              idx2->sizes());
+  TORCH_CHECK(idx2->scalar_type() == at::kInt || idx2->scalar_type() == at::kLong, op,
+              ": idx2 must be int32 or int64, got ", idx2->scalar_type());
+  TORCH_CHECK(idx2->device() == q.device(), op, ": idx2 is on ", idx2->device(), ", q on ", q.device());
+}
+
+// The whole row list as one int64 tensor: idx, then idx2 + offset where idx2 >= 0, else -1.
+inline at::Tensor joined_rows(const at::Tensor& idx, const std::optional<at::Tensor>& idx2, int64_t offset) {
+  const at::Tensor a = idx.to(at::kLong);
+  if (!idx2.has_value()) return a;
+  const at::Tensor b = idx2->to(at::kLong);
+  return at::cat({a, at::where(b.ge(0), b + offset, at::full({}, -1, b.options()))}, 1);
+}
+
 // out_rope (optional): cs fp32 [B, rope_dim / 2, (cos, sin)] of each row's position; rope_dim a multiple of 4 in
 // (0, D] when given, 0 without.
 inline void check_out_rope(const at::Tensor& q, const std::optional<at::Tensor>& cs, int64_t rope_dim) {

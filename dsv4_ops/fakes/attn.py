@@ -1,8 +1,9 @@
-"""Fake for dsv4::sparse_attn_decode: the shape and dtype of q (with or without the output's inverse RoPE)."""
+"""Fake for dsv4::sparse_attn_decode: the shape and dtype of q (with or without the output's inverse RoPE, with or
+without a second row list)."""
 import torch
 
 
-def _sparse_attn_decode_fake(q, kv, idx, sink, scale, out_rope=None, rope_dim=0):
+def _sparse_attn_decode_fake(q, kv, idx, sink, scale, out_rope=None, rope_dim=0, idx2=None, idx2_offset=0):
     op = "dsv4::sparse_attn_decode"
     torch._check(q.dim() == 3, lambda: f"{op}: q must be [B, H, D], got {tuple(q.shape)}")
     torch._check(q.dtype in (torch.bfloat16, torch.float16, torch.float32),
@@ -21,6 +22,10 @@ def _sparse_attn_decode_fake(q, kv, idx, sink, scale, out_rope=None, rope_dim=0)
                      lambda: f"{op}: rope_dim must be a multiple of 4 in (0, D] with out_rope")
         torch._check(out_rope.dtype == torch.float32 and out_rope.shape == (q.shape[0], rope_dim // 2, 2),
                      lambda: f"{op}: out_rope must be float32 [B, rope_dim / 2, 2]")
+    torch._check(0 <= idx2_offset < 2**31, lambda: f"{op}: idx2_offset must be in [0, 2^31), got {idx2_offset}")
+    if idx2 is not None:
+        torch._check(idx2.dim() == 2 and idx2.shape[0] == q.shape[0] and idx2.dtype in (torch.int32, torch.int64),
+                     lambda: f"{op}: idx2 must be int32 / int64 [B, J2]")
     return q.new_empty(q.shape)
 
 

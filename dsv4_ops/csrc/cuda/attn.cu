@@ -67,17 +67,34 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// Stage the rows of the chunk at c0 (ids idxb[c0 ..], those at j >= j_end skipped) into ks with cp.async (all
+// The listed rows of one batch row: a[j] for j < ja, then b[j - ja] + off where b's entry is >= 0 (the op's idx2:
+// the indexer's top-k as it returns it, -1 for none).
+struct RowList {
+  const int32_t* a;
+  const int32_t* b;
+  int ja, off;
+  __device__ __forceinline__ int at(int j) const {
+    if (j < ja) return __ldg(a + j);
+    const int v = __ldg(b + (j - ja));
+    return v >= 0 && v <= 0x7FFFFFFF - off ? v + off : -1;
+  }
+};
+
+__device__ __forceinline__ RowList row_list(const int32_t* idx, int J1, const int32_t* idx2, int J, int off, int b) {
+  return {idx + int64_t(b) * J1, idx2 == nullptr ? nullptr : idx2 + int64_t(b) * (J - J1), J1, off};
+}
+
+// Stage the rows of the chunk at c0 (ids rl.at(c0 ..), those at j >= j_end skipped) into ks with cp.async (all
 // copies in flight at once; skipped rows zero-filled and their id -1), one commit group.
 template <typename T>
-__device__ __forceinline__ void stage_chunk(unsigned char* ks, int rb, const T* kvb, const int32_t* idxb, int N, int D,
+__device__ __forceinline__ void stage_chunk(unsigned char* ks, int rb, const T* kvb, const RowList& rl, int N, int D,
                                             int c0, int j_end) {
   constexpr int E = epp<T>();
   const int pieces = D / E;
   int* rows = reinterpret_cast<int*>(ks + size_t(kChunk) * rb);
   for (int e = threadIdx.x; e < kChunk * pieces; e += blockDim.x) {
     const int jj = e / pieces, pc = e - jj * pieces, j = c0 + jj;
-    int r = j < j_end ? __ldg(idxb + j) : -1;
+    int r = j < j_end ? rl.at(j) : -1;
     r = (r >= 0 && r < N) ? r : -1;
     if (pc == 0) rows[jj] = r;
     const T* src = r >= 0 ? kvb + int64_t(r) * D + pc * E : kvb;
@@ -93,9 +110,9 @@ __host__ __device__ constexpr size_t partial_smem(int D, int elem) {
 
 template <typename T>
 __global__ void __launch_bounds__(kHeads * 32) attn_partial_kernel(
-    const T* __restrict__ q, const T* __restrict__ kv, const int32_t* __restrict__ idx, int H, int N, int D, int J,
-    int64_t kv_batch_stride, int rows_per_split, float scale, float* __restrict__ ws_o, float* __restrict__ ws_ml,
-    int pdl) {
+    const T* __restrict__ q, const T* __restrict__ kv, const int32_t* __restrict__ idx, int J1,
+    const int32_t* __restrict__ idx2, int idx2_offset, int H, int N, int D, int J, int64_t kv_batch_stride,
+    int rows_per_split, float scale, float* __restrict__ ws_o, float* __restrict__ ws_ml, int pdl) {
   dsv4_cuda::grid_dep_wait();
   if (pdl) dsv4_cuda::grid_dep_launch();
   constexpr int E = epp<T>();
@@ -107,13 +124,13 @@ __global__ void __launch_bounds__(kHeads * 32) attn_partial_kernel(
   unsigned char* bufs = smem + size_t(kHeads) * D * 4;
   const size_t buf_bytes = size_t(kChunk) * rb + kChunk * 4;  // rows, then their ids (-1: skipped)
   const T* kvb = kv + int64_t(b) * kv_batch_stride;
-  const int32_t* idxb = idx + int64_t(b) * J;
+  const RowList rl = row_list(idx, J1, idx2, J, idx2_offset, b);
   const int j_begin = split * rows_per_split, j_end = min(J, j_begin + rows_per_split);
 
   // Stage the rows of the chunk at c0 into buffer `buf` with cp.async (all copies in flight at once; skipped rows
   // zero-filled), one commit group per chunk.
   auto stage = [&](int c0, int buf) {
-    stage_chunk(bufs + buf * buf_bytes, rb, kvb, idxb, N, D, c0, j_end);
+    stage_chunk(bufs + buf * buf_bytes, rb, kvb, rl, N, D, c0, j_end);
   };
   if (j_begin < j_end) stage(j_begin, 0);
 
@@ -248,8 +265,8 @@ __host__ __device__ constexpr size_t partial_mma_smem(int D) {
 
 __global__ void __launch_bounds__(kMmaWarps * 32) attn_partial_mma_kernel(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv, const int32_t* __restrict__ idx,
-    int H, int N, int D, int J, int64_t kv_batch_stride, int rows_per_split, float scale, float* __restrict__ ws_o,
-    float* __restrict__ ws_ml, int pdl) {
+    int J1, const int32_t* __restrict__ idx2, int idx2_offset, int H, int N, int D, int J, int64_t kv_batch_stride,
+    int rows_per_split, float scale, float* __restrict__ ws_o, float* __restrict__ ws_ml, int pdl) {
   dsv4_cuda::grid_dep_wait();
   if (pdl) dsv4_cuda::grid_dep_launch();
   extern __shared__ __align__(16) unsigned char smem[];
@@ -260,9 +277,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_partial_mma_kernel(
   unsigned char* bufs = smem + size_t(kMmaWarps) * kMmaHeads * kChunk * 4;
   const size_t buf_bytes = size_t(kChunk) * rb + kChunk * 4;
   const __nv_bfloat16* kvb = kv + int64_t(b) * kv_batch_stride;
-  const int32_t* idxb = idx + int64_t(b) * J;
+  const RowList rl = row_list(idx, J1, idx2, J, idx2_offset, b);
   const int j_begin = split * rows_per_split, j_end = min(J, j_begin + rows_per_split);
-  if (j_begin < j_end) stage_chunk(bufs, rb, kvb, idxb, N, D, j_begin, j_end);
+  if (j_begin < j_end) stage_chunk(bufs, rb, kvb, rl, N, D, j_begin, j_end);
 
   // A fragments of q for this warp's dims: heads g / g + 8, dims 16 ks + 2t (+ 8)
   const int ha = h0 + g, hb = h0 + g + 8;
@@ -287,7 +304,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_partial_mma_kernel(
   for (int c0 = j_begin; c0 < j_end; c0 += kChunk, buf ^= 1) {
     __syncthreads();  // every warp is done with the buffer the next chunk goes to, and with `red`
     if (c0 + kChunk < j_end) {
-      stage_chunk(bufs + (buf ^ 1) * buf_bytes, rb, kvb, idxb, N, D, c0 + kChunk, j_end);
+      stage_chunk(bufs + (buf ^ 1) * buf_bytes, rb, kvb, rl, N, D, c0 + kChunk, j_end);
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
@@ -476,10 +493,10 @@ __global__ void __launch_bounds__(128) attn_combine_kernel(const float* __restri
 }
 
 template <typename T>
-cudaError_t launch(const void* q, const void* kv, const int32_t* idx, const float* sink, int B, int H, int N,
-                   int D, int J, int64_t kv_batch_stride, float scale, float* ws_o, float* ws_ml, int nsplit,
-                   int rows_per_split, int use_mma, const float* out_rope, int rope_dim, void* out,
-                   cudaStream_t stream) {
+cudaError_t launch(const void* q, const void* kv, const int32_t* idx, int J1, const int32_t* idx2, int idx2_offset,
+                   const float* sink, int B, int H, int N, int D, int J, int64_t kv_batch_stride, float scale,
+                   float* ws_o, float* ws_ml, int nsplit, int rows_per_split, int use_mma, const float* out_rope,
+                   int rope_dim, void* out, cudaStream_t stream) {
   // > 48 KB of dynamic shared memory needs an opt-in, per device (a host-side call, not a stream operation)
   static bool opted_in[64] = {};
   int dev = 0;
@@ -497,13 +514,13 @@ cudaError_t launch(const void* q, const void* kv, const int32_t* idx, const floa
   if (use_mma) {
     const dim3 grid(nsplit, (H + kMmaHeads - 1) / kMmaHeads, B);
     launch_ex(pdl, attn_partial_mma_kernel, grid, dim3(kMmaWarps * 32), partial_mma_smem(D), stream,
-              static_cast<const __nv_bfloat16*>(q), static_cast<const __nv_bfloat16*>(kv), idx, H, N, D, J,
-              kv_batch_stride, rows_per_split, scale, ws_o, ws_ml, int(pdl));
+              static_cast<const __nv_bfloat16*>(q), static_cast<const __nv_bfloat16*>(kv), idx, J1, idx2, idx2_offset,
+              H, N, D, J, kv_batch_stride, rows_per_split, scale, ws_o, ws_ml, int(pdl));
   } else {
     const dim3 grid(nsplit, (H + kHeads - 1) / kHeads, B);
     launch_ex(pdl, attn_partial_kernel<T>, grid, dim3(kHeads * 32), partial_smem(D, sizeof(T)), stream,
-              static_cast<const T*>(q), static_cast<const T*>(kv), idx, H, N, D, J, kv_batch_stride, rows_per_split,
-              scale, ws_o, ws_ml, int(pdl));
+              static_cast<const T*>(q), static_cast<const T*>(kv), idx, J1, idx2, idx2_offset, H, N, D, J,
+              kv_batch_stride, rows_per_split, scale, ws_o, ws_ml, int(pdl));
   }
   launch_ex(pdl, attn_combine_kernel<T>, dim3(H, B), dim3(128), 0, stream, ws_o, ws_ml, sink, H, D, nsplit, out_rope,
             rope_dim, static_cast<T*>(out), int(pdl));
@@ -534,21 +551,25 @@ extern "C" int dsv4_attn_decode_splits(int B, int H, int J, int num_sms, int use
   return (J + per - 1) / per > 0 ? (J + per - 1) / per : 1;
 }
 
-// q [B, H, D], kv rows of D elements with kv_batch_stride elements between batch rows, idx int32 [B, J], sink fp32
-// [H], out [B, H, D]; is_fp32: q / kv / out fp32 (else bf16); use_mma: the tensor-core partial kernel (bf16,
+// q [B, H, D], kv rows of D elements with kv_batch_stride elements between batch rows, idx int32 [B, J1], idx2
+// int32 [B, J - J1] or null (listed after idx as idx2 + idx2_offset where idx2 >= 0), sink fp32 [H], out
+// [B, H, D]; is_fp32: q / kv / out fp32 (else bf16); use_mma: the tensor-core partial kernel (bf16,
 // dsv4_attn_decode_mma_ok). D <= 512, D % 8 == 0. Workspace: ws_o fp32 [B, nsplit, H, D], ws_ml fp32
 // [B, nsplit, H, 2]. out_rope: fp32 [B, rope_dim / 2, (cos, sin)] (rope_dim % 4 == 0) or null: the output's
 // inverse RoPE, applied by the combine kernel to the rounded output and rounded again.
-extern "C" cudaError_t dsv4_attn_decode_launch(const void* q, const void* kv, const int32_t* idx, const float* sink,
-                                               int is_fp32, int B, int H, int N, int D, int J,
+extern "C" cudaError_t dsv4_attn_decode_launch(const void* q, const void* kv, const int32_t* idx, int J1,
+                                               const int32_t* idx2, int idx2_offset, const float* sink, int is_fp32,
+                                               int B, int H, int N, int D, int J,
                                                int64_t kv_batch_stride, float scale, float* ws_o, float* ws_ml,
                                                int nsplit, int rows_per_split, int use_mma, const float* out_rope,
                                                int rope_dim, void* out, cudaStream_t stream) {
   if (B == 0 || H == 0) return cudaSuccess;
   if (D > 512 || D % 8 != 0 || (use_mma && (is_fp32 || !dsv4_attn_decode_mma_ok(D)))) return cudaErrorInvalidValue;
   if (out_rope != nullptr && (rope_dim % 4 != 0 || rope_dim <= 0 || rope_dim > D)) return cudaErrorInvalidValue;
-  return is_fp32 ? launch<float>(q, kv, idx, sink, B, H, N, D, J, kv_batch_stride, scale, ws_o, ws_ml, nsplit,
-                                 rows_per_split, 0, out_rope, rope_dim, out, stream)
-                 : launch<__nv_bfloat16>(q, kv, idx, sink, B, H, N, D, J, kv_batch_stride, scale, ws_o, ws_ml,
-                                         nsplit, rows_per_split, use_mma, out_rope, rope_dim, out, stream);
+  if (idx2 == nullptr && J1 != J) return cudaErrorInvalidValue;
+  return is_fp32 ? launch<float>(q, kv, idx, J1, idx2, idx2_offset, sink, B, H, N, D, J, kv_batch_stride, scale, ws_o,
+                                 ws_ml, nsplit, rows_per_split, 0, out_rope, rope_dim, out, stream)
+                 : launch<__nv_bfloat16>(q, kv, idx, J1, idx2, idx2_offset, sink, B, H, N, D, J, kv_batch_stride,
+                                         scale, ws_o, ws_ml, nsplit, rows_per_split, use_mma, out_rope, rope_dim, out,
+                                         stream);
 }

@@ -15,7 +15,8 @@
 
 extern "C" int dsv4_attn_decode_mma_ok(int D);
 extern "C" int dsv4_attn_decode_splits(int B, int H, int J, int num_sms, int use_mma, int* rows_per_split);
-extern "C" cudaError_t dsv4_attn_decode_launch(const void* q, const void* kv, const int32_t* idx, const float* sink,
+extern "C" cudaError_t dsv4_attn_decode_launch(const void* q, const void* kv, const int32_t* idx, int J1,
+                                               const int32_t* idx2, int idx2_offset, const float* sink,
                                                int is_fp32, int B, int H, int N, int D, int J,
                                                int64_t kv_batch_stride, float scale, float* ws_o, float* ws_ml,
                                                int nsplit, int rows_per_split, int use_mma, const float* out_rope,
@@ -27,20 +28,23 @@ using dsv4_cuda::sm_count;
 
 at::Tensor sparse_attn_decode_cuda(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx,
                                    const at::Tensor& sink, double scale, const std::optional<at::Tensor>& out_rope,
-                                   int64_t rope_dim) {
+                                   int64_t rope_dim, const std::optional<at::Tensor>& idx2, int64_t idx2_offset) {
   const char* op = "dsv4::sparse_attn_decode";
   TORCH_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor, got ", q.device());
   dsv4_attn::check(q, kv, idx, sink);
   dsv4_attn::check_out_rope(q, out_rope, rope_dim);
+  dsv4_attn::check_idx2(q, idx2, idx2_offset);
   const c10::cuda::CUDAGuard guard(q.device());
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), N = kv.size(1), J = idx.size(1);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), N = kv.size(1), J1 = idx.size(1);
+  const int64_t J = J1 + (idx2.has_value() ? idx2->size(1) : 0);
   const bool kernel = (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat) && D <= 512 &&
                       D % 8 == 0 && kv.stride(2) == 1 && kv.stride(1) == D && B < 65536 && H < 65536 &&
                       N < (int64_t(1) << 31) && J < (int64_t(1) << 31) &&
                       reinterpret_cast<uintptr_t>(kv.data_ptr()) % 16 == 0 &&
                       (kv.stride(0) * kv.element_size()) % 16 == 0;  // 16-byte row copies
   if (!kernel) {
-    const at::Tensor out = dsv4_attn::attend_aten(q, kv, idx, sink, scale);
+    const at::Tensor rows = dsv4_attn::joined_rows(idx, idx2, idx2_offset);
+    const at::Tensor out = dsv4_attn::attend_aten(q, kv, rows, sink, scale);
     return out_rope.has_value() ? dsv4_attn::inverse_rope_aten(out, out_rope->contiguous(), rope_dim) : out;
   }
   const at::Tensor rc = out_rope.has_value() ? out_rope->contiguous() : at::Tensor();
@@ -48,8 +52,10 @@ at::Tensor sparse_attn_decode_cuda(const at::Tensor& q, const at::Tensor& kv, co
   if (reinterpret_cast<uintptr_t>(qc.data_ptr()) % 16 != 0) qc = qc.clone();  // 16-byte loads of q
   const at::Tensor sc = sink.contiguous();
   // int32 rows for the kernel; int64 values outside [0, N) stay outside after the narrowing
-  const at::Tensor ic = idx.scalar_type() == at::kInt ? idx.contiguous()
-                                                       : idx.clamp(-1, N).to(at::kInt).contiguous();
+  auto narrow = [N](const at::Tensor& t) {
+    return t.scalar_type() == at::kInt ? t.contiguous() : t.clamp(-1, N).to(at::kInt).contiguous();
+  };
+  const at::Tensor ic = narrow(idx), i2 = idx2.has_value() ? narrow(*idx2) : at::Tensor();
   // The tensor-core partial kernel where it applies (bf16, D % 64 == 0: 1.8-2.4x the CUDA-core one on the H200,
   // bench_attn_decode.py); DSV4_ATTN_KERNEL=simt keeps the CUDA-core kernel.
   const char* kind = std::getenv("DSV4_ATTN_KERNEL");
@@ -62,7 +68,8 @@ at::Tensor sparse_attn_decode_cuda(const at::Tensor& q, const at::Tensor& kv, co
   at::Tensor ws_ml = at::empty({B, nsplit, H, 2}, f32);
   at::Tensor out = at::empty({B, H, D}, q.options());
   const cudaError_t err = dsv4_attn_decode_launch(
-      qc.data_ptr(), kv.data_ptr(), ic.data_ptr<int32_t>(), sc.data_ptr<float>(), q.scalar_type() == at::kFloat,
+      qc.data_ptr(), kv.data_ptr(), ic.data_ptr<int32_t>(), int(J1), i2.defined() ? i2.data_ptr<int32_t>() : nullptr,
+      int(idx2_offset), sc.data_ptr<float>(), q.scalar_type() == at::kFloat,
       int(B), int(H), int(N), int(D), int(J), kv.stride(0), float(scale), ws_o.data_ptr<float>(),
       ws_ml.data_ptr<float>(), nsplit, rows_per_split, use_mma, rc.defined() ? rc.data_ptr<float>() : nullptr,
       int(rope_dim), out.data_ptr(),
