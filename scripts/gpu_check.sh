@@ -3,7 +3,8 @@
 #   build the CUDA library, the CUDA tests one file per process (a crash cannot hide other files' results),
 #   compute-sanitizer (memcheck, racecheck) on the direct kernel tests, the benchmarks.
 # $OUT gets summary.txt + logs.tgz (the device tool returns at most 8 files of <= 16 MiB).
-# Usage on the H200, from the repo root:  bash scripts/gpu_check.sh [tests|sanitizer|bench|profile|switches|pdl|decode ...]
+# Usage on the H200, from the repo root:
+#   bash scripts/gpu_check.sh [tests|sanitizer|bench|profile|switches|pdl|decode|selrows ...]
 # (default: tests sanitizer bench)
 # Env: GPU_CHECK_SKIP_BUILD=1 (already built), TEST_FILES / BENCHES (space-separated paths; default: all), SANITIZE
 # (a grep -E pattern: only the sanitizer specs it matches), GPU_CHECK_SECONDS (a total budget: steps get
@@ -124,6 +125,15 @@ for part in $PARTS; do
       step decode_count_kernels 200 $PY scripts/count_decode_kernels.py --device cuda
       step decode_default_model 420 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_default_model_gpu.py \
         -k "exported or bf16" ;;
+    selrows)
+      # DSV4_FUSED_SEL_ROWS (off by default until this passes): sparse_attn_decode's second row list on the GPU,
+      # the compiled decode with it, the layers both ways.
+      step selrows_op_tests 200 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_attn.py
+      step selrows_compiled 200 env DSV4_FUSED_SEL_ROWS=1 $PY -m pytest -q -m cuda -p no:cacheprovider \
+        tests/test_compiled_decode.py
+      step selrows_layer_off 200 $PY bench/bench_layer.py --kinds csa,hca --steps 50 --experts 16
+      step selrows_layer_on 200 env DSV4_FUSED_SEL_ROWS=1 $PY bench/bench_layer.py --kinds csa,hca --steps 50 \
+        --experts 16 ;;
     pdl)
       # DSV4_PDL (on by default): the decode kernels outside the NVFP4 chain launched with programmatic
       # dependent launch. Their op tests and the compiled decode without it (the default run has it), then the
