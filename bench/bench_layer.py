@@ -31,7 +31,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import dsv4_ops  # noqa: E402,F401
-from dsv4_model.attention import Compressor  # noqa: E402
+from dsv4_model.compressor import Compressor  # noqa: E402
 from dsv4_model.checkpoint_writer import TINY_CONFIG  # noqa: E402
 from dsv4_model.compiled import DecodeRunner  # noqa: E402
 from dsv4_model.config import ModelConfig  # noqa: E402

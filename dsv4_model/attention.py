@@ -11,8 +11,8 @@ Per-layer cache (non-persistent buffers, allocated by `alloc_runtime`):
 Validity is derived from positions only (ring slot s valid iff s <= p; entry i valid iff i < (p+1)//m), so rows
 never need clearing between sequences; prefill rewrites every compressor state row.
 
-Indexer top-k order (documented choice): higher score first, equal scores -> lower entry index, -0.0 == +0.0.
-Only the selected SET matters to attention; this makes it deterministic across devices.
+The compressor (dsv4_model.compressor), the indexer (dsv4_model.indexer, with its top-k order) and the values a
+decode step shares between layers (dsv4_model.step_values) live in their own modules.
 """
 
 from __future__ import annotations
@@ -20,84 +20,16 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsv4_ops.reference import indexer_fp4_quantize_keys
 
+from .compressor import Compressor, _fused_norm_rope, _fused_store
 from .config import ModelConfig
+from .indexer import Indexer, topk_indices
 from .layers import Linear, RMSNorm, apply_rope, fp32_linear, fused_on, unweighted_rms_norm
-from .quant_sim import indexer_fake_quant, kv_fake_quant
-
-
-def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest fp32 scores along the last dim; ties -> lower index (static shapes)."""
-    s = torch.where(scores == 0, torch.zeros_like(scores), scores).float().contiguous()
-    bits = s.view(torch.int32)
-    key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
-    n = scores.shape[-1]
-    idx = torch.arange(n, device=scores.device, dtype=torch.int64)
-    # (n - 1 - idx), not (2**32 - 1 - idx): Inductor's Triton codegen keeps index constants in int32.
-    key = key * 4294967296 + ((n - 1) - idx)
-    return key.topk(k, dim=-1).indices
-
-
-def decode_rope(table: torch.Tensor, slots: tuple[torch.Tensor, list[int]] | None = None,
-                nvis_slots: tuple[torch.Tensor, list[int]] | None = None, attn_slots: dict | None = None) -> dict:
-    """A decode step's view of one RoPE table: the rows it reads, gathered once per step and offset and shared
-    by every layer using the table (one gather kernel per step instead of one per layer and use), the step's
-    attended row list of the layers without an indexer, and the visible compressed entries per ratio. slots:
-    (buffer [n, max_batch, rope_dim / 2, 2], the offsets m of its n slots): rows of those offsets are written
-    there (see Transformer.setup_runtime for why); nvis_slots: (int64 buffer [n, max_batch], the ratios) the
-    same for visible_entries; attn_slots: {(window, ratio, entries): int32 buffer [1, max_batch, J]} the same
-    for the attended rows."""
-    return {"table": table, "rows": {}, "attn_rows": {}, "slots": slots, "n_vis": {}, "nvis_slots": nvis_slots,
-            "attn_slots": attn_slots or {}}
-
-
-def _in_slot(slots, key, value: torch.Tensor) -> torch.Tensor:
-    """value written into its slot of a step's scratch buffer (and that slot returned), where there is one."""
-    if slots is None or key not in slots[1] or slots[0].dtype != value.dtype:
-        return value
-    out = slots[0][slots[1].index(key), :value.shape[0]]
-    out.copy_(value)
-    return out
-
-
-def rope_rows(rope: dict, positions: torch.Tensor, m: int = 1) -> torch.Tensor:
-    """table[(positions + 1 - m).clamp(min=0)]: the token's own row (m = 1) or the first row of the m-token window
-    it closes; cached in the step's rope dict (the positions are the step's)."""
-    rows = rope["rows"]
-    if m not in rows:
-        rows[m] = _in_slot(rope.get("slots"), m, rope["table"][(positions + 1 - m).clamp(min=0)])
-    return rows[m]
-
-
-def visible_entries(rope: dict, positions: torch.Tensor, m: int) -> torch.Tensor:
-    """(positions + 1) // m, the compressed entries a decode token sees; once per step and ratio (in the step's
-    scratch slot where there is one: a plain value would be recomputed by Inductor for each op reading it)."""
-    vis = rope.setdefault("n_vis", {})
-    if m not in vis:
-        vis[m] = _in_slot(rope.get("nvis_slots"), m, (positions + 1) // m)
-    return vis[m]
-
-
-def _fused_compressor() -> bool:
-    """Decode updates a compressor's state and pools its window with one dsv4::compressor_decode call (one
-    launch instead of ~6 kernels). On unless DSV4_FUSED_COMPRESSOR=0. Read when the step is
-    traced."""
-    return fused_on("DSV4_FUSED_COMPRESSOR")
-
-
-def _fused_hadamard(x: torch.Tensor) -> bool:
-    """Decode's indexer queries (RoPE + Hadamard + FP4) and keys (Hadamard + FP4) as one dsv4::hadamard_fp4 call
-    each, instead of a RoPE kernel, an fp32 GEMM with its reduction and two FP4 kernels. Same bits as the tensor
-    ops (quant_sim.hadamard_rotate is the same butterfly). Where the op takes the shape, on unless
-    DSV4_FUSED_HADAMARD=0. Read when the step is traced."""
-    d = x.shape[-1]
-    if x.dtype not in (torch.bfloat16, torch.float32) or d not in (64, 128, 256):
-        return False
-    return fused_on("DSV4_FUSED_HADAMARD")
+from .quant_sim import kv_fake_quant
+from .step_values import in_slot, rope_rows, visible_entries
 
 
 def _fused_sel_rows() -> bool:
@@ -115,176 +47,6 @@ def _fused_key_store(keys: torch.Tensor) -> bool:
     if keys.dtype not in (torch.bfloat16, torch.float32) or keys.shape[-1] not in (64, 128, 256, 512):
         return False
     return fused_on("DSV4_FUSED_KEY_STORE")
-
-
-def _fused_norm_rope(x: torch.Tensor, rope_dim: int) -> bool:
-    """Decode normalises and rotates q / kv / compressed entries [B, H, D] with one dsv4::rms_norm_rope call
-    (with the simulated FP8 rounding of kv) instead of 2-3 Inductor kernels each. Where the op takes the
-    shape, on unless DSV4_FUSED_NORM_ROPE=0. Read when the step is traced."""
-    d = x.shape[-1]
-    if x.dtype not in (torch.bfloat16, torch.float32) or d % 4 or rope_dim % 4 or d > 4096:
-        return False
-    return fused_on("DSV4_FUSED_NORM_ROPE")
-
-
-def _fused_store(x: torch.Tensor, cache: torch.Tensor) -> bool:
-    """Decode writes its normalised kv / compressed entry straight into the attention cache with
-    dsv4::rms_norm_rope_store (the index_put kernels and the read of the old entry go). Where the op takes the
-    cache, on unless DSV4_FUSED_NORM_ROPE_STORE=0. Read when the step is traced."""
-    return cache.dtype == x.dtype and cache.is_contiguous() and fused_on("DSV4_FUSED_NORM_ROPE_STORE")
-
-
-class Compressor(nn.Module):
-    """Gated pooling of m consecutive tokens into one entry (overlapping 2m-token windows when m == 4)."""
-
-    def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int, rotate: bool, max_batch: int):
-        super().__init__()
-        self.ratio = ratio
-        self.overlap = ratio == 4
-        self.coff = 2 if self.overlap else 1
-        self.head_dim = head_dim
-        self.rope_dim = cfg.rope_head_dim
-        self.rotate = rotate  # indexer keys: Hadamard + FP4 instead of FP8 nope dims
-        self.max_batch = max_batch
-        self.simulate_quant = True
-        c = self.coff
-        self.ape = nn.Parameter(torch.empty(ratio, c * head_dim, dtype=torch.float32), requires_grad=False)
-        # checkpoint stores bf16; official runs the compressor projections in fp32
-        self.wkv = Linear(cfg.dim, c * head_dim, torch.float32)
-        self.wgate = Linear(cfg.dim, c * head_dim, torch.float32)
-        self.norm = RMSNorm(head_dim, cfg.norm_eps)
-
-    def alloc_runtime(self, device) -> None:
-        c, m = self.coff, self.ratio
-        shape = (self.max_batch, c * m, c * self.head_dim)
-        self.register_buffer("kv_state", torch.zeros(shape, dtype=torch.float32, device=device), persistent=False)
-        self.register_buffer("score_state", torch.full(shape, float("-inf"), dtype=torch.float32, device=device),
-                             persistent=False)
-
-    @torch.no_grad()
-    def narrow_weights_(self) -> None:
-        """Keep wkv / wgate in bf16 when that is lossless (the released checkpoints store them in bf16): decode
-        reads half the bytes, and dsv4::fp32_linear widens them exactly, so every result is unchanged. Weights
-        with values bf16 cannot hold (e.g. trained or randomised in fp32) stay fp32. Call once the weights are
-        in place (Transformer.narrow_weights_): anything copied in later would be rounded to bf16."""
-        for lin in (self.wkv, self.wgate):
-            w = lin.weight
-            if w.dtype != torch.float32 or w.device.type == "meta" or w.requires_grad:
-                continue
-            narrow = w.to(torch.bfloat16)
-            if torch.equal(narrow.float(), w):
-                lin.weight = nn.Parameter(narrow, requires_grad=False)
-
-    def reset_state(self) -> None:
-        self.kv_state.zero_()
-        self.score_state.fill_(float("-inf"))
-
-    def _finish(self, pooled: torch.Tensor, cs: torch.Tensor, dtype: torch.dtype, store=None) -> torch.Tensor | None:
-        """Pooled entries -> cache entries: RMSNorm, RoPE, and the simulated FP8 (KV) or Hadamard + FP4 (indexer
-        keys) rounding; at decode (one entry per row) through the fused ops where they are on. store: (positions,
-        cache, offset) at decode: the entry is written into cache where its window closed (returns None) when the
-        fused op can; else returned for the caller to write."""
-        decode, x = pooled.dim() == 2, pooled.to(dtype)
-        if decode and _fused_norm_rope(x, self.rope_dim):
-            fp8 = self.simulate_quant and not self.rotate
-            index_keys = self.simulate_quant and self.rotate  # then the Hadamard + FP4 rounding follows
-            if not index_keys and store is not None and _fused_store(x, store[1]):
-                positions, cache, offset = store
-                torch.ops.dsv4.rms_norm_rope_store(x, self.norm.weight, cs, self.norm.eps, self.rope_dim, fp8,
-                                                   positions, self.ratio, offset, cache.shape[1] - offset, cache)
-                return None
-            kv = torch.ops.dsv4.rms_norm_rope(x.unsqueeze(1), self.norm.weight, cs, self.norm.eps, self.rope_dim,
-                                              fp8).squeeze(1)
-            if not index_keys:
-                return kv
-        else:
-            kv = apply_rope(self.norm(x), cs, self.rope_dim)
-            if not self.simulate_quant:
-                return kv
-            if not self.rotate:
-                return kv_fake_quant(kv, self.rope_dim)
-        if decode and _fused_hadamard(kv):
-            return torch.ops.dsv4.hadamard_fp4(kv.unsqueeze(1), None, 0).squeeze(1)
-        return indexer_fake_quant(kv)
-
-    def linears(self) -> list[torch.Tensor]:
-        return [self.wkv.weight, self.wgate.weight]
-
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        kv, score = fp32_linear(x, self.linears())
-        return kv, score
-
-    def prefill(self, x: torch.Tensor, lengths: torch.Tensor, rope: torch.Tensor) -> torch.Tensor | None:
-        """x [B, S, dim] from position 0; rows valid up to lengths[b]. Returns entries [B, S//m, Dc] (or None)
-        and sets the decode state of rows [:B] from each row's own length."""
-        B, S, _ = x.shape
-        m, c, hd = self.ratio, self.coff, self.head_dim
-        kv, score = self._project(x)
-        t = torch.arange(S, device=x.device)
-        score = score + self.ape[t % m]
-
-        # decode state: overlap rows 0..m-1 = last full window, rows m.. (or 0.. w/o overlap) = pending tail
-        n_full = (lengths // m).unsqueeze(1)  # [B, 1]
-        r = torch.arange(c * m, device=x.device).unsqueeze(0)
-        if self.overlap:
-            p = torch.where(r < m, m * (n_full - 1) + r, m * n_full + (r - m))
-            valid = torch.where(r < m, n_full >= 1, p < lengths.unsqueeze(1))
-        else:
-            p = m * n_full + r
-            valid = p < lengths.unsqueeze(1)
-        gi = p.clamp(0, S - 1).unsqueeze(-1).expand(-1, -1, c * hd)
-        vmask = valid.unsqueeze(-1)
-        self.kv_state[:B] = torch.where(vmask, kv.gather(1, gi), torch.zeros((), device=x.device))
-        self.score_state[:B] = torch.where(vmask, score.gather(1, gi), torch.full((), float("-inf"), device=x.device))
-
-        n = S // m
-        if n == 0:
-            return None
-        kvw = kv[:, : n * m].view(B, n, m, c * hd)
-        scw = score[:, : n * m].view(B, n, m, c * hd)
-        if self.overlap:
-            prev_kv = F.pad(kvw[:, :-1, :, :hd], (0, 0, 0, 0, 1, 0), value=0.0)
-            prev_sc = F.pad(scw[:, :-1, :, :hd], (0, 0, 0, 0, 1, 0), value=float("-inf"))
-            kvw = torch.cat([prev_kv, kvw[..., hd:]], dim=2)
-            scw = torch.cat([prev_sc, scw[..., hd:]], dim=2)
-        pooled = (kvw * scw.softmax(dim=2)).sum(dim=2)  # [B, n, Dc] fp32
-        cs = rope[torch.arange(n, device=x.device) * m]
-        return self._finish(pooled, cs, x.dtype)
-
-    def decode(self, x: torch.Tensor, positions: torch.Tensor, rope: dict,
-               proj: tuple[torch.Tensor, torch.Tensor] | None = None, store=None):
-        """x [B, dim] = token at positions[b]; rope: the step's decode_rope. Updates state rows [:B]; returns
-        (entry [B, Dc] for window positions//m, complete [B] bool: whether that window closed at this token). proj:
-        (wkv(x), wgate(x)) if already computed (Attention runs both compressors' projections in one launch).
-        store: (positions, cache, offset): entry is None when it was written into cache already (_finish)."""
-        B = x.shape[0]
-        m, hd = self.ratio, self.head_dim
-        kv, score = self._project(x) if proj is None else proj
-        cs = rope_rows(rope, positions, m)
-        complete = (positions + 1) % m == 0
-        if _fused_compressor():
-            # the op rounds the pooling to x's dtype itself (_finish's .to(dtype) is then no kernel)
-            dt = x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
-            pooled = torch.empty(B, hd, dtype=dt, device=x.device)
-            torch.ops.dsv4.compressor_decode(kv, score, self.ape, positions, self.kv_state, self.score_state, pooled)
-            return self._finish(pooled, cs, x.dtype, store), complete
-        rows = torch.arange(B, device=x.device)
-        score = score + self.ape[positions % m]
-        slot = (self.coff - 1) * m + positions % m
-        self.kv_state.index_put_((rows, slot), kv)
-        self.score_state.index_put_((rows, slot), score)
-        if self.overlap:
-            kv_s = torch.cat([self.kv_state[:B, :m, :hd], self.kv_state[:B, m:, hd:]], dim=1)
-            sc_s = torch.cat([self.score_state[:B, :m, :hd], self.score_state[:B, m:, hd:]], dim=1)
-            pooled = (kv_s * sc_s.softmax(dim=1)).sum(dim=1)
-            cm = complete.view(B, 1, 1)
-            new_prev_kv = torch.where(cm, self.kv_state[:B, m:], self.kv_state[:B, :m])
-            new_prev_sc = torch.where(cm, self.score_state[:B, m:], self.score_state[:B, :m])
-            self.kv_state[:B, :m] = new_prev_kv
-            self.score_state[:B, :m] = new_prev_sc
-        else:
-            pooled = (self.kv_state[:B] * self.score_state[:B].softmax(dim=1)).sum(dim=1)
-        return self._finish(pooled, cs, x.dtype, store), complete
 
 
 # The op's CUDA partial kernels: tensor cores (bf16, head dim % 64 == 0, <= 512) beat the tensor-op form at
@@ -323,79 +85,6 @@ def _multi(x: torch.Tensor, mods) -> tuple[torch.Tensor, ...]:
     outs = torch.ops.dsv4.nvfp4_linear_multi(x.to(torch.bfloat16), [m.weight_packed for m in mods],
                                              [m.weight_scale for m in mods], [m.weight_global_scale for m in mods])
     return tuple(o.to(m.out_dtype) for o, m in zip(outs, mods))
-
-
-class Indexer(nn.Module):
-    """Lightning indexer: score(t, i) = sum_h w[t,h] * relu(qI[t,h] . kI[i]); keeps the top index_topk entries."""
-
-    def __init__(self, cfg: ModelConfig, ratio: int, dtype: torch.dtype, max_batch: int, max_seq_len: int):
-        super().__init__()
-        self.n_heads = cfg.index_n_heads
-        self.head_dim = cfg.index_head_dim
-        self.rope_dim = cfg.rope_head_dim
-        self.index_topk = cfg.index_topk
-        self.ratio = ratio
-        self.max_batch = max_batch
-        self.n_entries = max_seq_len // ratio
-        self.simulate_quant = True
-        self.packed = True  # False: decode scores the float cache with PyTorch ops (the reference path)
-        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype)
-        self.weights_proj = Linear(cfg.dim, self.n_heads, dtype)
-        self.weight_scale = self.head_dim**-0.5 * self.n_heads**-0.5
-        self.compressor = Compressor(cfg, ratio, self.head_dim, True, max_batch)
-
-    def alloc_runtime(self, device, dtype: torch.dtype) -> None:
-        self.register_buffer("kv_cache", torch.zeros(self.max_batch, self.n_entries, self.head_dim, dtype=dtype,
-                                                     device=device), persistent=False)
-        u8 = dict(dtype=torch.uint8, device=device)
-        self.register_buffer("k_codes", torch.zeros(self.max_batch, self.n_entries, self.head_dim // 2, **u8),
-                             persistent=False)
-        self.register_buffer("k_scales", torch.zeros(self.max_batch, self.n_entries, self.head_dim // 32, **u8),
-                             persistent=False)
-
-    def queries(self, qr: torch.Tensor, cs: torch.Tensor, proj: torch.Tensor | None = None) -> torch.Tensor:
-        """qr [..., q_lora] -> [..., H_I, Di]; cs broadcastable to the head axis. proj: wq_b(qr) if already
-        computed (Attention runs it in the same launch as its own wq_b)."""
-        q = (self.wq_b(qr) if proj is None else proj).unflatten(-1, (self.n_heads, self.head_dim))
-        if q.dim() == 3 and self.simulate_quant and _fused_hadamard(q):  # decode: cs [B, 1, rope_dim / 2, 2]
-            return torch.ops.dsv4.hadamard_fp4(q, cs.reshape(q.shape[0], self.rope_dim // 2, 2), self.rope_dim)
-        q = apply_rope(q, cs, self.rope_dim)
-        if self.simulate_quant:
-            q = indexer_fake_quant(q)
-        return q
-
-    def packed_decode(self) -> bool:
-        """Decode scores the packed FP4 cache with dsv4::indexer_score_topk: the keys are FP4 (simulate_quant)
-        and the kernel takes the shape (CUDA: D = 128, H <= 64, top-k <= 4096; the CPU kernel: any D % 32 == 0).
-        Both paths select the same entries up to fp32 summation order."""
-        if not (self.simulate_quant and self.packed):
-            return False
-        if self.kv_cache.device.type == "cuda":
-            return self.head_dim == 128 and self.n_heads <= 64 and min(self.index_topk, self.n_entries) <= 4096
-        return self.kv_cache.device.type == "cpu"
-
-    def store_prefill(self, keys: torch.Tensor) -> None:
-        """keys [B, n, Di] (FP4-rounded) -> entries [0, n) of rows [:B] of both caches."""
-        B, n = keys.shape[:2]
-        self.kv_cache[:B, :n] = keys
-        if self.packed_decode():  # FP4 values: the packed form is exact
-            codes, scales = indexer_fp4_quantize_keys(keys)
-            self.k_codes[:B, :n] = codes
-            self.k_scales[:B, :n] = scales
-
-    def select(self, q: torch.Tensor, x: torch.Tensor, n_vis: torch.Tensor, k: int,
-               proj: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode top-k over the packed cache: q [B, H_I, Di], x [B, dim], n_vis [B] -> int32 [B, k], -1 past
-        the valid entries. proj: weights_proj(x) if already computed (Attention._fp32_projections)."""
-        B = q.shape[0]
-        w = (self.weights_proj(x) if proj is None else proj).float() * self.weight_scale
-        return torch.ops.dsv4.indexer_score_topk(q, w, self.k_codes[:B], self.k_scales[:B], n_vis, k)
-
-    def scores(self, q: torch.Tensor, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """q [B, S, H_I, Di], x [B, S, dim], keys [B, T, Di] -> fp32 [B, S, T]."""
-        w = self.weights_proj(x).float() * self.weight_scale
-        s = torch.einsum("bshd,btd->bsht", q.float(), keys.float()).relu()
-        return (s * w.unsqueeze(-1)).sum(dim=2)
 
 
 class Attention(nn.Module):
@@ -664,7 +353,7 @@ class Attention(nn.Module):
             rows = self._decode_rows(positions, None, None, ratio=key[1])
             buf = rope.get("attn_slots", {}).get(key)
             if buf is not None and buf.dtype == rows.dtype and buf.shape[2:] == rows.shape[1:]:
-                rows = _in_slot((buf, [key]), key, rows)
+                rows = in_slot((buf, [key]), key, rows)
             rope["attn_rows"][key] = rows
         return rope["attn_rows"][key]
 

@@ -29,7 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import Attention, Compressor, Indexer, decode_rope
+from .attention import Attention
+from .compressor import Compressor
+from .indexer import Indexer
+from .step_values import decode_rope
 from .config import ModelConfig
 from .layers import Linear, RMSNorm, fused_on, hc_head, hc_post, hc_pre, rope_inv_freq, rope_table
 from .moe import MoE

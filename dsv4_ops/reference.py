@@ -585,7 +585,7 @@ def _sparse_attn(q, kv, idx, sink, scale):
 
 def compressor_decode_ref(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
                           kv_state: torch.Tensor, score_state: torch.Tensor) -> torch.Tensor:
-    """One decode step of dsv4_model.attention.Compressor.decode's state update and pooling (its tensor ops):
+    """One decode step of dsv4_model.compressor.Compressor.decode's state update and pooling (its tensor ops):
     writes the token into rows [:B] of the states in place and returns pooled fp32 [B, hd]."""
     B, C = kv.shape
     m = ape.shape[0]

@@ -3,7 +3,7 @@ dsv4::indexer_score_topk, against the float-cache PyTorch path (Indexer.packed =
 import pytest
 import torch
 
-from dsv4_model.attention import Indexer
+from dsv4_model.indexer import Indexer
 from dsv4_model.model import Transformer
 from dsv4_ops.reference import indexer_fp4_dequantize
 

@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from dsv4_model.attention import topk_indices
+from dsv4_model.indexer import topk_indices
 from dsv4_model.model import Transformer
 
 from hf_utils import one_thread, tiny_config  # noqa: F401

@@ -70,7 +70,7 @@ def test_meta_build_then_materialize():
 
 
 def test_compressor_weights_narrow_to_bf16_only_when_lossless():
-    from dsv4_model.attention import Compressor
+    from dsv4_model.compressor import Compressor
 
     cfg = tiny_config(n_layers=2, compress_ratios=[4, 8, 0], n_hash_layers=1)
     wide = Transformer(cfg, max_batch_size=1, max_seq_len=48, dtype=torch.float32).init_random_weights(5)

@@ -1,0 +1,202 @@
+"""DeepSeek-V4's KV compressor: gated pooling of m consecutive tokens into one cache entry (overlapping 2m-token
+windows when m == 4), for the attention cache (CSA / HCA layers) and the indexer's keys (dsv4_model.attention
+describes the caches)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .layers import Linear, RMSNorm, apply_rope, fp32_linear, fused_on
+from .quant_sim import indexer_fake_quant, kv_fake_quant
+from .step_values import rope_rows
+
+
+def _fused_compressor() -> bool:
+    """Decode updates a compressor's state and pools its window with one dsv4::compressor_decode call (one
+    launch instead of ~6 kernels). On unless DSV4_FUSED_COMPRESSOR=0. Read when the step is
+    traced."""
+    return fused_on("DSV4_FUSED_COMPRESSOR")
+
+
+def _fused_hadamard(x: torch.Tensor) -> bool:
+    """Decode's indexer queries (RoPE + Hadamard + FP4) and keys (Hadamard + FP4) as one dsv4::hadamard_fp4 call
+    each, instead of a RoPE kernel, an fp32 GEMM with its reduction and two FP4 kernels. Same bits as the tensor
+    ops (quant_sim.hadamard_rotate is the same butterfly). Where the op takes the shape, on unless
+    DSV4_FUSED_HADAMARD=0. Read when the step is traced."""
+    d = x.shape[-1]
+    if x.dtype not in (torch.bfloat16, torch.float32) or d not in (64, 128, 256):
+        return False
+    return fused_on("DSV4_FUSED_HADAMARD")
+
+
+def _fused_norm_rope(x: torch.Tensor, rope_dim: int) -> bool:
+    """Decode normalises and rotates q / kv / compressed entries [B, H, D] with one dsv4::rms_norm_rope call
+    (with the simulated FP8 rounding of kv) instead of 2-3 Inductor kernels each. Where the op takes the
+    shape, on unless DSV4_FUSED_NORM_ROPE=0. Read when the step is traced."""
+    d = x.shape[-1]
+    if x.dtype not in (torch.bfloat16, torch.float32) or d % 4 or rope_dim % 4 or d > 4096:
+        return False
+    return fused_on("DSV4_FUSED_NORM_ROPE")
+
+
+def _fused_store(x: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Decode writes its normalised kv / compressed entry straight into the attention cache with
+    dsv4::rms_norm_rope_store (the index_put kernels and the read of the old entry go). Where the op takes the
+    cache, on unless DSV4_FUSED_NORM_ROPE_STORE=0. Read when the step is traced."""
+    return cache.dtype == x.dtype and cache.is_contiguous() and fused_on("DSV4_FUSED_NORM_ROPE_STORE")
+
+
+class Compressor(nn.Module):
+    """Gated pooling of m consecutive tokens into one entry (overlapping 2m-token windows when m == 4)."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int, rotate: bool, max_batch: int):
+        super().__init__()
+        self.ratio = ratio
+        self.overlap = ratio == 4
+        self.coff = 2 if self.overlap else 1
+        self.head_dim = head_dim
+        self.rope_dim = cfg.rope_head_dim
+        self.rotate = rotate  # indexer keys: Hadamard + FP4 instead of FP8 nope dims
+        self.max_batch = max_batch
+        self.simulate_quant = True
+        c = self.coff
+        self.ape = nn.Parameter(torch.empty(ratio, c * head_dim, dtype=torch.float32), requires_grad=False)
+        # checkpoint stores bf16; official runs the compressor projections in fp32
+        self.wkv = Linear(cfg.dim, c * head_dim, torch.float32)
+        self.wgate = Linear(cfg.dim, c * head_dim, torch.float32)
+        self.norm = RMSNorm(head_dim, cfg.norm_eps)
+
+    def alloc_runtime(self, device) -> None:
+        c, m = self.coff, self.ratio
+        shape = (self.max_batch, c * m, c * self.head_dim)
+        self.register_buffer("kv_state", torch.zeros(shape, dtype=torch.float32, device=device), persistent=False)
+        self.register_buffer("score_state", torch.full(shape, float("-inf"), dtype=torch.float32, device=device),
+                             persistent=False)
+
+    @torch.no_grad()
+    def narrow_weights_(self) -> None:
+        """Keep wkv / wgate in bf16 when that is lossless (the released checkpoints store them in bf16): decode
+        reads half the bytes, and dsv4::fp32_linear widens them exactly, so every result is unchanged. Weights
+        with values bf16 cannot hold (e.g. trained or randomised in fp32) stay fp32. Call once the weights are
+        in place (Transformer.narrow_weights_): anything copied in later would be rounded to bf16."""
+        for lin in (self.wkv, self.wgate):
+            w = lin.weight
+            if w.dtype != torch.float32 or w.device.type == "meta" or w.requires_grad:
+                continue
+            narrow = w.to(torch.bfloat16)
+            if torch.equal(narrow.float(), w):
+                lin.weight = nn.Parameter(narrow, requires_grad=False)
+
+    def reset_state(self) -> None:
+        self.kv_state.zero_()
+        self.score_state.fill_(float("-inf"))
+
+    def _finish(self, pooled: torch.Tensor, cs: torch.Tensor, dtype: torch.dtype, store=None) -> torch.Tensor | None:
+        """Pooled entries -> cache entries: RMSNorm, RoPE, and the simulated FP8 (KV) or Hadamard + FP4 (indexer
+        keys) rounding; at decode (one entry per row) through the fused ops where they are on. store: (positions,
+        cache, offset) at decode: the entry is written into cache where its window closed (returns None) when the
+        fused op can; else returned for the caller to write."""
+        decode, x = pooled.dim() == 2, pooled.to(dtype)
+        if decode and _fused_norm_rope(x, self.rope_dim):
+            fp8 = self.simulate_quant and not self.rotate
+            index_keys = self.simulate_quant and self.rotate  # then the Hadamard + FP4 rounding follows
+            if not index_keys and store is not None and _fused_store(x, store[1]):
+                positions, cache, offset = store
+                torch.ops.dsv4.rms_norm_rope_store(x, self.norm.weight, cs, self.norm.eps, self.rope_dim, fp8,
+                                                   positions, self.ratio, offset, cache.shape[1] - offset, cache)
+                return None
+            kv = torch.ops.dsv4.rms_norm_rope(x.unsqueeze(1), self.norm.weight, cs, self.norm.eps, self.rope_dim,
+                                              fp8).squeeze(1)
+            if not index_keys:
+                return kv
+        else:
+            kv = apply_rope(self.norm(x), cs, self.rope_dim)
+            if not self.simulate_quant:
+                return kv
+            if not self.rotate:
+                return kv_fake_quant(kv, self.rope_dim)
+        if decode and _fused_hadamard(kv):
+            return torch.ops.dsv4.hadamard_fp4(kv.unsqueeze(1), None, 0).squeeze(1)
+        return indexer_fake_quant(kv)
+
+    def linears(self) -> list[torch.Tensor]:
+        return [self.wkv.weight, self.wgate.weight]
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kv, score = fp32_linear(x, self.linears())
+        return kv, score
+
+    def prefill(self, x: torch.Tensor, lengths: torch.Tensor, rope: torch.Tensor) -> torch.Tensor | None:
+        """x [B, S, dim] from position 0; rows valid up to lengths[b]. Returns entries [B, S//m, Dc] (or None)
+        and sets the decode state of rows [:B] from each row's own length."""
+        B, S, _ = x.shape
+        m, c, hd = self.ratio, self.coff, self.head_dim
+        kv, score = self._project(x)
+        t = torch.arange(S, device=x.device)
+        score = score + self.ape[t % m]
+
+        # decode state: overlap rows 0..m-1 = last full window, rows m.. (or 0.. w/o overlap) = pending tail
+        n_full = (lengths // m).unsqueeze(1)  # [B, 1]
+        r = torch.arange(c * m, device=x.device).unsqueeze(0)
+        if self.overlap:
+            p = torch.where(r < m, m * (n_full - 1) + r, m * n_full + (r - m))
+            valid = torch.where(r < m, n_full >= 1, p < lengths.unsqueeze(1))
+        else:
+            p = m * n_full + r
+            valid = p < lengths.unsqueeze(1)
+        gi = p.clamp(0, S - 1).unsqueeze(-1).expand(-1, -1, c * hd)
+        vmask = valid.unsqueeze(-1)
+        self.kv_state[:B] = torch.where(vmask, kv.gather(1, gi), torch.zeros((), device=x.device))
+        self.score_state[:B] = torch.where(vmask, score.gather(1, gi), torch.full((), float("-inf"), device=x.device))
+
+        n = S // m
+        if n == 0:
+            return None
+        kvw = kv[:, : n * m].view(B, n, m, c * hd)
+        scw = score[:, : n * m].view(B, n, m, c * hd)
+        if self.overlap:
+            prev_kv = F.pad(kvw[:, :-1, :, :hd], (0, 0, 0, 0, 1, 0), value=0.0)
+            prev_sc = F.pad(scw[:, :-1, :, :hd], (0, 0, 0, 0, 1, 0), value=float("-inf"))
+            kvw = torch.cat([prev_kv, kvw[..., hd:]], dim=2)
+            scw = torch.cat([prev_sc, scw[..., hd:]], dim=2)
+        pooled = (kvw * scw.softmax(dim=2)).sum(dim=2)  # [B, n, Dc] fp32
+        cs = rope[torch.arange(n, device=x.device) * m]
+        return self._finish(pooled, cs, x.dtype)
+
+    def decode(self, x: torch.Tensor, positions: torch.Tensor, rope: dict,
+               proj: tuple[torch.Tensor, torch.Tensor] | None = None, store=None):
+        """x [B, dim] = token at positions[b]; rope: the step's decode_rope. Updates state rows [:B]; returns
+        (entry [B, Dc] for window positions//m, complete [B] bool: whether that window closed at this token). proj:
+        (wkv(x), wgate(x)) if already computed (Attention runs both compressors' projections in one launch).
+        store: (positions, cache, offset): entry is None when it was written into cache already (_finish)."""
+        B = x.shape[0]
+        m, hd = self.ratio, self.head_dim
+        kv, score = self._project(x) if proj is None else proj
+        cs = rope_rows(rope, positions, m)
+        complete = (positions + 1) % m == 0
+        if _fused_compressor():
+            # the op rounds the pooling to x's dtype itself (_finish's .to(dtype) is then no kernel)
+            dt = x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+            pooled = torch.empty(B, hd, dtype=dt, device=x.device)
+            torch.ops.dsv4.compressor_decode(kv, score, self.ape, positions, self.kv_state, self.score_state, pooled)
+            return self._finish(pooled, cs, x.dtype, store), complete
+        rows = torch.arange(B, device=x.device)
+        score = score + self.ape[positions % m]
+        slot = (self.coff - 1) * m + positions % m
+        self.kv_state.index_put_((rows, slot), kv)
+        self.score_state.index_put_((rows, slot), score)
+        if self.overlap:
+            kv_s = torch.cat([self.kv_state[:B, :m, :hd], self.kv_state[:B, m:, hd:]], dim=1)
+            sc_s = torch.cat([self.score_state[:B, :m, :hd], self.score_state[:B, m:, hd:]], dim=1)
+            pooled = (kv_s * sc_s.softmax(dim=1)).sum(dim=1)
+            cm = complete.view(B, 1, 1)
+            new_prev_kv = torch.where(cm, self.kv_state[:B, m:], self.kv_state[:B, :m])
+            new_prev_sc = torch.where(cm, self.score_state[:B, m:], self.score_state[:B, :m])
+            self.kv_state[:B, :m] = new_prev_kv
+            self.score_state[:B, :m] = new_prev_sc
+        else:
+            pooled = (self.kv_state[:B] * self.score_state[:B].softmax(dim=1)).sum(dim=1)
+        return self._finish(pooled, cs, x.dtype, store), complete

@@ -1,0 +1,102 @@
+"""DeepSeek-V4's lightning indexer: per CSA layer, the top index_topk compressed entries a token attends, scored
+from FP4 queries and keys.
+
+Top-k order (documented choice): higher score first, equal scores -> lower entry index, -0.0 == +0.0. Only the
+selected SET matters to attention; this makes it deterministic across devices."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv4_ops.reference import indexer_fp4_quantize_keys
+
+from .compressor import Compressor, _fused_hadamard
+from .config import ModelConfig
+from .layers import Linear, apply_rope
+from .quant_sim import indexer_fake_quant
+
+
+def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest fp32 scores along the last dim; ties -> lower index (static shapes)."""
+    s = torch.where(scores == 0, torch.zeros_like(scores), scores).float().contiguous()
+    bits = s.view(torch.int32)
+    key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
+    n = scores.shape[-1]
+    idx = torch.arange(n, device=scores.device, dtype=torch.int64)
+    # (n - 1 - idx), not (2**32 - 1 - idx): Inductor's Triton codegen keeps index constants in int32.
+    key = key * 4294967296 + ((n - 1) - idx)
+    return key.topk(k, dim=-1).indices
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: score(t, i) = sum_h w[t,h] * relu(qI[t,h] . kI[i]); keeps the top index_topk entries."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int, dtype: torch.dtype, max_batch: int, max_seq_len: int):
+        super().__init__()
+        self.n_heads = cfg.index_n_heads
+        self.head_dim = cfg.index_head_dim
+        self.rope_dim = cfg.rope_head_dim
+        self.index_topk = cfg.index_topk
+        self.ratio = ratio
+        self.max_batch = max_batch
+        self.n_entries = max_seq_len // ratio
+        self.simulate_quant = True
+        self.packed = True  # False: decode scores the float cache with PyTorch ops (the reference path)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype)
+        self.weights_proj = Linear(cfg.dim, self.n_heads, dtype)
+        self.weight_scale = self.head_dim**-0.5 * self.n_heads**-0.5
+        self.compressor = Compressor(cfg, ratio, self.head_dim, True, max_batch)
+
+    def alloc_runtime(self, device, dtype: torch.dtype) -> None:
+        self.register_buffer("kv_cache", torch.zeros(self.max_batch, self.n_entries, self.head_dim, dtype=dtype,
+                                                     device=device), persistent=False)
+        u8 = dict(dtype=torch.uint8, device=device)
+        self.register_buffer("k_codes", torch.zeros(self.max_batch, self.n_entries, self.head_dim // 2, **u8),
+                             persistent=False)
+        self.register_buffer("k_scales", torch.zeros(self.max_batch, self.n_entries, self.head_dim // 32, **u8),
+                             persistent=False)
+
+    def queries(self, qr: torch.Tensor, cs: torch.Tensor, proj: torch.Tensor | None = None) -> torch.Tensor:
+        """qr [..., q_lora] -> [..., H_I, Di]; cs broadcastable to the head axis. proj: wq_b(qr) if already
+        computed (Attention runs it in the same launch as its own wq_b)."""
+        q = (self.wq_b(qr) if proj is None else proj).unflatten(-1, (self.n_heads, self.head_dim))
+        if q.dim() == 3 and self.simulate_quant and _fused_hadamard(q):  # decode: cs [B, 1, rope_dim / 2, 2]
+            return torch.ops.dsv4.hadamard_fp4(q, cs.reshape(q.shape[0], self.rope_dim // 2, 2), self.rope_dim)
+        q = apply_rope(q, cs, self.rope_dim)
+        if self.simulate_quant:
+            q = indexer_fake_quant(q)
+        return q
+
+    def packed_decode(self) -> bool:
+        """Decode scores the packed FP4 cache with dsv4::indexer_score_topk: the keys are FP4 (simulate_quant)
+        and the kernel takes the shape (CUDA: D = 128, H <= 64, top-k <= 4096; the CPU kernel: any D % 32 == 0).
+        Both paths select the same entries up to fp32 summation order."""
+        if not (self.simulate_quant and self.packed):
+            return False
+        if self.kv_cache.device.type == "cuda":
+            return self.head_dim == 128 and self.n_heads <= 64 and min(self.index_topk, self.n_entries) <= 4096
+        return self.kv_cache.device.type == "cpu"
+
+    def store_prefill(self, keys: torch.Tensor) -> None:
+        """keys [B, n, Di] (FP4-rounded) -> entries [0, n) of rows [:B] of both caches."""
+        B, n = keys.shape[:2]
+        self.kv_cache[:B, :n] = keys
+        if self.packed_decode():  # FP4 values: the packed form is exact
+            codes, scales = indexer_fp4_quantize_keys(keys)
+            self.k_codes[:B, :n] = codes
+            self.k_scales[:B, :n] = scales
+
+    def select(self, q: torch.Tensor, x: torch.Tensor, n_vis: torch.Tensor, k: int,
+               proj: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode top-k over the packed cache: q [B, H_I, Di], x [B, dim], n_vis [B] -> int32 [B, k], -1 past
+        the valid entries. proj: weights_proj(x) if already computed (Attention._fp32_projections)."""
+        B = q.shape[0]
+        w = (self.weights_proj(x) if proj is None else proj).float() * self.weight_scale
+        return torch.ops.dsv4.indexer_score_topk(q, w, self.k_codes[:B], self.k_scales[:B], n_vis, k)
+
+    def scores(self, q: torch.Tensor, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """q [B, S, H_I, Di], x [B, S, dim], keys [B, T, Di] -> fp32 [B, S, T]."""
+        w = self.weights_proj(x).float() * self.weight_scale
+        s = torch.einsum("bshd,btd->bsht", q.float(), keys.float()).relu()
+        return (s * w.unsqueeze(-1)).sum(dim=2)
