@@ -17,6 +17,7 @@
 #include <stdint.h>
 
 #include "float_cast.h"
+#include "launchers.h"
 #include "mma.h"
 #include "pdl.h"
 

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "float_cast.h"
+#include "launchers.h"
 #include "pdl.h"
 
 namespace {

@@ -7,11 +7,7 @@
 #include <torch/library.h>
 
 #include "compressor_checks.h"
-
-extern "C" cudaError_t dsv4_compressor_decode_launch(const float* kv, const float* score, const float* ape,
-                                                     const void* positions, int pos_i32, float* kv_state,
-                                                     float* score_state, void* pooled, int pooled_kind, int B, int C,
-                                                     int m, int R, int hd, int overlap, cudaStream_t stream);
+#include "cuda/launchers.h"
 
 namespace {
 

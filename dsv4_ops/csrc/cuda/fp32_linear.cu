@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "launchers.h"
 #include "pdl.h"
 
 namespace {

@@ -9,11 +9,8 @@
 
 #include "cuda/device_info.h"
 
+#include "cuda/launchers.h"
 #include "fp32_linear_checks.h"
-
-extern "C" cudaError_t dsv4_fp32_linear_launch(const void* x, int x_fp32, int M, int K, const void* const* w,
-                                               int w_fp32, float* const* y, const int* n, int nseg,
-                                               int num_sms, cudaStream_t stream);
 
 namespace {
 

@@ -8,12 +8,8 @@
 
 #include <optional>
 
+#include "cuda/launchers.h"
 #include "hadamard_checks.h"
-
-extern "C" int dsv4_hadamard_fp4_kernel_ok(int d);
-extern "C" cudaError_t dsv4_hadamard_fp4_launch(const void* x, int x_fp32, const float* cs, void* out,
-                                                int64_t vectors, int heads, int d, int rope_dim, float scale,
-                                                cudaStream_t stream);
 
 namespace {
 

@@ -18,6 +18,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "launchers.h"
 #include "mma.h"
 #include "pdl.h"
 

@@ -8,12 +8,7 @@
 
 #include <cstdint>
 
-extern "C" int dsv4_indexer_max_topk();
-extern "C" cudaError_t dsv4_indexer_score_topk_launch(const void* q, int q_is_fp32, const float* weights,
-                                                      const uint8_t* codes, const uint8_t* scales,
-                                                      const void* n_valid, int nv_is64, int B, int H, int N,
-                                                      int topk, uint32_t* keys_scratch, int32_t* out,
-                                                      cudaStream_t stream);
+#include "cuda/launchers.h"
 
 namespace {
 

@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "cache_slot.h"
+#include "launchers.h"
 #include "pdl.h"
 
 namespace {

@@ -6,12 +6,8 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
+#include "cuda/launchers.h"
 #include "key_store_checks.h"
-
-extern "C" int dsv4_store_keys_kernel_ok(int D);
-extern "C" cudaError_t dsv4_store_keys_launch(const void* keys, int keys_fp32, const void* positions, int pos_i32,
-                                              int B, int D, int ratio, int n, void* cache, uint8_t* codes,
-                                              uint8_t* scales, cudaStream_t stream);
 
 namespace {
 

@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "float_cast.h"
+#include "launchers.h"
 #include "pdl.h"
 
 #include <algorithm>

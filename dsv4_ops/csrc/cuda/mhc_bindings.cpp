@@ -13,16 +13,8 @@
 #include <tuple>
 #include <vector>
 
+#include "cuda/launchers.h"
 #include "mhc_checks.h"
-
-extern "C" cudaError_t dsv4_hc_sinkhorn_launch(const float* x, float* y, int64_t n, int hc, int iters, float eps,
-                                               cudaStream_t stream);
-extern "C" int dsv4_hc_pre_splits(int hc, int d);
-extern "C" cudaError_t dsv4_hc_pre_launch(void* x, int x_kind, const void* fn, int fn_bf16, const float* scale,
-                                          const float* base, const float* norm_w, int T, int hc, int d, int iters,
-                                          float hc_eps, float norm_eps, float out_eps, float* ws, void* y,
-                                          float* post, float* comb, const void* p_out, const void* p_res,
-                                          const float* p_post, const float* p_comb, cudaStream_t stream);
 
 namespace {
 

@@ -13,6 +13,7 @@
 
 #include "cache_slot.h"
 #include "float_cast.h"
+#include "launchers.h"
 #include "pdl.h"
 
 namespace {

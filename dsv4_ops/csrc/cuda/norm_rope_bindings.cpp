@@ -8,16 +8,8 @@
 
 #include <optional>
 
+#include "cuda/launchers.h"
 #include "norm_rope_checks.h"
-
-extern "C" cudaError_t dsv4_rms_norm_rope_launch(const void* x, int x_fp32, const float* w, const float* cs, void* out,
-                                                 int64_t vectors, int heads, int d, int rope_dim, float eps,
-                                                 int fp8_nope, cudaStream_t stream);
-extern "C" cudaError_t dsv4_rms_norm_rope_store_launch(const void* x, int x_fp32, const float* w, const float* cs,
-                                                       int64_t rows, int d, int rope_dim, float eps, int fp8_nope,
-                                                       const void* positions, int pos_i32, int ratio, int offset,
-                                                       int slots, void* cache, int64_t row_stride,
-                                                       cudaStream_t stream);
 
 namespace {
 

@@ -8,11 +8,8 @@
 
 #include <tuple>
 
+#include "cuda/launchers.h"
 #include "router_checks.h"
-
-extern "C" cudaError_t dsv4_router_topk_launch(const float* scores, const float* bias, int64_t n, int E, int k,
-                                               int renormalize, float scale, int sqrt_softplus, float* weights,
-                                               int64_t* indices, cudaStream_t stream);
 
 namespace {
 

@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "../sample_math.h"
+#include "launchers.h"
 
 namespace {
 

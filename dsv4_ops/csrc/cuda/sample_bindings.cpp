@@ -6,11 +6,7 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
-extern "C" int dsv4_sample_num_splits(int64_t B, int64_t V);
-extern "C" cudaError_t dsv4_sample_launch(const float* logits, const float* temperature, const int64_t* top_k,
-                                          const float* top_p, const int64_t* seed, const int64_t* offset,
-                                          int64_t B, int64_t V, int splits, uint32_t* thresh, float* part_v,
-                                          int* part_i, int64_t* out, cudaStream_t stream);
+#include "cuda/launchers.h"
 
 namespace {
 
