@@ -146,10 +146,14 @@ CATEGORIES = (  # (label, substrings of a kernel name), first match wins (Induct
 )
 
 
+def category(name: str) -> str:
+    return next(label for label, keys in CATEGORIES if any(k in name for k in keys))
+
+
 def categorize(kernels: collections.Counter) -> collections.Counter:
     out: collections.Counter = collections.Counter()
     for name, count in kernels.items():
-        out[next(label for label, keys in CATEGORIES if any(k in name for k in keys))] += count
+        out[category(name)] += count
     return out
 
 
@@ -203,10 +207,15 @@ def main(argv=None) -> int:
     print(f"{'layer':6} {'us/layer':>9} {unit:>12}   goal: <= {GOAL_KERNELS} kernels, <= {GOAL_US:.0f} us")
     for kind, us, n, extra, _ in rows:
         print(f"{kind:6} {us:9.1f} {n:12d}")
-    for kind, _, _, extra, _ in rows:
+    for kind, _, _, extra, busy in rows:
         cats = categorize(extra)
-        print(f"\n{kind} layer by kind: " + ", ".join(f"{label} {cats[label]}" for label, _ in CATEGORIES
-                                                     if cats[label]))
+        us = collections.Counter()  # the layer's GPU time per kind (same-count shifts included)
+        for name, v in busy.items():
+            us[category(name)] += v
+        timed = args.device == "cuda"
+        print(f"\n{kind} layer by kind: " + ", ".join(
+            f"{label} {cats[label]}" + (f" ({us[label]:.1f} us)" if timed else "")
+            for label, _ in CATEGORIES if cats[label] or (timed and abs(us[label]) >= 0.5)))
     for kind, _, _, extra, busy in rows:
         print(f"\n{kind} layer's {unit} (count x name; GPU us per step of the layer's share, kernels run outside "
               f"the graph):")
