@@ -351,9 +351,8 @@ class Attention(nn.Module):
         of the key)."""
         if key not in rope["attn_rows"]:
             rows = self._decode_rows(positions, None, None, ratio=key[1])
-            buf = rope.get("attn_slots", {}).get(key)
-            if buf is not None and buf.dtype == rows.dtype and buf.shape[2:] == rows.shape[1:]:
-                rows = in_slot((buf, [key]), key, rows)
+            buf = rope["attn_slots"].get(key)
+            rows = in_slot((buf, [key]) if buf is not None else None, key, rows)
             rope["attn_rows"][key] = rows
         return rope["attn_rows"][key]
 

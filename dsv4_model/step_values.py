@@ -44,7 +44,7 @@ def rope_rows(rope: dict, positions: torch.Tensor, m: int = 1) -> torch.Tensor:
 def visible_entries(rope: dict, positions: torch.Tensor, m: int) -> torch.Tensor:
     """(positions + 1) // m, the compressed entries a decode token sees; once per step and ratio (in the step's
     scratch slot where there is one: a plain value would be recomputed by Inductor for each op reading it)."""
-    vis = rope.setdefault("n_vis", {})
+    vis = rope["n_vis"]
     if m not in vis:
         vis[m] = in_slot(rope.get("nvis_slots"), m, (positions + 1) // m)
     return vis[m]

@@ -772,18 +772,7 @@ __global__ void __launch_bounds__(kThreads, OCC) nvfp4_gemv_kernel(const SkinnyP
         uint32_t b[4][4];  // k-steps 2q, 2q + 1: {b0, b1, b0', b1'}
 #pragma unroll
         for (int q = 0; q < 4; ++q) ldmatrix_x4(b[q], st + ldm[q]);
-        const uint32_t wra[4] = {wa.x, wa.y, wa.z, wa.w};
-        const uint32_t wrb[4] = {wb.x, wb.y, wb.z, wb.w};
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          uint32_t ra[4], rb[4], a[4];
-          decode_word(wra[q], ra);
-          decode_word(wrb[q], rb);
-          a_fragment_rs(ra, rb, sa, sb, 2 * q, a);
-          mma16816(acc0, a[0], a[1], a[2], a[3], b[q][0], b[q][1]);
-          a_fragment_rs(ra, rb, sa, sb, 2 * q + 1, a);
-          mma16816(acc1, a[0], a[1], a[2], a[3], b[q][2], b[q][3]);
-        }
+        chunk_mma(wa, wb, sa, sb, b, acc0, acc1);
         __syncwarp();  // every lane's reads of this stage are done before it is refilled
       }
     }

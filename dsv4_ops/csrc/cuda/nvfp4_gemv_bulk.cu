@@ -242,18 +242,15 @@ __global__ void __launch_bounds__(32 * (kConsumers + 1), 1) nvfp4_gemv_bulk_kern
       const int xr = (x_per_mat ? jm - j0 : 0) * p.M + tok;
       const uint32_t* xw = reinterpret_cast<const uint32_t*>(xs + size_t(xr) * p.x_stride) +
                            c * 64 + tq;
-      const uint32_t wra[4] = {wa.x, wa.y, wa.z, wa.w};
-      const uint32_t wrb[4] = {wb.x, wb.y, wb.z, wb.w};
+      uint32_t b[4][4];  // k-steps 2q, 2q + 1: {b0, b1, b0', b1'}
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        uint32_t ra[4], rb[4], a[4];
-        decode_word(wra[q], ra);
-        decode_word(wrb[q], rb);
-        a_fragment_rs(ra, rb, sa, sb, 2 * q, a);
-        mma16816(acc0, a[0], a[1], a[2], a[3], xw[16 * q], xw[16 * q + 4]);
-        a_fragment_rs(ra, rb, sa, sb, 2 * q + 1, a);
-        mma16816(acc1, a[0], a[1], a[2], a[3], xw[16 * q + 8], xw[16 * q + 12]);
+        b[q][0] = xw[16 * q];
+        b[q][1] = xw[16 * q + 4];
+        b[q][2] = xw[16 * q + 8];
+        b[q][3] = xw[16 * q + 12];
       }
+      chunk_mma(wa, wb, sa, sb, b, acc0, acc1);
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty_bar[slot]);

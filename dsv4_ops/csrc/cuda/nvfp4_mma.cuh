@@ -90,4 +90,23 @@ __device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// One 128-wide chunk of a 16-row tile: the codes of rows g / g + 8 (wa / wb, this lane's 4 words each) times
+// their block scales, against the B fragments b[q] = {b0, b1, b0', b1'} of k-steps 2q / 2q + 1; even k-steps
+// accumulate into acc0, odd ones into acc1 (two independent mma chains).
+__device__ __forceinline__ void chunk_mma(uint4 wa, uint4 wb, const RowScales& sa, const RowScales& sb,
+                                          const uint32_t (&b)[4][4], float (&acc0)[4], float (&acc1)[4]) {
+  const uint32_t wra[4] = {wa.x, wa.y, wa.z, wa.w};
+  const uint32_t wrb[4] = {wb.x, wb.y, wb.z, wb.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    uint32_t ra[4], rb[4], a[4];
+    decode_word(wra[q], ra);
+    decode_word(wrb[q], rb);
+    a_fragment_rs(ra, rb, sa, sb, 2 * q, a);
+    mma16816(acc0, a[0], a[1], a[2], a[3], b[q][0], b[q][1]);
+    a_fragment_rs(ra, rb, sa, sb, 2 * q + 1, a);
+    mma16816(acc1, a[0], a[1], a[2], a[3], b[q][2], b[q][3]);
+  }
+}
+
 }  // namespace dsv4_nvfp4
