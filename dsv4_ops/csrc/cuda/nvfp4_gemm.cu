@@ -67,15 +67,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefe
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
-__device__ __forceinline__ void store_out(void* y, size_t idx, float v, int kind) {
-  if (kind == 0)
-    reinterpret_cast<bf16*>(y)[idx] = __float2bfloat16(v);
-  else if (kind == 1)
-    reinterpret_cast<__half*>(y)[idx] = __float2half(v);
-  else
-    reinterpret_cast<float*>(y)[idx] = v;
-}
-
 __device__ __forceinline__ int load_id(const void* ids, int is64, int64_t a) {
   if (is64) {
     const int64_t v = reinterpret_cast<const int64_t*>(ids)[a];

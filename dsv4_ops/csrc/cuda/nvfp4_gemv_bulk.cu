@@ -119,15 +119,6 @@ __device__ __forceinline__ int mat_of(const BulkParams& p, int tile) {
 }
 
 
-__device__ __forceinline__ void store_val(void* y, size_t idx, float v, int kind) {
-  if (kind == 0)
-    reinterpret_cast<bf16*>(y)[idx] = __float2bfloat16(v);
-  else if (kind == 1)
-    reinterpret_cast<__half*>(y)[idx] = __float2half(v);
-  else
-    reinterpret_cast<float*>(y)[idx] = v;
-}
-
 __global__ void __launch_bounds__(32 * (kConsumers + 1), 1) nvfp4_gemv_bulk_kernel(const BulkParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ uint64_t full_bar[kMaxStages], empty_bar[kMaxStages], x_bar;
@@ -269,7 +260,7 @@ __global__ void __launch_bounds__(32 * (kConsumers + 1), 1) nvfp4_gemv_bulk_kern
       float alpha = __ldg(p.g[j]) * kUnbias;
       if (p.gs_act != nullptr) alpha *= __ldg(p.gs_act);
       const size_t ld = p.y_ld_grouped ? size_t(p.y_ld_grouped) : size_t(p.n[j]);
-      store_val(p.y[j], size_t(m) * ld + lr, v * alpha, p.out_kind);
+      store_out(p.y[j], size_t(m) * ld + lr, v * alpha, p.out_kind);
     }
   }
 }

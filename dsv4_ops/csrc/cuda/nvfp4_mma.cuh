@@ -1,8 +1,10 @@
 // Device primitives shared by the NVFP4 weight kernels (nvfp4_gemm.cu, nvfp4_gemv_bulk.cu): the kernel-layout
-// word decode to bf16x2, the block-scale pairs and the bf16 mma. Layout and exactness argument: nvfp4_gemm.cu's
-// file comment.
+// word decode to bf16x2, the block-scale pairs, the bf16 mma of one chunk, the output store. Layout and exactness
+// argument: nvfp4_gemm.cu's file comment.
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stddef.h>
 #include <stdint.h>
 
 namespace dsv4_nvfp4 {
@@ -88,6 +90,16 @@ __device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1
       "{%0,%1,%2,%3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// v into element idx of an output of kind 0 bf16 / 1 fp16 / 2 fp32 (the launchers' out_kind).
+__device__ __forceinline__ void store_out(void* y, size_t idx, float v, int kind) {
+  if (kind == 0)
+    reinterpret_cast<__nv_bfloat16*>(y)[idx] = __float2bfloat16(v);
+  else if (kind == 1)
+    reinterpret_cast<__half*>(y)[idx] = __float2half(v);
+  else
+    reinterpret_cast<float*>(y)[idx] = v;
 }
 
 // One 128-wide chunk of a 16-row tile: the codes of rows g / g + 8 (wa / wb, this lane's 4 words each) times
