@@ -35,9 +35,8 @@ from .step_values import in_slot, rope_rows, visible_entries
 def _fused_sel_rows() -> bool:
     """A CSA layer hands dsv4::sparse_attn_decode the step's window rows (shared by the layers) and its indexer's
     top-k as they are (the op's idx2 at offset window) instead of a joined row list built per layer (an Inductor
-    kernel per CSA layer). Off unless DSV4_FUSED_SEL_ROWS=1 until timed on the GPU. Read when the step is
-    traced."""
-    return os.environ.get("DSV4_FUSED_SEL_ROWS", "0") == "1"
+    kernel per CSA layer; DSV4_FUSED_SEL_ROWS=0: the joined list). Read when the step is traced."""
+    return fused_on("DSV4_FUSED_SEL_ROWS")
 
 
 def _fused_key_store(keys: torch.Tensor) -> bool:

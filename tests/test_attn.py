@@ -291,7 +291,8 @@ def test_model_decode_with_and_without_out_rope(monkeypatch, device):
 def test_model_decode_with_the_top_k_as_second_list(monkeypatch, device, dtype):
     """DSV4_FUSED_SEL_ROWS=1: a CSA layer passes the step's shared window rows and its indexer's top-k (idx2 at
     offset window) instead of the joined row list: the same logits bit for bit, and the CSA layer's calls do
-    carry idx2."""
+    carry idx2. index_head_dim 128: the width the CUDA scoring kernel takes (else the indexer scores unpacked
+    keys and there is no raw top-k to pass)."""
     from decode_switch import decode_with_switch
 
     if device == "cuda" and not torch.cuda.is_available():
@@ -299,7 +300,8 @@ def test_model_decode_with_the_top_k_as_second_list(monkeypatch, device, dtype):
     real, second = ops.sparse_attn_decode, []
     monkeypatch.setattr(ops, "sparse_attn_decode", lambda *a: second.append(len(a) > 7) or real(*a))
     logits, calls, cfg = decode_with_switch(monkeypatch, "sparse_attn_decode", "DSV4_FUSED_SEL_ROWS", steps=4,
-                                            device=device, dtype=dtype, n_layers=2, compress_ratios=[4, 0])
+                                            device=device, dtype=dtype, n_layers=2, compress_ratios=[4, 0],
+                                            index_head_dim=128)
     assert calls["0"] == calls["1"] == 2 * 4
     assert sum(second) == 4  # mode 1 only, the CSA layer once per step
     assert torch.equal(logits["1"], logits["0"])
