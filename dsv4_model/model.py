@@ -32,7 +32,7 @@ from torch import nn
 from .attention import Attention
 from .compressor import Compressor
 from .indexer import Indexer
-from .step_values import decode_rope
+from .step_values import decode_rope, rope_rows
 from .config import ModelConfig
 from .layers import Linear, RMSNorm, fused_on, hc_head, hc_post, hc_pre, rope_inv_freq, rope_table
 from .moe import MoE
@@ -307,6 +307,11 @@ class Transformer(nn.Module):
         attn = {key: getattr(self, f"attn_rows_{i}") for i, key in enumerate(self.attn_row_keys)}
         rope = {kind: decode_rope(table, (getattr(self, f"rope_rows_{kind}"), self.rope_offsets[kind]), nvis, attn)
                 for kind, table in self._rope().items()}  # rows shared by the layers
+        # Every RoPE slot is written before any layer reads the buffer: a slot written after a read of another one
+        # (the first HCA layer's, after the CSA layers') reached its reader as a fresh copy (one kernel per step).
+        for kind, r in rope.items():
+            for m in self.rope_offsets[kind]:
+                rope_rows(r, positions, m)
         h = self.embed(tokens).unsqueeze(1).repeat(1, self.hc, 1)
         pending = None
         for layer in self.layers:
