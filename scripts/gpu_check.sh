@@ -126,8 +126,8 @@ for part in $PARTS; do
       step decode_default_model 420 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_default_model_gpu.py \
         -k "exported or bf16" ;;
     selrows)
-      # DSV4_FUSED_SEL_ROWS (off by default until this passes): sparse_attn_decode's second row list on the GPU,
-      # the compiled decode with it, the layers both ways.
+      # DSV4_FUSED_SEL_ROWS (on by default since this passed, session 12): sparse_attn_decode's second row list
+      # on the GPU, the compiled decode with it, the layers both ways.
       step selrows_op_tests 200 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_attn.py
       step selrows_compiled 200 env DSV4_FUSED_SEL_ROWS=1 $PY -m pytest -q -m cuda -p no:cacheprovider \
         tests/test_compiled_decode.py
