@@ -144,6 +144,11 @@ def test_decode_shares_per_step_values_across_layers(monkeypatch):
         layer = next(b.attn for b in m.layers if (b.attn.window, b.attn.ratio, b.attn.n_entries) == key)
         assert torch.equal(getattr(m, f"attn_rows_{i}")[0], layer._decode_rows(pos, None, None)), key
     assert torch.equal(m.n_vis_rows[m.vis_ratios.index(4)], (pos + 1) // 4)
+    # every RoPE slot (per table and window offset) holds the step's rows
+    for kind, table in m._rope().items():
+        for i, off in enumerate(m.rope_offsets[kind]):
+            want = table[(pos + 1 - off).clamp(min=0)]
+            assert torch.equal(getattr(m, f"rope_rows_{kind}")[i, :2], want), (kind, off)
 
     from dsv4_model import model as model_mod
 
@@ -156,6 +161,26 @@ def test_decode_shares_per_step_values_across_layers(monkeypatch):
     own = m2.decode_step(ids[:, 0], torch.full((2,), 9))
     assert sorted(calls) == [0, 0, 4, 16, 16]
     assert torch.equal(shared, own)
+
+
+def test_decode_writes_every_rope_slot_before_the_layers(monkeypatch):
+    """A RoPE slot written after a layer read the buffer (the first HCA layer's, after the CSA layers') reached
+    its reader as a fresh copy under Inductor: decode_step writes every slot first."""
+    from dsv4_model import model as model_mod
+    from dsv4_model.checkpoint_writer import TINY_CONFIG
+    from dsv4_model.config import ModelConfig
+
+    cfg = ModelConfig(**{**TINY_CONFIG, "n_mtp_layers": 0, "n_layers": 3, "compress_ratios": [4, 16, 4]}).validate()
+    m = Transformer(cfg, max_batch_size=1, max_seq_len=64, dtype=torch.float32, device="cpu").init_random_weights(0)
+    m.prefill(torch.randint(0, cfg.vocab_size, (1, 9)))
+    events = []
+    real_rows, real_decode = model_mod.rope_rows, type(m.layers[0]).decode
+    monkeypatch.setattr(model_mod, "rope_rows", lambda r, p, k=1: events.append(("slot", k)) or real_rows(r, p, k))
+    monkeypatch.setattr(type(m.layers[0]), "decode", lambda *a: events.append(("layer",)) or real_decode(*a))
+    m.decode_step(torch.tensor([3]), torch.tensor([9]))
+    first_layer = events.index(("layer",))
+    written = sorted(k for e in events[:first_layer] for k in e[1:])
+    assert written == sorted(k for ms in m.rope_offsets.values() for k in ms), events
 
 
 class _NoCache(dict):
