@@ -4,7 +4,7 @@ instruction-count work was measured with (bench/RESULTS.md, session 12).
 Needs nvcc and cuobjdump (the CPU machine has nvcc; cuobjdump comes from the wheel `nvidia-cuda-cuobjdump`:
 `pip download --no-deps nvidia-cuda-cuobjdump` and unzip it, then pass --cuobjdump or put its bin/ on PATH).
 
-  python scripts/sass_hot_loop.py dsv4_ops/csrc/cuda/nvfp4_gemm.cu gemv_kernelILi1ELi2ELi3 --per HMMA:8
+  python scripts/sass_hot_loop.py dsv4_ops/csrc/cuda/nvfp4_gemv.cu gemv_kernelILi1ELi2ELi3 --per HMMA:8
 
 The hot loop is the shortest backward branch whose body holds at least --min of the --per opcode and no block
 barrier; counts are printed per unit of --per (e.g. HMMA:8 = per 1 KB weight chunk of the gemv).

@@ -1,4 +1,4 @@
-// Launchers of the NVFP4 GEMM / MoE CUDA kernels (nvfp4_gemm.cu): plain C structs of raw pointers, no torch
+// Launchers of the NVFP4 GEMM / MoE CUDA kernels (nvfp4_gemm.cu, with the kernel files it names): plain C structs of raw pointers, no torch
 // headers. Weights are in the kernel layout of dsv4_model.nvfp4.repack_weight (docs/ops.md).
 #pragma once
 #include <cuda_runtime.h>

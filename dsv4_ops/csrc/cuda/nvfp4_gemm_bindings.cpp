@@ -1,6 +1,6 @@
 // CUDA registration of dsv4::nvfp4_linear / nvfp4_linear_w4a4 / nvfp4_moe: argument checks (shared with the
 // CPU kernels), outputs and workspaces from the caching allocator (graph-pool aware), launch on the current
-// stream. The kernels live in nvfp4_gemm.cu.
+// stream. The kernels live in nvfp4_gemm.cu and the kernel files it names.
 // Kernel choice for y = x W^T: M <= 8 tokens -> the gemv kernel (cp.async ring); M <= 64 -> the skinny kernel;
 // 64 < M < 256 -> the tiled mma kernel; M >= 256 -> dequantize W to bf16 (exact e2m1 * block scale) + one cublasLt
 // bf16 GEMM whose epilogue applies the global scale (alpha read from device memory, so no host sync and CUDA-graph

@@ -2,7 +2,7 @@
 // ~19 MB of weights each). Opt-in (DSV4_NVFP4_BULK=1): on the H200 it is slower than the ring gemv it was written
 // to replace (bench/RESULTS.md, session 10), and stays as the measured base for the next step.
 //
-// Why: the ring gemv (nvfp4_gemm.cu) keeps a few 1 KB chunks per warp in flight, so a 19 MB projection takes
+// Why: the ring gemv (nvfp4_gemv.cu) keeps a few 1 KB chunks per warp in flight, so a 19 MB projection takes
 // ~3-4 rounds of DRAM latency (39-45% of HBM). Here each CTA (one per SM) owns a contiguous range of 16-row tiles
 // and a producer warp requests its weights with bulk async copies (cp.async.bulk: one copy per tile for the codes
 // and one for the scales, completion counted by mbarriers) into a ring of shared-memory stages as deep as shared
