@@ -104,8 +104,7 @@ using dsv4_cuda::grid_dep_wait;
 using dsv4_cuda::launch_ex;
 using namespace dsv4_nvfp4;
 
-
-constexpr int kStageChunks = 2;               // chunks per register-prefetch stage (skinny kernel)
+constexpr int kStageChunks = 2;  // chunks per register-prefetch stage (skinny kernel)
 
 // Weights are read once: keep them out of L1, let L2 prefetch the rest of the row.
 __device__ __forceinline__ uint4 ld_stream16(const void* p) {
