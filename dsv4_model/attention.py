@@ -163,8 +163,8 @@ class Attention(nn.Module):
 
     def _fp32_projections(self, x: torch.Tensor):
         """The fp32-math projections of x at decode, in one dsv4::fp32_linear call: ((wkv(x), wgate(x)) of the
-        compressor or None, the same of the indexer's compressor or None, the indexer's weights_proj(x) (rounded
-        to its weight's dtype, as the module returns it) or None)."""
+        compressor or None, the same of the indexer's compressor or None, the indexer's weights_proj(x) in fp32
+        (Indexer.select has its op round it to the weight's dtype, as the module returns it) or None)."""
         ix = self.indexer
         comp, icomp = self.compressor, (ix.compressor if ix is not None else None)
         wp = ix.weights_proj.weight if (ix is not None and ix.packed_decode()
@@ -175,7 +175,7 @@ class Attention(nn.Module):
         outs = iter(fp32_linear(x, ws))
         cproj = (next(outs), next(outs)) if comp is not None else None
         iproj = (next(outs), next(outs)) if icomp is not None else None
-        return cproj, iproj, (next(outs).to(wp.dtype) if wp is not None else None)
+        return cproj, iproj, (next(outs) if wp is not None else None)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, qkeys: torch.Tensor | None = None,
                 qmask: torch.Tensor | None = None) -> torch.Tensor:

@@ -90,10 +90,16 @@ class Indexer(nn.Module):
     def select(self, q: torch.Tensor, x: torch.Tensor, n_vis: torch.Tensor, k: int,
                proj: torch.Tensor | None = None) -> torch.Tensor:
         """Decode top-k over the packed cache: q [B, H_I, Di], x [B, dim], n_vis [B] -> int32 [B, k], -1 past
-        the valid entries. proj: weights_proj(x) if already computed (Attention._fp32_projections)."""
+        the valid entries. proj: the fp32 product of weights_proj (Attention._fp32_projections), not yet rounded
+        to the weight's dtype."""
         B = q.shape[0]
-        w = (self.weights_proj(x) if proj is None else proj).float() * self.weight_scale
-        return torch.ops.dsv4.indexer_score_topk(q, w, self.k_codes[:B], self.k_scales[:B], n_vis, k)
+        if proj is None:
+            w, dtype = self.weights_proj(x).float(), None
+        else:  # the op rounds it as the module rounds its output, and scales it: no pointwise kernel of its own
+            w, dtype = proj, self.weights_proj.weight.dtype
+            dtype = None if dtype == torch.float32 else dtype
+        return torch.ops.dsv4.indexer_score_topk(q, w, self.k_codes[:B], self.k_scales[:B], n_vis, k,
+                                                 weights_scale=self.weight_scale, weights_dtype=dtype)
 
     def scores(self, q: torch.Tensor, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """q [B, S, H_I, Di], x [B, S, dim], keys [B, T, Di] -> fp32 [B, S, T]."""

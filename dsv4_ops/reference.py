@@ -375,9 +375,14 @@ def indexer_topk_from_scores(scores: torch.Tensor, n_valid: torch.Tensor, topk: 
     return out.to(torch.int32)
 
 
-def indexer_score_topk_reference(q, weights, k_codes, k_scales, n_valid, topk: int) -> torch.Tensor:
-    """Reference of dsv4::indexer_score_topk (see docs/ops.md "## Indexer")."""
-    return indexer_topk_from_scores(indexer_scores_reference(q, weights, k_codes, k_scales), n_valid, topk)
+def indexer_score_topk_reference(q, weights, k_codes, k_scales, n_valid, topk: int, weights_scale: float = 1.0,
+                                 weights_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Reference of dsv4::indexer_score_topk (see docs/ops.md "## Indexer"). The head weights used are
+    float(weights.to(weights_dtype)) * weights_scale, one fp32 multiply (the scalar rounded to fp32 first)."""
+    assert weights_dtype in (None, torch.bfloat16, torch.float16), weights_dtype
+    w = weights.float() if weights_dtype is None else weights.float().to(weights_dtype).float()
+    w = w * weights_scale
+    return indexer_topk_from_scores(indexer_scores_reference(q, w, k_codes, k_scales), n_valid, topk)
 
 
 # ======================================================================================================

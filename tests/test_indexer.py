@@ -252,6 +252,114 @@ def test_random_inputs_match_reference_within_tolerance(device, q_dtype):
     assert_topk_close(got, scores, nv, topk, rtol=1e-5 if q_dtype == torch.bfloat16 else 5e-5)
 
 
+# weights_scale / weights_dtype: the model's `weights_proj(x).to(bf16).float() * weight_scale`, done by the op.
+
+MODEL_SCALE = 128**-0.5 * 64**-0.5  # V4's Indexer.weight_scale: not a power of two
+MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
+
+
+def tie_weights(B, H, dtype, seed):
+    """fp32 weights exactly halfway between two neighbours in `dtype`, which round (to even) onto -1, 1/2, 1 or 2:
+    half from above, half from below. Rounded, exact_inputs' scores stay exact; unrounded, the ties break."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.tensor([-1.0, 0.5, 1.0, 2.0])[torch.randint(0, 4, (B, H), generator=g)]
+    ulp = t.abs() * 2.0 ** -MANTISSA_BITS[dtype]  # the spacing above a power of two (below it: half of that)
+    below = torch.rand(B, H, generator=g) < 0.5
+    w = torch.where(below, t - t.sign() * ulp / 4, t + t.sign() * ulp / 2)
+    assert torch.equal(w.to(dtype).float(), t) and (w != t).all()
+    return w
+
+
+def rounding_rows(D, dtype, device):
+    """2 rows, 2 heads, 2 keys; q[:, h] = e_h and each key is one unit vector, so a key's score is one head's
+    weight. Row 0: key 0 scored by head 1 (weight 1), key 1 by head 0 (1 + half an ulp, rounds down to 1); row 1:
+    key 0 by head 0 (1 - a quarter ulp, rounds up to 1), key 1 by head 1 (1). Rounded, both rows are exact ties
+    (order [0, 1]); unrounded, both orders are [1, 0]."""
+    ulp = 2.0 ** -MANTISSA_BITS[dtype]
+    q = torch.zeros(2, 2, D, dtype=torch.bfloat16)
+    q[:, 0, 0] = q[:, 1, 1] = 1.0
+    w = torch.tensor([[1.0 + ulp / 2, 1.0], [1.0 - ulp / 4, 1.0]])
+    codes = torch.zeros(2, 2, D // 2, dtype=torch.uint8)
+    codes[0, 0, 0], codes[0, 1, 0] = 0x20, 0x02  # code 2 (= 1.0) in element 1 / element 0
+    codes[1, 0, 0], codes[1, 1, 0] = 0x02, 0x20
+    scales = torch.full((2, 2, D // 32), 127, dtype=torch.uint8)  # 2^0
+    return [t.to(device) for t in (q, w, codes, scales)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_weights_dtype_and_scale(device, dtype):
+    """The op's rounding + scaling equals the op on the pre-rounded, pre-scaled weights (the model's fp32 ops) and
+    the reference, ties included; a missing rounding would reorder rounding_rows."""
+    N, topk = (40, 8) if device == "cpu" else (3000, 512)
+    nv = nvalid_rows(N, topk)
+    B = len(nv)
+    n_valid = torch.tensor(nv, dtype=torch.int32, device=device)
+    q, _, c, s = exact_inputs(B, N, 64, 128, seed=30, device=device)
+    w = tie_weights(B, 64, dtype, seed=31).to(device)
+    for scale in (1.0, 0.25):  # dyadic: the scores stay exact, so the reference must agree bit for bit
+        got = OP(q, w, c, s, n_valid, topk, weights_scale=scale, weights_dtype=dtype)
+        assert torch.equal(got, OP(q, w.to(dtype).float() * scale, c, s, n_valid, topk)), scale
+        want = ref.indexer_score_topk_reference(q.cpu(), w.cpu(), c.cpu(), s.cpu(), n_valid.cpu(), topk,
+                                                weights_scale=scale, weights_dtype=dtype)
+        assert torch.equal(got.cpu(), want), scale
+
+    # random inputs, V4's scale: the same fp32 weights as the model's `proj.to(dtype).float() * scale`
+    q, w, c, s = random_inputs(B, N, 64, 128, seed=32, device=device)
+    w = w * 37.0  # weights_proj outputs are O(1) and beyond
+    got = OP(q, w, c, s, n_valid, topk, MODEL_SCALE, dtype)
+    assert torch.equal(got, OP(q, w.to(dtype).float() * MODEL_SCALE, c, s, n_valid, topk))
+    assert not torch.equal(w.to(dtype).float(), w)
+
+    q, w, c, s = rounding_rows(128, dtype, device)
+    nv2 = torch.tensor([2, 2], dtype=torch.int64, device=device)
+    got = OP(q, w, c, s, nv2, 2, weights_scale=MODEL_SCALE, weights_dtype=dtype)
+    assert got.tolist() == [[0, 1], [0, 1]]
+    want = ref.indexer_score_topk_reference(q.cpu(), w.cpu(), c.cpu(), s.cpu(), nv2.cpu(), 2, MODEL_SCALE, dtype)
+    assert torch.equal(got.cpu(), want)
+    assert OP(q, w, c, s, nv2, 2, weights_scale=MODEL_SCALE).tolist() == [[1, 0], [1, 0]]
+
+
+def test_model_select_rounds_and_scales_in_the_op():
+    """Indexer.select on decode's fp32 weights_proj product (Attention._fp32_projections) selects exactly what
+    the model selected when it did `.to(bf16).float() * weight_scale` in PyTorch, and nothing runs between that
+    product and the op (no pointwise kernel in the compiled step)."""
+    from dsv4_model.checkpoint_writer import TINY_CONFIG
+    from dsv4_model.config import ModelConfig
+    from dsv4_model.indexer import Indexer
+    from dsv4_model.layers import fp32_linear
+
+    cfg = ModelConfig(**{**TINY_CONFIG, "index_head_dim": 64, "index_n_heads": 64}).validate()
+    B, k = 2, 16
+    ix = Indexer(cfg, 4, torch.bfloat16, max_batch=B, max_seq_len=256)
+    ix.alloc_runtime("cpu", torch.bfloat16)
+    g = torch.Generator().manual_seed(40)
+    ix.weights_proj.weight.copy_(torch.randn(ix.weights_proj.weight.shape, generator=g))
+    ix.store_prefill(torch.randn(B, ix.n_entries, ix.head_dim, generator=g).to(torch.bfloat16))
+    assert ix.packed_decode()
+    x = torch.randn(B, cfg.dim, generator=g).to(torch.bfloat16)
+    q = torch.randn(B, ix.n_heads, ix.head_dim, generator=g).to(torch.bfloat16)
+    n_vis = torch.tensor([ix.n_entries, 40])
+    proj = fp32_linear(x, [ix.weights_proj.weight])[0]
+    assert proj.dtype == torch.float32 and not torch.equal(proj.to(torch.bfloat16).float(), proj)
+
+    got = ix.select(q, x, n_vis, k, proj)
+    before = OP(q, proj.to(torch.bfloat16).float() * ix.weight_scale, ix.k_codes[:B], ix.k_scales[:B], n_vis, k)
+    assert torch.equal(got, before)
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(lambda q, x, n, p: ix.select(q, x, n, k, p), backend=backend, fullgraph=True)(q, x, n_vis, proj)
+    (gm,) = graphs
+    (node,) = [n for n in gm.graph.nodes if n.op == "call_function" and "indexer_score_topk" in str(n.target)]
+    weights = node.args[1] if len(node.args) > 1 else node.kwargs["weights"]
+    assert weights.op == "placeholder", f"weights computed in the graph: {weights.format_node()}"
+
+
 def test_small_N_and_topk_edge_cases_cpu():
     for N, topk, nv in [(5, 8, [0, 3, 5]), (1, 1, [1, 0, 1]), (0, 4, [0, 2, 0]), (6, 0, [6, 2, 1])]:
         q, w, c, s = exact_inputs(len(nv), N, 4, 32, seed=N)
@@ -273,6 +381,17 @@ def test_input_validation_cpu():
         OP(q, w, c, s, nv.float(), 4)
     with pytest.raises(RuntimeError, match="k_codes must be"):
         OP(q, w, c[:, :, :16], s, nv, 4)
+    with pytest.raises(RuntimeError, match="weights_dtype must be bfloat16, float16 or None, got Int"):
+        OP(q, w, c, s, nv, 4, weights_dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="weights_dtype must be bfloat16, float16 or None"):
+        OP(q, w, c, s, nv, 4, 0.5, torch.float32)
+
+
+def test_fake_rejects_bad_weights_dtype():
+    q, w, c, s = exact_inputs(2, 10, 4, 64, device="meta")
+    nv = torch.empty(2, dtype=torch.int32, device="meta")
+    with pytest.raises(RuntimeError, match="weights_dtype must be bfloat16, float16 or None"):
+        OP(q, w, c, s, nv, 4, weights_dtype=torch.int32)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -281,18 +400,24 @@ def test_input_validation_cpu():
 
 
 def _opcheck_samples(device):
+    """(args, kwargs) pairs."""
     q, w, c, s = exact_inputs(3, 40, 64, 128, device=device, seed=4)
     q2, w2, c2, s2 = random_inputs(2, 9, 64, 128, q_dtype=torch.float32, device=device, seed=5)
+    nv = torch.tensor([40, 7, 0], dtype=torch.int32, device=device)
+    nv2 = torch.tensor([9, 3], dtype=torch.int64, device=device)
     return [
-        (q, w, c, s, torch.tensor([40, 7, 0], dtype=torch.int32, device=device), 8),
-        (q2, w2, c2, s2, torch.tensor([9, 3], dtype=torch.int64, device=device), 16),
+        ((q, w, c, s, nv, 8), {}),
+        ((q2, w2, c2, s2, nv2, 16), {}),
+        ((q, tie_weights(3, 64, torch.bfloat16, seed=6).to(device), c, s, nv, 8),
+         dict(weights_scale=MODEL_SCALE, weights_dtype=torch.bfloat16)),
+        ((q2, w2 * 37.0, c2, s2, nv2, 16, 0.5, torch.float16), {}),
     ]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
-    for args in _opcheck_samples(device):
-        torch.library.opcheck(OP.default, args)
+    for args, kwargs in _opcheck_samples(device):
+        torch.library.opcheck(OP.default, args, kwargs)
 
 
 def test_fake_shapes():
@@ -320,6 +445,9 @@ def test_compiled_fullgraph_cpu():
     def step(q, w, c, s, nv):
         return OP(q * 1.0, w, c, s, nv + 0, 8)
 
+    def step_lowp(q, w, c, s, nv):
+        return OP(q * 1.0, w, c, s, nv + 0, 8, weights_scale=0.25, weights_dtype=torch.bfloat16)
+
     q, w, c, s = exact_inputs(3, 50, 8, 64, seed=6)
     nv = torch.tensor([50, 20, 8], dtype=torch.int32)
     counters.clear()
@@ -328,6 +456,11 @@ def test_compiled_fullgraph_cpu():
     assert not counters["graph_break"]
     assert torch.equal(got, step(q, w, c, s, nv))
     assert torch.equal(got, ref.indexer_score_topk_reference(q, w, c, s, nv, 8))
+    w = tie_weights(3, 8, torch.bfloat16, seed=7)
+    got = torch.compile(step_lowp, fullgraph=True, dynamic=False)(q, w, c, s, nv)
+    assert not counters["graph_break"]
+    assert torch.equal(got, step_lowp(q, w, c, s, nv))
+    assert torch.equal(got, ref.indexer_score_topk_reference(q, w, c, s, nv, 8, 0.25, torch.bfloat16))
 
 
 @pytest.mark.cuda
@@ -395,4 +528,6 @@ def test_cuda_limits_are_reported():
     q, w, c, s = exact_inputs(2, 10, 4, 128, device="cuda")
     with pytest.raises(RuntimeError, match="topk <= 4096"):
         OP(q, w, c, s, nv, 4097)
+    with pytest.raises(RuntimeError, match="weights_dtype must be bfloat16, float16 or None, got Int"):
+        OP(q, w, c, s, nv, 4, weights_dtype=torch.int32)
     assert OP(q, w, c, s, nv, 0).shape == (2, 0)

@@ -31,10 +31,12 @@ TORCH_LIBRARY(dsv4, m) {
   // ---- lightning indexer (issue 2) ----
   // Decode-time DeepSeek-V4 lightning indexer: score[b,i] = sum_h weights[b,h] * relu(q[b,h] . k[b,i]) over FP4
   // (E2M1 codes + UE8M0 block-32 scales) keys i < n_valid[b]; returns int32 [B, topk] indices sorted by
-  // (score desc, index asc), -1 padded. See docs/ops.md "## Indexer".
+  // (score desc, index asc), -1 padded. The head weight used is float(weights.to(weights_dtype)) * weights_scale
+  // (fp32; weights_dtype bf16 / fp16 or None): the model's rounding and scaling of weights_proj ride in the op.
+  // See docs/ops.md "## Indexer".
   m.def(
-      "indexer_score_topk(Tensor q, Tensor weights, Tensor k_codes, Tensor k_scales, Tensor n_valid, int topk) "
-      "-> Tensor");
+      "indexer_score_topk(Tensor q, Tensor weights, Tensor k_codes, Tensor k_scales, Tensor n_valid, int topk, "
+      "float weights_scale=1.0, ScalarType? weights_dtype=None) -> Tensor");
 
   // ---- sampler (issue 3) ----
   // Per-row greedy (temperature <= 0) or temperature / top-k (0 = off) / top-p (>= 1 = off) sampling with a

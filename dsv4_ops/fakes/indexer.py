@@ -2,7 +2,7 @@
 import torch
 
 
-def _indexer_score_topk_fake(q, weights, k_codes, k_scales, n_valid, topk):
+def _indexer_score_topk_fake(q, weights, k_codes, k_scales, n_valid, topk, weights_scale=1.0, weights_dtype=None):
     torch._check(q.dim() == 3, lambda: f"dsv4::indexer_score_topk: q must be [B, H, D], got {tuple(q.shape)}")
     torch._check(q.dtype in (torch.bfloat16, torch.float32),
                  lambda: f"dsv4::indexer_score_topk: q must be bfloat16 or float32, got {q.dtype}")
@@ -22,6 +22,9 @@ def _indexer_score_topk_fake(q, weights, k_codes, k_scales, n_valid, topk):
     torch._check(n_valid.dtype in (torch.int32, torch.int64),
                  lambda: "dsv4::indexer_score_topk: n_valid must be int32 or int64")
     torch._check(topk >= 0, lambda: "dsv4::indexer_score_topk: topk must be >= 0")
+    torch._check(weights_dtype in (None, torch.bfloat16, torch.float16),
+                 lambda: "dsv4::indexer_score_topk: weights_dtype must be bfloat16, float16 or None, got "
+                 f"{weights_dtype}")
     return q.new_empty((B, topk), dtype=torch.int32)
 
 

@@ -3,6 +3,8 @@
 // (the CUDA kernel sums in another order, so scores may differ in the last bits; exact-input results agree).
 // Ranking uses the same total order as the CUDA kernel: the float mapped to an order-preserving uint32
 // (with -0 folded onto +0) descending, then the index ascending.
+// The head weights are rounded to weights_dtype (RNE, as Tensor.to) and multiplied by fp32(weights_scale) once
+// per (b, h), the same fp32 operations as the model's `proj.to(bf16).float() * scale`.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -10,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -26,7 +29,8 @@ inline uint32_t order_key(float f) {
 }
 
 void check_inputs(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_codes,
-                  const at::Tensor& k_scales, const at::Tensor& n_valid, int64_t topk) {
+                  const at::Tensor& k_scales, const at::Tensor& n_valid, int64_t topk,
+                  std::optional<at::ScalarType> weights_dtype) {
   TORCH_CHECK(q.dim() == 3, "dsv4::indexer_score_topk: q must be [B, H, D], got ", q.sizes());
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat,
               "dsv4::indexer_score_topk: q must be bfloat16 or float32, got ", q.scalar_type());
@@ -54,22 +58,41 @@ void check_inputs(const at::Tensor& q, const at::Tensor& weights, const at::Tens
   TORCH_CHECK(n_valid.scalar_type() == at::kInt || n_valid.scalar_type() == at::kLong,
               "dsv4::indexer_score_topk: n_valid must be int32 or int64, got ", n_valid.scalar_type());
   TORCH_CHECK(topk >= 0, "dsv4::indexer_score_topk: topk must be >= 0, got ", topk);
+  TORCH_CHECK(!weights_dtype || *weights_dtype == at::kBFloat16 || *weights_dtype == at::kHalf,
+              "dsv4::indexer_score_topk: weights_dtype must be bfloat16, float16 or None, got ", *weights_dtype);
   for (const at::Tensor* t : {&weights, &k_codes, &k_scales, &n_valid})
     TORCH_CHECK(t->device() == q.device(), "dsv4::indexer_score_topk: all inputs must be on ", q.device(),
                 ", got one on ", t->device());
 }
 
+// float(w.to(dtype)) * scale in fp32, for every head weight.
+std::vector<float> effective_weights(const at::Tensor& weights, double weights_scale,
+                                     std::optional<at::ScalarType> weights_dtype) {
+  const at::Tensor wc = weights.contiguous();
+  const float* src = wc.data_ptr<float>();
+  const float scale = static_cast<float>(weights_scale);
+  std::vector<float> w(wc.numel());
+  for (size_t i = 0; i < w.size(); ++i) {
+    float v = src[i];
+    if (weights_dtype == at::kBFloat16) v = static_cast<float>(c10::BFloat16(v));
+    else if (weights_dtype == at::kHalf) v = static_cast<float>(c10::Half(v));
+    w[i] = v * scale;
+  }
+  return w;
+}
+
 at::Tensor indexer_score_topk_cpu(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_codes,
-                                  const at::Tensor& k_scales, const at::Tensor& n_valid, int64_t topk) {
-  check_inputs(q, weights, k_codes, k_scales, n_valid, topk);
+                                  const at::Tensor& k_scales, const at::Tensor& n_valid, int64_t topk,
+                                  double weights_scale, std::optional<at::ScalarType> weights_dtype) {
+  check_inputs(q, weights, k_codes, k_scales, n_valid, topk, weights_dtype);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), N = k_codes.size(1);
   const at::Tensor qf = q.to(at::kFloat).contiguous();
-  const at::Tensor wf = weights.contiguous();
+  const std::vector<float> wf = effective_weights(weights, weights_scale, weights_dtype);
   const at::Tensor kc = k_codes.contiguous(), ks = k_scales.contiguous();
   const at::Tensor nv64 = n_valid.to(at::kLong).contiguous();
   at::Tensor out = at::full({B, topk}, -1, q.options().dtype(at::kInt));
   const float* qp = qf.data_ptr<float>();
-  const float* wp = wf.data_ptr<float>();
+  const float* wp = wf.data();
   const uint8_t* cp = kc.data_ptr<uint8_t>();
   const uint8_t* sp = ks.data_ptr<uint8_t>();
   const int64_t* nvp = nv64.data_ptr<int64_t>();

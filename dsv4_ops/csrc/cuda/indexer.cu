@@ -6,6 +6,8 @@
 // N. The epilogue applies relu, the head weights and the head sum (shuffles within a warp, then a fixed-order sum
 // over the warps of a key group) and stores each score as an order-preserving uint32.
 // fp32 q is split into bf16 hi + lo (two MMAs into one accumulator): per-element error <= 2^-17 relative.
+// Each head weight is rounded to bf16 / fp16 (RNE, as Tensor.to) and scaled in fp32 where it is loaded, so the
+// model's `proj.to(bf16).float() * scale` needs no kernel of its own.
 //
 // Kernel 2 (indexer_topk_kernel): a cluster of 8 CTAs per row runs an MSB-first radix select (8-bit digits) on
 // the 64-bit composite (score key << 32 | (N-1-i)). Composites are distinct, so the top-k set is exactly
@@ -15,6 +17,7 @@
 // the host; shapes are static, so the op is CUDA-graph safe.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -103,6 +106,13 @@ __device__ __forceinline__ uint32_t order_key(float f) {
   return (u >> 31) ? ~u : (u | 0x80000000u);
 }
 
+// float(w.to(bf16 / fp16)) * scale: the same fp32 operations as the model's weight in PyTorch.
+__device__ __forceinline__ float effective_weight(float w, int round, float scale) {
+  if (round == 1) w = __bfloat162float(__float2bfloat16_rn(w));
+  else if (round == 2) w = __half2float(__float2half_rn(w));
+  return __fmul_rn(w, scale);
+}
+
 __device__ __forceinline__ long long read_n_valid(const void* n_valid, int is64, int b, int N) {
   long long v = is64 ? static_cast<const long long*>(n_valid)[b] : static_cast<const int*>(n_valid)[b];
   return v < 0 ? 0 : (v > N ? N : v);
@@ -115,8 +125,8 @@ __device__ __forceinline__ long long read_n_valid(const void* n_valid, int is64,
 // fp32 q: warp = (head group of 16 heads, slabs = hi and lo parts) x (key group of 32 keys = 4 n8 tiles); 4 x 2.
 template <bool kSplit>
 __global__ void __launch_bounds__(kThreads, 2)
-    indexer_score_kernel(const void* __restrict__ q, const float* __restrict__ weights,
-                         const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,
+    indexer_score_kernel(const void* __restrict__ q, const float* __restrict__ weights, int weights_round,
+                         float weights_scale, const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,
                          const void* __restrict__ n_valid, int nv_is64, int H, int N, uint32_t* __restrict__ keys_out,
                          int pdl) {
   dsv4_cuda::grid_dep_wait();
@@ -195,12 +205,13 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
     }
   }
+  const float* wrow = weights + static_cast<size_t>(b) * H;
 #pragma unroll
   for (int s = 0; s < kNAcc; ++s) {
     const int hbase = kSplit ? hg * 16 : hg * 32 + s * 16;
     const int h0 = hbase + g, h1 = hbase + g + 8;
-    w[s][0] = h0 < H ? weights[static_cast<size_t>(b) * H + h0] : 0.0f;
-    w[s][1] = h1 < H ? weights[static_cast<size_t>(b) * H + h1] : 0.0f;
+    w[s][0] = h0 < H ? effective_weight(wrow[h0], weights_round, weights_scale) : 0.0f;
+    w[s][1] = h1 < H ? effective_weight(wrow[h1], weights_round, weights_scale) : 0.0f;
   }
 
   for (int it = 0;; ++it) {
@@ -467,13 +478,15 @@ DeviceInfo& device_info() {
 // Largest topk the CUDA kernel supports (the winners are sorted in one CTA's shared memory).
 extern "C" int dsv4_indexer_max_topk() { return kMaxTopk; }
 
-// q: [B, H, 128] bf16 (q_is_fp32 = 0) or fp32; weights [B, H] fp32; codes [B, N, 64] and scales [B, N, 4] uint8,
-// contiguous, codes 16-byte and scales 4-byte aligned; n_valid [B] int32 or int64; keys_scratch [B, N] uint32;
-// out [B, topk] int32. H <= 64, 1 <= topk <= 4096, B <= 65535. Returns cudaSuccess or the launch error.
-extern "C" cudaError_t dsv4_indexer_score_topk_launch(const void* q, int q_is_fp32, const float* weights, const uint8_t* codes,
-                                           const uint8_t* scales, const void* n_valid, int nv_is64, int B, int H,
-                                           int N, int topk, uint32_t* keys_scratch, int32_t* out,
-                                           cudaStream_t stream) {
+// q: [B, H, 128] bf16 (q_is_fp32 = 0) or fp32; weights [B, H] fp32, each used as float(round(w)) * weights_scale
+// (weights_round 0: as is, 1: bf16, 2: fp16); codes [B, N, 64] and scales [B, N, 4] uint8, contiguous, codes
+// 16-byte and scales 4-byte aligned; n_valid [B] int32 or int64; keys_scratch [B, N] uint32; out [B, topk] int32.
+// H <= 64, 1 <= topk <= 4096, B <= 65535. Returns cudaSuccess or the launch error.
+extern "C" cudaError_t dsv4_indexer_score_topk_launch(const void* q, int q_is_fp32, const float* weights,
+                                                      int weights_round, float weights_scale, const uint8_t* codes,
+                                                      const uint8_t* scales, const void* n_valid, int nv_is64, int B,
+                                                      int H, int N, int topk, uint32_t* keys_scratch, int32_t* out,
+                                                      cudaStream_t stream) {
   if (B == 0 || topk == 0) return cudaSuccess;
   DeviceInfo& info = device_info();
   if (N > 0) {
@@ -484,11 +497,11 @@ extern "C" cudaError_t dsv4_indexer_score_topk_launch(const void* q, int q_is_fp
     const dim3 grid(gx, B);
     const bool pdl = decode_pdl();
     if (q_is_fp32)
-      launch_ex(pdl, indexer_score_kernel<true>, grid, dim3(kThreads), 0, stream, q, weights, codes, scales,
-                n_valid, nv_is64, H, N, keys_scratch, int(pdl));
+      launch_ex(pdl, indexer_score_kernel<true>, grid, dim3(kThreads), 0, stream, q, weights, weights_round,
+                weights_scale, codes, scales, n_valid, nv_is64, H, N, keys_scratch, int(pdl));
     else
-      launch_ex(pdl, indexer_score_kernel<false>, grid, dim3(kThreads), 0, stream, q, weights, codes, scales,
-                n_valid, nv_is64, H, N, keys_scratch, int(pdl));
+      launch_ex(pdl, indexer_score_kernel<false>, grid, dim3(kThreads), 0, stream, q, weights, weights_round,
+                weights_scale, codes, scales, n_valid, nv_is64, H, N, keys_scratch, int(pdl));
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <optional>
 
 #include "cuda/launchers.h"
 
@@ -20,7 +21,8 @@ at::Tensor aligned(const at::Tensor& t, int64_t bytes) {
 }
 
 at::Tensor indexer_score_topk_cuda(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_codes,
-                                   const at::Tensor& k_scales, const at::Tensor& n_valid, int64_t topk) {
+                                   const at::Tensor& k_scales, const at::Tensor& n_valid, int64_t topk,
+                                   double weights_scale, std::optional<at::ScalarType> weights_dtype) {
   const char* op = "dsv4::indexer_score_topk: ";
   TORCH_CHECK(q.is_cuda(), op, "q must be a CUDA tensor");
   TORCH_CHECK(q.dim() == 3, op, "q must be [B, H, D], got ", q.sizes());
@@ -47,6 +49,8 @@ at::Tensor indexer_score_topk_cuda(const at::Tensor& q, const at::Tensor& weight
   TORCH_CHECK(n_valid.scalar_type() == at::kInt || n_valid.scalar_type() == at::kLong, op,
               "n_valid must be int32 or int64, got ", n_valid.scalar_type());
   TORCH_CHECK(topk >= 0, op, "topk must be >= 0, got ", topk);
+  TORCH_CHECK(!weights_dtype || *weights_dtype == at::kBFloat16 || *weights_dtype == at::kHalf, op,
+              "weights_dtype must be bfloat16, float16 or None, got ", *weights_dtype);
   TORCH_CHECK(topk <= dsv4_indexer_max_topk(), op, "the CUDA kernel supports topk <= ", dsv4_indexer_max_topk(),
               ", got ", topk);
   for (const at::Tensor* t : {&weights, &k_codes, &k_scales, &n_valid})
@@ -56,14 +60,16 @@ at::Tensor indexer_score_topk_cuda(const at::Tensor& q, const at::Tensor& weight
   const bool q32 = q.scalar_type() == at::kFloat;
   const at::Tensor qc = aligned(q, 8), wc = aligned(weights, 4), cc = aligned(k_codes, 16),
                    sc = aligned(k_scales, 4), nc = n_valid.contiguous();
+  const int weights_round = !weights_dtype ? 0 : *weights_dtype == at::kBFloat16 ? 1 : 2;
   at::Tensor out = at::empty({B, topk}, q.options().dtype(at::kInt));
   if (B == 0 || topk == 0) return out;
   at::Tensor scratch = at::empty({B, N}, q.options().dtype(at::kInt));
   const cudaError_t err = dsv4_indexer_score_topk_launch(
-      qc.data_ptr(), q32 ? 1 : 0, wc.data_ptr<float>(), cc.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(),
-      nc.data_ptr(), n_valid.scalar_type() == at::kLong ? 1 : 0, static_cast<int>(B), static_cast<int>(H),
-      static_cast<int>(N), static_cast<int>(topk), reinterpret_cast<uint32_t*>(scratch.data_ptr<int32_t>()),
-      out.data_ptr<int32_t>(), c10::cuda::getCurrentCUDAStream().stream());
+      qc.data_ptr(), q32 ? 1 : 0, wc.data_ptr<float>(), weights_round, static_cast<float>(weights_scale),
+      cc.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(), nc.data_ptr(), n_valid.scalar_type() == at::kLong ? 1 : 0,
+      static_cast<int>(B), static_cast<int>(H), static_cast<int>(N), static_cast<int>(topk),
+      reinterpret_cast<uint32_t*>(scratch.data_ptr<int32_t>()), out.data_ptr<int32_t>(),
+      c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, op, "kernel launch failed: ", cudaGetErrorString(err));
   return out;
 }

@@ -35,7 +35,9 @@ extern "C" cudaError_t dsv4_hadamard_fp4_launch(const void* x, int x_fp32, const
 
 // indexer.cu
 extern "C" int dsv4_indexer_max_topk();
+// weights_round: 0 none, 1 bf16, 2 fp16 (each weight is rounded to it, then multiplied by weights_scale in fp32)
 extern "C" cudaError_t dsv4_indexer_score_topk_launch(const void* q, int q_is_fp32, const float* weights,
+                                                      int weights_round, float weights_scale,
                                                       const uint8_t* codes, const uint8_t* scales,
                                                       const void* n_valid, int nv_is64, int B, int H, int N,
                                                       int topk, uint32_t* keys_scratch, int32_t* out,
