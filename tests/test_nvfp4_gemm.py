@@ -514,50 +514,6 @@ def test_linear_cuda_decode_kernels(n, k):
             assert bool(((out32 - ref32).abs() <= 4e-5 * bound + 1e-30).all()), f"cuda {choice} w4a4 {m}x{n}x{k}"
 
 
-# (1000, 4096): a partial last tile; (4096, 3072): K not a power of two; (2048, 1024) / (136, 256): 2 / 8 tiles per
-# stage; (32768, 1024): V4-Flash wq_b, 8 stages per CTA (a 2-stage ring refills).
-@pytest.mark.cuda
-@pytest.mark.kernels
-@pytest.mark.parametrize("n,k", [(1000, 4096), (4096, 3072), (2048, 1024), (136, 256), (32768, 1024)])
-def test_linear_cuda_bulk_kernel(n, k):
-    """The bulk-copy gemv (opt-in, DSV4_NVFP4_BULK=1: wherever it applies, M <= 2 and K % 256 == 0): plain, W4A4
-    (fp32 out), grouped and multi launches equal the reference, the default kernel within the same bound; a ring
-    of 2 stages (refilled as consumed) and PDL off give the same bits; CUDA-graph replay with new activations."""
-    gen = torch.Generator().manual_seed(n + k)
-    for m in (1, 2):
-        x, w, ref32, bound = linear_case(n, k, m, gen, "cuda")
-        with env_var("DSV4_NVFP4_BULK", "1"):
-            out = ops.nvfp4_linear(x, *w)
-            with env_var("DSV4_NVFP4_PDL", "0"):
-                assert torch.equal(ops.nvfp4_linear(x, *w), out), f"bulk without PDL {m}x{n}x{k}"
-            with env_var("DSV4_NVFP4_BULK_STAGES", "2"):
-                assert torch.equal(ops.nvfp4_linear(x, *w), out), f"bulk, 2-stage ring {m}x{n}x{k}"
-        assert_bf16_close(out, ref32, bound, f"cuda bulk linear {m}x{n}x{k}")
-        assert_bf16_close(ops.nvfp4_linear(x, *w), ref32, bound, f"cuda ring gemv linear {m}x{n}x{k}")
-        xq, w4, ref4, bound4 = w4a4_case(n, k, (m,), gen, "cuda")
-        with env_var("DSV4_NVFP4_BULK", "1"):
-            out32 = ops.nvfp4_linear_w4a4(*xq, *w4, torch.float32)
-        assert bool(((out32 - ref4).abs() <= 4e-5 * bound4 + 1e-30).all()), f"cuda bulk w4a4 {m}x{n}x{k}"
-        with env_var("DSV4_NVFP4_BULK", "1"):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                static_out = ops.nvfp4_linear(x, *w)
-            x.copy_(rand_x(x.shape, gen, "cuda"))
-            graph.replay()
-            assert torch.equal(static_out, ops.nvfp4_linear(x, *w)), f"bulk graph replay {m}x{n}x{k}"
-    g = 3 if n <= 2048 else 2
-    for m in (1, 2):
-        x, w, _, ref32, bound = grouped_case(g, min(n, 1000), k, (m,), gen, "cuda")
-        with env_var("DSV4_NVFP4_BULK", "1"):
-            out = ops.nvfp4_linear_grouped(x, *w)
-        assert_bf16_close(out, ref32, bound, f"cuda bulk grouped {m}x{g}x{n}x{k}")
-        x, w, refs, bounds = multi_case((min(n, 1000), 40, 24), k, (m,), gen, "cuda")
-        with env_var("DSV4_NVFP4_BULK", "1"):
-            outs = ops.nvfp4_linear_multi(x, *w)
-        for i, (o, r, b) in enumerate(zip(outs, refs, bounds)):
-            assert_bf16_close(o, r, b, f"cuda bulk multi {m} seg {i} ({n}x{k})")
-
-
 @pytest.mark.cuda
 @pytest.mark.kernels
 @pytest.mark.parametrize("m", [1, 5, 64, 300])

@@ -408,8 +408,6 @@ extern "C" cudaError_t dsv4_nvfp4_linear_launch(const Nvfp4LinearArgs* a, cudaSt
   }
   const int ny = a->nseg > 0 ? a->nseg : p.G;  // blockIdx.y: groups or segments
   if (a->gemv && a->M <= 8 && reinterpret_cast<uintptr_t>(a->x) % 16 == 0) {
-    const cudaError_t bulk = dsv4_nvfp4_gemv_bulk_launch(a, stream);  // opt-in (nvfp4_gemv_bulk.cu)
-    if (bulk != cudaErrorNotSupported) return bulk;
     p.pdl = a->pdl;
     int occ = 2;
     plan_gemv(a->M <= 2 ? 2 : 8, ntiles, nchunks, ny, p.kw, p.rt, occ);

@@ -64,9 +64,6 @@ struct Nvfp4MoeArgs {
 extern "C" {
 #endif
 cudaError_t dsv4_nvfp4_linear_launch(const Nvfp4LinearArgs* a, cudaStream_t stream);
-// The bulk-copy GEMV for dense projections at M <= 2 (nvfp4_gemv_bulk.cu; opt-in: DSV4_NVFP4_BULK=1);
-// cudaErrorNotSupported when it is off or the shape rules it out (the caller then runs the ring gemv).
-cudaError_t dsv4_nvfp4_gemv_bulk_launch(const Nvfp4LinearArgs* a, cudaStream_t stream);
 cudaError_t dsv4_nvfp4_dequant_act_launch(const Nvfp4DequantActArgs* a, cudaStream_t stream);
 // Kernel-layout weight [N, Kp/2] -> bf16 e2m1 * block scale [N, K] (no global scale), exact.
 cudaError_t dsv4_nvfp4_dequant_weight_launch(const uint8_t* w, const uint8_t* s, int64_t N, int64_t K, void* out,

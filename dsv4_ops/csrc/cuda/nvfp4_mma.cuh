@@ -1,5 +1,5 @@
-// Device primitives shared by the NVFP4 weight kernels (nvfp4_gemv.cu, nvfp4_skinny.cu, nvfp4_tiled.cu,
-// nvfp4_gemv_bulk.cu): the kernel-layout word decode to bf16x2, the block-scale pairs, the bf16 mma of one chunk,
+// Device primitives shared by the NVFP4 weight kernels (nvfp4_gemv.cu, nvfp4_skinny.cu, nvfp4_tiled.cu): the
+// kernel-layout word decode to bf16x2, the block-scale pairs, the bf16 mma of one chunk,
 // the output store. Layout and exactness argument: nvfp4_gemm.cu's file comment.
 #pragma once
 #include <cuda_bf16.h>
