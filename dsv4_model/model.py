@@ -83,26 +83,40 @@ class Block(nn.Module):
         x, post, comb = self._pre(h, site)
         return norm(x), post, comb
 
+    def _fuses_post(self, site: str, out_dtype: torch.dtype, h_dtype: torch.dtype) -> bool:
+        """Whether _post_pre_normed folds a sublayer output of out_dtype into streams of h_dtype with one
+        dsv4::hc_post_pre call."""
+        return (not torch.is_grad_enabled() and _fused_hc() and _fused_hc_post() and out_dtype == h_dtype
+                and getattr(self, f"hc_{site}_fn").dtype in (torch.float32, torch.bfloat16))
+
     def _post_pre_normed(self, h: torch.Tensor, pending, site: str, norm: RMSNorm):
         """hc_post of pending (the previous sublayer's (out, post, comb), or None) into the streams h, then
-        _pre_normed: one dsv4::hc_post_pre call where _fused_hc_post allows it. Returns (h, x, post, comb)."""
-        fn = getattr(self, f"hc_{site}_fn")
-        if (pending is not None and not torch.is_grad_enabled() and _fused_hc() and _fused_hc_post()
-                and fn.dtype in (torch.float32, torch.bfloat16) and pending[0].dtype == h.dtype):
-            return torch.ops.dsv4.hc_post_pre(*pending[:1], h, *pending[1:], fn,
+        _pre_normed: one dsv4::hc_post_pre call where _fused_hc_post allows it. Returns (h, x, post, comb).
+        A pending of 5 entries (rows, post, comb, ids, n_experts) holds the MoE's uncombined expert rows
+        (MoE.decode_rows), which only that call can fold."""
+        if pending is not None and (len(pending) == 5 or self._fuses_post(site, pending[0].dtype, h.dtype)):
+            rows = pending[3:] if len(pending) == 5 else ()
+            return torch.ops.dsv4.hc_post_pre(pending[0], h, pending[1], pending[2], getattr(self, f"hc_{site}_fn"),
                                               getattr(self, f"hc_{site}_scale").float(),
                                               getattr(self, f"hc_{site}_base").float(), norm.weight.float(),
-                                              self.iters, self.hc_eps, self.norm_eps, norm.eps)
+                                              self.iters, self.hc_eps, self.norm_eps, norm.eps, *rows)
         if pending is not None:
             h = hc_post(pending[0], h, pending[1], pending[2])
         return (h, *self._pre_normed(h, site, norm))
 
-    def decode(self, h: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, rope: dict, pending=None):
+    def decode(self, h: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, rope: dict, pending=None,
+               next_block: "Block | None" = None):
         """One token per row. pending: the previous block's ffn (out, post, comb) not yet folded into the streams h
-        (its hc_post runs fused with this block's first hc_pre); returns (h, pending) the same way."""
+        (its hc_post runs fused with this block's first hc_pre); returns (h, pending) the same way. With
+        next_block (the block that folds this pending), an NVFP4 MoE's expert rows go to it uncombined where its
+        hc_post_pre can sum them (one combine kernel less per layer)."""
         h, x, post, comb = self._post_pre_normed(h, pending, "attn", self.attn_norm)
         out = self.attn.decode(x, positions, rope[self.attn.rope_kind])
         h, x, post, comb = self._post_pre_normed(h, (out, post, comb), "ffn", self.ffn_norm)
+        if next_block is not None and _fused_moe_rows() and next_block._fuses_post("attn", torch.bfloat16, h.dtype):
+            rows = self.ffn.decode_rows(x, ids)
+            if rows is not None:
+                return h, (rows[0], post, comb, *rows[1:])
         return h, (self.ffn(x, ids, static=True), post, comb)
 
 
@@ -133,6 +147,13 @@ def _fused_hc_post() -> bool:
     dsv4::hc_post_pre call instead of hc_post + hc_pre (one kernel less per sublayer). On unless
     DSV4_FUSED_HC_POST=0. Read when the step is traced."""
     return fused_on("DSV4_FUSED_HC_POST")
+
+
+def _fused_moe_rows() -> bool:
+    """Decode hands an NVFP4 MoE's uncombined expert rows (dsv4::nvfp4_moe_rows) to the next block's
+    dsv4::hc_post_pre, which sums them: the MoE's combine kernel goes (one kernel less per layer but the last).
+    On unless DSV4_FUSED_MOE_ROWS=0. Read when the step is traced."""
+    return fused_on("DSV4_FUSED_MOE_ROWS")
 
 
 def _param(*shape) -> nn.Parameter:
@@ -314,8 +335,9 @@ class Transformer(nn.Module):
                 rope_rows(r, positions, m)
         h = self.embed(tokens).unsqueeze(1).repeat(1, self.hc, 1)
         pending = None
-        for layer in self.layers:
-            h, pending = layer.decode(h, tokens, positions, rope, pending)
+        for i, layer in enumerate(self.layers):
+            nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
+            h, pending = layer.decode(h, tokens, positions, rope, pending, nxt)
         return self._logits(hc_post(pending[0], h, pending[1], pending[2]))
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:

@@ -140,12 +140,26 @@ class MoE(nn.Module):
         # shared_experts are None
         self.nvfp4 = None
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, static: bool = False) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, self.dim)
+    def _route(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weights, indices = self.gate(x, ids.reshape(-1))
         if self.gate.hash:  # a hash table row may repeat an expert; a top-k selection never does
             weights = dedup_weights(weights, indices)
+        return weights, indices
+
+    def decode_rows(self, x: torch.Tensor, ids: torch.Tensor):
+        """Decode (x [B, 1, dim]): the NVFP4 experts' uncombined rows for dsv4::hc_post_pre as
+        (rows [B*k (+ B), dim], topk ids [B, k], n_experts), or None where the output is not bf16 rows (bf16
+        experts, a model of another dtype): the caller then takes forward's combined output."""
+        if self.nvfp4 is None or x.dtype != torch.bfloat16 or getattr(self.nvfp4, "out_dtype", torch.bfloat16) != torch.bfloat16:
+            return None
+        x = x.reshape(-1, self.dim)
+        weights, indices = self._route(x, ids)
+        return self.nvfp4.rows(x, indices, weights), indices, self.nvfp4.n_experts
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, static: bool = False) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.dim)
+        weights, indices = self._route(x, ids)
         if self.nvfp4 is not None:  # static shapes in prefill and decode
             return self.nvfp4(x, indices, weights).to(x.dtype).view(shape)
         if static:

@@ -312,14 +312,20 @@ class Nvfp4MoE(nn.Module):
             qs = (quantize_weight(torch.cat((s1, s3), dim=-2)), quantize_weight(s2))
         return cls.from_nvfp4(q13, q2, qs, swiglu_limit)
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def _args(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple:
         sh = (None,) * 6
         if self.shared_inter:
             sh = (self.shared_w13_packed, self.shared_w13_scale, self.shared_w13_global_scale,
                   self.shared_w2_packed, self.shared_w2_scale, self.shared_w2_global_scale)
-        return torch.ops.dsv4.nvfp4_moe(x.to(torch.bfloat16), topk_ids, topk_weights.float(), self.w13_packed,
-                                        self.w13_scale, self.w13_global_scale, self.w2_packed, self.w2_scale,
-                                        self.w2_global_scale, *sh, self.swiglu_limit)
+        return (x.to(torch.bfloat16), topk_ids, topk_weights.float(), self.w13_packed, self.w13_scale,
+                self.w13_global_scale, self.w2_packed, self.w2_scale, self.w2_global_scale, *sh, self.swiglu_limit)
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return torch.ops.dsv4.nvfp4_moe(*self._args(x, topk_ids, topk_weights))
+
+    def rows(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """forward's expert rows before the combine (dsv4::nvfp4_moe_rows): bf16 [T*k (+ T), d]."""
+        return torch.ops.dsv4.nvfp4_moe_rows(*self._args(x, topk_ids, topk_weights))
 
     def extra_repr(self) -> str:
         return (f"experts={self.n_experts}, dim={self.dim}, inter={self.inter}, shared_inter={self.shared_inter}, "

@@ -149,11 +149,17 @@ class Nvfp4ModelMoE(Nvfp4MoE):
         super().__init__(n_experts, dim, inter, shared_inter, swiglu_limit, device=device)
         self.out_dtype, self.w4a4 = out_dtype, act_quant == "nvfp4"
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
         if self.w4a4:
             xp, xs, xg = torch.ops.dsv4.fused_amax_quantize_per_row(x)
             x = torch.ops.dsv4.nvfp4_dequantize(xp, xs, xg, torch.bfloat16)
-        return super().forward(x, topk_ids, topk_weights).to(self.out_dtype)
+        return x
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return super().forward(self._act(x), topk_ids, topk_weights).to(self.out_dtype)
+
+    def rows(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return super().rows(self._act(x), topk_ids, topk_weights)
 
     def load_expert_(self, e: int, w13: Nvfp4Tensor, w2: Nvfp4Tensor) -> None:
         """Expert e from canonical w13 = [gate; up] [2I, d/2] (one global scale) and w2 [d, I/2]."""

@@ -386,7 +386,7 @@ def indexer_score_topk_reference(q, weights, k_codes, k_scales, n_valid, topk: i
 
 
 # ======================================================================================================
-# NVFP4 GEMM / MoE (issue 7): dsv4::nvfp4_linear, nvfp4_linear_w4a4, nvfp4_moe
+# NVFP4 GEMM / MoE (issue 7): dsv4::nvfp4_linear, nvfp4_linear_w4a4, nvfp4_moe, nvfp4_moe_rows
 # ======================================================================================================
 # These take the CANONICAL NVFP4 layout (ModelOpt): codes uint8 [..., N, K/2] (element 2i in the low nibble),
 # float8_e4m3fn block scales [..., N, K/16], fp32 dequant-direction global scale; value = e2m1 * scale * gs.
@@ -440,15 +440,13 @@ def _moe_expert_ref(x, w13, w2, route, limit):
     return (h.to(torch.bfloat16).float() @ w2.t()).to(torch.bfloat16)
 
 
-def nvfp4_moe_ref(x, topk_ids, topk_weights, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, shared=None,
-                  swiglu_limit=10.0) -> torch.Tensor:
-    """Routed (+ shared) SwiGLU experts, DeepSeek-V4 order. x bf16 [T, d]; w13 canonical [E, 2I, d/2] with the
-    gate rows first; shared = (w13 [2Is, d/2], s13, gs13, w2 [d, Is/2], s2, gs2) or None.
-    y = bf16(sum_j fp32(o[t, j]) + fp32(o_shared[t])) summed in slot order, o = the expert's bf16 output;
-    assignments whose expert id is outside [0, E) contribute 0."""
+def nvfp4_moe_rows_ref(x, topk_ids, topk_weights, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, shared=None,
+                       swiglu_limit=10.0) -> torch.Tensor:
+    """dsv4::nvfp4_moe_rows: each assignment's expert output (bf16) before the combine, [T*k + T*has_shared, d].
+    Row t*k + j = o[t, j] = the output of expert topk_ids[t, j] for token t, routing weight applied (zeros where the
+    id is outside [0, E)); row T*k + t = the shared expert's output for token t. Arguments as nvfp4_moe_ref."""
     T, k = topk_ids.shape
     E = w13.shape[0]
-    acc = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     ids = topk_ids.long()
     outs = torch.zeros(T, k, x.shape[1], dtype=torch.bfloat16, device=x.device)
     for e in torch.unique(ids).tolist():
@@ -458,13 +456,42 @@ def nvfp4_moe_ref(x, topk_ids, topk_weights, w13, w13_scale, w13_gs, w2, w2_scal
         w13_e = nvfp4_gemm_dequant_ref(w13[e], w13_scale[e], w13_gs[e])
         w2_e = nvfp4_gemm_dequant_ref(w2[e], w2_scale[e], w2_gs[e])
         outs[t_idx, j_idx] = _moe_expert_ref(x[t_idx], w13_e, w2_e, topk_weights[t_idx, j_idx].float(), swiglu_limit)
-    for j in range(k):
-        acc = acc + outs[:, j].float()
+    rows = [outs.reshape(T * k, x.shape[1])]
     if shared is not None:
         sw13, ss13, sg13, sw2, ss2, sg2 = shared
-        acc = acc + _moe_expert_ref(x, nvfp4_gemm_dequant_ref(sw13, ss13, sg13),
-                                    nvfp4_gemm_dequant_ref(sw2, ss2, sg2), None, swiglu_limit).float()
-    return acc.to(torch.bfloat16)
+        rows.append(_moe_expert_ref(x, nvfp4_gemm_dequant_ref(sw13, ss13, sg13),
+                                    nvfp4_gemm_dequant_ref(sw2, ss2, sg2), None, swiglu_limit))
+    return torch.cat(rows)
+
+
+def moe_combine_rows_ref(rows: torch.Tensor, ids: torch.Tensor, n_experts: int, has_shared: bool) -> torch.Tensor:
+    """The MoE combine of nvfp4_moe_rows' layout: [T, d] in rows' dtype (the op's: bf16) = the fp32 sum_j
+    fp32(rows[t*k + j]) over the slots with 0 <= ids[t, j] < n_experts, in j order, then + fp32(rows[T*k + t]) when
+    has_shared, rounded once; ids [T, k]. The values in rows of other ids do not matter (the CUDA op leaves them
+    unwritten: NaN / Inf garbage is masked out)."""
+    T, k = ids.shape
+    d = rows.shape[-1]
+    assert rows.shape == (T * k + (T if has_shared else 0), d), (tuple(rows.shape), T, k, has_shared)
+    local = (ids >= 0) & (ids < n_experts)
+    routed = rows[:T * k].reshape(T, k, d).float()
+    acc = torch.zeros(T, d, dtype=torch.float32, device=rows.device)
+    for j in range(k):
+        # a skipped slot adds +0: the running sum starts at +0 and is never -0, so no bit changes
+        acc = acc + torch.where(local[:, j, None], routed[:, j], 0.0)
+    if has_shared:
+        acc = acc + rows[T * k:].float()
+    return acc.to(rows.dtype)
+
+
+def nvfp4_moe_ref(x, topk_ids, topk_weights, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, shared=None,
+                  swiglu_limit=10.0) -> torch.Tensor:
+    """Routed (+ shared) SwiGLU experts, DeepSeek-V4 order. x bf16 [T, d]; w13 canonical [E, 2I, d/2] with the
+    gate rows first; shared = (w13 [2Is, d/2], s13, gs13, w2 [d, Is/2], s2, gs2) or None.
+    y = bf16(sum_j fp32(o[t, j]) + fp32(o_shared[t])) summed in slot order, o = the expert's bf16 output;
+    assignments whose expert id is outside [0, E) contribute 0."""
+    rows = nvfp4_moe_rows_ref(x, topk_ids, topk_weights, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, shared,
+                              swiglu_limit)
+    return moe_combine_rows_ref(rows, topk_ids, w13.shape[0], shared is not None)
 
 
 # ======================================================================================================
@@ -507,8 +534,22 @@ def hc_post_ref(out: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: 
     return (post.unsqueeze(-1) * out.float().unsqueeze(-2) + mixed).to(out.dtype)
 
 
-def hc_post_pre_ref(out, res, post, comb, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, out_eps):
-    """dsv4::hc_post_pre: (h = hc_post_ref(out, res, post, comb), *hc_pre_ref(h, ...))."""
+def hc_post_rows_ref(rows: torch.Tensor, ids: torch.Tensor, n_experts: int, lead) -> torch.Tensor:
+    """dsv4::hc_post_pre's sublayer output from the MoE's uncombined rows [T*k (+ T), d] (ids [T, k]; the shared row
+    is there when rows has T*k + T), shaped lead + (d,): the combine's fp32 sum (moe_combine_rows_ref) rounded once
+    to the rows' dtype."""
+    tokens, k = ids.shape
+    d = rows.shape[-1]
+    shared = tokens > 0 and rows.shape[0] == tokens * k + tokens
+    return moe_combine_rows_ref(rows, ids, n_experts, shared).reshape(*lead, d)
+
+
+def hc_post_pre_ref(out, res, post, comb, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, out_eps,
+                    out_ids=None, out_experts=0):
+    """dsv4::hc_post_pre: (h = hc_post_ref(out, res, post, comb), *hc_pre_ref(h, ...)). With out_ids [T, k], out is
+    the MoE's uncombined rows [T*k (+ T), d] and the sublayer output their sum (hc_post_rows_ref)."""
+    if out_ids is not None:
+        out = hc_post_rows_ref(out, out_ids, out_experts, res.shape[:-2])
     h = hc_post_ref(out, res, post, comb)
     return (h, *hc_pre_ref(h, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, out_eps))
 

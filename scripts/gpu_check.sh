@@ -102,7 +102,7 @@ for part in $PARTS; do
       # CUDA-core attention kernel) and the fused decode steps each off (DSV4_FUSED_*=0): the ops' tests, the
       # compiled decode step with the steps off and with the non-defaults, and the layer each way (what the
       # defaults buy). test_compiled_decode has hung at exit after passing.
-      FUSED_OFF="DSV4_FUSED_COMPRESSOR=0 DSV4_FUSED_NORM_ROPE=0 DSV4_FUSED_HC_POST=0 DSV4_FUSED_HADAMARD=0
+      FUSED_OFF="DSV4_FUSED_COMPRESSOR=0 DSV4_FUSED_NORM_ROPE=0 DSV4_FUSED_HC_POST=0 DSV4_FUSED_MOE_ROWS=0 DSV4_FUSED_HADAMARD=0
         DSV4_FUSED_KEY_STORE=0 DSV4_FUSED_OUT_ROPE=0 DSV4_FUSED_NORM_ROPE_STORE=0"
       step switches_op_tests 150 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_compressor_op.py \
         tests/test_norm_rope.py tests/test_hc_pre.py tests/test_hadamard_fp4.py tests/test_key_store.py \

@@ -285,3 +285,193 @@ def test_model_decode_with_and_without_post_fusion(monkeypatch, device):
                                             device=device, max_seq_len=32, n_layers=2, compress_ratios=[0, 4])
     assert calls == {"0": 0, "1": (2 * cfg.n_layers - 1) * 4}
     torch.testing.assert_close(logits["1"], logits["0"], rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------- hc_post_pre with MoE rows
+E_ROWS = 16  # out_experts
+
+
+def rows_case(tokens, k, d, dtype, shared, ids_dtype, gen):
+    """The MoE's uncombined rows [T*k (+ T), d] (nvfp4_moe_rows' layout) and their ids [T, k]. Slots 1 and 2 of each
+    token cancel (+-2^28 times the others' size), so the fp32 sum loses what came before them: another slot order
+    gives another value. Some ids are outside [0, E_ROWS) (-1 and E_ROWS: token 0's first slot, the last token's
+    last slot, every third slot of token 2) and their rows are NaN: a kernel that read them would make NaN."""
+    n = tokens * k + (tokens if shared else 0)
+    mag = torch.exp2(torch.randint(-4, 5, (n, 1), generator=gen).float())
+    rows = torch.randn(n, d, generator=gen) * mag
+    slots = rows[:tokens * k].view(tokens, k, d)
+    slots[:, 1] *= 2.0 ** 28
+    slots[:, 2] = -slots[:, 1]
+    rows = rows.to(dtype)
+    ids = torch.randint(0, E_ROWS, (tokens, k), generator=gen)
+    ids[0, 0] = -1
+    ids[-1, -1] = E_ROWS
+    if tokens > 2:
+        ids[2, ::3] = -1
+    bad = ((ids < 0) | (ids >= E_ROWS)).flatten()
+    rows[:tokens * k][bad] = float("nan")
+    return rows, ids.to(ids_dtype)
+
+
+# (tokens, k, hc, d, shared): V4-Flash decode width (the CUDA kernels), then hc = 3, d % 8 != 0 (CUDA: ATen ops)
+ROWS_CASES = [(t, 6, 4, 4096, s) for t in (1, 2, 5) for s in (False, True)] + [(3, 4, 3, 40, True),
+                                                                                (3, 4, 3, 40, False)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("tokens,k,hc,d,shared", ROWS_CASES)
+def test_post_pre_rows_equal_the_combined_output(device, ids_dtype, tokens, k, hc, d, shared):
+    """With out_ids the op sums the MoE's rows as the combine does (moe_combine_rows_ref) and goes on as with the
+    combined output: all four outputs bit-equal to the call on the combined output."""
+    gen = torch.Generator().manual_seed(tokens * 10 + k + d + shared)
+    rows, ids = rows_case(tokens, k, d, torch.bfloat16, shared, ids_dtype, gen)
+    _, res, post, comb = post_case((tokens,), hc, d, torch.bfloat16, gen)
+    _, fn, scale, base, w = case((tokens,), hc, d, torch.bfloat16, torch.float32, gen)
+    combined = ref.moe_combine_rows_ref(rows, ids, E_ROWS, shared)
+    assert combined.shape == (tokens, d) and not combined.isnan().any()
+    assert torch.equal(ref.hc_post_rows_ref(rows, ids, E_ROWS, (tokens,)), combined)
+    rest = (fn, scale, base, w)
+    dev = [t.to(device) for t in (rows, ids, combined, res, post, comb, *rest)]
+    rows_d, ids_d, combined_d, res_d, post_d, comb_d = dev[:6]
+    args = (*dev[6:], ITERS, HC_EPS, NORM_EPS, OUT_EPS)
+    got = ops.hc_post_pre(rows_d, res_d, post_d, comb_d, *args, ids_d, E_ROWS)
+    want = ops.hc_post_pre(combined_d, res_d, post_d, comb_d, *args)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    check_post(got, ref.hc_post_pre_ref(rows, res, post, comb, *rest, ITERS, HC_EPS, NORM_EPS, OUT_EPS, ids, E_ROWS),
+               torch.bfloat16)
+    # the shared row and the slot order matter: without the shared row / with the slots reversed it is another sum
+    other = (ref.moe_combine_rows_ref(rows[:tokens * k], ids, E_ROWS, False) if shared else
+             ref.moe_combine_rows_ref(rows.view(tokens, k, d).flip(1).reshape(-1, d), ids.flip(1), E_ROWS, False))
+    assert not torch.equal(other, combined)
+
+
+def test_post_pre_rows_other_dtypes():
+    """fp32 / fp16 rows and streams: the combine's fp32 sum rounded once to the rows' dtype (hc_post_rows_ref)."""
+    gen = torch.Generator().manual_seed(31)
+    for dtype in (torch.float32, torch.float16):
+        rows, ids = rows_case(3, 4, 64, dtype, True, torch.int64, gen)
+        if dtype == torch.float16:  # 2^28 overflows fp16
+            rows = torch.where(rows.isnan(), rows, torch.randn(rows.shape, generator=gen).to(dtype))
+        _, res, post, comb = post_case((3,), 4, 64, dtype, gen)
+        _, fn, scale, base, w = case((3,), 4, 64, dtype, torch.float32, gen)
+        args = (fn, scale, base, w, ITERS, HC_EPS, NORM_EPS, OUT_EPS)
+        combined = ref.hc_post_rows_ref(rows, ids, E_ROWS, (3,))
+        assert combined.dtype == dtype and not combined.isnan().any()
+        got = ops.hc_post_pre(rows, res, post, comb, *args, ids, E_ROWS)
+        for a, b in zip(got, ops.hc_post_pre(combined, res, post, comb, *args)):
+            assert torch.equal(a, b)
+
+
+def test_post_pre_rows_lead_dims():
+    """res [B, S, hc, d]: the tokens are its B * S rows, the sum lands in res's lead shape."""
+    gen = torch.Generator().manual_seed(32)
+    rows, ids = rows_case(6, 3, 32, torch.bfloat16, True, torch.int32, gen)
+    _, res, post, comb = post_case((2, 3), 4, 32, torch.bfloat16, gen)
+    _, fn, scale, base, w = case((2, 3), 4, 32, torch.bfloat16, torch.float32, gen)
+    args = (fn, scale, base, w, ITERS, HC_EPS, NORM_EPS, OUT_EPS)
+    combined = ref.moe_combine_rows_ref(rows, ids, E_ROWS, True).view(2, 3, 32)
+    for a, b in zip(ops.hc_post_pre(rows, res, post, comb, *args, ids, E_ROWS),
+                    ops.hc_post_pre(combined, res, post, comb, *args)):
+        assert torch.equal(a, b)
+
+
+def test_post_pre_rows_bad_arguments():
+    gen = torch.Generator().manual_seed(33)
+    rows, ids = rows_case(2, 3, 16, torch.float32, True, torch.int64, gen)
+    _, res, post, comb = post_case((2,), 4, 16, torch.float32, gen)
+    _, fn, scale, base, w = case((2,), 4, 16, torch.float32, torch.float32, gen)
+    args = (fn, scale, base, w, ITERS, HC_EPS, NORM_EPS, OUT_EPS)
+    rows_msg = r"with out_ids \[2, 3\] out must be the expert rows \[T\*k = 6 or T\*k \+ T = 8"
+    for bad_rows in (rows[:7], rows[:5], torch.cat([rows, rows[:1]]), rows[:, :8], rows.view(2, 4, 16)):
+        with pytest.raises(RuntimeError, match=rows_msg):
+            ops.hc_post_pre(bad_rows, res, post, comb, *args, ids, E_ROWS)
+    with pytest.raises(RuntimeError, match=r"out_experts must be in \[1, 2\^31\) with out_ids, got 0"):
+        ops.hc_post_pre(rows, res, post, comb, *args, ids, 0)
+    with pytest.raises(RuntimeError, match="out must have res's dtype"):
+        ops.hc_post_pre(rows.bfloat16(), res, post, comb, *args, ids, E_ROWS)
+    with pytest.raises(RuntimeError, match="out_ids must be int32 or int64"):
+        ops.hc_post_pre(rows, res, post, comb, *args, ids.float(), E_ROWS)
+    with pytest.raises(RuntimeError, match=r"out_ids must be \[T = 2 \(res's tokens\), k\]"):
+        ops.hc_post_pre(rows, res, post, comb, *args, ids[:1], E_ROWS)
+    with pytest.raises(RuntimeError, match=r"out_experts \(4\) is only read with out_ids"):
+        ops.hc_post_pre(rows[6:], res, post, comb, *args, None, 4)
+    # the fake (torch.compile / export) rejects the same calls
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in (rows, ids, res, post, comb, fn, scale, base, w)]
+        fargs = (*fake[5:], ITERS, HC_EPS, NORM_EPS, OUT_EPS)
+        assert ops.hc_post_pre(fake[0], *fake[2:5], *fargs, fake[1], E_ROWS)[0].shape == res.shape
+        with pytest.raises(RuntimeError, match=r"out must be the expert rows"):
+            ops.hc_post_pre(fake[0][:7], *fake[2:5], *fargs, fake[1], E_ROWS)
+        with pytest.raises(RuntimeError, match=r"out_experts must be in \[1, 2\^31\)"):
+            ops.hc_post_pre(fake[0], *fake[2:5], *fargs, fake[1], 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_post_pre_rows_opcheck(device):
+    gen = torch.Generator().manual_seed(34)
+    for (dtype, ids_dtype, shared, d), norm in zip(((torch.bfloat16, torch.int32, True, 32),
+                                                    (torch.float32, torch.int64, False, 32),
+                                                    (torch.bfloat16, torch.int64, True, 40)), (True, False, True)):
+        rows, ids = rows_case(3, 4, d, dtype, shared, ids_dtype, gen)
+        _, res, post, comb = post_case((3,), 4, d, dtype, gen)
+        _, fn, scale, base, w = case((3,), 4, d, dtype, torch.float32, gen, norm)
+        args = [t.to(device) if t is not None else None for t in (rows, res, post, comb, fn, scale, base, w)]
+        torch.library.opcheck(ops.hc_post_pre.default,
+                              (*args, ITERS, HC_EPS, NORM_EPS, OUT_EPS, ids.to(device), E_ROWS))
+
+
+def test_post_pre_rows_compile_fullgraph():
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    gen = torch.Generator().manual_seed(35)
+    rows, ids = rows_case(2, 3, 32, torch.bfloat16, True, torch.int64, gen)
+    _, res, post, comb = post_case((2,), 4, 32, torch.bfloat16, gen)
+    _, fn, scale, base, w = case((2,), 4, 32, torch.bfloat16, torch.float32, gen)
+    args = (fn, scale, base, w, ITERS, HC_EPS, NORM_EPS, OUT_EPS)
+
+    @torch.compile(fullgraph=True, backend="inductor")
+    def f(rows, ids):
+        h, y, p, c = ops.hc_post_pre(rows, res, post, comb, *args, ids, E_ROWS)
+        return h, y * 2, p, c
+
+    got = f(rows, ids)
+    want = ops.hc_post_pre(rows, res, post, comb, *args, ids, E_ROWS)
+    for a, b in zip(got, (want[0], want[1] * 2, want[2], want[3])):
+        assert torch.equal(a, b)
+    assert dict(counters["graph_break"]) == {}
+
+
+@pytest.mark.cuda
+@pytest.mark.kernels
+def test_post_pre_rows_cuda_graph_replay_and_no_sync():
+    """The ids are read on the device at replay (new ids and rows, one graph); no host sync."""
+    gen = torch.Generator().manual_seed(36)
+    rows, ids = (t.cuda() for t in rows_case(2, 6, 4096, torch.bfloat16, True, torch.int64, gen))
+    _, res, post, comb = (t.cuda() for t in post_case((2,), 4, 4096, torch.bfloat16, gen))
+    _, fn, scale, base, w = (t.cuda() for t in case((2,), 4, 4096, torch.bfloat16, torch.float32, gen))
+    args = (fn, scale, base, w, ITERS, HC_EPS, NORM_EPS, OUT_EPS)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ops.hc_post_pre(rows, res, post, comb, *args, ids, E_ROWS)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = ops.hc_post_pre(rows, res, post, comb, *args, ids, E_ROWS)
+    new_rows, new_ids = rows_case(2, 6, 4096, torch.bfloat16, True, torch.int64, gen)
+    # other slots skipped than at capture: the slots reversed, each row with its id
+    new_rows = torch.cat([new_rows[:12].view(2, 6, 4096).flip(1).reshape(12, 4096), new_rows[12:]])
+    new_ids = new_ids.flip(1)
+    rows.copy_(new_rows.cuda())
+    ids.copy_(new_ids.cuda())
+    g.replay()
+    torch.cuda.synchronize()
+    want = ops.hc_post_pre(ref.moe_combine_rows_ref(new_rows, new_ids, E_ROWS, True).cuda(), res, post, comb, *args)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

@@ -1,5 +1,6 @@
-"""dsv4::nvfp4_linear / nvfp4_linear_grouped / nvfp4_linear_multi / nvfp4_linear_w4a4 / nvfp4_moe against the dequantize-then-matmul references
-(dsv4_ops/reference.py), the kernel weight layout (dsv4_model/nvfp4.py), and the NVFP4 modules.
+"""dsv4::nvfp4_linear / nvfp4_linear_grouped / nvfp4_linear_multi / nvfp4_linear_w4a4 / nvfp4_moe / nvfp4_moe_rows
+against the dequantize-then-matmul references (dsv4_ops/reference.py), the kernel weight layout
+(dsv4_model/nvfp4.py), and the NVFP4 modules.
 
 Tolerance of a bf16 output: |out - ref32| <= ulp_bf16(ref32) + 2 * 2e-5 * sum_k |x_k w_k|, i.e. one bf16 rounding
 of a value whose fp32 accumulation may differ from the reference's by reordering (and, on the GPU, the
@@ -237,13 +238,13 @@ def kernel_moe_args(w13, w2, shared):
     return (*a13, *a2, *sh)
 
 
-def assert_moe_close(out, expect, what):
+def assert_moe_close(out, expect, what, rms_tol=2**-6):
     """bf16 intermediates (gate/up, h, expert outputs) may round differently after an fp32 reordering."""
     assert out.shape == expect.shape and out.dtype == torch.bfloat16
     o, e = out.float(), expect.float()
     rms = e.pow(2).mean().sqrt().clamp_min(1e-30)
     err = (o - e).abs()
-    assert bool((err <= 2**-6 * e.abs() + 2**-6 * rms).all()), f"{what}: max err {float(err.max()):.3g}, rms {float(rms):.3g}"
+    assert bool((err <= 2**-6 * e.abs() + rms_tol * rms).all()), f"{what}: max err {float(err.max()):.3g}, rms {float(rms):.3g}"
     assert float(err.mean()) <= 2**-9 * float(rms), f"{what}: mean err {float(err.mean()):.3g}"
 
 
@@ -267,6 +268,39 @@ def test_moe_cpu_invalid_ids_and_no_clamp():
     for limit in (10.0, 0.0):
         out = ops.nvfp4_moe(x, ids, wts, *kernel_moe_args(w13, w2, None), limit)
         assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, None, limit), f"cpu moe limit={limit}")
+
+
+def local_rows(ids, n_experts, has_shared):
+    """The rows of nvfp4_moe_rows' output that the op writes on every device (bool [T*k + T*has_shared])."""
+    local = ((ids >= 0) & (ids < n_experts)).reshape(-1)
+    return torch.cat([local, local.new_ones(ids.shape[0] if has_shared else 0)])
+
+
+@pytest.mark.parametrize("T", [1, 2, 5, 64, 300])
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_moe_rows_cpu(T, with_shared):
+    """nvfp4_moe_rows == the reference's rows bit for bit (zeros for non-local ids), and summing them as the combine
+    kernel does (moe_combine_rows_ref, skipping non-local slots whatever their rows hold) gives nvfp4_moe bit for
+    bit."""
+    gen = torch.Generator().manual_seed(700 + T)
+    E, d, k = 8, 272, 3
+    x, ids, wts, w13, w2, shared = moe_case(E, d, 80, 48 if with_shared else 0, T, k, gen, "cpu", dup=True)
+    ids[T - 1, 0] = -1  # not local experts (expert parallelism)
+    ids[T // 2, k - 1] = E
+    args = kernel_moe_args(w13, w2, shared)
+    rows = ops.nvfp4_moe_rows(x, ids, wts, *args, 10.0)
+    assert rows.shape == (T * k + (T if with_shared else 0), d) and rows.dtype == torch.bfloat16
+    assert torch.equal(rows, ref.nvfp4_moe_rows_ref(x, ids, wts, *w13, *w2, shared, 10.0))
+    keep = local_rows(ids, E, with_shared)
+    assert not bool(rows[~keep].any()) and bool(rows[keep].any())
+    assert torch.equal(ops.nvfp4_moe_rows(x, ids.int(), wts, *args, 10.0), rows)
+    y = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
+    assert_moe_close(y, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, shared, 10.0), f"cpu moe T={T}")
+    poisoned = rows.masked_fill(~keep[:, None], float("nan"))  # what CUDA leaves there is unspecified
+    assert torch.equal(ref.moe_combine_rows_ref(poisoned, ids, E, with_shared), y)
+    assert torch.equal(ref.moe_combine_rows_ref(rows, ids.int(), E, with_shared), y)
+    with pytest.raises(RuntimeError, match="nvfp4_moe_rows: topk_weights"):
+        ops.nvfp4_moe_rows(x, ids, wts[:, :1].contiguous(), *args, 10.0)
 
 
 @pytest.mark.parametrize("g,n,k,lead", [(8, 64, 272, (3,)), (3, 40, 144, (2, 1)), (2, 16, 16, ())])
@@ -336,6 +370,9 @@ def opcheck_args(device, gen):
         (ops.nvfp4_linear_w4a4.default, (xq[0], xq[1].view(torch.uint8), xq[2], *w4, torch.bfloat16)),
         (ops.nvfp4_moe.default, (mx, ids, wts, *kernel_moe_args(w13, w2, shared), 10.0)),
         (ops.nvfp4_moe.default, (mx, ids.int(), wts, *kernel_moe_args(w13, w2, None), 10.0)),
+        # local ids only: on CUDA the rows of other ids are not written, so two calls need not agree there
+        (ops.nvfp4_moe_rows.default, (mx, ids, wts, *kernel_moe_args(w13, w2, shared), 10.0)),
+        (ops.nvfp4_moe_rows.default, (mx, ids.int(), wts, *kernel_moe_args(w13, w2, None), 10.0)),
     ]
 
 
@@ -624,6 +661,45 @@ def test_moe_cuda_invalid_ids():
     assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, None, 0.0), "cuda moe invalid ids")
 
 
+# E = 256, k = 6: T = 1, 2 (2-row gemv passes, local routing), 5 (local routing), 64 (gemv, route kernel), 300
+# (T*k > 4E: skinny); DSV4_NVFP4_GEMM_KERNEL forces skinny and simple at every T.
+@pytest.mark.cuda
+@pytest.mark.kernels
+@pytest.mark.parametrize("T", [1, 2, 5, 64, 300])
+def test_moe_rows_cuda(T):
+    """nvfp4_moe_rows on CUDA: the written rows match the reference's rows (the MoE tolerance: tensor-core sums
+    run in another order), and their combine (moe_combine_rows_ref) == nvfp4_moe bit for bit, with and without
+    the shared expert, every kernel path, PDL on and off; with non-local ids (-1, E) in the mix only the local
+    rows are compared (the others are not written)."""
+    gen = torch.Generator().manual_seed(800 + T)
+    E, d, k = 256, 272, 6
+    x, ids, wts, w13, w2, shared = moe_case(E, d, 80, 48, T, k, gen, "cuda", dup=True)
+    if T > 1:
+        ids[T // 2] = ids[0]  # two tokens with the same experts
+    ext = ids.clone()
+    ext[T - 1, 0] = -1
+    ext[T // 2, k - 1] = E
+    for sh in (shared, None):
+        args = kernel_moe_args(w13, w2, sh)
+        has = sh is not None
+        for topk in (ids, ext):
+            expect = ref.nvfp4_moe_rows_ref(x, topk, wts, *w13, *w2, sh, 10.0)
+            keep = local_rows(topk, E, has)
+            for choice in ("auto", "skinny", "simple"):
+                what = f"cuda {choice} moe rows T={T} shared={has} all_local={topk is ids}"
+                with kernel_choice(choice):
+                    rows = ops.nvfp4_moe_rows(x, topk, wts, *args, 10.0)
+                    y = ops.nvfp4_moe(x, topk, wts, *args, 10.0)
+                    with env_var("DSV4_NVFP4_PDL", "0"):
+                        again = ops.nvfp4_moe_rows(x, topk, wts, *args, 10.0)
+                assert rows.shape == (T * k + (T if has else 0), d) and rows.dtype == torch.bfloat16, what
+                assert torch.equal(again[keep], rows[keep]), what
+                # one expert's row, not the sum of k + 1: an h element's rounding flip is not averaged away
+                # (H200, T = 300: max err 1 at rms 32)
+                assert_moe_close(rows[keep], expect[keep], what, rms_tol=2**-4)
+                assert torch.equal(ref.moe_combine_rows_ref(rows, topk, E, has), y), what
+
+
 # T * k = 6 ... 32 (routes itself), 36 (beyond kLocalRouteMax: the route kernel runs), E = 8 / 16 / 256, k = 6 / 2.
 @pytest.mark.cuda
 @pytest.mark.kernels
@@ -648,10 +724,12 @@ def test_moe_cuda_local_route(E, T, k):
                     want = ops.nvfp4_moe(x, ids, wts, *args, 10.0)  # the route kernel
                 with env_var("DSV4_NVFP4_MOE_LOCAL_ROUTE", "1"):
                     got = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
+                    rows = ops.nvfp4_moe_rows(x, ids, wts, *args, 10.0)
                     with env_var("DSV4_NVFP4_PDL", "0"):
                         assert torch.equal(ops.nvfp4_moe(x, ids, wts, *args, 10.0), got), f"no PDL {choice}"
             what = f"local route {choice} E={E} T={T} shared={sh is not None}"
             assert torch.equal(got, want), what
+            assert torch.equal(ref.moe_combine_rows_ref(rows, ids, E, sh is not None), got), what
             assert_moe_close(got, expect, what)
     args = kernel_moe_args(w13, w2, shared)
     with env_var("DSV4_NVFP4_MOE_LOCAL_ROUTE", "1"):
@@ -690,6 +768,7 @@ def test_cuda_graph_replay_and_no_sync():
         outs.extend(ops.nvfp4_linear_multi(xs[1], *mw))
         outs.append(ops.nvfp4_linear_w4a4(*xq, *w4, torch.bfloat16))
         outs.append(ops.nvfp4_moe(mx, ids, wts, *margs, 10.0))
+        outs.append(ops.nvfp4_moe_rows(mx, ids, wts, *margs, 10.0))  # local ids: every row written
         return outs
 
     torch.cuda.synchronize()

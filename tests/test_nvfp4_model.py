@@ -389,6 +389,66 @@ def test_compiled_decode_step_has_no_graph_breaks(act_quant):
     assert counters["stats"]["unique_graphs"] == 1
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("act_quant", ["none", "nvfp4"])
+def test_moe_rows_folded_into_the_next_collapse(ckpts, monkeypatch, device, act_quant):
+    """DSV4_FUSED_MOE_ROWS=1 (default): every layer's NVFP4 MoE but the last hands its uncombined expert rows to
+    the next block's hc_post_pre, which sums them (no combine kernel); bit-equal logits to the combined path
+    (=0), eager and compiled. The fold needs bf16 streams (the combine rounds to bf16)."""
+    from dsv4_model.compiled import DecodeRunner
+    from dsv4_model.sampling import SamplingParams
+
+    torch._dynamo.reset()  # imports Inductor before the ops are wrapped (torch 2.11: its first import failed inside)
+    calls = {"nvfp4_moe": 0, "nvfp4_moe_rows": 0, "rows_folded": 0}
+    real = {n: getattr(torch.ops.dsv4, n) for n in ("nvfp4_moe", "nvfp4_moe_rows", "hc_post_pre")}
+
+    def counted(name):
+        def call(*a):
+            if name == "hc_post_pre":
+                calls["rows_folded"] += len(a) > 12 and a[12] is not None
+            else:
+                calls[name] += 1
+            return real[name](*a)
+        return call
+
+    for name in real:
+        monkeypatch.setattr(torch.ops.dsv4, name, counted(name))
+    ids = _tokens(batch=2)[:, :12].to(device)
+    lengths = torch.tensor([12, 7], device=device)
+    out = {}
+    # compiled once (Inductor on the whole model is the slow part)
+    for mode, compile_ in (("0", False), ("1", False), ("1", True))[: 3 if act_quant == "none" else 2]:
+        monkeypatch.setenv("DSV4_FUSED_MOE_ROWS", mode)
+        if compile_:  # Dynamo traces the ops themselves
+            for name, op in real.items():
+                monkeypatch.setattr(torch.ops.dsv4, name, op)
+        torch._dynamo.reset()
+        m = _load(ckpts["official"], quant="nvfp4", act_quant=act_quant, device=device, max_batch_size=2)
+        n_layers = len(m.layers)
+        r = DecodeRunner(m, compile=compile_, cuda_graphs=False)
+        r.prepare(2)
+        logits = m.prefill(ids, lengths)
+        r.begin(lengths.clone(), [SamplingParams(), SamplingParams()])
+        r.sample_first(logits)
+        for k in calls:
+            calls[k] = 0
+        steps = []
+        for _ in range(4):
+            lg, nxt = r.step()
+            steps.append(lg.float().cpu())
+            r.tokens[:2].copy_(ids[:, 0])  # the same inputs in every mode whatever was sampled
+        if not compile_:
+            want = {"nvfp4_moe": 4 * n_layers, "nvfp4_moe_rows": 0, "rows_folded": 0} if mode == "0" else \
+                {"nvfp4_moe": 4, "nvfp4_moe_rows": 4 * (n_layers - 1), "rows_folded": 4 * (n_layers - 1)}
+            assert calls == want, (mode, calls)
+        out[mode, compile_] = torch.stack(steps)
+    assert n_layers >= 2
+    assert torch.equal(out["1", False], out["0", False])
+    # Inductor may reorder fp32 work outside the ops: the compiled step vs eager within bf16-level noise
+    if ("1", True) in out:
+        torch.testing.assert_close(out["1", True], out["1", False], rtol=2e-2, atol=2e-2)
+
+
 # ------------------------------------------------------------------------------------ CUDA
 @pytest.mark.cuda
 def test_cuda_nvfp4_load_matches_cpu(ckpts):

@@ -1,5 +1,6 @@
-// Argument checks shared by the CPU and CUDA kernels of dsv4::hc_sinkhorn and dsv4::hc_pre (docs/ops.md "## mHC"),
-// and hc_pre as ATen ops (the CUDA registration's form for shapes its kernels do not take).
+// Argument checks shared by the CPU and CUDA kernels of dsv4::hc_sinkhorn, dsv4::hc_pre and dsv4::hc_post_pre
+// (docs/ops.md "## mHC"), and hc_pre / hc_post as ATen ops (the CUDA registration's form for shapes its kernels do
+// not take).
 #pragma once
 #include <ATen/ATen.h>
 
@@ -100,22 +101,55 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre_aten(
   return {y, post.contiguous(), comb};
 }
 
+// hc_post_pre's sublayer output given as the MoE's uncombined rows (out_ids): out [T*k (+ T), d], slot j of
+// token t at row t*k + j, the shared expert's row (shared) at T*k + t; only slots whose id is in [0, experts)
+// count.
+struct HcPostRows {
+  int64_t k = 0, experts = 0;
+  bool shared = false;
+};
+
 // hc_post_pre's extra inputs: out [..., d] and res [..., hc, d] of one dtype (bf16 / fp16 / fp32), post fp32
-// [..., hc], comb fp32 [..., hc, hc], all on res's device (res is checked as hc_pre's x).
-inline void check_hc_post(const at::Tensor& out, const at::Tensor& res, const at::Tensor& post,
-                          const at::Tensor& comb) {
+// [..., hc], comb fp32 [..., hc, hc], all on res's device (res is checked as hc_pre's x). With out_ids (int32 /
+// int64 [T, k], T = res's tokens) out is instead the rows of HcPostRows, their count telling whether the shared
+// row is there. Returns the rows' layout (k = 0, experts = 0 without out_ids).
+inline HcPostRows check_hc_post(const at::Tensor& out, const at::Tensor& res, const at::Tensor& post,
+                                const at::Tensor& comb, const std::optional<at::Tensor>& out_ids,
+                                int64_t out_experts) {
   const char* op = "dsv4::hc_post_pre";
   TORCH_CHECK(out.scalar_type() == res.scalar_type(), op, ": out must have res's dtype ", res.scalar_type(),
               ", got ", out.scalar_type());
-  const int64_t hc = res.size(-2);
+  const int64_t hc = res.size(-2), d = res.size(-1);
   std::vector<int64_t> lead(res.sizes().begin(), res.sizes().end() - 2);
   auto with = [&](std::initializer_list<int64_t> tail) {
     std::vector<int64_t> v(lead);
     v.insert(v.end(), tail);
     return v;
   };
-  TORCH_CHECK(out.sizes() == at::IntArrayRef(with({res.size(-1)})), op, ": out must be ",
-              at::IntArrayRef(with({res.size(-1)})), " (res without its hc dim), got ", out.sizes());
+  HcPostRows rows;
+  if (out_ids) {
+    const at::Tensor& ids = *out_ids;
+    const int64_t T = res.numel() == 0 ? 0 : res.numel() / (hc * d);
+    TORCH_CHECK(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong, op,
+                ": out_ids must be int32 or int64, got ", ids.scalar_type());
+    TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T, op, ": out_ids must be [T = ", T, " (res's tokens), k], got ",
+                ids.sizes());
+    TORCH_CHECK(ids.device() == res.device(), op, ": out_ids must be on res's device (", res.device(), "), got ",
+                ids.device());
+    TORCH_CHECK(out_experts >= 1 && out_experts < (int64_t(1) << 31), op,
+                ": out_experts must be in [1, 2^31) with out_ids, got ", out_experts);
+    rows.k = ids.size(1);
+    rows.experts = out_experts;
+    const int64_t routed = T * rows.k;
+    TORCH_CHECK(out.dim() == 2 && out.size(1) == d && (out.size(0) == routed || out.size(0) == routed + T), op,
+                ": with out_ids [", T, ", ", rows.k, "] out must be the expert rows [T*k = ", routed,
+                " or T*k + T = ", routed + T, " (a shared row per token), d = ", d, "], got ", out.sizes());
+    rows.shared = T > 0 && out.size(0) == routed + T;
+  } else {
+    TORCH_CHECK(out_experts == 0, op, ": out_experts (", out_experts, ") is only read with out_ids");
+    TORCH_CHECK(out.sizes() == at::IntArrayRef(with({d})), op, ": out must be ", at::IntArrayRef(with({d})),
+                " (res without its hc dim), got ", out.sizes());
+  }
   TORCH_CHECK(post.scalar_type() == at::kFloat && post.sizes() == at::IntArrayRef(with({hc})), op,
               ": post must be float32 ", at::IntArrayRef(with({hc})), ", got ", post.scalar_type(), " ", post.sizes());
   TORCH_CHECK(comb.scalar_type() == at::kFloat && comb.sizes() == at::IntArrayRef(with({hc, hc})), op,
@@ -123,6 +157,22 @@ inline void check_hc_post(const at::Tensor& out, const at::Tensor& res, const at
               comb.sizes());
   TORCH_CHECK(out.device() == res.device() && post.device() == res.device() && comb.device() == res.device(), op,
               ": out, post and comb must be on res's device (", res.device(), ")");
+  return rows;
+}
+
+// The sublayer output [T, d] from the MoE's rows as ATen ops, in the combine kernel's order: fp32 from 0, the
+// valid slots in order, then the shared row; one rounding to the rows' dtype. A skipped slot's row (possibly NaN:
+// the expert kernels leave it unwritten) is read but never reaches acc.
+inline at::Tensor hc_post_rows_aten(const at::Tensor& rows, const at::Tensor& ids, const HcPostRows& r) {
+  const int64_t T = ids.size(0), d = rows.size(1);
+  at::Tensor acc = at::zeros({T, d}, rows.options().dtype(at::kFloat));
+  const at::Tensor valid = at::logical_and(ids >= 0, ids < r.experts);
+  for (int64_t j = 0; j < r.k; ++j) {
+    const at::Tensor slot = rows.narrow(0, 0, T * r.k).view({T, r.k, d}).select(1, j).to(at::kFloat);
+    acc = at::where(valid.select(1, j).unsqueeze(-1), acc + slot, acc);
+  }
+  if (r.shared) acc = acc + rows.narrow(0, T * r.k, T).to(at::kFloat);
+  return acc.to(rows.scalar_type());
 }
 
 // hc_post as ATen ops (dsv4_model.layers.hc_post): new stream j = post_j * out + sum_i comb[i, j] * res_i in

@@ -1,4 +1,5 @@
-// Argument checks shared by the CPU and CUDA kernels of dsv4::nvfp4_linear / nvfp4_linear_w4a4 / nvfp4_moe.
+// Argument checks shared by the CPU and CUDA kernels of dsv4::nvfp4_linear / nvfp4_linear_w4a4 / nvfp4_moe /
+// nvfp4_moe_rows.
 // The weight layout is the kernel layout of dsv4_model.nvfp4.repack_weight (docs/ops.md "## NVFP4 GEMM / MoE").
 #pragma once
 #include <ATen/ATen.h>
@@ -104,8 +105,7 @@ inline MoeDims check_moe(const at::Tensor& x, const at::Tensor& ids, const at::T
                          const at::Tensor& g2, const std::optional<at::Tensor>& sw13,
                          const std::optional<at::Tensor>& ss13, const std::optional<at::Tensor>& sg13,
                          const std::optional<at::Tensor>& sw2, const std::optional<at::Tensor>& ss2,
-                         const std::optional<at::Tensor>& sg2) {
-  const char* op = "dsv4::nvfp4_moe";
+                         const std::optional<at::Tensor>& sg2, const char* op = "dsv4::nvfp4_moe") {
   MoeDims m{};
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": x must be bf16 [T, d], got ",
               x.scalar_type(), " ", x.sizes());

@@ -65,6 +65,17 @@ TORCH_LIBRARY(dsv4, m) {
       "Tensor? shared_w13_packed, Tensor? shared_w13_scale, Tensor? shared_w13_global_scale, "
       "Tensor? shared_w2_packed, Tensor? shared_w2_scale, Tensor? shared_w2_global_scale, "
       "float swiglu_limit) -> Tensor");
+  // nvfp4_moe's per-assignment expert outputs before the combine, bf16 [T*k + T*has_shared, d]: row t*k + j =
+  // token t's slot j (routing weight applied), row T*k + t = its shared expert. nvfp4_moe == bf16(sum over the
+  // local slots (0 <= id < E) in j order, + the shared row) in fp32. Rows of non-local ids: zeros on CPU,
+  // unspecified (never written) on CUDA. Lets the consumer (decode's next hc_post_pre) do the sum, so the
+  // combine kernel goes.
+  m.def(
+      "nvfp4_moe_rows(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_packed, Tensor w13_scale, "
+      "Tensor w13_global_scale, Tensor w2_packed, Tensor w2_scale, Tensor w2_global_scale, "
+      "Tensor? shared_w13_packed, Tensor? shared_w13_scale, Tensor? shared_w13_global_scale, "
+      "Tensor? shared_w2_packed, Tensor? shared_w2_scale, Tensor? shared_w2_global_scale, "
+      "float swiglu_limit) -> Tensor");
 
   // ---- mHC (issue 7: kernels per layer) ----
   // The hyper-connection mixing matrix of each token: softmax over the last dim of logits [..., hc, hc] (fp32),
@@ -82,10 +93,14 @@ TORCH_LIBRARY(dsv4, m) {
   // The decode step's hc_post of one sublayer fused with the next hc_pre: h [..., hc, d] = the new streams, new
   // stream j = post_j * out + sum_i comb[i, j] * res_i (fp32, rounded to out's dtype; out [..., d], res [..., hc,
   // d], post / comb fp32 from the previous hc_pre), then hc_pre(h, ...). Returns (h, y, post, comb).
+  // With out_ids (int32 / int64 [T, k]) out is the MoE's uncombined rows [T*k (+ T), d] (nvfp4_moe_rows' layout:
+  // token t's slot j at t*k + j, the shared expert's row at T*k + t) and the sublayer output is their sum, as the
+  // MoE's combine kernel forms it (fp32 in slot order over ids in [0, out_experts), then the shared row, rounded
+  // once): the decode step drops that combine launch per layer.
   m.def(
       "hc_post_pre(Tensor out, Tensor res, Tensor post, Tensor comb, Tensor fn, Tensor scale, Tensor base, "
-      "Tensor? norm_weight, int iters, float hc_eps, float norm_eps, float out_eps) -> (Tensor, Tensor, Tensor, "
-      "Tensor)");
+      "Tensor? norm_weight, int iters, float hc_eps, float norm_eps, float out_eps, Tensor? out_ids=None, "
+      "int out_experts=0) -> (Tensor, Tensor, Tensor, Tensor)");
 
   // ---- fp32 projections (issue 7: kernels per layer) ----
   // out[i] = float(x) @ float(weight[i])^T in fp32 (x [..., K] bf16 / fp16 / fp32, weight[i] [N_i, K] bf16 or

@@ -1,5 +1,5 @@
 """Fakes for the NVFP4 GEMM / MoE ops (dsv4::nvfp4_linear, nvfp4_linear_grouped, nvfp4_linear_multi,
-nvfp4_linear_w4a4, nvfp4_moe): shapes only."""
+nvfp4_linear_w4a4, nvfp4_moe, nvfp4_moe_rows): shapes only."""
 import torch
 
 _CHUNK = 128
@@ -71,10 +71,10 @@ def _linear_w4a4_fake(x_packed, x_scale, x_global_scale, w_packed, w_scale, w_gl
     return x_packed.new_empty((*x_packed.shape[:-1], n), dtype=out_dtype)
 
 
-def _moe_fake(x, topk_ids, topk_weights, w13_packed, w13_scale, w13_global_scale, w2_packed, w2_scale,
-              w2_global_scale, shared_w13_packed, shared_w13_scale, shared_w13_global_scale, shared_w2_packed,
-              shared_w2_scale, shared_w2_global_scale, swiglu_limit):
-    op = "dsv4::nvfp4_moe"
+def _check_moe(op, x, topk_ids, topk_weights, w13_packed, w13_scale, w13_global_scale, w2_packed, w2_scale,
+               w2_global_scale, shared_w13_packed, shared_w13_scale, shared_w13_global_scale, shared_w2_packed,
+               shared_w2_scale, shared_w2_global_scale):
+    """check_moe of nvfp4_gemm_checks.h; returns (T, d, k, has_shared)."""
     torch._check(x.dim() == 2 and x.dtype == torch.bfloat16, lambda: f"{op}: x must be bf16 [T, d]")
     t, d = x.shape
     torch._check(topk_ids.dim() == 2 and topk_ids.shape[0] == t, lambda: f"{op}: topk_ids must be [T, k]")
@@ -96,13 +96,32 @@ def _moe_fake(x, topk_ids, topk_weights, w13_packed, w13_scale, w13_global_scale
         s_two_i = _check_weight(op, shared_w13_packed, shared_w13_scale, d, 0)
         sn = _check_weight(op, shared_w2_packed, shared_w2_scale, s_two_i // 2, 0)
         torch._check(sn == d, lambda: f"{op}: shared_w2 must have d rows")
+    return t, d, topk_ids.shape[1], n_shared == 6
+
+
+def _moe_fake(x, topk_ids, topk_weights, w13_packed, w13_scale, w13_global_scale, w2_packed, w2_scale,
+              w2_global_scale, shared_w13_packed, shared_w13_scale, shared_w13_global_scale, shared_w2_packed,
+              shared_w2_scale, shared_w2_global_scale, swiglu_limit):
+    t, d, _, _ = _check_moe("dsv4::nvfp4_moe", x, topk_ids, topk_weights, w13_packed, w13_scale, w13_global_scale,
+                            w2_packed, w2_scale, w2_global_scale, shared_w13_packed, shared_w13_scale,
+                            shared_w13_global_scale, shared_w2_packed, shared_w2_scale, shared_w2_global_scale)
     return x.new_empty((t, d))
+
+
+def _moe_rows_fake(x, topk_ids, topk_weights, w13_packed, w13_scale, w13_global_scale, w2_packed, w2_scale,
+                   w2_global_scale, shared_w13_packed, shared_w13_scale, shared_w13_global_scale, shared_w2_packed,
+                   shared_w2_scale, shared_w2_global_scale, swiglu_limit):
+    t, d, k, has_shared = _check_moe(
+        "dsv4::nvfp4_moe_rows", x, topk_ids, topk_weights, w13_packed, w13_scale, w13_global_scale, w2_packed,
+        w2_scale, w2_global_scale, shared_w13_packed, shared_w13_scale, shared_w13_global_scale, shared_w2_packed,
+        shared_w2_scale, shared_w2_global_scale)
+    return x.new_empty((t * k + (t if has_shared else 0), d))
 
 
 # A library built before these ops existed must still import (other ops keep working).
 for _name, _fn in (("nvfp4_linear", _linear_fake), ("nvfp4_linear_grouped", _linear_grouped_fake),
                    ("nvfp4_linear_multi", _linear_multi_fake),
                    ("nvfp4_linear_w4a4", _linear_w4a4_fake),
-                   ("nvfp4_moe", _moe_fake)):
+                   ("nvfp4_moe", _moe_fake), ("nvfp4_moe_rows", _moe_rows_fake)):
     if hasattr(torch.ops.dsv4, _name):
         torch.library.register_fake(f"dsv4::{_name}")(_fn)

@@ -1,5 +1,6 @@
 """Fakes for dsv4::hc_sinkhorn (the shape and dtype of logits), dsv4::hc_pre (y in x's dtype, post and comb
-fp32) and dsv4::hc_post_pre (the new streams like res, then hc_pre's outputs)."""
+fp32) and dsv4::hc_post_pre (the new streams like res, then hc_pre's outputs; out either [..., d] or, with out_ids,
+the MoE's rows [T*k (+ T), d])."""
 import torch
 
 
@@ -46,12 +47,28 @@ if hasattr(torch.ops.dsv4, "hc_pre"):
     torch.library.register_fake("dsv4::hc_pre")(_hc_pre_fake)
 
 
-def _hc_post_pre_fake(out, res, post, comb, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, out_eps):
+def _hc_post_pre_fake(out, res, post, comb, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, out_eps,
+                      out_ids=None, out_experts=0):
     op = "dsv4::hc_post_pre"
     y, post2, comb2 = _hc_pre_fake(res, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, out_eps)
     lead, hc, d = tuple(res.shape[:-2]), res.shape[-2], res.shape[-1]
-    torch._check(out.dtype == res.dtype and tuple(out.shape) == lead + (d,),
-                 lambda: f"{op}: out must be {lead + (d,)} in res's dtype")
+    torch._check(out.dtype == res.dtype, lambda: f"{op}: out must have res's dtype {res.dtype}, got {out.dtype}")
+    if out_ids is None:
+        torch._check(out_experts == 0, lambda: f"{op}: out_experts ({out_experts}) is only read with out_ids")
+        torch._check(tuple(out.shape) == lead + (d,), lambda: f"{op}: out must be {lead + (d,)} in res's dtype")
+    else:  # the MoE's rows [T*k (+ T), d] (mhc_checks.h: check_hc_post)
+        tokens = res.numel() // (hc * d)
+        torch._check(out_ids.dtype in (torch.int32, torch.int64),
+                     lambda: f"{op}: out_ids must be int32 or int64, got {out_ids.dtype}")
+        torch._check(out_ids.dim() == 2 and out_ids.shape[0] == tokens,
+                     lambda: f"{op}: out_ids must be [T = {tokens} (res's tokens), k], got {tuple(out_ids.shape)}")
+        torch._check(1 <= out_experts < 2 ** 31,
+                     lambda: f"{op}: out_experts must be in [1, 2^31) with out_ids, got {out_experts}")
+        routed = tokens * out_ids.shape[1]
+        rows_ok = out.dim() == 2 and out.shape[1] == d and (out.shape[0] == routed or out.shape[0] == routed + tokens)
+        torch._check(rows_ok,
+                     lambda: f"{op}: with out_ids out must be the expert rows [T*k = {routed} or T*k + T = "
+                             f"{routed + tokens}, d = {d}], got {tuple(out.shape)}")
     torch._check(post.dtype == torch.float32 and tuple(post.shape) == lead + (hc,),
                  lambda: f"{op}: post must be float32 {lead + (hc,)}")
     torch._check(comb.dtype == torch.float32 and tuple(comb.shape) == lead + (hc, hc),

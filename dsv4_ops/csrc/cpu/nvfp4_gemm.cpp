@@ -1,5 +1,5 @@
-// CPU kernels of dsv4::nvfp4_linear, nvfp4_linear_w4a4 and nvfp4_moe: decode the kernel-layout weights to
-// fp32 exactly, then fp32 matmuls through ATen. Semantics (and the order of the bf16 roundings in the MoE)
+// CPU kernels of dsv4::nvfp4_linear, nvfp4_linear_w4a4, nvfp4_moe and nvfp4_moe_rows: decode the kernel-layout
+// weights to fp32 exactly, then fp32 matmuls through ATen. Semantics (and the order of the bf16 roundings in the MoE)
 // are those documented in docs/ops.md "## NVFP4 GEMM / MoE"; the CUDA kernels follow the same definition.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -171,21 +171,20 @@ at::Tensor expert_cpu(const at::Tensor& xe, const uint8_t* w13, const uint8_t* s
   return at::matmul(h, W2.t()).to(at::kBFloat16);
 }
 
-at::Tensor nvfp4_moe_cpu(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts, const at::Tensor& w13,
-                         const at::Tensor& s13, const at::Tensor& g13, const at::Tensor& w2, const at::Tensor& s2,
-                         const at::Tensor& g2, const std::optional<at::Tensor>& sw13,
-                         const std::optional<at::Tensor>& ss13, const std::optional<at::Tensor>& sg13,
-                         const std::optional<at::Tensor>& sw2, const std::optional<at::Tensor>& ss2,
-                         const std::optional<at::Tensor>& sg2, double limit) {
-  const MoeDims m = check_moe(x, ids, wts, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2);
+// The per-assignment expert outputs (bf16) [T*k + T*has_shared, d] of dsv4::nvfp4_moe_rows: row t*k + j = token
+// t's slot j (zeros where the id is not a local expert), row T*k + t = the shared expert's output for token t.
+at::Tensor moe_rows_cpu(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts, const at::Tensor& w13,
+                        const at::Tensor& s13, const at::Tensor& g13, const at::Tensor& w2, const at::Tensor& s2,
+                        const at::Tensor& g2, const std::optional<at::Tensor>& sw13,
+                        const std::optional<at::Tensor>& ss13, const std::optional<at::Tensor>& sg13,
+                        const std::optional<at::Tensor>& sw2, const std::optional<at::Tensor>& ss2,
+                        const std::optional<at::Tensor>& sg2, double limit, const MoeDims& m) {
   const int64_t kp_d = padded_k(m.d), kp_i = padded_k(m.I);
   const at::Tensor w13c = w13.contiguous(), s13c = s13.contiguous(), w2c = w2.contiguous(), s2c = s2.contiguous();
   const at::Tensor g13c = g13.contiguous(), g2c = g2.contiguous();
   const at::Tensor idc = ids.to(at::kLong).contiguous(), wtc = wts.contiguous();
   const int64_t* id = idc.data_ptr<int64_t>();
-  // Per-assignment outputs (bf16), summed afterwards in slot order so the result does not depend on the
-  // order experts are visited in.
-  at::Tensor o = at::zeros({m.T, m.k, m.d}, x.options());
+  at::Tensor rows = at::zeros({m.T * m.k + (m.has_shared ? m.T : 0), m.d}, x.options());
   std::vector<std::vector<int64_t>> by_expert(m.E);
   for (int64_t a = 0; a < m.T * m.k; ++a)
     if (id[a] >= 0 && id[a] < m.E) by_expert[id[a]].push_back(a);
@@ -199,17 +198,45 @@ at::Tensor nvfp4_moe_cpu(const at::Tensor& x, const at::Tensor& ids, const at::T
         s13c.data_ptr<uint8_t>() + e * 2 * m.I * (kp_d / kBlock), g13c.data_ptr<float>()[e],
         w2c.data_ptr<uint8_t>() + e * m.d * (kp_i / 2), s2c.data_ptr<uint8_t>() + e * m.d * (kp_i / kBlock),
         g2c.data_ptr<float>()[e], m.d, m.I, wtc.reshape({-1}).index_select(0, a), limit);
-    o.view({m.T * m.k, m.d}).index_copy_(0, a, oe);
+    rows.index_copy_(0, a, oe);
   }
-  at::Tensor acc = at::zeros({m.T, m.d}, x.options().dtype(at::kFloat));
-  for (int64_t j = 0; j < m.k; ++j) acc = acc + o.select(1, j).to(at::kFloat);
   if (m.has_shared) {
     const at::Tensor a = sw13->contiguous(), b = ss13->contiguous(), c = sw2->contiguous(), dd = ss2->contiguous();
-    const at::Tensor os = expert_cpu(xc, a.data_ptr<uint8_t>(), b.data_ptr<uint8_t>(), scalar_of(*sg13),
-                                     c.data_ptr<uint8_t>(), dd.data_ptr<uint8_t>(), scalar_of(*sg2), m.d, m.Is,
-                                     std::nullopt, limit);
-    acc = acc + os.to(at::kFloat);
+    rows.narrow(0, m.T * m.k, m.T)
+        .copy_(expert_cpu(xc, a.data_ptr<uint8_t>(), b.data_ptr<uint8_t>(), scalar_of(*sg13), c.data_ptr<uint8_t>(),
+                          dd.data_ptr<uint8_t>(), scalar_of(*sg2), m.d, m.Is, std::nullopt, limit));
   }
+  return rows;
+}
+
+at::Tensor nvfp4_moe_rows_cpu(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts,
+                              const at::Tensor& w13, const at::Tensor& s13, const at::Tensor& g13,
+                              const at::Tensor& w2, const at::Tensor& s2, const at::Tensor& g2,
+                              const std::optional<at::Tensor>& sw13, const std::optional<at::Tensor>& ss13,
+                              const std::optional<at::Tensor>& sg13, const std::optional<at::Tensor>& sw2,
+                              const std::optional<at::Tensor>& ss2, const std::optional<at::Tensor>& sg2,
+                              double limit) {
+  const MoeDims m =
+      check_moe(x, ids, wts, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, "dsv4::nvfp4_moe_rows");
+  return moe_rows_cpu(x, ids, wts, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, limit, m);
+}
+
+at::Tensor nvfp4_moe_cpu(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts, const at::Tensor& w13,
+                         const at::Tensor& s13, const at::Tensor& g13, const at::Tensor& w2, const at::Tensor& s2,
+                         const at::Tensor& g2, const std::optional<at::Tensor>& sw13,
+                         const std::optional<at::Tensor>& ss13, const std::optional<at::Tensor>& sg13,
+                         const std::optional<at::Tensor>& sw2, const std::optional<at::Tensor>& ss2,
+                         const std::optional<at::Tensor>& sg2, double limit) {
+  const MoeDims m = check_moe(x, ids, wts, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2);
+  const at::Tensor rows =
+      moe_rows_cpu(x, ids, wts, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, limit, m);
+  // Summed in slot order so the result does not depend on the order experts are visited in. Non-local slots'
+  // rows are +0, and adding +0 to an fp32 sum that starts at +0 changes no bit: the same as skipping them
+  // (the CUDA combine kernel does).
+  const at::Tensor o = rows.narrow(0, 0, m.T * m.k).view({m.T, m.k, m.d});
+  at::Tensor acc = at::zeros({m.T, m.d}, x.options().dtype(at::kFloat));
+  for (int64_t j = 0; j < m.k; ++j) acc = acc + o.select(1, j).to(at::kFloat);
+  if (m.has_shared) acc = acc + rows.narrow(0, m.T * m.k, m.T).to(at::kFloat);
   return acc.to(at::kBFloat16);
 }
 
@@ -221,4 +248,5 @@ TORCH_LIBRARY_IMPL(dsv4, CPU, m) {
   m.impl("nvfp4_linear_multi", &nvfp4_linear_multi_cpu);
   m.impl("nvfp4_linear_w4a4", &nvfp4_linear_w4a4_cpu);
   m.impl("nvfp4_moe", &nvfp4_moe_cpu);
+  m.impl("nvfp4_moe_rows", &nvfp4_moe_rows_cpu);
 }

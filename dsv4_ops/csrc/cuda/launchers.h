@@ -57,7 +57,8 @@ extern "C" cudaError_t dsv4_hc_pre_launch(void* x, int x_kind, const void* fn, i
                                           const float* base, const float* norm_w, int T, int hc, int d, int iters,
                                           float hc_eps, float norm_eps, float out_eps, float* ws, void* y,
                                           float* post, float* comb, const void* p_out, const void* p_res,
-                                          const float* p_post, const float* p_comb, cudaStream_t stream);
+                                          const float* p_post, const float* p_comb, const void* p_ids, int ids64,
+                                          int slots, int experts, int shared, cudaStream_t stream);
 
 // norm_rope.cu
 extern "C" cudaError_t dsv4_rms_norm_rope_launch(const void* x, int x_fp32, const float* w, const float* cs, void* out,

@@ -216,23 +216,60 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 // hc_post_pre: the streams x are first made from the previous sublayer's output (hc_post): x[t, j, k] =
 // post[t, j] * out[t, k] + sum_i comb[t, i, j] * res[t, i, k] (fp32, the unfused order), rounded to TX; each CTA
-// writes its chunk of x for the finish kernel and the caller.
+// writes its chunk of x for the finish kernel and the caller. With ids, out[t, k] is itself summed from the MoE's
+// uncombined rows (the combine kernel this replaces: one launch less per layer at decode).
 template <typename TX>
 struct HcPostIn {
   const TX* out;  // null: plain hc_pre (x is read)
   const TX* res;
   const float* post;
   const float* comb;
+  // null: out is [T, d]; else int32 / int64 (ids64) [T, k] and out the rows [T*k (+ T if shared), d]
+  const void* ids;
+  int ids64, k, experts, shared;
 };
 
+// out[t, kd] from the rows as nvfp4_moe_combine_kernel forms it, bit for bit: fp32 from 0, slot j's row where
+// its id is in [0, experts) (no other row is read: the expert kernels leave it unwritten), j in order, then the
+// shared row, rounded once to TX. The ids are written by the step's router: the caller has passed the PDL wait.
+// Slots go in groups of 8 so that a token's ids, then its rows, are in flight together (one slot per trip, H200:
+// the op took ~2 us longer than with the combined output; the combine kernel it replaces took ~3.5 us).
 template <typename TX>
-__device__ __forceinline__ float hc_post_value(const HcPostIn<TX>& pi, int t, int hc, int d, int kk) {
+__device__ __forceinline__ float moe_rows_value(const HcPostIn<TX>& pi, int t, int T, int d, int kd) {
+  constexpr int G = 8;
+  const float sh = pi.shared ? load_one(pi.out + (int64_t(T) * pi.k + t) * d + kd) : 0.0f;
+  float acc = 0.0f;
+  const int64_t slot0 = int64_t(t) * pi.k;
+  for (int j0 = 0; j0 < pi.k; j0 += G) {
+    bool ok[G];
+    float v[G];
+#pragma unroll
+    for (int u = 0; u < G; ++u) {
+      const int64_t s = slot0 + j0 + u;
+      int64_t e = -1;
+      if (j0 + u < pi.k)
+        e = pi.ids64 ? static_cast<const int64_t*>(pi.ids)[s] : int64_t(static_cast<const int*>(pi.ids)[s]);
+      ok[u] = e >= 0 && e < pi.experts;
+    }
+#pragma unroll
+    for (int u = 0; u < G; ++u) v[u] = ok[u] ? load_one(pi.out + (slot0 + j0 + u) * d + kd) : 0.0f;
+#pragma unroll
+    for (int u = 0; u < G; ++u)
+      if (ok[u]) acc = __fadd_rn(acc, v[u]);
+  }
+  if (pi.shared) acc = __fadd_rn(acc, sh);
+  return round_to(acc, static_cast<const TX*>(nullptr));
+}
+
+template <typename TX>
+__device__ __forceinline__ float hc_post_value(const HcPostIn<TX>& pi, int t, int T, int hc, int d, int kk) {
   const int j = kk / d, k = kk - j * d;
   const float* c = pi.comb + int64_t(t) * hc * hc;
   float s = 0.0f;
   for (int i = 0; i < hc; ++i)
     s = __fadd_rn(s, __fmul_rn(c[i * hc + j], load_one(pi.res + (int64_t(t) * hc + i) * d + k)));
-  return __fadd_rn(__fmul_rn(pi.post[int64_t(t) * hc + j], load_one(pi.out + int64_t(t) * d + k)), s);
+  const float o = pi.ids == nullptr ? load_one(pi.out + int64_t(t) * d + k) : moe_rows_value(pi, t, T, d, k);
+  return __fadd_rn(__fmul_rn(pi.post[int64_t(t) * hc + j], o), s);
 }
 
 template <typename TX, typename TW>
@@ -260,7 +297,7 @@ __global__ void __launch_bounds__(256) hc_pre_partial_kernel(TX* x, const TW* __
       if (pi.out == nullptr) {
         v = load_one(x + int64_t(t) * K + kk);
       } else {
-        v = round_to(hc_post_value(pi, t, K / d, d, kk), static_cast<TX*>(nullptr));
+        v = round_to(hc_post_value(pi, t, T, K / d, d, kk), static_cast<TX*>(nullptr));
         store_one(x + int64_t(t) * K + kk, v);
       }
     }
@@ -385,9 +422,11 @@ template <typename TX, typename TW>
 cudaError_t hc_pre_launch_t(void* x, const void* fn, const float* scale, const float* base, const float* norm_w,
                             int T, int hc, int d, int iters, float hc_eps, float norm_eps, float out_eps, float* ws,
                             int nsplit, void* y, float* post, float* comb, const void* p_out, const void* p_res,
-                            const float* p_post, const float* p_comb, cudaStream_t stream) {
+                            const float* p_post, const float* p_comb, const void* p_ids, int ids64, int slots,
+                            int experts, int shared, cudaStream_t stream) {
   const int K = hc * d, mix = (2 + hc) * hc;
-  const HcPostIn<TX> pi{static_cast<const TX*>(p_out), static_cast<const TX*>(p_res), p_post, p_comb};
+  const HcPostIn<TX> pi{static_cast<const TX*>(p_out), static_cast<const TX*>(p_res), p_post, p_comb, p_ids, ids64,
+                        slots, experts, shared};
   const bool pdl = decode_pdl();
   launch_ex(pdl, hc_pre_partial_kernel<TX, TW>, dim3(nsplit), dim3(256), 0, stream, static_cast<TX*>(x),
             static_cast<const TW*>(fn), T, K, mix, ws, pi, d, int(pdl));
@@ -423,24 +462,28 @@ extern "C" cudaError_t dsv4_hc_sinkhorn_launch(const float* x, float* y, int64_t
 // hc_pre's kernels (hc <= 4, T <= 16 tokens, d % 8 == 0, d <= 12288; x, fn, norm_w 16-byte aligned): x_kind 0
 // bf16 / 1 fp16 / 2 fp32, fn_bf16: fn held in bf16 (else fp32). ws: fp32 [nsplit, T, (2 + hc) * hc + 1], nsplit
 // = dsv4_hc_pre_splits. hc_post_pre: p_out [T, d] / p_res [T, hc, d] (x's dtype), p_post fp32 [T, hc], p_comb fp32
-// [T, hc, hc]; x is then an output (the new streams); p_out null: plain hc_pre, x read.
+// [T, hc, hc]; x is then an output (the new streams); p_out null: plain hc_pre, x read. p_ids (int32, or int64
+// where ids64) [T, slots]: p_out is instead the MoE's rows [T * slots (+ T where shared), d], summed per token
+// over the slots whose id is in [0, experts) (then the shared row); null: p_out [T, d].
 extern "C" int dsv4_hc_pre_splits(int hc, int d) { return (hc * d + kHcChunk - 1) / kHcChunk; }
 
 extern "C" cudaError_t dsv4_hc_pre_launch(void* x, int x_kind, const void* fn, int fn_bf16, const float* scale,
                                           const float* base, const float* norm_w, int T, int hc, int d, int iters,
                                           float hc_eps, float norm_eps, float out_eps, float* ws, void* y,
                                           float* post, float* comb, const void* p_out, const void* p_res,
-                                          const float* p_post, const float* p_comb, cudaStream_t stream) {
+                                          const float* p_post, const float* p_comb, const void* p_ids, int ids64,
+                                          int slots, int experts, int shared, cudaStream_t stream) {
   if (T == 0) return cudaSuccess;
   if (hc > 4 || T > kHcMaxTokens || d % 8 != 0 || d > 12288) return cudaErrorInvalidValue;
   const int nsplit = dsv4_hc_pre_splits(hc, d);
 #define DSV4_HC_PRE(TX)                                                                                           \
   return fn_bf16 ? hc_pre_launch_t<TX, __nv_bfloat16>(x, fn, scale, base, norm_w, T, hc, d, iters, hc_eps,      \
                                                       norm_eps, out_eps, ws, nsplit, y, post, comb, p_out,      \
-                                                      p_res, p_post, p_comb, stream)                            \
+                                                      p_res, p_post, p_comb, p_ids, ids64, slots, experts,      \
+                                                      shared, stream)                                           \
                  : hc_pre_launch_t<TX, float>(x, fn, scale, base, norm_w, T, hc, d, iters, hc_eps, norm_eps,     \
                                               out_eps, ws, nsplit, y, post, comb, p_out, p_res, p_post, p_comb, \
-                                              stream)
+                                              p_ids, ids64, slots, experts, shared, stream)
   if (x_kind == 0) DSV4_HC_PRE(__nv_bfloat16);
   if (x_kind == 1) DSV4_HC_PRE(__half);
   DSV4_HC_PRE(float);

@@ -32,9 +32,12 @@ at::Tensor hc_sinkhorn_cuda(const at::Tensor& logits, int64_t iters, double eps)
   return out;
 }
 
-// hc_post_pre's extra inputs (the previous sublayer's output, the streams it updates, its post / comb).
+// hc_post_pre's extra inputs (the previous sublayer's output, the streams it updates, its post / comb; with ids the
+// output as the MoE's uncombined rows).
 struct PostIn {
   at::Tensor out, res, post, comb;
+  std::optional<at::Tensor> ids;
+  int64_t experts;
 };
 
 // hc_pre of x, or with pin hc_post_pre (x: pin->res, for the shape checks): (streams, y, post, comb), the streams
@@ -46,19 +49,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_pre_run(
   TORCH_CHECK(x.is_cuda(), op, ": ", pin ? "res" : "x", " must be a CUDA tensor, got ", x.device());
   const dsv4_mhc::HcPreShape sh =
       dsv4_mhc::check_hc_pre(x, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, out_eps, op);
-  if (pin) dsv4_mhc::check_hc_post(pin->out, pin->res, pin->post, pin->comb);
+  const dsv4_mhc::HcPostRows rows =
+      pin ? dsv4_mhc::check_hc_post(pin->out, pin->res, pin->post, pin->comb, pin->ids, pin->experts)
+          : dsv4_mhc::HcPostRows();
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor fc = fn.contiguous();
   const at::Tensor wc = norm_weight ? norm_weight->contiguous() : at::Tensor();
   const at::Tensor xc = pin ? at::Tensor() : x.contiguous();
   const at::Tensor oc = pin ? pin->out.contiguous() : at::Tensor(), rc = pin ? pin->res.contiguous() : at::Tensor();
+  const at::Tensor ic = pin && pin->ids ? pin->ids->contiguous() : at::Tensor();
   auto aligned = [](const at::Tensor& t) {
     return !t.defined() || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
   };
   const bool kernel = sh.hc <= 4 && sh.tokens <= 16 && sh.d % 8 == 0 && sh.d <= 12288 && aligned(fc) &&
                       aligned(xc) && aligned(wc);  // 16-byte loads (out / res are read per element)
   if (!kernel) {
-    const at::Tensor streams = pin ? dsv4_mhc::hc_post_aten(oc, rc, pin->post, pin->comb) : x;
+    at::Tensor o = oc;
+    if (ic.defined()) {  // the rows' sum, shaped as res without its hc dim
+      std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 2);
+      shape.push_back(sh.d);
+      o = dsv4_mhc::hc_post_rows_aten(oc, ic, rows).view(shape);
+    }
+    const at::Tensor streams = pin ? dsv4_mhc::hc_post_aten(o, rc, pin->post, pin->comb) : x;
     auto sinkhorn = [&](const at::Tensor& logits) { return hc_sinkhorn_cuda(logits, iters, hc_eps); };
     at::Tensor y, post, comb;
     std::tie(y, post, comb) =
@@ -79,7 +91,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_pre_run(
       int(iters), float(hc_eps), float(norm_eps), float(out_eps), ws.data_ptr<float>(), y.data_ptr(),
       post.data_ptr<float>(), comb.data_ptr<float>(), pin ? oc.data_ptr() : nullptr, pin ? rc.data_ptr() : nullptr,
       pin ? pc.data_ptr<float>() : nullptr, pin ? cc.data_ptr<float>() : nullptr,
-      c10::cuda::getCurrentCUDAStream().stream());
+      ic.defined() ? ic.data_ptr() : nullptr, ic.defined() && ic.scalar_type() == at::kLong, int(rows.k),
+      int(rows.experts), rows.shared, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
   return {streams, y, post, comb};
 }
@@ -96,8 +109,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre_cuda(const at::Tensor& x, 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_pre_cuda(
     const at::Tensor& out, const at::Tensor& res, const at::Tensor& post, const at::Tensor& comb,
     const at::Tensor& fn, const at::Tensor& scale, const at::Tensor& base, const std::optional<at::Tensor>& norm_weight,
-    int64_t iters, double hc_eps, double norm_eps, double out_eps) {
-  const PostIn pin{out, res, post, comb};
+    int64_t iters, double hc_eps, double norm_eps, double out_eps, const std::optional<at::Tensor>& out_ids,
+    int64_t out_experts) {
+  const PostIn pin{out, res, post, comb, out_ids, out_experts};
   return hc_pre_run("dsv4::hc_post_pre", res, &pin, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, out_eps);
 }
 

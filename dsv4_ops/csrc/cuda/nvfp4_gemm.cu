@@ -530,6 +530,9 @@ extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t
     }
     if (err != cudaSuccess) return err;
   }
+  // dsv4::nvfp4_moe_rows: its consumer sums o. The simple kernels' <<<>>> launches report only through
+  // cudaGetLastError.
+  if (a->skip_combine) return a->simple ? cudaGetLastError() : cudaSuccess;
   const int64_t items = a->T * (a->d / 8);
   return launch_ex(a->pdl != 0 && !a->simple, nvfp4_moe_combine_kernel, dim3(unsigned((items + 255) / 256)),
                    dim3(256), 0, stream, static_cast<const bf16*>(o), a->ids, int(a->ids_int64), int(a->T),

@@ -53,11 +53,12 @@ struct Nvfp4MoeArgs {
   float limit;
   int* route;               // workspace: 3E + 1 + T*k ints
   void* h;                  // bf16 workspace: T*k*I + T*Is
-  void* o;                  // bf16 workspace: (T*k + T) * d
-  void* y;                  // bf16 [T, d]
+  void* o;                  // bf16 workspace: (T*k + T) * d; the output of dsv4::nvfp4_moe_rows
+  void* y;                  // bf16 [T, d] (unused with skip_combine)
   int simple;
   int gemv;                 // 1: the gemv kernel while T*k <= 4E (the default; 0: skinny)
   int pdl;                  // chain the MoE kernels with programmatic dependent launch
+  int skip_combine;         // 1: stop after the down projection, o holds the result (dsv4::nvfp4_moe_rows)
 };
 
 #ifdef __cplusplus

@@ -1,6 +1,6 @@
-// CUDA registration of dsv4::nvfp4_linear / nvfp4_linear_w4a4 / nvfp4_moe: argument checks (shared with the
-// CPU kernels), outputs and workspaces from the caching allocator (graph-pool aware), launch on the current
-// stream. The kernels live in nvfp4_gemm.cu and the kernel files it names.
+// CUDA registration of dsv4::nvfp4_linear / nvfp4_linear_w4a4 / nvfp4_moe / nvfp4_moe_rows: argument checks
+// (shared with the CPU kernels), outputs and workspaces from the caching allocator (graph-pool aware), launch on
+// the current stream. The kernels live in nvfp4_gemm.cu and the kernel files it names.
 // Kernel choice for y = x W^T: M <= 8 tokens -> the gemv kernel (cp.async ring); M <= 64 -> the skinny kernel;
 // 64 < M < 256 -> the tiled mma kernel; M >= 256 -> dequantize W to bf16 (exact e2m1 * block scale) + one cublasLt
 // bf16 GEMM whose epilogue applies the global scale (alpha read from device memory, so no host sync and CUDA-graph
@@ -400,20 +400,22 @@ at::Tensor nvfp4_linear_w4a4_cuda(const at::Tensor& xp, const at::Tensor& xs, co
   return linear_impl(xb, w, s, gs, &xg, N, out_dtype, op).view(out_shape);
 }
 
-at::Tensor nvfp4_moe_cuda(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts, const at::Tensor& w13,
-                          const at::Tensor& s13, const at::Tensor& g13, const at::Tensor& w2, const at::Tensor& s2,
-                          const at::Tensor& g2, const std::optional<at::Tensor>& sw13,
-                          const std::optional<at::Tensor>& ss13, const std::optional<at::Tensor>& sg13,
-                          const std::optional<at::Tensor>& sw2, const std::optional<at::Tensor>& ss2,
-                          const std::optional<at::Tensor>& sg2, double limit) {
-  const char* op = "dsv4::nvfp4_moe";
+// dsv4::nvfp4_moe (rows = false: y [T, d]) and dsv4::nvfp4_moe_rows (rows = true: the down projection's
+// per-assignment rows o [T*k + T*has_shared, d], no combine kernel; rows of non-local ids are never written).
+at::Tensor moe_impl(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts, const at::Tensor& w13,
+                    const at::Tensor& s13, const at::Tensor& g13, const at::Tensor& w2, const at::Tensor& s2,
+                    const at::Tensor& g2, const std::optional<at::Tensor>& sw13, const std::optional<at::Tensor>& ss13,
+                    const std::optional<at::Tensor>& sg13, const std::optional<at::Tensor>& sw2,
+                    const std::optional<at::Tensor>& ss2, const std::optional<at::Tensor>& sg2, double limit, bool rows,
+                    const char* op) {
   check_cuda(x, op, "x");
-  const MoeDims m = check_moe(x, ids, wts, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2);
+  const MoeDims m = check_moe(x, ids, wts, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, op);
   TORCH_CHECK(m.E <= 4096, op, ": at most 4096 experts (routing histogram in shared memory), got ", m.E);
   const int64_t TK = m.T * m.k;
   TORCH_CHECK(TK + m.T < (int64_t(1) << 31) && m.d < (int64_t(1) << 31), op, ": sizes must fit in int32");
   const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor y = at::empty({m.T, m.d}, x.options());
+  at::Tensor o = at::empty({TK + (m.has_shared ? m.T : 0), m.d}, x.options());
+  at::Tensor y = rows ? o : at::empty({m.T, m.d}, x.options());
   if (m.T == 0) return y;
   const at::Tensor xc = prep(x, 16), idc = ids.contiguous(), wtc = wts.contiguous();
   const at::Tensor w13c = prep(w13, 16), s13c = prep(s13, 8), g13c = g13.contiguous();
@@ -425,7 +427,6 @@ at::Tensor nvfp4_moe_cuda(const at::Tensor& x, const at::Tensor& ids, const at::
   }
   at::Tensor route = at::empty({3 * m.E + 1 + TK}, x.options().dtype(at::kInt));
   at::Tensor h = at::empty({TK * m.I + m.T * m.Is}, x.options());
-  at::Tensor o = at::empty({(TK + (m.has_shared ? m.T : 0)) * m.d}, x.options());
   Nvfp4MoeArgs a{};
   a.x = xc.data_ptr();
   a.ids = idc.data_ptr();
@@ -459,8 +460,30 @@ at::Tensor nvfp4_moe_cuda(const at::Tensor& x, const at::Tensor& ids, const at::
   a.simple = use_simple() ? 1 : 0;
   a.pdl = use_pdl() ? 1 : 0;
   a.gemv = kernel_choice() == Choice::kSkinny ? 0 : 1;
+  a.skip_combine = rows ? 1 : 0;
   check_launch(dsv4_nvfp4_moe_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
   return y;
+}
+
+at::Tensor nvfp4_moe_cuda(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts, const at::Tensor& w13,
+                          const at::Tensor& s13, const at::Tensor& g13, const at::Tensor& w2, const at::Tensor& s2,
+                          const at::Tensor& g2, const std::optional<at::Tensor>& sw13,
+                          const std::optional<at::Tensor>& ss13, const std::optional<at::Tensor>& sg13,
+                          const std::optional<at::Tensor>& sw2, const std::optional<at::Tensor>& ss2,
+                          const std::optional<at::Tensor>& sg2, double limit) {
+  return moe_impl(x, ids, wts, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, limit, false,
+                  "dsv4::nvfp4_moe");
+}
+
+at::Tensor nvfp4_moe_rows_cuda(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts,
+                               const at::Tensor& w13, const at::Tensor& s13, const at::Tensor& g13,
+                               const at::Tensor& w2, const at::Tensor& s2, const at::Tensor& g2,
+                               const std::optional<at::Tensor>& sw13, const std::optional<at::Tensor>& ss13,
+                               const std::optional<at::Tensor>& sg13, const std::optional<at::Tensor>& sw2,
+                               const std::optional<at::Tensor>& ss2, const std::optional<at::Tensor>& sg2,
+                               double limit) {
+  return moe_impl(x, ids, wts, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, limit, true,
+                  "dsv4::nvfp4_moe_rows");
 }
 
 }  // namespace
@@ -471,4 +494,5 @@ TORCH_LIBRARY_IMPL(dsv4, CUDA, m) {
   m.impl("nvfp4_linear_multi", &nvfp4_linear_multi_cuda);
   m.impl("nvfp4_linear_w4a4", &nvfp4_linear_w4a4_cuda);
   m.impl("nvfp4_moe", &nvfp4_moe_cuda);
+  m.impl("nvfp4_moe_rows", &nvfp4_moe_rows_cuda);
 }
