@@ -334,6 +334,34 @@ def test_float_model_prefill_exports_through_the_static_moe_path():
         torch.testing.assert_close(c, model.get_buffer(n), atol=1e-4, rtol=1e-4, msg=lambda m: f"{n}: {m}")
 
 
+def test_bf16_nvfp4_decode_exports_the_moe_rows_fold():
+    """A bf16 NVFP4 model's decode entry carries the MoE rows into hc_post_pre (nvfp4_moe_rows + out_ids) through
+    torch.export; the exported step gives the eager step's logits and cache writes."""
+    from export.build import Entry, _dsv4_ops_in, _example_inputs, export_entry
+    from export.entrypoints import cache_names, call_decode
+
+    cfg = make_config("tiny", n_layers=2, compress_ratios=[4, 16], n_hash_layers=1, n_mtp_layers=0)
+    model = quantize_model_(Transformer(cfg, max_batch_size=MAX_B, max_seq_len=MAX_S, dtype=torch.bfloat16,
+                                        simulate_quant=True).init_random_weights(0))
+    entry = Entry(f"decode_b{MAX_B}", "decode", MAX_B)
+    names = cache_names(model, probe=lambda: call_decode(model, *_example_inputs(entry, "cpu")))
+    ep = export_entry(model, names, entry, device="cpu")
+    ops = _dsv4_ops_in(ep)
+    assert "dsv4::nvfp4_moe_rows" in ops and "out_ids" in ops["dsv4::hc_post_pre"], sorted(ops)
+    fold = [n for n in ep.graph.nodes if n.op == "call_function" and str(n.target) == "dsv4.hc_post_pre.default"
+            and len(n.args) > 12 and n.args[12] is not None]
+    assert len(fold) == cfg.n_layers - 1
+    tokens, positions = torch.tensor([3, 5]), torch.tensor([4, 9])
+    caches = tuple(torch.zeros_like(model.get_buffer(n)) for n in names)
+    got = ep.module()((tokens, positions), caches)
+    for n in names:
+        model.get_buffer(n).zero_()
+    ref = call_decode(model, tokens, positions)
+    torch.testing.assert_close(got, ref, atol=0, rtol=0)
+    for n, c in zip(names, caches):
+        torch.testing.assert_close(c, model.get_buffer(n), atol=0, rtol=0, msg=lambda m: f"{n}: {m}")
+
+
 def test_written_inputs_agrees_with_functionalization():
     from export.entrypoints import CacheAsInputs, caches_detached, call_decode
     from export.toy import ToyLM
