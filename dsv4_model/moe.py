@@ -150,7 +150,8 @@ class MoE(nn.Module):
         """Decode (x [B, 1, dim]): the NVFP4 experts' uncombined rows for dsv4::hc_post_pre as
         (rows [B*k (+ B), dim], topk ids [B, k], n_experts), or None where the output is not bf16 rows (bf16
         experts, a model of another dtype): the caller then takes forward's combined output."""
-        if self.nvfp4 is None or x.dtype != torch.bfloat16 or getattr(self.nvfp4, "out_dtype", torch.bfloat16) != torch.bfloat16:
+        out_dtype = getattr(self.nvfp4, "out_dtype", torch.bfloat16)
+        if self.nvfp4 is None or x.dtype != torch.bfloat16 or out_dtype != torch.bfloat16:
             return None
         x = x.reshape(-1, self.dim)
         weights, indices = self._route(x, ids)

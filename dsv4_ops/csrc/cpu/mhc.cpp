@@ -133,22 +133,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre_cpu(const at::Tensor& x, c
   return {y, post, comb};
 }
 
-// Token t's sublayer output from the MoE's rows (dsv4_mhc::HcPostRows), as the combine kernel forms it: fp32 from
-// 0, the slots whose id is in [0, experts) in order (no other row is read), then the shared row; rounded once.
-template <typename T, typename I>
-void rows_sum(const T* rows, const I* ids, const dsv4_mhc::HcPostRows& r, int64_t tokens, int64_t t, int64_t d,
-              T* o) {
-  for (int64_t k = 0; k < d; ++k) {
-    float acc = 0.0f;
-    for (int64_t j = 0; j < r.k; ++j) {
-      const int64_t e = static_cast<int64_t>(ids[t * r.k + j]);
-      if (e >= 0 && e < r.experts) acc += static_cast<float>(rows[(t * r.k + j) * d + k]);
-    }
-    if (r.shared) acc += static_cast<float>(rows[(tokens * r.k + t) * d + k]);
-    o[k] = static_cast<T>(acc);
-  }
-}
-
 // hc_post (per token: new stream j = post_j * out + sum_i comb[i, j] * res_i, fp32 in index order, rounded to the
 // dtype; with out_ids out is first summed from the MoE's rows), then hc_pre of the new streams.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_pre_cpu(
@@ -159,8 +143,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_pre_cpu(
   const dsv4_mhc::HcPreShape sh = dsv4_mhc::check_hc_pre(res, fn, scale, base, norm_weight, iters, hc_eps, norm_eps,
                                                          out_eps, "dsv4::hc_post_pre");
   const dsv4_mhc::HcPostRows rows = dsv4_mhc::check_hc_post(out, res, post_in, comb_in, out_ids, out_experts);
-  const at::Tensor oc = out.contiguous(), rc = res.contiguous(), pc = post_in.contiguous(), cc = comb_in.contiguous();
-  const at::Tensor ic = out_ids ? out_ids->contiguous() : at::Tensor();
+  // with out_ids: the rows' sum [T, d] first (the combine's order; rows of other ids are never picked)
+  const at::Tensor oc = out_ids ? dsv4_mhc::hc_post_rows_aten(out.contiguous(), *out_ids, rows) : out.contiguous();
+  const at::Tensor rc = res.contiguous(), pc = post_in.contiguous(), cc = comb_in.contiguous();
   at::Tensor h = at::empty(res.sizes(), res.options());
   const int64_t hc = sh.hc, d = sh.d;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, res.scalar_type(), "dsv4::hc_post_pre", [&] {
@@ -170,24 +155,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_pre_cpu(
     const float* cp = cc.data_ptr<float>();
     scalar_t* hp = h.data_ptr<scalar_t>();
     at::parallel_for(0, sh.tokens, 1, [&](int64_t b, int64_t e) {
-      std::vector<scalar_t> summed(ic.defined() ? d : 0);
-      for (int64_t t = b; t < e; ++t) {
-        const scalar_t* ot = op + t * d;
-        if (ic.defined()) {
-          if (ic.scalar_type() == at::kInt)
-            rows_sum(op, ic.data_ptr<int32_t>(), rows, sh.tokens, t, d, summed.data());
-          else
-            rows_sum(op, ic.data_ptr<int64_t>(), rows, sh.tokens, t, d, summed.data());
-          ot = summed.data();
-        }
+      for (int64_t t = b; t < e; ++t)
         for (int64_t j = 0; j < hc; ++j)
           for (int64_t k = 0; k < d; ++k) {
             float s = 0.0f;
             for (int64_t i = 0; i < hc; ++i)
               s += cp[(t * hc + i) * hc + j] * static_cast<float>(rp[(t * hc + i) * d + k]);
-            hp[(t * hc + j) * d + k] = static_cast<scalar_t>(pp[t * hc + j] * static_cast<float>(ot[k]) + s);
+            hp[(t * hc + j) * d + k] = static_cast<scalar_t>(pp[t * hc + j] * static_cast<float>(op[t * d + k]) + s);
           }
-      }
     });
   });
   at::Tensor y, post, comb;
