@@ -416,8 +416,9 @@ def test_moe_rows_folded_into_the_next_collapse(ckpts, monkeypatch, device, act_
     ids = _tokens(batch=2)[:, :12].to(device)
     lengths = torch.tensor([12, 7], device=device)
     out = {}
-    # compiled once (Inductor on the whole model is the slow part)
-    for mode, compile_ in (("0", False), ("1", False), ("1", True))[: 3 if act_quant == "none" else 2]:
+    # compiled once, on the CPU only (Inductor on the whole model is the slow part: > 6 min on the GPU machine)
+    n_modes = 3 if act_quant == "none" and device == "cpu" else 2
+    for mode, compile_ in (("0", False), ("1", False), ("1", True))[:n_modes]:
         monkeypatch.setenv("DSV4_FUSED_MOE_ROWS", mode)
         if compile_:  # Dynamo traces the ops themselves
             for name, op in real.items():
