@@ -140,7 +140,8 @@ for part in $PARTS; do
       # layer both ways.
       step pdl_op_tests 200 env DSV4_PDL=0 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_compressor_op.py \
         tests/test_norm_rope.py tests/test_hc_pre.py tests/test_hadamard_fp4.py tests/test_key_store.py \
-        tests/test_attn.py tests/test_indexer.py tests/test_router.py tests/test_fp32_linear.py
+        tests/test_attn.py tests/test_indexer.py tests/test_router.py tests/test_fp32_linear.py \
+        tests/test_nvfp4_quant.py
       step pdl_compiled 150 $PY -m pytest -q -m cuda -x -p no:cacheprovider tests/test_compiled_decode.py \
         -k "graph_logits"
       step pdl_layer_off 200 env DSV4_PDL=0 $PY bench/bench_layer.py --kinds csa --steps 50 --experts 16

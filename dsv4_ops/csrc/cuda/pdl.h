@@ -16,7 +16,8 @@ __device__ __forceinline__ void grid_dep_wait() { asm volatile("griddepcontrol.w
 __device__ __forceinline__ void grid_dep_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 // The decode kernels outside the NVFP4 chain (attention, mHC, norm + RoPE, compressor, Hadamard, key store,
-// indexer scoring, fp32 linear, router) launch with PDL unless DSV4_PDL=0 (read at each launch, so at capture).
+// indexer scoring, fp32 linear, router) and the NVFP4 quantizers launch with PDL unless DSV4_PDL=0 (read at each
+// launch, so at capture).
 // Each of them waits at its top, so the attribute never reorders memory accesses.
 inline bool decode_pdl() {
   const char* v = std::getenv("DSV4_PDL");
