@@ -12,7 +12,8 @@ Three layouts (auto-detected, or forced with `layout=`):
               experts, `config.json` = `ModelConfig.to_dict()` + `"dsv4_format": 1`). An NVFP4-converted
               model is saved with its NVFP4 buffers (kernel layout of dsv4_model.nvfp4, see
               dsv4_model.quantize_model) and `"dsv4_quant": {"method": "nvfp4", "act_quant": ...,
-              "kernel_layout": 1}`; it loads back as is, without re-quantizing.
+              "kernel_layout": 2}`; it loads back as is, without re-quantizing (a version 1 checkpoint's
+              buffers are reordered into the version 2 tiles at load).
 
 quant="nvfp4" (see dsv4_model/quantize_model.py for which layers): the model is converted to NVFP4 on the
 meta device BEFORE allocation, so the float weights of converted layers never exist in full; each converted
@@ -45,8 +46,8 @@ from .checkpoint_names import FUSED_W13, hf_to_official_name, split_expert_name
 from .nvfp4_convert import Mxfp4Tensor, Nvfp4Tensor
 from .quant_formats import FP4_BLOCK, FP8_BLOCK, dequant_fp8_blocks, dequant_mxfp4, fp8_scale_shape, mxfp4_shapes
 from .quantize_model import (
-    ACT_QUANT_MODES, KERNEL_LAYOUT_VERSION, QUANT_INFO_KEY, check_modes, convert_structure_, dequantize_model_,
-    fill_unit_,
+    ACT_QUANT_MODES, KERNEL_LAYOUT_VERSIONS, QUANT_INFO_KEY, check_modes, convert_structure_, dequantize_model_,
+    fill_unit_, upgrade_kernel_layout_,
 )
 
 LAYOUTS = ("hf", "official", "dsv4")
@@ -481,9 +482,9 @@ def _stored_quant(root: Path, layout: str) -> dict | None:
         return None
     if not isinstance(info, dict) or info.get("method") != "nvfp4" or info.get("act_quant") not in ACT_QUANT_MODES:
         raise CheckpointError(f"{cfg_path}: invalid {QUANT_INFO_KEY!r} field {info!r}")
-    if info.get("kernel_layout") != KERNEL_LAYOUT_VERSION:
+    if info.get("kernel_layout") not in KERNEL_LAYOUT_VERSIONS:
         raise CheckpointError(f"{cfg_path}: NVFP4 kernel layout version {info.get('kernel_layout')!r}, this build "
-                              f"reads version {KERNEL_LAYOUT_VERSION}; re-convert from the original checkpoint")
+                              f"reads versions {KERNEL_LAYOUT_VERSIONS}; re-convert from the original checkpoint")
     return info
 
 
@@ -556,6 +557,8 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
         for unit in tqdm(units, desc=f"NVFP4 {root.name}", unit="layer", disable=not (progress and units)):
             fill_unit_(model, unit, get)
             clear()
+    if stored:
+        upgrade_kernel_layout_(model, stored["kernel_layout"])
     if stored and quant == "none":
         dequantize_model_(model)
     model.narrow_weights_()

@@ -15,6 +15,10 @@ produced here once at load time by `repack_weight` (lossless, see docs/ops.md "#
   scale = 2^e * (1 + m/8) (every finite E4M3 value, subnormals included, has this form with e in [-9, 8]);
   0 encodes 0. A negative scale flips the sign of its 16 codes, a zero scale zeroes them, so the
   represented values are unchanged.
+- Tiles (layout version 2): within each full tile of 16 rows the bytes are ordered [chunk][row][64 B] (scales
+  [chunk][row][8 B]) instead of row by row, so the 16 rows x 64 B one mma tile reads per chunk are one
+  contiguous 1 KB (`dsv4_ops/csrc/nvfp4_layout.h`); a last partial tile (N % 16 rows) stays row-major. The
+  buffers keep their shapes [..., N, Kp/2] / [..., N, Kp/16]; a row of them is no longer a weight row.
 """
 
 from __future__ import annotations
@@ -102,6 +106,30 @@ def _words_to_codes(packed: torch.Tensor) -> torch.Tensor:
     return c.reshape(*lead, n, kp).to(torch.int32)
 
 
+# ------------------------------------------------------------------------------------------- tiles
+TILE = 16  # rows of one mma tile: the unit of the tile-major interleave
+
+
+def tile_major(x: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
+    """Row-major kernel bytes [..., N, W] -> layout version 2: each full 16-row tile as [chunk][row][chunk_bytes]
+    (chunk_bytes = 64 for codes, 8 for scale bytes); a last partial tile stays row-major."""
+    *lead, n, w = x.shape
+    nf = n // TILE * TILE
+    full = x[..., :nf, :].reshape(*lead, nf // TILE, TILE, w // chunk_bytes, chunk_bytes).transpose(-3, -2)
+    return torch.cat((full.reshape(*lead, nf, w), x[..., nf:, :]), dim=-2)
+
+
+def row_major(x: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
+    """Inverse of `tile_major`."""
+    *lead, n, w = x.shape
+    nf = n // TILE * TILE
+    full = x[..., :nf, :].reshape(*lead, nf // TILE, w // chunk_bytes, TILE, chunk_bytes).transpose(-3, -2)
+    return torch.cat((full.reshape(*lead, nf, w), x[..., nf:, :]), dim=-2)
+
+
+CODE_CHUNK_BYTES, SCALE_CHUNK_BYTES = CHUNK // 2, CHUNK // BLOCK
+
+
 # ------------------------------------------------------------------------------------------- scales
 def encode_scale(s: torch.Tensor) -> torch.Tensor:
     """Non-negative E4M3-representable fp32 values -> kernel scale bytes ((e + 10) << 3 | m; 0 -> 0)."""
@@ -141,26 +169,27 @@ def repack_weight(packed: torch.Tensor, block_scale: torch.Tensor) -> tuple[torc
     if kp != k:
         codes = torch.nn.functional.pad(codes, (0, kp - k))
         s = torch.nn.functional.pad(s, (0, (kp - k) // BLOCK))
-    return _codes_to_words(codes), encode_scale(s)
+    return tile_major(_codes_to_words(codes), CODE_CHUNK_BYTES), tile_major(encode_scale(s), SCALE_CHUNK_BYTES)
 
 
 def unrepack_weight(packed_k: torch.Tensor, scale_k: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Kernel layout -> canonical (packed uint8 [..., N, K/2], e4m3 scales [..., N, K/16]) for the first k
     elements (negative/zero scales come back normalized: |scale| with flipped/zeroed codes)."""
-    codes = _words_to_codes(packed_k)[..., :k]
-    s = decode_scale(scale_k)[..., : k // BLOCK]
+    codes = _words_to_codes(row_major(packed_k, CODE_CHUNK_BYTES))[..., :k]
+    s = decode_scale(row_major(scale_k, SCALE_CHUNK_BYTES))[..., : k // BLOCK]
     return pack_codes(codes), s.to(torch.float8_e4m3fn)
 
 
 def dequantize_kernel_layout(packed_k: torch.Tensor, scale_k: torch.Tensor, global_scale: torch.Tensor,
                              k: int) -> torch.Tensor:
     """fp32 [..., N, k] weights of a kernel-layout NVFP4 tensor (value = e2m1 * scale * global_scale)."""
-    codes = _words_to_codes(packed_k)[..., :k]
+    codes = _words_to_codes(row_major(packed_k, CODE_CHUNK_BYTES))[..., :k]
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
     v = lut[codes & 7]
     v = torch.where(codes >= 8, -v, v)
     gs = global_scale.float()
-    s = decode_scale(scale_k)[..., : k // BLOCK] * gs.reshape(gs.shape + (1,) * (v.dim() - gs.dim()))
+    s = decode_scale(row_major(scale_k, SCALE_CHUNK_BYTES))[..., : k // BLOCK]
+    s = s * gs.reshape(gs.shape + (1,) * (v.dim() - gs.dim()))
     return (v.unflatten(-1, (-1, BLOCK)) * s.unsqueeze(-1)).flatten(-2)  # e2m1 * (scale * gs)
 
 

@@ -41,14 +41,18 @@ from torch import nn
 from .attention import Attention
 from .layers import Linear
 from .moe import MoE, Expert, Experts
-from .nvfp4 import (BLOCK, Nvfp4Linear, Nvfp4MoE, deinterleave_gate_up, dequantize_kernel_layout,
-                    interleave_gate_up, padded_k, repack_weight)
+from .nvfp4 import (BLOCK, CODE_CHUNK_BYTES, SCALE_CHUNK_BYTES, Nvfp4Linear, Nvfp4MoE, deinterleave_gate_up,
+                    dequantize_kernel_layout, interleave_gate_up, padded_k, repack_weight, tile_major)
 from .nvfp4_convert import Nvfp4Tensor, float_to_nvfp4, gate_up_to_nvfp4, to_float, to_nvfp4
 
 QUANT_MODES = ("none", "nvfp4")
 ACT_QUANT_MODES = ("none", "nvfp4")
 # Converted checkpoints store the kernel layout of dsv4_model.nvfp4 (repack_weight); bump when it changes.
-KERNEL_LAYOUT_VERSION = 1
+# Version 1 (row-major tiles) still loads: upgrade_kernel_layout_ reorders its buffers.
+KERNEL_LAYOUT_VERSION = 2
+KERNEL_LAYOUT_VERSIONS = (1, 2)
+_KERNEL_BUFFERS = (("weight_packed", "weight_scale"), ("w13_packed", "w13_scale"), ("w2_packed", "w2_scale"),
+                   ("shared_w13_packed", "shared_w13_scale"), ("shared_w2_packed", "shared_w2_scale"))
 QUANT_INFO_KEY = "dsv4_quant"
 
 
@@ -283,6 +287,22 @@ def convert_structure_(model: nn.Module, act_quant: str = "none") -> list[QuantU
             u.old = nn.ModuleDict({"experts": ex, "shared_experts": sh})
     model.quant_info = {"method": "nvfp4", "act_quant": act_quant, "kernel_layout": KERNEL_LAYOUT_VERSION}
     return units
+
+
+@torch.no_grad()
+def upgrade_kernel_layout_(model: nn.Module, version: int) -> None:
+    """NVFP4 buffers loaded from a checkpoint of kernel layout `version` -> the current layout, in place."""
+    if version == KERNEL_LAYOUT_VERSION:
+        return
+    if version != 1:
+        raise ValueError(f"kernel layout version {version!r}: cannot upgrade (known: {KERNEL_LAYOUT_VERSIONS})")
+    for mod in model.modules():
+        if not isinstance(mod, (Nvfp4Linear, Nvfp4GroupedLinear, Nvfp4MoE)):
+            continue
+        for packed, scale in _KERNEL_BUFFERS:
+            if getattr(mod, packed, None) is not None:
+                getattr(mod, packed).copy_(tile_major(getattr(mod, packed), CODE_CHUNK_BYTES))
+                getattr(mod, scale).copy_(tile_major(getattr(mod, scale), SCALE_CHUNK_BYTES))
 
 
 Getter = Callable[[str, "int | None"], object]

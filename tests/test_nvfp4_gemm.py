@@ -101,13 +101,21 @@ def kernel_choice(name):
 
 
 # ------------------------------------------------------------------------------------------- layout
-def test_layout_roundtrip_and_decode_tricks():
+@pytest.mark.parametrize("n", [5, 37])
+def test_layout_roundtrip_and_decode_tricks(n):
     """repack/unrepack are inverse, and the bit tricks the CUDA kernel uses (mirrored here) decode every code of
-    the kernel layout to the canonical value times 2^-126 in the mma A-fragment order."""
+    the kernel layout to the canonical value times 2^-126 in the mma A-fragment order. n = 37: two tile-major
+    16-row tiles (each chunk of a tile one contiguous 1 KB / 128 B) and a row-major partial tile."""
     gen = torch.Generator().manual_seed(1)
-    n, k = 5, 272
+    k = 272
     packed, scale, _ = rand_nvfp4((), n, k, gen)
     wk, sk = nv.repack_weight(packed, scale)
+    rows_w, rows_s = nv.row_major(wk, 64), nv.row_major(sk, 8)
+    assert torch.equal(nv.tile_major(rows_w, 64), wk) and torch.equal(nv.tile_major(rows_s, 8), sk)
+    if n >= 16:  # tile 0's chunk 1 = rows 0..15's bytes 64..127, in row order
+        assert torch.equal(wk[:16].flatten()[1024:2048].view(16, 64), rows_w[:16, 64:128])
+        assert torch.equal(sk[:16].flatten()[128:256].view(16, 8), rows_s[:16, 8:16])
+    assert torch.equal(wk[32:], rows_w[32:]) and torch.equal(sk[32:], rows_s[32:])
     assert wk.shape == (n, 384 // 2) and sk.shape == (n, 384 // 16)
     one = torch.tensor(1.0)
     canon = ref.nvfp4_gemm_dequant_ref(packed, scale, one)
@@ -115,11 +123,11 @@ def test_layout_roundtrip_and_decode_tricks():
     p2, s2 = nv.unrepack_weight(wk, sk, k)
     assert torch.equal(ref.nvfp4_gemm_dequant_ref(p2, s2, one), canon)
 
-    words = wk.view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [n, C * 16]: (chunk, lane t, word j)
+    words = rows_w.view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [n, C * 16]: (chunk, lane t, word j)
     m32 = 0xFFFFFFFF
     regs = [words & 0x81C081C0, (words << 3) & 0x81C081C0 & m32, (words << 6) & 0x81C081C0 & m32,
             ((words >> 4) & 0x00C000C0) | ((words >> 5) & 0x01000100) | ((words << 1) & 0x80008000)]
-    sc = nv.decode_scale(sk)
+    sc = nv.decode_scale(rows_s)
     got = torch.zeros(n, 384)
     for q, r in enumerate(regs):
         for e in range(2):

@@ -28,11 +28,11 @@ from dsv4_model.checkpoint_io import CheckpointError
 from dsv4_model.checkpoint_writer import canonical_weights, make_config, write_checkpoint
 from dsv4_model.engine import Engine
 from dsv4_model.loader import load_model, save_model
-from dsv4_model.nvfp4 import dequantize_kernel_layout, pack_codes, repack_weight
+from dsv4_model.nvfp4 import dequantize_kernel_layout, pack_codes, repack_weight, row_major
 from dsv4_model.quant_formats import dequant_mxfp4, float_to_e8m0
 from hf_utils import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
 from dsv4_model.quantize_model import (
-    Nvfp4GroupedLinear, Nvfp4ModelLinear, Nvfp4ModelMoE, dequantize_model_, quantize_model_,
+    KERNEL_LAYOUT_VERSION, Nvfp4GroupedLinear, Nvfp4ModelLinear, Nvfp4ModelMoE, dequantize_model_, quantize_model_,
 )
 
 SEQ = 40
@@ -228,7 +228,7 @@ def test_structure_and_kept_layers(nvfp4_model):
     converted = ("attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_a.weight", "attn.wo_b.weight",
                  "indexer.wq_b.weight")
     assert not any(".ffn.experts." in n or "shared_experts" in n or n.endswith(converted) for n in params)
-    assert m.quant_info == {"method": "nvfp4", "act_quant": "none", "kernel_layout": 1}
+    assert m.quant_info == {"method": "nvfp4", "act_quant": "none", "kernel_layout": KERNEL_LAYOUT_VERSION}
 
 
 def test_fused_x_projections_equal_separate_calls(nvfp4_model):
@@ -319,7 +319,7 @@ def test_converted_checkpoint_round_trip(ckpts, tmp_path, monkeypatch):
     model, cfg = load_model(ckpts["official"], quant="nvfp4", act_quant="nvfp4", progress=False, max_seq_len=64)
     save_model(model, cfg, tmp_path / "conv", num_shards=2)
     raw = json.loads((tmp_path / "conv" / "config.json").read_text())
-    assert raw["dsv4_quant"] == {"method": "nvfp4", "act_quant": "nvfp4", "kernel_layout": 1}
+    assert raw["dsv4_quant"] == {"method": "nvfp4", "act_quant": "nvfp4", "kernel_layout": KERNEL_LAYOUT_VERSION}
 
     def forbidden(*a, **k):
         raise AssertionError("a converted checkpoint must load without re-quantizing")
@@ -338,6 +338,31 @@ def test_converted_checkpoint_round_trip(ckpts, tmp_path, monkeypatch):
     # quant="none": dequantized float model
     flat = _load(tmp_path / "conv", quant="none")
     assert flat.quant_info is None and _state_equal(flat, dequantize_model_(copy.deepcopy(model)))
+
+
+def test_layout_1_checkpoint_loads_into_the_current_layout(ckpts, tmp_path):
+    """A checkpoint converted before the tile-major layout (kernel layout 1: every row's chunks row by row)
+    still loads: its buffers are reordered at load into the same model."""
+    model, cfg = load_model(ckpts["official"], quant="nvfp4", progress=False, max_seq_len=64)
+    v1 = copy.deepcopy(model)
+    changed = 0
+    with torch.no_grad():
+        for mod in v1.modules():
+            if not isinstance(mod, (Nvfp4ModelLinear, Nvfp4GroupedLinear, Nvfp4ModelMoE)):
+                continue
+            for name, buf in mod.named_buffers(recurse=False):
+                if buf.dtype == torch.uint8 and name.endswith(("_packed", "_scale")):
+                    old = row_major(buf, 64 if name.endswith("_packed") else 8)
+                    changed += int(not torch.equal(old, buf))
+                    buf.copy_(old)
+    assert changed > 0  # the tiny model has full 16-row tiles: the two layouts differ
+    v1.quant_info = {**model.quant_info, "kernel_layout": 1}
+    save_model(v1, cfg, tmp_path / "v1")
+    back = _load(tmp_path / "v1")
+    assert back.quant_info == model.quant_info
+    assert _state_equal(back, model)
+    ids = _tokens()
+    assert torch.equal(back.prefill(ids), model.prefill(ids))
 
 
 def test_converted_checkpoint_layout_version_is_checked(ckpts, tmp_path):

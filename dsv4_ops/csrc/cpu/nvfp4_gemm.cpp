@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "nvfp4_gemm_checks.h"
+#include "nvfp4_layout.h"
 
 namespace {
 
@@ -34,24 +35,25 @@ inline uint32_t word_code(uint32_t w, int q, int e) {
   return mag | (((w >> (14 + b)) & 1u) << 3);
 }
 
-// fp32 [rows, K] = e2m1 * scale * gs of `rows` consecutive kernel-layout rows.
+// fp32 [rows, K] = e2m1 * scale * gs of a whole kernel-layout matrix of `rows` rows.
 at::Tensor dequant_rows(const uint8_t* codes, const uint8_t* scales, int64_t rows, int64_t K, float gs) {
   const int64_t kp = padded_k(K);
   at::Tensor out = at::empty({rows, K}, at::TensorOptions().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const uint8_t* cr = codes + r * (kp / 2);
-      const uint8_t* sr = scales + r * (kp / kBlock);
+      const RowAddr a = row_addr(r, rows, kp);
       float* orow = o + r * K;
       for (int64_t c = 0; c < kp / kChunk; ++c) {
+        const uint8_t* cr = codes + a.w + c * a.wstep;
+        const uint8_t* sr = scales + a.s + c * a.sstep;
         for (int t = 0; t < 4; ++t) {
           for (int j = 0; j < 4; ++j) {
-            const uint8_t* p = cr + c * 64 + t * 16 + j * 4;
+            const uint8_t* p = cr + t * 16 + j * 4;
             const uint32_t w = uint32_t(p[0]) | (uint32_t(p[1]) << 8) | (uint32_t(p[2]) << 16) | (uint32_t(p[3]) << 24);
             for (int q = 0; q < 4; ++q) {
               const int s = 2 * j + (q >> 1), h = q & 1;
-              const float sgs = scale_value(sr[c * 8 + s]) * gs;  // nvfp4_dequantize order
+              const float sgs = scale_value(sr[s]) * gs;  // nvfp4_dequantize order
               for (int e = 0; e < 2; ++e) {
                 const int64_t k = c * kChunk + 16 * s + 8 * h + 2 * t + e;
                 if (k < K) orow[k] = e2m1_value(word_code(w, q, e)) * sgs;

@@ -36,18 +36,21 @@
 namespace {
 
 // ------------------------------------------------------------------------------------------ simple kernels
-// Warp-reduced sum_k code * scale * x[k] over one kernel-layout row (exact decode, fp32 FMA).
-__device__ float simple_row_dot(const uint8_t* wrow, const uint8_t* srow, int K, const bf16* xrow, int lane) {
+// Warp-reduced sum_k code * scale * x[k] over row n of an N-row kernel-layout matrix (exact decode, fp32 FMA).
+__device__ float simple_row_dot(const uint8_t* wmat, const uint8_t* smat, int n, int N, int K, const bf16* xrow,
+                                int lane) {
   const int kp = (K + 127) & ~127;
+  const RowAddr a = row_addr(n, N, kp);
   float acc = 0.f;
   for (int wi = lane; wi < kp / 8; wi += 32) {
     const int c = wi >> 4, t = (wi >> 2) & 3, j = wi & 3;
-    const uint8_t* b = wrow + size_t(wi) * 4;
+    const uint8_t* b = wmat + a.w + size_t(c) * a.wstep + size_t(wi & 15) * 4;
+    const uint8_t* srow = smat + a.s + size_t(c) * a.sstep;
     const uint32_t w = uint32_t(b[0]) | (uint32_t(b[1]) << 8) | (uint32_t(b[2]) << 16) | (uint32_t(b[3]) << 24);
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const int s = 2 * j + (q >> 1), h = q & 1;
-      const float sc = scale_value(srow[c * 8 + s]);
+      const float sc = scale_value(srow[s]);
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int k = c * 128 + 16 * s + 8 * h + 2 * t + e;
@@ -64,12 +67,10 @@ __global__ void nvfp4_simple_linear_kernel(const TiledParams p) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int n = blockIdx.x * kWarps + warp;
   if (n >= p.N) return;
-  const int kp = (p.K + 127) & ~127;
   float alpha = __ldg(p.gs);
   if (p.gs_act != nullptr) alpha *= __ldg(p.gs_act);
   for (int m = blockIdx.y; m < p.M; m += gridDim.y) {
-    const float dot = simple_row_dot(p.w + size_t(n) * (kp / 2), p.s + size_t(n) * (kp / 16), p.K,
-                                     p.x + size_t(m) * p.K, lane);
+    const float dot = simple_row_dot(p.w, p.s, n, p.N, p.K, p.x + size_t(m) * p.K, lane);
     if (lane == 0) store_out(p.y, size_t(m) * p.N + n, dot * alpha, p.out_kind);
   }
 }
@@ -118,8 +119,8 @@ __device__ void simple_moe_up_row(const SimpleMoeParams& p, int r) {
   if (col >= inter) return;
   const int grow = (col / 8) * 16 + col % 8;  // gate row in the interleaved layout; up = grow + 8
   const bf16* xrow = p.x + size_t(tok) * p.d;
-  const float gate = simple_row_dot(w + size_t(grow) * (kpd / 2), s + size_t(grow) * (kpd / 16), p.d, xrow, lane);
-  const float up = simple_row_dot(w + size_t(grow + 8) * (kpd / 2), s + size_t(grow + 8) * (kpd / 16), p.d, xrow, lane);
+  const float gate = simple_row_dot(w, s, grow, 2 * inter, p.d, xrow, lane);
+  const float up = simple_row_dot(w, s, grow + 8, 2 * inter, p.d, xrow, lane);
   float hv = swiglu(round_bf16(gate * gs), round_bf16(up * gs), p.limit);
   if (r < tk) hv *= route;
   if (lane == 0) dst[col] = __float2bfloat16(hv);
@@ -154,8 +155,7 @@ __device__ void simple_moe_down_row(const SimpleMoeParams& p, int r) {
     gs = p.sg2[0];
     hrow = p.h + size_t(tk) * p.I + size_t(r - tk) * p.Is;
   }
-  const size_t kp = size_t((K + 127) & ~127);
-  const float dot = simple_row_dot(w + size_t(n) * (kp / 2), s + size_t(n) * (kp / 16), K, hrow, lane);
+  const float dot = simple_row_dot(w, s, n, p.d, K, hrow, lane);
   if (lane == 0) p.o[size_t(r) * p.d + n] = __float2bfloat16(dot * gs);
 }
 
@@ -284,13 +284,14 @@ __global__ void nvfp4_dequant_weight_kernel(const uint8_t* w, const uint8_t* s, 
   if (id >= N * words) return;
   const int64_t n = id / words;
   const int wi = int(id % words), c = wi >> 4, t = (wi >> 2) & 3, j = wi & 3;
-  const uint32_t word = *reinterpret_cast<const uint32_t*>(w + n * (kp / 2) + size_t(wi) * 4);
+  const RowAddr a = row_addr(n, N, kp);
+  const uint32_t word = *reinterpret_cast<const uint32_t*>(w + a.w + size_t(c) * a.wstep + size_t(wi & 15) * 4);
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     const int st = 2 * j + (q >> 1), h = q & 1;
     const int k0 = c * 128 + 16 * st + 8 * h + 2 * t;
     if (k0 >= K) continue;
-    const float sc = scale_value(s[n * (kp / 16) + c * 8 + st]);
+    const float sc = scale_value(s[a.s + size_t(c) * a.sstep + st]);
     reinterpret_cast<__nv_bfloat162*>(out + n * K + k0)[0] =
         __floats2bfloat162_rn(e2m1_value(word_code(word, q, 0)) * sc, e2m1_value(word_code(word, q, 1)) * sc);
   }

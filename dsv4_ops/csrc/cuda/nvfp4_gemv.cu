@@ -52,18 +52,27 @@ __global__ void __launch_bounds__(kThreads, OCC) nvfp4_gemv_kernel(const SkinnyP
   const int kp = (task.K + 127) & ~127, nchunks = kp >> 7;
   const int per = (nchunks + p.kw - 1) / p.kw;
   const int c_begin = min(kw * per, nchunks), c_end = min(c_begin + per, nchunks);
-  const uint8_t* wa_ptr = task.w + size_t(min(tile * 16 + g, task.N - 1)) * size_t(kp >> 1) + tq * 16;
-  const uint8_t* wb_ptr = task.w + size_t(min(tile * 16 + g + 8, task.N - 1)) * size_t(kp >> 1) + tq * 16;
-  const uint8_t* s_ptr = task.s + size_t(min(tile * 16 + (lane & 15), task.N - 1)) * size_t(kp >> 4);
+  // Rows g / g + 8 / lane & 15 (clamped) of one tile: all tile-major, or all in a row-major partial tile, so
+  // one chunk step serves the three streams.
+  const RowAddr ra = row_addr(min(tile * 16 + g, task.N - 1), task.N, kp);
+  const uint8_t* wa_ptr = task.w + ra.w + tq * 16;
+  const uint8_t* wb_ptr = task.w + row_addr(min(tile * 16 + g + 8, task.N - 1), task.N, kp).w + tq * 16;
+  const uint8_t* s_ptr = task.s + row_addr(min(tile * 16 + (lane & 15), task.N - 1), task.N, kp).s;
+  const uint32_t wstep = ra.wstep, sstep = ra.sstep;
   uint8_t* ring = gsmem + warp * (Cfg::kStage * S);
   if (early && p.pdl) {
     // Only the chunks the ring's first fills read: warming the whole K range slowed large shapes by ~1.3 us
     // (it competes with the previous kernel's own stream).
     const int warm = min(c_end - c_begin, S);
-    if (lane < 16 && warm > 0) {  // lane l: row l of the tile
-      const size_t row = size_t(min(tile * 16 + lane, task.N - 1));
-      prefetch_l2_bulk(task.w + row * size_t(kp >> 1) + size_t(c_begin) * 64, uint32_t(warm) * 64);
-      const uint8_t* srow = task.s + row * size_t(kp >> 4) + size_t(c_begin) * 8;
+    if (warm > 0 && wstep == 1024u) {  // a full tile: its chunks are one contiguous range
+      if (lane == 0) {
+        prefetch_l2_bulk(wa_ptr - (g * 64 + tq * 16) + size_t(c_begin) * 1024, uint32_t(warm) * 1024);
+        prefetch_l2_bulk(s_ptr - (lane & 15) * 8 + size_t(c_begin) * 128, uint32_t(warm) * 128);
+      }
+    } else if (lane < 16 && warm > 0) {  // a partial tile, row-major: lane l warms row l
+      const RowAddr rl = row_addr(min(tile * 16 + lane, task.N - 1), task.N, kp);
+      prefetch_l2_bulk(task.w + rl.w + size_t(c_begin) * 64, uint32_t(warm) * 64);
+      const uint8_t* srow = task.s + rl.s + size_t(c_begin) * 8;
       prefetch_l2(srow);
       prefetch_l2(srow + warm * 8 - 1);
     }
@@ -101,9 +110,9 @@ __global__ void __launch_bounds__(kThreads, OCC) nvfp4_gemv_kernel(const SkinnyP
     // Chunk ci into stage stg: one cp.async group per chunk (empty past c_end).
     auto issue = [&](int ci, uint8_t* stg) {
       if (ci < c_end) {
-        cp_async16(stg + lane * 16, wa_ptr + uint32_t(ci) * 64u, 16);
-        cp_async16(stg + 512 + lane * 16, wb_ptr + uint32_t(ci) * 64u, 16);
-        if (lane < 16) cp_async8(stg + Cfg::kW + lane * 8, s_ptr + uint32_t(ci) * 8u, 8);
+        cp_async16(stg + lane * 16, wa_ptr + uint32_t(ci) * wstep, 16);
+        cp_async16(stg + 512 + lane * 16, wb_ptr + uint32_t(ci) * wstep, 16);
+        if (lane < 16) cp_async8(stg + Cfg::kW + lane * 8, s_ptr + uint32_t(ci) * sstep, 8);
         const int kx = ci * 128 + pc * 8;
 #pragma unroll
         for (int i = 0; i < ROWS / 2; ++i) {

@@ -7,6 +7,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "nvfp4_layout.h"
+
 namespace dsv4_nvfp4 {
 
 constexpr uint32_t kPairMask = 0x81C081C0u;   // sign + 3 exponent/mantissa bits of both bf16 halves

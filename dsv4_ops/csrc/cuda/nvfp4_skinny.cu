@@ -27,10 +27,12 @@ __global__ void __launch_bounds__(kThreads) nvfp4_skinny_kernel(const SkinnyPara
   const int kp = (task.K + 127) & ~127, nchunks = kp >> 7;
   const int per = (nchunks + p.kw - 1) / p.kw;
   const int c_begin = min(kw * per, nchunks), c_end = min(c_begin + per, nchunks);
-  const uint8_t* wa_ptr = task.w + size_t(row_a) * size_t(kp >> 1) + tq * 16;
-  const uint8_t* wb_ptr = task.w + size_t(row_b) * size_t(kp >> 1) + tq * 16;
-  const uint8_t* sa_ptr = task.s + size_t(row_a) * size_t(kp >> 4);
-  const uint8_t* sb_ptr = task.s + size_t(row_b) * size_t(kp >> 4);
+  const RowAddr aa = row_addr(row_a, task.N, kp), ab = row_addr(row_b, task.N, kp);  // one tile: same steps
+  const uint8_t* wa_ptr = task.w + aa.w + tq * 16;
+  const uint8_t* wb_ptr = task.w + ab.w + tq * 16;
+  const uint8_t* sa_ptr = task.s + aa.s;
+  const uint8_t* sb_ptr = task.s + ab.s;
+  const uint32_t wstep = aa.wstep, sstep = aa.sstep;
 
   for (int tt = 0; tt < task.cnt; tt += 8 * NT) {
     const uint32_t* brow[NT];
@@ -46,10 +48,10 @@ __global__ void __launch_bounds__(kThreads) nvfp4_skinny_kernel(const SkinnyPara
       for (int i = 0; i < kStageChunks; ++i) {
         const int c = c0 + i;
         if (c < c_end) {
-          st.wa[i] = ld_stream16(wa_ptr + size_t(c) * 64);
-          st.wb[i] = ld_stream16(wb_ptr + size_t(c) * 64);
-          st.sa[i] = __ldg(reinterpret_cast<const uint2*>(sa_ptr + size_t(c) * 8));
-          st.sb[i] = __ldg(reinterpret_cast<const uint2*>(sb_ptr + size_t(c) * 8));
+          st.wa[i] = ld_stream16(wa_ptr + size_t(c) * wstep);
+          st.wb[i] = ld_stream16(wb_ptr + size_t(c) * wstep);
+          st.sa[i] = __ldg(reinterpret_cast<const uint2*>(sa_ptr + size_t(c) * sstep));
+          st.sb[i] = __ldg(reinterpret_cast<const uint2*>(sb_ptr + size_t(c) * sstep));
         } else {
           st.wa[i] = st.wb[i] = make_uint4(0u, 0u, 0u, 0u);
           st.sa[i] = st.sb[i] = make_uint2(0u, 0u);

@@ -26,12 +26,14 @@ __global__ void __launch_bounds__(kThreads, 1) nvfp4_tiled_kernel(const TiledPar
     for (int i = 0; i < 2; ++i) {
       const int id = tid + i * kThreads, r = id >> 2, part = id & 3;
       const int n = n_base + r;
-      const uint8_t* src = p.w + size_t(min(n, p.N - 1)) * (kp >> 1) + size_t(c) * 64 + part * 16;
+      const RowAddr a = row_addr(min(n, p.N - 1), p.N, kp);
+      const uint8_t* src = p.w + a.w + size_t(c) * a.wstep + part * 16;
       cp_async16(ws + r * 64 + part * 16, src, n < p.N ? 16 : 0);
     }
     if (tid < kTileN) {
       const int n = n_base + tid;
-      const uint8_t* src = p.s + size_t(min(n, p.N - 1)) * (kp >> 4) + size_t(c) * 8;
+      const RowAddr a = row_addr(min(n, p.N - 1), p.N, kp);
+      const uint8_t* src = p.s + a.s + size_t(c) * a.sstep;
       cp_async8(ss + tid * 8, src, n < p.N ? 8 : 0);
     }
   };
