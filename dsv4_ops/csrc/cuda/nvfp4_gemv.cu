@@ -65,9 +65,9 @@ __global__ void __launch_bounds__(kThreads, OCC) nvfp4_gemv_kernel(const SkinnyP
     // (it competes with the previous kernel's own stream).
     const int warm = min(c_end - c_begin, S);
     if (warm > 0 && wstep == 1024u) {  // a full tile: its chunks are one contiguous range
-      if (lane == 0) {
-        prefetch_l2_bulk(wa_ptr - (g * 64 + tq * 16) + size_t(c_begin) * 1024, uint32_t(warm) * 1024);
-        prefetch_l2_bulk(s_ptr - (lane & 15) * 8 + size_t(c_begin) * 128, uint32_t(warm) * 128);
+      if (lane == 0) {  // row 0 of the tile, byte 0: wa_ptr / s_ptr are the tile's base
+        prefetch_l2_bulk(wa_ptr + size_t(c_begin) * 1024, uint32_t(warm) * 1024);
+        prefetch_l2_bulk(s_ptr + size_t(c_begin) * 128, uint32_t(warm) * 128);
       }
     } else if (lane < 16 && warm > 0) {  // a partial tile, row-major: lane l warms row l
       const RowAddr rl = row_addr(min(tile * 16 + lane, task.N - 1), task.N, kp);

@@ -41,6 +41,7 @@
 namespace cg = cooperative_groups;
 using dsv4_cuda::decode_pdl;
 using dsv4_cuda::launch_ex;
+using dsv4_cuda::set_pdl_attribute;
 
 namespace dsv4::nvfp4 {
 // Must match nvfp4_quant_bindings.cpp.
@@ -684,11 +685,6 @@ FusedPath fused_path_override() {
   return FusedPath::kAuto;
 }
 
-void set_pdl(cudaLaunchAttribute& a) {
-  a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  a.val.programmaticStreamSerializationAllowed = 1;
-}
-
 int pow2_ceil(int64_t v) {
   int p = 1;
   while (p < v) p *= 2;
@@ -720,7 +716,7 @@ cudaError_t launch_fused(const Src& src, int64_t n_qb, int64_t qbpr, uint2* pack
     attr[0].val.clusterDim.x = c;
     attr[0].val.clusterDim.y = 1;
     attr[0].val.clusterDim.z = 1;
-    set_pdl(attr[1]);
+    set_pdl_attribute(attr[1]);
     cfg.gridDim = dim3(c);
     cfg.blockDim = dim3(t);
     cfg.stream = stream;
@@ -740,7 +736,7 @@ cudaError_t launch_fused(const Src& src, int64_t n_qb, int64_t qbpr, uint2* pack
   cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeCooperative;
   attr[0].val.cooperative = 1;
-  set_pdl(attr[1]);
+  set_pdl_attribute(attr[1]);
   cfg.gridDim = dim3(grid);
   cfg.blockDim = dim3(t);
   cfg.stream = stream;

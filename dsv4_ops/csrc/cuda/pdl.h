@@ -24,6 +24,12 @@ inline bool decode_pdl() {
   return v == nullptr || v[0] != '0';
 }
 
+// The PDL launch attribute (launchers with other attributes, e.g. a cooperative grid, add it themselves).
+inline void set_pdl_attribute(cudaLaunchAttribute& a) {
+  a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  a.val.programmaticStreamSerializationAllowed = 1;
+}
+
 // kernel<<<grid, block, smem, stream>>>(args...), with the PDL attribute when pdl.
 template <typename... Params, typename... Args>
 cudaError_t launch_ex(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
@@ -34,8 +40,7 @@ cudaError_t launch_ex(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  set_pdl_attribute(attr[0]);
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
