@@ -84,7 +84,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from .engine import Engine
-    from .generate import generate
+    from .generate import generate, get_runner
     from .loader import load_config
     from .tokenizer import load_tokenizer
 
@@ -115,9 +115,13 @@ def cmd_generate(args) -> int:
                                     cuda_graphs=args.cuda_graphs, graph_mode=args.graph_mode, quant=quant,
                                     act_quant=args.act_quant)
     engine.tokenizer = tok
+    engine.decode_options["log"] = lambda line: print(f"[dsv4] {line}", file=sys.stderr, flush=True)
     t_load = time.perf_counter() - t0
 
     single = len(prompt_ids) == 1
+    t1 = time.perf_counter()
+    get_runner(engine).prepare(len(prompt_ids))  # compile / capture before any text is printed
+    t_setup = time.perf_counter() - t1
     if single:
         sys.stdout.write(args.prompt[0])
         sys.stdout.flush()
@@ -127,10 +131,8 @@ def cmd_generate(args) -> int:
             sys.stdout.write(text)
             sys.stdout.flush()
 
-    t1 = time.perf_counter()
     res = generate(engine, prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stream=on_token, tokenizer=tok)
-    t_setup = time.perf_counter() - t1 - res.prefill_seconds - res.decode_seconds
     if single:
         sys.stdout.write("\n")
     else:

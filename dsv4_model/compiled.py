@@ -19,12 +19,37 @@ The default is "manual" (bench/bench_decode.py measures both; see README "Genera
 from __future__ import annotations
 
 import bisect
+import contextlib
+import threading
+import time
+from typing import Callable
 
 import torch
 
 from .sampling import SamplerBuffers, SamplingParams
 
 GRAPH_MODES = ("manual", "reduce-overhead")
+
+
+@contextlib.contextmanager
+def progress(log: Callable[[str], None], what: str, every_s: float = 15.0):
+    """log(what ...), then every `every_s` seconds the time so far, then the total: nobody stares at a silent
+    terminal while Inductor compiles."""
+    t0, done = time.perf_counter(), threading.Event()
+    log(f"{what} ...")
+
+    def beat():
+        while not done.wait(every_s):
+            log(f"  ... {what}: {time.perf_counter() - t0:.0f} s so far")
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+    log(f"{what}: done in {time.perf_counter() - t0:.1f} s")
 
 
 def batch_buckets(max_batch_size: int) -> list[int]:
@@ -43,14 +68,17 @@ class DecodeRunner:
     cuda_graphs: replay CUDA graphs. Default: on for CUDA. Needs a CUDA model.
     graph_mode: "manual" (default) or "reduce-overhead" (implies compile).
     compile_backend: torch.compile backend ("inductor"; tests on CPU may use "aot_eager").
+    log: called with one line of progress while a bucket compiles / captures (the CLI prints it on stderr).
 
     Use: `prepare(B)` (compiles / captures; scribbles on cache rows [:bucket], so call it BEFORE prefill),
     prefill, `begin(positions, params)`, `sample_first(prefill_logits)`, then `step()` per token.
     """
 
     def __init__(self, model, *, compile: bool | None = None, cuda_graphs: bool | None = None,
-                 graph_mode: str = "manual", compile_backend: str = "inductor"):
+                 graph_mode: str = "manual", compile_backend: str = "inductor",
+                 log: Callable[[str], None] | None = None):
         self.model = model
+        self.log = log
         self.options: dict = {}  # the options it was built from (set by generate.get_runner)
         self.device = model.device
         on_cuda = self.device.type == "cuda"
@@ -83,6 +111,9 @@ class DecodeRunner:
             cfg.recompile_limit = max(cfg.recompile_limit, 8 * len(self.buckets))
             cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 32 * len(self.buckets))
             mode = "reduce-overhead" if self.graph_mode == "reduce-overhead" else None
+            from dsv4_ops.inductor import register_inductor_fallbacks
+
+            register_inductor_fallbacks()
             self._fn = torch.compile(self._step_impl, fullgraph=True, dynamic=False, mode=mode,
                                      backend=compile_backend)
 
@@ -129,6 +160,18 @@ class DecodeRunner:
         n = self.bucket(rows)
         if n in self._ready:
             return n
+        with self._progress(n):
+            self._build(n)
+        return n
+
+    def _progress(self, n: int):
+        if self.log is None or not (self.compile or self.cuda_graphs):
+            return contextlib.nullcontext()
+        what = {"compiled+graph": "compiling + capturing", "eager+graph": "capturing",
+                "reduce-overhead": "compiling (reduce-overhead)", "compiled": "compiling"}[self.mode_name]
+        return progress(self.log, f"{what} the decode step for batch bucket {n}")
+
+    def _build(self, n: int) -> None:
         self._reset_buffers()
         view = self._view(n)
         if self.graph_mode == "manual":
@@ -152,7 +195,6 @@ class DecodeRunner:
                 self._fn(*view)
         self._reset_buffers()
         self._ready.add(n)
-        return n
 
     def prepare_all(self, buckets: list[int] | None = None) -> None:
         """Capture several buckets up front, largest first (the pool is sized by the first capture)."""

@@ -20,14 +20,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dsv4_model.compiled import progress
+from dsv4_ops.inductor import register_inductor_fallbacks
 from export import metadata as md
 from export import toolchain
 from export.entrypoints import CacheAsInputs, CacheSpec, cache_names, cache_specs, caches_detached, call_decode, \
@@ -74,7 +78,7 @@ def plan_entries(decode_batches: Sequence[int], prefill_batches: Sequence[int], 
 
 def _log(verbose: bool, msg: str) -> None:
     if verbose:
-        print(f"[export] {msg}", flush=True)
+        print(f"[export] {msg}", file=sys.stderr, flush=True)
 
 
 class _OpRecorder(TorchDispatchMode):
@@ -183,12 +187,11 @@ def compile_entries(eps: dict[str, torch.export.ExportedProgram], out: str, meta
     options = {name: {"aot_inductor.package": True, "aot_inductor.metadata": dict(meta, **{"dsv4.entry": name})}
                for name in eps}
     files: dict[str, list] = {}
+    register_inductor_fallbacks()
     for name, ep in eps.items():
-        t0 = time.time()
-        _log(verbose, f"AOTInductor-compiling {name} ...")
         args, kwargs = ep.example_inputs
-        files[name] = _aot_compile(ep, args, kwargs, options[name])
-        _log(verbose, f"  {name}: {time.time() - t0:.1f} s")
+        with progress(lambda m: _log(verbose, m), f"AOTInductor-compiling {name}") if verbose else nullcontext():
+            files[name] = _aot_compile(ep, args, kwargs, options[name])
     from torch.export.pt2_archive._package import package_pt2
 
     # Written under its final name in a scratch folder (the archive's root folder is named after the file),

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Everything the GPU machine must show, in one call (device time is scarce):
-#   build the CUDA library, the CUDA tests one file per process (a crash cannot hide other files' results),
-#   compute-sanitizer (memcheck, racecheck) on the direct kernel tests, the benchmarks.
+#   build the CUDA library, the main job (what a GPU user runs first: the GPU gate for any change to the model,
+#   the ops, the compile path or export), the CUDA tests one file per process (a crash cannot hide other files'
+#   results), compute-sanitizer (memcheck, racecheck) on the direct kernel tests, the benchmarks.
 # $OUT gets summary.txt + logs.tgz (the device tool returns at most 8 files of <= 16 MiB).
 # Usage on the H200, from the repo root:
-#   bash scripts/gpu_check.sh [tests|sanitizer|bench|profile|switches|pdl|decode|selrows ...]
-# (default: tests sanitizer bench)
+#   bash scripts/gpu_check.sh [mainjob|tests|sanitizer|bench|profile|switches|pdl|decode|selrows ...]
+# (default: mainjob tests sanitizer bench)
 # Env: GPU_CHECK_SKIP_BUILD=1 (already built), TEST_FILES / BENCHES (space-separated paths; default: all), SANITIZE
 # (a grep -E pattern: only the sanitizer specs it matches), GPU_CHECK_SECONDS (a total budget: steps get
 # what is left of it and are skipped once it is spent, so the summary always comes back within a device call).
@@ -18,7 +19,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD PATH=$PATH:/usr/local/cuda/bin
 PY=${PYTHON:-python3}
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
-PARTS=${*:-tests sanitizer bench}
+PARTS=${*:-mainjob tests sanitizer bench}
 note() { echo "$*" | tee -a "$SUMMARY"; }
 T_START=$(date +%s)
 step() {  # step NAME TIMEOUT CMD...  (log in $LOGS/NAME.log)
@@ -65,6 +66,15 @@ MEMCHECK_ONLY="tests/test_sample.py@chi_square"
 own_races() { grep -E "Race reported" "$1" | grep -vcE "nvjet|cutlass|cublas" ; }
 for part in $PARTS; do
   case $part in
+    mainjob)
+      # `bash scripts/run.sh` twice (cold Inductor caches, then a second process on warm ones) and the default
+      # model's bf16 GPU tests, each under a hard limit; the summary carries the compile time and tokens/s.
+      for run in cold warm; do
+        step "mainjob_run_$run" "${MAINJOB_TIMEOUT:-300}" env PYTHON=$PY bash scripts/run.sh
+        note "  $(grep -hE 'decode step for batch bucket .*: done in|tokens/s' "$LOGS/mainjob_run_$run.log" | tr '\n' ' ')"
+      done
+      step mainjob_default_model_bf16 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_default_model_gpu.py \
+        tests/test_compile_cost.py -k "bf16" ;;
     tests)
       for f in ${TEST_FILES:-tests/test_*.py}; do
         step "$(basename "$f" .py)" "${PER_FILE_TIMEOUT:-420}" $PY -m pytest -q -m cuda -rs -p no:cacheprovider "$f"
