@@ -57,19 +57,47 @@ class TensorInfo:
 
 
 def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """{key: (dtype tag, shape)} from a safetensors file's JSON header, without touching tensor data."""
+    """{key: (dtype tag, shape)} from a safetensors file's JSON header, without touching tensor data. The header's
+    data extents are checked against the file: every tensor's byte range lies inside it, holds exactly its dtype x
+    shape bytes, and the ranges cover the data section to its end (a truncated or padded shard fails here, before
+    any weight is read)."""
     try:
+        size = os.path.getsize(path)
         with open(path, "rb") as f:
             raw = f.read(8)
             if len(raw) != 8:
                 raise CheckpointError(f"{path}: not a safetensors file (no header length)")
             (n,) = struct.unpack("<Q", raw)
-            if n > os.path.getsize(path) - 8:
-                raise CheckpointError(f"{path}: safetensors header length {n} exceeds the file size")
+            if n > size - 8:
+                raise CheckpointError(f"{path}: safetensors header length {n} exceeds the file size {size}")
             header = json.loads(f.read(n))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: cannot read safetensors header: {e}") from e
-    return {k: (v["dtype"], tuple(v["shape"])) for k, v in header.items() if k != "__metadata__"}
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
+    out, data_len, end_max = {}, size - 8 - n, 0
+    for key, v in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = v["dtype"], tuple(int(d) for d in v["shape"]), v["data_offsets"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{path}: tensor {key!r}: malformed header entry {v!r}") from e
+        want = TensorInfo(key, path, dtype, shape).nbytes
+        if dtype in ST_DTYPES and end - begin != want:
+            raise CheckpointError(f"{path}: tensor {key!r} ({dtype} {list(shape)}) needs {want} bytes, its header "
+                                  f"gives {end - begin} ([{begin}, {end}))")
+        if not 0 <= begin <= end:
+            raise CheckpointError(f"{path}: tensor {key!r}: invalid data offsets [{begin}, {end})")
+        if end > data_len:
+            raise CheckpointError(f"{path}: truncated: tensor {key!r} ends at byte {8 + n + end} of the file, which "
+                                  f"has {size} bytes")
+        end_max = max(end_max, end)
+        out[key] = (dtype, shape)
+    if end_max != data_len:
+        raise CheckpointError(f"{path}: {data_len - end_max} bytes after the last tensor's data (the header does not "
+                              f"describe the file: a damaged or partly overwritten shard)")
+    return out
 
 
 def list_tensors(ckpt_dir: str | os.PathLike) -> dict[str, TensorInfo]:
@@ -81,8 +109,10 @@ def list_tensors(ckpt_dir: str | os.PathLike) -> dict[str, TensorInfo]:
     if index_path.is_file():
         try:
             weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index_path}: cannot read weight_map: {e}") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index_path}: weight_map must map tensor names to shard file names")
         headers: dict[str, dict] = {}
         for key, shard in weight_map.items():
             shard_path = (root / shard).resolve()

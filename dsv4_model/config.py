@@ -20,6 +20,58 @@ SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 # transformers' layer-type labels; the compress ratio of each label comes from `compress_rates`.
 HF_SWA, HF_CSA, HF_HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
+# The fields a checkpoint's config must give: they shape the model or change what it computes, so a default could
+# only load the wrong model (or fail with a wall of shape mismatches). Every other field may be omitted and takes
+# the DeepSeek-V4 value of its dataclass default (docs/checkpoints.md lists them). Per field, the keys that may
+# carry it in an official / HF / transformers config (dotted: nested).
+REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
+    "vocab_size": ("vocab_size",),
+    "dim": ("dim", "hidden_size"),
+    "n_layers": ("n_layers", "num_hidden_layers"),
+    "n_heads": ("n_heads", "num_attention_heads"),
+    "head_dim": ("head_dim",),
+    "rope_head_dim": ("rope_head_dim", "qk_rope_head_dim", "partial_rotary_factor",
+                      "rope_parameters.main.partial_rotary_factor"),
+    "q_lora_rank": ("q_lora_rank",),
+    "o_groups": ("o_groups",),
+    "o_lora_rank": ("o_lora_rank",),
+    "window_size": ("window_size", "sliding_window"),
+    "compress_ratios": ("compress_ratios", "layer_types"),
+    "moe_inter_dim": ("moe_inter_dim", "moe_intermediate_size"),
+    "n_routed_experts": ("n_routed_experts", "num_local_experts"),
+    "n_activated_experts": ("n_activated_experts", "num_experts_per_tok"),
+    "n_hash_layers": ("n_hash_layers", "num_hash_layers", "mlp_layer_types"),
+    "score_func": ("score_func", "scoring_func"),
+    "route_scale": ("route_scale", "routed_scaling_factor"),
+    "swiglu_limit": ("swiglu_limit",),
+    "hc_mult": ("hc_mult",),
+    "rope_theta": ("rope_theta", "rope_parameters.main.rope_theta"),
+    "compress_rope_theta": ("compress_rope_theta", "rope_parameters.compress.rope_theta"),
+}
+# ... and, when a layer has an indexer (compress ratio 4), its shape and top-k
+REQUIRED_INDEXER_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")
+
+
+def _has_key(d: dict[str, Any], dotted: str) -> bool:
+    for part in dotted.split("."):
+        if not isinstance(d, dict) or d.get(part) is None:
+            return False
+        d = d[part]
+    return True
+
+
+def missing_required_fields(d: dict[str, Any]) -> list[str]:
+    """The required fields (REQUIRED_FIELDS names) that config dict `d` gives under none of their keys."""
+    missing = [name for name, keys in REQUIRED_FIELDS.items() if not any(_has_key(d, k) for k in keys)]
+    if "compress_ratios" not in missing:
+        ratios = d.get("compress_ratios")
+        rates = d.get("compress_rates") or {}
+        csa = (4 in ratios if isinstance(ratios, list) else
+               HF_CSA in (d.get("layer_types") or []) and rates.get(HF_CSA, 4) == 4)
+        if csa:
+            missing += [name for name in REQUIRED_INDEXER_FIELDS if d.get(name) is None]
+    return missing
+
 
 @dataclass
 class ModelConfig:
@@ -152,9 +204,18 @@ class ModelConfig:
             return cls.from_dict(json.load(f))
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any], *, require: bool = True) -> "ModelConfig":
+        """require: every REQUIRED_FIELDS entry must be present (a checkpoint's config); False fills any missing
+        field with its default (configs written by code, tests)."""
         if not isinstance(d, dict):
-            raise ValueError(f"config must be a dict, got {type(d).__name__}")
+            raise ValueError(f"config must be a JSON object, got {type(d).__name__}")
+        missing = missing_required_fields(d) if require else []
+        if missing:
+            keys = [f"{m!r}" + (f" (or {' / '.join(map(repr, REQUIRED_FIELDS[m][1:]))})"
+                                if len(REQUIRED_FIELDS.get(m, ())) > 1 else "") for m in missing]
+            raise ValueError(f"required field{'s' * (len(missing) > 1)} missing: {', '.join(keys)} (a checkpoint's "
+                             "config must give every field that shapes the model; docs/checkpoints.md lists the "
+                             "ones that may be omitted)")
         is_hf = d.get("model_type") == "deepseek_v4" or "hidden_size" in d or "num_hidden_layers" in d
         cfg = cls(**(_from_hf(d) if is_hf else _from_official(d)))
         return cfg.validate()

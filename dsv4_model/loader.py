@@ -69,9 +69,12 @@ _MAX_LISTED_PROBLEMS = 25
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        d = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: cannot read config: {e}") from e
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{path}: a config must be a JSON object, this one is a {type(d).__name__}")
+    return d
 
 
 def detect_layout(path: str | os.PathLike, tensors: dict[str, TensorInfo] | None = None) -> str:

@@ -212,18 +212,34 @@ def deinterleave_gate_up(t: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------- bf16 -> NVFP4
-def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Post-training per-tensor-amax NVFP4 quantization (ModelOpt convention) of w [..., N, K] (K % 16 == 0).
+def quantize_weight(w: torch.Tensor, global_scale: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Post-training NVFP4 quantization of w [..., N, K] (K % 16 == 0) with NVIDIA ModelOpt's bytes
+    (`NVFP4QTensor.quantize`): global scale amax / 2688 per matrix unless given (fp32 [...]), block scale
+    e4m3(max(blk_amax / (6 * gs), 2^-9)) (an all-zero block: 1), codes = E2M1 round-to-nearest-even of
+    w / (block scale * gs), a DIVISION (the activation quantizer dsv4::nvfp4_quantize multiplies by the rounded
+    reciprocal, as TensorRT-LLM does; the two differ on values that scale onto an E2M1 midpoint), sign bit from
+    w < 0. An all-zero matrix gets zero codes, scales and global scale.
 
-    Returns CANONICAL (packed uint8 [..., N, K/2], block scales e4m3 [..., N, K/16], global scale fp32 of
-    shape w.shape[:-2], dequant direction = amax / (6 * 448)); one global scale per matrix. Uses
-    dsv4::nvfp4_quantize (per-row global scales, all equal within a matrix)."""
+    Returns CANONICAL (packed uint8 [..., N, K/2], block scales e4m3 [..., N, K/16], global scale fp32
+    [...] in the dequant direction)."""
     if w.dim() < 2 or w.shape[-1] % BLOCK != 0:
         raise ValueError(f"quantize_weight: need [..., N, K] with K % 16 == 0, got {tuple(w.shape)}")
-    gs = w.float().abs().amax(dim=(-2, -1)) / (FP4_MAX * E4M3_MAX)
-    row_gs = gs.unsqueeze(-1).expand(w.shape[:-1]).contiguous()
-    packed, block_scale = torch.ops.dsv4.nvfp4_quantize(w.contiguous(), row_gs)
-    return packed, block_scale, gs
+    x = w.float()
+    gs = x.abs().amax(dim=(-2, -1)) / (FP4_MAX * E4M3_MAX) if global_scale is None else global_scale.float()
+    gs_b = gs[..., None, None]
+    blocks = x.unflatten(-1, (-1, BLOCK))
+    scale = blocks.abs().amax(dim=-1) / (FP4_MAX * gs_b)
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale).clamp(min=2.0**-9).to(torch.float8_e4m3fn)
+    live = gs_b > 0
+    scale = torch.where(live, scale.float(), torch.zeros_like(gs_b)).to(torch.float8_e4m3fn)
+    y = torch.where(live[..., None], blocks / (scale.float() * gs_b)[..., None], torch.zeros_like(blocks))
+    a = y.abs()
+    # E2M1 magnitude code, ties to even: the midpoints 0.75, 1.75, 3.5 round up, 0.25, 1.25, 2.5, 5 down
+    mag = ((a > 0.25).int() + (a >= 0.75).int() + (a > 1.25).int() + (a >= 1.75).int() + (a > 2.5).int()
+           + (a >= 3.5).int() + (a > 5.0).int())
+    codes = (mag | ((y < 0).int() << 3)).flatten(-2)
+    return pack_codes(codes), scale, gs
 
 
 # ------------------------------------------------------------------------------------------- modules

@@ -134,7 +134,7 @@ def mxfp4_to_nvfp4(packed: torch.Tensor, scale: torch.Tensor, *, name: str = "te
     # Blocks more than 17 binades below the largest: re-quantize them from their values with the same
     # (power-of-two) global scale; everything else keeps its exact codes and scales.
     values = Mxfp4Tensor(packed, scale).dequantize(torch.float32)
-    rq_packed, rq_scale = torch.ops.dsv4.nvfp4_quantize(values.contiguous(), gs)
+    rq_packed, rq_scale, _ = quantize_weight(values, gs)
     rq_codes = unpack_codes(rq_packed)
     low_el = low.repeat_interleave(BLOCK, dim=-1)
     out_codes = torch.where(low_el, rq_codes, codes)

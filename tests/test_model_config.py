@@ -103,3 +103,39 @@ def test_official_config_without_mtp_entry_gets_swa_mtp():
 def test_validate_names_the_bad_field(field, kw):
     with pytest.raises(ValueError, match=field):
         tiny_config(**kw)
+
+
+@pytest.mark.parametrize("config, drop, named", [
+    (OFFICIAL_FLASH, "window_size", "'window_size'"),
+    (OFFICIAL_FLASH, "dim", "'dim'"),
+    (OFFICIAL_FLASH, "index_topk", "'index_topk'"),  # CSA layers: the indexer's top-k has no safe default
+    (OFFICIAL_FLASH, "compress_rope_theta", "'compress_rope_theta'"),
+    (HF_LEGACY_FLASH, "sliding_window", "'window_size' (or 'sliding_window')"),
+    (HF_LEGACY_FLASH, "hidden_size", "'dim' (or 'hidden_size')"),
+    (HF_LEGACY_FLASH, "num_hash_layers", "'n_hash_layers'"),
+])
+def test_a_checkpoint_config_missing_a_required_field_is_refused_by_name(config, drop, named):
+    d = {k: v for k, v in config.items() if k != drop}
+    with pytest.raises(ValueError, match="required field missing: " + named.replace("(", r"\(").replace(")", r"\)")):
+        ModelConfig.from_dict(d)
+    assert ModelConfig.from_dict(d, require=False)  # code-written configs may still rely on defaults
+
+
+def test_fields_with_documented_defaults_may_be_omitted():
+    optional = ("hc_eps", "hc_sinkhorn_iters", "norm_eps", "beta_fast", "beta_slow", "n_shared_experts",
+                "n_mtp_layers", "max_position_embeddings", "bos_token_id", "eos_token_id", "rope_factor",
+                "original_seq_len")
+    d = {k: v for k, v in OFFICIAL_FLASH.items() if k not in optional}
+    assert _shape(ModelConfig.from_dict(d)) == _shape(ModelConfig.v4_flash())
+
+
+def test_a_config_without_indexer_layers_needs_no_indexer_fields():
+    d = {k: v for k, v in OFFICIAL_FLASH.items() if not k.startswith("index_")}
+    d.update(compress_ratios=[0, 0] + [128] * 41 + [0])
+    assert ModelConfig.from_dict(d).index_topk == ModelConfig.index_topk
+
+
+@pytest.mark.parametrize("bad", [[1, 2], "config", 3])
+def test_a_config_that_is_not_an_object_is_refused(bad):
+    with pytest.raises(ValueError, match="JSON object"):
+        ModelConfig.from_dict(bad)

@@ -290,11 +290,12 @@ def _noise_twin(model: torch.nn.Module, dequantized: torch.nn.Module, seed: int 
 
 
 def test_quality_vs_bf16(ckpts):
-    ids = _tokens(batch=4)
-    model = _load(ckpts["official"], max_batch_size=4)
+    # 16 rows: the top-1 fractions compared below vary by ~0.03 from row sampling alone at 4 rows
+    ids = _tokens(batch=16)
+    model = _load(ckpts["official"], max_batch_size=16)
     ref = model.prefill(ids, all_logits=True)
-    w4a16 = _load(ckpts["official"], quant="nvfp4", max_batch_size=4)
-    w4a4 = _load(ckpts["official"], quant="nvfp4", act_quant="nvfp4", max_batch_size=4)
+    w4a16 = _load(ckpts["official"], quant="nvfp4", max_batch_size=16)
+    w4a4 = _load(ckpts["official"], quant="nvfp4", act_quant="nvfp4", max_batch_size=16)
     noise = _noise_twin(model, dequantize_model_(copy.deepcopy(w4a16)))
     broken = copy.deepcopy(model)  # a plausible wiring bug: gate and up swapped
     for blk in broken.layers:
