@@ -43,14 +43,21 @@ def default_model_path() -> tuple[Path, str]:
                   "(its output is gibberish; pass --model PATH for a real model)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (and exit 2), like every other failure of the CLI."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dsv4_model", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
+    p = _Parser(prog="python -m dsv4_model", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     g = sub.add_parser("generate", help="stream a completion of --prompt")
     g.add_argument("--model", help="checkpoint directory (hf / official / dsv4 layout); default: built-in")
     g.add_argument("--prompt", action="append", required=True,
-                   help="prompt text; repeat for a batch (completions are printed one after another)")
+                   help="prompt text; repeat for a batch (completions are printed one after another); bytes that "
+                        "are not UTF-8 are replaced with U+FFFD (said on stderr)")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -61,10 +68,14 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay the decode step as CUDA graphs (default: on for CUDA)")
     g.add_argument("--graph-mode", choices=("manual", "reduce-overhead"), default="manual")
-    g.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
+    g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     g.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     g.add_argument("--max-seq-len", type=int, default=None,
-                   help="cache length (default: longest prompt + max-new-tokens, rounded up)")
+                   help="cache length (default: longest prompt + max-new-tokens, rounded up to 256, at most the "
+                        "model's max_position_embeddings); a completion that reaches it is cut short (said on stderr)")
+    g.add_argument("--allow-beyond-max-position", action="store_true",
+                   help="let --max-seq-len exceed the model's max_position_embeddings (positions it was not "
+                        "trained for)")
     g.add_argument("--no-simulate-quant", action="store_true", help="skip the KV/indexer fake quantization")
     g.add_argument("--quant", choices=("auto", "nvfp4", "none"), default="auto",
                    help="weights: nvfp4 (dsv4 NVFP4 kernels) or none (float); auto = as stored on CUDA, float on "
@@ -73,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="nvfp4 = W4A4 (activations quantized per token too); default: as stored, else none")
     g.add_argument("--threads", type=int, default=None,
                    help="CPU intra-op threads (default: torch's; 1 is faster when other jobs share the cores)")
+    g.add_argument("--debug", action="store_true", help="on an error, show the traceback too")
     return p
 
 
@@ -80,22 +92,75 @@ def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
+def _note(msg: str) -> None:
+    print(f"[dsv4] {msg}", file=sys.stderr, flush=True)
+
+
+def _check_args(args) -> None:
+    """Everything the arguments alone decide, before any file is read."""
+    from .checks import check_positive_int
+    from .sampling import SamplingParams
+
+    check_positive_int(args.max_new_tokens, "--max-new-tokens")
+    if args.max_seq_len is not None:
+        check_positive_int(args.max_seq_len, "--max-seq-len")
+    if args.threads is not None:
+        check_positive_int(args.threads, "--threads")
+    try:
+        SamplingParams(args.temperature, args.top_k, args.top_p, args.seed).validate()
+    except ValueError as e:
+        raise ValueError(f"--{e}".replace("_", "-", 1)) from None
+
+
+def _prompt_text(arg: str, i: int) -> str:
+    """A --prompt as text: bytes the shell passed that are not UTF-8 (they reach Python as surrogates) become
+    U+FFFD, and stderr says so."""
+    raw = arg.encode("utf-8", "surrogateescape")
+    text = raw.decode("utf-8", "replace")
+    if text != arg:
+        _note(f"--prompt #{i + 1} is not valid UTF-8: its undecodable bytes were replaced with U+FFFD")
+    return text
+
+
+def _cache_len(args, config, prompt_ids) -> int:
+    """The cache length: --max-seq-len (checked), else the longest prompt + --max-new-tokens rounded up to 256,
+    kept within the model's max_position_embeddings (the completion is then cut short, and says so)."""
+    from .checks import check_max_seq_len
+
+    longest = max(len(p) for p in prompt_ids)
+    limit = None if args.allow_beyond_max_position else config.max_position_embeddings
+    if args.max_seq_len is not None:
+        check_max_seq_len(args.max_seq_len, config, args.allow_beyond_max_position)
+        n = args.max_seq_len
+    else:
+        n = max(_round_up(longest + args.max_new_tokens, 256), max(config.compress_ratios))
+        if limit is not None and n > limit:
+            n = max(limit, max(config.compress_ratios))
+    if longest > n:
+        what = "--max-seq-len" if args.max_seq_len is not None else "the model's max_position_embeddings"
+        raise ValueError(f"--prompt of {longest} tokens does not fit {what} ({n} positions)")
+    return n
+
+
 def cmd_generate(args) -> int:
+    _check_args(args)
     import torch
 
+    from .checks import parse_device
     from .engine import Engine
     from .generate import generate, get_runner
     from .loader import load_config
     from .tokenizer import load_tokenizer
 
+    device = parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    prompts = [_prompt_text(p, i) for i, p in enumerate(args.prompt)]
     if args.model:
         path = Path(args.model)
+        if not path.is_dir():
+            raise ValueError(f"--model {args.model}: no such checkpoint directory")
     else:
         path, what = default_model_path()
-        print(f"[dsv4] {what}", file=sys.stderr)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: this torch ({torch.__version__}) has no usable CUDA device")
+        _note(what)
     if args.threads:
         torch.set_num_threads(args.threads)
     quant = args.quant if args.quant != "auto" else (None if device.type == "cuda" else "none")
@@ -104,18 +169,17 @@ def cmd_generate(args) -> int:
     config = load_config(path)
     tok = load_tokenizer(path, config)
     if tok.kind == "bytes":
-        print(f"[dsv4] {path} has no tokenizer.json: using the byte-level fallback tokenizer", file=sys.stderr)
-    prompt_ids = [tok.encode(p) for p in args.prompt]
-    need = max(len(p) for p in prompt_ids) + args.max_new_tokens
-    max_seq_len = args.max_seq_len or max(_round_up(need, 256), max(config.compress_ratios))
+        _note(f"{path} has no tokenizer.json: using the byte-level fallback tokenizer")
+    prompt_ids = [tok.encode(p) for p in prompts]
+    max_seq_len = _cache_len(args, config, prompt_ids)
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(path, device=device, dtype=getattr(torch, args.dtype),
                                     max_batch_size=len(prompt_ids), max_seq_len=max_seq_len,
                                     simulate_quant=not args.no_simulate_quant, compile=args.compile,
                                     cuda_graphs=args.cuda_graphs, graph_mode=args.graph_mode, quant=quant,
-                                    act_quant=args.act_quant)
+                                    act_quant=args.act_quant, allow_beyond_max_position=args.allow_beyond_max_position)
     engine.tokenizer = tok
-    engine.decode_options["log"] = lambda line: print(f"[dsv4] {line}", file=sys.stderr, flush=True)
+    engine.decode_options["log"] = _note
     t_load = time.perf_counter() - t0
 
     single = len(prompt_ids) == 1
@@ -123,7 +187,7 @@ def cmd_generate(args) -> int:
     get_runner(engine).prepare(len(prompt_ids))  # compile / capture before any text is printed
     t_setup = time.perf_counter() - t1
     if single:
-        sys.stdout.write(args.prompt[0])
+        sys.stdout.write(prompts[0])
         sys.stdout.flush()
 
     def on_token(row, token_id, text):
@@ -136,24 +200,38 @@ def cmd_generate(args) -> int:
     if single:
         sys.stdout.write("\n")
     else:
-        for prompt, text in zip(args.prompt, res.texts):
+        for prompt, text in zip(prompts, res.texts):
             sys.stdout.write(f"--- {prompt!r}\n{prompt}{text}\n")
     sys.stdout.flush()
+    for i, (why, ids) in enumerate(zip(res.finish_reasons, res.token_ids)):
+        if why == "max_seq_len":
+            _note(f"completion {i + 1} cut short after {len(ids)} of {args.max_new_tokens} tokens: the caches hold "
+                  f"max_seq_len={max_seq_len} positions (raise --max-seq-len)")
     n = res.num_generated
     total = res.prefill_seconds + res.decode_seconds
-    print(f"[dsv4] {n} tokens in {total:.2f} s = {n / total if total else 0:.1f} tokens/s "
+    _note(f"{n} tokens in {total:.2f} s = {n / total if total else 0:.1f} tokens/s "
           f"(decode {res.decode_tokens_per_s:.1f} tokens/s, {res.ms_per_step:.2f} ms/step at batch "
           f"{len(prompt_ids)}; first token {1e3 * res.prefill_seconds:.0f} ms; mode {res.mode} on {device}; "
-          f"not counted: load {t_load:.1f} s, compile/capture {t_setup:.1f} s)", file=sys.stderr)
+          f"not counted: load {t_load:.1f} s, compile/capture {t_setup:.1f} s)")
     return 0
+
+
+def run_cli(fn, args, errors: tuple[type[BaseException], ...] = (ValueError, OSError, ImportError)) -> int:
+    """fn(args) with the CLI conventions: an expected error (bad checkpoint, argument or input) is one line on
+    stderr and exit code 2 (args.debug: the traceback too); a reader that goes away (`| head`) ends the
+    command quietly with the status a SIGPIPE would give."""
+    try:
+        return fn(args)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 141
+    except errors as e:
+        if getattr(args, "debug", False):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    if args.command != "generate":
-        return 2
-    try:
-        return cmd_generate(args)
-    except (ValueError, FileNotFoundError) as e:  # bad checkpoint / arguments (CheckpointError is a ValueError)
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_cli(cmd_generate, args)

@@ -98,6 +98,8 @@ class DecodeRunner:
         self.sampler = SamplerBuffers(self.max_rows, self.device)
         self.rows = 0
         self.padded = 0
+        self._next_pos = 0  # the largest position the next step writes (host copy of what begin() was given)
+        self.last_logits: torch.Tensor | None = None  # what the latest step() returned
         self._views: dict[int, tuple[torch.Tensor, ...]] = {}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._ready: set[int] = set()
@@ -207,15 +209,22 @@ class DecodeRunner:
         self.sampler.set([])
 
     @torch.no_grad()
-    def begin(self, positions: torch.Tensor, params: list[SamplingParams]) -> None:
-        """Start a batch: row b decodes from positions[b] with params[b]; padded rows are reset."""
+    def begin(self, positions, params: list[SamplingParams]) -> None:
+        """Start a batch: row b decodes from positions[b] with params[b]; padded rows are reset. positions: host
+        values (a list or CPU tensor; a device tensor is read back once), so that step() can refuse a step past
+        the caches on the host."""
         rows = len(params)
+        positions = torch.as_tensor(positions, dtype=torch.long)
         if positions.shape != (rows,):
             raise ValueError(f"positions must have shape [{rows}], got {tuple(positions.shape)}")
+        host = positions.tolist()
+        if min(host) < 0 or max(host) > self.model.max_seq_len:  # == max_seq_len: a full row, no step may run
+            raise ValueError(f"positions {host} outside [0, max_seq_len={self.model.max_seq_len}]")
         self.padded = self.prepare(rows)
         self.rows = rows
         self._reset_buffers()
         self.positions[:rows].copy_(positions)
+        self._next_pos = max(host)
         self.sampler.set(params)
 
     @torch.no_grad()
@@ -233,7 +242,13 @@ class DecodeRunner:
         """One decode step of the live batch -> (logits [rows, V], next ids [rows]).
 
         In graph modes both are static buffers overwritten by the next step: copy what you keep.
-        replay=False runs the (compiled) step function directly instead of the manual CUDA graph."""
+        replay=False runs the (compiled) step function directly instead of the manual CUDA graph. A step whose
+        position would lie past the caches is refused here, on the host (on the device it would be an
+        out-of-bounds cache write)."""
+        if self._next_pos >= self.model.max_seq_len:
+            raise ValueError(f"decode step at position {self._next_pos}: the caches hold max_seq_len="
+                             f"{self.model.max_seq_len} positions (begin a new batch, or build with a longer one)")
+        self._next_pos += 1
         n = self.padded
         if self.graph_mode == "manual" and replay:
             graph, logits, nxt = self._graphs[n]
@@ -242,4 +257,5 @@ class DecodeRunner:
             if self.graph_mode == "reduce-overhead":
                 torch.compiler.cudagraph_mark_step_begin()
             logits, nxt = self._fn(*self._view(n))
-        return logits[: self.rows], nxt[: self.rows]
+        self.last_logits = logits[: self.rows]
+        return self.last_logits, nxt[: self.rows]

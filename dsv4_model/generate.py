@@ -27,7 +27,8 @@ StreamCallback = Callable[[int, "int | None", "str | None"], None]
 class GenerationResult:
     token_ids: list[list[int]]  # generated ids per prompt (stop tokens not included)
     texts: list[str] | None  # decoded `token_ids` when a tokenizer was used
-    finish_reasons: list[str]  # "stop" (EOS / stop id) or "length"
+    # "stop" (EOS / stop id), "length" (max_new_tokens) or "max_seq_len" (cut short: the caches are full)
+    finish_reasons: list[str]
     prompt_lengths: list[int]
     prefill_seconds: float = 0.0  # up to the first sampled ids on the host (time to first token)
     decode_seconds: float = 0.0  # the rest of the generation
@@ -79,7 +80,8 @@ def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0
     Sampling: temperature 0 = greedy; else temperature / top_k (0 = off) / top_p (1 = off); prompt i draws
     with seed `seed + i`, so results do not depend on how prompts are batched. A row stops at the config's
     EOS or any id in `stop_token_ids`. More prompts than `max_batch_size` run in consecutive batches.
-    Every row can generate at most max_seq_len - (longest prompt of its batch) + 1 tokens.
+    Every row can generate at most max_seq_len - (longest prompt of its batch) + 1 tokens: a row cut short
+    there ends with finish reason "max_seq_len" (say so to the user; the CLI does on stderr).
     """
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
@@ -127,7 +129,7 @@ def _generate_batch(engine, runner: DecodeRunner, ids: list[list[int]], params: 
         padded[b, : len(p)] = torch.tensor(p, dtype=torch.long)
     lens_t = torch.tensor(lengths, dtype=torch.long)
     logits = engine.prefill(padded, lengths=lens_t)
-    runner.begin(lens_t.to(device), params)
+    runner.begin(lens_t, params)
     first = runner.sample_first(logits)
 
     pinned = [torch.empty(B, dtype=torch.long, pin_memory=on_cuda) for _ in range(2)]
@@ -174,7 +176,7 @@ def _generate_batch(engine, runner: DecodeRunner, ids: list[list[int]], params: 
             if stream is not None:
                 stream(row0 + b, t, decoders[b].push(t) if decoders is not None else None)
             if len(out[b]) >= cap:
-                finish(b, "length")
+                finish(b, "length" if cap == max_new_tokens else "max_seq_len")
         if all(r is not None for r in reasons) or k >= launched:
             break
         k += 1

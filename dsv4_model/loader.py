@@ -42,6 +42,7 @@ import torch
 from .checkpoint_io import (
     FLOAT_TAGS, INT_TAGS, CheckpointError, TensorInfo, TensorReader, list_tensors, write_sharded,
 )
+from .checks import check_max_seq_len, check_positive_int, parse_device
 from .checkpoint_names import FUSED_W13, hf_to_official_name, split_expert_name
 from .nvfp4_convert import Mxfp4Tensor, Nvfp4Tensor
 from .quant_formats import FP4_BLOCK, FP8_BLOCK, dequant_fp8_blocks, dequant_mxfp4, fp8_scale_shape, mxfp4_shapes
@@ -467,12 +468,14 @@ def _has_mtp(names) -> bool:
     return any(n.startswith("mtp.") or n.startswith("model.mtp.") for n in names)
 
 
-def _build_meta_model(config, *, max_batch_size: int, max_seq_len: int, dtype: torch.dtype, simulate_quant: bool):
+def _build_meta_model(config, *, max_batch_size: int, max_seq_len: int, dtype: torch.dtype, simulate_quant: bool,
+                      allow_beyond_max_position: bool = False):
     from .model import Transformer
 
     with torch.device("meta"):
         return Transformer(config, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype,
-                           device="meta", simulate_quant=simulate_quant)
+                           device="meta", simulate_quant=simulate_quant,
+                           allow_beyond_max_position=allow_beyond_max_position)
 
 
 def _stored_quant(root: Path, layout: str) -> dict | None:
@@ -494,7 +497,7 @@ def _stored_quant(root: Path, layout: str) -> dict | None:
 def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
                max_batch_size: int = 1, max_seq_len: int = 4096, simulate_quant: bool = True, progress: bool = True,
                layout: str | None = None, load_mtp: bool | None = None, quant: str | None = None,
-               act_quant: str | None = None):
+               act_quant: str | None = None, allow_beyond_max_position: bool = False):
     """Build `Transformer` from the checkpoint directory `path` and return `(model, config)`.
 
     `layout`: "hf" | "official" | "dsv4" | None (auto). `load_mtp`: None loads the MTP block if the
@@ -505,12 +508,14 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
     `quant`: "none" (float weights; NVFP4 checkpoint tensors are dequantized) | "nvfp4" (convert at load,
     see the module docstring) | None (= "nvfp4" for an NVFP4-converted dsv4 checkpoint, else "none").
     `act_quant`: "none" (W4A16) | "nvfp4" (W4A4, needs quant="nvfp4") | None (= what a converted checkpoint
-    was saved with, else "none").
+    was saved with, else "none"). `allow_beyond_max_position`: max_seq_len may exceed the config's
+    max_position_embeddings (positions the model was not trained for).
     """
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"{root}: not a checkpoint directory")
-    device = torch.device(device)
+    device = parse_device(device)
+    check_positive_int(max_batch_size, "max_batch_size")
     tensors = list_tensors(root)
     layout = layout or detect_layout(root, tensors)
     if layout not in LAYOUTS:
@@ -532,8 +537,9 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
             config = dataclasses.replace(config, n_mtp_layers=0, compress_ratios=ratios)
         skip = ("mtp.",)
 
+    check_max_seq_len(max_seq_len, config, allow_beyond_max_position)
     model = _build_meta_model(config, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype,
-                              simulate_quant=simulate_quant)
+                              simulate_quant=simulate_quant, allow_beyond_max_position=allow_beyond_max_position)
     units = []
     if stored:  # the checkpoint holds the NVFP4 buffers themselves: convert the structure first
         convert_structure_(model, act_quant)

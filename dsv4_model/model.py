@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import Attention
+from .checks import check_max_seq_len, check_positive_int
 from .compressor import Compressor
 from .indexer import Indexer
 from .step_values import decode_rope, rope_rows
@@ -163,15 +164,11 @@ def _param(*shape) -> nn.Parameter:
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig, *, max_batch_size: int = 1, max_seq_len: int = 4096,
                  dtype: torch.dtype = torch.bfloat16, device=None, simulate_quant: bool = True,
-                 prefill_chunk: int = 512):
+                 prefill_chunk: int = 512, allow_beyond_max_position: bool = False):
         super().__init__()
         config.validate()
-        if not isinstance(max_batch_size, int) or max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be a positive int, got {max_batch_size!r}")
-        max_ratio = max(config.compress_ratios)
-        if not isinstance(max_seq_len, int) or max_seq_len < max(1, max_ratio):
-            raise ValueError(f"max_seq_len must be an int >= the largest compress ratio ({max_ratio}), "
-                             f"got {max_seq_len!r}")
+        check_positive_int(max_batch_size, "max_batch_size")
+        check_max_seq_len(max_seq_len, config, allow_beyond_max_position)
         if simulate_quant:
             if (config.head_dim - config.rope_head_dim) % 64:
                 raise ValueError("simulate_quant needs head_dim - rope_head_dim to be a multiple of 64 "

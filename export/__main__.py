@@ -23,20 +23,24 @@ def _ints(s: str) -> list[int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m export", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    from dsv4_model.cli import _Parser
+
+    ap = _Parser(prog="python -m export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
     b = sub.add_parser("build", help="export prefill + decode and compile them into one .pt2")
     b.add_argument("--model", required=True, help="checkpoint directory (any layout dsv4_model.loader reads)")
     b.add_argument("--out", required=True, help="package path, must end in .pt2")
     b.add_argument("--max-batch-size", type=int, default=1)
     b.add_argument("--max-seq-len", type=int, default=4096)
+    b.add_argument("--allow-beyond-max-position", action="store_true",
+                   help="let --max-seq-len exceed the model's max_position_embeddings")
     b.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     b.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     b.add_argument("--decode-batches", type=_ints, default=None,
                    help="decode batch buckets (default: 1, 2, 4, ... up to max-batch-size)")
-    b.add_argument("--prefill-batches", type=_ints, default=None, help="prefill batch buckets (default: 1)")
+    b.add_argument("--prefill-batches", type=_ints, default=None,
+                   help="prefill batch buckets (default: 1 and max-batch-size)")
     b.add_argument("--prefill-lengths", type=_ints, default=None,
                    help="prefill length buckets (default: 64, 256, 1024, ... and max-seq-len)")
     b.add_argument("--no-simulate-quant", action="store_true", help="build the model without simulated quant")
@@ -59,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="print a package's metadata (without loading it)")
     i.add_argument("package")
+    for p in (b, r, i):
+        p.add_argument("--debug", action="store_true", help="on an error, show the traceback too")
     return ap
 
 
@@ -69,21 +75,29 @@ def _build(a) -> int:
 
     from dsv4_model.compiled import batch_buckets
 
-    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    from dsv4_model.checks import check_positive_int, parse_device
+
+    check_positive_int(a.max_batch_size, "--max-batch-size")
+    check_positive_int(a.max_seq_len, "--max-seq-len")
+    device = str(parse_device(a.device or ("cuda" if torch.cuda.is_available() else "cpu")))
     t0 = time.time()
     build_from_checkpoint(a.model, a.out, max_batch_size=a.max_batch_size, max_seq_len=a.max_seq_len, device=device,
                           dtype=getattr(torch, a.dtype), simulate_quant=not a.no_simulate_quant,
                           quant=a.quant, act_quant=a.act_quant,
                           decode_batches=a.decode_batches or batch_buckets(a.max_batch_size),
-                          prefill_batches=a.prefill_batches, prefill_lengths=a.prefill_lengths,
-                          save_exported_programs=not a.no_exported_programs)
-    print(f"[export] done in {time.time() - t0:.0f} s: {a.out}")
+                          prefill_batches=a.prefill_batches or sorted({1, a.max_batch_size}),
+                          prefill_lengths=a.prefill_lengths,
+                          save_exported_programs=not a.no_exported_programs,
+                          allow_beyond_max_position=a.allow_beyond_max_position)
+    print(f"[export] done in {time.time() - t0:.0f} s: {a.out}", file=sys.stderr)
     return 0
 
 
 def _run(a) -> int:
+    from dsv4_model.checks import check_positive_int
     from export.load import ExportedEngine
 
+    check_positive_int(a.max_new_tokens, "--max-new-tokens")
     t0 = time.time()
     eng = ExportedEngine(a.package, device=a.device, cuda_graph=False if a.no_cuda_graph else None)
     print(f"[export] loaded {a.package} ({', '.join(eng.entries)}) on {eng.device} in {time.time() - t0:.1f} s",
@@ -91,6 +105,9 @@ def _run(a) -> int:
     res = eng.generate([a.prompt_ids], max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                        top_p=a.top_p, seed=a.seed)
     print("generated:", " ".join(map(str, res.token_ids[0])))
+    if res.finish_reasons[0] == "max_seq_len":
+        print(f"[export] cut short after {len(res.token_ids[0])} of {a.max_new_tokens} tokens: the package's caches "
+              f"hold max_seq_len={eng.max_seq_len} positions", file=sys.stderr)
     print(f"[export] {res.finish_reasons[0]}; prefill {1e3 * res.prefill_seconds:.1f} ms, decode "
           f"{res.ms_per_step:.2f} ms/step ({'package + CUDA graphs' if eng.cuda_graph else 'package'})",
           file=sys.stderr)
@@ -111,14 +128,12 @@ def _info(a) -> int:
 
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
+    from dsv4_model.cli import run_cli
     from export.metadata import PackageMismatch
     from export.toolchain import ToolchainError
 
-    try:
-        return {"build": _build, "run": _run, "info": _info}[a.cmd](a)
-    except (PackageMismatch, ToolchainError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_cli({"build": _build, "run": _run, "info": _info}[a.cmd], a,
+                   (PackageMismatch, ToolchainError, OSError, ValueError, ImportError))
 
 
 if __name__ == "__main__":

@@ -312,7 +312,7 @@ def build_from_checkpoint(path: str, out: str, *, max_batch_size: int, max_seq_l
                           quant: str | None = None, act_quant: str | None = None,
                           decode_batches: Sequence[int] | None = None, prefill_batches: Sequence[int] | None = None,
                           prefill_lengths: Sequence[int] | None = None, save_exported_programs: bool = True,
-                          verbose: bool = True) -> str:
+                          verbose: bool = True, allow_beyond_max_position: bool = False) -> str:
     """Loads a checkpoint with ``dsv4_model.loader.load_model`` and exports it (see ``build_package``).
 
     ``quant`` / ``act_quant``: as for the loader ("nvfp4" converts the weights at load: the exported graphs then
@@ -322,7 +322,7 @@ def build_from_checkpoint(path: str, out: str, *, max_batch_size: int, max_seq_l
     _log(verbose, f"loading {path} on {device} ({dtype}) ...")
     model, config = load_model(path, device=device, dtype=dtype, max_batch_size=max_batch_size,
                                max_seq_len=max_seq_len, simulate_quant=simulate_quant, progress=verbose,
-                               quant=quant, act_quant=act_quant)
+                               quant=quant, act_quant=act_quant, allow_beyond_max_position=allow_beyond_max_position)
     cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     return build_package(model, cfg, out, max_batch_size=max_batch_size, max_seq_len=max_seq_len, device=device,
                          decode_batches=decode_batches, prefill_batches=prefill_batches,

@@ -5,7 +5,7 @@
 #   results), compute-sanitizer (memcheck, racecheck) on the direct kernel tests, the benchmarks.
 # $OUT gets summary.txt + logs.tgz (the device tool returns at most 8 files of <= 16 MiB).
 # Usage on the H200, from the repo root:
-#   bash scripts/gpu_check.sh [mainjob|tests|sanitizer|bench|profile|switches|pdl|decode|selrows ...]
+#   bash scripts/gpu_check.sh [mainjob|tests|sanitizer|bench|soak|profile|switches|pdl|decode|selrows ...]
 # (default: mainjob tests sanitizer bench)
 # Env: GPU_CHECK_SKIP_BUILD=1 (already built), TEST_FILES / BENCHES (space-separated paths; default: all), SANITIZE
 # (a grep -E pattern: only the sanitizer specs it matches), GPU_CHECK_SECONDS (a total budget: steps get
@@ -96,6 +96,11 @@ for part in $PARTS; do
       for log in "$LOGS"/san_racecheck_*.log; do
         [ -f "$log" ] && note "[$(basename "$log" .log)] races in project kernels: $(own_races "$log")"
       done ;;
+    soak)
+      # 100,000 decode steps of the default model (compiled + graph replay, the caches filled and restarted every
+      # ~200 steps), twice with the same seed: flat device memory, no recompile, no NaN, identical ids.
+      step soak "${SOAK_TIMEOUT:-500}" $PY scripts/soak.py --steps "${SOAK_STEPS:-100000}"
+      note "  $(grep -hE '^run |^soak' "$LOGS/soak.log" | cut -c1-400 | tr '\n' ' ')" ;;
     profile)
       # Nsight Compute on the batch-1 GEMV and MoE (what bounds them); text report in the logs.
       NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)

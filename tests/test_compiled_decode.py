@@ -223,3 +223,17 @@ def test_cuda_generation_identical_across_modes():
         assert greedy[name] == greedy["eager"], name
         assert sampled[name] == sampled["eager"], name
     assert sampled["eager"] != greedy["eager"]
+
+
+@pytest.mark.cuda
+def test_cuda_step_past_the_caches_is_refused_and_the_context_survives():
+    # Launched, such a step would write past the cache buffers (a device-side assert kills the CUDA context).
+    engine = _cuda_engine(compile=False, cuda_graphs=True)
+    want = generate(engine, PROMPTS[:1], max_new_tokens=4).token_ids
+    runner = engine._decode_runner
+    runner.begin([engine.max_seq_len - 1], [SamplingParams()])
+    runner.step()
+    with pytest.raises(ValueError, match="the caches hold max_seq_len"):
+        runner.step()
+    torch.cuda.synchronize()
+    assert generate(engine, PROMPTS[:1], max_new_tokens=4).token_ids == want

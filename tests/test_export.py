@@ -246,6 +246,53 @@ def test_cpp_runner_without_op_library_fails_clearly(cpu_pkg, runner_bin):
     assert r.returncode != 0 and "op library" in r.stderr
 
 
+@pytest.mark.parametrize("args, want", [
+    (["/nonexistent/x.pt2", "1", "2"], "no package at /nonexistent/x.pt2"),
+    (["{pkg}", "1", "abc"], "prompt id must be an integer, got 'abc'"),
+    (["{pkg}", "1", "-4"], "prompt id -4 outside [0, vocab_size="),
+    (["{pkg}", "1", "99999999"], "prompt id 99999999 outside [0, vocab_size="),
+    (["--max-new-tokens", "-3", "{pkg}", "1"], "--max-new-tokens must be >= 1, got -3"),
+    (["--max-new-tokens", "x", "{pkg}", "1"], "--max-new-tokens must be an integer, got 'x'"),
+    (["--max-new-tokens"], "--max-new-tokens needs a value"),
+    (["--frobnicate", "{pkg}", "1"], "unknown option --frobnicate"),
+    (["{pkg}", *map(str, range(1, 40))], "prompt of 39 ids exceeds the package's max_seq_len 32"),
+])
+def test_cpp_runner_bad_input_is_one_line_and_exit_2(cpu_pkg, runner_bin, args, want):
+    r = subprocess.run([runner_bin, "--ops-lib", dsv4_ops.library_path(), *[a.format(pkg=cpu_pkg.path) for a in args]],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == [f"dsv4_run: error: {r.stderr.split('error: ', 1)[1].strip()}"]
+    assert want in r.stderr and r.stdout == ""
+
+
+def test_cut_short_by_max_seq_len_the_same_in_python_export_run_and_cpp(cpu_pkg, runner_bin):
+    prompt, n = PROMPTS[1], 40  # 12 ids + 40 new > max_seq_len 32: 21 tokens fit
+    eng = ExportedEngine(cpu_pkg.path)
+    res = eng.generate([prompt], max_new_tokens=n)
+    assert res.finish_reasons == ["max_seq_len"] and len(res.token_ids[0]) == MAX_S - len(prompt) + 1
+    r = subprocess.run([sys.executable, "-m", "export", "run", cpu_pkg.path, "--prompt-ids", *map(str, prompt),
+                        "--max-new-tokens", str(n)], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [int(t) for t in r.stdout.split("generated:")[1].split()] == res.token_ids[0]
+    assert f"cut short after 21 of {n} tokens" in r.stderr and f"max_seq_len={MAX_S}" in r.stderr
+    c = subprocess.run([runner_bin, "--ops-lib", dsv4_ops.library_path(), "--max-new-tokens", str(n), cpu_pkg.path,
+                        *map(str, prompt)], capture_output=True, text=True, timeout=300)
+    assert c.returncode == 0, c.stderr[-3000:]
+    assert [int(t) for t in c.stdout.split("generated:")[1].split()] == res.token_ids[0]
+    assert f"cut short after 21 of {n} tokens" in c.stderr and f"max_seq_len={MAX_S}" in c.stderr
+
+
+def test_cli_build_prefill_buckets_cover_max_batch_size(monkeypatch):
+    import export.__main__ as cli
+    import export.build
+
+    seen = {}
+    monkeypatch.setattr(export.build, "build_from_checkpoint", lambda *a, **k: seen.update(k))
+    assert cli.main(["build", "--model", "m", "--out", "x.pt2", "--max-batch-size", "2", "--device", "cpu"]) == 0
+    assert seen["prefill_batches"] == [1, 2] and seen["decode_batches"] == [1, 2]
+
+
 def test_cli_run_without_op_library_fails_clearly(cpu_pkg):
     r = subprocess.run([sys.executable, "-m", "export", "run", cpu_pkg.path, "--prompt-ids", "1", "2"], cwd=ROOT,
                        env=_env(DSV4_OPS_LIBRARY="/nonexistent/libdsv4_ops.so"), capture_output=True, text=True,

@@ -79,7 +79,42 @@ def test_max_seq_len_caps_the_batch():
     res = generate(eng, [[3] * 6, [3]], max_new_tokens=10)
     # the longest prompt (6) leaves positions 6..7: 8 - 6 + 1 = 3 tokens for every row of the batch
     assert [len(t) for t in res.token_ids] == [3, 3]
-    assert res.finish_reasons == ["length", "length"]
+    assert res.finish_reasons == ["max_seq_len", "max_seq_len"]  # cut short: the caller must say so
+    res = generate(eng, [[3] * 6], max_new_tokens=3)
+    assert res.finish_reasons == ["length"]  # exactly what was asked for fits: not cut short
+    res = generate(eng, [[3] * 8], max_new_tokens=3)  # a prompt that fills the caches: its one sampled token
+    assert res.token_ids == [[4]] and res.finish_reasons == ["max_seq_len"]
+
+
+def test_a_step_past_the_caches_is_refused_on_the_host():
+    from dsv4_model.compiled import DecodeRunner
+    from dsv4_model.sampling import SamplingParams
+
+    model = CountingModel(max_batch_size=2, max_seq_len=8)
+    runner = DecodeRunner(model, compile=False)
+    with pytest.raises(ValueError, match="outside"):
+        runner.begin([3, 9], [SamplingParams(), SamplingParams()])
+    runner.begin([3, 6], [SamplingParams(), SamplingParams()])
+    runner.step()  # writes positions 3 and 6
+    runner.step()  # 4 and 7: the last cache slot
+    with pytest.raises(ValueError, match="position 8: the caches hold max_seq_len=8"):
+        runner.step()
+    assert model.seen_positions[:2].tolist() == [4, 7]  # the refused step never ran
+
+
+def test_api_arguments_are_checked_before_loading(tmp_path):
+    from dsv4_model.checkpoint_writer import write_tiny_checkpoint
+
+    write_tiny_checkpoint(tmp_path / "m", "dsv4", seed=0)
+    with pytest.raises(ValueError, match="device 'tpu' is not a device"):
+        Engine.from_pretrained(tmp_path / "m", device="tpu")
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings=4096"):
+        Engine.from_pretrained(tmp_path / "m", device="cpu", max_seq_len=8192)
+    with pytest.raises(ValueError, match="max_batch_size must be an int >= 1"):
+        Engine.from_pretrained(tmp_path / "m", device="cpu", max_batch_size=0)
+    eng = Engine.from_pretrained(tmp_path / "m", device="cpu", max_seq_len=8192, allow_beyond_max_position=True,
+                                 progress=False)
+    assert eng.max_seq_len == 8192
 
 
 def test_bad_arguments():
@@ -207,4 +242,4 @@ def test_cli_bad_arguments_fail_cleanly(tmp_path):
     err = io.StringIO()
     with redirect_stderr(err):
         rc = cli.main(["generate", "--prompt", "x", "--max-new-tokens", "0", "--device", "cpu"])
-    assert rc == 2 and "max_new_tokens must be >= 1" in err.getvalue(), err.getvalue()
+    assert rc == 2 and "--max-new-tokens must be an int >= 1" in err.getvalue(), err.getvalue()

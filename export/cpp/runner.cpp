@@ -7,10 +7,16 @@
 // dsv4 metadata (entries, cache shapes), allocates the caches, runs prefill on the prompt ids (smallest
 // prefill bucket that holds them, right-padded, with lengths), then greedy decode (smallest decode bucket), and
 // prints "generated: id id ..." on stdout. --metadata prints the decode entry's AOTI metadata.
+// Every failure is one line on stderr and exit code 2; a completion cut short by the package's max_seq_len
+// says so on stderr (as `python -m export run` does) and exits 0.
 #include <dlfcn.h>
 
+#include <sys/stat.h>
+
+#include <cerrno>
 #include <cstdlib>
 #include <iostream>
+#include <algorithm>
 #include <map>
 #include <sstream>
 #include <stdexcept>
@@ -32,6 +38,15 @@ namespace {
 [[noreturn]] void fail(const std::string& msg) {
   std::cerr << "dsv4_run: error: " << msg << std::endl;
   std::exit(2);
+}
+
+// A whole decimal integer (no trailing characters, in range), else fail() naming `what`.
+int64_t parse_int(const std::string& s, const std::string& what) {
+  errno = 0;
+  char* end = nullptr;
+  const long long v = std::strtoll(s.c_str(), &end, 10);
+  if (s.empty() || end != s.c_str() + s.size() || errno == ERANGE) fail(what + " must be an integer, got '" + s + "'");
+  return v;
 }
 
 std::vector<std::string> split(const std::string& s, char sep) {
@@ -93,8 +108,8 @@ Bucket pick(const std::string& csv, const std::string& kind, int64_t tokens) {
     e.name = name;
     size_t b = name.find("_b"), s = name.find("_s", b == std::string::npos ? 0 : b);
     if (b == std::string::npos) fail("unexpected entry name " + name);
-    e.batch = std::stoll(name.substr(b + 2, s == std::string::npos ? std::string::npos : s - b - 2));
-    e.seq_len = s == std::string::npos ? 1 : std::stoll(name.substr(s + 2));
+    e.batch = parse_int(name.substr(b + 2, s == std::string::npos ? std::string::npos : s - b - 2), "entry " + name);
+    e.seq_len = s == std::string::npos ? 1 : parse_int(name.substr(s + 2), "entry " + name);
     if (e.seq_len < tokens) continue;
     if (best.batch < 0 || e.batch * e.seq_len < best.batch * best.seq_len) best = e;
   }
@@ -104,7 +119,7 @@ Bucket pick(const std::string& csv, const std::string& kind, int64_t tokens) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   std::string ops_lib = std::getenv("DSV4_OPS_LIBRARY") ? std::getenv("DSV4_OPS_LIBRARY") : "";
   int64_t max_new_tokens = 8;
   bool print_metadata = false;
@@ -112,22 +127,30 @@ int main(int argc, char** argv) {
   std::vector<int64_t> prompt;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (a == "--ops-lib" && i + 1 < argc) {
-      ops_lib = argv[++i];
-    } else if (a == "--max-new-tokens" && i + 1 < argc) {
-      max_new_tokens = std::stoll(argv[++i]);
+    if (a == "--ops-lib" || a == "--max-new-tokens") {
+      if (i + 1 >= argc) fail(a + " needs a value (--help)");
+      if (a == "--ops-lib") {
+        ops_lib = argv[++i];
+      } else {
+        max_new_tokens = parse_int(argv[++i], "--max-new-tokens");
+        if (max_new_tokens < 1) fail("--max-new-tokens must be >= 1, got " + std::to_string(max_new_tokens));
+      }
     } else if (a == "--metadata") {
       print_metadata = true;
     } else if (a == "-h" || a == "--help") {
       std::cout << "usage: dsv4_run [--ops-lib PATH] [--max-new-tokens N] [--metadata] PACKAGE.pt2 ID [ID ...]\n";
       return 0;
+    } else if (a.rfind("--", 0) == 0) {
+      fail("unknown option " + a + " (--help)");
     } else if (pkg.empty()) {
       pkg = a;
     } else {
-      prompt.push_back(std::stoll(a));
+      prompt.push_back(parse_int(a, "prompt id"));
     }
   }
   if (pkg.empty() || (prompt.empty() && !print_metadata)) fail("need a package and at least one prompt id (--help)");
+  struct stat st {};
+  if (stat(pkg.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) fail("no package at " + pkg);
   if (ops_lib.empty()) fail("no op library: pass --ops-lib PATH/libdsv4_ops.so or set DSV4_OPS_LIBRARY");
   // RTLD_GLOBAL: the library's static initializers register torch.ops.dsv4.* in this process's dispatcher.
   if (!dlopen(ops_lib.c_str(), RTLD_NOW | RTLD_GLOBAL)) fail(std::string("cannot load op library: ") + dlerror());
@@ -149,61 +172,78 @@ int main(int argc, char** argv) {
     // initializers: make sure it is loaded even if the linker dropped it as unneeded.
     dlopen("libtorch_cuda.so", RTLD_NOW | RTLD_GLOBAL);
   }
+  const int64_t vocab = parse_int(json_string_value(meta_json, "dsv4.vocab_size"), "dsv4.vocab_size");
+  for (int64_t id : prompt) {
+    if (id < 0 || id >= vocab) {
+      fail("prompt id " + std::to_string(id) + " outside [0, vocab_size=" + std::to_string(vocab) + ")");
+    }
+  }
   const int64_t t = static_cast<int64_t>(prompt.size());
-  const Bucket prefill = pick(json_string_value(meta_json, "dsv4.cpp.prefill_entries"), "prefill", t);
+  const int64_t max_seq = parse_int(json_string_value(meta_json, "dsv4.max_seq_len"), "dsv4.max_seq_len");
+  if (!print_metadata && t > max_seq) {
+    fail("prompt of " + std::to_string(t) + " ids exceeds the package's max_seq_len " + std::to_string(max_seq));
+  }
   const Bucket decode = pick(json_string_value(meta_json, "dsv4.cpp.decode_entries"), "decode", 1);
-  const int64_t max_seq = std::stoll(json_string_value(meta_json, "dsv4.max_seq_len"));
+  torch::inductor::AOTIModelPackageLoader decode_model(pkg, decode.name);
+  if (print_metadata) {
+    for (const auto& [k, v] : decode_model.get_metadata()) std::cout << k << "=" << v << "\n";
+    return 0;
+  }
+  const Bucket prefill = pick(json_string_value(meta_json, "dsv4.cpp.prefill_entries"), "prefill", t);
+  torch::inductor::AOTIModelPackageLoader prefill_model(pkg, prefill.name);
+  // Every token after the first is one decode step at the next position: at most max_seq - t + 1 tokens.
+  const int64_t n_new = std::min(max_new_tokens, max_seq - t + 1);
 
-  try {
-    torch::inductor::AOTIModelPackageLoader decode_model(pkg, decode.name);
-    if (print_metadata) {
-      for (const auto& [k, v] : decode_model.get_metadata()) std::cout << k << "=" << v << "\n";
-      return 0;
-    }
-    torch::inductor::AOTIModelPackageLoader prefill_model(pkg, prefill.name);
-    if (t + max_new_tokens - 1 > max_seq) {
-      fail("prompt + max_new_tokens exceeds the package's max_seq_len " + std::to_string(max_seq));
-    }
+  std::vector<at::Tensor> caches;
+  for (const auto& spec : split(json_string_value(meta_json, "dsv4.cpp.caches"), ';')) {
+    auto parts = split(spec, ':');  // name:dtype:d0xd1x...
+    if (parts.size() != 3) fail("malformed cache spec " + spec);
+    std::vector<int64_t> shape;
+    for (const auto& d : split(parts[2], 'x')) shape.push_back(parse_int(d, "cache spec " + spec));
+    caches.push_back(at::zeros(shape, at::TensorOptions().dtype(parse_dtype(parts[1])).device(device)));
+  }
+  auto with_caches = [&](std::vector<at::Tensor> inputs) {
+    inputs.insert(inputs.end(), caches.begin(), caches.end());
+    return inputs;
+  };
+  auto opts = at::TensorOptions().dtype(at::kLong).device(device);
 
-    std::vector<at::Tensor> caches;
-    for (const auto& spec : split(json_string_value(meta_json, "dsv4.cpp.caches"), ';')) {
-      auto parts = split(spec, ':');  // name:dtype:d0xd1x...
-      if (parts.size() != 3) fail("malformed cache spec " + spec);
-      std::vector<int64_t> shape;
-      for (const auto& d : split(parts[2], 'x')) shape.push_back(std::stoll(d));
-      caches.push_back(at::zeros(shape, at::TensorOptions().dtype(parse_dtype(parts[1])).device(device)));
-    }
-    auto with_caches = [&](std::vector<at::Tensor> inputs) {
-      inputs.insert(inputs.end(), caches.begin(), caches.end());
-      return inputs;
-    };
-    auto opts = at::TensorOptions().dtype(at::kLong).device(device);
+  // Prefill the prompt into cache row 0, right-padded to the bucket length; rows 1.. of a larger bucket
+  // get one token 0 and are never read.
+  at::Tensor tokens = at::zeros({prefill.batch, prefill.seq_len}, opts);
+  tokens[0].narrow(0, 0, t).copy_(at::tensor(prompt, at::kLong));
+  at::Tensor lengths = at::ones({prefill.batch}, opts);
+  lengths[0].fill_(t);
+  at::Tensor logits = prefill_model.run(with_caches({tokens, lengths}))[0];
 
-    // Prefill the prompt into cache row 0, right-padded to the bucket length; rows 1.. of a larger bucket
-    // get one token 0 and are never read.
-    at::Tensor tokens = at::zeros({prefill.batch, prefill.seq_len}, opts);
-    tokens[0].narrow(0, 0, t).copy_(at::tensor(prompt, at::kLong));
-    at::Tensor lengths = at::ones({prefill.batch}, opts);
-    lengths[0].fill_(t);
-    at::Tensor logits = prefill_model.run(with_caches({tokens, lengths}))[0];
-
-    std::vector<int64_t> generated;
-    int64_t pos = t;
-    for (int64_t i = 0; i < max_new_tokens; ++i) {
-      const int64_t next = logits[0].argmax().item<int64_t>();
-      generated.push_back(next);
-      if (i + 1 == max_new_tokens) break;
-      at::Tensor tok = at::zeros({decode.batch}, opts);
-      at::Tensor positions = at::zeros({decode.batch}, opts);
-      tok[0].fill_(next);
-      positions[0].fill_(pos++);
-      logits = decode_model.run(with_caches({tok, positions}))[0];
-    }
-    std::cout << "generated:";
-    for (int64_t id : generated) std::cout << " " << id;
-    std::cout << std::endl;
-  } catch (const std::exception& e) {
-    fail(std::string(e.what()));
+  std::vector<int64_t> generated;
+  int64_t pos = t;
+  for (int64_t i = 0; i < n_new; ++i) {
+    const int64_t next = logits[0].argmax().item<int64_t>();
+    generated.push_back(next);
+    if (i + 1 == n_new) break;
+    at::Tensor tok = at::zeros({decode.batch}, opts);
+    at::Tensor positions = at::zeros({decode.batch}, opts);
+    tok[0].fill_(next);
+    positions[0].fill_(pos++);
+    logits = decode_model.run(with_caches({tok, positions}))[0];
+  }
+  std::cout << "generated:";
+  for (int64_t id : generated) std::cout << " " << id;
+  std::cout << std::endl;
+  if (n_new < max_new_tokens) {
+    std::cerr << "dsv4_run: cut short after " << n_new << " of " << max_new_tokens
+              << " tokens: the package's caches hold max_seq_len=" << max_seq << " positions" << std::endl;
   }
   return 0;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const c10::Error& e) {
+    fail(e.what_without_backtrace());  // torch's own messages carry a C++ stack trace
+  } catch (const std::exception& e) {
+    fail(e.what());
+  }
 }

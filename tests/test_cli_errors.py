@@ -1,0 +1,137 @@
+"""Bad inputs to the CLI: one line on stderr naming the file / tensor / field / argument, exit code 2, nothing on
+stdout, no traceback, before any weight is read (docs/errors.md has the same table). And the two ways a run may end
+early without being an error: cut short by max_seq_len (said on stderr, finish reason "max_seq_len") and a reader
+that goes away (`| head`)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from dsv4_model.cli import DEFAULT_MODEL_DIR
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cli(*args, module="dsv4_model", stdin=None, timeout=300):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True,
+                          timeout=timeout, stdin=stdin)
+
+
+@pytest.fixture(scope="module")
+def bad_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad_models")
+
+    def copy(name, edit=None):
+        d = root / name
+        shutil.copytree(DEFAULT_MODEL_DIR, d)
+        if edit:
+            edit(d)
+        return str(d)
+
+    def truncate(d, cut):
+        f = d / "model-00002-of-00002.safetensors"
+        with open(f, "r+b") as fh:
+            fh.truncate(os.path.getsize(f) - cut)
+
+    def config(d, change):
+        p = d / "config.json"
+        cfg = json.loads(p.read_text())
+        p.write_text(json.dumps(change(cfg)))
+
+    return {
+        "short1": copy("short1", lambda d: truncate(d, 1)),
+        "cut4mb": copy("cut4mb", lambda d: truncate(d, os.path.getsize(d / "model-00002-of-00002.safetensors")
+                                                 - 4 * 2**20)),
+        "list": copy("list", lambda d: (d / "config.json").write_text("[1, 2]")),
+        "no_window": copy("no_window", lambda d: config(d, lambda c: {k: v for k, v in c.items()
+                                                                     if k != "window_size"})),
+        "no_dim": copy("no_dim", lambda d: config(d, lambda c: {k: v for k, v in c.items() if k != "dim"})),
+        "bad_json": copy("bad_json", lambda d: (d / "config.json").write_text("{\"dim\": ")),
+    }
+
+
+CASES = [
+    # (id, args, what stderr's one line must contain)
+    ("truncated shard, 1 byte short", ["--model", "{short1}"], "model-00002-of-00002.safetensors: truncated"),
+    ("truncated shard, cut to 4 MB", ["--model", "{cut4mb}"], "model-00002-of-00002.safetensors: truncated"),
+    ("config.json is a JSON list", ["--model", "{list}"], "config.json: a config must be a JSON object"),
+    ("config.json is not JSON", ["--model", "{bad_json}"], "config.json: cannot read config"),
+    ("config.json without window_size", ["--model", "{no_window}"], "required field missing: 'window_size'"),
+    ("config.json without dim", ["--model", "{no_dim}"], "required field missing: 'dim'"),
+    ("--model that does not exist", ["--model", "/nonexistent/model"], "--model /nonexistent/model: no such"),
+    ("--device tpu", ["--device", "tpu"], "device 'tpu' is not a device"),
+    ("--device cuda:7 (or no GPU)", ["--device", "cuda:7"], "device 'cuda:7'"),
+    ("--max-new-tokens 0", ["--max-new-tokens", "0"], "--max-new-tokens must be an int >= 1"),
+    ("--max-new-tokens -3", ["--max-new-tokens", "-3"], "--max-new-tokens must be an int >= 1"),
+    ("--max-new-tokens abc", ["--max-new-tokens", "abc"], "argument --max-new-tokens: invalid int value"),
+    ("--max-seq-len 0", ["--max-seq-len", "0"], "--max-seq-len must be an int >= 1"),
+    ("--max-seq-len 8 (below the largest compress ratio)", ["--max-seq-len", "8"],
+     "max_seq_len must be an int >= 16"),
+    ("--max-seq-len 100000 (past max_position_embeddings)", ["--max-seq-len", "100000"],
+     "exceeds the model's max_position_embeddings=4096"),
+    ("--max-seq-len shorter than the prompt", ["--max-seq-len", "16", "--prompt", "x" * 200],
+     "does not fit --max-seq-len (16 positions)"),
+    ("a prompt longer than max_position_embeddings", ["--prompt", "x " * 6000],
+     "does not fit the model's max_position_embeddings (4096 positions)"),
+    ("--threads 0", ["--threads", "0"], "--threads must be an int >= 1"),
+    ("--temperature -1", ["--temperature", "-1"], "--temperature must be >= 0"),
+    ("--top-p 0", ["--top-p", "0"], "--top-p must be in (0, 1]"),
+    ("--top-k -1", ["--top-k", "-1"], "--top-k must be >= 0"),
+    ("--quant fp8", ["--quant", "fp8"], "argument --quant: invalid choice"),
+    ("no --prompt", None, "the following arguments are required: --prompt"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_and_exit_2(case, bad_models):
+    _, args, want = case
+    if args is None:
+        argv = ["generate"]
+    else:
+        argv = ["generate"] + [a.format(**bad_models) for a in args]
+        if "--prompt" not in args:
+            argv += ["--prompt", "def f(x):"]
+    r = _cli(*argv)
+    err = r.stderr.decode()
+    lines = [ln for ln in err.splitlines() if not ln.startswith("[dsv4] ") and "tensor/s]" not in ln]
+    assert r.returncode == 2, err
+    assert "Traceback" not in err
+    assert r.stdout == b""  # nothing written: not even the prompt
+    assert len(lines) == 1 and lines[0].startswith("error: ") and want in lines[0], err
+    assert "loading " not in err  # failed before any weight was read
+
+
+def test_debug_shows_the_traceback():
+    r = _cli("generate", "--prompt", "x", "--device", "tpu", "--debug")
+    assert r.returncode != 0 and b"Traceback" in r.stderr
+
+
+def test_non_utf8_prompt_is_decoded_with_replacement_and_said():
+    r = _cli("generate", "--prompt", os.fsdecode(b"\xff\xfe\xc3("), "--max-new-tokens", "2")
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout.decode().startswith("\ufffd\ufffd\ufffd(")
+    assert b"not valid UTF-8" in r.stderr and b"Traceback" not in r.stderr
+
+
+def test_a_completion_cut_short_by_max_seq_len_says_so():
+    r = _cli("generate", "--prompt", "def f(x):", "--max-seq-len", "32", "--max-new-tokens", "200")
+    err = r.stderr.decode()
+    assert r.returncode == 0, err
+    assert "cut short after" in err and "of 200 tokens" in err and "max_seq_len=32" in err
+    assert r.stdout.decode().endswith("\n")
+
+
+def test_a_reader_that_goes_away_ends_quietly():
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    p = subprocess.Popen([sys.executable, "-m", "dsv4_model", "generate", "--prompt", "def f(x):",
+                          "--max-new-tokens", "100"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    p.stdout.read(12)
+    p.stdout.close()  # what `| head -c 12` does
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 141
+    assert "Traceback" not in err and "BrokenPipe" not in err
