@@ -22,13 +22,11 @@ import os
 import torch
 from torch import nn
 
-from dsv4_ops.reference import indexer_fp4_quantize_keys
-
 from .compressor import Compressor, _fused_norm_rope, _fused_store
 from .config import ModelConfig
 from .indexer import Indexer, topk_indices
 from .layers import Linear, RMSNorm, apply_rope, fp32_linear, fused_on, unweighted_rms_norm
-from .quant_sim import kv_fake_quant
+from .quant_sim import fp4_pack_indexer_keys, kv_fake_quant
 from .step_values import in_slot, rope_rows, visible_entries
 
 
@@ -293,7 +291,7 @@ class Attention(nn.Module):
             else:
                 self._write_entry(ix.kv_cache, 0, positions, ientry, icomplete)
                 if packed:
-                    codes, scales = indexer_fp4_quantize_keys(ientry)
+                    codes, scales = fp4_pack_indexer_keys(ientry)
                     self._write_entry(ix.k_codes, 0, positions, codes, icomplete)
                     self._write_entry(ix.k_scales, 0, positions, scales, icomplete)
             iq = ix.queries(qr, cs.unsqueeze(-3), iproj)

@@ -9,12 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv4_ops.reference import indexer_fp4_quantize_keys
-
 from .compressor import Compressor, _fused_hadamard
 from .config import ModelConfig
 from .layers import Linear, apply_rope
-from .quant_sim import indexer_fake_quant
+from .quant_sim import fp4_pack_indexer_keys, indexer_fake_quant
 
 
 def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -83,7 +81,7 @@ class Indexer(nn.Module):
         B, n = keys.shape[:2]
         self.kv_cache[:B, :n] = keys
         if self.packed_decode():  # FP4 values: the packed form is exact
-            codes, scales = indexer_fp4_quantize_keys(keys)
+            codes, scales = fp4_pack_indexer_keys(keys)
             self.k_codes[:B, :n] = codes
             self.k_scales[:B, :n] = scales
 

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import dsv4_ops  # noqa: F401  (loads the op library: torch.ops.dsv4)
-from dsv4_ops.reference import hc_sinkhorn_ref
 
 
 class Linear(nn.Module):
@@ -111,6 +110,16 @@ def _hc_mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> tuple[torch
     return fp32_linear(x.flatten(-2), [fn])[0] * rs, xf
 
 
+def _sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """dsv4::hc_sinkhorn as tensor ops (they have a backward): row softmax + eps, normalise the columns, then
+    iters - 1 rounds of rows and columns, every sum + eps."""
+    comb = torch.softmax(logits.float(), dim=-1) + eps
+    for i in range(2 * iters - 1):
+        dim = -2 if i % 2 == 0 else -1
+        comb = comb / (comb.sum(dim, keepdim=True) + eps)
+    return comb
+
+
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
            hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Collapse the hc residual streams [..., hc, d] into one sublayer input (fp32 math).
@@ -126,7 +135,7 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     # row softmax + eps, then Sinkhorn: one kernel (as tensor ops it is 2 * iters GPU kernels); the op has no
     # backward, so training runs the same steps as tensor ops
     if torch.is_grad_enabled() and comb.requires_grad:
-        comb = hc_sinkhorn_ref(comb, iters, hc_eps)
+        comb = _sinkhorn(comb, iters, hc_eps)
     else:
         comb = torch.ops.dsv4.hc_sinkhorn(comb, iters, hc_eps)
     y = (pre.unsqueeze(-1) * x.float()).sum(dim=-2)

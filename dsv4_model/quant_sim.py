@@ -121,3 +121,21 @@ def kv_fake_quant(kv: torch.Tensor, rope_dim: int, block: int = 64) -> torch.Ten
 def indexer_fake_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """Hadamard-rotate then FP4-round indexer queries / keys (whole vector)."""
     return fp4_e2m1_block_fake_quant(hadamard_rotate(x), block)
+
+
+def fp4_pack_indexer_keys(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's FP4 indexer cache form of keys k [..., D] (D % 32 == 0, finite): E2M1 codes of
+    fp4_e2m1_block_fake_quant's values (uint8 [..., D/2], element 2j in the low nibble; +0 for zero) and each
+    32-block's power-of-two scale as its biased fp32 exponent (uint8 [..., D/32], UE8M0). Exact: the packed keys
+    decode to the fake-quantized ones."""
+    n = k.shape[-1]
+    if n % 32:
+        raise ValueError(f"fp4 indexer keys: last dim {n} is not a multiple of 32")
+    xb = k.float().unflatten(-1, (n // 32, 32))
+    s = _block_scale(xb, FP4_AMAX_FLOOR, FP4_MAX)
+    q = round_to_e2m1((xb / s).clamp(-FP4_MAX, FP4_MAX))
+    a = q.abs()
+    mag = torch.where(a < 2.0, a * 2.0, torch.where(a < 4.0, a + 2.0, a * 0.5 + 4.0)).to(torch.int32)
+    code = (mag | ((q < 0).to(torch.int32) << 3)).flatten(-2)
+    exponent = (s.squeeze(-1).contiguous().view(torch.int32) >> 23) & 0xFF
+    return (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8), exponent.to(torch.uint8)

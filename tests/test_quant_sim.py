@@ -97,3 +97,30 @@ def test_indexer_fake_quant_is_fp4_after_rotation():
     s = pow2_ceil(rb.abs().amax(-1, keepdim=True) / 6.0)
     assert torch.equal(round_to_e2m1(yb / s), yb / s)
     assert ((yb - rb).abs() <= s).all()  # within the coarsest e2m1 step (2 * s / 2)
+
+
+def test_fp4_indexer_key_packing_matches_deepseeks_cache_form():
+    # the model's packing (quant_sim) against the oracle's transcription of fp4_act_quant (dsv4_ops.reference),
+    # and exact: the packed keys decode to the fake-quantized values
+    from dsv4_model.quant_sim import fp4_e2m1_block_fake_quant, fp4_pack_indexer_keys
+    from dsv4_ops.reference import indexer_fp4_dequantize, indexer_fp4_quantize_keys
+
+    g = torch.Generator().manual_seed(0)
+    for scale in (1.0, 1e-3, 1e3, 1e-30):
+        for dtype in (torch.float32, torch.bfloat16):
+            k = (torch.randn(3, 5, 128, generator=g) * scale).to(dtype)
+            k[0, 0, :32] = 0.0
+            k[0, 1, :5] = -0.0
+            codes, exps = fp4_pack_indexer_keys(k)
+            ref_codes, ref_exps = indexer_fp4_quantize_keys(k)
+            assert torch.equal(codes, ref_codes) and torch.equal(exps, ref_exps)
+            assert torch.equal(indexer_fp4_dequantize(codes, exps), fp4_e2m1_block_fake_quant(k.float()))
+
+
+def test_training_sinkhorn_matches_the_op_reference():
+    from dsv4_model.layers import _sinkhorn
+    from dsv4_ops.reference import hc_sinkhorn_ref
+
+    logits = torch.randn(6, 4, 4, generator=torch.Generator().manual_seed(1))
+    for iters in (1, 2, 20):
+        assert torch.equal(_sinkhorn(logits, iters, 1e-6), hc_sinkhorn_ref(logits, iters, 1e-6))
