@@ -8,10 +8,10 @@ Models (random weights, bf16): "micro" (3 layers: SWA, CSA, HCA; dim 64) and "fl
 Byte floor = weight bytes one step must read / 4.26 TB/s: every non-expert weight (embedding: B rows),
 plus the expected number of distinct routed experts touched by B tokens x 6 (uniform routing:
 E * (1 - (1 - 6/E)^B)). Weights are stored as bf16 (fp32 head) by the pure-PyTorch model; the NVFP4
-kernels (issue 7) shrink the floor ~3.5x. KV-cache reads (256 tokens) are negligible next to weights.
+kernels shrink the floor ~3.5x. KV-cache reads (256 tokens) are negligible next to weights.
 
 Prefill: the first batch size's prompt through `Transformer.prefill` (ours, eager) and one HF forward, timed
-after one warm-up call each (issue 4: V4-Flash width, `--models flash2 --batches 1 --prompt 4096`).
+after one warm-up call each.
 --quant nvfp4 converts our model's weights to NVFP4 (W4A16, dsv4_model/quantize_model.py) after copying HF's
 weights, so HF runs bf16 and we run NVFP4 on the same underlying weights; the floor then counts NVFP4 bytes.
 

@@ -1,5 +1,4 @@
-"""Kernels and microseconds per decoder layer in the batch-1 decode step (issue 7: goal <= 12 kernels and
-<= 45 us for a V4-Flash-width layer).
+"""Kernels and microseconds per decoder layer in the batch-1 decode step.
 
 Method: models that differ by exactly one layer. The base has layers [CSA, HCA] (compress ratios [4, 128]); each
 variant appends one layer of a kind (CSA = ratio 4 with the lightning indexer, HCA = 128, SWA = 0). Per layer =

@@ -14,7 +14,7 @@ Graph modes (`graph_mode`):
   * "manual": torch.compile(mode="default") warmed up on a side stream, then captured into one
     `torch.cuda.CUDAGraph` per bucket, all sharing one memory pool; replay = one graph launch.
   * "reduce-overhead": torch.compile's CUDA-graph trees (static inputs marked with mark_static_address).
-The default is "manual" (bench/bench_decode.py measures both; see README "Generation").
+The default is "manual" (bench/bench_decode.py measures both; see docs/architecture.md).
 """
 from __future__ import annotations
 

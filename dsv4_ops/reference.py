@@ -7,7 +7,7 @@ import torch
 
 
 # ======================================================================================================
-# NVFP4 quantization (issue 2): nvfp4_quantize, nvfp4_dequantize, fused_amax_quantize(_per_row),
+# NVFP4 quantization: nvfp4_quantize, nvfp4_dequantize, fused_amax_quantize(_per_row),
 # fused_deinterleave_amax_quantize. Conventions: docs/ops.md "## NVFP4 quantization".
 # Every step is one IEEE fp32 operation (no fused multiply-add), so the C++ and CUDA kernels reproduce
 # these tensors bit for bit.
@@ -197,7 +197,7 @@ def fused_deinterleave_amax_quantize_ref(gate_up, row_weight, limit: float, per_
 
 
 # ======================================================================================================
-# Sampler (issue 3): dsv4::sample
+# Sampler: dsv4::sample
 # ======================================================================================================
 
 _U32 = 0xFFFFFFFF
@@ -294,7 +294,7 @@ def sample_reference(logits, temperature, top_k, top_p, seed, offset) -> torch.T
 
 
 # ======================================================================================================
-# Lightning indexer (issue 2): dsv4::indexer_score_topk and the FP4 storage of indexer keys
+# Lightning indexer: dsv4::indexer_score_topk and the FP4 storage of indexer keys
 # ======================================================================================================
 # Key storage (DeepSeek-V4 indexer cache, "use_fp4_indexer_cache"): a key of D elements is D/2 bytes of E2M1
 # codes (element 2j in the low nibble of byte j, 2j+1 in the high nibble; bit 3 = sign, bits 0-2 index
@@ -386,7 +386,7 @@ def indexer_score_topk_reference(q, weights, k_codes, k_scales, n_valid, topk: i
 
 
 # ======================================================================================================
-# NVFP4 GEMM / MoE (issue 7): dsv4::nvfp4_linear, nvfp4_linear_w4a4, nvfp4_moe, nvfp4_moe_rows
+# NVFP4 GEMM / MoE: dsv4::nvfp4_linear, nvfp4_linear_w4a4, nvfp4_moe, nvfp4_moe_rows
 # ======================================================================================================
 # These take the CANONICAL NVFP4 layout (ModelOpt): codes uint8 [..., N, K/2] (element 2i in the low nibble),
 # float8_e4m3fn block scales [..., N, K/16], fp32 dequant-direction global scale; value = e2m1 * scale * gs.
@@ -495,7 +495,7 @@ def nvfp4_moe_ref(x, topk_ids, topk_weights, w13, w13_scale, w13_gs, w2, w2_scal
 
 
 # ======================================================================================================
-# mHC (issue 7): dsv4::hc_sinkhorn
+# mHC: dsv4::hc_sinkhorn
 # ======================================================================================================
 
 def hc_sinkhorn_ref(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -555,7 +555,7 @@ def hc_post_pre_ref(out, res, post, comb, fn, scale, base, norm_weight, iters, h
 
 
 # ======================================================================================================
-# fp32 projections (issue 7): dsv4::fp32_linear
+# fp32 projections: dsv4::fp32_linear
 # ======================================================================================================
 
 def fp32_linear_ref(x: torch.Tensor, weight: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -565,7 +565,7 @@ def fp32_linear_ref(x: torch.Tensor, weight: list[torch.Tensor]) -> list[torch.T
 
 
 # ======================================================================================================
-# MoE routing (issue 7): dsv4::router_topk
+# MoE routing: dsv4::router_topk
 # ======================================================================================================
 
 def router_topk_ref(scores: torch.Tensor, bias, k: int, renormalize: bool, scale: float, sqrt_softplus: bool = False):
@@ -583,7 +583,7 @@ def router_topk_ref(scores: torch.Tensor, bias, k: int, renormalize: bool, scale
 
 
 # ======================================================================================================
-# decode attention (issue 7): dsv4::sparse_attn_decode
+# decode attention: dsv4::sparse_attn_decode
 # ======================================================================================================
 
 def sparse_attn_decode_ref(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
@@ -626,7 +626,7 @@ def _sparse_attn(q, kv, idx, sink, scale):
 
 
 # ======================================================================================================
-# compressor decode (issue 7): dsv4::compressor_decode
+# compressor decode: dsv4::compressor_decode
 # ======================================================================================================
 
 def compressor_decode_ref(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
@@ -653,7 +653,7 @@ def compressor_decode_ref(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tens
 
 
 # ======================================================================================================
-# RMSNorm + RoPE (issue 7): dsv4::rms_norm_rope
+# RMSNorm + RoPE: dsv4::rms_norm_rope
 # ======================================================================================================
 
 def rms_norm_rope_ref(x: torch.Tensor, weight, cs: torch.Tensor, eps: float, rope_dim: int,
@@ -695,7 +695,7 @@ def _f32_recip(v: float) -> float:
 
 
 # ======================================================================================================
-# indexer Hadamard + FP4 (issue 7): dsv4::hadamard_fp4
+# indexer Hadamard + FP4: dsv4::hadamard_fp4
 # ======================================================================================================
 
 def hadamard_fp4_ref(x: torch.Tensor, cs, rope_dim: int) -> torch.Tensor:
@@ -721,7 +721,7 @@ def hadamard_fp4_ref(x: torch.Tensor, cs, rope_dim: int) -> torch.Tensor:
 
 
 # ======================================================================================================
-# indexer key store (issue 7): dsv4::indexer_store_keys
+# indexer key store: dsv4::indexer_store_keys
 # ======================================================================================================
 
 def indexer_store_keys_ref(keys: torch.Tensor, positions: torch.Tensor, ratio: int, kv_cache: torch.Tensor,

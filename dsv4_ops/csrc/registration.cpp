@@ -15,7 +15,7 @@ extern "C" __attribute__((visibility("default"))) int dsv4_ops_built_with_cuda()
 }
 
 TORCH_LIBRARY(dsv4, m) {
-  // ---- NVFP4 quantization (issue 2) ----
+  // ---- NVFP4 quantization ----
   // E2M1 codes (even element in the low nibble, sign bit 0x8) + one e4m3 scale per 16 contiguous elements +
   // an fp32 global scale in the ModelOpt dequant direction (amax / 2688), 0-d or one per row (x.shape[:-1]).
   // Bit-exact definition in docs/ops.md "## NVFP4 quantization". gate_up is [..., 2I] with gate/up interleaved
@@ -28,7 +28,7 @@ TORCH_LIBRARY(dsv4, m) {
       "fused_deinterleave_amax_quantize(Tensor gate_up, Tensor? row_weight, float limit, bool per_row) "
       "-> (Tensor packed, Tensor block_scale, Tensor global_scale)");
 
-  // ---- lightning indexer (issue 2) ----
+  // ---- lightning indexer ----
   // Decode-time DeepSeek-V4 lightning indexer: score[b,i] = sum_h weights[b,h] * relu(q[b,h] . k[b,i]) over FP4
   // (E2M1 codes + UE8M0 block-32 scales) keys i < n_valid[b]; returns int32 [B, topk] indices sorted by
   // (score desc, index asc), -1 padded. The head weight used is float(weights.to(weights_dtype)) * weights_scale
@@ -38,14 +38,14 @@ TORCH_LIBRARY(dsv4, m) {
       "indexer_score_topk(Tensor q, Tensor weights, Tensor k_codes, Tensor k_scales, Tensor n_valid, int topk, "
       "float weights_scale=1.0, ScalarType? weights_dtype=None) -> Tensor");
 
-  // ---- sampler (issue 3) ----
+  // ---- sampler ----
   // Per-row greedy (temperature <= 0) or temperature / top-k (0 = off) / top-p (>= 1 = off) sampling with a
   // counter-based RNG keyed by (seed, offset): bump `offset` on device each step. Returns int64 [B].
   m.def(
       "sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor seed, Tensor offset) "
       "-> Tensor");
 
-  // ---- NVFP4 GEMM / MoE (issue 7) ----
+  // ---- NVFP4 GEMM / MoE ----
   // Weights in the kernel layout of dsv4_model.nvfp4.repack_weight: codes uint8 [N, Kp/2] (Kp = K rounded up
   // to 128), scale bytes uint8 [N, Kp/16], fp32 0-d global scale (dequant direction). bf16 activations,
   // fp32 accumulation. See docs/ops.md "## NVFP4 GEMM / MoE".
@@ -77,7 +77,7 @@ TORCH_LIBRARY(dsv4, m) {
       "Tensor? shared_w2_packed, Tensor? shared_w2_scale, Tensor? shared_w2_global_scale, "
       "float swiglu_limit) -> Tensor");
 
-  // ---- mHC (issue 7: kernels per layer) ----
+  // ---- mHC ----
   // The hyper-connection mixing matrix of each token: softmax over the last dim of logits [..., hc, hc] (fp32),
   // + eps, then Sinkhorn normalisation: columns, then (iters - 1) x (rows, columns), each sum + eps. See
   // docs/ops.md "## mHC".
@@ -102,13 +102,13 @@ TORCH_LIBRARY(dsv4, m) {
       "Tensor? norm_weight, int iters, float hc_eps, float norm_eps, float out_eps, Tensor? out_ids=None, "
       "int out_experts=0) -> (Tensor, Tensor, Tensor, Tensor)");
 
-  // ---- fp32 projections (issue 7: kernels per layer) ----
+  // ---- fp32 projections ----
   // out[i] = float(x) @ float(weight[i])^T in fp32 (x [..., K] bf16 / fp16 / fp32, weight[i] [N_i, K] bf16 or
   // fp32, out[i] fp32 [..., N_i]): the projections official runs in fp32 (compressors, mHC mixes), up to 8 that
   // read the same x in one call. See docs/ops.md "## fp32 linear".
   m.def("fp32_linear(Tensor x, Tensor[] weight) -> Tensor[]");
 
-  // ---- decode attention (issue 7: kernels per layer) ----
+  // ---- decode attention ----
   // One query token per row against the cache rows it lists: q [B, H, D], kv [B' >= B, N, D] (q's dtype), idx
   // int32 / int64 [B, J] (rows of kv[b]; entries outside [0, N) are skipped), sink fp32 [H]. out [B, H, D] (q's
   // dtype) = sum_j p_j kv[b, idx[b, j]] with p = softmax over (scale * q . k_j for the listed rows, sink[h]), fp32
@@ -122,7 +122,7 @@ TORCH_LIBRARY(dsv4, m) {
       "sparse_attn_decode(Tensor q, Tensor kv, Tensor idx, Tensor sink, float scale, Tensor? out_rope=None, "
       "int rope_dim=0, Tensor? idx2=None, int idx2_offset=0) -> Tensor");
 
-  // ---- MoE routing (issue 7: kernels per layer) ----
+  // ---- MoE routing ----
   // Per row of scores fp32 [N, E]: the k experts with the largest scores + bias (NaN above every number, ties to
   // the lower index), as int64 indices [N, k] in that order, and their unbiased scores fp32 [N, k], divided by
   // their sum when renormalize, times scale. With sqrt_softplus the input is the router's logits and the scores
@@ -132,7 +132,7 @@ TORCH_LIBRARY(dsv4, m) {
       "router_topk(Tensor scores, Tensor? bias, int k, bool renormalize, float scale, bool sqrt_softplus=False) -> "
       "(Tensor weights, Tensor indices)");
 
-  // ---- compressor decode (issue 7: kernels per layer) ----
+  // ---- compressor decode ----
   // One decode step of a KV compressor's gated pooling, per row b < B = kv.size(0): score + ape[pos % m] and kv
   // go into state slot (m if the state has 2m rows (overlapping windows) else 0) + pos % m, pooled[b] = the
   // softmax-over-rows weighted sum of the window's state (overlap: rows < m read columns [0, hd), rows >= m
@@ -143,7 +143,7 @@ TORCH_LIBRARY(dsv4, m) {
       "compressor_decode(Tensor kv, Tensor score, Tensor ape, Tensor positions, Tensor(a!) kv_state, "
       "Tensor(b!) score_state, Tensor(c!) pooled) -> ()");
 
-  // ---- RMSNorm + RoPE (issue 7: kernels per layer) ----
+  // ---- RMSNorm + RoPE ----
   // Per vector x[r, h] (x [rows, heads, d], bf16 / fp32): y = RMSNorm (fp32, times weight fp32 [d] if given)
   // rounded to x's dtype; its trailing rope_dim dims rotated as interleaved pairs by cs[r] (fp32 [rows,
   // rope_dim / 2, (cos, sin)]) and rounded again; with fp8_nope the leading d - rope_dim dims rounded to FP8 e4m3
@@ -157,7 +157,7 @@ TORCH_LIBRARY(dsv4, m) {
       "rms_norm_rope_store(Tensor x, Tensor? weight, Tensor cs, float eps, int rope_dim, bool fp8_nope, "
       "Tensor positions, int ratio, int offset, int slots, Tensor(a!) cache) -> ()");
 
-  // ---- indexer Hadamard + FP4 (issue 7: kernels per layer) ----
+  // ---- indexer Hadamard + FP4 ----
   // Per vector x[r, h] (x [rows, heads, d], bf16 / fp32, d a power of two >= 32): with rope_dim > 0 its trailing
   // rope_dim dims rotated as interleaved pairs by cs[r] (fp32 [rows, rope_dim / 2, (cos, sin)]) and rounded to x's
   // dtype; then the Walsh-Hadamard butterfly in fp32 (strides 1, 2, 4, ...) times the fp32 d^-0.5, rounded; then
@@ -165,7 +165,7 @@ TORCH_LIBRARY(dsv4, m) {
   // (dsv4_model.quant_sim.indexer_fake_quant after apply_rope). See docs/ops.md "## Hadamard + FP4".
   m.def("hadamard_fp4(Tensor x, Tensor? cs, int rope_dim) -> Tensor");
 
-  // ---- indexer key store (issue 7: kernels per layer) ----
+  // ---- indexer key store ----
   // For each row b < B whose compression window closed at this token ((pos + 1) % ratio == 0, positions >= 0):
   // slot = min(pos / ratio, n - 1); kv_cache[b, slot] = keys[b] (bf16 / fp32 [B, D], D % 32 == 0) and its FP4
   // form (E2M1 codes uint8 [D / 2], UE8M0 block-32 exponents uint8 [D / 32], as the indexer cache stores keys)
@@ -174,5 +174,5 @@ TORCH_LIBRARY(dsv4, m) {
       "indexer_store_keys(Tensor keys, Tensor positions, int ratio, Tensor(a!) kv_cache, Tensor(b!) k_codes, "
       "Tensor(c!) k_scales) -> ()");
 
-  // ---- decode state (issue 3) ----
+  // ---- decode state ----
 }
