@@ -22,6 +22,8 @@ import os
 import torch
 from torch import nn
 
+from dsv4_ops import ops
+
 from .compressor import Compressor, _fused_norm_rope, _fused_store
 from .config import ModelConfig
 from .indexer import Indexer, topk_indices
@@ -79,8 +81,9 @@ def _w4a16(mod: nn.Module) -> bool:
 def _multi(x: torch.Tensor, mods) -> tuple[torch.Tensor, ...]:
     """The W4A16 projections `mods` of the same x in one dsv4::nvfp4_linear_multi call (the values of
     calling each module)."""
-    outs = torch.ops.dsv4.nvfp4_linear_multi(x.to(torch.bfloat16), [m.weight_packed for m in mods],
-                                             [m.weight_scale for m in mods], [m.weight_global_scale for m in mods])
+    outs = ops.nvfp4_linear_multi(x.to(torch.bfloat16), w_packed=[m.weight_packed for m in mods],
+                                  w_scale=[m.weight_scale for m in mods],
+                                  w_global_scale=[m.weight_global_scale for m in mods])
     return tuple(o.to(m.out_dtype) for o, m in zip(outs, mods))
 
 
@@ -125,20 +128,21 @@ class Attention(nn.Module):
         qa, kva = self._x_projections(x)
         if qa.dim() == 2 and _fused_norm_rope(qa, 0):  # decode: a dsv4 kernel (PDL) instead of Inductor's reduction
             cs0 = qa.new_empty((qa.shape[0], 0, 2), dtype=torch.float32)
-            qr = torch.ops.dsv4.rms_norm_rope(qa.unsqueeze(1), self.q_norm.weight, cs0, self.q_norm.eps, 0,
-                                              False).squeeze(1)
+            qr = ops.rms_norm_rope(qa.unsqueeze(1), weight=self.q_norm.weight, cs=cs0, eps=self.q_norm.eps,
+                                   rope_dim=0, fp8_nope=False).squeeze(1)
         else:
             qr = self.q_norm(qa)
         qb, iproj = self._qr_projections(qr, index_proj)
         q = qb.unflatten(-1, (self.n_heads, self.head_dim))
         if q.dim() == 3 and _fused_norm_rope(q, self.rope_dim):  # decode: x [B, dim], cs [B, rope_dim / 2, 2]
-            q = torch.ops.dsv4.rms_norm_rope(q, None, cs, self.eps, self.rope_dim, False)
+            q = ops.rms_norm_rope(q, weight=None, cs=cs, eps=self.eps, rope_dim=self.rope_dim, fp8_nope=False)
             if positions is not None and _fused_store(kva, self.kv_cache):
-                torch.ops.dsv4.rms_norm_rope_store(kva, self.kv_norm.weight, cs, self.kv_norm.eps, self.rope_dim,
-                                                   self.simulate_quant, positions, 0, 0, self.window, self.kv_cache)
+                ops.rms_norm_rope_store(kva, weight=self.kv_norm.weight, cs=cs, eps=self.kv_norm.eps,
+                                        rope_dim=self.rope_dim, fp8_nope=self.simulate_quant, positions=positions,
+                                        ratio=0, offset=0, slots=self.window, cache=self.kv_cache)
                 return qr, q, None, iproj
-            kv = torch.ops.dsv4.rms_norm_rope(kva.unsqueeze(1), self.kv_norm.weight, cs, self.kv_norm.eps,
-                                              self.rope_dim, self.simulate_quant).squeeze(1)
+            kv = ops.rms_norm_rope(kva.unsqueeze(1), weight=self.kv_norm.weight, cs=cs, eps=self.kv_norm.eps,
+                                   rope_dim=self.rope_dim, fp8_nope=self.simulate_quant).squeeze(1)
             return qr, q, kv, iproj
         q = apply_rope(unweighted_rms_norm(q, self.eps), cs.unsqueeze(-3), self.rope_dim)
         kv = apply_rope(self.kv_norm(kva), cs, self.rope_dim)
@@ -287,7 +291,8 @@ class Attention(nn.Module):
             ientry, icomplete = ix.compressor.decode(x, positions, rope, iproj_c)
             packed = ix.packed_decode()
             if packed and _fused_key_store(ientry):
-                torch.ops.dsv4.indexer_store_keys(ientry, positions, m, ix.kv_cache, ix.k_codes, ix.k_scales)
+                ops.indexer_store_keys(ientry, positions=positions, ratio=m, kv_cache=ix.kv_cache,
+                                       k_codes=ix.k_codes, k_scales=ix.k_scales)
             else:
                 self._write_entry(ix.kv_cache, 0, positions, ientry, icomplete)
                 if packed:
@@ -316,18 +321,18 @@ class Attention(nn.Module):
 
         listed = W + (sel.shape[1] if sel is not None else self.n_entries if self.ratio else 0)
         if _fused_decode_attention(B, listed, q) and q.dtype == self.kv_cache.dtype:
-            extra = ()  # the op's (idx2, idx2_offset): the indexer's top-k after the window rows
+            idx2, idx2_offset = None, 0  # the indexer's top-k after the window rows, as the op's second row list
             if sel is None:  # the same rows for every layer of this kind and shape: once per step
                 rows = self._shared_rows(rope, positions, (W, m, self.n_entries))
             elif sel_raw is not None and _fused_sel_rows():
-                rows, extra = self._shared_rows(rope, positions, (W, 0, 0)), (sel_raw, W)
+                rows, idx2, idx2_offset = self._shared_rows(rope, positions, (W, 0, 0)), sel_raw, W
             else:
                 rows = self._decode_rows(positions, sel, sel_valid)
             out_rope = self.rope_dim > 0 and self.rope_dim % 4 == 0 and fused_on("DSV4_FUSED_OUT_ROPE")
             # with out_rope the output's inverse RoPE runs in the op's combine kernel (one kernel less)
-            rot = (cs, self.rope_dim) if out_rope else (None, 0) if extra else ()
-            o = torch.ops.dsv4.sparse_attn_decode(q, self.kv_cache[:B], rows, self.attn_sink, self.softmax_scale,
-                                                  *rot, *extra)
+            o = ops.sparse_attn_decode(q, self.kv_cache[:B], rows, sink=self.attn_sink, scale=self.softmax_scale,
+                                       out_rope=cs if out_rope else None, rope_dim=self.rope_dim if out_rope else 0,
+                                       idx2=idx2, idx2_offset=idx2_offset)
             return self._out(o, cs, rotated=out_rope)
         keys = self.kv_cache[:B, :W]
         mask = (torch.arange(W, device=dev).unsqueeze(0) <= positions.unsqueeze(1)).unsqueeze(1)

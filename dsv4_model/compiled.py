@@ -26,6 +26,8 @@ from typing import Callable
 
 import torch
 
+from dsv4_ops import ops
+
 from .sampling import SamplerBuffers, SamplingParams
 
 GRAPH_MODES = ("manual", "reduce-overhead")
@@ -130,7 +132,7 @@ class DecodeRunner:
     # ------------------------------------------------------------------ the step
     def _step_impl(self, tokens, positions, temperature, top_k, top_p, seed, offset):
         logits = self.model.decode_step(tokens, positions)
-        nxt = torch.ops.dsv4.sample(logits, temperature, top_k, top_p, seed, offset)
+        nxt = ops.sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, offset=offset)
         tokens.copy_(nxt)
         positions.add_(1)
         offset.add_(1)
@@ -231,7 +233,7 @@ class DecodeRunner:
     def sample_first(self, logits: torch.Tensor) -> torch.Tensor:
         """Sample the first token of every live row from prefill logits [rows, V]; it becomes the next input."""
         t, k, p, s, o = self.sampler.rows(self.rows)
-        nxt = torch.ops.dsv4.sample(logits.float(), t, k, p, s, o)
+        nxt = ops.sample(logits.float(), temperature=t, top_k=k, top_p=p, seed=s, offset=o)
         self.tokens[: self.rows].copy_(nxt)
         o.add_(1)
         return nxt

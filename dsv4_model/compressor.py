@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsv4_ops import ops
+
 from .config import ModelConfig
 from .layers import Linear, RMSNorm, apply_rope, fp32_linear, fused_on
 from .quant_sim import indexer_fake_quant, kv_fake_quant
@@ -105,11 +107,12 @@ class Compressor(nn.Module):
             index_keys = self.simulate_quant and self.rotate  # then the Hadamard + FP4 rounding follows
             if not index_keys and store is not None and _fused_store(x, store[1]):
                 positions, cache, offset = store
-                torch.ops.dsv4.rms_norm_rope_store(x, self.norm.weight, cs, self.norm.eps, self.rope_dim, fp8,
-                                                   positions, self.ratio, offset, cache.shape[1] - offset, cache)
+                ops.rms_norm_rope_store(x, weight=self.norm.weight, cs=cs, eps=self.norm.eps, rope_dim=self.rope_dim,
+                                        fp8_nope=fp8, positions=positions, ratio=self.ratio, offset=offset,
+                                        slots=cache.shape[1] - offset, cache=cache)
                 return None
-            kv = torch.ops.dsv4.rms_norm_rope(x.unsqueeze(1), self.norm.weight, cs, self.norm.eps, self.rope_dim,
-                                              fp8).squeeze(1)
+            kv = ops.rms_norm_rope(x.unsqueeze(1), weight=self.norm.weight, cs=cs, eps=self.norm.eps,
+                                   rope_dim=self.rope_dim, fp8_nope=fp8).squeeze(1)
             if not index_keys:
                 return kv
         else:
@@ -119,7 +122,7 @@ class Compressor(nn.Module):
             if not self.rotate:
                 return kv_fake_quant(kv, self.rope_dim)
         if decode and _fused_hadamard(kv):
-            return torch.ops.dsv4.hadamard_fp4(kv.unsqueeze(1), None, 0).squeeze(1)
+            return ops.hadamard_fp4(kv.unsqueeze(1), cs=None, rope_dim=0).squeeze(1)
         return indexer_fake_quant(kv)
 
     def linears(self) -> list[torch.Tensor]:
@@ -181,7 +184,8 @@ class Compressor(nn.Module):
             # the op rounds the pooling to x's dtype itself (_finish's .to(dtype) is then no kernel)
             dt = x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
             pooled = torch.empty(B, hd, dtype=dt, device=x.device)
-            torch.ops.dsv4.compressor_decode(kv, score, self.ape, positions, self.kv_state, self.score_state, pooled)
+            ops.compressor_decode(kv, score, ape=self.ape, positions=positions, kv_state=self.kv_state,
+                                  score_state=self.score_state, pooled=pooled)
             return self._finish(pooled, cs, x.dtype, store), complete
         rows = torch.arange(B, device=x.device)
         score = score + self.ape[positions % m]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsv4_ops import ops
+
 from .compressor import Compressor, _fused_hadamard
 from .config import ModelConfig
 from .layers import Linear, apply_rope
@@ -60,7 +62,7 @@ class Indexer(nn.Module):
         computed (Attention runs it in the same launch as its own wq_b)."""
         q = (self.wq_b(qr) if proj is None else proj).unflatten(-1, (self.n_heads, self.head_dim))
         if q.dim() == 3 and self.simulate_quant and _fused_hadamard(q):  # decode: cs [B, 1, rope_dim / 2, 2]
-            return torch.ops.dsv4.hadamard_fp4(q, cs.reshape(q.shape[0], self.rope_dim // 2, 2), self.rope_dim)
+            return ops.hadamard_fp4(q, cs=cs.reshape(q.shape[0], self.rope_dim // 2, 2), rope_dim=self.rope_dim)
         q = apply_rope(q, cs, self.rope_dim)
         if self.simulate_quant:
             q = indexer_fake_quant(q)
@@ -96,8 +98,8 @@ class Indexer(nn.Module):
         else:  # the op rounds it as the module rounds its output, and scales it: no pointwise kernel of its own
             w, dtype = proj, self.weights_proj.weight.dtype
             dtype = None if dtype == torch.float32 else dtype
-        return torch.ops.dsv4.indexer_score_topk(q, w, self.k_codes[:B], self.k_scales[:B], n_vis, k,
-                                                 weights_scale=self.weight_scale, weights_dtype=dtype)
+        return ops.indexer_score_topk(q, w, k_codes=self.k_codes[:B], k_scales=self.k_scales[:B], n_valid=n_vis,
+                                      topk=k, weights_scale=self.weight_scale, weights_dtype=dtype)
 
     def scores(self, q: torch.Tensor, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """q [B, S, H_I, Di], x [B, S, dim], keys [B, T, Di] -> fp32 [B, S, T]."""

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import dsv4_ops  # noqa: F401  (loads the op library: torch.ops.dsv4)
+from dsv4_ops import ops
 
 
 class Linear(nn.Module):
@@ -100,7 +100,7 @@ def fp32_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tens
     the op has no backward, so with a gradient to track they run as F.linear."""
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
         return [F.linear(x.float(), w.float()) for w in weights]
-    return list(torch.ops.dsv4.fp32_linear(x, list(weights)))
+    return list(ops.fp32_linear(x, weights))
 
 
 # ---------------------------------------------------------------------------------------------------- mHC
@@ -137,7 +137,7 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     if torch.is_grad_enabled() and comb.requires_grad:
         comb = _sinkhorn(comb, iters, hc_eps)
     else:
-        comb = torch.ops.dsv4.hc_sinkhorn(comb, iters, hc_eps)
+        comb = ops.hc_sinkhorn(comb, iters=iters, eps=hc_eps)
     y = (pre.unsqueeze(-1) * x.float()).sum(dim=-2)
     return y.to(x.dtype), post, comb
 

@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dsv4_ops import ops
 
 from .attention import Attention
 from .checks import check_max_seq_len, check_positive_int
@@ -46,6 +49,17 @@ class Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
+
+
+class Pending(NamedTuple):
+    """A sublayer's output not yet folded into the hc streams: out [B, dim] (or, with ids, an NVFP4 MoE's
+    uncombined expert rows, nvfp4_moe_rows) and its hc_post mixes."""
+
+    out: torch.Tensor
+    post: torch.Tensor
+    comb: torch.Tensor
+    ids: torch.Tensor | None = None  # the rows' top-k expert ids
+    n_experts: int = 0
 
 
 class Block(nn.Module):
@@ -78,9 +92,9 @@ class Block(nn.Module):
         """_pre, then the sublayer's norm: at decode one dsv4::hc_pre call where _fused_hc allows it."""
         fn = getattr(self, f"hc_{site}_fn")
         if not torch.is_grad_enabled() and _fused_hc() and fn.dtype in (torch.float32, torch.bfloat16):
-            return torch.ops.dsv4.hc_pre(h, fn, getattr(self, f"hc_{site}_scale").float(),
-                                         getattr(self, f"hc_{site}_base").float(), norm.weight.float(), self.iters,
-                                         self.hc_eps, self.norm_eps, norm.eps)
+            return ops.hc_pre(h, fn=fn, scale=getattr(self, f"hc_{site}_scale").float(),
+                              base=getattr(self, f"hc_{site}_base").float(), norm_weight=norm.weight.float(),
+                              iters=self.iters, hc_eps=self.hc_eps, norm_eps=self.norm_eps, out_eps=norm.eps)
         x, post, comb = self._pre(h, site)
         return norm(x), post, comb
 
@@ -90,35 +104,34 @@ class Block(nn.Module):
         return (not torch.is_grad_enabled() and _fused_hc() and _fused_hc_post() and out_dtype == h_dtype
                 and getattr(self, f"hc_{site}_fn").dtype in (torch.float32, torch.bfloat16))
 
-    def _post_pre_normed(self, h: torch.Tensor, pending, site: str, norm: RMSNorm):
-        """hc_post of pending (the previous sublayer's (out, post, comb), or None) into the streams h, then
-        _pre_normed: one dsv4::hc_post_pre call where _fused_hc_post allows it. Returns (h, x, post, comb).
-        A pending of 5 entries (rows, post, comb, ids, n_experts) holds the MoE's uncombined expert rows
-        (MoE.decode_rows), which only that call can fold."""
-        if pending is not None and (len(pending) == 5 or self._fuses_post(site, pending[0].dtype, h.dtype)):
-            rows = pending[3:] if len(pending) == 5 else ()
-            return torch.ops.dsv4.hc_post_pre(pending[0], h, pending[1], pending[2], getattr(self, f"hc_{site}_fn"),
-                                              getattr(self, f"hc_{site}_scale").float(),
-                                              getattr(self, f"hc_{site}_base").float(), norm.weight.float(),
-                                              self.iters, self.hc_eps, self.norm_eps, norm.eps, *rows)
+    def _post_pre_normed(self, h: torch.Tensor, pending: "Pending | None", site: str, norm: RMSNorm):
+        """hc_post of pending (the previous sublayer's output, or None) into the streams h, then _pre_normed:
+        one dsv4::hc_post_pre call where _fused_hc_post allows it, and always for a MoE's uncombined expert rows
+        (which only that call can fold). Returns (h, x, post, comb)."""
+        if pending is not None and (pending.ids is not None or self._fuses_post(site, pending.out.dtype, h.dtype)):
+            return ops.hc_post_pre(pending.out, h, pending.post, pending.comb, fn=getattr(self, f"hc_{site}_fn"),
+                                   scale=getattr(self, f"hc_{site}_scale").float(),
+                                   base=getattr(self, f"hc_{site}_base").float(), norm_weight=norm.weight.float(),
+                                   iters=self.iters, hc_eps=self.hc_eps, norm_eps=self.norm_eps, out_eps=norm.eps,
+                                   out_ids=pending.ids, out_experts=pending.n_experts)
         if pending is not None:
-            h = hc_post(pending[0], h, pending[1], pending[2])
+            h = hc_post(pending.out, h, pending.post, pending.comb)
         return (h, *self._pre_normed(h, site, norm))
 
-    def decode(self, h: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, rope: dict, pending=None,
-               next_block: "Block | None" = None):
-        """One token per row. pending: the previous block's ffn (out, post, comb) not yet folded into the streams h
-        (its hc_post runs fused with this block's first hc_pre); returns (h, pending) the same way. With
-        next_block (the block that folds this pending), an NVFP4 MoE's expert rows go to it uncombined where its
-        hc_post_pre can sum them (one combine kernel less per layer)."""
+    def decode(self, h: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, rope: dict,
+               pending: "Pending | None" = None, fold_rows: bool = False) -> "tuple[torch.Tensor, Pending]":
+        """One token per row. pending: the previous block's ffn output not yet folded into the streams h (its
+        hc_post runs fused with this block's first hc_pre); returns (h, pending) the same way. fold_rows: the
+        next block's hc_post_pre can sum an NVFP4 MoE's expert rows, so they go to it uncombined (one combine
+        kernel less per layer; the Transformer decides)."""
         h, x, post, comb = self._post_pre_normed(h, pending, "attn", self.attn_norm)
         out = self.attn.decode(x, positions, rope[self.attn.rope_kind])
-        h, x, post, comb = self._post_pre_normed(h, (out, post, comb), "ffn", self.ffn_norm)
-        if next_block is not None and _fused_moe_rows() and next_block._fuses_post("attn", torch.bfloat16, h.dtype):
+        h, x, post, comb = self._post_pre_normed(h, Pending(out, post, comb), "ffn", self.ffn_norm)
+        if fold_rows:
             rows = self.ffn.decode_rows(x, ids)
             if rows is not None:
-                return h, (rows[0], post, comb, *rows[1:])
-        return h, (self.ffn(x, ids, static=True), post, comb)
+                return h, Pending(rows[0], post, comb, rows[1], rows[2])
+        return h, Pending(self.ffn(x, ids, static=True), post, comb)
 
 
 class MTPBlock(Block):
@@ -334,8 +347,9 @@ class Transformer(nn.Module):
         pending = None
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            h, pending = layer.decode(h, tokens, positions, rope, pending, nxt)
-        return self._logits(hc_post(pending[0], h, pending[1], pending[2]))
+            fold = nxt is not None and _fused_moe_rows() and nxt._fuses_post("attn", torch.bfloat16, h.dtype)
+            h, pending = layer.decode(h, tokens, positions, rope, pending, fold_rows=fold)
+        return self._logits(hc_post(pending.out, h, pending.post, pending.comb))
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         return self.prefill(tokens, lengths, all_logits=True)

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsv4_ops import ops
+
 from .config import ModelConfig
 from .layers import Linear, fp32_linear
 
@@ -39,7 +41,8 @@ class Gate(nn.Module):
         if (self.score_func == "sqrtsoftplus" and not self.hash and self.topk <= 16 and logits.shape[-1] <= 1024
                 and not (torch.is_grad_enabled() and logits.requires_grad)):
             # the score function inside the op's kernel too (one kernel for scores, selection and weights)
-            return torch.ops.dsv4.router_topk(logits, self.bias, self.topk, True, self.route_scale, True)
+            return ops.router_topk(logits, bias=self.bias, k=self.topk, renormalize=True, scale=self.route_scale,
+                                   sqrt_softplus=True)
         if self.score_func == "softmax":
             scores = logits.softmax(dim=-1)
         elif self.score_func == "sigmoid":
@@ -50,7 +53,7 @@ class Gate(nn.Module):
         if (not self.hash and self.topk <= 16 and scores.shape[-1] <= 1024
                 and not (torch.is_grad_enabled() and scores.requires_grad)):
             # one kernel instead of topk's two, the gather and the renormalisation (the op has no backward)
-            return torch.ops.dsv4.router_topk(scores, self.bias, self.topk, renorm, self.route_scale)
+            return ops.router_topk(scores, bias=self.bias, k=self.topk, renormalize=renorm, scale=self.route_scale)
         if self.hash:
             indices = self.tid2eid[ids].long()
         else:

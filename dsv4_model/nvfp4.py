@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import dsv4_ops  # noqa: F401  (the modules below call torch.ops.dsv4.*: a stored NVFP4 model needs no converter)
+from dsv4_ops import ops  # the modules below call the dsv4 ops: a stored NVFP4 model needs no converter
 
 CHUNK = 128  # K granularity of the kernel layout
 BLOCK = 16  # NVFP4 block size along K
@@ -278,11 +278,11 @@ class Nvfp4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w4a4:
-            xp, xs, xg = torch.ops.dsv4.fused_amax_quantize(x)
-            return torch.ops.dsv4.nvfp4_linear_w4a4(xp, xs, xg, self.weight_packed, self.weight_scale,
-                                                     self.weight_global_scale, torch.bfloat16)
-        return torch.ops.dsv4.nvfp4_linear(x.to(torch.bfloat16), self.weight_packed, self.weight_scale,
-                                           self.weight_global_scale)
+            xp, xs, xg = ops.fused_amax_quantize(x)
+            return ops.nvfp4_linear_w4a4(xp, xs, xg, w_packed=self.weight_packed, w_scale=self.weight_scale,
+                                         w_global_scale=self.weight_global_scale, out_dtype=torch.bfloat16)
+        return ops.nvfp4_linear(x.to(torch.bfloat16), w_packed=self.weight_packed, w_scale=self.weight_scale,
+                                w_global_scale=self.weight_global_scale)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, w4a4={self.w4a4}"
@@ -357,20 +357,22 @@ class Nvfp4MoE(nn.Module):
             qs = (quantize_weight(torch.cat((s1, s3), dim=-2)), quantize_weight(s2))
         return cls.from_nvfp4(q13, q2, qs, swiglu_limit)
 
-    def _args(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple:
-        sh = (None,) * 6
-        if self.shared_inter:
-            sh = (self.shared_w13_packed, self.shared_w13_scale, self.shared_w13_global_scale,
-                  self.shared_w2_packed, self.shared_w2_scale, self.shared_w2_global_scale)
-        return (x.to(torch.bfloat16), topk_ids, topk_weights.float(), self.w13_packed, self.w13_scale,
-                self.w13_global_scale, self.w2_packed, self.w2_scale, self.w2_global_scale, *sh, self.swiglu_limit)
+    def _weights(self) -> dict:
+        shared = self.shared_inter > 0
+        return dict(w13=(self.w13_packed, self.w13_scale, self.w13_global_scale),
+                    w2=(self.w2_packed, self.w2_scale, self.w2_global_scale),
+                    shared_w13=(self.shared_w13_packed, self.shared_w13_scale, self.shared_w13_global_scale)
+                    if shared else None,
+                    shared_w2=(self.shared_w2_packed, self.shared_w2_scale, self.shared_w2_global_scale)
+                    if shared else None,
+                    swiglu_limit=self.swiglu_limit)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        return torch.ops.dsv4.nvfp4_moe(*self._args(x, topk_ids, topk_weights))
+        return ops.nvfp4_moe(x.to(torch.bfloat16), topk_ids, topk_weights.float(), **self._weights())
 
     def rows(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """forward's expert rows before the combine (dsv4::nvfp4_moe_rows): bf16 [T*k (+ T), d]."""
-        return torch.ops.dsv4.nvfp4_moe_rows(*self._args(x, topk_ids, topk_weights))
+        return ops.nvfp4_moe_rows(x.to(torch.bfloat16), topk_ids, topk_weights.float(), **self._weights())
 
     def extra_repr(self) -> str:
         return (f"experts={self.n_experts}, dim={self.dim}, inter={self.inter}, shared_inter={self.shared_inter}, "

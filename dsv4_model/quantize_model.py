@@ -38,6 +38,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from dsv4_ops import ops
+
 from .attention import Attention
 from .layers import Linear
 from .moe import MoE, Expert, Experts
@@ -68,9 +70,9 @@ def check_modes(quant: str, act_quant: str) -> None:
 # ---------------------------------------------------------------------------------------------- modules
 def _w4a4_rows(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
     """fp32 x @ W^T with x quantized to NVFP4 per row (own global scale per row)."""
-    xp, xs, xg = torch.ops.dsv4.fused_amax_quantize_per_row(x)
+    xp, xs, xg = ops.fused_amax_quantize_per_row(x)
     one = torch.ones((), dtype=torch.float32, device=x.device)
-    y = torch.ops.dsv4.nvfp4_linear_w4a4(xp, xs, one, packed, scale, gs, torch.float32)
+    y = ops.nvfp4_linear_w4a4(xp, xs, one, w_packed=packed, w_scale=scale, w_global_scale=gs, out_dtype=torch.float32)
     return y * xg.unsqueeze(-1)
 
 
@@ -86,8 +88,8 @@ class Nvfp4ModelLinear(Nvfp4Linear):
         if self.w4a4:
             y = _w4a4_rows(x, self.weight_packed, self.weight_scale, self.weight_global_scale)
         else:
-            y = torch.ops.dsv4.nvfp4_linear(x.to(torch.bfloat16), self.weight_packed, self.weight_scale,
-                                            self.weight_global_scale)
+            y = ops.nvfp4_linear(x.to(torch.bfloat16), w_packed=self.weight_packed, w_scale=self.weight_scale,
+                                 w_global_scale=self.weight_global_scale)
         return y.to(self.out_dtype)
 
     def load_nvfp4_(self, t: Nvfp4Tensor) -> None:
@@ -118,8 +120,9 @@ class Nvfp4GroupedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.w4a4:
-            return torch.ops.dsv4.nvfp4_linear_grouped(x.to(torch.bfloat16), self.weight_packed, self.weight_scale,
-                                                       self.weight_global_scale).to(self.out_dtype)
+            return ops.nvfp4_linear_grouped(x.to(torch.bfloat16), w_packed=self.weight_packed,
+                                            w_scale=self.weight_scale,
+                                            w_global_scale=self.weight_global_scale).to(self.out_dtype)
         outs = []
         for g in range(self.groups):
             xg = x[..., g, :]
@@ -155,8 +158,8 @@ class Nvfp4ModelMoE(Nvfp4MoE):
 
     def _act(self, x: torch.Tensor) -> torch.Tensor:
         if self.w4a4:
-            xp, xs, xg = torch.ops.dsv4.fused_amax_quantize_per_row(x)
-            x = torch.ops.dsv4.nvfp4_dequantize(xp, xs, xg, torch.bfloat16)
+            xp, xs, xg = ops.fused_amax_quantize_per_row(x)
+            x = ops.nvfp4_dequantize(xp, xs, xg, dtype=torch.bfloat16)
         return x
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

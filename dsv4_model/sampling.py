@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-import dsv4_ops  # noqa: F401  (registers torch.ops.dsv4.sample)
+from dsv4_ops import ops
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class SamplingParams:
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """int64 [B] token ids from fp32 logits [B, V]; see docs/ops.md "Sampler"."""
-    return torch.ops.dsv4.sample(logits, temperature, top_k, top_p, seed, offset)
+    return ops.sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, offset=offset)
 
 
 class SamplerBuffers:

@@ -14,6 +14,8 @@ import math
 import torch
 from torch import nn
 
+from dsv4_ops import ops
+
 
 class ToyLM(nn.Module):
     def __init__(self, vocab_size: int = 96, dim: int = 64, *, max_batch_size: int = 2, max_seq_len: int = 32,
@@ -42,8 +44,8 @@ class ToyLM(nn.Module):
         k = h @ self.wk.t()
         flat = k.reshape(-1, k.shape[-1])
         gs = flat.abs().amax().float() / 2688 + 1e-12  # 2688 = 448 * 6: amax maps to the largest code
-        packed, scales = torch.ops.dsv4.nvfp4_quantize(flat, gs)
-        return torch.ops.dsv4.nvfp4_dequantize(packed, scales, gs, k.dtype).reshape(k.shape)
+        packed, scales = ops.nvfp4_quantize(flat, gs)
+        return ops.nvfp4_dequantize(packed, scales, gs, dtype=k.dtype).reshape(k.shape)
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         b = tokens.shape[0]

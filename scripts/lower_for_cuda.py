@@ -182,8 +182,14 @@ def main() -> int:
 
     def timed_codegen(self, *a, **k):
         t0 = time.perf_counter()
-        codegen(self, *a, **k)
-        print(f"scheduling + Triton codegen: {time.perf_counter() - t0:.1f} s", flush=True)
+        out = codegen(self, *a, **k)
+        code = out[0] if isinstance(out, tuple) else out
+        code = getattr(code, "value", code)
+        kernels = str(code).count("async_compile.triton(")
+        launches = len(re.findall(r"\.run\(", str(code)))
+        op_calls = sum(1 for ln in str(code).splitlines() if "torch.ops.dsv4." in ln and not ln.lstrip().startswith("#"))
+        print(f"scheduling + Triton codegen: {time.perf_counter() - t0:.1f} s; the step launches {launches} "
+              f"Triton kernels ({kernels} distinct) and calls {op_calls} dsv4 ops", flush=True)
         raise Done
 
     graph.make_fallback, ir.IRNode.str_helper = spy_fallback, spy_str

@@ -298,7 +298,8 @@ def test_model_decode_with_the_top_k_as_second_list(monkeypatch, device, dtype):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA")
     real, second = ops.sparse_attn_decode, []
-    monkeypatch.setattr(ops, "sparse_attn_decode", lambda *a: second.append(len(a) > 7) or real(*a))
+    monkeypatch.setattr(ops, "sparse_attn_decode",
+                        lambda *a: second.append(len(a) > 7 and a[7] is not None) or real(*a))  # a[7]: idx2
     logits, calls, cfg = decode_with_switch(monkeypatch, "sparse_attn_decode", "DSV4_FUSED_SEL_ROWS", steps=4,
                                             device=device, dtype=dtype, n_layers=2, compress_ratios=[4, 0],
                                             index_head_dim=128)

@@ -176,7 +176,8 @@ def test_decode_writes_every_rope_slot_before_the_layers(monkeypatch):
     events = []
     real_rows, real_decode = model_mod.rope_rows, type(m.layers[0]).decode
     monkeypatch.setattr(model_mod, "rope_rows", lambda r, p, k=1: events.append(("slot", k)) or real_rows(r, p, k))
-    monkeypatch.setattr(type(m.layers[0]), "decode", lambda *a: events.append(("layer",)) or real_decode(*a))
+    monkeypatch.setattr(type(m.layers[0]), "decode",
+                        lambda *a, **k: events.append(("layer",)) or real_decode(*a, **k))
     m.decode_step(torch.tensor([3]), torch.tensor([9]))
     first_layer = events.index(("layer",))
     written = sorted(k for e in events[:first_layer] for k in e[1:])
