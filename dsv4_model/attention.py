@@ -29,7 +29,7 @@ from .config import ModelConfig
 from .indexer import Indexer, topk_indices
 from .layers import Linear, RMSNorm, apply_rope, fp32_linear, fused_on, unweighted_rms_norm
 from .quant_sim import fp4_pack_indexer_keys, kv_fake_quant
-from .step_values import in_slot, rope_rows, visible_entries
+from .step_values import DecodeStep
 
 
 def _fused_sel_rows() -> bool:
@@ -275,20 +275,19 @@ class Attention(nn.Module):
         self.kv_cache[:B, :W] = torch.where((p >= 0).unsqueeze(-1), g, self.kv_cache[:B, :W])
 
     # ------------------------------------------------------------------ one-token decode (static shapes)
-    def decode(self, x: torch.Tensor, positions: torch.Tensor, rope: dict) -> torch.Tensor:
-        """x [B, dim] at per-row positions [B] (device tensor) -> [B, dim]; rope: the step's decode_rope of this
-        layer's table. Updates caches rows [:B]."""
-        B = x.shape[0]
+    def decode(self, x: torch.Tensor, step: DecodeStep) -> torch.Tensor:
+        """x [B, dim] at the step's per-row positions -> [B, dim]. Updates caches rows [:B]."""
+        B, positions = x.shape[0], step.positions
         W, m, dev = self.window, self.ratio, x.device
         rows = torch.arange(B, device=dev)
-        cs = rope_rows(rope, positions)
+        cs = step.cs(self.rope_kind)
         qr, q, kv, iproj = self._qkv(x, cs, index_proj=True, positions=positions)
         cproj, iproj_c, wproj = self._fp32_projections(x)
 
         sel = sel_valid = sel_raw = None
         if self.indexer is not None:
             ix = self.indexer
-            ientry, icomplete = ix.compressor.decode(x, positions, rope, iproj_c)
+            ientry, icomplete = ix.compressor.decode(x, step, self.rope_kind, iproj_c)
             packed = ix.packed_decode()
             if packed and _fused_key_store(ientry):
                 ops.indexer_store_keys(ientry, positions=positions, ratio=m, kv_cache=ix.kv_cache,
@@ -302,7 +301,7 @@ class Attention(nn.Module):
             iq = ix.queries(qr, cs.unsqueeze(-3), iproj)
             k = min(ix.index_topk, self.n_entries)
             if packed:
-                sel_raw = sel = ix.select(iq, x, visible_entries(rope, positions, m), k, wproj)
+                sel_raw = sel = ix.select(iq, x, step.visible(m), k, wproj)
                 sel_valid = sel >= 0
                 sel = sel.clamp(min=0).long()
             else:
@@ -315,7 +314,7 @@ class Attention(nn.Module):
         if kv is not None:  # else stored by _qkv
             self.kv_cache.index_put_((rows, positions % W), kv)
         if self.compressor is not None:
-            entry, complete = self.compressor.decode(x, positions, rope, cproj, (positions, self.kv_cache, W))
+            entry, complete = self.compressor.decode(x, step, self.rope_kind, cproj, (positions, self.kv_cache, W))
             if entry is not None:
                 self._write_entry(self.kv_cache, W, positions, entry, complete)
 
@@ -323,9 +322,9 @@ class Attention(nn.Module):
         if _fused_decode_attention(B, listed, q) and q.dtype == self.kv_cache.dtype:
             idx2, idx2_offset = None, 0  # the indexer's top-k after the window rows, as the op's second row list
             if sel is None:  # the same rows for every layer of this kind and shape: once per step
-                rows = self._shared_rows(rope, positions, (W, m, self.n_entries))
+                rows = self._shared_rows(step, (W, m, self.n_entries))
             elif sel_raw is not None and _fused_sel_rows():
-                rows, idx2, idx2_offset = self._shared_rows(rope, positions, (W, 0, 0)), sel_raw, W
+                rows, idx2, idx2_offset = self._shared_rows(step, (W, 0, 0)), sel_raw, W
             else:
                 rows = self._decode_rows(positions, sel, sel_valid)
             out_rope = self.rope_dim > 0 and self.rope_dim % 4 == 0 and fused_on("DSV4_FUSED_OUT_ROPE")
@@ -347,16 +346,10 @@ class Attention(nn.Module):
         o = self._attend(q.unsqueeze(1), keys, mask, qkeys, qmask).squeeze(1)
         return self._out(o, cs)
 
-    def _shared_rows(self, rope: dict, positions: torch.Tensor, key: tuple) -> torch.Tensor:
+    def _shared_rows(self, step: DecodeStep, key: tuple) -> torch.Tensor:
         """The attended rows of a layer without an indexer of this (window, ratio, entries) key (ratio 0: the window
-        alone), once per step and in the step's scratch buffer where there is one (read in place by every layer
-        of the key)."""
-        if key not in rope["attn_rows"]:
-            rows = self._decode_rows(positions, None, None, ratio=key[1])
-            buf = rope["attn_slots"].get(key)
-            rows = in_slot((buf, [key]) if buf is not None else None, key, rows)
-            rope["attn_rows"][key] = rows
-        return rope["attn_rows"][key]
+        alone), once per step and in the step's scratch buffer (read in place by every layer of the key)."""
+        return step.shared_rows(key, lambda: self._decode_rows(step.positions, None, None, ratio=key[1]))
 
     def _decode_rows(self, positions: torch.Tensor, sel: torch.Tensor | None,
                      sel_valid: torch.Tensor | None, ratio: int | None = None) -> torch.Tensor:

@@ -13,7 +13,7 @@ from dsv4_ops import ops
 from .config import ModelConfig
 from .layers import Linear, RMSNorm, apply_rope, fp32_linear, fused_on
 from .quant_sim import indexer_fake_quant, kv_fake_quant
-from .step_values import rope_rows
+from .step_values import DecodeStep
 
 
 def _fused_compressor() -> bool:
@@ -169,16 +169,17 @@ class Compressor(nn.Module):
         cs = rope[torch.arange(n, device=x.device) * m]
         return self._finish(pooled, cs, x.dtype)
 
-    def decode(self, x: torch.Tensor, positions: torch.Tensor, rope: dict,
+    def decode(self, x: torch.Tensor, step: DecodeStep, rope_kind: str,
                proj: tuple[torch.Tensor, torch.Tensor] | None = None, store=None):
-        """x [B, dim] = token at positions[b]; rope: the step's decode_rope. Updates state rows [:B]; returns
+        """x [B, dim] = token at the step's positions[b]; rope_kind: the RoPE table of its layer. Updates state rows
+        [:B]; returns
         (entry [B, Dc] for window positions//m, complete [B] bool: whether that window closed at this token). proj:
         (wkv(x), wgate(x)) if already computed (Attention runs both compressors' projections in one launch).
         store: (positions, cache, offset): entry is None when it was written into cache already (_finish)."""
-        B = x.shape[0]
+        B, positions = x.shape[0], step.positions
         m, hd = self.ratio, self.head_dim
         kv, score = self._project(x) if proj is None else proj
-        cs = rope_rows(rope, positions, m)
+        cs = step.cs(rope_kind, m)
         complete = (positions + 1) % m == 0
         if _fused_compressor():
             # the op rounds the pooling to x's dtype itself (_finish's .to(dtype) is then no kernel)

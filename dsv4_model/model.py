@@ -36,7 +36,7 @@ from .attention import Attention
 from .checks import check_max_seq_len, check_positive_int
 from .compressor import Compressor
 from .indexer import Indexer
-from .step_values import decode_rope, rope_rows
+from .step_values import DecodeStep
 from .config import ModelConfig
 from .layers import Linear, RMSNorm, fused_on, hc_head, hc_post, hc_pre, rope_inv_freq, rope_table
 from .moe import MoE
@@ -118,14 +118,14 @@ class Block(nn.Module):
             h = hc_post(pending.out, h, pending.post, pending.comb)
         return (h, *self._pre_normed(h, site, norm))
 
-    def decode(self, h: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, rope: dict,
-               pending: "Pending | None" = None, fold_rows: bool = False) -> "tuple[torch.Tensor, Pending]":
+    def decode(self, h: torch.Tensor, ids: torch.Tensor, step: DecodeStep, pending: "Pending | None" = None,
+               fold_rows: bool = False) -> "tuple[torch.Tensor, Pending]":
         """One token per row. pending: the previous block's ffn output not yet folded into the streams h (its
         hc_post runs fused with this block's first hc_pre); returns (h, pending) the same way. fold_rows: the
         next block's hc_post_pre can sum an NVFP4 MoE's expert rows, so they go to it uncombined (one combine
         kernel less per layer; the Transformer decides)."""
         h, x, post, comb = self._post_pre_normed(h, pending, "attn", self.attn_norm)
-        out = self.attn.decode(x, positions, rope[self.attn.rope_kind])
+        out = self.attn.decode(x, step)
         h, x, post, comb = self._post_pre_normed(h, Pending(out, post, comb), "ffn", self.ffn_norm)
         if fold_rows:
             rows = self.ffn.decode_rows(x, ids)
@@ -334,21 +334,16 @@ class Transformer(nn.Module):
         """One token per row: tokens [B] at positions [B] (device tensors; B <= max_batch_size) -> fp32 [B, V].
 
         Static shapes, no host syncs: safe for torch.compile(fullgraph=True) and CUDA graphs."""
-        nvis = (self.n_vis_rows, self.vis_ratios)
-        attn = {key: getattr(self, f"attn_rows_{i}") for i, key in enumerate(self.attn_row_keys)}
-        rope = {kind: decode_rope(table, (getattr(self, f"rope_rows_{kind}"), self.rope_offsets[kind]), nvis, attn)
-                for kind, table in self._rope().items()}  # rows shared by the layers
-        # Every RoPE slot is written before any layer reads the buffer: a slot written after a read of another one
-        # (the first HCA layer's, after the CSA layers') reached its reader as a fresh copy (one kernel per step).
-        for kind, r in rope.items():
-            for m in self.rope_offsets[kind]:
-                rope_rows(r, positions, m)
+        step = DecodeStep(positions, self._rope(),
+                          {kind: (getattr(self, f"rope_rows_{kind}"), ms) for kind, ms in self.rope_offsets.items()},
+                          (self.n_vis_rows, self.vis_ratios),
+                          {key: (getattr(self, f"attn_rows_{i}"), [key]) for i, key in enumerate(self.attn_row_keys)})
         h = self.embed(tokens).unsqueeze(1).repeat(1, self.hc, 1)
         pending = None
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
             fold = nxt is not None and _fused_moe_rows() and nxt._fuses_post("attn", torch.bfloat16, h.dtype)
-            h, pending = layer.decode(h, tokens, positions, rope, pending, fold_rows=fold)
+            h, pending = layer.decode(h, tokens, step, pending, fold_rows=fold)
         return self._logits(hc_post(pending.out, h, pending.post, pending.comb))
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:

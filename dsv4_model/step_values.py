@@ -1,29 +1,23 @@
-"""Values a decode step computes once and every layer reads: the RoPE rows of the step's positions (per table and
-window offset), the attended rows of the layers without an indexer, the indexers' visible-entry counts.
+"""What a decode step computes once and every layer reads (`DecodeStep`): the RoPE rows of the step's positions
+(per table and window offset), the indexers' visible-entry counts, the attended rows of the layers without an
+indexer.
 
 Each goes into a small model buffer (Transformer.setup_runtime, `scratch_buffer_names`) that the layers' ops read
 in place: a plain tensor would be recomputed by Inductor into a fresh copy for every custom op that reads it (one
-kernel per layer and use)."""
+kernel per layer and use). The RoPE rows are all written when the step is built, before any layer reads the
+buffer: a slot written after a read of another one reached its reader as a fresh copy too. The other two are
+computed on first use (a model may not need them: an indexer that scores unpacked keys needs no visible count)."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-
-def decode_rope(table: torch.Tensor, slots: tuple[torch.Tensor, list[int]] | None = None,
-                nvis_slots: tuple[torch.Tensor, list[int]] | None = None, attn_slots: dict | None = None) -> dict:
-    """A decode step's view of one RoPE table: the rows it reads, gathered once per step and offset and shared
-    by every layer using the table (one gather kernel per step instead of one per layer and use), the step's
-    attended row list of the layers without an indexer, and the visible compressed entries per ratio. slots:
-    (buffer [n, max_batch, rope_dim / 2, 2], the offsets m of its n slots): rows of those offsets are written
-    there (see Transformer.setup_runtime for why); nvis_slots: (int64 buffer [n, max_batch], the ratios) the
-    same for visible_entries; attn_slots: {(window, ratio, entries): int32 buffer [1, max_batch, J]} the same
-    for the attended rows."""
-    return {"table": table, "rows": {}, "attn_rows": {}, "slots": slots, "n_vis": {}, "nvis_slots": nvis_slots,
-            "attn_slots": attn_slots or {}}
+Slots = tuple[torch.Tensor, list]  # (scratch buffer [n, max_batch, ...], the key of each of its n slots)
 
 
-def in_slot(slots, key, value: torch.Tensor) -> torch.Tensor:
+def in_slot(slots: Slots | None, key, value: torch.Tensor) -> torch.Tensor:
     """value written into its slot of a step's scratch buffer (and that slot returned), where there is one."""
     if slots is None or key not in slots[1] or slots[0].dtype != value.dtype:
         return value
@@ -32,19 +26,42 @@ def in_slot(slots, key, value: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rope_rows(rope: dict, positions: torch.Tensor, m: int = 1) -> torch.Tensor:
-    """table[(positions + 1 - m).clamp(min=0)]: the token's own row (m = 1) or the first row of the m-token window
-    it closes; cached in the step's rope dict (the positions are the step's)."""
-    rows = rope["rows"]
-    if m not in rows:
-        rows[m] = in_slot(rope.get("slots"), m, rope["table"][(positions + 1 - m).clamp(min=0)])
-    return rows[m]
+class DecodeStep:
+    """One decode step's shared values, built by Transformer.decode_step and handed to every layer.
 
+    positions [B] int64: each row's position. tables: {kind: RoPE table [max_seq_len, rope_dim / 2, 2]}; rope_slots:
+    {kind: (buffer, offsets m)}; nvis_slots: (buffer, ratios); attn_slots: {(window, ratio, entries): (buffer,
+    [key])}."""
 
-def visible_entries(rope: dict, positions: torch.Tensor, m: int) -> torch.Tensor:
-    """(positions + 1) // m, the compressed entries a decode token sees; once per step and ratio (in the step's
-    scratch slot where there is one: a plain value would be recomputed by Inductor for each op reading it)."""
-    vis = rope["n_vis"]
-    if m not in vis:
-        vis[m] = in_slot(rope.get("nvis_slots"), m, (positions + 1) // m)
-    return vis[m]
+    def __init__(self, positions: torch.Tensor, tables: dict[str, torch.Tensor], rope_slots: dict[str, Slots],
+                 nvis_slots: Slots | None, attn_slots: dict[tuple, Slots]):
+        self.positions = positions
+        self._tables = tables
+        self._nvis_slots, self._attn_slots = nvis_slots, attn_slots
+        self._rope = {kind: {m: in_slot(slots, m, self._gather(tables[kind], m)) for m in slots[1]}
+                      for kind, slots in rope_slots.items()}
+        self._visible: dict[int, torch.Tensor] = {}
+        self._rows: dict[tuple, torch.Tensor] = {}
+
+    def _gather(self, table: torch.Tensor, m: int) -> torch.Tensor:
+        return table[(self.positions + 1 - m).clamp(min=0)]
+
+    def cs(self, kind: str, m: int = 1) -> torch.Tensor:
+        """table[(positions + 1 - m).clamp(min=0)] of RoPE table `kind`: the token's own row (m = 1) or the first
+        row of the m-token window it closes."""
+        rows = self._rope[kind]
+        if m not in rows:  # an offset without a scratch slot
+            rows[m] = self._gather(self._tables[kind], m)
+        return rows[m]
+
+    def visible(self, m: int) -> torch.Tensor:
+        """(positions + 1) // m: the compressed entries of ratio m a decode token sees."""
+        if m not in self._visible:
+            self._visible[m] = in_slot(self._nvis_slots, m, (self.positions + 1) // m)
+        return self._visible[m]
+
+    def shared_rows(self, key: tuple, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The attended row list of key (window, ratio, entries), computed by the first layer that asks."""
+        if key not in self._rows:
+            self._rows[key] = in_slot(self._attn_slots.get(key), key, compute())
+        return self._rows[key]

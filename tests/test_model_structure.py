@@ -136,8 +136,9 @@ def test_decode_shares_per_step_values_across_layers(monkeypatch):
     monkeypatch.setenv("DSV4_DECODE_ATTENTION", "fused")
     pos = torch.full((2,), 9)
     shared = m.decode_step(ids[:, 0], pos)
-    # SWA (0) and HCA (16) once each for their two layers; CSA (4) in its layer (its rows hold its own top-k)
-    assert sorted(calls) == [0, 4, 16]
+    # SWA (0) and HCA (16) once each for their two layers; the CSA layer passes the SWA layers' window rows
+    # (the same (window, 0, 0) key) beside its own top-k
+    assert sorted(calls) == [0, 16]
     # the shared values sit in the step's scratch buffers, which those layers read in place
     assert m.attn_row_keys == [(cfg.window_size, 0, 0), (cfg.window_size, 16, 256 // 16)]
     for i, key in enumerate(m.attn_row_keys):
@@ -150,10 +151,11 @@ def test_decode_shares_per_step_values_across_layers(monkeypatch):
             want = table[(pos + 1 - off).clamp(min=0)]
             assert torch.equal(getattr(m, f"rope_rows_{kind}")[i, :2], want), (kind, off)
 
-    from dsv4_model import model as model_mod
+    from dsv4_model.step_values import DecodeStep, in_slot
 
     # every layer computes its own
-    monkeypatch.setattr(model_mod, "decode_rope", lambda table, *slots: _NoCache(table, *slots))
+    monkeypatch.setattr(DecodeStep, "shared_rows",
+                        lambda self, key, compute: in_slot(self._attn_slots.get(key), key, compute()))
     m2 = Transformer(cfg, max_batch_size=2, max_seq_len=256, dtype=torch.float32, device="cpu")
     m2.init_random_weights(2)
     m2.prefill(ids)
@@ -166,34 +168,19 @@ def test_decode_shares_per_step_values_across_layers(monkeypatch):
 def test_decode_writes_every_rope_slot_before_the_layers(monkeypatch):
     """A RoPE slot written after a layer read the buffer (the first HCA layer's, after the CSA layers') reached
     its reader as a fresh copy under Inductor: decode_step writes every slot first."""
-    from dsv4_model import model as model_mod
     from dsv4_model.checkpoint_writer import TINY_CONFIG
     from dsv4_model.config import ModelConfig
+    from dsv4_model.step_values import DecodeStep
 
     cfg = ModelConfig(**{**TINY_CONFIG, "n_mtp_layers": 0, "n_layers": 3, "compress_ratios": [4, 16, 4]}).validate()
     m = Transformer(cfg, max_batch_size=1, max_seq_len=64, dtype=torch.float32, device="cpu").init_random_weights(0)
     m.prefill(torch.randint(0, cfg.vocab_size, (1, 9)))
     events = []
-    real_rows, real_decode = model_mod.rope_rows, type(m.layers[0]).decode
-    monkeypatch.setattr(model_mod, "rope_rows", lambda r, p, k=1: events.append(("slot", k)) or real_rows(r, p, k))
+    real_gather, real_decode = DecodeStep._gather, type(m.layers[0]).decode
+    monkeypatch.setattr(DecodeStep, "_gather", lambda s, t, k: events.append(("slot", k)) or real_gather(s, t, k))
     monkeypatch.setattr(type(m.layers[0]), "decode",
                         lambda *a, **k: events.append(("layer",)) or real_decode(*a, **k))
     m.decode_step(torch.tensor([3]), torch.tensor([9]))
     first_layer = events.index(("layer",))
     written = sorted(k for e in events[:first_layer] for k in e[1:])
     assert written == sorted(k for ms in m.rope_offsets.values() for k in ms), events
-
-
-class _NoCache(dict):
-    """A decode_rope dict whose per-step caches forget every value (each layer recomputes)."""
-
-    def __init__(self, table, slots, nvis_slots=None, attn_slots=None):
-        super().__init__(table=table, rows=_Forget(), attn_rows=_Forget(), slots=slots, n_vis=_Forget(),
-                         nvis_slots=nvis_slots, attn_slots=attn_slots or {})
-
-
-class _Forget(dict):
-    """Never reports a key as present: each layer computes and stores its own value."""
-
-    def __contains__(self, key):
-        return False
