@@ -34,6 +34,7 @@ import dsv4_ops  # noqa: E402,F401
 from dsv4_model.compressor import Compressor  # noqa: E402
 from dsv4_model.checkpoint_writer import TINY_CONFIG  # noqa: E402
 from dsv4_model.compiled import DecodeRunner  # noqa: E402
+from dsv4_model.decode_options import DecodeOptions  # noqa: E402
 from dsv4_model.config import ModelConfig  # noqa: E402
 from dsv4_model.model import Transformer  # noqa: E402
 from dsv4_model.quantize_model import quantize_model_  # noqa: E402
@@ -163,7 +164,8 @@ def measure(ratios, args, device):
     KERNEL_US.clear()
     cfg = config(ratios, args.micro, args.experts)
     model = build(cfg, device, args.prompt + REPEATS * args.steps + 64)  # room for every decoded position
-    runner = DecodeRunner(model, compile=args.compile, cuda_graphs=device == "cuda", graph_mode="manual")
+    runner = DecodeRunner(model, compile=args.compile, cuda_graphs=device == "cuda", graph_mode="manual",
+                          step_options=DecodeOptions.parse(args.decode_options))
     g = torch.Generator(device=device).manual_seed(0)
     prompt = torch.randint(2, cfg.vocab_size, (1, args.prompt), device=device, generator=g)
     start(runner, model, prompt)
@@ -187,6 +189,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--micro", action="store_true", help="tiny widths (a dry run of the method)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--decode-options", default="", help='debug overrides, e.g. "norm_rope=0,hc_pre=0"')
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_layer: needs a CUDA GPU (skipped; --device cpu --micro dry-runs the method)")

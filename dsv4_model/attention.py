@@ -17,60 +17,20 @@ decode step shares between layers (dsv4_model.step_values) live in their own mod
 
 from __future__ import annotations
 
-import os
 
 import torch
 from torch import nn
 
 from dsv4_ops import ops
 
-from .compressor import Compressor, _fused_norm_rope, _fused_store
+from . import decode_options as fused
+from .compressor import Compressor
+from .decode_options import DEFAULT, DecodeOptions
 from .config import ModelConfig
 from .indexer import Indexer, topk_indices
-from .layers import Linear, RMSNorm, apply_rope, fp32_linear, fused_on, unweighted_rms_norm
+from .layers import Linear, RMSNorm, apply_rope, fp32_linear, unweighted_rms_norm
 from .quant_sim import fp4_pack_indexer_keys, kv_fake_quant
 from .step_values import DecodeStep
-
-
-def _fused_sel_rows() -> bool:
-    """A CSA layer hands dsv4::sparse_attn_decode the step's window rows (shared by the layers) and its indexer's
-    top-k as they are (the op's idx2 at offset window) instead of a joined row list built per layer (an Inductor
-    kernel per CSA layer; DSV4_FUSED_SEL_ROWS=0: the joined list). Read when the step is traced."""
-    return fused_on("DSV4_FUSED_SEL_ROWS")
-
-
-def _fused_key_store(keys: torch.Tensor) -> bool:
-    """Decode writes a closed window's indexer key into the float and the packed FP4 caches with one
-    dsv4::indexer_store_keys call (instead of the packing kernels and three index_put kernels).
-    Where the op takes the shape, on unless DSV4_FUSED_KEY_STORE=0. Read when the step is traced."""
-    if keys.dtype not in (torch.bfloat16, torch.float32) or keys.shape[-1] not in (64, 128, 256, 512):
-        return False
-    return fused_on("DSV4_FUSED_KEY_STORE")
-
-
-# The op's CUDA partial kernels: tensor cores (bf16, head dim % 64 == 0, <= 512) beat the tensor-op form at
-# every measured size (H200, 64 heads x 512, bench_attn_decode.py: 640 rows at batch 1 / 8 / 32 15.4 / 26.0 /
-# 67.5 us vs 28.2 / 58.0 / 127.2 us). The CUDA-core kernel (fp32, or DSV4_ATTN_KERNEL=simt) wins only while
-# batch x listed rows <= FUSED_ATTN_MAX_ROWS (640 rows: 23.3 / 46.4 / 71.8 us at batch 1 / 4 / 8 vs 28.2 / 48.5 /
-# 58.0 us).
-FUSED_ATTN_MAX_ROWS = 4 * 640
-
-
-def _attn_tensor_cores(q: torch.Tensor) -> bool:
-    """Whether dsv4::sparse_attn_decode runs its tensor-core partial kernel for q (the CUDA binding's rule)."""
-    return (q.dtype == torch.bfloat16 and q.shape[-1] % 64 == 0 and q.shape[-1] <= 512
-            and os.environ.get("DSV4_ATTN_KERNEL", "") != "simt")
-
-
-def _fused_decode_attention(batch: int, rows: int, q: torch.Tensor) -> bool:
-    """Decode attends with dsv4::sparse_attn_decode (one op instead of a gather, two GEMMs per key set, masks and
-    a softmax) where it is faster: with its tensor-core kernel always, else while batch * rows <=
-    FUSED_ATTN_MAX_ROWS. DSV4_DECODE_ATTENTION=torch keeps the tensor-op form (_attend), =fused the op at every
-    size; read when the step is traced (shapes are static there)."""
-    mode = os.environ.get("DSV4_DECODE_ATTENTION", "auto")
-    if mode == "torch":
-        return False
-    return mode == "fused" or _attn_tensor_cores(q) or batch * rows <= FUSED_ATTN_MAX_ROWS
 
 
 def _w4a16(mod: nn.Module) -> bool:
@@ -121,12 +81,12 @@ class Attention(nn.Module):
 
     # ------------------------------------------------------------------ shared pieces
     def _qkv(self, x: torch.Tensor, cs: torch.Tensor, index_proj: bool = False,
-             positions: torch.Tensor | None = None):
+             positions: torch.Tensor | None = None, opts: DecodeOptions = DEFAULT):
         """x [..., dim] -> (qr [..., q_lora], q [..., H, D], kv [..., D], iproj); cs: rope rows for x's positions.
         iproj: the indexer's wq_b(qr) when index_proj and it ran in the same launch as wq_b (else None).
         positions (decode): kv may go straight into the window of kv_cache at positions % window (then None)."""
         qa, kva = self._x_projections(x)
-        if qa.dim() == 2 and _fused_norm_rope(qa, 0):  # decode: a dsv4 kernel (PDL) instead of Inductor's reduction
+        if qa.dim() == 2 and fused.norm_rope(opts, qa, 0):  # decode: a dsv4 kernel (PDL) instead of Inductor's reduction
             cs0 = qa.new_empty((qa.shape[0], 0, 2), dtype=torch.float32)
             qr = ops.rms_norm_rope(qa.unsqueeze(1), weight=self.q_norm.weight, cs=cs0, eps=self.q_norm.eps,
                                    rope_dim=0, fp8_nope=False).squeeze(1)
@@ -134,9 +94,9 @@ class Attention(nn.Module):
             qr = self.q_norm(qa)
         qb, iproj = self._qr_projections(qr, index_proj)
         q = qb.unflatten(-1, (self.n_heads, self.head_dim))
-        if q.dim() == 3 and _fused_norm_rope(q, self.rope_dim):  # decode: x [B, dim], cs [B, rope_dim / 2, 2]
+        if q.dim() == 3 and fused.norm_rope(opts, q, self.rope_dim):  # decode: x [B, dim], cs [B, rope_dim / 2, 2]
             q = ops.rms_norm_rope(q, weight=None, cs=cs, eps=self.eps, rope_dim=self.rope_dim, fp8_nope=False)
-            if positions is not None and _fused_store(kva, self.kv_cache):
+            if positions is not None and fused.norm_rope_store(opts, kva, self.kv_cache):
                 ops.rms_norm_rope_store(kva, weight=self.kv_norm.weight, cs=cs, eps=self.kv_norm.eps,
                                         rope_dim=self.rope_dim, fp8_nope=self.simulate_quant, positions=positions,
                                         ratio=0, offset=0, slots=self.window, cache=self.kv_cache)
@@ -281,7 +241,8 @@ class Attention(nn.Module):
         W, m, dev = self.window, self.ratio, x.device
         rows = torch.arange(B, device=dev)
         cs = step.cs(self.rope_kind)
-        qr, q, kv, iproj = self._qkv(x, cs, index_proj=True, positions=positions)
+        opts = step.options
+        qr, q, kv, iproj = self._qkv(x, cs, index_proj=True, positions=positions, opts=opts)
         cproj, iproj_c, wproj = self._fp32_projections(x)
 
         sel = sel_valid = sel_raw = None
@@ -289,7 +250,7 @@ class Attention(nn.Module):
             ix = self.indexer
             ientry, icomplete = ix.compressor.decode(x, step, self.rope_kind, iproj_c)
             packed = ix.packed_decode()
-            if packed and _fused_key_store(ientry):
+            if packed and fused.key_store(opts, ientry):
                 ops.indexer_store_keys(ientry, positions=positions, ratio=m, kv_cache=ix.kv_cache,
                                        k_codes=ix.k_codes, k_scales=ix.k_scales)
             else:
@@ -298,7 +259,7 @@ class Attention(nn.Module):
                     codes, scales = fp4_pack_indexer_keys(ientry)
                     self._write_entry(ix.k_codes, 0, positions, codes, icomplete)
                     self._write_entry(ix.k_scales, 0, positions, scales, icomplete)
-            iq = ix.queries(qr, cs.unsqueeze(-3), iproj)
+            iq = ix.queries(qr, cs.unsqueeze(-3), iproj, opts)
             k = min(ix.index_topk, self.n_entries)
             if packed:
                 sel_raw = sel = ix.select(iq, x, step.visible(m), k, wproj)
@@ -319,15 +280,15 @@ class Attention(nn.Module):
                 self._write_entry(self.kv_cache, W, positions, entry, complete)
 
         listed = W + (sel.shape[1] if sel is not None else self.n_entries if self.ratio else 0)
-        if _fused_decode_attention(B, listed, q) and q.dtype == self.kv_cache.dtype:
+        if fused.decode_attention(opts, B, listed, q) and q.dtype == self.kv_cache.dtype:
             idx2, idx2_offset = None, 0  # the indexer's top-k after the window rows, as the op's second row list
             if sel is None:  # the same rows for every layer of this kind and shape: once per step
                 rows = self._shared_rows(step, (W, m, self.n_entries))
-            elif sel_raw is not None and _fused_sel_rows():
+            elif sel_raw is not None and opts.sel_rows:
                 rows, idx2, idx2_offset = self._shared_rows(step, (W, 0, 0)), sel_raw, W
             else:
                 rows = self._decode_rows(positions, sel, sel_valid)
-            out_rope = self.rope_dim > 0 and self.rope_dim % 4 == 0 and fused_on("DSV4_FUSED_OUT_ROPE")
+            out_rope = self.rope_dim > 0 and self.rope_dim % 4 == 0 and opts.out_rope
             # with out_rope the output's inverse RoPE runs in the op's combine kernel (one kernel less)
             o = ops.sparse_attn_decode(q, self.kv_cache[:B], rows, sink=self.attn_sink, scale=self.softmax_scale,
                                        out_rope=cs if out_rope else None, rope_dim=self.rope_dim if out_rope else 0,

@@ -28,6 +28,7 @@ import torch
 
 from dsv4_ops import ops
 
+from .decode_options import DecodeOptions
 from .sampling import SamplerBuffers, SamplingParams
 
 GRAPH_MODES = ("manual", "reduce-overhead")
@@ -71,6 +72,8 @@ class DecodeRunner:
     graph_mode: "manual" (default) or "reduce-overhead" (implies compile).
     compile_backend: torch.compile backend ("inductor"; tests on CPU may use "aot_eager").
     log: called with one line of progress while a bucket compiles / captures (the CLI prints it on stderr).
+    step_options: how the decode step is built (dsv4_model.decode_options.DecodeOptions; the defaults are the
+    shipped path, the rest debug overrides), fixed for the runner's lifetime.
 
     Use: `prepare(B)` (compiles / captures; scribbles on cache rows [:bucket], so call it BEFORE prefill),
     prefill, `begin(positions, params)`, `sample_first(prefill_logits)`, then `step()` per token.
@@ -78,9 +81,12 @@ class DecodeRunner:
 
     def __init__(self, model, *, compile: bool | None = None, cuda_graphs: bool | None = None,
                  graph_mode: str = "manual", compile_backend: str = "inductor",
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, step_options: DecodeOptions | None = None):
         self.model = model
         self.log = log
+        self.step_options = step_options if step_options is not None else DecodeOptions()
+        if not isinstance(self.step_options, DecodeOptions):
+            raise TypeError(f"step_options must be a DecodeOptions, got {type(self.step_options).__name__}")
         self.options: dict = {}  # the options it was built from (set by generate.get_runner)
         self.device = model.device
         on_cuda = self.device.type == "cuda"
@@ -131,7 +137,7 @@ class DecodeRunner:
 
     # ------------------------------------------------------------------ the step
     def _step_impl(self, tokens, positions, temperature, top_k, top_p, seed, offset):
-        logits = self.model.decode_step(tokens, positions)
+        logits = self.model.decode_step(tokens, positions, self.step_options)
         nxt = ops.sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, offset=offset)
         tokens.copy_(nxt)
         positions.add_(1)

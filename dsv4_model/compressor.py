@@ -11,44 +11,11 @@ from torch import nn
 from dsv4_ops import ops
 
 from .config import ModelConfig
-from .layers import Linear, RMSNorm, apply_rope, fp32_linear, fused_on
+from . import decode_options as fused
+from .decode_options import DEFAULT, DecodeOptions
+from .layers import Linear, RMSNorm, apply_rope, fp32_linear
 from .quant_sim import indexer_fake_quant, kv_fake_quant
 from .step_values import DecodeStep
-
-
-def _fused_compressor() -> bool:
-    """Decode updates a compressor's state and pools its window with one dsv4::compressor_decode call (one
-    launch instead of ~6 kernels). On unless DSV4_FUSED_COMPRESSOR=0. Read when the step is
-    traced."""
-    return fused_on("DSV4_FUSED_COMPRESSOR")
-
-
-def _fused_hadamard(x: torch.Tensor) -> bool:
-    """Decode's indexer queries (RoPE + Hadamard + FP4) and keys (Hadamard + FP4) as one dsv4::hadamard_fp4 call
-    each, instead of a RoPE kernel, an fp32 GEMM with its reduction and two FP4 kernels. Same bits as the tensor
-    ops (quant_sim.hadamard_rotate is the same butterfly). Where the op takes the shape, on unless
-    DSV4_FUSED_HADAMARD=0. Read when the step is traced."""
-    d = x.shape[-1]
-    if x.dtype not in (torch.bfloat16, torch.float32) or d not in (64, 128, 256):
-        return False
-    return fused_on("DSV4_FUSED_HADAMARD")
-
-
-def _fused_norm_rope(x: torch.Tensor, rope_dim: int) -> bool:
-    """Decode normalises and rotates q / kv / compressed entries [B, H, D] with one dsv4::rms_norm_rope call
-    (with the simulated FP8 rounding of kv) instead of 2-3 Inductor kernels each. Where the op takes the
-    shape, on unless DSV4_FUSED_NORM_ROPE=0. Read when the step is traced."""
-    d = x.shape[-1]
-    if x.dtype not in (torch.bfloat16, torch.float32) or d % 4 or rope_dim % 4 or d > 4096:
-        return False
-    return fused_on("DSV4_FUSED_NORM_ROPE")
-
-
-def _fused_store(x: torch.Tensor, cache: torch.Tensor) -> bool:
-    """Decode writes its normalised kv / compressed entry straight into the attention cache with
-    dsv4::rms_norm_rope_store (the index_put kernels and the read of the old entry go). Where the op takes the
-    cache, on unless DSV4_FUSED_NORM_ROPE_STORE=0. Read when the step is traced."""
-    return cache.dtype == x.dtype and cache.is_contiguous() and fused_on("DSV4_FUSED_NORM_ROPE_STORE")
 
 
 class Compressor(nn.Module):
@@ -96,16 +63,17 @@ class Compressor(nn.Module):
         self.kv_state.zero_()
         self.score_state.fill_(float("-inf"))
 
-    def _finish(self, pooled: torch.Tensor, cs: torch.Tensor, dtype: torch.dtype, store=None) -> torch.Tensor | None:
+    def _finish(self, pooled: torch.Tensor, cs: torch.Tensor, dtype: torch.dtype, store=None,
+                opts: DecodeOptions = DEFAULT) -> torch.Tensor | None:
         """Pooled entries -> cache entries: RMSNorm, RoPE, and the simulated FP8 (KV) or Hadamard + FP4 (indexer
         keys) rounding; at decode (one entry per row) through the fused ops where they are on. store: (positions,
         cache, offset) at decode: the entry is written into cache where its window closed (returns None) when the
         fused op can; else returned for the caller to write."""
         decode, x = pooled.dim() == 2, pooled.to(dtype)
-        if decode and _fused_norm_rope(x, self.rope_dim):
+        if decode and fused.norm_rope(opts, x, self.rope_dim):
             fp8 = self.simulate_quant and not self.rotate
             index_keys = self.simulate_quant and self.rotate  # then the Hadamard + FP4 rounding follows
-            if not index_keys and store is not None and _fused_store(x, store[1]):
+            if not index_keys and store is not None and fused.norm_rope_store(opts, x, store[1]):
                 positions, cache, offset = store
                 ops.rms_norm_rope_store(x, weight=self.norm.weight, cs=cs, eps=self.norm.eps, rope_dim=self.rope_dim,
                                         fp8_nope=fp8, positions=positions, ratio=self.ratio, offset=offset,
@@ -121,7 +89,7 @@ class Compressor(nn.Module):
                 return kv
             if not self.rotate:
                 return kv_fake_quant(kv, self.rope_dim)
-        if decode and _fused_hadamard(kv):
+        if decode and fused.hadamard(opts, kv):
             return ops.hadamard_fp4(kv.unsqueeze(1), cs=None, rope_dim=0).squeeze(1)
         return indexer_fake_quant(kv)
 
@@ -181,13 +149,13 @@ class Compressor(nn.Module):
         kv, score = self._project(x) if proj is None else proj
         cs = step.cs(rope_kind, m)
         complete = (positions + 1) % m == 0
-        if _fused_compressor():
+        if step.options.compressor:
             # the op rounds the pooling to x's dtype itself (_finish's .to(dtype) is then no kernel)
             dt = x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
             pooled = torch.empty(B, hd, dtype=dt, device=x.device)
             ops.compressor_decode(kv, score, ape=self.ape, positions=positions, kv_state=self.kv_state,
                                   score_state=self.score_state, pooled=pooled)
-            return self._finish(pooled, cs, x.dtype, store), complete
+            return self._finish(pooled, cs, x.dtype, store, step.options), complete
         rows = torch.arange(B, device=x.device)
         score = score + self.ape[positions % m]
         slot = (self.coff - 1) * m + positions % m
@@ -204,4 +172,4 @@ class Compressor(nn.Module):
             self.score_state[:B, :m] = new_prev_sc
         else:
             pooled = (self.kv_state[:B] * self.score_state[:B].softmax(dim=1)).sum(dim=1)
-        return self._finish(pooled, cs, x.dtype, store), complete
+        return self._finish(pooled, cs, x.dtype, store, step.options), complete

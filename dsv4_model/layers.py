@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -25,12 +24,6 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, dtype={self.weight.dtype}"
-
-
-def fused_on(env: str) -> bool:
-    """A fused decode op's switch: on unless env=0 (the steps it replaces run instead; for comparisons and
-    bisecting). Read when the step is traced."""
-    return os.environ.get(env, "1") != "0"
 
 
 class RMSNorm(nn.Module):

@@ -36,9 +36,10 @@ from .attention import Attention
 from .checks import check_max_seq_len, check_positive_int
 from .compressor import Compressor
 from .indexer import Indexer
+from .decode_options import DEFAULT as DEFAULT_OPTIONS, DecodeOptions
 from .step_values import DecodeStep
 from .config import ModelConfig
-from .layers import Linear, RMSNorm, fused_on, hc_head, hc_post, hc_pre, rope_inv_freq, rope_table
+from .layers import Linear, RMSNorm, hc_head, hc_post, hc_pre, rope_inv_freq, rope_table
 from .moe import MoE
 
 
@@ -88,27 +89,29 @@ class Block(nn.Module):
         x, post, comb = self._pre(h, "ffn")
         return hc_post(self.ffn(self.ffn_norm(x), ids, static=False), h, post, comb)
 
-    def _pre_normed(self, h: torch.Tensor, site: str, norm: RMSNorm):
-        """_pre, then the sublayer's norm: at decode one dsv4::hc_pre call where _fused_hc allows it."""
+    def _pre_normed(self, h: torch.Tensor, site: str, norm: RMSNorm, opts: DecodeOptions):
+        """_pre, then the sublayer's norm: at decode one dsv4::hc_pre call (unless opts say otherwise)."""
         fn = getattr(self, f"hc_{site}_fn")
-        if not torch.is_grad_enabled() and _fused_hc() and fn.dtype in (torch.float32, torch.bfloat16):
+        if not torch.is_grad_enabled() and opts.hc_pre and fn.dtype in (torch.float32, torch.bfloat16):
             return ops.hc_pre(h, fn=fn, scale=getattr(self, f"hc_{site}_scale").float(),
                               base=getattr(self, f"hc_{site}_base").float(), norm_weight=norm.weight.float(),
                               iters=self.iters, hc_eps=self.hc_eps, norm_eps=self.norm_eps, out_eps=norm.eps)
         x, post, comb = self._pre(h, site)
         return norm(x), post, comb
 
-    def _fuses_post(self, site: str, out_dtype: torch.dtype, h_dtype: torch.dtype) -> bool:
+    def fuses_post(self, site: str, out_dtype: torch.dtype, h_dtype: torch.dtype, opts: DecodeOptions) -> bool:
         """Whether _post_pre_normed folds a sublayer output of out_dtype into streams of h_dtype with one
         dsv4::hc_post_pre call."""
-        return (not torch.is_grad_enabled() and _fused_hc() and _fused_hc_post() and out_dtype == h_dtype
+        return (not torch.is_grad_enabled() and opts.hc_pre and opts.hc_post_pre and out_dtype == h_dtype
                 and getattr(self, f"hc_{site}_fn").dtype in (torch.float32, torch.bfloat16))
 
-    def _post_pre_normed(self, h: torch.Tensor, pending: "Pending | None", site: str, norm: RMSNorm):
+    def _post_pre_normed(self, h: torch.Tensor, pending: "Pending | None", site: str, norm: RMSNorm,
+                         opts: DecodeOptions):
         """hc_post of pending (the previous sublayer's output, or None) into the streams h, then _pre_normed:
-        one dsv4::hc_post_pre call where _fused_hc_post allows it, and always for a MoE's uncombined expert rows
-        (which only that call can fold). Returns (h, x, post, comb)."""
-        if pending is not None and (pending.ids is not None or self._fuses_post(site, pending.out.dtype, h.dtype)):
+        one dsv4::hc_post_pre call where fuses_post, and always for a MoE's uncombined expert rows (which only
+        that call can fold). Returns (h, x, post, comb)."""
+        if pending is not None and (pending.ids is not None
+                                    or self.fuses_post(site, pending.out.dtype, h.dtype, opts)):
             return ops.hc_post_pre(pending.out, h, pending.post, pending.comb, fn=getattr(self, f"hc_{site}_fn"),
                                    scale=getattr(self, f"hc_{site}_scale").float(),
                                    base=getattr(self, f"hc_{site}_base").float(), norm_weight=norm.weight.float(),
@@ -116,7 +119,7 @@ class Block(nn.Module):
                                    out_ids=pending.ids, out_experts=pending.n_experts)
         if pending is not None:
             h = hc_post(pending.out, h, pending.post, pending.comb)
-        return (h, *self._pre_normed(h, site, norm))
+        return (h, *self._pre_normed(h, site, norm, opts))
 
     def decode(self, h: torch.Tensor, ids: torch.Tensor, step: DecodeStep, pending: "Pending | None" = None,
                fold_rows: bool = False) -> "tuple[torch.Tensor, Pending]":
@@ -124,9 +127,9 @@ class Block(nn.Module):
         hc_post runs fused with this block's first hc_pre); returns (h, pending) the same way. fold_rows: the
         next block's hc_post_pre can sum an NVFP4 MoE's expert rows, so they go to it uncombined (one combine
         kernel less per layer; the Transformer decides)."""
-        h, x, post, comb = self._post_pre_normed(h, pending, "attn", self.attn_norm)
+        h, x, post, comb = self._post_pre_normed(h, pending, "attn", self.attn_norm, step.options)
         out = self.attn.decode(x, step)
-        h, x, post, comb = self._post_pre_normed(h, Pending(out, post, comb), "ffn", self.ffn_norm)
+        h, x, post, comb = self._post_pre_normed(h, Pending(out, post, comb), "ffn", self.ffn_norm, step.options)
         if fold_rows:
             rows = self.ffn.decode_rows(x, ids)
             if rows is not None:
@@ -147,27 +150,6 @@ class MTPBlock(Block):
         self.hc_head_fn = _param(cfg.hc_mult, cfg.hc_mult * cfg.dim)
         self.hc_head_base = _param(cfg.hc_mult)
         self.hc_head_scale = _param(1)
-
-
-def _fused_hc() -> bool:
-    """Decode collapses the hc streams with dsv4::hc_pre (mixes, Sinkhorn, weighted sum and the sublayer's RMSNorm
-    in one op; on CUDA 2 launches instead of ~8 kernels, 1.5x faster on the H200). DSV4_FUSED_HC=0 keeps the
-    separate steps. Read when the step is traced."""
-    return fused_on("DSV4_FUSED_HC")
-
-
-def _fused_hc_post() -> bool:
-    """Decode folds each sublayer's output into the streams (hc_post) inside the next stream collapse, one
-    dsv4::hc_post_pre call instead of hc_post + hc_pre (one kernel less per sublayer). On unless
-    DSV4_FUSED_HC_POST=0. Read when the step is traced."""
-    return fused_on("DSV4_FUSED_HC_POST")
-
-
-def _fused_moe_rows() -> bool:
-    """Decode hands an NVFP4 MoE's uncombined expert rows (dsv4::nvfp4_moe_rows) to the next block's
-    dsv4::hc_post_pre, which sums them: the MoE's combine kernel goes (one kernel less per layer but the last).
-    On unless DSV4_FUSED_MOE_ROWS=0. Read when the step is traced."""
-    return fused_on("DSV4_FUSED_MOE_ROWS")
 
 
 def _param(*shape) -> nn.Parameter:
@@ -249,7 +231,7 @@ class Transformer(nn.Module):
         self.register_buffer("n_vis_rows", torch.zeros(max(len(self.vis_ratios), 1), self.max_batch_size,
                                                        dtype=torch.long, device=device), persistent=False)
         # ... and for the attended rows of the layers without an indexer, per (window, ratio, entries), and the
-        # window rows alone (window, 0, 0) that CSA layers may pass beside their top-k (DSV4_FUSED_SEL_ROWS)
+        # window rows alone (window, 0, 0) that CSA layers may pass beside their top-k (DecodeOptions.sel_rows)
         self.attn_row_keys = sorted({(a.window, a.ratio, a.n_entries) if a.indexer is None else (a.window, 0, 0)
                                      for a in self.modules() if isinstance(a, Attention)})
         for i, (w, r, n) in enumerate(self.attn_row_keys):
@@ -330,11 +312,13 @@ class Transformer(nn.Module):
         return self._logits(last)
 
     @torch.no_grad()
-    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor,
+                    options: DecodeOptions = DEFAULT_OPTIONS) -> torch.Tensor:
         """One token per row: tokens [B] at positions [B] (device tensors; B <= max_batch_size) -> fp32 [B, V].
+        options: how the step is built (dsv4_model.decode_options).
 
         Static shapes, no host syncs: safe for torch.compile(fullgraph=True) and CUDA graphs."""
-        step = DecodeStep(positions, self._rope(),
+        step = DecodeStep(positions, options, self._rope(),
                           {kind: (getattr(self, f"rope_rows_{kind}"), ms) for kind, ms in self.rope_offsets.items()},
                           (self.n_vis_rows, self.vis_ratios),
                           {key: (getattr(self, f"attn_rows_{i}"), [key]) for i, key in enumerate(self.attn_row_keys)})
@@ -342,7 +326,7 @@ class Transformer(nn.Module):
         pending = None
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            fold = nxt is not None and _fused_moe_rows() and nxt._fuses_post("attn", torch.bfloat16, h.dtype)
+            fold = nxt is not None and options.moe_rows and nxt.fuses_post("attn", torch.bfloat16, h.dtype, options)
             h, pending = layer.decode(h, tokens, step, pending, fold_rows=fold)
         return self._logits(hc_post(pending.out, h, pending.post, pending.comb))
 

@@ -14,6 +14,8 @@ from typing import Callable
 
 import torch
 
+from .decode_options import DecodeOptions
+
 Slots = tuple[torch.Tensor, list]  # (scratch buffer [n, max_batch, ...], the key of each of its n slots)
 
 
@@ -29,13 +31,13 @@ def in_slot(slots: Slots | None, key, value: torch.Tensor) -> torch.Tensor:
 class DecodeStep:
     """One decode step's shared values, built by Transformer.decode_step and handed to every layer.
 
-    positions [B] int64: each row's position. tables: {kind: RoPE table [max_seq_len, rope_dim / 2, 2]}; rope_slots:
-    {kind: (buffer, offsets m)}; nvis_slots: (buffer, ratios); attn_slots: {(window, ratio, entries): (buffer,
-    [key])}."""
+    positions [B] int64: each row's position. options: how the step is built. tables: {kind: RoPE table
+    [max_seq_len, rope_dim / 2, 2]}; rope_slots: {kind: (buffer, offsets m)}; nvis_slots: (buffer, ratios);
+    attn_slots: {(window, ratio, entries): (buffer, [key])}."""
 
-    def __init__(self, positions: torch.Tensor, tables: dict[str, torch.Tensor], rope_slots: dict[str, Slots],
-                 nvis_slots: Slots | None, attn_slots: dict[tuple, Slots]):
-        self.positions = positions
+    def __init__(self, positions: torch.Tensor, options: DecodeOptions, tables: dict[str, torch.Tensor],
+                 rope_slots: dict[str, Slots], nvis_slots: Slots | None, attn_slots: dict[tuple, Slots]):
+        self.positions, self.options = positions, options
         self._tables = tables
         self._nvis_slots, self._attn_slots = nvis_slots, attn_slots
         self._rope = {kind: {m: in_slot(slots, m, self._gather(tables[kind], m)) for m in slots[1]}

@@ -51,7 +51,9 @@ class _PackageModel:
         self.max_seq_len = engine.max_seq_len
         self.device = engine.device
 
-    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, options=None) -> torch.Tensor:
+        if options is not None and options != type(options)():
+            raise ValueError("a package's decode step was built when it was exported: it takes no DecodeOptions")
         return self._engine.decode_step(tokens, positions)
 
 

@@ -47,7 +47,7 @@ class ToyLM(nn.Module):
         packed, scales = ops.nvfp4_quantize(flat, gs)
         return ops.nvfp4_dequantize(packed, scales, gs, dtype=k.dtype).reshape(k.shape)
 
-    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, options=None) -> torch.Tensor:
         b = tokens.shape[0]
         h = self.embed[tokens]
         rows = torch.arange(b, device=tokens.device)

@@ -113,25 +113,20 @@ for part in $PARTS; do
         step "$(basename "$b" .py)" 300 $PY "$b"
       done ;;
     switches)
-      # The non-default kernel choices (DSV4_FUSED_HC=0: the separate mHC steps; DSV4_ATTN_KERNEL=simt: the
-      # CUDA-core attention kernel) and the fused decode steps each off (DSV4_FUSED_*=0): the ops' tests, the
-      # compiled decode step with the steps off and with the non-defaults, and the layer each way (what the
-      # defaults buy). test_compiled_decode has hung at exit after passing.
-      FUSED_OFF="DSV4_FUSED_COMPRESSOR=0 DSV4_FUSED_NORM_ROPE=0 DSV4_FUSED_HC_POST=0 DSV4_FUSED_MOE_ROWS=0 DSV4_FUSED_HADAMARD=0
-        DSV4_FUSED_KEY_STORE=0 DSV4_FUSED_OUT_ROPE=0 DSV4_FUSED_NORM_ROPE_STORE=0"
+      # The non-default kernel choices (DecodeOptions hc_pre=0: the separate mHC steps; DSV4_ATTN_KERNEL=simt: the
+      # CUDA-core attention kernel) and the fused decode steps each off: the ops' tests (their model-level tests
+      # run each option both ways), the kernel count, and the layer each way (what the defaults buy).
+      FUSED_OFF="compressor=0,norm_rope=0,hc_post_pre=0,moe_rows=0,hadamard=0,key_store=0,out_rope=0,norm_rope_store=0"
       step switches_op_tests 150 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_compressor_op.py \
         tests/test_norm_rope.py tests/test_hc_pre.py tests/test_hadamard_fp4.py tests/test_key_store.py \
-        tests/test_attn.py
-      step switches_compiled_fused_off 150 env $FUSED_OFF $PY -m pytest -q -m cuda -x -p no:cacheprovider \
-        tests/test_compiled_decode.py
+        tests/test_attn.py tests/test_decode_options.py
       step switches_bench_glue 200 $PY bench/bench_decode_glue.py
       step switches_count_kernels 200 $PY scripts/count_decode_kernels.py --device cuda
-      step switches_compiled_off 150 env DSV4_FUSED_HC=0 DSV4_ATTN_KERNEL=simt $PY -m pytest -q -m cuda -x \
-        -p no:cacheprovider tests/test_compiled_decode.py
       step switches_layer_default 200 $PY bench/bench_layer.py --kinds csa --steps 50 --experts 16
-      step switches_layer_fused_off 200 env $FUSED_OFF $PY bench/bench_layer.py --kinds csa --steps 50 --experts 16
-      step switches_layer_off 200 env $FUSED_OFF DSV4_FUSED_HC=0 DSV4_ATTN_KERNEL=simt $PY bench/bench_layer.py \
-        --kinds csa --steps 50 --experts 16 ;;
+      step switches_layer_fused_off 200 $PY bench/bench_layer.py --kinds csa --steps 50 --experts 16 \
+        --decode-options "$FUSED_OFF"
+      step switches_layer_off 200 env DSV4_ATTN_KERNEL=simt $PY bench/bench_layer.py --kinds csa --steps 50 \
+        --experts 16 --decode-options "$FUSED_OFF,hc_pre=0" ;;
     decode)
       # The decode step end to end: the compiled / graph-replayed step against eager, the default model's exported
       # package and bf16 settings, and the per-layer time and kernel count (what a model-level change moves).
@@ -141,14 +136,11 @@ for part in $PARTS; do
       step decode_default_model 420 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_default_model_gpu.py \
         -k "exported or bf16" ;;
     selrows)
-      # DSV4_FUSED_SEL_ROWS (on by default since this passed, session 12): sparse_attn_decode's second row list
-      # on the GPU, the compiled decode with it, the layers both ways.
+      # DecodeOptions sel_rows (on by default): sparse_attn_decode's second row list on the GPU, the layers both ways.
       step selrows_op_tests 200 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_attn.py
-      step selrows_compiled 200 env DSV4_FUSED_SEL_ROWS=1 $PY -m pytest -q -m cuda -p no:cacheprovider \
-        tests/test_compiled_decode.py
-      step selrows_layer_off 200 $PY bench/bench_layer.py --kinds csa,hca --steps 50 --experts 16
-      step selrows_layer_on 200 env DSV4_FUSED_SEL_ROWS=1 $PY bench/bench_layer.py --kinds csa,hca --steps 50 \
-        --experts 16 ;;
+      step selrows_layer_off 200 $PY bench/bench_layer.py --kinds csa,hca --steps 50 --experts 16 \
+        --decode-options sel_rows=0
+      step selrows_layer_on 200 $PY bench/bench_layer.py --kinds csa,hca --steps 50 --experts 16 ;;
     pdl)
       # DSV4_PDL (on by default): the decode kernels outside the NVFP4 chain launched with programmatic
       # dependent launch. Their op tests and the compiled decode without it (the default run has it), then the

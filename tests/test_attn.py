@@ -206,25 +206,25 @@ def test_cuda_graph_replay_and_no_sync():
 
 def test_model_picks_the_op_by_size(monkeypatch):
     """Decode calls the op whenever its tensor-core kernel runs (bf16, head dim % 64 == 0), else up to
-    FUSED_ATTN_MAX_ROWS (batch x listed rows) and the tensor-op form above; the env variables force either."""
-    from dsv4_model import attention
+    FUSED_ATTN_MAX_ROWS (batch x listed rows) and the tensor-op form above; DecodeOptions.attention forces either."""
+    from dsv4_model.decode_options import FUSED_ATTN_MAX_ROWS as limit
+    from dsv4_model.decode_options import DecodeOptions, decode_attention
 
-    limit = attention.FUSED_ATTN_MAX_ROWS
+    auto, fused, torch_form = DecodeOptions(), DecodeOptions(attention="fused"), DecodeOptions(attention="torch")
     bf16, fp32 = torch.empty(1, 4, 512, dtype=torch.bfloat16), torch.empty(1, 4, 512)
     odd = torch.empty(1, 4, 72, dtype=torch.bfloat16)
-    monkeypatch.delenv("DSV4_DECODE_ATTENTION", raising=False)
     monkeypatch.delenv("DSV4_ATTN_KERNEL", raising=False)
     for q in (fp32, odd):
-        assert attention._fused_decode_attention(1, limit, q)
-        assert attention._fused_decode_attention(4, limit // 4, q)
-        assert not attention._fused_decode_attention(8, limit // 4, q)
-    assert attention._fused_decode_attention(64, limit, bf16)
+        assert decode_attention(auto, 1, limit, q)
+        assert decode_attention(auto, 4, limit // 4, q)
+        assert not decode_attention(auto, 8, limit // 4, q)
+    assert decode_attention(auto, 64, limit, bf16)
     monkeypatch.setenv("DSV4_ATTN_KERNEL", "simt")
-    assert not attention._fused_decode_attention(8, limit // 4, bf16)
-    monkeypatch.setenv("DSV4_DECODE_ATTENTION", "fused")
-    assert attention._fused_decode_attention(8, limit, fp32)
-    monkeypatch.setenv("DSV4_DECODE_ATTENTION", "torch")
-    assert not attention._fused_decode_attention(1, 1, bf16)
+    assert not decode_attention(auto, 8, limit // 4, bf16)
+    assert decode_attention(fused, 8, limit, fp32)
+    assert not decode_attention(torch_form, 1, 1, bf16)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        DecodeOptions(attention="tensor")
 
 
 # ------------------------------------------------------------------------- the output's inverse RoPE (out_rope)
@@ -273,15 +273,17 @@ def test_out_rope_opcheck_and_bad_arguments(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_model_decode_with_and_without_out_rope(monkeypatch, device):
-    """The decode step with the output's inverse RoPE inside the attention op (DSV4_FUSED_OUT_ROPE=1) gives the
-    logits of the separate rotation (=0) exactly: the same values rotated by the same operations."""
+    """The decode step with the output's inverse RoPE inside the attention op (out_rope on) gives the logits of
+    the separate rotation (off) exactly: the same values rotated by the same operations."""
     from decode_switch import decode_with_switch
+
+    from dsv4_model.decode_options import DecodeOptions
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA")
-    monkeypatch.setenv("DSV4_DECODE_ATTENTION", "fused")
-    logits, calls, _ = decode_with_switch(monkeypatch, "sparse_attn_decode", "DSV4_FUSED_OUT_ROPE", steps=5,
-                                          device=device, n_layers=3, compress_ratios=[0, 4, 16])
+    logits, calls, _ = decode_with_switch(monkeypatch, "sparse_attn_decode", "out_rope", steps=5,
+                                          base=DecodeOptions(attention="fused"), device=device, n_layers=3,
+                                          compress_ratios=[0, 4, 16])
     assert calls["0"] == calls["1"] == 3 * 5
     assert torch.equal(logits["1"], logits["0"])
 
@@ -289,7 +291,7 @@ def test_model_decode_with_and_without_out_rope(monkeypatch, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_model_decode_with_the_top_k_as_second_list(monkeypatch, device, dtype):
-    """DSV4_FUSED_SEL_ROWS=1: a CSA layer passes the step's shared window rows and its indexer's top-k (idx2 at
+    """sel_rows on: a CSA layer passes the step's shared window rows and its indexer's top-k (idx2 at
     offset window) instead of the joined row list: the same logits bit for bit, and the CSA layer's calls do
     carry idx2. index_head_dim 128: the width the CUDA scoring kernel takes (else the indexer scores unpacked
     keys and there is no raw top-k to pass)."""
@@ -300,7 +302,7 @@ def test_model_decode_with_the_top_k_as_second_list(monkeypatch, device, dtype):
     real, second = ops.sparse_attn_decode, []
     monkeypatch.setattr(ops, "sparse_attn_decode",
                         lambda *a: second.append(len(a) > 7 and a[7] is not None) or real(*a))  # a[7]: idx2
-    logits, calls, cfg = decode_with_switch(monkeypatch, "sparse_attn_decode", "DSV4_FUSED_SEL_ROWS", steps=4,
+    logits, calls, cfg = decode_with_switch(monkeypatch, "sparse_attn_decode", "sel_rows", steps=4,
                                             device=device, dtype=dtype, n_layers=2, compress_ratios=[4, 0],
                                             index_head_dim=128)
     assert calls["0"] == calls["1"] == 2 * 4

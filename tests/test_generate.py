@@ -29,7 +29,7 @@ class CountingModel(torch.nn.Module):
     def device(self):
         return self.seen_positions.device
 
-    def decode_step(self, tokens, positions):
+    def decode_step(self, tokens, positions, options=None):
         self.seen_positions[: tokens.shape[0]].copy_(positions)
         return 10.0 * torch.nn.functional.one_hot((tokens + 1) % V, V).float()
 

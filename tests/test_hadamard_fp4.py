@@ -125,11 +125,11 @@ def test_cuda_graph_replay_and_no_sync():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_model_decode_with_and_without_the_op(monkeypatch, device):
-    """The decode step through dsv4::hadamard_fp4 (DSV4_FUSED_HADAMARD=1) gives the logits of the tensor ops (=0):
+    """The decode step through dsv4::hadamard_fp4 (hadamard on) gives the logits of the tensor ops (off):
     on CPU exactly (the same bits; fp32); the op runs for the CSA layer's indexer queries and keys each step."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA")
-    logits, calls, _ = decode_with_switch(monkeypatch, "hadamard_fp4", "DSV4_FUSED_HADAMARD", steps=6,
+    logits, calls, _ = decode_with_switch(monkeypatch, "hadamard_fp4", "hadamard", steps=6,
                                           device=device, max_seq_len=32, n_layers=2, compress_ratios=[0, 4],
                                           index_head_dim=64)  # a width the kernels take
     assert calls == {"0": 0, "1": 2 * 6}

@@ -13,6 +13,8 @@ import dsv4_ops  # noqa: F401
 from dsv4_ops import reference as ref
 from decode_switch import decode_with_switch
 
+from dsv4_model.decode_options import DecodeOptions
+
 ops = torch.ops.dsv4
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.kernels])]
 ITERS, HC_EPS, NORM_EPS, OUT_EPS = 20, 1e-6, 1e-6, 1e-6
@@ -158,11 +160,12 @@ def test_cuda_graph_replay_and_no_sync():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_model_decode_with_and_without_the_op(monkeypatch, dtype):
-    """The decode step through dsv4::hc_pre (DSV4_FUSED_HC=1) gives the logits of the unfused steps (=0); fp32:
+    """The decode step through dsv4::hc_pre (hc_pre on) gives the logits of the unfused steps (off); fp32:
     to summation-order rounding; bf16: the same rounding points (y rounded, then normed), so within bf16 noise."""
-    monkeypatch.setenv("DSV4_FUSED_HC_POST", "0")  # every collapse through hc_pre (hc_post_pre: its own test)
-    logits, calls, cfg = decode_with_switch(monkeypatch, "hc_pre", "DSV4_FUSED_HC", steps=6, dtype=dtype,
-                                            max_seq_len=32, n_layers=2, compress_ratios=[0, 4])
+    # every collapse through hc_pre (hc_post_pre: its own test)
+    logits, calls, cfg = decode_with_switch(monkeypatch, "hc_pre", "hc_pre", steps=6, dtype=dtype,
+                                            base=DecodeOptions(hc_post_pre=False), max_seq_len=32, n_layers=2,
+                                            compress_ratios=[0, 4])
     assert calls == {"0": 0, "1": 2 * cfg.n_layers * 6}  # two per layer and decode step
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
     torch.testing.assert_close(logits["1"], logits["0"], **tol)
@@ -277,11 +280,11 @@ def test_post_pre_cuda_graph_replay_and_no_sync():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_model_decode_with_and_without_post_fusion(monkeypatch, device):
-    """The decode step with hc_post folded into the next collapse (DSV4_FUSED_HC_POST=1) gives the logits of the
-    separate hc_post (=0); fp32; the op runs for every sublayer but the first."""
+    """The decode step with hc_post folded into the next collapse (hc_post_pre on) gives the logits of the
+    separate hc_post (off); fp32; the op runs for every sublayer but the first."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA")
-    logits, calls, cfg = decode_with_switch(monkeypatch, "hc_post_pre", "DSV4_FUSED_HC_POST", steps=4,
+    logits, calls, cfg = decode_with_switch(monkeypatch, "hc_post_pre", "hc_post_pre", steps=4,
                                             device=device, max_seq_len=32, n_layers=2, compress_ratios=[0, 4])
     assert calls == {"0": 0, "1": (2 * cfg.n_layers - 1) * 4}
     torch.testing.assert_close(logits["1"], logits["0"], rtol=1e-4, atol=1e-4)

@@ -128,11 +128,11 @@ def test_cuda_graph_replay_and_no_sync():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_model_decode_with_and_without_the_op(monkeypatch, device):
-    """The decode step through dsv4::indexer_store_keys (DSV4_FUSED_KEY_STORE=1) gives the logits of the tensor
-    ops (=0) exactly (the same bytes in the caches; fp32); the op runs once per step for the CSA layer."""
+    """The decode step through dsv4::indexer_store_keys (key_store on) gives the logits of the tensor
+    ops (off) exactly (the same bytes in the caches; fp32); the op runs once per step for the CSA layer."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA")
-    logits, calls, _ = decode_with_switch(monkeypatch, "indexer_store_keys", "DSV4_FUSED_KEY_STORE", steps=9,
+    logits, calls, _ = decode_with_switch(monkeypatch, "indexer_store_keys", "key_store", steps=9,
                                           device=device, max_seq_len=32, n_layers=2, compress_ratios=[0, 4],
                                           index_head_dim=128)  # the width the CUDA scoring kernel takes
     assert calls == {"0": 0, "1": 9}

@@ -122,6 +122,7 @@ def test_decode_shares_per_step_values_across_layers(monkeypatch):
     from dsv4_model import attention
     from dsv4_model.checkpoint_writer import TINY_CONFIG
     from dsv4_model.config import ModelConfig
+    from dsv4_model.decode_options import DecodeOptions
 
     cfg = ModelConfig(**{**TINY_CONFIG, "n_mtp_layers": 0, "n_layers": 5,
                          "compress_ratios": [0, 16, 4, 16, 0]}).validate()
@@ -133,9 +134,9 @@ def test_decode_shares_per_step_values_across_layers(monkeypatch):
     real = attention.Attention._decode_rows
     monkeypatch.setattr(attention.Attention, "_decode_rows",
                         lambda self, *a, **k: calls.append(self.ratio) or real(self, *a, **k))
-    monkeypatch.setenv("DSV4_DECODE_ATTENTION", "fused")
+    fused = DecodeOptions(attention="fused")
     pos = torch.full((2,), 9)
-    shared = m.decode_step(ids[:, 0], pos)
+    shared = m.decode_step(ids[:, 0], pos, fused)
     # SWA (0) and HCA (16) once each for their two layers; the CSA layer passes the SWA layers' window rows
     # (the same (window, 0, 0) key) beside its own top-k
     assert sorted(calls) == [0, 16]
@@ -160,7 +161,7 @@ def test_decode_shares_per_step_values_across_layers(monkeypatch):
     m2.init_random_weights(2)
     m2.prefill(ids)
     calls.clear()
-    own = m2.decode_step(ids[:, 0], torch.full((2,), 9))
+    own = m2.decode_step(ids[:, 0], torch.full((2,), 9), fused)
     assert sorted(calls) == [0, 0, 4, 16, 16]
     assert torch.equal(shared, own)
 

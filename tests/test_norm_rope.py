@@ -14,6 +14,8 @@ import dsv4_ops  # noqa: F401
 from dsv4_ops import reference as ref
 from decode_switch import decode_with_switch
 
+from dsv4_model.decode_options import DecodeOptions
+
 ops = torch.ops.dsv4
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.kernels])]
 EPS = 1e-6
@@ -160,14 +162,14 @@ def test_cuda_graph_replay_no_sync_and_unaligned_views():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_model_decode_with_and_without_the_op(monkeypatch, device, dtype):
-    """The decode step through dsv4::rms_norm_rope (DSV4_FUSED_NORM_ROPE=1) gives the logits of the separate steps
-    (=0): fp32 to summation-order rounding, bf16 within bf16 noise; the op runs for q_norm (rope_dim 0), q and kv
+    """The decode step through dsv4::rms_norm_rope (norm_rope on) gives the logits of the separate steps
+    (off): fp32 to summation-order rounding, bf16 within bf16 noise; the op runs for q_norm (rope_dim 0), q and kv
     of every layer and every compressor's entry."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA")
-    monkeypatch.setenv("DSV4_FUSED_NORM_ROPE_STORE", "0")  # kv and entries through rms_norm_rope too
-    logits, calls, _ = decode_with_switch(monkeypatch, "rms_norm_rope", "DSV4_FUSED_NORM_ROPE", steps=5,
-                                          device=device, dtype=dtype, n_layers=3, compress_ratios=[0, 4, 16])
+    logits, calls, _ = decode_with_switch(monkeypatch, "rms_norm_rope", "norm_rope", steps=5, device=device,
+                                          base=DecodeOptions(norm_rope_store=False),  # kv, entries through it too
+                                          dtype=dtype, n_layers=3, compress_ratios=[0, 4, 16])
     # per step: q_norm, q and kv of 3 layers, 3 compressors (CSA's, its indexer's, HCA's)
     assert calls == {"0": 0, "1": (3 * 3 + 3) * 5}
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
@@ -303,11 +305,11 @@ def test_store_cuda_graph_replay_no_sync():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_model_decode_with_and_without_the_store(monkeypatch, device, dtype):
     """The decode step writing kv and compressed entries with dsv4::rms_norm_rope_store
-    (DSV4_FUSED_NORM_ROPE_STORE=1) gives the same logits, bit for bit, as rms_norm_rope + the index_put steps
-    (=0); the op runs for kv of every layer and the entries of the non-indexer compressors."""
+    (norm_rope_store on) gives the same logits, bit for bit, as rms_norm_rope + the index_put steps
+    (off); the op runs for kv of every layer and the entries of the non-indexer compressors."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA")
-    logits, calls, _ = decode_with_switch(monkeypatch, "rms_norm_rope_store", "DSV4_FUSED_NORM_ROPE_STORE",
+    logits, calls, _ = decode_with_switch(monkeypatch, "rms_norm_rope_store", "norm_rope_store",
                                           steps=5, device=device, dtype=dtype, n_layers=3,
                                           compress_ratios=[0, 4, 16])
     assert calls == {"0": 0, "1": (3 + 2) * 5}  # kv of 3 layers, the CSA and HCA compressors' entries

@@ -418,10 +418,11 @@ def test_compiled_decode_step_has_no_graph_breaks(act_quant):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("act_quant", ["none", "nvfp4"])
 def test_moe_rows_folded_into_the_next_collapse(ckpts, monkeypatch, device, act_quant):
-    """DSV4_FUSED_MOE_ROWS=1 (default): every layer's NVFP4 MoE but the last hands its uncombined expert rows to
+    """moe_rows on (the default): every layer's NVFP4 MoE but the last hands its uncombined expert rows to
     the next block's hc_post_pre, which sums them (no combine kernel); bit-equal logits to the combined path
-    (=0), eager and compiled. The fold needs bf16 streams (the combine rounds to bf16)."""
+    (off), eager and compiled. The fold needs bf16 streams (the combine rounds to bf16)."""
     from dsv4_model.compiled import DecodeRunner
+    from dsv4_model.decode_options import DecodeOptions
     from dsv4_model.sampling import SamplingParams
 
     torch._dynamo.reset()  # imports Inductor before the ops are wrapped (torch 2.11: its first import failed inside)
@@ -445,14 +446,13 @@ def test_moe_rows_folded_into_the_next_collapse(ckpts, monkeypatch, device, act_
     # compiled once, on the CPU only (Inductor on the whole model is the slow part: > 6 min on the GPU machine)
     n_modes = 3 if act_quant == "none" and device == "cpu" else 2
     for mode, compile_ in (("0", False), ("1", False), ("1", True))[:n_modes]:
-        monkeypatch.setenv("DSV4_FUSED_MOE_ROWS", mode)
         if compile_:  # Dynamo traces the ops themselves
             for name, op in real.items():
                 monkeypatch.setattr(torch.ops.dsv4, name, op)
         torch._dynamo.reset()
         m = _load(ckpts["official"], quant="nvfp4", act_quant=act_quant, device=device, max_batch_size=2)
         n_layers = len(m.layers)
-        r = DecodeRunner(m, compile=compile_, cuda_graphs=False)
+        r = DecodeRunner(m, compile=compile_, cuda_graphs=False, step_options=DecodeOptions(moe_rows=mode == "1"))
         r.prepare(2)
         logits = m.prefill(ids, lengths)
         r.begin(lengths.clone(), [SamplingParams(), SamplingParams()])

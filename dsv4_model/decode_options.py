@@ -1,0 +1,99 @@
+"""How the decode step is built: `DecodeOptions` (chosen when a DecodeRunner is built, read when the step is traced)
+and, per fused decode op, whether it applies: the option and the shapes the op's kernels take.
+
+Every default is the path the engine ships (each fused op one launch instead of the several Inductor kernels of
+the tensor-op steps it replaces, the faster one measured on the H200: bench/RESULTS.md). Turning one off runs those
+steps instead: a debug override for bisecting and A/B runs (`scripts/gpu_check.sh switches`), the same numerics up
+to summation order (tests/decode_switch.py compares each way).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+
+ATTENTION_MODES = ("auto", "fused", "torch")
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    hc_pre: bool = True  # the mHC collapse + the sublayer's RMSNorm as one dsv4::hc_pre
+    hc_post_pre: bool = True  # each sublayer's hc_post folded into the next collapse (dsv4::hc_post_pre)
+    moe_rows: bool = True  # an NVFP4 MoE's expert rows summed by the next hc_post_pre (no combine kernel)
+    sel_rows: bool = True  # a CSA layer passes the shared window rows + its top-k as the attention op's idx2
+    key_store: bool = True  # a closed window's indexer key into both indexer caches with dsv4::indexer_store_keys
+    out_rope: bool = True  # the attention output's inverse RoPE inside dsv4::sparse_attn_decode
+    compressor: bool = True  # a compressor's state update + pooling as one dsv4::compressor_decode
+    hadamard: bool = True  # the indexer's (RoPE +) Hadamard + FP4 of queries / keys as dsv4::hadamard_fp4
+    norm_rope: bool = True  # RMSNorm + RoPE (+ simulated FP8) of q, kv, entries as dsv4::rms_norm_rope
+    norm_rope_store: bool = True  # ... written straight into the attention cache (dsv4::rms_norm_rope_store)
+    attention: str = "auto"  # dsv4::sparse_attn_decode where faster ("auto"), always ("fused"), never ("torch")
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION_MODES:
+            raise ValueError(f"DecodeOptions.attention must be one of {ATTENTION_MODES}, got {self.attention!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> "DecodeOptions":
+        """"norm_rope=0,attention=torch" -> DecodeOptions (for command lines; "" = the defaults)."""
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
+        kw = {}
+        for item in filter(None, (t.strip() for t in text.split(","))):
+            name, sep, value = item.partition("=")
+            if not sep or name not in fields:
+                raise ValueError(f"decode option {item!r}: expected NAME=VALUE with NAME one of {', '.join(fields)}")
+            if name == "attention":
+                kw[name] = value
+            elif value in ("0", "1"):
+                kw[name] = value == "1"
+            else:
+                raise ValueError(f"decode option {item!r}: the value must be 0 or 1")
+        return cls(**kw)
+
+
+DEFAULT = DecodeOptions()
+
+
+def norm_rope(opts: DecodeOptions, x: torch.Tensor, rope_dim: int) -> bool:
+    """dsv4::rms_norm_rope for x [rows, heads, d] (decode)."""
+    d = x.shape[-1]
+    return (opts.norm_rope and x.dtype in (torch.bfloat16, torch.float32) and not d % 4 and not rope_dim % 4
+            and d <= 4096)
+
+
+def norm_rope_store(opts: DecodeOptions, x: torch.Tensor, cache: torch.Tensor) -> bool:
+    """dsv4::rms_norm_rope_store writing x's normalised rows into cache (instead of index_put kernels)."""
+    return opts.norm_rope_store and cache.dtype == x.dtype and cache.is_contiguous()
+
+
+def hadamard(opts: DecodeOptions, x: torch.Tensor) -> bool:
+    """dsv4::hadamard_fp4 for the indexer's queries / keys x [..., d] (the same bits as the tensor ops)."""
+    return opts.hadamard and x.dtype in (torch.bfloat16, torch.float32) and x.shape[-1] in (64, 128, 256)
+
+
+def key_store(opts: DecodeOptions, keys: torch.Tensor) -> bool:
+    """dsv4::indexer_store_keys (instead of the packing kernels and three index_put kernels)."""
+    return opts.key_store and keys.dtype in (torch.bfloat16, torch.float32) and keys.shape[-1] in (64, 128, 256, 512)
+
+
+# dsv4::sparse_attn_decode's CUDA partial kernels: the tensor-core one (bf16, head dim % 64 == 0, <= 512) beats the
+# tensor-op form at every measured size; the CUDA-core one (fp32, or DSV4_ATTN_KERNEL=simt) only while batch x
+# listed rows <= FUSED_ATTN_MAX_ROWS (bench/RESULTS.md, bench_attn_decode.py).
+FUSED_ATTN_MAX_ROWS = 4 * 640
+
+
+def attn_tensor_cores(q: torch.Tensor) -> bool:
+    """Whether dsv4::sparse_attn_decode runs its tensor-core partial kernel for q (the CUDA binding's rule, which
+    reads the same DSV4_ATTN_KERNEL debug override)."""
+    return (q.dtype == torch.bfloat16 and q.shape[-1] % 64 == 0 and q.shape[-1] <= 512
+            and os.environ.get("DSV4_ATTN_KERNEL", "") != "simt")
+
+
+def decode_attention(opts: DecodeOptions, batch: int, rows: int, q: torch.Tensor) -> bool:
+    """dsv4::sparse_attn_decode (one op instead of a gather, two GEMMs per key set, masks and a softmax) for a
+    batch attending `rows` rows each (shapes are static when the step is traced)."""
+    if opts.attention == "torch":
+        return False
+    return opts.attention == "fused" or attn_tensor_cores(q) or batch * rows <= FUSED_ATTN_MAX_ROWS

@@ -1,0 +1,47 @@
+"""DecodeOptions: parsing, and every debug override (each option off alone, and all of them off together) giving
+the logits of the shipped defaults on a model with every attention kind (fp32: to summation-order rounding)."""
+import dataclasses
+
+import pytest
+import torch
+
+from dsv4_model.checkpoint_writer import TINY_CONFIG
+from dsv4_model.config import ModelConfig
+from dsv4_model.decode_options import DecodeOptions
+from dsv4_model.model import Transformer
+
+BOOL_OPTIONS = [f.name for f in dataclasses.fields(DecodeOptions) if f.type in (bool, "bool")]
+
+
+def test_parse():
+    assert DecodeOptions.parse("") == DecodeOptions()
+    assert DecodeOptions.parse("norm_rope=0, attention=torch") == DecodeOptions(norm_rope=False, attention="torch")
+    assert DecodeOptions.parse("hc_pre=1") == DecodeOptions()
+    for bad in ("norm_rope", "nope=0", "norm_rope=off"):
+        with pytest.raises(ValueError, match="decode option"):
+            DecodeOptions.parse(bad)
+    assert len(BOOL_OPTIONS) == 10
+
+
+def _logits(opts, steps=6):
+    cfg = ModelConfig(**{**TINY_CONFIG, "n_mtp_layers": 0, "n_layers": 3, "compress_ratios": [0, 4, 16]}).validate()
+    ids = torch.randint(0, cfg.vocab_size, (2, 13), generator=torch.Generator().manual_seed(3))
+    m = Transformer(cfg, max_batch_size=2, max_seq_len=40, dtype=torch.float32).init_random_weights(5)
+    m.prefill(ids)
+    return torch.stack([m.decode_step(ids[:, t], torch.full((2,), 13 + t), opts) for t in range(steps)])
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return _logits(DecodeOptions())
+
+
+@pytest.mark.parametrize("off", BOOL_OPTIONS + ["attention=torch", "all"])
+def test_every_override_gives_the_shipped_logits(shipped, off):
+    if off == "all":
+        opts = DecodeOptions(attention="torch", **{name: False for name in BOOL_OPTIONS})
+    elif off.startswith("attention="):
+        opts = DecodeOptions(attention=off.split("=")[1])
+    else:
+        opts = DecodeOptions(**{off: False})
+    torch.testing.assert_close(_logits(opts), shipped, rtol=1e-4, atol=1e-4)
