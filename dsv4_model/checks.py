@@ -37,3 +37,57 @@ def check_positive_int(value, name: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     return value
+
+
+def check_ids(ids: torch.Tensor, what: str, vocab_size: int) -> None:
+    """Integer token ids in [0, vocab_size)."""
+    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise ValueError(f"{what} must be an integer tensor, got {ids.dtype}")
+    if ids.numel() == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"{what} contains token id {lo if lo < 0 else hi} outside [0, vocab_size={vocab_size})")
+
+
+def prefill_request(input_ids, lengths, *, max_batch_size: int, max_seq_len: int,
+                    vocab_size: int) -> tuple[torch.Tensor, list[int]]:
+    """A checked prefill: input_ids [B, S] (right-padded rows), lengths [B] or None -> (int64 CPU tokens [B, S'] with
+    S' the longest length and token 0 in the padding, which may hold any value; the lengths as ints)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError("input_ids must be a 2-D tensor [batch, seq]")
+    B, S = input_ids.shape
+    if B < 1 or S < 1:
+        raise ValueError(f"empty prompt batch {tuple(input_ids.shape)}")
+    if B > max_batch_size:
+        raise ValueError(f"batch size {B} exceeds max_batch_size={max_batch_size}")
+    if lengths is None:
+        lens = [S] * B
+    else:
+        lengths = torch.as_tensor(lengths)
+        if lengths.shape != (B,):
+            raise ValueError(f"lengths must have shape ({B},), got {tuple(lengths.shape)}")
+        lens = [int(v) for v in lengths.tolist()]
+        if min(lens) < 1 or max(lens) > S:
+            raise ValueError(f"lengths must lie in [1, {S}], got {lens}")
+    if max(lens) > max_seq_len:
+        raise ValueError(f"prompt length {max(lens)} exceeds max_seq_len={max_seq_len}")
+    S = max(lens)  # drop all-padding columns
+    valid = torch.arange(S).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+    ids = input_ids.detach()[:, :S].cpu()
+    check_ids(ids[valid], "input_ids", vocab_size)
+    return torch.where(valid, ids, torch.zeros_like(ids)).long(), lens
+
+
+def decode_request(next_ids, lens: list[int], *, max_seq_len: int, vocab_size: int) -> torch.Tensor:
+    """A checked decode step of the prefilled batch whose rows hold `lens` tokens -> int64 ids [B]."""
+    if not lens:
+        raise ValueError("decode() called before prefill()")
+    next_ids = torch.as_tensor(next_ids)
+    if next_ids.shape != (len(lens),):
+        raise ValueError(f"next_ids must have shape ({len(lens)},) to match the prefilled batch, got "
+                         f"{tuple(next_ids.shape)}")
+    if max(lens) >= max_seq_len:
+        raise ValueError(f"a row already holds {max(lens)} tokens = max_seq_len={max_seq_len}")
+    check_ids(next_ids, "next_ids", vocab_size)
+    return next_ids.long()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .checks import decode_request, prefill_request
 from .config import ModelConfig
 from .model import Transformer
 
@@ -60,63 +61,28 @@ class Engine:
         self._lens = []
         self.positions.zero_()
 
-    # ------------------------------------------------------------------ validation
-    def _check_ids(self, ids: torch.Tensor, what: str) -> None:
-        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-            raise ValueError(f"{what} must be an integer tensor, got {ids.dtype}")
-        if ids.numel() == 0:
-            return
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= self.config.vocab_size:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"{what} contains token id {bad} outside [0, vocab_size={self.config.vocab_size})")
+    def set_lengths(self, lens: list[int]) -> None:
+        """The rows' token counts after decode steps run outside decode() (generate's runner)."""
+        self._lens = [int(n) for n in lens]
+        self.positions.zero_()
+        self.positions[:len(lens)] = torch.tensor(self._lens, dtype=torch.long)
 
     # ------------------------------------------------------------------ inference
     def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None,
                 all_logits: bool = False) -> torch.Tensor:
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            raise ValueError("input_ids must be a 2-D tensor [batch, seq]")
-        B, S = input_ids.shape
-        if B < 1 or S < 1:
-            raise ValueError(f"empty prompt batch {tuple(input_ids.shape)}")
-        if B > self.max_batch_size:
-            raise ValueError(f"batch size {B} exceeds max_batch_size={self.max_batch_size}")
-        if lengths is None:
-            lens = [S] * B
-        else:
-            lengths = torch.as_tensor(lengths)
-            if lengths.shape != (B,):
-                raise ValueError(f"lengths must have shape ({B},), got {tuple(lengths.shape)}")
-            lens = [int(v) for v in lengths.tolist()]
-            if min(lens) < 1 or max(lens) > S:
-                raise ValueError(f"lengths must lie in [1, {S}], got {lens}")
-        if max(lens) > self.max_seq_len:
-            raise ValueError(f"prompt length {max(lens)} exceeds max_seq_len={self.max_seq_len}")
-        S = max(lens)  # drop all-padding columns
-        valid = torch.arange(S).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
-        ids_cpu = input_ids.detach()[:, :S].cpu()
-        self._check_ids(ids_cpu[valid], "input_ids")
-        # padding may hold any value (e.g. -1): feed token 0 there; it never influences valid positions
-        tokens = torch.where(valid, ids_cpu, torch.zeros_like(ids_cpu)).to(device=self.device, dtype=torch.long)
+        tokens, lens = prefill_request(input_ids, lengths, max_batch_size=self.max_batch_size,
+                                       max_seq_len=self.max_seq_len, vocab_size=self.config.vocab_size)
         len_dev = torch.tensor(lens, dtype=torch.long, device=self.device)
-        logits = self.model.prefill(tokens, len_dev, all_logits=all_logits)
+        logits = self.model.prefill(tokens.to(self.device), len_dev, all_logits=all_logits)
         self._lens = lens
         self.positions.zero_()
-        self.positions[:B] = len_dev
+        self.positions[:len(lens)] = len_dev
         return logits
 
     def decode(self, next_ids: torch.Tensor) -> torch.Tensor:
-        if not self._lens:
-            raise ValueError("decode() called before prefill()")
-        next_ids = torch.as_tensor(next_ids)
+        ids = decode_request(next_ids, self._lens, max_seq_len=self.max_seq_len, vocab_size=self.config.vocab_size)
         B = len(self._lens)
-        if next_ids.shape != (B,):
-            raise ValueError(f"next_ids must have shape ({B},) to match the prefilled batch, got "
-                             f"{tuple(next_ids.shape)}")
-        if max(self._lens) >= self.max_seq_len:
-            raise ValueError(f"a row already holds {max(self._lens)} tokens = max_seq_len={self.max_seq_len}")
-        self._check_ids(next_ids, "next_ids")
-        logits = self.model.decode_step(next_ids.to(device=self.device, dtype=torch.long), self.positions[:B])
+        logits = self.model.decode_step(ids.to(self.device), self.positions[:B])
         self.positions[:B] += 1
         self._lens = [n + 1 for n in self._lens]
         return logits

@@ -183,6 +183,8 @@ def _generate_batch(engine, runner: DecodeRunner, ids: list[list[int]], params: 
     if on_cuda:
         events[launched % 2].synchronize()  # a step launched ahead of a finished batch
     t_end = time.perf_counter()
+    if hasattr(engine, "set_lengths"):  # every row fed its prompt and `launched` decode steps into the caches
+        engine.set_lengths([n + launched for n in lengths])
 
     result.token_ids.extend(out)
     result.finish_reasons.extend(reasons)

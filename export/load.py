@@ -128,6 +128,12 @@ class ExportedEngine:
     def lengths(self) -> list[int]:
         return list(self._lens)
 
+    def set_lengths(self, lens: list[int]) -> None:
+        """The rows' token counts after decode steps run outside decode() (generate's runner)."""
+        self._lens = [int(n) for n in lens]
+        self.positions.zero_()
+        self.positions[:len(lens)] = torch.tensor(self._lens, dtype=torch.long)
+
     def entry_metadata(self, name: str) -> dict[str, str]:
         """AOTI metadata of one loaded entry (what C++ ``get_metadata()`` returns)."""
         return self._models[name].get_metadata()
@@ -159,39 +165,24 @@ class ExportedEngine:
 
     # -- engine interface (mirrors dsv4_model.engine.Engine) -----------------------------------------------
     def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            raise ValueError("input_ids must be a 2-D tensor [batch, seq]")
-        b, s = input_ids.shape
-        if not 1 <= b <= self.max_batch_size:
-            raise ValueError(f"batch size {b} outside [1, max_batch_size={self.max_batch_size}]")
-        lens = [s] * b if lengths is None else [int(v) for v in torch.as_tensor(lengths).tolist()]
-        if len(lens) != b or min(lens) < 1 or max(lens) > s:
-            raise ValueError(f"lengths must be {b} values in [1, {s}], got {lens}")
-        if max(lens) > self.max_seq_len:
-            raise ValueError(f"prompt length {max(lens)} exceeds max_seq_len={self.max_seq_len}")
-        s = max(lens)
-        ids = input_ids.detach()[:, :s].cpu().long()
-        valid = torch.arange(s).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
-        if ids[valid].numel() and (int(ids[valid].min()) < 0 or int(ids[valid].max()) >= self.vocab_size):
-            raise ValueError(f"input_ids outside [0, vocab_size={self.vocab_size})")
-        ids = torch.where(valid, ids, torch.zeros_like(ids)).to(self.device)
+        from dsv4_model.checks import prefill_request
+
+        ids, lens = prefill_request(input_ids, lengths, max_batch_size=self.max_batch_size,
+                                    max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
         len_dev = torch.tensor(lens, dtype=torch.long, device=self.device)
-        logits = self.prefill_step(ids, len_dev)
+        logits = self.prefill_step(ids.to(self.device), len_dev)
         self._lens = lens
         self.positions.zero_()
-        self.positions[:b] = len_dev
+        self.positions[:len(lens)] = len_dev
         return logits
 
     def decode(self, next_ids: torch.Tensor) -> torch.Tensor:
-        if not self._lens:
-            raise ValueError("decode() called before prefill()")
-        next_ids = torch.as_tensor(next_ids).reshape(-1)
+        from dsv4_model.checks import decode_request
+
+        ids = decode_request(torch.as_tensor(next_ids).reshape(-1), self._lens, max_seq_len=self.max_seq_len,
+                             vocab_size=self.vocab_size)
         b = len(self._lens)
-        if next_ids.shape != (b,):
-            raise ValueError(f"next_ids must have shape ({b},), got {tuple(next_ids.shape)}")
-        if max(self._lens) >= self.max_seq_len:
-            raise ValueError(f"a row already holds {max(self._lens)} tokens = max_seq_len={self.max_seq_len}")
-        logits = self.decode_step(next_ids.to(self.device, torch.long), self.positions[:b])
+        logits = self.decode_step(ids.to(self.device), self.positions[:b])
         self.positions[:b] += 1
         self._lens = [n + 1 for n in self._lens]
         return logits

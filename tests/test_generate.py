@@ -243,3 +243,20 @@ def test_cli_bad_arguments_fail_cleanly(tmp_path):
     with redirect_stderr(err):
         rc = cli.main(["generate", "--prompt", "x", "--max-new-tokens", "0", "--device", "cpu"])
     assert rc == 2 and "--max-new-tokens must be an int >= 1" in err.getvalue(), err.getvalue()
+
+
+def test_engine_lengths_follow_generate_so_decode_can_continue(tmp_path):
+    # after generate(), the engine holds each row's prompt and the ids its decode steps fed: decode() continues
+    # where generation stopped, with the logits a plain prefill of the whole sequence gives
+    from dsv4_model.checkpoint_writer import write_tiny_checkpoint
+
+    write_tiny_checkpoint(tmp_path / "m", "dsv4", seed=0)
+    eng = Engine.from_pretrained(tmp_path / "m", device="cpu", dtype=torch.float32, max_seq_len=64, progress=False)
+    prompt = [0, 5, 9, 14]
+    res = generate(eng, [prompt], max_new_tokens=6)
+    gen = res.token_ids[0]
+    assert eng.lengths == [len(prompt) + len(gen) - 1]  # the last sampled id is not fed yet
+    cont = eng.decode(torch.tensor([gen[-1]]))
+    full = Engine.from_pretrained(tmp_path / "m", device="cpu", dtype=torch.float32, max_seq_len=64, progress=False)
+    ref = full.prefill(torch.tensor([prompt + gen]))
+    torch.testing.assert_close(cont, ref, rtol=1e-4, atol=1e-4)
