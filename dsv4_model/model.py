@@ -83,11 +83,12 @@ class Block(nn.Module):
         return hc_pre(h, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
                       getattr(self, f"hc_{site}_base"), self.hc, self.iters, self.hc_eps, self.norm_eps)
 
-    def prefill(self, h: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, rope: dict) -> torch.Tensor:
+    def prefill(self, h: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, rope: dict,
+                static_moe: bool = False) -> torch.Tensor:
         x, post, comb = self._pre(h, "attn")
         h = hc_post(self.attn.prefill(self.attn_norm(x), lengths, rope[self.attn.rope_kind]), h, post, comb)
         x, post, comb = self._pre(h, "ffn")
-        return hc_post(self.ffn(self.ffn_norm(x), ids, static=False), h, post, comb)
+        return hc_post(self.ffn(self.ffn_norm(x), ids, static=static_moe), h, post, comb)
 
     def _pre_normed(self, h: torch.Tensor, site: str, norm: RMSNorm, opts: DecodeOptions):
         """_pre, then the sublayer's norm: at decode one dsv4::hc_pre call (unless opts say otherwise)."""
@@ -289,11 +290,14 @@ class Transformer(nn.Module):
     # ------------------------------------------------------------------ inference entry points
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None,
-                all_logits: bool = False) -> torch.Tensor:
+                all_logits: bool = False, static_moe: bool = False) -> torch.Tensor:
         """Forward `tokens` [B, S] from position 0 and fill cache rows [:B].
 
         lengths [B] (optional): right-padded rows; row b is valid for positions < lengths[b] and its cache state
-        ends there. Returns fp32 logits [B, V] at position lengths[b]-1 (default S-1), or [B, S, V]."""
+        ends there. Returns fp32 logits [B, V] at position lengths[b]-1 (default S-1), or [B, S, V].
+        static_moe: float experts through their static-shape path (gathering each token's expert weights: what
+        torch.export can trace; memory grows with tokens x top-k x expert size) instead of the per-expert loop
+        with data-dependent shapes."""
         B, S = tokens.shape
         if B > self.max_batch_size or S > self.max_seq_len or S < 1:
             raise ValueError(f"prefill shape {tuple(tokens.shape)} exceeds max_batch_size={self.max_batch_size} "
@@ -305,7 +309,7 @@ class Transformer(nn.Module):
         rope = self._rope()
         h = self.embed(tokens).unsqueeze(2).repeat(1, 1, self.hc, 1)
         for layer in self.layers:
-            h = layer.prefill(h, tokens, lengths, rope)
+            h = layer.prefill(h, tokens, lengths, rope, static_moe)
         if all_logits:
             return self._logits(h)
         last = h[torch.arange(B, device=self.device), lengths - 1]

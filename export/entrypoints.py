@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -113,24 +114,9 @@ def call_decode(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor)
     return model.decode_step(tokens, positions)
 
 
-@contextlib.contextmanager
-def static_moe(model: nn.Module) -> Iterator[None]:
-    """Routes the prefill MoE through the model's static-shape path (the one decode uses).
-
-    The model's prefill MoE loops over experts with ``.tolist()`` counts (data-dependent shapes), which
-    export cannot trace; ``forward_gather`` computes the same experts with static shapes (gathering each
-    token's expert weights: memory grows with prompt tokens x top-k x expert size, fine for small buckets).
-    """
-    patched = [m for m in model.modules() if hasattr(m, "forward_loop") and hasattr(m, "forward_gather")]
-    for m in patched:
-        m.forward_loop = m.forward_gather  # instance attribute shadows the method
-    try:
-        yield
-    finally:
-        for m in patched:
-            del m.forward_loop
-
-
 def call_prefill(model: nn.Module, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    with static_moe(model):
-        return model.prefill(tokens, lengths)
+    """A dsv4 Transformer's prefill with its float experts on the static-shape path: the per-expert loop has
+    data-dependent shapes, which export cannot trace (NVFP4 experts run one op either way)."""
+    if "static_moe" in inspect.signature(model.prefill).parameters:
+        return model.prefill(tokens, lengths, static_moe=True)
+    return model.prefill(tokens, lengths)

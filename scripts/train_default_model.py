@@ -291,27 +291,11 @@ class IndexerDistill:
             self._wrap(attn)
 
     def _wrap(self, attn) -> None:
-        orig_prefill, orig_qkv, orig_comp = attn.prefill, attn._qkv, attn.compressor.prefill
-        seen = {}
+        def hook(t):
+            if self.active and torch.is_grad_enabled() and t.comp is not None:
+                self.losses.append(self._loss(attn, t.x, t.lengths, t.rope, t.qr, t.q, t.comp))
 
-        def qkv(x, cs, *args, **kwargs):
-            out = orig_qkv(x, cs, *args, **kwargs)
-            seen["qr"], seen["q"] = out[0], out[1]
-            return out
-
-        def comp_prefill(x, lengths, rope):
-            out = orig_comp(x, lengths, rope)
-            seen["comp"] = out
-            return out
-
-        def prefill(x, lengths, rope):
-            out = orig_prefill(x, lengths, rope)
-            if self.active and torch.is_grad_enabled() and seen.get("comp") is not None:
-                self.losses.append(self._loss(attn, x, lengths, rope, seen["qr"], seen["q"], seen["comp"]))
-            seen.clear()
-            return out
-
-        attn._qkv, attn.compressor.prefill, attn.prefill = qkv, comp_prefill, prefill
+        attn.prefill_hooks.append(hook)
 
     @staticmethod
     def _ste_fp4(x: torch.Tensor) -> torch.Tensor:
@@ -380,8 +364,7 @@ class SublayerDropout:
         return out
 
     def _wrap_prefill(self, attn) -> None:
-        orig = attn.prefill
-        attn.prefill = lambda x, lengths, rope: self._drop(orig(x, lengths, rope))
+        attn.prefill_hooks.append(lambda t: self._drop(t.out))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -718,8 +701,8 @@ def main(argv=None) -> dict:
                 if idx_loss is not None:
                     total = total + args.indexer_weight * idx_loss
                 elif distill.active and distill.layers:
-                    raise RuntimeError("indexer distillation produced no loss: Attention.prefill no longer calls "
-                                       "_qkv / compressor.prefill as IndexerDistill expects")
+                    raise RuntimeError("indexer distillation produced no loss: Attention.prefill_hooks saw no "
+                                       "compressed entries")
             distill.active = dropout.active = False
             detach_runtime_buffers(model)
             opt.zero_grad(set_to_none=True)
