@@ -3,7 +3,7 @@
 Every figure is a CUDA-graph replay of REPS back-to-back calls divided by REPS (best of a few replays), so
 launch overhead is excluded for us and for the peers alike. GB/s = (bytes read + bytes written) / time; the
 fraction is of 4.26 TB/s (HBM peak measured by a device copy). Peers, same run: the pure-PyTorch reference
-(dsv4_ops/reference.py) eager, and compiled by Inductor (torch.compile, dynamic shapes, one compile per op).
+(dsv4_ops/reference/) eager, and compiled by Inductor (torch.compile, dynamic shapes, one compile per op).
 At decode sizes the input stays in L2 across replays, so small rows can exceed HBM bandwidth.
 
 Run: python bench/bench_nvfp4_quant.py   (must finish in < 90 s)

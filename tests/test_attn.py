@@ -1,5 +1,5 @@
 """dsv4::sparse_attn_decode (a decode step's attention: one query token per row against the window + compressed /
-top-k cache rows it lists, one shared K = V head, per-head sink) against the reference (dsv4_ops/reference.py,
+top-k cache rows it lists, one shared K = V head, per-head sink) against the reference (dsv4_ops/reference/,
 the steps of dsv4_model.attention.Attention._attend), opcheck, torch.compile, and on CUDA the split-K kernels
 (one and many splits, head counts that do not fill a CTA, skipped rows), a captured graph and no host sync.
 

@@ -1,5 +1,5 @@
 """dsv4::fp32_linear (the fp32 projections: compressor wkv / wgate, mHC mixes; several weights per call) against
-the float64 reference (dsv4_ops/reference.py), opcheck, torch.compile, and on CUDA every kernel variant (1 or 4
+the float64 reference (dsv4_ops/reference/), opcheck, torch.compile, and on CUDA every kernel variant (1 or 4
 rows per CTA, 1 or up to 8 token rows, bf16 / fp32 weights and x), the fp32-matmul fallback, a captured graph and
 no host sync.
 

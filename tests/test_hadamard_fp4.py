@@ -1,6 +1,6 @@
 """dsv4::hadamard_fp4 (the indexer's RoPE + Walsh-Hadamard rotation + simulated FP4 rounding of its queries and
 keys) against the model's own steps (dsv4_model.layers.apply_rope, quant_sim.indexer_fake_quant: the same
-butterfly, so the same bits) and against an independent reference (dsv4_ops/reference.py: the rotation as a
+butterfly, so the same bits) and against an independent reference (dsv4_ops/reference/: the rotation as a
 float64 product with the Sylvester matrix, so a value may round to a neighbouring FP4 code where the fp32 sums
 straddle a rounding boundary); CUDA against CPU bit for bit; opcheck, torch.compile, a captured CUDA graph, and
 the model's decode with and without the op."""

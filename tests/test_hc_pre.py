@@ -1,5 +1,5 @@
 """dsv4::hc_pre (a token's hc residual streams -> the sublayer input, its RMSNorm, and the mHC post / comb weights,
-in one op) against the pure-PyTorch reference (dsv4_ops/reference.py: the steps of dsv4_model.layers.hc_pre and
+in one op) against the pure-PyTorch reference (dsv4_ops/reference/: the steps of dsv4_model.layers.hc_pre and
 RMSNorm), opcheck, torch.compile, and on CUDA the split-K + finish kernels (V4 widths, one and several tokens,
 fp32 / bf16 fn), a captured graph and no host sync.
 

@@ -1,5 +1,5 @@
 """dsv4::indexer_store_keys (a closed window's indexer key into the float cache and, as FP4 codes + UE8M0
-exponents, into the packed caches) against the pure-PyTorch reference (dsv4_ops/reference.py: the decode step's
+exponents, into the packed caches) against the pure-PyTorch reference (dsv4_ops/reference/: the decode step's
 writes with indexer_fp4_quantize_keys): every byte of every cache equal, step after step across window
 boundaries; opcheck, torch.compile with the caches as mutated buffers, a captured CUDA graph, and the model's
 decode with and without the op."""

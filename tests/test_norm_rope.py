@@ -1,5 +1,5 @@
 """dsv4::rms_norm_rope (the decode step's RMSNorm + RoPE of q, kv and compressed entries, with the simulated FP8
-rounding of kv) against the pure-PyTorch reference (dsv4_ops/reference.py), which is checked bit for bit against
+rounding of kv) against the pure-PyTorch reference (dsv4_ops/reference/), which is checked bit for bit against
 the model's own steps (dsv4_model.layers.RMSNorm / unweighted_rms_norm, apply_rope, quant_sim.kv_fake_quant);
 opcheck, torch.compile, a captured CUDA graph, and the model's decode with and without the op. The same for
 dsv4::rms_norm_rope_store (the result written into the attention cache's window / entry slots).

@@ -1,5 +1,5 @@
 """dsv4::nvfp4_linear / nvfp4_linear_grouped / nvfp4_linear_multi / nvfp4_linear_w4a4 / nvfp4_moe / nvfp4_moe_rows
-against the dequantize-then-matmul references (dsv4_ops/reference.py), the kernel weight layout
+against the dequantize-then-matmul references (dsv4_ops/reference/), the kernel weight layout
 (dsv4_model/nvfp4.py), and the NVFP4 modules.
 
 Tolerance of a bf16 output: |out - ref32| <= ulp_bf16(ref32) + 2 * 2e-5 * sum_k |x_k w_k|, i.e. one bf16 rounding

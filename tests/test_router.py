@@ -1,5 +1,5 @@
 """dsv4::router_topk (a decode step's MoE routing: top-k of score + bias, the unbiased scores renormalised and
-scaled, one kernel) against the reference (dsv4_ops/reference.py: a stable descending sort), opcheck,
+scaled, one kernel) against the reference (dsv4_ops/reference/: a stable descending sort), opcheck,
 torch.compile, and on CUDA a captured graph without host syncs. Indices must be equal (ties included: NaN first,
 equal values to the lower index); the kernels add, divide and multiply in the reference's order, so weights
 agree to a few ulps (torch may sum the k weights in another order). With sqrt_softplus (the op computes V4's
