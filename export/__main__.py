@@ -3,7 +3,7 @@
     python -m export build --model CKPT_DIR --out model.pt2 [--max-batch-size 4] [--max-seq-len 4096]
                            [--device cuda] [--dtype bfloat16] [--decode-batches 1,2,4] [--prefill-batches 1]
                            [--prefill-lengths 64,256] [--quant nvfp4] [--act-quant nvfp4]
-                           [--no-simulate-quant] [--no-exported-programs]
+                           [--no-simulate-quant] [--no-exported-programs] [--jobs N]
     python -m export run model.pt2 --prompt-ids 1 2 3 [--max-new-tokens 16] [--temperature 0] [--no-cuda-graph]
     python -m export info model.pt2
 """
@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--quant", choices=["none", "nvfp4"], default=None,
                    help="weights: nvfp4 converts at load (default: as the checkpoint stores them)")
     b.add_argument("--act-quant", choices=["none", "nvfp4"], default=None, help="NVFP4 activations (W4A4)")
+    b.add_argument("--jobs", type=int, default=None,
+                   help="processes that export + compile the entries side by side (default: one per 4 CPU cores, "
+                        "as memory allows)")
     b.add_argument("--no-exported-programs", action="store_true",
                    help="do not also save <out>.<entry>.ep.pt2 (torch.export.save)")
 
@@ -79,6 +82,8 @@ def _build(a) -> int:
 
     check_positive_int(a.max_batch_size, "--max-batch-size")
     check_positive_int(a.max_seq_len, "--max-seq-len")
+    if a.jobs is not None:
+        check_positive_int(a.jobs, "--jobs")
     device = str(parse_device(a.device or ("cuda" if torch.cuda.is_available() else "cpu")))
     t0 = time.time()
     build_from_checkpoint(a.model, a.out, max_batch_size=a.max_batch_size, max_seq_len=a.max_seq_len, device=device,
@@ -88,7 +93,7 @@ def _build(a) -> int:
                           prefill_batches=a.prefill_batches or sorted({1, a.max_batch_size}),
                           prefill_lengths=a.prefill_lengths,
                           save_exported_programs=not a.no_exported_programs,
-                          allow_beyond_max_position=a.allow_beyond_max_position)
+                          allow_beyond_max_position=a.allow_beyond_max_position, jobs=a.jobs)
     print(f"[export] done in {time.time() - t0:.0f} s: {a.out}", file=sys.stderr)
     return 0
 

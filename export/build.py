@@ -177,21 +177,51 @@ def _aot_compile(ep: torch.export.ExportedProgram, args, kwargs, options: dict) 
     return files
 
 
-def compile_entries(eps: dict[str, torch.export.ExportedProgram], out: str, meta: dict[str, str], *,
-                    verbose: bool = True) -> str:
-    """AOTInductor-compiles every ExportedProgram and writes them as named models of one .pt2."""
+def toolchain_metadata(verbose: bool = True) -> dict[str, str]:
+    """Makes Inductor use the chosen C++ compiler; the metadata that records it (the libstdc++ a loader needs)."""
     choice = toolchain.configure_inductor(verbose=verbose)
     lib = toolchain.compiler_libstdcxx(choice.cxx)
-    meta = dict(meta, **{md.K_CXX: choice.cxx,
-                         md.K_CXX_GLIBCXX: ".".join(map(str, lib.glibcxx)) if lib and lib.glibcxx else ""})
-    options = {name: {"aot_inductor.package": True, "aot_inductor.metadata": dict(meta, **{"dsv4.entry": name})}
-               for name in eps}
-    files: dict[str, list] = {}
+    return {md.K_CXX: choice.cxx, md.K_CXX_GLIBCXX: ".".join(map(str, lib.glibcxx)) if lib and lib.glibcxx else ""}
+
+
+def export_and_compile(model: nn.Module, names: Sequence[str], entries: Sequence[Entry],
+                       eager_ops: dict[str, set[str]], meta: dict[str, str], *, device: str,
+                       ep_stem: str | None = None, verbose: bool = True, decode_fn: Callable = call_decode,
+                       prefill_fn: Callable = call_prefill, log: Callable[[str], None] | None = None
+                       ) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """Exports every entry (all before any compile: an export error comes before minutes of compiling), then
+    AOTInductor-compiles them. Returns {entry: (the AOTI files, the dsv4 ops its graph calls)}. ``meta`` (with
+    the toolchain's) goes into every entry's AOTI metadata, with that entry's name and ops."""
+    log = log or (lambda m: _log(verbose, m))
+    eps: dict[str, torch.export.ExportedProgram] = {}
+    in_graph: dict[str, dict[str, str]] = {}
+    for e in entries:
+        t0 = time.time()
+        log(f"exporting {e.name} ...")
+        ep = export_entry(model, names, e, device=device, decode_fn=decode_fn, prefill_fn=prefill_fn)
+        in_graph[e.name] = _dsv4_ops_in(ep)
+        lost = sorted(eager_ops[e.kind] - set(in_graph[e.name]))
+        if lost:
+            raise RuntimeError(f"{e.name}: dsv4 ops {lost} run eagerly but are not in the exported graph "
+                               "(decomposed or traced through?)")
+        eps[e.name] = ep
+        log(f"  {e.name}: {time.time() - t0:.1f} s, dsv4 ops: {', '.join(in_graph[e.name]) or 'none'}")
+        if ep_stem is not None:
+            torch.export.save(ep, f"{ep_stem}.{e.name}.ep.pt2")
     register_inductor_fallbacks()
+    out = {}
     for name, ep in eps.items():
         args, kwargs = ep.example_inputs
-        with progress(lambda m: _log(verbose, m), f"AOTInductor-compiling {name}") if verbose else nullcontext():
-            files[name] = _aot_compile(ep, args, kwargs, options[name])
+        options = {"aot_inductor.package": True,
+                   "aot_inductor.metadata": dict(meta, **{"dsv4.entry": name,
+                                                          md.K_OPS_USED: json.dumps(in_graph[name], sort_keys=True)})}
+        with progress(log, f"AOTInductor-compiling {name}") if verbose else nullcontext():
+            out[name] = (_aot_compile(ep, args, kwargs, options), in_graph[name])
+    return out
+
+
+def write_package(files: dict[str, list[str]], out: str, meta: dict[str, str]) -> str:
+    """Writes the entries' AOTI files as named models of one .pt2, with the package metadata."""
     from torch.export.pt2_archive._package import package_pt2
 
     # Written under its final name in a scratch folder (the archive's root folder is named after the file),
@@ -203,18 +233,38 @@ def compile_entries(eps: dict[str, torch.export.ExportedProgram], out: str, meta
     return out
 
 
+def compile_jobs(jobs: int | None, model: nn.Module, n_entries: int, device: str) -> int:
+    """How many worker processes export + compile the entries. ``None``: one per 4 CPU cores (each worker's
+    Triton / C++ compiles are themselves parallel), no more than the entries, and only as many model copies
+    as fit in a third of the free device memory and of the available host memory."""
+    if jobs is not None:
+        if jobs < 1:
+            raise ValueError(f"jobs must be >= 1, got {jobs}")
+        return min(jobs, n_entries)
+    n = min(n_entries, max(1, (os.cpu_count() or 1) // 4))
+    if n == 1:
+        return 1
+    size = sum(t.nbytes for t in (*model.parameters(), *model.buffers())) + 2**30  # + a context, workspaces
+    room = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if torch.device(device).type == "cuda":
+        room = min(room, torch.cuda.mem_get_info(torch.device(device))[0])
+    return max(1, min(n, int(room // 3 // size)))
+
+
 def build_package(model: nn.Module, config: dict, out: str, *, max_batch_size: int, max_seq_len: int,
                   device: str, decode_batches: Sequence[int] | None = None,
                   prefill_batches: Sequence[int] | None = None, prefill_lengths: Sequence[int] | None = None,
                   save_exported_programs: bool = True, dtype: torch.dtype | None = None, verbose: bool = True,
-                  decode_fn: Callable = call_decode, prefill_fn: Callable = call_prefill) -> str:
+                  decode_fn: Callable = call_decode, prefill_fn: Callable = call_prefill,
+                  jobs: int | None = None) -> str:
     """Exports ``model`` (already on ``device``, caches allocated for max_batch_size x max_seq_len) to ``out``.
 
     Decode buckets default to [max_batch_size]; prefill to batch [1] x ``default_prefill_lengths``;
     ``prefill_batches=[]`` builds a decode-only package. ``config`` (a JSON-able dict, e.g.
     ``ModelConfig.to_dict()``) is stored in the metadata. Returns the package path. With
     ``save_exported_programs`` also writes ``<out stem>.<entry>.ep.pt2`` (``torch.export.save``; load them with
-    ``torch.export.load`` after ``import dsv4_ops``).
+    ``torch.export.load`` after ``import dsv4_ops``). ``jobs``: processes that export + compile the entries side
+    by side (``compile_jobs``: by default one per 4 CPU cores where memory allows; 1 builds in this process).
     """
     import dsv4_ops  # noqa: F401  (schemas + fakes must exist before tracing)
 
@@ -246,26 +296,12 @@ def build_package(model: nn.Module, config: dict, out: str, *, max_batch_size: i
                   f"entries: {', '.join(e.name for e in entries)}")
     eager_ops = {p.kind: _restoring(model, names, lambda: eager_dsv4_ops(
         model, p, device, decode_fn if p.kind == "decode" else prefill_fn)) for p in probes}
-    eps: dict[str, torch.export.ExportedProgram] = {}
-    used: dict[str, str] = {}
-    for e in entries:
-        t0 = time.time()
-        _log(verbose, f"exporting {e.name} ...")
-        ep = export_entry(model, names, e, device=device, decode_fn=decode_fn, prefill_fn=prefill_fn)
-        in_graph = _dsv4_ops_in(ep)
-        lost = sorted(eager_ops[e.kind] - set(in_graph))
-        if lost:
-            raise RuntimeError(f"{e.name}: dsv4 ops {lost} run eagerly but are not in the exported graph "
-                               "(decomposed or traced through?)")
-        used.update(in_graph)
-        eps[e.name] = ep
-        _log(verbose, f"  {e.name}: {time.time() - t0:.1f} s, dsv4 ops: {', '.join(in_graph) or 'none'}")
     meta = md.environment(device)
+    meta.update(toolchain_metadata(verbose))
     meta.update({
         md.K_CONFIG: json.dumps(config, sort_keys=True),
         md.K_ENTRIES: json.dumps({e.name: e.to_json() for e in entries}),
         md.K_CACHES: json.dumps([s.to_json() for s in specs]),
-        md.K_OPS_USED: json.dumps(used, sort_keys=True),
         md.K_MAX_BATCH: str(max_batch_size),
         md.K_MAX_SEQ: str(max_seq_len),
         md.K_DTYPE: str(dtype).removeprefix("torch.") if dtype is not None else "",
@@ -278,12 +314,21 @@ def build_package(model: nn.Module, config: dict, out: str, *, max_batch_size: i
     })
     out_dir = os.path.dirname(os.path.abspath(out))
     os.makedirs(out_dir, exist_ok=True)
-    if save_exported_programs:
-        stem = out[: -len(".pt2")]
-        for name, ep in eps.items():
-            torch.export.save(ep, f"{stem}.{name}.ep.pt2")
-        _log(verbose, f"ExportedPrograms saved as {stem}.<entry>.ep.pt2")
-    compile_entries(eps, out, meta, verbose=verbose)
+    ep_stem = out[: -len(".pt2")] if save_exported_programs else None
+    jobs = compile_jobs(jobs, model, len(entries), device)
+    kwargs = dict(device=device, ep_stem=ep_stem, verbose=verbose, decode_fn=decode_fn, prefill_fn=prefill_fn)
+    if jobs > 1:
+        from export.workers import export_and_compile_in_workers
+
+        _log(verbose, f"exporting + compiling {len(entries)} entries in {jobs} worker processes")
+        done = export_and_compile_in_workers(model, names, entries, eager_ops, meta, jobs=jobs, **kwargs)
+    else:
+        done = export_and_compile(model, names, entries, eager_ops, meta, **kwargs)
+    if ep_stem is not None:
+        _log(verbose, f"ExportedPrograms saved as {ep_stem}.<entry>.ep.pt2")
+    used = {op: schema for _, ops in done.values() for op, schema in ops.items()}
+    meta[md.K_OPS_USED] = json.dumps(dict(sorted(used.items())), sort_keys=True)
+    write_package({e.name: done[e.name][0] for e in entries}, out, meta)
     _log(verbose, f"package written: {out} ({os.path.getsize(out) / 2**20:.1f} MiB)")
     return out
 
@@ -312,7 +357,8 @@ def build_from_checkpoint(path: str, out: str, *, max_batch_size: int, max_seq_l
                           quant: str | None = None, act_quant: str | None = None,
                           decode_batches: Sequence[int] | None = None, prefill_batches: Sequence[int] | None = None,
                           prefill_lengths: Sequence[int] | None = None, save_exported_programs: bool = True,
-                          verbose: bool = True, allow_beyond_max_position: bool = False) -> str:
+                          verbose: bool = True, allow_beyond_max_position: bool = False,
+                          jobs: int | None = None) -> str:
     """Loads a checkpoint with ``dsv4_model.loader.load_model`` and exports it (see ``build_package``).
 
     ``quant`` / ``act_quant``: as for the loader ("nvfp4" converts the weights at load: the exported graphs then
@@ -327,8 +373,8 @@ def build_from_checkpoint(path: str, out: str, *, max_batch_size: int, max_seq_l
     return build_package(model, cfg, out, max_batch_size=max_batch_size, max_seq_len=max_seq_len, device=device,
                          decode_batches=decode_batches, prefill_batches=prefill_batches,
                          prefill_lengths=prefill_lengths, save_exported_programs=save_exported_programs, dtype=dtype,
-                         verbose=verbose)
+                         verbose=verbose, jobs=jobs)
 
 
-__all__ = ["Entry", "plan_entries", "export_entry", "compile_entries", "build_package", "build_from_checkpoint",
+__all__ = ["Entry", "plan_entries", "export_entry", "export_and_compile", "write_package", "build_package", "build_from_checkpoint",
            "CacheSpec"]

@@ -52,17 +52,23 @@ def _make_model(device, nvfp4=True):
     return (quantize_model_(model) if nvfp4 else model), cfg
 
 
-def _build(tmp_path_factory, device):
+def _build(tmp_path_factory, device, jobs=None):
     model, cfg = _make_model(device)
     path = str(tmp_path_factory.mktemp(f"export_{device}") / "tiny.pt2")
     build_package(model, cfg.to_dict(), path, max_batch_size=MAX_B, max_seq_len=MAX_S, device=device,
-                  decode_batches=[MAX_B], prefill_batches=[MAX_B], prefill_lengths=[BUCKET_S], dtype=torch.float32)
+                  decode_batches=[MAX_B], prefill_batches=[MAX_B], prefill_lengths=[BUCKET_S], dtype=torch.float32,
+                  jobs=jobs)
     return types.SimpleNamespace(path=path, model=model, config=cfg, device=device)
 
 
 @pytest.fixture(scope="module")
 def cpu_pkg(tmp_path_factory):
-    return _build(tmp_path_factory, "cpu")
+    return _build(tmp_path_factory, "cpu", jobs=1)
+
+
+@pytest.fixture(scope="module")
+def cpu_pkg_workers(tmp_path_factory):
+    return _build(tmp_path_factory, "cpu", jobs=2)
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +197,20 @@ def test_package_layout_and_metadata(cpu_pkg):
 
 def test_fresh_process_matches_eager_engine_cpu(cpu_pkg, cpu_fresh):
     _check_against_eager(cpu_pkg, cpu_fresh)
+
+
+def test_package_built_in_worker_processes(cpu_pkg, cpu_pkg_workers, tmp_path_factory):
+    # Decode and prefill exported + compiled in two worker processes (the model pickled to them): the same
+    # package as one built in this process, and it runs like the eager engine.
+    ids, lens, _, fed = _eager_reference(cpu_pkg_workers)
+    _check_against_eager(cpu_pkg_workers, _run_fresh(cpu_pkg_workers, tmp_path_factory.mktemp("fresh_workers"),
+                                                     ids, lens, fed))
+    serial, workers = md.read_from_archive(cpu_pkg.path), md.read_from_archive(cpu_pkg_workers.path)
+    for k in (md.K_ENTRIES, md.K_CACHES, md.K_OPS_USED, md.K_CONFIG, md.K_CPP_DECODE, md.K_CPP_PREFILL):
+        assert serial[k] == workers[k], k
+    stem = cpu_pkg_workers.path[: -len(".pt2")]
+    for entry in json.loads(workers[md.K_ENTRIES]):
+        assert os.path.isfile(f"{stem}.{entry}.ep.pt2"), entry
 
 
 @pytest.mark.cuda
