@@ -4,7 +4,7 @@ einsums, masks, softmax with the sink), same run, batch 1 to 32, V4-Flash decode
   window only. H = 64 heads x D = 512, bf16 cache.
 µs per call by CUDA-graph replay (the tensor-op form compiled with torch.compile, as in the decode step; one
 compiled graph per shape), bytes = the cache rows read once, fraction of 4.26 TB/s. The op runs its tensor-core
-partial kernel here (bf16, D % 64 == 0); 'simt' = the CUDA-core partial kernel (DSV4_ATTN_KERNEL=simt) on the
+partial kernel here (bf16, D % 64 == 0); 'simt' = the CUDA-core partial kernel (the attn_kernel="simt" override) on the
 same inputs.
 
 Run: python bench/bench_attn_decode.py
@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dsv4_ops  # noqa: E402,F401
 from dsv4_ops.reference import sparse_attn_decode_ref  # noqa: E402
+from dsv4_ops.overrides import kernel_overrides  # noqa: E402
 from timing import cuda_generator, graph_us, vs_peer  # noqa: E402
 
 H, D, W = 64, 512, 128
@@ -48,11 +49,10 @@ def main() -> int:
             peer = graph_us(lambda: torch_form(q, kv, idx, sink, scale), 64)
             err = float((torch.ops.dsv4.sparse_attn_decode(q, kv, idx, sink, scale).float()
                          - sparse_attn_decode_ref(q, kv, idx, sink, scale).float()).abs().max())
-            os.environ["DSV4_ATTN_KERNEL"] = "simt"  # the CUDA-core partial kernel, same inputs
-            simt = graph_us(lambda: torch.ops.dsv4.sparse_attn_decode(q, kv, idx, sink, scale), 64)
-            err_simt = float((torch.ops.dsv4.sparse_attn_decode(q, kv, idx, sink, scale).float()
-                              - sparse_attn_decode_ref(q, kv, idx, sink, scale).float()).abs().max())
-            del os.environ["DSV4_ATTN_KERNEL"]
+            with kernel_overrides(attn_kernel="simt"):  # the CUDA-core partial kernel, same inputs
+                simt = graph_us(lambda: torch.ops.dsv4.sparse_attn_decode(q, kv, idx, sink, scale), 64)
+                err_simt = float((torch.ops.dsv4.sparse_attn_decode(q, kv, idx, sink, scale).float()
+                                  - sparse_attn_decode_ref(q, kv, idx, sink, scale).float()).abs().max())
             print(f"{name:12} {B:2d} {idx.shape[1]:5d} | {vs_peer(ours, peer, B * idx.shape[1] * D * 2)} | "
                   f"simt {simt:7.2f} us ({peer / simt:5.2f}x)   (max |diff| {err:.1e}, simt {err_simt:.1e})")
     return 0

@@ -35,6 +35,8 @@ from dsv4_model.compressor import Compressor  # noqa: E402
 from dsv4_model.checkpoint_writer import TINY_CONFIG  # noqa: E402
 from dsv4_model.compiled import DecodeRunner  # noqa: E402
 from dsv4_model.decode_options import DecodeOptions  # noqa: E402
+from dsv4_ops.overrides import parse as parse_overrides  # noqa: E402
+from dsv4_ops.overrides import set_overrides  # noqa: E402
 from dsv4_model.config import ModelConfig  # noqa: E402
 from dsv4_model.model import Transformer  # noqa: E402
 from dsv4_model.quantize_model import quantize_model_  # noqa: E402
@@ -190,7 +192,9 @@ def main(argv=None) -> int:
     ap.add_argument("--micro", action="store_true", help="tiny widths (a dry run of the method)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--decode-options", default="", help='debug overrides, e.g. "norm_rope=0,hc_pre=0"')
+    ap.add_argument("--kernel-overrides", default="", help='dsv4_ops.overrides, e.g. "attn_kernel=simt,pdl=0"')
     args = ap.parse_args(argv)
+    set_overrides(parse_overrides(args.kernel_overrides))
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_layer: needs a CUDA GPU (skipped; --device cpu --micro dry-runs the method)")
         return 0

@@ -14,7 +14,6 @@ experts touched); "HBM" is that over 4.26 TB/s. TF/s = 2*M*N*K / time.
 
 Run: python bench/bench_nvfp4_gemm.py   (about a minute; BENCH_NVFP4_PARTS=linear,grouped,multi,moe picks tables)
 """
-import contextlib
 import math
 import os
 import time
@@ -29,6 +28,7 @@ import sys as _sys
 _sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))
 
 import dsv4_ops  # noqa: E402,F401
+from dsv4_ops.overrides import kernel_overrides  # noqa: E402
 from timing import graph_us as _graph_us  # noqa: E402
 
 ops = torch.ops.dsv4
@@ -51,22 +51,8 @@ def graph_us(fn, reps):
     return _graph_us(fn, reps, indexed=True)
 
 
-@contextlib.contextmanager
-def env_var(key, value):
-    """DSV4_NVFP4_* are read when the op launches, i.e. while the graph is captured."""
-    old = os.environ.get(key)
-    os.environ[key] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[key]
-        else:
-            os.environ[key] = old
-
-
 def kernel_choice(name):
-    return env_var("DSV4_NVFP4_GEMM_KERNEL", name)
+    return kernel_overrides(nvfp4_gemm_kernel=name)
 
 
 def reps_for(bytes_moved, flops, out_bytes):
@@ -115,7 +101,7 @@ def bench_linear(gen):
             alt = ""
             if m <= 8:  # the default gemv kernel without PDL, and the skinny kernel; same weights and reps
                 ts = []
-                with env_var("DSV4_NVFP4_PDL", "0"):
+                with kernel_overrides(pdl=False):
                     ts.append(graph_us(lambda i: ops.nvfp4_linear(x, ws[i % copies][0], ws[i % copies][1], gs), reps))
                 with kernel_choice("skinny"):
                     ts.append(graph_us(lambda i: ops.nvfp4_linear(x, ws[i % copies][0], ws[i % copies][1], gs), reps))

@@ -23,6 +23,7 @@ _sys.path.insert(0, _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)
 import dsv4_ops  # noqa: E402,F401
 from timing import graph_us  # noqa: E402
 from dsv4_ops import reference as ref  # noqa: E402
+from dsv4_ops.overrides import kernel_overrides  # noqa: E402
 
 HBM_BYTES_PER_S = 4.26e12
 DECODE_TARGET_US = 4.0
@@ -137,9 +138,8 @@ def main():
     for M, K in [(8, 7168), (64, 7168), (128, 4096)]:
         x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
         for path in ("cluster", "grid"):
-            os.environ["DSV4_NVFP4_FUSED_PATH"] = path
-            paths.append((M, K, path, graph_us(lambda: OPS.fused_amax_quantize(x), 200)))
-        os.environ.pop("DSV4_NVFP4_FUSED_PATH")
+            with kernel_overrides(nvfp4_fused_path=path):
+                paths.append((M, K, path, graph_us(lambda: OPS.fused_amax_quantize(x), 200)))
     print_table("fused_amax_quantize (per-tensor amax -> global scale -> NVFP4, one launch), bf16", fused)
     print_table("fused_amax_quantize_per_row (per-token global scale), bf16", per_row)
     print_table("nvfp4_quantize with a given global scale, bf16", quant)

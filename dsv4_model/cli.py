@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decode step (default: on for CUDA)")
+    g.add_argument("--regional-compile", action="store_true",
+                   help="compile one decoder layer at a time, reused by the layers that trace the same (compile "
+                        "time grows with the kinds of layers, not the depth)")
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay the decode step as CUDA graphs (default: on for CUDA)")
     g.add_argument("--graph-mode", choices=("manual", "reduce-overhead"), default="manual")
@@ -180,6 +183,8 @@ def cmd_generate(args) -> int:
                                     act_quant=args.act_quant, allow_beyond_max_position=args.allow_beyond_max_position)
     engine.tokenizer = tok
     engine.decode_options["log"] = _note
+    if args.regional_compile:
+        engine.decode_options["regional"] = True
     t_load = time.perf_counter() - t0
 
     single = len(prompt_ids) == 1

@@ -55,6 +55,12 @@ def progress(log: Callable[[str], None], what: str, every_s: float = 15.0):
     log(f"{what}: done in {time.perf_counter() - t0:.1f} s")
 
 
+def _layer_decode(layer, h, ids, step, pending, fold_rows):
+    """One decoder layer's decode (what regional compilation compiles; module-level, so that every runner and
+    every layer share one code object and its compiled variants)."""
+    return layer.decode(h, ids, step, pending, fold_rows=fold_rows)
+
+
 def batch_buckets(max_batch_size: int) -> list[int]:
     """1, 2, 4, ... below max_batch_size, then max_batch_size itself."""
     out, b = [], 1
@@ -74,6 +80,10 @@ class DecodeRunner:
     log: called with one line of progress while a bucket compiles / captures (the CLI prints it on stderr).
     step_options: how the decode step is built (dsv4_model.decode_options.DecodeOptions; the defaults are the
     shipped path, the rest debug overrides), fixed for the runner's lifetime.
+    regional: with compile, compile one decoder layer at a time instead of the whole step: Dynamo reuses a layer's
+    compiled code for every later layer that traces the same (layers differ only in weights and caches), so
+    compile time grows with the kinds of layers, not the depth; the rest of the step runs eagerly, and the CUDA
+    graph still captures the whole step. Not with graph_mode "reduce-overhead".
 
     Use: `prepare(B)` (compiles / captures; scribbles on cache rows [:bucket], so call it BEFORE prefill),
     prefill, `begin(positions, params)`, `sample_first(prefill_logits)`, then `step()` per token.
@@ -81,7 +91,8 @@ class DecodeRunner:
 
     def __init__(self, model, *, compile: bool | None = None, cuda_graphs: bool | None = None,
                  graph_mode: str = "manual", compile_backend: str = "inductor",
-                 log: Callable[[str], None] | None = None, step_options: DecodeOptions | None = None):
+                 log: Callable[[str], None] | None = None, step_options: DecodeOptions | None = None,
+                 regional: bool = False):
         self.model = model
         self.log = log
         self.step_options = step_options if step_options is not None else DecodeOptions()
@@ -113,6 +124,10 @@ class DecodeRunner:
         self._ready: set[int] = set()
         self._pool = None
         self._fn = self._step_impl
+        self._layer_call = None
+        self.regional = bool(regional) and self.compile
+        if self.regional and self.graph_mode == "reduce-overhead":
+            raise ValueError("regional compilation captures the step in manual CUDA graphs, not reduce-overhead")
         if self.compile:
             # Dynamo counts compiled variants per code object, and every runner compiles the same
             # `_step_impl`: leave room for one variant per bucket for several runners (past the limit
@@ -124,20 +139,32 @@ class DecodeRunner:
             from dsv4_ops.inductor import register_inductor_fallbacks
 
             register_inductor_fallbacks()
-            self._fn = torch.compile(self._step_impl, fullgraph=True, dynamic=False, mode=mode,
-                                     backend=compile_backend)
+            if self.regional:
+                # one variant per distinct layer (kind, first user of a shared value, last layer), per bucket
+                n = len(model.layers) * len(self.buckets)
+                cfg.recompile_limit = max(cfg.recompile_limit, n)
+                cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * n)
+                self._layer_call = torch.compile(_layer_decode, fullgraph=True, dynamic=False,
+                                                 backend=compile_backend)
+            else:
+                self._fn = torch.compile(self._step_impl, fullgraph=True, dynamic=False, mode=mode,
+                                         backend=compile_backend)
 
     @property
     def mode_name(self) -> str:
+        compiled = "regional" if self.regional else "compiled"
         if self.graph_mode == "manual":
-            return "compiled+graph" if self.compile else "eager+graph"
+            return f"{compiled}+graph" if self.compile else "eager+graph"
         if self.graph_mode == "reduce-overhead":
             return "reduce-overhead"
-        return "compiled" if self.compile else "eager"
+        return compiled if self.compile else "eager"
 
     # ------------------------------------------------------------------ the step
     def _step_impl(self, tokens, positions, temperature, top_k, top_p, seed, offset):
-        logits = self.model.decode_step(tokens, positions, self.step_options)
+        if self._layer_call is None:  # (an exported package's model takes no layer_call)
+            logits = self.model.decode_step(tokens, positions, self.step_options)
+        else:
+            logits = self.model.decode_step(tokens, positions, self.step_options, layer_call=self._layer_call)
         nxt = ops.sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, offset=offset)
         tokens.copy_(nxt)
         positions.add_(1)
@@ -178,7 +205,9 @@ class DecodeRunner:
         if self.log is None or not (self.compile or self.cuda_graphs):
             return contextlib.nullcontext()
         what = {"compiled+graph": "compiling + capturing", "eager+graph": "capturing",
-                "reduce-overhead": "compiling (reduce-overhead)", "compiled": "compiling"}[self.mode_name]
+                "reduce-overhead": "compiling (reduce-overhead)", "compiled": "compiling",
+                "regional+graph": "compiling layer by layer + capturing",
+                "regional": "compiling layer by layer"}[self.mode_name]
         return progress(self.log, f"{what} the decode step for batch bucket {n}")
 
     def _build(self, n: int) -> None:

@@ -9,10 +9,11 @@ to summation order (tests/decode_switch.py compares each way).
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
+
+from dsv4_ops import overrides
 
 ATTENTION_MODES = ("auto", "fused", "torch")
 
@@ -79,16 +80,16 @@ def key_store(opts: DecodeOptions, keys: torch.Tensor) -> bool:
 
 
 # dsv4::sparse_attn_decode's CUDA partial kernels: the tensor-core one (bf16, head dim % 64 == 0, <= 512) beats the
-# tensor-op form at every measured size; the CUDA-core one (fp32, or DSV4_ATTN_KERNEL=simt) only while batch x
-# listed rows <= FUSED_ATTN_MAX_ROWS (bench/RESULTS.md, bench_attn_decode.py).
+# tensor-op form at every measured size; the CUDA-core one (fp32, or the attn_kernel="simt" override) only while
+# batch x listed rows <= FUSED_ATTN_MAX_ROWS (bench/RESULTS.md, bench_attn_decode.py).
 FUSED_ATTN_MAX_ROWS = 4 * 640
 
 
 def attn_tensor_cores(q: torch.Tensor) -> bool:
     """Whether dsv4::sparse_attn_decode runs its tensor-core partial kernel for q (the CUDA binding's rule, which
-    reads the same DSV4_ATTN_KERNEL debug override)."""
+    reads the same attn_kernel debug override, dsv4_ops.overrides)."""
     return (q.dtype == torch.bfloat16 and q.shape[-1] % 64 == 0 and q.shape[-1] <= 512
-            and os.environ.get("DSV4_ATTN_KERNEL", "") != "simt")
+            and overrides.current().attn_kernel != "simt")
 
 
 def decode_attention(opts: DecodeOptions, batch: int, rows: int, q: torch.Tensor) -> bool:

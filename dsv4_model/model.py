@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -317,9 +317,10 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor,
-                    options: DecodeOptions = DEFAULT_OPTIONS) -> torch.Tensor:
+                    options: DecodeOptions = DEFAULT_OPTIONS, layer_call: Callable | None = None) -> torch.Tensor:
         """One token per row: tokens [B] at positions [B] (device tensors; B <= max_batch_size) -> fp32 [B, V].
-        options: how the step is built (dsv4_model.decode_options).
+        options: how the step is built (dsv4_model.decode_options). layer_call(layer, h, ids, step, pending,
+        fold_rows): runs one layer's decode (a compiled region; default: layer.decode).
 
         Static shapes, no host syncs: safe for torch.compile(fullgraph=True) and CUDA graphs."""
         step = DecodeStep(positions, options, self._rope(),
@@ -331,7 +332,10 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
             fold = nxt is not None and options.moe_rows and nxt.fuses_post("attn", torch.bfloat16, h.dtype, options)
-            h, pending = layer.decode(h, tokens, step, pending, fold_rows=fold)
+            if layer_call is None:
+                h, pending = layer.decode(h, tokens, step, pending, fold_rows=fold)
+            else:
+                h, pending = layer_call(layer, h, tokens, step, pending, fold)
         return self._logits(hc_post(pending.out, h, pending.post, pending.comb))
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:

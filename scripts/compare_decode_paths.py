@@ -5,13 +5,12 @@ A kernel bug shows as a drift far above the bf16 rounding level (~1e-2 on the de
 near-tie as an argmax flip where eager's top-2 margin is below the drift.
 
 Run (GPU): python scripts/compare_decode_paths.py [--model DIR] [--dtype float32] [--steps 32]
-           DSV4_NVFP4_GEMM_KERNEL=skinny python scripts/compare_decode_paths.py   (the M <= 64 kernel at decode)
+           python scripts/compare_decode_paths.py --kernel-overrides nvfp4_gemm_kernel=skinny   (M <= 64 kernel)
 CPU dry run: python scripts/compare_decode_paths.py --device cpu --paths compiled --steps 4
 """
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -23,6 +22,9 @@ sys.path.insert(0, str(ROOT))
 from dsv4_model.decode_compare import decidable, eager_decode, forced_decode  # noqa: E402
 from dsv4_model.engine import Engine  # noqa: E402
 from dsv4_model.tokenizer import load_tokenizer  # noqa: E402
+from dsv4_ops.overrides import current as current_overrides  # noqa: E402
+from dsv4_ops.overrides import parse as parse_overrides  # noqa: E402
+from dsv4_ops.overrides import set_overrides  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef "]
 PATHS = {  # name -> DecodeRunner options
@@ -39,13 +41,14 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--paths", default=",".join(PATHS))
+    ap.add_argument("--kernel-overrides", default="", help='dsv4_ops.overrides, e.g. "nvfp4_gemm_kernel=skinny"')
     args = ap.parse_args(argv)
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=getattr(torch, args.dtype),
                                     max_batch_size=len(PROMPTS), max_seq_len=128, progress=False)
     tok = load_tokenizer(args.model, engine.config)
     prompts = [tok.encode(p) for p in PROMPTS]  # BOS first
-    print(f"model {args.model.name}, {args.dtype} on {args.device}, "
-          f"DSV4_NVFP4_GEMM_KERNEL={os.environ.get('DSV4_NVFP4_GEMM_KERNEL', '(default)')}")
+    set_overrides(parse_overrides(args.kernel_overrides))
+    print(f"model {args.model.name}, {args.dtype} on {args.device}, kernels: {current_overrides()}")
     fed, ref = eager_decode(engine, prompts, args.steps)
     top2 = ref.topk(2, dim=-1).values
     margin = top2[..., 0] - top2[..., 1]

@@ -5,10 +5,10 @@
 #   results), compute-sanitizer (memcheck, racecheck) on the direct kernel tests, the benchmarks.
 # $OUT gets summary.txt + logs.tgz (the device tool returns at most 8 files of <= 16 MiB).
 # Usage on the H200, from the repo root:
-#   bash scripts/gpu_check.sh [mainjob|tests|sanitizer|bench|soak|profile|switches|pdl|decode|selrows ...]
+#   bash scripts/gpu_check.sh [mainjob|tests|sanitizer|bench|soak|profile|switches|pdl|decode|selrows|depth ...]
 # (default: mainjob tests sanitizer bench)
 # Env: GPU_CHECK_SKIP_BUILD=1 (already built), TEST_FILES / BENCHES (space-separated paths; default: all), SANITIZE
-# (a grep -E pattern: only the sanitizer specs it matches), GPU_CHECK_SECONDS (a total budget: steps get
+# (a grep -E pattern: only the sanitizer specs it matches), SANITIZER_JOBS (parallel sanitizer runs, 8), GPU_CHECK_SECONDS (a total budget: steps get
 # what is left of it and are skipped once it is spent, so the summary always comes back within a device call).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -73,6 +73,12 @@ for part in $PARTS; do
         step "mainjob_run_$run" "${MAINJOB_TIMEOUT:-300}" env PYTHON=$PY bash scripts/run.sh
         note "  $(grep -hE 'decode step for batch bucket .*: done in|tokens/s' "$LOGS/mainjob_run_$run.log" | tr '\n' ' ')"
       done
+      # The default model's bf16 export (what `python -m export build` does by default) and a run of the package.
+      step mainjob_export_bf16 "${EXPORT_TIMEOUT:-240}" $PY -m export build --model dsv4_model/assets/default \
+        --out "$LOGS/default_bf16.pt2" --no-exported-programs
+      note "  $(grep -hE 'done in|package written' "$LOGS/mainjob_export_bf16.log" | tail -n 4 | tr '\n' ' ')"
+      step mainjob_export_run 120 $PY -m export run "$LOGS/default_bf16.pt2" --prompt-ids 1 2 3 4 --max-new-tokens 32
+      rm -f "$LOGS/default_bf16.pt2"
       step mainjob_default_model_bf16 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_default_model_gpu.py \
         tests/test_compile_cost.py -k "bf16" ;;
     tests)
@@ -88,6 +94,8 @@ for part in $PARTS; do
           [ -n "${SANITIZE:-}" ] && ! echo "$spec" | grep -qE "$SANITIZE" && continue
           f=${spec%%@*}; k=""; name="san_${tool}_$(basename "$f" .py)"
           if [ "$spec" != "$f" ]; then k=${spec#*@}; k=${k//@/ }; name="${name}_${k// /_}"; fi
+          # At most SANITIZER_JOBS at a time: 45 sanitizer processes on 16 cores each ran past 300 s.
+          while [ "$(jobs -rp | wc -l)" -ge "${SANITIZER_JOBS:-8}" ]; do wait -n; done
           step "$name" "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool "$tool" --error-exitcode 1 \
             $PY -m pytest -q -x -m "cuda and kernels and not slow" -p no:cacheprovider ${k:+-k "$k"} "$f" &
         done
@@ -113,7 +121,7 @@ for part in $PARTS; do
         step "$(basename "$b" .py)" 300 $PY "$b"
       done ;;
     switches)
-      # The non-default kernel choices (DecodeOptions hc_pre=0: the separate mHC steps; DSV4_ATTN_KERNEL=simt: the
+      # The non-default kernel choices (DecodeOptions hc_pre=0: the separate mHC steps; attn_kernel=simt: the
       # CUDA-core attention kernel) and the fused decode steps each off: the ops' tests (their model-level tests
       # run each option both ways), the kernel count, and the layer each way (what the defaults buy).
       FUSED_OFF="compressor=0,norm_rope=0,hc_post_pre=0,moe_rows=0,hadamard=0,key_store=0,out_rope=0,norm_rope_store=0"
@@ -125,7 +133,7 @@ for part in $PARTS; do
       step switches_layer_default 200 $PY bench/bench_layer.py --kinds csa --steps 50 --experts 16
       step switches_layer_fused_off 200 $PY bench/bench_layer.py --kinds csa --steps 50 --experts 16 \
         --decode-options "$FUSED_OFF"
-      step switches_layer_off 200 env DSV4_ATTN_KERNEL=simt $PY bench/bench_layer.py --kinds csa --steps 50 \
+      step switches_layer_off 200 $PY bench/bench_layer.py --kernel-overrides attn_kernel=simt --kinds csa --steps 50 \
         --experts 16 --decode-options "$FUSED_OFF,hc_pre=0" ;;
     decode)
       # The decode step end to end: the compiled / graph-replayed step against eager, the default model's exported
@@ -135,6 +143,11 @@ for part in $PARTS; do
       step decode_count_kernels 200 $PY scripts/count_decode_kernels.py --device cuda
       step decode_default_model 420 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_default_model_gpu.py \
         -k "exported or bf16" ;;
+    depth)
+      # Compile + capture against depth: whole-step vs regional compilation of a 43-layer V4-Flash-width model and
+      # the 2-layer slice, each cold and warm in fresh processes (#25's figures).
+      step compile_depth "${DEPTH_TIMEOUT:-580}" $PY bench/bench_compile_depth.py --models "${DEPTH_MODELS:-flash43,flash2}"
+      note "  $(grep -hE 'prepare|vs whole' "$LOGS/compile_depth.log" | tr '\n' ' ')" ;;
     selrows)
       # DecodeOptions sel_rows (on by default): sparse_attn_decode's second row list on the GPU, the layers both ways.
       step selrows_op_tests 200 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_attn.py
@@ -142,16 +155,17 @@ for part in $PARTS; do
         --decode-options sel_rows=0
       step selrows_layer_on 200 $PY bench/bench_layer.py --kinds csa,hca --steps 50 --experts 16 ;;
     pdl)
-      # DSV4_PDL (on by default): the decode kernels outside the NVFP4 chain launched with programmatic
+      # The pdl kernel override (on by default): the decode kernels outside the NVFP4 chain launched with programmatic
       # dependent launch. Their op tests and the compiled decode without it (the default run has it), then the
       # layer both ways.
-      step pdl_op_tests 200 env DSV4_PDL=0 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_compressor_op.py \
+      step pdl_op_tests 200 $PY -m pytest -q -m cuda -p no:cacheprovider --kernel-overrides pdl=0 \
+        tests/test_compressor_op.py \
         tests/test_norm_rope.py tests/test_hc_pre.py tests/test_hadamard_fp4.py tests/test_key_store.py \
         tests/test_attn.py tests/test_indexer.py tests/test_router.py tests/test_fp32_linear.py \
         tests/test_nvfp4_quant.py
       step pdl_compiled 150 $PY -m pytest -q -m cuda -x -p no:cacheprovider tests/test_compiled_decode.py \
         -k "graph_logits"
-      step pdl_layer_off 200 env DSV4_PDL=0 $PY bench/bench_layer.py --kinds csa --steps 50 --experts 16
+      step pdl_layer_off 200 $PY bench/bench_layer.py --kernel-overrides pdl=0 --kinds csa --steps 50 --experts 16
       step pdl_layer_on 200 $PY bench/bench_layer.py --kinds csa --steps 50 --experts 16 ;;
   esac
 done

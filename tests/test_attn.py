@@ -12,6 +12,7 @@ import torch
 
 import dsv4_ops  # noqa: F401
 from dsv4_ops import reference as ref
+from dsv4_ops.overrides import kernel_overrides
 
 ops = torch.ops.dsv4
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.kernels])]
@@ -56,11 +57,10 @@ def test_matches_reference(device, B, H, D, N, J, dtype):
 @pytest.mark.cuda
 @pytest.mark.kernels
 @pytest.mark.parametrize("B,H,D,N,J", [s for s in SHAPES if s[2] % 64 == 0])
-def test_both_partial_kernels_match_reference(monkeypatch, B, H, D, N, J):
+def test_both_partial_kernels_match_reference(B, H, D, N, J):
     """bf16 with D % 64 == 0 runs the tensor-core partial kernel (P applied as bf16 hi + lo parts: the CUDA-core
-    kernel's tolerance holds); DSV4_ATTN_KERNEL=simt the CUDA-core one; H = 12 leaves heads of a 16-head CTA
-    empty."""
-    monkeypatch.delenv("DSV4_ATTN_KERNEL", raising=False)
+    kernel's tolerance holds); the attn_kernel="simt" override the CUDA-core one; H = 12 leaves heads of a
+    16-head CTA empty."""
     gen = torch.Generator().manual_seed(B * 1000 + H + D + J + 7)
     q, kv, idx, sink = case(B, H, D, N, J, torch.bfloat16, gen, kv_rows=B + 1)
     idx[0, :5] = -1  # a chunk that starts with skipped rows
@@ -68,8 +68,8 @@ def test_both_partial_kernels_match_reference(monkeypatch, B, H, D, N, J):
     args = (q.cuda(), kv.cuda(), idx.cuda().int(), sink.cuda(), scale)
     mma = ops.sparse_attn_decode(*args)
     check(mma, q, kv, idx, sink, scale)
-    monkeypatch.setenv("DSV4_ATTN_KERNEL", "simt")
-    simt = ops.sparse_attn_decode(*args)
+    with kernel_overrides(attn_kernel="simt"):
+        simt = ops.sparse_attn_decode(*args)
     check(simt, q, kv, idx, sink, scale)
     torch.testing.assert_close(mma.float(), simt.float(), rtol=2 ** -7, atol=1e-5)
 
@@ -108,7 +108,7 @@ TWO_LISTS = [(1, 64, 512, 1152, 128, 512, 128), (2, 4, 80, 40, 16, 12, 16), (2, 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("B,H,D,N,J1,J2,off", TWO_LISTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_second_row_list_is_the_joined_list(monkeypatch, device, B, H, D, N, J1, J2, off, dtype):
+def test_second_row_list_is_the_joined_list(device, B, H, D, N, J1, J2, off, dtype):
     """idx2 + idx2_offset (negative idx2: no row) listed after idx: the same bits as the joined list in one idx
     (the same kernel reads the same rows in the same order), both partial kernels on CUDA, int32 / int64 idx2."""
     gen = torch.Generator().manual_seed(B * 100 + J1 + J2)
@@ -120,12 +120,12 @@ def test_second_row_list_is_the_joined_list(monkeypatch, device, B, H, D, N, J1,
     joined = torch.cat([idx, torch.where(sel >= 0, sel + off, -1)], dim=1)
     scale = D ** -0.5
     dev = [t.to(device) for t in (q, kv, idx, sink)]
-    for kernel in (("mma", "simt") if device == "cuda" else ("cpu",)):
-        monkeypatch.setenv("DSV4_ATTN_KERNEL", kernel)
-        want = ops.sparse_attn_decode(dev[0], dev[1], joined.to(device).int(), dev[3], scale)
-        for s in (sel.int(), sel):
-            got = ops.sparse_attn_decode(dev[0], dev[1], dev[2].int(), dev[3], scale, None, 0, s.to(device), off)
-            assert torch.equal(got, want), (kernel, s.dtype)
+    for kernel in (("auto", "simt") if device == "cuda" else ("auto",)):
+        with kernel_overrides(attn_kernel=kernel):
+            want = ops.sparse_attn_decode(dev[0], dev[1], joined.to(device).int(), dev[3], scale)
+            for s in (sel.int(), sel):
+                got = ops.sparse_attn_decode(dev[0], dev[1], dev[2].int(), dev[3], scale, None, 0, s.to(device), off)
+                assert torch.equal(got, want), (kernel, s.dtype)
     check(got, q, kv, joined, sink, scale)
     torch.testing.assert_close(ref.sparse_attn_decode_ref(q, kv, idx, sink, scale, None, 0, sel, off),
                                ref.sparse_attn_decode_ref(q, kv, joined, sink, scale), rtol=0, atol=0)
@@ -204,7 +204,7 @@ def test_cuda_graph_replay_and_no_sync():
     assert math.isfinite(float(out.float().abs().max()))
 
 
-def test_model_picks_the_op_by_size(monkeypatch):
+def test_model_picks_the_op_by_size():
     """Decode calls the op whenever its tensor-core kernel runs (bf16, head dim % 64 == 0), else up to
     FUSED_ATTN_MAX_ROWS (batch x listed rows) and the tensor-op form above; DecodeOptions.attention forces either."""
     from dsv4_model.decode_options import FUSED_ATTN_MAX_ROWS as limit
@@ -213,14 +213,13 @@ def test_model_picks_the_op_by_size(monkeypatch):
     auto, fused, torch_form = DecodeOptions(), DecodeOptions(attention="fused"), DecodeOptions(attention="torch")
     bf16, fp32 = torch.empty(1, 4, 512, dtype=torch.bfloat16), torch.empty(1, 4, 512)
     odd = torch.empty(1, 4, 72, dtype=torch.bfloat16)
-    monkeypatch.delenv("DSV4_ATTN_KERNEL", raising=False)
     for q in (fp32, odd):
         assert decode_attention(auto, 1, limit, q)
         assert decode_attention(auto, 4, limit // 4, q)
         assert not decode_attention(auto, 8, limit // 4, q)
     assert decode_attention(auto, 64, limit, bf16)
-    monkeypatch.setenv("DSV4_ATTN_KERNEL", "simt")
-    assert not decode_attention(auto, 8, limit // 4, bf16)
+    with kernel_overrides(attn_kernel="simt"):
+        assert not decode_attention(auto, 8, limit // 4, bf16)
     assert decode_attention(fused, 8, limit, fp32)
     assert not decode_attention(torch_form, 1, 1, bf16)
     with pytest.raises(ValueError, match="attention must be one of"):

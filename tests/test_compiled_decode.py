@@ -151,6 +151,35 @@ def test_compiled_decode_no_breaks_no_recompiles_matches_eager(one_thread):
     print(f"max |compiled - eager| logits over {STEPS} steps: {worst:.3g}; quantization flips: {FLIPS[0]}")
 
 
+def _regional_graphs(ratios, steps=40):
+    """Regional compile of a micro model with layers of these ratios: (Dynamo graphs compiled, worst error vs
+    eager over `steps` steps)."""
+    cfg = micro_config(n_layers=len(ratios), compress_ratios=list(ratios))
+    eager_model = Transformer(cfg, max_batch_size=2, max_seq_len=steps + 64).init_random_weights(0)
+    comp_model = copy.deepcopy(eager_model)
+    torch._dynamo.reset()  # the variants are cached across models too: count this model's alone
+    counters.clear()
+    runner = DecodeRunner(comp_model, compile=True, regional=True, compile_backend="aot_eager")
+    assert runner.mode_name == "regional"
+    runner.prepare(2)
+    graphs = counters["stats"]["unique_graphs"]
+    worst = _run_side_by_side(runner, DecodeRunner(eager_model, compile=False), [[0, 5, 6, 7, 8], [0, 9]], steps)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == graphs, "regional compile recompiled after the first step"
+    return graphs, worst
+
+
+def test_regional_compile_reuses_layers_and_matches_eager(one_thread):
+    # Layers that differ only in weights and caches share one compiled variant: a model three times as deep
+    # (same kinds of layers) compiles no more graphs. Variants: the hash-routed first layer, the first user of
+    # each shared per-step value, the CSA / HCA / SWA kinds, the last layer (no MoE fold into a next one).
+    shallow, _ = _regional_graphs([0, 4, 16] + [4, 16, 0] * 2)
+    deep, worst = _regional_graphs([0, 4, 16] + [4, 16, 0] * 6)
+    assert deep == shallow, (shallow, deep)
+    assert shallow <= 8
+    print(f"regional: {shallow} graphs for 9 and 21 layers; max |regional - eager| logits {worst:.3g}")
+
+
 # ------------------------------------------------------------------------------------------------ CUDA
 PROMPTS = [[0, 5, 6, 7, 8, 9, 10, 11], [0, 12, 13], [0, 40, 41, 42, 43, 44], [0, 3]]
 
@@ -163,11 +192,11 @@ def _cuda_engine(dtype=torch.float32, **decode_options):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("graph_mode,pdl", [("manual", "1"), ("reduce-overhead", "1"), ("manual", "0")])
-def test_cuda_graph_logits_match_eager(graph_mode, pdl, monkeypatch):
-    # pdl "1" (the default): the decode kernels launched with programmatic dependent launch, each waiting at its
-    # top: a missing wait would read its predecessor's output early and break the match. "0": plain launches.
-    monkeypatch.setenv("DSV4_PDL", pdl)
+@pytest.mark.parametrize("graph_mode,pdl", [("manual", True), ("reduce-overhead", True), ("manual", False)])
+def test_cuda_graph_logits_match_eager(graph_mode, pdl, override_kernels):
+    # pdl (the default): the decode kernels launched with programmatic dependent launch, each waiting at its
+    # top: a missing wait would read its predecessor's output early and break the match. Off: plain launches.
+    override_kernels(pdl=pdl)
     eager_model = make_model("cuda", max_batch_size=8, max_seq_len=512)
     graph_model = copy.deepcopy(eager_model)
     counters.clear()

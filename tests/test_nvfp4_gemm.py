@@ -6,8 +6,6 @@ Tolerance of a bf16 output: |out - ref32| <= ulp_bf16(ref32) + 2 * 2e-5 * sum_k 
 of a value whose fp32 accumulation may differ from the reference's by reordering (and, on the GPU, the
 tensor-core accumulation) -- far below the effect of a single wrong weight, block scale or token.
 """
-import contextlib
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +13,7 @@ import torch
 
 import dsv4_ops
 from dsv4_ops import reference as ref
+from dsv4_ops.overrides import kernel_overrides
 from dsv4_model import nvfp4 as nv
 
 ops = torch.ops.dsv4
@@ -82,22 +81,8 @@ def grouped_case(g, n, k, lead, gen, device):
     return x, (wk, sk, gs), (packed, scale, gs), ref32, bound
 
 
-@contextlib.contextmanager
-def env_var(key, value):
-    """The CUDA bindings read these variables at each launch."""
-    old = os.environ.get(key)
-    os.environ[key] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[key]
-        else:
-            os.environ[key] = old
-
-
 def kernel_choice(name):
-    return env_var("DSV4_NVFP4_GEMM_KERNEL", name)
+    return kernel_overrides(nvfp4_gemm_kernel=name)
 
 
 # ------------------------------------------------------------------------------------------- layout
@@ -524,7 +509,7 @@ def test_linear_cuda(n, k):
 @pytest.mark.parametrize("choice", ["simple", "tiled", "cublas"])
 @pytest.mark.parametrize("n,k", [(1024, 4096), (40, 272), (24, 144)])
 def test_linear_cuda_forced_kernels(choice, n, k):
-    """Each kernel path forced by DSV4_NVFP4_GEMM_KERNEL (simple: plain CUDA-core kernel, any M; tiled / cublas:
+    """Each kernel path forced by the nvfp4_gemm_kernel override (simple: plain CUDA-core kernel, any M; tiled / cublas:
     the two M > 64 paths) stays correct."""
     gen = torch.Generator().manual_seed(9)
     for m in ((1, 8, 65) if choice == "simple" else (65, 130, 513, 1000)):
@@ -541,14 +526,14 @@ def test_linear_cuda_forced_kernels(choice, n, k):
 @pytest.mark.parametrize("n,k", [(1024, 4096), (32768, 1024), (4096, 2048), (40, 272), (24, 144), (8, 16)])
 def test_linear_cuda_decode_kernels(n, k):
     """M <= 8: the gemv kernel (default; 2- and 8-row passes, with and without programmatic dependent launch) and
-    the skinny kernel (DSV4_NVFP4_GEMM_KERNEL=skinny), W4A16 and W4A4."""
+    the skinny kernel (nvfp4_gemm_kernel="skinny"), W4A16 and W4A4."""
     gen = torch.Generator().manual_seed(n + 3 * k)
     for m in (1, 2, 3, 8):
         x, w, ref32, bound = linear_case(n, k, m, gen, "cuda")
         with kernel_choice("skinny"):
             assert_bf16_close(ops.nvfp4_linear(x, *w), ref32, bound, f"cuda skinny linear {m}x{n}x{k}")
         out = ops.nvfp4_linear(x, *w)
-        with env_var("DSV4_NVFP4_PDL", "0"):
+        with kernel_overrides(pdl=False):
             assert torch.equal(ops.nvfp4_linear(x, *w), out), f"gemv without PDL {m}x{n}x{k}"
         assert_bf16_close(out, ref32, bound, f"cuda gemv linear {m}x{n}x{k}")
     for m in (1, 8):
@@ -582,7 +567,7 @@ def test_linear_grouped_cuda(g, n, k):
         x, w, _, ref32, bound = grouped_case(g, n, k, (m,), gen, "cuda")
         out = ops.nvfp4_linear_grouped(x, *w)
         assert_bf16_close(out, ref32, bound, f"cuda grouped {m}x{g}x{n}x{k}")
-        with env_var("DSV4_NVFP4_PDL", "0"):
+        with kernel_overrides(pdl=False):
             assert torch.equal(ops.nvfp4_linear_grouped(x, *w), out), f"grouped without PDL {m}"
         if m <= 8:
             with kernel_choice("skinny"):
@@ -604,7 +589,7 @@ def test_linear_multi_cuda(ns, k):
         outs = ops.nvfp4_linear_multi(x, *w)
         for i, (o, r, b) in enumerate(zip(outs, refs, bounds)):
             assert_bf16_close(o, r, b, f"cuda multi {m} seg {i}")
-        with env_var("DSV4_NVFP4_PDL", "0"):
+        with kernel_overrides(pdl=False):
             assert all(torch.equal(a, b) for a, b in zip(ops.nvfp4_linear_multi(x, *w), outs))
         if m <= 8:
             with kernel_choice("skinny"):
@@ -621,7 +606,7 @@ def test_moe_cuda_v4_flash(T):
     args = kernel_moe_args(w13, w2, shared)
     out = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
     assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, shared, 10.0), f"cuda moe T={T}")
-    with env_var("DSV4_NVFP4_PDL", "0"):  # the same kernels without programmatic dependent launch
+    with kernel_overrides(pdl=False):  # the same kernels without programmatic dependent launch
         assert torch.equal(ops.nvfp4_moe(x, ids, wts, *args, 10.0), out)
     with kernel_choice("skinny"):
         out = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
@@ -670,7 +655,7 @@ def test_moe_cuda_invalid_ids():
 
 
 # E = 256, k = 6: T = 1, 2 (2-row gemv passes, local routing), 5 (local routing), 64 (gemv, route kernel), 300
-# (T*k > 4E: skinny); DSV4_NVFP4_GEMM_KERNEL forces skinny and simple at every T.
+# (T*k > 4E: skinny); the nvfp4_gemm_kernel override forces skinny and simple at every T.
 @pytest.mark.cuda
 @pytest.mark.kernels
 @pytest.mark.parametrize("T", [1, 2, 5, 64, 300])
@@ -698,7 +683,7 @@ def test_moe_rows_cuda(T):
                 with kernel_choice(choice):
                     rows = ops.nvfp4_moe_rows(x, topk, wts, *args, 10.0)
                     y = ops.nvfp4_moe(x, topk, wts, *args, 10.0)
-                    with env_var("DSV4_NVFP4_PDL", "0"):
+                    with kernel_overrides(pdl=False):
                         again = ops.nvfp4_moe_rows(x, topk, wts, *args, 10.0)
                 assert rows.shape == (T * k + (T if has else 0), d) and rows.dtype == torch.bfloat16, what
                 assert torch.equal(again[keep], rows[keep]), what
@@ -713,7 +698,7 @@ def test_moe_rows_cuda(T):
 @pytest.mark.kernels
 @pytest.mark.parametrize("E,T,k", [(256, 1, 6), (256, 2, 6), (16, 3, 6), (256, 5, 6), (256, 6, 6), (8, 16, 2)])
 def test_moe_cuda_local_route(E, T, k):
-    """Local routing (the default while T * k <= 32; DSV4_NVFP4_MOE_LOCAL_ROUTE=0 turns it off): the up / down
+    """Local routing (the default while T * k <= 32; the moe_local_route override turns it off): the up / down
     kernels derive each slot's expert and assignments from the ids (no route kernel) -- bit-equal to the routed path (every assignment's output is computed alone), duplicate
     experts in a token, invalid ids, with and without the shared expert, gemv and skinny, PDL on and off, and a
     CUDA graph replayed on new routing."""
@@ -728,19 +713,19 @@ def test_moe_cuda_local_route(E, T, k):
         expect = ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, sh, 10.0)
         for choice in ("auto", "skinny"):
             with kernel_choice(choice):
-                with env_var("DSV4_NVFP4_MOE_LOCAL_ROUTE", "0"):
+                with kernel_overrides(moe_local_route=False):
                     want = ops.nvfp4_moe(x, ids, wts, *args, 10.0)  # the route kernel
-                with env_var("DSV4_NVFP4_MOE_LOCAL_ROUTE", "1"):
+                with kernel_overrides(moe_local_route=True):
                     got = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
                     rows = ops.nvfp4_moe_rows(x, ids, wts, *args, 10.0)
-                    with env_var("DSV4_NVFP4_PDL", "0"):
+                    with kernel_overrides(pdl=False):
                         assert torch.equal(ops.nvfp4_moe(x, ids, wts, *args, 10.0), got), f"no PDL {choice}"
             what = f"local route {choice} E={E} T={T} shared={sh is not None}"
             assert torch.equal(got, want), what
             assert torch.equal(ref.moe_combine_rows_ref(rows, ids, E, sh is not None), got), what
             assert_moe_close(got, expect, what)
     args = kernel_moe_args(w13, w2, shared)
-    with env_var("DSV4_NVFP4_MOE_LOCAL_ROUTE", "1"):
+    with kernel_overrides(moe_local_route=True):
         ops.nvfp4_moe(x, ids, wts, *args, 10.0)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

@@ -226,10 +226,10 @@ def test_cuda_large_shapes_match_cpu(dtype, shape):
 @pytest.mark.parametrize("path", ["cluster", "grid"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(3, 4096), (64, 7168), (300, 4096)])
-def test_cuda_forced_single_launch_paths(monkeypatch, path, dtype, shape):
+def test_cuda_forced_single_launch_paths(override_kernels, path, dtype, shape):
     """Both one-launch schemes of the per-tensor ops (cluster with several blocks per thread, cooperative grid
-    with one or a few), forced through DSV4_NVFP4_FUSED_PATH, match the CPU kernel."""
-    monkeypatch.setenv("DSV4_NVFP4_FUSED_PATH", path)
+    with one or a few), forced through the nvfp4_fused_path override, match the CPU kernel."""
+    override_kernels(nvfp4_fused_path=path)
     g = torch.Generator().manual_seed(shape[0] + 17)
     x = (torch.randn(shape, generator=g) * 3).to(dtype)
     x.view(-1)[-5] = -77.0

@@ -13,6 +13,7 @@
 #include "cuda/launchers.h"
 
 #include "attn_checks.h"
+#include "overrides.h"
 
 namespace {
 
@@ -49,9 +50,8 @@ at::Tensor sparse_attn_decode_cuda(const at::Tensor& q, const at::Tensor& kv, co
   };
   const at::Tensor ic = narrow(idx), i2 = idx2.has_value() ? narrow(*idx2) : at::Tensor();
   // The tensor-core partial kernel where it applies (bf16, D % 64 == 0: 1.8-2.4x the CUDA-core one on the H200,
-  // bench_attn_decode.py); DSV4_ATTN_KERNEL=simt keeps the CUDA-core kernel.
-  const char* kind = std::getenv("DSV4_ATTN_KERNEL");
-  const int use_mma = !(kind != nullptr && std::strcmp(kind, "simt") == 0) && q.scalar_type() == at::kBFloat16 &&
+  // bench_attn_decode.py); the attn_simt override keeps the CUDA-core kernel.
+  const int use_mma = !dsv4_overrides::get().attn_simt && q.scalar_type() == at::kBFloat16 &&
                       dsv4_attn_decode_mma_ok(int(D));
   int rows_per_split = 0;
   const int nsplit = dsv4_attn_decode_splits(int(B), int(H), int(J), sm_count(), use_mma, &rows_per_split);

@@ -9,8 +9,8 @@
 // features x 8 tokens per mma, so a single token still uses the tensor cores.
 //
 // Kernels:
-//   gemv (default for dense M <= 8 and the MoE projections while T*k <= 4E; DSV4_NVFP4_GEMM_KERNEL=skinny opts
-//     out): skinny's work split, fed through a per-warp cp.async shared-memory ring (weights, scales,
+//   gemv (default for dense M <= 8 and the MoE projections while T*k <= 4E; the nvfp4_gemm_kernel override
+//     "skinny" opts out): skinny's work split, fed through a per-warp cp.async shared-memory ring (weights, scales,
 //     activations; see the kernel's comment); PDL for dense. 1.25-1.9x faster than skinny at M = 1 on the H200.
 //   skinny (M <= 64, and every MoE projection): each warp owns 16 rows x a K range, streams its weights
 //     straight from HBM into registers (two-deep register prefetch of 2 chunks), B fragments (activations)
@@ -19,7 +19,7 @@
 //   tiled (64 < M < 256 by default): 128x128 CTA tile, 3-stage cp.async pipeline (activations swizzled for
 //     ldmatrix, packed weights + scales), 8 warps of 32 features x 64 tokens.
 //   dequant_weight: W -> bf16 e2m1 * block scale (exact) for the bindings' cuBLAS path (M >= 256).
-//   simple: plain CUDA-core reference-style kernels (DSV4_NVFP4_GEMM_KERNEL=simple), any shape.
+//   simple: plain CUDA-core reference-style kernels (override "simple"), any shape.
 //   MoE: route (one CTA) -> up (gemv or skinny, SwiGLU epilogue) -> down -> combine, chained with PDL.
 //   Dense launches also serve nvfp4_linear_grouped (blockIdx.y = group of x [M, G, K]) and nvfp4_linear_multi
 //   (blockIdx.y = one of several matrices sharing x) on the gemv / skinny kernels.
@@ -31,6 +31,7 @@
 #include <utility>
 
 #include "device_info.h"
+#include "overrides.h"
 #include "nvfp4_kernels.cuh"
 
 namespace {
@@ -340,28 +341,17 @@ void pick_gemv_split(int64_t ntiles, int64_t nchunks, int64_t slots, int& kw, in
 }
 
 // The gemv launch plan for `rows`-token passes: CTAs per SM (occ), K-splits per row tile (kw) and tiles per CTA
-// (rt). DSV4_GEMV_SPLIT=kw:occ forces one (bench/sweep_gemv_split.py; occ 3 only for 2-token passes; read at each
-// launch). Session 8's sweep on the H200: 4 CTAs per SM (<= 64 registers, 3 stages) lost on every decode shape.
+// (rt). A sweep of forced plans on the H200 (bench/RESULTS.md) found none better on a decode shape; 4 CTAs per SM
+// (<= 64 registers, 3 stages) lost on every one.
 void plan_gemv(int rows, int64_t ntiles, int64_t nchunks, int64_t slots, int& kw, int& rt, int& occ) {
   occ = gemv_occ(rows, ntiles * nchunks * slots);
   pick_gemv_split(ntiles, nchunks, slots, kw, rt, occ);
-  const char* v = std::getenv("DSV4_GEMV_SPLIT");
-  int fk = 0, fo = 0;
-  if (v == nullptr || std::sscanf(v, "%d:%d", &fk, &fo) != 2) return;
-  if ((fk == 1 || fk == 2 || fk == 4 || fk == 8) && fo >= 2 && fo <= (rows == 2 ? 3 : 2)) {
-    kw = fk;
-    rt = kWarps / fk;
-    occ = fo;
-  }
 }
 
 // While T*k <= kLocalRouteMax the up / down kernels route themselves and the route kernel is not launched
 // (H200, 256 experts, top-6, T = 1: 44.1 -> 41.7 us routed, 44.3 -> 43.2 us with the shared expert).
-// DSV4_NVFP4_MOE_LOCAL_ROUTE=0 launches the route kernel at every size (read at each launch).
-bool moe_local_route() {
-  const char* v = std::getenv("DSV4_NVFP4_MOE_LOCAL_ROUTE");
-  return v == nullptr || v[0] != '0';
-}
+// The moe_local_route override off launches the route kernel at every size (read at each launch).
+bool moe_local_route() { return dsv4_overrides::get().moe_local_route != 0; }
 
 }  // namespace
 

@@ -8,10 +8,10 @@
 // product, then one scaling pass) wrote and re-read the fp32 product: 0.38x of a bf16 matmul for wq_b at M = 4096
 // on the H200. It stays as the fallback where cublasLt is not built in, offers no algorithm, fails, or cannot
 // produce the output dtype (fp16 from bf16 operands); without aten::mm.dtype either, the tiled kernel runs.
-// DSV4_NVFP4_GEMM_KERNEL = simple (plain CUDA-core kernels, any shape) | tiled | cublas | cublas_mmdtype (the old
-// mm.dtype form, for A/B runs) overrides the M > 64 choice; skinny keeps M <= 8 and MoE decode on the skinny kernel
-// (gemv is 1.25-1.9x faster at M = 1 on the H200); DSV4_NVFP4_PDL=0 turns off programmatic dependent launch (the
-// gemv kernels, the MoE chain).
+// The nvfp4_gemm_kernel override (overrides.h) = simple (plain CUDA-core kernels, any shape) | tiled | cublas |
+// cublas_mmdtype (the old mm.dtype form, for A/B runs) replaces the M > 64 choice; skinny keeps M <= 8 and MoE
+// decode on the skinny kernel (gemv is 1.25-1.9x faster at M = 1 on the H200); the pdl override off turns off
+// programmatic dependent launch (the gemv kernels, the MoE chain).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -29,6 +29,7 @@
 
 #include "cuda/nvfp4_gemm.h"
 #include "nvfp4_gemm_checks.h"
+#include "overrides.h"
 
 namespace {
 
@@ -36,24 +37,16 @@ using namespace dsv4_nvfp4;
 
 enum class Choice { kAuto, kSimple, kTiled, kCublas, kCublasMmDtype, kSkinny };
 
+// The nvfp4_gemm_kernel override (overrides.h) forces one kernel path; 0 (auto) picks by shape.
 Choice kernel_choice() {
-  const char* v = std::getenv("DSV4_NVFP4_GEMM_KERNEL");
-  if (v == nullptr) return Choice::kAuto;
-  if (std::strcmp(v, "simple") == 0) return Choice::kSimple;
-  if (std::strcmp(v, "tiled") == 0) return Choice::kTiled;
-  if (std::strcmp(v, "cublas") == 0) return Choice::kCublas;
-  if (std::strcmp(v, "cublas_mmdtype") == 0) return Choice::kCublasMmDtype;
-  if (std::strcmp(v, "skinny") == 0) return Choice::kSkinny;
-  return Choice::kAuto;
+  const int v = dsv4_overrides::get().nvfp4_gemm_kernel;
+  return v >= 1 && v <= 5 ? static_cast<Choice>(v) : Choice::kAuto;
 }
 
 bool use_simple() { return kernel_choice() == Choice::kSimple; }
 
-// Programmatic dependent launch (gemv, the MoE chain) unless DSV4_NVFP4_PDL=0.
-bool use_pdl() {
-  const char* v = std::getenv("DSV4_NVFP4_PDL");
-  return v == nullptr || std::strcmp(v, "0") != 0;
-}
+// Programmatic dependent launch (gemv, the MoE chain) unless the pdl override is off.
+bool use_pdl() { return dsv4_overrides::get().pdl != 0; }
 
 // aten::mm.dtype (bf16 x bf16 -> fp32 on CUDA), looked up at run time so older torch builds still load.
 using MmDtypeFn = at::Tensor(const at::Tensor&, const at::Tensor&, c10::ScalarType);

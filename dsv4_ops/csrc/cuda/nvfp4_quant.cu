@@ -21,7 +21,7 @@
 //     generation number and resets the words the next launch uses (grid_max_arrive_wait), so the launch is
 //     self-contained (CUDA-graph replay safe). The scratch is a static __device__ array: two of these kernels
 //     must not run concurrently on different streams of one device.
-// Every kernel here launches with PDL (pdl.h; DSV4_PDL=0 turns it off) and waits at its top, the fused ones
+// Every kernel here launches with PDL (pdl.h; the pdl override turns it off) and waits at its top, the fused ones
 // before reading the scratch's generation: the launch latency hides under the predecessor's tail (H200, per
 // call in a graph of back-to-back calls: 64 x 7168 per tensor 4.3 -> 3.7 us, per row 2.7 -> 2.1 us).
 #include <cooperative_groups.h>
@@ -673,16 +673,14 @@ int coop_blocks_per_sm(Kernel kernel, int threads) {
   return c;
 }
 
-// Which single-launch scheme the per-tensor fused ops use. DSV4_NVFP4_FUSED_PATH=cluster|grid forces one
-// (benchmarks compare them); otherwise a cluster when one block per thread fits in it, else the grid.
+// Which single-launch scheme the per-tensor fused ops use. The nvfp4_fused_path override (1 cluster, 2 grid)
+// forces one (tests and benchmarks compare them); otherwise a cluster when one block per thread fits in it, else
+// the grid.
 enum class FusedPath { kAuto, kCluster, kGrid };
 
 FusedPath fused_path_override() {
-  const char* e = std::getenv("DSV4_NVFP4_FUSED_PATH");
-  if (!e) return FusedPath::kAuto;
-  if (!std::strcmp(e, "cluster")) return FusedPath::kCluster;
-  if (!std::strcmp(e, "grid")) return FusedPath::kGrid;
-  return FusedPath::kAuto;
+  const int v = dsv4_overrides::get().nvfp4_fused_path;
+  return v == 1 ? FusedPath::kCluster : v == 2 ? FusedPath::kGrid : FusedPath::kAuto;
 }
 
 int pow2_ceil(int64_t v) {

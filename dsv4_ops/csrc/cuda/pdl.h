@@ -7,8 +7,9 @@
 #pragma once
 #include <cuda_runtime.h>
 
-#include <cstdlib>
 #include <utility>
+
+#include "overrides.h"
 
 namespace dsv4_cuda {
 
@@ -16,13 +17,10 @@ __device__ __forceinline__ void grid_dep_wait() { asm volatile("griddepcontrol.w
 __device__ __forceinline__ void grid_dep_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 // The decode kernels outside the NVFP4 chain (attention, mHC, norm + RoPE, compressor, Hadamard, key store,
-// indexer scoring, fp32 linear, router) and the NVFP4 quantizers launch with PDL unless DSV4_PDL=0 (read at each
-// launch, so at capture).
+// indexer scoring, fp32 linear, router) and the NVFP4 quantizers launch with PDL unless the pdl override is off
+// (overrides.h: read at each launch, so at capture).
 // Each of them waits at its top, so the attribute never reorders memory accesses.
-inline bool decode_pdl() {
-  const char* v = std::getenv("DSV4_PDL");
-  return v == nullptr || v[0] != '0';
-}
+inline bool decode_pdl() { return dsv4_overrides::get().pdl != 0; }
 
 // The PDL launch attribute (launchers with other attributes, e.g. a cooperative grid, add it themselves).
 inline void set_pdl_attribute(cudaLaunchAttribute& a) {

@@ -1,0 +1,39 @@
+#include "overrides.h"
+
+#include <cstring>
+
+namespace dsv4_overrides {
+
+Overrides& get() {
+  static Overrides o;
+  return o;
+}
+
+namespace {
+int* field(const char* name) {
+  Overrides& o = get();
+  if (!std::strcmp(name, "nvfp4_gemm_kernel")) return &o.nvfp4_gemm_kernel;
+  if (!std::strcmp(name, "pdl")) return &o.pdl;
+  if (!std::strcmp(name, "moe_local_route")) return &o.moe_local_route;
+  if (!std::strcmp(name, "attn_simt")) return &o.attn_simt;
+  if (!std::strcmp(name, "nvfp4_fused_path")) return &o.nvfp4_fused_path;
+  return nullptr;
+}
+}  // namespace
+
+}  // namespace dsv4_overrides
+
+// C entry points for dsv4_ops/overrides.py (ctypes): 0 on success, -1 for an unknown name.
+extern "C" __attribute__((visibility("default"))) int dsv4_ops_set_override(const char* name, int value) {
+  int* f = dsv4_overrides::field(name);
+  if (f == nullptr) return -1;
+  *f = value;
+  return 0;
+}
+
+extern "C" __attribute__((visibility("default"))) int dsv4_ops_get_override(const char* name, int* value) {
+  const int* f = dsv4_overrides::field(name);
+  if (f == nullptr) return -1;
+  *value = *f;
+  return 0;
+}

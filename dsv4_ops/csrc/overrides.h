@@ -1,0 +1,20 @@
+// Debug overrides of the kernels' launch choices, the library's only switches besides its inputs: process-wide,
+// set from Python (dsv4_ops.overrides.kernel_overrides, through dsv4_ops_set_override), read at each launch (so
+// at CUDA-graph capture). The defaults are the shipped choices; tests and benchmarks force the others.
+// Torch-free, so the .cu files include it too.
+#pragma once
+
+namespace dsv4_overrides {
+
+struct Overrides {
+  int nvfp4_gemm_kernel = 0;  // NVFP4 linear kernel: 0 auto, 1 simple, 2 tiled, 3 cublas, 4 cublas_mmdtype, 5 skinny
+  int pdl = 1;                // programmatic dependent launch of the decode kernels and the NVFP4 chain
+  int moe_local_route = 1;    // the MoE's up / down kernels route themselves at decode sizes
+  int attn_simt = 0;          // the CUDA-core attention partial kernel also where the tensor-core one applies
+  int nvfp4_fused_path = 0;   // per-tensor fused quantizers: 0 auto, 1 cluster, 2 grid
+};
+
+// The process's overrides (one instance inside libdsv4_ops.so).
+Overrides& get();
+
+}  // namespace dsv4_overrides

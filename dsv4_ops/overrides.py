@@ -1,0 +1,103 @@
+"""Debug overrides of the CUDA kernels' launch choices (the C++ side: csrc/overrides.h).
+
+The defaults are the shipped choices; tests and benchmarks force the others to run every kernel path at the same
+shapes. Process-wide and read at each launch, so a CUDA graph keeps the choices it was captured with.
+
+    with kernel_overrides(nvfp4_gemm_kernel="simple", pdl=False):
+        y = ops.nvfp4_linear(...)
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+
+from dsv4_ops._loader import library_path
+
+GEMM_KERNELS = ("auto", "simple", "tiled", "cublas", "cublas_mmdtype", "skinny")
+FUSED_PATHS = ("auto", "cluster", "grid")
+ATTN_KERNELS = ("auto", "simt")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOverrides:
+    """nvfp4_gemm_kernel: the NVFP4 linear's kernel path ("auto" picks by shape). pdl: programmatic dependent
+    launch of the decode kernels and the NVFP4 chain. moe_local_route: the MoE's up / down kernels route themselves
+    at decode sizes (off: the route kernel at every size). attn_kernel: "simt" runs the CUDA-core attention kernel
+    where the tensor-core one applies. nvfp4_fused_path: the per-tensor fused quantizers' scheme."""
+    nvfp4_gemm_kernel: str = "auto"
+    pdl: bool = True
+    moe_local_route: bool = True
+    attn_kernel: str = "auto"
+    nvfp4_fused_path: str = "auto"
+
+    def _native(self) -> dict[str, int]:
+        for name, value, allowed in (("nvfp4_gemm_kernel", self.nvfp4_gemm_kernel, GEMM_KERNELS),
+                                     ("attn_kernel", self.attn_kernel, ATTN_KERNELS),
+                                     ("nvfp4_fused_path", self.nvfp4_fused_path, FUSED_PATHS)):
+            if value not in allowed:
+                raise ValueError(f"KernelOverrides.{name} must be one of {allowed}, got {value!r}")
+        return {"nvfp4_gemm_kernel": GEMM_KERNELS.index(self.nvfp4_gemm_kernel), "pdl": int(self.pdl),
+                "moe_local_route": int(self.moe_local_route), "attn_simt": int(self.attn_kernel == "simt"),
+                "nvfp4_fused_path": FUSED_PATHS.index(self.nvfp4_fused_path)}
+
+
+def _lib():
+    # Same absolute path as the loaded copy, so ctypes gets the already-loaded handle (one Overrides instance).
+    return ctypes.CDLL(library_path())
+
+
+# What this process set (the library starts at the defaults and only set_overrides changes it): model code
+# reads it while torch.compile traces, where a ctypes call could not be traced.
+_current = KernelOverrides()
+
+
+def current() -> KernelOverrides:
+    """The overrides in force."""
+    return _current
+
+
+def native() -> KernelOverrides:
+    """The overrides as the loaded library holds them (what its kernels read)."""
+    lib, got = _lib(), {}
+    for name in KernelOverrides()._native():
+        v = ctypes.c_int()
+        if lib.dsv4_ops_get_override(name.encode(), ctypes.byref(v)) != 0:
+            raise RuntimeError(f"the loaded op library has no override {name!r} (rebuild it)")
+        got[name] = v.value
+    return KernelOverrides(nvfp4_gemm_kernel=GEMM_KERNELS[got["nvfp4_gemm_kernel"]], pdl=bool(got["pdl"]),
+                           moe_local_route=bool(got["moe_local_route"]),
+                           attn_kernel="simt" if got["attn_simt"] else "auto",
+                           nvfp4_fused_path=FUSED_PATHS[got["nvfp4_fused_path"]])
+
+
+def set_overrides(overrides: KernelOverrides) -> None:
+    global _current
+    lib = _lib()
+    for name, value in overrides._native().items():
+        if lib.dsv4_ops_set_override(name.encode(), value) != 0:
+            raise RuntimeError(f"the loaded op library has no override {name!r} (rebuild it)")
+    _current = overrides
+
+
+@contextlib.contextmanager
+def kernel_overrides(**changes):
+    """The current overrides with `changes` (KernelOverrides fields) inside the block, restored after."""
+    before = current()
+    set_overrides(dataclasses.replace(before, **changes))
+    try:
+        yield
+    finally:
+        set_overrides(before)
+
+
+def parse(spec: str) -> KernelOverrides:
+    """'attn_kernel=simt,pdl=0' (a command line's form) -> KernelOverrides."""
+    fields = {f.name: f.type for f in dataclasses.fields(KernelOverrides)}
+    out = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, value = item.partition("=")
+        if name not in fields:
+            raise ValueError(f"unknown kernel override {name!r} (known: {', '.join(fields)})")
+        out[name] = value not in ("0", "false", "off") if fields[name] == "bool" else value
+    return KernelOverrides(**out)
