@@ -2,7 +2,7 @@
 
 Both run through the same `DecodeRunner` loop (decode step + dsv4::sample + feedback, one CUDA graph per
 bucket, replayed back to back): "compiled+graph" wraps `torch.compile(model.decode_step)`, "export+graph"
-wraps the package's `decode_b1` entry loaded with `run_single_threaded=True` (see export/load.py). Target: the
+wraps the package's `decode_b1` entry loaded with `run_single_threaded=True` (see dsv4_export/load.py). Target: the
 package within 10% of compiled+graph.
 
 Models (random weights converted to NVFP4 W4A16 with `quantize_model_`, or bf16 with `--weights bf16`;
@@ -38,8 +38,8 @@ from dsv4_model.config import ModelConfig  # noqa: E402
 from dsv4_model.model import Transformer  # noqa: E402
 from dsv4_model.quantize_model import quantize_model_  # noqa: E402
 from dsv4_model.sampling import SamplingParams  # noqa: E402
-from export.build import build_package  # noqa: E402
-from export.load import ExportedEngine  # noqa: E402
+from dsv4_export.build import build_package  # noqa: E402
+from dsv4_export.load import ExportedEngine  # noqa: E402
 
 HBM_BYTES_PER_S = 4.26e12
 MAX_SEQ, START_POS, WARM, STEPS = 1024, 256, 5, 200

@@ -73,11 +73,12 @@ for part in $PARTS; do
         step "mainjob_run_$run" "${MAINJOB_TIMEOUT:-300}" env PYTHON=$PY bash scripts/run.sh
         note "  $(grep -hE 'decode step for batch bucket .*: done in|tokens/s' "$LOGS/mainjob_run_$run.log" | tr '\n' ' ')"
       done
-      # The default model's bf16 export (what `python -m export build` does by default) and a run of the package.
-      step mainjob_export_bf16 "${EXPORT_TIMEOUT:-240}" $PY -m export build --model dsv4_model/assets/default \
+      # The default model's bf16 export (what `python -m dsv4_export build` does by default) and a run of the package.
+      step mainjob_export_bf16 "${EXPORT_TIMEOUT:-240}" $PY -m dsv4_export build --model dsv4_model/assets/default \
         --out "$LOGS/default_bf16.pt2" --no-exported-programs
       note "  $(grep -hE 'done in|package written' "$LOGS/mainjob_export_bf16.log" | tail -n 4 | tr '\n' ' ')"
-      step mainjob_export_run 120 $PY -m export run "$LOGS/default_bf16.pt2" --prompt-ids 1 2 3 4 --max-new-tokens 32
+      step mainjob_export_run 120 $PY -m dsv4_export run "$LOGS/default_bf16.pt2" --prompt-ids 1 2 3 4 \
+        --max-new-tokens 32
       rm -f "$LOGS/default_bf16.pt2"
       step mainjob_default_model_bf16 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_default_model_gpu.py \
         tests/test_compile_cost.py -k "bf16" ;;

@@ -106,9 +106,9 @@ def _env():
 
 
 def build_artifact(out: Path, device: str, ids) -> Path:
-    """`python -m export build` of the checkpoint: fp32, one decode bucket and one prefill bucket for the batch."""
+    """`python -m dsv4_export build` of the checkpoint: fp32, one decode bucket and one prefill bucket for the batch."""
     bucket = max(16, 1 << (max(map(len, ids)) - 1).bit_length())
-    cmd = [sys.executable, "-m", "export", "build", "--model", str(ASSETS), "--out", str(out), "--device", device,
+    cmd = [sys.executable, "-m", "dsv4_export", "build", "--model", str(ASSETS), "--out", str(out), "--device", device,
            "--dtype", "float32", "--max-batch-size", str(MAX_B), "--max-seq-len", str(MAX_S),
            "--decode-batches", str(MAX_B), "--prefill-batches", str(MAX_B), "--prefill-lengths", str(bucket),
            "--no-exported-programs"]
@@ -121,7 +121,7 @@ def build_artifact(out: Path, device: str, ids) -> Path:
 _FRESH = textwrap.dedent("""
     import json, sys
     assert "dsv4_ops" not in sys.modules
-    from export.load import ExportedEngine
+    from dsv4_export.load import ExportedEngine
     eng = ExportedEngine(sys.argv[1])  # loads the op library, checks the metadata, then loads the entries
     res = eng.generate(json.loads(sys.argv[2]), max_new_tokens=int(sys.argv[3]), temperature=0.0)
     print(json.dumps({"ids": res.token_ids, "mode": res.mode, "device": str(eng.device)}))

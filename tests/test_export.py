@@ -23,9 +23,9 @@ from dsv4_model.engine import Engine
 from dsv4_model.generate import generate
 from dsv4_model.model import Transformer
 from dsv4_model.quantize_model import quantize_model_
-from export import metadata as md
-from export.build import build_package, written_inputs
-from export.load import ExportedEngine, PackageMismatch
+from dsv4_export import metadata as md
+from dsv4_export.build import build_package, written_inputs
+from dsv4_export.load import ExportedEngine, PackageMismatch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_B, MAX_S, BUCKET_S = 2, 32, 16
@@ -104,7 +104,7 @@ def _run_fresh(pkg, tmp_path, ids, lens, fed):
     torch.save({"ids": ids, "lens": lens, "fed": fed, "prompts": PROMPTS}, inp)
     r = _python(f"""
         import torch
-        from export.load import ExportedEngine
+        from dsv4_export.load import ExportedEngine
         eng = ExportedEngine({pkg.path!r})
         x = torch.load({inp!r})
         before = [c.clone() for c in eng.caches]
@@ -225,7 +225,7 @@ def runner_bin(tmp_path_factory):
     if shutil.which("cmake") is None or (shutil.which("g++") is None and shutil.which("c++") is None):
         pytest.skip("the C++ runner needs cmake and a C++ compiler")
     build_dir = str(tmp_path_factory.mktemp("dsv4_run"))
-    r = subprocess.run(["bash", os.path.join(ROOT, "export", "cpp", "build.sh"), build_dir], cwd=ROOT,
+    r = subprocess.run(["bash", os.path.join(ROOT, "dsv4_export", "cpp", "build.sh"), build_dir], cwd=ROOT,
                        env=_env(), capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return r.stdout.strip().splitlines()[-1]
@@ -290,7 +290,7 @@ def test_cut_short_by_max_seq_len_the_same_in_python_export_run_and_cpp(cpu_pkg,
     eng = ExportedEngine(cpu_pkg.path)
     res = eng.generate([prompt], max_new_tokens=n)
     assert res.finish_reasons == ["max_seq_len"] and len(res.token_ids[0]) == MAX_S - len(prompt) + 1
-    r = subprocess.run([sys.executable, "-m", "export", "run", cpu_pkg.path, "--prompt-ids", *map(str, prompt),
+    r = subprocess.run([sys.executable, "-m", "dsv4_export", "run", cpu_pkg.path, "--prompt-ids", *map(str, prompt),
                         "--max-new-tokens", str(n)], cwd=ROOT, env=_env(), capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -304,17 +304,17 @@ def test_cut_short_by_max_seq_len_the_same_in_python_export_run_and_cpp(cpu_pkg,
 
 
 def test_cli_build_prefill_buckets_cover_max_batch_size(monkeypatch):
-    import export.__main__ as cli
-    import export.build
+    import dsv4_export.__main__ as cli
+    import dsv4_export.build
 
     seen = {}
-    monkeypatch.setattr(export.build, "build_from_checkpoint", lambda *a, **k: seen.update(k))
+    monkeypatch.setattr(dsv4_export.build, "build_from_checkpoint", lambda *a, **k: seen.update(k))
     assert cli.main(["build", "--model", "m", "--out", "x.pt2", "--max-batch-size", "2", "--device", "cpu"]) == 0
     assert seen["prefill_batches"] == [1, 2] and seen["decode_batches"] == [1, 2]
 
 
 def test_cli_run_without_op_library_fails_clearly(cpu_pkg):
-    r = subprocess.run([sys.executable, "-m", "export", "run", cpu_pkg.path, "--prompt-ids", "1", "2"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "dsv4_export", "run", cpu_pkg.path, "--prompt-ids", "1", "2"], cwd=ROOT,
                        env=_env(DSV4_OPS_LIBRARY="/nonexistent/libdsv4_ops.so"), capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 2
@@ -322,13 +322,13 @@ def test_cli_run_without_op_library_fails_clearly(cpu_pkg):
 
 
 def test_cli_run_and_info(cpu_pkg, cpu_fresh):
-    r = subprocess.run([sys.executable, "-m", "export", "run", cpu_pkg.path, "--prompt-ids",
+    r = subprocess.run([sys.executable, "-m", "dsv4_export", "run", cpu_pkg.path, "--prompt-ids",
                         *map(str, PROMPTS[1]), "--max-new-tokens", str(STEPS)], cwd=ROOT, env=_env(),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     ids = [int(t) for t in r.stdout.split("generated:")[1].split()]
     assert ids == cpu_fresh["gen_single"]
-    r = subprocess.run([sys.executable, "-m", "export", "info", cpu_pkg.path], cwd=ROOT, env=_env(),
+    r = subprocess.run([sys.executable, "-m", "dsv4_export", "info", cpu_pkg.path], cwd=ROOT, env=_env(),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and f"dsv4.torch_version = {torch.__version__}" in r.stdout
 
@@ -383,8 +383,8 @@ def test_dsv4_ops_in_the_package_need_the_library(cpu_pkg):
 
 
 def test_float_model_prefill_exports_through_the_static_moe_path():
-    from export.build import Entry, _example_inputs, export_entry
-    from export.entrypoints import cache_names, call_prefill
+    from dsv4_export.build import Entry, _example_inputs, export_entry
+    from dsv4_export.entrypoints import cache_names, call_prefill
 
     model, _ = _make_model("cpu", nvfp4=False)
     entry = Entry(f"prefill_b{MAX_B}_s{BUCKET_S}", "prefill", MAX_B, BUCKET_S)
@@ -404,8 +404,8 @@ def test_float_model_prefill_exports_through_the_static_moe_path():
 def test_bf16_nvfp4_decode_exports_the_moe_rows_fold():
     """A bf16 NVFP4 model's decode entry carries the MoE rows into hc_post_pre (nvfp4_moe_rows + out_ids) through
     torch.export; the exported step gives the eager step's logits and cache writes."""
-    from export.build import Entry, _dsv4_ops_in, _example_inputs, export_entry
-    from export.entrypoints import cache_names, call_decode
+    from dsv4_export.build import Entry, _dsv4_ops_in, _example_inputs, export_entry
+    from dsv4_export.entrypoints import cache_names, call_decode
 
     cfg = make_config("tiny", n_layers=2, compress_ratios=[4, 16], n_hash_layers=1, n_mtp_layers=0)
     model = quantize_model_(Transformer(cfg, max_batch_size=MAX_B, max_seq_len=MAX_S, dtype=torch.bfloat16,
@@ -430,8 +430,8 @@ def test_bf16_nvfp4_decode_exports_the_moe_rows_fold():
 
 
 def test_written_inputs_agrees_with_functionalization():
-    from export.entrypoints import CacheAsInputs, caches_detached, call_decode
-    from export.toy import ToyLM
+    from dsv4_export.entrypoints import CacheAsInputs, caches_detached, call_decode
+    from dsv4_export.toy import ToyLM
 
     m = ToyLM(max_batch_size=2, max_seq_len=8)
     names = ["k_cache", "v_cache"]

@@ -1,10 +1,10 @@
-"""Compiler choice for AOTI packages (export/toolchain.py): pure logic over given paths / versions."""
+"""Compiler choice for AOTI packages (dsv4_export/toolchain.py): pure logic over given paths / versions."""
 import os
 import shutil
 
 import pytest
 
-from export.toolchain import (Candidate, Libstdcxx, ToolchainError, choose_compiler, compiler_libstdcxx,
+from dsv4_export.toolchain import (Candidate, Libstdcxx, ToolchainError, choose_compiler, compiler_libstdcxx,
                               loaded_libstdcxx, max_glibcxx_in_file, parse_glibcxx, select_compiler)
 
 SYS_LIB = "/usr/lib/x86_64-linux-gnu/libstdc++.so.6.0.33"

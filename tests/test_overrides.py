@@ -42,7 +42,7 @@ def test_bad_values_are_refused_before_anything_changes():
 
 def test_library_code_reads_at_most_three_environment_switches():
     names = set()
-    for d in ("dsv4_ops", "dsv4_model", "export"):
+    for d in ("dsv4_ops", "dsv4_model", "dsv4_export"):
         for f in (ROOT / d).rglob("*"):
             if f.suffix in (".py", ".cpp", ".cu", ".h", ".cuh"):
                 text = f.read_text()

@@ -94,7 +94,7 @@ def read_from_archive(path: str) -> dict[str, str]:
             names = [n for n in z.namelist() if n.endswith("/extra/" + EXTRA_FILE) or n == "extra/" + EXTRA_FILE]
             if not names:
                 raise PackageMismatch(f"{path} is not a dsv4 export package (no extra/{EXTRA_FILE}); "
-                                      "build it with `python -m export build`")
+                                      "build it with `python -m dsv4_export build`")
             return json.loads(z.read(names[0]))
     except zipfile.BadZipFile as e:
         raise PackageMismatch(f"{path} is not a .pt2 archive: {e}") from e
@@ -109,7 +109,8 @@ def check(meta: dict[str, str], *, device: str | None = None, config: dict | Non
     if built_torch != torch.__version__:
         raise PackageMismatch(
             f"package built with torch {built_torch}, this process runs torch {torch.__version__}: AOTInductor "
-            "packages are tied to the torch build that compiled them; rebuild it with `python -m export build` here")
+            "packages are tied to the torch build that compiled them; rebuild it with `python -m dsv4_export build` "
+            "here")
     built_device = meta[K_DEVICE]
     want = torch.device(device).type if device else built_device
     if want != built_device:
@@ -131,7 +132,7 @@ def check(meta: dict[str, str], *, device: str | None = None, config: dict | Non
 
 def check_libstdcxx(built: str) -> None:
     """The wrapper .so may need GLIBCXX symbols up to ``built``: the loaded libstdc++ must have them."""
-    from export.toolchain import loaded_libstdcxx
+    from dsv4_export.toolchain import loaded_libstdcxx
 
     here = loaded_libstdcxx()
     if not built or here is None or here.glibcxx is None:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Builds export/cpp/dsv4_run against the installed torch's libtorch.
-# Usage: bash export/cpp/build.sh [BUILD_DIR]   (default: export/cpp/build); prints the binary's path.
+# Builds dsv4_export/cpp/dsv4_run against the installed torch's libtorch.
+# Usage: bash dsv4_export/cpp/build.sh [BUILD_DIR]   (default: dsv4_export/cpp/build); prints the binary's path.
 # The compiler must link the libstdc++ the runner will load (the one libtorch's process gets: the system one),
-# chosen like the AOTI packages' compiler (export/toolchain.py: the system g++ on the GPU machine, not $CXX =
+# chosen like the AOTI packages' compiler (dsv4_export/toolchain.py: the system g++ on the GPU machine, not $CXX =
 # /opt/gcc's); DSV4_CXX overrides.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -10,7 +10,7 @@ BUILD_DIR=${1:-$HERE/build}
 PY=${PYTHON:-python3}
 TORCH_PREFIX=$($PY -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
 REPO="$(cd "$HERE/../.." && pwd)"
-CXX_BIN=${DSV4_CXX:-$(cd "$REPO" && $PY -m export.toolchain)}
+CXX_BIN=${DSV4_CXX:-$(cd "$REPO" && $PY -m dsv4_export.toolchain)}
 ARGS=(-DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$TORCH_PREFIX")
 [ -n "$CXX_BIN" ] && ARGS+=(-DCMAKE_CXX_COMPILER="$CXX_BIN")
 # A CUDA torch makes find_package(Torch) enable CUDA: use the same host compiler and arch as the op library.

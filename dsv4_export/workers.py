@@ -6,7 +6,7 @@ slowest entry. The model travels to each worker as one ``torch.save`` of the mod
 worker runs ``build.export_and_compile`` on its share of the entries and hands back the AOTI files' paths,
 which the parent packages.
 
-    python -m export.workers SPEC.json   (what the parent runs; SPEC names the model file and the entries)
+    python -m dsv4_export.workers SPEC.json   (what the parent runs; SPEC names the model file and the entries)
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def export_and_compile_in_workers(model: nn.Module, names: Sequence[str], entrie
                 spec_path = os.path.join(tmp, f"spec{k}.json")
                 with open(spec_path, "w") as f:
                     json.dump(spec, f)
-                procs.append((spec, subprocess.Popen([sys.executable, "-m", "export.workers", spec_path],
+                procs.append((spec, subprocess.Popen([sys.executable, "-m", "dsv4_export.workers", spec_path],
                                                      cwd=ROOT, env=env)))
             failed = [(spec, p.wait()) for spec, p in procs]
         finally:
@@ -79,8 +79,8 @@ def export_and_compile_in_workers(model: nn.Module, names: Sequence[str], entrie
 
 def _main(spec_path: str) -> int:
     import dsv4_ops  # noqa: F401  (schemas, fakes and kernels before the model is unpickled)
-    from export import toolchain
-    from export.build import Entry, export_and_compile
+    from dsv4_export import toolchain
+    from dsv4_export.build import Entry, export_and_compile
 
     with open(spec_path) as f:
         spec = json.load(f)

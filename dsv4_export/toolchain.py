@@ -223,7 +223,7 @@ def configure_inductor(verbose: bool = False) -> Choice:
 
 
 if __name__ == "__main__":
-    # `python -m export.toolchain` prints the chosen compiler (export/cpp/build.sh builds the runner with it).
+    # `python -m dsv4_export.toolchain` prints the chosen compiler (dsv4_export/cpp/build.sh builds the runner with it).
     import sys
 
     try:

@@ -32,9 +32,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv4_model.compiled import progress
 from dsv4_ops.inductor import register_inductor_fallbacks
-from export import metadata as md
-from export import toolchain
-from export.entrypoints import CacheAsInputs, CacheSpec, cache_names, cache_specs, caches_detached, call_decode, \
+from dsv4_export import metadata as md
+from dsv4_export import toolchain
+from dsv4_export.entrypoints import CacheAsInputs, CacheSpec, cache_names, cache_specs, caches_detached, call_decode, \
     call_prefill
 
 
@@ -318,7 +318,7 @@ def build_package(model: nn.Module, config: dict, out: str, *, max_batch_size: i
     jobs = compile_jobs(jobs, model, len(entries), device)
     kwargs = dict(device=device, ep_stem=ep_stem, verbose=verbose, decode_fn=decode_fn, prefill_fn=prefill_fn)
     if jobs > 1:
-        from export.workers import export_and_compile_in_workers
+        from dsv4_export.workers import export_and_compile_in_workers
 
         _log(verbose, f"exporting + compiling {len(entries)} entries in {jobs} worker processes")
         done = export_and_compile_in_workers(model, names, entries, eager_ops, meta, jobs=jobs, **kwargs)

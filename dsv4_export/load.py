@@ -12,9 +12,9 @@ from typing import Sequence
 
 import torch
 
-from export import metadata as md
-from export.entrypoints import CacheSpec
-from export.metadata import PackageMismatch
+from dsv4_export import metadata as md
+from dsv4_export.entrypoints import CacheSpec
+from dsv4_export.metadata import PackageMismatch
 
 __all__ = ["ExportedEngine", "get_metadata", "load_op_library", "PackageMismatch"]
 
@@ -29,7 +29,7 @@ def load_op_library() -> str:
 
 
 def get_metadata(path: str) -> dict[str, str]:
-    """The package's metadata (string -> string; JSON-valued keys documented in export/metadata.py)."""
+    """The package's metadata (string -> string; JSON-valued keys documented in dsv4_export/metadata.py)."""
     return md.read_from_archive(path)
 
 
@@ -62,7 +62,7 @@ def _config_object(d: dict):
         from dsv4_model.config import ModelConfig
 
         return ModelConfig.from_dict(d)
-    except Exception:  # a non-dsv4 config (e.g. export.toy): attribute access is all generate() needs
+    except Exception:  # a non-dsv4 config (e.g. dsv4_export.toy): attribute access is all generate() needs
         import types
 
         return types.SimpleNamespace(**d)

@@ -8,7 +8,7 @@
 // prefill bucket that holds them, right-padded, with lengths), then greedy decode (smallest decode bucket), and
 // prints "generated: id id ..." on stdout. --metadata prints the decode entry's AOTI metadata.
 // Every failure is one line on stderr and exit code 2; a completion cut short by the package's max_seq_len
-// says so on stderr (as `python -m export run` does) and exits 0.
+// says so on stderr (as `python -m dsv4_export run` does) and exits 0.
 #include <dlfcn.h>
 
 #include <sys/stat.h>
@@ -77,7 +77,7 @@ std::string json_string_value(const std::string& json, const std::string& key) {
 std::string read_package_metadata(const std::string& pkg) {
   caffe2::serialize::PyTorchStreamReader reader(pkg);
   const std::string record = "extra/dsv4_metadata.json";
-  if (!reader.hasRecord(record)) fail(pkg + " has no " + record + ": build it with `python -m export build`");
+  if (!reader.hasRecord(record)) fail(pkg + " has no " + record + ": build it with `python -m dsv4_export build`");
   auto [data, size] = reader.getRecord(record);
   return std::string(static_cast<const char*>(data.get()), size);
 }

@@ -1,11 +1,11 @@
 """CLI: build / run / inspect dsv4 AOTInductor packages.
 
-    python -m export build --model CKPT_DIR --out model.pt2 [--max-batch-size 4] [--max-seq-len 4096]
+    python -m dsv4_export build --model CKPT_DIR --out model.pt2 [--max-batch-size 4] [--max-seq-len 4096]
                            [--device cuda] [--dtype bfloat16] [--decode-batches 1,2,4] [--prefill-batches 1]
                            [--prefill-lengths 64,256] [--quant nvfp4] [--act-quant nvfp4]
                            [--no-simulate-quant] [--no-exported-programs] [--jobs N]
-    python -m export run model.pt2 --prompt-ids 1 2 3 [--max-new-tokens 16] [--temperature 0] [--no-cuda-graph]
-    python -m export info model.pt2
+    python -m dsv4_export run model.pt2 --prompt-ids 1 2 3 [--max-new-tokens 16] [--temperature 0] [--no-cuda-graph]
+    python -m dsv4_export info model.pt2
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def _ints(s: str) -> list[int]:
 def _parser() -> argparse.ArgumentParser:
     from dsv4_model.cli import _Parser
 
-    ap = _Parser(prog="python -m export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _Parser(prog="python -m dsv4_export", description=__doc__,
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
     b = sub.add_parser("build", help="export prefill + decode and compile them into one .pt2")
@@ -74,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
 def _build(a) -> int:
     import torch
 
-    from export.build import build_from_checkpoint
+    from dsv4_export.build import build_from_checkpoint
 
     from dsv4_model.compiled import batch_buckets
 
@@ -100,7 +101,7 @@ def _build(a) -> int:
 
 def _run(a) -> int:
     from dsv4_model.checks import check_positive_int
-    from export.load import ExportedEngine
+    from dsv4_export.load import ExportedEngine
 
     check_positive_int(a.max_new_tokens, "--max-new-tokens")
     t0 = time.time()
@@ -120,7 +121,7 @@ def _run(a) -> int:
 
 
 def _info(a) -> int:
-    from export.load import get_metadata
+    from dsv4_export.load import get_metadata
 
     meta = get_metadata(a.package)
     for k in sorted(meta):
@@ -134,8 +135,8 @@ def _info(a) -> int:
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
     from dsv4_model.cli import run_cli
-    from export.metadata import PackageMismatch
-    from export.toolchain import ToolchainError
+    from dsv4_export.metadata import PackageMismatch
+    from dsv4_export.toolchain import ToolchainError
 
     return run_cli({"build": _build, "run": _run, "info": _info}[a.cmd], a,
                    (PackageMismatch, ToolchainError, OSError, ValueError, ImportError))
