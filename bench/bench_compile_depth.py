@@ -1,6 +1,6 @@
 """Compile + capture time of the decode step against depth: whole-step vs regional (layer by layer) compilation.
 
-Models (random weights, NVFP4 W4A16, bf16, batch 1, built on the device by bench_layer.build): "flash43" (V4-Flash:
+Models (random NVFP4 W4A16 weights built on the device by dsv4_model.random_model, bf16, batch 1): "flash43" (V4-Flash:
 43 layers, its compress ratios and hash layers, `--experts` routed experts per layer: the full 256 do not fit
 one GPU) and "flash2" (2 layers, ratios [4, 128]); "micro43" / "micro2" are the same depths at tiny widths (a dry run
 on a CPU). Every (model, mode) runs twice, each in a fresh process: "cold" with an empty Inductor cache directory,
@@ -48,15 +48,14 @@ def child(args) -> dict:
     import torch
 
     sys.path.insert(0, ROOT)
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
     import dsv4_ops  # noqa: F401
-    from bench_layer import build
     from dsv4_model.compiled import DecodeRunner
+    from dsv4_model.random_model import random_nvfp4_model
     from dsv4_model.sampling import SamplingParams
 
     cfg = model_config(args.model, args.experts)
     t = time.perf_counter()
-    model = build(cfg, args.device, max_seq=args.prompt + args.steps + 64)
+    model = random_nvfp4_model(cfg, device=args.device, max_seq_len=args.prompt + args.steps + 64)
     t_build = time.perf_counter() - t
     on_cuda = args.device == "cuda"
     runner = DecodeRunner(model, compile=True, cuda_graphs=on_cuda, regional=args.mode == "regional")

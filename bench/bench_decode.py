@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import os
 import re
 import sys
@@ -39,6 +38,7 @@ from dsv4_model.checkpoint_writer import TINY_CONFIG  # noqa: E402
 from dsv4_model.compiled import DecodeRunner  # noqa: E402
 from dsv4_model.config import ModelConfig  # noqa: E402
 from dsv4_model.model import Transformer  # noqa: E402
+from dsv4_model.random_model import randomize_floats_  # noqa: E402
 from dsv4_model.sampling import SamplingParams  # noqa: E402
 
 HBM_BYTES_PER_S = 4.26e12
@@ -58,28 +58,7 @@ def model_config(name: str) -> ModelConfig:
 
 
 # ------------------------------------------------------------------------------------------ model set-up
-@torch.no_grad()
-def randomize_(module: torch.nn.Module, seed: int, n_experts: int) -> None:
-    """O(1)-activation random weights, generated on the module's device (GBs: no host round trip)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    for name, p in module.named_parameters():
-        leaf = name.rsplit(".", 1)[-1]
-        if re.search(r"norm\.weight$|layernorm\.weight$", name):
-            p.normal_(1.0, 0.1, generator=g)
-        elif "scale" in leaf:
-            p.uniform_(0.5, 1.5, generator=g)
-        elif "base" in leaf or leaf in ("ape", "bias", "position_bias"):
-            p.normal_(0.0, 0.3, generator=g)
-        elif leaf in ("attn_sink", "sinks") or "embed" in name:
-            p.normal_(0.0, 1.0, generator=g)
-        else:
-            p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=g)
-    for name, b in module.named_buffers():
-        if name.endswith("tid2eid"):
-            V, k = b.shape
-            b.copy_(torch.rand(V, n_experts, device=b.device, generator=g).argsort(dim=-1)[:, :k])
-        elif name.endswith("e_score_correction_bias"):
-            b.normal_(0.0, 0.3, generator=g)
+randomize_ = randomize_floats_  # O(1)-activation random floats on the module's device
 
 
 def build_models(cfg: ModelConfig, max_batch: int, max_seq: int):

@@ -1,0 +1,104 @@
+"""Random models of any size, built directly on their device: benchmarks at real sizes without a checkpoint.
+
+`random_nvfp4_model` makes the NVFP4 modules first (`convert_structure_` on the meta device) and fills them with
+random E2M1 codes and block scales, so no float copy of a converted weight ever exists (a full-width V4-Flash layer
+stack holds ~0.56 bytes per weight); everything else gets O(1)-activation float values (`randomize_floats_`).
+A weight is code x block scale 1 x global scale 1 / (rms(code) sqrt(K)): entries of rms 1 / sqrt(K), as a
+N(0, 1/K) float init gives.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+from torch import nn
+
+from .compressor import Compressor
+from .config import ModelConfig
+from .model import Transformer
+from .nvfp4 import BLOCK, Nvfp4Linear, Nvfp4MoE, repack_weight
+from .quantize_model import Nvfp4GroupedLinear, convert_structure_
+
+# E2M1 magnitudes of codes 0..7 (bit 3 is the sign): a uniformly random byte's code has this rms.
+CODE_RMS = math.sqrt(sum(v * v for v in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)) / 8)
+
+
+@torch.no_grad()
+def randomize_floats_(module: nn.Module, seed: int, n_experts: int) -> None:
+    """O(1)-activation random values for every float parameter (norms ~1, mHC scales ~1, projections
+    N(0, 1 / fan_in)) and the router's buffers, generated on the module's device (no host round trip)."""
+    device = next(module.parameters()).device
+    g = torch.Generator(device=device).manual_seed(seed)
+    for name, p in module.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if re.search(r"norm\.weight$|layernorm\.weight$", name):
+            p.normal_(1.0, 0.1, generator=g)
+        elif "scale" in leaf:
+            p.uniform_(0.5, 1.5, generator=g)
+        elif "base" in leaf or leaf in ("ape", "bias", "position_bias"):
+            p.normal_(0.0, 0.3, generator=g)
+        elif leaf in ("attn_sink", "sinks") or "embed" in name:
+            p.normal_(0.0, 1.0, generator=g)
+        else:
+            p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=g)
+    for name, b in module.named_buffers():
+        if name.endswith("tid2eid"):
+            V, k = b.shape
+            b.copy_(torch.rand(V, n_experts, device=b.device, generator=g).argsort(dim=-1)[:, :k])
+        elif name.endswith("e_score_correction_bias"):
+            b.normal_(0.0, 0.3, generator=g)
+
+
+def _random_nvfp4_(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, k: int,
+                   g: torch.Generator) -> None:
+    """Fill kernel-layout buffers [..., N, Kp/2] / [..., N, Kp/16] (one leading slice at a time: the canonical
+    intermediate stays one matrix) with random codes, block scales 1 and the global scale for rms 1 / sqrt(k)."""
+    lead = packed.shape[:-2]
+    flat_p, flat_s = packed.view(-1, *packed.shape[-2:]), scale.view(-1, *scale.shape[-2:])
+    n = packed.shape[-2]
+    for i in range(flat_p.shape[0]):
+        codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=packed.device, generator=g)
+        ones = torch.ones(n, k // BLOCK, device=packed.device).to(torch.float8_e4m3fn)
+        kp, ks = repack_weight(codes, ones)
+        flat_p[i].copy_(kp)
+        flat_s[i].copy_(ks)
+    global_scale.copy_(torch.full(lead, 1.0 / (CODE_RMS * math.sqrt(k))))
+
+
+@torch.no_grad()
+def randomize_nvfp4_(model: nn.Module, seed: int) -> None:
+    """Random codes in every NVFP4 module of `model` (see `_random_nvfp4_`)."""
+    device = next(model.parameters()).device
+    g = torch.Generator(device=device).manual_seed(seed)
+    for mod in model.modules():
+        if isinstance(mod, (Nvfp4Linear, Nvfp4GroupedLinear)):
+            _random_nvfp4_(mod.weight_packed, mod.weight_scale, mod.weight_global_scale, mod.in_features, g)
+        elif isinstance(mod, Nvfp4MoE):
+            parts = [("w13", mod.dim), ("w2", mod.inter)]
+            if mod.shared_inter:
+                parts += [("shared_w13", mod.dim), ("shared_w2", mod.shared_inter)]
+            for p, k in parts:
+                _random_nvfp4_(getattr(mod, f"{p}_packed"), getattr(mod, f"{p}_scale"),
+                               getattr(mod, f"{p}_global_scale"), k, g)
+
+
+def random_nvfp4_model(cfg: ModelConfig, *, device, max_batch_size: int = 1, max_seq_len: int = 4096,
+                       dtype: torch.dtype = torch.bfloat16, act_quant: str = "none", seed: int = 0) -> Transformer:
+    """A `Transformer` of `cfg` with random NVFP4 weights (what `quantize_model_` converts) and random floats,
+    built on `device` without a float copy of any converted weight; ready to prefill / decode."""
+    device = torch.device(device)
+    model = Transformer(cfg, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype, device="meta")
+    for unit in convert_structure_(model, act_quant):
+        unit.old = None  # the meta float modules: never materialized
+    model.to_empty(device=device)
+    randomize_floats_(model, seed, cfg.n_routed_experts)
+    for mod in model.modules():  # compressor projections hold bf16 values, as the checkpoints store them
+        if isinstance(mod, Compressor):
+            for w in (mod.wkv.weight, mod.wgate.weight):
+                w.copy_(w.to(torch.bfloat16))
+    randomize_nvfp4_(model, seed + 1)
+    model.narrow_weights_()  # as the loader does
+    model.setup_runtime(device)
+    model.reset_caches()
+    return model.eval()

@@ -1,0 +1,85 @@
+"""dsv4_model.random_model: a random NVFP4 model built directly (no float copy of a converted weight) has exactly
+the structure the quantizer gives a float model, weights of the intended scale, and decodes finite, O(1) logits."""
+import math
+
+import pytest
+import torch
+
+import dsv4_ops  # noqa: F401
+from dsv4_model.checkpoint_writer import make_config
+from dsv4_model.compressor import Compressor
+from dsv4_model.config import ModelConfig
+from dsv4_model.model import Transformer
+from dsv4_model.nvfp4 import Nvfp4Linear, dequantize_kernel_layout
+from dsv4_model.quantize_model import quantize_model_
+from dsv4_model.random_model import random_nvfp4_model
+
+
+def _cfg():
+    return make_config("tiny")
+
+
+def test_structure_is_what_the_quantizer_makes():
+    cfg = _cfg()
+    got = random_nvfp4_model(cfg, device="cpu", max_batch_size=2, max_seq_len=64, dtype=torch.float32)
+    ref = quantize_model_(Transformer(cfg, max_batch_size=2, max_seq_len=64, dtype=torch.float32)
+                          .init_random_weights(0))
+    for m in ref.modules():  # compressor projections hold bf16 values (as checkpoints store them), then narrow
+        if isinstance(m, Compressor):
+            for w in (m.wkv.weight, m.wgate.weight):
+                w.data.copy_(w.data.to(torch.bfloat16))
+    ref.narrow_weights_()
+    g, r = got.state_dict(), ref.state_dict()
+    assert g.keys() == r.keys()
+    for k in r:
+        assert (g[k].shape, g[k].dtype) == (r[k].shape, r[k].dtype), k
+    assert got.quant_info == ref.quant_info
+    assert {type(m) for m in got.modules()} == {type(m) for m in ref.modules()}
+
+
+def test_weights_have_the_intended_scale_and_the_seed_decides_them():
+    cfg = _cfg()
+    a = random_nvfp4_model(cfg, device="cpu", max_seq_len=64, seed=3)
+    b = random_nvfp4_model(cfg, device="cpu", max_seq_len=64, seed=3)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    lins = [m for m in a.modules() if isinstance(m, Nvfp4Linear)]
+    assert lins
+    for m in lins:
+        w = dequantize_kernel_layout(m.weight_packed, m.weight_scale, m.weight_global_scale, m.in_features)
+        assert w.shape == (m.out_features, m.in_features)
+        rms = float(w.float().pow(2).mean().sqrt())
+        assert abs(rms * math.sqrt(m.in_features) - 1) < 0.15, (m.in_features, rms)
+    moe = a.layers[0].ffn.nvfp4
+    for name, k in (("w13", moe.dim), ("w2", moe.inter), ("shared_w13", moe.dim), ("shared_w2", moe.shared_inter)):
+        w = dequantize_kernel_layout(getattr(moe, f"{name}_packed"), getattr(moe, f"{name}_scale"),
+                                     getattr(moe, f"{name}_global_scale"), k)
+        assert abs(float(w.pow(2).mean().sqrt()) * math.sqrt(k) - 1) < 0.15, name
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_prefill_and_decode_are_finite_and_order_one(device):
+    cfg = _cfg()
+    model = random_nvfp4_model(cfg, device=device, max_batch_size=2, max_seq_len=64)
+    ids = torch.randint(2, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)).to(device)
+    logits = model.prefill(ids)
+    nxt = logits.argmax(-1)
+    step = model.decode_step(nxt, torch.full((2,), 12, device=device))
+    for t in (logits, step):
+        assert torch.isfinite(t).all()
+        assert 0.05 < float(t.float().std()) < 50, float(t.float().std())
+
+
+@pytest.mark.cuda
+def test_full_width_layers_never_hold_a_float_copy():
+    # Two V4-Flash-width layers with 32 experts: peak device memory stays within the NVFP4 model plus one
+    # expert stack's canonical intermediate; a float copy of the experts alone would be ~1.6 GB.
+    cfg = ModelConfig.v4_flash()
+    cfg.n_layers, cfg.compress_ratios, cfg.n_mtp_layers, cfg.n_hash_layers = 2, [4, 128], 0, 0
+    cfg.n_routed_experts = 32
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    model = random_nvfp4_model(cfg.validate(), device="cuda", max_seq_len=256)
+    held = torch.cuda.memory_allocated() - before
+    peak = torch.cuda.max_memory_allocated() - before
+    assert peak < held + 512 * 2**20, (held / 2**20, peak / 2**20)
+    del model
