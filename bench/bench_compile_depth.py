@@ -1,6 +1,6 @@
 """Compile + capture time of the decode step against depth: whole-step vs regional (layer by layer) compilation.
 
-Models (random NVFP4 W4A16 weights built on the device by dsv4_model.random_model, bf16, batch 1): "flash43" (V4-Flash:
+Models (random NVFP4 W4A16 weights built on the device by dsv4_model.quant.random_model, bf16, batch 1): "flash43" (V4-Flash:
 43 layers, its compress ratios and hash layers, `--experts` routed experts per layer: the full 256 do not fit
 one GPU) and "flash2" (2 layers, ratios [4, 128]); "micro43" / "micro2" are the same depths at tiny widths (a dry run
 on a CPU). Every (model, mode) runs twice, each in a fresh process: "cold" with an empty Inductor cache directory,
@@ -25,8 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def model_config(name: str, experts: int):
-    from dsv4_model.checkpoint_writer import TINY_CONFIG
-    from dsv4_model.config import ModelConfig
+    from dsv4_model.checkpoint.writer import TINY_CONFIG
+    from dsv4_model.model.config import ModelConfig
 
     flash = ModelConfig.v4_flash()
     depth = int(name.removeprefix("flash").removeprefix("micro"))
@@ -49,9 +49,9 @@ def child(args) -> dict:
 
     sys.path.insert(0, ROOT)
     import dsv4_ops  # noqa: F401
-    from dsv4_model.compiled import DecodeRunner
-    from dsv4_model.random_model import random_nvfp4_model
-    from dsv4_model.sampling import SamplingParams
+    from dsv4_model.runtime.compiled import DecodeRunner
+    from dsv4_model.quant.random_model import random_nvfp4_model
+    from dsv4_model.runtime.sampling import SamplingParams
 
     cfg = model_config(args.model, args.experts)
     t = time.perf_counter()

@@ -12,7 +12,7 @@ kernels shrink the floor ~3.5x. KV-cache reads (256 tokens) are negligible next 
 
 Prefill: the first batch size's prompt through `Transformer.prefill` (ours, eager) and one HF forward, timed
 after one warm-up call each.
---quant nvfp4 converts our model's weights to NVFP4 (W4A16, dsv4_model/quantize_model.py) after copying HF's
+--quant nvfp4 converts our model's weights to NVFP4 (W4A16, dsv4_model/quant/quantize_model.py) after copying HF's
 weights, so HF runs bf16 and we run NVFP4 on the same underlying weights; the floor then counts NVFP4 bytes.
 
 Run: python bench/bench_decode.py [--budget SECONDS] [--models flash2,micro] [--batches 1,8,64] [--prompt 256]
@@ -34,12 +34,12 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import dsv4_ops  # noqa: E402,F401
-from dsv4_model.checkpoint_writer import TINY_CONFIG  # noqa: E402
-from dsv4_model.compiled import DecodeRunner  # noqa: E402
-from dsv4_model.config import ModelConfig  # noqa: E402
-from dsv4_model.model import Transformer  # noqa: E402
-from dsv4_model.random_model import randomize_floats_  # noqa: E402
-from dsv4_model.sampling import SamplingParams  # noqa: E402
+from dsv4_model.checkpoint.writer import TINY_CONFIG  # noqa: E402
+from dsv4_model.runtime.compiled import DecodeRunner  # noqa: E402
+from dsv4_model.model.config import ModelConfig  # noqa: E402
+from dsv4_model.model.transformer import Transformer  # noqa: E402
+from dsv4_model.quant.random_model import randomize_floats_  # noqa: E402
+from dsv4_model.runtime.sampling import SamplingParams  # noqa: E402
 
 HBM_BYTES_PER_S = 4.26e12
 PROMPT = 256
@@ -190,7 +190,7 @@ def main(argv=None) -> int:
         t_build = time.perf_counter()
         ours, hf, note = build_models(cfg, max(batches), prompt_len + 64)
         if args.quant == "nvfp4":
-            from dsv4_model.quantize_model import quantize_model_
+            from dsv4_model.quant.quantize_model import quantize_model_
 
             quantize_model_(ours)
             torch.cuda.empty_cache()

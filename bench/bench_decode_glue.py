@@ -17,8 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dsv4_ops  # noqa: E402,F401
 from dsv4_ops import reference as ref  # noqa: E402
-from dsv4_model.layers import apply_rope, hc_post  # noqa: E402
-from dsv4_model.quant_sim import indexer_fake_quant  # noqa: E402
+from dsv4_model.model.layers import apply_rope, hc_post  # noqa: E402
+from dsv4_model.model.quant_sim import indexer_fake_quant  # noqa: E402
 from timing import cuda_generator, graph_us, vs_peer  # noqa: E402
 
 EPS, ITERS = 1e-6, 20

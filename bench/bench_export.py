@@ -32,12 +32,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import dsv4_ops  # noqa: E402,F401
-from dsv4_model.checkpoint_writer import TINY_CONFIG  # noqa: E402
-from dsv4_model.compiled import DecodeRunner  # noqa: E402
-from dsv4_model.config import ModelConfig  # noqa: E402
-from dsv4_model.model import Transformer  # noqa: E402
-from dsv4_model.quantize_model import quantize_model_  # noqa: E402
-from dsv4_model.sampling import SamplingParams  # noqa: E402
+from dsv4_model.checkpoint.writer import TINY_CONFIG  # noqa: E402
+from dsv4_model.runtime.compiled import DecodeRunner  # noqa: E402
+from dsv4_model.model.config import ModelConfig  # noqa: E402
+from dsv4_model.model.transformer import Transformer  # noqa: E402
+from dsv4_model.quant.quantize_model import quantize_model_  # noqa: E402
+from dsv4_model.runtime.sampling import SamplingParams  # noqa: E402
 from dsv4_export.build import build_package  # noqa: E402
 from dsv4_export.load import ExportedEngine  # noqa: E402
 

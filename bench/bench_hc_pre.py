@@ -1,4 +1,4 @@
-"""dsv4::hc_pre vs the steps it replaces (dsv4_model.layers.hc_pre + the sublayer's RMSNorm, compiled with
+"""dsv4::hc_pre vs the steps it replaces (dsv4_model.model.layers.hc_pre + the sublayer's RMSNorm, compiled with
 torch.compile as in the decode step), same run, V4-Flash (hc 4 x d 4096) and V4-Pro (d 7168) widths, batch 1
 and 8, bf16 streams, fp32 fn. µs per call by CUDA-graph replay; bytes = fn + x read once, fraction of 4.26 TB/s.
 
@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dsv4_ops  # noqa: E402,F401
-from dsv4_model.layers import hc_pre  # noqa: E402
+from dsv4_model.model.layers import hc_pre  # noqa: E402
 from timing import cuda_generator, graph_us, vs_peer  # noqa: E402
 
 HC, ITERS, EPS = 4, 20, 1e-6

@@ -31,16 +31,16 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import dsv4_ops  # noqa: E402,F401
-from dsv4_model.compressor import Compressor  # noqa: E402
-from dsv4_model.checkpoint_writer import TINY_CONFIG  # noqa: E402
-from dsv4_model.compiled import DecodeRunner  # noqa: E402
-from dsv4_model.decode_options import DecodeOptions  # noqa: E402
+from dsv4_model.model.compressor import Compressor  # noqa: E402
+from dsv4_model.checkpoint.writer import TINY_CONFIG  # noqa: E402
+from dsv4_model.runtime.compiled import DecodeRunner  # noqa: E402
+from dsv4_model.model.decode_options import DecodeOptions  # noqa: E402
 from dsv4_ops.overrides import parse as parse_overrides  # noqa: E402
 from dsv4_ops.overrides import set_overrides  # noqa: E402
-from dsv4_model.config import ModelConfig  # noqa: E402
-from dsv4_model.model import Transformer  # noqa: E402
-from dsv4_model.quantize_model import quantize_model_  # noqa: E402
-from dsv4_model.sampling import SamplingParams  # noqa: E402
+from dsv4_model.model.config import ModelConfig  # noqa: E402
+from dsv4_model.model.transformer import Transformer  # noqa: E402
+from dsv4_model.quant.quantize_model import quantize_model_  # noqa: E402
+from dsv4_model.runtime.sampling import SamplingParams  # noqa: E402
 
 RATIO = {"csa": 4, "hca": 128, "swa": 0}
 BASE = [4, 128]

@@ -8,10 +8,10 @@ Text: the model directory's ``heldout_sample.txt`` (cut by the training script f
 hash), encoded with the model's own tokenizer as ``<bos> doc <eos> ...`` and cut into non-overlapping windows
 of --seq-len tokens, each run from position 0 through ``Transformer.prefill`` (the inference path).
 
-Variants are the engine's own load paths (`dsv4_model.loader.load_model`): "bf16" = float weights (for an
+Variants are the engine's own load paths (`dsv4_model.checkpoint.loader.load_model`): "bf16" = float weights (for an
 NVFP4-stored checkpoint such as the shipped one: its dequantized NVFP4 values), "nvfp4_w4a16" = quant="nvfp4"
 (converted at load, ModelOpt convention, or as stored), "nvfp4_w4a4" = the same weights with act_quant="nvfp4"
-(every NVFP4 GEMM input quantized per token). What is converted and what stays bf16: dsv4_model/quantize_model.py.
+(every NVFP4 GEMM input quantized per token). What is converted and what stays bf16: dsv4_model/quant/quantize_model.py.
 """
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # train_data
 
-from dsv4_model import train_data as td  # noqa: E402
+import train_data as td  # noqa: E402
 
 DEFAULT_DIR = Path(__file__).resolve().parents[1] / "dsv4_model" / "assets" / "default"
 MODES = ("bf16", "nvfp4_w4a16", "nvfp4_w4a4")
@@ -55,7 +56,7 @@ QUANT_OF_MODE = {"bf16": ("none", "none"), "nvfp4_w4a16": ("nvfp4", "none"), "nv
 
 def load(model_dir: Path, device, *, batch: int, seq_len: int, simulate_quant: bool, mode: str = "bf16",
          dtype=torch.bfloat16):
-    from dsv4_model.loader import load_model
+    from dsv4_model.checkpoint.loader import load_model
 
     quant, act_quant = QUANT_OF_MODE[mode]
     model, _ = load_model(model_dir, device=device, dtype=dtype, max_batch_size=batch, max_seq_len=seq_len,

@@ -23,14 +23,14 @@ def _ints(s: str) -> list[int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from dsv4_model.cli import _Parser
+    from dsv4_model.runtime.cli import _Parser
 
     ap = _Parser(prog="python -m dsv4_export", description=__doc__,
                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
     b = sub.add_parser("build", help="export prefill + decode and compile them into one .pt2")
-    b.add_argument("--model", required=True, help="checkpoint directory (any layout dsv4_model.loader reads)")
+    b.add_argument("--model", required=True, help="checkpoint directory (any layout dsv4_model.checkpoint.loader reads)")
     b.add_argument("--out", required=True, help="package path, must end in .pt2")
     b.add_argument("--max-batch-size", type=int, default=1)
     b.add_argument("--max-seq-len", type=int, default=4096)
@@ -77,9 +77,9 @@ def _build(a) -> int:
 
     from dsv4_export.build import build_from_checkpoint
 
-    from dsv4_model.compiled import batch_buckets
+    from dsv4_model.runtime.compiled import batch_buckets
 
-    from dsv4_model.checks import check_positive_int, parse_device
+    from dsv4_model.model.checks import check_positive_int, parse_device
 
     check_positive_int(a.max_batch_size, "--max-batch-size")
     check_positive_int(a.max_seq_len, "--max-seq-len")
@@ -100,7 +100,7 @@ def _build(a) -> int:
 
 
 def _run(a) -> int:
-    from dsv4_model.checks import check_positive_int
+    from dsv4_model.model.checks import check_positive_int
     from dsv4_export.load import ExportedEngine
 
     check_positive_int(a.max_new_tokens, "--max-new-tokens")
@@ -134,7 +134,7 @@ def _info(a) -> int:
 
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
-    from dsv4_model.cli import run_cli
+    from dsv4_model.runtime.cli import run_cli
     from dsv4_export.metadata import PackageMismatch
     from dsv4_export.toolchain import ToolchainError
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dsv4_model.compiled import progress
+from dsv4_model.runtime.compiled import progress
 from dsv4_ops.inductor import register_inductor_fallbacks
 from dsv4_export import metadata as md
 from dsv4_export import toolchain
@@ -359,11 +359,11 @@ def build_from_checkpoint(path: str, out: str, *, max_batch_size: int, max_seq_l
                           prefill_lengths: Sequence[int] | None = None, save_exported_programs: bool = True,
                           verbose: bool = True, allow_beyond_max_position: bool = False,
                           jobs: int | None = None) -> str:
-    """Loads a checkpoint with ``dsv4_model.loader.load_model`` and exports it (see ``build_package``).
+    """Loads a checkpoint with ``dsv4_model.checkpoint.loader.load_model`` and exports it (see ``build_package``).
 
     ``quant`` / ``act_quant``: as for the loader ("nvfp4" converts the weights at load: the exported graphs then
     call dsv4::nvfp4_linear / nvfp4_moe; None keeps what the checkpoint stores)."""
-    from dsv4_model.loader import load_model
+    from dsv4_model.checkpoint.loader import load_model
 
     _log(verbose, f"loading {path} on {device} ({dtype}) ...")
     model, config = load_model(path, device=device, dtype=dtype, max_batch_size=max_batch_size,

@@ -43,7 +43,7 @@ def _bucket(buckets: Sequence[int], n: int, what: str) -> int:
 
 
 class _PackageModel:
-    """The part of the Transformer interface ``dsv4_model.compiled.DecodeRunner`` uses, backed by the package."""
+    """The part of the Transformer interface ``dsv4_model.runtime.compiled.DecodeRunner`` uses, backed by the package."""
 
     def __init__(self, engine: "ExportedEngine"):
         self._engine = engine
@@ -59,7 +59,7 @@ class _PackageModel:
 
 def _config_object(d: dict):
     try:
-        from dsv4_model.config import ModelConfig
+        from dsv4_model.model.config import ModelConfig
 
         return ModelConfig.from_dict(d)
     except Exception:  # a non-dsv4 config (e.g. dsv4_export.toy): attribute access is all generate() needs
@@ -69,13 +69,13 @@ def _config_object(d: dict):
 
 
 class ExportedEngine:
-    """The engine interface (``dsv4_model.engine.Engine``) over a loaded package; it owns the caches.
+    """The engine interface (``dsv4_model.runtime.engine.Engine``) over a loaded package; it owns the caches.
 
     ``prefill(input_ids [B, S], lengths=None) -> float32 logits [B, V]`` (last valid position of each row; runs
     the smallest prefill bucket >= (B, S), right-padded). ``decode(next_ids [B]) -> [B, V]`` continues each row
     at its own position. ``decode_step(tokens [B], positions [B])`` is the raw step (smallest decode bucket >= B;
     padded rows run token 0 at position 0 in cache rows B.., which no live sequence uses).
-    ``generate(prompts, ...)`` is ``dsv4_model.generate.generate`` on this engine: its DecodeRunner (sampling op,
+    ``generate(prompts, ...)`` is ``dsv4_model.runtime.generate.generate`` on this engine: its DecodeRunner (sampling op,
     per-bucket CUDA graphs when ``cuda_graph``; default on for CUDA packages) drives ``decode_step``.
     """
 
@@ -163,9 +163,9 @@ class ExportedEngine:
         lens[:b] = lengths
         return self._run(self._prefill[(bb, ss)], padded, lens)[:b]
 
-    # -- engine interface (mirrors dsv4_model.engine.Engine) -----------------------------------------------
+    # -- engine interface (mirrors dsv4_model.runtime.engine.Engine) -----------------------------------------------
     def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
-        from dsv4_model.checks import prefill_request
+        from dsv4_model.model.checks import prefill_request
 
         ids, lens = prefill_request(input_ids, lengths, max_batch_size=self.max_batch_size,
                                     max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
@@ -177,7 +177,7 @@ class ExportedEngine:
         return logits
 
     def decode(self, next_ids: torch.Tensor) -> torch.Tensor:
-        from dsv4_model.checks import decode_request
+        from dsv4_model.model.checks import decode_request
 
         ids = decode_request(torch.as_tensor(next_ids).reshape(-1), self._lens, max_seq_len=self.max_seq_len,
                              vocab_size=self.vocab_size)
@@ -190,8 +190,8 @@ class ExportedEngine:
     # -- generation ----------------------------------------------------------------------------------------
     def generate(self, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, stop_token_ids=None, stream=None, **kwargs):
-        """``dsv4_model.generate.generate`` with this engine (same arguments and result)."""
-        from dsv4_model.generate import generate
+        """``dsv4_model.runtime.generate.generate`` with this engine (same arguments and result)."""
+        from dsv4_model.runtime.generate import generate
 
         return generate(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, stream,
                         **kwargs)

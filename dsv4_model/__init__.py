@@ -1,6 +1,6 @@
 """DeepSeek-V4 model in pure PyTorch: config, layers, caches, engine."""
 
-from .config import ModelConfig
+from dsv4_model.model.config import ModelConfig
 
 __all__ = ["ModelConfig", "Transformer", "Engine"]
 
@@ -9,11 +9,11 @@ def __getattr__(name):
     # the model loads the op library and the engine the loader (safetensors etc.): import them on first use, so
     # light modules (config, cli argument parsing) need neither
     if name == "Transformer":
-        from .model import Transformer
+        from dsv4_model.model.transformer import Transformer
 
         return Transformer
     if name == "Engine":
-        from .engine import Engine
+        from dsv4_model.runtime.engine import Engine
 
         return Engine
     raise AttributeError(name)

@@ -1,6 +1,6 @@
-"""`python -m dsv4_model generate --prompt TEXT ...` (see dsv4_model/cli.py)."""
+"""`python -m dsv4_model generate --prompt TEXT ...` (see dsv4_model/runtime/cli.py)."""
 import sys
 
-from dsv4_model.cli import main
+from dsv4_model.runtime.cli import main
 
 sys.exit(main())

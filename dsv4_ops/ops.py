@@ -33,7 +33,7 @@ def fused_deinterleave_amax_quantize(gate_up: Tensor, *, row_weight: Tensor | No
     return _ops.fused_deinterleave_amax_quantize(gate_up, row_weight, limit, per_row)
 
 
-# ---- NVFP4 GEMM / MoE (weights in the kernel layout of dsv4_model.nvfp4)
+# ---- NVFP4 GEMM / MoE (weights in the kernel layout of dsv4_model.quant.nvfp4)
 def nvfp4_linear(x: Tensor, *, w_packed: Tensor, w_scale: Tensor, w_global_scale: Tensor) -> Tensor:
     return _ops.nvfp4_linear(x, w_packed, w_scale, w_global_scale)
 

@@ -18,10 +18,10 @@ def count(device: str, on: bool) -> int:
     import torch
     import torch._inductor.metrics as metrics
 
-    from dsv4_model.checkpoint_writer import TINY_CONFIG
-    from dsv4_model.config import ModelConfig
-    from dsv4_model.decode_options import DecodeOptions
-    from dsv4_model.model import Transformer
+    from dsv4_model.checkpoint.writer import TINY_CONFIG
+    from dsv4_model.model.config import ModelConfig
+    from dsv4_model.model.decode_options import DecodeOptions
+    from dsv4_model.model.transformer import Transformer
     from dsv4_ops.inductor import register_inductor_fallbacks
 
     register_inductor_fallbacks()

@@ -21,7 +21,7 @@ LAYOUTS = ("dsv4", "hf", "official", "modelopt")
 
 
 def _run(path, quant, dtype, steps=12) -> torch.Tensor:
-    from dsv4_model.engine import Engine
+    from dsv4_model.runtime.engine import Engine
 
     eng = Engine.from_pretrained(path, device="cpu", dtype=dtype, max_batch_size=2, max_seq_len=64, quant=quant,
                                  progress=False, compile=False)
@@ -38,8 +38,8 @@ def _run(path, quant, dtype, steps=12) -> torch.Tensor:
 def fingerprint() -> dict[str, torch.Tensor]:
     import warnings
 
-    from dsv4_model.checkpoint_writer import write_tiny_checkpoint
-    from dsv4_model.cli import DEFAULT_MODEL_DIR
+    from dsv4_model.checkpoint.writer import write_tiny_checkpoint
+    from dsv4_model.runtime.cli import DEFAULT_MODEL_DIR
 
     res = {}
     for quant in ("none", "nvfp4"):

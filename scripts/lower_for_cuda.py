@@ -120,7 +120,7 @@ def main() -> int:
     fake_cuda_tensors()
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from dsv4_model.engine import Engine
+    from dsv4_model.runtime.engine import Engine
 
     eng = Engine.from_pretrained(args.model, device="cpu", dtype=getattr(torch, args.dtype), max_batch_size=1,
                                  max_seq_len=args.max_seq_len, quant="nvfp4", progress=False)

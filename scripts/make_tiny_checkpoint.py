@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dsv4_model.checkpoint_writer import CONFIGS, WRITER_LAYOUTS, write_tiny_checkpoint  # noqa: E402
+from dsv4_model.checkpoint.writer import CONFIGS, WRITER_LAYOUTS, write_tiny_checkpoint  # noqa: E402
 
 
 def main(argv=None) -> int:

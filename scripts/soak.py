@@ -30,7 +30,7 @@ def soak(engine, steps: int, batch: int, seed: int, temperature: float) -> dict:
     """Requests of random prompts (8-64 ids) generated to the end of the caches until `steps` decode steps ran."""
     from torch._dynamo.utils import counters
 
-    from dsv4_model.generate import generate
+    from dsv4_model.runtime.generate import generate
 
     rng = random.Random(seed)
     vocab, on_cuda = engine.config.vocab_size, engine.device.type == "cuda"
@@ -62,8 +62,8 @@ def soak(engine, steps: int, batch: int, seed: int, temperature: float) -> dict:
 
 
 def main(argv=None) -> int:
-    from dsv4_model.cli import default_model_path
-    from dsv4_model.engine import Engine
+    from dsv4_model.runtime.cli import default_model_path
+    from dsv4_model.runtime.engine import Engine
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)

@@ -4,7 +4,7 @@ One command, time-bounded (the whole run, set-up and save included, stays within
 
     python scripts/train_default_model.py --out out/default_model --minutes 8 --device cuda
 
-Writes into --out: the checkpoint (``dsv4_model.loader.save_model``: dsv4 layout, routed experts stored as
+Writes into --out: the checkpoint (``dsv4_model.checkpoint.loader.save_model``: dsv4 layout, routed experts stored as
 MXFP4 like the official release, everything else bf16 / fp32 as the official release stores it),
 ``config.json``, ``tokenizer.json``, ``heldout_sample.txt`` (a fixed text cut from held-out files; the CI
 perplexity test reads it), ``train_log.json`` and ``loss_curve.png`` (when matplotlib is importable).
@@ -39,7 +39,7 @@ from torch.nn.utils import parametrize
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsv4_model import train_data as td  # noqa: E402
+import train_data as td  # noqa: E402
 
 # Seconds kept back from the budget for the final evaluations, the sample and the save.
 _RESERVE_S = 30.0
@@ -103,13 +103,13 @@ CONFIGS = {"default": default_config_fields, "micro": micro_config_fields}
 
 
 def make_config(fields: dict):
-    from dsv4_model.config import ModelConfig
+    from dsv4_model.model.config import ModelConfig
 
     return ModelConfig(**fields).validate()
 
 
 def build_model(cfg, batch_size: int, seq_len: int, device: torch.device, simulate_quant: bool = False):
-    from dsv4_model.model import Transformer
+    from dsv4_model.model.transformer import Transformer
 
     return Transformer(cfg, max_batch_size=batch_size, max_seq_len=seq_len, dtype=torch.float32, device=device,
                        simulate_quant=simulate_quant)
@@ -144,7 +144,7 @@ def forward_logits(model, ids: torch.Tensor) -> torch.Tensor:
 def mtp_logits(model, h: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
     """MTP depth 1 (doc §9): position t combines the main streams h_t with the embedding of token t+1 and
     predicts token t+2. h [B, T, hc, d], next_ids [B, T] (tokens 1..T) -> logits [B, T, V]."""
-    from dsv4_model.layers import hc_head
+    from dsv4_model.model.layers import hc_head
 
     mtp = model.mtp[0]
     B, T = next_ids.shape
@@ -241,7 +241,7 @@ def trainable_parameters(model):
 
 class RouterBalancer:
     def __init__(self, model):
-        from dsv4_model.moe import Gate
+        from dsv4_model.model.moe import Gate
 
         self.gates = [g for g in model.modules() if isinstance(g, Gate) and not g.hash]
         self.active = True
@@ -282,7 +282,7 @@ class IndexerDistill:
     """
 
     def __init__(self, model):
-        from dsv4_model.attention import Attention
+        from dsv4_model.model.attention import Attention
 
         self.layers = [m for m in model.modules() if isinstance(m, Attention) and m.indexer is not None]
         self.active = False
@@ -300,7 +300,7 @@ class IndexerDistill:
     @staticmethod
     def _ste_fp4(x: torch.Tensor) -> torch.Tensor:
         """Hadamard + FP4 rounding as the inference indexer applies it, with a straight-through gradient."""
-        from dsv4_model.quant_sim import fp4_e2m1_block_fake_quant, hadamard_rotate
+        from dsv4_model.model.quant_sim import fp4_e2m1_block_fake_quant, hadamard_rotate
 
         r = hadamard_rotate(x)
         return r + (fp4_e2m1_block_fake_quant(r) - r).detach()
@@ -347,8 +347,8 @@ class IndexerDistill:
 
 class SublayerDropout:
     def __init__(self, model, p: float):
-        from dsv4_model.attention import Attention
-        from dsv4_model.moe import MoE
+        from dsv4_model.model.attention import Attention
+        from dsv4_model.model.moe import MoE
 
         self.p = p
         self.active = False
@@ -374,7 +374,7 @@ class SublayerDropout:
 class MXFP4FakeQuant(nn.Module):
     """Round stacked expert weights [E, out, in] to MXFP4 (e2m1, one power-of-two scale per 32 along `in`,
     scale = amax/6 rounded up) with a straight-through gradient. Identity while disabled. The rule equals
-    `dsv4_model.quant_formats.quant_mxfp4`, so storing the rounded weights with it is exact."""
+    `dsv4_model.quant.formats.quant_mxfp4`, so storing the rounded weights with it is exact."""
 
     def __init__(self):
         super().__init__()
@@ -387,7 +387,7 @@ class MXFP4FakeQuant(nn.Module):
 
 
 def mxfp4_round(w: torch.Tensor) -> torch.Tensor:
-    from dsv4_model.quant_sim import pow2_ceil, round_to_e2m1
+    from dsv4_model.model.quant_sim import pow2_ceil, round_to_e2m1
 
     *lead, n_in = w.shape
     wb = w.float().reshape(*lead, n_in // 32, 32)
@@ -396,7 +396,7 @@ def mxfp4_round(w: torch.Tensor) -> torch.Tensor:
 
 
 def add_expert_qat(model) -> list[MXFP4FakeQuant]:
-    from dsv4_model.moe import Experts
+    from dsv4_model.model.moe import Experts
 
     fqs = []
     for mod in model.modules():
@@ -409,7 +409,7 @@ def add_expert_qat(model) -> list[MXFP4FakeQuant]:
 
 
 def remove_expert_qat(model) -> None:
-    from dsv4_model.moe import Experts
+    from dsv4_model.model.moe import Experts
 
     for mod in model.modules():
         if isinstance(mod, Experts) and parametrize.is_parametrized(mod):
@@ -420,8 +420,8 @@ def remove_expert_qat(model) -> None:
 def storage_state_dict(model) -> dict[str, torch.Tensor]:
     """The tensors to store, with official storage formats: routed experts per expert as MXFP4 (int8 codes +
     E8M0 scales), fp32 where the official release keeps fp32 (mHC, sinks, ape, router bias), bf16 elsewhere."""
-    from dsv4_model.checkpoint_names import expert_name, is_stacked_expert_name, official_storage
-    from dsv4_model.quant_formats import quant_mxfp4
+    from dsv4_model.checkpoint.names import expert_name, is_stacked_expert_name, official_storage
+    from dsv4_model.quant.formats import quant_mxfp4
 
     out: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
@@ -792,7 +792,7 @@ def main(argv=None) -> dict:
     except Exception as e:  # a smoke check only: never lose the checkpoint over it
         log["sample_error"] = repr(e)
 
-    from dsv4_model.loader import save_model
+    from dsv4_model.checkpoint.loader import save_model
 
     # Shards under 15 MB: the GPU machine hands back files of at most 16 MiB each.
     save_model(_StoredModel(storage_state_dict(model)), cfg, args.out, max_shard_bytes=15 * 2**20)

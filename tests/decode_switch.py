@@ -4,10 +4,10 @@ import dataclasses
 
 import torch
 
-from dsv4_model.checkpoint_writer import TINY_CONFIG
-from dsv4_model.config import ModelConfig
-from dsv4_model.decode_options import DecodeOptions
-from dsv4_model.model import Transformer
+from dsv4_model.checkpoint.writer import TINY_CONFIG
+from dsv4_model.model.config import ModelConfig
+from dsv4_model.model.decode_options import DecodeOptions
+from dsv4_model.model.transformer import Transformer
 
 
 def decode_with_switch(monkeypatch, op: str, option: str, *, steps: int, device: str = "cpu",

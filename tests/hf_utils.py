@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from dsv4_model.config import ModelConfig
+from dsv4_model.model.config import ModelConfig
 
 
 @pytest.fixture(autouse=True)
@@ -137,7 +137,7 @@ def hf_to_official_state_dict(hf_sd: dict[str, torch.Tensor]) -> dict[str, torch
 def build_pair(cfg: ModelConfig, *, max_batch_size: int = 1, max_seq_len: int = 256, seed: int = 0,
                simulate_quant: bool = False, prefill_chunk: int = 512):
     """(hf_model, our Transformer) in float32 on CPU with identical weights (MTP weights random)."""
-    from dsv4_model.model import Transformer
+    from dsv4_model.model.transformer import Transformer
 
     hf = make_hf_model(cfg, seed)
     ours = Transformer(cfg, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=torch.float32,

@@ -1,6 +1,6 @@
 """dsv4::sparse_attn_decode (a decode step's attention: one query token per row against the window + compressed /
 top-k cache rows it lists, one shared K = V head, per-head sink) against the reference (dsv4_ops/reference/,
-the steps of dsv4_model.attention.Attention._attend), opcheck, torch.compile, and on CUDA the split-K kernels
+the steps of dsv4_model.model.attention.Attention._attend), opcheck, torch.compile, and on CUDA the split-K kernels
 (one and many splits, head counts that do not fill a CTA, skipped rows), a captured graph and no host sync.
 
 Tolerance: fp32 results agree to fp32 rounding of the sums (rtol 1e-5); bf16 results are the same fp32 values
@@ -207,8 +207,8 @@ def test_cuda_graph_replay_and_no_sync():
 def test_model_picks_the_op_by_size():
     """Decode calls the op whenever its tensor-core kernel runs (bf16, head dim % 64 == 0), else up to
     FUSED_ATTN_MAX_ROWS (batch x listed rows) and the tensor-op form above; DecodeOptions.attention forces either."""
-    from dsv4_model.decode_options import FUSED_ATTN_MAX_ROWS as limit
-    from dsv4_model.decode_options import DecodeOptions, decode_attention
+    from dsv4_model.model.decode_options import FUSED_ATTN_MAX_ROWS as limit
+    from dsv4_model.model.decode_options import DecodeOptions, decode_attention
 
     auto, fused, torch_form = DecodeOptions(), DecodeOptions(attention="fused"), DecodeOptions(attention="torch")
     bf16, fp32 = torch.empty(1, 4, 512, dtype=torch.bfloat16), torch.empty(1, 4, 512)
@@ -238,7 +238,7 @@ def test_out_rope_is_the_model_step(device, dtype):
     """With out_rope the op's output is the plain output through Attention._out's inverse RoPE (apply_rope with
     inverse=True) bit for bit (CUDA: the combine kernel rotates the values it rounded; the rest of the row is
     untouched), and the reference's to rounding; a forward rotation is far."""
-    from dsv4_model.layers import apply_rope
+    from dsv4_model.model.layers import apply_rope
 
     B, H, D, N, J, rope = 2, 12, 128, 40, 24, 64
     gen = torch.Generator().manual_seed(31)
@@ -276,7 +276,7 @@ def test_model_decode_with_and_without_out_rope(monkeypatch, device):
     the separate rotation (off) exactly: the same values rotated by the same operations."""
     from decode_switch import decode_with_switch
 
-    from dsv4_model.decode_options import DecodeOptions
+    from dsv4_model.model.decode_options import DecodeOptions
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA")

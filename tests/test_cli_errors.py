@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from dsv4_model.cli import DEFAULT_MODEL_DIR
+from dsv4_model.runtime.cli import DEFAULT_MODEL_DIR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import dsv4_ops  # noqa: F401
-from dsv4_model.cli import DEFAULT_MODEL_DIR
-from dsv4_model.compiled import DecodeRunner
-from dsv4_model.engine import Engine
+from dsv4_model.runtime.cli import DEFAULT_MODEL_DIR
+from dsv4_model.runtime.compiled import DecodeRunner
+from dsv4_model.runtime.engine import Engine
 from dsv4_ops.inductor import dsv4_op_overloads, register_inductor_fallbacks
 
 
@@ -73,7 +73,7 @@ def _unregister(monkeypatch):
 
 
 def _greedy():
-    from dsv4_model.sampling import SamplingParams
+    from dsv4_model.runtime.sampling import SamplingParams
 
     return SamplingParams(0.0, 0, 1.0, 0)
 

@@ -18,13 +18,13 @@ import torch
 from torch._dynamo.utils import counters
 
 import dsv4_ops  # noqa: F401
-from dsv4_model.checkpoint_writer import TINY_CONFIG
-from dsv4_model.compiled import DecodeRunner
-from dsv4_model.config import ModelConfig
-from dsv4_model.engine import Engine
-from dsv4_model.generate import generate
-from dsv4_model.model import Transformer
-from dsv4_model.sampling import SamplingParams
+from dsv4_model.checkpoint.writer import TINY_CONFIG
+from dsv4_model.runtime.compiled import DecodeRunner
+from dsv4_model.model.config import ModelConfig
+from dsv4_model.runtime.engine import Engine
+from dsv4_model.runtime.generate import generate
+from dsv4_model.model.transformer import Transformer
+from dsv4_model.runtime.sampling import SamplingParams
 
 STEPS = int(os.environ.get("DSV4_COMPILED_DECODE_STEPS", "1000"))
 ATOL_REL = 1e-4

@@ -1,6 +1,6 @@
 """dsv4::compressor_decode (a KV compressor's decode step: the token into its state slot, the gated pooling of
 the window, the overlap shift) against the pure-PyTorch reference (dsv4_ops/reference/: the tensor ops of
-dsv4_model.compressor.Compressor.decode), step after step across window boundaries; opcheck, torch.compile with
+dsv4_model.model.compressor.Compressor.decode), step after step across window boundaries; opcheck, torch.compile with
 the states as mutated buffers, a captured CUDA graph, and the model's decode with and without the op.
 
 Tolerance: pooled is a softmax-weighted sum over the window's rows in fp32; the CPU kernel sums in row order, the

@@ -5,10 +5,10 @@ import dataclasses
 import pytest
 import torch
 
-from dsv4_model.checkpoint_writer import TINY_CONFIG
-from dsv4_model.config import ModelConfig
-from dsv4_model.decode_options import DecodeOptions
-from dsv4_model.model import Transformer
+from dsv4_model.checkpoint.writer import TINY_CONFIG
+from dsv4_model.model.config import ModelConfig
+from dsv4_model.model.decode_options import DecodeOptions
+from dsv4_model.model.transformer import Transformer
 
 BOOL_OPTIONS = [f.name for f in dataclasses.fields(DecodeOptions) if f.type in (bool, "bool")]
 

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # DSV4_DEFAULT_MODEL_DIR: check another checkpoint directory with the shipped-model tests (e.g. a fresh run)
 ASSETS = Path(os.environ.get("DSV4_DEFAULT_MODEL_DIR", ROOT / "dsv4_model" / "assets" / "default"))
 
-from dsv4_model import train_data as td  # noqa: E402
+import train_data as td  # noqa: E402
 
 
 def _load_script(name: str, rel: str):
@@ -83,7 +83,7 @@ def _micro_model(batch=2, seq=64, vocab=256, seed=0):
 
 
 def test_mxfp4_fake_quant_equals_storage_codec():
-    from dsv4_model.quant_formats import dequant_mxfp4, quant_mxfp4
+    from dsv4_model.quant.formats import dequant_mxfp4, quant_mxfp4
 
     w = torch.randn(3, 48, 96) * torch.logspace(-3, 1, 96)
     r = train.mxfp4_round(w)
@@ -148,7 +148,7 @@ def test_training_steps_reduce_loss_on_a_fixed_batch():
 
 
 def test_storage_roundtrip_through_the_loader(tmp_path):
-    from dsv4_model.loader import load_model, save_model
+    from dsv4_model.checkpoint.loader import load_model, save_model
 
     model, cfg = _micro_model()
     fqs = train.add_expert_qat(model)
@@ -162,7 +162,7 @@ def test_storage_roundtrip_through_the_loader(tmp_path):
     save_model(train._StoredModel(state), cfg, tmp_path)
     loaded, _ = load_model(tmp_path, dtype=torch.float32, max_batch_size=2, max_seq_len=64, simulate_quant=False,
                            progress=False)
-    from dsv4_model.checkpoint_names import official_storage
+    from dsv4_model.checkpoint.names import official_storage
 
     ref = model.state_dict()
     for name, t in loaded.state_dict().items():
@@ -231,9 +231,9 @@ def test_shipped_model_nvfp4_w4a16_perplexity():
 
 @needs_assets
 def test_shipped_model_generates_eagerly():
-    from dsv4_model.engine import Engine
-    from dsv4_model.generate import generate
-    from dsv4_model.tokenizer import load_tokenizer
+    from dsv4_model.runtime.engine import Engine
+    from dsv4_model.runtime.generate import generate
+    from dsv4_model.checkpoint.tokenizer import load_tokenizer
 
     engine = Engine.from_pretrained(ASSETS, device="cpu", max_seq_len=128)
     tok = load_tokenizer(ASSETS, engine.config)
@@ -252,12 +252,12 @@ def test_shipped_model_generates_eagerly():
 
 @needs_assets
 def test_teacher_forced_paths_helper():
-    """dsv4_model/decode_compare.py (the GPU test's path comparison): an eager DecodeRunner fed eager's own ids
+    """scripts/decode_compare.py (the GPU test's path comparison): an eager DecodeRunner fed eager's own ids
     reproduces eager's logits exactly, a runner fed other ids does not, and decidable() excuses exactly the steps
     whose top-2 gap is within twice the drift."""
-    from dsv4_model.decode_compare import decidable, eager_decode, fixed_prefix, forced_decode
-    from dsv4_model.engine import Engine
-    from dsv4_model.tokenizer import load_tokenizer
+    from decode_compare import decidable, eager_decode, fixed_prefix, forced_decode
+    from dsv4_model.runtime.engine import Engine
+    from dsv4_model.checkpoint.tokenizer import load_tokenizer
 
     engine = Engine.from_pretrained(ASSETS, device="cpu", dtype=torch.float32, max_batch_size=2, max_seq_len=64)
     tok = load_tokenizer(ASSETS, engine.config)

@@ -4,7 +4,7 @@
 Equality runs in fp32, teacher-forced: compiled and eager logits agree to ~1e-6 almost everywhere, but the NVFP4
 ops return bf16 and the KV / indexer keys are rounded to FP8 / FP4, so a value now and then lands one step apart
 (see TOL below): greedy ids must agree wherever the observed drift cannot flip them
-(dsv4_model/decode_compare.py). The
+(scripts/decode_compare.py). The
 default settings (bf16, compile + CUDA graphs) are checked against bf16 eager teacher-forcing instead.
 The checkpoint decides its weight format (NVFP4 when converted, else as stored), as `python -m dsv4_model` does.
 The helpers take the device so the same code can be dry-run on the CPU.
@@ -47,14 +47,14 @@ pytestmark = [
 
 # ---------------------------------------------------------------------------------------------- helpers
 def tokenizer():
-    from dsv4_model.loader import load_config
-    from dsv4_model.tokenizer import load_tokenizer
+    from dsv4_model.checkpoint.loader import load_config
+    from dsv4_model.checkpoint.tokenizer import load_tokenizer
 
     return load_tokenizer(ASSETS, load_config(ASSETS))
 
 
 def load_engine(dtype, device, **decode_options):
-    from dsv4_model.engine import Engine
+    from dsv4_model.runtime.engine import Engine
 
     return Engine.from_pretrained(ASSETS, device=device, dtype=dtype, max_batch_size=MAX_B, max_seq_len=MAX_S,
                                   progress=False, **decode_options)
@@ -164,7 +164,7 @@ def test_eager_generates_code(fp32_engine, prompt_ids, eager_ids):
 
 @pytest.fixture(scope="module")
 def eager_forced(fp32_engine, prompt_ids):
-    from dsv4_model.decode_compare import eager_decode
+    from decode_compare import eager_decode
     return eager_decode(fp32_engine, prompt_ids, NEW_TOKENS)
 
 
@@ -180,8 +180,8 @@ def check_path_against_eager(engine, prompt_ids, eager_ids, eager_forced, res, w
     """Per (step, row) of teacher-forced decode: the path's logits within TOL of eager's at >= 90% of them,
     the same greedy token wherever the drift cannot flip it; free-running ids = eager's up to each row's first
     step that the drift could flip."""
-    from dsv4_model.decode_compare import decidable, forced_decode
-    from dsv4_model.generate import get_runner
+    from decode_compare import decidable, forced_decode
+    from dsv4_model.runtime.generate import get_runner
 
     fed, ref = eager_forced
     got = forced_decode(engine, prompt_ids, fed, runner=get_runner(engine))  # the runner `res` came from
@@ -213,7 +213,7 @@ def test_exported_artifact_matches_eager(tmp_path, fp32_engine, prompt_ids, eage
     """The package's greedy ids (a fresh process; only ids come back) equal eager's up to each row's first step
     whose eager top-2 gap a drift of TOL could close (the compiled-path test bounds the drift of the same
     kernels by TOL)."""
-    from dsv4_model.decode_compare import fixed_prefix
+    from decode_compare import fixed_prefix
 
     pkg = build_artifact(tmp_path / "default.pt2", DEVICE, prompt_ids)
     got = run_artifact_fresh(pkg, prompt_ids)

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 import dsv4_ops  # noqa: F401
-from dsv4_model.checkpoint_writer import make_config
-from dsv4_model.engine import Engine
-from dsv4_model.generate import generate
-from dsv4_model.model import Transformer
-from dsv4_model.quantize_model import quantize_model_
+from dsv4_model.checkpoint.writer import make_config
+from dsv4_model.runtime.engine import Engine
+from dsv4_model.runtime.generate import generate
+from dsv4_model.model.transformer import Transformer
+from dsv4_model.quant.quantize_model import quantize_model_
 from dsv4_export import metadata as md
 from dsv4_export.build import build_package, written_inputs
 from dsv4_export.load import ExportedEngine, PackageMismatch

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 import dsv4_ops  # noqa: F401
-from dsv4_model.checkpoint_writer import TINY_CONFIG
-from dsv4_model.config import ModelConfig
-from dsv4_model.engine import Engine
-from dsv4_model.generate import generate
-from dsv4_model.model import Transformer
-from dsv4_model.tokenizer import ByteTokenizer, HFTokenizer, StreamDecoder, load_tokenizer
+from dsv4_model.checkpoint.writer import TINY_CONFIG
+from dsv4_model.model.config import ModelConfig
+from dsv4_model.runtime.engine import Engine
+from dsv4_model.runtime.generate import generate
+from dsv4_model.model.transformer import Transformer
+from dsv4_model.checkpoint.tokenizer import ByteTokenizer, HFTokenizer, StreamDecoder, load_tokenizer
 
 V = 32
 
@@ -87,8 +87,8 @@ def test_max_seq_len_caps_the_batch():
 
 
 def test_a_step_past_the_caches_is_refused_on_the_host():
-    from dsv4_model.compiled import DecodeRunner
-    from dsv4_model.sampling import SamplingParams
+    from dsv4_model.runtime.compiled import DecodeRunner
+    from dsv4_model.runtime.sampling import SamplingParams
 
     model = CountingModel(max_batch_size=2, max_seq_len=8)
     runner = DecodeRunner(model, compile=False)
@@ -103,7 +103,7 @@ def test_a_step_past_the_caches_is_refused_on_the_host():
 
 
 def test_api_arguments_are_checked_before_loading(tmp_path):
-    from dsv4_model.checkpoint_writer import write_tiny_checkpoint
+    from dsv4_model.checkpoint.writer import write_tiny_checkpoint
 
     write_tiny_checkpoint(tmp_path / "m", "dsv4", seed=0)
     with pytest.raises(ValueError, match="device 'tpu' is not a device"):
@@ -217,7 +217,7 @@ def test_hf_tokenizer_bos_and_streaming(tmp_path):
 
 # ------------------------------------------------------------------------------------------- CLI
 def test_cli_default_model_streams(tmp_path, monkeypatch):
-    from dsv4_model import cli
+    from dsv4_model.runtime import cli
 
     monkeypatch.setenv("DSV4_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cli, "DEFAULT_MODEL_DIR", tmp_path / "no-default-model")
@@ -233,7 +233,7 @@ def test_cli_default_model_streams(tmp_path, monkeypatch):
 
 def test_cli_bad_arguments_fail_cleanly(tmp_path):
     # A user error is one line on stderr and exit code 2, not a traceback.
-    from dsv4_model import cli
+    from dsv4_model.runtime import cli
 
     err = io.StringIO()
     with redirect_stderr(err):
@@ -248,7 +248,7 @@ def test_cli_bad_arguments_fail_cleanly(tmp_path):
 def test_engine_lengths_follow_generate_so_decode_can_continue(tmp_path):
     # after generate(), the engine holds each row's prompt and the ids its decode steps fed: decode() continues
     # where generation stopped, with the logits a plain prefill of the whole sequence gives
-    from dsv4_model.checkpoint_writer import write_tiny_checkpoint
+    from dsv4_model.checkpoint.writer import write_tiny_checkpoint
 
     write_tiny_checkpoint(tmp_path / "m", "dsv4", seed=0)
     eng = Engine.from_pretrained(tmp_path / "m", device="cpu", dtype=torch.float32, max_seq_len=64, progress=False)

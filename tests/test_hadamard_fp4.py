@@ -1,5 +1,5 @@
 """dsv4::hadamard_fp4 (the indexer's RoPE + Walsh-Hadamard rotation + simulated FP4 rounding of its queries and
-keys) against the model's own steps (dsv4_model.layers.apply_rope, quant_sim.indexer_fake_quant: the same
+keys) against the model's own steps (dsv4_model.model.layers.apply_rope, quant_sim.indexer_fake_quant: the same
 butterfly, so the same bits) and against an independent reference (dsv4_ops/reference/: the rotation as a
 float64 product with the Sylvester matrix, so a value may round to a neighbouring FP4 code where the fp32 sums
 straddle a rounding boundary); CUDA against CPU bit for bit; opcheck, torch.compile, a captured CUDA graph, and
@@ -22,8 +22,8 @@ def case(rows, heads, d, rope, dtype, gen):
 
 
 def model_steps(x, cs, rope):
-    from dsv4_model.layers import apply_rope
-    from dsv4_model.quant_sim import indexer_fake_quant
+    from dsv4_model.model.layers import apply_rope
+    from dsv4_model.model.quant_sim import indexer_fake_quant
 
     return indexer_fake_quant(apply_rope(x, cs.unsqueeze(1), rope) if rope else x)
 
@@ -57,7 +57,7 @@ def test_wrong_steps_are_far():
     gen = torch.Generator().manual_seed(1)
     x, cs = case(2, 4, 128, 64, torch.float32, gen)
     got = ops.hadamard_fp4(x, cs, 64)
-    from dsv4_model.quant_sim import fp4_e2m1_block_fake_quant
+    from dsv4_model.model.quant_sim import fp4_e2m1_block_fake_quant
 
     for wrong in (ops.hadamard_fp4(x, cs[[1, 0]], 64), fp4_e2m1_block_fake_quant(x),
                   ops.hadamard_fp4(x, torch.stack([cs[..., 0], -cs[..., 1]], -1), 64)):

@@ -1,5 +1,5 @@
 """dsv4::hc_pre (a token's hc residual streams -> the sublayer input, its RMSNorm, and the mHC post / comb weights,
-in one op) against the pure-PyTorch reference (dsv4_ops/reference/: the steps of dsv4_model.layers.hc_pre and
+in one op) against the pure-PyTorch reference (dsv4_ops/reference/: the steps of dsv4_model.model.layers.hc_pre and
 RMSNorm), opcheck, torch.compile, and on CUDA the split-K + finish kernels (V4 widths, one and several tokens,
 fp32 / bf16 fn), a captured graph and no host sync.
 
@@ -13,7 +13,7 @@ import dsv4_ops  # noqa: F401
 from dsv4_ops import reference as ref
 from decode_switch import decode_with_switch
 
-from dsv4_model.decode_options import DecodeOptions
+from dsv4_model.model.decode_options import DecodeOptions
 
 ops = torch.ops.dsv4
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.kernels])]
@@ -69,8 +69,8 @@ def test_matches_reference(device, lead, hc, d, dtype, fn_dtype, norm):
 
 
 def test_matches_the_model_steps():
-    """The op equals dsv4_model.layers.hc_pre followed by the sublayer's RMSNorm (what the model runs unfused)."""
-    from dsv4_model.layers import RMSNorm, hc_pre
+    """The op equals dsv4_model.model.layers.hc_pre followed by the sublayer's RMSNorm (what the model runs unfused)."""
+    from dsv4_model.model.layers import RMSNorm, hc_pre
 
     gen = torch.Generator().manual_seed(7)
     x, fn, scale, base, w = case((3,), 4, 96, torch.bfloat16, torch.float32, gen)
@@ -214,9 +214,9 @@ def test_post_pre_matches_reference(device, lead, hc, d, dtype, norm):
 
 
 def test_post_pre_is_the_model_steps():
-    """h equals dsv4_model.layers.hc_post exactly (CPU: the same fp32 steps in the same order), the rest hc_pre of
+    """h equals dsv4_model.model.layers.hc_post exactly (CPU: the same fp32 steps in the same order), the rest hc_pre of
     it; a wrong comb orientation (comb[j, i]) is far."""
-    from dsv4_model.layers import hc_post
+    from dsv4_model.model.layers import hc_post
 
     gen = torch.Generator().manual_seed(21)
     out, res, post, comb = post_case((3,), 4, 96, torch.bfloat16, gen)

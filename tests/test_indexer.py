@@ -324,10 +324,10 @@ def test_model_select_rounds_and_scales_in_the_op():
     """Indexer.select on decode's fp32 weights_proj product (Attention._fp32_projections) selects exactly what
     the model selected when it did `.to(bf16).float() * weight_scale` in PyTorch, and nothing runs between that
     product and the op (no pointwise kernel in the compiled step)."""
-    from dsv4_model.checkpoint_writer import TINY_CONFIG
-    from dsv4_model.config import ModelConfig
-    from dsv4_model.indexer import Indexer
-    from dsv4_model.layers import fp32_linear
+    from dsv4_model.checkpoint.writer import TINY_CONFIG
+    from dsv4_model.model.config import ModelConfig
+    from dsv4_model.model.indexer import Indexer
+    from dsv4_model.model.layers import fp32_linear
 
     cfg = ModelConfig(**{**TINY_CONFIG, "index_head_dim": 64, "index_n_heads": 64}).validate()
     B, k = 2, 16

@@ -3,8 +3,8 @@ dsv4::indexer_score_topk, against the float-cache PyTorch path (Indexer.packed =
 import pytest
 import torch
 
-from dsv4_model.indexer import Indexer
-from dsv4_model.model import Transformer
+from dsv4_model.model.indexer import Indexer
+from dsv4_model.model.transformer import Transformer
 from dsv4_ops.reference import indexer_fp4_dequantize
 
 from hf_utils import one_thread, tiny_config  # noqa: F401
@@ -70,8 +70,8 @@ def test_packed_indexer_follows_simulate_quant():
 def test_packed_indexer_decode_cuda():
     """V4's indexer shape (D = 128) takes the CUDA kernel: eager decode agrees with the float-cache path, and
     the compiled + CUDA-graph step (the op and the key packing inside the captured graph) with eager decode."""
-    from dsv4_model.decode_compare import eager_decode, forced_decode
-    from dsv4_model.engine import Engine
+    from decode_compare import eager_decode, forced_decode
+    from dsv4_model.runtime.engine import Engine
 
     cfg = tiny_config(index_head_dim=128, index_n_heads=16, index_topk=8)
     model = _check("cuda", torch.float32, cfg, 120)

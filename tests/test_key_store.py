@@ -22,7 +22,7 @@ def caches(rows, n, D, dtype, device):
 
 def fp4_keys(B, D, dtype, gen):
     """FP4-rounded keys (what the indexer stores), with a zero block and a tiny one (the exponent floor)."""
-    from dsv4_model.quant_sim import indexer_fake_quant
+    from dsv4_model.model.quant_sim import indexer_fake_quant
 
     k = indexer_fake_quant(torch.randn(B, D, generator=gen) * 3).to(dtype)
     k[0, :32] = 0

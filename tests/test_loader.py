@@ -14,11 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dsv4_model.checkpoint_io import CheckpointError, list_tensors
-from dsv4_model.checkpoint_names import split_expert_name
-from dsv4_model.checkpoint_writer import canonical_weights, make_config, write_checkpoint
-from dsv4_model.loader import detect_layout, load_model, save_model
-from dsv4_model.quant_formats import dequant_fp8_blocks, dequant_mxfp4, quant_fp8_blocks, quant_mxfp4
+from dsv4_model.checkpoint.io import CheckpointError, list_tensors
+from dsv4_model.checkpoint.names import split_expert_name
+from dsv4_model.checkpoint.writer import canonical_weights, make_config, write_checkpoint
+from dsv4_model.checkpoint.loader import detect_layout, load_model, save_model
+from dsv4_model.quant.formats import dequant_fp8_blocks, dequant_mxfp4, quant_fp8_blocks, quant_mxfp4
 
 SEQ = 40  # > window (16) and > the HCA ratio (16): exercises window, CSA top-k and HCA pooling
 
@@ -183,7 +183,7 @@ def test_all_layouts_load_identically(ckpts, official_model, layout):
 
 
 def test_engine_from_pretrained_layouts_agree(ckpts):
-    from dsv4_model.engine import Engine
+    from dsv4_model.runtime.engine import Engine
 
     toks = _tokens(seed=4)
     outs = []

@@ -1,5 +1,5 @@
 """dsv4::hc_sinkhorn (the mHC mixing matrix of every token: row softmax, then Sinkhorn) against the pure-PyTorch
-reference (dsv4_ops/reference/, the steps of dsv4_model.layers.hc_pre), opcheck, torch.compile, and on CUDA
+reference (dsv4_ops/reference/, the steps of dsv4_model.model.layers.hc_pre), opcheck, torch.compile, and on CUDA
 a captured graph.
 
 Tolerance: the kernels and the reference agree to a few fp32 ulps (exp implementations differ by <= 2 ulp; the

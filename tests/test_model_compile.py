@@ -6,7 +6,7 @@ aot_eager (functionalization of the in-place cache writes). The inductor / CUDA-
 import pytest
 import torch
 
-from dsv4_model.model import Transformer
+from dsv4_model.model.transformer import Transformer
 
 from hf_utils import one_thread, tiny_config  # noqa: F401
 

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from dsv4_model.config import ModelConfig
+from dsv4_model.model.config import ModelConfig
 
 from hf_utils import tiny_config
 

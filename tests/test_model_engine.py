@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from dsv4_model.engine import Engine
-from dsv4_model.model import Transformer
+from dsv4_model.runtime.engine import Engine
+from dsv4_model.model.transformer import Transformer
 
 from hf_utils import one_thread, tiny_config  # noqa: F401
 

@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from dsv4_model.engine import Engine  # noqa: E402
+from dsv4_model.runtime.engine import Engine  # noqa: E402
 
 from hf_utils import build_pair, hf_logits, one_thread, tiny_config  # noqa: E402,F401
 

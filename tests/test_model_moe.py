@@ -3,8 +3,8 @@
 import torch
 import torch.nn.functional as F
 
-from dsv4_model.indexer import topk_indices
-from dsv4_model.model import Transformer
+from dsv4_model.model.indexer import topk_indices
+from dsv4_model.model.transformer import Transformer
 
 from hf_utils import one_thread, tiny_config  # noqa: F401
 
@@ -75,7 +75,7 @@ def test_topk_indices_ties_prefer_lower_index():
 def test_learned_routing_selects_distinct_experts():
     """A learned (top-k) layer's selection never repeats an expert, so MoE.forward skips the dedup step there
     (hash layers keep it): the router op and the topk fallback, ties included."""
-    from dsv4_model.moe import dedup_weights
+    from dsv4_model.model.moe import dedup_weights
 
     cfg, moe = _moe(2)
     assert not moe.gate.hash

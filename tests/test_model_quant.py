@@ -1,10 +1,10 @@
-"""simulate_quant=True rounds cached KV exactly as dsv4_model.quant_sim says (official QAT numerics)."""
+"""simulate_quant=True rounds cached KV exactly as dsv4_model.model.quant_sim says (official QAT numerics)."""
 
 import pytest
 import torch
 
-from dsv4_model.model import Transformer
-from dsv4_model.quant_sim import fp4_e2m1_block_fake_quant, indexer_fake_quant, kv_fake_quant
+from dsv4_model.model.transformer import Transformer
+from dsv4_model.model.quant_sim import fp4_e2m1_block_fake_quant, indexer_fake_quant, kv_fake_quant
 
 from hf_utils import one_thread, tiny_config  # noqa: F401
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from dsv4_model.engine import Engine
-from dsv4_model.model import Transformer
+from dsv4_model.runtime.engine import Engine
+from dsv4_model.model.transformer import Transformer
 
 from hf_utils import one_thread, tiny_config  # noqa: F401
 
@@ -70,7 +70,7 @@ def test_meta_build_then_materialize():
 
 
 def test_compressor_weights_narrow_to_bf16_only_when_lossless():
-    from dsv4_model.compressor import Compressor
+    from dsv4_model.model.compressor import Compressor
 
     cfg = tiny_config(n_layers=2, compress_ratios=[4, 8, 0], n_hash_layers=1)
     wide = Transformer(cfg, max_batch_size=1, max_seq_len=48, dtype=torch.float32).init_random_weights(5)
@@ -119,10 +119,10 @@ def test_decode_shares_per_step_values_across_layers(monkeypatch):
     """Per-position values that do not depend on the layer are computed once per decode step: the attended rows of
     the layers without an indexer (one per (window, ratio, entries)) and the RoPE rows per table and offset; the
     logits are those of computing them in every layer."""
-    from dsv4_model import attention
-    from dsv4_model.checkpoint_writer import TINY_CONFIG
-    from dsv4_model.config import ModelConfig
-    from dsv4_model.decode_options import DecodeOptions
+    from dsv4_model.model import attention
+    from dsv4_model.checkpoint.writer import TINY_CONFIG
+    from dsv4_model.model.config import ModelConfig
+    from dsv4_model.model.decode_options import DecodeOptions
 
     cfg = ModelConfig(**{**TINY_CONFIG, "n_mtp_layers": 0, "n_layers": 5,
                          "compress_ratios": [0, 16, 4, 16, 0]}).validate()
@@ -152,7 +152,7 @@ def test_decode_shares_per_step_values_across_layers(monkeypatch):
             want = table[(pos + 1 - off).clamp(min=0)]
             assert torch.equal(getattr(m, f"rope_rows_{kind}")[i, :2], want), (kind, off)
 
-    from dsv4_model.step_values import DecodeStep, in_slot
+    from dsv4_model.model.step_values import DecodeStep, in_slot
 
     # every layer computes its own
     monkeypatch.setattr(DecodeStep, "shared_rows",
@@ -169,9 +169,9 @@ def test_decode_shares_per_step_values_across_layers(monkeypatch):
 def test_decode_writes_every_rope_slot_before_the_layers(monkeypatch):
     """A RoPE slot written after a layer read the buffer (the first HCA layer's, after the CSA layers') reached
     its reader as a fresh copy under Inductor: decode_step writes every slot first."""
-    from dsv4_model.checkpoint_writer import TINY_CONFIG
-    from dsv4_model.config import ModelConfig
-    from dsv4_model.step_values import DecodeStep
+    from dsv4_model.checkpoint.writer import TINY_CONFIG
+    from dsv4_model.model.config import ModelConfig
+    from dsv4_model.model.step_values import DecodeStep
 
     cfg = ModelConfig(**{**TINY_CONFIG, "n_mtp_layers": 0, "n_layers": 3, "compress_ratios": [4, 16, 4]}).validate()
     m = Transformer(cfg, max_batch_size=1, max_seq_len=64, dtype=torch.float32, device="cpu").init_random_weights(0)

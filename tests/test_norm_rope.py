@@ -1,6 +1,6 @@
 """dsv4::rms_norm_rope (the decode step's RMSNorm + RoPE of q, kv and compressed entries, with the simulated FP8
 rounding of kv) against the pure-PyTorch reference (dsv4_ops/reference/), which is checked bit for bit against
-the model's own steps (dsv4_model.layers.RMSNorm / unweighted_rms_norm, apply_rope, quant_sim.kv_fake_quant);
+the model's own steps (dsv4_model.model.layers.RMSNorm / unweighted_rms_norm, apply_rope, quant_sim.kv_fake_quant);
 opcheck, torch.compile, a captured CUDA graph, and the model's decode with and without the op. The same for
 dsv4::rms_norm_rope_store (the result written into the attention cache's window / entry slots).
 
@@ -14,7 +14,7 @@ import dsv4_ops  # noqa: F401
 from dsv4_ops import reference as ref
 from decode_switch import decode_with_switch
 
-from dsv4_model.decode_options import DecodeOptions
+from dsv4_model.model.decode_options import DecodeOptions
 
 ops = torch.ops.dsv4
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.kernels])]
@@ -52,8 +52,8 @@ CASES = [(1, 64, 512, 64, torch.bfloat16, False, False), (3, 64, 512, 64, torch.
 
 
 def test_reference_is_the_model_steps():
-    from dsv4_model.layers import RMSNorm, apply_rope, unweighted_rms_norm
-    from dsv4_model.quant_sim import kv_fake_quant
+    from dsv4_model.model.layers import RMSNorm, apply_rope, unweighted_rms_norm
+    from dsv4_model.model.quant_sim import kv_fake_quant
 
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):

@@ -1,6 +1,6 @@
 """dsv4::nvfp4_linear / nvfp4_linear_grouped / nvfp4_linear_multi / nvfp4_linear_w4a4 / nvfp4_moe / nvfp4_moe_rows
 against the dequantize-then-matmul references (dsv4_ops/reference/), the kernel weight layout
-(dsv4_model/nvfp4.py), and the NVFP4 modules.
+(dsv4_model/quant/nvfp4.py), and the NVFP4 modules.
 
 Tolerance of a bf16 output: |out - ref32| <= ulp_bf16(ref32) + 2 * 2e-5 * sum_k |x_k w_k|, i.e. one bf16 rounding
 of a value whose fp32 accumulation may differ from the reference's by reordering (and, on the GPU, the
@@ -14,7 +14,7 @@ import torch
 import dsv4_ops
 from dsv4_ops import reference as ref
 from dsv4_ops.overrides import kernel_overrides
-from dsv4_model import nvfp4 as nv
+from dsv4_model.quant import nvfp4 as nv
 
 ops = torch.ops.dsv4
 
@@ -447,7 +447,7 @@ def test_nvfp4_linear_module_vs_bf16():
 
 
 def test_nvfp4_moe_module_vs_bf16():
-    from dsv4_model.moe import Expert, Experts
+    from dsv4_model.model.moe import Expert, Experts
 
     gen = torch.Generator().manual_seed(6)
     E, d, inter, T, k = 6, 128, 64, 7, 2

@@ -1,4 +1,4 @@
-"""NVFP4 model conversion (dsv4_model/quantize_model.py, nvfp4_convert.py, loader quant=/act_quant=).
+"""NVFP4 model conversion (dsv4_model/quant/quantize_model.py, nvfp4_convert.py, loader quant=/act_quant=).
 
 Format conversions bit-exact where they claim to be lossless; official (MXFP4 experts) and ModelOpt (NVFP4 experts)
 tiny checkpoints load to the same weights; the NVFP4 model against its dequantized twin and against the bf16
@@ -23,15 +23,15 @@ import torch
 from torch._dynamo.utils import counters
 
 import dsv4_ops  # noqa: F401  (registers torch.ops.dsv4)
-from dsv4_model import nvfp4_convert as nc
-from dsv4_model.checkpoint_io import CheckpointError
-from dsv4_model.checkpoint_writer import canonical_weights, make_config, write_checkpoint
-from dsv4_model.engine import Engine
-from dsv4_model.loader import load_model, save_model
-from dsv4_model.nvfp4 import dequantize_kernel_layout, pack_codes, repack_weight, row_major
-from dsv4_model.quant_formats import dequant_mxfp4, float_to_e8m0
+from dsv4_model.quant import nvfp4_convert as nc
+from dsv4_model.checkpoint.io import CheckpointError
+from dsv4_model.checkpoint.writer import canonical_weights, make_config, write_checkpoint
+from dsv4_model.runtime.engine import Engine
+from dsv4_model.checkpoint.loader import load_model, save_model
+from dsv4_model.quant.nvfp4 import dequantize_kernel_layout, pack_codes, repack_weight, row_major
+from dsv4_model.quant.formats import dequant_mxfp4, float_to_e8m0
 from hf_utils import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
-from dsv4_model.quantize_model import (
+from dsv4_model.quant.quantize_model import (
     KERNEL_LAYOUT_VERSION, Nvfp4GroupedLinear, Nvfp4ModelLinear, Nvfp4ModelMoE, dequantize_model_, quantize_model_,
 )
 
@@ -327,8 +327,8 @@ def test_converted_checkpoint_round_trip(ckpts, tmp_path, monkeypatch):
 
     for name in ("float_to_nvfp4", "mxfp4_to_nvfp4", "to_nvfp4", "gate_up_to_nvfp4"):
         monkeypatch.setattr(nc, name, forbidden)
-    monkeypatch.setattr("dsv4_model.quantize_model.fill_unit_", forbidden)
-    monkeypatch.setattr("dsv4_model.loader.fill_unit_", forbidden)
+    monkeypatch.setattr("dsv4_model.quant.quantize_model.fill_unit_", forbidden)
+    monkeypatch.setattr("dsv4_model.checkpoint.loader.fill_unit_", forbidden)
     back = _load(tmp_path / "conv")
     assert back.quant_info == model.quant_info and back.layers[0].attn.wq_a.w4a4
     assert _state_equal(back, model)
@@ -397,7 +397,7 @@ def test_engine_from_pretrained_nvfp4(ckpts, nvfp4_model):
 # ------------------------------------------------------------------------------------ compile
 @pytest.mark.parametrize("act_quant", ["none", "nvfp4"])
 def test_compiled_decode_step_has_no_graph_breaks(act_quant):
-    from dsv4_model.model import Transformer
+    from dsv4_model.model.transformer import Transformer
 
     torch._dynamo.reset()
     counters.clear()
@@ -421,9 +421,9 @@ def test_moe_rows_folded_into_the_next_collapse(ckpts, monkeypatch, device, act_
     """moe_rows on (the default): every layer's NVFP4 MoE but the last hands its uncombined expert rows to
     the next block's hc_post_pre, which sums them (no combine kernel); bit-equal logits to the combined path
     (off), eager and compiled. The fold needs bf16 streams (the combine rounds to bf16)."""
-    from dsv4_model.compiled import DecodeRunner
-    from dsv4_model.decode_options import DecodeOptions
-    from dsv4_model.sampling import SamplingParams
+    from dsv4_model.runtime.compiled import DecodeRunner
+    from dsv4_model.model.decode_options import DecodeOptions
+    from dsv4_model.runtime.sampling import SamplingParams
 
     torch._dynamo.reset()  # imports Inductor before the ops are wrapped (torch 2.11: its first import failed inside)
     calls = {"nvfp4_moe": 0, "nvfp4_moe_rows": 0, "rows_folded": 0}
@@ -494,8 +494,8 @@ def test_cuda_nvfp4_load_matches_cpu(ckpts):
 @pytest.mark.cuda
 @pytest.mark.parametrize("act_quant", ["none", "nvfp4"])
 def test_cuda_graph_decode_matches_eager(ckpts, act_quant):
-    from dsv4_model.compiled import DecodeRunner
-    from dsv4_model.sampling import SamplingParams
+    from dsv4_model.runtime.compiled import DecodeRunner
+    from dsv4_model.runtime.sampling import SamplingParams
 
     kw = dict(quant="nvfp4", act_quant=act_quant, device="cuda", dtype=torch.float32, max_batch_size=2)
     eager, graphed = _load(ckpts["official"], **kw), _load(ckpts["official"], **kw)

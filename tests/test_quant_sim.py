@@ -1,9 +1,9 @@
-"""Simulated FP8 / FP4 rounding (dsv4_model.quant_sim) on hand-computed cases."""
+"""Simulated FP8 / FP4 rounding (dsv4_model.model.quant_sim) on hand-computed cases."""
 
 import pytest
 import torch
 
-from dsv4_model.quant_sim import (fp4_e2m1_block_fake_quant, fp8_e4m3_block_fake_quant, hadamard_matrix,
+from dsv4_model.model.quant_sim import (fp4_e2m1_block_fake_quant, fp8_e4m3_block_fake_quant, hadamard_matrix,
                                   hadamard_rotate, indexer_fake_quant, kv_fake_quant, pow2_ceil, round_to_e2m1)
 
 
@@ -102,7 +102,7 @@ def test_indexer_fake_quant_is_fp4_after_rotation():
 def test_fp4_indexer_key_packing_matches_deepseeks_cache_form():
     # the model's packing (quant_sim) against the oracle's transcription of fp4_act_quant (dsv4_ops.reference),
     # and exact: the packed keys decode to the fake-quantized values
-    from dsv4_model.quant_sim import fp4_e2m1_block_fake_quant, fp4_pack_indexer_keys
+    from dsv4_model.model.quant_sim import fp4_e2m1_block_fake_quant, fp4_pack_indexer_keys
     from dsv4_ops.reference import indexer_fp4_dequantize, indexer_fp4_quantize_keys
 
     g = torch.Generator().manual_seed(0)
@@ -118,7 +118,7 @@ def test_fp4_indexer_key_packing_matches_deepseeks_cache_form():
 
 
 def test_training_sinkhorn_matches_the_op_reference():
-    from dsv4_model.layers import _sinkhorn
+    from dsv4_model.model.layers import _sinkhorn
     from dsv4_ops.reference import hc_sinkhorn_ref
 
     logits = torch.randn(6, 4, 4, generator=torch.Generator().manual_seed(1))

@@ -1,4 +1,4 @@
-"""dsv4_model.random_model: a random NVFP4 model built directly (no float copy of a converted weight) has exactly
+"""dsv4_model.quant.random_model: a random NVFP4 model built directly (no float copy of a converted weight) has exactly
 the structure the quantizer gives a float model, weights of the intended scale, and decodes finite, O(1) logits."""
 import math
 
@@ -6,13 +6,13 @@ import pytest
 import torch
 
 import dsv4_ops  # noqa: F401
-from dsv4_model.checkpoint_writer import make_config
-from dsv4_model.compressor import Compressor
-from dsv4_model.config import ModelConfig
-from dsv4_model.model import Transformer
-from dsv4_model.nvfp4 import Nvfp4Linear, dequantize_kernel_layout
-from dsv4_model.quantize_model import quantize_model_
-from dsv4_model.random_model import random_nvfp4_model
+from dsv4_model.checkpoint.writer import make_config
+from dsv4_model.model.compressor import Compressor
+from dsv4_model.model.config import ModelConfig
+from dsv4_model.model.transformer import Transformer
+from dsv4_model.quant.nvfp4 import Nvfp4Linear, dequantize_kernel_layout
+from dsv4_model.quant.quantize_model import quantize_model_
+from dsv4_model.quant.random_model import random_nvfp4_model
 
 
 def _cfg():

@@ -6,8 +6,8 @@ import os
 
 import torch
 
-from dsv4_model.checkpoint_writer import write_tiny_checkpoint
-from dsv4_model.engine import Engine
+from dsv4_model.checkpoint.writer import write_tiny_checkpoint
+from dsv4_model.runtime.engine import Engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dsv4_ops  # noqa: F401
-from dsv4_model.nvfp4 import quantize_weight
+from dsv4_model.quant.nvfp4 import quantize_weight
 
 _BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 

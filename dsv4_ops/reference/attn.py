@@ -12,7 +12,7 @@ def sparse_attn_decode_ref(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
                            idx2_offset: int = 0) -> torch.Tensor:
     """q [B, H, D] against the rows idx [B, J] of kv [B' >= B, N, D] (entries outside [0, N) skipped): fp32 scores
     times scale, one softmax together with the per-head sink [H], the fp32 weighted sum of the rows (K = V), in
-    q's dtype (dsv4_model.attention.Attention._attend's steps); with out_rope [B, rope_dim / 2, (cos, sin)] the
+    q's dtype (dsv4_model.model.attention.Attention._attend's steps); with out_rope [B, rope_dim / 2, (cos, sin)] the
     inverse RoPE of the trailing rope_dim dims, rounded again (Attention._out's first step). idx2 [B, J2]: more
     rows, idx2 + idx2_offset where idx2 >= 0 (negative: none), listed after idx."""
     if idx2 is not None:
@@ -52,7 +52,7 @@ def _sparse_attn(q, kv, idx, sink, scale):
 
 def compressor_decode_ref(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
                           kv_state: torch.Tensor, score_state: torch.Tensor) -> torch.Tensor:
-    """One decode step of dsv4_model.compressor.Compressor.decode's state update and pooling (its tensor ops):
+    """One decode step of dsv4_model.model.compressor.Compressor.decode's state update and pooling (its tensor ops):
     writes the token into rows [:B] of the states in place and returns pooled fp32 [B, hd]."""
     B, C = kv.shape
     m = ape.shape[0]
@@ -80,7 +80,7 @@ def compressor_decode_ref(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tens
 def rms_norm_rope_ref(x: torch.Tensor, weight, cs: torch.Tensor, eps: float, rope_dim: int,
                       fp8_nope: bool) -> torch.Tensor:
     """x [rows, heads, d] -> the model's steps as tensor ops: RMSNorm in fp32 (times weight if given) rounded to
-    x's dtype (dsv4_model.layers.RMSNorm / unweighted_rms_norm), RoPE of the trailing interleaved pairs by cs
+    x's dtype (dsv4_model.model.layers.RMSNorm / unweighted_rms_norm), RoPE of the trailing interleaved pairs by cs
     [rows, rope_dim / 2, (cos, sin)] rounded again (apply_rope), and with fp8_nope the leading dims rounded to
     FP8 e4m3 with a power-of-two scale per 64 (quant_sim.kv_fake_quant)."""
     d = x.shape[-1]

@@ -8,7 +8,7 @@ from .quant import nvfp4_dequantize_ref
 # ======================================================================================================
 # These take the CANONICAL NVFP4 layout (ModelOpt): codes uint8 [..., N, K/2] (element 2i in the low nibble),
 # float8_e4m3fn block scales [..., N, K/16], fp32 dequant-direction global scale; value = e2m1 * scale * gs.
-# The ops take the kernel layout of dsv4_model.nvfp4.repack_weight; tests feed both from the same tensors.
+# The ops take the kernel layout of dsv4_model.quant.nvfp4.repack_weight; tests feed both from the same tensors.
 
 def nvfp4_gemm_dequant_ref(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """fp32 [..., N, K] weights via nvfp4_dequantize_ref; global_scale 0-d, or one per matrix (e.g. [E] for

@@ -9,7 +9,7 @@ from .gemm import moe_combine_rows_ref
 
 def hc_sinkhorn_ref(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """logits fp32 [..., hc, hc] -> the mixing matrix: row softmax + eps, then Sinkhorn (columns, then
-    (iters - 1) x (rows, columns)), each sum + eps (dsv4_model.layers.hc_pre's steps)."""
+    (iters - 1) x (rows, columns)), each sum + eps (dsv4_model.model.layers.hc_pre's steps)."""
     comb = torch.softmax(logits.float(), dim=-1) + eps
     comb = comb / (comb.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):
@@ -20,7 +20,7 @@ def hc_sinkhorn_ref(logits: torch.Tensor, iters: int, eps: float) -> torch.Tenso
 
 def hc_pre_ref(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_weight,
                iters: int, hc_eps: float, norm_eps: float, out_eps: float):
-    """dsv4::hc_pre as tensor ops in fp32 (dsv4_model.layers.hc_pre, then the sublayer's RMSNorm of y when
+    """dsv4::hc_pre as tensor ops in fp32 (dsv4_model.model.layers.hc_pre, then the sublayer's RMSNorm of y when
     norm_weight is given): (y [..., d] in x's dtype, post fp32 [..., hc], comb fp32 [..., hc, hc])."""
     hc = x.shape[-2]
     xf = x.float()
@@ -37,7 +37,7 @@ def hc_pre_ref(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: tor
 
 
 def hc_post_ref(out: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """The new hc streams (dsv4_model.layers.hc_post): stream j = post_j * out + sum_i comb[i, j] * res_i in fp32,
+    """The new hc streams (dsv4_model.model.layers.hc_post): stream j = post_j * out + sum_i comb[i, j] * res_i in fp32,
     in out's dtype."""
     mixed = (comb.unsqueeze(-1) * res.float().unsqueeze(-2)).sum(-3)
     return (post.unsqueeze(-1) * out.float().unsqueeze(-2) + mixed).to(out.dtype)
@@ -80,7 +80,7 @@ def fp32_linear_ref(x: torch.Tensor, weight: list[torch.Tensor]) -> list[torch.T
 def router_topk_ref(scores: torch.Tensor, bias, k: int, renormalize: bool, scale: float, sqrt_softplus: bool = False):
     """(weights fp32 [N, k], indices int64 [N, k]): the k largest scores + bias per row (a stable descending sort:
     NaN first, ties to the lower index), their unbiased scores, / their sum (renormalize), * scale. sqrt_softplus:
-    scores are the logits, through dsv4_model.moe.Gate's F.softplus(logits).sqrt() first."""
+    scores are the logits, through dsv4_model.model.moe.Gate's F.softplus(logits).sqrt() first."""
     if sqrt_softplus:
         scores = torch.nn.functional.softplus(scores).sqrt()
     key = scores if bias is None else scores + bias

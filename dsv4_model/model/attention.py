@@ -11,8 +11,8 @@ Per-layer cache (non-persistent buffers, allocated by `alloc_runtime`):
 Validity is derived from positions only (ring slot s valid iff s <= p; entry i valid iff i < (p+1)//m), so rows
 never need clearing between sequences; prefill rewrites every compressor state row.
 
-The compressor (dsv4_model.compressor), the indexer (dsv4_model.indexer, with its top-k order) and the values a
-decode step shares between layers (dsv4_model.step_values) live in their own modules.
+The compressor (dsv4_model.model.compressor), the indexer (dsv4_model.model.indexer, with its top-k order) and the values a
+decode step shares between layers (dsv4_model.model.step_values) live in their own modules.
 """
 
 from __future__ import annotations
@@ -24,18 +24,18 @@ from torch import nn
 
 from dsv4_ops import ops
 
-from . import decode_options as fused
-from .compressor import Compressor
-from .decode_options import DEFAULT, DecodeOptions
-from .config import ModelConfig
-from .indexer import Indexer, topk_indices
-from .layers import Linear, RMSNorm, apply_rope, fp32_linear, unweighted_rms_norm
-from .quant_sim import fp4_pack_indexer_keys, kv_fake_quant
-from .step_values import DecodeStep
+from dsv4_model.model import decode_options as fused
+from dsv4_model.model.compressor import Compressor
+from dsv4_model.model.decode_options import DEFAULT, DecodeOptions
+from dsv4_model.model.config import ModelConfig
+from dsv4_model.model.indexer import Indexer, topk_indices
+from dsv4_model.model.layers import Linear, RMSNorm, apply_rope, fp32_linear, unweighted_rms_norm
+from dsv4_model.model.quant_sim import fp4_pack_indexer_keys, kv_fake_quant
+from dsv4_model.model.step_values import DecodeStep
 
 
 def _w4a16(mod: nn.Module) -> bool:
-    """A W4A16 NVFP4 projection (dsv4_model.quantize_model.Nvfp4ModelLinear; not imported: it imports this)."""
+    """A W4A16 NVFP4 projection (dsv4_model.quant.quantize_model.Nvfp4ModelLinear; not imported: it imports this)."""
     return getattr(mod, "w4a4", True) is False and hasattr(mod, "out_dtype") and hasattr(mod, "weight_packed")
 
 
@@ -185,7 +185,7 @@ class Attention(nn.Module):
         if isinstance(self.wo_a, Linear):
             wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
             z = torch.einsum("...gd,grd->...gr", o, wo_a)
-        else:  # grouped NVFP4 projection (dsv4_model.quantize_model.Nvfp4GroupedLinear)
+        else:  # grouped NVFP4 projection (dsv4_model.quant.quantize_model.Nvfp4GroupedLinear)
             z = self.wo_a(o)
         return self.wo_b(z.flatten(-2))
 

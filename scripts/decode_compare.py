@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .compiled import DecodeRunner
-from .sampling import SamplingParams
+from dsv4_model.runtime.compiled import DecodeRunner
+from dsv4_model.runtime.sampling import SamplingParams
 
 
 def _prefill(engine, prompts: list[list[int]]) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """DeepSeek-V4's KV compressor: gated pooling of m consecutive tokens into one cache entry (overlapping 2m-token
-windows when m == 4), for the attention cache (CSA / HCA layers) and the indexer's keys (dsv4_model.attention
+windows when m == 4), for the attention cache (CSA / HCA layers) and the indexer's keys (dsv4_model.model.attention
 describes the caches)."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from torch import nn
 
 from dsv4_ops import ops
 
-from .config import ModelConfig
-from . import decode_options as fused
-from .decode_options import DEFAULT, DecodeOptions
-from .layers import Linear, RMSNorm, apply_rope, fp32_linear
-from .quant_sim import indexer_fake_quant, kv_fake_quant
-from .step_values import DecodeStep
+from dsv4_model.model.config import ModelConfig
+from dsv4_model.model import decode_options as fused
+from dsv4_model.model.decode_options import DEFAULT, DecodeOptions
+from dsv4_model.model.layers import Linear, RMSNorm, apply_rope, fp32_linear
+from dsv4_model.model.quant_sim import indexer_fake_quant, kv_fake_quant
+from dsv4_model.model.step_values import DecodeStep
 
 
 class Compressor(nn.Module):

@@ -17,8 +17,8 @@ from torch import nn
 
 from dsv4_ops import ops
 
-from .config import ModelConfig
-from .layers import Linear, fp32_linear
+from dsv4_model.model.config import ModelConfig
+from dsv4_model.model.layers import Linear, fp32_linear
 
 
 class Gate(nn.Module):
@@ -139,7 +139,7 @@ class MoE(nn.Module):
         self.gate = Gate(cfg, layer_id, dtype)
         self.experts = Experts(cfg, dtype)
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, dtype, cfg.swiglu_limit)
-        # NVFP4 routed + shared experts in one module (dsv4_model.quantize_model); then experts /
+        # NVFP4 routed + shared experts in one module (dsv4_model.quant.quantize_model); then experts /
         # shared_experts are None
         self.nvfp4 = None
 

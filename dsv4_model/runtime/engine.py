@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .checks import decode_request, prefill_request
-from .config import ModelConfig
-from .model import Transformer
+from dsv4_model.model.checks import decode_request, prefill_request
+from dsv4_model.model.config import ModelConfig
+from dsv4_model.model.transformer import Transformer
 
 
 class Engine:
@@ -24,7 +24,7 @@ class Engine:
         self.max_seq_len = model.max_seq_len
         self.positions = torch.zeros(self.max_batch_size, dtype=torch.long, device=self.device)
         self._lens: list[int] = []
-        # How generate() runs decode steps (dsv4_model/compiled.py); None = on for CUDA, off for CPU.
+        # How generate() runs decode steps (dsv4_model/runtime/compiled.py); None = on for CUDA, off for CPU.
         self.decode_options = {"compile": compile, "cuda_graphs": cuda_graphs, "graph_mode": graph_mode}
         self.path = None  # checkpoint directory: generate() looks for tokenizer.json there
         self.tokenizer = None
@@ -34,11 +34,11 @@ class Engine:
                         max_seq_len: int = 4096, simulate_quant: bool = True, compile: bool | None = None,
                         cuda_graphs: bool | None = None, graph_mode: str = "manual", quant: str | None = None,
                         act_quant: str | None = None, **options) -> "Engine":
-        """Load a checkpoint directory via `dsv4_model.loader.load_model`; `options` go to the loader
+        """Load a checkpoint directory via `dsv4_model.checkpoint.loader.load_model`; `options` go to the loader
         (e.g. layout=, load_mtp=, progress=). compile / cuda_graphs / graph_mode: see `generate`.
-        quant: "none" | "nvfp4" (NVFP4 weights, see dsv4_model/quantize_model.py) | None (as stored);
+        quant: "none" | "nvfp4" (NVFP4 weights, see dsv4_model/quant/quantize_model.py) | None (as stored);
         act_quant: "none" (W4A16) | "nvfp4" (W4A4) | None (as stored / "none")."""
-        from .loader import load_model
+        from dsv4_model.checkpoint.loader import load_model
 
         model, config = load_model(path, device=device, dtype=dtype, max_batch_size=max_batch_size,
                                    max_seq_len=max_seq_len, simulate_quant=simulate_quant, quant=quant,
@@ -88,7 +88,7 @@ class Engine:
         return logits
 
     def generate(self, prompts, **kwargs):
-        """Batched, streaming generation (compiled / CUDA-graph decode); see `dsv4_model.generate.generate`."""
-        from .generate import generate
+        """Batched, streaming generation (compiled / CUDA-graph decode); see `dsv4_model.runtime.generate.generate`."""
+        from dsv4_model.runtime.generate import generate
 
         return generate(self, prompts, **kwargs)

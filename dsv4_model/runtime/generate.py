@@ -13,9 +13,9 @@ from typing import Callable
 
 import torch
 
-from .compiled import DecodeRunner
-from .sampling import SamplingParams
-from .tokenizer import StreamDecoder, load_tokenizer
+from dsv4_model.runtime.compiled import DecodeRunner
+from dsv4_model.runtime.sampling import SamplingParams
+from dsv4_model.checkpoint.tokenizer import StreamDecoder, load_tokenizer
 
 # stream(row, token_id, text): called for every emitted token in order; `text` is the decoded increment
 # ("" while a multi-byte character is incomplete; None without a tokenizer). At the end of a row, a final

@@ -32,15 +32,15 @@ from torch import nn
 
 from dsv4_ops import ops
 
-from .attention import Attention
-from .checks import check_max_seq_len, check_positive_int
-from .compressor import Compressor
-from .indexer import Indexer
-from .decode_options import DEFAULT as DEFAULT_OPTIONS, DecodeOptions
-from .step_values import DecodeStep
-from .config import ModelConfig
-from .layers import Linear, RMSNorm, hc_head, hc_post, hc_pre, rope_inv_freq, rope_table
-from .moe import MoE
+from dsv4_model.model.attention import Attention
+from dsv4_model.model.checks import check_max_seq_len, check_positive_int
+from dsv4_model.model.compressor import Compressor
+from dsv4_model.model.indexer import Indexer
+from dsv4_model.model.decode_options import DEFAULT as DEFAULT_OPTIONS, DecodeOptions
+from dsv4_model.model.step_values import DecodeStep
+from dsv4_model.model.config import ModelConfig
+from dsv4_model.model.layers import Linear, RMSNorm, hc_head, hc_post, hc_pre, rope_inv_freq, rope_table
+from dsv4_model.model.moe import MoE
 
 
 class Embedding(nn.Module):
@@ -319,7 +319,7 @@ class Transformer(nn.Module):
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor,
                     options: DecodeOptions = DEFAULT_OPTIONS, layer_call: Callable | None = None) -> torch.Tensor:
         """One token per row: tokens [B] at positions [B] (device tensors; B <= max_batch_size) -> fp32 [B, V].
-        options: how the step is built (dsv4_model.decode_options). layer_call(layer, h, ids, step, pending,
+        options: how the step is built (dsv4_model.model.decode_options). layer_call(layer, h, ids, step, pending,
         fold_rows): runs one layer's decode (a compiled region; default: layer.decode).
 
         Static shapes, no host syncs: safe for torch.compile(fullgraph=True) and CUDA graphs."""

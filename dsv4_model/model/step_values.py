@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from .decode_options import DecodeOptions
+from dsv4_model.model.decode_options import DecodeOptions
 
 Slots = tuple[torch.Tensor, list]  # (scratch buffer [n, max_batch, ...], the key of each of its n slots)
 

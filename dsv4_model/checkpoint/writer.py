@@ -9,7 +9,7 @@ bit-identical weights.
 "modelopt" mimics NVIDIA's ModelOpt NVFP4 release of V4 (doc §7): the official layout, except that the main
 model's routed experts are NVFP4 (`.weight` packed uint8 [N, K/2], `.weight_scale` E4M3 [N, K/16],
 `.weight_scale_2` fp32 0-d, `.input_scale` fp32 0-d), converted LOSSLESSLY from their MXFP4 values
-(dsv4_model.nvfp4_convert.mxfp4_to_nvfp4, one power-of-two global scale per tensor, so w1 and w3 of an expert
+(dsv4_model.quant.nvfp4_convert.mxfp4_to_nvfp4, one power-of-two global scale per tensor, so w1 and w3 of an expert
 may differ by a power of two); MTP experts stay MXFP4. It loads to the same weights as the other layouts.
 Config: an HF `config.json` (base `quant_method` fp8) and an `hf_quant_config.json`.
 
@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint_io import write_sharded
-from .checkpoint_names import official_storage, official_to_hf_name, split_expert_name
-from .loader import DSV4_FORMAT_KEY, DSV4_FORMAT_VERSION, LAYOUTS
-from .nvfp4_convert import mxfp4_to_nvfp4
-from .quant_formats import FP8_BLOCK, dequant_fp8_blocks, dequant_mxfp4, quant_fp8_blocks, quant_mxfp4
+from dsv4_model.checkpoint.io import write_sharded
+from dsv4_model.checkpoint.names import official_storage, official_to_hf_name, split_expert_name
+from dsv4_model.checkpoint.loader import DSV4_FORMAT_KEY, DSV4_FORMAT_VERSION, LAYOUTS
+from dsv4_model.quant.nvfp4_convert import mxfp4_to_nvfp4
+from dsv4_model.quant.formats import FP8_BLOCK, dequant_fp8_blocks, dequant_mxfp4, quant_fp8_blocks, quant_mxfp4
 
 # Covers SWA-only (L0), CSA (L1, L3) and HCA (L2, L4) layers, hash (L0-1) and learned (L2-4) MoE,
 # 8 indexer heads, an SWA-only MTP block; wq_b / wo_a span several (partial) 128x128 FP8 blocks.
@@ -56,7 +56,7 @@ QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0
 
 
 def make_config(name: str = "tiny", **overrides):
-    from .config import ModelConfig
+    from dsv4_model.model.config import ModelConfig
 
     return ModelConfig(**{**CONFIGS[name], **overrides}).validate()
 

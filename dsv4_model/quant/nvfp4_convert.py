@@ -1,6 +1,6 @@
 """Checkpoint weight formats -> canonical NVFP4 (pure functions; load time only, host syncs allowed).
 
-Canonical NVFP4 = ModelOpt's storage (see dsv4_model/nvfp4.py): codes uint8 [..., N, K/2] (element 2i in the
+Canonical NVFP4 = ModelOpt's storage (see dsv4_model/quant/nvfp4.py): codes uint8 [..., N, K/2] (element 2i in the
 low nibble), block scales float8_e4m3fn [..., N, K/16], one fp32 global scale per matrix (dequant direction),
 value = e2m1 * (float(block_scale) * global_scale).
 
@@ -12,7 +12,7 @@ Sources and how they become NVFP4:
   the same global scale; in practice they flush to ~0, being < 2^-17 of the tensor's largest block) and a
   warning names the tensor and the count. The other blocks stay exact.
 - FP8 128x128 blocks: dequantized exactly to fp32, then quantized with a per-tensor amax global scale.
-- Float (bf16 / fp32): post-training quantization, per-tensor amax (`dsv4_model.nvfp4.quantize_weight`).
+- Float (bf16 / fp32): post-training quantization, per-tensor amax (`dsv4_model.quant.nvfp4.quantize_weight`).
 - NVFP4 (ModelOpt): kept as is. w1 and w3 of an expert share one global scale in the MoE kernel; when their
   `weight_scale_2` differ, `unify_global_scale` re-encodes the block scales of the one with the smaller global
   scale to the larger (exact when the ratio is a power of two and no block scale underflows E4M3, otherwise
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .nvfp4 import BLOCK, E2M1_VALUES, E4M3_MAX, pack_codes, quantize_weight, unpack_codes
-from .quant_formats import FP4_BLOCK, dequant_fp8_blocks, e8m0_to_float
+from dsv4_model.quant.nvfp4 import BLOCK, E2M1_VALUES, E4M3_MAX, pack_codes, quantize_weight, unpack_codes
+from dsv4_model.quant.formats import FP4_BLOCK, dequant_fp8_blocks, e8m0_to_float
 
 # E4M3 holds every power of two 2^-9 (smallest subnormal) .. 2^8 exactly: 18 values.
 E4M3_POW2_MIN, E4M3_POW2_MAX = -9, 8

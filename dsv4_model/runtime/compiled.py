@@ -28,8 +28,8 @@ import torch
 
 from dsv4_ops import ops
 
-from .decode_options import DecodeOptions
-from .sampling import SamplerBuffers, SamplingParams
+from dsv4_model.model.decode_options import DecodeOptions
+from dsv4_model.runtime.sampling import SamplerBuffers, SamplingParams
 
 GRAPH_MODES = ("manual", "reduce-overhead")
 
@@ -78,7 +78,7 @@ class DecodeRunner:
     graph_mode: "manual" (default) or "reduce-overhead" (implies compile).
     compile_backend: torch.compile backend ("inductor"; tests on CPU may use "aot_eager").
     log: called with one line of progress while a bucket compiles / captures (the CLI prints it on stderr).
-    step_options: how the decode step is built (dsv4_model.decode_options.DecodeOptions; the defaults are the
+    step_options: how the decode step is built (dsv4_model.model.decode_options.DecodeOptions; the defaults are the
     shipped path, the rest debug overrides), fixed for the runner's lifetime.
     regional: with compile, compile one decoder layer at a time instead of the whole step: Dynamo reuses a layer's
     compiled code for every later layer that traces the same (layers differ only in weights and caches), so

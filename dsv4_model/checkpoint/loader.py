@@ -10,16 +10,16 @@ Three layouts (auto-detected, or forced with `layout=`):
               activations are quantized dynamically).
 - "dsv4":     this project's own format written by `save_model` (model state_dict names, stacked
               experts, `config.json` = `ModelConfig.to_dict()` + `"dsv4_format": 1`). An NVFP4-converted
-              model is saved with its NVFP4 buffers (kernel layout of dsv4_model.nvfp4, see
-              dsv4_model.quantize_model) and `"dsv4_quant": {"method": "nvfp4", "act_quant": ...,
+              model is saved with its NVFP4 buffers (kernel layout of dsv4_model.quant.nvfp4, see
+              dsv4_model.quant.quantize_model) and `"dsv4_quant": {"method": "nvfp4", "act_quant": ...,
               "kernel_layout": 2}`; it loads back as is, without re-quantizing (a version 1 checkpoint's
               buffers are reordered into the version 2 tiles at load).
 
-quant="nvfp4" (see dsv4_model/quantize_model.py for which layers): the model is converted to NVFP4 on the
+quant="nvfp4" (see dsv4_model/quant/quantize_model.py for which layers): the model is converted to NVFP4 on the
 meta device BEFORE allocation, so the float weights of converted layers never exist in full; each converted
 layer (each expert) is built from its checkpoint tensors as they are read: MXFP4 experts losslessly where
 possible, NVFP4 (ModelOpt) experts as stored, FP8 / bf16 tensors quantized per tensor
-(dsv4_model/nvfp4_convert.py).
+(dsv4_model/quant/nvfp4_convert.py).
 
 The module is built on the meta device; every checkpoint tensor is checked against it from the
 safetensors headers alone (names, shapes, dtypes, quantization scales) before any memory is
@@ -39,14 +39,14 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint_io import (
+from dsv4_model.checkpoint.io import (
     FLOAT_TAGS, INT_TAGS, CheckpointError, TensorInfo, TensorReader, list_tensors, write_sharded,
 )
-from .checks import check_max_seq_len, check_positive_int, parse_device
-from .checkpoint_names import FUSED_W13, hf_to_official_name, split_expert_name
-from .nvfp4_convert import Mxfp4Tensor, Nvfp4Tensor
-from .quant_formats import FP4_BLOCK, FP8_BLOCK, dequant_fp8_blocks, dequant_mxfp4, fp8_scale_shape, mxfp4_shapes
-from .quantize_model import (
+from dsv4_model.model.checks import check_max_seq_len, check_positive_int, parse_device
+from dsv4_model.checkpoint.names import FUSED_W13, hf_to_official_name, split_expert_name
+from dsv4_model.quant.nvfp4_convert import Mxfp4Tensor, Nvfp4Tensor
+from dsv4_model.quant.formats import FP4_BLOCK, FP8_BLOCK, dequant_fp8_blocks, dequant_mxfp4, fp8_scale_shape, mxfp4_shapes
+from dsv4_model.quant.quantize_model import (
     ACT_QUANT_MODES, KERNEL_LAYOUT_VERSIONS, QUANT_INFO_KEY, check_modes, convert_structure_, dequantize_model_,
     fill_unit_, upgrade_kernel_layout_,
 )
@@ -104,7 +104,7 @@ def config_path_for(path: str | os.PathLike, layout: str) -> Path:
 
 def load_config(path: str | os.PathLike, layout: str | None = None):
     """`ModelConfig` of the checkpoint directory `path`."""
-    from .config import ModelConfig
+    from dsv4_model.model.config import ModelConfig
 
     layout = layout or detect_layout(path)
     cfg_path = config_path_for(path, layout)
@@ -470,7 +470,7 @@ def _has_mtp(names) -> bool:
 
 def _build_meta_model(config, *, max_batch_size: int, max_seq_len: int, dtype: torch.dtype, simulate_quant: bool,
                       allow_beyond_max_position: bool = False):
-    from .model import Transformer
+    from dsv4_model.model.transformer import Transformer
 
     with torch.device("meta"):
         return Transformer(config, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype,

@@ -11,12 +11,12 @@ from torch import nn
 
 from dsv4_ops import ops
 
-from . import decode_options as fused
-from .compressor import Compressor
-from .decode_options import DEFAULT, DecodeOptions
-from .config import ModelConfig
-from .layers import Linear, apply_rope
-from .quant_sim import fp4_pack_indexer_keys, indexer_fake_quant
+from dsv4_model.model import decode_options as fused
+from dsv4_model.model.compressor import Compressor
+from dsv4_model.model.decode_options import DEFAULT, DecodeOptions
+from dsv4_model.model.config import ModelConfig
+from dsv4_model.model.layers import Linear, apply_rope
+from dsv4_model.model.quant_sim import fp4_pack_indexer_keys, indexer_fake_quant
 
 
 def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "default"
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "default"
 RANDOM_TINY_NAME = "random-tiny-v1"
 
 
@@ -28,7 +28,7 @@ def default_model_path() -> tuple[Path, str]:
         return DEFAULT_MODEL_DIR, f"built-in default model {DEFAULT_MODEL_DIR}"
     path = _cache_dir() / RANDOM_TINY_NAME
     if not (path / "config.json").is_file():
-        from .checkpoint_writer import write_tiny_checkpoint
+        from dsv4_model.checkpoint.writer import write_tiny_checkpoint
 
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
         write_tiny_checkpoint(tmp, "dsv4", seed=0)
@@ -101,8 +101,8 @@ def _note(msg: str) -> None:
 
 def _check_args(args) -> None:
     """Everything the arguments alone decide, before any file is read."""
-    from .checks import check_positive_int
-    from .sampling import SamplingParams
+    from dsv4_model.model.checks import check_positive_int
+    from dsv4_model.runtime.sampling import SamplingParams
 
     check_positive_int(args.max_new_tokens, "--max-new-tokens")
     if args.max_seq_len is not None:
@@ -128,7 +128,7 @@ def _prompt_text(arg: str, i: int) -> str:
 def _cache_len(args, config, prompt_ids) -> int:
     """The cache length: --max-seq-len (checked), else the longest prompt + --max-new-tokens rounded up to 256,
     kept within the model's max_position_embeddings (the completion is then cut short, and says so)."""
-    from .checks import check_max_seq_len
+    from dsv4_model.model.checks import check_max_seq_len
 
     longest = max(len(p) for p in prompt_ids)
     limit = None if args.allow_beyond_max_position else config.max_position_embeddings
@@ -149,11 +149,11 @@ def cmd_generate(args) -> int:
     _check_args(args)
     import torch
 
-    from .checks import parse_device
-    from .engine import Engine
-    from .generate import generate, get_runner
-    from .loader import load_config
-    from .tokenizer import load_tokenizer
+    from dsv4_model.model.checks import parse_device
+    from dsv4_model.runtime.engine import Engine
+    from dsv4_model.runtime.generate import generate, get_runner
+    from dsv4_model.checkpoint.loader import load_config
+    from dsv4_model.checkpoint.tokenizer import load_tokenizer
 
     device = parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     prompts = [_prompt_text(p, i) for i, p in enumerate(args.prompt)]

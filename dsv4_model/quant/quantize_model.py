@@ -40,16 +40,16 @@ from torch import nn
 
 from dsv4_ops import ops
 
-from .attention import Attention
-from .layers import Linear
-from .moe import MoE, Expert, Experts
-from .nvfp4 import (BLOCK, CODE_CHUNK_BYTES, SCALE_CHUNK_BYTES, Nvfp4Linear, Nvfp4MoE, deinterleave_gate_up,
+from dsv4_model.model.attention import Attention
+from dsv4_model.model.layers import Linear
+from dsv4_model.model.moe import MoE, Expert, Experts
+from dsv4_model.quant.nvfp4 import (BLOCK, CODE_CHUNK_BYTES, SCALE_CHUNK_BYTES, Nvfp4Linear, Nvfp4MoE, deinterleave_gate_up,
                     dequantize_kernel_layout, interleave_gate_up, padded_k, repack_weight, tile_major)
-from .nvfp4_convert import Nvfp4Tensor, float_to_nvfp4, gate_up_to_nvfp4, to_float, to_nvfp4
+from dsv4_model.quant.nvfp4_convert import Nvfp4Tensor, float_to_nvfp4, gate_up_to_nvfp4, to_float, to_nvfp4
 
 QUANT_MODES = ("none", "nvfp4")
 ACT_QUANT_MODES = ("none", "nvfp4")
-# Converted checkpoints store the kernel layout of dsv4_model.nvfp4 (repack_weight); bump when it changes.
+# Converted checkpoints store the kernel layout of dsv4_model.quant.nvfp4 (repack_weight); bump when it changes.
 # Version 1 (row-major tiles) still loads: upgrade_kernel_layout_ reorders its buffers.
 KERNEL_LAYOUT_VERSION = 2
 KERNEL_LAYOUT_VERSIONS = (1, 2)
