@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="weights: nvfp4 converts at load (default: as the checkpoint stores them)")
     b.add_argument("--act-quant", choices=["none", "nvfp4"], default=None, help="NVFP4 activations (W4A4)")
     b.add_argument("--jobs", type=int, default=None,
-                   help="processes that export + compile the entries side by side (default: one per 4 CPU cores, "
+                   help="processes that export + compile the entries side by side (default: one per 3 CPU cores, "
                         "as memory allows)")
     b.add_argument("--no-exported-programs", action="store_true",
                    help="do not also save <out>.<entry>.ep.pt2 (torch.export.save)")

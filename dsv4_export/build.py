@@ -234,14 +234,14 @@ def write_package(files: dict[str, list[str]], out: str, meta: dict[str, str]) -
 
 
 def compile_jobs(jobs: int | None, model: nn.Module, n_entries: int, device: str) -> int:
-    """How many worker processes export + compile the entries. ``None``: one per 4 CPU cores (each worker's
+    """How many worker processes export + compile the entries. ``None``: one per 3 CPU cores (each worker's
     Triton / C++ compiles are themselves parallel), no more than the entries, and only as many model copies
     as fit in a third of the free device memory and of the available host memory."""
     if jobs is not None:
         if jobs < 1:
             raise ValueError(f"jobs must be >= 1, got {jobs}")
         return min(jobs, n_entries)
-    n = min(n_entries, max(1, (os.cpu_count() or 1) // 4))
+    n = min(n_entries, max(1, (os.cpu_count() or 1) // 3))
     if n == 1:
         return 1
     size = sum(t.nbytes for t in (*model.parameters(), *model.buffers())) + 2**30  # + a context, workspaces
@@ -264,7 +264,7 @@ def build_package(model: nn.Module, config: dict, out: str, *, max_batch_size: i
     ``ModelConfig.to_dict()``) is stored in the metadata. Returns the package path. With
     ``save_exported_programs`` also writes ``<out stem>.<entry>.ep.pt2`` (``torch.export.save``; load them with
     ``torch.export.load`` after ``import dsv4_ops``). ``jobs``: processes that export + compile the entries side
-    by side (``compile_jobs``: by default one per 4 CPU cores where memory allows; 1 builds in this process).
+    by side (``compile_jobs``: by default one per 3 CPU cores where memory allows; 1 builds in this process).
     """
     import dsv4_ops  # noqa: F401  (schemas + fakes must exist before tracing)
 

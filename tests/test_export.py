@@ -199,6 +199,22 @@ def test_fresh_process_matches_eager_engine_cpu(cpu_pkg, cpu_fresh):
     _check_against_eager(cpu_pkg, cpu_fresh)
 
 
+def test_compile_jobs_rule(monkeypatch):
+    import dsv4_export.build as b
+
+    model, _ = _make_model("cpu")
+    monkeypatch.setattr(b.os, "cpu_count", lambda: 16)
+    assert b.compile_jobs(None, model, 5, "cpu") == 5 and b.compile_jobs(None, model, 3, "cpu") == 3
+    monkeypatch.setattr(b.os, "cpu_count", lambda: 2)
+    assert b.compile_jobs(None, model, 5, "cpu") == 1  # the CI machine: in process
+    assert b.compile_jobs(4, model, 2, "cpu") == 2
+    monkeypatch.setattr(b.os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(b.os, "sysconf", lambda name: {"SC_AVPHYS_PAGES": 3 * 2**18, "SC_PAGE_SIZE": 4096}[name])
+    assert b.compile_jobs(None, model, 5, "cpu") == 1  # 3 GiB available: one model copy (+ 1 GiB) per third
+    with pytest.raises(ValueError, match="jobs must be >= 1"):
+        b.compile_jobs(0, model, 2, "cpu")
+
+
 def test_package_built_in_worker_processes(cpu_pkg, cpu_pkg_workers, tmp_path_factory):
     # Decode and prefill exported + compiled in two worker processes (the model pickled to them): the same
     # package as one built in this process, and it runs like the eager engine.
