@@ -15,6 +15,7 @@ import torch
 from dsv4_export import metadata as md
 from dsv4_export.entrypoints import CacheSpec
 from dsv4_export.metadata import PackageMismatch
+from dsv4_model.runtime.session import EngineSession
 
 __all__ = ["ExportedEngine", "get_metadata", "load_op_library", "PackageMismatch"]
 
@@ -68,7 +69,7 @@ def _config_object(d: dict):
         return types.SimpleNamespace(**d)
 
 
-class ExportedEngine:
+class ExportedEngine(EngineSession):
     """The engine interface (``dsv4_model.runtime.engine.Engine``) over a loaded package; it owns the caches.
 
     ``prefill(input_ids [B, S], lengths=None) -> float32 logits [B, V]`` (last valid position of each row; runs
@@ -115,24 +116,7 @@ class ExportedEngine:
                          if e["kind"] == "prefill" and n in self._models}
         self.model = _PackageModel(self)
         self.decode_options = {"compile": False, "cuda_graphs": self.cuda_graph}
-        self.positions = torch.zeros(self.max_batch_size, dtype=torch.long, device=self.device)
-        self._lens: list[int] = []
-
-    # -- state -------------------------------------------------------------------------------------------
-    def reset(self) -> None:
-        """Forget the batch. The caches need no clearing: prefill rewrites what decode reads."""
-        self._lens = []
-        self.positions.zero_()
-
-    @property
-    def lengths(self) -> list[int]:
-        return list(self._lens)
-
-    def set_lengths(self, lens: list[int]) -> None:
-        """The rows' token counts after decode steps run outside decode() (generate's runner)."""
-        self._lens = [int(n) for n in lens]
-        self.positions.zero_()
-        self.positions[:len(lens)] = torch.tensor(self._lens, dtype=torch.long)
+        self._init_session()
 
     def entry_metadata(self, name: str) -> dict[str, str]:
         """AOTI metadata of one loaded entry (what C++ ``get_metadata()`` returns)."""
@@ -163,38 +147,9 @@ class ExportedEngine:
         lens[:b] = lengths
         return self._run(self._prefill[(bb, ss)], padded, lens)[:b]
 
-    # -- engine interface (mirrors dsv4_model.runtime.engine.Engine) -----------------------------------------------
-    def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
-        from dsv4_model.model.checks import prefill_request
-
-        ids, lens = prefill_request(input_ids, lengths, max_batch_size=self.max_batch_size,
-                                    max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
-        len_dev = torch.tensor(lens, dtype=torch.long, device=self.device)
-        logits = self.prefill_step(ids.to(self.device), len_dev)
-        self._lens = lens
-        self.positions.zero_()
-        self.positions[:len(lens)] = len_dev
-        return logits
-
-    def decode(self, next_ids: torch.Tensor) -> torch.Tensor:
-        from dsv4_model.model.checks import decode_request
-
-        ids = decode_request(torch.as_tensor(next_ids).reshape(-1), self._lens, max_seq_len=self.max_seq_len,
-                             vocab_size=self.vocab_size)
-        b = len(self._lens)
-        logits = self.decode_step(ids.to(self.device), self.positions[:b])
-        self.positions[:b] += 1
-        self._lens = [n + 1 for n in self._lens]
-        return logits
-
-    # -- generation ----------------------------------------------------------------------------------------
-    def generate(self, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, stop_token_ids=None, stream=None, **kwargs):
-        """``dsv4_model.runtime.generate.generate`` with this engine (same arguments and result)."""
-        from dsv4_model.runtime.generate import generate
-
-        return generate(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, stream,
-                        **kwargs)
+    # -- the engine interface (dsv4_model.runtime.session.EngineSession: prefill, decode, generate, state) ------
+    _prefill_logits = prefill_step
+    _decode_logits = decode_step
 
     @torch.no_grad()
     def generate_greedy(self, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:

@@ -46,7 +46,7 @@ def soak(engine, steps: int, batch: int, seed: int, temperature: float) -> dict:
             digest.update(repr(ids).encode())
         done += res.decode_steps
         requests += 1
-        last = engine._decode_runner.last_logits  # the request's last step (one host read per request)
+        last = engine.runner().last_logits  # the request's last step (one host read per request)
         if last is not None:
             nonfinite += int((~torch.isfinite(last)).sum())
         if requests == 1:

@@ -213,7 +213,7 @@ def test_cuda_graph_logits_match_eager(graph_mode, pdl, override_kernels):
 def test_cuda_steady_state_has_no_host_sync(graph_mode):
     engine = _cuda_engine(compile=True, cuda_graphs=True, graph_mode=graph_mode)
     generate(engine, PROMPTS, max_new_tokens=4)  # compile + capture + first use
-    runner = engine._decode_runner
+    runner = engine.runner()
     logits = engine.prefill(torch.tensor([[0, 5, 6, 7]] * 3))
     runner.begin(torch.tensor([4, 4, 4], device="cuda"), [SamplingParams(0.8, 20, 0.9, 1)] * 3)
     runner.sample_first(logits)
@@ -259,7 +259,7 @@ def test_cuda_step_past_the_caches_is_refused_and_the_context_survives():
     # Launched, such a step would write past the cache buffers (a device-side assert kills the CUDA context).
     engine = _cuda_engine(compile=False, cuda_graphs=True)
     want = generate(engine, PROMPTS[:1], max_new_tokens=4).token_ids
-    runner = engine._decode_runner
+    runner = engine.runner()
     runner.begin([engine.max_seq_len - 1], [SamplingParams()])
     runner.step()
     with pytest.raises(ValueError, match="the caches hold max_seq_len"):

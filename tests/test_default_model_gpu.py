@@ -181,10 +181,9 @@ def check_path_against_eager(engine, prompt_ids, eager_ids, eager_forced, res, w
     the same greedy token wherever the drift cannot flip it; free-running ids = eager's up to each row's first
     step that the drift could flip."""
     from decode_compare import decidable, forced_decode
-    from dsv4_model.runtime.generate import get_runner
 
     fed, ref = eager_forced
-    got = forced_decode(engine, prompt_ids, fed, runner=get_runner(engine))  # the runner `res` came from
+    got = forced_decode(engine, prompt_ids, fed, runner=engine.runner())  # the runner `res` came from
     drift = (got - ref).abs().amax(dim=-1)  # [steps, B]
     far = float((drift > TOL).float().mean())
     assert far <= 0.1, f"{what}: {far:.0%} of decode steps drift by more than {TOL} (max {float(drift.max()):.3g})"

@@ -12,6 +12,7 @@ from dsv4_model.model.config import ModelConfig
 from dsv4_model.runtime.engine import Engine
 from dsv4_model.runtime.generate import generate
 from dsv4_model.model.transformer import Transformer
+from dsv4_model.runtime.session import EngineSession
 from dsv4_model.checkpoint.tokenizer import ByteTokenizer, HFTokenizer, StreamDecoder, load_tokenizer
 
 V = 32
@@ -34,12 +35,14 @@ class CountingModel(torch.nn.Module):
         return 10.0 * torch.nn.functional.one_hot((tokens + 1) % V, V).float()
 
 
-class CountingEngine:
+class CountingEngine(EngineSession):
     def __init__(self, max_batch_size=4, max_seq_len=64):
         self.model = CountingModel(max_batch_size, max_seq_len)
         self.config = types.SimpleNamespace(vocab_size=V, bos_token_id=0, eos_token_id=1)
-        self.max_seq_len = max_seq_len
+        self.device, self.path = torch.device("cpu"), None
+        self.max_batch_size, self.max_seq_len, self.vocab_size = max_batch_size, max_seq_len, V
         self.decode_options = {"compile": False}
+        self._init_session()
 
     def reset(self):
         pass

@@ -151,7 +151,7 @@ def cmd_generate(args) -> int:
 
     from dsv4_model.model.checks import parse_device
     from dsv4_model.runtime.engine import Engine
-    from dsv4_model.runtime.generate import generate, get_runner
+    from dsv4_model.runtime.generate import generate
     from dsv4_model.checkpoint.loader import load_config
     from dsv4_model.checkpoint.tokenizer import load_tokenizer
 
@@ -189,7 +189,7 @@ def cmd_generate(args) -> int:
 
     single = len(prompt_ids) == 1
     t1 = time.perf_counter()
-    get_runner(engine).prepare(len(prompt_ids))  # compile / capture before any text is printed
+    engine.runner().prepare(len(prompt_ids))  # compile / capture before any text is printed
     t_setup = time.perf_counter() - t1
     if single:
         sys.stdout.write(prompts[0])

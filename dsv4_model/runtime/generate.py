@@ -15,7 +15,7 @@ import torch
 
 from dsv4_model.runtime.compiled import DecodeRunner
 from dsv4_model.runtime.sampling import SamplingParams
-from dsv4_model.checkpoint.tokenizer import StreamDecoder, load_tokenizer
+from dsv4_model.checkpoint.tokenizer import StreamDecoder
 
 # stream(row, token_id, text): called for every emitted token in order; `text` is the decoded increment
 # ("" while a multi-byte character is incomplete; None without a tokenizer). At the end of a row, a final
@@ -51,26 +51,6 @@ class GenerationResult:
         return 1e3 * self.decode_seconds / self.decode_steps if self.decode_steps else 0.0
 
 
-def get_runner(engine) -> DecodeRunner:
-    """The engine's DecodeRunner, built on first use from `engine.decode_options`
-    (compile / cuda_graphs / graph_mode; defaults: on for CUDA)."""
-    opts = dict(getattr(engine, "decode_options", None) or {})
-    runner = getattr(engine, "_decode_runner", None)
-    if runner is None or runner.options != opts:  # options changed: new runner (new compile / graphs)
-        runner = DecodeRunner(engine.model, **opts)
-        runner.options = opts
-        engine._decode_runner = runner
-    return runner
-
-
-def get_tokenizer(engine):
-    tok = getattr(engine, "tokenizer", None)
-    if tok is None:
-        tok = load_tokenizer(getattr(engine, "path", None), engine.config)
-        engine.tokenizer = tok
-    return tok
-
-
 def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, stop_token_ids=None, stream: StreamCallback | None = None, *,
              tokenizer=None, add_bos: bool = True) -> GenerationResult:
@@ -90,13 +70,13 @@ def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0
     texts_in = all(isinstance(p, str) for p in prompts)
     if not texts_in and not all(isinstance(p, (list, tuple)) for p in prompts):
         raise ValueError("prompts must be all strings or all token-id lists")
-    tok = tokenizer if tokenizer is not None else (get_tokenizer(engine) if texts_in or stream else None)
+    tok = tokenizer if tokenizer is not None else (engine.get_tokenizer() if texts_in or stream else None)
     ids = [tok.encode(p, add_bos=add_bos) for p in prompts] if texts_in else [list(map(int, p)) for p in prompts]
     if any(len(p) == 0 for p in ids):
         raise ValueError("every prompt needs at least one token")
     stops = {int(engine.config.eos_token_id)} | {int(t) for t in (stop_token_ids or ())}
     base = SamplingParams(float(temperature), int(top_k), float(top_p), int(seed)).validate()
-    runner = get_runner(engine)
+    runner = engine.runner()
 
     result = GenerationResult([], [] if tok is not None else None, [], [len(p) for p in ids], mode=runner.mode_name)
     for start in range(0, len(ids), runner.max_rows):

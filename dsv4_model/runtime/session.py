@@ -1,0 +1,91 @@
+"""What an engine owns between calls, written once for `Engine` and dsv4_export's `ExportedEngine`: the rows'
+positions and token counts (validated prefill / decode bookkeeping), the DecodeRunner built from
+`decode_options`, the tokenizer, and generate()."""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4_model.model.checks import decode_request, prefill_request
+
+
+class EngineSession:
+    """Subclasses set model, config, device, max_batch_size, max_seq_len, vocab_size, decode_options and path,
+    call `_init_session()`, and provide `_prefill_logits(tokens, lengths)` / `_decode_logits(tokens, positions)`
+    (device tensors in, fp32 logits out)."""
+
+    def _init_session(self) -> None:
+        self.positions = torch.zeros(self.max_batch_size, dtype=torch.long, device=self.device)
+        self._lens: list[int] = []
+        self._runner = None
+        self.tokenizer = None  # None: loaded from `path` (or the byte fallback) on first use
+
+    # ------------------------------------------------------------------ state
+    @property
+    def batch_size(self) -> int:
+        return len(self._lens)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens held per row (= position of the next token)."""
+        return list(self._lens)
+
+    def reset(self) -> None:
+        """Forget the batch (the caches need no clearing: prefill rewrites what decode reads)."""
+        self._lens = []
+        self.positions.zero_()
+
+    def set_lengths(self, lens: list[int]) -> None:
+        """The rows' token counts after decode steps run outside decode() (generate's runner)."""
+        self._lens = [int(n) for n in lens]
+        self.positions.zero_()
+        self.positions[:len(lens)] = torch.tensor(self._lens, dtype=torch.long)
+
+    # ------------------------------------------------------------------ inference
+    def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """input_ids [B, S] (right-padded rows of `lengths`) -> fp32 logits [B, V] at each row's last token."""
+        tokens, lens = prefill_request(input_ids, lengths, max_batch_size=self.max_batch_size,
+                                       max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
+        len_dev = torch.tensor(lens, dtype=torch.long, device=self.device)
+        logits = self._prefill_logits(tokens.to(self.device), len_dev, **kwargs)
+        self._lens = lens
+        self.positions.zero_()
+        self.positions[:len(lens)] = len_dev
+        return logits
+
+    def decode(self, next_ids: torch.Tensor) -> torch.Tensor:
+        """next_ids [B] -> fp32 logits [B, V], each row continuing at its own position."""
+        ids = decode_request(torch.as_tensor(next_ids).reshape(-1), self._lens, max_seq_len=self.max_seq_len,
+                             vocab_size=self.vocab_size)
+        b = len(self._lens)
+        logits = self._decode_logits(ids.to(self.device), self.positions[:b])
+        self.positions[:b] += 1
+        self._lens = [n + 1 for n in self._lens]
+        return logits
+
+    # ------------------------------------------------------------------ generation
+    def runner(self):
+        """The DecodeRunner generate() steps, built on first use from `decode_options` (compile / cuda_graphs /
+        graph_mode / regional / log; defaults: on for CUDA) and rebuilt when they change."""
+        from dsv4_model.runtime.compiled import DecodeRunner
+
+        opts = dict(self.decode_options or {})
+        if self._runner is None or self._runner.options != opts:
+            self._runner = DecodeRunner(self.model, **opts)
+            self._runner.options = opts
+        return self._runner
+
+    def get_tokenizer(self):
+        if self.tokenizer is None:
+            from dsv4_model.checkpoint.tokenizer import load_tokenizer
+
+            self.tokenizer = load_tokenizer(self.path, self.config)
+        return self.tokenizer
+
+    def generate(self, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, stop_token_ids=None, stream=None, **kwargs):
+        """Batched, streaming generation (compiled / CUDA-graph decode); see `dsv4_model.runtime.generate`."""
+        from dsv4_model.runtime.generate import generate
+
+        return generate(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, stream,
+                        **kwargs)
