@@ -31,7 +31,7 @@ class KernelOverrides:
     attn_kernel: str = "auto"
     nvfp4_fused_path: str = "auto"
 
-    def _native(self) -> dict[str, int]:
+    def _as_ints(self) -> dict[str, int]:
         for name, value, allowed in (("nvfp4_gemm_kernel", self.nvfp4_gemm_kernel, GEMM_KERNELS),
                                      ("attn_kernel", self.attn_kernel, ATTN_KERNELS),
                                      ("nvfp4_fused_path", self.nvfp4_fused_path, FUSED_PATHS)):
@@ -60,7 +60,7 @@ def current() -> KernelOverrides:
 def native() -> KernelOverrides:
     """The overrides as the loaded library holds them (what its kernels read)."""
     lib, got = _lib(), {}
-    for name in KernelOverrides()._native():
+    for name in KernelOverrides()._as_ints():
         v = ctypes.c_int()
         if lib.dsv4_ops_get_override(name.encode(), ctypes.byref(v)) != 0:
             raise RuntimeError(f"the loaded op library has no override {name!r} (rebuild it)")
@@ -74,7 +74,7 @@ def native() -> KernelOverrides:
 def set_overrides(overrides: KernelOverrides) -> None:
     global _current
     lib = _lib()
-    for name, value in overrides._native().items():
+    for name, value in overrides._as_ints().items():
         if lib.dsv4_ops_set_override(name.encode(), value) != 0:
             raise RuntimeError(f"the loaded op library has no override {name!r} (rebuild it)")
     _current = overrides

@@ -50,6 +50,16 @@ def randomize_floats_(module: nn.Module, seed: int, n_experts: int) -> None:
             b.normal_(0.0, 0.3, generator=g)
 
 
+@torch.no_grad()
+def bf16_compressor_values_(model: nn.Module) -> None:
+    """Round the compressors' fp32 projections to bf16 values, as the checkpoints store them (so the loader's
+    narrow_weights_ holds them in bf16)."""
+    for mod in model.modules():
+        if isinstance(mod, Compressor):
+            for w in (mod.wkv.weight, mod.wgate.weight):
+                w.copy_(w.to(torch.bfloat16))
+
+
 def _random_nvfp4_(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, k: int,
                    g: torch.Generator) -> None:
     """Fill kernel-layout buffers [..., N, Kp/2] / [..., N, Kp/16] (one leading slice at a time: the canonical
@@ -93,10 +103,7 @@ def random_nvfp4_model(cfg: ModelConfig, *, device, max_batch_size: int = 1, max
         unit.old = None  # the meta float modules: never materialized
     model.to_empty(device=device)
     randomize_floats_(model, seed, cfg.n_routed_experts)
-    for mod in model.modules():  # compressor projections hold bf16 values, as the checkpoints store them
-        if isinstance(mod, Compressor):
-            for w in (mod.wkv.weight, mod.wgate.weight):
-                w.copy_(w.to(torch.bfloat16))
+    bf16_compressor_values_(model)
     randomize_nvfp4_(model, seed + 1)
     model.narrow_weights_()  # as the loader does
     model.setup_runtime(device)

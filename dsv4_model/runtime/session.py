@@ -67,6 +67,7 @@ class EngineSession:
     def runner(self):
         """The DecodeRunner generate() steps, built on first use from `decode_options` (compile / cuda_graphs /
         graph_mode / regional / log; defaults: on for CUDA) and rebuilt when they change."""
+        # Imported here: the runner loads the op library, which ExportedEngine loads first with its own checks.
         from dsv4_model.runtime.compiled import DecodeRunner
 
         opts = dict(self.decode_options or {})
