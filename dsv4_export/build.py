@@ -215,7 +215,8 @@ def export_and_compile(model: nn.Module, names: Sequence[str], entries: Sequence
         options = {"aot_inductor.package": True,
                    "aot_inductor.metadata": dict(meta, **{"dsv4.entry": name,
                                                           md.K_OPS_USED: json.dumps(in_graph[name], sort_keys=True)})}
-        with progress(log, f"AOTInductor-compiling {name}") if verbose else nullcontext():
+        with progress(log, f"AOTInductor-compiling {name}") if verbose else nullcontext(), \
+                toolchain.cpu_isa_probe_skipped(device):
             out[name] = (_aot_compile(ep, args, kwargs, options), in_graph[name])
     return out
 

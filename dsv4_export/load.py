@@ -15,6 +15,7 @@ import torch
 from dsv4_export import metadata as md
 from dsv4_export.entrypoints import CacheSpec
 from dsv4_export.metadata import PackageMismatch
+from dsv4_export.toolchain import cpu_isa_probe_skipped
 from dsv4_model.runtime.session import EngineSession
 
 __all__ = ["ExportedEngine", "get_metadata", "load_op_library", "PackageMismatch"]
@@ -109,8 +110,9 @@ class ExportedEngine(EngineSession):
         for name in wanted:
             if name not in self.entries:
                 raise KeyError(f"no entry {name!r} in {path} (has {', '.join(self.entries)})")
-            self._models[name] = load_package(path, name, run_single_threaded=single,
-                                              device_index=self.device.index if self.device.index is not None else -1)
+            with cpu_isa_probe_skipped(self.device):
+                self._models[name] = load_package(path, name, run_single_threaded=single,
+                                                  device_index=-1 if self.device.index is None else self.device.index)
         self._decode = {e["batch"]: n for n, e in self.entries.items() if e["kind"] == "decode" and n in self._models}
         self._prefill = {(e["batch"], e["seq_len"]): n for n, e in self.entries.items()
                          if e["kind"] == "prefill" and n in self._models}

@@ -13,6 +13,7 @@ gathers the facts from this machine.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -220,6 +221,33 @@ def configure_inductor(verbose: bool = False) -> Choice:
     choice = select_compiler(verbose=verbose)
     inductor_config.cpp.cxx = (choice.cxx,)
     return choice
+
+
+@contextlib.contextmanager
+def cpu_isa_probe_skipped(device: str):
+    """For a CUDA package, Inductor's CPU vector-ISA check is skipped while the block runs.
+
+    Why: AOTI asks for the host's vector ISA when it compiles a package and again when it loads one (only to
+    compare it with the package's record), and each check dry-compiles a program per ISA and dlopens it in a
+    fresh Python: on the H200 machine 52 of the default decode entry's 85 s of compiling (a fresh process's load
+    of the 5-entry package took 59 s, the C++ runner's, which does not check, 1 s). A CUDA wrapper has no vectorized CPU code, so the ISA is moot there. The ISA list
+    is cached per process: one worked out inside the block is dropped on the way out, so a later CPU compile
+    in this process still checks."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    import torch._inductor.config as inductor_config
+    from torch._inductor import cpu_vec_isa
+
+    fresh = cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 0
+    try:
+        with inductor_config.patch({"cpp.vec_isa_ok": False}):
+            yield
+    finally:
+        if fresh:
+            cpu_vec_isa.valid_vec_isa_list.cache_clear()
 
 
 if __name__ == "__main__":

@@ -135,7 +135,7 @@ def hf_to_official_state_dict(hf_sd: dict[str, torch.Tensor]) -> dict[str, torch
 
 
 def build_pair(cfg: ModelConfig, *, max_batch_size: int = 1, max_seq_len: int = 256, seed: int = 0,
-               simulate_quant: bool = False, prefill_chunk: int = 512):
+               simulate_quant: bool = False, prefill_chunk: int | None = None):
     """(hf_model, our Transformer) in float32 on CPU with identical weights (MTP weights random)."""
     from dsv4_model.model.transformer import Transformer
 

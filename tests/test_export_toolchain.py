@@ -1,6 +1,10 @@
-"""Compiler choice for AOTI packages (dsv4_export/toolchain.py): pure logic over given paths / versions."""
+"""Compiler choice for AOTI packages (dsv4_export/toolchain.py): pure logic over given paths / versions; the CPU
+ISA check skipped for CUDA packages."""
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -79,3 +83,37 @@ def test_this_machine_chooses_a_compiler_linking_the_loaded_libstdcxx():
     choice = select_compiler()
     linked = compiler_libstdcxx(choice.cxx)
     assert linked is not None and linked.glibcxx == here.glibcxx
+
+
+def test_cuda_packages_skip_the_cpu_isa_probe_and_cpu_work_keeps_it():
+    # In a fresh process (the ISA list is cached per process): inside the block for CUDA the ISA comes back
+    # without a single dry-compile, and on the way out the list it cached is dropped; for CPU nothing changes.
+    code = textwrap.dedent("""
+        import torch._inductor.config as ic
+        from torch._inductor import cpu_vec_isa
+        from dsv4_export.toolchain import cpu_isa_probe_skipped
+
+        def refuse(self, code):
+            raise AssertionError("dry-compiled an ISA probe")
+
+        real = cpu_vec_isa.VecISA.check_build
+        cpu_vec_isa.VecISA.check_build = refuse
+        with cpu_isa_probe_skipped("cuda:0"):
+            assert ic.cpp.vec_isa_ok is False
+            assert cpu_vec_isa.pick_vec_isa() == cpu_vec_isa.invalid_vec_isa
+        assert ic.cpp.vec_isa_ok is None
+        assert cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 0
+        with cpu_isa_probe_skipped("cpu"):
+            assert ic.cpp.vec_isa_ok is None
+        probed = []
+        def record(self, code):
+            probed.append(str(self))
+            return real(self, code)
+        cpu_vec_isa.VecISA.check_build = record
+        cpu_vec_isa.pick_vec_isa()
+        assert probed or not cpu_vec_isa.valid_vec_isa_list(), "a CPU compile after the block must still check"
+        print("ok")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_VEC_ISA_OK"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]

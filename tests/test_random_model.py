@@ -9,7 +9,8 @@ import dsv4_ops  # noqa: F401
 from dsv4_model.checkpoint.writer import make_config
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.transformer import Transformer
-from dsv4_model.quant.nvfp4 import Nvfp4Linear, dequantize_kernel_layout
+from dsv4_model.quant import random_model
+from dsv4_model.quant.nvfp4 import Nvfp4Linear, dequantize_kernel_layout, padded_k, repack_weight, unrepack_weight
 from dsv4_model.quant.quantize_model import quantize_model_
 from dsv4_model.quant.random_model import bf16_compressor_values_, random_nvfp4_model
 
@@ -50,6 +51,24 @@ def test_weights_have_the_intended_scale_and_the_seed_decides_them():
         w = dequantize_kernel_layout(getattr(moe, f"{name}_packed"), getattr(moe, f"{name}_scale"),
                                      getattr(moe, f"{name}_global_scale"), k)
         assert abs(float(w.pow(2).mean().sqrt()) * math.sqrt(k) - 1) < 0.15, name
+
+
+@pytest.mark.parametrize("n", [100, 48])
+def test_row_blocks_give_the_whole_matrix_layout(monkeypatch, n):
+    # Filled 16 rows at a time (the last tile partial for n = 100): the kernel-layout bytes are what repacking
+    # the whole canonical matrix gives.
+    k = 64
+    monkeypatch.setattr(random_model, "BLOCK_ELEMS", 16 * k)
+    packed = torch.zeros(2, n, padded_k(k) // 2, dtype=torch.uint8)
+    scale = torch.zeros(2, n, padded_k(k) // 16, dtype=torch.uint8)
+    gs = torch.zeros(2)
+    random_model._random_nvfp4_(packed, scale, gs, k, torch.Generator().manual_seed(0))
+    for i in range(2):
+        codes, s = unrepack_weight(packed[i], scale[i], k)
+        assert torch.equal(s.float(), torch.ones(n, k // 16))
+        kp, ks = repack_weight(codes, s)
+        assert torch.equal(kp, packed[i]) and torch.equal(ks, scale[i])
+    assert not torch.equal(packed[0], packed[1])  # each slice drew its own codes
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

@@ -33,6 +33,9 @@ from dsv4_model.model.layers import Linear, RMSNorm, apply_rope, fp32_linear, un
 from dsv4_model.model.quant_sim import fp4_pack_indexer_keys, kv_fake_quant
 from dsv4_model.model.step_values import DecodeStep
 
+# a prefill attention chunk's fp32 scores at most (bounds the chunk's rows; see Attention.prefill_rows)
+PREFILL_SCORE_BYTES = 512 * 2**20
+
 
 def _w4a16(mod: nn.Module) -> bool:
     """A W4A16 NVFP4 projection (dsv4_model.quant.quantize_model.Nvfp4ModelLinear; not imported: it imports this)."""
@@ -75,7 +78,9 @@ class Attention(nn.Module):
         self.softmax_scale = self.head_dim**-0.5
         self.rope_kind = "compress" if self.ratio else "main"
         self.simulate_quant = True
-        self.prefill_chunk = 512
+        # query rows per prefill attention chunk; None: as many as keep a chunk's fp32 scores within
+        # PREFILL_SCORE_BYTES (one chunk for short prompts and small models: no loop in an exported graph)
+        self.prefill_chunk: int | None = None
         # CSA prefill: dense mask over all entries up to this many, else gather the top-k entries per query
         self.prefill_dense_max_entries = 2048
         # callables seeing every prefill (training: indexer distillation, dropout): hook(PrefillTrace) may return
@@ -209,8 +214,9 @@ class Attention(nn.Module):
                 self.kv_cache[:B, W: W + comp.shape[1]] = comp
 
         outs = []
-        for t0 in range(0, S, self.prefill_chunk):
-            t1 = min(S, t0 + self.prefill_chunk)
+        rows = self.prefill_rows(B, S, 0 if comp is None else comp.shape[1])
+        for t0 in range(0, S, rows):
+            t1 = min(S, t0 + rows)
             j0 = max(0, t0 - W + 1)
             tq = torch.arange(t0, t1, device=dev).unsqueeze(1)
             tj = torch.arange(j0, t1, device=dev).unsqueeze(0)
@@ -245,6 +251,16 @@ class Attention(nn.Module):
             new = hook(PrefillTrace(x, lengths, rope, qr, q, comp, out))
             out = out if new is None else new
         return out
+
+    def prefill_rows(self, B: int, S: int, n_entries: int) -> int:
+        """Query rows per prefill chunk: ``prefill_chunk`` if set, else S halved until the chunk's scores
+        [B, H, rows, rows + window + entries] fit PREFILL_SCORE_BYTES (keys over-counted for the top-k path)."""
+        if self.prefill_chunk is not None:
+            return self.prefill_chunk
+        rows = S
+        while rows > 64 and B * self.n_heads * rows * (rows + self.window + n_entries) * 4 > PREFILL_SCORE_BYTES:
+            rows = (rows + 1) // 2
+        return rows
 
     def _write_window(self, kv: torch.Tensor, lengths: torch.Tensor) -> None:
         """Ring slot s <- the last position p < lengths[b] with p % W == s (left untouched if none)."""

@@ -160,7 +160,7 @@ def _param(*shape) -> nn.Parameter:
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig, *, max_batch_size: int = 1, max_seq_len: int = 4096,
                  dtype: torch.dtype = torch.bfloat16, device=None, simulate_quant: bool = True,
-                 prefill_chunk: int = 512, allow_beyond_max_position: bool = False):
+                 prefill_chunk: int | None = None, allow_beyond_max_position: bool = False):
         super().__init__()
         config.validate()
         check_positive_int(max_batch_size, "max_batch_size")
@@ -205,10 +205,13 @@ class Transformer(nn.Module):
             if isinstance(mod, (Attention, Compressor, Indexer)):
                 mod.simulate_quant = self.simulate_quant
 
-    def set_prefill_chunk(self, chunk: int) -> None:
+    def set_prefill_chunk(self, chunk: int | None) -> None:
+        """Query rows per prefill attention chunk (None: by memory, Attention.prefill_rows)."""
+        if chunk is not None:
+            check_positive_int(chunk, "prefill_chunk")
         for mod in self.modules():
             if isinstance(mod, Attention):
-                mod.prefill_chunk = int(chunk)
+                mod.prefill_chunk = None if chunk is None else int(chunk)
 
     def setup_runtime(self, device=None) -> None:
         """(Re)build the non-persistent buffers (RoPE tables, caches) on `device` (default: the params' device).

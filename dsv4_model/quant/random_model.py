@@ -17,11 +17,12 @@ from torch import nn
 from dsv4_model.model.compressor import Compressor
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.transformer import Transformer
-from dsv4_model.quant.nvfp4 import BLOCK, Nvfp4Linear, Nvfp4MoE, repack_weight
+from dsv4_model.quant.nvfp4 import BLOCK, TILE, Nvfp4Linear, Nvfp4MoE, repack_weight
 from dsv4_model.quant.quantize_model import Nvfp4GroupedLinear, convert_structure_
 
 # E2M1 magnitudes of codes 0..7 (bit 3 is the sign): a uniformly random byte's code has this rms.
 CODE_RMS = math.sqrt(sum(v * v for v in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)) / 8)
+BLOCK_ELEMS = 2**22  # weights repacked at a time: the repack's per-code int64 intermediates stay ~32 MB each
 
 
 @torch.no_grad()
@@ -62,17 +63,22 @@ def bf16_compressor_values_(model: nn.Module) -> None:
 
 def _random_nvfp4_(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, k: int,
                    g: torch.Generator) -> None:
-    """Fill kernel-layout buffers [..., N, Kp/2] / [..., N, Kp/16] (one leading slice at a time: the canonical
-    intermediate stays one matrix) with random codes, block scales 1 and the global scale for rms 1 / sqrt(k)."""
+    """Fill kernel-layout buffers [..., N, Kp/2] / [..., N, Kp/16] with random codes, block scales 1 and the
+    global scale for rms 1 / sqrt(k). One leading slice and ~BLOCK_ELEMS weights at a time, so the repack's
+    intermediates stay small (a whole 4096 x 8192 matrix's reach 1.2 GB); a block of whole 16-row tiles of the
+    kernel layout repacks on its own."""
     lead = packed.shape[:-2]
     flat_p, flat_s = packed.view(-1, *packed.shape[-2:]), scale.view(-1, *scale.shape[-2:])
     n = packed.shape[-2]
+    rows = max(TILE, BLOCK_ELEMS // k // TILE * TILE)
     for i in range(flat_p.shape[0]):
-        codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=packed.device, generator=g)
-        ones = torch.ones(n, k // BLOCK, device=packed.device).to(torch.float8_e4m3fn)
-        kp, ks = repack_weight(codes, ones)
-        flat_p[i].copy_(kp)
-        flat_s[i].copy_(ks)
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            codes = torch.randint(0, 256, (r1 - r0, k // 2), dtype=torch.uint8, device=packed.device, generator=g)
+            ones = torch.ones(r1 - r0, k // BLOCK, device=packed.device).to(torch.float8_e4m3fn)
+            kp, ks = repack_weight(codes, ones)
+            flat_p[i, r0:r1].copy_(kp)
+            flat_s[i, r0:r1].copy_(ks)
     global_scale.copy_(torch.full(lead, 1.0 / (CODE_RMS * math.sqrt(k))))
 
 

@@ -1,0 +1,55 @@
+"""Prefill attention in query-row chunks (Attention.prefill_rows): by default as many rows as keep a chunk's
+scores within the budget (one chunk for the default model's prompts, so an exported prefill has no unrolled
+loop); however the rows are chunked, the logits are the same."""
+import pytest
+import torch
+
+import dsv4_ops  # noqa: F401  (the op library: the model's fused ops)
+from dsv4_model.checkpoint.writer import make_config
+from dsv4_model.model import attention
+from dsv4_model.model.attention import Attention
+from dsv4_model.model.transformer import Transformer
+
+
+def _model(chunk=None):
+    return Transformer(make_config("tiny"), max_batch_size=2, max_seq_len=512, dtype=torch.float32,
+                       prefill_chunk=chunk).init_random_weights(0).eval()
+
+
+def _score_bytes(a: Attention, B, rows, n):
+    return B * a.n_heads * rows * (rows + a.window + n) * 4
+
+
+def test_rows_are_the_most_that_fit_the_budget(monkeypatch):
+    a = next(m for m in _model().modules() if isinstance(m, Attention))
+    assert a.prefill_rows(1, 4096, 1024) == 4096 or _score_bytes(a, 1, 4096, 1024) > attention.PREFILL_SCORE_BYTES
+    for budget in (2**20, 2**24, 2**27):
+        monkeypatch.setattr(attention, "PREFILL_SCORE_BYTES", budget)
+        for B, S, n in ((1, 4096, 1024), (2, 3000, 0), (1, 100, 25)):
+            r = a.prefill_rows(B, S, n)
+            assert 1 <= r <= S
+            if r > 64:
+                assert _score_bytes(a, B, r, n) <= budget
+            assert r == S or _score_bytes(a, B, 2 * r, n) > budget  # no more rows than needed to fit
+    a.prefill_chunk = 48
+    assert a.prefill_rows(1, 4096, 1024) == 48
+
+
+def test_prefill_chunk_must_be_positive():
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        _model(0)
+
+
+@pytest.mark.parametrize("budget", [None, 1])
+def test_logits_do_not_depend_on_the_chunking(monkeypatch, budget):
+    torch.manual_seed(0)
+    ids = torch.randint(0, make_config("tiny").vocab_size, (2, 200))
+    lengths = torch.tensor([200, 137])
+    whole = _model().prefill(ids, lengths, all_logits=True)
+    if budget is not None:
+        monkeypatch.setattr(attention, "PREFILL_SCORE_BYTES", budget)  # 64-row chunks
+        got = _model().prefill(ids, lengths, all_logits=True)
+    else:
+        got = _model(chunk=24).prefill(ids, lengths, all_logits=True)
+    valid = torch.arange(200)[None, :] < lengths[:, None]
+    torch.testing.assert_close(got[valid], whole[valid], atol=2e-5, rtol=2e-5)
