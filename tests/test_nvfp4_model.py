@@ -231,6 +231,25 @@ def test_structure_and_kept_layers(nvfp4_model):
     assert m.quant_info == {"method": "nvfp4", "act_quant": "none", "kernel_layout": KERNEL_LAYOUT_VERSION}
 
 
+def test_projections_say_how_their_weight_is_stored(bf16_model, nvfp4_model):
+    # The one seam between the model and quantization: a W4A16 NVFP4 projection hands over its kernel buffers,
+    # a float or W4A4 one does not (then attention calls the modules one by one).
+    from dsv4_model.model.layers import Projection
+
+    attn = nvfp4_model.layers[1].attn
+    w = attn.wq_a.w4a16()
+    assert w is not None and w.packed is attn.wq_a.weight_packed and w.scale is attn.wq_a.weight_scale
+    assert w.global_scale is attn.wq_a.weight_global_scale and w.out_dtype == attn.wq_a.out_dtype
+    assert attn.wo_a.w4a16() is None  # grouped: its own op
+    float_attn = bf16_model.layers[1].attn
+    for name in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
+        for a in (attn, float_attn):
+            assert isinstance(getattr(a, name), Projection), name
+        assert getattr(float_attn, name).w4a16() is None, name
+    w4a4 = Nvfp4ModelLinear(attn.wq_a.in_features, attn.wq_a.out_features, torch.bfloat16, "nvfp4")
+    assert w4a4.w4a16() is None
+
+
 def test_fused_x_projections_equal_separate_calls(nvfp4_model):
     """Attention runs W4A16 wq_a + wkv, and (at decode) wq_b + the indexer's wq_b, as one nvfp4_linear_multi call
     each: the same values as the modules."""

@@ -29,7 +29,8 @@ from dsv4_model.model.compressor import Compressor
 from dsv4_model.model.decode_options import DEFAULT, DecodeOptions
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.indexer import Indexer, topk_indices
-from dsv4_model.model.layers import Linear, RMSNorm, apply_rope, fp32_linear, unweighted_rms_norm
+from dsv4_model.model.layers import (GroupedLinear, Linear, RMSNorm, W4A16Weight, apply_rope, fp32_linear,
+                                     unweighted_rms_norm)
 from dsv4_model.model.quant_sim import fp4_pack_indexer_keys, kv_fake_quant
 from dsv4_model.model.step_values import DecodeStep
 
@@ -37,18 +38,12 @@ from dsv4_model.model.step_values import DecodeStep
 PREFILL_SCORE_BYTES = 512 * 2**20
 
 
-def _w4a16(mod: nn.Module) -> bool:
-    """A W4A16 NVFP4 projection (dsv4_model.quant.quantize_model.Nvfp4ModelLinear; not imported: it imports this)."""
-    return getattr(mod, "w4a4", True) is False and hasattr(mod, "out_dtype") and hasattr(mod, "weight_packed")
-
-
-def _multi(x: torch.Tensor, mods) -> tuple[torch.Tensor, ...]:
-    """The W4A16 projections `mods` of the same x in one dsv4::nvfp4_linear_multi call (the values of
-    calling each module)."""
-    outs = ops.nvfp4_linear_multi(x.to(torch.bfloat16), w_packed=[m.weight_packed for m in mods],
-                                  w_scale=[m.weight_scale for m in mods],
-                                  w_global_scale=[m.weight_global_scale for m in mods])
-    return tuple(o.to(m.out_dtype) for o, m in zip(outs, mods))
+def _multi(x: torch.Tensor, weights: tuple[W4A16Weight, ...]) -> tuple[torch.Tensor, ...]:
+    """W4A16 projections of the same x in one dsv4::nvfp4_linear_multi call (the values of calling each)."""
+    outs = ops.nvfp4_linear_multi(x.to(torch.bfloat16), w_packed=[w.packed for w in weights],
+                                  w_scale=[w.scale for w in weights],
+                                  w_global_scale=[w.global_scale for w in weights])
+    return tuple(o.to(w.out_dtype) for o, w in zip(outs, weights))
 
 
 class PrefillTrace(NamedTuple):
@@ -93,7 +88,7 @@ class Attention(nn.Module):
         self.wq_b = Linear(cfg.q_lora_rank, H * D, dtype)
         self.wkv = Linear(cfg.dim, D, dtype)
         self.kv_norm = RMSNorm(D, cfg.norm_eps)
-        self.wo_a = Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, dtype)
+        self.wo_a = GroupedLinear(cfg.o_groups, H * D // cfg.o_groups, cfg.o_lora_rank, dtype)
         self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, dtype)
         self.compressor = Compressor(cfg, self.ratio, D, False, max_batch) if self.ratio else None
         self.indexer = Indexer(cfg, self.ratio, dtype, max_batch, max_seq_len) if self.ratio == 4 else None
@@ -136,14 +131,17 @@ class Attention(nn.Module):
     def _x_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(wq_a(x), wkv(x)); one dsv4::nvfp4_linear_multi launch when both are W4A16 NVFP4 (the same numerics as
         two nvfp4_linear calls)."""
-        if _w4a16(self.wq_a) and _w4a16(self.wkv):
-            return _multi(x, (self.wq_a, self.wkv))
+        wq_a, wkv = self.wq_a.w4a16(), self.wkv.w4a16()
+        if wq_a is not None and wkv is not None:
+            return _multi(x, (wq_a, wkv))
         return self.wq_a(x), self.wkv(x)
 
     def _qr_projections(self, qr: torch.Tensor, index_proj: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(wq_b(qr), the indexer's wq_b(qr) or None); both in one launch when asked for and both are W4A16."""
-        if index_proj and self.indexer is not None and _w4a16(self.wq_b) and _w4a16(self.indexer.wq_b):
-            return _multi(qr, (self.wq_b, self.indexer.wq_b))
+        if index_proj and self.indexer is not None:
+            wq_b, iwq_b = self.wq_b.w4a16(), self.indexer.wq_b.w4a16()
+            if wq_b is not None and iwq_b is not None:
+                return _multi(qr, (wq_b, iwq_b))
         return self.wq_b(qr), None
 
     def _fp32_projections(self, x: torch.Tensor):
@@ -186,12 +184,7 @@ class Attention(nn.Module):
         projection -> [..., dim]."""
         if not rotated:
             o = apply_rope(o, cs.unsqueeze(-3), self.rope_dim, inverse=True)
-        o = o.flatten(-2).unflatten(-1, (self.n_groups, -1))
-        if isinstance(self.wo_a, Linear):
-            wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
-            z = torch.einsum("...gd,grd->...gr", o, wo_a)
-        else:  # grouped NVFP4 projection (dsv4_model.quant.quantize_model.Nvfp4GroupedLinear)
-            z = self.wo_a(o)
+        z = self.wo_a(o.flatten(-2).unflatten(-1, (self.n_groups, -1)))
         return self.wo_b(z.flatten(-2))
 
     # ------------------------------------------------------------------ prefill (from position 0)

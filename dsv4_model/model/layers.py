@@ -1,8 +1,10 @@
-"""Building blocks: bias-free Linear, RMSNorm, interleaved RoPE (+YaRN), mHC hyper-connections."""
+"""Building blocks: the projections (bias-free Linear, grouped Linear), RMSNorm, interleaved RoPE (+YaRN), mHC
+hyper-connections."""
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,25 @@ from torch import nn
 from dsv4_ops import ops
 
 
-class Linear(nn.Module):
+class W4A16Weight(NamedTuple):
+    """A projection's weight as W4A16 NVFP4 kernel buffers, and the dtype the projection returns."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    global_scale: torch.Tensor
+    out_dtype: torch.dtype
+
+
+class Projection(nn.Module):
+    """What the model calls for a weight matrix: forward(x), however the weight is stored (float here, NVFP4 in
+    dsv4_model.quant's subclasses, which replace these modules in place)."""
+
+    def w4a16(self) -> W4A16Weight | None:
+        """The weight as W4A16 NVFP4 buffers (several projections of one input then share one launch), or None."""
+        return None
+
+
+class Linear(Projection):
     """y = x @ W^T without bias. Parameters are allocated uninitialised (weights come from a checkpoint)."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
@@ -24,6 +44,22 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, dtype={self.weight.dtype}"
+
+
+class GroupedLinear(Projection):
+    """z[..., g, :] = x[..., g, :] @ W_g^T for G matrices [R, K] stored as one weight [G * R, K] (attention wo_a).
+    forward(x [..., G, K]) -> [..., G, R]."""
+
+    def __init__(self, groups: int, in_features: int, out_features: int, dtype: torch.dtype):
+        super().__init__()
+        self.groups, self.in_features, self.out_features = groups, in_features, out_features
+        self.weight = nn.Parameter(torch.empty(groups * out_features, in_features, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("...gd,grd->...gr", x, self.weight.view(self.groups, self.out_features, -1))
+
+    def extra_repr(self) -> str:
+        return f"groups={self.groups}, {self.in_features}, {self.out_features}, dtype={self.weight.dtype}"
 
 
 class RMSNorm(nn.Module):

@@ -28,6 +28,8 @@ from torch import nn
 
 from dsv4_ops import ops  # the modules below call the dsv4 ops: a stored NVFP4 model needs no converter
 
+from dsv4_model.model.layers import Projection
+
 CHUNK = 128  # K granularity of the kernel layout
 BLOCK = 16  # NVFP4 block size along K
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -243,7 +245,7 @@ def quantize_weight(w: torch.Tensor, global_scale: torch.Tensor | None = None
 
 
 # ------------------------------------------------------------------------------------------- modules
-class Nvfp4Linear(nn.Module):
+class Nvfp4Linear(Projection):
     """y = x @ W^T with an NVFP4 weight (kernel layout buffers). w4a4=False: bf16 activations (W4A16, the fast
     Hopper path); w4a4=True: activations quantized to NVFP4 per tensor (dsv4::fused_amax_quantize), the
     numerics of a Blackwell NVFP4 GEMM. Output bf16."""

@@ -41,7 +41,7 @@ from torch import nn
 from dsv4_ops import ops
 
 from dsv4_model.model.attention import Attention
-from dsv4_model.model.layers import Linear
+from dsv4_model.model.layers import GroupedLinear, Linear, Projection, W4A16Weight
 from dsv4_model.model.moe import MoE, Expert, Experts
 from dsv4_model.quant.nvfp4 import (BLOCK, CODE_CHUNK_BYTES, SCALE_CHUNK_BYTES, Nvfp4Linear, Nvfp4MoE, deinterleave_gate_up,
                     dequantize_kernel_layout, interleave_gate_up, padded_k, repack_weight, tile_major)
@@ -84,6 +84,11 @@ class Nvfp4ModelLinear(Nvfp4Linear):
         super().__init__(in_features, out_features, w4a4=act_quant == "nvfp4", device=device)
         self.out_dtype = out_dtype
 
+    def w4a16(self) -> W4A16Weight | None:
+        if self.w4a4:
+            return None
+        return W4A16Weight(self.weight_packed, self.weight_scale, self.weight_global_scale, self.out_dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w4a4:
             y = _w4a4_rows(x, self.weight_packed, self.weight_scale, self.weight_global_scale)
@@ -100,7 +105,7 @@ class Nvfp4ModelLinear(Nvfp4Linear):
         self.weight_global_scale.copy_(t.global_scale.reshape(()))
 
 
-class Nvfp4GroupedLinear(nn.Module):
+class Nvfp4GroupedLinear(Projection):
     """Grouped projection z[..., g, :] = x[..., g, :] @ W_g^T (attention wo_a): G NVFP4 matrices [R, K] with one
     global scale each: one dsv4::nvfp4_linear_grouped call (W4A16; one launch at decode), G W4A4 linears.
     forward(x [..., G, K]) -> [..., G, R]."""
@@ -228,7 +233,7 @@ def _set(model: nn.Module, path: str, mod: nn.Module | None) -> None:
 
 
 def _linear_ok(lin: nn.Module) -> bool:
-    return isinstance(lin, Linear) and lin.in_features % BLOCK == 0
+    return lin.in_features % BLOCK == 0
 
 
 def find_units(model: nn.Module) -> list[QuantUnit]:
@@ -242,7 +247,7 @@ def find_units(model: nn.Module) -> list[QuantUnit]:
                 if isinstance(lin, Linear):
                     (units.append(QuantUnit(f"{name}.{attr}", "linear", {"weight": f"{name}.{attr}.weight"}))
                      if _linear_ok(lin) else skipped.append(f"{name}.{attr}"))
-            if isinstance(mod.wo_a, Linear):
+            if isinstance(mod.wo_a, GroupedLinear):
                 (units.append(QuantUnit(f"{name}.wo_a", "grouped", {"weight": f"{name}.wo_a.weight"}))
                  if _linear_ok(mod.wo_a) else skipped.append(f"{name}.wo_a"))
             if mod.indexer is not None and isinstance(mod.indexer.wq_b, Linear):
@@ -275,8 +280,7 @@ def convert_structure_(model: nn.Module, act_quant: str = "none") -> list[QuantU
                                    device=old.weight.device)
             _set(model, u.name, new)
         elif u.kind == "grouped":
-            attn = _get(model, u.name.rpartition(".")[0])
-            new = Nvfp4GroupedLinear(attn.n_groups, old.in_features, attn.o_lora_rank, old.weight.dtype, act_quant,
+            new = Nvfp4GroupedLinear(old.groups, old.in_features, old.out_features, old.weight.dtype, act_quant,
                                      device=old.weight.device)
             _set(model, u.name, new)
         else:
@@ -357,7 +361,7 @@ def dequantize_model_(model: nn.Module) -> nn.Module:
     so the result computes with exactly the NVFP4 weight values (rounded once to the model dtype)."""
     for name, mod in list(model.named_modules()):
         if isinstance(mod, Nvfp4GroupedLinear):
-            lin = Linear(mod.in_features, mod.groups * mod.out_features, mod.out_dtype)
+            lin = GroupedLinear(mod.groups, mod.in_features, mod.out_features, mod.out_dtype)
             lin.weight.data = mod.dequantized_weight().to(mod.out_dtype)
             _set(model, name, lin)
         elif isinstance(mod, Nvfp4ModelLinear):
