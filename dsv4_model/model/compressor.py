@@ -46,17 +46,18 @@ class Compressor(nn.Module):
                              persistent=False)
 
     @torch.no_grad()
-    def narrow_weights_(self) -> None:
+    def narrow_weights_(self, lossless: bool | None = None) -> None:
         """Keep wkv / wgate in bf16 when that is lossless (the released checkpoints store them in bf16): decode
         reads half the bytes, and dsv4::fp32_linear widens them exactly, so every result is unchanged. Weights
         with values bf16 cannot hold (e.g. trained or randomised in fp32) stay fp32. Call once the weights are
-        in place (Transformer.narrow_weights_): anything copied in later would be rounded to bf16."""
+        in place (Transformer.narrow_weights_): anything copied in later would be rounded to bf16.
+        lossless=True: narrow without looking (a meta model sized as the released checkpoints load)."""
         for lin in (self.wkv, self.wgate):
             w = lin.weight
-            if w.dtype != torch.float32 or w.device.type == "meta" or w.requires_grad:
+            if w.dtype != torch.float32 or w.requires_grad or (w.device.type == "meta" and not lossless):
                 continue
             narrow = w.to(torch.bfloat16)
-            if torch.equal(narrow.float(), w):
+            if lossless or torch.equal(narrow.float(), w):
                 lin.weight = nn.Parameter(narrow, requires_grad=False)
 
     def reset_state(self) -> None:

@@ -252,12 +252,12 @@ class Transformer(nn.Module):
     init_caches = setup_runtime
 
     @torch.no_grad()
-    def narrow_weights_(self) -> "Transformer":
+    def narrow_weights_(self, lossless: bool | None = None) -> "Transformer":
         """Hold the fp32-math weights that only carry bf16 values in bf16 (Compressor.narrow_weights_: the same
         results, half the bytes per decode step). The loader calls it after loading."""
         for mod in self.modules():
             if isinstance(mod, Compressor):
-                mod.narrow_weights_()
+                mod.narrow_weights_(lossless)
         return self
 
     @torch.no_grad()

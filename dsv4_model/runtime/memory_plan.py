@@ -1,0 +1,69 @@
+"""What a model needs per GPU before anything is allocated: weights, decode caches, runtime tables.
+
+The figures come from the model itself built on the meta device (the NVFP4 structure swapped in, weights
+narrowed, caches sized for max_batch_size x max_seq_len, as the loader does), so they are the bytes the engine
+allocates for these tensors, not a formula to keep in step with the model. Not counted: CUDA graph pools,
+activations and workspaces of a step (small at decode sizes; prefill's grow with the prompt).
+With expert parallelism over `ep` ranks each rank holds ceil(E / ep) routed experts; the rest is replicated.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dsv4_model.model.config import ModelConfig
+from dsv4_model.model.transformer import Transformer
+from dsv4_model.quant.quantize_model import check_modes, convert_structure_
+
+GiB = 2**30
+_ROUTED = (".ffn.nvfp4.w13_", ".ffn.nvfp4.w2_", ".ffn.experts.")
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    weights: int  # bytes per rank: every parameter and stored buffer (routed experts: this rank's share)
+    routed_experts: int  # of which routed experts
+    caches: int  # KV / indexer caches and compressor states for max_batch_size x max_seq_len
+    runtime: int  # RoPE tables and per-step scratch buffers
+    ep: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.caches + self.runtime
+
+    def describe(self) -> str:
+        share = f", {self.ep}-way expert parallel" if self.ep > 1 else ""
+        return (f"weights {self.weights / GiB:.1f} GiB (routed experts {self.routed_experts / GiB:.1f} GiB{share}) + "
+                f"caches {self.caches / GiB:.2f} GiB + runtime {self.runtime / GiB:.2f} GiB = "
+                f"{self.total / GiB:.1f} GiB per GPU")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def memory_plan(cfg: ModelConfig, *, max_batch_size: int = 1, max_seq_len: int = 4096,
+                dtype: torch.dtype = torch.bfloat16, quant: str = "nvfp4", act_quant: str = "none", ep: int = 1,
+                allow_beyond_max_position: bool = False) -> MemoryPlan:
+    """The per-rank bytes of `cfg` served with these limits (see the module docstring)."""
+    check_modes(quant, act_quant)
+    if not isinstance(ep, int) or ep < 1 or ep > cfg.n_routed_experts:
+        raise ValueError(f"ep must be an int in [1, n_routed_experts={cfg.n_routed_experts}], got {ep!r}")
+    model = Transformer(cfg, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype, device="meta",
+                        allow_beyond_max_position=allow_beyond_max_position)
+    if quant == "nvfp4":
+        for unit in convert_structure_(model, act_quant):
+            unit.old = None
+    model.narrow_weights_(lossless=True)  # the compressors' weights as the released checkpoints store them
+    model.setup_runtime(torch.device("meta"))
+    state = model.state_dict()
+    routed = sum(_nbytes(t) for k, t in state.items() if any(p in k for p in _ROUTED))
+    routed_here = routed * math.ceil(cfg.n_routed_experts / ep) // cfg.n_routed_experts
+    stored = sum(_nbytes(t) for t in state.values())
+    caches = model.cache_nbytes()
+    buffers = sum(_nbytes(b) for b in model.buffers())
+    persistent_buffers = sum(_nbytes(t) for k, t in state.items() if k not in dict(model.named_parameters()))
+    return MemoryPlan(weights=stored - routed + routed_here, routed_experts=routed_here, caches=caches,
+                      runtime=buffers - persistent_buffers - caches, ep=ep)
