@@ -1,4 +1,4 @@
-"""Prints docs/memory.md's table: GiB per GPU (dsv4_model.runtime.memory_plan) for V4-Flash / V4-Pro, NVFP4
+"""Prints docs/memory.md's table: GiB per GPU (dsv4_model.checkpoint.memory_plan) for V4-Flash / V4-Pro, NVFP4
 W4A16, experts split over the GPUs (expert parallel, the rest replicated), at 4K / 128K / 1M tokens and batch 1 / 64.
 
     python scripts/memory_plan_table.py
@@ -9,11 +9,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dsv4_model.model.config import ModelConfig  # noqa: E402
-from dsv4_model.runtime.memory_plan import GiB, memory_plan  # noqa: E402
+from dsv4_model.checkpoint.memory_plan import GiB, memory_plan  # noqa: E402
 
 H200_GIB = 139  # what one H200 offers torch
 
-print("| model | context | batch | caches | 2 GPUs | 4 GPUs | 8 GPUs |")
+print("| model | context | batch | caches, GiB | GiB per GPU: 2 GPUs | 4 GPUs | 8 GPUs |")
 print("|---|---:|---:|---:|---:|---:|---:|")
 for name in ("v4_flash", "v4_pro"):
     cfg = getattr(ModelConfig, name)().validate()

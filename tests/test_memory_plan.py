@@ -1,14 +1,17 @@
-"""dsv4_model.runtime.memory_plan: the per-GPU bytes worked out on the meta device are what a real model of the
+"""dsv4_model.checkpoint.memory_plan: the per-GPU bytes worked out on the meta device are what a real model of the
 same config holds (weights, caches, runtime tables), and expert parallelism divides only the routed experts."""
 import math
+import os
 
 import pytest
+import torch
 
 import dsv4_ops  # noqa: F401  (the model's ops)
 from dsv4_model.checkpoint.writer import make_config
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.quant.random_model import random_nvfp4_model
-from dsv4_model.runtime.memory_plan import memory_plan
+from dsv4_model.checkpoint.loader import load_model
+from dsv4_model.checkpoint.memory_plan import check_fits, memory_plan
 
 
 def _held(model):
@@ -51,3 +54,21 @@ def test_caches_grow_with_rows_and_expert_parallel_splits_only_the_experts():
 def test_bad_expert_parallel_degree_is_named(ep):
     with pytest.raises(ValueError, match="ep must be"):
         memory_plan(make_config("tiny"), ep=ep)
+
+
+def test_check_fits_names_the_shortfall():
+    plan = memory_plan(make_config("tiny"))
+    check_fits(plan, plan.total, "cuda:0")
+    with pytest.raises(ValueError, match=r"needs weights .* MiB per GPU, cuda:0 has .* MiB free"):
+        check_fits(plan, plan.total - 1, "cuda:0")
+
+
+@pytest.mark.cuda
+def test_loading_onto_a_gpu_too_small_is_refused_before_allocating(monkeypatch):
+    default = os.path.join(os.path.dirname(__file__), "..", "dsv4_model", "assets", "default")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**20, 2**37))
+    with pytest.raises(ValueError, match="MiB free"):
+        load_model(default, device="cuda", max_seq_len=1024)
+    assert torch.cuda.memory_allocated() == before

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ import torch
 from dsv4_model.checkpoint.io import (
     FLOAT_TAGS, INT_TAGS, CheckpointError, TensorInfo, TensorReader, list_tensors, write_sharded,
 )
+from dsv4_model.checkpoint.memory_plan import check_fits, memory_plan
 from dsv4_model.model.checks import check_max_seq_len, check_positive_int, parse_device
 from dsv4_model.checkpoint.names import FUSED_W13, hf_to_official_name, split_expert_name
 from dsv4_model.quant.nvfp4_convert import Mxfp4Tensor, Nvfp4Tensor
@@ -550,6 +552,13 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
         units = convert_structure_(model, act_quant)
     unit_sources = {src for u in units for src in u.sources.values()}
 
+    if device.type == "cuda":  # before any device memory is taken: a clear error instead of an out-of-memory
+        plan = memory_plan(config, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype, quant=quant,
+                           act_quant=act_quant, simulate_quant=simulate_quant,
+                           allow_beyond_max_position=allow_beyond_max_position)
+        check_fits(plan, torch.cuda.mem_get_info(device)[0], str(device))
+        if progress:
+            print(f"[dsv4] memory on {device}: {plan.describe()}", file=sys.stderr)
     model.to_empty(device=device)
     params = model.state_dict(keep_vars=True)
     from tqdm.auto import tqdm

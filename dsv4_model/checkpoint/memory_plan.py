@@ -35,9 +35,12 @@ class MemoryPlan:
 
     def describe(self) -> str:
         share = f", {self.ep}-way expert parallel" if self.ep > 1 else ""
-        return (f"weights {self.weights / GiB:.1f} GiB (routed experts {self.routed_experts / GiB:.1f} GiB{share}) + "
-                f"caches {self.caches / GiB:.2f} GiB + runtime {self.runtime / GiB:.2f} GiB = "
-                f"{self.total / GiB:.1f} GiB per GPU")
+        return (f"weights {size(self.weights)} (routed experts {size(self.routed_experts)}{share}) + caches "
+                f"{size(self.caches)} + runtime {size(self.runtime)} = {size(self.total)} per GPU")
+
+
+def size(n: int) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -46,13 +49,13 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def memory_plan(cfg: ModelConfig, *, max_batch_size: int = 1, max_seq_len: int = 4096,
                 dtype: torch.dtype = torch.bfloat16, quant: str = "nvfp4", act_quant: str = "none", ep: int = 1,
-                allow_beyond_max_position: bool = False) -> MemoryPlan:
+                simulate_quant: bool = True, allow_beyond_max_position: bool = False) -> MemoryPlan:
     """The per-rank bytes of `cfg` served with these limits (see the module docstring)."""
     check_modes(quant, act_quant)
     if not isinstance(ep, int) or ep < 1 or ep > cfg.n_routed_experts:
         raise ValueError(f"ep must be an int in [1, n_routed_experts={cfg.n_routed_experts}], got {ep!r}")
     model = Transformer(cfg, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype, device="meta",
-                        allow_beyond_max_position=allow_beyond_max_position)
+                        simulate_quant=simulate_quant, allow_beyond_max_position=allow_beyond_max_position)
     if quant == "nvfp4":
         for unit in convert_structure_(model, act_quant):
             unit.old = None
@@ -67,3 +70,10 @@ def memory_plan(cfg: ModelConfig, *, max_batch_size: int = 1, max_seq_len: int =
     persistent_buffers = sum(_nbytes(t) for k, t in state.items() if k not in dict(model.named_parameters()))
     return MemoryPlan(weights=stored - routed + routed_here, routed_experts=routed_here, caches=caches,
                       runtime=buffers - persistent_buffers - caches, ep=ep)
+
+
+def check_fits(plan: MemoryPlan, free_bytes: int, device: str) -> None:
+    """Raises ValueError naming what does not fit when the plan needs more than `free_bytes` of `device`."""
+    if plan.total > free_bytes:
+        raise ValueError(f"the model needs {plan.describe()}, {device} has {size(free_bytes)} free: lower "
+                         "--max-seq-len / --max-batch-size, or use a smaller model")
