@@ -87,8 +87,9 @@ for part in $PARTS; do
       if [ -n "$py_ids" ] && [ "$py_ids" = "$cpp_ids" ]; then note "  C++ runner ids == Python ids: $cpp_ids"
       else note "  C++ runner ids DIFFER: python [$py_ids] c++ [$cpp_ids]"; fi
       rm -rf "$LOGS/default_bf16.pt2" "$LOGS/cpp_build"
+      # ... and the loader's memory check (it runs on every GPU load).
       step mainjob_default_model_bf16 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_default_model_gpu.py \
-        tests/test_compile_cost.py -k "bf16" ;;
+        tests/test_compile_cost.py tests/test_memory_plan.py -k "bf16 or too_small" ;;
     tests)
       for f in ${TEST_FILES:-tests/test_*.py}; do
         step "$(basename "$f" .py)" "${PER_FILE_TIMEOUT:-420}" $PY -m pytest -q -m cuda -rs -p no:cacheprovider "$f"
