@@ -15,12 +15,9 @@ from dsv4_model.checkpoint.memory_plan import check_fits, memory_plan
 
 
 def _held(model):
-    state = model.state_dict()
-    stored = sum(t.numel() * t.element_size() for t in state.values())
-    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    persistent = sum(t.numel() * t.element_size() for k, t in state.items()
-                     if k not in dict(model.named_parameters()))
-    return stored, model.cache_nbytes(), buffers - persistent - model.cache_nbytes()
+    stored = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    return stored, model.cache_nbytes(), held - stored - model.cache_nbytes()
 
 
 @pytest.mark.parametrize("batch,seq", [(1, 64), (3, 128)])

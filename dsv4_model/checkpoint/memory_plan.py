@@ -64,12 +64,11 @@ def memory_plan(cfg: ModelConfig, *, max_batch_size: int = 1, max_seq_len: int =
     state = model.state_dict()
     routed = sum(_nbytes(t) for k, t in state.items() if any(p in k for p in _ROUTED))
     routed_here = routed * math.ceil(cfg.n_routed_experts / ep) // cfg.n_routed_experts
-    stored = sum(_nbytes(t) for t in state.values())
+    stored = sum(_nbytes(t) for t in state.values())  # parameters + persistent buffers
     caches = model.cache_nbytes()
-    buffers = sum(_nbytes(b) for b in model.buffers())
-    persistent_buffers = sum(_nbytes(t) for k, t in state.items() if k not in dict(model.named_parameters()))
+    all_held = sum(_nbytes(t) for t in (*model.parameters(), *model.buffers()))
     return MemoryPlan(weights=stored - routed + routed_here, routed_experts=routed_here, caches=caches,
-                      runtime=buffers - persistent_buffers - caches, ep=ep)
+                      runtime=all_held - stored - caches, ep=ep)
 
 
 def check_fits(plan: MemoryPlan, free_bytes: int, device: str) -> None:
