@@ -1,5 +1,6 @@
 """dsv4_model.checkpoint.memory_plan: the per-GPU bytes worked out on the meta device are what a real model of the
 same config holds (weights, caches, runtime tables), and expert parallelism divides only the routed experts."""
+import gc
 import math
 import os
 
@@ -60,9 +61,27 @@ def test_check_fits_names_the_shortfall():
         check_fits(plan, plan.total - 1, "cuda:0")
 
 
+DEFAULT = os.path.join(os.path.dirname(__file__), "..", "dsv4_model", "assets", "default")
+
+
+@pytest.mark.parametrize("free_mib", [1, 2**17])
+def test_the_loader_checks_free_memory_then_loads(monkeypatch, capsys, free_mib):
+    # The check runs on CUDA only; here it is pointed at the host so CI runs the path a GPU load takes.
+    from dsv4_model.checkpoint import loader
+    monkeypatch.setattr(loader, "_free_device_bytes", lambda device: free_mib * 2**20)
+    if free_mib == 1:
+        with pytest.raises(ValueError, match=r"cpu has 1\.0 MiB free"):
+            load_model(DEFAULT, device="cpu", max_seq_len=256)
+        return
+    model, _ = load_model(DEFAULT, device="cpu", max_seq_len=256, progress=True)
+    assert "[dsv4] memory on cpu: weights" in capsys.readouterr().err
+    assert model.cache_nbytes() > 0
+
+
 @pytest.mark.cuda
 def test_loading_onto_a_gpu_too_small_is_refused_before_allocating(monkeypatch):
-    default = os.path.join(os.path.dirname(__file__), "..", "dsv4_model", "assets", "default")
+    default = DEFAULT
+    gc.collect()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**20, 2**37))

@@ -449,6 +449,11 @@ def _source(load: TensorLoad, reader: TensorReader, device: torch.device):
     return _decode(load, reader, device, torch.float32)
 
 
+def _free_device_bytes(device: torch.device) -> int | None:
+    """Free bytes of a GPU the model is loaded onto; None for host memory (not checked)."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
 def _unit_getter(plan_by_target: dict, reader: TensorReader, device: torch.device):
     """get(name, index) for `fill_unit_`: per-expert checkpoint tensors directly, stacked ones (dsv4 / HF
     layouts) read once per unit and indexed."""
@@ -552,13 +557,14 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
         units = convert_structure_(model, act_quant)
     unit_sources = {src for u in units for src in u.sources.values()}
 
-    if device.type == "cuda":  # before any device memory is taken: a clear error instead of an out-of-memory
-        plan = memory_plan(config, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype, quant=quant,
-                           act_quant=act_quant, simulate_quant=simulate_quant,
-                           allow_beyond_max_position=allow_beyond_max_position)
-        check_fits(plan, torch.cuda.mem_get_info(device)[0], str(device))
+    free = _free_device_bytes(device)
+    if free is not None:  # before any device memory is taken: a clear error instead of an out-of-memory
+        needs = memory_plan(config, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype, quant=quant,
+                            act_quant=act_quant, simulate_quant=simulate_quant,
+                            allow_beyond_max_position=allow_beyond_max_position)
+        check_fits(needs, free, str(device))
         if progress:
-            print(f"[dsv4] memory on {device}: {plan.describe()}", file=sys.stderr)
+            print(f"[dsv4] memory on {device}: {needs.describe()}", file=sys.stderr)
     model.to_empty(device=device)
     params = model.state_dict(keep_vars=True)
     from tqdm.auto import tqdm
