@@ -12,8 +12,10 @@ from dsv4_model.model.transformer import Transformer
 
 
 def _model(chunk=None):
+    # Exact numerics: with the simulated FP8 / FP4 rounding an ulp of a chunk's accumulation order can move a value
+    # across a rounding boundary (seen at 2.5e-4 on an AVX512 host), which is not what this file tests.
     return Transformer(make_config("tiny"), max_batch_size=2, max_seq_len=512, dtype=torch.float32,
-                       prefill_chunk=chunk).init_random_weights(0).eval()
+                       simulate_quant=False, prefill_chunk=chunk).init_random_weights(0).eval()
 
 
 def _score_bytes(a: Attention, B, rows, n):
