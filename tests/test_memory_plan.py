@@ -80,11 +80,10 @@ def test_the_loader_checks_free_memory_then_loads(monkeypatch, capsys, free_mib)
 
 @pytest.mark.cuda
 def test_loading_onto_a_gpu_too_small_is_refused_before_allocating(monkeypatch):
-    default = DEFAULT
     gc.collect()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**20, 2**37))
     with pytest.raises(ValueError, match="MiB free"):
-        load_model(default, device="cuda", max_seq_len=1024)
+        load_model(DEFAULT, device="cuda", max_seq_len=1024)
     assert torch.cuda.memory_allocated() == before
