@@ -214,20 +214,29 @@ def moe_case(E, d, inter, s_inter, T, k, gen, device, dup=False):
 
 
 def kernel_moe_args(w13, w2, shared):
-    """Canonical MoE weights -> the op's kernel-layout arguments (per expert, to bound the memory)."""
+    """Canonical MoE weights -> the op's kernel-layout arguments (per expert, to bound the memory), on the weights'
+    device. Repacked on the host: per expert on the GPU, 256 experts are ~10^4 small launches per call, which
+    kept the E = 256 tests from finishing under compute-sanitizer."""
+    dev = w13[0].device
+
     def rep13(p, s):
-        return nv.repack_weight(nv.interleave_gate_up(p), nv.interleave_gate_up(s))
+        p, s = nv.repack_weight(nv.interleave_gate_up(p.cpu()), nv.interleave_gate_up(s.cpu()))
+        return p.to(dev), s.to(dev)
+
+    def rep2(p, s):
+        p, s = nv.repack_weight(p.cpu(), s.cpu())
+        return p.to(dev), s.to(dev)
 
     def stack(fn, p, s):
         parts = [fn(p[e], s[e]) for e in range(p.shape[0])]
         return torch.stack([a for a, _ in parts]), torch.stack([b for _, b in parts])
 
     a13 = (*stack(rep13, w13[0], w13[1]), w13[2])
-    a2 = (*stack(nv.repack_weight, w2[0], w2[1]), w2[2])
+    a2 = (*stack(rep2, w2[0], w2[1]), w2[2])
     sh = (None,) * 6
     if shared is not None:
         sp13, ss13, sg13, sp2, ss2, sg2 = shared
-        sh = (*rep13(sp13, ss13), sg13, *nv.repack_weight(sp2, ss2), sg2)
+        sh = (*rep13(sp13, ss13), sg13, *rep2(sp2, ss2), sg2)
     return (*a13, *a2, *sh)
 
 
