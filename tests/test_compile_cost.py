@@ -54,7 +54,7 @@ def test_default_model_bf16_decode_compiles_without_implicit_fallbacks_or_ir_for
         runner = DecodeRunner(eng.model, compile=True)
         runner.prepare(1)
     # the NVFP4 MoE in every layer, rows folded into the next layer: the configuration that hung
-    assert all(block.ffn.nvfp4 is not None for block in eng.model.layers)
+    assert all(block.ffn.backend.quantized for block in eng.model.layers)
     assert [op for op in implicit if op.startswith("dsv4.")] == []
     assert formatted == []
     runner.begin(torch.zeros(1, dtype=torch.long), [_greedy()])

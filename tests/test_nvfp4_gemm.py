@@ -6,8 +6,6 @@ Tolerance of a bf16 output: |out - ref32| <= ulp_bf16(ref32) + 2 * 2e-5 * sum_k 
 of a value whose fp32 accumulation may differ from the reference's by reordering (and, on the GPU, the
 tensor-core accumulation) -- far below the effect of a single wrong weight, block scale or token.
 """
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -460,8 +458,7 @@ def test_nvfp4_moe_module_vs_bf16():
 
     gen = torch.Generator().manual_seed(6)
     E, d, inter, T, k = 6, 128, 64, 7, 2
-    cfg = SimpleNamespace(n_routed_experts=E, dim=d, moe_inter_dim=inter, swiglu_limit=10.0)
-    experts = Experts(cfg, torch.bfloat16)
+    experts = Experts(E, d, inter, 10.0, torch.bfloat16)
     shared = Expert(d, inter, torch.bfloat16, 10.0)
     for p in list(experts.parameters()) + list(shared.parameters()):
         p.copy_(torch.randn(p.shape, generator=gen) * 0.08)

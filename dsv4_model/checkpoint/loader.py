@@ -40,14 +40,16 @@ from pathlib import Path
 
 import torch
 
-from dsv4_model.checkpoint.io import (
-    FLOAT_TAGS, INT_TAGS, CheckpointError, TensorInfo, TensorReader, list_tensors, write_sharded,
-)
+from dsv4_model.checkpoint.io import CheckpointError, TensorInfo, TensorReader, list_tensors, write_sharded
 from dsv4_model.checkpoint.memory_plan import check_fits, memory_plan
+from dsv4_model.checkpoint.tensor_checks import (
+    FP8_TAGS, NVFP4_INPUT_SCALE, NVFP4_SCALE, NVFP4_SCALE2, PACKED_FP4_TAGS, check_source, dtype_ok,
+    dtype_problem, fmt_shape, source_name,
+)
 from dsv4_model.model.checks import check_max_seq_len, check_positive_int, parse_device
 from dsv4_model.checkpoint.names import FUSED_W13, hf_to_official_name, split_expert_name
 from dsv4_model.quant.nvfp4_convert import Mxfp4Tensor, Nvfp4Tensor
-from dsv4_model.quant.formats import FP4_BLOCK, FP8_BLOCK, dequant_fp8_blocks, dequant_mxfp4, fp8_scale_shape, mxfp4_shapes
+from dsv4_model.quant.formats import FP4_BLOCK, FP8_BLOCK, dequant_fp8_blocks, dequant_mxfp4
 from dsv4_model.quant.quantize_model import (
     ACT_QUANT_MODES, KERNEL_LAYOUT_VERSIONS, QUANT_INFO_KEY, check_modes, convert_structure_, dequantize_model_,
     fill_unit_, upgrade_kernel_layout_,
@@ -57,12 +59,6 @@ LAYOUTS = ("hf", "official", "dsv4")
 DSV4_FORMAT_KEY = "dsv4_format"
 DSV4_FORMAT_VERSION = 1
 
-_FP8_TAGS = frozenset({"F8_E4M3", "F8_E5M2"})
-_PACKED_FP4_TAGS = frozenset({"I8", "U8"})
-_SCALE_TAGS = frozenset({"F8_E8M0", "F32", "BF16"})
-_NVFP4_BLOCK = 16
-# ModelOpt NVFP4 companions of `X.weight`
-_NVFP4_SCALE, _NVFP4_SCALE2, _NVFP4_INPUT_SCALE = "weight_scale", "weight_scale_2", "input_scale"
 _MAX_LISTED_PROBLEMS = 25
 
 
@@ -141,14 +137,6 @@ class TensorLoad:
     scale2: TensorInfo | None = None
 
 
-def _fmt_shape(shape) -> str:
-    return "[" + ", ".join(str(s) for s in shape) + "]"
-
-
-def _src(info: TensorInfo, official: str) -> str:
-    return f"{official!r}" if official == info.key else f"{official!r} (checkpoint key {info.key!r})"
-
-
 def build_load_plan(tensors: dict[str, TensorInfo], expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
                     layout: str, *, skip_prefixes: tuple[str, ...] = ()) -> list[TensorLoad]:
     """Map checkpoint tensors onto the model's state_dict entries `expected` ({name: (shape, dtype)}) and
@@ -175,7 +163,7 @@ def build_load_plan(tensors: dict[str, TensorInfo], expected: dict[str, tuple[tu
         wname = base + ".weight"
         if leaf == "scale" and wname in official:
             scales[wname] = info
-        elif leaf in (_NVFP4_SCALE, _NVFP4_SCALE2, _NVFP4_INPUT_SCALE) and wname in official:
+        elif leaf in (NVFP4_SCALE, NVFP4_SCALE2, NVFP4_INPUT_SCALE) and wname in official:
             nvfp4_scales.setdefault(wname, {})[leaf] = info
         else:
             weights[name] = info
@@ -204,30 +192,30 @@ def build_load_plan(tensors: dict[str, TensorInfo], expected: dict[str, tuple[tu
             continue
         scale = scales.get(name)
         scale2 = None
-        where = _src(info, name)
+        where = source_name(info, name)
         nv = nvfp4_scales.get(name)
         # quantization kind from the stored dtype
         if nv is not None:
             base = name[: -len("weight")]
-            missing = [leaf for leaf in (_NVFP4_SCALE, _NVFP4_SCALE2) if leaf not in nv]
-            if scale is not None or missing or info.dtype not in _PACKED_FP4_TAGS:
+            missing = [leaf for leaf in (NVFP4_SCALE, NVFP4_SCALE2) if leaf not in nv]
+            if scale is not None or missing or info.dtype not in PACKED_FP4_TAGS:
                 why = (f"has both {base + 'scale'!r} and NVFP4 scales" if scale is not None else
                        f"NVFP4 scale tensor {base + missing[0]!r} is missing" if missing else
                        f"has NVFP4 scales but dtype {info.dtype} is not packed FP4 (U8/I8)")
                 problems.append(f"{where}: {why}")
                 rejected.add(split_expert_name(name) or (name, None))
                 continue
-            kind, scale, scale2 = "nvfp4", nv[_NVFP4_SCALE], nv[_NVFP4_SCALE2]
+            kind, scale, scale2 = "nvfp4", nv[NVFP4_SCALE], nv[NVFP4_SCALE2]
         elif scale is None:
             kind = "plain"
-            if info.dtype in _FP8_TAGS or (layout == "official" and info.dtype in _PACKED_FP4_TAGS
+            if info.dtype in FP8_TAGS or (layout == "official" and info.dtype in PACKED_FP4_TAGS
                                             and split_expert_name(name)):
                 problems.append(f"{where}: dtype {info.dtype} needs a scale tensor {name[:-len('weight')] + 'scale'!r}, which is missing")
                 rejected.add(split_expert_name(name) or (name, None))
                 continue
-        elif info.dtype in _FP8_TAGS:
+        elif info.dtype in FP8_TAGS:
             kind = "fp8"
-        elif info.dtype in _PACKED_FP4_TAGS:
+        elif info.dtype in PACKED_FP4_TAGS:
             kind = "fp4"
         else:
             problems.append(f"{where}: has a scale tensor but dtype {info.dtype} is neither FP8 (F8_E4M3) nor packed FP4 (I8)")
@@ -249,12 +237,12 @@ def build_load_plan(tensors: dict[str, TensorInfo], expected: dict[str, tuple[tu
                 problems.append(f"{where}: quantized fused gate_up tensors are not supported")
                 continue
             if info.shape != (e, 2 * inter, dim):
-                problems.append(f"{where}: shape mismatch: expected {_fmt_shape((e, 2 * inter, dim))} (w1 and w3 of "
-                                f"{prefix[:-1]!r} concatenated), got {_fmt_shape(info.shape)}")
+                problems.append(f"{where}: shape mismatch: expected {fmt_shape((e, 2 * inter, dim))} (w1 and w3 of "
+                                f"{prefix[:-1]!r} concatenated), got {fmt_shape(info.shape)}")
                 rejected.update({(prefix + "w1", None), (prefix + "w3", None)})
                 continue
-            if not _dtype_ok(info.dtype, dtype):
-                problems.append(_dtype_problem(where, dtype, info.dtype))
+            if not dtype_ok(info.dtype, dtype):
+                problems.append(dtype_problem(where, dtype, info.dtype))
                 rejected.update({(prefix + "w1", None), (prefix + "w3", None)})
                 continue
             for i, part in enumerate(("w1", "w3")):
@@ -265,7 +253,7 @@ def build_load_plan(tensors: dict[str, TensorInfo], expected: dict[str, tuple[tu
         if split is not None:
             target, index = split
             if target not in expected:
-                problems.append(f"unexpected tensor {where} (shape {_fmt_shape(info.shape)}, dtype {info.dtype}): "
+                problems.append(f"unexpected tensor {where} (shape {fmt_shape(info.shape)}, dtype {info.dtype}): "
                                 f"the model has no {target!r}")
                 continue
             full_shape, dtype = expected[target]
@@ -277,12 +265,12 @@ def build_load_plan(tensors: dict[str, TensorInfo], expected: dict[str, tuple[tu
         else:
             target, index = name, None
             if target not in expected:
-                problems.append(f"unexpected tensor {where} (shape {_fmt_shape(info.shape)}, dtype {info.dtype}): "
+                problems.append(f"unexpected tensor {where} (shape {fmt_shape(info.shape)}, dtype {info.dtype}): "
                                 f"not a parameter or buffer of the model")
                 continue
             shape, dtype = expected[target]
 
-        problem = _check_source(where, name, info, scale, kind, shape, dtype, scale2)
+        problem = check_source(where, name, info, scale, kind, shape, dtype, scale2)
         if problem:
             problems.append(problem)
             rejected.add((target, index))
@@ -299,13 +287,13 @@ def build_load_plan(tensors: dict[str, TensorInfo], expected: dict[str, tuple[tu
         if _is_stacked(target, shape):
             missing = [i for i in range(shape[0]) if i not in slots and (target, i) not in rejected]
             if missing and len(missing) == shape[0]:
-                problems.append(f"missing tensor: {target!r} (expected shape {_fmt_shape(shape)}, dtype {dtype}; "
+                problems.append(f"missing tensor: {target!r} (expected shape {fmt_shape(shape)}, dtype {dtype}; "
                                 f"neither the stacked tensor nor any per-expert tensor is in the checkpoint)")
             elif missing:
                 problems.append(f"missing tensor: experts {_fmt_list(missing)} of {target!r} (each expected shape "
-                                f"{_fmt_shape(shape[1:])}, dtype {dtype}) are not in the checkpoint")
+                                f"{fmt_shape(shape[1:])}, dtype {dtype}) are not in the checkpoint")
         elif not slots:
-            problems.append(f"missing tensor: {target!r} (expected shape {_fmt_shape(shape)}, dtype {dtype}) is not in the checkpoint")
+            problems.append(f"missing tensor: {target!r} (expected shape {fmt_shape(shape)}, dtype {dtype}) is not in the checkpoint")
 
     if problems:
         shown = problems[:_MAX_LISTED_PROBLEMS]
@@ -323,71 +311,6 @@ def _is_stacked(target: str, shape: tuple[int, ...]) -> bool:
 
 def _fmt_list(xs: list[int]) -> str:
     return ", ".join(map(str, xs)) if len(xs) <= 12 else ", ".join(map(str, xs[:12])) + f", ... ({len(xs)} in all)"
-
-
-def _dtype_ok(tag: str, dtype: torch.dtype) -> bool:
-    if dtype.is_floating_point:
-        return tag in FLOAT_TAGS
-    if dtype == torch.bool:
-        return tag == "BOOL"
-    return tag in INT_TAGS
-
-
-def _dtype_problem(where: str, dtype: torch.dtype, tag: str) -> str:
-    kind = "a floating-point" if dtype.is_floating_point else "an integer"
-    return f"{where}: dtype mismatch: expected {kind} tensor (model dtype {dtype}), got {tag}"
-
-
-def _check_source(where: str, name: str, info: TensorInfo, scale: TensorInfo | None, kind: str,
-                  shape: tuple[int, ...], dtype: torch.dtype, scale2: TensorInfo | None = None) -> str | None:
-    if kind == "plain":
-        if info.shape != shape:
-            return f"{where}: shape mismatch: expected {_fmt_shape(shape)}, got {_fmt_shape(info.shape)}"
-        if not _dtype_ok(info.dtype, dtype):
-            return _dtype_problem(where, dtype, info.dtype)
-        return None
-    if not dtype.is_floating_point or len(shape) != 2:
-        return f"{where}: is quantized ({info.dtype} + scale) but the model tensor {_fmt_shape(shape)} {dtype} is not a float matrix"
-    out_f, in_f = shape
-    if kind == "nvfp4":
-        return _check_nvfp4(where, name, info, scale, scale2, out_f, in_f)
-    swhere = _src(scale, name[: -len("weight")] + "scale")
-    if scale.dtype not in _SCALE_TAGS:
-        return f"{swhere}: dtype mismatch: expected a scale dtype ({', '.join(sorted(_SCALE_TAGS))}), got {scale.dtype}"
-    if kind == "fp8":
-        wshape, sshape = shape, fp8_scale_shape(out_f, in_f, FP8_BLOCK)
-        what = f"FP8 {FP8_BLOCK}x{FP8_BLOCK}-block"
-    else:
-        if in_f % 2:
-            return f"{where}: packed FP4 needs an even input dim, the model tensor is {_fmt_shape(shape)}"
-        wshape, sshape = mxfp4_shapes(out_f, in_f, FP4_BLOCK)
-        what = f"MXFP4 1x{FP4_BLOCK}-block"
-    if info.shape != wshape:
-        return (f"{where}: shape mismatch: expected {_fmt_shape(wshape)} ({what} storage of model tensor "
-                f"{_fmt_shape(shape)}), got {_fmt_shape(info.shape)}")
-    if scale.shape != sshape:
-        return (f"{swhere}: shape mismatch: expected {_fmt_shape(sshape)} ({what} scales of model tensor "
-                f"{_fmt_shape(shape)}), got {_fmt_shape(scale.shape)}")
-    return None
-
-
-def _check_nvfp4(where: str, name: str, info: TensorInfo, scale: TensorInfo, scale2: TensorInfo, out_f: int,
-                 in_f: int) -> str | None:
-    base = name[: -len("weight")]
-    swhere, s2where = _src(scale, base + _NVFP4_SCALE), _src(scale2, base + _NVFP4_SCALE2)
-    if in_f % _NVFP4_BLOCK:
-        return f"{where}: NVFP4 needs an input dim that is a multiple of 16, the model tensor is {_fmt_shape((out_f, in_f))}"
-    if info.shape != (out_f, in_f // 2):
-        return (f"{where}: shape mismatch: expected {_fmt_shape((out_f, in_f // 2))} (NVFP4 packed storage of model "
-                f"tensor {_fmt_shape((out_f, in_f))}), got {_fmt_shape(info.shape)}")
-    if scale.dtype not in ("F8_E4M3", "U8"):
-        return f"{swhere}: dtype mismatch: expected F8_E4M3 (NVFP4 block scales), got {scale.dtype}"
-    if scale.shape != (out_f, in_f // _NVFP4_BLOCK):
-        return (f"{swhere}: shape mismatch: expected {_fmt_shape((out_f, in_f // _NVFP4_BLOCK))} (NVFP4 1x16-block "
-                f"scales of model tensor {_fmt_shape((out_f, in_f))}), got {_fmt_shape(scale.shape)}")
-    if scale2.dtype != "F32" or scale2.shape not in ((), (1,)):
-        return f"{s2where}: expected a float32 scalar (NVFP4 global scale), got {scale2.dtype} {_fmt_shape(scale2.shape)}"
-    return None
 
 
 def _check_tid2eid(plan: list[TensorLoad], n_experts: int | None) -> None:

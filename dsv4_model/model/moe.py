@@ -7,9 +7,15 @@ Repeated experts: a hash-routing row of tid2eid may name the same expert twice. 
 (identical) contributions, so a repeated expert counts once, with the weight it got from normalising over all k
 picks (duplicates included in the denominator). We reproduce that by zeroing the weight of every later duplicate.
 (transformers 5.23 uses index_add_ and counts it twice.)
+
+How the experts compute is the MoE's `backend`, a stateless strategy naming the child modules it reads:
+`FloatExperts` (this module: `experts` + `shared_experts`, float weights) or the NVFP4 one that the conversion
+installs (dsv4_model.quant.quantize_model: one `nvfp4` module). `MoE.swap_backend_` exchanges them.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -87,11 +93,13 @@ class Expert(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    """Routed experts, stacked: w1 / w3 [E, inter, d], w2 [E, d, inter]."""
+
+    def __init__(self, n_experts: int, dim: int, inter: int, limit: float, dtype: torch.dtype):
         super().__init__()
-        E, d, inter = cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim
+        E, d = n_experts, dim
         self.n_experts = E
-        self.limit = cfg.swiglu_limit
+        self.limit = limit
         self.w1 = nn.Parameter(torch.empty(E, inter, d, dtype=dtype), requires_grad=False)
         self.w3 = nn.Parameter(torch.empty(E, inter, d, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(E, d, inter, dtype=dtype), requires_grad=False)
@@ -132,16 +140,61 @@ def dedup_weights(weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return torch.where(dup, torch.zeros_like(weights), weights)
 
 
+class ExpertsBackend(Protocol):
+    """How an MoE's experts compute, on the child modules named in `modules`."""
+
+    modules: tuple[str, ...]
+    quantized: bool
+
+    def combined(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+                 static: bool) -> torch.Tensor:
+        """Routed + shared experts' output [N, dim] in x's dtype; static: no data-dependent shapes."""
+
+    def gives_rows(self, moe: "MoE", dtype: torch.dtype) -> bool:
+        """Whether `rows` can give the uncombined bf16 rows for an input of `dtype`."""
+
+    def rows(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Each assignment's expert output before the combine, bf16 [N*k (+ N), dim] (dsv4::nvfp4_moe_rows)."""
+
+
+class FloatExperts:
+    """Float weights: the routed experts stacked in `experts` (an eager per-expert loop in prefill, a gather +
+    batched matmul at static shapes), the shared expert in `shared_experts`."""
+
+    modules = ("experts", "shared_experts")
+    quantized = False
+
+    def combined(self, moe, x, weights, indices, static):
+        run = moe.experts.forward_gather if static else moe.experts.forward_loop
+        return (run(x, weights, indices) + moe.shared_experts(x).float()).to(x.dtype)
+
+    def gives_rows(self, moe, dtype):
+        return False
+
+    def rows(self, moe, x, weights, indices):
+        raise NotImplementedError("float experts give combined outputs only")
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype):
         super().__init__()
         self.dim = cfg.dim
+        self.n_experts = cfg.n_routed_experts
         self.gate = Gate(cfg, layer_id, dtype)
-        self.experts = Experts(cfg, dtype)
+        self.experts = Experts(cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit, dtype)
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, dtype, cfg.swiglu_limit)
-        # NVFP4 routed + shared experts in one module (dsv4_model.quant.quantize_model); then experts /
-        # shared_experts are None
-        self.nvfp4 = None
+        self.backend: ExpertsBackend = FloatExperts()
+
+    def swap_backend_(self, backend: ExpertsBackend, modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
+        """Install `backend` with its child `modules` (named as backend.modules); returns the previous backend's
+        modules, removed from this one (the NVFP4 conversion and its inverse)."""
+        if set(modules) != set(backend.modules):
+            raise ValueError(f"{type(backend).__name__} takes modules {backend.modules}, got {tuple(modules)}")
+        old = {name: self._modules.pop(name) for name in self.backend.modules}
+        for name, mod in modules.items():
+            self.add_module(name, mod)
+        self.backend = backend
+        return old
 
     def _route(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weights, indices = self.gate(x, ids.reshape(-1))
@@ -150,25 +203,17 @@ class MoE(nn.Module):
         return weights, indices
 
     def decode_rows(self, x: torch.Tensor, ids: torch.Tensor):
-        """Decode (x [B, 1, dim]): the NVFP4 experts' uncombined rows for dsv4::hc_post_pre as
-        (rows [B*k (+ B), dim], topk ids [B, k], n_experts), or None where the output is not bf16 rows (bf16
-        experts, a model of another dtype): the caller then takes forward's combined output."""
-        out_dtype = getattr(self.nvfp4, "out_dtype", torch.bfloat16)
-        if self.nvfp4 is None or x.dtype != torch.bfloat16 or out_dtype != torch.bfloat16:
+        """Decode (x [B, 1, dim]): the experts' uncombined rows for dsv4::hc_post_pre as (rows [B*k (+ B), dim],
+        topk ids [B, k], n_experts), or None where the backend gives no bf16 rows (float experts, a model of
+        another dtype): the caller then takes forward's combined output."""
+        if not self.backend.gives_rows(self, x.dtype):
             return None
         x = x.reshape(-1, self.dim)
         weights, indices = self._route(x, ids)
-        return self.nvfp4.rows(x, indices, weights), indices, self.nvfp4.n_experts
+        return self.backend.rows(self, x, weights, indices), indices, self.n_experts
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, static: bool = False) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.dim)
         weights, indices = self._route(x, ids)
-        if self.nvfp4 is not None:  # static shapes in prefill and decode
-            return self.nvfp4(x, indices, weights).to(x.dtype).view(shape)
-        if static:
-            y = self.experts.forward_gather(x, weights, indices)
-        else:
-            y = self.experts.forward_loop(x, weights, indices)
-        y = y + self.shared_experts(x).float()
-        return y.to(x.dtype).view(shape)
+        return self.backend.combined(self, x, weights, indices, static).view(shape)

@@ -42,7 +42,7 @@ from dsv4_ops import ops
 
 from dsv4_model.model.attention import Attention
 from dsv4_model.model.layers import GroupedLinear, Linear, Projection, W4A16Weight
-from dsv4_model.model.moe import MoE, Expert, Experts
+from dsv4_model.model.moe import Expert, Experts, FloatExperts, MoE
 from dsv4_model.quant.nvfp4 import (BLOCK, CODE_CHUNK_BYTES, SCALE_CHUNK_BYTES, Nvfp4Linear, Nvfp4MoE, deinterleave_gate_up,
                     dequantize_kernel_layout, interleave_gate_up, padded_k, repack_weight, tile_major)
 from dsv4_model.quant.nvfp4_convert import Nvfp4Tensor, float_to_nvfp4, gate_up_to_nvfp4, to_float, to_nvfp4
@@ -211,6 +211,23 @@ class Nvfp4ModelMoE(Nvfp4MoE):
         return w13[: self.shared_inter], w2, w13[self.shared_inter:]
 
 
+class Nvfp4Experts:
+    """The MoE experts backend of a converted MoE: routed + shared experts in one `Nvfp4ModelMoE` (child `nvfp4`),
+    static shapes in prefill and decode; at decode its uncombined rows can go to the next hc_post_pre."""
+
+    modules = ("nvfp4",)
+    quantized = True
+
+    def combined(self, moe, x, weights, indices, static):
+        return moe.nvfp4(x, indices, weights).to(x.dtype)
+
+    def gives_rows(self, moe, dtype):
+        return dtype == torch.bfloat16 and moe.nvfp4.out_dtype == torch.bfloat16
+
+    def rows(self, moe, x, weights, indices):
+        return moe.nvfp4.rows(x, indices, weights)
+
+
 # ---------------------------------------------------------------------------------------------- units
 @dataclass
 class QuantUnit:
@@ -253,7 +270,7 @@ def find_units(model: nn.Module) -> list[QuantUnit]:
             if mod.indexer is not None and isinstance(mod.indexer.wq_b, Linear):
                 (units.append(QuantUnit(f"{name}.indexer.wq_b", "linear", {"weight": f"{name}.indexer.wq_b.weight"}))
                  if _linear_ok(mod.indexer.wq_b) else skipped.append(f"{name}.indexer.wq_b"))
-        elif isinstance(mod, MoE) and mod.nvfp4 is None:
+        elif isinstance(mod, MoE) and not mod.backend.quantized:
             inter = mod.experts.w1.shape[1]
             s_inter = mod.shared_experts.w1.out_features
             if mod.dim % BLOCK or inter % BLOCK or s_inter % BLOCK:
@@ -288,10 +305,7 @@ def convert_structure_(model: nn.Module, act_quant: str = "none") -> list[QuantU
             E, inter, dim = ex.w1.shape
             new = Nvfp4ModelMoE(E, dim, inter, sh.w1.out_features, ex.limit, ex.w1.dtype, act_quant,
                                 device=ex.w1.device)
-            old.nvfp4 = new
-            old.experts = None
-            old.shared_experts = None
-            u.old = nn.ModuleDict({"experts": ex, "shared_experts": sh})
+            u.old = nn.ModuleDict(old.swap_backend_(Nvfp4Experts(), {"nvfp4": new}))
     model.quant_info = {"method": "nvfp4", "act_quant": act_quant, "kernel_layout": KERNEL_LAYOUT_VERSION}
     return units
 
@@ -368,17 +382,15 @@ def dequantize_model_(model: nn.Module) -> nn.Module:
             lin = Linear(mod.in_features, mod.out_features, mod.out_dtype)
             lin.weight.data = mod.dequantized_weight().to(mod.out_dtype)
             _set(model, name, lin)
-        elif isinstance(mod, MoE) and mod.nvfp4 is not None:
+        elif isinstance(mod, MoE) and mod.backend.quantized:
             q = mod.nvfp4
-            ex = Experts.__new__(Experts)
-            nn.Module.__init__(ex)
-            ex.n_experts, ex.limit = q.n_experts, q.swiglu_limit
+            with torch.device("meta"):  # the dequantized tensors replace the parameters
+                ex = Experts(q.n_experts, q.dim, q.inter, q.swiglu_limit, q.out_dtype)
             for r, w in zip(("w1", "w2", "w3"), q.dequantized_experts()):
                 setattr(ex, r, nn.Parameter(w.to(q.out_dtype), requires_grad=False))
             sh = Expert(q.dim, q.shared_inter, q.out_dtype, q.swiglu_limit)
             for r, w in zip(("w1", "w2", "w3"), q.dequantized_shared()):
                 getattr(sh, r).weight.data = w.to(q.out_dtype)
-            mod.experts, mod.shared_experts = ex, sh
-            mod.nvfp4 = None
+            mod.swap_backend_(FloatExperts(), {"experts": ex, "shared_experts": sh})
     model.quant_info = None
     return model

@@ -316,12 +316,11 @@ void pick_split(int64_t ntiles, int64_t nchunks, int64_t slots, int& kw, int& rt
 using dsv4_cuda::sm_count;
 
 // gemv split: the kw (K-splits per row tile; rt = 8 / kw tiles per CTA) with the fewest chunk-times, counting
-// waves of occ CTAs per SM and ~3 chunk-times of pipeline fill per wave (session 8's sweep: with 4, the MoE up
-// projection at T = 1 / 2 took kw = 1 / 2 where kw = 4 measured 5-7% faster; the dense picks are the same).
+// waves of occ CTAs per SM and ~3 chunk-times of pipeline fill per wave (a fill of 4 picked splits the sweep
+// measured slower for the MoE up projection at T = 1 / 2; bench/RESULTS.md).
 // CTAs per SM of the gemv kernel: 3 (a 4-stage ring, <= 80 registers) for 2-token passes over >= 12288 chunks
-// (12 MB of weights), else 2 (a 6-stage ring). H200, M = 1: 3 per SM took wq_b 32768x1024 10.85 -> 9.71 us, wo_b
-// 11.35 -> 10.85, wo_a 8 x 1024x4096 11.46 -> 10.80, the MoE at T = 1 48.3 -> 42.8; but w1+w3 4096x4096 7.70 ->
-// 8.18, w2 / expert-sized 5.5 / 5.1 -> 5.7 / 5.7 (fewer chunks in flight per warp, fewer waves to hide the fill).
+// (12 MB of weights), else 2 (a 6-stage ring): 3 per SM wins on the large decode matrices and the MoE, loses on
+// the smaller ones (fewer chunks in flight per warp, fewer waves to hide the fill; figures in bench/RESULTS.md).
 int gemv_occ(int rows, int64_t chunks) { return rows == 2 && chunks >= 12288 ? 3 : 2; }
 
 void pick_gemv_split(int64_t ntiles, int64_t nchunks, int64_t slots, int& kw, int& rt, int occ) {
