@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4_ops import overrides
+from dsv4_ops.limits import LIMITS
 
 ATTENTION_MODES = ("auto", "fused", "torch")
 
@@ -61,7 +62,7 @@ def norm_rope(opts: DecodeOptions, x: torch.Tensor, rope_dim: int) -> bool:
     """dsv4::rms_norm_rope for x [rows, heads, d] (decode)."""
     d = x.shape[-1]
     return (opts.norm_rope and x.dtype in (torch.bfloat16, torch.float32) and not d % 4 and not rope_dim % 4
-            and d <= 4096)
+            and d <= LIMITS.norm_rope_cuda_max_dim)
 
 
 def norm_rope_store(opts: DecodeOptions, x: torch.Tensor, cache: torch.Tensor) -> bool:
@@ -71,15 +72,16 @@ def norm_rope_store(opts: DecodeOptions, x: torch.Tensor, cache: torch.Tensor) -
 
 def hadamard(opts: DecodeOptions, x: torch.Tensor) -> bool:
     """dsv4::hadamard_fp4 for the indexer's queries / keys x [..., d] (the same bits as the tensor ops)."""
-    return opts.hadamard and x.dtype in (torch.bfloat16, torch.float32) and x.shape[-1] in (64, 128, 256)
+    return opts.hadamard and x.dtype in (torch.bfloat16, torch.float32) and x.shape[-1] in LIMITS.hadamard_fp4_dims
 
 
 def key_store(opts: DecodeOptions, keys: torch.Tensor) -> bool:
     """dsv4::indexer_store_keys (instead of the packing kernels and three index_put kernels)."""
-    return opts.key_store and keys.dtype in (torch.bfloat16, torch.float32) and keys.shape[-1] in (64, 128, 256, 512)
+    return (opts.key_store and keys.dtype in (torch.bfloat16, torch.float32)
+            and keys.shape[-1] in LIMITS.store_keys_dims)
 
 
-# dsv4::sparse_attn_decode's CUDA partial kernels: the tensor-core one (bf16, head dim % 64 == 0, <= 512) beats the
+# dsv4::sparse_attn_decode's CUDA partial kernels: the tensor-core one (bf16, LIMITS.attn_mma_dims) beats the
 # tensor-op form at every measured size; the CUDA-core one (fp32, or the attn_kernel="simt" override) only while
 # batch x listed rows <= FUSED_ATTN_MAX_ROWS (bench/RESULTS.md, bench_attn_decode.py).
 FUSED_ATTN_MAX_ROWS = 4 * 640
@@ -88,7 +90,7 @@ FUSED_ATTN_MAX_ROWS = 4 * 640
 def attn_tensor_cores(q: torch.Tensor) -> bool:
     """Whether dsv4::sparse_attn_decode runs its tensor-core partial kernel for q (the CUDA binding's rule, which
     reads the same attn_kernel debug override, dsv4_ops.overrides)."""
-    return (q.dtype == torch.bfloat16 and q.shape[-1] % 64 == 0 and q.shape[-1] <= 512
+    return (q.dtype == torch.bfloat16 and q.shape[-1] in LIMITS.attn_mma_dims
             and overrides.current().attn_kernel != "simt")
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from dsv4_ops import ops
+from dsv4_ops.limits import LIMITS
 
 from dsv4_model.model import decode_options as fused
 from dsv4_model.model.compressor import Compressor
@@ -73,12 +74,13 @@ class Indexer(nn.Module):
 
     def packed_decode(self) -> bool:
         """Decode scores the packed FP4 cache with dsv4::indexer_score_topk: the keys are FP4 (simulate_quant)
-        and the kernel takes the shape (CUDA: D = 128, H <= 64, top-k <= 4096; the CPU kernel: any D % 32 == 0).
+        and the kernel takes the shape (dsv4_ops.limits for the CUDA kernel; the CPU kernel: any D % 32 == 0).
         Both paths select the same entries up to fp32 summation order."""
         if not (self.simulate_quant and self.packed):
             return False
         if self.kv_cache.device.type == "cuda":
-            return self.head_dim == 128 and self.n_heads <= 64 and min(self.index_topk, self.n_entries) <= 4096
+            return (self.head_dim == LIMITS.indexer_cuda_head_dim and self.n_heads <= LIMITS.indexer_cuda_max_heads
+                    and min(self.index_topk, self.n_entries) <= LIMITS.indexer_cuda_max_topk)
         return self.kv_cache.device.type == "cpu"
 
     def store_prefill(self, keys: torch.Tensor) -> None:

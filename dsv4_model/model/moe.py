@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4_ops import ops
+from dsv4_ops.limits import LIMITS
 
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.layers import Linear, fp32_linear
@@ -41,10 +42,13 @@ class Gate(nn.Module):
         else:
             self.bias = nn.Parameter(torch.empty(cfg.n_routed_experts, dtype=torch.float32), requires_grad=False)
 
+    def _router_takes(self, scores: torch.Tensor) -> bool:
+        return self.topk <= LIMITS.router_max_topk and scores.shape[-1] <= LIMITS.router_max_experts
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, dim], ids [N] -> (weights [N, k] fp32, indices [N, k] long)."""
         logits = fp32_linear(x, [self.weight])[0]
-        if (self.score_func == "sqrtsoftplus" and not self.hash and self.topk <= 16 and logits.shape[-1] <= 1024
+        if (self.score_func == "sqrtsoftplus" and not self.hash and self._router_takes(logits)
                 and not (torch.is_grad_enabled() and logits.requires_grad)):
             # the score function inside the op's kernel too (one kernel for scores, selection and weights)
             return ops.router_topk(logits, bias=self.bias, k=self.topk, renormalize=True, scale=self.route_scale,
@@ -56,7 +60,7 @@ class Gate(nn.Module):
         else:
             scores = F.softplus(logits).sqrt()
         renorm = self.score_func != "softmax"
-        if (not self.hash and self.topk <= 16 and scores.shape[-1] <= 1024
+        if (not self.hash and self._router_takes(scores)
                 and not (torch.is_grad_enabled() and scores.requires_grad)):
             # one kernel instead of topk's two, the gather and the renormalisation (the op has no backward)
             return ops.router_topk(scores, bias=self.bias, k=self.topk, renormalize=renorm, scale=self.route_scale)

@@ -4,6 +4,11 @@
 // Every schema is documented in docs/ops.md.
 #include <torch/library.h>
 
+#include <cstdint>
+#include <string>
+
+#include "kernel_limits.h"
+
 // Exported so the Python module has a real link-time dependency on this library (otherwise
 // --as-needed drops it and no op gets registered), and so callers can ask what was compiled in.
 extern "C" __attribute__((visibility("default"))) int dsv4_ops_built_with_cuda() {
@@ -12,6 +17,23 @@ extern "C" __attribute__((visibility("default"))) int dsv4_ops_built_with_cuda()
 #else
   return 0;
 #endif
+}
+
+// The kernels' shape limits (kernel_limits.h) by name, for dsv4_ops/limits.py: a constant (value ignored), or
+// whether a predicate takes `value` (1 / 0); -1 for an unknown name.
+extern "C" __attribute__((visibility("default"))) int64_t dsv4_ops_kernel_limit(const char* name, int64_t value) {
+  using namespace dsv4_limits;
+  const std::string n(name ? name : "");
+  if (n == "router_max_experts") return kRouterMaxExperts;
+  if (n == "router_max_topk") return kRouterMaxTopk;
+  if (n == "indexer_cuda_head_dim") return kIndexerCudaHeadDim;
+  if (n == "indexer_cuda_max_heads") return kIndexerCudaMaxHeads;
+  if (n == "indexer_cuda_max_topk") return kIndexerCudaMaxTopk;
+  if (n == "norm_rope_cuda_max_dim") return kNormRopeCudaMaxDim;
+  if (n == "hadamard_fp4_dim") return hadamard_fp4_dim_ok(value);
+  if (n == "store_keys_dim") return store_keys_dim_ok(value);
+  if (n == "attn_mma_dim") return attn_mma_dim_ok(value);
+  return -1;
 }
 
 TORCH_LIBRARY(dsv4, m) {

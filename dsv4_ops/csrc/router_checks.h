@@ -7,10 +7,12 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernel_limits.h"
+
 namespace dsv4_router {
 
-constexpr int64_t kMaxExperts = 1024;  // V4: 256 (Flash), 384 (Pro)
-constexpr int64_t kMaxTopk = 16;       // V4: 6
+constexpr int64_t kMaxExperts = dsv4_limits::kRouterMaxExperts;
+constexpr int64_t kMaxTopk = dsv4_limits::kRouterMaxTopk;
 
 inline void check(const at::Tensor& scores, const c10::optional<at::Tensor>& bias, int64_t k) {
   const char* op = "dsv4::router_topk";

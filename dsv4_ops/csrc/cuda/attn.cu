@@ -531,7 +531,7 @@ cudaError_t launch(const void* q, const void* kv, const int32_t* idx, int J1, co
 }  // namespace
 
 // Whether the mma kernel takes this call (bf16 only: the caller passes is_fp32 = 0).
-extern "C" int dsv4_attn_decode_mma_ok(int D) { return D % 64 == 0 && D <= 512; }
+extern "C" int dsv4_attn_decode_mma_ok(int D) { return dsv4_limits::attn_mma_dim_ok(D); }
 
 // Splits of the listed rows: as many CTAs as one wave holds (2 CTAs of 8 heads or 3 of 16 heads per SM, by shared
 // memory), at most 64 per (row, head group). Rounded down: CTAs past a full wave run as a second wave (at batch 8

@@ -132,7 +132,7 @@ cudaError_t launch_t(const void* x, const float* cs, void* out, int64_t vectors,
 
 // x / out [vectors, d] (x_fp32: float32, else bf16), d in {64, 128, 256}; cs fp32 [vectors / heads, rope_dim / 2,
 // 2] or null (rope_dim 0), rope_dim even; scale: the fp32 d^-0.5.
-extern "C" int dsv4_hadamard_fp4_kernel_ok(int d) { return d == 64 || d == 128 || d == 256; }
+extern "C" int dsv4_hadamard_fp4_kernel_ok(int d) { return dsv4_limits::hadamard_fp4_dim_ok(d); }
 
 extern "C" cudaError_t dsv4_hadamard_fp4_launch(const void* x, int x_fp32, const float* cs, void* out,
                                                 int64_t vectors, int heads, int d, int rope_dim, float scale,

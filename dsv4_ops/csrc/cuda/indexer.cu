@@ -44,7 +44,7 @@ constexpr int kScaleBytes = kD / 32; // 4
 
 constexpr int kCluster = 8;
 constexpr int kTopkThreads = 512;
-constexpr int kMaxTopk = 4096;
+constexpr int kMaxTopk = int(dsv4_limits::kIndexerCudaMaxTopk);
 constexpr int kSmemBudget = 200 * 1024;
 // Rows of at most this many valid keys (all selected) are ordered by counting ranks (nv compares per key, one
 // pass) instead of a bitonic sort of topk's power of two (45 barrier-separated steps at topk 512).

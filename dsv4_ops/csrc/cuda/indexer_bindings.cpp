@@ -29,8 +29,10 @@ at::Tensor indexer_score_topk_cuda(const at::Tensor& q, const at::Tensor& weight
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, op,
               "q must be bfloat16 or float32, got ", q.scalar_type());
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  TORCH_CHECK(D == 128, op, "the CUDA kernel supports D = 128 (DeepSeek-V4), got D = ", D);
-  TORCH_CHECK(H <= 64, op, "the CUDA kernel supports at most 64 heads, got H = ", H);
+  TORCH_CHECK(D == dsv4_limits::kIndexerCudaHeadDim, op, "the CUDA kernel supports D = ",
+              dsv4_limits::kIndexerCudaHeadDim, " (DeepSeek-V4), got D = ", D);
+  TORCH_CHECK(H <= dsv4_limits::kIndexerCudaMaxHeads, op, "the CUDA kernel supports at most ",
+              dsv4_limits::kIndexerCudaMaxHeads, " heads, got H = ", H);
   TORCH_CHECK(B < 65536, op, "at most 65535 rows, got B = ", B);
   TORCH_CHECK(weights.dim() == 2 && weights.size(0) == B && weights.size(1) == H, op, "weights must be [B, H] = [",
               B, ", ", H, "], got ", weights.sizes());

@@ -95,7 +95,7 @@ cudaError_t launch_t(const void* keys, const void* positions, int B, int D, int 
 
 }  // namespace
 
-extern "C" int dsv4_store_keys_kernel_ok(int D) { return D == 64 || D == 128 || D == 256 || D == 512; }
+extern "C" int dsv4_store_keys_kernel_ok(int D) { return dsv4_limits::store_keys_dim_ok(D); }
 
 // keys [B, D] (keys_fp32: float32, else bf16), positions [B] (pos_i32: int32, else int64), cache [>= B, n, D]
 // of the keys' dtype, codes uint8 [>= B, n, D / 2], scales uint8 [>= B, n, D / 32]; all contiguous.

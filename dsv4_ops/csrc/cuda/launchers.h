@@ -6,6 +6,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "kernel_limits.h"
+
 // attn.cu
 extern "C" int dsv4_attn_decode_mma_ok(int D);
 extern "C" int dsv4_attn_decode_splits(int B, int H, int J, int num_sms, int use_mma, int* rows_per_split);

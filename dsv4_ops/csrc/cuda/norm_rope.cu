@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(1024) rms_norm_rope_kernel(const T* __restrict
 cudaError_t launch(const void* x, int x_fp32, const float* w, const float* cs, void* out, int64_t vectors,
                    int heads, int d, int rope_dim, float eps, int fp8_nope, const Dest& st, cudaStream_t stream) {
   if (vectors == 0) return cudaSuccess;
-  if (d % 4 != 0 || d > 4096 || d < 4 || rope_dim % 4 != 0 || vectors > 0x7FFFFFFF) return cudaErrorInvalidValue;
+  if (d % 4 != 0 || d > dsv4_limits::kNormRopeCudaMaxDim || d < 4 || rope_dim % 4 != 0 || vectors > 0x7FFFFFFF) return cudaErrorInvalidValue;
   const int threads = (d / 4 + 31) / 32 * 32;
   const bool pdl = decode_pdl();
   if (x_fp32)

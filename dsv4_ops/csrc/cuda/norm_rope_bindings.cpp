@@ -25,7 +25,8 @@ at::Tensor rms_norm_rope_cuda(const at::Tensor& x, const std::optional<at::Tenso
   TORCH_CHECK(x.is_cuda(), op, ": x must be a CUDA tensor, got ", x.device());
   const dsv4_norm_rope::Shape sh = dsv4_norm_rope::check(x, weight, cs, eps, rope_dim, fp8_nope);
   const c10::cuda::CUDAGuard guard(x.device());
-  TORCH_CHECK(sh.d <= 4096, op, ": the CUDA kernel takes d <= 4096, got ", sh.d);
+  TORCH_CHECK(sh.d <= dsv4_limits::kNormRopeCudaMaxDim, op, ": the CUDA kernel takes d <= ",
+              dsv4_limits::kNormRopeCudaMaxDim, ", got ", sh.d);
   const at::Tensor xc = aligned(x), cc = aligned(cs);
   const at::Tensor wc = weight.has_value() ? aligned(*weight) : at::Tensor();
   at::Tensor out = at::empty(x.sizes(), x.options());
@@ -44,7 +45,8 @@ void rms_norm_rope_store_cuda(const at::Tensor& x, const std::optional<at::Tenso
   TORCH_CHECK(x.is_cuda(), op, ": x must be a CUDA tensor, got ", x.device());
   const dsv4_norm_rope::Shape sh =
       dsv4_norm_rope::check_store(x, weight, cs, eps, rope_dim, fp8_nope, positions, ratio, offset, slots, cache);
-  TORCH_CHECK(sh.d <= 4096, op, ": the CUDA kernel takes d <= 4096, got ", sh.d);
+  TORCH_CHECK(sh.d <= dsv4_limits::kNormRopeCudaMaxDim, op, ": the CUDA kernel takes d <= ",
+              dsv4_limits::kNormRopeCudaMaxDim, ", got ", sh.d);
   TORCH_CHECK(ratio < (int64_t(1) << 31) && offset + slots < (int64_t(1) << 31), op,
               ": ratio / offset / slots past the kernel's int range");
   // d % 4 == 0: every 4-element store is aligned to its size (8 bytes bf16, 16 fp32)

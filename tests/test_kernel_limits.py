@@ -1,0 +1,59 @@
+"""dsv4_ops.limits: the values Python reads from the op library are the ones the kernels' own checks enforce
+(each op accepts the limit and refuses one past it, naming the argument), and the model's gates follow them."""
+import pytest
+import torch
+
+from dsv4_ops import ops
+from dsv4_ops.limits import LIMITS
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_router_limits_are_the_kernels(device):
+    e, k = LIMITS.router_max_experts, LIMITS.router_max_topk
+    scores = torch.rand(2, e, device=device)
+    w, i = ops.router_topk(scores, bias=None, k=k, renormalize=True, scale=1.0)
+    assert i.shape == (2, k)
+    assert torch.equal(i.sort(-1).values, scores.topk(k, dim=-1).indices.sort(-1).values)
+    with pytest.raises(RuntimeError, match="E must be in"):
+        ops.router_topk(torch.rand(2, e + 1, device=device), bias=None, k=k, renormalize=True, scale=1.0)
+    with pytest.raises(RuntimeError, match="k must be in"):
+        ops.router_topk(scores, bias=None, k=k + 1, renormalize=True, scale=1.0)
+
+
+def test_the_gate_takes_the_router_kernel_exactly_within_the_limits(monkeypatch):
+    from types import SimpleNamespace
+
+    from dsv4_model.model.moe import Gate
+
+    calls = []
+    real = ops.router_topk
+    monkeypatch.setattr(ops, "router_topk", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for experts, used in ((LIMITS.router_max_experts, True), (LIMITS.router_max_experts + 1, False)):
+        cfg = SimpleNamespace(n_activated_experts=LIMITS.router_max_topk, score_func="sqrtsoftplus", route_scale=1.0,
+                              n_hash_layers=0, n_routed_experts=experts, dim=32, vocab_size=8)
+        gate = Gate(cfg, 1, torch.float32)
+        torch.nn.init.normal_(gate.weight)
+        torch.nn.init.zeros_(gate.bias)
+        calls.clear()
+        weights, indices = gate(torch.randn(3, 32), torch.zeros(3, dtype=torch.long))
+        assert bool(calls) == used, experts
+        assert indices.shape == (3, LIMITS.router_max_topk)
+        assert torch.allclose(weights.sum(-1), torch.ones(3))
+
+
+@pytest.mark.cuda
+def test_cuda_kernels_take_their_listed_widths_and_refuse_others():
+    for d in LIMITS.hadamard_fp4_dims:
+        assert ops.hadamard_fp4(torch.randn(4, d, device="cuda", dtype=torch.bfloat16), cs=None, rope_dim=0).shape[0] == 4
+    off = max(LIMITS.hadamard_fp4_dims) * 2
+    with pytest.raises(RuntimeError, match="d = "):
+        ops.hadamard_fp4(torch.randn(4, off, device="cuda", dtype=torch.bfloat16), cs=None, rope_dim=0)
+    dmax = LIMITS.norm_rope_cuda_max_dim
+    for d, ok in ((dmax, True), (dmax + 4, False)):
+        x = torch.randn(2, 1, d, device="cuda")
+        cs = torch.zeros(2, 0, 2, device="cuda")
+        if ok:
+            assert ops.rms_norm_rope(x, weight=None, cs=cs, eps=1e-6, rope_dim=0, fp8_nope=False).shape == x.shape
+        else:
+            with pytest.raises(RuntimeError, match=f"d <= {dmax}"):
+                ops.rms_norm_rope(x, weight=None, cs=cs, eps=1e-6, rope_dim=0, fp8_nope=False)
