@@ -43,11 +43,12 @@ def test_the_gate_takes_the_router_kernel_exactly_within_the_limits(monkeypatch)
 
 @pytest.mark.cuda
 def test_cuda_kernels_take_their_listed_widths_and_refuse_others():
-    for d in LIMITS.hadamard_fp4_dims:
-        assert ops.hadamard_fp4(torch.randn(4, d, device="cuda", dtype=torch.bfloat16), cs=None, rope_dim=0).shape[0] == 4
+    for d in LIMITS.hadamard_fp4_dims:  # x [rows, heads, d]
+        x = torch.randn(4, 1, d, device="cuda", dtype=torch.bfloat16)
+        assert ops.hadamard_fp4(x, cs=None, rope_dim=0).shape == x.shape
     off = max(LIMITS.hadamard_fp4_dims) * 2
-    with pytest.raises(RuntimeError, match="d = "):
-        ops.hadamard_fp4(torch.randn(4, off, device="cuda", dtype=torch.bfloat16), cs=None, rope_dim=0)
+    with pytest.raises(RuntimeError, match=f"got {off}"):
+        ops.hadamard_fp4(torch.randn(4, 1, off, device="cuda", dtype=torch.bfloat16), cs=None, rope_dim=0)
     dmax = LIMITS.norm_rope_cuda_max_dim
     for d, ok in ((dmax, True), (dmax + 4, False)):
         x = torch.randn(2, 1, d, device="cuda")
