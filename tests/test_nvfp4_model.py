@@ -28,11 +28,11 @@ from dsv4_model.checkpoint.io import CheckpointError
 from dsv4_model.checkpoint.writer import canonical_weights, make_config, write_checkpoint
 from dsv4_model.runtime.engine import Engine
 from dsv4_model.checkpoint.loader import load_model, save_model
-from dsv4_model.quant.nvfp4 import dequantize_kernel_layout, pack_codes, repack_weight, row_major
+from dsv4_model.quant.nvfp4 import Nvfp4Linear, Nvfp4MoE, dequantize_kernel_layout, pack_codes, repack_weight, row_major
 from dsv4_model.quant.formats import dequant_mxfp4, float_to_e8m0
 from hf_utils import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
 from dsv4_model.quant.quantize_model import (
-    KERNEL_LAYOUT_VERSION, Nvfp4GroupedLinear, Nvfp4ModelLinear, Nvfp4ModelMoE, dequantize_model_, quantize_model_,
+    KERNEL_LAYOUT_VERSION, Nvfp4GroupedLinear, dequantize_model_, quantize_model_,
 )
 
 SEQ = 40
@@ -188,7 +188,7 @@ def test_modelopt_experts_are_not_dequantized(ckpts, monkeypatch):
         monkeypatch.setattr(nc, name, forbidden)
     # only the MTP experts (MXFP4 in ModelOpt's release too) would need the MXFP4 path: leave MTP out
     model = _load(ckpts["modelopt"], quant="nvfp4", load_mtp=False)
-    assert isinstance(model.layers[0].ffn.nvfp4, Nvfp4ModelMoE)
+    assert isinstance(model.layers[0].ffn.nvfp4, Nvfp4MoE)
 
 
 def test_official_experts_convert_losslessly(bf16_model, nvfp4_model):
@@ -220,8 +220,8 @@ def test_structure_and_kept_layers(nvfp4_model):
     m = nvfp4_model
     attn = m.layers[1].attn
     for name in ("wq_a", "wq_b", "wkv", "wo_b"):
-        assert isinstance(getattr(attn, name), Nvfp4ModelLinear), name
-    assert isinstance(attn.wo_a, Nvfp4GroupedLinear) and isinstance(attn.indexer.wq_b, Nvfp4ModelLinear)
+        assert isinstance(getattr(attn, name), Nvfp4Linear), name
+    assert isinstance(attn.wo_a, Nvfp4GroupedLinear) and isinstance(attn.indexer.wq_b, Nvfp4Linear)
     params = dict(m.named_parameters())
     for kept in ("embed.weight", "head.weight", "norm.weight", "layers.1.attn.indexer.weights_proj.weight",
                  "layers.1.attn.compressor.wkv.weight", "layers.1.ffn.gate.weight", "layers.1.hc_attn_fn",
@@ -248,7 +248,7 @@ def test_projections_say_how_their_weight_is_stored(bf16_model, nvfp4_model):
         for a in (attn, float_attn):
             assert isinstance(getattr(a, name), Projection), name
         assert getattr(float_attn, name).w4a16() is None, name
-    w4a4 = Nvfp4ModelLinear(attn.wq_a.in_features, attn.wq_a.out_features, torch.bfloat16, "nvfp4")
+    w4a4 = Nvfp4Linear(attn.wq_a.in_features, attn.wq_a.out_features, torch.bfloat16, "nvfp4")
     assert w4a4.w4a16() is None
 
 
@@ -288,7 +288,7 @@ def test_nvfp4_model_matches_its_dequantized_twin(ckpts):
     GEMM input to bf16). Measured: KL ~2e-3, top-1 ~0.99, mean |d logit| ~1.5e-2."""
     q = _load(ckpts["official"], quant="nvfp4", dtype=torch.float32, simulate_quant=False, max_batch_size=2)
     twin = dequantize_model_(copy.deepcopy(q))
-    assert not any(isinstance(mod, (Nvfp4ModelLinear, Nvfp4GroupedLinear, Nvfp4ModelMoE)) for mod in twin.modules())
+    assert not any(isinstance(mod, (Nvfp4Linear, Nvfp4GroupedLinear, Nvfp4MoE)) for mod in twin.modules())
     ids = _tokens(batch=2)
     ref, out = twin.prefill(ids, all_logits=True), q.prefill(ids, all_logits=True)
     kl, top1 = _kl_top1(ref, out)
@@ -370,7 +370,7 @@ def test_layout_1_checkpoint_loads_into_the_current_layout(ckpts, tmp_path):
     changed = 0
     with torch.no_grad():
         for mod in v1.modules():
-            if not isinstance(mod, (Nvfp4ModelLinear, Nvfp4GroupedLinear, Nvfp4ModelMoE)):
+            if not isinstance(mod, (Nvfp4Linear, Nvfp4GroupedLinear, Nvfp4MoE)):
                 continue
             for name, buf in mod.named_buffers(recurse=False):
                 if buf.dtype == torch.uint8 and name.endswith(("_packed", "_scale")):
@@ -407,7 +407,7 @@ def test_mode_validation(ckpts):
 
 def test_engine_from_pretrained_nvfp4(ckpts, nvfp4_model):
     engine = Engine.from_pretrained(ckpts["modelopt"], quant="nvfp4", progress=False, max_seq_len=64)
-    assert isinstance(engine.model.layers[2].ffn.nvfp4, Nvfp4ModelMoE)
+    assert isinstance(engine.model.layers[2].ffn.nvfp4, Nvfp4MoE)
     ids = _tokens()
     logits = engine.prefill(ids)
     assert torch.equal(logits, nvfp4_model.prefill(ids))

@@ -28,7 +28,7 @@ from torch import nn
 
 from dsv4_ops import ops  # the modules below call the dsv4 ops: a stored NVFP4 model needs no converter
 
-from dsv4_model.model.layers import Projection
+from dsv4_model.model.layers import Projection, W4A16Weight
 
 CHUNK = 128  # K granularity of the kernel layout
 BLOCK = 16  # NVFP4 block size along K
@@ -245,16 +245,37 @@ def quantize_weight(w: torch.Tensor, global_scale: torch.Tensor | None = None
 
 
 # ------------------------------------------------------------------------------------------- modules
-class Nvfp4Linear(Projection):
-    """y = x @ W^T with an NVFP4 weight (kernel layout buffers). w4a4=False: bf16 activations (W4A16, the fast
-    Hopper path); w4a4=True: activations quantized to NVFP4 per tensor (dsv4::fused_amax_quantize), the
-    numerics of a Blackwell NVFP4 GEMM. Output bf16."""
+ACT_QUANT_MODES = ("none", "nvfp4")
 
-    def __init__(self, in_features: int, out_features: int, w4a4: bool = False, device=None):
+
+def _check_act_quant(act_quant: str) -> bool:
+    """act_quant -> whether activations are quantized (W4A4)."""
+    if act_quant not in ACT_QUANT_MODES:
+        raise ValueError(f"act_quant must be one of {ACT_QUANT_MODES}, got {act_quant!r}")
+    return act_quant == "nvfp4"
+
+
+def w4a4_rows(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+    """fp32 x @ W^T with x quantized to NVFP4 per row (each token's own global scale, so a row's result does not
+    depend on the other rows of its batch), the row's global scale applied after the fp32 GEMM."""
+    xp, xs, xg = ops.fused_amax_quantize_per_row(x)
+    one = torch.ones((), dtype=torch.float32, device=x.device)
+    y = ops.nvfp4_linear_w4a4(xp, xs, one, w_packed=packed, w_scale=scale, w_global_scale=gs, out_dtype=torch.float32)
+    return y * xg.unsqueeze(-1)
+
+
+class Nvfp4Linear(Projection):
+    """y = x @ W^T with an NVFP4 weight (kernel layout buffers), returned in `out_dtype`. act_quant "none": bf16
+    activations (W4A16, the fast Hopper path); "nvfp4": activations quantized to NVFP4 per row (W4A4, the
+    numerics of a Blackwell NVFP4 GEMM)."""
+
+    def __init__(self, in_features: int, out_features: int, out_dtype: torch.dtype = torch.bfloat16,
+                 act_quant: str = "none", device=None):
         super().__init__()
         if in_features % BLOCK != 0:
             raise ValueError(f"Nvfp4Linear: in_features must be a multiple of 16, got {in_features}")
-        self.in_features, self.out_features, self.w4a4 = in_features, out_features, w4a4
+        self.in_features, self.out_features = in_features, out_features
+        self.out_dtype, self.w4a4 = out_dtype, _check_act_quant(act_quant)
         kp = padded_k(in_features)
         self.register_buffer("weight_packed", torch.zeros(out_features, kp // 2, dtype=torch.uint8, device=device))
         self.register_buffer("weight_scale", torch.zeros(out_features, kp // BLOCK, dtype=torch.uint8, device=device))
@@ -262,29 +283,43 @@ class Nvfp4Linear(Projection):
 
     @classmethod
     def from_nvfp4(cls, packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
-                   w4a4: bool = False) -> "Nvfp4Linear":
+                   act_quant: str = "none", out_dtype: torch.dtype = torch.bfloat16) -> "Nvfp4Linear":
         """From a canonical (ModelOpt) NVFP4 weight [N, K/2] / [N, K/16] / 0-d."""
-        mod = cls(packed.shape[-1] * 2, packed.shape[-2], w4a4, device=packed.device)
+        mod = cls(packed.shape[-1] * 2, packed.shape[-2], out_dtype, act_quant, device=packed.device)
         mod.weight_packed, mod.weight_scale = repack_weight(packed, block_scale)
         mod.weight_global_scale = global_scale.detach().to(torch.float32).reshape(())
         return mod
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, w4a4: bool = False) -> "Nvfp4Linear":
+    def from_float(cls, weight: torch.Tensor, act_quant: str = "none",
+                   out_dtype: torch.dtype = torch.bfloat16) -> "Nvfp4Linear":
         """Quantize a float weight [N, K] (post-training, per-tensor amax)."""
-        return cls.from_nvfp4(*quantize_weight(weight), w4a4=w4a4)
+        return cls.from_nvfp4(*quantize_weight(weight), act_quant=act_quant, out_dtype=out_dtype)
+
+    def load_nvfp4_(self, t) -> None:
+        """Fill from a canonical NVFP4 tensor t (.packed [N, K/2], .scale [N, K/16], .global_scale 0-d)."""
+        dev = self.weight_packed.device
+        p, s = repack_weight(t.packed.to(dev), t.scale.to(dev))
+        self.weight_packed.copy_(p)
+        self.weight_scale.copy_(s)
+        self.weight_global_scale.copy_(t.global_scale.reshape(()))
 
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize_kernel_layout(self.weight_packed, self.weight_scale, self.weight_global_scale,
                                         self.in_features)
 
+    def w4a16(self) -> W4A16Weight | None:
+        if self.w4a4:
+            return None
+        return W4A16Weight(self.weight_packed, self.weight_scale, self.weight_global_scale, self.out_dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w4a4:
-            xp, xs, xg = ops.fused_amax_quantize(x)
-            return ops.nvfp4_linear_w4a4(xp, xs, xg, w_packed=self.weight_packed, w_scale=self.weight_scale,
-                                         w_global_scale=self.weight_global_scale, out_dtype=torch.bfloat16)
-        return ops.nvfp4_linear(x.to(torch.bfloat16), w_packed=self.weight_packed, w_scale=self.weight_scale,
-                                w_global_scale=self.weight_global_scale)
+            y = w4a4_rows(x, self.weight_packed, self.weight_scale, self.weight_global_scale)
+        else:
+            y = ops.nvfp4_linear(x.to(torch.bfloat16), w_packed=self.weight_packed, w_scale=self.weight_scale,
+                                 w_global_scale=self.weight_global_scale)
+        return y.to(self.out_dtype)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, w4a4={self.w4a4}"
@@ -293,18 +328,20 @@ class Nvfp4Linear(Projection):
 class Nvfp4MoE(nn.Module):
     """Routed SwiGLU experts (+ optional shared expert) with NVFP4 weights, one dsv4::nvfp4_moe call.
 
-    forward(x bf16 [T, d], topk_ids [T, k], topk_weights fp32 [T, k]) -> bf16 [T, d]
+    forward(x [T, d], topk_ids [T, k], topk_weights fp32 [T, k]) -> out_dtype [T, d]
       = sum_j w_j * expert_{id_j}(x) (+ shared(x)), DeepSeek-V4 clamped SwiGLU (gate <= limit, |up| <= limit),
     routing weight applied to h before w2 (see docs/ops.md). Buffers in the kernel layout; w13 rows gate/up
-    interleaved by 8 (`interleave_gate_up`); one global scale per expert shared by w1 and w3 (ModelOpt)."""
+    interleaved by 8 (`interleave_gate_up`); one global scale per expert shared by w1 and w3 (ModelOpt).
+    act_quant "nvfp4" (W4A4): the expert input is quantized to NVFP4 per row (and dequantized to bf16)."""
 
     def __init__(self, n_experts: int, dim: int, inter: int, shared_inter: int = 0, swiglu_limit: float = 10.0,
-                 device=None):
+                 out_dtype: torch.dtype = torch.bfloat16, act_quant: str = "none", device=None):
         super().__init__()
         if dim % BLOCK or inter % 8 or inter % BLOCK or shared_inter % BLOCK:
             raise ValueError(f"Nvfp4MoE: dim/inter must be multiples of 16, got {dim}, {inter}, {shared_inter}")
         self.n_experts, self.dim, self.inter, self.shared_inter = n_experts, dim, inter, shared_inter
         self.swiglu_limit = float(swiglu_limit)
+        self.out_dtype, self.w4a4 = out_dtype, _check_act_quant(act_quant)
         kd, ki = padded_k(dim), padded_k(inter)
         u8 = dict(dtype=torch.uint8, device=device)
         self.register_buffer("w13_packed", torch.zeros(n_experts, 2 * inter, kd // 2, **u8))
@@ -369,12 +406,57 @@ class Nvfp4MoE(nn.Module):
                     if shared else None,
                     swiglu_limit=self.swiglu_limit)
 
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w4a4:
+            xp, xs, xg = ops.fused_amax_quantize_per_row(x)
+            x = ops.nvfp4_dequantize(xp, xs, xg, dtype=torch.bfloat16)
+        return x.to(torch.bfloat16)
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        return ops.nvfp4_moe(x.to(torch.bfloat16), topk_ids, topk_weights.float(), **self._weights())
+        y = ops.nvfp4_moe(self._act(x), topk_ids, topk_weights.float(), **self._weights())
+        return y.to(self.out_dtype)
 
     def rows(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """forward's expert rows before the combine (dsv4::nvfp4_moe_rows): bf16 [T*k (+ T), d]."""
-        return ops.nvfp4_moe_rows(x.to(torch.bfloat16), topk_ids, topk_weights.float(), **self._weights())
+        return ops.nvfp4_moe_rows(self._act(x), topk_ids, topk_weights.float(), **self._weights())
+
+    def load_expert_(self, e: int, w13, w2) -> None:
+        """Expert e from canonical NVFP4 tensors w13 = [gate; up] [2I, d/2] (one global scale) and w2 [d, I/2]
+        (each with .packed, .scale, .global_scale)."""
+        dev = self.w13_packed.device
+        p, s = self._kernel_w13(w13.packed.to(dev), w13.scale.to(dev))
+        self.w13_packed[e].copy_(p)
+        self.w13_scale[e].copy_(s)
+        self.w13_global_scale[e].copy_(w13.global_scale.reshape(()))
+        p, s = repack_weight(w2.packed.to(dev), w2.scale.to(dev))
+        self.w2_packed[e].copy_(p)
+        self.w2_scale[e].copy_(s)
+        self.w2_global_scale[e].copy_(w2.global_scale.reshape(()))
+
+    def load_shared_(self, w13, w2) -> None:
+        dev = self.w13_packed.device
+        p, s = self._kernel_w13(w13.packed.to(dev), w13.scale.to(dev))
+        self.shared_w13_packed.copy_(p)
+        self.shared_w13_scale.copy_(s)
+        self.shared_w13_global_scale.copy_(w13.global_scale.reshape(()))
+        p, s = repack_weight(w2.packed.to(dev), w2.scale.to(dev))
+        self.shared_w2_packed.copy_(p)
+        self.shared_w2_scale.copy_(s)
+        self.shared_w2_global_scale.copy_(w2.global_scale.reshape(()))
+
+    def dequantized_experts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """fp32 stacked (w1 [E, I, d], w2 [E, d, I], w3 [E, I, d])."""
+        w13 = deinterleave_gate_up(dequantize_kernel_layout(self.w13_packed, self.w13_scale, self.w13_global_scale,
+                                                            self.dim))
+        w2 = dequantize_kernel_layout(self.w2_packed, self.w2_scale, self.w2_global_scale, self.inter)
+        return w13[:, : self.inter], w2, w13[:, self.inter:]
+
+    def dequantized_shared(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        w13 = deinterleave_gate_up(dequantize_kernel_layout(self.shared_w13_packed, self.shared_w13_scale,
+                                                            self.shared_w13_global_scale, self.dim))
+        w2 = dequantize_kernel_layout(self.shared_w2_packed, self.shared_w2_scale, self.shared_w2_global_scale,
+                                      self.shared_inter)
+        return w13[: self.shared_inter], w2, w13[self.shared_inter:]
 
     def extra_repr(self) -> str:
         return (f"experts={self.n_experts}, dim={self.dim}, inter={self.inter}, shared_inter={self.shared_inter}, "

@@ -1,12 +1,12 @@
 """Convert a `Transformer` to NVFP4 weights in place (W4A16, or W4A4 with act_quant="nvfp4").
 
 Converted (the weight bytes that dominate decode):
-- attention: wq_a, wq_b, wkv, wo_b -> `Nvfp4ModelLinear` (W4A16 wq_a + wkv run as one dsv4::nvfp4_linear_multi
+- attention: wq_a, wq_b, wkv, wo_b -> `Nvfp4Linear` (W4A16 wq_a + wkv run as one dsv4::nvfp4_linear_multi
   call, and at decode wq_b + the indexer's wq_b as another: `Attention._x_projections` / `_qr_projections`); wo_a (a grouped einsum, G groups of [R, H*D/G]) ->
   `Nvfp4GroupedLinear`, one dsv4::nvfp4_linear_grouped call, one global scale per group (official runs wo_a in bf16
   because it has no grouped FP8 kernel; at 8192x4096 per layer it is as large as the activated experts, so it
-  is worth 4 bits); indexer.wq_b -> `Nvfp4ModelLinear`;
-- MoE: routed experts + shared expert -> ONE `Nvfp4ModelMoE` (dsv4::nvfp4_moe, shared expert fused), one global
+  is worth 4 bits); indexer.wq_b -> `Nvfp4Linear`;
+- MoE: routed experts + shared expert -> ONE `Nvfp4MoE` (dsv4::nvfp4_moe, shared expert fused), one global
   scale per expert shared by w1 and w3.
 Kept as they are (bf16 / fp32, as in the official numerics):
 - embed (a gather, no GEMM) and head (fp32 logits; precision-sensitive, 1 row per token of a 129k vocab);
@@ -41,14 +41,13 @@ from torch import nn
 from dsv4_ops import ops
 
 from dsv4_model.model.attention import Attention
-from dsv4_model.model.layers import GroupedLinear, Linear, Projection, W4A16Weight
+from dsv4_model.model.layers import GroupedLinear, Linear, Projection
 from dsv4_model.model.moe import Expert, Experts, FloatExperts, MoE
-from dsv4_model.quant.nvfp4 import (BLOCK, CODE_CHUNK_BYTES, SCALE_CHUNK_BYTES, Nvfp4Linear, Nvfp4MoE, deinterleave_gate_up,
-                    dequantize_kernel_layout, interleave_gate_up, padded_k, repack_weight, tile_major)
+from dsv4_model.quant.nvfp4 import (ACT_QUANT_MODES, BLOCK, CODE_CHUNK_BYTES, SCALE_CHUNK_BYTES, Nvfp4Linear, Nvfp4MoE,
+                                    dequantize_kernel_layout, padded_k, repack_weight, tile_major, w4a4_rows)
 from dsv4_model.quant.nvfp4_convert import Nvfp4Tensor, float_to_nvfp4, gate_up_to_nvfp4, to_float, to_nvfp4
 
 QUANT_MODES = ("none", "nvfp4")
-ACT_QUANT_MODES = ("none", "nvfp4")
 # Converted checkpoints store the kernel layout of dsv4_model.quant.nvfp4 (repack_weight); bump when it changes.
 # Version 1 (row-major tiles) still loads: upgrade_kernel_layout_ reorders its buffers.
 KERNEL_LAYOUT_VERSION = 2
@@ -68,43 +67,6 @@ def check_modes(quant: str, act_quant: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- modules
-def _w4a4_rows(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
-    """fp32 x @ W^T with x quantized to NVFP4 per row (own global scale per row)."""
-    xp, xs, xg = ops.fused_amax_quantize_per_row(x)
-    one = torch.ones((), dtype=torch.float32, device=x.device)
-    y = ops.nvfp4_linear_w4a4(xp, xs, one, w_packed=packed, w_scale=scale, w_global_scale=gs, out_dtype=torch.float32)
-    return y * xg.unsqueeze(-1)
-
-
-class Nvfp4ModelLinear(Nvfp4Linear):
-    """`Nvfp4Linear` returning `out_dtype`, with per-row (per-token) activation quantization for W4A4."""
-
-    def __init__(self, in_features: int, out_features: int, out_dtype: torch.dtype, act_quant: str = "none",
-                 device=None):
-        super().__init__(in_features, out_features, w4a4=act_quant == "nvfp4", device=device)
-        self.out_dtype = out_dtype
-
-    def w4a16(self) -> W4A16Weight | None:
-        if self.w4a4:
-            return None
-        return W4A16Weight(self.weight_packed, self.weight_scale, self.weight_global_scale, self.out_dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.w4a4:
-            y = _w4a4_rows(x, self.weight_packed, self.weight_scale, self.weight_global_scale)
-        else:
-            y = ops.nvfp4_linear(x.to(torch.bfloat16), w_packed=self.weight_packed, w_scale=self.weight_scale,
-                                 w_global_scale=self.weight_global_scale)
-        return y.to(self.out_dtype)
-
-    def load_nvfp4_(self, t: Nvfp4Tensor) -> None:
-        dev = self.weight_packed.device
-        p, s = repack_weight(t.packed.to(dev), t.scale.to(dev))
-        self.weight_packed.copy_(p)
-        self.weight_scale.copy_(s)
-        self.weight_global_scale.copy_(t.global_scale.reshape(()))
-
-
 class Nvfp4GroupedLinear(Projection):
     """Grouped projection z[..., g, :] = x[..., g, :] @ W_g^T (attention wo_a): G NVFP4 matrices [R, K] with one
     global scale each: one dsv4::nvfp4_linear_grouped call (W4A16; one launch at decode), G W4A4 linears.
@@ -132,7 +94,7 @@ class Nvfp4GroupedLinear(Projection):
         for g in range(self.groups):
             xg = x[..., g, :]
             w, s, gs = self.weight_packed[g], self.weight_scale[g], self.weight_global_scale[g]
-            outs.append(_w4a4_rows(xg, w, s, gs).to(self.out_dtype))
+            outs.append(w4a4_rows(xg, w, s, gs).to(self.out_dtype))
         return torch.stack(outs, dim=-2)
 
     def load_nvfp4_(self, t: Nvfp4Tensor) -> None:
@@ -153,66 +115,8 @@ class Nvfp4GroupedLinear(Projection):
         return f"groups={self.groups}, {self.in_features}, {self.out_features}, w4a4={self.w4a4}"
 
 
-class Nvfp4ModelMoE(Nvfp4MoE):
-    """`Nvfp4MoE` (routed + fused shared expert) returning `out_dtype`; W4A4 quantizes the expert input per row."""
-
-    def __init__(self, n_experts: int, dim: int, inter: int, shared_inter: int, swiglu_limit: float,
-                 out_dtype: torch.dtype, act_quant: str = "none", device=None):
-        super().__init__(n_experts, dim, inter, shared_inter, swiglu_limit, device=device)
-        self.out_dtype, self.w4a4 = out_dtype, act_quant == "nvfp4"
-
-    def _act(self, x: torch.Tensor) -> torch.Tensor:
-        if self.w4a4:
-            xp, xs, xg = ops.fused_amax_quantize_per_row(x)
-            x = ops.nvfp4_dequantize(xp, xs, xg, dtype=torch.bfloat16)
-        return x
-
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        return super().forward(self._act(x), topk_ids, topk_weights).to(self.out_dtype)
-
-    def rows(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        return super().rows(self._act(x), topk_ids, topk_weights)
-
-    def load_expert_(self, e: int, w13: Nvfp4Tensor, w2: Nvfp4Tensor) -> None:
-        """Expert e from canonical w13 = [gate; up] [2I, d/2] (one global scale) and w2 [d, I/2]."""
-        dev = self.w13_packed.device
-        p, s = repack_weight(interleave_gate_up(w13.packed.to(dev)), interleave_gate_up(w13.scale.to(dev)))
-        self.w13_packed[e].copy_(p)
-        self.w13_scale[e].copy_(s)
-        self.w13_global_scale[e].copy_(w13.global_scale.reshape(()))
-        p, s = repack_weight(w2.packed.to(dev), w2.scale.to(dev))
-        self.w2_packed[e].copy_(p)
-        self.w2_scale[e].copy_(s)
-        self.w2_global_scale[e].copy_(w2.global_scale.reshape(()))
-
-    def load_shared_(self, w13: Nvfp4Tensor, w2: Nvfp4Tensor) -> None:
-        dev = self.w13_packed.device
-        p, s = repack_weight(interleave_gate_up(w13.packed.to(dev)), interleave_gate_up(w13.scale.to(dev)))
-        self.shared_w13_packed.copy_(p)
-        self.shared_w13_scale.copy_(s)
-        self.shared_w13_global_scale.copy_(w13.global_scale.reshape(()))
-        p, s = repack_weight(w2.packed.to(dev), w2.scale.to(dev))
-        self.shared_w2_packed.copy_(p)
-        self.shared_w2_scale.copy_(s)
-        self.shared_w2_global_scale.copy_(w2.global_scale.reshape(()))
-
-    def dequantized_experts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """fp32 stacked (w1 [E, I, d], w2 [E, d, I], w3 [E, I, d])."""
-        w13 = deinterleave_gate_up(dequantize_kernel_layout(self.w13_packed, self.w13_scale, self.w13_global_scale,
-                                                            self.dim))
-        w2 = dequantize_kernel_layout(self.w2_packed, self.w2_scale, self.w2_global_scale, self.inter)
-        return w13[:, : self.inter], w2, w13[:, self.inter:]
-
-    def dequantized_shared(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        w13 = deinterleave_gate_up(dequantize_kernel_layout(self.shared_w13_packed, self.shared_w13_scale,
-                                                            self.shared_w13_global_scale, self.dim))
-        w2 = dequantize_kernel_layout(self.shared_w2_packed, self.shared_w2_scale, self.shared_w2_global_scale,
-                                      self.shared_inter)
-        return w13[: self.shared_inter], w2, w13[self.shared_inter:]
-
-
 class Nvfp4Experts:
-    """The MoE experts backend of a converted MoE: routed + shared experts in one `Nvfp4ModelMoE` (child `nvfp4`),
+    """The MoE experts backend of a converted MoE: routed + shared experts in one `Nvfp4MoE` (child `nvfp4`),
     static shapes in prefill and decode; at decode its uncombined rows can go to the next hc_post_pre."""
 
     modules = ("nvfp4",)
@@ -293,7 +197,7 @@ def convert_structure_(model: nn.Module, act_quant: str = "none") -> list[QuantU
         old = _get(model, u.name)
         u.old = old
         if u.kind == "linear":
-            new = Nvfp4ModelLinear(old.in_features, old.out_features, old.weight.dtype, act_quant,
+            new = Nvfp4Linear(old.in_features, old.out_features, old.weight.dtype, act_quant,
                                    device=old.weight.device)
             _set(model, u.name, new)
         elif u.kind == "grouped":
@@ -303,7 +207,7 @@ def convert_structure_(model: nn.Module, act_quant: str = "none") -> list[QuantU
         else:
             ex, sh = old.experts, old.shared_experts
             E, inter, dim = ex.w1.shape
-            new = Nvfp4ModelMoE(E, dim, inter, sh.w1.out_features, ex.limit, ex.w1.dtype, act_quant,
+            new = Nvfp4MoE(E, dim, inter, sh.w1.out_features, ex.limit, ex.w1.dtype, act_quant,
                                 device=ex.w1.device)
             u.old = nn.ModuleDict(old.swap_backend_(Nvfp4Experts(), {"nvfp4": new}))
     model.quant_info = {"method": "nvfp4", "act_quant": act_quant, "kernel_layout": KERNEL_LAYOUT_VERSION}
@@ -378,7 +282,7 @@ def dequantize_model_(model: nn.Module) -> nn.Module:
             lin = GroupedLinear(mod.groups, mod.in_features, mod.out_features, mod.out_dtype)
             lin.weight.data = mod.dequantized_weight().to(mod.out_dtype)
             _set(model, name, lin)
-        elif isinstance(mod, Nvfp4ModelLinear):
+        elif isinstance(mod, Nvfp4Linear):
             lin = Linear(mod.in_features, mod.out_features, mod.out_dtype)
             lin.weight.data = mod.dequantized_weight().to(mod.out_dtype)
             _set(model, name, lin)
