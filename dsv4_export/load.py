@@ -16,7 +16,7 @@ from dsv4_export import metadata as md
 from dsv4_export.entrypoints import CacheSpec
 from dsv4_export.metadata import PackageMismatch
 from dsv4_export.toolchain import cpu_isa_probe_skipped
-from dsv4_model.runtime.session import EngineSession
+from dsv4_model.runtime.session import EngineSession, RunnerOptions
 
 __all__ = ["ExportedEngine", "get_metadata", "load_op_library", "PackageMismatch"]
 
@@ -117,7 +117,7 @@ class ExportedEngine(EngineSession):
         self._prefill = {(e["batch"], e["seq_len"]): n for n, e in self.entries.items()
                          if e["kind"] == "prefill" and n in self._models}
         self.model = _PackageModel(self)
-        self.decode_options = {"compile": False, "cuda_graphs": self.cuda_graph}
+        self.runner_options = RunnerOptions(compile=False, cuda_graphs=self.cuda_graph)
         self._init_session()
 
     def entry_metadata(self, name: str) -> dict[str, str]:

@@ -229,10 +229,10 @@ def cpu_isa_probe_skipped(device: str):
 
     Why: AOTI asks for the host's vector ISA when it compiles a package and again when it loads one (only to
     compare it with the package's record), and each check dry-compiles a program per ISA and dlopens it in a
-    fresh Python: on the H200 machine 52 of the default decode entry's 85 s of compiling (a fresh process's load
-    of the 5-entry package took 59 s, the C++ runner's, which does not check, 1 s). A CUDA wrapper has no
-    vectorized CPU code, so the ISA is moot there. The ISA list is cached per process: one worked out inside the
-    block is dropped on the way out, so a later CPU compile in this process still checks."""
+    fresh Python: on the H200 machine most of the default decode entry's compile time and of a fresh process's
+    package load (the C++ runner, which does not check, loads it far faster; bench/RESULTS.md). A CUDA wrapper
+    has no vectorized CPU code, so the ISA is moot there. The ISA list is cached per process: one worked out
+    inside the block is dropped on the way out, so a later CPU compile in this process still checks."""
     import torch
 
     if torch.device(device).type != "cuda":

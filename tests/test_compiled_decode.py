@@ -25,6 +25,7 @@ from dsv4_model.runtime.engine import Engine
 from dsv4_model.runtime.generate import generate
 from dsv4_model.model.transformer import Transformer
 from dsv4_model.runtime.sampling import SamplingParams
+from dsv4_model.runtime.session import RunnerOptions
 
 STEPS = int(os.environ.get("DSV4_COMPILED_DECODE_STEPS", "1000"))
 ATOL_REL = 1e-4
@@ -186,9 +187,7 @@ PROMPTS = [[0, 5, 6, 7, 8, 9, 10, 11], [0, 12, 13], [0, 40, 41, 42, 43, 44], [0,
 
 def _cuda_engine(dtype=torch.float32, **decode_options):
     model = make_model("cuda", max_batch_size=8, max_seq_len=512, dtype=dtype)
-    engine = Engine(model)
-    engine.decode_options = decode_options
-    return engine
+    return Engine(model, runner_options=RunnerOptions(**decode_options))
 
 
 @pytest.mark.cuda

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dsv4_model.runtime.session import RunnerOptions
+
 ROOT = Path(__file__).resolve().parents[1]
 # DSV4_DEFAULT_MODEL_DIR: run these tests on another checkpoint directory (as tests/test_default_model.py)
 ASSETS = Path(os.environ.get("DSV4_DEFAULT_MODEL_DIR", ROOT / "dsv4_model" / "assets" / "default"))
@@ -63,7 +65,7 @@ def load_engine(dtype, device, **decode_options):
 def run_path(engine, ids, compile=None, cuda_graphs=None, graph_mode="manual"):
     """Greedy generation of the prompt batch `ids` with the given decode options (a fresh DecodeRunner)."""
     torch._dynamo.reset()
-    engine.decode_options = {"compile": compile, "cuda_graphs": cuda_graphs, "graph_mode": graph_mode}
+    engine.runner_options = RunnerOptions(compile=compile, cuda_graphs=cuda_graphs, graph_mode=graph_mode)
     return engine.generate(ids, max_new_tokens=NEW_TOKENS, temperature=0.0)
 
 

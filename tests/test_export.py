@@ -21,6 +21,7 @@ import dsv4_ops  # noqa: F401
 from dsv4_model.checkpoint.writer import make_config
 from dsv4_model.runtime.engine import Engine
 from dsv4_model.runtime.generate import generate
+from dsv4_model.runtime.session import RunnerOptions
 from dsv4_model.model.transformer import Transformer
 from dsv4_model.quant.quantize_model import quantize_model_
 from dsv4_export import metadata as md
@@ -78,7 +79,7 @@ def cuda_pkg(tmp_path_factory):
 
 def _eager_engine(pkg):
     eng = Engine(pkg.model)
-    eng.decode_options = {"compile": False, "cuda_graphs": False}  # generate(): the plain eager reference
+    eng.runner_options = RunnerOptions(compile=False, cuda_graphs=False)  # generate(): the plain eager reference
     return eng
 
 

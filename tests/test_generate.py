@@ -12,7 +12,7 @@ from dsv4_model.model.config import ModelConfig
 from dsv4_model.runtime.engine import Engine
 from dsv4_model.runtime.generate import generate
 from dsv4_model.model.transformer import Transformer
-from dsv4_model.runtime.session import EngineSession
+from dsv4_model.runtime.session import EngineSession, RunnerOptions
 from dsv4_model.checkpoint.tokenizer import ByteTokenizer, HFTokenizer, StreamDecoder, load_tokenizer
 
 V = 32
@@ -41,7 +41,7 @@ class CountingEngine(EngineSession):
         self.config = types.SimpleNamespace(vocab_size=V, bos_token_id=0, eos_token_id=1)
         self.device, self.path = torch.device("cpu"), None
         self.max_batch_size, self.max_seq_len, self.vocab_size = max_batch_size, max_seq_len, V
-        self.decode_options = {"compile": False}
+        self.runner_options = RunnerOptions(compile=False)
         self._init_session()
 
     def reset(self):
@@ -138,9 +138,7 @@ def micro_engine():
     cfg = ModelConfig(**{**TINY_CONFIG, "n_layers": 3, "compress_ratios": [0, 4, 16], "n_mtp_layers": 0,
                          "n_hash_layers": 1, "n_routed_experts": 4}).validate()
     model = Transformer(cfg, max_batch_size=4, max_seq_len=96, dtype=torch.float32, device="cpu")
-    engine = Engine(model.init_random_weights(3))
-    engine.decode_options = {"compile": False}
-    return engine
+    return Engine(model.init_random_weights(3), runner_options=RunnerOptions(compile=False))
 
 
 PROMPTS = [[0, 5, 6, 7, 8, 9, 10], [0, 11, 12], [0, 40, 41, 42, 43]]

@@ -151,6 +151,7 @@ def cmd_generate(args) -> int:
 
     from dsv4_model.model.checks import parse_device
     from dsv4_model.runtime.engine import Engine
+    from dsv4_model.runtime.session import RunnerOptions
     from dsv4_model.runtime.generate import generate
     from dsv4_model.checkpoint.loader import load_config
     from dsv4_model.checkpoint.tokenizer import load_tokenizer
@@ -176,15 +177,12 @@ def cmd_generate(args) -> int:
     prompt_ids = [tok.encode(p) for p in prompts]
     max_seq_len = _cache_len(args, config, prompt_ids)
     t0 = time.perf_counter()
+    runner = RunnerOptions(compile=args.compile, cuda_graphs=args.cuda_graphs, graph_mode=args.graph_mode,
+                           regional=args.regional_compile, log=_note)
     engine = Engine.from_pretrained(path, device=device, dtype=getattr(torch, args.dtype),
                                     max_batch_size=len(prompt_ids), max_seq_len=max_seq_len,
-                                    simulate_quant=not args.no_simulate_quant, compile=args.compile,
-                                    cuda_graphs=args.cuda_graphs, graph_mode=args.graph_mode, quant=quant,
+                                    simulate_quant=not args.no_simulate_quant, runner_options=runner, quant=quant,
                                     act_quant=args.act_quant, allow_beyond_max_position=args.allow_beyond_max_position)
-    engine.tokenizer = tok
-    engine.decode_options["log"] = _note
-    if args.regional_compile:
-        engine.decode_options["regional"] = True
     t_load = time.perf_counter() - t0
 
     single = len(prompt_ids) == 1

@@ -98,7 +98,6 @@ class DecodeRunner:
         self.step_options = step_options if step_options is not None else DecodeOptions()
         if not isinstance(self.step_options, DecodeOptions):
             raise TypeError(f"step_options must be a DecodeOptions, got {type(self.step_options).__name__}")
-        self.options: dict = {}  # the options it was built from (set by EngineSession.runner)
         self.device = model.device
         on_cuda = self.device.type == "cuda"
         if graph_mode not in GRAPH_MODES:

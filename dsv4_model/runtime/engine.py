@@ -6,7 +6,7 @@ import torch
 
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.transformer import Transformer
-from dsv4_model.runtime.session import EngineSession
+from dsv4_model.runtime.session import EngineSession, RunnerOptions
 
 
 class Engine(EngineSession):
@@ -17,15 +17,14 @@ class Engine(EngineSession):
     generate(prompts, ...) (dsv4_model.runtime.generate). State and generation: `EngineSession`."""
 
     def __init__(self, model: Transformer, config: ModelConfig | None = None, device=None, *,
-                 compile: bool | None = None, cuda_graphs: bool | None = None, graph_mode: str = "manual"):
+                 runner_options: RunnerOptions = RunnerOptions()):
         self.model = model
         self.config = config if config is not None else model.config
         self.device = torch.device(device) if device is not None else model.device
         self.max_batch_size = model.max_batch_size
         self.max_seq_len = model.max_seq_len
         self.vocab_size = self.config.vocab_size
-        # How generate() runs decode steps (dsv4_model/runtime/compiled.py); None = on for CUDA, off for CPU.
-        self.decode_options = {"compile": compile, "cuda_graphs": cuda_graphs, "graph_mode": graph_mode}
+        self.runner_options = runner_options  # how generate() runs decode steps
         self.path = None  # checkpoint directory: generate() looks for tokenizer.json there
         self._init_session()
 
@@ -33,9 +32,11 @@ class Engine(EngineSession):
     def from_pretrained(cls, path, *, device="cpu", dtype=torch.bfloat16, max_batch_size: int = 1,
                         max_seq_len: int = 4096, simulate_quant: bool = True, compile: bool | None = None,
                         cuda_graphs: bool | None = None, graph_mode: str = "manual", quant: str | None = None,
-                        act_quant: str | None = None, **options) -> "Engine":
+                        act_quant: str | None = None, runner_options: RunnerOptions | None = None,
+                        **options) -> "Engine":
         """Load a checkpoint directory via `dsv4_model.checkpoint.loader.load_model`; `options` go to the loader
-        (e.g. layout=, load_mtp=, progress=). compile / cuda_graphs / graph_mode: see `generate`.
+        (e.g. layout=, load_mtp=, progress=). compile / cuda_graphs / graph_mode: how generate() runs decode
+        steps (`RunnerOptions`; or pass runner_options, which then replaces them).
         quant: "none" | "nvfp4" (NVFP4 weights, see dsv4_model/quant/quantize_model.py) | None (as stored);
         act_quant: "none" (W4A16) | "nvfp4" (W4A4) | None (as stored / "none")."""
         from dsv4_model.checkpoint.loader import load_model
@@ -43,7 +44,9 @@ class Engine(EngineSession):
         model, config = load_model(path, device=device, dtype=dtype, max_batch_size=max_batch_size,
                                    max_seq_len=max_seq_len, simulate_quant=simulate_quant, quant=quant,
                                    act_quant=act_quant, **options)
-        engine = cls(model, config, device, compile=compile, cuda_graphs=cuda_graphs, graph_mode=graph_mode)
+        if runner_options is None:
+            runner_options = RunnerOptions(compile=compile, cuda_graphs=cuda_graphs, graph_mode=graph_mode)
+        engine = cls(model, config, device, runner_options=runner_options)
         engine.path = path
         return engine
 

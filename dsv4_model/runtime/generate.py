@@ -92,7 +92,7 @@ def _generate_batch(engine, runner: DecodeRunner, ids: list[list[int]], params: 
                     max_new_tokens: int, stops: set[int], stream, tok, row0: int, result: GenerationResult):
     B = len(ids)
     lengths = [len(p) for p in ids]
-    max_len = getattr(engine, "max_seq_len", None) or engine.model.max_seq_len
+    max_len = engine.max_seq_len
     if max(lengths) > max_len:
         raise ValueError(f"prompt of {max(lengths)} tokens exceeds max_seq_len={max_len}")
     # All rows step together, so the longest prompt bounds the positions every row may reach.
@@ -102,8 +102,7 @@ def _generate_batch(engine, runner: DecodeRunner, ids: list[list[int]], params: 
 
     runner.prepare(B)  # compile / capture first: warm-up writes cache rows that prefill then rewrites
     t0 = time.perf_counter()
-    if hasattr(engine, "reset"):
-        engine.reset()
+    engine.reset()
     padded = torch.zeros(B, max(lengths), dtype=torch.long)
     for b, p in enumerate(ids):
         padded[b, : len(p)] = torch.tensor(p, dtype=torch.long)
@@ -163,8 +162,7 @@ def _generate_batch(engine, runner: DecodeRunner, ids: list[list[int]], params: 
     if on_cuda:
         events[launched % 2].synchronize()  # a step launched ahead of a finished batch
     t_end = time.perf_counter()
-    if hasattr(engine, "set_lengths"):  # every row fed its prompt and `launched` decode steps into the caches
-        engine.set_lengths([n + launched for n in lengths])
+    engine.set_lengths([n + launched for n in lengths])  # every row: its prompt and `launched` decode steps
 
     result.token_ids.extend(out)
     result.finish_reasons.extend(reasons)

@@ -1,16 +1,32 @@
 """What an engine owns between calls, written once for `Engine` and dsv4_export's `ExportedEngine`: the rows'
-positions and token counts (validated prefill / decode bookkeeping), the DecodeRunner built from
-`decode_options`, the tokenizer, and generate()."""
+positions and token counts (validated prefill / decode bookkeeping), the DecodeRunner built from its
+`RunnerOptions`, the tokenizer, and generate()."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from dsv4_model.model.checks import decode_request, prefill_request
 
 
+@dataclass(frozen=True)
+class RunnerOptions:
+    """How generate() runs decode steps (the settings of dsv4_model.runtime.compiled.DecodeRunner): compile /
+    cuda_graphs None = on for CUDA, off on the CPU; graph_mode "manual" | "reduce-overhead"; regional: compile one
+    decoder layer at a time; log: called with progress lines while a batch bucket compiles / captures."""
+
+    compile: bool | None = None
+    cuda_graphs: bool | None = None
+    graph_mode: str = "manual"
+    regional: bool = False
+    log: Callable[[str], None] | None = None
+
+
 class EngineSession:
-    """Subclasses set model, config, device, max_batch_size, max_seq_len, vocab_size, decode_options and path,
+    """Subclasses set model, config, device, max_batch_size, max_seq_len, vocab_size, runner_options and path,
     call `_init_session()`, and provide `_prefill_logits(tokens, lengths)` / `_decode_logits(tokens, positions)`
     (device tensors in, fp32 logits out)."""
 
@@ -18,6 +34,7 @@ class EngineSession:
         self.positions = torch.zeros(self.max_batch_size, dtype=torch.long, device=self.device)
         self._lens: list[int] = []
         self._runner = None
+        self._runner_built_from: RunnerOptions | None = None
         self.tokenizer = None  # None: loaded from `path` (or the byte fallback) on first use
 
     # ------------------------------------------------------------------ state
@@ -65,15 +82,18 @@ class EngineSession:
 
     # ------------------------------------------------------------------ generation
     def runner(self):
-        """The DecodeRunner generate() steps, built on first use from `decode_options` (compile / cuda_graphs /
-        graph_mode / regional / log; defaults: on for CUDA) and rebuilt when they change."""
+        """The DecodeRunner generate() steps, built on first use from `runner_options` and rebuilt when they
+        change (assign a new RunnerOptions to change them)."""
         # Imported here: the runner loads the op library, which ExportedEngine loads first with its own checks.
         from dsv4_model.runtime.compiled import DecodeRunner
 
-        opts = dict(self.decode_options or {})
-        if self._runner is None or self._runner.options != opts:
-            self._runner = DecodeRunner(self.model, **opts)
-            self._runner.options = opts
+        opts = self.runner_options
+        if not isinstance(opts, RunnerOptions):
+            raise TypeError(f"runner_options must be a RunnerOptions, got {type(opts).__name__}")
+        if self._runner is None or self._runner_built_from != opts:
+            self._runner = DecodeRunner(self.model, compile=opts.compile, cuda_graphs=opts.cuda_graphs,
+                                        graph_mode=opts.graph_mode, regional=opts.regional, log=opts.log)
+            self._runner_built_from = opts
         return self._runner
 
     def get_tokenizer(self):

@@ -1,8 +1,8 @@
 // Where row n's chunk c lives in a kernel-layout NVFP4 matrix [N, Kp/2] codes + [N, Kp/16] scale bytes
 // (dsv4_model/nvfp4.py, layout version 2): the rows of every full 16-row tile are interleaved per 128-wide
 // chunk, so one mma tile's chunk (16 rows x 64 B of codes, 16 x 8 B of scales) is contiguous -- a warp's
-// chunk is one 1 KB stream instead of 16 64-byte pieces 2 KB apart (H200: the MoE at T = 1 -7%, a 4096 x 4096
-// gemv -16%). Rows of a last partial tile (N % 16) stay row-major. Shared by the CPU and CUDA kernels.
+// chunk is one 1 KB stream instead of 16 64-byte pieces 2 KB apart (faster MoE and gemv: bench/RESULTS.md).
+// Rows of a last partial tile (N % 16) stay row-major. Shared by the CPU and CUDA kernels.
 #pragma once
 #include <stddef.h>
 #include <stdint.h>

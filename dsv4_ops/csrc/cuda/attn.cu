@@ -2,7 +2,7 @@
 // attn_bindings.cpp checks, allocates the workspace and launches. At decode a V4 layer attends one token per row
 // over a few hundred cache rows (128-token window + top-k or all compressed entries) with 64-128 query heads
 // sharing one K = V head of 512 dims: as tensor ops that is a gather, two fp32 GEMMs per key set, masks and a
-// softmax (~13 kernels, ~30 us per CSA layer at batch 1 on the H200). Here: split-K flash decoding in two launches.
+// softmax (~13 kernels per CSA layer at batch 1; bench/RESULTS.md). Here: split-K flash decoding in two launches.
 //   partial: a CTA = (split of the listed rows, 8 heads, batch row). Chunks of 32 rows are staged in shared
 //     memory by cp.async, double-buffered (the next chunk's copies fly while this one is computed; rows of
 //     skipped entries zero-filled); warp h scores head h against lane j's row (a full fp32 dot product per lane,

@@ -49,8 +49,8 @@ at::Tensor sparse_attn_decode_cuda(const at::Tensor& q, const at::Tensor& kv, co
     return t.scalar_type() == at::kInt ? t.contiguous() : t.clamp(-1, N).to(at::kInt).contiguous();
   };
   const at::Tensor ic = narrow(idx), i2 = idx2.has_value() ? narrow(*idx2) : at::Tensor();
-  // The tensor-core partial kernel where it applies (bf16, D % 64 == 0: 1.8-2.4x the CUDA-core one on the H200,
-  // bench_attn_decode.py); the attn_simt override keeps the CUDA-core kernel.
+  // The tensor-core partial kernel where it applies (bf16, D % 64 == 0: faster than the CUDA-core one,
+  // bench_attn_decode.py, bench/RESULTS.md); the attn_simt override keeps the CUDA-core kernel.
   const int use_mma = !dsv4_overrides::get().attn_simt && q.scalar_type() == at::kBFloat16 &&
                       dsv4_attn_decode_mma_ok(int(D));
   int rows_per_split = 0;

@@ -4,9 +4,9 @@
 // IEEE does (the hc <= 4 kernel's division: within an ulp where a value is subnormal).
 //   hc <= 4 (V4): 16 lanes per matrix, one entry each; a row / column sum gathers its hc entries with shuffles
 //     and adds them in index order. At decode there is one matrix per token, so the chain of 2 * iters
-//     normalisations is the kernel's latency. H200, one matrix, 20 iterations: one thread per matrix 24 us (its
-//     16 divisions per normalisation run back to back); a lane per entry with __fdiv_rn 6.6 us, with the
-//     branch-free division below 2.6 us (the same bits on every tested input).
+//     normalisations is the kernel's latency. One thread per matrix (its 16 divisions per normalisation run
+//     back to back) and a lane per entry with __fdiv_rn were both slower than a lane per entry with the
+//     branch-free division below (the same bits on every tested input; bench/RESULTS.md).
 //   hc <= 8: one thread per matrix, all iterations in registers.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -150,9 +150,9 @@ __global__ void __launch_bounds__(128) hc_sinkhorn_lanes_kernel(const float* __r
 // Sinkhorn (16 lanes of warp 0), then y = sum_h pre_h x_h rounded to x's dtype and, with a norm weight, the
 // sublayer's RMSNorm of y (block reduction in a fixed order). The reference sums in another order: fp32 rounding.
 // Both kernels issue their weight / stream loads first: at decode (one token) each is a single CTA's or a
-// single wave's latency chain. H200, V4-Flash width, batch 1 (bench_hc_pre.py): a finish kernel that loaded x
-// after the Sinkhorn, 4 bytes per thread and iteration, made the op 18.2 us (the unfused steps: 13.8 us); 16-byte
-// loads issued up front 9.0 us.
+// single wave's latency chain. A finish kernel that loaded x after the Sinkhorn, 4 bytes per thread and iteration,
+// made the op slower than the unfused steps; 16-byte loads issued up front beat both (bench_hc_pre.py,
+// bench/RESULTS.md).
 constexpr int kHcChunk = 128;
 constexpr int kHcMaxTokens = 16;
 constexpr int kHcMaxMix = 24;     // (2 + hc) * hc for hc <= 4
@@ -232,8 +232,8 @@ struct HcPostIn {
 // out[t, kd] from the rows as nvfp4_moe_combine_kernel forms it, bit for bit: fp32 from 0, slot j's row where
 // its id is in [0, experts) (no other row is read: the expert kernels leave it unwritten), j in order, then the
 // shared row, rounded once to TX. The ids are written by the step's router: the caller has passed the PDL wait.
-// Slots go in groups of 8 so that a token's ids, then its rows, are in flight together (one slot per trip, H200:
-// the op took ~2 us longer than with the combined output; the combine kernel it replaces took ~3.5 us).
+// Slots go in groups of 8 so that a token's ids, then its rows, are in flight together (one slot per trip cost the
+// op much of what dropping the combine kernel saved: bench/RESULTS.md).
 template <typename TX>
 __device__ __forceinline__ float moe_rows_value(const HcPostIn<TX>& pi, int t, int T, int d, int kd) {
   constexpr int G = 8;
@@ -281,7 +281,7 @@ __global__ void __launch_bounds__(256) hc_pre_partial_kernel(TX* x, const TW* __
   const int kl = 4 * lane, k = k0 + kl;  // K % 4 == 0: a lane's 4 k are all in range or all out
   // fn is a weight, written by no kernel of the step: its loads go out before the PDL wait, under the
   // predecessor's tail (these CTAs fit beside a gemv's, unlike a 16-CTA cluster of the whole call, which was
-  // 2 us faster alone at batch 1 and no faster in a layer: it could start only once a GPC had drained).
+  // faster alone at batch 1 and no faster in a layer: it could start only once a GPC had drained; bench/RESULTS.md).
   float4 w[kHcRowsPerWarp];
 #pragma unroll
   for (int r = 0; r < kHcRowsPerWarp; ++r) {
@@ -322,7 +322,7 @@ __global__ void __launch_bounds__(256) hc_pre_partial_kernel(TX* x, const TW* __
   }
 }
 
-// d % V == 0 (V = 16 / sizeof(TX) elements per 16-byte vector). Warp 0 runs the Sinkhorn (a ~2 us chain of 40
+// d % V == 0 (V = 16 / sizeof(TX) elements per 16-byte vector). Warp 0 runs the Sinkhorn (a chain of 40
 // dependent normalisations) while warps 1.. compute y and its norm, which need only pre: thread 32 + i takes
 // vectors i, i + (blockDim - 32), ...
 template <typename TX>

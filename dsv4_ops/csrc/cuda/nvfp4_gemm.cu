@@ -11,7 +11,7 @@
 // Kernels:
 //   gemv (default for dense M <= 8 and the MoE projections while T*k <= 4E; the nvfp4_gemm_kernel override
 //     "skinny" opts out): skinny's work split, fed through a per-warp cp.async shared-memory ring (weights, scales,
-//     activations; see the kernel's comment); PDL for dense. 1.25-1.9x faster than skinny at M = 1 on the H200.
+//     activations; see the kernel's comment); PDL for dense. Faster than skinny at M = 1 (bench/RESULTS.md).
 //   skinny (M <= 64, and every MoE projection): each warp owns 16 rows x a K range, streams its weights
 //     straight from HBM into registers (two-deep register prefetch of 2 chunks), B fragments (activations)
 //     from L1/L2; warps of a CTA split K and reduce through shared memory. MoE: blockIdx.y = active-expert
@@ -348,7 +348,7 @@ void plan_gemv(int rows, int64_t ntiles, int64_t nchunks, int64_t slots, int& kw
 }
 
 // While T*k <= kLocalRouteMax the up / down kernels route themselves and the route kernel is not launched
-// (H200, 256 experts, top-6, T = 1: 44.1 -> 41.7 us routed, 44.3 -> 43.2 us with the shared expert).
+// (faster at T = 1 with and without the shared expert, 256 experts, top-6: bench/RESULTS.md).
 // The moe_local_route override off launches the route kernel at every size (read at each launch).
 bool moe_local_route() { return dsv4_overrides::get().moe_local_route != 0; }
 

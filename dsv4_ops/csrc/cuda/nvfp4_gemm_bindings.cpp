@@ -5,12 +5,13 @@
 // 64 < M < 256 -> the tiled mma kernel; M >= 256 -> dequantize W to bf16 (exact e2m1 * block scale) + one cublasLt
 // bf16 GEMM whose epilogue applies the global scale (alpha read from device memory, so no host sync and CUDA-graph
 // safe) and rounds once to the output dtype. The previous form of that path (aten::mm.dtype to an fp32 [M, N]
-// product, then one scaling pass) wrote and re-read the fp32 product: 0.38x of a bf16 matmul for wq_b at M = 4096
-// on the H200. It stays as the fallback where cublasLt is not built in, offers no algorithm, fails, or cannot
-// produce the output dtype (fp16 from bf16 operands); without aten::mm.dtype either, the tiled kernel runs.
+// product, then one scaling pass) wrote and re-read the fp32 product: far slower than a bf16 matmul for wq_b at
+// M = 4096 (bench/RESULTS.md). It stays as the fallback where cublasLt is not built in, offers no algorithm,
+// fails, or cannot produce the output dtype (fp16 from bf16 operands); without aten::mm.dtype either, the tiled
+// kernel runs.
 // The nvfp4_gemm_kernel override (overrides.h) = simple (plain CUDA-core kernels, any shape) | tiled | cublas |
 // cublas_mmdtype (the old mm.dtype form, for A/B runs) replaces the M > 64 choice; skinny keeps M <= 8 and MoE
-// decode on the skinny kernel (gemv is 1.25-1.9x faster at M = 1 on the H200); the pdl override off turns off
+// decode on the skinny kernel (gemv is faster at M = 1: bench/RESULTS.md); the pdl override off turns off
 // programmatic dependent launch (the gemv kernels, the MoE chain).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>

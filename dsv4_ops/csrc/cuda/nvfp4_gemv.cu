@@ -13,7 +13,7 @@ namespace {
 // With PDL (dense too) a CTA may start under the previous kernel's tail but reads nothing before
 // griddepcontrol.wait, weights included: the op cannot know that its weights were not just written (a copy of a
 // misaligned view, a test's copy_). Dense CTAs only warm L2 with their weights before the wait. (Loading weights
-// into the ring before the wait measured ~1 us faster per call.)
+// into the ring before the wait measured faster per call: bench/RESULTS.md.)
 template <int ROWS, int OCC>  // activation rows per pass (2 or 8); the mma's other columns repeat them and are dropped
 struct GemvCfg {
   static constexpr int kStages = ROWS <= 2 ? (OCC == 3 ? 4 : 6) : 3;
@@ -61,8 +61,8 @@ __global__ void __launch_bounds__(kThreads, OCC) nvfp4_gemv_kernel(const SkinnyP
   const uint32_t wstep = ra.wstep, sstep = ra.sstep;
   uint8_t* ring = gsmem + warp * (Cfg::kStage * S);
   if (early && p.pdl) {
-    // Only the chunks the ring's first fills read: warming the whole K range slowed large shapes by ~1.3 us
-    // (it competes with the previous kernel's own stream).
+    // Only the chunks the ring's first fills read: warming the whole K range slowed large shapes (it competes
+    // with the previous kernel's own stream; bench/RESULTS.md).
     const int warm = min(c_end - c_begin, S);
     if (warm > 0 && wstep == 1024u) {  // a full tile: its chunks are one contiguous range
       if (lane == 0) {  // row 0 of the tile, byte 0: wa_ptr / s_ptr are the tile's base

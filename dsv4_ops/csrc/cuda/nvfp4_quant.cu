@@ -15,8 +15,8 @@
 //     self-contained (CUDA-graph replay safe). The scratch is a static __device__ array: two of these kernels
 //     must not run concurrently on different streams of one device.
 // Every kernel here launches with PDL (pdl.h; the pdl override turns it off) and waits at its top, the fused ones
-// before reading the scratch's generation: the launch latency hides under the predecessor's tail (H200, per
-// call in a graph of back-to-back calls: 64 x 7168 per tensor 4.3 -> 3.7 us, per row 2.7 -> 2.1 us).
+// before reading the scratch's generation: the launch latency hides under the predecessor's tail
+// (bench/RESULTS.md).
 
 #include "nvfp4_quant_device.cuh"
 
@@ -352,8 +352,8 @@ cudaError_t launch_fused(const Src& src, int64_t n_qb, int64_t qbpr, uint2* pack
     cfg.numAttrs = pdl ? 2 : 1;
     return cudaLaunchKernelEx(&cfg, cluster_kernel, src, n_qb, tpc, row_of, sync, packed, sf, gs_out, int(pdl));
   }
-  // Smaller CTAs for mid sizes, so the work spreads over every SM; never below 256 threads (H200, 8 x 7168 ..
-  // 128 x 4096: 128-thread CTAs were 0.15-0.3 us slower, the grid barrier waiting on twice the arrivals).
+  // Smaller CTAs for mid sizes, so the work spreads over every SM; never below 256 threads (8 x 7168 ..
+  // 128 x 4096: 128-thread CTAs were slower, the grid barrier waiting on twice the arrivals; bench/RESULTS.md).
   const int t = n_qb >= (int64_t)dev.sms * kThreads * 2 ? kThreads : 256;
   auto grid_kernel = fused_amax_kernel<Src, true>;
   const int64_t n_tiles = (n_qb + t - 1) / t;
@@ -377,8 +377,8 @@ template <class Src>
 cudaError_t launch_per_row(const Src& src, int64_t rows, int64_t qbpr, uint2* packed, uint8_t* sf, float* gs_out,
                            cudaStream_t stream) {
   // Rows of <= 256 * R blocks: CTAs of <= 256 threads keeping R <= 4 blocks each (one wave of the whole batch
-  // holds many rows in flight; at 8192 x 7168 one 448-thread CTA per row and SM reached 23% of HBM). Longer rows:
-  // 512 threads, kRegBlocks each, the rest streamed twice.
+  // holds many rows in flight; at 8192 x 7168 one 448-thread CTA per row and SM left HBM mostly idle:
+  // bench/RESULTS.md). Longer rows: 512 threads, kRegBlocks each, the rest streamed twice.
   auto threads = [&](int r) { return (unsigned int)std::max<int64_t>(32, ((qbpr + r - 1) / r + 31) / 32 * 32); };
   const dim3 grid((unsigned int)rows);
   const bool pdl = decode_pdl();
@@ -442,7 +442,7 @@ cudaError_t launch_dequantize(const uint8_t* packed, const uint8_t* sf, const fl
 }
 
 // One row: the per-tensor scale is the row's, and the per-row kernel (one CTA, no grid barrier, no cluster
-// launch) computes it: 1 x 4096 2.8 -> 1.5 us on the H200.
+// launch) computes it: faster at 1 x 4096 (bench/RESULTS.md).
 cudaError_t launch_fused_amax_quantize(const void* x, DType dt, int64_t rows, int64_t K, bool per_row,
                                        uint8_t* packed, uint8_t* sf, float* gs_out, cudaStream_t stream) {
   const int64_t qbpr = K / 16, n_qb = rows * qbpr;
