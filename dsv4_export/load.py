@@ -64,7 +64,7 @@ def _config_object(d: dict):
         from dsv4_model.model.config import ModelConfig
 
         return ModelConfig.from_dict(d)
-    except Exception:  # a non-dsv4 config (e.g. dsv4_export.toy): attribute access is all generate() needs
+    except Exception:  # a non-dsv4 config (e.g. the tests' toy model): attribute access is all generate() needs
         import types
 
         return types.SimpleNamespace(**d)

@@ -448,7 +448,7 @@ def test_bf16_nvfp4_decode_exports_the_moe_rows_fold():
 
 def test_written_inputs_agrees_with_functionalization():
     from dsv4_export.entrypoints import CacheAsInputs, caches_detached, call_decode
-    from dsv4_export.toy import ToyLM
+    from export_toy import ToyLM
 
     m = ToyLM(max_batch_size=2, max_seq_len=8)
     names = ["k_cache", "v_cache"]

@@ -1,4 +1,4 @@
-"""A tiny stand-in LM with the real model's export interface (used by tests and the benchmark).
+"""A tiny stand-in LM with the real model's export interface (a test fixture of tests/test_export.py).
 
 Same contract as ``dsv4_model.model.Transformer``: caches are preallocated non-persistent buffers,
 ``decode_step(tokens[B], positions[B]) -> float32 logits [B, V]`` writes one position per row in place,
