@@ -202,3 +202,48 @@ def write_sharded(named: Iterable[tuple[str, torch.Tensor]], out_dir: str | os.P
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / INDEX_NAME).write_text(json.dumps(index, indent=2))
     return names
+
+
+def write_shards(named: Iterable[tuple[str, torch.Tensor]], out_dir: str | os.PathLike, *, max_shard_bytes: int,
+                 metadata: dict[str, str] | None = None) -> list[str]:
+    """write_sharded for a stream of tensors of any total size: holds one shard (<= max_shard_bytes, or a single
+    larger tensor) on the host at a time; the shard count is known at the end, so shards are renamed then.
+    Returns the file names (`model.safetensors` when one shard suffices)."""
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"format": "pt", **(metadata or {})}
+    temps: list[Path] = []
+    keys: list[list[str]] = []
+    group: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush():
+        temps.append(out / f".shard-{len(temps):05d}.tmp")
+        save_file(group, str(temps[-1]), metadata=meta)
+        keys.append(list(group))
+        group.clear()
+
+    for k, t in named:
+        if k in group or any(k in ks for ks in keys):
+            raise ValueError(f"tensor {k!r} written twice")
+        t = t.detach().to("cpu").contiguous()
+        n = t.numel() * t.element_size()
+        if group and size + n > max_shard_bytes:
+            flush()
+            size = 0
+        group[k] = t
+        size += n
+        total += n
+    if group or not temps:
+        flush()
+    if len(temps) == 1:
+        temps[0].replace(out / SINGLE_NAME)
+        return [SINGLE_NAME]
+    names = [f"model-{i + 1:05d}-of-{len(temps):05d}.safetensors" for i in range(len(temps))]
+    for tmp, name in zip(temps, names):
+        tmp.replace(out / name)
+    weight_map = {k: name for name, ks in zip(names, keys) for k in ks}
+    (out / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return names

@@ -23,10 +23,11 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
-from dsv4_model.checkpoint.io import write_sharded
+from dsv4_model.checkpoint.io import write_shards, write_sharded
 from dsv4_model.checkpoint.names import official_storage, official_to_hf_name, split_expert_name
 from dsv4_model.checkpoint.loader import DSV4_FORMAT_KEY, DSV4_FORMAT_VERSION, LAYOUTS
 from dsv4_model.quant.nvfp4_convert import mxfp4_to_nvfp4
@@ -139,11 +140,12 @@ def official_tensor_specs(cfg) -> dict[str, tuple[tuple[int, ...], str]]:
 
 def _random_value(name: str, shape: tuple[int, ...], g: torch.Generator, cfg) -> torch.Tensor:
     def randn(*s):
-        return torch.randn(*s, generator=g)
+        return torch.randn(*s, generator=g, device=g.device)
 
     leaf = name.rsplit(".", 1)[-1]
     if name.endswith("tid2eid"):
-        rows = [torch.randperm(cfg.n_routed_experts, generator=g)[: shape[1]] for _ in range(shape[0])]
+        rows = [torch.randperm(cfg.n_routed_experts, generator=g, device=g.device)[: shape[1]]
+                for _ in range(shape[0])]
         return torch.stack(rows).to(torch.int64)
     if "norm" in name and leaf == "weight":
         return 1.0 + 0.1 * randn(*shape)
@@ -167,8 +169,13 @@ def _random_value(name: str, shape: tuple[int, ...], g: torch.Generator, cfg) ->
 def canonical_weights(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random weights (official per-expert names) already rounded to their release storage format:
     FP8/MXFP4 tensors hold their dequantized values in bf16, bf16 tensors bf16, fp32 tensors fp32."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
+    return dict(iter_canonical_weights(cfg, seed))
+
+
+def iter_canonical_weights(cfg, seed: int = 0, device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """canonical_weights one tensor at a time (the same values: one generator, the same order), made on `device`
+    (another device's generator draws other values)."""
+    g = torch.Generator(device=device).manual_seed(seed)
     for name, (shape, storage) in official_tensor_specs(cfg).items():
         w = _random_value(name, shape, g, cfg)
         if storage == "fp8":
@@ -179,8 +186,7 @@ def canonical_weights(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
             w = w.to(torch.bfloat16)
         elif storage == "f32":
             w = w.to(torch.float32)
-        out[name] = w
-    return out
+        yield name, w
 
 
 def official_tensors(weights: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
@@ -246,30 +252,55 @@ def _write_json(path: Path, obj: dict) -> None:
 def write_checkpoint(weights: dict[str, torch.Tensor], cfg, out_dir: str | os.PathLike, layout: str, *,
                      num_shards: int = 1) -> Path:
     """Write canonical `weights` (official per-expert names) + config files in `layout`."""
+    if layout not in WRITER_LAYOUTS:
+        raise ValueError(f"layout must be one of {WRITER_LAYOUTS}, got {layout!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if layout == "dsv4":
+        write_sharded(dsv4_tensors(weights), out, num_shards=num_shards,
+                      metadata={DSV4_FORMAT_KEY: str(DSV4_FORMAT_VERSION)})
+    else:
+        write_sharded(_PER_TENSOR[layout](weights), out, num_shards=num_shards)
+    _write_configs(out, cfg, layout)
+    return out
+
+
+def write_random_checkpoint(cfg, out_dir: str | os.PathLike, layout: str = "official", *, seed: int = 0,
+                            max_shard_bytes: int = 4 << 30, device: str | torch.device = "cpu") -> list[str]:
+    """A random checkpoint of any size (a full V4 preset included) in `layout` ("official", "modelopt" or "hf"),
+    made and written one tensor at a time: the host holds one shard (max_shard_bytes) and the tensor being made,
+    whatever the model's size. On the CPU its weights are canonical_weights(cfg, seed): it loads to the same model
+    as write_tiny_checkpoint with that config and seed. `device` makes the values there (faster for real sizes).
+    Returns the shard file names."""
+    if layout not in _PER_TENSOR:
+        raise ValueError(f"layout must be one of {tuple(_PER_TENSOR)} (streamed tensor by tensor), got {layout!r}")
+    convert = _PER_TENSOR[layout]
+    named = (item for name, w in iter_canonical_weights(cfg, seed, device) for item in convert({name: w}))
+    out = Path(out_dir)
+    names = write_shards(named, out, max_shard_bytes=max_shard_bytes)
+    _write_configs(out, cfg, layout)
+    return names
+
+
+# Layouts whose stored tensors each come from one canonical tensor (dsv4 stacks a layer's experts).
+_PER_TENSOR = {"official": official_tensors, "modelopt": modelopt_tensors, "hf": hf_tensors}
+
+
+def _write_configs(out: Path, cfg, layout: str) -> None:
     if layout == "official":
-        write_sharded(official_tensors(weights), out, num_shards=num_shards)
         _write_json(out / "config.json", {**cfg.to_hf_dict(), "quantization_config": QUANTIZATION_CONFIG,
                                           "expert_dtype": "fp4", "dtype": "bfloat16"})
         _write_json(out / "inference" / "config.json", {**cfg.to_dict(), "dtype": "fp8", "scale_fmt": "ue8m0",
                                                         "expert_dtype": "fp4", "scale_dtype": "fp8",
                                                         "quantization_config": None})
     elif layout == "modelopt":
-        write_sharded(modelopt_tensors(weights), out, num_shards=num_shards)
         _write_json(out / "config.json", {**cfg.to_hf_dict(), "quantization_config": QUANTIZATION_CONFIG,
                                           "dtype": "bfloat16"})
         _write_json(out / "hf_quant_config.json", MODELOPT_QUANT_CONFIG)
     elif layout == "hf":
-        write_sharded(hf_tensors(weights), out, num_shards=num_shards)
         _write_json(out / "config.json", {**cfg.to_hf_dict(), "dtype": "bfloat16", "transformers_version": "5.23.0"})
-    elif layout == "dsv4":
-        write_sharded(dsv4_tensors(weights), out, num_shards=num_shards,
-                      metadata={DSV4_FORMAT_KEY: str(DSV4_FORMAT_VERSION)})
-        _write_json(out / "config.json", {**cfg.to_dict(), DSV4_FORMAT_KEY: DSV4_FORMAT_VERSION})
     else:
-        raise ValueError(f"layout must be one of {WRITER_LAYOUTS}, got {layout!r}")
-    return out
+        _write_json(out / "config.json", {**cfg.to_dict(), DSV4_FORMAT_KEY: DSV4_FORMAT_VERSION})
 
 
 def write_tiny_checkpoint(out_dir: str | os.PathLike, layout: str, seed: int = 0, config=None, *,
