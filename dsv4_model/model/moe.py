@@ -26,6 +26,7 @@ from dsv4_ops.limits import LIMITS
 
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.layers import Linear, fp32_linear
+from dsv4_model.model.parallel import ExpertShard
 
 
 class Gate(nn.Module):
@@ -108,6 +109,12 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(E, inter, d, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(E, d, inter, dtype=dtype), requires_grad=False)
 
+    def narrow_(self, start: int, count: int) -> None:
+        """Keep experts [start, start + count) only (expert parallelism)."""
+        for r in ("w1", "w2", "w3"):
+            setattr(self, r, nn.Parameter(getattr(self, r)[start:start + count].clone(), requires_grad=False))
+        self.n_experts = count
+
     def forward_loop(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Eager per-expert loop (data-dependent shapes; prefill). Returns fp32 [N, dim]."""
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -160,6 +167,9 @@ class ExpertsBackend(Protocol):
     def rows(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Each assignment's expert output before the combine, bf16 [N*k (+ N), dim] (dsv4::nvfp4_moe_rows)."""
 
+    def narrow_(self, moe: "MoE", start: int, count: int) -> None:
+        """Keep routed experts [start, start + count) only (expert parallelism)."""
+
 
 class FloatExperts:
     """Float weights: the routed experts stacked in `experts` (an eager per-expert loop in prefill, a gather +
@@ -170,13 +180,21 @@ class FloatExperts:
 
     def combined(self, moe, x, weights, indices, static):
         run = moe.experts.forward_gather if static else moe.experts.forward_loop
-        return (run(x, weights, indices) + moe.shared_experts(x).float()).to(x.dtype)
+        if moe.shard is None:
+            return (run(x, weights, indices) + moe.shared_experts(x).float()).to(x.dtype)
+        # another rank's assignments weigh 0 here (expert 0 stands in): the fp32 partial sums add up across ranks
+        local, ids = moe.local_ids(indices)
+        y = moe.shard.all_reduce(run(x, torch.where(local, weights, 0.0), torch.where(local, ids, 0)))
+        return (y + moe.shared_experts(x).float()).to(x.dtype)
 
     def gives_rows(self, moe, dtype):
         return False
 
     def rows(self, moe, x, weights, indices):
         raise NotImplementedError("float experts give combined outputs only")
+
+    def narrow_(self, moe, start, count):
+        moe.experts.narrow_(start, count)
 
 
 class MoE(nn.Module):
@@ -188,6 +206,22 @@ class MoE(nn.Module):
         self.experts = Experts(cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit, dtype)
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, dtype, cfg.swiglu_limit)
         self.backend: ExpertsBackend = FloatExperts()
+        self.shard: ExpertShard | None = None  # expert parallelism: this rank's experts (shard_experts_)
+        self.expert_start = 0
+
+    def shard_experts_(self, shard: ExpertShard) -> None:
+        """Keep this rank's slice of the routed experts (dsv4_model.model.parallel); forward then sums the ranks'
+        contributions. Routing stays global (every rank routes every token alike)."""
+        if self.shard is not None:
+            raise ValueError("the experts are sharded already")
+        start, count = shard.bounds(self.n_experts)
+        self.backend.narrow_(self, start, count)
+        self.shard, self.expert_start = shard, start
+
+    def local_ids(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(whether each assignment's expert is on this rank, its index among this rank's experts)."""
+        ids = indices - self.expert_start
+        return (ids >= 0) & (ids < self.n_experts // self.shard.world), ids
 
     def swap_backend_(self, backend: ExpertsBackend, modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
         """Install `backend` with its child `modules` (named as backend.modules); returns the previous backend's

@@ -344,6 +344,14 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         return self.prefill(tokens, lengths, all_logits=True)
 
+    def shard_experts_(self, shard) -> "Transformer":
+        """Expert parallelism: keep this rank's slice of every MoE layer's routed experts (an
+        `dsv4_model.model.parallel.ExpertShard`); the other weights stay replicated."""
+        for mod in self.modules():
+            if isinstance(mod, MoE):
+                mod.shard_experts_(shard)
+        return self
+
     # ------------------------------------------------------------------ testing helper
     @torch.no_grad()
     def init_random_weights(self, seed: int = 0) -> "Transformer":

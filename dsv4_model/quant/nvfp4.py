@@ -420,6 +420,12 @@ class Nvfp4MoE(nn.Module):
         """forward's expert rows before the combine (dsv4::nvfp4_moe_rows): bf16 [T*k (+ T), d]."""
         return ops.nvfp4_moe_rows(self._act(x), topk_ids, topk_weights.float(), **self._weights())
 
+    def narrow_experts_(self, start: int, count: int) -> None:
+        """Keep routed experts [start, start + count) only (expert parallelism); the shared expert stays."""
+        for name in ("w13_packed", "w13_scale", "w13_global_scale", "w2_packed", "w2_scale", "w2_global_scale"):
+            setattr(self, name, getattr(self, name)[start:start + count].clone())
+        self.n_experts = count
+
     def load_expert_(self, e: int, w13, w2) -> None:
         """Expert e from canonical NVFP4 tensors w13 = [gate; up] [2I, d/2] (one global scale) and w2 [d, I/2]
         (each with .packed, .scale, .global_scale)."""

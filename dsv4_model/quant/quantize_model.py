@@ -123,13 +123,37 @@ class Nvfp4Experts:
     quantized = True
 
     def combined(self, moe, x, weights, indices, static):
-        return moe.nvfp4(x, indices, weights).to(x.dtype)
+        if moe.shard is None:
+            return moe.nvfp4(x, indices, weights).to(x.dtype)
+        return combine_rows(self.rows(moe, x, weights, indices), indices.shape[1]).to(x.dtype)
 
     def gives_rows(self, moe, dtype):
         return dtype == torch.bfloat16 and moe.nvfp4.out_dtype == torch.bfloat16
 
     def rows(self, moe, x, weights, indices):
-        return moe.nvfp4.rows(x, indices, weights)
+        if moe.shard is None:
+            return moe.nvfp4.rows(x, indices, weights)
+        # this rank's experts' rows, zeros elsewhere (the shared expert's rows on rank 0 only): summed across the
+        # ranks, every row is the single-process row (one nonzero term; fp32 on the wire, exact for bf16 values)
+        local, ids = moe.local_ids(indices)
+        rows = moe.nvfp4.rows(x, torch.where(local, ids, -1), weights)
+        keep = torch.cat((local.reshape(-1), torch.full((x.shape[0],), moe.shard.rank == 0, device=x.device)))
+        rows = torch.where(keep.unsqueeze(-1), rows, 0.0).float()
+        return moe.shard.all_reduce(rows).to(torch.bfloat16)
+
+    def narrow_(self, moe, start, count):
+        moe.nvfp4.narrow_experts_(start, count)
+
+
+def combine_rows(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """The MoE combine of every row of nvfp4_moe_rows' layout ([T*k routed + T shared, d] bf16), as dsv4::nvfp4_moe
+    does it: the fp32 sum in slot order from +0, then the shared row, rounded once to bf16."""
+    T = rows.shape[0] // (k + 1)
+    routed = rows[: T * k].reshape(T, k, -1).float()
+    acc = torch.zeros_like(routed[:, 0])
+    for j in range(k):
+        acc = acc + routed[:, j]
+    return (acc + rows[T * k:].float()).to(torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------- units
