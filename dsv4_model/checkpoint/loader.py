@@ -125,7 +125,7 @@ def load_config(path: str | os.PathLike, layout: str | None = None):
 @dataclass(frozen=True)
 class TensorLoad:
     """One copy: checkpoint tensor `weight` (+ `scale` if quantized) -> `target` parameter, into slot
-    `index` of a stacked expert tensor if not None, after `narrow` = (dim, start, length) if given.
+    `index` of a stacked expert tensor if not None, after the `narrow`s ((dim, start, length) each) in order.
     kind "nvfp4" (ModelOpt): `scale` is `.weight_scale` (E4M3 per 16), `scale2` `.weight_scale_2` (fp32)."""
 
     target: str
@@ -133,7 +133,7 @@ class TensorLoad:
     weight: TensorInfo
     scale: TensorInfo | None
     kind: str  # "plain" | "fp8" | "fp4" | "nvfp4"
-    narrow: tuple[int, int, int] | None = None
+    narrow: tuple[tuple[int, int, int], ...] = ()
     scale2: TensorInfo | None = None
 
 
@@ -247,7 +247,7 @@ def build_load_plan(tensors: dict[str, TensorInfo], expected: dict[str, tuple[tu
                 continue
             for i, part in enumerate(("w1", "w3")):
                 if cover(prefix + part, None, where):
-                    plan.append(TensorLoad(prefix + part, None, info, None, "plain", (1, i * inter, inter)))
+                    plan.append(TensorLoad(prefix + part, None, info, None, "plain", ((1, i * inter, inter),)))
             continue
 
         if split is not None:
@@ -342,6 +342,30 @@ def _check_tid2eid(plan: list[TensorLoad], n_experts: int | None) -> None:
 # Loading
 # ---------------------------------------------------------------------------------------------
 
+def _is_expert_stacked(target: str) -> bool:
+    """A state_dict entry whose dim 0 runs over the routed experts (float `ffn.experts.w*`, NVFP4 `ffn.nvfp4.w13_*`
+    / `w2_*`; not the shared expert's `shared_*`)."""
+    parent, _, leaf = target.rpartition(".")
+    return (parent.endswith(".ffn.experts") and leaf in ("w1", "w2", "w3")) or \
+        (parent.endswith(".ffn.nvfp4") and leaf.startswith(("w13_", "w2_")))
+
+
+def shard_plan(plan: list[TensorLoad], start: int, count: int) -> list[TensorLoad]:
+    """The loads of a rank holding routed experts [start, start + count) (expert parallelism), from the plan of
+    the whole model (so every expert was validated): per-expert tensors of other experts are dropped, the rest
+    renumbered; stacked ones are narrowed to the rank's rows."""
+    out = []
+    for load in plan:
+        if load.index is not None:
+            if start <= load.index < start + count:
+                out.append(dataclasses.replace(load, index=load.index - start))
+        elif _is_expert_stacked(load.target):
+            out.append(dataclasses.replace(load, narrow=((0, start, count),) + load.narrow))
+        else:
+            out.append(load)
+    return out
+
+
 def _decode(load: TensorLoad, reader: TensorReader, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     w = reader.read(load.weight).to(device)
     if load.kind == "fp8":
@@ -350,8 +374,8 @@ def _decode(load: TensorLoad, reader: TensorReader, device: torch.device, dtype:
         w = dequant_mxfp4(w, reader.read(load.scale).to(device), dtype, FP4_BLOCK)
     elif load.kind == "nvfp4":
         w = _read_nvfp4(load, reader, device).dequantize(dtype)
-    if load.narrow is not None:
-        w = w.narrow(*load.narrow)
+    for dim, start, length in load.narrow:
+        w = w.narrow(dim, start, length)
     return w
 
 
@@ -427,7 +451,7 @@ def _stored_quant(root: Path, layout: str) -> dict | None:
 def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
                max_batch_size: int = 1, max_seq_len: int = 4096, simulate_quant: bool = True, progress: bool = True,
                layout: str | None = None, load_mtp: bool | None = None, quant: str | None = None,
-               act_quant: str | None = None, allow_beyond_max_position: bool = False):
+               act_quant: str | None = None, allow_beyond_max_position: bool = False, expert_shard=None):
     """Build `Transformer` from the checkpoint directory `path` and return `(model, config)`.
 
     `layout`: "hf" | "official" | "dsv4" | None (auto). `load_mtp`: None loads the MTP block if the
@@ -439,7 +463,9 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
     see the module docstring) | None (= "nvfp4" for an NVFP4-converted dsv4 checkpoint, else "none").
     `act_quant`: "none" (W4A16) | "nvfp4" (W4A4, needs quant="nvfp4") | None (= what a converted checkpoint
     was saved with, else "none"). `allow_beyond_max_position`: max_seq_len may exceed the config's
-    max_position_embeddings (positions the model was not trained for).
+    max_position_embeddings (positions the model was not trained for). `expert_shard`: a
+    `dsv4_model.model.parallel.ExpertShard`: this rank's slice of the routed experts only is read (every expert's
+    header is still checked), the rest of the model replicated.
     """
     root = Path(path)
     if not root.is_dir():
@@ -476,6 +502,9 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
     expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
     plan = build_load_plan(tensors, expected, layout, skip_prefixes=skip)
     _check_tid2eid(plan, getattr(config, "n_routed_experts", None))
+    if expert_shard is not None:
+        plan = shard_plan(plan, *expert_shard.bounds(config.n_routed_experts))
+        model.shard_experts_(expert_shard)
     if quant == "nvfp4" and not stored:
         units = convert_structure_(model, act_quant)
     unit_sources = {src for u in units for src in u.sources.values()}
@@ -484,7 +513,8 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
     if free is not None:  # before any device memory is taken: a clear error instead of an out-of-memory
         needs = memory_plan(config, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype, quant=quant,
                             act_quant=act_quant, simulate_quant=simulate_quant,
-                            allow_beyond_max_position=allow_beyond_max_position)
+                            allow_beyond_max_position=allow_beyond_max_position,
+                            ep=expert_shard.world if expert_shard is not None else 1)
         check_fits(needs, free, str(device))
         if progress:
             print(f"[dsv4] memory on {device}: {needs.describe()}", file=sys.stderr)
