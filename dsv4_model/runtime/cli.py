@@ -3,6 +3,9 @@
 Without --model it runs the built-in default model: `dsv4_model/assets/default/` when a trained model is
 shipped there, else a random tiny checkpoint written once into a cache directory (its text is gibberish;
 it shows the pipeline, not a language model).
+
+Started by `torchrun --nproc-per-node N -m dsv4_model generate ...`, every rank holds 1 / N of the routed experts
+(expert parallelism) and generates the same tokens; rank 0 prints.
 """
 from __future__ import annotations
 
@@ -95,8 +98,12 @@ def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
+_QUIET = [False]  # a torchrun rank other than 0: notes are rank 0's to print
+
+
 def _note(msg: str) -> None:
-    print(f"[dsv4] {msg}", file=sys.stderr, flush=True)
+    if not _QUIET[0]:
+        print(f"[dsv4] {msg}", file=sys.stderr, flush=True)
 
 
 def _check_args(args) -> None:
@@ -151,12 +158,19 @@ def cmd_generate(args) -> int:
 
     from dsv4_model.model.checks import parse_device
     from dsv4_model.runtime.engine import Engine
+    from dsv4_model.runtime import distributed
     from dsv4_model.runtime.session import RunnerOptions
     from dsv4_model.runtime.generate import generate
     from dsv4_model.checkpoint.loader import load_config
     from dsv4_model.checkpoint.tokenizer import load_tokenizer
 
     device = parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    shard = None
+    if distributed.launched():
+        device, shard = distributed.init_expert_parallel(device)
+        if shard.rank:
+            _QUIET[0] = True
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # rank 0 streams the text
     prompts = [_prompt_text(p, i) for i, p in enumerate(args.prompt)]
     if args.model:
         path = Path(args.model)
@@ -182,7 +196,8 @@ def cmd_generate(args) -> int:
     engine = Engine.from_pretrained(path, device=device, dtype=getattr(torch, args.dtype),
                                     max_batch_size=len(prompt_ids), max_seq_len=max_seq_len,
                                     simulate_quant=not args.no_simulate_quant, runner_options=runner, quant=quant,
-                                    act_quant=args.act_quant, allow_beyond_max_position=args.allow_beyond_max_position)
+                                    act_quant=args.act_quant, allow_beyond_max_position=args.allow_beyond_max_position,
+                                    expert_shard=shard, progress=not _QUIET[0])
     t_load = time.perf_counter() - t0
 
     single = len(prompt_ids) == 1
@@ -215,7 +230,8 @@ def cmd_generate(args) -> int:
     _note(f"{n} tokens in {total:.2f} s = {n / total if total else 0:.1f} tokens/s "
           f"(decode {res.decode_tokens_per_s:.1f} tokens/s, {res.ms_per_step:.2f} ms/step at batch "
           f"{len(prompt_ids)}; first token {1e3 * res.prefill_seconds:.0f} ms; mode {res.mode} on {device}; "
-          f"not counted: load {t_load:.1f} s, compile/capture {t_setup:.1f} s)")
+          f"not counted: load {t_load:.1f} s, compile/capture {t_setup:.1f} s)"
+          + (f"; expert parallel over {shard.world} ranks" if shard is not None else ""))
     return 0
 
 
@@ -237,4 +253,9 @@ def run_cli(fn, args, errors: tuple[type[BaseException], ...] = (ValueError, OSE
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    return run_cli(cmd_generate, args)
+    try:
+        return run_cli(cmd_generate, args)
+    finally:
+        dist_mod = sys.modules.get("dsv4_model.runtime.distributed")  # imported only by a run that got that far
+        if dist_mod is not None:
+            dist_mod.shutdown()
