@@ -98,3 +98,16 @@ def test_full_width_layers_never_hold_a_float_copy():
     peak = torch.cuda.max_memory_allocated() - before
     assert peak < held + 512 * 2**20, (held / 2**20, peak / 2**20)
     del model
+
+
+def test_expert_shards_share_every_replicated_weight():
+    from dsv4_model.model.parallel import ExpertShard
+
+    cfg = _cfg()
+    parts = [random_nvfp4_model(cfg, device="cpu", max_seq_len=64, seed=1, expert_shard=ExpertShard(r, 2))
+             for r in range(2)]
+    a, b = (p.state_dict() for p in parts)
+    routed = [k for k in a if ".ffn.nvfp4.w13_" in k or ".ffn.nvfp4.w2_" in k]
+    assert routed and all(a[k].shape[0] == cfg.n_routed_experts // 2 for k in routed)
+    assert all(torch.equal(a[k], b[k]) for k in a if k not in routed)  # replicated: the same on both ranks
+    assert not all(torch.equal(a[k], b[k]) for k in routed)  # each rank its own experts

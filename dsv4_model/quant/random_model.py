@@ -83,34 +83,44 @@ def _random_nvfp4_(packed: torch.Tensor, scale: torch.Tensor, global_scale: torc
 
 
 @torch.no_grad()
-def randomize_nvfp4_(model: nn.Module, seed: int) -> None:
-    """Random codes in every NVFP4 module of `model` (see `_random_nvfp4_`)."""
+def randomize_nvfp4_(model: nn.Module, seed: int, routed_seed: int | None = None) -> None:
+    """Random codes in every NVFP4 module of `model` (see `_random_nvfp4_`). The routed experts draw from their own
+    generator (`routed_seed`, default seed + 1), so under expert parallelism, where each rank holds other experts,
+    every replicated weight still gets the same codes on every rank."""
     device = next(model.parameters()).device
     g = torch.Generator(device=device).manual_seed(seed)
+    g_routed = torch.Generator(device=device).manual_seed(seed + 1 if routed_seed is None else routed_seed)
     for mod in model.modules():
         if isinstance(mod, (Nvfp4Linear, Nvfp4GroupedLinear)):
             _random_nvfp4_(mod.weight_packed, mod.weight_scale, mod.weight_global_scale, mod.in_features, g)
         elif isinstance(mod, Nvfp4MoE):
-            parts = [("w13", mod.dim), ("w2", mod.inter)]
+            parts = [("w13", mod.dim, g_routed), ("w2", mod.inter, g_routed)]
             if mod.shared_inter:
-                parts += [("shared_w13", mod.dim), ("shared_w2", mod.shared_inter)]
-            for p, k in parts:
+                parts += [("shared_w13", mod.dim, g), ("shared_w2", mod.shared_inter, g)]
+            for p, k, gen in parts:
                 _random_nvfp4_(getattr(mod, f"{p}_packed"), getattr(mod, f"{p}_scale"),
-                               getattr(mod, f"{p}_global_scale"), k, g)
+                               getattr(mod, f"{p}_global_scale"), k, gen)
 
 
 def random_nvfp4_model(cfg: ModelConfig, *, device, max_batch_size: int = 1, max_seq_len: int = 4096,
-                       dtype: torch.dtype = torch.bfloat16, act_quant: str = "none", seed: int = 0) -> Transformer:
+                       dtype: torch.dtype = torch.bfloat16, act_quant: str = "none", seed: int = 0,
+                       expert_shard=None) -> Transformer:
     """A `Transformer` of `cfg` with random NVFP4 weights (what `quantize_model_` converts) and random floats,
-    built on `device` without a float copy of any converted weight; ready to prefill / decode."""
+    built on `device` without a float copy of any converted weight; ready to prefill / decode. expert_shard (a
+    `dsv4_model.model.parallel.ExpertShard`): only this rank's routed experts are built (their own random codes),
+    every other weight the same on every rank."""
     device = torch.device(device)
     model = Transformer(cfg, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype, device="meta")
     for unit in convert_structure_(model, act_quant):
         unit.old = None  # the meta float modules: never materialized
+    rank = 0
+    if expert_shard is not None:
+        model.shard_experts_(expert_shard)
+        rank = expert_shard.rank
     model.to_empty(device=device)
     randomize_floats_(model, seed, cfg.n_routed_experts)
     bf16_compressor_values_(model)
-    randomize_nvfp4_(model, seed + 1)
+    randomize_nvfp4_(model, seed + 1, routed_seed=seed + 2 + rank)
     model.narrow_weights_()  # as the loader does
     model.setup_runtime(device)
     model.reset_caches()
