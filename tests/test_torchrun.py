@@ -17,8 +17,8 @@ STEPS = 100
 LAYOUTS = ("dsv4", "hf", "official", "modelopt")
 
 
-def _torchrun(*args, timeout=600):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+def _torchrun(*args, timeout=600, ranks=2):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": f"{ROOT}:{HERE}", "OMP_NUM_THREADS": "1"})
 
@@ -56,3 +56,13 @@ def test_the_cli_under_torchrun_prints_the_single_process_text(ckpts):
     assert ep.returncode == 0, ep.stderr[-2000:]
     assert ep.stdout == single.stdout and len(single.stdout) > len("hello\n")  # one copy: rank 0's
     assert "expert parallel over 2 ranks" in ep.stderr
+
+
+def test_experts_that_do_not_split_evenly_are_refused_in_one_line(ckpts):
+    run = _torchrun("-m", "dsv4_model", "generate", "--model", str(ckpts / "dsv4"), "--prompt", "hi", "--device",
+                    "cpu", ranks=3)
+    assert run.returncode != 0 and run.stdout == ""
+    lines = [ln for ln in run.stderr.splitlines() if ln.startswith("error:")]
+    assert lines and all(ln == "error: expert parallelism over 3 ranks needs n_routed_experts divisible by 3, got 8"
+                         for ln in lines), run.stderr[-2000:]
+    assert "dsv4_model/" not in run.stderr  # no frame of ours (the launcher reports the failed ranks its own way)

@@ -185,6 +185,8 @@ def cmd_generate(args) -> int:
     if args.act_quant == "nvfp4" and quant == "none":
         quant = "nvfp4"
     config = load_config(path)
+    if shard is not None:
+        shard.bounds(config.n_routed_experts)  # the experts must split evenly over the ranks
     tok = load_tokenizer(path, config)
     if tok.kind == "bytes":
         _note(f"{path} has no tokenizer.json: using the byte-level fallback tokenizer")
@@ -247,7 +249,8 @@ def run_cli(fn, args, errors: tuple[type[BaseException], ...] = (ValueError, OSE
     except errors as e:
         if getattr(args, "debug", False):
             raise
-        print(f"error: {e}", file=sys.stderr)
+        sys.stderr.write(f"error: {e}\n")  # one write: torchrun's ranks share the stream
+        sys.stderr.flush()
         return 2
 
 
