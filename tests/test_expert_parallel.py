@@ -46,6 +46,7 @@ def _logits(model: Transformer, compiled: bool = False) -> torch.Tensor:
 
 def _rank(rank: int, init: str, out_dir: str, quant: str, compiled: bool) -> None:
     torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: gloo over loopback
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     try:
         model = _model(quant).shard_experts_(ExpertShard.of_group())

@@ -20,7 +20,8 @@ LAYOUTS = ("dsv4", "hf", "official", "modelopt")
 def _torchrun(*args, timeout=600, ranks=2):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": f"{ROOT}:{HERE}", "OMP_NUM_THREADS": "1"})
+                          env={"GLOO_SOCKET_IFNAME": "lo", **os.environ, "PYTHONPATH": f"{ROOT}:{HERE}",
+                               "OMP_NUM_THREADS": "1"})  # one host: gloo over loopback
 
 
 @pytest.fixture(scope="module")
