@@ -134,12 +134,11 @@ class Nvfp4Experts:
         if moe.shard is None:
             return moe.nvfp4.rows(x, indices, weights)
         # this rank's experts' rows, zeros elsewhere (the shared expert's rows on rank 0 only): summed across the
-        # ranks, every row is the single-process row (one nonzero term; fp32 on the wire, exact for bf16 values)
+        # ranks, every row is the single-process row (one nonzero term: exact in bf16)
         local, ids = moe.local_ids(indices)
         rows = moe.nvfp4.rows(x, torch.where(local, ids, -1), weights)
         keep = torch.cat((local.reshape(-1), torch.full((x.shape[0],), moe.shard.rank == 0, device=x.device)))
-        rows = torch.where(keep.unsqueeze(-1), rows, 0.0).float()
-        return moe.shard.all_reduce(rows).to(torch.bfloat16)
+        return moe.shard.all_reduce(torch.where(keep.unsqueeze(-1), rows, 0.0))
 
     def narrow_(self, moe, start, count):
         moe.nvfp4.narrow_experts_(start, count)
