@@ -67,3 +67,12 @@ def test_experts_that_do_not_split_evenly_are_refused_in_one_line(ckpts):
     assert lines and all(ln == "error: expert parallelism over 3 ranks needs n_routed_experts divisible by 3, got 8"
                          for ln in lines), run.stderr[-2000:]
     assert "dsv4_model/" not in run.stderr  # no frame of ours (the launcher reports the failed ranks its own way)
+
+
+def test_the_parallel_decode_bench_runs_under_torchrun():
+    run = _torchrun(str(ROOT / "bench" / "bench_parallel_decode.py"), "--preset", "tiny", "--device", "cpu",
+                    "--batches", "1,2", "--context", "64", "--steps", "3")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "over 2 rank(s)" in run.stdout
+    table = [ln.split() for ln in run.stdout.splitlines() if ln.strip()[:1].isdigit() and "layers" not in ln]
+    assert [int(r[0]) for r in table] == [1, 2] and all(float(r[1]) > 0 for r in table)

@@ -1,0 +1,125 @@
+"""Decode speed of a random NVFP4 DeepSeek-V4 model with expert parallelism over the ranks of a torchrun launch
+(or one process): compiled + CUDA-graph steps at each batch size and context, against the per-GPU byte floor and
+SGLang's published V4-Flash figure (4x H200, TP4 + MTP: 3.37 ms/token at concurrency 1;
+../shared/docs/peers-and-limits.md; not run here).
+
+    torchrun --nproc-per-node 2 bench/bench_parallel_decode.py --layers 43 --experts 256 --batches 1,8,64
+    python bench/bench_parallel_decode.py --layers 43 --experts 32            # one GPU: as many experts as fit
+
+Each rank builds its share of the model directly in NVFP4 on its GPU (`random_nvfp4_model(expert_shard=)`). The
+steps run at positions context - steps - warm-up onwards on zeroed caches: a decode step lists and reads the whole
+window and every compressed entry up to its position, so it costs what a real context costs, without prefilling
+it. Byte floor per GPU = the weights one step reads there / 4.26 TB/s: every replicated weight (the embedding: B
+rows) and this rank's share of the distinct experts B tokens x 6 touch (uniform routing: E (1 - (1 - 6/E)^B)).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dsv4_model.checkpoint.writer import make_config  # noqa: E402
+from dsv4_model.model.config import ModelConfig  # noqa: E402
+from dsv4_model.quant.random_model import random_nvfp4_model  # noqa: E402
+from dsv4_model.runtime import distributed  # noqa: E402
+from dsv4_model.runtime.compiled import DecodeRunner  # noqa: E402
+from dsv4_model.runtime.sampling import SamplingParams  # noqa: E402
+
+HBM_BYTES_PER_S = 4.26e12
+SGLANG_4XH200_MS = 3.37
+WARM = 3
+
+
+def config(args) -> ModelConfig:
+    cfg = make_config() if args.preset == "tiny" else ModelConfig.v4_flash()
+    ratios = list(cfg.compress_ratios[: cfg.n_layers])[: args.layers] if args.layers else None
+    if args.layers:
+        cfg.n_layers, cfg.n_hash_layers = args.layers, min(cfg.n_hash_layers, args.layers)
+    cfg.compress_ratios = ratios if ratios is not None else list(cfg.compress_ratios[: cfg.n_layers])
+    cfg.n_mtp_layers = 0
+    if args.experts:
+        cfg.n_routed_experts = args.experts
+    return cfg.validate()
+
+
+def floor_s(model, cfg, B: int, world: int) -> float:
+    total, per_expert = 0.0, 0.0
+    local = cfg.n_routed_experts // world
+    for name, t in model.state_dict().items():
+        nbytes = t.numel() * t.element_size()
+        if ".ffn.nvfp4.w13_" in name or ".ffn.nvfp4.w2_" in name:
+            per_expert += nbytes / local
+        elif name == "embed.weight":
+            total += B * t.shape[1] * t.element_size()
+        else:
+            total += nbytes
+    E, k = cfg.n_routed_experts, cfg.n_activated_experts
+    return (total + E * (1 - (1 - k / E) ** B) / world * per_expert) / HBM_BYTES_PER_S
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=("flash", "tiny"), default="flash")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--experts", type=int, default=None)
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    shard = None
+    if distributed.launched():
+        device, shard = distributed.init_expert_parallel(device)
+    rank, world = (shard.rank, shard.world) if shard else (0, 1)
+    cuda = device.type == "cuda"
+    cfg = config(args)
+    batches = [int(b) for b in args.batches.split(",")]
+    t0 = time.perf_counter()
+    model = random_nvfp4_model(cfg, device=device, max_batch_size=max(batches), max_seq_len=args.context,
+                               expert_shard=shard)
+    build_s = time.perf_counter() - t0
+    runner = DecodeRunner(model, compile=cuda, cuda_graphs=cuda)
+    rows = []
+    for B in batches:
+        t0 = time.perf_counter()
+        runner.prepare(B)
+        setup_s = time.perf_counter() - t0
+        model.reset_caches()
+        runner.begin([args.context - args.steps - WARM] * B, [SamplingParams() for _ in range(B)])
+        for _ in range(WARM):
+            runner.step()
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            runner.step()
+        if cuda:
+            torch.cuda.synchronize()
+        ms = 1e3 * (time.perf_counter() - t0) / args.steps
+        if shard is not None:  # the slowest rank sets the pace
+            t = torch.tensor([ms], device=device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            ms = float(t)
+        rows.append((B, ms, 1e3 * floor_s(model, cfg, B, world), setup_s))
+    mem = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
+    if rank == 0:
+        print(f"{cfg.n_layers} layers, {cfg.n_routed_experts} experts over {world} rank(s), context {args.context}, "
+              f"NVFP4 W4A16, {'compiled + CUDA graph' if cuda else 'eager (CPU)'} on {device.type}; build "
+              f"{build_s:.1f} s; peak memory {mem:.1f} GiB per GPU")
+        print(f"{'batch':>5} {'ms/token':>9} {'tokens/s':>10} {'floor ms':>9} {'% of floor':>10} "
+              f"{'vs SGLang 4xH200 (B=1)':>24} {'compile+capture s':>18}")
+        for B, ms, fl, setup in rows:
+            peer = f"{SGLANG_4XH200_MS / ms:.2f}x" if B == 1 else "-"
+            print(f"{B:5d} {ms:9.3f} {1e3 * B / ms:10.1f} {fl:9.3f} {100 * fl / ms:9.1f}% {peer:>24} {setup:18.1f}")
+    distributed.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
