@@ -37,14 +37,7 @@ WARM = 3
 
 def config(args) -> ModelConfig:
     cfg = make_config() if args.preset == "tiny" else ModelConfig.v4_flash()
-    ratios = list(cfg.compress_ratios[: cfg.n_layers])[: args.layers] if args.layers else None
-    if args.layers:
-        cfg.n_layers, cfg.n_hash_layers = args.layers, min(cfg.n_hash_layers, args.layers)
-    cfg.compress_ratios = ratios if ratios is not None else list(cfg.compress_ratios[: cfg.n_layers])
-    cfg.n_mtp_layers = 0
-    if args.experts:
-        cfg.n_routed_experts = args.experts
-    return cfg.validate()
+    return cfg.sliced(args.layers, args.experts, n_mtp_layers=0)
 
 
 def floor_s(model, cfg, B: int, world: int) -> float:

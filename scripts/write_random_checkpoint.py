@@ -34,17 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", help="where the random values are made (cuda: faster)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    cfg = PRESETS[args.preset]()
-    main_ratios, mtp_ratios = list(cfg.compress_ratios[: cfg.n_layers]), list(cfg.compress_ratios[cfg.n_layers:])
-    if args.layers is not None:
-        cfg.n_layers, main_ratios = args.layers, main_ratios[: args.layers]
-        cfg.n_hash_layers = min(cfg.n_hash_layers, args.layers)
-    if args.experts is not None:
-        cfg.n_routed_experts = args.experts
-    if args.mtp is not None:
-        cfg.n_mtp_layers, mtp_ratios = args.mtp, [0] * args.mtp
-    cfg.compress_ratios = main_ratios + mtp_ratios
-    cfg = cfg.validate()
+    cfg = PRESETS[args.preset]().sliced(args.layers, args.experts, args.mtp)
     t0 = time.perf_counter()
     names = write_random_checkpoint(cfg, args.out, args.layout, seed=args.seed,
                                     max_shard_bytes=int(args.max_shard_gb * (1 << 30)), device=args.device)

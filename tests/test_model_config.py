@@ -139,3 +139,15 @@ def test_a_config_without_indexer_layers_needs_no_indexer_fields():
 def test_a_config_that_is_not_an_object_is_refused(bad):
     with pytest.raises(ValueError, match="JSON object"):
         ModelConfig.from_dict(bad)
+
+
+def test_sliced_keeps_the_first_layers_plan():
+    flash = ModelConfig.v4_flash()
+    c = flash.sliced(4, 32, n_mtp_layers=0)
+    assert (c.n_layers, c.n_routed_experts, c.n_mtp_layers) == (4, 32, 0)
+    assert c.compress_ratios == flash.compress_ratios[:4] and c.n_hash_layers == flash.n_hash_layers
+    d = flash.sliced(2)
+    assert d.n_hash_layers == 2 and d.compress_ratios == flash.compress_ratios[:2] + flash.compress_ratios[43:]
+    assert flash.n_layers == 43  # a copy
+    with pytest.raises(ValueError, match="n_activated_experts"):
+        flash.sliced(2, 4)

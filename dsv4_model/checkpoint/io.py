@@ -192,16 +192,20 @@ def write_sharded(named: Iterable[tuple[str, torch.Tensor]], out_dir: str | os.P
     if len(groups) == 1:
         save_file({k: t.detach().to("cpu").contiguous() for k, t in groups[0]}, str(out / SINGLE_NAME), metadata=meta)
         return [SINGLE_NAME]
-    names = []
-    weight_map = {}
-    for i, group in enumerate(groups):
-        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+    names = _shard_names(len(groups))
+    for name, group in zip(names, groups):
         save_file({k: t.detach().to("cpu").contiguous() for k, t in group}, str(out / name), metadata=meta)
-        names.append(name)
-        weight_map.update({k: name for k, _ in group})
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / INDEX_NAME).write_text(json.dumps(index, indent=2))
+    _write_index(out, names, [[k for k, _ in group] for group in groups], total)
     return names
+
+
+def _shard_names(n: int) -> list[str]:
+    return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def _write_index(out: Path, names: list[str], keys: list[list[str]], total: int) -> None:
+    weight_map = {k: name for name, ks in zip(names, keys) for k in ks}
+    (out / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
 def write_shards(named: Iterable[tuple[str, torch.Tensor]], out_dir: str | os.PathLike, *, max_shard_bytes: int,
@@ -217,6 +221,7 @@ def write_shards(named: Iterable[tuple[str, torch.Tensor]], out_dir: str | os.Pa
     temps: list[Path] = []
     keys: list[list[str]] = []
     group: dict[str, torch.Tensor] = {}
+    seen: set[str] = set()
     size = total = 0
 
     def flush():
@@ -226,8 +231,9 @@ def write_shards(named: Iterable[tuple[str, torch.Tensor]], out_dir: str | os.Pa
         group.clear()
 
     for k, t in named:
-        if k in group or any(k in ks for ks in keys):
+        if k in seen:
             raise ValueError(f"tensor {k!r} written twice")
+        seen.add(k)
         t = t.detach().to("cpu").contiguous()
         n = t.numel() * t.element_size()
         if group and size + n > max_shard_bytes:
@@ -241,9 +247,8 @@ def write_shards(named: Iterable[tuple[str, torch.Tensor]], out_dir: str | os.Pa
     if len(temps) == 1:
         temps[0].replace(out / SINGLE_NAME)
         return [SINGLE_NAME]
-    names = [f"model-{i + 1:05d}-of-{len(temps):05d}.safetensors" for i in range(len(temps))]
+    names = _shard_names(len(temps))
     for tmp, name in zip(temps, names):
         tmp.replace(out / name)
-    weight_map = {k: name for name, ks in zip(names, keys) for k in ks}
-    (out / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    _write_index(out, names, keys, total)
     return names

@@ -129,6 +129,19 @@ class ModelConfig:
             compress_ratios=[128, 128] + [4, 128] * 29 + [4] + [0],
         )
 
+    def sliced(self, n_layers: int | None = None, n_routed_experts: int | None = None,
+               n_mtp_layers: int | None = None) -> "ModelConfig":
+        """A validated copy with fewer layers (the first ones' compress ratios and hash routing), another expert
+        count or MTP depth (MTP blocks are sliding-window only): a preset cut to what a benchmark or a random
+        checkpoint needs."""
+        layers = self.n_layers if n_layers is None else n_layers
+        mtp = self.n_mtp_layers if n_mtp_layers is None else n_mtp_layers
+        mtp_ratios = list(self.compress_ratios[self.n_layers:]) if n_mtp_layers is None else [0] * mtp
+        return dataclasses.replace(
+            self, n_layers=layers, n_mtp_layers=mtp, n_hash_layers=min(self.n_hash_layers, layers),
+            compress_ratios=list(self.compress_ratios[:layers]) + mtp_ratios,
+            n_routed_experts=self.n_routed_experts if n_routed_experts is None else n_routed_experts).validate()
+
     # ------------------------------------------------------------------ derived
     @property
     def n_total_layers(self) -> int:
