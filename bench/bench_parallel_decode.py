@@ -4,7 +4,11 @@ SGLang's published V4-Flash figure (4x H200, TP4 + MTP: 3.37 ms/token at concurr
 ../shared/docs/peers-and-limits.md; not run here).
 
     torchrun --nproc-per-node 2 bench/bench_parallel_decode.py --layers 43 --experts 256 --batches 1,8,64
-    python bench/bench_parallel_decode.py --layers 43 --experts 32            # one GPU: as many experts as fit
+    python bench/bench_parallel_decode.py --experts fit --context 131072      # one GPU: as many experts as fit
+    python bench/bench_parallel_decode.py --preset pro --experts fit --batches 1,8
+
+--experts fit: the most routed experts whose memory plan (dsv4_model.checkpoint.memory_plan: weights + caches for
+the largest batch x context) leaves --reserve-gib of the GPU's free memory for graph pools and activations.
 
 Each rank builds its share of the model directly in NVFP4 on its GPU (`random_nvfp4_model(expert_shard=)`). The
 steps run at positions context - steps - warm-up onwards on zeroed caches: a decode step lists and reads the whole
@@ -23,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from dsv4_model.checkpoint.memory_plan import GiB, memory_plan  # noqa: E402
 from dsv4_model.checkpoint.writer import make_config  # noqa: E402
 from dsv4_model.model.config import ModelConfig  # noqa: E402
 from dsv4_model.quant.random_model import random_nvfp4_model  # noqa: E402
@@ -35,9 +40,37 @@ SGLANG_4XH200_MS = 3.37
 WARM = 3
 
 
-def config(args) -> ModelConfig:
-    cfg = make_config() if args.preset == "tiny" else ModelConfig.v4_flash()
-    return cfg.sliced(args.layers, args.experts, n_mtp_layers=0)
+PRESETS = {"flash": ModelConfig.v4_flash, "pro": ModelConfig.v4_pro, "tiny": make_config}
+
+
+def fitting_experts(cfg: ModelConfig, *, batch: int, context: int, world: int, free_bytes: int) -> int:
+    """The most routed experts (a multiple of the world size, at most the preset's) whose plan fits free_bytes.
+    The plan is affine in the expert count: two plans give the line."""
+    def total(e: int) -> int:
+        return memory_plan(cfg.sliced(n_routed_experts=e), max_batch_size=batch, max_seq_len=context,
+                           ep=world).total
+    lo = max(cfg.n_activated_experts, 8) * world
+    per_expert = (total(2 * lo) - total(lo)) / lo
+    e = int((free_bytes - total(lo)) / per_expert) + lo
+    e = min(e - e % world, cfg.n_routed_experts)
+    while e >= lo and total(e) > free_bytes:
+        e -= world
+    if e < lo:
+        raise SystemExit(f"{cfg.n_layers} layers do not fit with {lo} experts in {free_bytes / GiB:.1f} GiB")
+    return e
+
+
+def config(args, device: torch.device, world: int) -> ModelConfig:
+    cfg = PRESETS[args.preset]().sliced(args.layers, n_mtp_layers=0)
+    experts = args.experts or ("fit" if device.type == "cuda" else None)
+    if experts != "fit":
+        return cfg.sliced(n_routed_experts=None if experts is None else int(experts))
+    if device.type != "cuda":
+        raise SystemExit("--experts fit needs a CUDA device (it sizes the model to the free memory)")
+    free = torch.cuda.mem_get_info(device)[0] - int(args.reserve_gib * GiB)
+    batches = [int(b) for b in args.batches.split(",")]
+    e = fitting_experts(cfg, batch=max(batches), context=args.context, world=world, free_bytes=free)
+    return cfg.sliced(n_routed_experts=e)
 
 
 def floor_s(model, cfg, B: int, world: int) -> float:
@@ -57,9 +90,12 @@ def floor_s(model, cfg, B: int, world: int) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=("flash", "tiny"), default="flash")
-    ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--experts", type=int, default=None)
+    ap.add_argument("--preset", choices=tuple(PRESETS), default="flash")
+    ap.add_argument("--layers", type=int, default=None, help="default: the preset's")
+    ap.add_argument("--experts", default=None,
+                    help="routed experts in all, or 'fit' (the default on a GPU; elsewhere the preset's)")
+    ap.add_argument("--reserve-gib", type=float, default=12.0, help="with --experts fit: left free")
+    ap.add_argument("--regional", action="store_true", help="compile one layer at a time (DecodeRunner regional)")
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=32)
@@ -71,13 +107,18 @@ def main(argv=None) -> int:
         device, shard = distributed.init_expert_parallel(device)
     rank, world = (shard.rank, shard.world) if shard else (0, 1)
     cuda = device.type == "cuda"
-    cfg = config(args)
+    cfg = config(args, device, world)
     batches = [int(b) for b in args.batches.split(",")]
+    plan = memory_plan(cfg, max_batch_size=max(batches), max_seq_len=args.context, ep=world)
+    if rank == 0:
+        print(f"[plan] {args.preset}: {plan.describe()}", flush=True)
     t0 = time.perf_counter()
     model = random_nvfp4_model(cfg, device=device, max_batch_size=max(batches), max_seq_len=args.context,
                                expert_shard=shard)
+    if cuda:
+        torch.cuda.synchronize(device)
     build_s = time.perf_counter() - t0
-    runner = DecodeRunner(model, compile=cuda, cuda_graphs=cuda)
+    runner = DecodeRunner(model, compile=cuda, cuda_graphs=cuda, regional=args.regional)
     rows = []
     for B in batches:
         t0 = time.perf_counter()
@@ -102,8 +143,9 @@ def main(argv=None) -> int:
         rows.append((B, ms, 1e3 * floor_s(model, cfg, B, world), setup_s))
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
     if rank == 0:
-        print(f"{cfg.n_layers} layers, {cfg.n_routed_experts} experts over {world} rank(s), context {args.context}, "
-              f"NVFP4 W4A16, {'compiled + CUDA graph' if cuda else 'eager (CPU)'} on {device.type}; build "
+        mode = ("regional compile" if args.regional else "compiled") + " + CUDA graph" if cuda else "eager (CPU)"
+        print(f"{args.preset}: {cfg.n_layers} layers, {cfg.n_routed_experts} experts over {world} rank(s), context "
+              f"{args.context}, NVFP4 W4A16, {mode} on {device.type}; build "
               f"{build_s:.1f} s; peak memory {mem:.1f} GiB per GPU")
         print(f"{'batch':>5} {'ms/token':>9} {'tokens/s':>10} {'floor ms':>9} {'% of floor':>10} "
               f"{'vs SGLang 4xH200 (B=1)':>24} {'compile+capture s':>18}")

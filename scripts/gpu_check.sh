@@ -5,7 +5,7 @@
 #   results), compute-sanitizer (memcheck, racecheck) on the direct kernel tests, the benchmarks.
 # $OUT gets summary.txt + logs.tgz (the device tool returns at most 8 files of <= 16 MiB).
 # Usage on the H200, from the repo root:
-#   bash scripts/gpu_check.sh [mainjob|tests|sanitizer|bench|soak|profile|switches|pdl|decode|selrows|depth ...]
+#   bash scripts/gpu_check.sh [mainjob|tests|sanitizer|bench|soak|profile|switches|pdl|decode|selrows|depth|fulldepth ...]
 # (default: mainjob tests sanitizer bench)
 # Env: GPU_CHECK_SKIP_BUILD=1 (already built), TEST_FILES / BENCHES (space-separated paths; default: all), SANITIZE
 # (a grep -E pattern on "TOOL SPEC", e.g. "racecheck .*attn": only the sanitizer runs it matches), SANITIZER_JOBS (parallel sanitizer runs, 8), GPU_CHECK_SECONDS (a total budget: steps get
@@ -169,6 +169,14 @@ for part in $PARTS; do
       # the 2-layer slice, each cold and warm in fresh processes (#25's figures).
       step compile_depth "${DEPTH_TIMEOUT:-580}" $PY bench/bench_compile_depth.py --models "${DEPTH_MODELS:-flash43,flash2}"
       note "  $(grep -hE 'prepare|vs whole' "$LOGS/compile_depth.log" | tr '\n' ' ')" ;;
+    fulldepth)
+      # #28's one-GPU figures: the 43-layer V4-Flash-width model (random NVFP4, as many experts as fit) at 4K and
+      # 128K context, B = 1 / 8 / 64, and the 61-layer V4-Pro-width stack at 4K, B = 1 / 8.
+      step fulldepth_flash_4k 300 $PY bench/bench_parallel_decode.py --preset flash --context 4096 --batches 1,8,64
+      step fulldepth_flash_128k 240 $PY bench/bench_parallel_decode.py --preset flash --context 131072 \
+        --batches 1,8,64 --regional
+      step fulldepth_pro_4k 240 $PY bench/bench_parallel_decode.py --preset pro --context 4096 --batches 1,8 --regional
+      for f in flash_4k flash_128k pro_4k; do note "$(grep -hvE '^\[dsv4\]|Warning|warn' "$LOGS/fulldepth_$f.log" | tail -n 8)"; done ;;
     selrows)
       # DecodeOptions sel_rows (on by default): sparse_attn_decode's second row list on the GPU, the layers both ways.
       step selrows_op_tests 200 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_attn.py
