@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--micro", action="store_true", help="tiny widths (a dry run of the method)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--decode-options", default="", help='debug overrides, e.g. "norm_rope=0,hc_pre=0"')
+    ap.add_argument("--decode-options", default="", help='debug overrides, e.g. "hc_pre=0,attention=torch"')
     ap.add_argument("--kernel-overrides", default="", help='dsv4_ops.overrides, e.g. "attn_kernel=simt,pdl=0"')
     args = ap.parse_args(argv)
     set_overrides(parse_overrides(args.kernel_overrides))

@@ -1,7 +1,7 @@
-"""Kernels Inductor generates for one compiled decode step of a tiny CSA + HCA model, with the fused decode steps
-all off or all on (DecodeOptions: compressor, norm_rope, hc_post_pre, hadamard, key_store, out_rope): a CPU-side
-view of the glue the fused ops remove (the dsv4 ops themselves are not counted; on the GPU, Triton fuses
-differently: bench/bench_layer.py counts the H200's kernels).
+"""Kernels Inductor generates for one compiled decode step of a tiny CSA + HCA model, as shipped and with the
+debug overrides (DecodeOptions: mHC as tensor ops, the attention's tensor-op form): a CPU-side view of the glue
+the fused ops remove (the dsv4 ops themselves are not counted; on the GPU, Triton fuses differently:
+bench/bench_layer.py counts the H200's kernels).
 
 Run: python scripts/count_decode_kernels.py [--device cpu|cuda]
 """
@@ -11,10 +11,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-FUSED = ("compressor", "norm_rope", "hc_post_pre", "hadamard", "key_store", "out_rope")
+OVERRIDES = ("", "hc_pre=0", "attention=torch", "hc_pre=0,attention=torch")
 
 
-def count(device: str, on: bool) -> int:
+def count(device: str, overrides: str) -> int:
     import torch
     import torch._inductor.metrics as metrics
 
@@ -31,7 +31,7 @@ def count(device: str, on: bool) -> int:
     m = Transformer(cfg, max_batch_size=1, max_seq_len=64, dtype=torch.float32, device=device).init_random_weights(0)
     ids = torch.randint(0, cfg.vocab_size, (1, 9), device=device)
     m.prefill(ids)
-    opts = DecodeOptions(**{name: on for name in FUSED})
+    opts = DecodeOptions.parse(overrides)
     step = torch.compile(lambda t, p: m.decode_step(t, p, opts), fullgraph=True)
     metrics.reset()
     with torch.no_grad():
@@ -43,9 +43,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
-    for on in (False, True):
-        print(f"fused decode steps {'on ' if on else 'off'}: {count(args.device, on)} Inductor kernels per decode "
-              f"step (2 layers: CSA + HCA, {args.device})")
+    for overrides in OVERRIDES:
+        print(f"{overrides or 'shipped':>26}: {count(args.device, overrides)} Inductor kernels per decode step "
+              f"(2 layers: CSA + HCA, {args.device})")
     return 0
 
 

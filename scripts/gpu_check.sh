@@ -5,7 +5,7 @@
 #   results), compute-sanitizer (memcheck, racecheck) on the direct kernel tests, the benchmarks.
 # $OUT gets summary.txt + logs.tgz (the device tool returns at most 8 files of <= 16 MiB).
 # Usage on the H200, from the repo root:
-#   bash scripts/gpu_check.sh [mainjob|tests|sanitizer|bench|soak|profile|switches|pdl|decode|selrows|depth|fulldepth ...]
+#   bash scripts/gpu_check.sh [mainjob|tests|sanitizer|bench|soak|profile|switches|pdl|decode|depth|fulldepth ...]
 # (default: mainjob tests sanitizer bench)
 # Env: GPU_CHECK_SKIP_BUILD=1 (already built), TEST_FILES / BENCHES (space-separated paths; default: all), SANITIZE
 # (a grep -E pattern on "TOOL SPEC", e.g. "racecheck .*attn": only the sanitizer runs it matches), SANITIZER_JOBS (parallel sanitizer runs, 8), GPU_CHECK_SECONDS (a total budget: steps get
@@ -142,20 +142,15 @@ for part in $PARTS; do
         step "$(basename "$b" .py)" 300 $PY "$b"
       done ;;
     switches)
-      # The non-default kernel choices (DecodeOptions hc_pre=0: the separate mHC steps; attn_kernel=simt: the
-      # CUDA-core attention kernel) and the fused decode steps each off: the ops' tests (their model-level tests
-      # run each option both ways), the kernel count, and the layer each way (what the defaults buy).
-      FUSED_OFF="compressor=0,norm_rope=0,hc_post_pre=0,moe_rows=0,hadamard=0,key_store=0,out_rope=0,norm_rope_store=0"
-      step switches_op_tests 150 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_compressor_op.py \
-        tests/test_norm_rope.py tests/test_hc_pre.py tests/test_hadamard_fp4.py tests/test_key_store.py \
+      # The debug overrides (DecodeOptions hc_pre=0: mHC as tensor ops; attention=torch; the kernel override
+      # attn_kernel=simt: the CUDA-core attention kernel): the model-level tests, the kernel count, and the layer
+      # each way (what the defaults buy).
+      step switches_op_tests 150 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_hc_pre.py \
         tests/test_attn.py tests/test_decode_options.py
-      step switches_bench_glue 200 $PY bench/bench_decode_glue.py
       step switches_count_kernels 200 $PY scripts/count_decode_kernels.py --device cuda
       step switches_layer_default 200 $PY bench/bench_layer.py --kinds csa --steps 50 --experts 16
-      step switches_layer_fused_off 200 $PY bench/bench_layer.py --kinds csa --steps 50 --experts 16 \
-        --decode-options "$FUSED_OFF"
       step switches_layer_off 200 $PY bench/bench_layer.py --kernel-overrides attn_kernel=simt --kinds csa --steps 50 \
-        --experts 16 --decode-options "$FUSED_OFF,hc_pre=0" ;;
+        --experts 16 --decode-options "hc_pre=0,attention=torch" ;;
     decode)
       # The decode step end to end: the compiled / graph-replayed step against eager, the default model's exported
       # package and bf16 settings, and the per-layer time and kernel count (what a model-level change moves).
@@ -177,12 +172,6 @@ for part in $PARTS; do
         --batches 1,8,64 --regional
       step fulldepth_pro_4k 240 $PY bench/bench_parallel_decode.py --preset pro --context 4096 --batches 1,8 --regional
       for f in flash_4k flash_128k pro_4k; do note "$(grep -hvE '^\[dsv4\]|Warning|warn' "$LOGS/fulldepth_$f.log" | tail -n 8)"; done ;;
-    selrows)
-      # DecodeOptions sel_rows (on by default): sparse_attn_decode's second row list on the GPU, the layers both ways.
-      step selrows_op_tests 200 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_attn.py
-      step selrows_layer_off 200 $PY bench/bench_layer.py --kinds csa,hca --steps 50 --experts 16 \
-        --decode-options sel_rows=0
-      step selrows_layer_on 200 $PY bench/bench_layer.py --kinds csa,hca --steps 50 --experts 16 ;;
     pdl)
       # The pdl kernel override (on by default): the decode kernels outside the NVFP4 chain launched with programmatic
       # dependent launch. Their op tests and the compiled decode without it (the default run has it), then the

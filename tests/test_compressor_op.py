@@ -11,7 +11,7 @@ import torch
 
 import dsv4_ops  # noqa: F401
 from dsv4_ops import reference as ref
-from decode_switch import decode_with_switch
+from decode_switch import decode_counting
 
 ops = torch.ops.dsv4
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.kernels])]
@@ -187,13 +187,13 @@ def test_cuda_graph_replay_and_no_sync():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_model_decode_with_and_without_the_op(monkeypatch, device):
-    """The decode step through dsv4::compressor_decode (compressor on) gives the logits of the tensor
-    ops (off), fp32, over enough steps to close CSA (ratio 4) and HCA (ratio 16) windows; the op really runs (once
-    per compressor and step: the CSA layer's and its indexer's, the HCA layer's)."""
+def test_model_decode_through_the_op(monkeypatch, device):
+    """The decode step through dsv4::compressor_decode gives the logits of a prefill of the same tokens (the
+    compressors' tensor ops over whole windows), fp32, over enough steps to close CSA (ratio 4) and HCA (ratio 16)
+    windows; the op runs once per compressor and step (the CSA layer's and its indexer's, the HCA layer's)."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA")
-    logits, calls, _ = decode_with_switch(monkeypatch, "compressor_decode", "compressor", steps=8,
-                                          device=device, n_layers=3, compress_ratios=[0, 4, 16])
-    assert calls == {"0": 0, "1": 3 * 8}
-    torch.testing.assert_close(logits["1"], logits["0"], rtol=1e-4, atol=1e-4)
+    decode, prefill, calls, _ = decode_counting(monkeypatch, "compressor_decode", steps=8, device=device,
+                                                n_layers=3, compress_ratios=[0, 4, 16])
+    assert calls == 3 * 8
+    torch.testing.assert_close(decode, prefill, rtol=1e-4, atol=1e-4)

@@ -11,7 +11,7 @@ import torch
 
 import dsv4_ops  # noqa: F401
 from dsv4_ops import reference as ref
-from decode_switch import decode_with_switch
+from decode_switch import decode_counting
 
 from dsv4_model.model.decode_options import DecodeOptions
 
@@ -159,17 +159,17 @@ def test_cuda_graph_replay_and_no_sync():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_model_decode_with_and_without_the_op(monkeypatch, dtype):
-    """The decode step through dsv4::hc_pre (hc_pre on) gives the logits of the unfused steps (off); fp32:
-    to summation-order rounding; bf16: the same rounding points (y rounded, then normed), so within bf16 noise."""
-    # every collapse through hc_pre (hc_post_pre: its own test)
-    logits, calls, cfg = decode_with_switch(monkeypatch, "hc_pre", "hc_pre", steps=6, dtype=dtype,
-                                            base=DecodeOptions(hc_post_pre=False), max_seq_len=32, n_layers=2,
-                                            compress_ratios=[0, 4])
-    assert calls == {"0": 0, "1": 2 * cfg.n_layers * 6}  # two per layer and decode step
+@pytest.mark.parametrize("on", [True, False])
+def test_model_decode_with_and_without_the_op(monkeypatch, dtype, on):
+    """The decode step through dsv4::hc_pre (the default; the first collapse of a step, every later one folds the
+    previous hc_post in: hc_post_pre) and with the DecodeOptions(hc_pre=False) override (the tensor ops) gives the
+    logits of a prefill of the same tokens; fp32: to summation-order rounding; bf16: within bf16 noise."""
+    decode, prefill, calls, _ = decode_counting(monkeypatch, "hc_pre", steps=6, dtype=dtype,
+                                                options=DecodeOptions(hc_pre=on), max_seq_len=32, n_layers=2,
+                                                compress_ratios=[0, 4])
+    assert calls == (6 if on else 0)  # one per decode step
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
-    torch.testing.assert_close(logits["1"], logits["0"], **tol)
-    assert float((logits["1"] - logits["0"]).abs().max()) < float(logits["0"].abs().max()) * 0.05
+    torch.testing.assert_close(decode, prefill, **tol)
 
 
 # ---------------------------------------------------------------------------------------------- hc_post_pre
@@ -279,15 +279,15 @@ def test_post_pre_cuda_graph_replay_and_no_sync():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_model_decode_with_and_without_post_fusion(monkeypatch, device):
-    """The decode step with hc_post folded into the next collapse (hc_post_pre on) gives the logits of the
-    separate hc_post (off); fp32; the op runs for every sublayer but the first."""
+def test_model_decode_with_post_fusion(monkeypatch, device):
+    """The decode step with each hc_post folded into the next collapse (dsv4::hc_post_pre, for every sublayer but
+    the first) gives the logits of a prefill of the same tokens; fp32."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA")
-    logits, calls, cfg = decode_with_switch(monkeypatch, "hc_post_pre", "hc_post_pre", steps=4,
-                                            device=device, max_seq_len=32, n_layers=2, compress_ratios=[0, 4])
-    assert calls == {"0": 0, "1": (2 * cfg.n_layers - 1) * 4}
-    torch.testing.assert_close(logits["1"], logits["0"], rtol=1e-4, atol=1e-4)
+    decode, prefill, calls, cfg = decode_counting(monkeypatch, "hc_post_pre", steps=4, device=device,
+                                                  max_seq_len=32, n_layers=2, compress_ratios=[0, 4])
+    assert calls == (2 * cfg.n_layers - 1) * 4
+    torch.testing.assert_close(decode, prefill, rtol=1e-4, atol=1e-4)
 
 
 # ------------------------------------------------------------------------------- hc_post_pre with MoE rows

@@ -12,9 +12,8 @@ import torch
 
 import dsv4_ops  # noqa: F401
 from dsv4_ops import reference as ref
-from decode_switch import decode_with_switch
+from decode_switch import decode_counting
 
-from dsv4_model.model.decode_options import DecodeOptions
 
 ops = torch.ops.dsv4
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.kernels])]
@@ -161,19 +160,18 @@ def test_cuda_graph_replay_no_sync_and_unaligned_views():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_model_decode_with_and_without_the_op(monkeypatch, device, dtype):
-    """The decode step through dsv4::rms_norm_rope (norm_rope on) gives the logits of the separate steps
-    (off): fp32 to summation-order rounding, bf16 within bf16 noise; the op runs for q_norm (rope_dim 0), q and kv
-    of every layer and every compressor's entry."""
+def test_model_decode_through_the_op(monkeypatch, device, dtype):
+    """The decode step through dsv4::rms_norm_rope gives the logits of a prefill of the same tokens (the
+    separate steps): fp32 to summation-order rounding, bf16 within bf16 noise; the op runs for q_norm (rope_dim 0)
+    and q of every layer and the indexer's compressor entry (kv and the other entries go through
+    rms_norm_rope_store)."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA")
-    logits, calls, _ = decode_with_switch(monkeypatch, "rms_norm_rope", "norm_rope", steps=5, device=device,
-                                          base=DecodeOptions(norm_rope_store=False),  # kv, entries through it too
-                                          dtype=dtype, n_layers=3, compress_ratios=[0, 4, 16])
-    # per step: q_norm, q and kv of 3 layers, 3 compressors (CSA's, its indexer's, HCA's)
-    assert calls == {"0": 0, "1": (3 * 3 + 3) * 5}
+    decode, prefill, calls, _ = decode_counting(monkeypatch, "rms_norm_rope", steps=5, device=device, dtype=dtype,
+                                                n_layers=3, compress_ratios=[0, 4, 16])
+    assert calls == (2 * 3 + 1) * 5
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
-    torch.testing.assert_close(logits["1"], logits["0"], **tol)
+    torch.testing.assert_close(decode, prefill, **tol)
 
 
 # ---------------------------------------------------------------------------------------------- rms_norm_rope_store
@@ -303,14 +301,14 @@ def test_store_cuda_graph_replay_no_sync():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_model_decode_with_and_without_the_store(monkeypatch, device, dtype):
-    """The decode step writing kv and compressed entries with dsv4::rms_norm_rope_store
-    (norm_rope_store on) gives the same logits, bit for bit, as rms_norm_rope + the index_put steps
-    (off); the op runs for kv of every layer and the entries of the non-indexer compressors."""
+def test_model_decode_through_the_store(monkeypatch, device, dtype):
+    """The decode step writing kv and compressed entries with dsv4::rms_norm_rope_store gives the logits of a
+    prefill of the same tokens (fp32 to summation-order rounding, bf16 within bf16 noise); the op runs for kv of
+    every layer and the entries of the non-indexer compressors."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA")
-    logits, calls, _ = decode_with_switch(monkeypatch, "rms_norm_rope_store", "norm_rope_store",
-                                          steps=5, device=device, dtype=dtype, n_layers=3,
-                                          compress_ratios=[0, 4, 16])
-    assert calls == {"0": 0, "1": (3 + 2) * 5}  # kv of 3 layers, the CSA and HCA compressors' entries
-    assert torch.equal(logits["1"], logits["0"])
+    decode, prefill, calls, _ = decode_counting(monkeypatch, "rms_norm_rope_store", steps=5, device=device,
+                                                dtype=dtype, n_layers=3, compress_ratios=[0, 4, 16])
+    assert calls == (3 + 2) * 5  # kv of 3 layers, the CSA and HCA compressors' entries
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
+    torch.testing.assert_close(decode, prefill, **tol)

@@ -439,9 +439,10 @@ def test_compiled_decode_step_has_no_graph_breaks(act_quant):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("act_quant", ["none", "nvfp4"])
 def test_moe_rows_folded_into_the_next_collapse(ckpts, monkeypatch, device, act_quant):
-    """moe_rows on (the default): every layer's NVFP4 MoE but the last hands its uncombined expert rows to
-    the next block's hc_post_pre, which sums them (no combine kernel); bit-equal logits to the combined path
-    (off), eager and compiled. The fold needs bf16 streams (the combine rounds to bf16)."""
+    """By default every layer's NVFP4 MoE but the last hands its uncombined expert rows to the next block's
+    hc_post_pre, which sums them (no combine kernel); with the mHC override off (DecodeOptions(hc_pre=False):
+    mHC as tensor ops) every MoE combines its own rows. The logits of both agree within bf16 noise, eager and
+    compiled. The fold needs bf16 streams (the combine rounds to bf16)."""
     from dsv4_model.runtime.compiled import DecodeRunner
     from dsv4_model.model.decode_options import DecodeOptions
     from dsv4_model.runtime.sampling import SamplingParams
@@ -473,7 +474,7 @@ def test_moe_rows_folded_into_the_next_collapse(ckpts, monkeypatch, device, act_
         torch._dynamo.reset()
         m = _load(ckpts["official"], quant="nvfp4", act_quant=act_quant, device=device, max_batch_size=2)
         n_layers = len(m.layers)
-        r = DecodeRunner(m, compile=compile_, cuda_graphs=False, step_options=DecodeOptions(moe_rows=mode == "1"))
+        r = DecodeRunner(m, compile=compile_, cuda_graphs=False, step_options=DecodeOptions(hc_pre=mode == "1"))
         r.prepare(2)
         logits = m.prefill(ids, lengths)
         r.begin(lengths.clone(), [SamplingParams(), SamplingParams()])
@@ -491,7 +492,7 @@ def test_moe_rows_folded_into_the_next_collapse(ckpts, monkeypatch, device, act_
             assert calls == want, (mode, calls)
         out[mode, compile_] = torch.stack(steps)
     assert n_layers >= 2
-    assert torch.equal(out["1", False], out["0", False])
+    torch.testing.assert_close(out["1", False], out["0", False], rtol=2e-2, atol=2e-2)
     # Inductor may reorder fp32 work outside the ops: the compiled step vs eager within bf16-level noise
     if ("1", True) in out:
         torch.testing.assert_close(out["1", True], out["1", False], rtol=2e-2, atol=2e-2)

@@ -1,5 +1,5 @@
 """Tensor-name tables: HF transformers names <-> official names, routed-expert stacking, and the
-storage format each official tensor has in the released checkpoint (doc §7)."""
+storage format each official tensor has in the released checkpoint (DeepSeek's V4 release; ModelOpt's NVFP4 one)."""
 
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def expert_name(stacked: str, index: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Storage of each tensor in the official release (doc §7): "fp8" (e4m3 + 128x128 E8M0 scales),
+# Storage of each tensor in the official release: "fp8" (e4m3 + 128x128 E8M0 scales),
 # "fp4" (MXFP4 routed experts), "bf16", "f32", "i64".
 # ---------------------------------------------------------------------------------------------
 

@@ -6,14 +6,14 @@ tensors, bf16 for bf16 tensors, fp32 for fp32 ones). The official layout stores 
 the hf and dsv4 layouts store the dequantized values (exact in bf16), so every layout loads to
 bit-identical weights.
 
-"modelopt" mimics NVIDIA's ModelOpt NVFP4 release of V4 (doc §7): the official layout, except that the main
+"modelopt" mimics NVIDIA's ModelOpt NVFP4 release of V4: the official layout, except that the main
 model's routed experts are NVFP4 (`.weight` packed uint8 [N, K/2], `.weight_scale` E4M3 [N, K/16],
 `.weight_scale_2` fp32 0-d, `.input_scale` fp32 0-d), converted LOSSLESSLY from their MXFP4 values
 (dsv4_model.quant.nvfp4_convert.mxfp4_to_nvfp4, one power-of-two global scale per tensor, so w1 and w3 of an expert
 may differ by a power of two); MTP experts stay MXFP4. It loads to the same weights as the other layouts.
 Config: an HF `config.json` (base `quant_method` fp8) and an `hf_quant_config.json`.
 
-Tensor names and shapes come from the spec (doc §7), not from the model code, so loading a written
+Tensor names and shapes come from the release's spec (written out below), not from the model code, so loading a written
 checkpoint also checks the model's parameter shapes against the spec.
 """
 
@@ -47,7 +47,7 @@ CONFIGS = {"tiny": TINY_CONFIG}
 
 WRITER_LAYOUTS = LAYOUTS + ("modelopt",)
 
-# what ModelOpt's hf_quant_config.json says for the V4 NVFP4 release (doc §7; exact extra fields unverified)
+# what ModelOpt's hf_quant_config.json says for the V4 NVFP4 release (exact extra fields unverified)
 MODELOPT_QUANT_CONFIG = {"producer": {"name": "modelopt"},
                          "quantization": {"quant_algo": "MIXED_PRECISION", "moe_quant_algo": "NVFP4",
                                           "group_size": 16, "kv_cache_quant_algo": None}}

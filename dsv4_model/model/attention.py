@@ -26,7 +26,6 @@ from dsv4_ops import ops
 
 from dsv4_model.model import decode_options as fused
 from dsv4_model.model.compressor import Compressor
-from dsv4_model.model.decode_options import DEFAULT, DecodeOptions
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.indexer import Indexer, topk_indices
 from dsv4_model.model.layers import (GroupedLinear, Linear, RMSNorm, W4A16Weight, apply_rope, fp32_linear,
@@ -99,12 +98,12 @@ class Attention(nn.Module):
 
     # ------------------------------------------------------------------ shared pieces
     def _qkv(self, x: torch.Tensor, cs: torch.Tensor, index_proj: bool = False,
-             positions: torch.Tensor | None = None, opts: DecodeOptions = DEFAULT):
+             positions: torch.Tensor | None = None):
         """x [..., dim] -> (qr [..., q_lora], q [..., H, D], kv [..., D], iproj); cs: rope rows for x's positions.
         iproj: the indexer's wq_b(qr) when index_proj and it ran in the same launch as wq_b (else None).
         positions (decode): kv may go straight into the window of kv_cache at positions % window (then None)."""
         qa, kva = self._x_projections(x)
-        if qa.dim() == 2 and fused.norm_rope(opts, qa, 0):  # decode: a dsv4 kernel (PDL) instead of Inductor's reduction
+        if qa.dim() == 2 and fused.norm_rope(qa, 0):  # decode: a dsv4 kernel (PDL) instead of Inductor's reduction
             cs0 = qa.new_empty((qa.shape[0], 0, 2), dtype=torch.float32)
             qr = ops.rms_norm_rope(qa.unsqueeze(1), weight=self.q_norm.weight, cs=cs0, eps=self.q_norm.eps,
                                    rope_dim=0, fp8_nope=False).squeeze(1)
@@ -112,9 +111,9 @@ class Attention(nn.Module):
             qr = self.q_norm(qa)
         qb, iproj = self._qr_projections(qr, index_proj)
         q = qb.unflatten(-1, (self.n_heads, self.head_dim))
-        if q.dim() == 3 and fused.norm_rope(opts, q, self.rope_dim):  # decode: x [B, dim], cs [B, rope_dim / 2, 2]
+        if q.dim() == 3 and fused.norm_rope(q, self.rope_dim):  # decode: x [B, dim], cs [B, rope_dim / 2, 2]
             q = ops.rms_norm_rope(q, weight=None, cs=cs, eps=self.eps, rope_dim=self.rope_dim, fp8_nope=False)
-            if positions is not None and fused.norm_rope_store(opts, kva, self.kv_cache):
+            if positions is not None and fused.norm_rope_store(kva, self.kv_cache):
                 ops.rms_norm_rope_store(kva, weight=self.kv_norm.weight, cs=cs, eps=self.kv_norm.eps,
                                         rope_dim=self.rope_dim, fp8_nope=self.simulate_quant, positions=positions,
                                         ratio=0, offset=0, slots=self.window, cache=self.kv_cache)
@@ -272,8 +271,7 @@ class Attention(nn.Module):
         W, m, dev = self.window, self.ratio, x.device
         rows = torch.arange(B, device=dev)
         cs = step.cs(self.rope_kind)
-        opts = step.options
-        qr, q, kv, iproj = self._qkv(x, cs, index_proj=True, positions=positions, opts=opts)
+        qr, q, kv, iproj = self._qkv(x, cs, index_proj=True, positions=positions)
         cproj, iproj_c, wproj = self._fp32_projections(x)
 
         sel = sel_valid = sel_raw = None
@@ -281,7 +279,7 @@ class Attention(nn.Module):
             ix = self.indexer
             ientry, icomplete = ix.compressor.decode(x, step, self.rope_kind, iproj_c)
             packed = ix.packed_decode()
-            if packed and fused.key_store(opts, ientry):
+            if packed and fused.key_store(ientry):
                 ops.indexer_store_keys(ientry, positions=positions, ratio=m, kv_cache=ix.kv_cache,
                                        k_codes=ix.k_codes, k_scales=ix.k_scales)
             else:
@@ -290,7 +288,7 @@ class Attention(nn.Module):
                     codes, scales = fp4_pack_indexer_keys(ientry)
                     self._write_entry(ix.k_codes, 0, positions, codes, icomplete)
                     self._write_entry(ix.k_scales, 0, positions, scales, icomplete)
-            iq = ix.queries(qr, cs.unsqueeze(-3), iproj, opts)
+            iq = ix.queries(qr, cs.unsqueeze(-3), iproj)
             k = min(ix.index_topk, self.n_entries)
             if packed:
                 sel_raw = sel = ix.select(iq, x, step.visible(m), k, wproj)
@@ -311,15 +309,15 @@ class Attention(nn.Module):
                 self._write_entry(self.kv_cache, W, positions, entry, complete)
 
         listed = W + (sel.shape[1] if sel is not None else self.n_entries if self.ratio else 0)
-        if fused.decode_attention(opts, B, listed, q) and q.dtype == self.kv_cache.dtype:
+        if fused.decode_attention(step.options, B, listed, q) and q.dtype == self.kv_cache.dtype:
             idx2, idx2_offset = None, 0  # the indexer's top-k after the window rows, as the op's second row list
             if sel is None:  # the same rows for every layer of this kind and shape: once per step
                 rows = self._shared_rows(step, (W, m, self.n_entries))
-            elif sel_raw is not None and opts.sel_rows:
+            elif sel_raw is not None:
                 rows, idx2, idx2_offset = self._shared_rows(step, (W, 0, 0)), sel_raw, W
             else:
                 rows = self._decode_rows(positions, sel, sel_valid)
-            out_rope = self.rope_dim > 0 and self.rope_dim % 4 == 0 and opts.out_rope
+            out_rope = self.rope_dim > 0 and self.rope_dim % 4 == 0
             # with out_rope the output's inverse RoPE runs in the op's combine kernel (one kernel less)
             o = ops.sparse_attn_decode(q, self.kv_cache[:B], rows, sink=self.attn_sink, scale=self.softmax_scale,
                                        out_rope=cs if out_rope else None, rope_dim=self.rope_dim if out_rope else 0,

@@ -12,7 +12,6 @@ from dsv4_ops import ops
 
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model import decode_options as fused
-from dsv4_model.model.decode_options import DEFAULT, DecodeOptions
 from dsv4_model.model.layers import Linear, RMSNorm, apply_rope, fp32_linear
 from dsv4_model.model.quant_sim import indexer_fake_quant, kv_fake_quant
 from dsv4_model.model.step_values import DecodeStep
@@ -64,17 +63,16 @@ class Compressor(nn.Module):
         self.kv_state.zero_()
         self.score_state.fill_(float("-inf"))
 
-    def _finish(self, pooled: torch.Tensor, cs: torch.Tensor, dtype: torch.dtype, store=None,
-                opts: DecodeOptions = DEFAULT) -> torch.Tensor | None:
+    def _finish(self, pooled: torch.Tensor, cs: torch.Tensor, dtype: torch.dtype, store=None) -> torch.Tensor | None:
         """Pooled entries -> cache entries: RMSNorm, RoPE, and the simulated FP8 (KV) or Hadamard + FP4 (indexer
-        keys) rounding; at decode (one entry per row) through the fused ops where they are on. store: (positions,
-        cache, offset) at decode: the entry is written into cache where its window closed (returns None) when the
-        fused op can; else returned for the caller to write."""
+        keys) rounding; at decode (one entry per row) through the fused ops where they take the shapes. store:
+        (positions, cache, offset) at decode: the entry is written into cache where its window closed (returns None)
+        when the fused op can; else returned for the caller to write."""
         decode, x = pooled.dim() == 2, pooled.to(dtype)
-        if decode and fused.norm_rope(opts, x, self.rope_dim):
+        if decode and fused.norm_rope(x, self.rope_dim):
             fp8 = self.simulate_quant and not self.rotate
             index_keys = self.simulate_quant and self.rotate  # then the Hadamard + FP4 rounding follows
-            if not index_keys and store is not None and fused.norm_rope_store(opts, x, store[1]):
+            if not index_keys and store is not None and fused.norm_rope_store(x, store[1]):
                 positions, cache, offset = store
                 ops.rms_norm_rope_store(x, weight=self.norm.weight, cs=cs, eps=self.norm.eps, rope_dim=self.rope_dim,
                                         fp8_nope=fp8, positions=positions, ratio=self.ratio, offset=offset,
@@ -90,7 +88,7 @@ class Compressor(nn.Module):
                 return kv
             if not self.rotate:
                 return kv_fake_quant(kv, self.rope_dim)
-        if decode and fused.hadamard(opts, kv):
+        if decode and fused.hadamard(kv):
             return ops.hadamard_fp4(kv.unsqueeze(1), cs=None, rope_dim=0).squeeze(1)
         return indexer_fake_quant(kv)
 
@@ -150,27 +148,9 @@ class Compressor(nn.Module):
         kv, score = self._project(x) if proj is None else proj
         cs = step.cs(rope_kind, m)
         complete = (positions + 1) % m == 0
-        if step.options.compressor:
-            # the op rounds the pooling to x's dtype itself (_finish's .to(dtype) is then no kernel)
-            dt = x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
-            pooled = torch.empty(B, hd, dtype=dt, device=x.device)
-            ops.compressor_decode(kv, score, ape=self.ape, positions=positions, kv_state=self.kv_state,
-                                  score_state=self.score_state, pooled=pooled)
-            return self._finish(pooled, cs, x.dtype, store, step.options), complete
-        rows = torch.arange(B, device=x.device)
-        score = score + self.ape[positions % m]
-        slot = (self.coff - 1) * m + positions % m
-        self.kv_state.index_put_((rows, slot), kv)
-        self.score_state.index_put_((rows, slot), score)
-        if self.overlap:
-            kv_s = torch.cat([self.kv_state[:B, :m, :hd], self.kv_state[:B, m:, hd:]], dim=1)
-            sc_s = torch.cat([self.score_state[:B, :m, :hd], self.score_state[:B, m:, hd:]], dim=1)
-            pooled = (kv_s * sc_s.softmax(dim=1)).sum(dim=1)
-            cm = complete.view(B, 1, 1)
-            new_prev_kv = torch.where(cm, self.kv_state[:B, m:], self.kv_state[:B, :m])
-            new_prev_sc = torch.where(cm, self.score_state[:B, m:], self.score_state[:B, :m])
-            self.kv_state[:B, :m] = new_prev_kv
-            self.score_state[:B, :m] = new_prev_sc
-        else:
-            pooled = (self.kv_state[:B] * self.score_state[:B].softmax(dim=1)).sum(dim=1)
-        return self._finish(pooled, cs, x.dtype, store, step.options), complete
+        # the op rounds the pooling to x's dtype itself (_finish's .to(dtype) is then no kernel)
+        dt = x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+        pooled = torch.empty(B, hd, dtype=dt, device=x.device)
+        ops.compressor_decode(kv, score, ape=self.ape, positions=positions, kv_state=self.kv_state,
+                              score_state=self.score_state, pooled=pooled)
+        return self._finish(pooled, cs, x.dtype, store), complete

@@ -1,6 +1,6 @@
 """DeepSeek-V4 model configuration (official `inference/config.json` field names).
 
-`ModelConfig.from_dict` accepts the three config flavours a checkpoint may ship (doc §1):
+`ModelConfig.from_dict` accepts the three config flavours a checkpoint may ship (docs/checkpoints.md "config.json"):
   * the official inference names (`dim`, `n_layers`, `compress_ratios`, `n_hash_layers`, ...),
   * the released top-level HF `config.json` (`hidden_size`, `compress_ratios`, `num_hash_layers`, `rope_scaling`),
   * transformers >= 5.23 `DeepseekV4Config` output (`layer_types`, `mlp_layer_types`, `compress_rates`,

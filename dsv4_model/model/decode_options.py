@@ -1,10 +1,11 @@
 """How the decode step is built: `DecodeOptions` (chosen when a DecodeRunner is built, read when the step is traced)
-and, per fused decode op, whether it applies: the option and the shapes the op's kernels take.
+and, per fused decode op, whether it applies: the shapes the op's kernels take (the limits the library reports).
 
-Every default is the path the engine ships (each fused op one launch instead of the several Inductor kernels of
-the tensor-op steps it replaces, the faster one measured on the H200: bench/RESULTS.md). Turning one off runs those
-steps instead: a debug override for bisecting and A/B runs (`scripts/gpu_check.sh switches`), the same numerics up
-to summation order (tests/decode_switch.py compares each way).
+The decode step runs each fused op (one launch instead of the several Inductor kernels of the tensor-op steps it
+replaces, the faster one measured on the H200: bench/RESULTS.md) wherever its kernels take the shapes; elsewhere,
+and in prefill and training, the tensor-op form runs. Two debug overrides remain, for bisecting and A/B runs
+(`scripts/gpu_check.sh switches`): the whole mHC chain as tensor ops, and the attention's form. Each gives the
+shipped logits up to summation order (tests/test_decode_options.py).
 """
 from __future__ import annotations
 
@@ -21,16 +22,7 @@ ATTENTION_MODES = ("auto", "fused", "torch")
 
 @dataclass(frozen=True)
 class DecodeOptions:
-    hc_pre: bool = True  # the mHC collapse + the sublayer's RMSNorm as one dsv4::hc_pre
-    hc_post_pre: bool = True  # each sublayer's hc_post folded into the next collapse (dsv4::hc_post_pre)
-    moe_rows: bool = True  # an NVFP4 MoE's expert rows summed by the next hc_post_pre (no combine kernel)
-    sel_rows: bool = True  # a CSA layer passes the shared window rows + its top-k as the attention op's idx2
-    key_store: bool = True  # a closed window's indexer key into both indexer caches with dsv4::indexer_store_keys
-    out_rope: bool = True  # the attention output's inverse RoPE inside dsv4::sparse_attn_decode
-    compressor: bool = True  # a compressor's state update + pooling as one dsv4::compressor_decode
-    hadamard: bool = True  # the indexer's (RoPE +) Hadamard + FP4 of queries / keys as dsv4::hadamard_fp4
-    norm_rope: bool = True  # RMSNorm + RoPE (+ simulated FP8) of q, kv, entries as dsv4::rms_norm_rope
-    norm_rope_store: bool = True  # ... written straight into the attention cache (dsv4::rms_norm_rope_store)
+    hc_pre: bool = True  # mHC at decode as dsv4::hc_pre / hc_post_pre (an NVFP4 MoE's rows folded into the latter)
     attention: str = "auto"  # dsv4::sparse_attn_decode where faster ("auto"), always ("fused"), never ("torch")
 
     def __post_init__(self):
@@ -58,27 +50,26 @@ class DecodeOptions:
 DEFAULT = DecodeOptions()
 
 
-def norm_rope(opts: DecodeOptions, x: torch.Tensor, rope_dim: int) -> bool:
+def norm_rope(x: torch.Tensor, rope_dim: int) -> bool:
     """dsv4::rms_norm_rope for x [rows, heads, d] (decode)."""
     d = x.shape[-1]
-    return (opts.norm_rope and x.dtype in (torch.bfloat16, torch.float32) and not d % 4 and not rope_dim % 4
+    return (x.dtype in (torch.bfloat16, torch.float32) and not d % 4 and not rope_dim % 4
             and d <= LIMITS.norm_rope_cuda_max_dim)
 
 
-def norm_rope_store(opts: DecodeOptions, x: torch.Tensor, cache: torch.Tensor) -> bool:
+def norm_rope_store(x: torch.Tensor, cache: torch.Tensor) -> bool:
     """dsv4::rms_norm_rope_store writing x's normalised rows into cache (instead of index_put kernels)."""
-    return opts.norm_rope_store and cache.dtype == x.dtype and cache.is_contiguous()
+    return cache.dtype == x.dtype and cache.is_contiguous()
 
 
-def hadamard(opts: DecodeOptions, x: torch.Tensor) -> bool:
+def hadamard(x: torch.Tensor) -> bool:
     """dsv4::hadamard_fp4 for the indexer's queries / keys x [..., d] (the same bits as the tensor ops)."""
-    return opts.hadamard and x.dtype in (torch.bfloat16, torch.float32) and x.shape[-1] in LIMITS.hadamard_fp4_dims
+    return x.dtype in (torch.bfloat16, torch.float32) and x.shape[-1] in LIMITS.hadamard_fp4_dims
 
 
-def key_store(opts: DecodeOptions, keys: torch.Tensor) -> bool:
+def key_store(keys: torch.Tensor) -> bool:
     """dsv4::indexer_store_keys (instead of the packing kernels and three index_put kernels)."""
-    return (opts.key_store and keys.dtype in (torch.bfloat16, torch.float32)
-            and keys.shape[-1] in LIMITS.store_keys_dims)
+    return keys.dtype in (torch.bfloat16, torch.float32) and keys.shape[-1] in LIMITS.store_keys_dims
 
 
 # dsv4::sparse_attn_decode's CUDA partial kernels: the tensor-core one (bf16, LIMITS.attn_mma_dims) beats the

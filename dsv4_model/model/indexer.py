@@ -14,7 +14,6 @@ from dsv4_ops.limits import LIMITS
 
 from dsv4_model.model import decode_options as fused
 from dsv4_model.model.compressor import Compressor
-from dsv4_model.model.decode_options import DEFAULT, DecodeOptions
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.layers import Linear, apply_rope
 from dsv4_model.model.quant_sim import fp4_pack_indexer_keys, indexer_fake_quant
@@ -60,12 +59,11 @@ class Indexer(nn.Module):
         self.register_buffer("k_scales", torch.zeros(self.max_batch, self.n_entries, self.head_dim // 32, **u8),
                              persistent=False)
 
-    def queries(self, qr: torch.Tensor, cs: torch.Tensor, proj: torch.Tensor | None = None,
-                opts: DecodeOptions = DEFAULT) -> torch.Tensor:
+    def queries(self, qr: torch.Tensor, cs: torch.Tensor, proj: torch.Tensor | None = None) -> torch.Tensor:
         """qr [..., q_lora] -> [..., H_I, Di]; cs broadcastable to the head axis. proj: wq_b(qr) if already
-        computed (Attention runs it in the same launch as its own wq_b). opts: the decode step's options."""
+        computed (Attention runs it in the same launch as its own wq_b)."""
         q = (self.wq_b(qr) if proj is None else proj).unflatten(-1, (self.n_heads, self.head_dim))
-        if q.dim() == 3 and self.simulate_quant and fused.hadamard(opts, q):  # decode: cs [B, 1, rope_dim / 2, 2]
+        if q.dim() == 3 and self.simulate_quant and fused.hadamard(q):  # decode: cs [B, 1, rope_dim / 2, 2]
             return ops.hadamard_fp4(q, cs=cs.reshape(q.shape[0], self.rope_dim // 2, 2), rope_dim=self.rope_dim)
         q = apply_rope(q, cs, self.rope_dim)
         if self.simulate_quant:

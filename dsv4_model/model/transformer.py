@@ -1,8 +1,9 @@
 """DeepSeek-V4 transformer (pure PyTorch) with preallocated caches and a compile-friendly decode step.
 
-Parameter names = official checkpoint names (doc §7), except routed experts, which are stacked:
-layers.N.ffn.experts.w1 / w3 [E, inter, dim] and w2 [E, dim, inter]. `ffn.gate.tid2eid` is a persistent int64
-buffer. Caches and RoPE tables are non-persistent buffers (re)built by `setup_runtime(device)`.
+Parameter names = official checkpoint names (dsv4_model/checkpoint/names.py maps the others), except routed
+experts, which are stacked: layers.N.ffn.experts.w1 / w3 [E, inter, dim] and w2 [E, dim, inter].
+`ffn.gate.tid2eid` is a persistent int64 buffer. Caches and RoPE tables are non-persistent buffers (re)built by
+`setup_runtime(device)`.
 
 Parameter dtypes follow the official model: fp32 for norms, mHC params, attn_sink, compressor (ape, wkv, wgate),
 router bias and head.weight (logits are computed in fp32); the model dtype for everything else. A loader must
@@ -103,7 +104,7 @@ class Block(nn.Module):
     def fuses_post(self, site: str, out_dtype: torch.dtype, h_dtype: torch.dtype, opts: DecodeOptions) -> bool:
         """Whether _post_pre_normed folds a sublayer output of out_dtype into streams of h_dtype with one
         dsv4::hc_post_pre call."""
-        return (not torch.is_grad_enabled() and opts.hc_pre and opts.hc_post_pre and out_dtype == h_dtype
+        return (not torch.is_grad_enabled() and opts.hc_pre and out_dtype == h_dtype
                 and getattr(self, f"hc_{site}_fn").dtype in (torch.float32, torch.bfloat16))
 
     def _post_pre_normed(self, h: torch.Tensor, pending: "Pending | None", site: str, norm: RMSNorm,
@@ -334,7 +335,7 @@ class Transformer(nn.Module):
         pending = None
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            fold = nxt is not None and options.moe_rows and nxt.fuses_post("attn", torch.bfloat16, h.dtype, options)
+            fold = nxt is not None and nxt.fuses_post("attn", torch.bfloat16, h.dtype, options)
             if layer_call is None:
                 h, pending = layer.decode(h, tokens, step, pending, fold_rows=fold)
             else:
