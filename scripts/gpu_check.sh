@@ -5,7 +5,7 @@
 #   results), compute-sanitizer (memcheck, racecheck) on the direct kernel tests, the benchmarks.
 # $OUT gets summary.txt + logs.tgz (the device tool returns at most 8 files of <= 16 MiB).
 # Usage on the H200, from the repo root:
-#   bash scripts/gpu_check.sh [mainjob|tests|sanitizer|bench|soak|profile|switches|pdl|decode|depth|fulldepth ...]
+#   bash scripts/gpu_check.sh [mainjob|gate|tests|sanitizer|bench|soak|profile|switches|pdl|decode|depth|fulldepth ...]
 # (default: mainjob tests sanitizer bench)
 # Env: GPU_CHECK_SKIP_BUILD=1 (already built), TEST_FILES / BENCHES (space-separated paths; default: all), SANITIZE
 # (a grep -E pattern on "TOOL SPEC", e.g. "racecheck .*attn": only the sanitizer runs it matches), SANITIZER_JOBS (parallel sanitizer runs, 8), GPU_CHECK_SECONDS (a total budget: steps get
@@ -89,6 +89,13 @@ for part in $PARTS; do
       rm -rf "$LOGS/default_bf16.pt2" "$LOGS/cpp_build"
       # ... and the loader's memory check (it runs on every GPU load).
       step mainjob_default_model_bf16 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_default_model_gpu.py \
+        tests/test_compile_cost.py tests/test_memory_plan.py -k "bf16 or too_small" ;;
+    gate)
+      # The GPU gate without the export: `bash scripts/run.sh` (cold Inductor caches) and the default model's bf16
+      # GPU tests, each under a hard limit.
+      step gate_run "${MAINJOB_TIMEOUT:-300}" env PYTHON=$PY bash scripts/run.sh
+      note "  $(grep -hE 'decode step for batch bucket .*: done in|tokens/s' "$LOGS/gate_run.log" | tr '\n' ' ')"
+      step gate_default_model_bf16 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_default_model_gpu.py \
         tests/test_compile_cost.py tests/test_memory_plan.py -k "bf16 or too_small" ;;
     tests)
       for f in ${TEST_FILES:-tests/test_*.py}; do
