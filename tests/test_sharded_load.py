@@ -76,3 +76,26 @@ def test_other_ranks_experts_are_still_checked(ckpts, tmp_path):
             save_file(t, str(f), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="experts.6.w2"):
         load_model(bad, expert_shard=ExpertShard(0, WORLD), **KW)  # expert 6 belongs to rank 1
+
+
+def test_the_reader_keeps_few_shards_mapped_and_loads_in_shard_order(ckpts, monkeypatch, capsys):
+    """A load maps each shard once, in order, and keeps at most two mapped at a time (the host memory a load touches
+    is bounded by a few shards, not the checkpoint), then reports its time and peak host memory in one line."""
+    opened, real = [], io.safe_open
+    monkeypatch.setattr(io, "safe_open", lambda path, **kw: opened.append(path) or real(path, **kw))
+    reader = io.TensorReader("cpu")
+    infos = io.list_tensors(ckpts["official"])
+    by_file = {}
+    for info in infos.values():
+        by_file.setdefault(info.file, info)
+    assert len(by_file) == 3
+    for info in [*by_file.values(), *by_file.values()]:
+        assert reader.read(info).shape == info.shape
+        assert len(reader._handles) <= 2
+    assert len(opened) == 6  # round robin over 3 shards with room for 2: every read reopens
+    opened.clear()
+    model, _ = load_model(ckpts["official"], **{**KW, "progress": True})
+    # (a check before the copies reads the hash-routing table) then the copies in shard order, each shard once
+    assert opened[-3:] == sorted(set(opened)) and len(opened) <= 4, opened
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[dsv4] loaded")]
+    assert len(lines) == 1 and "host memory peak" in lines[0]

@@ -139,18 +139,23 @@ def list_tensors(ckpt_dir: str | os.PathLike) -> dict[str, TensorInfo]:
 
 
 class TensorReader:
-    """Reads single tensors lazily (mmap) from their shard directly onto `device`."""
+    """Reads single tensors lazily (mmap) from their shard directly onto `device`. At most `max_open` shards stay
+    mapped (the least recently read is closed first), so the pages a load has touched stay bounded by a few
+    shards, whatever the checkpoint's size (a mapped page counts as the process's host memory until unmapped)."""
 
-    def __init__(self, device: torch.device | str):
+    def __init__(self, device: torch.device | str, max_open: int = 2):
         self.device = torch.device(device)
-        self._handles: dict[Path, object] = {}
+        self.max_open = max(1, int(max_open))
+        self._handles: dict[Path, object] = {}  # in order of last use
 
     def _handle(self, path: Path):
-        h = self._handles.get(path)
+        h = self._handles.pop(path, None)
         if h is None:
+            while len(self._handles) >= self.max_open:
+                self._handles.pop(next(iter(self._handles)))
             dev = "cpu" if self.device.type == "cpu" else str(self.device)
             h = safe_open(str(path), framework="pt", device=dev)
-            self._handles[path] = h
+        self._handles[path] = h
         return h
 
     def read(self, info: TensorInfo) -> torch.Tensor:

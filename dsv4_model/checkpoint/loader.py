@@ -34,6 +34,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +42,7 @@ from pathlib import Path
 import torch
 
 from dsv4_model.checkpoint.io import CheckpointError, TensorInfo, TensorReader, list_tensors, write_sharded
-from dsv4_model.checkpoint.memory_plan import check_fits, memory_plan
+from dsv4_model.checkpoint.memory_plan import GiB, check_fits, memory_plan
 from dsv4_model.checkpoint.tensor_checks import (
     FP8_TAGS, NVFP4_INPUT_SCALE, NVFP4_SCALE, NVFP4_SCALE2, PACKED_FP4_TAGS, check_source, dtype_ok,
     dtype_problem, fmt_shape, source_name,
@@ -467,6 +468,7 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
     `dsv4_model.model.parallel.ExpertShard`: this rank's slice of the routed experts only is read (every expert's
     header is still checked), the rest of the model replicated.
     """
+    t_start = time.perf_counter()
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"{root}: not a checkpoint directory")
@@ -522,7 +524,8 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
     params = model.state_dict(keep_vars=True)
     from tqdm.auto import tqdm
 
-    direct = [load for load in plan if load.target not in unit_sources]
+    # in shard order, so each shard is mapped once (TensorReader keeps only a few open)
+    direct = sorted((load for load in plan if load.target not in unit_sources), key=lambda ld: str(ld.weight.file))
     by_target = {(load.target, load.index): load for load in plan if load.target in unit_sources}
     with torch.no_grad(), TensorReader("cpu") as reader:
         for load in tqdm(direct, desc=f"loading {root.name}", unit="tensor", disable=not progress):
@@ -541,7 +544,18 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
     model.narrow_weights_()
     model.setup_runtime(device)
     model.eval()
+    if progress:
+        print(f"[dsv4] loaded {root.name} in {time.perf_counter() - t_start:.1f} s; host memory peak "
+              f"{peak_host_bytes() / GiB:.1f} GiB (resident set)", file=sys.stderr)
     return model, config
+
+
+def peak_host_bytes() -> int:
+    """The process's peak resident set so far (Linux: ru_maxrss in KiB; macOS: bytes)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def save_model(model, config, path: str | os.PathLike, *, num_shards: int | None = None,
