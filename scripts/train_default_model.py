@@ -124,12 +124,7 @@ def build_model(cfg, batch_size: int, seq_len: int, device: torch.device, simula
 def forward_hidden(model, ids: torch.Tensor) -> torch.Tensor:
     """[B, S] ids from position 0 -> final residual streams [B, S, hc, dim]."""
     B, S = ids.shape
-    lengths = torch.full((B,), S, dtype=torch.long, device=ids.device)
-    rope = model._rope()
-    h = model.embed(ids).unsqueeze(2).repeat(1, 1, model.hc, 1)
-    for layer in model.layers:
-        h = layer.prefill(h, ids, lengths, rope)
-    return h
+    return model.streams(ids, torch.full((B,), S, dtype=torch.long, device=ids.device))
 
 
 def logits_from_hidden(model, h: torch.Tensor) -> torch.Tensor:
@@ -142,19 +137,9 @@ def forward_logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def mtp_logits(model, h: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
-    """MTP depth 1 (doc §9): position t combines the main streams h_t with the embedding of token t+1 and
-    predicts token t+2. h [B, T, hc, d], next_ids [B, T] (tokens 1..T) -> logits [B, T, V]."""
-    from dsv4_model.model.layers import hc_head
-
-    mtp = model.mtp[0]
-    B, T = next_ids.shape
-    e = mtp.enorm(model.embed(next_ids))
-    x = mtp.e_proj(e).unsqueeze(2) + mtp.h_proj(mtp.hnorm(h))
-    lengths = torch.full((B,), T, dtype=torch.long, device=next_ids.device)
-    x = mtp.prefill(x, next_ids, lengths, model._rope())
-    c = model.config
-    y = hc_head(x, mtp.hc_head_fn, mtp.hc_head_scale, mtp.hc_head_base, c.hc_eps, c.norm_eps)
-    return F.linear(mtp.norm(y).float(), model.head.weight.float())
+    """MTP depth 1 (Transformer.mtp_forward): position t combines the main streams h_t with the embedding of
+    token t+1 and predicts token t+2. h [B, T, hc, d], next_ids [B, T] (tokens 1..T) -> logits [B, T, V]."""
+    return model.mtp_forward(h, next_ids)[0]
 
 
 @torch.no_grad()

@@ -281,3 +281,30 @@ def test_teacher_forced_paths_helper():
     row0 = gap[:, 0]
     k = int(row0.argmin())
     assert fixed_prefix(ref, float(row0[k]) / 2)[0] == k + 1
+
+
+@needs_assets
+def test_the_mtp_block_drafts_the_token_after_next():
+    """The shipped model's MTP block (Transformer.mtp_forward) reads the main streams at its own position: on
+    held-out text its drafts of the token after next agree with the main model's greedy choice at the next position
+    (what greedy speculation accepts) far above chance, and feeding it the streams of other positions (shifted by
+    5) loses most of that; chained drafts (its own streams into a second pass) still agree often."""
+    acc = _load_script("mtp_acceptance", "scripts/mtp_acceptance.py")
+    from dsv4_model.checkpoint.tokenizer import load_tokenizer
+    from dsv4_model.runtime.engine import Engine
+
+    eng = Engine.from_pretrained(ASSETS, device="cpu", dtype=torch.float32, max_batch_size=1, max_seq_len=512,
+                                 progress=False, compile=False)
+    m = eng.model
+    text = (ASSETS / "heldout_sample.txt").read_text(encoding="utf-8")
+    ids = torch.tensor([load_tokenizer(ASSETS, m.config).encode(text)[:512]])
+    accepted, eligible, hits, n = acc.window_counts(m, ids, depth=2)
+    assert eligible[0] > 100 and accepted[0] / eligible[0] > 0.45, (accepted, eligible)
+    assert eligible[1] > 20 and accepted[1] / eligible[1] > 0.25, (accepted, eligible)
+    with torch.no_grad():
+        h = m.streams(ids, torch.tensor([512]))
+        right = m.mtp_forward(h[:, :-1], ids[:, 1:])[0].argmax(-1)[0]
+        shifted = m.mtp_forward(torch.roll(h[:, :-1], 5, dims=1), ids[:, 1:])[0].argmax(-1)[0]
+    text_hits = lambda d: float((d[:-1] == ids[0, 2:]).float().mean())  # noqa: E731
+    assert text_hits(right) > 0.25 and text_hits(shifted) < text_hits(right) - 0.08, (text_hits(right),
+                                                                                      text_hits(shifted))

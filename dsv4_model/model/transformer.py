@@ -140,7 +140,7 @@ class Block(nn.Module):
 
 
 class MTPBlock(Block):
-    """Multi-token-prediction block (weights only for now; shares embed / head with the main model)."""
+    """Multi-token-prediction block (Transformer.mtp_forward; shares embed / head with the main model)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, max_batch: int, max_seq_len: int):
         super().__init__(cfg, layer_id, dtype, max_batch, max_seq_len)
@@ -310,14 +310,38 @@ class Transformer(nn.Module):
         if lengths is None:
             lengths = torch.full((B,), S, dtype=torch.long, device=self.device)
         lengths = lengths.to(device=self.device, dtype=torch.long)
-        rope = self._rope()
-        h = self.embed(tokens).unsqueeze(2).repeat(1, 1, self.hc, 1)
-        for layer in self.layers:
-            h = layer.prefill(h, tokens, lengths, rope, static_moe)
+        h = self.streams(tokens, lengths, static_moe)
         if all_logits:
             return self._logits(h)
         last = h[torch.arange(B, device=self.device), lengths - 1]
         return self._logits(last)
+
+    def streams(self, tokens: torch.Tensor, lengths: torch.Tensor, static_moe: bool = False) -> torch.Tensor:
+        """The main layers over `tokens` [B, S] from position 0 (filling cache rows [:B]) -> the final residual
+        streams [B, S, hc, dim] before the head's collapse (what prefill's logits and the MTP block read). Tracks
+        gradients where enabled (training)."""
+        rope = self._rope()
+        h = self.embed(tokens).unsqueeze(2).repeat(1, 1, self.hc, 1)
+        for layer in self.layers:
+            h = layer.prefill(h, tokens, lengths, rope, static_moe)
+        return h
+
+    def mtp_forward(self, h: torch.Tensor, next_ids: torch.Tensor, lengths: torch.Tensor | None = None,
+                    depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP block `depth` over a sequence from position 0: position t combines the streams h_t [B, S, hc, dim]
+        (the main model's, or the previous MTP pass's to draft further ahead) with the embedding of token t+1
+        (next_ids [B, S]) and predicts the token after it. Fills the block's caches rows [:B]. Returns (fp32
+        logits [B, S, V] through the shared head, the block's output streams [B, S, hc, dim]). Tracks gradients
+        where enabled (training)."""
+        mtp = self.mtp[depth]
+        B, S = next_ids.shape
+        if lengths is None:
+            lengths = torch.full((B,), S, dtype=torch.long, device=next_ids.device)
+        x = mtp.e_proj(mtp.enorm(self.embed(next_ids))).unsqueeze(2) + mtp.h_proj(mtp.hnorm(h))
+        out = mtp.prefill(x, next_ids, lengths, self._rope())
+        y = hc_head(out, mtp.hc_head_fn, mtp.hc_head_scale, mtp.hc_head_base, self.config.hc_eps,
+                    self.config.norm_eps)
+        return F.linear(mtp.norm(y).float(), self.head.weight.float()), out
 
     @torch.no_grad()
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor,

@@ -1,0 +1,97 @@
+"""How often the MTP block's drafts would be accepted under greedy speculative decoding, estimated teacher-forced on
+a model's held-out text (default: the built-in model and its heldout_sample.txt), per draft position, and the
+tokens per step that gives for K = 1..3 draft tokens.
+
+    python scripts/mtp_acceptance.py [--model DIR] [--text FILE] [--window 512] [--quant none|nvfp4]
+
+Per window, one pass of the main model gives its streams h_t and greedy tokens g_t (the prediction of x_{t+1});
+pass k of the MTP block (its own output streams feeding the next pass, as a K-token draft chains it) gives the
+draft d_k,t of x_{t+k+1} from tokens x_{t+1..t+k}. Greedy speculation at position t accepts draft k when every
+earlier one was accepted and d_k,t equals the main model's greedy token at t+k; the estimate counts it where the
+text agrees with those greedy tokens (so the teacher-forced inputs are what a greedy run would have fed):
+a_k = P(d_k,t = g_t+k | g_t+j = x_t+j+1 for j < k, and drafts 1..k-1 accepted). Tokens per step with K drafts:
+1 + a_1 + a_1 a_2 + ... (the bonus token included). The measured rates come with the speculative engine.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from dsv4_model.checkpoint.tokenizer import load_tokenizer  # noqa: E402
+from dsv4_model.runtime.engine import Engine  # noqa: E402
+
+DEFAULT = os.path.join(ROOT, "dsv4_model", "assets", "default")
+
+
+@torch.no_grad()
+def window_counts(model, ids: torch.Tensor, depth: int) -> tuple[list[int], list[int], int, int]:
+    """ids [1, S] -> (accepted[k], eligible[k] for k < depth, MTP-1 top-1 hits against the text, positions)."""
+    S = ids.shape[1]
+    lengths = torch.tensor([S])
+    h = model.streams(ids, lengths)
+    g = model._logits(h).argmax(-1)[0]  # g[t]: greedy prediction of x[t+1]
+    x = ids[0]
+    drafts = []
+    for k in range(1, depth + 1):  # pass k reads tokens x[t+k] and drafts x[t+k+1]
+        n = S - k
+        logits, h = model.mtp_forward(h[:, :n], ids[:, k:], torch.tensor([n]))
+        drafts.append(logits.argmax(-1)[0])
+    accepted, eligible = [0] * depth, [0] * depth
+    T = S - depth - 1
+    for t in range(T):
+        for k in range(depth):
+            # the inputs so far are a greedy run's: x[t+j+1] = g[t+j] for j <= k
+            if int(g[t + k]) != int(x[t + k + 1]):
+                break
+            eligible[k] += 1
+            if int(drafts[k][t]) != int(g[t + k + 1]):
+                break
+            accepted[k] += 1
+    hits = int((drafts[0][:T] == x[2:T + 2]).sum())
+    return accepted, eligible, hits, T
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=DEFAULT)
+    ap.add_argument("--text", default=None, help="default: the model directory's heldout_sample.txt")
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--depth", type=int, default=3, help="draft positions to estimate")
+    ap.add_argument("--quant", default=None, help="none | nvfp4 (default: as stored)")
+    args = ap.parse_args(argv)
+    eng = Engine.from_pretrained(args.model, device="cpu", dtype=torch.float32, max_batch_size=1,
+                                 max_seq_len=args.window, quant=args.quant, progress=False, compile=False)
+    model = eng.model
+    if not model.config.n_mtp_layers:
+        print(f"error: {args.model} has no MTP block", file=sys.stderr)
+        return 2
+    text = open(args.text or os.path.join(args.model, "heldout_sample.txt"), encoding="utf-8").read()
+    ids = load_tokenizer(args.model, model.config).encode(text)
+    W = args.window
+    acc, elig, hits, n = [0] * args.depth, [0] * args.depth, 0, 0
+    for i in range(0, len(ids) - W + 1, W):
+        a, e, h, t = window_counts(model, torch.tensor([ids[i:i + W]]), args.depth)
+        acc = [p + q for p, q in zip(acc, a)]
+        elig = [p + q for p, q in zip(elig, e)]
+        hits, n = hits + h, n + t
+    rates = [a / e if e else float("nan") for a, e in zip(acc, elig)]
+    print(f"{args.model}: {n} positions in {len(ids) // W} windows of {W} tokens; MTP top-1 vs the text "
+          f"(token after next): {100 * hits / n:.1f}%")
+    print(f"{'draft':>5} {'eligible':>9} {'accepted':>9} {'rate':>7}   {'K':>2} {'tokens/step':>11}")
+    per_step = 1.0
+    chain = 1.0
+    for k, (a, e, r) in enumerate(zip(acc, elig, rates), start=1):
+        chain *= r
+        per_step += chain
+        print(f"{k:5d} {e:9d} {a:9d} {100 * r:6.1f}%   {k:2d} {per_step:11.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
