@@ -143,7 +143,7 @@ def test_decode_shares_per_step_values_across_layers(monkeypatch):
     # the shared values sit in the step's scratch buffers, which those layers read in place
     assert m.attn_row_keys == [(cfg.window_size, 0, 0), (cfg.window_size, 16, 256 // 16)]
     for i, key in enumerate(m.attn_row_keys):
-        layer = next(b.attn for b in m.layers if (b.attn.window, b.attn.ratio, b.attn.n_entries) == key)
+        layer = next(b.attn for b in m.layers if (b.attn.ring, b.attn.ratio, b.attn.n_entries) == key)
         assert torch.equal(getattr(m, f"attn_rows_{i}")[0], layer._decode_rows(pos, None, None)), key
     assert torch.equal(m.n_vis_rows[m.vis_ratios.index(4)], (pos + 1) // 4)
     # every RoPE slot (per table and window offset) holds the step's rows

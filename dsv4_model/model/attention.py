@@ -3,12 +3,15 @@
 Shapes: B batch, S tokens, H heads, D head_dim (last `rd` dims carry RoPE), W window, m compress ratio.
 
 Per-layer cache (non-persistent buffers, allocated by `alloc_runtime`):
-  kv_cache [max_batch, W + max_seq_len // m, D]: slots 0..W-1 a ring (token p at p % W), slot W+i = entry i.
+  kv_cache [max_batch, R + max_seq_len // m, D]: slots 0..R-1 a ring (token p at p % R), slot R+i = entry i;
+  R = W + spare slots (Transformer(spare_window_slots=): a token written ahead of what is kept, as a speculative
+  step's rejected drafts, overwrites a position no later query reads; docs/speculation.md).
   compressor kv_state / score_state fp32 [max_batch, c*m, c*Dc] (c = 2 for the overlapping ratio-4 compressor).
   indexer kv_cache [max_batch, max_seq_len // m, index_head_dim] (FP4-rounded keys in the model dtype), and the
   same keys as DeepSeek's FP4 indexer cache: k_codes uint8 [.., index_head_dim / 2] + k_scales uint8 (UE8M0 per
   32) [.., index_head_dim / 32], 68 bytes per 128-dim key, which decode scores with dsv4::indexer_score_topk.
-Validity is derived from positions only (ring slot s valid iff s <= p; entry i valid iff i < (p+1)//m), so rows
+Validity is derived from positions only (ring slot s valid iff it holds one of positions p-W+1..p; entry i valid
+iff i < (p+1)//m), so rows
 never need clearing between sequences; prefill rewrites every compressor state row.
 
 The compressor (dsv4_model.model.compressor), the indexer (dsv4_model.model.indexer, with its top-k order) and the values a
@@ -65,6 +68,7 @@ class Attention(nn.Module):
         self.ratio = cfg.layer_ratio(layer_id)
         self.n_heads, self.head_dim, self.rope_dim = cfg.n_heads, cfg.head_dim, cfg.rope_head_dim
         self.window = cfg.window_size
+        self.ring = self.window  # window ring slots (W + spare slots: Transformer sets it before allocating)
         self.eps = cfg.norm_eps
         self.n_groups, self.o_lora_rank = cfg.o_groups, cfg.o_lora_rank
         self.max_batch = max_batch
@@ -93,7 +97,7 @@ class Attention(nn.Module):
         self.indexer = Indexer(cfg, self.ratio, dtype, max_batch, max_seq_len) if self.ratio == 4 else None
 
     def alloc_runtime(self, device, dtype: torch.dtype) -> None:
-        self.register_buffer("kv_cache", torch.zeros(self.max_batch, self.window + self.n_entries, self.head_dim,
+        self.register_buffer("kv_cache", torch.zeros(self.max_batch, self.ring + self.n_entries, self.head_dim,
                                                      dtype=dtype, device=device), persistent=False)
 
     # ------------------------------------------------------------------ shared pieces
@@ -116,7 +120,7 @@ class Attention(nn.Module):
             if positions is not None and fused.norm_rope_store(kva, self.kv_cache):
                 ops.rms_norm_rope_store(kva, weight=self.kv_norm.weight, cs=cs, eps=self.kv_norm.eps,
                                         rope_dim=self.rope_dim, fp8_nope=self.simulate_quant, positions=positions,
-                                        ratio=0, offset=0, slots=self.window, cache=self.kv_cache)
+                                        ratio=0, offset=0, slots=self.ring, cache=self.kv_cache)
                 return qr, q, None, iproj
             kv = ops.rms_norm_rope(kva.unsqueeze(1), weight=self.kv_norm.weight, cs=cs, eps=self.kv_norm.eps,
                                    rope_dim=self.rope_dim, fp8_nope=self.simulate_quant).squeeze(1)
@@ -203,7 +207,7 @@ class Attention(nn.Module):
         if self.compressor is not None:
             comp = self.compressor.prefill(x, lengths, rope)
             if comp is not None:
-                self.kv_cache[:B, W: W + comp.shape[1]] = comp
+                self.kv_cache[:B, self.ring: self.ring + comp.shape[1]] = comp
 
         outs = []
         rows = self.prefill_rows(B, S, 0 if comp is None else comp.shape[1])
@@ -255,20 +259,20 @@ class Attention(nn.Module):
         return rows
 
     def _write_window(self, kv: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Ring slot s <- the last position p < lengths[b] with p % W == s (left untouched if none)."""
+        """Ring slot s <- the last position p < lengths[b] with p % R == s (left untouched if none)."""
         B, S, D = kv.shape
-        W = self.window
-        s = torch.arange(W, device=kv.device).unsqueeze(0)
+        R = self.ring
+        s = torch.arange(R, device=kv.device).unsqueeze(0)
         last = (lengths - 1).unsqueeze(1)
-        p = s + W * torch.div(last - s, W, rounding_mode="floor")
+        p = s + R * torch.div(last - s, R, rounding_mode="floor")
         g = kv.gather(1, p.clamp(0, S - 1).unsqueeze(-1).expand(-1, -1, D))
-        self.kv_cache[:B, :W] = torch.where((p >= 0).unsqueeze(-1), g, self.kv_cache[:B, :W])
+        self.kv_cache[:B, :R] = torch.where((p >= 0).unsqueeze(-1), g, self.kv_cache[:B, :R])
 
     # ------------------------------------------------------------------ one-token decode (static shapes)
     def decode(self, x: torch.Tensor, step: DecodeStep) -> torch.Tensor:
         """x [B, dim] at the step's per-row positions -> [B, dim]. Updates caches rows [:B]."""
         B, positions = x.shape[0], step.positions
-        W, m, dev = self.window, self.ratio, x.device
+        W, R, m, dev = self.window, self.ring, self.ratio, x.device
         rows = torch.arange(B, device=dev)
         cs = step.cs(self.rope_kind)
         qr, q, kv, iproj = self._qkv(x, cs, index_proj=True, positions=positions)
@@ -302,19 +306,19 @@ class Attention(nn.Module):
                 sel_valid = sel < n_vis
 
         if kv is not None:  # else stored by _qkv
-            self.kv_cache.index_put_((rows, positions % W), kv)
+            self.kv_cache.index_put_((rows, positions % R), kv)
         if self.compressor is not None:
-            entry, complete = self.compressor.decode(x, step, self.rope_kind, cproj, (positions, self.kv_cache, W))
+            entry, complete = self.compressor.decode(x, step, self.rope_kind, cproj, (positions, self.kv_cache, R))
             if entry is not None:
-                self._write_entry(self.kv_cache, W, positions, entry, complete)
+                self._write_entry(self.kv_cache, R, positions, entry, complete)
 
-        listed = W + (sel.shape[1] if sel is not None else self.n_entries if self.ratio else 0)
+        listed = R + (sel.shape[1] if sel is not None else self.n_entries if self.ratio else 0)
         if fused.decode_attention(step.options, B, listed, q) and q.dtype == self.kv_cache.dtype:
             idx2, idx2_offset = None, 0  # the indexer's top-k after the window rows, as the op's second row list
             if sel is None:  # the same rows for every layer of this kind and shape: once per step
-                rows = self._shared_rows(step, (W, m, self.n_entries))
+                rows = self._shared_rows(step, (R, m, self.n_entries))
             elif sel_raw is not None:
-                rows, idx2, idx2_offset = self._shared_rows(step, (W, 0, 0)), sel_raw, W
+                rows, idx2, idx2_offset = self._shared_rows(step, (R, 0, 0)), sel_raw, R
             else:
                 rows = self._decode_rows(positions, sel, sel_valid)
             out_rope = self.rope_dim > 0 and self.rope_dim % 4 == 0
@@ -323,11 +327,11 @@ class Attention(nn.Module):
                                        out_rope=cs if out_rope else None, rope_dim=self.rope_dim if out_rope else 0,
                                        idx2=idx2, idx2_offset=idx2_offset)
             return self._out(o, cs, rotated=out_rope)
-        keys = self.kv_cache[:B, :W]
-        mask = (torch.arange(W, device=dev).unsqueeze(0) <= positions.unsqueeze(1)).unsqueeze(1)
+        keys = self.kv_cache[:B, :R]
+        mask = (self._window_rows(positions) >= 0).unsqueeze(1)
         qkeys = qmask = None
         if sel is not None:
-            qkeys = self.kv_cache[:B, W:].gather(1, sel.unsqueeze(-1).expand(-1, -1, self.head_dim)).unsqueeze(1)
+            qkeys = self.kv_cache[:B, R:].gather(1, sel.unsqueeze(-1).expand(-1, -1, self.head_dim)).unsqueeze(1)
             qmask = sel_valid.unsqueeze(1)
         elif self.ratio:
             cmask = torch.arange(self.n_entries, device=dev).unsqueeze(0) < ((positions + 1) // m).unsqueeze(1)
@@ -337,25 +341,34 @@ class Attention(nn.Module):
         return self._out(o, cs)
 
     def _shared_rows(self, step: DecodeStep, key: tuple) -> torch.Tensor:
-        """The attended rows of a layer without an indexer of this (window, ratio, entries) key (ratio 0: the window
-        alone), once per step and in the step's scratch buffer (read in place by every layer of the key)."""
+        """The attended rows of a layer without an indexer of this (ring slots, ratio, entries) key (ratio 0: the
+        window alone), once per step and in the step's scratch buffer (read in place by every layer of the key)."""
         return step.shared_rows(key, lambda: self._decode_rows(step.positions, None, None, ratio=key[1]))
 
     def _decode_rows(self, positions: torch.Tensor, sel: torch.Tensor | None,
                      sel_valid: torch.Tensor | None, ratio: int | None = None) -> torch.Tensor:
-        """The cache rows a decode token attends, int32 [B, J], -1 where masked: the window slots written so far,
-        then the indexer's selection (CSA) or every compressed entry closed so far (HCA; ratio: this layer's unless
-        given, 0 for the window alone), at W + entry."""
-        W, dev = self.window, positions.device
+        """The cache rows a decode token attends, int32 [B, J], -1 where masked: the window's ring slots
+        (_window_rows), then the indexer's selection (CSA) or every compressed entry closed so far (HCA; ratio: this
+        layer's unless given, 0 for the window alone), at R + entry."""
+        R, dev = self.ring, positions.device
         ratio = self.ratio if ratio is None else ratio
-        win = torch.arange(W, device=dev)
-        parts = [torch.where(win.unsqueeze(0) <= positions.unsqueeze(1), win, -1)]
+        parts = [self._window_rows(positions)]
         if sel is not None:
-            parts.append(torch.where(sel_valid, W + sel, -1))
+            parts.append(torch.where(sel_valid, R + sel, -1))
         elif ratio:
             e = torch.arange(self.n_entries, device=dev)
-            parts.append(torch.where(e.unsqueeze(0) < ((positions + 1) // ratio).unsqueeze(1), W + e, -1))
+            parts.append(torch.where(e.unsqueeze(0) < ((positions + 1) // ratio).unsqueeze(1), R + e, -1))
         return torch.cat(parts, dim=1).to(torch.int32)
+
+    def _window_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """[B, R]: ring slot s where it holds one of positions p-W+1..p (p = the row's position), else -1."""
+        W, R = self.window, self.ring
+        s = torch.arange(R, device=positions.device).unsqueeze(0)
+        p = positions.unsqueeze(1)
+        if R == W:  # every slot holds a position of the window once the ring has filled
+            return torch.where(s <= p, s, -1)
+        held = s + R * torch.div(p - s, R, rounding_mode="floor")  # the latest position <= p in slot s
+        return torch.where((held >= 0) & (held > p - W), s, -1)
 
     def _write_entry(self, cache: torch.Tensor, offset: int, positions: torch.Tensor, entry: torch.Tensor,
                      complete: torch.Tensor) -> None:

@@ -161,7 +161,8 @@ def _param(*shape) -> nn.Parameter:
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig, *, max_batch_size: int = 1, max_seq_len: int = 4096,
                  dtype: torch.dtype = torch.bfloat16, device=None, simulate_quant: bool = True,
-                 prefill_chunk: int | None = None, allow_beyond_max_position: bool = False):
+                 prefill_chunk: int | None = None, allow_beyond_max_position: bool = False,
+                 spare_window_slots: int = 0):
         super().__init__()
         config.validate()
         check_positive_int(max_batch_size, "max_batch_size")
@@ -192,6 +193,12 @@ class Transformer(nn.Module):
                                      for i in range(config.n_mtp_layers))
         self.set_simulate_quant(simulate_quant)
         self.set_prefill_chunk(prefill_chunk)
+        if not isinstance(spare_window_slots, int) or spare_window_slots < 0:
+            raise ValueError(f"spare_window_slots must be an int >= 0, got {spare_window_slots!r}")
+        self.spare_window_slots = spare_window_slots
+        for a in self.modules():
+            if isinstance(a, Attention):  # window rings of W + spare slots (docs/speculation.md)
+                a.ring = a.window + spare_window_slots
         if self.embed.weight.device.type != "meta":
             self.setup_runtime()
 
@@ -237,7 +244,7 @@ class Transformer(nn.Module):
                                                        dtype=torch.long, device=device), persistent=False)
         # ... and for the attended rows of the layers without an indexer, per (window, ratio, entries), and the
         # window rows alone (window, 0, 0) that CSA layers may pass beside their top-k (DecodeOptions.sel_rows)
-        self.attn_row_keys = sorted({(a.window, a.ratio, a.n_entries) if a.indexer is None else (a.window, 0, 0)
+        self.attn_row_keys = sorted({(a.ring, a.ratio, a.n_entries) if a.indexer is None else (a.ring, 0, 0)
                                      for a in self.modules() if isinstance(a, Attention)})
         for i, (w, r, n) in enumerate(self.attn_row_keys):
             self.register_buffer(f"attn_rows_{i}", torch.zeros(1, self.max_batch_size, w + (n if r else 0),
