@@ -271,12 +271,42 @@ class Attention(nn.Module):
     # ------------------------------------------------------------------ one-token decode (static shapes)
     def decode(self, x: torch.Tensor, step: DecodeStep) -> torch.Tensor:
         """x [B, dim] at the step's per-row positions -> [B, dim]. Updates caches rows [:B]."""
+        cs = step.cs(self.rope_kind)
+        qr, q, kv, iproj = self._qkv(x, cs, index_proj=True, positions=step.positions)
+        o, rotated = self._decode_attend(x, step, cs, qr, q, kv, iproj, *self._fp32_projections(x))
+        return self._out(o, cs, rotated=rotated)
+
+    def decode_tokens(self, x: torch.Tensor, steps: list[DecodeStep]) -> torch.Tensor:
+        """T tokens per row at once: x [T * B, dim] (row t * B + b: token t of sequence b, at steps[t]'s
+        positions) -> [T * B, dim]. The projections run on all T * B rows (their weights read once); the cache
+        writes, compressors, indexer and attention token after token, as T decode steps would."""
+        T = len(steps)
+        B = x.shape[0] // T
+        cs = torch.cat([st.cs(self.rope_kind) for st in steps])
+        qr, q, kv, iproj = self._qkv(x, cs, index_proj=True)
+        cproj, iproj_c, wproj = self._fp32_projections(x)
+
+        def part(v, t):
+            if v is None:
+                return None
+            if isinstance(v, tuple):
+                return tuple(u[t * B:(t + 1) * B] for u in v)
+            return v[t * B:(t + 1) * B]
+
+        outs, rotated = [], False
+        for t, st in enumerate(steps):
+            o, rotated = self._decode_attend(part(x, t), st, part(cs, t), part(qr, t), part(q, t), part(kv, t),
+                                             part(iproj, t), part(cproj, t), part(iproj_c, t), part(wproj, t))
+            outs.append(o)
+        return self._out(torch.cat(outs), cs, rotated=rotated)
+
+    def _decode_attend(self, x, step, cs, qr, q, kv, iproj, cproj, iproj_c, wproj) -> tuple[torch.Tensor, bool]:
+        """One decode token per row after its projections: the cache writes (kv unless stored already), the
+        compressors, the indexer's selection and the attention -> (o [B, H, D], whether o is already inverse-
+        rotated)."""
         B, positions = x.shape[0], step.positions
         W, R, m, dev = self.window, self.ring, self.ratio, x.device
         rows = torch.arange(B, device=dev)
-        cs = step.cs(self.rope_kind)
-        qr, q, kv, iproj = self._qkv(x, cs, index_proj=True, positions=positions)
-        cproj, iproj_c, wproj = self._fp32_projections(x)
 
         sel = sel_valid = sel_raw = None
         if self.indexer is not None:
@@ -326,7 +356,7 @@ class Attention(nn.Module):
             o = ops.sparse_attn_decode(q, self.kv_cache[:B], rows, sink=self.attn_sink, scale=self.softmax_scale,
                                        out_rope=cs if out_rope else None, rope_dim=self.rope_dim if out_rope else 0,
                                        idx2=idx2, idx2_offset=idx2_offset)
-            return self._out(o, cs, rotated=out_rope)
+            return o, out_rope
         keys = self.kv_cache[:B, :R]
         mask = (self._window_rows(positions) >= 0).unsqueeze(1)
         qkeys = qmask = None
@@ -338,7 +368,7 @@ class Attention(nn.Module):
             keys = self.kv_cache[:B]
             mask = torch.cat([mask, cmask.unsqueeze(1)], dim=-1)
         o = self._attend(q.unsqueeze(1), keys, mask, qkeys, qmask).squeeze(1)
-        return self._out(o, cs)
+        return o, False
 
     def _shared_rows(self, step: DecodeStep, key: tuple) -> torch.Tensor:
         """The attended rows of a layer without an indexer of this (ring slots, ratio, entries) key (ratio 0: the

@@ -33,7 +33,8 @@ class DecodeStep:
 
     positions [B] int64: each row's position. options: how the step is built. tables: {kind: RoPE table
     [max_seq_len, rope_dim / 2, 2]}; rope_slots: {kind: (buffer, offsets m)}; nvis_slots: (buffer, ratios);
-    attn_slots: {(window, ratio, entries): (buffer, [key])}."""
+    attn_slots: {(ring slots, ratio, entries): (buffer, [key])}. Without slots ({}, None, {}) every value is a
+    tensor of its own (a multi-token decode holds several steps at once)."""
 
     def __init__(self, positions: torch.Tensor, options: DecodeOptions, tables: dict[str, torch.Tensor],
                  rope_slots: dict[str, Slots], nvis_slots: Slots | None, attn_slots: dict[tuple, Slots]):
@@ -51,7 +52,7 @@ class DecodeStep:
     def cs(self, kind: str, m: int = 1) -> torch.Tensor:
         """table[(positions + 1 - m).clamp(min=0)] of RoPE table `kind`: the token's own row (m = 1) or the first
         row of the m-token window it closes."""
-        rows = self._rope[kind]
+        rows = self._rope.setdefault(kind, {})
         if m not in rows:  # an offset without a scratch slot
             rows[m] = self._gather(self._tables[kind], m)
         return rows[m]

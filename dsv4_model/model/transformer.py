@@ -139,6 +139,16 @@ class Block(nn.Module):
         return h, Pending(self.ffn(x, ids, static=True), post, comb)
 
 
+    def decode_tokens(self, h: torch.Tensor, ids: torch.Tensor, steps: list[DecodeStep]) -> torch.Tensor:
+        """T tokens per row: h [T * B, hc, dim] and ids [T * B] (row t * B + b: token t of sequence b) -> h. mHC,
+        the projections and the MoE on every row at once; attention token after token (Attention.decode_tokens)."""
+        opts = steps[0].options
+        x, post, comb = self._pre_normed(h, "attn", self.attn_norm, opts)
+        h = hc_post(self.attn.decode_tokens(x, steps), h, post, comb)
+        x, post, comb = self._pre_normed(h, "ffn", self.ffn_norm, opts)
+        return hc_post(self.ffn(x, ids, static=True), h, post, comb)
+
+
 class MTPBlock(Block):
     """Multi-token-prediction block (Transformer.mtp_forward; shares embed / head with the main model)."""
 
@@ -372,6 +382,21 @@ class Transformer(nn.Module):
             else:
                 h, pending = layer_call(layer, h, tokens, step, pending, fold)
         return self._logits(hc_post(pending.out, h, pending.post, pending.comb))
+
+    @torch.no_grad()
+    def decode_tokens(self, tokens: torch.Tensor, positions: torch.Tensor,
+                      options: DecodeOptions = DEFAULT_OPTIONS) -> torch.Tensor:
+        """T tokens per row from any position: tokens [B, T] at positions [B] .. positions + T - 1 (each row's
+        cache holds its positions before) -> fp32 logits [B, T, V]; the caches then hold the T tokens too. What T
+        decode steps give, with each weight read once for the T tokens (a speculative step's verification, a
+        prompt continued in chunks; docs/speculation.md). Static shapes, no host syncs."""
+        B, T = tokens.shape
+        steps = [DecodeStep(positions + t, options, self._rope(), {}, None, {}) for t in range(T)]
+        ids = tokens.t().reshape(-1)
+        h = self.embed(ids).unsqueeze(1).repeat(1, self.hc, 1)
+        for layer in self.layers:
+            h = layer.decode_tokens(h, ids, steps)
+        return self._logits(h).view(T, B, -1).transpose(0, 1)
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         return self.prefill(tokens, lengths, all_logits=True)

@@ -1,0 +1,109 @@
+"""Transformer.decode_tokens: T tokens per row from any position in one pass (a speculative step's verification, a
+prompt continued in chunks) against a prefill of the whole sequence and against T decode steps, for every layer
+kind, ragged positions, both debug overrides, NVFP4 weights, and under torch.compile(fullgraph=True)."""
+import pytest
+import torch
+
+from dsv4_model.checkpoint.writer import TINY_CONFIG, make_config
+from dsv4_model.model.config import ModelConfig
+from dsv4_model.model.decode_options import DecodeOptions
+from dsv4_model.model.transformer import Transformer
+from dsv4_model.quant.random_model import random_nvfp4_model
+
+PROMPT, TOTAL = 13, 60
+
+
+def _float_model(simulate_quant: bool, spare: int = 0):
+    cfg = ModelConfig(**{**TINY_CONFIG, "n_mtp_layers": 0, "n_layers": 3, "compress_ratios": [0, 4, 16]}).validate()
+    m = Transformer(cfg, max_batch_size=2, max_seq_len=64, dtype=torch.float32, simulate_quant=simulate_quant,
+                    spare_window_slots=spare)
+    return m.init_random_weights(5), cfg
+
+
+def _ids(cfg):
+    return torch.randint(0, cfg.vocab_size, (2, TOTAL), generator=torch.Generator().manual_seed(3))
+
+
+def _chunks(m, ids, T, opts=DecodeOptions(), fn=None):
+    """Prefill PROMPT tokens, then the rest T at a time; the logits of every position after the prompt."""
+    fn = fn or m.decode_tokens
+    m.prefill(ids[:, :PROMPT])
+    outs, p = [], PROMPT
+    while p + T <= ids.shape[1]:
+        outs.append(fn(ids[:, p:p + T], torch.full((2,), p), opts))
+        p += T
+    return torch.cat(outs, dim=1), p
+
+
+@pytest.mark.parametrize("T", [1, 2, 4, 7])
+@pytest.mark.parametrize("opts", [DecodeOptions(), DecodeOptions(attention="torch"), DecodeOptions(hc_pre=False)],
+                         ids=["shipped", "attention=torch", "hc_pre=0"])
+def test_chunks_give_the_logits_of_one_prefill(T, opts):
+    """Continuing a prompt T tokens at a time (the 16-token window wraps, ratio-4 and ratio-16 windows close
+    inside chunks) gives the logits of one prefill of the whole sequence; fp32, no simulated quantization (its
+    FP8 / FP4 roundings turn summation-order ulps into visible steps: the next test)."""
+    m, cfg = _float_model(simulate_quant=False)
+    ids = _ids(cfg)
+    want = _float_model(simulate_quant=False)[0].prefill(ids, all_logits=True)
+    got, end = _chunks(m, ids, T, opts)
+    torch.testing.assert_close(got, want[:, PROMPT:end], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("T", [2, 4])
+def test_chunks_with_simulated_quantization_pick_the_same_tokens(T):
+    """With the official FP8 KV / FP4 indexer roundings the chunks still give the prefill's greedy tokens, and
+    logits within the steps a flipped rounding makes."""
+    m, cfg = _float_model(simulate_quant=True)
+    ids = _ids(cfg)
+    want = _float_model(simulate_quant=True)[0].prefill(ids, all_logits=True)
+    got, end = _chunks(m, ids, T)
+    torch.testing.assert_close(got, want[:, PROMPT:end], rtol=0, atol=5e-3)
+    assert torch.equal(got.argmax(-1), want[:, PROMPT:end].argmax(-1))
+
+
+def test_ragged_positions_and_spare_slots():
+    """Rows at different positions (prompts of 13 and 7 tokens), window rings with spare slots: each row's chunks
+    give what its own decode steps give."""
+    m, cfg = _float_model(simulate_quant=False, spare=3)
+    ref, _ = _float_model(simulate_quant=False, spare=3)
+    ids = _ids(cfg)
+    lengths = torch.tensor([PROMPT, 7])
+    for model in (m, ref):
+        model.prefill(ids[:, :PROMPT], lengths)
+    got, want = [], []
+    for c in range(5):
+        pos = lengths + 3 * c
+        got.append(m.decode_tokens(ids[:, PROMPT + 3 * c: PROMPT + 3 * c + 3], pos))
+        want += [ref.decode_step(ids[:, PROMPT + 3 * c + t], pos + t) for t in range(3)]
+    torch.testing.assert_close(torch.cat(got, 1), torch.stack(want, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_nvfp4_weights():
+    """A random NVFP4 (W4A16, bf16) model: 3 tokens per pass give, within bf16 noise, the logits of a prefill of
+    the whole sequence, and the greedy tokens of 3 decode steps per pass."""
+    cfg = make_config().sliced(n_mtp_layers=0)
+    models = [random_nvfp4_model(cfg, device="cpu", max_batch_size=2, max_seq_len=64, seed=1) for _ in range(3)]
+    ids = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(2))
+    full = models[2].prefill(ids[:, :37], all_logits=True)[:, PROMPT:37]
+    for model in models[:2]:
+        model.prefill(ids[:, :PROMPT])
+    got = torch.cat([models[0].decode_tokens(ids[:, p:p + 3], torch.full((2,), p)) for p in range(PROMPT, 37, 3)],
+                    dim=1)
+    steps = torch.stack([models[1].decode_step(ids[:, p], torch.full((2,), p)) for p in range(PROMPT, 37)], dim=1)
+    assert torch.isfinite(got).all()
+    assert float((got - full).norm() / full.norm()) < 0.02
+    assert (got.argmax(-1) == full.argmax(-1)).float().mean() >= 0.95
+    assert (got.argmax(-1) == steps.argmax(-1)).float().mean() >= 0.95
+
+
+def test_compiles_as_one_graph():
+    """torch.compile(fullgraph=True) traces the T-token pass (static shapes, no host sync) and gives eager's
+    logits."""
+    m, cfg = _float_model(simulate_quant=False)
+    ref, _ = _float_model(simulate_quant=False)
+    ids = _ids(cfg)
+    torch._dynamo.reset()
+    step = torch.compile(lambda t, p, o: m.decode_tokens(t, p, o), fullgraph=True, backend="aot_eager")
+    got, _ = _chunks(m, ids[:, :PROMPT + 6], 3, fn=step)
+    want, _ = _chunks(ref, ids[:, :PROMPT + 6], 3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
