@@ -10,7 +10,9 @@ draft d_k,t of x_{t+k+1} from tokens x_{t+1..t+k}. Greedy speculation at positio
 earlier one was accepted and d_k,t equals the main model's greedy token at t+k; the estimate counts it where the
 text agrees with those greedy tokens (so the teacher-forced inputs are what a greedy run would have fed):
 a_k = P(d_k,t = g_t+k | g_t+j = x_t+j+1 for j < k, and drafts 1..k-1 accepted). Tokens per step with K drafts:
-1 + a_1 + a_1 a_2 + ... (the bonus token included). The measured rates come with the speculative engine.
+1 + a_1 + a_1 a_2 + ... (the bonus token included). Drafts 2..3 come from whole passes over the sequence (the
+block's cache holding that pass's entries everywhere), where a running chain reads the entries its committed
+positions got from pass 1: an approximation; the measured rates come with the speculative engine.
 """
 from __future__ import annotations
 

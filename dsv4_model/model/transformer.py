@@ -390,13 +390,42 @@ class Transformer(nn.Module):
         cache holds its positions before) -> fp32 logits [B, T, V]; the caches then hold the T tokens too. What T
         decode steps give, with each weight read once for the T tokens (a speculative step's verification, a
         prompt continued in chunks; docs/speculation.md). Static shapes, no host syncs."""
+        return self.decode_tokens_streams(tokens, positions, options)[0]
+
+    @torch.no_grad()
+    def decode_tokens_streams(self, tokens: torch.Tensor, positions: torch.Tensor,
+                              options: DecodeOptions = DEFAULT_OPTIONS) -> tuple[torch.Tensor, torch.Tensor]:
+        """decode_tokens, and the final streams [B, T, hc, dim] the MTP block reads."""
         B, T = tokens.shape
-        steps = [DecodeStep(positions + t, options, self._rope(), {}, None, {}) for t in range(T)]
+        steps = self._token_steps(positions, T, options)
         ids = tokens.t().reshape(-1)
         h = self.embed(ids).unsqueeze(1).repeat(1, self.hc, 1)
         for layer in self.layers:
             h = layer.decode_tokens(h, ids, steps)
-        return self._logits(h).view(T, B, -1).transpose(0, 1)
+        return self._logits(h).view(T, B, -1).transpose(0, 1), h.view(T, B, *h.shape[1:]).transpose(0, 1)
+
+    @torch.no_grad()
+    def mtp_decode_tokens(self, h: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
+                          options: DecodeOptions = DEFAULT_OPTIONS, depth: int = 0
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP block over T positions per row from any position (its cache holds each row's positions
+        before): position t combines the streams h [B, T, hc, dim] (the main model's there, or an earlier MTP
+        pass's) with the embedding of the token after it (next_ids [B, T]) and predicts the token after that.
+        Returns (fp32 logits [B, T, V], the block's output streams [B, T, hc, dim]): what mtp_forward gives at
+        those positions."""
+        mtp = self.mtp[depth]
+        B, T = next_ids.shape
+        ids = next_ids.t().reshape(-1)
+        hs = h.transpose(0, 1).reshape(T * B, *h.shape[2:])
+        x = mtp.e_proj(mtp.enorm(self.embed(ids))).unsqueeze(1) + mtp.h_proj(mtp.hnorm(hs))
+        out = mtp.decode_tokens(x, ids, self._token_steps(positions, T, options))
+        y = hc_head(out, mtp.hc_head_fn, mtp.hc_head_scale, mtp.hc_head_base, self.config.hc_eps,
+                    self.config.norm_eps)
+        logits = F.linear(mtp.norm(y).float(), self.head.weight.float())
+        return logits.view(T, B, -1).transpose(0, 1), out.view(T, B, *out.shape[1:]).transpose(0, 1)
+
+    def _token_steps(self, positions: torch.Tensor, T: int, options: DecodeOptions) -> list[DecodeStep]:
+        return [DecodeStep(positions + t, options, self._rope(), {}, None, {}) for t in range(T)]
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         return self.prefill(tokens, lengths, all_logits=True)
