@@ -45,15 +45,16 @@ def test_spare_slots_give_the_logits_of_the_plain_ring(spare, attention):
     assert torch.equal(out[spare].argmax(-1), out[0].argmax(-1))
 
 
-@pytest.mark.parametrize("spare,written_ahead", [(3, 3), (2, 2), (0, 2)])
-def test_tokens_written_ahead_leave_nothing_a_later_step_reads(spare, written_ahead):
+@pytest.mark.parametrize("p", [40, 46])
+@pytest.mark.parametrize("spare,written_ahead", [(3, 3), (2, 2), (3, 1), (0, 2)])
+def test_tokens_written_ahead_leave_nothing_a_later_step_reads(spare, written_ahead, p):
     """Decode to position p, write `written_ahead` junk tokens at p+1.. (as rejected drafts are), then decode the
     true tokens from p+1 again: with spare >= written_ahead - 1 slots the logits are those of a model that never
-    saw the junk, bit for bit; a plain ring (spare 0) loses window rows the true steps still read. Sliding-window
-    layers only (the compressors' rolling state is not position-indexed yet: docs/speculation.md)."""
-    p = 40  # past two wraps of the 16-token window
-    clean, cfg = _model(spare, ratios=(0, 0))
-    dirty, _ = _model(spare, ratios=(0, 0))
+    saw the junk, bit for bit, in every layer kind (at p = 46 the junk closes ratio-4 windows and at p = 46 + 1 a
+    ratio-16 one: the compressors' states are indexed by position too); a plain ring (spare 0) loses rows the
+    true steps still read."""
+    clean, cfg = _model(spare)  # p = 40: past two wraps of the 16-token window
+    dirty, _ = _model(spare)
     ids = _ids(cfg, p + 8)
     junk = torch.randint(0, cfg.vocab_size, (2, written_ahead), generator=torch.Generator().manual_seed(9))
     for m in (clean, dirty):

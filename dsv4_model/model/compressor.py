@@ -30,6 +30,9 @@ class Compressor(nn.Module):
         self.rotate = rotate  # indexer keys: Hadamard + FP4 instead of FP8 nope dims
         self.max_batch = max_batch
         self.simulate_quant = True
+        # > 0 (Transformer(spare_window_slots=)): the state is a ring of c*m + spare rows indexed by position
+        # instead of shifted when a window closes, so tokens written ahead leave nothing behind (docs/speculation.md)
+        self.spare = 0
         c = self.coff
         self.ape = nn.Parameter(torch.empty(ratio, c * head_dim, dtype=torch.float32), requires_grad=False)
         # checkpoint stores bf16; official runs the compressor projections in fp32
@@ -39,7 +42,7 @@ class Compressor(nn.Module):
 
     def alloc_runtime(self, device) -> None:
         c, m = self.coff, self.ratio
-        shape = (self.max_batch, c * m, c * self.head_dim)
+        shape = (self.max_batch, c * m + self.spare, c * self.head_dim)
         self.register_buffer("kv_state", torch.zeros(shape, dtype=torch.float32, device=device), persistent=False)
         self.register_buffer("score_state", torch.full(shape, float("-inf"), dtype=torch.float32, device=device),
                              persistent=False)
@@ -92,6 +95,24 @@ class Compressor(nn.Module):
             return ops.hadamard_fp4(kv.unsqueeze(1), cs=None, rope_dim=0).squeeze(1)
         return indexer_fake_quant(kv)
 
+    def _pool_by_position(self, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The position-indexed state (spare > 0): token p into row p % R, then the pooling of the window ending
+        at p (with overlap, the previous window's first half of the features and this one's second half) read by
+        position, fp32 [B, Dc]."""
+        B, m, hd, c = kv.shape[0], self.ratio, self.head_dim, self.coff
+        R = self.kv_state.shape[1]
+        rows = torch.arange(B, device=kv.device)
+        self.kv_state.index_put_((rows, positions % R), kv)
+        self.score_state.index_put_((rows, positions % R), score + self.ape[positions % m])
+        pos = positions.unsqueeze(1) - (c * m - 1) + torch.arange(c * m, device=kv.device).unsqueeze(0)
+        kv_rows = self.kv_state[rows.unsqueeze(1), pos % R]  # [B, c*m, c*hd]
+        sc_rows = self.score_state[rows.unsqueeze(1), pos % R]
+        if self.overlap:
+            kv_rows = torch.cat([kv_rows[:, :m, :hd], kv_rows[:, m:, hd:]], dim=1)
+            sc_rows = torch.cat([sc_rows[:, :m, :hd], sc_rows[:, m:, hd:]], dim=1)
+        sc_rows = sc_rows.masked_fill((pos < 0).unsqueeze(-1), float("-inf"))
+        return (kv_rows * sc_rows.softmax(dim=1)).sum(dim=1)
+
     def linears(self) -> list[torch.Tensor]:
         return [self.wkv.weight, self.wgate.weight]
 
@@ -108,19 +129,10 @@ class Compressor(nn.Module):
         t = torch.arange(S, device=x.device)
         score = score + self.ape[t % m]
 
-        # decode state: overlap rows 0..m-1 = last full window, rows m.. (or 0.. w/o overlap) = pending tail
-        n_full = (lengths // m).unsqueeze(1)  # [B, 1]
-        r = torch.arange(c * m, device=x.device).unsqueeze(0)
-        if self.overlap:
-            p = torch.where(r < m, m * (n_full - 1) + r, m * n_full + (r - m))
-            valid = torch.where(r < m, n_full >= 1, p < lengths.unsqueeze(1))
+        if self.spare:  # the decode state
+            self._prefill_state_by_position(kv, score, lengths)
         else:
-            p = m * n_full + r
-            valid = p < lengths.unsqueeze(1)
-        gi = p.clamp(0, S - 1).unsqueeze(-1).expand(-1, -1, c * hd)
-        vmask = valid.unsqueeze(-1)
-        self.kv_state[:B] = torch.where(vmask, kv.gather(1, gi), torch.zeros((), device=x.device))
-        self.score_state[:B] = torch.where(vmask, score.gather(1, gi), torch.full((), float("-inf"), device=x.device))
+            self._prefill_state(kv, score, lengths)
 
         n = S // m
         if n == 0:
@@ -136,6 +148,37 @@ class Compressor(nn.Module):
         cs = rope[torch.arange(n, device=x.device) * m]
         return self._finish(pooled, cs, x.dtype)
 
+    def _prefill_state(self, kv: torch.Tensor, score: torch.Tensor, lengths: torch.Tensor) -> None:
+        """The decode state rows [:B] from each row's own length: overlap rows 0..m-1 = the last full window,
+        rows m.. (or 0.. without overlap) = the pending tail."""
+        B, S, _ = kv.shape
+        m, c, hd = self.ratio, self.coff, self.head_dim
+        n_full = (lengths // m).unsqueeze(1)  # [B, 1]
+        r = torch.arange(c * m, device=kv.device).unsqueeze(0)
+        if self.overlap:
+            p = torch.where(r < m, m * (n_full - 1) + r, m * n_full + (r - m))
+            valid = torch.where(r < m, n_full >= 1, p < lengths.unsqueeze(1))
+        else:
+            p = m * n_full + r
+            valid = p < lengths.unsqueeze(1)
+        gi = p.clamp(0, S - 1).unsqueeze(-1).expand(-1, -1, c * hd)
+        vmask = valid.unsqueeze(-1)
+        self.kv_state[:B] = torch.where(vmask, kv.gather(1, gi), torch.zeros((), device=kv.device))
+        self.score_state[:B] = torch.where(vmask, score.gather(1, gi), torch.full((), float("-inf"), device=kv.device))
+
+    def _prefill_state_by_position(self, kv: torch.Tensor, score: torch.Tensor, lengths: torch.Tensor) -> None:
+        """The position-indexed state rows [:B]: row t % R <- token t for the last R positions before each row's
+        length (rows of positions < 0 are never read: decode masks them)."""
+        B, S, _ = kv.shape
+        R = self.kv_state.shape[1]
+        s = torch.arange(R, device=kv.device).unsqueeze(0)
+        last = (lengths - 1).unsqueeze(1)
+        t = s + R * torch.div(last - s, R, rounding_mode="floor")  # the latest position < length in row s
+        gi = t.clamp(0, S - 1).unsqueeze(-1).expand(-1, -1, kv.shape[-1])
+        ok = (t >= 0).unsqueeze(-1)
+        self.kv_state[:B] = torch.where(ok, kv.gather(1, gi), torch.zeros((), device=kv.device))
+        self.score_state[:B] = torch.where(ok, score.gather(1, gi), torch.full((), float("-inf"), device=kv.device))
+
     def decode(self, x: torch.Tensor, step: DecodeStep, rope_kind: str,
                proj: tuple[torch.Tensor, torch.Tensor] | None = None, store=None):
         """x [B, dim] = token at the step's positions[b]; rope_kind: the RoPE table of its layer. Updates state rows
@@ -148,6 +191,8 @@ class Compressor(nn.Module):
         kv, score = self._project(x) if proj is None else proj
         cs = step.cs(rope_kind, m)
         complete = (positions + 1) % m == 0
+        if self.spare:
+            return self._finish(self._pool_by_position(kv, score, positions), cs, x.dtype, store), complete
         # the op rounds the pooling to x's dtype itself (_finish's .to(dtype) is then no kernel)
         dt = x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
         pooled = torch.empty(B, hd, dtype=dt, device=x.device)

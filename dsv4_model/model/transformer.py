@@ -209,6 +209,8 @@ class Transformer(nn.Module):
         for a in self.modules():
             if isinstance(a, Attention):  # window rings of W + spare slots (docs/speculation.md)
                 a.ring = a.window + spare_window_slots
+            elif isinstance(a, Compressor):  # compressor states indexed by position
+                a.spare = spare_window_slots
         if self.embed.weight.device.type != "meta":
             self.setup_runtime()
 
