@@ -3,6 +3,7 @@ a model's held-out text (default: the built-in model and its heldout_sample.txt)
 tokens per step that gives for K = 1..3 draft tokens.
 
     python scripts/mtp_acceptance.py [--model DIR] [--text FILE] [--window 512] [--quant none|nvfp4]
+    python scripts/mtp_acceptance.py --generate 200        # also: measured, greedy speculative decoding (eager)
 
 Per window, one pass of the main model gives its streams h_t and greedy tokens g_t (the prediction of x_{t+1});
 pass k of the MTP block (its own output streams feeding the next pass, as a K-token draft chains it) gives the
@@ -66,6 +67,9 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--depth", type=int, default=3, help="draft positions to estimate")
     ap.add_argument("--quant", default=None, help="none | nvfp4 (default: as stored)")
+    ap.add_argument("--generate", type=int, default=0,
+                    help="also decode this many tokens from the first 8 held-out lines as prompts with K = 1..depth "
+                         "drafts (dsv4_model.runtime.speculative) and report the measured rates")
     args = ap.parse_args(argv)
     eng = Engine.from_pretrained(args.model, device="cpu", dtype=torch.float32, max_batch_size=1,
                                  max_seq_len=args.window, quant=args.quant, progress=False, compile=False)
@@ -92,7 +96,28 @@ def main(argv=None) -> int:
         chain *= r
         per_step += chain
         print(f"{k:5d} {e:9d} {a:9d} {100 * r:6.1f}%   {k:2d} {per_step:11.2f}")
+    if args.generate:
+        measure(args, text, args.generate)
     return 0
+
+
+def measure(args, text: str, n: int) -> None:
+    """Greedy speculative decoding of n tokens per prompt (8 held-out lines, one batch) at K = 1..depth."""
+    from dsv4_model.runtime.speculative import speculative_greedy
+
+    lines = [ln for ln in text.splitlines() if len(ln.strip()) > 8][:8]
+    for k in range(1, args.depth + 1):
+        eng = Engine.from_pretrained(args.model, device="cpu", dtype=torch.float32, max_batch_size=len(lines),
+                                     max_seq_len=args.window, quant=args.quant, progress=False, compile=False,
+                                     spare_window_slots=k)
+        tok = load_tokenizer(args.model, eng.model.config)
+        ids = [tok.encode(ln + "\n") for ln in lines]
+        L = max(map(len, ids))
+        prompt = torch.tensor([i + [0] * (L - len(i)) for i in ids])
+        _, stats = speculative_greedy(eng.model, prompt, n, k, torch.tensor([len(i) for i in ids]))
+        rates = " / ".join(f"{100 * r:.1f}%" for r in stats.acceptance())
+        print(f"measured, K = {k}: {len(lines)} prompts x {n} tokens, {stats.steps} steps, acceptance per draft "
+              f"{rates}, {stats.tokens_per_step:.2f} tokens per step")
 
 
 if __name__ == "__main__":

@@ -424,13 +424,14 @@ def _has_mtp(names) -> bool:
 
 
 def _build_meta_model(config, *, max_batch_size: int, max_seq_len: int, dtype: torch.dtype, simulate_quant: bool,
-                      allow_beyond_max_position: bool = False):
+                      allow_beyond_max_position: bool = False, spare_window_slots: int = 0):
     from dsv4_model.model.transformer import Transformer
 
     with torch.device("meta"):
         return Transformer(config, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype,
                            device="meta", simulate_quant=simulate_quant,
-                           allow_beyond_max_position=allow_beyond_max_position)
+                           allow_beyond_max_position=allow_beyond_max_position,
+                           spare_window_slots=spare_window_slots)
 
 
 def _stored_quant(root: Path, layout: str) -> dict | None:
@@ -452,7 +453,8 @@ def _stored_quant(root: Path, layout: str) -> dict | None:
 def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
                max_batch_size: int = 1, max_seq_len: int = 4096, simulate_quant: bool = True, progress: bool = True,
                layout: str | None = None, load_mtp: bool | None = None, quant: str | None = None,
-               act_quant: str | None = None, allow_beyond_max_position: bool = False, expert_shard=None):
+               act_quant: str | None = None, allow_beyond_max_position: bool = False, expert_shard=None,
+               spare_window_slots: int = 0):
     """Build `Transformer` from the checkpoint directory `path` and return `(model, config)`.
 
     `layout`: "hf" | "official" | "dsv4" | None (auto). `load_mtp`: None loads the MTP block if the
@@ -466,7 +468,8 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
     was saved with, else "none"). `allow_beyond_max_position`: max_seq_len may exceed the config's
     max_position_embeddings (positions the model was not trained for). `expert_shard`: a
     `dsv4_model.model.parallel.ExpertShard`: this rank's slice of the routed experts only is read (every expert's
-    header is still checked), the rest of the model replicated.
+    header is still checked), the rest of the model replicated. `spare_window_slots`: K spare cache slots for
+    speculative decoding with up to K drafts (Transformer; docs/speculation.md).
     """
     t_start = time.perf_counter()
     root = Path(path)
@@ -497,7 +500,8 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
 
     check_max_seq_len(max_seq_len, config, allow_beyond_max_position)
     model = _build_meta_model(config, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype,
-                              simulate_quant=simulate_quant, allow_beyond_max_position=allow_beyond_max_position)
+                              simulate_quant=simulate_quant, allow_beyond_max_position=allow_beyond_max_position,
+                              spare_window_slots=spare_window_slots)
     units = []
     if stored:  # the checkpoint holds the NVFP4 buffers themselves: convert the structure first
         convert_structure_(model, act_quant)
@@ -516,6 +520,7 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
         needs = memory_plan(config, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype, quant=quant,
                             act_quant=act_quant, simulate_quant=simulate_quant,
                             allow_beyond_max_position=allow_beyond_max_position,
+                            spare_window_slots=spare_window_slots,
                             ep=expert_shard.world if expert_shard is not None else 1)
         check_fits(needs, free, str(device))
         if progress:

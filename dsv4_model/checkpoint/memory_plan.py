@@ -49,13 +49,15 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def memory_plan(cfg: ModelConfig, *, max_batch_size: int = 1, max_seq_len: int = 4096,
                 dtype: torch.dtype = torch.bfloat16, quant: str = "nvfp4", act_quant: str = "none", ep: int = 1,
-                simulate_quant: bool = True, allow_beyond_max_position: bool = False) -> MemoryPlan:
+                simulate_quant: bool = True, allow_beyond_max_position: bool = False,
+                spare_window_slots: int = 0) -> MemoryPlan:
     """The per-rank bytes of `cfg` served with these limits (see the module docstring)."""
     check_modes(quant, act_quant)
     if not isinstance(ep, int) or ep < 1 or ep > cfg.n_routed_experts:
         raise ValueError(f"ep must be an int in [1, n_routed_experts={cfg.n_routed_experts}], got {ep!r}")
     model = Transformer(cfg, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype, device="meta",
-                        simulate_quant=simulate_quant, allow_beyond_max_position=allow_beyond_max_position)
+                        simulate_quant=simulate_quant, allow_beyond_max_position=allow_beyond_max_position,
+                        spare_window_slots=spare_window_slots)
     if quant == "nvfp4":
         for unit in convert_structure_(model, act_quant):
             unit.old = None

@@ -123,30 +123,23 @@ class Block(nn.Module):
             h = hc_post(pending.out, h, pending.post, pending.comb)
         return (h, *self._pre_normed(h, site, norm, opts))
 
-    def decode(self, h: torch.Tensor, ids: torch.Tensor, step: DecodeStep, pending: "Pending | None" = None,
-               fold_rows: bool = False) -> "tuple[torch.Tensor, Pending]":
-        """One token per row. pending: the previous block's ffn output not yet folded into the streams h (its
-        hc_post runs fused with this block's first hc_pre); returns (h, pending) the same way. fold_rows: the
-        next block's hc_post_pre can sum an NVFP4 MoE's expert rows, so they go to it uncombined (one combine
-        kernel less per layer; the Transformer decides)."""
-        h, x, post, comb = self._post_pre_normed(h, pending, "attn", self.attn_norm, step.options)
-        out = self.attn.decode(x, step)
-        h, x, post, comb = self._post_pre_normed(h, Pending(out, post, comb), "ffn", self.ffn_norm, step.options)
+    def decode(self, h: torch.Tensor, ids: torch.Tensor, step: "DecodeStep | list[DecodeStep]",
+               pending: "Pending | None" = None, fold_rows: bool = False) -> "tuple[torch.Tensor, Pending]":
+        """One token per row (step: a DecodeStep), or T (step: T DecodeSteps; rows t * B + b of h / ids: token t
+        of sequence b; attention token after token, everything else on all rows: Attention.decode_tokens).
+        pending: the previous block's ffn output not yet folded into the streams h (its hc_post runs fused with
+        this block's first hc_pre); returns (h, pending) the same way. fold_rows: the next block's hc_post_pre can
+        sum an NVFP4 MoE's expert rows, so they go to it uncombined (one combine kernel less per layer; the
+        Transformer decides)."""
+        opts = step.options if isinstance(step, DecodeStep) else step[0].options
+        h, x, post, comb = self._post_pre_normed(h, pending, "attn", self.attn_norm, opts)
+        out = self.attn.decode(x, step) if isinstance(step, DecodeStep) else self.attn.decode_tokens(x, step)
+        h, x, post, comb = self._post_pre_normed(h, Pending(out, post, comb), "ffn", self.ffn_norm, opts)
         if fold_rows:
             rows = self.ffn.decode_rows(x, ids)
             if rows is not None:
                 return h, Pending(rows[0], post, comb, rows[1], rows[2])
         return h, Pending(self.ffn(x, ids, static=True), post, comb)
-
-
-    def decode_tokens(self, h: torch.Tensor, ids: torch.Tensor, steps: list[DecodeStep]) -> torch.Tensor:
-        """T tokens per row: h [T * B, hc, dim] and ids [T * B] (row t * B + b: token t of sequence b) -> h. mHC,
-        the projections and the MoE on every row at once; attention token after token (Attention.decode_tokens)."""
-        opts = steps[0].options
-        x, post, comb = self._pre_normed(h, "attn", self.attn_norm, opts)
-        h = hc_post(self.attn.decode_tokens(x, steps), h, post, comb)
-        x, post, comb = self._pre_normed(h, "ffn", self.ffn_norm, opts)
-        return hc_post(self.ffn(x, ids, static=True), h, post, comb)
 
 
 class MTPBlock(Block):
@@ -375,6 +368,10 @@ class Transformer(nn.Module):
                           (self.n_vis_rows, self.vis_ratios),
                           {key: (getattr(self, f"attn_rows_{i}"), [key]) for i, key in enumerate(self.attn_row_keys)})
         h = self.embed(tokens).unsqueeze(1).repeat(1, self.hc, 1)
+        return self._logits(self._decode_layers(h, tokens, step, options, layer_call))
+
+    def _decode_layers(self, h, tokens, step, options, layer_call=None) -> torch.Tensor:
+        """The main layers' decode of streams h (step: one DecodeStep, or T of them) -> the final streams."""
         pending = None
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
@@ -383,7 +380,7 @@ class Transformer(nn.Module):
                 h, pending = layer.decode(h, tokens, step, pending, fold_rows=fold)
             else:
                 h, pending = layer_call(layer, h, tokens, step, pending, fold)
-        return self._logits(hc_post(pending.out, h, pending.post, pending.comb))
+        return hc_post(pending.out, h, pending.post, pending.comb)
 
     @torch.no_grad()
     def decode_tokens(self, tokens: torch.Tensor, positions: torch.Tensor,
@@ -401,9 +398,7 @@ class Transformer(nn.Module):
         B, T = tokens.shape
         steps = self._token_steps(positions, T, options)
         ids = tokens.t().reshape(-1)
-        h = self.embed(ids).unsqueeze(1).repeat(1, self.hc, 1)
-        for layer in self.layers:
-            h = layer.decode_tokens(h, ids, steps)
+        h = self._decode_layers(self.embed(ids).unsqueeze(1).repeat(1, self.hc, 1), ids, steps, options)
         return self._logits(h).view(T, B, -1).transpose(0, 1), h.view(T, B, *h.shape[1:]).transpose(0, 1)
 
     @torch.no_grad()
@@ -420,7 +415,8 @@ class Transformer(nn.Module):
         ids = next_ids.t().reshape(-1)
         hs = h.transpose(0, 1).reshape(T * B, *h.shape[2:])
         x = mtp.e_proj(mtp.enorm(self.embed(ids))).unsqueeze(1) + mtp.h_proj(mtp.hnorm(hs))
-        out = mtp.decode_tokens(x, ids, self._token_steps(positions, T, options))
+        out, pending = mtp.decode(x, ids, self._token_steps(positions, T, options))
+        out = hc_post(pending.out, out, pending.post, pending.comb)
         y = hc_head(out, mtp.hc_head_fn, mtp.hc_head_scale, mtp.hc_head_base, self.config.hc_eps,
                     self.config.norm_eps)
         logits = F.linear(mtp.norm(y).float(), self.head.weight.float())
