@@ -274,7 +274,7 @@ def test_out_rope_opcheck_and_bad_arguments(device):
 def test_model_decode_with_out_rope(monkeypatch, device):
     """The decode step with the output's inverse RoPE inside the attention op (every layer's call passes out_rope)
     gives the logits of a prefill of the same tokens (its separate rotation), fp32."""
-    from decode_switch import decode_counting
+    from decode_counting import decode_counting
 
     from dsv4_model.model.decode_options import DecodeOptions
 
@@ -297,7 +297,7 @@ def test_model_decode_with_the_top_k_as_second_list(monkeypatch, device, dtype):
     of a joined row list: its calls carry idx2, and the logits are a prefill's of the same tokens (fp32 to
     summation-order rounding, bf16 within bf16 noise). index_head_dim 128: the width the CUDA scoring kernel
     takes (else the indexer scores unpacked keys and there is no raw top-k to pass)."""
-    from decode_switch import decode_counting
+    from decode_counting import decode_counting
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA")

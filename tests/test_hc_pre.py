@@ -11,7 +11,7 @@ import torch
 
 import dsv4_ops  # noqa: F401
 from dsv4_ops import reference as ref
-from decode_switch import decode_counting
+from decode_counting import decode_counting
 
 from dsv4_model.model.decode_options import DecodeOptions
 

@@ -247,8 +247,8 @@ class Transformer(nn.Module):
         self.vis_ratios = sorted({r for r in c.compress_ratios if r})
         self.register_buffer("n_vis_rows", torch.zeros(max(len(self.vis_ratios), 1), self.max_batch_size,
                                                        dtype=torch.long, device=device), persistent=False)
-        # ... and for the attended rows of the layers without an indexer, per (window, ratio, entries), and the
-        # window rows alone (window, 0, 0) that CSA layers may pass beside their top-k (DecodeOptions.sel_rows)
+        # ... and for the attended rows of the layers without an indexer, per (ring slots, ratio, entries), and the
+        # window rows alone (ring slots, 0, 0) that CSA layers pass beside their top-k
         self.attn_row_keys = sorted({(a.ring, a.ratio, a.n_entries) if a.indexer is None else (a.ring, 0, 0)
                                      for a in self.modules() if isinstance(a, Attention)})
         for i, (w, r, n) in enumerate(self.attn_row_keys):
@@ -297,11 +297,19 @@ class Transformer(nn.Module):
     def _rope(self) -> dict:
         return {"main": self.rope_main, "compress": self.rope_compress}
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        y = hc_head(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.config.hc_eps,
+    def _logits(self, h: torch.Tensor, owner: nn.Module | None = None) -> torch.Tensor:
+        """Streams [..., hc, dim] -> fp32 logits through the collapse and norm of `owner` (this model, or an MTP
+        block) and the shared head."""
+        owner = self if owner is None else owner
+        y = hc_head(h, owner.hc_head_fn, owner.hc_head_scale, owner.hc_head_base, self.config.hc_eps,
                     self.config.norm_eps)
-        y = self.norm(y)
+        y = owner.norm(y)
         return F.linear(y.float(), self.head.weight.float())
+
+    def _mtp_input(self, mtp: "MTPBlock", h: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """The MTP block's input streams: e_proj of the next token's normed embedding onto every stream of
+        h_proj(hnorm(h)); h [..., hc, dim], next_ids [...]."""
+        return mtp.e_proj(mtp.enorm(self.embed(next_ids))).unsqueeze(-2) + mtp.h_proj(mtp.hnorm(h))
 
     # ------------------------------------------------------------------ inference entry points
     @torch.no_grad()
@@ -349,11 +357,8 @@ class Transformer(nn.Module):
         B, S = next_ids.shape
         if lengths is None:
             lengths = torch.full((B,), S, dtype=torch.long, device=next_ids.device)
-        x = mtp.e_proj(mtp.enorm(self.embed(next_ids))).unsqueeze(2) + mtp.h_proj(mtp.hnorm(h))
-        out = mtp.prefill(x, next_ids, lengths, self._rope())
-        y = hc_head(out, mtp.hc_head_fn, mtp.hc_head_scale, mtp.hc_head_base, self.config.hc_eps,
-                    self.config.norm_eps)
-        return F.linear(mtp.norm(y).float(), self.head.weight.float()), out
+        out = mtp.prefill(self._mtp_input(mtp, h, next_ids), next_ids, lengths, self._rope())
+        return self._logits(out, mtp), out
 
     @torch.no_grad()
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor,
@@ -414,13 +419,10 @@ class Transformer(nn.Module):
         B, T = next_ids.shape
         ids = next_ids.t().reshape(-1)
         hs = h.transpose(0, 1).reshape(T * B, *h.shape[2:])
-        x = mtp.e_proj(mtp.enorm(self.embed(ids))).unsqueeze(1) + mtp.h_proj(mtp.hnorm(hs))
-        out, pending = mtp.decode(x, ids, self._token_steps(positions, T, options))
+        out, pending = mtp.decode(self._mtp_input(mtp, hs, ids), ids, self._token_steps(positions, T, options))
         out = hc_post(pending.out, out, pending.post, pending.comb)
-        y = hc_head(out, mtp.hc_head_fn, mtp.hc_head_scale, mtp.hc_head_base, self.config.hc_eps,
-                    self.config.norm_eps)
-        logits = F.linear(mtp.norm(y).float(), self.head.weight.float())
-        return logits.view(T, B, -1).transpose(0, 1), out.view(T, B, *out.shape[1:]).transpose(0, 1)
+        return (self._logits(out, mtp).view(T, B, -1).transpose(0, 1),
+                out.view(T, B, *out.shape[1:]).transpose(0, 1))
 
     def _token_steps(self, positions: torch.Tensor, T: int, options: DecodeOptions) -> list[DecodeStep]:
         return [DecodeStep(positions + t, options, self._rope(), {}, None, {}) for t in range(T)]
