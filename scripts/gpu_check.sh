@@ -5,7 +5,7 @@
 #   results), compute-sanitizer (memcheck, racecheck) on the direct kernel tests, the benchmarks.
 # $OUT gets summary.txt + logs.tgz (the device tool returns at most 8 files of <= 16 MiB).
 # Usage on the H200, from the repo root:
-#   bash scripts/gpu_check.sh [mainjob|gate|tests|sanitizer|bench|soak|profile|switches|pdl|decode|depth|fulldepth ...]
+#   bash scripts/gpu_check.sh [mainjob|gate|tests|sanitizer|bench|soak|profile|switches|pdl|decode|depth|fulldepth|ab ...]
 # (default: mainjob tests sanitizer bench)
 # Env: GPU_CHECK_SKIP_BUILD=1 (already built), TEST_FILES / BENCHES (space-separated paths; default: all), SANITIZE
 # (a grep -E pattern on "TOOL SPEC", e.g. "racecheck .*attn": only the sanitizer runs it matches), SANITIZER_JOBS (parallel sanitizer runs, 8), GPU_CHECK_SECONDS (a total budget: steps get
@@ -179,6 +179,20 @@ for part in $PARTS; do
         --batches 1,8,64 --regional
       step fulldepth_pro_4k 240 $PY bench/bench_parallel_decode.py --preset pro --context 4096 --batches 1,8 --regional
       for f in flash_4k flash_128k pro_4k; do note "$(grep -hvE '^\[dsv4\]|Warning|warn' "$LOGS/fulldepth_$f.log" | tail -n 8)"; done ;;
+    ab)
+      # Same-machine A/B of the layer: AB_BASE_TGZ (e.g. `git archive REV dsv4_model bench dsv4_ops | gzip`) is the
+      # base tree; it runs on this tree's built library (valid only when the op sources did not change). Base and
+      # this tree alternate AB_ROUNDS times so machine drift hits both alike.
+      [ -n "${AB_BASE_TGZ:-}" ] || { note "ab: AB_BASE_TGZ not set"; continue; }
+      AB_DIR=$(mktemp -d); tar -xzf "$AB_BASE_TGZ" -C "$AB_DIR" && cp dsv4_ops/*.so "$AB_DIR/dsv4_ops/"
+      for round in $(seq "${AB_ROUNDS:-2}"); do
+        for side in base head; do
+          dir=$PWD; [ "$side" = base ] && dir=$AB_DIR
+          step "ab_${side}_$round" 200 env PYTHONPATH="$dir" $PY "$dir/bench/bench_layer.py" --kinds "${AB_KINDS:-csa,hca,swa}" \
+            --steps 50 --experts 16
+          note "  $(grep -hE '^(csa|hca|swa) ' "$LOGS/ab_${side}_$round.log" | tr -s ' ' | tr '\n' ';')"
+        done
+      done ;;
     pdl)
       # The pdl kernel override (on by default): the decode kernels outside the NVFP4 chain launched with programmatic
       # dependent launch. Their op tests and the compiled decode without it (the default run has it), then the
