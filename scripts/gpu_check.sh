@@ -5,7 +5,7 @@
 #   results), compute-sanitizer (memcheck, racecheck) on the direct kernel tests, the benchmarks.
 # $OUT gets summary.txt + logs.tgz (the device tool returns at most 8 files of <= 16 MiB).
 # Usage on the H200, from the repo root:
-#   bash scripts/gpu_check.sh [mainjob|gate|tests|sanitizer|bench|soak|profile|switches|pdl|decode|depth|fulldepth|ab ...]
+#   bash scripts/gpu_check.sh [mainjob|gate|tests|sanitizer|bench|soak|profile|switches|pdl|decode|depth|fulldepth|ab|speculate ...]
 # (default: mainjob tests sanitizer bench)
 # Env: GPU_CHECK_SKIP_BUILD=1 (already built), TEST_FILES / BENCHES (space-separated paths; default: all), SANITIZE
 # (a grep -E pattern on "TOOL SPEC", e.g. "racecheck .*attn": only the sanitizer runs it matches), SANITIZER_JOBS (parallel sanitizer runs, 8), GPU_CHECK_SECONDS (a total budget: steps get
@@ -90,6 +90,14 @@ for part in $PARTS; do
       # ... and the loader's memory check (it runs on every GPU load).
       step mainjob_default_model_bf16 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_default_model_gpu.py \
         tests/test_compile_cost.py tests/test_memory_plan.py -k "bf16 or too_small" ;;
+    speculate)
+      # The default model with --speculate K (compiled + CUDA graph per bucket): tokens/s, tokens per step and
+      # acceptance per draft position, against the plain run of the same prompt.
+      for k in ${SPECULATE_KS:-0 1 2 3}; do
+        step "speculate_$k" 200 $PY -m dsv4_model generate --prompt "def fibonacci(n):" --max-new-tokens 128 --speculate $k
+        note "  $(grep -hE 'done in|tokens/s|speculation:' "$LOGS/speculate_$k.log" | tr '\n' ' ')"
+        grep -vE '^\[dsv4\]' "$LOGS/speculate_$k.log" | md5sum | sed "s/^/  text md5 K=$k: /" | tee -a "$SUMMARY"
+      done ;;
     gate)
       # The GPU gate without the export: `bash scripts/run.sh` (cold Inductor caches) and the default model's bf16
       # GPU tests, each under a hard limit.

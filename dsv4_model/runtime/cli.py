@@ -66,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--speculate", type=int, default=0, metavar="K",
+                   help="draft K tokens per step with the model's MTP block and verify them in one pass (0 = off)")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decode step (default: on for CUDA)")
     g.add_argument("--regional-compile", action="store_true",
@@ -112,6 +114,8 @@ def _check_args(args) -> None:
     from dsv4_model.runtime.sampling import SamplingParams
 
     check_positive_int(args.max_new_tokens, "--max-new-tokens")
+    if args.speculate != 0:
+        check_positive_int(args.speculate, "--speculate")
     if args.max_seq_len is not None:
         check_positive_int(args.max_seq_len, "--max-seq-len")
     if args.threads is not None:
@@ -143,7 +147,8 @@ def _cache_len(args, config, prompt_ids) -> int:
         check_max_seq_len(args.max_seq_len, config, args.allow_beyond_max_position)
         n = args.max_seq_len
     else:
-        n = max(_round_up(longest + args.max_new_tokens, 256), max(config.compress_ratios))
+        # a speculative step may write 2K positions past its row's
+        n = max(_round_up(longest + args.max_new_tokens + 2 * args.speculate, 256), max(config.compress_ratios))
         if limit is not None and n > limit:
             n = max(limit, max(config.compress_ratios))
     if longest > n:
@@ -167,6 +172,8 @@ def cmd_generate(args) -> int:
     device = parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shard = None
     if distributed.launched():
+        if args.speculate:
+            raise ValueError("--speculate: not with torchrun yet (expert parallelism runs plain decode steps)")
         device, shard = distributed.init_expert_parallel(device)
         if shard.rank:
             _QUIET[0] = True
@@ -199,12 +206,20 @@ def cmd_generate(args) -> int:
                                     max_batch_size=len(prompt_ids), max_seq_len=max_seq_len,
                                     simulate_quant=not args.no_simulate_quant, runner_options=runner, quant=quant,
                                     act_quant=args.act_quant, allow_beyond_max_position=args.allow_beyond_max_position,
-                                    expert_shard=shard, progress=not _QUIET[0])
+                                    expert_shard=shard, progress=not _QUIET[0],
+                                    spare_window_slots=args.speculate)
     t_load = time.perf_counter() - t0
 
     single = len(prompt_ids) == 1
     t1 = time.perf_counter()
-    engine.runner().prepare(len(prompt_ids))  # compile / capture before any text is printed
+    if args.speculate:  # compile / capture before any text is printed
+        from dsv4_model.runtime.sampling import SamplingParams
+        from dsv4_model.runtime.speculative import sampling_mode
+
+        mode = sampling_mode([SamplingParams(args.temperature, args.top_k, args.top_p)])
+        engine.speculative_runner(args.speculate).prepare(len(prompt_ids), mode)
+    else:
+        engine.runner().prepare(len(prompt_ids))
     t_setup = time.perf_counter() - t1
     if single:
         sys.stdout.write(prompts[0])
@@ -216,7 +231,8 @@ def cmd_generate(args) -> int:
             sys.stdout.flush()
 
     res = generate(engine, prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stream=on_token, tokenizer=tok)
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stream=on_token, tokenizer=tok,
+                   speculate=args.speculate)
     if single:
         sys.stdout.write("\n")
     else:
@@ -234,6 +250,10 @@ def cmd_generate(args) -> int:
           f"{len(prompt_ids)}; first token {1e3 * res.prefill_seconds:.0f} ms; mode {res.mode} on {device}; "
           f"not counted: load {t_load:.1f} s, compile/capture {t_setup:.1f} s)"
           + (f"; expert parallel over {shard.world} ranks" if shard is not None else ""))
+    spec = res.extra.get("speculation")
+    if spec is not None:
+        _note(f"speculation: {spec.tokens_per_step:.2f} tokens per step; drafts accepted per position "
+              + " / ".join(f"{100 * a:.1f}%" for a in spec.acceptance()))
     return 0
 
 

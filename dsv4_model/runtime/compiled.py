@@ -118,9 +118,9 @@ class DecodeRunner:
         self.padded = 0
         self._next_pos = 0  # the largest position the next step writes (host copy of what begin() was given)
         self.last_logits: torch.Tensor | None = None  # what the latest step() returned
-        self._views: dict[int, tuple[torch.Tensor, ...]] = {}
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
-        self._ready: set[int] = set()
+        self._views: dict = {}  # per _key(bucket)
+        self._graphs: dict = {}  # per _key(bucket): (graph, the step's output buffers)
+        self._ready: set = set()
         self._pool = None
         self._fn = self._step_impl
         self._layer_call = None
@@ -151,6 +151,9 @@ class DecodeRunner:
 
     @property
     def mode_name(self) -> str:
+        return self._mode()
+
+    def _mode(self) -> str:
         compiled = "regional" if self.regional else "compiled"
         if self.graph_mode == "manual":
             return f"{compiled}+graph" if self.compile else "eager+graph"
@@ -170,15 +173,24 @@ class DecodeRunner:
         offset.add_(1)
         return logits, nxt
 
+    def _key(self, n: int):
+        """What a compiled step and its CUDA graph are built for (a subclass adds its own variants)."""
+        return n
+
+    def _inputs(self, n: int) -> tuple[torch.Tensor, ...]:
+        """The step function's arguments for bucket n: views of the static buffers."""
+        return (self.tokens[:n], self.positions[:n], *self.sampler.rows(n))
+
     def _view(self, n: int) -> tuple[torch.Tensor, ...]:
         # The same view objects every call: dynamo and the cudagraph trees see one static input per bucket.
-        if n not in self._views:
-            v = (self.tokens[:n], self.positions[:n], *self.sampler.rows(n))
+        key = self._key(n)
+        if key not in self._views:
+            v = self._inputs(n)
             if self.graph_mode == "reduce-overhead":
                 for t in v:
                     torch._dynamo.mark_static_address(t)
-            self._views[n] = v
-        return self._views[n]
+            self._views[key] = v
+        return self._views[key]
 
     def bucket(self, rows: int) -> int:
         if not 1 <= rows <= self.max_rows:
@@ -194,7 +206,7 @@ class DecodeRunner:
 
         Warm-up steps write cache rows [:bucket] at positions 0.., so call this before prefill."""
         n = self.bucket(rows)
-        if n in self._ready:
+        if self._key(n) in self._ready:
             return n
         with self._progress(n):
             self._build(n)
@@ -206,7 +218,7 @@ class DecodeRunner:
         what = {"compiled+graph": "compiling + capturing", "eager+graph": "capturing",
                 "reduce-overhead": "compiling (reduce-overhead)", "compiled": "compiling",
                 "regional+graph": "compiling layer by layer + capturing",
-                "regional": "compiling layer by layer"}[self.mode_name]
+                "regional": "compiling layer by layer"}[self._mode()]
         return progress(self.log, f"{what} the decode step for batch bucket {n}")
 
     def _build(self, n: int) -> None:
@@ -222,17 +234,17 @@ class DecodeRunner:
             self._reset_buffers()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                logits, nxt = self._fn(*view)
+                outs = self._fn(*view)
             if self._pool is None:
                 self._pool = graph.pool()
-            self._graphs[n] = (graph, logits, nxt)
+            self._graphs[self._key(n)] = (graph, outs)
         elif self.compile:
             for _ in range(3 if self.graph_mode == "reduce-overhead" else 1):  # warm-up, record, replay
                 if self.graph_mode == "reduce-overhead":
                     torch.compiler.cudagraph_mark_step_begin()
                 self._fn(*view)
         self._reset_buffers()
-        self._ready.add(n)
+        self._ready.add(self._key(n))
 
     def prepare_all(self, buckets: list[int] | None = None) -> None:
         """Capture several buckets up front, largest first (the pool is sized by the first capture)."""
@@ -285,13 +297,17 @@ class DecodeRunner:
             raise ValueError(f"decode step at position {self._next_pos}: the caches hold max_seq_len="
                              f"{self.model.max_seq_len} positions (begin a new batch, or build with a longer one)")
         self._next_pos += 1
-        n = self.padded
-        if self.graph_mode == "manual" and replay:
-            graph, logits, nxt = self._graphs[n]
-            graph.replay()
-        else:
-            if self.graph_mode == "reduce-overhead":
-                torch.compiler.cudagraph_mark_step_begin()
-            logits, nxt = self._fn(*self._view(n))
+        logits, nxt = self._run(replay)
         self.last_logits = logits[: self.rows]
         return self.last_logits, nxt[: self.rows]
+
+    def _run(self, replay: bool = True) -> tuple:
+        """The step of the live bucket: replay its graph, or call the step function; returns its outputs."""
+        n = self.padded
+        if self.graph_mode == "manual" and replay:
+            graph, outs = self._graphs[self._key(n)]
+            graph.replay()
+            return outs
+        if self.graph_mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        return self._fn(*self._view(n))

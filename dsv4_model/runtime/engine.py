@@ -50,8 +50,32 @@ class Engine(EngineSession):
         engine.path = path
         return engine
 
-    def _prefill_logits(self, tokens: torch.Tensor, lengths: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
-        return self.model.prefill(tokens, lengths, all_logits=all_logits)
+    def _prefill_logits(self, tokens: torch.Tensor, lengths: torch.Tensor, all_logits: bool = False,
+                        speculate: bool = False):
+        """speculate: also fill the MTP block's cache over the prompt and return (logits [B, V], the final
+        streams at each row's last token [B, hc, dim]) for the first drafts."""
+        if not speculate:
+            return self.model.prefill(tokens, lengths, all_logits=all_logits)
+        m = self.model
+        h = m.streams(tokens, lengths)
+        last = h[torch.arange(h.shape[0], device=h.device), lengths - 1]
+        if tokens.shape[1] > 1:  # the MTP block at position t reads (h_t, token t + 1)
+            m.mtp_forward(h[:, :-1], tokens[:, 1:], lengths - 1)
+        return m._logits(last), last
+
+    def speculative_runner(self, k: int):
+        """The SpeculativeRunner generate(..., speculate=k) steps, built on first use per k from
+        `runner_options` (rebuilt when they change)."""
+        from dsv4_model.runtime.speculative_runner import SpeculativeRunner
+
+        opts = self._checked_runner_options()
+        key = (k, opts)
+        if getattr(self, "_spec_runner_key", None) != key:
+            self._spec_runner = SpeculativeRunner(self.model, k, compile=opts.compile, cuda_graphs=opts.cuda_graphs,
+                                                  graph_mode=opts.graph_mode, regional=opts.regional,
+                                                  log=opts.log)
+            self._spec_runner_key = key
+        return self._spec_runner
 
     def _decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model.decode_step(tokens, positions)

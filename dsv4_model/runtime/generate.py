@@ -53,7 +53,7 @@ class GenerationResult:
 
 def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, stop_token_ids=None, stream: StreamCallback | None = None, *,
-             tokenizer=None, add_bos: bool = True) -> GenerationResult:
+             tokenizer=None, add_bos: bool = True, speculate: int = 0) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens for each prompt.
 
     prompts: list of strings (encoded with the checkpoint's tokenizer, BOS first) or list of token-id lists.
@@ -62,6 +62,10 @@ def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0
     EOS or any id in `stop_token_ids`. More prompts than `max_batch_size` run in consecutive batches.
     Every row can generate at most max_seq_len - (longest prompt of its batch) + 1 tokens: a row cut short
     there ends with finish reason "max_seq_len" (say so to the user; the CLI does on stderr).
+    speculate: K >= 1 MTP drafts per step (dsv4_model.runtime.speculative; an Engine whose model was built with
+    spare_window_slots >= K), 0 = off. Greedy output is the plain greedy decode's; sampled output follows its
+    distribution. A step may write 2K positions past its row's, so rows stop 2K positions earlier at
+    max_seq_len. result.extra["speculation"]: the SpeculationStats (acceptance per draft position).
     """
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
@@ -76,14 +80,27 @@ def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0
         raise ValueError("every prompt needs at least one token")
     stops = {int(engine.config.eos_token_id)} | {int(t) for t in (stop_token_ids or ())}
     base = SamplingParams(float(temperature), int(top_k), float(top_p), int(seed)).validate()
-    runner = engine.runner()
+    if speculate:
+        if not hasattr(engine, "speculative_runner"):
+            raise ValueError("speculate needs an Engine (an exported package has no MTP step)")
+        runner = engine.speculative_runner(speculate)
+    elif speculate != 0:
+        raise ValueError(f"speculate must be an int >= 0, got {speculate!r}")
+    else:
+        runner = engine.runner()
 
     result = GenerationResult([], [] if tok is not None else None, [], [len(p) for p in ids], mode=runner.mode_name)
     for start in range(0, len(ids), runner.max_rows):
         chunk = ids[start : start + runner.max_rows]
         params = [SamplingParams(base.temperature, base.top_k, base.top_p, base.seed + start + i)
                   for i in range(len(chunk))]
-        _generate_batch(engine, runner, chunk, params, max_new_tokens, stops, stream, tok, start, result)
+        if speculate:
+            from dsv4_model.runtime.speculative_generate import generate_batch_speculative
+
+            generate_batch_speculative(engine, runner, chunk, params, max_new_tokens, stops, stream, tok, start,
+                                       result)
+        else:
+            _generate_batch(engine, runner, chunk, params, max_new_tokens, stops, stream, tok, start, result)
     return result
 
 

@@ -87,14 +87,18 @@ class EngineSession:
         # Imported here: the runner loads the op library, which ExportedEngine loads first with its own checks.
         from dsv4_model.runtime.compiled import DecodeRunner
 
-        opts = self.runner_options
-        if not isinstance(opts, RunnerOptions):
-            raise TypeError(f"runner_options must be a RunnerOptions, got {type(opts).__name__}")
+        opts = self._checked_runner_options()
         if self._runner is None or self._runner_built_from != opts:
             self._runner = DecodeRunner(self.model, compile=opts.compile, cuda_graphs=opts.cuda_graphs,
                                         graph_mode=opts.graph_mode, regional=opts.regional, log=opts.log)
             self._runner_built_from = opts
         return self._runner
+
+    def _checked_runner_options(self) -> RunnerOptions:
+        opts = self.runner_options
+        if not isinstance(opts, RunnerOptions):
+            raise TypeError(f"runner_options must be a RunnerOptions, got {type(opts).__name__}")
+        return opts
 
     def get_tokenizer(self):
         if self.tokenizer is None:

@@ -1,93 +1,241 @@
-"""Greedy speculative decoding with the MTP block (docs/speculation.md), eager: per step the main model verifies
-the last token and K drafts in one pass (Transformer.decode_tokens_streams), the drafts matching its greedy
-choices are accepted on the device, and the MTP block drafts K more from the last accepted position. Rejected
-tokens are not undone: the model's window rings have K spare slots and its compressor states are indexed by
-position (Transformer(spare_window_slots >= K)), so what they wrote is overwritten before anything reads it.
-The output is the plain greedy decode's."""
+"""Speculative decoding with the MTP block (docs/speculation.md): per step the main model verifies the last token
+and K drafts in one pass (Transformer.decode_tokens_streams), the drafts are accepted on the device (greedy: equal
+to the main model's choice; sampling: the rejection rule, so the output follows the non-speculative
+distribution), and the MTP block drafts K more from the last accepted position. Rejected tokens are not undone:
+the model's window rings have K spare slots and its compressor states are indexed by position
+(Transformer(spare_window_slots >= K)), so what they wrote is overwritten before anything reads it.
+
+Every value of a step is a device tensor of static shape (no host sync, no data-dependent shape): the step
+compiles with fullgraph and replays as one CUDA graph per (batch bucket, K, sampling mode)
+(dsv4_model.runtime.speculative_runner)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
 
+from dsv4_ops import ops
+
+SAMPLING_MODES = ("greedy", "sample", "filter")  # argmax only | temperature | temperature + top-k / top-p
+
 
 @dataclass
 class SpeculationStats:
-    rows: int
+    k: int
     steps: int = 0  # verification passes
-    emitted: int = 0  # tokens those passes emitted over all rows (bonus tokens included)
+    row_steps: int = 0  # rows counted over those passes (a row that has finished is not counted)
+    emitted: int = 0  # tokens those rows emitted (bonus tokens included)
     accepted: list[int] = field(default_factory=list)  # per draft position: rows that accepted it
     offered: list[int] = field(default_factory=list)  # per draft position: rows whose earlier drafts all passed
 
+    def __post_init__(self):
+        self.accepted = self.accepted or [0] * self.k
+        self.offered = self.offered or [0] * self.k
+
     @property
     def tokens_per_step(self) -> float:
-        return self.emitted / max(1, self.steps * self.rows)
+        """Tokens per verification pass and row."""
+        return self.emitted / max(1, self.row_steps)
 
     def acceptance(self) -> list[float]:
         return [a / o if o else float("nan") for a, o in zip(self.accepted, self.offered)]
 
+    def count(self, n_accepted: list[int]) -> None:
+        """One verification pass: the drafts each counted row accepted."""
+        self.steps += 1
+        self.row_steps += len(n_accepted)
+        self.emitted += sum(n + 1 for n in n_accepted)
+        for n in n_accepted:
+            for j in range(self.k):
+                self.offered[j] += j <= n
+                self.accepted[j] += j < n
 
-def _check(model, k: int, need: int) -> None:
-    if not isinstance(k, int) or k < 1:
+    def merged(self, other: "SpeculationStats") -> "SpeculationStats":
+        return SpeculationStats(self.k, self.steps + other.steps, self.row_steps + other.row_steps,
+                                self.emitted + other.emitted, [a + b for a, b in zip(self.accepted, other.accepted)],
+                                [a + b for a, b in zip(self.offered, other.offered)])
+
+
+def check_model(model, k: int) -> None:
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"speculate must be an int >= 1, got {k!r}")
     if not model.config.n_mtp_layers:
         raise ValueError("speculative decoding needs the model's MTP block (n_mtp_layers >= 1)")
     if model.spare_window_slots < k:
         raise ValueError(f"speculate={k} needs a model built with spare_window_slots >= {k}, "
                          f"got {model.spare_window_slots}")
-    if need > model.max_seq_len:
-        raise ValueError(f"prompt + max_new_tokens + 2 x speculate = {need} positions exceed max_seq_len="
-                         f"{model.max_seq_len}")
 
 
-@torch.no_grad()
-def _draft(model, streams: torch.Tensor, first: torch.Tensor, pos: torch.Tensor, k: int) -> torch.Tensor:
-    """k drafts per row: the MTP block at positions pos, pos + 1, ... on streams [B, hc, dim] (then its own
-    output streams) and the token after each position (first, then each draft) -> [B, k]."""
-    drafts, tok, s = [], first, streams
+def sampling_mode(params) -> str:
+    """The cheapest mode that serves every row of a batch (SamplingParams list)."""
+    if all(p.temperature <= 0 for p in params):
+        return "greedy"
+    if any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params):
+        return "filter"
+    return "sample"
+
+
+def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   mode: str) -> torch.Tensor:
+    """The distribution dsv4::sample draws from (docs/ops.md "Sampler"), as fp32 probabilities [N, V] of logits
+    [N, V] with per-row parameters [N]: one-hot at the first maximum for temperature <= 0; else softmax(logits / T)
+    over the top-k set (ties at the k-th logit kept), then over the tokens whose strictly larger tokens' mass is
+    below top_p (ties kept; top_p <= 0 keeps the most likely). Top-p masses are fp32 sums here (the op sums in
+    fixed point): they can differ only for tokens within rounding of the boundary."""
+    logits = torch.nan_to_num(logits.float(), nan=float("-inf"))
+    greedy = temperature <= 0
+    one_hot = torch.zeros_like(logits).scatter_(1, logits.argmax(1, keepdim=True), 1.0)
+    if mode == "greedy":
+        return one_hot
+    x = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)
+    if mode == "filter":
+        V = logits.shape[1]
+        val, idx = logits.sort(dim=1, descending=True, stable=True)
+        kth = val.gather(1, (top_k.clamp(1, V) - 1).unsqueeze(1))
+        k_off = ((top_k <= 0) | (top_k >= V)).unsqueeze(1)
+        keep_k = k_off | (val >= kth)
+        p = torch.softmax(torch.where(keep_k, x.gather(1, idx), float("-inf")), dim=1)
+        before = p.cumsum(1) - p  # mass of the tokens sorted before
+        first = torch.ones_like(keep_k)
+        first[:, 1:] = val[:, 1:] != val[:, :-1]
+        # a tie group's mass of strictly larger tokens: the value at its first member (before is nondecreasing)
+        larger = torch.where(first, before, 0.0).cummax(1).values
+        keep = keep_k & ((top_p >= 1).unsqueeze(1) | (larger < top_p.unsqueeze(1)) | (larger == 0))
+        x = torch.where(torch.zeros_like(keep).scatter_(1, idx, keep), x, float("-inf"))
+    return torch.where(greedy.unsqueeze(1), one_hot, torch.softmax(x, dim=1))
+
+
+def draw(probs: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """One token per row of probs [N, V] with the sampler's Philox stream (seed, offset) [N]: dsv4::sample's
+    Gumbel-max at temperature 1 on log-probabilities is an exact categorical draw."""
+    ones = torch.ones_like(seed, dtype=torch.float32)
+    return ops.sample(probs.log(), temperature=ones, top_k=torch.zeros_like(seed), top_p=ones, seed=seed,
+                      offset=offset)
+
+
+def bernoulli(a: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """True with probability a [N] (a draw between two outcomes of masses a and 1 - a)."""
+    return draw(torch.stack([a, 1 - a], dim=1), seed, offset) == 0
+
+
+@dataclass
+class Sampler:
+    """The rows' sampling parameters [B] and the first Philox offset of the step's draws; draw j of a step uses
+    offset base + j (a step makes 2K + 1 draws: K acceptances, the correction, K drafts)."""
+
+    mode: str
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seed: torch.Tensor
+    base: torch.Tensor
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, T, V] -> [B, T, V] (every position with its row's parameters)."""
+        B, T, V = logits.shape
+        rep = (lambda t: t.repeat_interleave(T)) if T > 1 else (lambda t: t)
+        return filtered_probs(logits.reshape(B * T, V), rep(self.temperature), rep(self.top_k), rep(self.top_p),
+                              self.mode).view(B, T, V)
+
+    def draw(self, probs: torch.Tensor, j: int) -> torch.Tensor:
+        return draw(probs, self.seed, self.base + j)
+
+
+def draft_chain(model, logits: torch.Tensor, streams: torch.Tensor, pos: torch.Tensor, k: int, s: Sampler,
+                j0: int, options) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """k drafts per row from the MTP block's logits [B, V] and output streams [B, hc, dim] at position pos - 1:
+    draft 1 from those logits, each later one from the block run at the next position on its own streams and the
+    draft before. Returns (drafts [B, k], their distributions [B, k, V] or None in greedy mode); draws use
+    offsets base + j0 ...."""
+    toks, qs = [], []
     for j in range(k):
-        logits, out = model.mtp_decode_tokens(s.unsqueeze(1), tok.unsqueeze(1), pos + j)
-        tok, s = logits[:, 0].argmax(-1), out[:, 0]
-        drafts.append(tok)
-    return torch.stack(drafts, dim=1)
+        if s.mode == "greedy":
+            t = logits.argmax(-1)
+        else:
+            q = s.probs(logits.unsqueeze(1))[:, 0]
+            t = s.draw(q, j0 + j)
+            qs.append(q)
+        toks.append(t)
+        if j + 1 < k:
+            lg, out = model.mtp_decode_tokens(streams.unsqueeze(1), t.unsqueeze(1), pos + j, options)
+            logits, streams = lg[:, 0], out[:, 0]
+    return torch.stack(toks, dim=1), (torch.stack(qs, dim=1) if qs else None)
+
+
+def first_drafts(model, streams: torch.Tensor, first: torch.Tensor, pos: torch.Tensor, k: int, s: Sampler,
+                 options) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The drafts after prefill: the MTP block at the last prompt position pos [B] (the main streams there
+    [B, hc, dim], the first sampled token) and on from there."""
+    lg, out = model.mtp_decode_tokens(streams.unsqueeze(1), first.unsqueeze(1), pos, options)
+    return draft_chain(model, lg[:, 0], out[:, 0], pos + 1, k, s, 0, options)
+
+
+def verify_step(model, y: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, pos: torch.Tensor,
+                s: Sampler, options) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One speculative step of rows at positions pos [B] holding y [B] (not yet in the caches) and drafts [B, K]
+    (drawn from q [B, K, V]; None in greedy mode). Returns (emitted [B, K + 1]: the accepted drafts then the
+    correction / bonus token, valid up to n_acc + 1; n_acc [B]; the next step's drafts [B, K] and their q)."""
+    B, K = drafts.shape
+    rows = torch.arange(B, device=y.device)
+    logits, hs = model.decode_tokens_streams(torch.cat([y.unsqueeze(1), drafts], dim=1), pos, options)
+    if s.mode == "greedy":
+        g = logits.argmax(-1)  # [B, K + 1]: the main model's token after each verified position
+        n_acc = (drafts == g[:, :K]).int().cumprod(dim=1).sum(dim=1)
+        c = g[rows, n_acc]
+    else:
+        p = s.probs(logits)
+        pd = p[:, :K].gather(2, drafts.unsqueeze(2)).squeeze(2)
+        qd = q.gather(2, drafts.unsqueeze(2)).squeeze(2)
+        a = torch.where(qd > 0, (pd / qd).clamp(max=1.0), 0.0)
+        acc = torch.stack([bernoulli(a[:, j], s.seed, s.base + j) for j in range(K)], dim=1)
+        n_acc = acc.int().cumprod(dim=1).sum(dim=1)
+        # the correction at the first rejection: norm(max(0, p - q)) (p where they are equal); the bonus: p_K
+        pn = p[rows, n_acc]
+        qn = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)[rows, n_acc]
+        r = (pn - qn).clamp(min=0)
+        c = s.draw(torch.where(r.sum(1, keepdim=True) > 0, r, pn), K)
+    # the token after each verified position as committed: the accepted drafts, then c
+    emitted = torch.cat([drafts, torch.zeros_like(c).unsqueeze(1)], dim=1).scatter(1, n_acc.unsqueeze(1),
+                                                                                    c.unsqueeze(1))
+    m_logits, m_out = model.mtp_decode_tokens(hs, emitted, pos, options)  # its cache for the committed positions
+    nxt, nq = draft_chain(model, m_logits[rows, n_acc], m_out[rows, n_acc], pos + n_acc + 1, K, s, K + 1,
+                          options)
+    return emitted, n_acc, nxt, nq
 
 
 @torch.no_grad()
 def speculative_greedy(model, prompt: torch.Tensor, max_new_tokens: int, k: int,
                        lengths: torch.Tensor | None = None) -> tuple[list[list[int]], SpeculationStats]:
     """Greedy continuation of prompt [B, L] (right-padded rows: lengths) by max_new_tokens tokens per row with k
-    MTP drafts per step. Returns (the new tokens per row, SpeculationStats)."""
+    MTP drafts per step, eager and without an engine (generate(..., speculate=k) is the served path). Returns
+    (the new tokens per row, SpeculationStats)."""
+    from dsv4_model.model.decode_options import DecodeOptions
+
     B, L = prompt.shape
     dev = model.device
     prompt = prompt.to(dev)
     lengths = torch.full((B,), L, device=dev) if lengths is None else lengths.to(dev)
-    _check(model, k, int(lengths.max()) + max_new_tokens + 2 * k)
+    check_model(model, k)
+    if int(lengths.max()) + max_new_tokens + 2 * k > model.max_seq_len:
+        raise ValueError(f"prompt + max_new_tokens + 2 x speculate = {int(lengths.max()) + max_new_tokens + 2 * k}"
+                         f" positions exceed max_seq_len={model.max_seq_len}")
+    opts = DecodeOptions()
+    zeros = torch.zeros(B, dtype=torch.long, device=dev)
+    s = Sampler("greedy", zeros.float(), zeros, zeros.float() + 1, zeros, zeros)
     rows = torch.arange(B, device=dev)
     h = model.streams(prompt, lengths)
     y = model._logits(h[rows, lengths - 1]).argmax(-1)  # the first new token, at position lengths
     if L > 1:  # the MTP block's cache over the prompt: position t reads (h_t, token t + 1)
         model.mtp_forward(h[:, :-1], prompt[:, 1:], lengths - 1)
-    drafts = _draft(model, h[rows, lengths - 1], y, lengths - 1, k)
+    drafts, q = first_drafts(model, h[rows, lengths - 1], y, lengths - 1, k, s, opts)
     pos = lengths.clone()  # where y goes
     out = [[int(t)] for t in y.tolist()]
-    stats = SpeculationStats(rows=B, accepted=[0] * k, offered=[0] * k)
+    stats = SpeculationStats(k)
     while min(len(o) for o in out) < max_new_tokens:
-        logits, hs = model.decode_tokens_streams(torch.cat([y.unsqueeze(1), drafts], dim=1), pos)
-        g = logits.argmax(-1)  # [B, k + 1]: the greedy token after each verified position
-        n_acc = (drafts == g[:, :k]).int().cumprod(dim=1).sum(dim=1)  # leading drafts that match
-        # the MTP block at the verified positions (its cache for the committed ones), the first draft read at the
-        # last accepted position; the rest chained from there
-        m_logits, m_out = model.mtp_decode_tokens(hs, g, pos)
-        first = m_logits[rows, n_acc].argmax(-1)
-        nxt = torch.cat([first.unsqueeze(1), _draft(model, m_out[rows, n_acc], first, pos + n_acc + 1, k - 1)],
-                        dim=1) if k > 1 else first.unsqueeze(1)
-        y, drafts, pos = g[rows, n_acc], nxt, pos + n_acc + 1
-        g_host, n_host = g.tolist(), n_acc.tolist()  # the step's one host read
+        emitted, n_acc, drafts, q = verify_step(model, y, drafts, q, pos, s, opts)
+        y, pos = emitted[rows, n_acc], pos + n_acc + 1
+        e_host, n_host = emitted.tolist(), n_acc.tolist()  # the step's one host read
         for b in range(B):
-            out[b].extend(g_host[b][: n_host[b] + 1])
-            for j in range(k):
-                stats.offered[j] += j <= n_host[b]
-                stats.accepted[j] += j < n_host[b]
-        stats.steps += 1
-        stats.emitted += sum(n + 1 for n in n_host)
+            out[b].extend(e_host[b][: n_host[b] + 1])
+        stats.count(n_host)
     return [o[:max_new_tokens] for o in out], stats

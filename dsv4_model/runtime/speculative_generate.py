@@ -1,0 +1,114 @@
+"""One batch of generate(..., speculate=K): ragged prefill with the MTP block's cache, the first token and drafts,
+then speculative steps (dsv4_model.runtime.speculative_runner). Per step the host reads one [rows, K + 2] tensor
+(the tokens each row emitted and their count), copied asynchronously into pinned memory; the next step is
+launched before it is read, so host work overlaps the GPU as in the plain loop."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from dsv4_model.checkpoint.tokenizer import StreamDecoder
+from dsv4_model.runtime.speculative import SpeculationStats
+
+
+@torch.no_grad()
+def generate_batch_speculative(engine, runner, ids: list[list[int]], params, max_new_tokens: int, stops: set[int],
+                               stream, tok, row0: int, result) -> None:
+    B, k = len(ids), runner.k
+    lengths = [len(p) for p in ids]
+    if max(lengths) > engine.max_seq_len:
+        raise ValueError(f"prompt of {max(lengths)} tokens exceeds max_seq_len={engine.max_seq_len}")
+    on_cuda = runner.device.type == "cuda"
+    from dsv4_model.runtime.speculative import sampling_mode
+
+    runner.prepare(B, sampling_mode(params))  # compile / capture first: warm-up scribbles on the caches
+    t0 = time.perf_counter()
+    engine.reset()
+    padded = torch.zeros(B, max(lengths), dtype=torch.long)
+    for b, p in enumerate(ids):
+        padded[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+    lens_t = torch.tensor(lengths, dtype=torch.long)
+    logits, last = engine.prefill(padded, lengths=lens_t, speculate=True)
+    runner.begin(lens_t, params)
+    first = runner.sample_first(logits)
+    runner.start(last)
+
+    pinned = [torch.empty(B, k + 2, dtype=torch.long, pin_memory=on_cuda) for _ in range(2)]
+    events = [torch.cuda.Event() if on_cuda else None for _ in range(2)]
+    out: list[list[int]] = [[] for _ in range(B)]
+    reasons: list[str | None] = [None] * B
+    decoders = [StreamDecoder(tok) for _ in range(B)] if tok is not None else None
+    stats = SpeculationStats(k)
+    pos = list(lengths)  # where each row's last emitted token goes
+    retired_at: list[int | None] = [None] * B  # the first step launched after the row finished
+
+    def emit(b: int, t: int) -> None:
+        if t in stops:
+            finish(b, "stop")
+            return
+        out[b].append(t)
+        if stream is not None:
+            stream(row0 + b, t, decoders[b].push(t) if decoders is not None else None)
+        if len(out[b]) >= max_new_tokens:
+            finish(b, "length")
+
+    def finish(b: int, why: str) -> None:
+        reasons[b] = why
+        runner.retire(b)
+        retired_at[b] = launched
+        if stream is not None and decoders is not None:
+            rest = decoders[b].flush()
+            if rest:
+                stream(row0 + b, None, rest)
+
+    def launch(slot: int) -> None:
+        pinned[slot].copy_(runner.step(), non_blocking=on_cuda)
+        if on_cuda:
+            events[slot].record()
+
+    launched = read = 0
+    first_host = first.tolist()
+    t_first = time.perf_counter()
+    for b in range(B):
+        emit(b, first_host[b])
+    while True:
+        # up to two steps in flight ahead of the host while some row still needs tokens
+        while launched - read < 2 and any(r is None for r in reasons) and runner.can_step():
+            launch(launched % 2)
+            launched += 1
+        if read == launched:
+            break
+        if on_cuda:
+            events[read % 2].synchronize()
+        host = pinned[read % 2].tolist()
+        read += 1
+        counted = []
+        for b in range(B):
+            n = host[b][k + 1]
+            if retired_at[b] is None or read <= retired_at[b]:  # (read - 1: the index of this step)
+                pos[b] += n + 1
+            if reasons[b] is None:
+                counted.append(n)
+                for t in host[b][: n + 1]:
+                    if reasons[b] is None:
+                        emit(b, t)
+        stats.count(counted)
+        runner.settle(max(pos), launched - read)
+    for b in range(B):
+        if reasons[b] is None:  # the caches are full before max_new_tokens
+            reasons[b] = "max_seq_len"
+            if stream is not None and decoders is not None and (rest := decoders[b].flush()):
+                stream(row0 + b, None, rest)
+    t_end = time.perf_counter()
+    engine.set_lengths(pos)  # every row: its prompt and what its steps emitted
+
+    result.token_ids.extend(out)
+    result.finish_reasons.extend(reasons)
+    if result.texts is not None:
+        result.texts.extend(tok.decode(t) for t in out)
+    result.prefill_seconds += t_first - t0
+    result.decode_seconds += t_end - t_first
+    result.decode_steps += launched
+    prev = result.extra.get("speculation")
+    result.extra["speculation"] = stats if prev is None else prev.merged(stats)

@@ -1,0 +1,120 @@
+"""Speculative decode steps on static buffers (dsv4_model.runtime.speculative holds the step's math): a
+`DecodeRunner` whose step verifies the last token and K drafts, accepts on the device, drafts K more and advances
+each row by what it accepted. Compiled and captured like the plain step, one CUDA graph per (batch bucket,
+sampling mode); the host reads one [rows, K + 2] tensor per step (the emitted tokens, then their count).
+
+Use: `prepare(B, mode)` before prefill, prefill with the MTP block's cache (Engine.prefill(...,
+speculate=True)), `begin(positions, params)`, `sample_first(logits)`, `start(last_streams)`, then `step()` while
+`can_step()`, telling the runner the rows' positions read back (`settle`) so it can bound the next step's."""
+from __future__ import annotations
+
+import torch
+
+from dsv4_model.runtime.compiled import DecodeRunner
+from dsv4_model.runtime.speculative import SAMPLING_MODES, Sampler, check_model, first_drafts, verify_step
+
+
+class SpeculativeRunner(DecodeRunner):
+    def __init__(self, model, k: int, **options):
+        check_model(model, k)
+        if options.get("regional"):
+            raise ValueError("speculative steps compile whole (regional=False)")
+        self.k = k
+        self.sampling = "greedy"
+        super().__init__(model, **options)
+        R = self.max_rows
+        self.drafts = torch.zeros(R, k, dtype=torch.long, device=self.device)
+        self.live = torch.zeros(R, dtype=torch.long, device=self.device)  # 1: a row of the batch (not padding)
+        self.q: torch.Tensor | None = None  # the drafts' distributions [R, k, V], allocated for sampled modes
+
+    @property
+    def mode_name(self) -> str:
+        return f"{super().mode_name}, speculate {self.k}"
+
+    def _key(self, n: int):
+        return (n, self.sampling)
+
+    def _inputs(self, n: int) -> tuple:
+        q = None if self.sampling == "greedy" else self.q[:n]
+        return (self.tokens[:n], self.positions[:n], self.live[:n], *self.sampler.rows(n), self.drafts[:n], q)
+
+    def _sampler(self, temperature, top_k, top_p, seed, offset) -> Sampler:
+        # a step makes 2k + 1 draws per row: offsets offset * (2k + 1) + j, disjoint from step to step
+        return Sampler(self.sampling, temperature, top_k, top_p, seed, offset * (2 * self.k + 1))
+
+    def _step_impl(self, tokens, positions, live, temperature, top_k, top_p, seed, offset, drafts, q):
+        s = self._sampler(temperature, top_k, top_p, seed, offset)
+        emitted, n_acc, nxt, nq = verify_step(self.model, tokens, drafts, q, positions, s, self.step_options)
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        tokens.copy_(emitted[rows, n_acc])
+        positions.add_((n_acc + 1) * live)  # padded rows stay at position 0
+        offset.add_(1)
+        drafts.copy_(nxt)
+        if q is not None:
+            q.copy_(nq)
+        return (torch.cat([emitted, n_acc.unsqueeze(1)], dim=1),)
+
+    @torch.no_grad()
+    def prepare(self, rows: int, mode: str | None = None) -> int:
+        """Compile / capture the bucket of `rows` for sampling mode `mode` (the current one if None)."""
+        if mode is not None:
+            self._set_mode(mode)
+        return super().prepare(rows)
+
+    def _set_mode(self, mode: str) -> None:
+        if mode not in SAMPLING_MODES:
+            raise ValueError(f"sampling mode must be one of {SAMPLING_MODES}, got {mode!r}")
+        self.sampling = mode
+        if mode != "greedy" and self.q is None:
+            self.q = torch.zeros(self.max_rows, self.k, self.model.config.vocab_size, device=self.device)
+
+    def _reset_buffers(self) -> None:
+        super()._reset_buffers()
+        self.drafts.zero_()
+        self.live.zero_()
+
+    @torch.no_grad()
+    def begin(self, positions, params) -> None:
+        from dsv4_model.runtime.speculative import sampling_mode
+
+        self._set_mode(sampling_mode(params))
+        super().begin(positions, params)
+        self.live[: self.rows] = 1
+
+    @torch.no_grad()
+    def start(self, last_streams: torch.Tensor) -> None:
+        """The first drafts, after sample_first: the MTP block at each row's last prompt position on the main
+        streams there [rows, hc, dim] (eager: once per batch)."""
+        n = self.rows
+        t, k, p, seed, off = self.sampler.rows(n)
+        s = self._sampler(t, k, p, seed, off)
+        drafts, q = first_drafts(self.model, last_streams, self.tokens[:n], self.positions[:n] - 1, self.k, s,
+                                 self.step_options)
+        self.drafts[:n].copy_(drafts)
+        if q is not None:
+            self.q[:n].copy_(q)
+        off.add_(1)
+
+    def retire(self, row: int) -> None:
+        """Row `row` has finished: steps launched from now on leave its position where it is (a finished row
+        riding along would otherwise run ahead by up to k + 1 per step and end the others' room early)."""
+        self.live[row] = 0
+
+    def can_step(self) -> bool:
+        """Whether a step fits the caches: it writes positions up to its last token's + 2k (the verified K + 1,
+        the chained drafts' MTP positions)."""
+        return self._next_pos + 2 * self.k < self.model.max_seq_len
+
+    def settle(self, max_position: int, in_flight: int) -> None:
+        """The largest row position read back, and the steps launched after the read: the next step's bound."""
+        self._next_pos = max_position + (self.k + 1) * in_flight
+
+    @torch.no_grad()
+    def step(self, replay: bool = True) -> torch.Tensor:
+        """One speculative step of the live batch -> [rows, k + 2] int64: row b emitted tokens [:n_b + 1] of
+        its first k + 1 columns, n_b (its accepted drafts) in the last. A static buffer in graph modes."""
+        if not self.can_step():
+            raise ValueError(f"speculative step from position {self._next_pos}: the caches hold max_seq_len="
+                             f"{self.model.max_seq_len} positions and a step may write {2 * self.k} past it")
+        self._next_pos += self.k + 1
+        return self._run(replay)[0][: self.rows]
