@@ -51,6 +51,40 @@ class GenerationResult:
         return 1e3 * self.decode_seconds / self.decode_steps if self.decode_steps else 0.0
 
 
+class RowSink:
+    """The emitted tokens of a batch's rows as the host reads them: stop ids, the per-row cap, streaming (with
+    held-back text flushed at a row's end) and the finish reasons. on_finish(row) runs when a row ends."""
+
+    def __init__(self, B: int, stops: set[int], stream, tok, row0: int, on_finish=None):
+        self.out: list[list[int]] = [[] for _ in range(B)]
+        self.reasons: list[str | None] = [None] * B
+        self.decoders = [StreamDecoder(tok) for _ in range(B)] if tok is not None else None
+        self.stops, self.stream, self.row0, self.on_finish = stops, stream, row0, on_finish
+
+    def emit(self, b: int, t: int, cap: int, why_at_cap: str) -> None:
+        """Token t of row b (a live row): a stop id ends it, else it is kept and streamed; cap tokens end it."""
+        if t in self.stops:
+            self.finish(b, "stop")
+            return
+        self.out[b].append(t)
+        if self.stream is not None:
+            self.stream(self.row0 + b, t, self.decoders[b].push(t) if self.decoders is not None else None)
+        if len(self.out[b]) >= cap:
+            self.finish(b, why_at_cap)
+
+    def finish(self, b: int, why: str) -> None:
+        self.reasons[b] = why
+        if self.on_finish is not None:
+            self.on_finish(b)
+        if self.stream is not None and self.decoders is not None:
+            rest = self.decoders[b].flush()
+            if rest:
+                self.stream(self.row0 + b, None, rest)
+
+    def done(self) -> bool:
+        return all(r is not None for r in self.reasons)
+
+
 def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, stop_token_ids=None, stream: StreamCallback | None = None, *,
              tokenizer=None, add_bos: bool = True, speculate: int = 0) -> GenerationResult:
@@ -136,16 +170,7 @@ def _generate_batch(engine, runner: DecodeRunner, ids: list[list[int]], params: 
         if on_cuda:
             events[k % 2].record()
 
-    out: list[list[int]] = [[] for _ in range(B)]
-    reasons: list[str | None] = [None] * B
-    decoders = [StreamDecoder(tok) for _ in range(B)] if tok is not None else None
-
-    def finish(b: int, why: str) -> None:
-        reasons[b] = why
-        if stream is not None and decoders is not None:
-            rest = decoders[b].flush()
-            if rest:
-                stream(row0 + b, None, rest)
+    rows = RowSink(B, stops, stream, tok, row0)
 
     launch_copy(first, 0)
     launched = 0  # decode steps launched; step k's ids sit in slot k % 2
@@ -162,18 +187,9 @@ def _generate_batch(engine, runner: DecodeRunner, ids: list[list[int]], params: 
         if t_first is None:
             t_first = time.perf_counter()
         for b in range(B):
-            if reasons[b] is not None:
-                continue
-            t = host[b]
-            if t in stops:
-                finish(b, "stop")
-                continue
-            out[b].append(t)
-            if stream is not None:
-                stream(row0 + b, t, decoders[b].push(t) if decoders is not None else None)
-            if len(out[b]) >= cap:
-                finish(b, "length" if cap == max_new_tokens else "max_seq_len")
-        if all(r is not None for r in reasons) or k >= launched:
+            if rows.reasons[b] is None:
+                rows.emit(b, host[b], cap, "length" if cap == max_new_tokens else "max_seq_len")
+        if rows.done() or k >= launched:
             break
         k += 1
     if on_cuda:
@@ -181,10 +197,10 @@ def _generate_batch(engine, runner: DecodeRunner, ids: list[list[int]], params: 
     t_end = time.perf_counter()
     engine.set_lengths([n + launched for n in lengths])  # every row: its prompt and `launched` decode steps
 
-    result.token_ids.extend(out)
-    result.finish_reasons.extend(reasons)
+    result.token_ids.extend(rows.out)
+    result.finish_reasons.extend(rows.reasons)
     if result.texts is not None:
-        result.texts.extend(tok.decode(t) for t in out)
+        result.texts.extend(tok.decode(t) for t in rows.out)
     result.prefill_seconds += t_first - t0
     result.decode_seconds += t_end - t_first
     result.decode_steps += k

@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from dsv4_model.checkpoint.tokenizer import StreamDecoder
-from dsv4_model.runtime.speculative import SpeculationStats
+from dsv4_model.runtime.generate import RowSink
+from dsv4_model.runtime.speculative import SpeculationStats, sampling_mode
 
 
 @torch.no_grad()
@@ -20,8 +20,6 @@ def generate_batch_speculative(engine, runner, ids: list[list[int]], params, max
     if max(lengths) > engine.max_seq_len:
         raise ValueError(f"prompt of {max(lengths)} tokens exceeds max_seq_len={engine.max_seq_len}")
     on_cuda = runner.device.type == "cuda"
-    from dsv4_model.runtime.speculative import sampling_mode
-
     runner.prepare(B, sampling_mode(params))  # compile / capture first: warm-up scribbles on the caches
     t0 = time.perf_counter()
     engine.reset()
@@ -36,31 +34,15 @@ def generate_batch_speculative(engine, runner, ids: list[list[int]], params, max
 
     pinned = [torch.empty(B, k + 2, dtype=torch.long, pin_memory=on_cuda) for _ in range(2)]
     events = [torch.cuda.Event() if on_cuda else None for _ in range(2)]
-    out: list[list[int]] = [[] for _ in range(B)]
-    reasons: list[str | None] = [None] * B
-    decoders = [StreamDecoder(tok) for _ in range(B)] if tok is not None else None
     stats = SpeculationStats(k)
     pos = list(lengths)  # where each row's last emitted token goes
     retired_at: list[int | None] = [None] * B  # the first step launched after the row finished
 
-    def emit(b: int, t: int) -> None:
-        if t in stops:
-            finish(b, "stop")
-            return
-        out[b].append(t)
-        if stream is not None:
-            stream(row0 + b, t, decoders[b].push(t) if decoders is not None else None)
-        if len(out[b]) >= max_new_tokens:
-            finish(b, "length")
-
-    def finish(b: int, why: str) -> None:
-        reasons[b] = why
+    def retire(b: int) -> None:
         runner.retire(b)
         retired_at[b] = launched
-        if stream is not None and decoders is not None:
-            rest = decoders[b].flush()
-            if rest:
-                stream(row0 + b, None, rest)
+
+    rows = RowSink(B, stops, stream, tok, row0, on_finish=retire)
 
     def launch(slot: int) -> None:
         pinned[slot].copy_(runner.step(), non_blocking=on_cuda)
@@ -71,10 +53,10 @@ def generate_batch_speculative(engine, runner, ids: list[list[int]], params, max
     first_host = first.tolist()
     t_first = time.perf_counter()
     for b in range(B):
-        emit(b, first_host[b])
+        rows.emit(b, first_host[b], max_new_tokens, "length")
     while True:
         # up to two steps in flight ahead of the host while some row still needs tokens
-        while launched - read < 2 and any(r is None for r in reasons) and runner.can_step():
+        while launched - read < 2 and not rows.done() and runner.can_step():
             launch(launched % 2)
             launched += 1
         if read == launched:
@@ -88,25 +70,23 @@ def generate_batch_speculative(engine, runner, ids: list[list[int]], params, max
             n = host[b][k + 1]
             if retired_at[b] is None or read <= retired_at[b]:  # (read - 1: the index of this step)
                 pos[b] += n + 1
-            if reasons[b] is None:
+            if rows.reasons[b] is None:
                 counted.append(n)
                 for t in host[b][: n + 1]:
-                    if reasons[b] is None:
-                        emit(b, t)
+                    if rows.reasons[b] is None:
+                        rows.emit(b, t, max_new_tokens, "length")
         stats.count(counted)
         runner.settle(max(pos), launched - read)
     for b in range(B):
-        if reasons[b] is None:  # the caches are full before max_new_tokens
-            reasons[b] = "max_seq_len"
-            if stream is not None and decoders is not None and (rest := decoders[b].flush()):
-                stream(row0 + b, None, rest)
+        if rows.reasons[b] is None:  # the caches are full before max_new_tokens
+            rows.finish(b, "max_seq_len")
     t_end = time.perf_counter()
     engine.set_lengths(pos)  # every row: its prompt and what its steps emitted
 
-    result.token_ids.extend(out)
-    result.finish_reasons.extend(reasons)
+    result.token_ids.extend(rows.out)
+    result.finish_reasons.extend(rows.reasons)
     if result.texts is not None:
-        result.texts.extend(tok.decode(t) for t in out)
+        result.texts.extend(tok.decode(t) for t in rows.out)
     result.prefill_seconds += t_first - t0
     result.decode_seconds += t_end - t_first
     result.decode_steps += launched

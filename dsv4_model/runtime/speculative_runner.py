@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from dsv4_model.runtime.compiled import DecodeRunner
-from dsv4_model.runtime.speculative import SAMPLING_MODES, Sampler, check_model, first_drafts, verify_step
+from dsv4_model.runtime.speculative import (SAMPLING_MODES, Sampler, check_model, first_drafts, sampling_mode,
+                                            verify_step)
 
 
 class SpeculativeRunner(DecodeRunner):
@@ -75,8 +76,6 @@ class SpeculativeRunner(DecodeRunner):
 
     @torch.no_grad()
     def begin(self, positions, params) -> None:
-        from dsv4_model.runtime.speculative import sampling_mode
-
         self._set_mode(sampling_mode(params))
         super().begin(positions, params)
         self.live[: self.rows] = 1
