@@ -51,6 +51,14 @@ class GenerationResult:
         return 1e3 * self.decode_seconds / self.decode_steps if self.decode_steps else 0.0
 
 
+def right_padded(ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts as one right-padded int64 [B, longest] batch and their lengths [B] (CPU tensors)."""
+    padded = torch.zeros(len(ids), max(len(p) for p in ids), dtype=torch.long)
+    for b, p in enumerate(ids):
+        padded[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+    return padded, torch.tensor([len(p) for p in ids], dtype=torch.long)
+
+
 class RowSink:
     """The emitted tokens of a batch's rows as the host reads them: stop ids, the per-row cap, streaming (with
     held-back text flushed at a row's end) and the finish reasons. on_finish(row) runs when a row ends."""
@@ -83,6 +91,17 @@ class RowSink:
 
     def done(self) -> bool:
         return all(r is not None for r in self.reasons)
+
+    def record(self, result: "GenerationResult", tok, seconds: tuple[float, float, float], steps: int) -> None:
+        """Append the batch to result: its rows, and the time from start to the first token's read to the end."""
+        result.token_ids.extend(self.out)
+        result.finish_reasons.extend(self.reasons)
+        if result.texts is not None:
+            result.texts.extend(tok.decode(t) for t in self.out)
+        t0, t_first, t_end = seconds
+        result.prefill_seconds += t_first - t0
+        result.decode_seconds += t_end - t_first
+        result.decode_steps += steps
 
 
 def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
@@ -154,10 +173,7 @@ def _generate_batch(engine, runner: DecodeRunner, ids: list[list[int]], params: 
     runner.prepare(B)  # compile / capture first: warm-up writes cache rows that prefill then rewrites
     t0 = time.perf_counter()
     engine.reset()
-    padded = torch.zeros(B, max(lengths), dtype=torch.long)
-    for b, p in enumerate(ids):
-        padded[b, : len(p)] = torch.tensor(p, dtype=torch.long)
-    lens_t = torch.tensor(lengths, dtype=torch.long)
+    padded, lens_t = right_padded(ids)
     logits = engine.prefill(padded, lengths=lens_t)
     runner.begin(lens_t, params)
     first = runner.sample_first(logits)
@@ -197,10 +213,4 @@ def _generate_batch(engine, runner: DecodeRunner, ids: list[list[int]], params: 
     t_end = time.perf_counter()
     engine.set_lengths([n + launched for n in lengths])  # every row: its prompt and `launched` decode steps
 
-    result.token_ids.extend(rows.out)
-    result.finish_reasons.extend(rows.reasons)
-    if result.texts is not None:
-        result.texts.extend(tok.decode(t) for t in rows.out)
-    result.prefill_seconds += t_first - t0
-    result.decode_seconds += t_end - t_first
-    result.decode_steps += k
+    rows.record(result, tok, (t0, t_first, t_end), k)

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from dsv4_model.runtime.generate import RowSink
+from dsv4_model.runtime.generate import RowSink, right_padded
 from dsv4_model.runtime.speculative import SpeculationStats, sampling_mode
 
 
@@ -23,10 +23,7 @@ def generate_batch_speculative(engine, runner, ids: list[list[int]], params, max
     runner.prepare(B, sampling_mode(params))  # compile / capture first: warm-up scribbles on the caches
     t0 = time.perf_counter()
     engine.reset()
-    padded = torch.zeros(B, max(lengths), dtype=torch.long)
-    for b, p in enumerate(ids):
-        padded[b, : len(p)] = torch.tensor(p, dtype=torch.long)
-    lens_t = torch.tensor(lengths, dtype=torch.long)
+    padded, lens_t = right_padded(ids)
     logits, last = engine.prefill(padded, lengths=lens_t, speculate=True)
     runner.begin(lens_t, params)
     first = runner.sample_first(logits)
@@ -83,12 +80,6 @@ def generate_batch_speculative(engine, runner, ids: list[list[int]], params, max
     t_end = time.perf_counter()
     engine.set_lengths(pos)  # every row: its prompt and what its steps emitted
 
-    result.token_ids.extend(rows.out)
-    result.finish_reasons.extend(rows.reasons)
-    if result.texts is not None:
-        result.texts.extend(tok.decode(t) for t in rows.out)
-    result.prefill_seconds += t_first - t0
-    result.decode_seconds += t_end - t_first
-    result.decode_steps += launched
+    rows.record(result, tok, (t0, t_first, t_end), launched)
     prev = result.extra.get("speculation")
     result.extra["speculation"] = stats if prev is None else prev.merged(stats)
