@@ -36,7 +36,7 @@ from dsv4_model.runtime.compiled import DecodeRunner  # noqa: E402
 from dsv4_model.model.decode_options import DecodeOptions  # noqa: E402
 from dsv4_ops.overrides import parse as parse_overrides  # noqa: E402
 from dsv4_ops.overrides import set_overrides  # noqa: E402
-from dsv4_model.quant.random_model import bf16_compressor_values_  # noqa: E402
+from dsv4_model.quant.random_model import bf16_released_values_  # noqa: E402
 from dsv4_model.model.config import ModelConfig  # noqa: E402
 from dsv4_model.model.transformer import Transformer  # noqa: E402
 from dsv4_model.quant.quantize_model import quantize_model_  # noqa: E402
@@ -65,7 +65,7 @@ def build(cfg: ModelConfig, device: str, max_seq: int) -> Transformer:
         from bench_decode import randomize_
 
         randomize_(model, 0, cfg.n_routed_experts)  # on the GPU: GBs of weights, no host round trip
-        bf16_compressor_values_(model)
+        bf16_released_values_(model)
         model.narrow_weights_()  # as the loader does
     else:
         model.init_random_weights(0)

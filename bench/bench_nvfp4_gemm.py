@@ -1,6 +1,6 @@
 """Benchmark of dsv4::nvfp4_linear (W4A16) and dsv4::nvfp4_moe on the H200, against bf16 PyTorch peers.
 
-Linear: DeepSeek-V4-Flash projection shapes (N x K) at M = 1, 8, 64, 512, 4096 tokens; peer = torch.matmul
+Linear: DeepSeek-V4-Flash projection shapes (N x K) at M = 1, 8, 16, 32, 64, 128, 256, 512, 1024, 4096 tokens; peer = torch.matmul
 with a bf16 weight of the same shape (cuBLAS). Grouped (wo_a, 8 x (1024 x 4096)): dsv4::nvfp4_linear_grouped vs
 torch.bmm on bf16 weights and vs 8 nvfp4_linear calls. Multi (wq_a + wkv): dsv4::nvfp4_linear_multi vs two
 torch.matmul and two nvfp4_linear calls. MoE: 256 experts, top-6 (uniform random routing), d = 4096,
@@ -43,7 +43,7 @@ SHAPES = [  # (name, N, K) of y[M, N] = x[M, K] @ W^T
     ("w2", 4096, 2048),  # shared / routed expert
     ("expert w1", 2048, 4096),
 ]
-MS = [1, 8, 64, 512, 4096]
+MS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
 E, D, INTER, TOPK = 256, 4096, 2048, 6
 
 
@@ -76,9 +76,11 @@ def nvfp4_bytes(n, k):
 
 def bench_linear(gen):
     print("\n## nvfp4_linear (W4A16) vs bf16 torch.matmul (cuBLAS), CUDA-graph replay, weights streamed from HBM")
-    print("(M > 64: 'nvfp4 us' is the default path -- tiled mma kernel for M < 256, dequantize + cuBLAS for "
-          "M >= 256; 'tiled' / 'deq+cuBLAS' force each path; M <= 8: 'nvfp4 us' is the gemv kernel (default, cp.async ring, "
-          "programmatic dependent launch), 'no-PDL' the same without PDL, 'skinny' the M <= 64 kernel)")
+    print("(M > 8: 'nvfp4 us' is the default path -- tiled mma kernel (K split over a cluster where tiles are few) "
+          "for M < 256, dequantize + cuBLAS for M >= 256; M > 64: 'tiled' / 'deq+cuBLAS' force each path; "
+          "8 < M <= 64: 'skinny' the kernel the tiled one replaced there; M <= 8: 'nvfp4 us' is the gemv kernel "
+          "(default, cp.async ring, programmatic dependent launch), 'no-PDL' the same without PDL, 'skinny' the "
+          "M <= 64 kernel)")
     hdr = (f"{'proj':>13} {'N x K':>12} {'M':>5} | {'nvfp4 us':>9} {'bf16 us':>9} {'speedup':>7} | "
            f"{'GB/s':>7} {'HBM':>5} | {'TF/s':>6} {'bf16 TF/s':>9} | {'tiled us':>8} {'deq+cuBLAS':>10}")
     print(hdr)
@@ -107,6 +109,10 @@ def bench_linear(gen):
                     ts.append(graph_us(lambda i: ops.nvfp4_linear(x, ws[i % copies][0], ws[i % copies][1], gs), reps))
                 alt = "".join(f" | {lab} {t:6.2f} us ({wbytes / (t * 1e-6) / HBM:4.0%})"
                               for lab, t in (("no-PDL", ts[0]), ("skinny", ts[1])))
+            if 8 < m <= 64:
+                with kernel_choice("skinny"):
+                    t = graph_us(lambda i: ops.nvfp4_linear(x, ws[i % copies][0], ws[i % copies][1], gs), reps)
+                alt = f" | skinny {t:6.2f} us ({t / t_op:4.2f}x the default's time)"
             if m > 64:
                 ts = []
                 for choice in ("tiled", "cublas"):

@@ -169,8 +169,8 @@ def test_storage_roundtrip_through_the_loader(tmp_path):
         if ".ffn.experts." in name or official_storage(name) in ("f32", "i64"):
             assert torch.equal(t, ref[name]), name  # MXFP4-exact experts, exact fp32 / int tensors
         else:
-            # bf16-valued compressor projections stay bf16 in memory (Transformer.narrow_weights_)
-            assert t.dtype == torch.float32 or ".compressor.w" in name, (name, t.dtype)
+            # bf16-valued compressor projections and head stay bf16 in memory (Transformer.narrow_weights_)
+            assert t.dtype == torch.float32 or ".compressor.w" in name or name == "head.weight", (name, t.dtype)
             torch.testing.assert_close(t.float(), ref[name].to(torch.bfloat16).float(), rtol=0, atol=0, msg=name)
 
 

@@ -1,7 +1,7 @@
 """dsv4::fp32_linear (the fp32 projections: compressor wkv / wgate, mHC mixes; several weights per call) against
 the float64 reference (dsv4_ops/reference/), opcheck, torch.compile, and on CUDA every kernel variant (1 or 4
-rows per CTA, 1 or up to 8 token rows, bf16 / fp32 weights and x), the fp32-matmul fallback, a captured graph and
-no host sync.
+rows per CTA, 1 or up to 8 token rows, bf16 / fp32 weights and x), the matmul fallbacks (a large bf16 weight at 2+
+rows included), a captured graph and no host sync.
 
 Tolerance: the op sums fp32 products in fp32 in its own order; |out - ref64| <= 4e-6 * sum_k |x_k w_k| holds for
 that with a wide margin (K <= 16384), while a wrong row, matrix, token or dropped piece of K is off by O(1)
@@ -56,6 +56,17 @@ def test_mixed_weight_dtypes(device):
     x, ws = case((1,), 512, (64, 64, 16, 16, 8), torch.float32, torch.bfloat16, gen)
     ws = [w.to(torch.bfloat16) if i % 2 else w for i, w in enumerate(ws)]
     check(ops.fp32_linear(x.to(device), [w.to(device) for w in ws]), x, ws)
+
+
+@pytest.mark.cuda
+@pytest.mark.kernels
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_large_bf16_weight_every_row_count(m):
+    # >= 2^26 bf16 weight elements with bf16 x (the head's case): the GEMV at one row, cuBLAS's bf16 GEMM with
+    # fp32 output at 2..8 rows; both within the fp32-sum bound
+    gen = torch.Generator().manual_seed(m)
+    x, ws = case((m,), 4096, (16400,), torch.bfloat16, torch.bfloat16, gen)
+    check(ops.fp32_linear(x.cuda(), [w.cuda() for w in ws]), x, ws)
 
 
 @pytest.mark.parametrize("device", DEVICES)

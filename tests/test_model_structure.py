@@ -69,7 +69,8 @@ def test_meta_build_then_materialize():
     assert torch.equal(m.decode_step(ids[:, 0], torch.tensor([20])), ref.decode_step(ids[:, 0], torch.tensor([20])))
 
 
-def test_compressor_weights_narrow_to_bf16_only_when_lossless():
+def test_fp32_math_weights_narrow_to_bf16_only_when_lossless():
+    """The compressors' projections and the head: held in bf16 once their values fit, with identical results."""
     from dsv4_model.model.compressor import Compressor
 
     cfg = tiny_config(n_layers=2, compress_ratios=[4, 8, 0], n_hash_layers=1)
@@ -78,15 +79,16 @@ def test_compressor_weights_narrow_to_bf16_only_when_lossless():
     assert comps
     wide.narrow_weights_()  # fp32 random values: nothing may change
     assert all(c.wkv.weight.dtype == torch.float32 and c.wgate.weight.dtype == torch.float32 for c in comps)
+    assert wide.head.weight.dtype == torch.float32
     with torch.no_grad():  # now bf16 values in fp32 storage, as a released checkpoint's
-        for c in comps:
-            for w in (c.wkv.weight, c.wgate.weight):
-                w.copy_(w.to(torch.bfloat16))
+        for w in [wide.head.weight] + [w for c in comps for w in (c.wkv.weight, c.wgate.weight)]:
+            w.copy_(w.to(torch.bfloat16))
     narrow = Transformer(cfg, max_batch_size=1, max_seq_len=48, dtype=torch.float32)
     narrow.load_state_dict(wide.state_dict())
     narrow.narrow_weights_()
     ncomps = [m for m in narrow.modules() if isinstance(m, Compressor)]
     assert all(c.wkv.weight.dtype == torch.bfloat16 and c.wgate.weight.dtype == torch.bfloat16 for c in ncomps)
+    assert narrow.head.weight.dtype == torch.bfloat16
     ids = torch.randint(0, cfg.vocab_size, (1, 21), generator=torch.Generator().manual_seed(1))
     assert torch.equal(narrow.prefill(ids), wide.prefill(ids))
     for t in range(6):  # across a closed ratio-4 window, both compressors' decode state

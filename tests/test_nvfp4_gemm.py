@@ -523,6 +523,28 @@ def test_linear_cuda_forced_kernels(choice, n, k):
         assert_bf16_close(out, ref32, bound, f"cuda {choice} linear {m}x{n}x{k}")
 
 
+# K split over a cluster where the tiles alone leave SMs idle: (520, 1296) N and K tails, 4 splits of 3 chunks
+# (the last one short); (1030, 1024) N % 4 != 0 (scalar stores); (4096, 4096) 8 splits.
+@pytest.mark.cuda
+@pytest.mark.kernels
+@pytest.mark.parametrize("n,k", [(520, 1296), (1030, 1024), (4096, 4096)])
+def test_linear_cuda_tiled_small_m(n, k):
+    """8 < M <= 64 (one dense matrix): the tiled kernel with 32- / 64-token tiles and the cluster K split, W4A16
+    and W4A4 (fp32 out), deterministic, and within the same bound as the skinny kernel it replaced there."""
+    gen = torch.Generator().manual_seed(n + k)
+    for m in (9, 16, 33, 64, 100):
+        x, w, ref32, bound = linear_case(n, k, m, gen, "cuda")
+        out = ops.nvfp4_linear(x, *w)
+        assert_bf16_close(out, ref32, bound, f"cuda tiled linear {m}x{n}x{k}")
+        assert torch.equal(ops.nvfp4_linear(x, *w), out), f"tiled linear {m}x{n}x{k} not deterministic"
+        with kernel_choice("skinny"):
+            assert_bf16_close(ops.nvfp4_linear(x, *w), ref32, bound, f"cuda skinny linear {m}x{n}x{k}")
+    for m in (12, 64):
+        xq, w, ref32, bound = w4a4_case(n, k, (m,), gen, "cuda")
+        out32 = ops.nvfp4_linear_w4a4(*xq, *w, torch.float32)
+        assert bool(((out32 - ref32).abs() <= 4e-5 * bound + 1e-30).all()), f"cuda tiled w4a4 {m}x{n}x{k}"
+
+
 # (1024, 4096): 8 warps split K; (32768, 1024): more CTAs than fit at once; the small ones: N / K tails, CTAs
 # with no valid row tile, K shorter than the ring.
 @pytest.mark.cuda

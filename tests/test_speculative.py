@@ -91,26 +91,12 @@ def test_refusals(case):
         speculative_greedy(m, prompt, 8, 1, lengths)
 
 
-def _greedy_up_to(m, prompt, lengths, tokens) -> float:
-    """Teacher-forced one-token decode of `tokens` (the continuation per row): the largest amount by which a token
-    falls short of the best logit at its position (0 where it is the greedy choice)."""
-    fed = torch.tensor(tokens)
-    lg = m.prefill(prompt, lengths)
-    worst = 0.0
-    for t in range(fed.shape[1]):
-        worst = max(worst, float((lg.max(-1).values - lg.gather(1, fed[:, t:t + 1]).squeeze(1)).max()))
-        lg = m.decode_step(fed[:, t], lengths + t)
-    return worst
-
-
 @needs_assets
 @pytest.mark.parametrize("k", [1, 3])
 def test_the_built_in_model(k):
     """The shipped model (NVFP4 W4A16, fp32 on the CPU, the official simulated roundings), its own MTP drafts
-    mostly accepted: at K = 1 the greedy tokens of the same model decoding one token per step. At K >= 2 the CPU's
-    fp32 matmuls of 2 (K + 1) rows round differently from those of 2, and the simulated FP8 / FP4 roundings turn
-    that into logit steps of ~0.01-0.03: every token is then the greedy choice of the one-token decode fed the
-    same tokens, up to 0.05."""
+    mostly accepted: the greedy tokens of the same model decoding one token per step, exactly (the CPU kernels
+    sum every row in one order whatever the row count: dsv4_ops/csrc/row_matmul.h)."""
     from dsv4_model.checkpoint.tokenizer import load_tokenizer
     from dsv4_model.runtime.engine import Engine
 
@@ -122,7 +108,5 @@ def test_the_built_in_model(k):
     prompt = torch.tensor([i + [0] * (L - len(i)) for i in ids])
     lengths = torch.tensor([len(i) for i in ids])
     got, stats = speculative_greedy(m, prompt, N, k, lengths)
-    if k == 1:
-        assert got == _greedy(m, prompt, lengths)
-    assert _greedy_up_to(m, prompt, lengths, got) <= 0.05  # measured: 0.0054 at K = 3
+    assert got == _greedy(m, prompt, lengths)
     assert stats.acceptance()[0] > 0.5 and stats.tokens_per_step > 1.5

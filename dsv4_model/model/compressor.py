@@ -12,7 +12,7 @@ from dsv4_ops import ops
 
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model import decode_options as fused
-from dsv4_model.model.layers import Linear, RMSNorm, apply_rope, fp32_linear
+from dsv4_model.model.layers import Linear, RMSNorm, apply_rope, fp32_linear, narrow_if_lossless_
 from dsv4_model.model.quant_sim import indexer_fake_quant, kv_fake_quant
 from dsv4_model.model.step_values import DecodeStep
 
@@ -47,20 +47,12 @@ class Compressor(nn.Module):
         self.register_buffer("score_state", torch.full(shape, float("-inf"), dtype=torch.float32, device=device),
                              persistent=False)
 
-    @torch.no_grad()
     def narrow_weights_(self, lossless: bool | None = None) -> None:
-        """Keep wkv / wgate in bf16 when that is lossless (the released checkpoints store them in bf16): decode
-        reads half the bytes, and dsv4::fp32_linear widens them exactly, so every result is unchanged. Weights
-        with values bf16 cannot hold (e.g. trained or randomised in fp32) stay fp32. Call once the weights are
-        in place (Transformer.narrow_weights_): anything copied in later would be rounded to bf16.
-        lossless=True: narrow without looking (a meta model sized as the released checkpoints load)."""
+        """wkv / wgate in bf16 when lossless (layers.narrow_if_lossless_): decode reads half the bytes, every
+        result unchanged. Call once the weights are in place (Transformer.narrow_weights_): anything copied in
+        later would be rounded to bf16."""
         for lin in (self.wkv, self.wgate):
-            w = lin.weight
-            if w.dtype != torch.float32 or w.requires_grad or (w.device.type == "meta" and not lossless):
-                continue
-            narrow = w.to(torch.bfloat16)
-            if lossless or torch.equal(narrow.float(), w):
-                lin.weight = nn.Parameter(narrow, requires_grad=False)
+            narrow_if_lossless_(lin, lossless)
 
     def reset_state(self) -> None:
         self.kv_state.zero_()

@@ -132,6 +132,20 @@ def fp32_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tens
     return list(ops.fp32_linear(x, weights))
 
 
+@torch.no_grad()
+def narrow_if_lossless_(lin: Linear, lossless: bool | None = None) -> None:
+    """Hold an fp32 Linear's weight in bf16 when every value fits (the released checkpoints store these weights in
+    bf16): fp32_linear widens bf16 exactly, so results are unchanged and reads halve. Weights with values bf16
+    cannot hold stay fp32; so does one that tracks gradients. lossless=True narrows without looking (a meta model
+    sized as the released checkpoints load)."""
+    w = lin.weight
+    if w.dtype != torch.float32 or w.requires_grad or (w.device.type == "meta" and not lossless):
+        return
+    narrow = w.to(torch.bfloat16)
+    if lossless or torch.equal(narrow.float(), w):
+        lin.weight = nn.Parameter(narrow, requires_grad=False)
+
+
 # ---------------------------------------------------------------------------------------------------- mHC
 def _hc_mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.flatten(-2).float()

@@ -6,7 +6,8 @@ experts, which are stacked: layers.N.ffn.experts.w1 / w3 [E, inter, dim] and w2 
 `setup_runtime(device)`.
 
 Parameter dtypes follow the official model: fp32 for norms, mHC params, attn_sink, compressor (ape, wkv, wgate),
-router bias and head.weight (logits are computed in fp32); the model dtype for everything else. A loader must
+router bias and head.weight (logits are computed in fp32; narrow_weights_ holds the head and compressor weights in
+bf16 when their values fit, as released); the model dtype for everything else. A loader must
 copy each checkpoint tensor into the existing parameter (cast to param.dtype).
 
 Numerics follow the official inference/model.py. Where transformers 5.23 (DeepseekV4ForCausalLM) differs
@@ -40,7 +41,8 @@ from dsv4_model.model.indexer import Indexer
 from dsv4_model.model.decode_options import DEFAULT as DEFAULT_OPTIONS, DecodeOptions
 from dsv4_model.model.step_values import DecodeStep
 from dsv4_model.model.config import ModelConfig
-from dsv4_model.model.layers import Linear, RMSNorm, hc_head, hc_post, hc_pre, rope_inv_freq, rope_table
+from dsv4_model.model.layers import (Linear, RMSNorm, fp32_linear, hc_head, hc_post, hc_pre, narrow_if_lossless_,
+                                     rope_inv_freq, rope_table)
 from dsv4_model.model.moe import MoE
 
 
@@ -266,11 +268,13 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def narrow_weights_(self, lossless: bool | None = None) -> "Transformer":
-        """Hold the fp32-math weights that only carry bf16 values in bf16 (Compressor.narrow_weights_: the same
-        results, half the bytes per decode step). The loader calls it after loading."""
+        """Hold the fp32-math weights that only carry bf16 values in bf16 (layers.narrow_if_lossless_: the same
+        results, half the bytes per decode step): the compressors' projections and the head (V4-Flash: 1 GB less
+        read every step). The loader calls it after loading."""
         for mod in self.modules():
             if isinstance(mod, Compressor):
                 mod.narrow_weights_(lossless)
+        narrow_if_lossless_(self.head, lossless)
         return self
 
     @torch.no_grad()
@@ -303,8 +307,9 @@ class Transformer(nn.Module):
         owner = self if owner is None else owner
         y = hc_head(h, owner.hc_head_fn, owner.hc_head_scale, owner.hc_head_base, self.config.hc_eps,
                     self.config.norm_eps)
-        y = owner.norm(y)
-        return F.linear(y.float(), self.head.weight.float())
+        # fp32 logits of y (bf16 in a bf16 model) and the head as stored (bf16 once narrowed): exact products
+        # summed in fp32, the head read as it is (no fp32 copy of it per call)
+        return fp32_linear(owner.norm(y), [self.head.weight])[0]
 
     def _mtp_input(self, mtp: "MTPBlock", h: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
         """The MTP block's input streams: e_proj of the next token's normed embedding onto every stream of

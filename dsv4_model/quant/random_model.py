@@ -52,13 +52,14 @@ def randomize_floats_(module: nn.Module, seed: int, n_experts: int) -> None:
 
 
 @torch.no_grad()
-def bf16_compressor_values_(model: nn.Module) -> None:
-    """Round the compressors' fp32 projections to bf16 values, as the checkpoints store them (so the loader's
-    narrow_weights_ holds them in bf16)."""
-    for mod in model.modules():
-        if isinstance(mod, Compressor):
-            for w in (mod.wkv.weight, mod.wgate.weight):
-                w.copy_(w.to(torch.bfloat16))
+def bf16_released_values_(model: nn.Module) -> None:
+    """Round the fp32 weights the checkpoints store in bf16 (the compressors' projections, the head) to bf16
+    values, so that the loader's narrow_weights_ holds them in bf16 as it does a released checkpoint's."""
+    ws = [w for mod in model.modules() if isinstance(mod, Compressor) for w in (mod.wkv.weight, mod.wgate.weight)]
+    if hasattr(model, "head"):
+        ws.append(model.head.weight)
+    for w in ws:
+        w.copy_(w.to(torch.bfloat16))
 
 
 def _random_nvfp4_(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, k: int,
@@ -119,7 +120,7 @@ def random_nvfp4_model(cfg: ModelConfig, *, device, max_batch_size: int = 1, max
         rank = expert_shard.rank
     model.to_empty(device=device)
     randomize_floats_(model, seed, cfg.n_routed_experts)
-    bf16_compressor_values_(model)
+    bf16_released_values_(model)
     randomize_nvfp4_(model, seed + 1, routed_seed=seed + 2 + rank)
     model.narrow_weights_()  # as the loader does
     model.setup_runtime(device)

@@ -4,6 +4,8 @@
 
 #include <vector>
 
+#include "row_matmul.h"
+
 namespace dsv4_fp32_linear {
 
 constexpr int64_t kMaxWeights = 8;
@@ -35,7 +37,7 @@ inline std::vector<at::Tensor> matmul_each(const at::Tensor& x, at::TensorList w
   for (const at::Tensor& wi : w) {
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
     shape.back() = wi.size(0);
-    out.push_back(at::matmul(xf, wi.to(at::kFloat).t()).view(shape));
+    out.push_back(dsv4_cpu::row_matmul(xf, wi.to(at::kFloat)).view(shape));
   }
   return out;
 }

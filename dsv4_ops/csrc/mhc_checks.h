@@ -10,6 +10,8 @@
 #include <tuple>
 #include <vector>
 
+#include "row_matmul.h"
+
 namespace dsv4_mhc {
 
 constexpr int64_t kMaxHc = 8;  // hc_mult of DeepSeek-V4 is 4
@@ -84,7 +86,9 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre_aten(
   const at::Tensor xf = x.to(at::kFloat);
   const at::Tensor flat = xf.flatten(-2);
   const at::Tensor rs = at::rsqrt(flat.square().mean(-1, true) + norm_eps);
-  const at::Tensor mixes = at::matmul(flat, fn.to(at::kFloat).t()) * rs;
+  std::vector<int64_t> mshape(flat.sizes().begin(), flat.sizes().end() - 1);
+  mshape.push_back(fn.size(0));
+  const at::Tensor mixes = dsv4_cpu::row_matmul(flat.reshape({-1, flat.size(-1)}), fn.to(at::kFloat)).view(mshape) * rs;
   const int64_t hc = sh.hc;
   const at::Tensor pre = at::sigmoid(mixes.narrow(-1, 0, hc) * scale[0] + base.narrow(0, 0, hc)) + hc_eps;
   const at::Tensor post = 2 * at::sigmoid(mixes.narrow(-1, hc, hc) * scale[1] + base.narrow(0, hc, hc));

@@ -44,18 +44,26 @@ def nvfp4_linear_w4a4_ref(x_packed, x_scale, x_global_scale, w_packed, w_scale, 
     return (xd @ w.t()).to(out_dtype)
 
 
+def _row_products(x, w):
+    """x [M, K] @ w [N, K]^T in fp32 one row at a time, as the CPU kernels sum (dsv4_ops/csrc/row_matmul.h): the
+    bit-for-bit MoE checks need the same order, which a matmul of M rows does not promise."""
+    if x.device.type != "cpu":
+        return x @ w.t()
+    return torch.stack([torch.mv(w, r) for r in x]) if len(x) else x.new_zeros(0, w.shape[0])
+
+
 def _moe_expert_ref(x, w13, w2, route, limit):
     """bf16(W2 . bf16(swiglu(bf16(Wg x), bf16(Wu x)) [* route])); w13 fp32 [2I, d] = [gate; up], w2 fp32 [d, I]."""
     gate_w, up_w = w13.chunk(2, dim=0)
-    g = (x.float() @ gate_w.t()).to(torch.bfloat16).float()
-    u = (x.float() @ up_w.t()).to(torch.bfloat16).float()
+    g = _row_products(x.float(), gate_w.contiguous()).to(torch.bfloat16).float()
+    u = _row_products(x.float(), up_w.contiguous()).to(torch.bfloat16).float()
     if limit > 0:
         u = u.clamp(-limit, limit)
         g = g.clamp(max=limit)
     h = torch.nn.functional.silu(g) * u
     if route is not None:
         h = h * route[:, None]
-    return (h.to(torch.bfloat16).float() @ w2.t()).to(torch.bfloat16)
+    return _row_products(h.to(torch.bfloat16).float(), w2).to(torch.bfloat16)
 
 
 def nvfp4_moe_rows_ref(x, topk_ids, topk_weights, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, shared=None,

@@ -1,6 +1,7 @@
 // CPU kernels of dsv4::nvfp4_linear, nvfp4_linear_w4a4, nvfp4_moe and nvfp4_moe_rows: decode the kernel-layout
-// weights to fp32 exactly, then fp32 matmuls through ATen. Semantics (and the order of the bf16 roundings in the MoE)
-// are those documented in docs/ops.md "## NVFP4 GEMM / MoE"; the CUDA kernels follow the same definition.
+// weights to fp32 exactly, then fp32 products row by row through ATen (row_matmul.h: a row's result does not
+// depend on the other rows of the call). Semantics (and the order of the bf16 roundings in the MoE) are those
+// documented in docs/ops.md "## NVFP4 GEMM / MoE"; the CUDA kernels follow the same definition.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -10,6 +11,7 @@
 
 #include "nvfp4_gemm_checks.h"
 #include "nvfp4_layout.h"
+#include "row_matmul.h"
 
 namespace {
 
@@ -84,7 +86,7 @@ at::Tensor nvfp4_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at::
   const at::Tensor W = dequant_matrix(w, s, K, scalar_of(gs));
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
-  return at::matmul(x.reshape({-1, K}).to(at::kFloat), W.t()).to(at::kBFloat16).reshape(out_shape);
+  return dsv4_cpu::row_matmul(x.reshape({-1, K}).to(at::kFloat), W).to(at::kBFloat16).reshape(out_shape);
 }
 
 at::Tensor nvfp4_linear_grouped_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
@@ -96,7 +98,7 @@ at::Tensor nvfp4_linear_grouped_cpu(const at::Tensor& x, const at::Tensor& w, co
   std::vector<at::Tensor> outs;
   for (int64_t g = 0; g < G; ++g) {
     const at::Tensor W = dequant_matrix(w.select(0, g), s.select(0, g), K, gsc.data_ptr<float>()[g]);
-    outs.push_back(at::matmul(x.select(-2, g).reshape({-1, K}).to(at::kFloat), W.t()).to(at::kBFloat16));
+    outs.push_back(dsv4_cpu::row_matmul(x.select(-2, g).reshape({-1, K}).to(at::kFloat), W).to(at::kBFloat16));
   }
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
@@ -145,7 +147,7 @@ at::Tensor nvfp4_linear_w4a4_cpu(const at::Tensor& xp, const at::Tensor& xs, con
   const at::Tensor W = dequant_matrix(w, s, K, scalar_of(gs));
   std::vector<int64_t> out_shape(xp.sizes().begin(), xp.sizes().end());
   out_shape.back() = N;
-  return at::matmul(X, W.t()).to(out_dtype).reshape(out_shape);
+  return dsv4_cpu::row_matmul(X, W).to(out_dtype).reshape(out_shape);
 }
 
 at::Tensor swiglu_clamped(at::Tensor g, at::Tensor u, double limit) {
@@ -164,13 +166,13 @@ at::Tensor expert_cpu(const at::Tensor& xe, const uint8_t* w13, const uint8_t* s
   const at::Tensor W13 = dequant_rows(w13, s13, 2 * I, d, g13).view({I / 8, 2, 8, d});
   const at::Tensor Wg = W13.select(1, 0).reshape({I, d}), Wu = W13.select(1, 1).reshape({I, d});
   const at::Tensor xf = xe.to(at::kFloat);
-  const at::Tensor g = at::matmul(xf, Wg.t()).to(at::kBFloat16).to(at::kFloat);
-  const at::Tensor u = at::matmul(xf, Wu.t()).to(at::kBFloat16).to(at::kFloat);
+  const at::Tensor g = dsv4_cpu::row_matmul(xf, Wg).to(at::kBFloat16).to(at::kFloat);
+  const at::Tensor u = dsv4_cpu::row_matmul(xf, Wu).to(at::kBFloat16).to(at::kFloat);
   at::Tensor h = swiglu_clamped(g, u, limit);
   if (route) h = h * route->unsqueeze(1);
   h = h.to(at::kBFloat16).to(at::kFloat);
   const at::Tensor W2 = dequant_rows(w2, s2, d, I, g2);
-  return at::matmul(h, W2.t()).to(at::kBFloat16);
+  return dsv4_cpu::row_matmul(h, W2).to(at::kBFloat16);
 }
 
 // The per-assignment expert outputs (bf16) [T*k + T*has_shared, d] of dsv4::nvfp4_moe_rows: row t*k + j = token

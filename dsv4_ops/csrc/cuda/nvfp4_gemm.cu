@@ -12,12 +12,15 @@
 //   gemv (default for dense M <= 8 and the MoE projections while T*k <= 4E; the nvfp4_gemm_kernel override
 //     "skinny" opts out): skinny's work split, fed through a per-warp cp.async shared-memory ring (weights, scales,
 //     activations; see the kernel's comment); PDL for dense. Faster than skinny at M = 1 (bench/RESULTS.md).
-//   skinny (M <= 64, and every MoE projection): each warp owns 16 rows x a K range, streams its weights
+//   skinny (grouped / multi launches at 8 < M <= 64, every MoE projection beyond gemv's reach; every M <= 64
+//     with the override "skinny"): each warp owns 16 rows x a K range, streams its weights
 //     straight from HBM into registers (two-deep register prefetch of 2 chunks), B fragments (activations)
 //     from L1/L2; warps of a CTA split K and reduce through shared memory. MoE: blockIdx.y = active-expert
 //     slot (device-side routing, grid sized by min(E, T*k)), gather of token rows, fused SwiGLU epilogue.
-//   tiled (64 < M < 256 by default): 128x128 CTA tile, 3-stage cp.async pipeline (activations swizzled for
-//     ldmatrix, packed weights + scales), 8 warps of 32 features x 64 tokens.
+//   tiled (one dense matrix at 8 < M < 256 by default): 128 features x 16 / 32 / 64 / 128 tokens per CTA, a
+//     cp.async pipeline (activations swizzled for ldmatrix, packed weights + scales), warps of 16 features x all
+//     tokens (TM = 128: 32 x 64); K split over a thread-block cluster that reduces through distributed shared
+//     memory where the tiles alone would leave SMs idle (nvfp4_tiled.cu).
 //   dequant_weight: W -> bf16 e2m1 * block scale (exact) for the bindings' cuBLAS path (M >= 256).
 //   simple: plain CUDA-core reference-style kernels (override "simple"), any shape.
 //   MoE: route (one CTA) -> up (gemv or skinny, SwiGLU epilogue) -> down -> combine, chained with PDL.
@@ -371,10 +374,11 @@ extern "C" cudaError_t dsv4_nvfp4_linear_launch(const Nvfp4LinearArgs* a, cudaSt
                                  kThreads, 0, stream>>>(p);
     return cudaGetLastError();
   }
-  if (a->M > 64) {
+  // The tiled kernel: M > 64, and one dense matrix at 8 < M <= 64 unless skinny is forced (gemv = 0).
+  if (a->M > 64 || (a->M > 8 && a->gemv && a->G <= 1 && a->nseg == 0)) {
     const TiledParams p{reinterpret_cast<const bf16*>(a->x), a->w, a->s, a->gs, a->gs_act, a->y, a->out_kind,
                         int(a->M), int(a->N), int(a->K)};
-    return launch_tiled(p, stream);  // nvfp4_tiled.cu
+    return launch_tiled(p, dsv4_cuda::sm_count(), stream);  // nvfp4_tiled.cu
   }
   SkinnyParams p{};
   p.x = reinterpret_cast<const bf16*>(a->x);

@@ -26,7 +26,8 @@ struct Nvfp4LinearArgs {
   void* seg_y[kNvfp4MaxSegments];
   int64_t seg_n[kNvfp4MaxSegments];
   int simple;               // 1: the plain CUDA-core kernel
-  int gemv;                 // 1: the gemv kernel for M <= 8 (the default; 0: skinny)
+  int gemv;                 // 1 (the default): gemv for M <= 8, tiled for one dense matrix at 8 < M <= 64;
+                            // 0: skinny for every M <= 64
   int pdl;                  // launch the gemv kernel with programmatic dependent launch
 };
 

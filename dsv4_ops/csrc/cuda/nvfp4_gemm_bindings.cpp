@@ -28,6 +28,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cuda/mm_dtype.h"
 #include "cuda/nvfp4_gemm.h"
 #include "nvfp4_gemm_checks.h"
 #include "overrides.h"
@@ -49,15 +50,7 @@ bool use_simple() { return kernel_choice() == Choice::kSimple; }
 // Programmatic dependent launch (gemv, the MoE chain) unless the pdl override is off.
 bool use_pdl() { return dsv4_overrides::get().pdl != 0; }
 
-// aten::mm.dtype (bf16 x bf16 -> fp32 on CUDA), looked up at run time so older torch builds still load.
-using MmDtypeFn = at::Tensor(const at::Tensor&, const at::Tensor&, c10::ScalarType);
-const c10::TypedOperatorHandle<MmDtypeFn>* mm_dtype_op() {
-  static const std::optional<c10::TypedOperatorHandle<MmDtypeFn>> op = []() {
-    const auto h = c10::Dispatcher::singleton().findSchema({"aten::mm", "dtype"});
-    return h ? std::optional<c10::TypedOperatorHandle<MmDtypeFn>>(h->typed<MmDtypeFn>()) : std::nullopt;
-  }();
-  return op ? &*op : nullptr;
-}
+using dsv4_cuda::mm_dtype_op;
 
 // Contiguous, and aligned for the kernels' vector loads (odd views get copied).
 at::Tensor prep(const at::Tensor& t, uintptr_t align) {

@@ -68,15 +68,6 @@ struct SkinnyParams {
 
 
 // ------------------------------------------------------------------------------------ tiled launch parameters
-constexpr int kTileN = 128, kTileM = 128, kStages = 3;
-constexpr int kXStage = kTileM * 128 * 2;  // bf16 activations, 128 tokens x 128 k, swizzled 16-byte pieces
-constexpr int kWStage = kTileN * 64;       // packed weights, 128 rows x one chunk
-constexpr int kSStage = kTileN * 8;        // scale bytes
-constexpr int kStageBytes = kXStage + kWStage + kSStage;
-constexpr int kTiledSmem = kStageBytes * kStages;
-constexpr int kOutStride = kTileN + 4;  // fp32 epilogue staging [token][feature]
-static_assert(kTileM * kOutStride * 4 <= kTiledSmem, "epilogue staging must fit in the pipeline smem");
-
 struct TiledParams {
   const bf16* x;
   const uint8_t* w;
@@ -93,7 +84,7 @@ template <int MODE>
 cudaError_t launch_skinny(const SkinnyParams& p, int nt, dim3 grid, cudaStream_t stream);
 template <int MODE, int ROWS>
 cudaError_t launch_gemv(const SkinnyParams& p, dim3 grid, cudaStream_t stream, int occ);
-cudaError_t launch_tiled(const TiledParams& p, cudaStream_t stream);
+cudaError_t launch_tiled(const TiledParams& p, int sms, cudaStream_t stream);
 
 }  // namespace dsv4_nvfp4
 

@@ -1,101 +1,183 @@
-// The tiled NVFP4 kernel (64 < M < 256 by default; nvfp4_gemm.cu's file comment) and its launcher.
+// The tiled NVFP4 kernel (dense 8 < M < 256 by default; nvfp4_gemm.cu's file comment) and its launcher.
+// A CTA owns 128 features x TM tokens (TM = 16, 32, 64 or 128 by M: no token tile is mostly padding) over a
+// range of K, through a cp.async pipeline of packed weights + scales + swizzled activations; weights are decoded
+// to bf16 in registers for mma.sync. Up to TM = 64 each of the 8 warps owns 16 features x all TM tokens, so every
+// weight is decoded once per CTA (decode, not bandwidth, bounds small M); at TM = 128 warps are 4 along features
+// (32 each) x 2 along tokens, which halves the activation reads from shared memory where the mma count is large.
+// Split K: where the feature x token tiles alone would leave SMs idle (N = 4096 at M = 64 is 32 tiles for 132
+// SMs), the S CTAs of one tile split K and form a thread-block cluster; each stages its fp32 partial tile in its
+// shared memory and then sums 1/S of the tile over all S partials through distributed shared memory, in rank
+// order (deterministic), and stores it. No workspace, no second launch.
+#include <cooperative_groups.h>
+
 #include "nvfp4_kernels.cuh"
+
+namespace cg = cooperative_groups;
 
 namespace {
 
-__global__ void __launch_bounds__(kThreads, 1) nvfp4_tiled_kernel(const TiledParams p) {
+constexpr int kTileN = 128;
+constexpr int kOutStride = kTileN + 4;  // fp32 epilogue staging [token][feature]
+constexpr int kMaxSplit = 8;            // portable cluster size
+
+template <int TM>
+struct TiledCfg {
+  static constexpr int kStages = TM >= 128 ? 3 : 4;
+  static constexpr int kXStage = TM * 128 * 2;  // bf16 activations, TM tokens x 128 k, swizzled 16-byte pieces
+  static constexpr int kWStage = kTileN * 64;   // packed weights, 128 rows x one chunk
+  static constexpr int kSStage = kTileN * 8;    // scale bytes
+  static constexpr int kStageBytes = kXStage + kWStage + kSStage;
+  static constexpr int kSmem = kStageBytes * kStages;
+  static constexpr int kOcc = TM >= 128 ? 1 : 2;  // CTAs per SM the launch bounds allow
+  static constexpr int kWm = TM >= 128 ? 2 : 1;   // warps along tokens
+  static constexpr int kWn = 8 / kWm;             // warps along features
+  static constexpr int kT = kTileN / 16 / kWn;    // 16-row mma tiles per warp
+  static constexpr int kTokPerWarp = TM / kWm;
+  static constexpr int kNt = kTokPerWarp / 8;  // n8 token tiles per warp
+  static constexpr int kXLoads = TM * 16 / kThreads;  // 16-byte activation pieces per thread per stage
+  static_assert(TM * kOutStride * 4 <= kSmem, "epilogue staging must fit in the pipeline smem");
+  static_assert(kTokPerWarp % 16 == 0, "a warp's tokens come in ldmatrix.x4 groups of 16");
+  static_assert(kXLoads >= 1 && kWn * kT * 16 == kTileN, "tile shape");
+};
+
+// Stores v[0..3] (features n .. n + 3 of token row m) with the global scale applied.
+__device__ __forceinline__ void store4(const TiledParams& p, int m, int n, float4 v, float alpha) {
+  v.x *= alpha;
+  v.y *= alpha;
+  v.z *= alpha;
+  v.w *= alpha;
+  const size_t o = size_t(m) * p.N + n;
+  if ((p.N & 3) == 0 && p.out_kind == 0) {
+    const __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
+    uint2 u;
+    u.x = *reinterpret_cast<const uint32_t*>(&a);
+    u.y = *reinterpret_cast<const uint32_t*>(&b);
+    *reinterpret_cast<uint2*>(reinterpret_cast<bf16*>(p.y) + o) = u;
+  } else if ((p.N & 3) == 0 && p.out_kind == 2) {
+    *reinterpret_cast<float4*>(reinterpret_cast<float*>(p.y) + o) = v;
+  } else {
+    const float e[4] = {v.x, v.y, v.z, v.w};
+    for (int u = 0; u < 4 && n + u < p.N; ++u) store_out(p.y, o + u, e[u], p.out_kind);
+  }
+}
+
+// blockIdx = (feature tile, token tile, K split); `per` chunks of 128 K per split. CLUSTER: gridDim.z > 1 CTAs of
+// a tile form one cluster along z.
+template <int TM, bool CLUSTER>
+__global__ void __launch_bounds__(kThreads, TiledCfg<TM>::kOcc) nvfp4_tiled_kernel(const TiledParams p, int per) {
+  using Cfg = TiledCfg<TM>;
+  constexpr int T = Cfg::kT;
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
-  const int wn = warp & 3, wm = warp >> 2;  // 4 warps along features x 2 along tokens
-  const int n_base = blockIdx.x * kTileN, m_base = blockIdx.y * kTileM;
+  const int wn = warp % Cfg::kWn, wm = warp / Cfg::kWn;
+  const int n_base = blockIdx.x * kTileN, m_base = blockIdx.y * TM;
   const int kp = (p.K + 127) & ~127, nchunks = kp >> 7;
+  const int c_begin = min(int(blockIdx.z) * per, nchunks), n_local = min(c_begin + per, nchunks) - c_begin;
+
+  // This thread's copies of a stage, chunk 0 (the chunk only moves each source by a fixed step).
+  const bf16* x_src[Cfg::kXLoads];
+  uint32_t x_dst[Cfg::kXLoads];
+  bool x_row_ok[Cfg::kXLoads];
+#pragma unroll
+  for (int i = 0; i < Cfg::kXLoads; ++i) {
+    const int id = tid + i * kThreads, r = id >> 4, ch = id & 15;
+    x_row_ok[i] = m_base + r < p.M;
+    x_src[i] = p.x + size_t(min(m_base + r, p.M - 1)) * p.K + ch * 8;
+    x_dst[i] = uint32_t(r * 256 + ((ch ^ (r & 7)) << 4));
+  }
+  const uint8_t* w_src[2];
+  bool w_ok[2];
+  uint32_t w_step[2];  // 1024 in a full 16-row tile, 64 in a row-major N % 16 tail
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int id = tid + i * kThreads, r = id >> 2, part = id & 3, n = n_base + r;
+    const RowAddr a = row_addr(min(n, p.N - 1), p.N, kp);
+    w_src[i] = p.w + a.w + part * 16;
+    w_ok[i] = n < p.N;
+    w_step[i] = a.wstep;
+  }
+  const RowAddr sa_row = row_addr(min(n_base + (tid & 127), p.N - 1), p.N, kp);
+  const uint8_t* s_src = p.s + sa_row.s;
+  const bool s_ok = tid < kTileN && n_base + tid < p.N;
 
   auto load_stage = [&](int st, int c) {
-    uint8_t* xs = smem + st * kStageBytes;
-    uint8_t* ws = xs + kXStage;
-    uint8_t* ss = ws + kWStage;
+    uint8_t* xs = smem + st * Cfg::kStageBytes;
+    uint8_t* ws = xs + Cfg::kXStage;
+    uint8_t* ss = ws + Cfg::kWStage;
+    const int k0 = c * 128;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int id = tid + i * kThreads, r = id >> 4, ch = id & 15;
-      const int m = m_base + r, k = c * 128 + ch * 8;
-      const bool ok = m < p.M && k < p.K;
-      const bf16* src = p.x + size_t(min(m, p.M - 1)) * p.K + (ok ? k : 0);
-      cp_async16(xs + r * 256 + ((ch ^ (r & 7)) << 4), src, ok ? 16 : 0);
+    for (int i = 0; i < Cfg::kXLoads; ++i) {
+      const int ch = (tid + i * kThreads) & 15;
+      const bool ok = x_row_ok[i] && k0 + ch * 8 < p.K;
+      cp_async16(xs + x_dst[i], ok ? x_src[i] + k0 : p.x, ok ? 16 : 0);
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const int id = tid + i * kThreads, r = id >> 2, part = id & 3;
-      const int n = n_base + r;
-      const RowAddr a = row_addr(min(n, p.N - 1), p.N, kp);
-      const uint8_t* src = p.w + a.w + size_t(c) * a.wstep + part * 16;
-      cp_async16(ws + r * 64 + part * 16, src, n < p.N ? 16 : 0);
+      cp_async16(ws + (tid + i * kThreads) * 16, w_src[i] + size_t(c) * w_step[i], w_ok[i] ? 16 : 0);
     }
-    if (tid < kTileN) {
-      const int n = n_base + tid;
-      const RowAddr a = row_addr(min(n, p.N - 1), p.N, kp);
-      const uint8_t* src = p.s + a.s + size_t(c) * a.sstep;
-      cp_async8(ss + tid * 8, src, n < p.N ? 8 : 0);
-    }
+    if (tid < kTileN) cp_async8(ss + tid * 8, s_src + size_t(c) * sa_row.sstep, s_ok ? 8 : 0);
   };
 
-  float acc[2][8][4];
+  float acc[T][Cfg::kNt][4];
 #pragma unroll
-  for (int i = 0; i < 2; ++i)
+  for (int i = 0; i < T; ++i)
 #pragma unroll
-    for (int j = 0; j < 8; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
+    for (int j = 0; j < Cfg::kNt; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
 
 #pragma unroll
-  for (int st = 0; st < kStages - 1; ++st) {
-    if (st < nchunks) load_stage(st, st);
+  for (int st = 0; st < Cfg::kStages - 1; ++st) {
+    if (st < n_local) load_stage(st, c_begin + st);
     cp_async_commit();
   }
-  for (int c = 0; c < nchunks; ++c) {
-    cp_async_wait<kStages - 2>();
+  for (int i = 0; i < n_local; ++i) {
+    cp_async_wait<Cfg::kStages - 2>();
     __syncthreads();
-    const int cn = c + kStages - 1;
-    if (cn < nchunks) load_stage(cn % kStages, cn);
+    const int in = i + Cfg::kStages - 1;
+    if (in < n_local) load_stage(in % Cfg::kStages, c_begin + in);
     cp_async_commit();
 
-    const uint8_t* xs = smem + (c % kStages) * kStageBytes;
-    const uint8_t* ws = xs + kXStage;
-    const uint8_t* ss = ws + kWStage;
-    uint4 wa[2], wb[2];
-    uint2 sa[2], sb[2];
+    const int c = c_begin + i;
+    const uint8_t* xs = smem + (i % Cfg::kStages) * Cfg::kStageBytes;
+    const uint8_t* ws = xs + Cfg::kXStage;
+    const uint8_t* ss = ws + Cfg::kWStage;
+    uint4 wa[T], wb[T];
+    RowScales sa[T], sb[T];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = wn * 32 + i * 16 + g;
-      wa[i] = *reinterpret_cast<const uint4*>(ws + r * 64 + tq * 16);
-      wb[i] = *reinterpret_cast<const uint4*>(ws + (r + 8) * 64 + tq * 16);
-      sa[i] = *reinterpret_cast<const uint2*>(ss + r * 8);
-      sb[i] = *reinterpret_cast<const uint2*>(ss + (r + 8) * 8);
+    for (int t = 0; t < T; ++t) {
+      const int r = (wn * T + t) * 16 + g;
+      wa[t] = *reinterpret_cast<const uint4*>(ws + r * 64 + tq * 16);
+      wb[t] = *reinterpret_cast<const uint4*>(ws + (r + 8) * 64 + tq * 16);
+      sa[t] = row_scales(*reinterpret_cast<const uint2*>(ss + r * 8));
+      sb[t] = row_scales(*reinterpret_cast<const uint2*>(ss + (r + 8) * 8));
     }
+    const int ks = min(8, (p.K - c * 128 + 15) >> 4);  // k-steps of this chunk inside K
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      uint32_t ra[2][4], rb[2][4];
+      uint32_t ra[T][4], rb[T][4];
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const uint32_t wa_j = j == 0 ? wa[i].x : j == 1 ? wa[i].y : j == 2 ? wa[i].z : wa[i].w;
-        const uint32_t wb_j = j == 0 ? wb[i].x : j == 1 ? wb[i].y : j == 2 ? wb[i].z : wb[i].w;
-        decode_word(wa_j, ra[i]);
-        decode_word(wb_j, rb[i]);
+      for (int t = 0; t < T; ++t) {
+        const uint32_t wa_j = j == 0 ? wa[t].x : j == 1 ? wa[t].y : j == 2 ? wa[t].z : wa[t].w;
+        const uint32_t wb_j = j == 0 ? wb[t].x : j == 1 ? wb[t].y : j == 2 ? wb[t].z : wb[t].w;
+        decode_word(wa_j, ra[t]);
+        decode_word(wb_j, rb[t]);
       }
 #pragma unroll
       for (int hs = 0; hs < 2; ++hs) {
         const int s = 2 * j + hs;
-        if (c * 128 + s * 16 >= p.K) continue;
-        uint32_t a[2][4];
+        if (s >= ks) continue;
+        uint32_t a[T][4];
 #pragma unroll
-        for (int i = 0; i < 2; ++i) a_fragment(ra[i], rb[i], sa[i], sb[i], s, a[i]);
+        for (int t = 0; t < T; ++t) a_fragment_rs(ra[t], rb[t], sa[t], sb[t], s, a[t]);
 #pragma unroll
-        for (int np = 0; np < 4; ++np) {
-          const int tok = wm * 64 + (np * 2 + (lane >> 4)) * 8 + (lane & 7);
+        for (int np = 0; np < Cfg::kNt / 2; ++np) {
+          const int tok = wm * Cfg::kTokPerWarp + (np * 2 + (lane >> 4)) * 8 + (lane & 7);
           const int ch = 2 * s + ((lane >> 3) & 1);
           uint32_t b[4];
           ldmatrix_x4(b, xs + tok * 256 + ((ch ^ (tok & 7)) << 4));
 #pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            mma16816(acc[i][2 * np], a[i][0], a[i][1], a[i][2], a[i][3], b[0], b[1]);
-            mma16816(acc[i][2 * np + 1], a[i][0], a[i][1], a[i][2], a[i][3], b[2], b[3]);
+          for (int t = 0; t < T; ++t) {
+            mma16816(acc[t][2 * np], a[t][0], a[t][1], a[t][2], a[t][3], b[0], b[1]);
+            mma16816(acc[t][2 * np + 1], a[t][0], a[t][1], a[t][2], a[t][3], b[2], b[3]);
           }
         }
       }
@@ -104,50 +186,105 @@ __global__ void __launch_bounds__(kThreads, 1) nvfp4_tiled_kernel(const TiledPar
   cp_async_wait<0>();
   __syncthreads();
 
-  float alpha = __ldg(p.gs) * kUnbias;
-  if (p.gs_act != nullptr) alpha *= __ldg(p.gs_act);
+  // The CTA's (partial) tile, unscaled, in shared memory: cs[token][feature].
   float* cs = reinterpret_cast<float*>(smem);
 #pragma unroll
-  for (int i = 0; i < 2; ++i)
+  for (int t = 0; t < T; ++t)
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+    for (int nt = 0; nt < Cfg::kNt; ++nt)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int row = wn * 32 + i * 16 + g, tok = wm * 64 + nt * 8 + 2 * tq + e;
-        cs[tok * kOutStride + row] = acc[i][nt][e] * alpha;
-        cs[tok * kOutStride + row + 8] = acc[i][nt][2 + e] * alpha;
+        const int row = (wn * T + t) * 16 + g, tok = wm * Cfg::kTokPerWarp + nt * 8 + 2 * tq + e;
+        cs[tok * kOutStride + row] = acc[t][nt][e];
+        cs[tok * kOutStride + row + 8] = acc[t][nt][2 + e];
       }
-  __syncthreads();
-  const bool vec = (p.N % 8) == 0;
-#pragma unroll 1
-  for (int it = 0; it < (kTileM * kTileN / 8) / kThreads; ++it) {
-    const int id = tid + it * kThreads, tl = id >> 4, fl = (id & 15) * 8;
-    const int m = m_base + tl, n = n_base + fl;
-    if (m >= p.M || n >= p.N) continue;
-    const float* v = cs + tl * kOutStride + fl;
-    const size_t o = size_t(m) * p.N + n;
-    if (vec && p.out_kind == 0) {
-      __nv_bfloat162 q[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) q[u] = __floats2bfloat162_rn(v[2 * u], v[2 * u + 1]);
-      *reinterpret_cast<uint4*>(reinterpret_cast<bf16*>(p.y) + o) = *reinterpret_cast<const uint4*>(q);
-    } else {
-      for (int u = 0; u < 8 && n + u < p.N; ++u) store_out(p.y, o + u, v[u], p.out_kind);
+  float alpha = __ldg(p.gs) * kUnbias;
+  if (p.gs_act != nullptr) alpha *= __ldg(p.gs_act);
+  // Items of 4 features of one token; rank r of S sums items r, r + S, ... over every rank's partial.
+  constexpr int kItems = TM * kTileN / 4;
+  if constexpr (CLUSTER) {
+    cg::cluster_group cl = cg::this_cluster();
+    cl.sync();  // every partial staged
+    const int S = int(gridDim.z), r = int(blockIdx.z);
+    for (int id = r * kThreads + tid; id < kItems; id += S * kThreads) {
+      const int tl = id >> 5, fl = (id & 31) * 4;
+      const int m = m_base + tl, n = n_base + fl;
+      if (m >= p.M || n >= p.N) continue;
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int q = 0; q < S; ++q) {
+        const float4 u = *reinterpret_cast<const float4*>(cl.map_shared_rank(cs, q) + tl * kOutStride + fl);
+        v.x += u.x;
+        v.y += u.y;
+        v.z += u.z;
+        v.w += u.w;
+      }
+      store4(p, m, n, v, alpha);
+    }
+    cl.sync();  // no CTA leaves while another still reads its shared memory
+  } else {
+    __syncthreads();
+    for (int id = tid; id < kItems; id += kThreads) {
+      const int tl = id >> 5, fl = (id & 31) * 4;
+      const int m = m_base + tl, n = n_base + fl;
+      if (m >= p.M || n >= p.N) continue;
+      store4(p, m, n, *reinterpret_cast<const float4*>(cs + tl * kOutStride + fl), alpha);
     }
   }
+}
+
+// K splits for a grid of `tiles` CTAs: enough to give every SM its CTAs, each split >= 2 chunks, at most a
+// portable cluster; then as few as cover the chunks with `per` each (no empty split).
+void plan_split(int64_t tiles, int nchunks, int slots, int& splits, int& per) {
+  int s = 1;
+  if (tiles < slots) s = int(slots / tiles);
+  s = s < kMaxSplit ? s : kMaxSplit;
+  s = s < nchunks / 2 ? s : nchunks / 2;
+  s = s > 1 ? s : 1;
+  per = (nchunks + s - 1) / s;
+  splits = (nchunks + per - 1) / per;
+}
+
+template <int TM>
+cudaError_t run_tiled(const TiledParams& p, int sms, cudaStream_t stream) {
+  using Cfg = TiledCfg<TM>;
+  const int nchunks = (p.K + 127) / 128;
+  const unsigned nt = unsigned((p.N + kTileN - 1) / kTileN), mt = unsigned((p.M + TM - 1) / TM);
+  int splits = 1, per = nchunks;
+  plan_split(int64_t(nt) * mt, nchunks, sms * Cfg::kOcc, splits, per);
+  if (splits == 1) {
+    const cudaError_t err = cudaFuncSetAttribute(nvfp4_tiled_kernel<TM, false>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmem);
+    if (err != cudaSuccess) return err;
+    nvfp4_tiled_kernel<TM, false><<<dim3(nt, mt, 1), kThreads, Cfg::kSmem, stream>>>(p, per);
+    return cudaGetLastError();
+  }
+  const cudaError_t err = cudaFuncSetAttribute(nvfp4_tiled_kernel<TM, true>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmem);
+  if (err != cudaSuccess) return err;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(nt, mt, unsigned(splits));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = Cfg::kSmem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = unsigned(splits);
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, nvfp4_tiled_kernel<TM, true>, p, per);
 }
 
 }  // namespace
 
 namespace dsv4_nvfp4 {
 
-cudaError_t launch_tiled(const TiledParams& p, cudaStream_t stream) {
-  const cudaError_t err =
-      cudaFuncSetAttribute(nvfp4_tiled_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTiledSmem);
-  if (err != cudaSuccess) return err;
-  const dim3 grid(unsigned((p.N + kTileN - 1) / kTileN), unsigned((p.M + kTileM - 1) / kTileM));
-  nvfp4_tiled_kernel<<<grid, kThreads, kTiledSmem, stream>>>(p);
-  return cudaGetLastError();
+cudaError_t launch_tiled(const TiledParams& p, int sms, cudaStream_t stream) {
+  if (p.M <= 16) return run_tiled<16>(p, sms, stream);
+  if (p.M <= 32) return run_tiled<32>(p, sms, stream);
+  if (p.M <= 64) return run_tiled<64>(p, sms, stream);
+  return run_tiled<128>(p, sms, stream);
 }
 
 }  // namespace dsv4_nvfp4
