@@ -1,5 +1,5 @@
-"""Launches the batch-1 NVFP4 GEMV (dsv4::nvfp4_linear, M = 1) on V4-Flash shapes and one MoE step (T = 1, 6
-experts + the shared one) for Nsight Compute.
+"""Launches dsv4::nvfp4_linear on V4-Flash shapes at the token counts given (`--m 1,16,64`; default 1: the
+batch-1 GEMV) and, at M = 1, one MoE step (T = 1, 6 experts + the shared one) for Nsight Compute.
 
 The GEMV measures 2x the time its bytes need at HBM speed (bench/RESULTS.md): this script gives `ncu` the
 launches to explain (issue- vs memory-bound, stall reasons, occupancy). scripts/gpu_check.sh `profile` runs:
@@ -26,18 +26,24 @@ SHAPES = [("wq_a", 1024, 4096), ("wq_b", 32768, 1024), ("wo_b", 4096, 8192), ("w
 
 
 def main() -> int:
+    ms = [1]
+    if "--m" in sys.argv:
+        ms = [int(v) for v in sys.argv[sys.argv.index("--m") + 1].split(",")]
     if not torch.cuda.is_available():
         print("profile_nvfp4_gemv: needs a CUDA GPU (skipped)")
         return 0
     gen = torch.Generator(device="cuda").manual_seed(0)
     gs = torch.tensor(0.01, device="cuda")
-    for name, n, k in SHAPES:
-        x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
-        for _ in range(2):
-            w, s = rand_kernel_weight((), n, k, gen)
-            torch.ops.dsv4.nvfp4_linear(x, w, s, gs)
-        torch.cuda.synchronize()
-        print(f"gemv {name} {n}x{k}: launched 2x", flush=True)
+    for m in ms:
+        for name, n, k in SHAPES:
+            x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+            for _ in range(2):
+                w, s = rand_kernel_weight((), n, k, gen)
+                torch.ops.dsv4.nvfp4_linear(x, w, s, gs)
+            torch.cuda.synchronize()
+            print(f"M={m} {name} {n}x{k}: launched 2x", flush=True)
+    if 1 not in ms:
+        return 0
     d, inter, experts = 4096, 2048, 16
     x = torch.randn(1, d, device="cuda", generator=gen).to(torch.bfloat16)
     ids = torch.randperm(experts, device="cuda", generator=gen)[:6].view(1, 6).to(torch.int32)

@@ -146,12 +146,14 @@ for part in $PARTS; do
       step soak "${SOAK_TIMEOUT:-500}" $PY scripts/soak.py --steps "${SOAK_STEPS:-100000}"
       note "  $(grep -hE '^run |^soak' "$LOGS/soak.log" | cut -c1-400 | tr '\n' ' ')" ;;
     profile)
-      # Nsight Compute on the batch-1 GEMV and MoE (what bounds them); text report in the logs.
+      # Nsight Compute on the NVFP4 linear (PROFILE_ARGS: --m 1,16,64; default the batch-1 GEMV and MoE): what
+      # bounds them; text report in the logs.
       NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
       [ -n "$NCU" ] || { note "no ncu"; continue; }
       step profile_gemv "${PROFILE_TIMEOUT:-300}" "$NCU" --clock-control none --kernel-name "regex:nvfp4" \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats \
-        --section Occupancy --section SchedulerStats --section InstructionStats $PY bench/profile_nvfp4_gemv.py ;;
+        --section Occupancy --section SchedulerStats --section InstructionStats --section ComputeWorkloadAnalysis \
+        $PY bench/profile_nvfp4_gemv.py ${PROFILE_ARGS:-} ;;
     bench)
       for b in ${BENCHES:-bench/bench_*.py}; do
         step "$(basename "$b" .py)" 300 $PY "$b"

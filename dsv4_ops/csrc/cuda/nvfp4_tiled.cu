@@ -74,15 +74,16 @@ __global__ void __launch_bounds__(kThreads, TiledCfg<TM>::kOcc) nvfp4_tiled_kern
   const int kp = (p.K + 127) & ~127, nchunks = kp >> 7;
   const int c_begin = min(int(blockIdx.z) * per, nchunks), n_local = min(c_begin + per, nchunks) - c_begin;
 
-  // This thread's copies of a stage, chunk 0 (the chunk only moves each source by a fixed step).
+  // This thread's copies of a stage: running sources, one chunk further after each stage issued.
   const bf16* x_src[Cfg::kXLoads];
   uint32_t x_dst[Cfg::kXLoads];
   bool x_row_ok[Cfg::kXLoads];
+  const int x_k = (tid & 15) * 8;  // the k of this thread's activation pieces inside a chunk
 #pragma unroll
   for (int i = 0; i < Cfg::kXLoads; ++i) {
-    const int id = tid + i * kThreads, r = id >> 4, ch = id & 15;
+    const int r = (tid + i * kThreads) >> 4, ch = tid & 15;
     x_row_ok[i] = m_base + r < p.M;
-    x_src[i] = p.x + size_t(min(m_base + r, p.M - 1)) * p.K + ch * 8;
+    x_src[i] = p.x + size_t(min(m_base + r, p.M - 1)) * p.K + size_t(c_begin) * 128 + x_k;
     x_dst[i] = uint32_t(r * 256 + ((ch ^ (r & 7)) << 4));
   }
   const uint8_t* w_src[2];
@@ -92,31 +93,47 @@ __global__ void __launch_bounds__(kThreads, TiledCfg<TM>::kOcc) nvfp4_tiled_kern
   for (int i = 0; i < 2; ++i) {
     const int id = tid + i * kThreads, r = id >> 2, part = id & 3, n = n_base + r;
     const RowAddr a = row_addr(min(n, p.N - 1), p.N, kp);
-    w_src[i] = p.w + a.w + part * 16;
+    w_src[i] = p.w + a.w + size_t(c_begin) * a.wstep + part * 16;
     w_ok[i] = n < p.N;
     w_step[i] = a.wstep;
   }
   const RowAddr sa_row = row_addr(min(n_base + (tid & 127), p.N - 1), p.N, kp);
-  const uint8_t* s_src = p.s + sa_row.s;
+  const uint8_t* s_src = p.s + sa_row.s + size_t(c_begin) * sa_row.sstep;
   const bool s_ok = tid < kTileN && n_base + tid < p.N;
+  int k_next = c_begin * 128 + x_k;  // k of this thread's pieces in the next stage issued
 
-  auto load_stage = [&](int st, int c) {
-    uint8_t* xs = smem + st * Cfg::kStageBytes;
+  // Padding past K needs no guard in the mma loop: activations past K load as zeros (and padded codes are 0).
+  auto load_stage = [&](uint8_t* xs) {
     uint8_t* ws = xs + Cfg::kXStage;
     uint8_t* ss = ws + Cfg::kWStage;
-    const int k0 = c * 128;
+    const bool k_ok = k_next < p.K;
 #pragma unroll
     for (int i = 0; i < Cfg::kXLoads; ++i) {
-      const int ch = (tid + i * kThreads) & 15;
-      const bool ok = x_row_ok[i] && k0 + ch * 8 < p.K;
-      cp_async16(xs + x_dst[i], ok ? x_src[i] + k0 : p.x, ok ? 16 : 0);
+      const bool ok = x_row_ok[i] && k_ok;
+      cp_async16(xs + x_dst[i], ok ? x_src[i] : p.x, ok ? 16 : 0);
+      x_src[i] += 128;
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      cp_async16(ws + (tid + i * kThreads) * 16, w_src[i] + size_t(c) * w_step[i], w_ok[i] ? 16 : 0);
+      cp_async16(ws + (tid + i * kThreads) * 16, w_src[i], w_ok[i] ? 16 : 0);
+      w_src[i] += w_step[i];
     }
-    if (tid < kTileN) cp_async8(ss + tid * 8, s_src + size_t(c) * sa_row.sstep, s_ok ? 8 : 0);
+    if (tid < kTileN) cp_async8(ss + tid * 8, s_src, s_ok ? 8 : 0);
+    s_src += sa_row.sstep;
+    k_next += 128;
   };
+
+  // ldmatrix source of token tile pair np, k-step s: tok * 256 + (((2s + h) ^ (tok & 7)) << 4) with
+  // tok = tok0 + 16 np (tok & 7 = lane & 7) and h = (lane >> 3) & 1, i.e. x_ld + np * 4096 + ((s << 5) ^ x_sw).
+  const int tok0 = wm * Cfg::kTokPerWarp + (lane >> 4) * 8 + (lane & 7);
+  const uint32_t x_ld = uint32_t(tok0 * 256), x_sw = uint32_t((((lane >> 3) & 1) ^ (lane & 7)) << 4);
+  uint32_t w_ld[T], s_ld[T];  // this lane's weight words / scale bytes of rows g and g + 8 of tile t in a stage
+#pragma unroll
+  for (int t = 0; t < T; ++t) {
+    const int r = (wn * T + t) * 16 + g;
+    w_ld[t] = uint32_t(Cfg::kXStage + r * 64 + tq * 16);
+    s_ld[t] = uint32_t(Cfg::kXStage + Cfg::kWStage + r * 8);
+  }
 
   float acc[T][Cfg::kNt][4];
 #pragma unroll
@@ -124,33 +141,16 @@ __global__ void __launch_bounds__(kThreads, TiledCfg<TM>::kOcc) nvfp4_tiled_kern
 #pragma unroll
     for (int j = 0; j < Cfg::kNt; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
 
-#pragma unroll
-  for (int st = 0; st < Cfg::kStages - 1; ++st) {
-    if (st < n_local) load_stage(st, c_begin + st);
-    cp_async_commit();
-  }
-  for (int i = 0; i < n_local; ++i) {
-    cp_async_wait<Cfg::kStages - 2>();
-    __syncthreads();
-    const int in = i + Cfg::kStages - 1;
-    if (in < n_local) load_stage(in % Cfg::kStages, c_begin + in);
-    cp_async_commit();
-
-    const int c = c_begin + i;
-    const uint8_t* xs = smem + (i % Cfg::kStages) * Cfg::kStageBytes;
-    const uint8_t* ws = xs + Cfg::kXStage;
-    const uint8_t* ss = ws + Cfg::kWStage;
+  auto compute = [&](const uint8_t* xs) {
     uint4 wa[T], wb[T];
     RowScales sa[T], sb[T];
 #pragma unroll
     for (int t = 0; t < T; ++t) {
-      const int r = (wn * T + t) * 16 + g;
-      wa[t] = *reinterpret_cast<const uint4*>(ws + r * 64 + tq * 16);
-      wb[t] = *reinterpret_cast<const uint4*>(ws + (r + 8) * 64 + tq * 16);
-      sa[t] = row_scales(*reinterpret_cast<const uint2*>(ss + r * 8));
-      sb[t] = row_scales(*reinterpret_cast<const uint2*>(ss + (r + 8) * 8));
+      wa[t] = *reinterpret_cast<const uint4*>(xs + w_ld[t]);
+      wb[t] = *reinterpret_cast<const uint4*>(xs + w_ld[t] + 8 * 64);
+      sa[t] = row_scales(*reinterpret_cast<const uint2*>(xs + s_ld[t]));
+      sb[t] = row_scales(*reinterpret_cast<const uint2*>(xs + s_ld[t] + 8 * 8));
     }
-    const int ks = min(8, (p.K - c * 128 + 15) >> 4);  // k-steps of this chunk inside K
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       uint32_t ra[T][4], rb[T][4];
@@ -164,16 +164,14 @@ __global__ void __launch_bounds__(kThreads, TiledCfg<TM>::kOcc) nvfp4_tiled_kern
 #pragma unroll
       for (int hs = 0; hs < 2; ++hs) {
         const int s = 2 * j + hs;
-        if (s >= ks) continue;
         uint32_t a[T][4];
 #pragma unroll
         for (int t = 0; t < T; ++t) a_fragment_rs(ra[t], rb[t], sa[t], sb[t], s, a[t]);
+        const uint8_t* xb = xs + (x_ld + ((uint32_t(s) << 5) ^ x_sw));
 #pragma unroll
         for (int np = 0; np < Cfg::kNt / 2; ++np) {
-          const int tok = wm * Cfg::kTokPerWarp + (np * 2 + (lane >> 4)) * 8 + (lane & 7);
-          const int ch = 2 * s + ((lane >> 3) & 1);
           uint32_t b[4];
-          ldmatrix_x4(b, xs + tok * 256 + ((ch ^ (tok & 7)) << 4));
+          ldmatrix_x4(b, xb + np * 4096);
 #pragma unroll
           for (int t = 0; t < T; ++t) {
             mma16816(acc[t][2 * np], a[t][0], a[t][1], a[t][2], a[t][3], b[0], b[1]);
@@ -181,6 +179,25 @@ __global__ void __launch_bounds__(kThreads, TiledCfg<TM>::kOcc) nvfp4_tiled_kern
           }
         }
       }
+    }
+  };
+
+  constexpr int S = Cfg::kStages;
+#pragma unroll
+  for (int st = 0; st < S - 1; ++st) {
+    if (st < n_local) load_stage(smem + st * Cfg::kStageBytes);
+    cp_async_commit();
+  }
+  // One trip of the outer loop walks the whole ring, so every stage offset is a constant.
+  for (int i0 = 0; i0 < n_local; i0 += S) {
+#pragma unroll
+    for (int j = 0; j < S; ++j) {
+      if (i0 + j >= n_local) break;
+      cp_async_wait<S - 2>();
+      __syncthreads();  // chunk i0 + j landed for every thread; the stage refilled below was consumed last step
+      if (i0 + j + S - 1 < n_local) load_stage(smem + ((j + S - 1) % S) * Cfg::kStageBytes);
+      cp_async_commit();
+      compute(smem + j * Cfg::kStageBytes);
     }
   }
   cp_async_wait<0>();
