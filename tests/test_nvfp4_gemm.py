@@ -260,6 +260,33 @@ def test_moe_cpu(T, with_shared):
     assert torch.equal(out32, out)
 
 
+def test_cpu_rows_do_not_depend_on_the_other_rows():
+    """Each row of a CPU call equals that row called alone, bit for bit (dsv4_ops/csrc/row_matmul.h): what makes a
+    speculative verification of T tokens the one-token decode exactly. ATen's matmul does not promise it (on an
+    AMD EPYC an MoE expert's 1-token product rounded differently from its 2-token one)."""
+    gen = torch.Generator().manual_seed(31)
+    x, w, _, _ = linear_case(96, 1024, 7, gen, "cpu")
+    whole = ops.nvfp4_linear(x, *w)
+    xq, wq, _, _ = w4a4_case(48, 272, (5,), gen, "cpu")
+    whole4 = ops.nvfp4_linear_w4a4(*xq, *wq, torch.float32)
+    T, E = 6, 8
+    xm, ids, wts, w13, w2, shared = moe_case(E, 272, 80, 48, T, 3, gen, "cpu")
+    ids[1] = ids[0]  # tokens sharing experts: an expert sees several rows at once
+    args = kernel_moe_args(w13, w2, shared)
+    moe = ops.nvfp4_moe(xm, ids, wts, *args, 10.0)
+    wf = [torch.randn(300, 1024, generator=gen), torch.randn(40, 1024, generator=gen).to(torch.bfloat16)]
+    lin32 = ops.fp32_linear(x, wf)
+    for r in range(x.shape[0]):
+        assert torch.equal(ops.nvfp4_linear(x[r:r + 1], *w)[0], whole[r]), f"nvfp4_linear row {r}"
+        assert all(torch.equal(ops.fp32_linear(x[r:r + 1], wf)[i][0], lin32[i][r]) for i in range(2)), r
+    for r in range(5):
+        one = [t[r:r + 1] for t in xq[:2]] + [xq[2]]
+        assert torch.equal(ops.nvfp4_linear_w4a4(*one, *wq, torch.float32)[0], whole4[r]), f"w4a4 row {r}"
+    for t in range(T):
+        got = ops.nvfp4_moe(xm[t:t + 1], ids[t:t + 1], wts[t:t + 1], *args, 10.0)[0]
+        assert torch.equal(got, moe[t]), f"moe token {t}"
+
+
 def test_moe_cpu_invalid_ids_and_no_clamp():
     gen = torch.Generator().manual_seed(5)
     x, ids, wts, w13, w2, _ = moe_case(4, 128, 16, 0, 6, 2, gen, "cpu")
