@@ -1,7 +1,7 @@
 """Benchmark of dsv4::nvfp4_linear (W4A16) and dsv4::nvfp4_moe on the H200, against bf16 PyTorch peers.
 
-Linear: DeepSeek-V4-Flash projection shapes (N x K) at M = 1, 8, 16, 32, 64, 128, 256, 512, 1024, 4096 tokens; peer = torch.matmul
-with a bf16 weight of the same shape (cuBLAS). Grouped (wo_a, 8 x (1024 x 4096)): dsv4::nvfp4_linear_grouped vs
+Linear: DeepSeek-V4-Flash projection shapes (N x K) at M = 1, 8, 16, 32, 64, 128, 256, 512, 1024, 4096 tokens;
+peer = torch.matmul with a bf16 weight of the same shape (cuBLAS). Grouped (wo_a, 8 x (1024 x 4096)): dsv4::nvfp4_linear_grouped vs
 torch.bmm on bf16 weights and vs 8 nvfp4_linear calls. Multi (wq_a + wkv): dsv4::nvfp4_linear_multi vs two
 torch.matmul and two nvfp4_linear calls. MoE: 256 experts, top-6 (uniform random routing), d = 4096,
 I = 2048, T = 1, 8, 64 tokens, routed only and routed + shared expert; peer = a per-expert bf16 loop in torch
