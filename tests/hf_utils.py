@@ -135,13 +135,13 @@ def hf_to_official_state_dict(hf_sd: dict[str, torch.Tensor]) -> dict[str, torch
 
 
 def build_pair(cfg: ModelConfig, *, max_batch_size: int = 1, max_seq_len: int = 256, seed: int = 0,
-               simulate_quant: bool = False, prefill_chunk: int | None = None):
+               simulate_quant: bool = False, prefill_attn_rows: int | None = None):
     """(hf_model, our Transformer) in float32 on CPU with identical weights (MTP weights random)."""
     from dsv4_model.model.transformer import Transformer
 
     hf = make_hf_model(cfg, seed)
     ours = Transformer(cfg, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=torch.float32,
-                       device="cpu", simulate_quant=simulate_quant, prefill_chunk=prefill_chunk)
+                       device="cpu", simulate_quant=simulate_quant, prefill_attn_rows=prefill_attn_rows)
     ours.init_random_weights(seed + 1)
     sd = hf_to_official_state_dict(hf.state_dict())
     missing, unexpected = ours.load_state_dict(sd, strict=False)

@@ -78,6 +78,7 @@ CASES = [
     ("a prompt longer than max_position_embeddings", ["--prompt", "x " * 6000],
      "does not fit the model's max_position_embeddings (4096 positions)"),
     ("--threads 0", ["--threads", "0"], "--threads must be an int >= 1"),
+    ("--prefill-chunk 0", ["--prefill-chunk", "0"], "--prefill-chunk must be an int >= 1"),
     ("--temperature -1", ["--temperature", "-1"], "--temperature must be >= 0"),
     ("--top-p 0", ["--top-p", "0"], "--top-p must be in (0, 1]"),
     ("--top-k -1", ["--top-k", "-1"], "--top-k must be >= 0"),

@@ -18,7 +18,7 @@ TOL = 1e-4
 @pytest.fixture(scope="module")
 def pair():
     cfg = tiny_config(max_position_embeddings=1 << 20)
-    hf, ours = build_pair(cfg, max_batch_size=3, max_seq_len=256, seed=0, prefill_chunk=16)
+    hf, ours = build_pair(cfg, max_batch_size=3, max_seq_len=256, seed=0, prefill_attn_rows=16)
     return cfg, hf, ours
 
 

@@ -78,7 +78,7 @@ class Attention(nn.Module):
         self.simulate_quant = True
         # query rows per prefill attention chunk; None: as many as keep a chunk's fp32 scores within
         # PREFILL_SCORE_BYTES (one chunk for short prompts and small models: no loop in an exported graph)
-        self.prefill_chunk: int | None = None
+        self.prefill_attn_rows: int | None = None
         # CSA prefill: dense mask over all entries up to this many, else gather the top-k entries per query
         self.prefill_dense_max_entries = 2048
         # callables seeing every prefill (training: indexer distillation, dropout): hook(PrefillTrace) may return
@@ -190,38 +190,47 @@ class Attention(nn.Module):
         z = self.wo_a(o.flatten(-2).unflatten(-1, (self.n_groups, -1)))
         return self.wo_b(z.flatten(-2))
 
-    # ------------------------------------------------------------------ prefill (from position 0)
-    def prefill(self, x: torch.Tensor, lengths: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    # ------------------------------------------------------------------ prefill (a chunk from any position)
+    def prefill(self, x: torch.Tensor, lengths: torch.Tensor, rope: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """x [B, S, dim] at positions start .. start + S - 1 -> [B, S, dim]; rows valid for their first
+        lengths[b] tokens. The caches rows [:B] hold each row's positions before start (an earlier chunk's
+        prefill, or decode) and then hold the valid tokens too (a row of length 0: nothing its later decode
+        reads changes)."""
         B, S, _ = x.shape
-        W, m, dev = self.window, self.ratio, x.device
-        cs = rope[:S]
+        W, R, m, dev = self.window, self.ring, self.ratio, x.device
+        cs = rope[start:start + S]
         qr, q, kv, _ = self._qkv(x, cs)
-        self._write_window(kv, lengths)
+        # keys: the window's positions before start from the ring (read before the chunk overwrites it), then
+        # the chunk's; key j is position start - P + j
+        P = min(start, W - 1)
+        if P:
+            kv_all = torch.cat([self.kv_cache[:B, torch.arange(start - P, start, device=dev) % R], kv], dim=1)
+        else:
+            kv_all = kv
+        self._write_window(kv, lengths, start)
 
         comp = ikeys = iq = None
         if self.indexer is not None:
-            ikeys = self.indexer.compressor.prefill(x, lengths, rope)
+            ikeys = self._prefill_entries(self.indexer.compressor, self.indexer.kv_cache, 0, x, lengths, rope,
+                                          start, self.indexer.store_prefill)
             if ikeys is not None:
-                self.indexer.store_prefill(ikeys)
                 iq = self.indexer.queries(qr, cs.unsqueeze(-3))
         if self.compressor is not None:
-            comp = self.compressor.prefill(x, lengths, rope)
-            if comp is not None:
-                self.kv_cache[:B, self.ring: self.ring + comp.shape[1]] = comp
+            comp = self._prefill_entries(self.compressor, self.kv_cache, R, x, lengths, rope, start)
 
         outs = []
         rows = self.prefill_rows(B, S, 0 if comp is None else comp.shape[1])
         for t0 in range(0, S, rows):
             t1 = min(S, t0 + rows)
-            j0 = max(0, t0 - W + 1)
+            j0 = max(0, t0 + P - W + 1)
             tq = torch.arange(t0, t1, device=dev).unsqueeze(1)
-            tj = torch.arange(j0, t1, device=dev).unsqueeze(0)
-            mask = ((tj <= tq) & (tj > tq - W)).unsqueeze(0).expand(B, -1, -1)
-            keys = kv[:, j0:t1]
+            tj = torch.arange(j0, t1 + P, device=dev).unsqueeze(0)
+            mask = ((tj <= tq + P) & (tj > tq + P - W)).unsqueeze(0).expand(B, -1, -1)
+            keys = kv_all[:, j0:t1 + P]
             qkeys = qmask = None
             if comp is not None:
                 n = comp.shape[1]
-                n_vis = (tq + 1) // m  # [T, 1]
+                n_vis = (start + tq + 1) // m  # [T, 1]
                 vis = torch.arange(n, device=dev).unsqueeze(0) < n_vis  # [T, n]
                 if iq is not None:
                     sc = self.indexer.scores(iq[:, t0:t1], x[:, t0:t1], ikeys)
@@ -248,25 +257,46 @@ class Attention(nn.Module):
             out = out if new is None else new
         return out
 
+    def _prefill_entries(self, compressor: Compressor, cache: torch.Tensor, offset: int, x: torch.Tensor,
+                         lengths: torch.Tensor, rope: torch.Tensor, start: int, store=None) -> torch.Tensor | None:
+        """The compressed entries a chunk's queries may see, [B, n, D] (None if n == 0): those cached before the
+        chunk's first window (rows [:B] of cache from offset), then the chunk's, which are written there (by
+        store(entries, first index) if given). From position 0 they are the computed tensor itself (what a
+        gradient flows through when training)."""
+        B = x.shape[0]
+        e0 = start // self.ratio
+        new = compressor.prefill(x, lengths, rope, start)
+        if new is not None:
+            new = new[:, : cache.shape[1] - offset - e0]  # a chunk ending at max_seq_len: no window past it
+            if store is not None:
+                store(new, e0)
+            else:
+                cache[:B, offset + e0: offset + e0 + new.shape[1]] = new
+        if e0 == 0:
+            return new
+        before = cache[:B, offset: offset + e0]
+        return before if new is None else torch.cat([before, new.to(before.dtype)], dim=1)
+
     def prefill_rows(self, B: int, S: int, n_entries: int) -> int:
-        """Query rows per prefill chunk: ``prefill_chunk`` if set, else S halved until the chunk's scores
+        """Query rows per prefill chunk: ``prefill_attn_rows`` if set, else S halved until the chunk's scores
         [B, H, rows, rows + window + entries] fit PREFILL_SCORE_BYTES (keys over-counted for the top-k path)."""
-        if self.prefill_chunk is not None:
-            return self.prefill_chunk
+        if self.prefill_attn_rows is not None:
+            return self.prefill_attn_rows
         rows = S
         while rows > 64 and B * self.n_heads * rows * (rows + self.window + n_entries) * 4 > PREFILL_SCORE_BYTES:
             rows = (rows + 1) // 2
         return rows
 
-    def _write_window(self, kv: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Ring slot s <- the last position p < lengths[b] with p % R == s (left untouched if none)."""
+    def _write_window(self, kv: torch.Tensor, lengths: torch.Tensor, start: int = 0) -> None:
+        """Ring slot s <- the last position p < start + lengths[b] with p % R == s, where p >= start (kv [B, S, D]
+        holds positions start ..); the other slots are left as they are."""
         B, S, D = kv.shape
         R = self.ring
         s = torch.arange(R, device=kv.device).unsqueeze(0)
-        last = (lengths - 1).unsqueeze(1)
-        p = s + R * torch.div(last - s, R, rounding_mode="floor")
-        g = kv.gather(1, p.clamp(0, S - 1).unsqueeze(-1).expand(-1, -1, D))
-        self.kv_cache[:B, :R] = torch.where((p >= 0).unsqueeze(-1), g, self.kv_cache[:B, :R])
+        last = (start + lengths - 1).unsqueeze(1)
+        t = s + R * torch.div(last - s, R, rounding_mode="floor") - start
+        g = kv.gather(1, t.clamp(0, S - 1).unsqueeze(-1).expand(-1, -1, D))
+        self.kv_cache[:B, :R] = torch.where((t >= 0).unsqueeze(-1), g, self.kv_cache[:B, :R])
 
     # ------------------------------------------------------------------ one-token decode (static shapes)
     def decode(self, x: torch.Tensor, step: DecodeStep) -> torch.Tensor:

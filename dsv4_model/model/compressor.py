@@ -112,37 +112,65 @@ class Compressor(nn.Module):
         kv, score = fp32_linear(x, self.linears())
         return kv, score
 
-    def prefill(self, x: torch.Tensor, lengths: torch.Tensor, rope: torch.Tensor) -> torch.Tensor | None:
-        """x [B, S, dim] from position 0; rows valid up to lengths[b]. Returns entries [B, S//m, Dc] (or None)
-        and sets the decode state of rows [:B] from each row's own length."""
+    def prefill(self, x: torch.Tensor, lengths: torch.Tensor, rope: torch.Tensor, start: int = 0
+                ) -> torch.Tensor | None:
+        """x [B, S, dim] at positions start .. start + S - 1 (the state rows [:B] hold each row's tokens before
+        start: the previous chunk's prefill or decode); rows valid for the first lengths[b] tokens (0: the row's
+        state is left as it is). Returns the entries start // m .. (start + S) // m - 1, [B, n, Dc] (None if
+        n == 0: no window closes in the chunk; those past a row's length are junk no valid query sees), and
+        sets the decode state of rows [:B] from each row's own length."""
         B, S, _ = x.shape
         m, c, hd = self.ratio, self.coff, self.head_dim
         kv, score = self._project(x)
-        t = torch.arange(S, device=x.device)
+        t = torch.arange(start, start + S, device=x.device)
         score = score + self.ape[t % m]
+        # The tokens from the first window that the chunk's entries read (aligned to m; with overlap one window
+        # earlier) up to start come from the state: then windows split at multiples of m, wherever start is.
+        first = m * (start // m) - (c - 1) * m
+        if start > first:
+            pkv, psc = self._state_tokens(first, start, B)
+            kv, score = torch.cat([pkv, kv], dim=1), torch.cat([psc, score], dim=1)
+        ext = (start - first) + lengths  # valid tokens from position `first` on
 
         if self.spare:  # the decode state
-            self._prefill_state_by_position(kv, score, lengths)
+            self._prefill_state_by_position(kv, score, ext, first, lengths > 0)
         else:
-            self._prefill_state(kv, score, lengths)
+            self._prefill_state(kv, score, ext, lengths > 0)
 
-        n = S // m
-        if n == 0:
+        e0 = start // m
+        n = (start + S) // m - e0
+        if n <= 0:
             return None
-        kvw = kv[:, : n * m].view(B, n, m, c * hd)
-        scw = score[:, : n * m].view(B, n, m, c * hd)
-        if self.overlap:
-            prev_kv = F.pad(kvw[:, :-1, :, :hd], (0, 0, 0, 0, 1, 0), value=0.0)
-            prev_sc = F.pad(scw[:, :-1, :, :hd], (0, 0, 0, 0, 1, 0), value=float("-inf"))
-            kvw = torch.cat([prev_kv, kvw[..., hd:]], dim=2)
-            scw = torch.cat([prev_sc, scw[..., hd:]], dim=2)
+        kvw = kv[:, : (n + c - 1) * m].unflatten(1, (n + c - 1, m))
+        scw = score[:, : (n + c - 1) * m].unflatten(1, (n + c - 1, m))
+        if self.overlap:  # entry i: the first half of window i - 1's features, the second half of window i's
+            kvw = torch.cat([kvw[:, :-1, :, :hd], kvw[:, 1:, :, hd:]], dim=2)
+            scw = torch.cat([scw[:, :-1, :, :hd], scw[:, 1:, :, hd:]], dim=2)
         pooled = (kvw * scw.softmax(dim=2)).sum(dim=2)  # [B, n, Dc] fp32
-        cs = rope[torch.arange(n, device=x.device) * m]
+        cs = rope[torch.arange(e0, e0 + n, device=x.device) * m]
         return self._finish(pooled, cs, x.dtype)
 
-    def _prefill_state(self, kv: torch.Tensor, score: torch.Tensor, lengths: torch.Tensor) -> None:
-        """The decode state rows [:B] from each row's own length: overlap rows 0..m-1 = the last full window,
-        rows m.. (or 0.. without overlap) = the pending tail."""
+    def _state_tokens(self, first: int, start: int, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The projected tokens at positions first .. start - 1 from the state rows [:B] (kv, score + ape), fp32
+        [B, start - first, c*Dc]; positions < 0 as kv 0 / score -inf whatever the state holds."""
+        if start <= 0:  # nothing before position 0: no read of the state
+            shape = (B, start - first, self.kv_state.shape[-1])
+            return (torch.zeros(shape, device=self.kv_state.device),
+                    torch.full(shape, float("-inf"), device=self.kv_state.device))
+        p = torch.arange(first, start, device=self.kv_state.device)
+        # the shifted state: overlap rows 0..m-1 = the last full window, then the pending tail; the
+        # position-indexed one: position p in row p % R
+        rows = p % self.kv_state.shape[1] if self.spare else p - first
+        ok = (p >= 0).view(1, -1, 1)
+        kv = torch.where(ok, self.kv_state[:B, rows], torch.zeros((), device=p.device))
+        score = torch.where(ok, self.score_state[:B, rows], torch.full((), float("-inf"), device=p.device))
+        return kv, score
+
+    def _prefill_state(self, kv: torch.Tensor, score: torch.Tensor, lengths: torch.Tensor,
+                       rows: torch.Tensor) -> None:
+        """The decode state of rows [:B] where `rows` [B] (the others keep theirs: their prompt ended before
+        the chunk) from each row's own length (tokens from an m-aligned position): overlap rows 0..m-1 = the
+        last full window, rows m.. (or 0.. without overlap) = the pending tail."""
         B, S, _ = kv.shape
         m, c, hd = self.ratio, self.coff, self.head_dim
         n_full = (lengths // m).unsqueeze(1)  # [B, 1]
@@ -154,22 +182,31 @@ class Compressor(nn.Module):
             p = m * n_full + r
             valid = p < lengths.unsqueeze(1)
         gi = p.clamp(0, S - 1).unsqueeze(-1).expand(-1, -1, c * hd)
-        vmask = valid.unsqueeze(-1)
-        self.kv_state[:B] = torch.where(vmask, kv.gather(1, gi), torch.zeros((), device=kv.device))
-        self.score_state[:B] = torch.where(vmask, score.gather(1, gi), torch.full((), float("-inf"), device=kv.device))
+        vmask, keep = valid.unsqueeze(-1), ~rows.view(B, 1, 1)
+        new_kv = torch.where(vmask, kv.gather(1, gi), torch.zeros((), device=kv.device))
+        new_sc = torch.where(vmask, score.gather(1, gi), torch.full((), float("-inf"), device=kv.device))
+        self.kv_state[:B] = torch.where(keep, self.kv_state[:B], new_kv)
+        self.score_state[:B] = torch.where(keep, self.score_state[:B], new_sc)
 
-    def _prefill_state_by_position(self, kv: torch.Tensor, score: torch.Tensor, lengths: torch.Tensor) -> None:
-        """The position-indexed state rows [:B]: row t % R <- token t for the last R positions before each row's
-        length (rows of positions < 0 are never read: decode masks them)."""
+    def _prefill_state_by_position(self, kv: torch.Tensor, score: torch.Tensor, lengths: torch.Tensor,
+                                   first: int, rows: torch.Tensor) -> None:
+        """The position-indexed state of rows [:B] where `rows` [B] (as _prefill_state; tokens t of kv / score at
+        positions first + t): row p % R <-
+        position p for the last R positions before first + lengths[b]; rows whose latest such position is
+        before `first` keep what they hold (decode reads at most c*m - 1 positions back, none of those), rows of
+        positions < 0 are cleared."""
         B, S, _ = kv.shape
         R = self.kv_state.shape[1]
         s = torch.arange(R, device=kv.device).unsqueeze(0)
-        last = (lengths - 1).unsqueeze(1)
-        t = s + R * torch.div(last - s, R, rounding_mode="floor")  # the latest position < length in row s
+        last = (first + lengths - 1).unsqueeze(1)
+        p = s + R * torch.div(last - s, R, rounding_mode="floor")  # the latest position < first + length in row s
+        t = p - first
         gi = t.clamp(0, S - 1).unsqueeze(-1).expand(-1, -1, kv.shape[-1])
-        ok = (t >= 0).unsqueeze(-1)
-        self.kv_state[:B] = torch.where(ok, kv.gather(1, gi), torch.zeros((), device=kv.device))
-        self.score_state[:B] = torch.where(ok, score.gather(1, gi), torch.full((), float("-inf"), device=kv.device))
+        ok, neg = ((t >= 0) & rows.unsqueeze(1)).unsqueeze(-1), ((p < 0) & rows.unsqueeze(1)).unsqueeze(-1)
+        old_kv = torch.where(neg, torch.zeros((), device=kv.device), self.kv_state[:B])
+        old_sc = torch.where(neg, torch.full((), float("-inf"), device=kv.device), self.score_state[:B])
+        self.kv_state[:B] = torch.where(ok, kv.gather(1, gi), old_kv)
+        self.score_state[:B] = torch.where(ok, score.gather(1, gi), old_sc)
 
     def decode(self, x: torch.Tensor, step: DecodeStep, rope_kind: str,
                proj: tuple[torch.Tensor, torch.Tensor] | None = None, store=None):

@@ -81,14 +81,14 @@ class Indexer(nn.Module):
                     and min(self.index_topk, self.n_entries) <= LIMITS.indexer_cuda_max_topk)
         return self.kv_cache.device.type == "cpu"
 
-    def store_prefill(self, keys: torch.Tensor) -> None:
-        """keys [B, n, Di] (FP4-rounded) -> entries [0, n) of rows [:B] of both caches."""
+    def store_prefill(self, keys: torch.Tensor, first: int = 0) -> None:
+        """keys [B, n, Di] (FP4-rounded) -> entries [first, first + n) of rows [:B] of both caches."""
         B, n = keys.shape[:2]
-        self.kv_cache[:B, :n] = keys
+        self.kv_cache[:B, first:first + n] = keys
         if self.packed_decode():  # FP4 values: the packed form is exact
             codes, scales = fp4_pack_indexer_keys(keys)
-            self.k_codes[:B, :n] = codes
-            self.k_scales[:B, :n] = scales
+            self.k_codes[:B, first:first + n] = codes
+            self.k_scales[:B, first:first + n] = scales
 
     def select(self, q: torch.Tensor, x: torch.Tensor, n_vis: torch.Tensor, k: int,
                proj: torch.Tensor | None = None) -> torch.Tensor:

@@ -87,9 +87,9 @@ class Block(nn.Module):
                       getattr(self, f"hc_{site}_base"), self.hc, self.iters, self.hc_eps, self.norm_eps)
 
     def prefill(self, h: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, rope: dict,
-                static_moe: bool = False) -> torch.Tensor:
+                static_moe: bool = False, start: int = 0) -> torch.Tensor:
         x, post, comb = self._pre(h, "attn")
-        h = hc_post(self.attn.prefill(self.attn_norm(x), lengths, rope[self.attn.rope_kind]), h, post, comb)
+        h = hc_post(self.attn.prefill(self.attn_norm(x), lengths, rope[self.attn.rope_kind], start), h, post, comb)
         x, post, comb = self._pre(h, "ffn")
         return hc_post(self.ffn(self.ffn_norm(x), ids, static=static_moe), h, post, comb)
 
@@ -166,7 +166,7 @@ def _param(*shape) -> nn.Parameter:
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig, *, max_batch_size: int = 1, max_seq_len: int = 4096,
                  dtype: torch.dtype = torch.bfloat16, device=None, simulate_quant: bool = True,
-                 prefill_chunk: int | None = None, allow_beyond_max_position: bool = False,
+                 prefill_attn_rows: int | None = None, allow_beyond_max_position: bool = False,
                  spare_window_slots: int = 0):
         super().__init__()
         config.validate()
@@ -197,7 +197,7 @@ class Transformer(nn.Module):
             self.mtp = nn.ModuleList(MTPBlock(config, config.n_layers + i, dtype, max_batch_size, max_seq_len)
                                      for i in range(config.n_mtp_layers))
         self.set_simulate_quant(simulate_quant)
-        self.set_prefill_chunk(prefill_chunk)
+        self.set_prefill_attn_rows(prefill_attn_rows)
         if not isinstance(spare_window_slots, int) or spare_window_slots < 0:
             raise ValueError(f"spare_window_slots must be an int >= 0, got {spare_window_slots!r}")
         self.spare_window_slots = spare_window_slots
@@ -220,13 +220,13 @@ class Transformer(nn.Module):
             if isinstance(mod, (Attention, Compressor, Indexer)):
                 mod.simulate_quant = self.simulate_quant
 
-    def set_prefill_chunk(self, chunk: int | None) -> None:
-        """Query rows per prefill attention chunk (None: by memory, Attention.prefill_rows)."""
-        if chunk is not None:
-            check_positive_int(chunk, "prefill_chunk")
+    def set_prefill_attn_rows(self, rows: int | None) -> None:
+        """Query rows per prefill attention block (None: by memory, Attention.prefill_rows)."""
+        if rows is not None:
+            check_positive_int(rows, "prefill_attn_rows")
         for mod in self.modules():
             if isinstance(mod, Attention):
-                mod.prefill_chunk = None if chunk is None else int(chunk)
+                mod.prefill_attn_rows = None if rows is None else int(rows)
 
     def setup_runtime(self, device=None) -> None:
         """(Re)build the non-persistent buffers (RoPE tables, caches) on `device` (default: the params' device).
@@ -319,41 +319,47 @@ class Transformer(nn.Module):
     # ------------------------------------------------------------------ inference entry points
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None,
-                all_logits: bool = False, static_moe: bool = False) -> torch.Tensor:
-        """Forward `tokens` [B, S] from position 0 and fill cache rows [:B].
+                all_logits: bool = False, static_moe: bool = False, start: int = 0) -> torch.Tensor:
+        """Forward `tokens` [B, S] at positions start .. start + S - 1 and fill cache rows [:B] (from start > 0:
+        a chunk of a longer prompt; the rows' caches hold their positions before start, from the previous
+        chunks or decode steps, and the result is what one prefill of the whole prompt gives).
 
-        lengths [B] (optional): right-padded rows; row b is valid for positions < lengths[b] and its cache state
-        ends there. Returns fp32 logits [B, V] at position lengths[b]-1 (default S-1), or [B, S, V].
+        lengths [B] (optional): right-padded rows; row b is valid for its first lengths[b] tokens and its cache
+        state ends there (0: a row with nothing in this chunk, left as it is). Returns fp32 logits [B, V] at the
+        token lengths[b]-1 (default S-1; junk where lengths[b] == 0), or [B, S, V].
         static_moe: float experts through their static-shape path (gathering each token's expert weights: what
         torch.export can trace; memory grows with tokens x top-k x expert size) instead of the per-expert loop
         with data-dependent shapes."""
         B, S = tokens.shape
-        if B > self.max_batch_size or S > self.max_seq_len or S < 1:
-            raise ValueError(f"prefill shape {tuple(tokens.shape)} exceeds max_batch_size={self.max_batch_size} "
-                             f"/ max_seq_len={self.max_seq_len}")
+        if not isinstance(start, int) or start < 0:
+            raise ValueError(f"prefill start must be an int >= 0, got {start!r}")
+        if B > self.max_batch_size or start + S > self.max_seq_len or S < 1:
+            raise ValueError(f"prefill shape {tuple(tokens.shape)} from position {start} exceeds max_batch_size="
+                             f"{self.max_batch_size} / max_seq_len={self.max_seq_len}")
         tokens = tokens.to(self.device)
         if lengths is None:
             lengths = torch.full((B,), S, dtype=torch.long, device=self.device)
         lengths = lengths.to(device=self.device, dtype=torch.long)
-        h = self.streams(tokens, lengths, static_moe)
+        h = self.streams(tokens, lengths, static_moe, start)
         if all_logits:
             return self._logits(h)
-        last = h[torch.arange(B, device=self.device), lengths - 1]
+        last = h[torch.arange(B, device=self.device), (lengths - 1).clamp(min=0)]
         return self._logits(last)
 
-    def streams(self, tokens: torch.Tensor, lengths: torch.Tensor, static_moe: bool = False) -> torch.Tensor:
-        """The main layers over `tokens` [B, S] from position 0 (filling cache rows [:B]) -> the final residual
+    def streams(self, tokens: torch.Tensor, lengths: torch.Tensor, static_moe: bool = False,
+                start: int = 0) -> torch.Tensor:
+        """The main layers over `tokens` [B, S] from position start (filling cache rows [:B]) -> the final residual
         streams [B, S, hc, dim] before the head's collapse (what prefill's logits and the MTP block read). Tracks
         gradients where enabled (training)."""
         rope = self._rope()
         h = self.embed(tokens).unsqueeze(2).repeat(1, 1, self.hc, 1)
         for layer in self.layers:
-            h = layer.prefill(h, tokens, lengths, rope, static_moe)
+            h = layer.prefill(h, tokens, lengths, rope, static_moe, start)
         return h
 
     def mtp_forward(self, h: torch.Tensor, next_ids: torch.Tensor, lengths: torch.Tensor | None = None,
-                    depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """MTP block `depth` over a sequence from position 0: position t combines the streams h_t [B, S, hc, dim]
+                    depth: int = 0, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP block `depth` over a sequence from position start (as prefill's): position t combines the streams h_t [B, S, hc, dim]
         (the main model's, or the previous MTP pass's to draft further ahead) with the embedding of token t+1
         (next_ids [B, S]) and predicts the token after it. Fills the block's caches rows [:B]. Returns (fp32
         logits [B, S, V] through the shared head, the block's output streams [B, S, hc, dim]). Tracks gradients
@@ -362,7 +368,7 @@ class Transformer(nn.Module):
         B, S = next_ids.shape
         if lengths is None:
             lengths = torch.full((B,), S, dtype=torch.long, device=next_ids.device)
-        out = mtp.prefill(self._mtp_input(mtp, h, next_ids), next_ids, lengths, self._rope())
+        out = mtp.prefill(self._mtp_input(mtp, h, next_ids), next_ids, lengths, self._rope(), start=start)
         return self._logits(out, mtp), out
 
     @torch.no_grad()

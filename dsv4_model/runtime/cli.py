@@ -84,6 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--allow-beyond-max-position", action="store_true",
                    help="let --max-seq-len exceed the model's max_position_embeddings (positions it was not "
                         "trained for)")
+    g.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="positions per prefill forward: a longer prompt is prefilled in chunks (default 8192)")
     g.add_argument("--no-simulate-quant", action="store_true", help="skip the KV/indexer fake quantization")
     g.add_argument("--quant", choices=("auto", "nvfp4", "none"), default="auto",
                    help="weights: nvfp4 (dsv4 NVFP4 kernels) or none (float); auto = as stored on CUDA, float on "
@@ -120,6 +122,8 @@ def _check_args(args) -> None:
         check_positive_int(args.max_seq_len, "--max-seq-len")
     if args.threads is not None:
         check_positive_int(args.threads, "--threads")
+    if args.prefill_chunk is not None:
+        check_positive_int(args.prefill_chunk, "--prefill-chunk")
     try:
         SamplingParams(args.temperature, args.top_k, args.top_p, args.seed).validate()
     except ValueError as e:
@@ -207,7 +211,8 @@ def cmd_generate(args) -> int:
                                     simulate_quant=not args.no_simulate_quant, runner_options=runner, quant=quant,
                                     act_quant=args.act_quant, allow_beyond_max_position=args.allow_beyond_max_position,
                                     expert_shard=shard, progress=not _QUIET[0],
-                                    spare_window_slots=args.speculate)
+                                    spare_window_slots=args.speculate,
+                                    **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}))
     t_load = time.perf_counter() - t0
 
     single = len(prompt_ids) == 1

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from dsv4_model.model.checks import check_positive_int
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.transformer import Transformer
+from dsv4_model.runtime.prefill_chunks import prefill_in_chunks
 from dsv4_model.runtime.session import EngineSession, RunnerOptions
+
+# positions per prefill forward by default: a longer prompt is prefilled in chunks of this many (bounded
+# activations; a V4-Flash chunk's are a few GB)
+DEFAULT_PREFILL_CHUNK = 8192
 
 
 class Engine(EngineSession):
@@ -14,10 +20,13 @@ class Engine(EngineSession):
 
     prefill(input_ids [B, S], lengths=None, all_logits=False) -> fp32 logits [B, V] (last valid position of each
     row) or [B, S, V]; decode(next_ids [B]) -> fp32 [B, V], each row continuing at its own position;
-    generate(prompts, ...) (dsv4_model.runtime.generate). State and generation: `EngineSession`."""
+    generate(prompts, ...) (dsv4_model.runtime.generate). State and generation: `EngineSession`.
+    prefill_chunk: positions per prefill forward (a longer prompt runs in chunks: dsv4_model.runtime.prefill_chunks)."""
 
     def __init__(self, model: Transformer, config: ModelConfig | None = None, device=None, *,
-                 runner_options: RunnerOptions = RunnerOptions()):
+                 runner_options: RunnerOptions = RunnerOptions(), prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+        check_positive_int(prefill_chunk, "prefill_chunk")
+        self.prefill_chunk = prefill_chunk
         self.model = model
         self.config = config if config is not None else model.config
         self.device = torch.device(device) if device is not None else model.device
@@ -33,7 +42,7 @@ class Engine(EngineSession):
                         max_seq_len: int = 4096, simulate_quant: bool = True, compile: bool | None = None,
                         cuda_graphs: bool | None = None, graph_mode: str = "manual", quant: str | None = None,
                         act_quant: str | None = None, runner_options: RunnerOptions | None = None,
-                        **options) -> "Engine":
+                        prefill_chunk: int = DEFAULT_PREFILL_CHUNK, **options) -> "Engine":
         """Load a checkpoint directory via `dsv4_model.checkpoint.loader.load_model`; `options` go to the loader
         (e.g. layout=, load_mtp=, progress=). compile / cuda_graphs / graph_mode: how generate() runs decode
         steps (`RunnerOptions`; or pass runner_options, which then replaces them).
@@ -41,12 +50,13 @@ class Engine(EngineSession):
         act_quant: "none" (W4A16) | "nvfp4" (W4A4) | None (as stored / "none")."""
         from dsv4_model.checkpoint.loader import load_model
 
+        check_positive_int(prefill_chunk, "prefill_chunk")  # before any weight is read
         model, config = load_model(path, device=device, dtype=dtype, max_batch_size=max_batch_size,
                                    max_seq_len=max_seq_len, simulate_quant=simulate_quant, quant=quant,
                                    act_quant=act_quant, **options)
         if runner_options is None:
             runner_options = RunnerOptions(compile=compile, cuda_graphs=cuda_graphs, graph_mode=graph_mode)
-        engine = cls(model, config, device, runner_options=runner_options)
+        engine = cls(model, config, device, runner_options=runner_options, prefill_chunk=prefill_chunk)
         engine.path = path
         return engine
 
@@ -54,14 +64,7 @@ class Engine(EngineSession):
                         speculate: bool = False):
         """speculate: also fill the MTP block's cache over the prompt and return (logits [B, V], the final
         streams at each row's last token [B, hc, dim]) for the first drafts."""
-        if not speculate:
-            return self.model.prefill(tokens, lengths, all_logits=all_logits)
-        m = self.model
-        h = m.streams(tokens, lengths)
-        last = h[torch.arange(h.shape[0], device=h.device), lengths - 1]
-        if tokens.shape[1] > 1:  # the MTP block at position t reads (h_t, token t + 1)
-            m.mtp_forward(h[:, :-1], tokens[:, 1:], lengths - 1)
-        return m._logits(last), last
+        return prefill_in_chunks(self.model, tokens, lengths, self.prefill_chunk, all_logits, speculate)
 
     def speculative_runner(self, k: int):
         """The SpeculativeRunner generate(..., speculate=k) steps, built on first use per k from

@@ -15,7 +15,7 @@ def _model(chunk=None):
     # Exact numerics: with the simulated FP8 / FP4 rounding an ulp of a chunk's accumulation order can move a value
     # across a rounding boundary (seen at 2.5e-4 on an AVX512 host), which is not what this file tests.
     return Transformer(make_config("tiny"), max_batch_size=2, max_seq_len=512, dtype=torch.float32,
-                       simulate_quant=False, prefill_chunk=chunk).init_random_weights(0).eval()
+                       simulate_quant=False, prefill_attn_rows=chunk).init_random_weights(0).eval()
 
 
 def _score_bytes(a: Attention, B, rows, n):
@@ -33,12 +33,12 @@ def test_rows_are_the_most_that_fit_the_budget(monkeypatch):
             if r > 64:
                 assert _score_bytes(a, B, r, n) <= budget
             assert r == S or _score_bytes(a, B, 2 * r, n) > budget  # no more rows than needed to fit
-    a.prefill_chunk = 48
+    a.prefill_attn_rows = 48
     assert a.prefill_rows(1, 4096, 1024) == 48
 
 
-def test_prefill_chunk_must_be_positive():
-    with pytest.raises(ValueError, match="prefill_chunk"):
+def test_prefill_attn_rows_must_be_positive():
+    with pytest.raises(ValueError, match="prefill_attn_rows"):
         _model(0)
 
 

@@ -1,0 +1,122 @@
+"""Prefill from any position (Transformer.prefill(start=)) and the engine's chunked prefill: a prompt prefilled in
+chunks, or continued by prefill after decode steps, gives the logits of one prefill of the whole prompt and
+leaves caches from which decode (and the MTP block) continue as after it. The reference is the whole-prompt
+prefill, itself checked against HF transformers (test_model_hf_parity.py)."""
+import pytest
+import torch
+
+import dsv4_ops  # noqa: F401  (the op library: the model's fused ops)
+from dsv4_model.checkpoint.writer import make_config
+from dsv4_model.model.transformer import Transformer
+from dsv4_model.runtime.engine import Engine
+
+CFG = make_config("tiny")  # SWA, CSA (ratio 4, indexer) and HCA (ratio 16) layers, window 16, an MTP block
+# fp32, no simulated rounding: a chunk sums its keys in another order, and with FP8 / FP4 rounding an ulp can
+# move a value across a rounding boundary (the simulate_quant case below has its own tolerance)
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+def _model(spare: int = 0, simulate_quant: bool = False, batch: int = 2) -> Transformer:
+    return Transformer(CFG, max_batch_size=batch, max_seq_len=256, dtype=torch.float32,
+                       simulate_quant=simulate_quant, spare_window_slots=spare).init_random_weights(0).eval()
+
+
+def _prompt(B=2, S=100, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, CFG.vocab_size, (B, S), generator=g)
+
+
+def _decode(m: Transformer, tok: torch.Tensor, pos: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    out = []
+    for k in range(steps):
+        out.append(m.decode_step(tok[:, k], pos + k))
+    return out
+
+
+@pytest.mark.parametrize("spare", [0, 3])
+@pytest.mark.parametrize("bounds", [(0, 7, 40, 41, 77, 100), (0, 16, 32, 48, 64, 80, 96, 100), (0, 99, 100)])
+def test_chunks_give_the_whole_prompt_and_its_caches(spare, bounds):
+    """Chunk edges off and on the compress ratios and the window, a one-token chunk, a row (67 tokens) that ends
+    mid-batch and rides along with length 0; then 20 decode steps (past entry and window boundaries)."""
+    ids, lengths = _prompt(), torch.tensor([100, 67])
+    whole, chunked = _model(spare), _model(spare)
+    ref = whole.prefill(ids, lengths, all_logits=True)
+    got = torch.cat([chunked.prefill(ids[:, s:e], (lengths - s).clamp(0, e - s), all_logits=True, start=s)
+                     for s, e in zip(bounds, bounds[1:])], dim=1)
+    valid = torch.arange(ids.shape[1])[None] < lengths[:, None]
+    torch.testing.assert_close(got[valid], ref[valid], **TOL)
+    nxt = _prompt(2, 20, seed=1)
+    for a, b in zip(_decode(whole, nxt, lengths, 20), _decode(chunked, nxt, lengths, 20)):
+        torch.testing.assert_close(b, a, **TOL)
+
+
+@pytest.mark.parametrize("spare", [0, 2])
+def test_prefill_continues_after_decode_steps(spare):
+    """Prefill 30 tokens, decode 9 (the compressor states shifted by decode, the ring written by it), prefill
+    the rest from position 39: the logits of the whole prompt at positions 39.., then decode as after it."""
+    ids = _prompt(2, 90)
+    whole, mixed = _model(spare), _model(spare)
+    ref = whole.prefill(ids, all_logits=True)
+    mixed.prefill(ids[:, :30])
+    steps = _decode(mixed, ids[:, 30:], torch.full((2,), 30), 9)
+    for k, lg in enumerate(steps):
+        torch.testing.assert_close(lg, ref[:, 30 + k], **TOL)
+    got = mixed.prefill(ids[:, 39:], all_logits=True, start=39)
+    torch.testing.assert_close(got, ref[:, 39:], **TOL)
+    nxt = _prompt(2, 12, seed=2)
+    for a, b in zip(_decode(whole, nxt, torch.full((2,), 90), 12), _decode(mixed, nxt, torch.full((2,), 90), 12)):
+        torch.testing.assert_close(b, a, **TOL)
+
+
+def test_chunks_with_the_simulated_fp8_and_fp4():
+    ids, lengths = _prompt(), torch.tensor([100, 58])
+    whole, chunked = _model(simulate_quant=True), _model(simulate_quant=True)
+    ref = whole.prefill(ids, lengths)
+    for s in range(0, 100, 24):
+        got = chunked.prefill(ids[:, s:s + 24], (lengths - s).clamp(0, 24), start=s)
+    # the last chunk holds row 0's last token (row 1's was in the third)
+    torch.testing.assert_close(got[0], ref[0], atol=2e-3, rtol=2e-3)
+    nxt = _prompt(2, 8, seed=3)
+    for a, b in zip(_decode(whole, nxt, lengths, 8), _decode(chunked, nxt, lengths, 8)):
+        torch.testing.assert_close(b, a, atol=2e-3, rtol=2e-3)
+
+
+def _engine(chunk: int, spare: int = 0) -> Engine:
+    return Engine(_model(spare, batch=3), prefill_chunk=chunk)
+
+
+@pytest.mark.parametrize("chunk", [10, 33])
+def test_engine_prefills_a_long_prompt_in_chunks(chunk):
+    ids, lengths = _prompt(3, 70, seed=4), torch.tensor([70, 9, 41])
+    ref, eng = _engine(8192), _engine(chunk)
+    torch.testing.assert_close(eng.prefill(ids, lengths), ref.prefill(ids, lengths), **TOL)
+    nxt = _prompt(3, 5, seed=5)
+    for k in range(5):
+        torch.testing.assert_close(eng.decode(nxt[:, k]), ref.decode(nxt[:, k]), **TOL)
+    prompts = [[5, 9, 3] * 20, [7, 1], [2] * 45]
+    assert eng.generate(prompts, max_new_tokens=6).token_ids == ref.generate(prompts, max_new_tokens=6).token_ids
+
+
+def test_engine_chunks_fill_the_mtp_block_as_one_prefill():
+    """speculate: the MTP block's cache over the prompt (its position t reads token t + 1, across chunk edges);
+    the MTP block's logits at each row's last position read that cache."""
+    ids, lengths = _prompt(3, 60, seed=6), torch.tensor([60, 23, 1])
+    ref, eng = _engine(8192, spare=2), _engine(16, spare=2)
+    (la, ha), (lb, hb) = [e._prefill_logits(ids, lengths, speculate=True) for e in (ref, eng)]
+    torch.testing.assert_close(lb, la, **TOL)
+    torch.testing.assert_close(hb, ha, **TOL)
+    nxt = _prompt(3, 1, seed=7)
+    pos = lengths - 1  # the MTP block's next position: the row's last token, with the token sampled after it
+    a, _ = ref.model.mtp_decode_tokens(ha.unsqueeze(1), nxt, pos)
+    b, _ = eng.model.mtp_decode_tokens(hb.unsqueeze(1), nxt, pos)
+    torch.testing.assert_close(b, a, **TOL)
+
+
+def test_bad_starts_raise():
+    m = _model()
+    with pytest.raises(ValueError, match="start must be an int >= 0"):
+        m.prefill(_prompt(1, 4), start=-1)
+    with pytest.raises(ValueError, match="from position 250 exceeds"):
+        m.prefill(_prompt(1, 10), start=250)
+    with pytest.raises(ValueError, match="prefill_chunk must be an int >= 1"):
+        Engine(m, prefill_chunk=0)
