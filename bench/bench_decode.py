@@ -61,12 +61,19 @@ def model_config(name: str) -> ModelConfig:
 randomize_ = randomize_floats_  # O(1)-activation random floats on the module's device
 
 
-def build_models(cfg: ModelConfig, max_batch: int, max_seq: int):
+def build_models(cfg: ModelConfig, max_batch: int, max_seq: int, with_hf: bool = True):
     """(ours, hf or None, note). HF is built first and its weights copied into ours when the names map."""
     ours = Transformer(cfg, max_batch_size=max_batch, max_seq_len=max_seq, dtype=torch.bfloat16, device="meta")
     ours.to_empty(device="cuda")
     randomize_(ours, 0, cfg.n_routed_experts)
-    hf, note = None, ""
+    hf, note = (None, "no HF model asked for") if not with_hf else _build_hf(cfg, ours)
+    ours.setup_runtime(torch.device("cuda"))
+    ours.eval()
+    return ours, hf, note
+
+
+def _build_hf(cfg: ModelConfig, ours: Transformer):
+    """(HF's model or None, note), its random weights copied into ours when the names map."""
     try:
         from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
@@ -84,9 +91,7 @@ def build_models(cfg: ModelConfig, max_batch: int, max_seq: int):
             note = f"HF weight names did not map ({type(e).__name__}: {e}); HF uses its own random weights"
     except Exception as e:
         hf, note = None, f"HF model unavailable: {type(e).__name__}: {e}"
-    ours.setup_runtime(torch.device("cuda"))
-    ours.eval()
-    return ours, hf, note
+    return hf, note
 
 
 def floor_seconds(model: Transformer, cfg: ModelConfig, B: int) -> float:

@@ -1,0 +1,195 @@
+"""Prefill time against prompt length on the H200: one forward of the whole prompt and the engine's chunked prefill
+(Engine(prefill_chunk=), dsv4_model/runtime/prefill_chunks.py), against one HF transformers forward on the same
+weights where HF fits, in one run.
+
+Model: V4-Flash widths, random weights, NVFP4 W4A16 (HF bf16), `--layers` layers in V4-Flash's order of compress
+ratios from a CSA layer ([4, 128] for 2; `--layers 43`: the whole stack, with `--experts` routed experts so that
+it fits one GPU: a prefill token's expert FLOPs do not depend on the expert count, top-6 of any).
+
+Per length: seconds, tokens/s, the split between the lightning indexer's scores + top-k (quadratic in the prompt:
+every query scores every compressed key; CUDA events around Indexer.scores and topk_indices) and the rest, and
+the FLOP floor at 790 TFLOP/s (bf16 dense, measured): 2 x the weights a token multiplies (non-expert weights,
+shared + 6 routed experts per layer) + the attention's and the indexer's products at the mean position.
+
+Run: python bench/bench_prefill.py [--lengths 4096,8192,32768,131072] [--chunk 8192] [--layers 2]
+       [--experts 256] [--hf-max 8192] [--budget SECONDS]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import dsv4_ops  # noqa: E402,F401
+from bench_decode import build_models  # noqa: E402
+from dsv4_model.model import attention as attention_mod  # noqa: E402
+from dsv4_model.model.config import ModelConfig  # noqa: E402
+from dsv4_model.model.indexer import Indexer  # noqa: E402
+from dsv4_model.quant.quantize_model import quantize_model_  # noqa: E402
+from dsv4_model.runtime.prefill_chunks import prefill_in_chunks  # noqa: E402
+
+DENSE_FLOPS = 790e12
+
+
+def model_config(layers: int, experts: int) -> ModelConfig:
+    c = ModelConfig.v4_flash()
+    ratios = [4, 128] if layers == 2 else list(c.compress_ratios[:layers])
+    c.n_layers, c.compress_ratios, c.n_mtp_layers, c.n_hash_layers = layers, ratios, 0, min(c.n_hash_layers, layers)
+    c.n_routed_experts = experts
+    return c.validate()
+
+
+class IndexerTimer:
+    """Sums the GPU time of the indexer's prefill scores and top-k (events recorded around each call)."""
+
+    def __init__(self):
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._scores, self._topk = Indexer.scores, attention_mod.topk_indices
+
+    def _wrap(self, fn):
+        def timed(*a, **k):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            out = fn(*a, **k)
+            e.record()
+            self.events.append((s, e))
+            return out
+        return timed
+
+    def __enter__(self):
+        self.events.clear()
+        Indexer.scores = self._wrap(self._scores)
+        attention_mod.topk_indices = self._wrap(self._topk)
+        return self
+
+    def __exit__(self, *exc):
+        Indexer.scores, attention_mod.topk_indices = self._scores, self._topk
+
+    def seconds(self) -> float:
+        torch.cuda.synchronize()
+        return sum(s.elapsed_time(e) for s, e in self.events) / 1e3
+
+
+def flop_floor(cfg: ModelConfig, model, S: int) -> float:
+    """Seconds at DENSE_FLOPS for an S-token prefill: the weights' products (the head on one token only), the
+    attention and the indexer at the mean position S / 2."""
+    k, E = cfg.n_activated_experts, cfg.n_routed_experts
+    weights = 0
+    for name, t in model.state_dict().items():  # weights (NVFP4: packed buffers), not the caches
+        if (name.startswith(("embed.", "mtp.", "head.")) or not t.is_floating_point() and t.dtype != torch.uint8
+                or name.endswith(("_scale", "scale_2", ".ape"))):
+            continue
+        n = t.numel() * (2 if t.dtype == torch.uint8 else 1)  # packed FP4: two weights a byte
+        if ".ffn.nvfp4.w" in name or ".ffn.experts.w" in name:  # routed: k of E per token
+            n = n * k // E
+        weights += n
+    flops = 2 * weights * S
+    mean = S / 2
+    for r in cfg.compress_ratios[:cfg.n_layers]:
+        keys = cfg.window_size + (min(cfg.index_topk, mean / r) if r == 4 else mean / r if r else 0)
+        flops += 4 * cfg.n_heads * cfg.head_dim * keys * S
+        if r == 4:
+            flops += 2 * cfg.index_n_heads * cfg.index_head_dim * (mean / r) * S
+    return flops / DENSE_FLOPS
+
+
+def timed(fn, reps: int) -> tuple[float, float]:
+    """(seconds per call, indexer seconds per call) after one warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    with IndexerTimer() as it:
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / reps
+    return wall, it.seconds() / reps
+
+
+@torch.no_grad()
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", default="4096,8192,32768,131072")
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--hf-max", type=int, default=8192, help="longest prompt given to HF (0: none)")
+    ap.add_argument("--budget", type=float, default=400.0, help="seconds; later lengths are skipped")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_prefill: needs a CUDA GPU (skipped)")
+        return 0
+    t_start = time.perf_counter()
+    lengths = [int(s) for s in args.lengths.split(",")]
+    cfg = model_config(args.layers, args.experts)
+    ours, hf, note = build_models(cfg, 1, max(lengths), with_hf=args.hf_max > 0)
+    quantize_model_(ours)
+    torch.cuda.empty_cache()
+    print(f"[V4-Flash widths, {cfg.n_layers} layers {cfg.compress_ratios[:cfg.n_layers]}, {cfg.n_routed_experts} "
+          f"experts, NVFP4 W4A16] {note}", flush=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for S in lengths:
+        if time.perf_counter() - t_start > args.budget:
+            rows.append((S, "skipped (time budget)"))
+            continue
+        ids = torch.randint(2, cfg.vocab_size, (1, S), device="cuda", generator=g)
+        lens = torch.full((1,), S, dtype=torch.long, device="cuda")
+        reps = 1 if S > 16384 else 2
+        res = {}
+        for mode, chunk in (("whole", S), (f"chunks of {args.chunk}", args.chunk)):
+            if mode != "whole" and S <= args.chunk:
+                continue
+            try:
+                res[mode] = timed(lambda: prefill_in_chunks(ours, ids, lens, chunk), reps)
+            except torch.cuda.OutOfMemoryError:
+                res[mode] = "out of memory"
+            gc.collect()
+            torch.cuda.empty_cache()
+        if hf is not None and S <= args.hf_max:
+            try:
+                res["hf"] = timed(lambda: hf(input_ids=ids, use_cache=False, logits_to_keep=1), reps)[0]
+            except torch.cuda.OutOfMemoryError:
+                res["hf"] = "out of memory"
+            gc.collect()
+            torch.cuda.empty_cache()
+        rows.append((S, res, flop_floor(cfg, ours, S)))
+        print(f"[S={S}] done at {time.perf_counter() - t_start:.0f} s", flush=True)
+
+    print(f"\nPrefill, batch 1 (eager; indexer = its scores + top-k; floor = FLOPs at {DENSE_FLOPS / 1e12:.0f} "
+          f"TFLOP/s)")
+    hdr = (f"{'tokens':>7} {'mode':18} {'seconds':>8} {'tokens/s':>9} {'indexer s':>9} {'rest s':>7} "
+           f"{'floor s':>8} {'of floor':>8} {'vs HF':>7}")
+    print(hdr)
+    print("-" * len(hdr))
+    for row in rows:
+        if isinstance(row[1], str):
+            print(f"{row[0]:7d} {row[1]}")
+            continue
+        S, res, floor = row
+        hf_t = res.get("hf")
+        for mode, v in res.items():
+            if mode == "hf":
+                continue
+            if isinstance(v, str):
+                print(f"{S:7d} {mode:18} {v}")
+                continue
+            wall, ix = v
+            vs = f"{hf_t / wall:6.2f}x" if isinstance(hf_t, float) else "   n/a"
+            print(f"{S:7d} {mode:18} {wall:8.3f} {S / wall:9.0f} {ix:9.3f} {wall - ix:7.3f} {floor:8.3f} "
+                  f"{floor / wall:7.1%} {vs}")
+        if hf_t is not None:
+            print(f"{S:7d} {'HF forward':18} " + (f"{hf_t:8.3f} {S / hf_t:9.0f}" if isinstance(hf_t, float) else hf_t))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
