@@ -7,6 +7,7 @@ import torch
 
 import dsv4_ops  # noqa: F401  (the op library: the model's fused ops)
 from dsv4_model.checkpoint.writer import make_config
+from dsv4_model.model.attention import Attention
 from dsv4_model.model.transformer import Transformer
 from dsv4_model.runtime.engine import Engine
 
@@ -16,9 +17,14 @@ CFG = make_config("tiny")  # SWA, CSA (ratio 4, indexer) and HCA (ratio 16) laye
 TOL = dict(atol=2e-5, rtol=2e-5)
 
 
-def _model(spare: int = 0, simulate_quant: bool = False, batch: int = 2) -> Transformer:
-    return Transformer(CFG, max_batch_size=batch, max_seq_len=256, dtype=torch.float32,
-                       simulate_quant=simulate_quant, spare_window_slots=spare).init_random_weights(0).eval()
+def _model(spare: int = 0, simulate_quant: bool = False, batch: int = 2, gather: bool = False) -> Transformer:
+    m = Transformer(CFG, max_batch_size=batch, max_seq_len=256, dtype=torch.float32,
+                    simulate_quant=simulate_quant, spare_window_slots=spare).init_random_weights(0).eval()
+    if gather:  # CSA attention on each query's gathered top-k entries (long prompts) instead of a dense mask
+        for a in m.modules():
+            if isinstance(a, Attention):
+                a.prefill_dense_max_entries = 0
+    return m
 
 
 def _prompt(B=2, S=100, seed=0):
@@ -33,13 +39,13 @@ def _decode(m: Transformer, tok: torch.Tensor, pos: torch.Tensor, steps: int) ->
     return out
 
 
-@pytest.mark.parametrize("spare", [0, 3])
+@pytest.mark.parametrize("spare,gather", [(0, False), (3, False), (0, True)])
 @pytest.mark.parametrize("bounds", [(0, 7, 40, 41, 77, 100), (0, 16, 32, 48, 64, 80, 96, 100), (0, 99, 100)])
-def test_chunks_give_the_whole_prompt_and_its_caches(spare, bounds):
+def test_chunks_give_the_whole_prompt_and_its_caches(spare, gather, bounds):
     """Chunk edges off and on the compress ratios and the window, a one-token chunk, a row (67 tokens) that ends
     mid-batch and rides along with length 0; then 20 decode steps (past entry and window boundaries)."""
     ids, lengths = _prompt(), torch.tensor([100, 67])
-    whole, chunked = _model(spare), _model(spare)
+    whole, chunked = _model(spare, gather=gather), _model(spare, gather=gather)
     ref = whole.prefill(ids, lengths, all_logits=True)
     got = torch.cat([chunked.prefill(ids[:, s:e], (lengths - s).clamp(0, e - s), all_logits=True, start=s)
                      for s, e in zip(bounds, bounds[1:])], dim=1)

@@ -228,12 +228,14 @@ class Attention(nn.Module):
             mask = ((tj <= tq + P) & (tj > tq + P - W)).unsqueeze(0).expand(B, -1, -1)
             keys = kv_all[:, j0:t1 + P]
             qkeys = qmask = None
-            if comp is not None:
-                n = comp.shape[1]
+            # the entries closed by the block's last query at most: the later ones no query of it sees
+            n = 0 if comp is None else min(comp.shape[1], (start + t1) // m)
+            if n:
+                blk = comp[:, :n]
                 n_vis = (start + tq + 1) // m  # [T, 1]
                 vis = torch.arange(n, device=dev).unsqueeze(0) < n_vis  # [T, n]
                 if iq is not None:
-                    sc = self.indexer.scores(iq[:, t0:t1], x[:, t0:t1], ikeys)
+                    sc = self.indexer.scores(iq[:, t0:t1], x[:, t0:t1], ikeys[:, :n])
                     sc = sc.masked_fill(~vis, float("-inf"))
                     idx = topk_indices(sc, min(self.indexer.index_topk, n))
                     valid = idx < n_vis
@@ -243,12 +245,12 @@ class Attention(nn.Module):
                         vis = sel.scatter_(-1, idx, True)[..., :n]
                     else:
                         k = idx.shape[-1]
-                        qkeys = comp.gather(1, idx.flatten(1).unsqueeze(-1).expand(-1, -1, comp.shape[-1]))
+                        qkeys = blk.gather(1, idx.flatten(1).unsqueeze(-1).expand(-1, -1, blk.shape[-1]))
                         qkeys, qmask = qkeys.view(B, t1 - t0, k, -1), valid
                 else:
                     vis = vis.unsqueeze(0).expand(B, -1, -1)
                 if qkeys is None:
-                    keys = torch.cat([keys, comp], dim=1)
+                    keys = torch.cat([keys, blk], dim=1)
                     mask = torch.cat([mask, vis], dim=-1)
             outs.append(self._attend(q[:, t0:t1], keys, mask, qkeys, qmask))
         out = self._out(torch.cat(outs, dim=1), cs)
