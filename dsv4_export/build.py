@@ -6,7 +6,7 @@ Entries (each an AOTI model inside the package, loadable by name from Python and
                          picks kernels for the exact shape, no size guards run per step, a loaded entry can be
                          captured in a CUDA graph as is, and model code never meets a symbolic batch.
   ``prefill_b{B}_s{S}``  one per (batch, length) bucket. Prefill cannot take a symbolic length: the model's
-                         prefill has Python control flow on S (chunk loop, ``S // ratio == 0``, ``min(topk, n)``)
+                         prefill has Python control flow on S (query-block loop, ``span // ratio``, ``min(topk, n)``)
                          that export would have to specialize. Prompts are right-padded to the bucket length and
                          ``lengths`` tells the model where each row ends (its caches/compressor state end there).
 Weights are constants inside each entry's .so (``package_constants_in_so``, the default): the simplest layout

@@ -306,7 +306,8 @@ class IndexerDistill:
         idx.simulate_quant = idx.compressor.simulate_quant = False
         try:
             xd = x.detach()
-            keys = idx.compressor.prefill(xd, lengths, rope)
+            start = torch.zeros(B, dtype=torch.long, device=x.device)
+            keys = idx.compressor.prefill(xd, lengths, rope, start, fresh=True)[0][:, :n]  # the closed windows' entries
             iq = idx.queries(qr.detach(), rope[:S].unsqueeze(-3))
         finally:
             idx.simulate_quant = idx.compressor.simulate_quant = sim

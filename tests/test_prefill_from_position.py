@@ -124,5 +124,45 @@ def test_bad_starts_raise():
         m.prefill(_prompt(1, 4), start=-1)
     with pytest.raises(ValueError, match="from position 250 exceeds"):
         m.prefill(_prompt(1, 10), start=250)
+    with pytest.raises(ValueError, match="span must be an int >= start"):
+        m.prefill(_prompt(1, 10), start=5, span=12)
+    with pytest.raises(ValueError, match=r"int64 \[1\]"):
+        m.prefill(_prompt(1, 10), start=torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="prefill_chunk must be an int >= 1"):
         Engine(m, prefill_chunk=0)
+
+
+@pytest.mark.parametrize("span", [None, 80])
+def test_rows_continue_from_their_own_positions(span):
+    """start as a tensor: row 0 continues at 30, row 1 at 50 (a ragged first prefill), each as its own whole
+    prompt gives; span: every row's start + S at most (default max_seq_len: the same shapes for any start)."""
+    ids = _prompt(2, 80)
+    whole, chunked = _model(), _model()
+    ref = whole.prefill(ids, all_logits=True)
+    chunked.prefill(ids, torch.tensor([30, 50]))
+    nxt = torch.stack([ids[0, 30:60], ids[1, 50:80]])
+    got = chunked.prefill(nxt, torch.tensor([30, 30]), all_logits=True, start=torch.tensor([30, 50]), span=span)
+    torch.testing.assert_close(got[0], ref[0, 30:60], **TOL)
+    torch.testing.assert_close(got[1], ref[1, 50:80], **TOL)
+
+
+def test_a_compiled_chunk_takes_any_start_without_recompiling():
+    """One graph (fullgraph, static shapes) per (B, S, span): chunks at other starts replay it."""
+    import torch._dynamo
+
+    ids = _prompt(2, 96)
+    whole, chunked = _model(), _model()
+    ref = whole.prefill(ids, all_logits=True)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    step = torch.compile(lambda t, s: chunked.prefill(t, all_logits=True, static_moe=True, start=s, span=96),
+                         backend=backend, fullgraph=True, dynamic=False)
+    outs = [step(ids[:, s:s + 32], torch.full((2,), s)) for s in (0, 32, 64)]
+    torch._dynamo.reset()
+    assert len(graphs) == 1
+    torch.testing.assert_close(torch.cat(outs, dim=1), ref, **TOL)

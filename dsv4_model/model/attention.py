@@ -48,6 +48,17 @@ def _multi(x: torch.Tensor, weights: tuple[W4A16Weight, ...]) -> tuple[torch.Ten
     return tuple(o.to(w.out_dtype) for o, w in zip(outs, weights))
 
 
+class PrefillAt(NamedTuple):
+    """Where a prefill chunk sits: start int64 [B] (row b's first token's position), span (an int: every row's
+    start + S is at most span, so a query sees at most span // m compressed entries), fresh (the chunk starts
+    every row at position 0 with nothing cached before: its entries are read as computed, not back from the
+    caches)."""
+
+    start: torch.Tensor
+    span: int
+    fresh: bool = False
+
+
 class PrefillTrace(NamedTuple):
     """What Attention.prefill computed, for its prefill_hooks: the input x [B, S, dim], lengths [B], the RoPE
     table, qr [B, S, q_lora], q [B, S, H, D], the compressed entries [B, n, D] (None without a compressor or
@@ -72,7 +83,8 @@ class Attention(nn.Module):
         self.eps = cfg.norm_eps
         self.n_groups, self.o_lora_rank = cfg.o_groups, cfg.o_lora_rank
         self.max_batch = max_batch
-        self.n_entries = max_seq_len // self.ratio if self.ratio else 0
+        # ceil: a prefill chunk ending at max_seq_len writes the window past the last closed one (never visible)
+        self.n_entries = -(-max_seq_len // self.ratio) if self.ratio else 0
         self.softmax_scale = self.head_dim**-0.5
         self.rope_kind = "compress" if self.ratio else "main"
         self.simulate_quant = True
@@ -191,49 +203,55 @@ class Attention(nn.Module):
         return self.wo_b(z.flatten(-2))
 
     # ------------------------------------------------------------------ prefill (a chunk from any position)
-    def prefill(self, x: torch.Tensor, lengths: torch.Tensor, rope: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """x [B, S, dim] at positions start .. start + S - 1 -> [B, S, dim]; rows valid for their first
-        lengths[b] tokens. The caches rows [:B] hold each row's positions before start (an earlier chunk's
+    def prefill(self, x: torch.Tensor, lengths: torch.Tensor, rope: torch.Tensor, at: "PrefillAt") -> torch.Tensor:
+        """x [B, S, dim]: row b's tokens at positions at.start[b] + t -> [B, S, dim]; rows valid for their first
+        lengths[b] tokens. The caches rows [:B] hold each row's positions before its start (an earlier chunk's
         prefill, or decode) and then hold the valid tokens too (a row of length 0: nothing its later decode
-        reads changes)."""
+        reads changes). Shapes depend on S and at.span only (not on the starts)."""
         B, S, _ = x.shape
         W, R, m, dev = self.window, self.ring, self.ratio, x.device
-        cs = rope[start:start + S]
+        start = at.start.unsqueeze(1)  # [B, 1]
+        t = torch.arange(S, device=dev)
+        cs = rope[(start + t).clamp(max=rope.shape[0] - 1)]  # [B, S, rope_dim / 2, 2]
         qr, q, kv, _ = self._qkv(x, cs)
-        # keys: the window's positions before start from the ring (read before the chunk overwrites it), then
-        # the chunk's; key j is position start - P + j
-        P = min(start, W - 1)
-        if P:
-            kv_all = torch.cat([self.kv_cache[:B, torch.arange(start - P, start, device=dev) % R], kv], dim=1)
-        else:
-            kv_all = kv
+        # keys: the W - 1 positions before start from the ring (read before the chunk overwrites it), then the
+        # chunk's; key j is position start - (W - 1) + j (those < 0 masked)
+        P = W - 1
+        slots = (start - P + torch.arange(P, device=dev)) % R
+        old = self.kv_cache[:B].detach().gather(1, slots.unsqueeze(-1).expand(-1, -1, kv.shape[-1]))
+        kv_all = torch.cat([old, kv], dim=1)
         self._write_window(kv, lengths, start)
 
         comp = ikeys = iq = None
-        if self.indexer is not None:
-            ikeys = self._prefill_entries(self.indexer.compressor, self.indexer.kv_cache, 0, x, lengths, rope,
-                                          start, self.indexer.store_prefill)
-            if ikeys is not None:
-                iq = self.indexer.queries(qr, cs.unsqueeze(-3))
-        if self.compressor is not None:
-            comp = self._prefill_entries(self.compressor, self.kv_cache, R, x, lengths, rope, start)
+        n_span = at.span // m if m else 0  # the entries a query of the chunk can see at most
+        if self.indexer is not None and n_span:
+            ix = self.indexer
+            ikeys = self._prefill_entries(ix.compressor, ix.kv_cache, 0, x, lengths, rope, at, n_span,
+                                          ix.store_prefill)
+            iq = ix.queries(qr, cs.unsqueeze(-3))
+        if self.compressor is not None and n_span:
+            comp = self._prefill_entries(self.compressor, self.kv_cache, R, x, lengths, rope, at, n_span)
+        elif self.compressor is not None:  # no window closes: the compressor states still advance
+            self.compressor.prefill(x, lengths, rope, at.start, at.fresh)
+            if self.indexer is not None:
+                self.indexer.compressor.prefill(x, lengths, rope, at.start, at.fresh)
 
         outs = []
-        rows = self.prefill_rows(B, S, 0 if comp is None else comp.shape[1])
+        rows = self.prefill_rows(B, S, n_span)
+        first_ok = P - start  # [B, 1]: key j is at a position >= 0 from here
         for t0 in range(0, S, rows):
             t1 = min(S, t0 + rows)
-            j0 = max(0, t0 + P - W + 1)
-            tq = torch.arange(t0, t1, device=dev).unsqueeze(1)
-            tj = torch.arange(j0, t1 + P, device=dev).unsqueeze(0)
-            mask = ((tj <= tq + P) & (tj > tq + P - W)).unsqueeze(0).expand(B, -1, -1)
-            keys = kv_all[:, j0:t1 + P]
+            tq = torch.arange(t0, t1, device=dev).view(1, -1, 1)
+            tj = torch.arange(t0, t1 + P, device=dev).view(1, 1, -1)
+            mask = (tj >= tq) & (tj <= tq + P) & (tj >= first_ok.unsqueeze(-1))  # [B, T, J]
+            keys = kv_all[:, t0:t1 + P]
             qkeys = qmask = None
             # the entries closed by the block's last query at most: the later ones no query of it sees
-            n = 0 if comp is None else min(comp.shape[1], (start + t1) // m)
+            n = min(n_span, (at.span - S + t1) // m) if comp is not None else 0
             if n:
                 blk = comp[:, :n]
-                n_vis = (start + tq + 1) // m  # [T, 1]
-                vis = torch.arange(n, device=dev).unsqueeze(0) < n_vis  # [T, n]
+                n_vis = (start.unsqueeze(-1) + tq + 1) // m  # [B, T, 1]
+                vis = torch.arange(n, device=dev).view(1, 1, -1) < n_vis  # [B, T, n]
                 if iq is not None:
                     sc = self.indexer.scores(iq[:, t0:t1], x[:, t0:t1], ikeys[:, :n])
                     sc = sc.masked_fill(~vis, float("-inf"))
@@ -247,8 +265,6 @@ class Attention(nn.Module):
                         k = idx.shape[-1]
                         qkeys = blk.gather(1, idx.flatten(1).unsqueeze(-1).expand(-1, -1, blk.shape[-1]))
                         qkeys, qmask = qkeys.view(B, t1 - t0, k, -1), valid
-                else:
-                    vis = vis.unsqueeze(0).expand(B, -1, -1)
                 if qkeys is None:
                     keys = torch.cat([keys, blk], dim=1)
                     mask = torch.cat([mask, vis], dim=-1)
@@ -260,24 +276,20 @@ class Attention(nn.Module):
         return out
 
     def _prefill_entries(self, compressor: Compressor, cache: torch.Tensor, offset: int, x: torch.Tensor,
-                         lengths: torch.Tensor, rope: torch.Tensor, start: int, store=None) -> torch.Tensor | None:
-        """The compressed entries a chunk's queries may see, [B, n, D] (None if n == 0): those cached before the
-        chunk's first window (rows [:B] of cache from offset), then the chunk's, which are written there (by
-        store(entries, first index) if given). From position 0 they are the computed tensor itself (what a
-        gradient flows through when training)."""
+                         lengths: torch.Tensor, rope: torch.Tensor, at: "PrefillAt", n_span: int,
+                         store=None) -> torch.Tensor:
+        """The first n_span compressed entries, [B, n_span, D], after writing the chunk's into rows [:B] of cache
+        from offset (by store(entries, indices) if given). From position 0 with at.fresh they are the computed
+        tensor itself (what a gradient flows through when training)."""
         B = x.shape[0]
-        e0 = start // self.ratio
-        new = compressor.prefill(x, lengths, rope, start)
-        if new is not None:
-            new = new[:, : cache.shape[1] - offset - e0]  # a chunk ending at max_seq_len: no window past it
-            if store is not None:
-                store(new, e0)
-            else:
-                cache[:B, offset + e0: offset + e0 + new.shape[1]] = new
-        if e0 == 0:
-            return new
-        before = cache[:B, offset: offset + e0]
-        return before if new is None else torch.cat([before, new.to(before.dtype)], dim=1)
+        new, e = compressor.prefill(x, lengths, rope, at.start, at.fresh)
+        if store is not None:
+            store(new, e)
+        else:
+            cache[:B].scatter_(1, (offset + e).unsqueeze(-1).expand(-1, -1, new.shape[-1]), new.to(cache.dtype))
+        if at.fresh:
+            return new[:, :n_span]
+        return cache[:B, offset: offset + n_span]
 
     def prefill_rows(self, B: int, S: int, n_entries: int) -> int:
         """Query rows per prefill chunk: ``prefill_attn_rows`` if set, else S halved until the chunk's scores
@@ -289,13 +301,13 @@ class Attention(nn.Module):
             rows = (rows + 1) // 2
         return rows
 
-    def _write_window(self, kv: torch.Tensor, lengths: torch.Tensor, start: int = 0) -> None:
+    def _write_window(self, kv: torch.Tensor, lengths: torch.Tensor, start: torch.Tensor) -> None:
         """Ring slot s <- the last position p < start + lengths[b] with p % R == s, where p >= start (kv [B, S, D]
-        holds positions start ..); the other slots are left as they are."""
+        holds positions start[b] .., start [B, 1]); the other slots are left as they are."""
         B, S, D = kv.shape
         R = self.ring
         s = torch.arange(R, device=kv.device).unsqueeze(0)
-        last = (start + lengths - 1).unsqueeze(1)
+        last = start + (lengths - 1).unsqueeze(1)
         t = s + R * torch.div(last - s, R, rounding_mode="floor") - start
         g = kv.gather(1, t.clamp(0, S - 1).unsqueeze(-1).expand(-1, -1, D))
         self.kv_cache[:B, :R] = torch.where((t >= 0).unsqueeze(-1), g, self.kv_cache[:B, :R])

@@ -112,59 +112,56 @@ class Compressor(nn.Module):
         kv, score = fp32_linear(x, self.linears())
         return kv, score
 
-    def prefill(self, x: torch.Tensor, lengths: torch.Tensor, rope: torch.Tensor, start: int = 0
-                ) -> torch.Tensor | None:
-        """x [B, S, dim] at positions start .. start + S - 1 (the state rows [:B] hold each row's tokens before
-        start: the previous chunk's prefill or decode); rows valid for the first lengths[b] tokens (0: the row's
-        state is left as it is). Returns the entries start // m .. (start + S) // m - 1, [B, n, Dc] (None if
-        n == 0: no window closes in the chunk; those past a row's length are junk no valid query sees), and
-        sets the decode state of rows [:B] from each row's own length."""
+    def prefill(self, x: torch.Tensor, lengths: torch.Tensor, rope: torch.Tensor, start: torch.Tensor,
+                fresh: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, S, dim]: row b's tokens at positions start[b] .. start[b] + S - 1 (start int64 [B]; the state rows
+        [:B] hold each row's tokens before start[b]: an earlier chunk's prefill, or decode), valid for the first
+        lengths[b] (0: the row's state is left as it is). Returns (entries [B, ceil(S / m), Dc], their indices
+        start // m + w [B, ceil(S / m)]): every entry closed by a valid token, and after those junk ones (finite)
+        that no valid query sees; sets the decode state of rows [:B] from each row's own length. Shapes do not
+        depend on start. fresh: every start is 0 (the state is not read: nothing precedes position 0)."""
         B, S, _ = x.shape
-        m, c, hd = self.ratio, self.coff, self.head_dim
+        m, c, hd, dev = self.ratio, self.coff, self.head_dim, x.device
         kv, score = self._project(x)
-        t = torch.arange(start, start + S, device=x.device)
-        score = score + self.ape[t % m]
-        # The tokens from the first window that the chunk's entries read (aligned to m; with overlap one window
-        # earlier) up to start come from the state: then windows split at multiples of m, wherever start is.
-        first = m * (start // m) - (c - 1) * m
-        if start > first:
-            pkv, psc = self._state_tokens(first, start, B)
-            kv, score = torch.cat([pkv, kv], dim=1), torch.cat([psc, score], dim=1)
-        ext = (start - first) + lengths  # valid tokens from position `first` on
+        score = score + self.ape[(start.unsqueeze(1) + torch.arange(S, device=dev)) % m]
+        # The tokens from the first window the chunk's entries read (m-aligned; with overlap one window earlier):
+        # those before start from the state, then the chunk's (c*m + S cover every row's). Positions < 0 read as
+        # kv 0 / score -inf whatever the state holds; chunk tokens past a row's length keep their (finite) values.
+        first = (m * (start // m) - (c - 1) * m).unsqueeze(1)  # [B, 1]
+        before = start.unsqueeze(1) - first  # tokens from the state, (c-1)*m .. c*m - 1
+        j = torch.arange(c * m, device=dev).unsqueeze(0)
+        # the state's rows: shifted (row j = position first + j) or indexed by position (spare > 0)
+        srows = (first + j) % self.kv_state.shape[1] if self.spare else j.expand(B, -1)
+        i = torch.arange(c * m + S, device=dev).unsqueeze(0)
+        idx = torch.where(i < before, i, c * m + (i - before).clamp(max=S - 1))  # into [state rows, chunk]
+        neg = (first + i < 0).unsqueeze(-1)
 
+        def ext(v: torch.Tensor, state: torch.Tensor, fill: float) -> torch.Tensor:
+            D = v.shape[-1]
+            if fresh:
+                rows = torch.full((B, c * m, D), fill, device=dev)
+            else:  # what earlier chunks left: constants here (no gradient flows into the state)
+                rows = state[:B].detach().gather(1, srows.unsqueeze(-1).expand(-1, -1, D))
+            both = torch.cat([rows, v], dim=1).gather(1, idx.expand(B, -1).unsqueeze(-1).expand(-1, -1, D))
+            return torch.where(neg, torch.full((), fill, device=dev), both)
+
+        kv, score = ext(kv, self.kv_state, 0.0), ext(score, self.score_state, float("-inf"))
+        ext_len = before.squeeze(1) + lengths  # valid tokens from position `first` on
         if self.spare:  # the decode state
-            self._prefill_state_by_position(kv, score, ext, first, lengths > 0)
+            self._prefill_state_by_position(kv, score, ext_len, first, lengths > 0)
         else:
-            self._prefill_state(kv, score, ext, lengths > 0)
+            self._prefill_state(kv, score, ext_len, lengths > 0)
 
-        e0 = start // m
-        n = (start + S) // m - e0
-        if n <= 0:
-            return None
+        n = -(-S // m)  # window c - 1 of the tokens is entry start // m; n windows hold every closed one
         kvw = kv[:, : (n + c - 1) * m].unflatten(1, (n + c - 1, m))
         scw = score[:, : (n + c - 1) * m].unflatten(1, (n + c - 1, m))
         if self.overlap:  # entry i: the first half of window i - 1's features, the second half of window i's
             kvw = torch.cat([kvw[:, :-1, :, :hd], kvw[:, 1:, :, hd:]], dim=2)
             scw = torch.cat([scw[:, :-1, :, :hd], scw[:, 1:, :, hd:]], dim=2)
         pooled = (kvw * scw.softmax(dim=2)).sum(dim=2)  # [B, n, Dc] fp32
-        cs = rope[torch.arange(e0, e0 + n, device=x.device) * m]
-        return self._finish(pooled, cs, x.dtype)
-
-    def _state_tokens(self, first: int, start: int, B: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The projected tokens at positions first .. start - 1 from the state rows [:B] (kv, score + ape), fp32
-        [B, start - first, c*Dc]; positions < 0 as kv 0 / score -inf whatever the state holds."""
-        if start <= 0:  # nothing before position 0: no read of the state
-            shape = (B, start - first, self.kv_state.shape[-1])
-            return (torch.zeros(shape, device=self.kv_state.device),
-                    torch.full(shape, float("-inf"), device=self.kv_state.device))
-        p = torch.arange(first, start, device=self.kv_state.device)
-        # the shifted state: overlap rows 0..m-1 = the last full window, then the pending tail; the
-        # position-indexed one: position p in row p % R
-        rows = p % self.kv_state.shape[1] if self.spare else p - first
-        ok = (p >= 0).view(1, -1, 1)
-        kv = torch.where(ok, self.kv_state[:B, rows], torch.zeros((), device=p.device))
-        score = torch.where(ok, self.score_state[:B, rows], torch.full((), float("-inf"), device=p.device))
-        return kv, score
+        e = (start // m).unsqueeze(1) + torch.arange(n, device=dev)
+        cs = rope[(e * m).clamp(max=rope.shape[0] - 1)]
+        return self._finish(pooled, cs, x.dtype), e
 
     def _prefill_state(self, kv: torch.Tensor, score: torch.Tensor, lengths: torch.Tensor,
                        rows: torch.Tensor) -> None:
@@ -189,16 +186,16 @@ class Compressor(nn.Module):
         self.score_state[:B] = torch.where(keep, self.score_state[:B], new_sc)
 
     def _prefill_state_by_position(self, kv: torch.Tensor, score: torch.Tensor, lengths: torch.Tensor,
-                                   first: int, rows: torch.Tensor) -> None:
-        """The position-indexed state of rows [:B] where `rows` [B] (as _prefill_state; tokens t of kv / score at
-        positions first + t): row p % R <-
+                                   first: torch.Tensor, rows: torch.Tensor) -> None:
+        """The position-indexed state of rows [:B] where `rows` [B] (as _prefill_state; token t of row b of kv /
+        score at position first[b] + t, first [B, 1]): row p % R <-
         position p for the last R positions before first + lengths[b]; rows whose latest such position is
         before `first` keep what they hold (decode reads at most c*m - 1 positions back, none of those), rows of
         positions < 0 are cleared."""
         B, S, _ = kv.shape
         R = self.kv_state.shape[1]
         s = torch.arange(R, device=kv.device).unsqueeze(0)
-        last = (first + lengths - 1).unsqueeze(1)
+        last = first + (lengths - 1).unsqueeze(1)
         p = s + R * torch.div(last - s, R, rounding_mode="floor")  # the latest position < first + length in row s
         t = p - first
         gi = t.clamp(0, S - 1).unsqueeze(-1).expand(-1, -1, kv.shape[-1])

@@ -42,7 +42,7 @@ class Indexer(nn.Module):
         self.index_topk = cfg.index_topk
         self.ratio = ratio
         self.max_batch = max_batch
-        self.n_entries = max_seq_len // ratio
+        self.n_entries = -(-max_seq_len // ratio)  # as Attention's
         self.simulate_quant = True
         self.packed = True  # False: decode scores the float cache with PyTorch ops (the reference path)
         self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype)
@@ -81,14 +81,21 @@ class Indexer(nn.Module):
                     and min(self.index_topk, self.n_entries) <= LIMITS.indexer_cuda_max_topk)
         return self.kv_cache.device.type == "cpu"
 
-    def store_prefill(self, keys: torch.Tensor, first: int = 0) -> None:
-        """keys [B, n, Di] (FP4-rounded) -> entries [first, first + n) of rows [:B] of both caches."""
+    def store_prefill(self, keys: torch.Tensor, entries: torch.Tensor | None = None) -> None:
+        """keys [B, n, Di] (FP4-rounded) -> entries [B, n] (int64 indices; default 0 .. n - 1) of rows [:B] of
+        both caches."""
         B, n = keys.shape[:2]
-        self.kv_cache[:B, first:first + n] = keys
+        if entries is None:
+            entries = torch.arange(n, device=keys.device).expand(B, -1)
+
+        def put(cache, v):
+            cache[:B].scatter_(1, entries.unsqueeze(-1).expand(-1, -1, v.shape[-1]), v.to(cache.dtype))
+
+        put(self.kv_cache, keys)
         if self.packed_decode():  # FP4 values: the packed form is exact
             codes, scales = fp4_pack_indexer_keys(keys)
-            self.k_codes[:B, first:first + n] = codes
-            self.k_scales[:B, first:first + n] = scales
+            put(self.k_codes, codes)
+            put(self.k_scales, scales)
 
     def select(self, q: torch.Tensor, x: torch.Tensor, n_vis: torch.Tensor, k: int,
                proj: torch.Tensor | None = None) -> torch.Tensor:

@@ -34,7 +34,7 @@ from torch import nn
 
 from dsv4_ops import ops
 
-from dsv4_model.model.attention import Attention
+from dsv4_model.model.attention import Attention, PrefillAt
 from dsv4_model.model.checks import check_max_seq_len, check_positive_int
 from dsv4_model.model.compressor import Compressor
 from dsv4_model.model.indexer import Indexer
@@ -86,10 +86,10 @@ class Block(nn.Module):
         return hc_pre(h, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
                       getattr(self, f"hc_{site}_base"), self.hc, self.iters, self.hc_eps, self.norm_eps)
 
-    def prefill(self, h: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, rope: dict,
-                static_moe: bool = False, start: int = 0) -> torch.Tensor:
+    def prefill(self, h: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, rope: dict, at: PrefillAt,
+                static_moe: bool = False) -> torch.Tensor:
         x, post, comb = self._pre(h, "attn")
-        h = hc_post(self.attn.prefill(self.attn_norm(x), lengths, rope[self.attn.rope_kind], start), h, post, comb)
+        h = hc_post(self.attn.prefill(self.attn_norm(x), lengths, rope[self.attn.rope_kind], at), h, post, comb)
         x, post, comb = self._pre(h, "ffn")
         return hc_post(self.ffn(self.ffn_norm(x), ids, static=static_moe), h, post, comb)
 
@@ -319,10 +319,13 @@ class Transformer(nn.Module):
     # ------------------------------------------------------------------ inference entry points
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None,
-                all_logits: bool = False, static_moe: bool = False, start: int = 0) -> torch.Tensor:
-        """Forward `tokens` [B, S] at positions start .. start + S - 1 and fill cache rows [:B] (from start > 0:
-        a chunk of a longer prompt; the rows' caches hold their positions before start, from the previous
-        chunks or decode steps, and the result is what one prefill of the whole prompt gives).
+                all_logits: bool = False, static_moe: bool = False, start: "int | torch.Tensor" = 0,
+                span: int | None = None) -> torch.Tensor:
+        """Forward `tokens` [B, S] at positions start .. start + S - 1 and fill cache rows [:B]. start: an int, or
+        int64 [B] per row; > 0: a chunk of a longer prompt (the rows' caches hold their positions before start,
+        from earlier chunks or decode steps; the result is what one prefill of the whole prompt gives).
+        span: an int >= every row's start + S (default: start + S for an int start, max_seq_len for a tensor):
+        the graph's shapes depend on S and span only, not on the starts.
 
         lengths [B] (optional): right-padded rows; row b is valid for its first lengths[b] tokens and its cache
         state ends there (0: a row with nothing in this chunk, left as it is). Returns fp32 logits [B, V] at the
@@ -331,44 +334,63 @@ class Transformer(nn.Module):
         torch.export can trace; memory grows with tokens x top-k x expert size) instead of the per-expert loop
         with data-dependent shapes."""
         B, S = tokens.shape
-        if not isinstance(start, int) or start < 0:
-            raise ValueError(f"prefill start must be an int >= 0, got {start!r}")
-        if B > self.max_batch_size or start + S > self.max_seq_len or S < 1:
-            raise ValueError(f"prefill shape {tuple(tokens.shape)} from position {start} exceeds max_batch_size="
-                             f"{self.max_batch_size} / max_seq_len={self.max_seq_len}")
         tokens = tokens.to(self.device)
         if lengths is None:
             lengths = torch.full((B,), S, dtype=torch.long, device=self.device)
         lengths = lengths.to(device=self.device, dtype=torch.long)
-        h = self.streams(tokens, lengths, static_moe, start)
+        h = self.streams(tokens, lengths, static_moe, start, span)
         if all_logits:
             return self._logits(h)
         last = h[torch.arange(B, device=self.device), (lengths - 1).clamp(min=0)]
         return self._logits(last)
 
     def streams(self, tokens: torch.Tensor, lengths: torch.Tensor, static_moe: bool = False,
-                start: int = 0) -> torch.Tensor:
-        """The main layers over `tokens` [B, S] from position start (filling cache rows [:B]) -> the final residual
-        streams [B, S, hc, dim] before the head's collapse (what prefill's logits and the MTP block read). Tracks
-        gradients where enabled (training)."""
+                start: "int | torch.Tensor" = 0, span: int | None = None) -> torch.Tensor:
+        """The main layers over `tokens` [B, S] from position start (as prefill's; filling cache rows [:B]) -> the
+        final residual streams [B, S, hc, dim] before the head's collapse (what prefill's logits and the MTP block
+        read). Tracks gradients where enabled (training)."""
+        at = self.prefill_at(tokens.shape, start, span)
         rope = self._rope()
         h = self.embed(tokens).unsqueeze(2).repeat(1, 1, self.hc, 1)
         for layer in self.layers:
-            h = layer.prefill(h, tokens, lengths, rope, static_moe, start)
+            h = layer.prefill(h, tokens, lengths, rope, at, static_moe)
         return h
 
+    def prefill_at(self, shape: torch.Size, start: "int | torch.Tensor", span: int | None) -> PrefillAt:
+        """A checked PrefillAt for a chunk of `shape` (B, S) (prefill's start / span)."""
+        B, S = shape
+        fresh = False
+        if isinstance(start, torch.Tensor):
+            if start.shape != (B,) or start.dtype != torch.long:
+                raise ValueError(f"prefill start must be an int or int64 [{B}], got {start.dtype} "
+                                 f"{tuple(start.shape)}")
+            starts, span = start.to(self.device), self.max_seq_len if span is None else span
+        elif isinstance(start, int) and not isinstance(start, bool) and start >= 0:
+            starts, fresh = torch.full((B,), start, dtype=torch.long, device=self.device), start == 0
+            span = start + S if span is None else span
+            if not isinstance(span, int) or span < start + S:
+                raise ValueError(f"prefill span must be an int >= start + S = {start + S}, got {span!r}")
+        else:
+            raise ValueError(f"prefill start must be an int >= 0 or an int64 tensor, got {start!r}")
+        if B > self.max_batch_size or S < 1 or not isinstance(span, int) or not S <= span <= self.max_seq_len:
+            where = f"from position {start}" if isinstance(start, int) else f"span {span}"
+            raise ValueError(f"prefill shape {(B, S)} {where} exceeds max_batch_size={self.max_batch_size} / "
+                             f"max_seq_len={self.max_seq_len}")
+        return PrefillAt(starts, span, fresh)
+
     def mtp_forward(self, h: torch.Tensor, next_ids: torch.Tensor, lengths: torch.Tensor | None = None,
-                    depth: int = 0, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """MTP block `depth` over a sequence from position start (as prefill's): position t combines the streams h_t [B, S, hc, dim]
-        (the main model's, or the previous MTP pass's to draft further ahead) with the embedding of token t+1
-        (next_ids [B, S]) and predicts the token after it. Fills the block's caches rows [:B]. Returns (fp32
-        logits [B, S, V] through the shared head, the block's output streams [B, S, hc, dim]). Tracks gradients
-        where enabled (training)."""
+                    depth: int = 0, start: "int | torch.Tensor" = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP block `depth` over a sequence from position start (as prefill's): position t combines the streams
+        h_t [B, S, hc, dim] (the main model's, or the previous MTP pass's to draft further ahead) with the
+        embedding of token t+1 (next_ids [B, S]) and predicts the token after it. Fills the block's caches rows
+        [:B]. Returns (fp32 logits [B, S, V] through the shared head, the block's output streams [B, S, hc, dim]).
+        Tracks gradients where enabled (training)."""
         mtp = self.mtp[depth]
         B, S = next_ids.shape
         if lengths is None:
             lengths = torch.full((B,), S, dtype=torch.long, device=next_ids.device)
-        out = mtp.prefill(self._mtp_input(mtp, h, next_ids), next_ids, lengths, self._rope(), start=start)
+        at = self.prefill_at(next_ids.shape, start, None)
+        out = mtp.prefill(self._mtp_input(mtp, h, next_ids), next_ids, lengths, self._rope(), at)
         return self._logits(out, mtp), out
 
     @torch.no_grad()
