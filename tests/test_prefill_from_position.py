@@ -166,3 +166,28 @@ def test_a_compiled_chunk_takes_any_start_without_recompiling():
     torch._dynamo.reset()
     assert len(graphs) == 1
     torch.testing.assert_close(torch.cat(outs, dim=1), ref, **TOL)
+
+
+def test_stale_caches_never_reach_a_prefill():
+    """Whatever the caches hold (NaN here) where no valid position was written, a prefill from 0 or from a
+    later start gives the fresh model's logits: masked keys are zeros, not 0 * NaN; a row starting at 0 with no
+    tokens starts its compressor states afresh; a row with no tokens may sit past max_seq_len."""
+    from dsv4_model.model.compressor import Compressor
+
+    ids = _prompt(2, 60)
+    fresh, stale = _model(), _model()
+    ref = fresh.prefill(ids, all_logits=True)
+    for name, buf in stale.named_buffers():
+        if name.endswith(("kv_cache", "kv_state", "score_state")):
+            buf.fill_(float("nan"))
+    torch.testing.assert_close(stale.prefill(ids[:, :25], all_logits=True, span=60), ref[:, :25], **TOL)
+    torch.testing.assert_close(stale.prefill(ids[:, 25:], all_logits=True, start=25), ref[:, 25:], **TOL)
+    for c in (m for m in stale.modules() if isinstance(m, Compressor)):
+        c.kv_state.fill_(float("nan"))
+    stale.prefill(ids[:, :8], torch.tensor([8, 0]))
+    for c in (m for m in stale.modules() if isinstance(m, Compressor)):
+        assert not c.kv_state[1].isnan().any() and not c.score_state[1].isnan().any()
+    stale.prefill(ids[:, 8:28], torch.tensor([20, 0]), start=torch.tensor([8, 250]))  # row 1: idle, past the end
+    fresh.prefill(ids[:, :28])
+    pos = torch.full((2,), 28)
+    torch.testing.assert_close(stale.decode_step(ids[:, 28], pos)[0], fresh.decode_step(ids[:, 28], pos)[0], **TOL)

@@ -3,11 +3,11 @@
 Shapes: B batch, S tokens, H heads, D head_dim (last `rd` dims carry RoPE), W window, m compress ratio.
 
 Per-layer cache (non-persistent buffers, allocated by `alloc_runtime`):
-  kv_cache [max_batch, R + max_seq_len // m, D]: slots 0..R-1 a ring (token p at p % R), slot R+i = entry i;
+  kv_cache [max_batch, R + ceil(max_seq_len / m), D]: slots 0..R-1 a ring (token p at p % R), slot R+i = entry i;
   R = W + spare slots (Transformer(spare_window_slots=): a token written ahead of what is kept, as a speculative
   step's rejected drafts, overwrites a position no later query reads; docs/speculation.md).
   compressor kv_state / score_state fp32 [max_batch, c*m, c*Dc] (c = 2 for the overlapping ratio-4 compressor).
-  indexer kv_cache [max_batch, max_seq_len // m, index_head_dim] (FP4-rounded keys in the model dtype), and the
+  indexer kv_cache [max_batch, ceil(max_seq_len / m), index_head_dim] (FP4-rounded keys in the model dtype), and the
   same keys as DeepSeek's FP4 indexer cache: k_codes uint8 [.., index_head_dim / 2] + k_scales uint8 (UE8M0 per
   32) [.., index_head_dim / 32], 68 bytes per 128-dim key, which decode scores with dsv4::indexer_score_topk.
 Validity is derived from positions only (ring slot s valid iff it holds one of positions p-W+1..p; entry i valid
@@ -28,7 +28,7 @@ from torch import nn
 from dsv4_ops import ops
 
 from dsv4_model.model import decode_options as fused
-from dsv4_model.model.compressor import Compressor
+from dsv4_model.model.compressor import Compressor, scatter_entries
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.indexer import Indexer, topk_indices
 from dsv4_model.model.layers import (GroupedLinear, Linear, RMSNorm, W4A16Weight, apply_rope, fp32_linear,
@@ -219,6 +219,7 @@ class Attention(nn.Module):
         P = W - 1
         slots = (start - P + torch.arange(P, device=dev)) % R
         old = self.kv_cache[:B].detach().gather(1, slots.unsqueeze(-1).expand(-1, -1, kv.shape[-1]))
+        old = torch.where((start - P + torch.arange(P, device=dev) >= 0).unsqueeze(-1), old, 0.0)  # no stale NaN
         kv_all = torch.cat([old, kv], dim=1)
         self._write_window(kv, lengths, start)
 
@@ -247,7 +248,7 @@ class Attention(nn.Module):
             keys = kv_all[:, t0:t1 + P]
             qkeys = qmask = None
             # the entries closed by the block's last query at most: the later ones no query of it sees
-            n = min(n_span, (at.span - S + t1) // m) if comp is not None else 0
+            n = min(n_span, (at.span - S + t1) // m, comp.shape[1]) if comp is not None else 0
             if n:
                 blk = comp[:, :n]
                 n_vis = (start.unsqueeze(-1) + tq + 1) // m  # [B, T, 1]
@@ -284,12 +285,14 @@ class Attention(nn.Module):
         B = x.shape[0]
         new, e = compressor.prefill(x, lengths, rope, at.start, at.fresh)
         if store is not None:
-            store(new, e)
+            store(new, e, lengths > 0)
         else:
-            cache[:B].scatter_(1, (offset + e).unsqueeze(-1).expand(-1, -1, new.shape[-1]), new.to(cache.dtype))
-        if at.fresh:
-            return new[:, :n_span]
-        return cache[:B, offset: offset + n_span]
+            scatter_entries(cache, offset + e, new, lengths > 0)
+        comp = new[:, :n_span] if at.fresh else cache[:B, offset: offset + n_span]
+        # zero the entries no valid token of the row closed (junk, or whatever the cache held): a masked key
+        # must not be NaN (0 * NaN in the attention's weighted sum)
+        closed = ((at.start + lengths) // self.ratio).view(B, 1, 1)
+        return torch.where(torch.arange(comp.shape[1], device=x.device).view(1, -1, 1) < closed, comp, 0.0)
 
     def prefill_rows(self, B: int, S: int, n_entries: int) -> int:
         """Query rows per prefill chunk: ``prefill_attn_rows`` if set, else S halved until the chunk's scores

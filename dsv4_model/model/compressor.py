@@ -17,6 +17,16 @@ from dsv4_model.model.quant_sim import indexer_fake_quant, kv_fake_quant
 from dsv4_model.model.step_values import DecodeStep
 
 
+def scatter_entries(cache: torch.Tensor, index: torch.Tensor, values: torch.Tensor, write: torch.Tensor) -> None:
+    """cache[b, index[b, i]] = values[b, i] (rows [:B]; index int64 [B, n]) for the rows b where write[b]; the
+    other rows keep what they hold. Indices are clamped into the cache (a row with nothing in a prefill chunk may
+    sit anywhere), and a kept row writes its old values back, so repeated indices carry equal values."""
+    B, D = values.shape[0], values.shape[-1]
+    rows = cache[:B]
+    idx = index.clamp(max=cache.shape[1] - 1).unsqueeze(-1).expand(-1, -1, D)
+    rows.scatter_(1, idx, torch.where(write.view(B, 1, 1), values.to(cache.dtype), rows.gather(1, idx)))
+
+
 class Compressor(nn.Module):
     """Gated pooling of m consecutive tokens into one entry (overlapping 2m-token windows when m == 4)."""
 
@@ -116,7 +126,7 @@ class Compressor(nn.Module):
                 fresh: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, S, dim]: row b's tokens at positions start[b] .. start[b] + S - 1 (start int64 [B]; the state rows
         [:B] hold each row's tokens before start[b]: an earlier chunk's prefill, or decode), valid for the first
-        lengths[b] (0: the row's state is left as it is). Returns (entries [B, ceil(S / m), Dc], their indices
+        lengths[b] (0: the row's state is left as it is, unless it starts at 0). Returns (entries [B, ceil(S / m), Dc], their indices
         start // m + w [B, ceil(S / m)]): every entry closed by a valid token, and after those junk ones (finite)
         that no valid query sees; sets the decode state of rows [:B] from each row's own length. Shapes do not
         depend on start. fresh: every start is 0 (the state is not read: nothing precedes position 0)."""
@@ -147,10 +157,11 @@ class Compressor(nn.Module):
 
         kv, score = ext(kv, self.kv_state, 0.0), ext(score, self.score_state, float("-inf"))
         ext_len = before.squeeze(1) + lengths  # valid tokens from position `first` on
+        rows = (lengths > 0) | (start == 0)  # a row from position 0 starts afresh even with no tokens
         if self.spare:  # the decode state
-            self._prefill_state_by_position(kv, score, ext_len, first, lengths > 0)
+            self._prefill_state_by_position(kv, score, ext_len, first, rows)
         else:
-            self._prefill_state(kv, score, ext_len, lengths > 0)
+            self._prefill_state(kv, score, ext_len, rows)
 
         n = -(-S // m)  # window c - 1 of the tokens is entry start // m; n windows hold every closed one
         kvw = kv[:, : (n + c - 1) * m].unflatten(1, (n + c - 1, m))

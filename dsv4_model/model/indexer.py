@@ -13,7 +13,7 @@ from dsv4_ops import ops
 from dsv4_ops.limits import LIMITS
 
 from dsv4_model.model import decode_options as fused
-from dsv4_model.model.compressor import Compressor
+from dsv4_model.model.compressor import Compressor, scatter_entries
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.layers import Linear, apply_rope
 from dsv4_model.model.quant_sim import fp4_pack_indexer_keys, indexer_fake_quant
@@ -81,21 +81,20 @@ class Indexer(nn.Module):
                     and min(self.index_topk, self.n_entries) <= LIMITS.indexer_cuda_max_topk)
         return self.kv_cache.device.type == "cpu"
 
-    def store_prefill(self, keys: torch.Tensor, entries: torch.Tensor | None = None) -> None:
+    def store_prefill(self, keys: torch.Tensor, entries: torch.Tensor | None = None,
+                      write: torch.Tensor | None = None) -> None:
         """keys [B, n, Di] (FP4-rounded) -> entries [B, n] (int64 indices; default 0 .. n - 1) of rows [:B] of
-        both caches."""
+        both caches, in the rows where write [B] (default all; compressor.scatter_entries)."""
         B, n = keys.shape[:2]
         if entries is None:
             entries = torch.arange(n, device=keys.device).expand(B, -1)
-
-        def put(cache, v):
-            cache[:B].scatter_(1, entries.unsqueeze(-1).expand(-1, -1, v.shape[-1]), v.to(cache.dtype))
-
-        put(self.kv_cache, keys)
+        if write is None:
+            write = torch.ones(B, dtype=torch.bool, device=keys.device)
+        scatter_entries(self.kv_cache, entries, keys, write)
         if self.packed_decode():  # FP4 values: the packed form is exact
             codes, scales = fp4_pack_indexer_keys(keys)
-            put(self.k_codes, codes)
-            put(self.k_scales, scales)
+            scatter_entries(self.k_codes, entries, codes, write)
+            scatter_entries(self.k_scales, entries, scales, write)
 
     def select(self, q: torch.Tensor, x: torch.Tensor, n_vis: torch.Tensor, k: int,
                proj: torch.Tensor | None = None) -> torch.Tensor:

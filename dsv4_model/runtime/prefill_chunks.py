@@ -16,7 +16,8 @@ def prefill_in_chunks(model: Transformer, tokens: torch.Tensor, lengths: torch.T
 
     Returns fp32 logits [B, V] at each row's last token ([B, S, V] with all_logits); with speculate, the MTP
     block's cache is filled too (position t reads the streams at t and token t + 1) and the result is (logits
-    [B, V], the final streams at each row's last token [B, hc, dim]), as Engine's prefill."""
+    [B, V], the final streams at each row's last token [B, hc, dim]; all_logits is then ignored), as Engine's
+    prefill."""
     B, S = tokens.shape
     rows = torch.arange(B, device=tokens.device)
     outs, last = [], None
@@ -27,13 +28,13 @@ def prefill_in_chunks(model: Transformer, tokens: torch.Tensor, lengths: torch.T
             nxt = tokens[:, s + 1:e + 1]  # one position short in the last chunk: no token after the prompt
             if nxt.shape[1]:
                 model.mtp_forward(h[:, :nxt.shape[1]], nxt, (lengths - 1 - s).clamp(0, nxt.shape[1]), start=s)
-        if all_logits:
+        if all_logits and not speculate:
             outs.append(model._logits(h))
             continue
         here = h[rows, (lengths - 1 - s).clamp(0, e - s - 1)]
         ends = ((lengths - 1 >= s) & (lengths - 1 < e)).view(B, 1, 1)
         last = here if last is None else torch.where(ends, here, last)
-    if all_logits:
+    if all_logits and not speculate:
         return torch.cat(outs, dim=1)
     logits = model._logits(last)
     return (logits, last) if speculate else logits
