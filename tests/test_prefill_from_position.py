@@ -191,3 +191,20 @@ def test_stale_caches_never_reach_a_prefill():
     fresh.prefill(ids[:, :28])
     pos = torch.full((2,), 28)
     torch.testing.assert_close(stale.decode_step(ids[:, 28], pos)[0], fresh.decode_step(ids[:, 28], pos)[0], **TOL)
+
+
+def test_a_padded_chunk_may_run_past_max_seq_len():
+    """Fixed-size chunks at tensor starts (what an exported or compiled chunk graph runs): the last one padded
+    past max_seq_len (256; positions 240..287, windows past the last entry) writes nothing beyond its tokens;
+    row 0 fills the cache, its last entry closing inside that chunk (the query at 255 reads it)."""
+    ids, lengths = _prompt(2, 256, seed=8), torch.tensor([256, 203])
+    whole, chunked = _model(), _model()
+    ref = whole.prefill(ids, lengths, all_logits=True)
+    outs = []
+    for s in range(0, 256, 48):
+        part = torch.zeros(2, 48, dtype=torch.long)
+        part[:, :min(48, 256 - s)] = ids[:, s:s + 48]
+        outs.append(chunked.prefill(part, (lengths - s).clamp(0, 48), all_logits=True, start=torch.full((2,), s),
+                                    span=256)[:, :min(48, 256 - s)])
+    valid = torch.arange(256)[None] < lengths[:, None]
+    torch.testing.assert_close(torch.cat(outs, dim=1)[valid], ref[valid], **TOL)

@@ -50,13 +50,15 @@ def _multi(x: torch.Tensor, weights: tuple[W4A16Weight, ...]) -> tuple[torch.Ten
 
 class PrefillAt(NamedTuple):
     """Where a prefill chunk sits: start int64 [B] (row b's first token's position), span (an int: every row's
-    start + S is at most span, so a query sees at most span // m compressed entries), fresh (the chunk starts
-    every row at position 0 with nothing cached before: its entries are read as computed, not back from the
-    caches)."""
+    start + lengths is at most span, so a query sees at most span // m compressed entries; padding may run
+    past it), fresh (the chunk starts every row at position 0 with nothing cached before: its entries are read
+    as computed, not back from the caches), start_bound (an int >= every start when the host knows one: a query
+    block then scores only the entries its last query can see)."""
 
     start: torch.Tensor
     span: int
     fresh: bool = False
+    start_bound: int | None = None
 
 
 class PrefillTrace(NamedTuple):
@@ -207,7 +209,7 @@ class Attention(nn.Module):
         """x [B, S, dim]: row b's tokens at positions at.start[b] + t -> [B, S, dim]; rows valid for their first
         lengths[b] tokens. The caches rows [:B] hold each row's positions before its start (an earlier chunk's
         prefill, or decode) and then hold the valid tokens too (a row of length 0: nothing its later decode
-        reads changes). Shapes depend on S and at.span only (not on the starts)."""
+        reads changes). Shapes depend on S, at.span and at.start_bound only (not on the starts)."""
         B, S, _ = x.shape
         W, R, m, dev = self.window, self.ring, self.ratio, x.device
         start = at.start.unsqueeze(1)  # [B, 1]
@@ -248,7 +250,9 @@ class Attention(nn.Module):
             keys = kv_all[:, t0:t1 + P]
             qkeys = qmask = None
             # the entries closed by the block's last query at most: the later ones no query of it sees
-            n = min(n_span, (at.span - S + t1) // m, comp.shape[1]) if comp is not None else 0
+            n = 0 if comp is None else min(n_span, comp.shape[1])
+            if n and at.start_bound is not None:
+                n = min(n, (at.start_bound + t1) // m)
             if n:
                 blk = comp[:, :n]
                 n_vis = (start.unsqueeze(-1) + tq + 1) // m  # [B, T, 1]

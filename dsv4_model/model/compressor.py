@@ -18,13 +18,19 @@ from dsv4_model.model.step_values import DecodeStep
 
 
 def scatter_entries(cache: torch.Tensor, index: torch.Tensor, values: torch.Tensor, write: torch.Tensor) -> None:
-    """cache[b, index[b, i]] = values[b, i] (rows [:B]; index int64 [B, n]) for the rows b where write[b]; the
-    other rows keep what they hold. Indices are clamped into the cache (a row with nothing in a prefill chunk may
-    sit anywhere), and a kept row writes its old values back, so repeated indices carry equal values."""
-    B, D = values.shape[0], values.shape[-1]
+    """cache[b, index[b, i]] = values[b, i] (rows [:B]; index int64 [B, n], consecutive per row) for the rows b
+    where write[b]; the other rows keep what they hold. Indices past the cache (windows past max_seq_len: junk
+    a padded chunk computes; a row with nothing in the chunk may sit anywhere) write what the last index gets
+    (its new value, or the old one), so a repeated index always carries one value."""
+    B, n, D = values.shape[0], values.shape[1], values.shape[-1]
     rows = cache[:B]
-    idx = index.clamp(max=cache.shape[1] - 1).unsqueeze(-1).expand(-1, -1, D)
-    rows.scatter_(1, idx, torch.where(write.view(B, 1, 1), values.to(cache.dtype), rows.gather(1, idx)))
+    last = cache.shape[1] - 1
+    w = torch.arange(n, device=index.device).unsqueeze(0)
+    src = torch.where(index > last, w - (index - last), w)  # past the end: the position that writes `last`
+    idx = index.clamp(max=last).unsqueeze(-1).expand(-1, -1, D)
+    new = values.gather(1, src.clamp(min=0).unsqueeze(-1).expand(-1, -1, D)).to(cache.dtype)
+    take = (write.unsqueeze(1) & (src >= 0)).unsqueeze(-1)
+    rows.scatter_(1, idx, torch.where(take, new, rows.gather(1, idx)))
 
 
 class Compressor(nn.Module):

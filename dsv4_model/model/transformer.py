@@ -324,8 +324,9 @@ class Transformer(nn.Module):
         """Forward `tokens` [B, S] at positions start .. start + S - 1 and fill cache rows [:B]. start: an int, or
         int64 [B] per row; > 0: a chunk of a longer prompt (the rows' caches hold their positions before start,
         from earlier chunks or decode steps; the result is what one prefill of the whole prompt gives).
-        span: an int >= every row's start + S (default: start + S for an int start, max_seq_len for a tensor):
-        the graph's shapes depend on S and span only, not on the starts.
+        span: an int >= every row's start + lengths (default: start + S for an int start, max_seq_len for a
+        tensor; a tensor start's padded tokens may run past it): with a tensor start the graph's shapes depend on
+        S and span only, not on the starts.
 
         lengths [B] (optional): right-padded rows; row b is valid for its first lengths[b] tokens and its cache
         state ends there (0: a row with nothing in this chunk, left as it is). Returns fp32 logits [B, V] at the
@@ -359,14 +360,14 @@ class Transformer(nn.Module):
     def prefill_at(self, shape: torch.Size, start: "int | torch.Tensor", span: int | None) -> PrefillAt:
         """A checked PrefillAt for a chunk of `shape` (B, S) (prefill's start / span)."""
         B, S = shape
-        fresh = False
+        fresh, bound = False, None
         if isinstance(start, torch.Tensor):
             if start.shape != (B,) or start.dtype != torch.long:
                 raise ValueError(f"prefill start must be an int or int64 [{B}], got {start.dtype} "
                                  f"{tuple(start.shape)}")
             starts, span = start.to(self.device), self.max_seq_len if span is None else span
         elif isinstance(start, int) and not isinstance(start, bool) and start >= 0:
-            starts, fresh = torch.full((B,), start, dtype=torch.long, device=self.device), start == 0
+            starts, fresh, bound = torch.full((B,), start, dtype=torch.long, device=self.device), start == 0, start
             span = start + S if span is None else span
             if not isinstance(span, int) or span < start + S:
                 raise ValueError(f"prefill span must be an int >= start + S = {start + S}, got {span!r}")
@@ -376,7 +377,7 @@ class Transformer(nn.Module):
             where = f"from position {start}" if isinstance(start, int) else f"span {span}"
             raise ValueError(f"prefill shape {(B, S)} {where} exceeds max_batch_size={self.max_batch_size} / "
                              f"max_seq_len={self.max_seq_len}")
-        return PrefillAt(starts, span, fresh)
+        return PrefillAt(starts, span, fresh, bound)
 
     def mtp_forward(self, h: torch.Tensor, next_ids: torch.Tensor, lengths: torch.Tensor | None = None,
                     depth: int = 0, start: "int | torch.Tensor" = 0) -> tuple[torch.Tensor, torch.Tensor]:
