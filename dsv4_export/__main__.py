@@ -2,7 +2,7 @@
 
     python -m dsv4_export build --model CKPT_DIR --out model.pt2 [--max-batch-size 4] [--max-seq-len 4096]
                            [--device cuda] [--dtype bfloat16] [--decode-batches 1,2,4] [--prefill-batches 1]
-                           [--prefill-lengths 64,256] [--quant nvfp4] [--act-quant nvfp4]
+                           [--prefill-lengths 64,256] [--prefill-chunks 4096] [--quant nvfp4] [--act-quant nvfp4]
                            [--no-simulate-quant] [--no-exported-programs] [--jobs N]
     python -m dsv4_export run model.pt2 --prompt-ids 1 2 3 [--max-new-tokens 16] [--temperature 0] [--no-cuda-graph]
     python -m dsv4_export info model.pt2
@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="prefill batch buckets (default: 1 and max-batch-size)")
     b.add_argument("--prefill-lengths", type=_ints, default=None,
                    help="prefill length buckets (default: 64, 256, 1024, ... and max-seq-len)")
+    b.add_argument("--prefill-chunks", type=_ints, default=None,
+                   help="chunk lengths of prefill_chunk entries: a prompt longer than every prefill length runs in "
+                        "chunks (then give --prefill-lengths up to the chunk: no giant max-seq-len bucket)")
     b.add_argument("--no-simulate-quant", action="store_true", help="build the model without simulated quant")
     b.add_argument("--quant", choices=["none", "nvfp4"], default=None,
                    help="weights: nvfp4 converts at load (default: as the checkpoint stores them)")
@@ -94,7 +97,8 @@ def _build(a) -> int:
                           prefill_batches=a.prefill_batches or sorted({1, a.max_batch_size}),
                           prefill_lengths=a.prefill_lengths,
                           save_exported_programs=not a.no_exported_programs,
-                          allow_beyond_max_position=a.allow_beyond_max_position, jobs=a.jobs)
+                          allow_beyond_max_position=a.allow_beyond_max_position, jobs=a.jobs,
+                          prefill_chunks=a.prefill_chunks or ())
     print(f"[export] done in {time.time() - t0:.0f} s: {a.out}", file=sys.stderr)
     return 0
 

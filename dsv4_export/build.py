@@ -9,6 +9,8 @@ Entries (each an AOTI model inside the package, loadable by name from Python and
                          prefill has Python control flow on S (query-block loop, ``span // ratio``, ``min(topk, n)``)
                          that export would have to specialize. Prompts are right-padded to the bucket length and
                          ``lengths`` tells the model where each row ends (its caches/compressor state end there).
+  ``prefill_chunk_b{B}_s{C}``  (optional) a chunk of C positions at per-row starts (an input): a prompt longer than
+                         every prefill bucket runs as chunks through it, one graph for any start.
 Weights are constants inside each entry's .so (``package_constants_in_so``, the default): the simplest layout
 that loads the same way from Python and C++ on torch 2.11 and 2.13 (on-disk weight formats differ between the
 two and the pickled one cannot be loaded from C++). The price is one copy of the weights per entry, on disk
@@ -35,13 +37,13 @@ from dsv4_ops.inductor import register_inductor_fallbacks
 from dsv4_export import metadata as md
 from dsv4_export import toolchain
 from dsv4_export.entrypoints import CacheAsInputs, CacheSpec, cache_names, cache_specs, caches_detached, call_decode, \
-    call_prefill
+    call_prefill, call_prefill_chunk
 
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
     name: str
-    kind: str  # "decode" | "prefill"
+    kind: str  # "decode" | "prefill" | "prefill_chunk"
     batch: int
     seq_len: int = 1  # prefill: the (padded) prompt length S
 
@@ -59,13 +61,15 @@ def default_prefill_lengths(max_seq_len: int) -> list[int]:
 
 
 def plan_entries(decode_batches: Sequence[int], prefill_batches: Sequence[int], prefill_lengths: Sequence[int],
-                 max_batch_size: int, max_seq_len: int) -> list[Entry]:
+                 max_batch_size: int, max_seq_len: int, prefill_chunks: Sequence[int] = ()) -> list[Entry]:
     for b in [*decode_batches, *prefill_batches]:
         if not 1 <= b <= max_batch_size:
             raise ValueError(f"batch bucket {b} outside [1, max_batch_size={max_batch_size}]")
-    for s in prefill_lengths:
+    for s in [*prefill_lengths, *prefill_chunks]:
         if not 1 <= s <= max_seq_len:
             raise ValueError(f"prefill length {s} outside [1, max_seq_len={max_seq_len}]")
+    if prefill_chunks and not prefill_batches:
+        raise ValueError("prefill chunks need prefill batch buckets")
     if not decode_batches:
         raise ValueError("need at least one decode batch bucket")
     if prefill_batches and not prefill_lengths:
@@ -73,7 +77,13 @@ def plan_entries(decode_batches: Sequence[int], prefill_batches: Sequence[int], 
     entries = [Entry(f"decode_b{b}", "decode", b) for b in sorted(set(decode_batches))]
     entries += [Entry(f"prefill_b{b}_s{s}", "prefill", b, s)
                 for b in sorted(set(prefill_batches)) for s in sorted(set(prefill_lengths))]
+    entries += [Entry(f"prefill_chunk_b{b}_s{c}", "prefill_chunk", b, c)
+                for b in sorted(set(prefill_batches)) for c in sorted(set(prefill_chunks))]
     return entries
+
+
+def entry_fn(entry: Entry, decode_fn: Callable, prefill_fn: Callable) -> Callable:
+    return {"decode": decode_fn, "prefill": prefill_fn, "prefill_chunk": call_prefill_chunk}[entry.kind]
 
 
 def _log(verbose: bool, msg: str) -> None:
@@ -98,9 +108,12 @@ def _example_inputs(entry: Entry, device: str) -> tuple[torch.Tensor, ...]:
     if entry.kind == "decode":
         return (torch.zeros(entry.batch, dtype=torch.long, device=device),
                 torch.arange(entry.batch, dtype=torch.long, device=device))
-    # Arbitrary ids; full-length rows (the values only matter for the eager probes).
-    return (torch.arange(entry.batch * entry.seq_len, device=device).remainder(7).view(entry.batch, entry.seq_len),
-            torch.full((entry.batch,), entry.seq_len, dtype=torch.long, device=device))
+    # Arbitrary ids; full-length rows (the values only matter for the eager probes); chunks at position 0.
+    ids = torch.arange(entry.batch * entry.seq_len, device=device).remainder(7).view(entry.batch, entry.seq_len)
+    lengths = torch.full((entry.batch,), entry.seq_len, dtype=torch.long, device=device)
+    if entry.kind == "prefill_chunk":
+        return ids, lengths, torch.zeros(entry.batch, dtype=torch.long, device=device)
+    return ids, lengths
 
 
 def _dsv4_ops_in(ep: torch.export.ExportedProgram) -> dict[str, str]:
@@ -116,7 +129,7 @@ def export_entry(model: nn.Module, names: Sequence[str], entry: Entry, *, device
                  decode_fn: Callable = call_decode, prefill_fn: Callable = call_prefill
                  ) -> torch.export.ExportedProgram:
     """torch.export (non-strict) of one entry with the caches as inputs; checks caches are mutated in place."""
-    fn = decode_fn if entry.kind == "decode" else prefill_fn
+    fn = entry_fn(entry, decode_fn, prefill_fn)
     specs = cache_specs(model, names)
     caches = tuple(torch.zeros(s.shape, dtype=s.dtype, device=device) for s in specs)
     inputs = _example_inputs(entry, device)
@@ -257,11 +270,12 @@ def build_package(model: nn.Module, config: dict, out: str, *, max_batch_size: i
                   prefill_batches: Sequence[int] | None = None, prefill_lengths: Sequence[int] | None = None,
                   save_exported_programs: bool = True, dtype: torch.dtype | None = None, verbose: bool = True,
                   decode_fn: Callable = call_decode, prefill_fn: Callable = call_prefill,
-                  jobs: int | None = None) -> str:
+                  jobs: int | None = None, prefill_chunks: Sequence[int] = ()) -> str:
     """Exports ``model`` (already on ``device``, caches allocated for max_batch_size x max_seq_len) to ``out``.
 
     Decode buckets default to [max_batch_size]; prefill to batch [1] x ``default_prefill_lengths``;
-    ``prefill_batches=[]`` builds a decode-only package. ``config`` (a JSON-able dict, e.g.
+    ``prefill_batches=[]`` builds a decode-only package; ``prefill_chunks`` adds a prefill_chunk entry per chunk
+    length and prefill batch (prompts longer than every prefill bucket then run in chunks). ``config`` (a JSON-able dict, e.g.
     ``ModelConfig.to_dict()``) is stored in the metadata. Returns the package path. With
     ``save_exported_programs`` also writes ``<out stem>.<entry>.ep.pt2`` (``torch.export.save``; load them with
     ``torch.export.load`` after ``import dsv4_ops``). ``jobs``: processes that export + compile the entries side
@@ -274,14 +288,16 @@ def build_package(model: nn.Module, config: dict, out: str, *, max_batch_size: i
     model.eval()
     dtype = dtype if dtype is not None else getattr(model, "dtype", None)
     entries = plan_entries(decode_batches or [max_batch_size], [1] if prefill_batches is None else prefill_batches,
-                           prefill_lengths or default_prefill_lengths(max_seq_len), max_batch_size, max_seq_len)
-    # Eager probes run one decode bucket and the smallest prefill bucket (which buffers get written and which
-    # dsv4 ops run do not depend on the bucket size; a large prefill bucket could be costly to run eagerly).
-    probes = [entries[0]] + sorted((e for e in entries if e.kind == "prefill"), key=lambda e: e.batch * e.seq_len)[:1]
+                           prefill_lengths or default_prefill_lengths(max_seq_len), max_batch_size, max_seq_len,
+                           prefill_chunks)
+    # Eager probes run one decode bucket and the smallest bucket of each prefill kind (which buffers get written
+    # and which dsv4 ops run do not depend on the bucket size; a large prefill bucket could be costly to run).
+    probes = [entries[0]] + [min((e for e in entries if e.kind == k), key=lambda e: e.batch * e.seq_len)
+                             for k in ("prefill", "prefill_chunk") if any(e.kind == k for e in entries)]
 
     def run_probes():
         for e in probes:
-            (decode_fn if e.kind == "decode" else prefill_fn)(model, *_example_inputs(e, device))
+            entry_fn(e, decode_fn, prefill_fn)(model, *_example_inputs(e, device))
 
     names = cache_names(model, probe=run_probes)
     if not names:
@@ -296,7 +312,7 @@ def build_package(model: nn.Module, config: dict, out: str, *, max_batch_size: i
     _log(verbose, f"{len(specs)} cache tensors ({cache_mib:.1f} MiB) as explicit inputs; "
                   f"entries: {', '.join(e.name for e in entries)}")
     eager_ops = {p.kind: _restoring(model, names, lambda: eager_dsv4_ops(
-        model, p, device, decode_fn if p.kind == "decode" else prefill_fn)) for p in probes}
+        model, p, device, entry_fn(p, decode_fn, prefill_fn))) for p in probes}
     meta = md.environment(device)
     meta.update(toolchain_metadata(verbose))
     meta.update({
@@ -359,7 +375,7 @@ def build_from_checkpoint(path: str, out: str, *, max_batch_size: int, max_seq_l
                           decode_batches: Sequence[int] | None = None, prefill_batches: Sequence[int] | None = None,
                           prefill_lengths: Sequence[int] | None = None, save_exported_programs: bool = True,
                           verbose: bool = True, allow_beyond_max_position: bool = False,
-                          jobs: int | None = None) -> str:
+                          jobs: int | None = None, prefill_chunks: Sequence[int] = ()) -> str:
     """Loads a checkpoint with ``dsv4_model.checkpoint.loader.load_model`` and exports it (see ``build_package``).
 
     ``quant`` / ``act_quant``: as for the loader ("nvfp4" converts the weights at load: the exported graphs then
@@ -374,7 +390,7 @@ def build_from_checkpoint(path: str, out: str, *, max_batch_size: int, max_seq_l
     return build_package(model, cfg, out, max_batch_size=max_batch_size, max_seq_len=max_seq_len, device=device,
                          decode_batches=decode_batches, prefill_batches=prefill_batches,
                          prefill_lengths=prefill_lengths, save_exported_programs=save_exported_programs, dtype=dtype,
-                         verbose=verbose, jobs=jobs)
+                         verbose=verbose, jobs=jobs, prefill_chunks=prefill_chunks)
 
 
 __all__ = ["Entry", "plan_entries", "export_entry", "export_and_compile", "write_package", "build_package", "build_from_checkpoint",

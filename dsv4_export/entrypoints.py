@@ -8,7 +8,10 @@ input that the graph mutates in place (``user_inputs_to_mutate`` after functiona
 Calling convention of every entry (flattened, the order the C++ runner passes tensors):
   decode:  tokens int64[B], positions int64[B], *caches  -> logits float32[B, V]
   prefill: tokens int64[B, S], lengths int64[B], *caches -> logits float32[B, V] at position lengths[b]-1
-           (prefill always starts at position 0; rows are right-padded to S, valid below lengths[b])
+           (from position 0; rows are right-padded to S, valid below lengths[b])
+  prefill_chunk: tokens int64[B, C], lengths int64[B], start int64[B], *caches -> the same, row b's tokens at
+           positions start[b] .. (a chunk of a longer prompt: the caches hold the row's earlier positions; one
+           graph for any start, the padding may run past max_seq_len)
 """
 from __future__ import annotations
 
@@ -120,3 +123,10 @@ def call_prefill(model: nn.Module, tokens: torch.Tensor, lengths: torch.Tensor) 
     if "static_moe" in inspect.signature(model.prefill).parameters:
         return model.prefill(tokens, lengths, static_moe=True)
     return model.prefill(tokens, lengths)
+
+
+def call_prefill_chunk(model: nn.Module, tokens: torch.Tensor, lengths: torch.Tensor,
+                       start: torch.Tensor) -> torch.Tensor:
+    """A dsv4 Transformer's prefill of a chunk at per-row starts, its shapes those of any start (span =
+    max_seq_len); float experts on the static-shape path as in call_prefill."""
+    return model.prefill(tokens, lengths, static_moe=True, start=start, span=model.max_seq_len)

@@ -74,7 +74,7 @@ class ExportedEngine(EngineSession):
     """The engine interface (``dsv4_model.runtime.engine.Engine``) over a loaded package; it owns the caches.
 
     ``prefill(input_ids [B, S], lengths=None) -> float32 logits [B, V]`` (last valid position of each row; runs
-    the smallest prefill bucket >= (B, S), right-padded). ``decode(next_ids [B]) -> [B, V]`` continues each row
+    the smallest prefill bucket >= (B, S), right-padded, else chunks through a prefill_chunk entry). ``decode(next_ids [B]) -> [B, V]`` continues each row
     at its own position. ``decode_step(tokens [B], positions [B])`` is the raw step (smallest decode bucket >= B;
     padded rows run token 0 at position 0 in cache rows B.., which no live sequence uses).
     ``generate(prompts, ...)`` is ``dsv4_model.runtime.generate.generate`` on this engine: its DecodeRunner (sampling op,
@@ -116,6 +116,8 @@ class ExportedEngine(EngineSession):
         self._decode = {e["batch"]: n for n, e in self.entries.items() if e["kind"] == "decode" and n in self._models}
         self._prefill = {(e["batch"], e["seq_len"]): n for n, e in self.entries.items()
                          if e["kind"] == "prefill" and n in self._models}
+        self._prefill_chunk = {(e["batch"], e["seq_len"]): n for n, e in self.entries.items()
+                               if e["kind"] == "prefill_chunk" and n in self._models}
         self.model = _PackageModel(self)
         self.runner_options = RunnerOptions(compile=False, cuda_graphs=self.cuda_graph)
         self._init_session()
@@ -139,6 +141,9 @@ class ExportedEngine(EngineSession):
     def prefill_step(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         b, s = tokens.shape
         fits = [(bb, ss) for bb, ss in self._prefill if bb >= b and ss >= s]
+        chunks = [(bb, c) for bb, c in self._prefill_chunk if bb >= b]
+        if not fits and chunks:
+            return self._prefill_in_chunks(tokens, lengths, *min(chunks, key=lambda k: (k[0], -k[1])))
         if not fits:
             raise ValueError(f"no prefill bucket holds a batch of {b} x {s} tokens (package has "
                              f"{sorted(self._prefill)} as (batch, length))")
@@ -148,6 +153,22 @@ class ExportedEngine(EngineSession):
         lens = lengths.new_ones(bb)  # padded rows: one token, never read
         lens[:b] = lengths
         return self._run(self._prefill[(bb, ss)], padded, lens)[:b]
+
+    def _prefill_in_chunks(self, tokens: torch.Tensor, lengths: torch.Tensor, bb: int, c: int) -> torch.Tensor:
+        """A prompt longer than every prefill bucket: chunks of c positions through prefill_chunk_b{bb}_s{c}, each
+        row's logits from the chunk holding its last token."""
+        b, s = tokens.shape
+        name = self._prefill_chunk[(bb, c)]
+        lens = lengths.new_zeros(bb)  # padded rows: no tokens, nothing written
+        lens[:b] = lengths
+        logits = None
+        for s0 in range(0, s, c):
+            part = tokens.new_zeros(bb, c)
+            part[:b, :min(c, s - s0)] = tokens[:, s0:s0 + c]
+            out = self._run(name, part, (lens - s0).clamp(0, c), torch.full_like(lens, s0))
+            ends = ((lens - 1 >= s0) & (lens - 1 < s0 + c)).unsqueeze(1)
+            logits = out if logits is None else torch.where(ends, out, logits)
+        return logits[:b]
 
     # -- the engine interface (dsv4_model.runtime.session.EngineSession: prefill, decode, generate, state) ------
     _prefill_logits = prefill_step

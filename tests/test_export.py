@@ -29,7 +29,7 @@ from dsv4_export.build import build_package, written_inputs
 from dsv4_export.load import ExportedEngine, PackageMismatch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MAX_B, MAX_S, BUCKET_S = 2, 32, 16
+MAX_B, MAX_S, BUCKET_S, CHUNK = 2, 32, 16, 8
 PROMPTS = [[5, 17, 3, 88, 41, 9, 60], [2, 71, 33, 8, 15, 90, 4, 27, 51, 12, 66, 30]]
 STEPS = 8
 
@@ -53,23 +53,23 @@ def _make_model(device, nvfp4=True):
     return (quantize_model_(model) if nvfp4 else model), cfg
 
 
-def _build(tmp_path_factory, device, jobs=None):
+def _build(tmp_path_factory, device, jobs=None, chunks=()):
     model, cfg = _make_model(device)
     path = str(tmp_path_factory.mktemp(f"export_{device}") / "tiny.pt2")
     build_package(model, cfg.to_dict(), path, max_batch_size=MAX_B, max_seq_len=MAX_S, device=device,
                   decode_batches=[MAX_B], prefill_batches=[MAX_B], prefill_lengths=[BUCKET_S], dtype=torch.float32,
-                  jobs=jobs)
+                  jobs=jobs, prefill_chunks=chunks)
     return types.SimpleNamespace(path=path, model=model, config=cfg, device=device)
 
 
 @pytest.fixture(scope="module")
 def cpu_pkg(tmp_path_factory):
-    return _build(tmp_path_factory, "cpu", jobs=1)
+    return _build(tmp_path_factory, "cpu", jobs=1, chunks=[CHUNK])
 
 
 @pytest.fixture(scope="module")
 def cpu_pkg_workers(tmp_path_factory):
-    return _build(tmp_path_factory, "cpu", jobs=2)
+    return _build(tmp_path_factory, "cpu", jobs=2, chunks=[CHUNK])
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +175,8 @@ def test_package_layout_and_metadata(cpu_pkg):
     meta = md.read_from_archive(cpu_pkg.path)
     assert json.loads(meta[md.K_ENTRIES]) == {
         f"decode_b{MAX_B}": {"kind": "decode", "batch": MAX_B, "seq_len": 1},
-        f"prefill_b{MAX_B}_s{BUCKET_S}": {"kind": "prefill", "batch": MAX_B, "seq_len": BUCKET_S}}
+        f"prefill_b{MAX_B}_s{BUCKET_S}": {"kind": "prefill", "batch": MAX_B, "seq_len": BUCKET_S},
+        f"prefill_chunk_b{MAX_B}_s{CHUNK}": {"kind": "prefill_chunk", "batch": MAX_B, "seq_len": CHUNK}}
     caches = json.loads(meta[md.K_CACHES])
     bufs = dict(cpu_pkg.model.named_buffers())
     # Every buffer decode writes is an explicit input: kv caches and compressor states of both layers.
@@ -200,6 +201,20 @@ def test_fresh_process_matches_eager_engine_cpu(cpu_pkg, cpu_fresh):
     _check_against_eager(cpu_pkg, cpu_fresh)
 
 
+def test_a_prompt_longer_than_every_bucket_runs_in_chunks(cpu_pkg):
+    """Prompts of 21 and 13 tokens (the prefill bucket holds 16): chunks of 8 through prefill_chunk_b2_s8, the
+    last padded past the prompt; the logits and the decode steps after them are the eager engine's."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(2, cpu_pkg.config.vocab_size, (2, 21), generator=g)
+    lens = torch.tensor([21, 13])
+    pkg, ref = ExportedEngine(cpu_pkg.path), _eager_engine(cpu_pkg)
+    a, b = pkg.prefill(ids, lengths=lens), ref.prefill(ids, lengths=lens)
+    for step in range(4):
+        torch.testing.assert_close(a, b, atol=TOL["cpu"], rtol=TOL["cpu"], msg=lambda m: f"step {step}: {m}")
+        nxt = b.argmax(-1)
+        a, b = pkg.decode(nxt), ref.decode(nxt)
+
+
 def test_compile_jobs_rule(monkeypatch):
     import dsv4_export.build as b
 
@@ -217,8 +232,8 @@ def test_compile_jobs_rule(monkeypatch):
 
 
 def test_package_built_in_worker_processes(cpu_pkg, cpu_pkg_workers, tmp_path_factory):
-    # Decode and prefill exported + compiled in two worker processes (the model pickled to them): the same
-    # package as one built in this process, and it runs like the eager engine.
+    # Decode, prefill and the prefill chunk exported + compiled in two worker processes (the model pickled to
+    # them): the same package as one built in this process, and it runs like the eager engine.
     ids, lens, _, fed = _eager_reference(cpu_pkg_workers)
     _check_against_eager(cpu_pkg_workers, _run_fresh(cpu_pkg_workers, tmp_path_factory.mktemp("fresh_workers"),
                                                      ids, lens, fed))
