@@ -275,8 +275,8 @@ def build_package(model: nn.Module, config: dict, out: str, *, max_batch_size: i
 
     Decode buckets default to [max_batch_size]; prefill to batch [1] x ``default_prefill_lengths``;
     ``prefill_batches=[]`` builds a decode-only package; ``prefill_chunks`` adds a prefill_chunk entry per chunk
-    length and prefill batch (prompts longer than every prefill bucket then run in chunks). ``config`` (a JSON-able dict, e.g.
-    ``ModelConfig.to_dict()``) is stored in the metadata. Returns the package path. With
+    length and prefill batch (prompts longer than every prefill bucket then run in chunks). ``config`` (a
+    JSON-able dict, e.g. ``ModelConfig.to_dict()``) is stored in the metadata. Returns the package path. With
     ``save_exported_programs`` also writes ``<out stem>.<entry>.ep.pt2`` (``torch.export.save``; load them with
     ``torch.export.load`` after ``import dsv4_ops``). ``jobs``: processes that export + compile the entries side
     by side (``compile_jobs``: by default one per 3 CPU cores where memory allows; 1 builds in this process).
@@ -326,6 +326,7 @@ def build_package(model: nn.Module, config: dict, out: str, *, max_batch_size: i
         md.K_VOCAB: str(_vocab_size(config)),
         md.K_CPP_DECODE: ",".join(e.name for e in entries if e.kind == "decode"),
         md.K_CPP_PREFILL: ",".join(e.name for e in entries if e.kind == "prefill"),
+        md.K_CPP_PREFILL_CHUNK: ",".join(e.name for e in entries if e.kind == "prefill_chunk"),
         md.K_CPP_CACHES: ";".join(f"{s.name}:{str(s.dtype).removeprefix('torch.')}:{'x'.join(map(str, s.shape))}"
                                   for s in specs),
     })

@@ -40,6 +40,7 @@ K_CXX_GLIBCXX = "dsv4.cxx_glibcxx"  # "3.4.33": the newest GLIBCXX its libstdc++
 # For C++: "decode_b1,decode_b2" / "prefill_b1" ; caches "name:dtype:d0xd1x..;..." ; "4" / "256".
 K_CPP_DECODE = "dsv4.cpp.decode_entries"
 K_CPP_PREFILL = "dsv4.cpp.prefill_entries"
+K_CPP_PREFILL_CHUNK = "dsv4.cpp.prefill_chunk_entries"  # "prefill_chunk_b1_s4096" ("" if none)
 K_CPP_CACHES = "dsv4.cpp.caches"
 
 

@@ -238,7 +238,8 @@ def test_package_built_in_worker_processes(cpu_pkg, cpu_pkg_workers, tmp_path_fa
     _check_against_eager(cpu_pkg_workers, _run_fresh(cpu_pkg_workers, tmp_path_factory.mktemp("fresh_workers"),
                                                      ids, lens, fed))
     serial, workers = md.read_from_archive(cpu_pkg.path), md.read_from_archive(cpu_pkg_workers.path)
-    for k in (md.K_ENTRIES, md.K_CACHES, md.K_OPS_USED, md.K_CONFIG, md.K_CPP_DECODE, md.K_CPP_PREFILL):
+    for k in (md.K_ENTRIES, md.K_CACHES, md.K_OPS_USED, md.K_CONFIG, md.K_CPP_DECODE, md.K_CPP_PREFILL,
+              md.K_CPP_PREFILL_CHUNK):
         assert serial[k] == workers[k], k
     stem = cpu_pkg_workers.path[: -len(".pt2")]
     for entry in json.loads(workers[md.K_ENTRIES]):
@@ -283,6 +284,12 @@ def test_cpp_runner_matches_python_cpu(cpu_pkg, cpu_fresh, runner_bin):
     assert meta["dsv4.entry"] == f"decode_b{MAX_B}"
     assert meta["dsv4.torch_version"] == torch.__version__
     assert json.loads(meta["dsv4.config"]) == cpu_pkg.config.to_dict()
+
+
+def test_cpp_runner_prefills_a_long_prompt_in_chunks(cpu_pkg, runner_bin):
+    """A prompt longer than every prefill bucket: the C++ runner's chunks give Python's greedy ids exactly."""
+    prompt = [(7 * i + 3) % cpu_pkg.config.vocab_size for i in range(21)]
+    assert _cpp_greedy(runner_bin, cpu_pkg, prompt, STEPS) == ExportedEngine(cpu_pkg.path).generate_greedy(prompt, STEPS)
 
 
 @pytest.mark.cuda

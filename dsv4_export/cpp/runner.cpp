@@ -5,7 +5,8 @@
 // Loads the op library (--ops-lib, else $DSV4_OPS_LIBRARY) with RTLD_GLOBAL BEFORE the package: the package
 // calls dsv4:: ops through the dispatcher, so their schemas must be registered first. Reads the package's
 // dsv4 metadata (entries, cache shapes), allocates the caches, runs prefill on the prompt ids (smallest
-// prefill bucket that holds them, right-padded, with lengths), then greedy decode (smallest decode bucket), and
+// prefill bucket that holds them, right-padded, with lengths; a longer prompt in chunks through a prefill_chunk
+// entry), then greedy decode (smallest decode bucket), and
 // prints "generated: id id ..." on stdout. --metadata prints the decode entry's AOTI metadata.
 // Every failure is one line on stderr and exit code 2; a completion cut short by the package's max_seq_len
 // says so on stderr (as `python -m dsv4_export run` does) and exits 0.
@@ -100,8 +101,9 @@ struct Bucket {
   std::string name;
 };
 
-// Entry names: decode_b<B> and prefill_b<B>_s<S>. Picks the smallest entry holding 1 row of `tokens` tokens.
-Bucket pick(const std::string& csv, const std::string& kind, int64_t tokens) {
+// Entry names: decode_b<B>, prefill_b<B>_s<S>, prefill_chunk_b<B>_s<C>. Picks the smallest entry holding 1 row
+// of `tokens` tokens (batch -1 if none: `required` fails instead).
+Bucket pick(const std::string& csv, const std::string& kind, int64_t tokens, bool required = true) {
   Bucket best;
   for (const auto& name : split(csv, ',')) {
     Bucket e;
@@ -113,7 +115,7 @@ Bucket pick(const std::string& csv, const std::string& kind, int64_t tokens) {
     if (e.seq_len < tokens) continue;
     if (best.batch < 0 || e.batch * e.seq_len < best.batch * best.seq_len) best = e;
   }
-  if (best.batch < 0) fail("package has no " + kind + " entry for " + std::to_string(tokens) + " tokens");
+  if (best.batch < 0 && required) fail("package has no " + kind + " entry for " + std::to_string(tokens) + " tokens");
   return best;
 }
 
@@ -189,7 +191,18 @@ int run(int argc, char** argv) {
     for (const auto& [k, v] : decode_model.get_metadata()) std::cout << k << "=" << v << "\n";
     return 0;
   }
-  const Bucket prefill = pick(json_string_value(meta_json, "dsv4.cpp.prefill_entries"), "prefill", t);
+  // The smallest prefill bucket holding the prompt, else chunks through the prefill_chunk entry (the longest).
+  const std::string chunk_key = "dsv4.cpp.prefill_chunk_entries";  // absent in packages built before it
+  const std::string chunk_csv =
+      meta_json.find("\"" + chunk_key + "\"") == std::string::npos ? "" : json_string_value(meta_json, chunk_key);
+  Bucket prefill = pick(json_string_value(meta_json, "dsv4.cpp.prefill_entries"), "prefill", t, chunk_csv.empty());
+  const bool chunked = prefill.batch < 0;
+  if (chunked) {
+    for (const auto& name : split(chunk_csv, ',')) {
+      Bucket e = pick(name, "prefill_chunk", 1);
+      if (prefill.batch < 0 || e.seq_len > prefill.seq_len) prefill = e;
+    }
+  }
   torch::inductor::AOTIModelPackageLoader prefill_model(pkg, prefill.name);
   // Every token after the first is one decode step at the next position: at most max_seq - t + 1 tokens.
   const int64_t n_new = std::min(max_new_tokens, max_seq - t + 1);
@@ -209,12 +222,19 @@ int run(int argc, char** argv) {
   auto opts = at::TensorOptions().dtype(at::kLong).device(device);
 
   // Prefill the prompt into cache row 0, right-padded to the bucket length; rows 1.. of a larger bucket
-  // get one token 0 and are never read.
-  at::Tensor tokens = at::zeros({prefill.batch, prefill.seq_len}, opts);
-  tokens[0].narrow(0, 0, t).copy_(at::tensor(prompt, at::kLong));
-  at::Tensor lengths = at::ones({prefill.batch}, opts);
-  lengths[0].fill_(t);
-  at::Tensor logits = prefill_model.run(with_caches({tokens, lengths}))[0];
+  // get one token 0 and are never read. Chunked: C positions at a time from start c0 (row 0's last chunk
+  // padded; rows 1.. have no tokens), the logits of the chunk holding the last token.
+  const at::Tensor ids = at::tensor(prompt, at::kLong);
+  at::Tensor logits;
+  for (int64_t c0 = 0; c0 < t; c0 += prefill.seq_len) {
+    const int64_t n = std::min(prefill.seq_len, t - c0);
+    at::Tensor tokens = at::zeros({prefill.batch, prefill.seq_len}, opts);
+    tokens[0].narrow(0, 0, n).copy_(ids.narrow(0, c0, n));
+    at::Tensor lengths = chunked ? at::zeros({prefill.batch}, opts) : at::ones({prefill.batch}, opts);
+    lengths[0].fill_(n);
+    logits = chunked ? prefill_model.run(with_caches({tokens, lengths, at::full({prefill.batch}, c0, opts)}))[0]
+                     : prefill_model.run(with_caches({tokens, lengths}))[0];
+  }
 
   std::vector<int64_t> generated;
   int64_t pos = t;

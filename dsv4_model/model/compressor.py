@@ -132,10 +132,11 @@ class Compressor(nn.Module):
                 fresh: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, S, dim]: row b's tokens at positions start[b] .. start[b] + S - 1 (start int64 [B]; the state rows
         [:B] hold each row's tokens before start[b]: an earlier chunk's prefill, or decode), valid for the first
-        lengths[b] (0: the row's state is left as it is, unless it starts at 0). Returns (entries [B, ceil(S / m), Dc], their indices
-        start // m + w [B, ceil(S / m)]): every entry closed by a valid token, and after those junk ones (finite)
-        that no valid query sees; sets the decode state of rows [:B] from each row's own length. Shapes do not
-        depend on start. fresh: every start is 0 (the state is not read: nothing precedes position 0)."""
+        lengths[b] (0: the row's state is left as it is, unless it starts at 0). Returns (entries
+        [B, ceil(S / m), Dc], their indices start // m + w [B, ceil(S / m)]): every entry closed by a valid token,
+        and after those junk ones (finite) that no valid query sees; sets the decode state of rows [:B] from each
+        row's own length. Shapes do not depend on start. fresh: every start is 0 (the state is not read: nothing
+        precedes position 0)."""
         B, S, _ = x.shape
         m, c, hd, dev = self.ratio, self.coff, self.head_dim, x.device
         kv, score = self._project(x)
