@@ -11,8 +11,11 @@ every query scores every compressed key; CUDA events around Indexer.scores and t
 the FLOP floor at 790 TFLOP/s (bf16 dense, measured): 2 x the weights a token multiplies (non-expert weights,
 shared + 6 routed experts per layer) + the attention's and the indexer's products at the mean position.
 
+--compiled: also the chunks through one torch.compile graph per prompt length (tensor starts; the figure to
+decide on a compiled prefill in the engine).
+
 Run: python bench/bench_prefill.py [--lengths 4096,8192,32768,131072] [--chunk 8192] [--layers 2]
-       [--experts 256] [--hf-max 8192] [--budget SECONDS]
+       [--experts 256] [--hf-max 8192] [--budget SECONDS] [--compiled]
 """
 from __future__ import annotations
 
@@ -101,10 +104,34 @@ def flop_floor(cfg: ModelConfig, model, S: int) -> float:
     return flops / DENSE_FLOPS
 
 
-def timed(fn, reps: int) -> tuple[float, float]:
-    """(seconds per call, indexer seconds per call) after one warm-up call."""
+def compiled_chunks(model, chunk: int, span: int):
+    """run(ids, lens): the prompt's chunks through one torch.compile graph (fullgraph, static shapes, the starts
+    a tensor: Transformer.prefill(start=tensor, span=span)), the last chunk padded."""
+    step = torch.compile(lambda t, n, s: model.prefill(t, n, start=s, span=span), fullgraph=True, dynamic=False)
+
+    def run(ids, lens):
+        S, out = ids.shape[1], None
+        for s0 in range(0, S, chunk):
+            part = ids.new_zeros(ids.shape[0], chunk)
+            part[:, :min(chunk, S - s0)] = ids[:, s0:s0 + chunk]
+            logits = step(part, (lens - s0).clamp(0, chunk), torch.full_like(lens, s0))
+            ends = ((lens - 1 >= s0) & (lens - 1 < s0 + chunk)).unsqueeze(1)
+            out = logits if out is None else torch.where(ends, logits, out)
+        return out
+    return run
+
+
+def timed(fn, reps: int, split: bool = True) -> tuple[float, float]:
+    """(seconds per call, indexer seconds per call or nan) after one warm-up call; split=False: no indexer
+    events (a compiled graph cannot call the timer)."""
     fn()
     torch.cuda.synchronize()
+    if not split:
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) / reps, float("nan")
     with IndexerTimer() as it:
         t = time.perf_counter()
         for _ in range(reps):
@@ -123,6 +150,8 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--hf-max", type=int, default=8192, help="longest prompt given to HF (0: none)")
     ap.add_argument("--budget", type=float, default=400.0, help="seconds; later lengths are skipped")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also time the chunks through one compiled graph per length (its compile time printed)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_prefill: needs a CUDA GPU (skipped)")
@@ -154,6 +183,21 @@ def main(argv=None) -> int:
                 res[mode] = "out of memory"
             gc.collect()
             torch.cuda.empty_cache()
+        if args.compiled:
+            c = min(S, args.chunk)
+            mode = f"compiled, chunks {c}"
+            try:
+                run = compiled_chunks(ours, c, S)
+                t0 = time.perf_counter()
+                run(ids, lens)
+                torch.cuda.synchronize()
+                print(f"[S={S}] {mode}: compiled in {time.perf_counter() - t0:.1f} s", flush=True)
+                res[mode] = timed(lambda: run(ids, lens), reps, split=False)
+            except Exception as e:  # report and go on: the eager rows stand
+                res[mode] = f"failed: {type(e).__name__}: {str(e)[:100]}"
+            torch._dynamo.reset()
+            gc.collect()
+            torch.cuda.empty_cache()
         if hf is not None and S <= args.hf_max:
             try:
                 res["hf"] = timed(lambda: hf(input_ids=ids, use_cache=False, logits_to_keep=1), reps)[0]
@@ -166,7 +210,7 @@ def main(argv=None) -> int:
 
     print(f"\nPrefill, batch 1 (eager; indexer = its scores + top-k; floor = FLOPs at {DENSE_FLOPS / 1e12:.0f} "
           f"TFLOP/s)")
-    hdr = (f"{'tokens':>7} {'mode':18} {'seconds':>8} {'tokens/s':>9} {'indexer s':>9} {'rest s':>7} "
+    hdr = (f"{'tokens':>7} {'mode':22} {'seconds':>8} {'tokens/s':>9} {'indexer s':>9} {'rest s':>7} "
            f"{'floor s':>8} {'of floor':>8} {'vs HF':>7}")
     print(hdr)
     print("-" * len(hdr))
@@ -180,14 +224,14 @@ def main(argv=None) -> int:
             if mode == "hf":
                 continue
             if isinstance(v, str):
-                print(f"{S:7d} {mode:18} {v}")
+                print(f"{S:7d} {mode:22} {v}")
                 continue
             wall, ix = v
             vs = f"{hf_t / wall:6.2f}x" if isinstance(hf_t, float) else "   n/a"
-            print(f"{S:7d} {mode:18} {wall:8.3f} {S / wall:9.0f} {ix:9.3f} {wall - ix:7.3f} {floor:8.3f} "
+            print(f"{S:7d} {mode:22} {wall:8.3f} {S / wall:9.0f} {ix:9.3f} {wall - ix:7.3f} {floor:8.3f} "
                   f"{floor / wall:7.1%} {vs}")
         if hf_t is not None:
-            print(f"{S:7d} {'HF forward':18} " + (f"{hf_t:8.3f} {S / hf_t:9.0f}" if isinstance(hf_t, float) else hf_t))
+            print(f"{S:7d} {'HF forward':22} " + (f"{hf_t:8.3f} {S / hf_t:9.0f}" if isinstance(hf_t, float) else hf_t))
     return 0
 
 
