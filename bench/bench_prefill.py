@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--hf-max", type=int, default=8192, help="longest prompt given to HF (0: none)")
-    ap.add_argument("--budget", type=float, default=400.0, help="seconds; later lengths are skipped")
+    ap.add_argument("--budget", type=float, default=240.0, help="seconds; later lengths are skipped")
     ap.add_argument("--compiled", action="store_true",
                     help="also time the chunks through one compiled graph per length (its compile time printed)")
     args = ap.parse_args(argv)
