@@ -55,9 +55,12 @@ def _force_half(model, monkeypatch, truth, prompts):
     monkeypatch.setattr(model, "mtp_decode_tokens", drafted)
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
-def test_greedy_equals_plain_generate(monkeypatch, k):
+@pytest.mark.parametrize("k,chunk", [(1, None), (2, None), (3, None), (2, 4)])
+def test_greedy_equals_plain_generate(monkeypatch, k, chunk):
+    """chunk: the prompts prefilled 4 positions at a time (the MTP block's cache too)."""
     e = _engine(k)
+    if chunk is not None:
+        e.prefill_chunk = chunk
     prompts = _prompts()
     want = e.generate(prompts, max_new_tokens=N)
     plain_lengths = e.lengths
