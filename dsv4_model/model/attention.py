@@ -219,9 +219,9 @@ class Attention(nn.Module):
         # keys: the W - 1 positions before start from the ring (read before the chunk overwrites it), then the
         # chunk's; key j is position start - (W - 1) + j (those < 0 masked)
         P = W - 1
-        slots = (start - P + torch.arange(P, device=dev)) % R
-        old = self.kv_cache[:B].detach().gather(1, slots.unsqueeze(-1).expand(-1, -1, kv.shape[-1]))
-        old = torch.where((start - P + torch.arange(P, device=dev) >= 0).unsqueeze(-1), old, 0.0)  # no stale NaN
+        before = start - P + torch.arange(P, device=dev)  # [B, P] positions
+        old = self.kv_cache[:B].detach().gather(1, (before % R).unsqueeze(-1).expand(-1, -1, kv.shape[-1]))
+        old = torch.where((before >= 0).unsqueeze(-1), old, 0.0)  # a stale NaN must not meet a zero weight
         kv_all = torch.cat([old, kv], dim=1)
         self._write_window(kv, lengths, start)
 
@@ -284,8 +284,8 @@ class Attention(nn.Module):
                          lengths: torch.Tensor, rope: torch.Tensor, at: "PrefillAt", n_span: int,
                          store=None) -> torch.Tensor:
         """The first n_span compressed entries, [B, n_span, D], after writing the chunk's into rows [:B] of cache
-        from offset (by store(entries, indices) if given). From position 0 with at.fresh they are the computed
-        tensor itself (what a gradient flows through when training)."""
+        from offset (by store(entries, indices, rows written) if given). From position 0 with at.fresh they are
+        the computed tensor itself (what a gradient flows through when training)."""
         B = x.shape[0]
         new, e = compressor.prefill(x, lengths, rope, at.start, at.fresh)
         if store is not None:
