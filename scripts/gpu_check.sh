@@ -5,7 +5,7 @@
 #   results), compute-sanitizer (memcheck, racecheck) on the direct kernel tests, the benchmarks.
 # $OUT gets summary.txt + logs.tgz (the device tool returns at most 8 files of <= 16 MiB).
 # Usage on the H200, from the repo root:
-#   bash scripts/gpu_check.sh [mainjob|gate|tests|sanitizer|bench|soak|profile|switches|pdl|decode|depth|fulldepth|ab|speculate ...]
+#   bash scripts/gpu_check.sh [mainjob|gate|tests|sanitizer|bench|soak|profile|switches|pdl|decode|depth|fulldepth|ab|speculate|prefill ...]
 # (default: mainjob tests sanitizer bench)
 # Env: GPU_CHECK_SKIP_BUILD=1 (already built), TEST_FILES / BENCHES (space-separated paths; default: all), SANITIZE
 # (a grep -E pattern on "TOOL SPEC", e.g. "racecheck .*attn": only the sanitizer runs it matches), SANITIZER_JOBS (parallel sanitizer runs, 8), GPU_CHECK_SECONDS (a total budget: steps get
@@ -90,6 +90,11 @@ for part in $PARTS; do
       # ... and the loader's memory check (it runs on every GPU load).
       step mainjob_default_model_bf16 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_default_model_gpu.py \
         tests/test_compile_cost.py tests/test_memory_plan.py -k "bf16 or too_small" ;;
+    prefill)
+      # Chunked prefill on the GPU: the CUDA tests of prefill from any position, then the prefill benchmark
+      # (whole / chunks / compiled chunks / HF against prompt length).
+      step prefill_tests 300 $PY -m pytest -q -m cuda -rs -p no:cacheprovider tests/test_prefill_from_position.py
+      step prefill_bench 300 $PY bench/bench_prefill.py --compiled ;;
     speculate)
       # The default model with --speculate K (compiled + CUDA graph per bucket): tokens/s, tokens per step and
       # acceptance per draft position, against the plain run of the same prompt.

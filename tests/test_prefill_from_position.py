@@ -208,3 +208,34 @@ def test_a_padded_chunk_may_run_past_max_seq_len():
                                     span=256)[:, :min(48, 256 - s)])
     valid = torch.arange(256)[None] < lengths[:, None]
     torch.testing.assert_close(torch.cat(outs, dim=1)[valid], ref[valid], **TOL)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("nvfp4", [False, True])
+def test_chunks_on_cuda(nvfp4):
+    """The CUDA kernels (fp32 projections, NVFP4 W4A16 linears / MoE) under chunked prefill at per-row starts,
+    the last chunk padded: the whole prompt's logits, then decode steps as after it. Tolerances: fp32 sums in
+    another order (fp32 model), and W4A16's bf16 activations one ulp apart (as tests/test_export.py's)."""
+    from dsv4_model.quant.quantize_model import quantize_model_
+
+    def build():
+        m = Transformer(CFG, max_batch_size=2, max_seq_len=256, dtype=torch.float32, device="cuda",
+                        simulate_quant=False).init_random_weights(0).eval()
+        return quantize_model_(m) if nvfp4 else m
+
+    tol = dict(atol=2e-2, rtol=2e-2) if nvfp4 else dict(atol=1e-4, rtol=1e-4)
+    ids, lengths = _prompt(2, 100).cuda(), torch.tensor([100, 61], device="cuda")
+    whole, chunked = build(), build()
+    ref = whole.prefill(ids, lengths, all_logits=True, static_moe=True)
+    outs = []
+    for s in range(0, 100, 32):
+        part = torch.zeros(2, 32, dtype=torch.long, device="cuda")
+        part[:, :min(32, 100 - s)] = ids[:, s:s + 32]
+        got = chunked.prefill(part, (lengths - s).clamp(0, 32), all_logits=True, static_moe=True,
+                              start=torch.full((2,), s, device="cuda"), span=128)
+        outs.append(got[:, :min(32, 100 - s)])
+    valid = torch.arange(100, device="cuda")[None] < lengths[:, None]
+    torch.testing.assert_close(torch.cat(outs, dim=1)[valid], ref[valid], **tol)
+    nxt = _prompt(2, 6, seed=10).cuda()
+    for a, b in zip(_decode(whole, nxt, lengths, 6), _decode(chunked, nxt, lengths, 6)):
+        torch.testing.assert_close(b, a, **tol)
