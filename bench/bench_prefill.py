@@ -37,7 +37,7 @@ from dsv4_model.model import attention as attention_mod  # noqa: E402
 from dsv4_model.model.config import ModelConfig  # noqa: E402
 from dsv4_model.model.indexer import Indexer  # noqa: E402
 from dsv4_model.quant.quantize_model import quantize_model_  # noqa: E402
-from dsv4_model.runtime.prefill_chunks import prefill_in_chunks  # noqa: E402
+from dsv4_model.runtime.prefill_chunks import padded_chunks, prefill_in_chunks  # noqa: E402
 
 DENSE_FLOPS = 790e12
 
@@ -108,17 +108,7 @@ def compiled_chunks(model, chunk: int, span: int):
     """run(ids, lens): the prompt's chunks through one torch.compile graph (fullgraph, static shapes, the starts
     a tensor: Transformer.prefill(start=tensor, span=span)), the last chunk padded."""
     step = torch.compile(lambda t, n, s: model.prefill(t, n, start=s, span=span), fullgraph=True, dynamic=False)
-
-    def run(ids, lens):
-        S, out = ids.shape[1], None
-        for s0 in range(0, S, chunk):
-            part = ids.new_zeros(ids.shape[0], chunk)
-            part[:, :min(chunk, S - s0)] = ids[:, s0:s0 + chunk]
-            logits = step(part, (lens - s0).clamp(0, chunk), torch.full_like(lens, s0))
-            ends = ((lens - 1 >= s0) & (lens - 1 < s0 + chunk)).unsqueeze(1)
-            out = logits if out is None else torch.where(ends, logits, out)
-        return out
-    return run
+    return lambda ids, lens: padded_chunks(ids, lens, chunk, step)
 
 
 def timed(fn, reps: int, split: bool = True) -> tuple[float, float]:

@@ -16,6 +16,7 @@ from dsv4_export import metadata as md
 from dsv4_export.entrypoints import CacheSpec
 from dsv4_export.metadata import PackageMismatch
 from dsv4_export.toolchain import cpu_isa_probe_skipped
+from dsv4_model.runtime.prefill_chunks import padded_chunks
 from dsv4_model.runtime.session import EngineSession, RunnerOptions
 
 __all__ = ["ExportedEngine", "get_metadata", "load_op_library", "PackageMismatch"]
@@ -155,20 +156,15 @@ class ExportedEngine(EngineSession):
         return self._run(self._prefill[(bb, ss)], padded, lens)[:b]
 
     def _prefill_in_chunks(self, tokens: torch.Tensor, lengths: torch.Tensor, bb: int, c: int) -> torch.Tensor:
-        """A prompt longer than every prefill bucket: chunks of c positions through prefill_chunk_b{bb}_s{c}, each
-        row's logits from the chunk holding its last token."""
-        b, s = tokens.shape
-        name = self._prefill_chunk[(bb, c)]
-        lens = lengths.new_zeros(bb)  # padded rows: no tokens, nothing written
+        """A prompt longer than every prefill bucket: chunks of c positions through prefill_chunk_b{bb}_s{c}
+        (rows past the batch: no tokens, nothing written)."""
+        b = tokens.shape[0]
+        padded = tokens.new_zeros(bb, tokens.shape[1])
+        padded[:b] = tokens
+        lens = lengths.new_zeros(bb)
         lens[:b] = lengths
-        logits = None
-        for s0 in range(0, s, c):
-            part = tokens.new_zeros(bb, c)
-            part[:b, :min(c, s - s0)] = tokens[:, s0:s0 + c]
-            out = self._run(name, part, (lens - s0).clamp(0, c), torch.full_like(lens, s0))
-            ends = ((lens - 1 >= s0) & (lens - 1 < s0 + c)).unsqueeze(1)
-            logits = out if logits is None else torch.where(ends, out, logits)
-        return logits[:b]
+        name = self._prefill_chunk[(bb, c)]
+        return padded_chunks(padded, lens, c, lambda t, n, s: self._run(name, t, n, s))[:b]
 
     # -- the engine interface (dsv4_model.runtime.session.EngineSession: prefill, decode, generate, state) ------
     _prefill_logits = prefill_step

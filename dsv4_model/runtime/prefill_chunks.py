@@ -4,13 +4,21 @@ whole prompt (up to fp32 summation order)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable
+
 import torch
 
-from dsv4_model.model.transformer import Transformer
+if TYPE_CHECKING:  # not imported at run time: ExportedEngine uses padded_chunks before loading the op library
+    from dsv4_model.model.transformer import Transformer
+
+
+def _ends_in(lengths: torch.Tensor, s: int, e: int) -> torch.Tensor:
+    """[B] bool: whether row b's last token is among positions s .. e - 1."""
+    return (lengths - 1 >= s) & (lengths - 1 < e)
 
 
 @torch.no_grad()
-def prefill_in_chunks(model: Transformer, tokens: torch.Tensor, lengths: torch.Tensor, chunk: int,
+def prefill_in_chunks(model: "Transformer", tokens: torch.Tensor, lengths: torch.Tensor, chunk: int,
                       all_logits: bool = False, speculate: bool = False):
     """tokens [B, S] (right-padded rows of `lengths` [B], on the model's device) from position 0.
 
@@ -32,9 +40,23 @@ def prefill_in_chunks(model: Transformer, tokens: torch.Tensor, lengths: torch.T
             outs.append(model._logits(h))
             continue
         here = h[rows, (lengths - 1 - s).clamp(0, e - s - 1)]
-        ends = ((lengths - 1 >= s) & (lengths - 1 < e)).view(B, 1, 1)
-        last = here if last is None else torch.where(ends, here, last)
+        last = here if last is None else torch.where(_ends_in(lengths, s, e).view(B, 1, 1), here, last)
     if all_logits and not speculate:
         return torch.cat(outs, dim=1)
     logits = model._logits(last)
     return (logits, last) if speculate else logits
+
+
+def padded_chunks(tokens: torch.Tensor, lengths: torch.Tensor, chunk: int,
+                  step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """A prompt batch through a fixed-shape chunk step (an exported or compiled graph: tensor starts, the last
+    chunk right-padded): step(tokens [B, chunk], lengths [B], start [B]) -> logits [B, V] at each row's last
+    token in the chunk. Returns each row's logits from the chunk holding its last token."""
+    B, S = tokens.shape
+    out = None
+    for s in range(0, S, chunk):
+        part = tokens.new_zeros(B, chunk)
+        part[:, :min(chunk, S - s)] = tokens[:, s:s + chunk]
+        logits = step(part, (lengths - s).clamp(0, chunk), torch.full_like(lengths, s))
+        out = logits if out is None else torch.where(_ends_in(lengths, s, s + chunk).unsqueeze(1), logits, out)
+    return out
