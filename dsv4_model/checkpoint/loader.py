@@ -101,10 +101,24 @@ def config_path_for(path: str | os.PathLike, layout: str) -> Path:
     raise CheckpointError(f"{root}: no config file for layout {layout!r} (looked for {', '.join(map(str, candidates))})")
 
 
+def refuse_other_architectures(path: str | os.PathLike) -> None:
+    """One CheckpointError naming the config file when the checkpoint is a DeepSeek-V4.1 one (docs/v41.md): read
+    from the config files alone, before any tensor header."""
+    from dsv4_model.model.v41 import v41_refusal
+
+    root = Path(path)
+    for cfg_path in (root / "config.json", root / "inference" / "config.json"):
+        if cfg_path.is_file():
+            refusal = v41_refusal(_read_json(cfg_path))
+            if refusal:
+                raise CheckpointError(f"{cfg_path}: {refusal}")
+
+
 def load_config(path: str | os.PathLike, layout: str | None = None):
     """`ModelConfig` of the checkpoint directory `path`."""
     from dsv4_model.model.config import ModelConfig
 
+    refuse_other_architectures(path)
     layout = layout or detect_layout(path)
     cfg_path = config_path_for(path, layout)
     raw = _read_json(cfg_path)
@@ -139,7 +153,7 @@ class TensorLoad:
 
 
 def build_load_plan(tensors: dict[str, TensorInfo], expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                    layout: str, *, skip_prefixes: tuple[str, ...] = ()) -> list[TensorLoad]:
+                    layout: str, *, skip_prefixes: tuple[str, ...] = (), subject: str = "the model") -> list[TensorLoad]:
     """Map checkpoint tensors onto the model's state_dict entries `expected` ({name: (shape, dtype)}) and
     check names, shapes, dtypes and scales. Raises CheckpointError listing every problem."""
     if layout not in LAYOUTS:
@@ -299,7 +313,7 @@ def build_load_plan(tensors: dict[str, TensorInfo], expected: dict[str, tuple[tu
     if problems:
         shown = problems[:_MAX_LISTED_PROBLEMS]
         more = len(problems) - len(shown)
-        msg = f"checkpoint does not match the model ({len(problems)} problem{'s' * (len(problems) > 1)}):\n  " + "\n  ".join(shown)
+        msg = f"checkpoint does not match {subject} ({len(problems)} problem{'s' * (len(problems) > 1)}):\n  " + "\n  ".join(shown)
         if more:
             msg += f"\n  ... and {more} more"
         raise CheckpointError(msg)
@@ -423,6 +437,33 @@ def _has_mtp(names) -> bool:
     return any(n.startswith("mtp.") or n.startswith("model.mtp.") for n in names)
 
 
+def _skip_dspark(root: Path, tensors: dict[str, TensorInfo], layout: str, config, dtype: torch.dtype, *,
+                 speculate: bool, progress: bool) -> tuple[str, ...]:
+    """A DSpark checkpoint (docs/dspark.md): refuse MTP speculation on it, check its `mtp.*` tensors from the
+    headers against what the config implies (one CheckpointError naming each wrong tensor), and return the prefix
+    the main model's load plan skips. One stderr note says what was recognised and left out."""
+    from dsv4_model.checkpoint.dspark import DSPARK_PREFIX, dspark_expected, stage_count
+
+    to_official = hf_to_official_name if layout == "hf" else (lambda k: k)
+    found = {k: info for k, info in tensors.items() if to_official(k).startswith(DSPARK_PREFIX)}
+    n_stages = stage_count(config, map(to_official, found))
+    if speculate:
+        raise CheckpointError(
+            f"{root}: MTP speculation (load_mtp=True / --speculate) needs an MTP block, and this checkpoint has none: "
+            f"its mtp.* tensors are a DSpark speculative module ({n_stages} stages, dspark_* config keys), not MTP; "
+            "dsv4 does not run DSpark yet (docs/dspark.md): run without speculation")
+    if found:
+        try:
+            build_load_plan(found, dspark_expected(config, n_stages, dtype), layout,
+                            subject=f"the DSpark module its config describes ({n_stages} stages)")
+        except CheckpointError as e:
+            raise CheckpointError(f"{root}: {e}") from None
+        if progress:
+            print(f"[dsv4] {root}: DSpark speculative module ({n_stages} stages, {len(found)} tensors) recognised "
+                  "and not loaded: dsv4 does not run DSpark yet (docs/dspark.md)", file=sys.stderr)
+    return (DSPARK_PREFIX,)
+
+
 def _build_meta_model(config, *, max_batch_size: int, max_seq_len: int, dtype: torch.dtype, simulate_quant: bool,
                       allow_beyond_max_position: bool = False, spare_window_slots: int = 0):
     from dsv4_model.model.transformer import Transformer
@@ -477,6 +518,7 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
         raise CheckpointError(f"{root}: not a checkpoint directory")
     device = parse_device(device)
     check_positive_int(max_batch_size, "max_batch_size")
+    refuse_other_architectures(root)
     tensors = list_tensors(root)
     layout = layout or detect_layout(root, tensors)
     if layout not in LAYOUTS:
@@ -490,7 +532,10 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
     n_mtp = int(getattr(config, "n_mtp_layers", 0) or 0)
     has_mtp = _has_mtp(tensors)
     skip: tuple[str, ...] = ()
-    if load_mtp is False or (load_mtp is None and n_mtp > 0 and not has_mtp):
+    if getattr(config, "dspark", None) is not None:  # mtp.* is a DSpark module: checked, then not loaded
+        skip = _skip_dspark(root, tensors, layout, config, dtype, speculate=bool(load_mtp or spare_window_slots),
+                            progress=progress)
+    elif load_mtp is False or (load_mtp is None and n_mtp > 0 and not has_mtp):
         if load_mtp is None:
             warnings.warn(f"{root}: checkpoint has no MTP tensors; building the model without the MTP block", stacklevel=2)
         if n_mtp:

@@ -143,8 +143,11 @@ _FP8_SUFFIXES = (
     "attn.indexer.wq_b.weight",
     "ffn.shared_experts.w1.weight", "ffn.shared_experts.w2.weight", "ffn.shared_experts.w3.weight",
     "e_proj.weight", "h_proj.weight",
+    "main_proj.weight",  # DSpark stage 0 (docs/dspark.md)
 )
-_F32_RE = re.compile(r"(^|\.)(hc_(attn|ffn|head)_(fn|base|scale)|attn\.attn_sink|compressor\.ape|ffn\.gate\.bias)$")
+# (DSpark's markov_w2 / confidence head are fp32 parameters in the reference inference code)
+_F32_RE = re.compile(r"(^|\.)(hc_(attn|ffn|head)_(fn|base|scale)|attn\.attn_sink|compressor\.ape|ffn\.gate\.bias"
+                     r"|markov_head\.markov_w2\.weight|confidence_head\.proj\.weight)$")
 
 
 def official_storage(name: str) -> str:

@@ -13,6 +13,10 @@ model's routed experts are NVFP4 (`.weight` packed uint8 [N, K/2], `.weight_scal
 may differ by a power of two); MTP experts stay MXFP4. It loads to the same weights as the other layouts.
 Config: an HF `config.json` (base `quant_method` fp8) and an `hf_quant_config.json`.
 
+A config with a `dspark` (DSparkConfig) gets the 0731 release's DSpark module instead of an MTP block: its stages
+under `mtp.*` (MXFP4 experts in every layout but HF, which leaves `mtp.*` out) and the release's config keys
+(docs/dspark.md).
+
 Tensor names and shapes come from the release's spec (written out below), not from the model code, so loading a written
 checkpoint also checks the model's parameter shapes against the spec.
 """
@@ -28,6 +32,7 @@ from typing import Iterator
 import torch
 
 from dsv4_model.checkpoint.io import write_shards, write_sharded
+from dsv4_model.checkpoint.dspark import dspark_extra_shapes, stage_ratios as dspark_stage_ratios
 from dsv4_model.checkpoint.names import official_storage, official_to_hf_name, split_expert_name
 from dsv4_model.checkpoint.loader import DSV4_FORMAT_KEY, DSV4_FORMAT_VERSION, LAYOUTS
 from dsv4_model.quant.nvfp4_convert import mxfp4_to_nvfp4
@@ -75,8 +80,7 @@ def official_tensor_specs(cfg) -> dict[str, tuple[tuple[int, ...], str]]:
         "hc_head_scale": (1,),
     }
 
-    def block(p: str, layer_id: int, hash_routed: bool):
-        ratio = cfg.compress_ratios[layer_id]
+    def block(p: str, ratio: int, hash_routed: bool):
         for site in ("attn", "ffn"):
             shapes[f"{p}hc_{site}_fn"] = (mix, hc * d)
             shapes[f"{p}hc_{site}_base"] = (mix,)
@@ -123,7 +127,7 @@ def official_tensor_specs(cfg) -> dict[str, tuple[tuple[int, ...], str]]:
         shapes[f + "shared_experts.w3.weight"] = (shared, d)
 
     for i in range(cfg.n_layers):
-        block(f"layers.{i}.", i, i < cfg.n_hash_layers)
+        block(f"layers.{i}.", cfg.compress_ratios[i], i < cfg.n_hash_layers)
     for j in range(cfg.n_mtp_layers):
         p = f"mtp.{j}."
         shapes[p + "e_proj.weight"] = (d, d)
@@ -134,7 +138,12 @@ def official_tensor_specs(cfg) -> dict[str, tuple[tuple[int, ...], str]]:
         shapes[p + "hc_head_fn"] = (hc, hc * d)
         shapes[p + "hc_head_base"] = (hc,)
         shapes[p + "hc_head_scale"] = (1,)
-        block(p, cfg.n_layers + j, False)
+        block(p, cfg.compress_ratios[cfg.n_layers + j], False)
+    if cfg.dspark is not None:  # the 0731 release's DSpark module (docs/dspark.md)
+        n = cfg.dspark.n_stages or 3
+        for j, ratio in enumerate(dspark_stage_ratios(cfg, n)):
+            block(f"mtp.{j}.", ratio, False)
+        shapes.update(dspark_extra_shapes(cfg, n))
     return {k: (v, official_storage(k)) for k, v in shapes.items()}
 
 
@@ -287,15 +296,18 @@ _PER_TENSOR = {"official": official_tensors, "modelopt": modelopt_tensors, "hf":
 
 
 def _write_configs(out: Path, cfg, layout: str) -> None:
+    # a DSpark release's MTP count keys: the HF config keeps V4-Flash's 1, the inference config counts the stages
+    hf_mtp = {} if cfg.dspark is None else {"num_nextn_predict_layers": 1}
+    inf_mtp = {} if cfg.dspark is None else {"n_mtp_layers": cfg.dspark.n_stages or 3}
     if layout == "official":
         _write_json(out / "config.json", {**cfg.to_hf_dict(), "quantization_config": QUANTIZATION_CONFIG,
-                                          "expert_dtype": "fp4", "dtype": "bfloat16"})
+                                          "expert_dtype": "fp4", "dtype": "bfloat16", **hf_mtp})
         _write_json(out / "inference" / "config.json", {**cfg.to_dict(), "dtype": "fp8", "scale_fmt": "ue8m0",
                                                         "expert_dtype": "fp4", "scale_dtype": "fp8",
-                                                        "quantization_config": None})
+                                                        "quantization_config": None, **inf_mtp})
     elif layout == "modelopt":
         _write_json(out / "config.json", {**cfg.to_hf_dict(), "quantization_config": QUANTIZATION_CONFIG,
-                                          "dtype": "bfloat16"})
+                                          "dtype": "bfloat16", **hf_mtp})
         _write_json(out / "hf_quant_config.json", MODELOPT_QUANT_CONFIG)
     elif layout == "hf":
         _write_json(out / "config.json", {**cfg.to_hf_dict(), "dtype": "bfloat16", "transformers_version": "5.23.0"})

@@ -15,6 +15,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsv4_model.model.dspark_config import DSparkConfig, dspark_from_dict
+from dsv4_model.model.v41 import v41_refusal
+
 SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 
 # transformers' layer-type labels; the compress ratio of each label comes from `compress_rates`.
@@ -112,6 +115,8 @@ class ModelConfig:
     n_mtp_layers: int = 1
     bos_token_id: int = 0
     eos_token_id: int = 1
+    # the DSpark speculative module a 0731-style checkpoint carries under `mtp.*` (not built: docs/dspark.md)
+    dspark: DSparkConfig | None = None
     # Informational (checkpoint storage formats); the pure-PyTorch model does not read them.
     expert_dtype: str | None = None
     quantization_config: dict | None = None
@@ -133,12 +138,12 @@ class ModelConfig:
                n_mtp_layers: int | None = None) -> "ModelConfig":
         """A validated copy with fewer layers (the first ones' compress ratios and hash routing), another expert
         count or MTP depth (MTP blocks are sliding-window only): a preset cut to what a benchmark or a random
-        checkpoint needs."""
+        checkpoint needs. A DSpark config is dropped (its target layers name the full depth)."""
         layers = self.n_layers if n_layers is None else n_layers
         mtp = self.n_mtp_layers if n_mtp_layers is None else n_mtp_layers
         mtp_ratios = list(self.compress_ratios[self.n_layers:]) if n_mtp_layers is None else [0] * mtp
         return dataclasses.replace(
-            self, n_layers=layers, n_mtp_layers=mtp, n_hash_layers=min(self.n_hash_layers, layers),
+            self, n_layers=layers, n_mtp_layers=mtp, n_hash_layers=min(self.n_hash_layers, layers), dspark=None,
             compress_ratios=list(self.compress_ratios[:layers]) + mtp_ratios,
             n_routed_experts=self.n_routed_experts if n_routed_experts is None else n_routed_experts).validate()
 
@@ -197,12 +202,25 @@ class ModelConfig:
             bad("rope_factor", "must be > 0 when YaRN is enabled (original_seq_len > 0)")
         if self.swiglu_limit < 0:
             bad("swiglu_limit", "must be >= 0 (0 disables the clamp)")
+        if self.dspark is not None:
+            if not isinstance(self.dspark, DSparkConfig):
+                bad("dspark", "must be a DSparkConfig or None")
+            if self.n_mtp_layers:
+                bad("n_mtp_layers", "must be 0 with a DSpark config (its checkpoint's mtp.* tensors are DSpark "
+                    "stages, not an MTP block)")
+            self.dspark.validate(self.n_layers, self.vocab_size)
         return self
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
+        """Official field names; a DSpark config as the release writes it (flat `dspark_*` keys, the stages'
+        compress ratios after the main layers')."""
         d = dataclasses.asdict(self)
+        del d["dspark"]
         d["compress_ratios"] = list(d["compress_ratios"])
+        if self.dspark is not None:
+            d.update(self.dspark.config_keys())
+            d["compress_ratios"] += list(self.dspark.stage_ratios)
         return d
 
     def to_json(self, path: str | os.PathLike) -> None:
@@ -222,6 +240,9 @@ class ModelConfig:
         field with its default (configs written by code, tests)."""
         if not isinstance(d, dict):
             raise ValueError(f"config must be a JSON object, got {type(d).__name__}")
+        refusal = v41_refusal(d)  # before the field checks: V4.1 nests its fields in text_config
+        if refusal:
+            raise ValueError(refusal)
         missing = missing_required_fields(d) if require else []
         if missing:
             keys = [f"{m!r}" + (f" (or {' / '.join(map(repr, REQUIRED_FIELDS[m][1:]))})"
@@ -295,20 +316,36 @@ class ModelConfig:
             "tie_word_embeddings": False,
             "hidden_act": "silu",
             "attention_bias": False,
+            # DSpark: the release's keys; the stage count only `compress_ratios` can carry (layer_types has one
+            # entry per main layer)
+            **({} if self.dspark is None else {
+                **self.dspark.config_keys(), "compress_ratios": ratios + list(self.dspark.stage_ratios)}),
         }
 
 
-_OFFICIAL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
+_OFFICIAL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)} - {"dspark"}
 
 
 def _from_official(d: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in d.items() if k in _OFFICIAL_FIELDS}
-    if "compress_ratios" in out:
-        out["compress_ratios"] = [int(r) for r in out["compress_ratios"]]
-        n_layers = int(out.get("n_layers", ModelConfig.n_layers))
-        n_mtp = int(out.get("n_mtp_layers", ModelConfig.n_mtp_layers))
-        out["compress_ratios"] = _pad_mtp(out["compress_ratios"], n_layers, n_mtp)
+    n_layers = int(out.get("n_layers", ModelConfig.n_layers))
+    ratios = [int(r) for r in out["compress_ratios"]] if "compress_ratios" in out else None
+    _split_ratios(d, out, ratios, n_layers, int(out.get("n_mtp_layers", ModelConfig.n_mtp_layers)))
     return out
+
+
+def _split_ratios(d: dict[str, Any], out: dict[str, Any], ratios: list[int] | None, n_layers: int,
+                  n_mtp: int) -> None:
+    """out's compress_ratios / n_mtp_layers / dspark from the config's full ratio list: a DSpark config's main
+    model is the first n_layers entries and has no MTP block (the rest are the DSpark stages, whatever the MTP
+    count keys say); otherwise the MTP entries are padded or cut to n_mtp."""
+    dspark = dspark_from_dict(d, ratios, n_layers)
+    if dspark is not None:
+        out.update(dspark=dspark, n_mtp_layers=0)
+        if ratios is not None:
+            out["compress_ratios"] = ratios[:n_layers]
+    elif ratios is not None:
+        out["compress_ratios"] = _pad_mtp(ratios, n_layers, n_mtp)
 
 
 def _pad_mtp(ratios: list[int], n_layers: int, n_mtp: int) -> list[int]:
@@ -417,7 +454,8 @@ def _from_hf(d: dict[str, Any]) -> dict[str, Any]:
     else:
         # transformers' default schedule (2x HCA bootstrap, then CSA/HCA alternation)
         ratios = [128] * min(n_layers, 2) + [4 if i % 2 else 128 for i in range(max(n_layers - 2, 0))]
-    out["compress_ratios"] = _pad_mtp(ratios, n_layers, n_mtp)
+    # (layer_types has one entry per main layer: a DSpark config that gives only those leaves its stage count open)
+    _split_ratios(d, out, ratios, n_layers, n_mtp)
 
     # hash layers: legacy num_hash_layers > leading "hash_moe" entries of mlp_layer_types
     if d.get("num_hash_layers") is not None or d.get("n_hash_layers") is not None:
