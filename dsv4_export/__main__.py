@@ -30,7 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
     b = sub.add_parser("build", help="export prefill + decode and compile them into one .pt2")
-    b.add_argument("--model", required=True, help="checkpoint directory (any layout dsv4_model.checkpoint.loader reads)")
+    b.add_argument("--model", required=True, help="checkpoint directory (any layout dsv4_model.checkpoint.loader "
+                   "reads), or a Hugging Face repo id ORG/NAME[@REV] in the local HF cache")
     b.add_argument("--out", required=True, help="package path, must end in .pt2")
     b.add_argument("--max-batch-size", type=int, default=1)
     b.add_argument("--max-seq-len", type=int, default=4096)

@@ -377,12 +377,16 @@ def build_from_checkpoint(path: str, out: str, *, max_batch_size: int, max_seq_l
                           prefill_lengths: Sequence[int] | None = None, save_exported_programs: bool = True,
                           verbose: bool = True, allow_beyond_max_position: bool = False,
                           jobs: int | None = None, prefill_chunks: Sequence[int] = ()) -> str:
-    """Loads a checkpoint with ``dsv4_model.checkpoint.loader.load_model`` and exports it (see ``build_package``).
+    """Loads a checkpoint (a directory, or a Hugging Face repo id in the local HF cache: see
+    ``dsv4_model.checkpoint.hub``) with ``dsv4_model.checkpoint.loader.load_model`` and exports it (see
+    ``build_package``).
 
     ``quant`` / ``act_quant``: as for the loader ("nvfp4" converts the weights at load: the exported graphs then
     call dsv4::nvfp4_linear / nvfp4_moe; None keeps what the checkpoint stores)."""
+    from dsv4_model.checkpoint.hub import resolve_checkpoint
     from dsv4_model.checkpoint.loader import load_model
 
+    path = resolve_checkpoint(path, "--model")
     _log(verbose, f"loading {path} on {device} ({dtype}) ...")
     model, config = load_model(path, device=device, dtype=dtype, max_batch_size=max_batch_size,
                                max_seq_len=max_seq_len, simulate_quant=simulate_quant, progress=verbose,

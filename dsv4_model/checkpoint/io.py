@@ -100,6 +100,33 @@ def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
+def _inside(root: Path, name: str) -> Path | None:
+    """`root / name` if that path, taken lexically (before any symlink), stays inside `root`; None for an absolute
+    name or one whose `..` climbs out. The index names the files; where a symlinked file then points is the
+    folder's business (see _check_link)."""
+    base = os.path.abspath(root)
+    path = os.path.normpath(os.path.join(base, name))
+    return Path(path) if path != base and os.path.commonpath([base, path]) == base else None
+
+
+def _hf_repo_dir(root: str | os.PathLike) -> Path | None:
+    """`.../models--ORG--NAME` when `root` is a snapshot of the Hugging Face hub cache
+    (`.../models--ORG--NAME/snapshots/REV`, whose files are symlinks into `../../blobs/`), else None."""
+    snaps = Path(os.path.abspath(root)).parent
+    return snaps.parent if snaps.name == "snapshots" and snaps.parent.name.startswith("models--") else None
+
+
+def _check_link(root: Path, path: Path) -> None:
+    """A symlinked shard of a Hugging Face cache snapshot must point inside that repo's cache folder (its blobs);
+    in any other folder a symlink is followed wherever it points (the folder's owner made it, not the index)."""
+    repo = _hf_repo_dir(root)
+    if repo is None:
+        return
+    target, repo = path.resolve(), repo.resolve()
+    if repo not in target.parents:
+        raise CheckpointError(f"{path}: resolves to {target}, outside its Hugging Face cache folder {repo}")
+
+
 def list_tensors(ckpt_dir: str | os.PathLike) -> dict[str, TensorInfo]:
     """Inventory of every tensor of the checkpoint in `ckpt_dir`: via `model.safetensors.index.json`
     if present, else `model.safetensors`, else all `*.safetensors` files in the directory."""
@@ -115,12 +142,13 @@ def list_tensors(ckpt_dir: str | os.PathLike) -> dict[str, TensorInfo]:
             raise CheckpointError(f"{index_path}: weight_map must map tensor names to shard file names")
         headers: dict[str, dict] = {}
         for key, shard in weight_map.items():
-            shard_path = (root / shard).resolve()
-            if root.resolve() not in shard_path.parents:
+            shard_path = _inside(root, shard)
+            if shard_path is None:
                 raise CheckpointError(f"{index_path}: shard {shard!r} of {key!r} lies outside {root}")
             if shard not in headers:
                 if not shard_path.is_file():
                     raise CheckpointError(f"{index_path}: shard file {shard!r} (holding {key!r}) does not exist")
+                _check_link(root, shard_path)
                 headers[shard] = read_header(shard_path)
             if key not in headers[shard]:
                 raise CheckpointError(f"{index_path}: {key!r} is mapped to {shard!r} but that shard has no such tensor")
@@ -131,6 +159,7 @@ def list_tensors(ckpt_dir: str | os.PathLike) -> dict[str, TensorInfo]:
     if not files:
         raise CheckpointError(f"{root}: no {INDEX_NAME}, {SINGLE_NAME} or *.safetensors files")
     for path in files:
+        _check_link(root, path)
         for key, (dtype, shape) in read_header(path).items():
             if key in out:
                 raise CheckpointError(f"{key!r} appears in both {out[key].file.name} and {path.name}")

@@ -57,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m dsv4_model", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     g = sub.add_parser("generate", help="stream a completion of --prompt")
-    g.add_argument("--model", help="checkpoint directory (hf / official / dsv4 layout); default: built-in")
+    g.add_argument("--model", help="checkpoint directory (hf / official / dsv4 layout), or a Hugging Face repo id "
+                   "ORG/NAME[@REV] already in the local HF cache; default: built-in")
     g.add_argument("--prompt", action="append", required=True,
                    help="prompt text; repeat for a batch (completions are printed one after another); bytes that "
                         "are not UTF-8 are replaced with U+FFFD (said on stderr)")
@@ -184,9 +185,9 @@ def cmd_generate(args) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # rank 0 streams the text
     prompts = [_prompt_text(p, i) for i, p in enumerate(args.prompt)]
     if args.model:
-        path = Path(args.model)
-        if not path.is_dir():
-            raise ValueError(f"--model {args.model}: no such checkpoint directory")
+        from dsv4_model.checkpoint.hub import resolve_checkpoint
+
+        path = resolve_checkpoint(args.model, "--model")
     else:
         path, what = default_model_path()
         _note(what)

@@ -284,6 +284,34 @@ class DecodeRunner:
         o.add_(1)
         return nxt
 
+    # ------------------------------------------------------------------ rows joining and leaving (the scheduler)
+    @torch.no_grad()
+    def sample_rows(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """The first token of each of `rows` from prefill logits (row r's at logits[r]), drawn with that row's
+        sampler row at offset 0, as sample_first draws it; it becomes the row's next input. Returns the ids [len(rows)]."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        s = self.sampler
+        s.offset.index_fill_(0, idx, 0)
+        nxt = ops.sample(logits.index_select(0, idx).float(), temperature=s.temperature[idx], top_k=s.top_k[idx],
+                         top_p=s.top_p[idx], seed=s.seed[idx], offset=s.offset[idx])
+        self.tokens.index_copy_(0, idx, nxt)
+        s.offset.index_fill_(0, idx, 1)
+        return nxt
+
+    @torch.no_grad()
+    def launch(self, rows: int, positions: torch.Tensor) -> torch.Tensor:
+        """One decode step over rows [:rows] (padded to their bucket, which prepare() must have built), each row at
+        positions[r] (a host tensor of the bucket's length; the host decides every row's position each step, so a
+        row that is not decoding can be held where its writes are harmless: docs/architecture.md). Returns the
+        next ids [rows] (a static buffer in graph modes)."""
+        n = self.bucket(rows)
+        if (self.compile or self.cuda_graphs) and self._key(n) not in self._ready:
+            raise RuntimeError(f"batch bucket {n} is not prepared: prepare it before any row holds a sequence")
+        self.padded, self.rows = n, rows
+        self.positions[:n].copy_(positions[:n], non_blocking=True)
+        _, nxt = self._run()
+        return nxt[:rows]
+
     # ------------------------------------------------------------------ steady state
     @torch.no_grad()
     def step(self, replay: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

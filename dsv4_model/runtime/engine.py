@@ -43,14 +43,17 @@ class Engine(EngineSession):
                         cuda_graphs: bool | None = None, graph_mode: str = "manual", quant: str | None = None,
                         act_quant: str | None = None, runner_options: RunnerOptions | None = None,
                         prefill_chunk: int = DEFAULT_PREFILL_CHUNK, **options) -> "Engine":
-        """Load a checkpoint directory via `dsv4_model.checkpoint.loader.load_model`; `options` go to the loader
-        (e.g. layout=, load_mtp=, progress=). compile / cuda_graphs / graph_mode: how generate() runs decode
-        steps (`RunnerOptions`; or pass runner_options, which then replaces them).
+        """Load a checkpoint directory, or a Hugging Face repo id `org/name[@rev]` in the local HF cache
+        (`dsv4_model.checkpoint.hub.resolve_checkpoint`), via `dsv4_model.checkpoint.loader.load_model`; `options`
+        go to the loader (e.g. layout=, load_mtp=, progress=). compile / cuda_graphs / graph_mode: how generate()
+        runs decode steps (`RunnerOptions`; or pass runner_options, which then replaces them).
         quant: "none" | "nvfp4" (NVFP4 weights, see dsv4_model/quant/quantize_model.py) | None (as stored);
         act_quant: "none" (W4A16) | "nvfp4" (W4A4) | None (as stored / "none")."""
+        from dsv4_model.checkpoint.hub import resolve_checkpoint
         from dsv4_model.checkpoint.loader import load_model
 
         check_positive_int(prefill_chunk, "prefill_chunk")  # before any weight is read
+        path = resolve_checkpoint(path)
         model, config = load_model(path, device=device, dtype=dtype, max_batch_size=max_batch_size,
                                    max_seq_len=max_seq_len, simulate_quant=simulate_quant, quant=quant,
                                    act_quant=act_quant, **options)

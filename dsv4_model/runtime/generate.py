@@ -26,7 +26,7 @@ StreamCallback = Callable[[int, "int | None", "str | None"], None]
 @dataclass
 class GenerationResult:
     token_ids: list[list[int]]  # generated ids per prompt (stop tokens not included)
-    texts: list[str] | None  # decoded `token_ids` when a tokenizer was used
+    texts: list[str] | None  # decoded `token_ids` (the engine's tokenizer, or the one passed)
     # "stop" (EOS / stop id), "length" (max_new_tokens) or "max_seq_len" (cut short: the caches are full)
     finish_reasons: list[str]
     prompt_lengths: list[int]
@@ -127,7 +127,8 @@ def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0
     texts_in = all(isinstance(p, str) for p in prompts)
     if not texts_in and not all(isinstance(p, (list, tuple)) for p in prompts):
         raise ValueError("prompts must be all strings or all token-id lists")
-    tok = tokenizer if tokenizer is not None else (engine.get_tokenizer() if texts_in or stream else None)
+    # id prompts get texts too: the caller may want the words without a second decode pass
+    tok = tokenizer if tokenizer is not None else engine.get_tokenizer()
     ids = [tok.encode(p, add_bos=add_bos) for p in prompts] if texts_in else [list(map(int, p)) for p in prompts]
     if any(len(p) == 0 for p in ids):
         raise ValueError("every prompt needs at least one token")

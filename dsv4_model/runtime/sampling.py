@@ -6,6 +6,7 @@ because `offset` is incremented on the device, never because a Python value chan
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,8 @@ from dsv4_ops import ops
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature <= 0: greedy. top_k = 0 and top_p >= 1 switch those filters off. The draws of a row
-    depend only on (seed, step): `generate` gives prompt i the seed `seed + i`."""
+    depend only on (seed, step): `generate` gives prompt i the seed `seed + i`. The seed is the sampler's 64-bit
+    Philox key: any int in [SEED_MIN, SEED_MAX] (int64 or uint64), taken modulo 2**64."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -24,13 +26,23 @@ class SamplingParams:
     seed: int = 0
 
     def validate(self) -> "SamplingParams":
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # nan and inf too: they would sample from nan probabilities
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be an int in [-2**63, 2**64 - 1] (a 64-bit key), got {self.seed!r}")
         return self
+
+
+SEED_MIN, SEED_MAX = -2**63, 2**64 - 1
+
+
+def seed_key(seed: int) -> int:
+    """The seed as the int64 the sampler's seed tensor holds (two's complement of seed mod 2**64)."""
+    return (int(seed) + 2**63) % 2**64 - 2**63
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -60,11 +72,19 @@ class SamplerBuffers:
             "temperature": torch.tensor([p.temperature for p in params] + [0.0] * pad, dtype=torch.float32),
             "top_k": torch.tensor([p.top_k for p in params] + [0] * pad, dtype=torch.int64),
             "top_p": torch.tensor([p.top_p for p in params] + [1.0] * pad, dtype=torch.float32),
-            "seed": torch.tensor([p.seed for p in params] + [0] * pad, dtype=torch.int64),
+            "seed": torch.tensor([seed_key(p.seed) for p in params] + [0] * pad, dtype=torch.int64),
         }
         for name, t in host.items():
             getattr(self, name).copy_(t)
         self.offset.zero_()
+
+    def set_row(self, row: int, params: SamplingParams) -> None:
+        """Row `row` gets params and offset 0 (a request admitted into a running batch); the others keep theirs."""
+        self.temperature[row] = float(params.temperature)
+        self.top_k[row] = int(params.top_k)
+        self.top_p[row] = float(params.top_p)
+        self.seed[row] = seed_key(params.seed)
+        self.offset[row] = 0
 
     def rows(self, n: int) -> tuple[torch.Tensor, ...]:
         """(temperature, top_k, top_p, seed, offset) views of rows [:n]."""

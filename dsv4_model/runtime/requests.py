@@ -1,0 +1,154 @@
+"""A generation request as the scheduler sees it: prompt ids, its own sampling parameters and stops, and what it
+has produced so far (token ids, incremental text, finish reason, timings). Host-side only: no tensors."""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from dsv4_model.checkpoint.tokenizer import StreamDecoder
+from dsv4_model.runtime.sampling import SamplingParams
+
+FINISH_REASONS = ("stop", "length", "max_seq_len", "cancelled")
+
+# on_token(request, token_id, text): every emitted token in order; `text` is the text it adds ("" while a UTF-8
+# character or a possible stop string is incomplete; None without a tokenizer). A final call with token_id None
+# carries held-back text when the request ends.
+TokenCallback = Callable[["Request", "int | None", "str | None"], None]
+
+_ids = itertools.count()
+
+
+@dataclass
+class Timings:
+    """perf_counter() seconds: submitted, given a row, first token read, finished."""
+
+    submitted: float = 0.0
+    admitted: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+    @property
+    def queue_s(self) -> float | None:
+        return None if self.admitted is None else self.admitted - self.submitted
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token, from submission."""
+        return None if self.first_token is None else self.first_token - self.submitted
+
+
+@dataclass(eq=False)
+class Request:
+    """prompt: token ids (BOS included when wanted). max_tokens: generated tokens at most. stop_ids: ids that end
+    the request (not returned; the model's EOS is added by the scheduler unless ignore_eos). stop: strings that end
+    it (the text is cut before the match; the ids keep the token that completed it)."""
+
+    prompt: list[int]
+    params: SamplingParams = SamplingParams()
+    max_tokens: int = 16
+    stop_ids: frozenset[int] = frozenset()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    on_token: TokenCallback | None = None
+    on_finish: Callable[["Request"], None] | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+
+    # results
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    timings: Timings = field(default_factory=Timings)
+    token_times: list[float] = field(default_factory=list)
+    reused_tokens: int = 0  # prompt tokens whose caches a finished request's row already held
+
+    def __post_init__(self):
+        self.prompt = [int(t) for t in self.prompt]
+        self.stop_ids = frozenset(int(t) for t in self.stop_ids)
+        self.stop = tuple(self.stop)
+        self._cancel = threading.Event()
+        self._done = threading.Event()
+        self._decoder: StreamDecoder | None = None
+        self._shown = 0  # characters of `text` already streamed
+
+    # ------------------------------------------------------------------ caller side
+    def cancel(self) -> None:
+        """From any thread: the request ends ("cancelled") and frees its row at the next step boundary."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first."""
+        t = self.token_times
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+
+    # ------------------------------------------------------------------ scheduler side
+    def start_text(self, tokenizer) -> None:
+        self._decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
+
+    def add_token(self, token_id: int, now: float) -> bool:
+        """Keep token_id (not a stop id); stream it. True when a stop string ended the request."""
+        self.token_ids.append(token_id)
+        self.token_times.append(now)
+        if self.timings.first_token is None:
+            self.timings.first_token = now
+        if self._decoder is None:
+            if self.on_token is not None:
+                self.on_token(self, token_id, None)
+            return False
+        self.text += self._decoder.push(token_id)
+        hit = self._cut_at_stop()
+        self._stream(token_id, final=hit)
+        return hit
+
+    def finish(self, reason: str, now: float) -> None:
+        if self.finish_reason is not None:
+            return
+        self.finish_reason = reason
+        self.timings.finished = now
+        if self._decoder is not None and reason != "stop":
+            self.text += self._decoder.flush()
+            self._cut_at_stop()
+        if self._decoder is not None:
+            self._stream(None, final=True)
+        if self.on_finish is not None:
+            self.on_finish(self)
+        self._done.set()
+
+    def _cut_at_stop(self) -> bool:
+        if not self.stop:
+            return False
+        # a match may straddle what was already shown only by what was held back, so search from there
+        lo = max(0, self._shown - max(len(s) for s in self.stop))
+        hits = [i for i in (self.text.find(s, lo) for s in self.stop) if i >= 0]
+        if not hits:
+            return False
+        self.text = self.text[: min(hits)]
+        return True
+
+    def _held_back(self) -> int:
+        """Characters at the end of `text` that may begin a stop string: not streamed yet."""
+        for n in range(min(len(self.text), max((len(s) for s in self.stop), default=1) - 1), 0, -1):
+            if any(s.startswith(self.text[-n:]) for s in self.stop):
+                return n
+        return 0
+
+    def _stream(self, token_id: int | None, final: bool) -> None:
+        end = len(self.text) if final else len(self.text) - self._held_back()
+        delta = self.text[self._shown:end]
+        self._shown = max(self._shown, end)
+        if self.on_token is not None and (token_id is not None or delta):
+            self.on_token(self, token_id, delta)

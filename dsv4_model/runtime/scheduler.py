@@ -1,0 +1,356 @@
+"""Continuous batching: requests join and leave a running batch between decode steps.
+
+The cache rows are slots. Each iteration (`Scheduler.step`):
+  1. cancelled requests end and free their rows;
+  2. waiting requests take free rows (a row whose cached sequence the prompt extends is reused: only the new
+     tokens are prefilled);
+  3. one prefill chunk runs for rows still reading their prompt (each row's chunks are `max_prefill_tokens` long
+     from its own start, several rows per chunk while the budget lasts), and the rows that finish their prompt
+     sample their first token;
+  4. one decode step runs for the rows that are generating, in the smallest bucket holding the highest of them;
+  5. the host reads the previous iteration's ids (one device -> host copy per iteration), emits tokens and ends
+     requests, while the device runs this iteration's work.
+
+Rows never move. A row inside the decode bucket that is not generating (free, or between its prompt's chunks)
+rides along at the position where its next token would go: what the step writes there (window ring, compressor
+state, an entry closing there) is what that row's next prefill or decode rewrites before anything reads it, so
+it changes nothing (docs/architecture.md, "Continuous batching"). The price: a bucket may hold idle rows
+when live rows are not the lowest ones; new requests take the lowest free rows to keep buckets small.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dsv4_model.model.checks import check_positive_int
+from dsv4_model.runtime.requests import Request
+
+DEFAULT_MAX_PREFILL_TOKENS = 2048
+
+
+@dataclass
+class _Row:
+    """One cache row. `seq` holds the tokens at positions [0, filled) once every fed id has been read back (and
+    the latest sampled one after them); `owner` is the request whose sequence that is, kept after it ends so a
+    later prompt that extends it can reuse the caches."""
+
+    index: int
+    req: Request | None = None
+    phase: str = "free"  # "free" | "prefill" | "decode"
+    filled: int = 0  # the next position this row's sequence writes
+    seq: list[int] = field(default_factory=list)
+    owner: int | None = None
+    produced: int = 0  # tokens of `req` launched: its first (from prefill) and one per decode step
+    cap: int = 0  # tokens `req` may produce: max_tokens, or fewer where max_seq_len ends it
+    last_used: float = 0.0
+
+    def harmless_position(self, max_seq_len: int) -> int:
+        if self.filled >= max_seq_len:  # no continuation possible: the row's content is dropped
+            self.owner, self.seq, self.filled = None, [], 0
+        return self.filled
+
+
+@dataclass
+class _Flight:
+    """What one iteration launched and the host has not read yet: [(row, request)] and their ids."""
+
+    first: list[tuple[int, Request]] = field(default_factory=list)
+    first_ids: torch.Tensor | None = None
+    decode: list[tuple[int, Request]] = field(default_factory=list)
+    decode_ids: torch.Tensor | None = None
+    event: object = None
+
+    def empty(self) -> bool:
+        return not self.first and not self.decode
+
+
+@dataclass
+class SchedulerStats:
+    iterations: int = 0
+    decode_steps: int = 0
+    prefill_chunks: int = 0
+    prefill_tokens: int = 0
+    reuse_hits: int = 0
+    reused_tokens: int = 0
+    decode_rows: int = 0  # sum over decode steps of the rows generating
+    decode_bucket_rows: int = 0  # sum over decode steps of the bucket's rows
+
+
+class Scheduler:
+    """Serves `Request`s on `engine` (an Engine: `model`, `runner()`, `prefill_at`, `get_tokenizer`).
+
+    submit() from any thread; step() / run_until_idle() / serve_forever() on one thread. max_prefill_tokens: prompt
+    tokens per iteration (a long prompt delays the generating rows by at most one chunk per token they emit).
+    reuse: keep finished rows' sequences for prompts that extend them (evicted least recently used)."""
+
+    def __init__(self, engine, *, max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, reuse: bool = True):
+        check_positive_int(max_prefill_tokens, "max_prefill_tokens")
+        self.engine = engine
+        self.max_prefill_tokens = max_prefill_tokens
+        self.reuse = reuse
+        self.max_seq_len = engine.max_seq_len
+        self.eos = int(engine.config.eos_token_id)
+        self.tokenizer = engine.get_tokenizer()
+        self.runner = engine.runner()
+        # compile / capture every bucket now: warm-up steps scribble on cache rows, which later hold sequences
+        self.runner.prepare_all()
+        self.rows = [_Row(i) for i in range(self.runner.max_rows)]
+        self.stats = SchedulerStats()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._lock = threading.Condition()
+        self._flight: _Flight | None = None
+        self._on_cuda = self.runner.device.type == "cuda"
+        self._pos_host = [torch.zeros(self.runner.max_rows, dtype=torch.long, pin_memory=self._on_cuda)
+                          for _ in range(2)]
+        self._ids_host = [torch.zeros(2 * self.runner.max_rows, dtype=torch.long, pin_memory=self._on_cuda)
+                          for _ in range(2)]
+        self._slot = 0
+        self._stopping = False
+        engine.reset()
+
+    # ------------------------------------------------------------------ callers
+    def submit(self, req: Request) -> Request:
+        """Queue `req` (checked here: a bad request raises ValueError and is not queued)."""
+        self._check(req)
+        req.timings.submitted = time.perf_counter()
+        req.start_text(self.tokenizer)
+        with self._lock:
+            self._waiting.append(req)
+            self._lock.notify()
+        return req
+
+    def _check(self, req: Request) -> None:
+        vocab = self.engine.vocab_size
+        if not req.prompt:
+            raise ValueError("prompt: needs at least one token")
+        if len(req.prompt) > self.max_seq_len:
+            raise ValueError(f"prompt: {len(req.prompt)} tokens exceed max_seq_len={self.max_seq_len}")
+        bad = [t for t in req.prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} outside [0, vocab_size={vocab})")
+        check_positive_int(req.max_tokens, "max_tokens")
+        req.params.validate()
+        if any(not isinstance(s, str) or not s for s in req.stop):
+            raise ValueError("stop: every stop string must be a non-empty string")
+
+    def idle(self) -> bool:
+        with self._lock:
+            waiting = bool(self._waiting)
+        return not waiting and self._flight is None and all(r.req is None for r in self.rows)
+
+    # ------------------------------------------------------------------ the loop
+    def run_until_idle(self) -> None:
+        while not self.idle():
+            self.step()
+
+    def serve_forever(self, poll_s: float = 0.05) -> None:
+        """Step while there is work, sleep on the queue while there is none, until stop()."""
+        while not self._stopping:
+            if self.idle():
+                with self._lock:
+                    if not self._waiting and not self._stopping:
+                        self._lock.wait(poll_s)
+                continue
+            self.step()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        now = time.perf_counter()
+        self._end_cancelled(now)
+        self._admit(now)
+        flight = self._launch()
+        if self._flight is not None:
+            self._read(self._flight)
+        self._flight = None if flight.empty() else flight
+        self.stats.iterations += 1
+
+    # ------------------------------------------------------------------ admission
+    def _end_cancelled(self, now: float) -> None:
+        with self._lock:
+            gone = [r for r in self._waiting if r.cancelled]
+            for r in gone:
+                self._waiting.remove(r)
+        for r in gone:
+            r.finish("cancelled", now)
+        for row in self.rows:
+            if row.req is not None and row.req.cancelled:
+                self._free(row, "cancelled", now)
+
+    def _admit(self, now: float) -> None:
+        while True:
+            with self._lock:
+                if not self._waiting:
+                    return
+                row, start = self._place(self._waiting[0].prompt)
+                if row is None:
+                    return
+                req = self._waiting.popleft()
+            if start == 0:
+                row.owner, row.seq, row.filled = req.id, [], 0
+            else:
+                self.stats.reuse_hits += 1
+                self.stats.reused_tokens += start
+                req.reused_tokens = start
+                row.owner, row.seq, row.filled = req.id, row.seq[:start], start
+            row.req, row.phase, row.produced, row.last_used = req, "prefill", 0, now
+            row.cap = min(req.max_tokens, 1 + self.max_seq_len - len(req.prompt))
+            req.timings.admitted = now
+            self.runner.sampler.set_row(row.index, req.params)
+
+    def _place(self, prompt: list[int]) -> tuple[_Row | None, int]:
+        """(row, first position to prefill) for a prompt: a free row whose sequence it extends, else the lowest
+        free empty row, else the least recently used free row."""
+        free = [r for r in self.rows if r.req is None]
+        if not free:
+            return None, 0
+        if self.reuse:
+            best, best_len = None, 0
+            for r in free:
+                n = self._reusable(r, prompt)
+                if n > best_len:
+                    best, best_len = r, n
+            if best is not None:
+                return best, best_len
+        empty = [r for r in free if r.owner is None]
+        if empty:
+            return empty[0], 0
+        return min(free, key=lambda r: r.last_used), 0
+
+    def _reusable(self, row: _Row, prompt: list[int]) -> int:
+        """Prompt positions row's caches already hold: the whole written sequence, or all of it but the last
+        position (whose rewrite is harmless); 0 when the prompt does not extend it (a shorter shared prefix is no
+        use: positions written after it have overwritten the window ring and compressor state it needs)."""
+        n = row.filled
+        if row.owner is None or n == 0 or len(row.seq) < n or n >= self.max_seq_len:
+            return 0
+        common = 0
+        for a, b in zip(prompt, row.seq[:n]):
+            if a != b:
+                break
+            common += 1
+        start = min(common, n, len(prompt) - 1)  # the prompt's last token is always prefilled (its logits)
+        return start if start >= max(1, n - 1) else 0
+
+    def _free(self, row: _Row, reason: str, now: float) -> None:
+        req = row.req
+        row.req, row.phase, row.last_used = None, "free", now
+        if not self.reuse:
+            row.owner = None
+        req.finish(reason, now)
+
+    # ------------------------------------------------------------------ device work
+    def _launch(self) -> _Flight:
+        flight = _Flight()
+        slot = self._slot
+        self._slot ^= 1
+        self._prefill_chunk(flight)
+        self._decode_step(flight, slot)
+        host = self._ids_host[slot]
+        nf = len(flight.first)
+        if nf:
+            host[:nf].copy_(flight.first_ids, non_blocking=self._on_cuda)
+        nd = 0
+        if flight.decode:  # rows [:highest live + 1]: read by row index
+            nd = flight.decode_ids.shape[0]
+            host[nf:nf + nd].copy_(flight.decode_ids, non_blocking=self._on_cuda)
+        if self._on_cuda and not flight.empty():
+            flight.event = torch.cuda.Event()
+            flight.event.record()
+        flight.first_ids = host[:nf]
+        flight.decode_ids = host[nf:nf + nd]
+        return flight
+
+    def _prefill_chunk(self, flight: _Flight) -> None:
+        budget = self.max_prefill_tokens
+        parts: list[tuple[_Row, int]] = []
+        for row in sorted((r for r in self.rows if r.phase == "prefill"), key=lambda r: r.req.timings.admitted):
+            n = min(len(row.req.prompt) - row.filled, self.max_prefill_tokens)
+            if parts and n > budget:
+                break
+            parts.append((row, n))
+            budget -= n
+            if budget <= 0:
+                break
+        if not parts:
+            return
+        B = max(r.index for r, _ in parts) + 1
+        S = max(n for _, n in parts)
+        tokens = torch.zeros(B, S, dtype=torch.long)
+        lengths = torch.zeros(B, dtype=torch.long)
+        # a row not in the chunk starts where its sequence ends (a row "from position 0" would restart its state)
+        start = torch.tensor([min(r.filled, self.max_seq_len - 1) for r in self.rows[:B]], dtype=torch.long)
+        for row, n in parts:
+            s = row.filled
+            tokens[row.index, :n] = torch.tensor(row.req.prompt[s:s + n])
+            lengths[row.index], start[row.index] = n, s
+            row.seq.extend(row.req.prompt[s:s + n])
+            row.filled += n
+        logits = self.engine.prefill_at(tokens, lengths, start)
+        self.stats.prefill_chunks += 1
+        self.stats.prefill_tokens += sum(n for _, n in parts)
+        done = [row for row, _ in parts if row.filled == len(row.req.prompt)]
+        if done:
+            flight.first_ids = self.runner.sample_rows(logits, [r.index for r in done])
+            flight.first = [(r.index, r.req) for r in done]
+            for r in done:
+                r.phase, r.produced = "decode", 1
+
+    def _decode_step(self, flight: _Flight, slot: int) -> None:
+        live = [r for r in self.rows if r.phase == "decode" and r.produced < r.cap]
+        if not live:
+            return
+        n = live[-1].index + 1
+        bucket = self.runner.bucket(n)
+        pos = self._pos_host[slot]
+        for r in self.rows[:bucket]:
+            pos[r.index] = r.filled if (r.phase == "decode" and r.produced < r.cap) else \
+                r.harmless_position(self.max_seq_len)
+        flight.decode_ids = self.runner.launch(n, pos)
+        flight.decode = [(r.index, r.req) for r in live]
+        for r in live:
+            r.filled += 1
+            r.produced += 1
+        self.stats.decode_steps += 1
+        self.stats.decode_rows += len(live)
+        self.stats.decode_bucket_rows += bucket
+
+    # ------------------------------------------------------------------ host side of the results
+    def _read(self, flight: _Flight) -> None:
+        if flight.event is not None:
+            flight.event.synchronize()
+        now = time.perf_counter()
+        first = flight.first_ids.tolist()
+        by_row = flight.decode_ids.tolist()
+        for (i, req), t in zip(flight.first, first):
+            self._take(i, req, t, now)
+        for i, req in flight.decode:
+            self._take(i, req, by_row[i], now)
+
+    def _take(self, i: int, req: Request, t: int, now: float) -> None:
+        """Token t sampled for request req in row i."""
+        row = self.rows[i]
+        if row.owner == req.id:
+            row.seq.append(t)  # fed to the row's next step, if it runs one
+        if row.req is req and req.finish_reason is None:
+            self._emit(row, t, now)
+
+    def _emit(self, row: _Row, t: int, now: float) -> None:
+        req = row.req
+        if t in req.stop_ids or (t == self.eos and not req.ignore_eos):
+            self._free(row, "stop", now)
+            return
+        if req.add_token(t, now):
+            self._free(row, "stop", now)
+        elif len(req.token_ids) >= req.max_tokens:
+            self._free(row, "length", now)
+        elif len(req.token_ids) >= row.cap:
+            self._free(row, "max_seq_len", now)

@@ -1,0 +1,226 @@
+"""Continuous batching (dsv4_model.runtime.scheduler): requests joining and leaving a running batch get the tokens
+they get alone; cancellation, reuse of a finished row's caches, interleaved prefill chunks, stops."""
+import threading
+
+import pytest
+import torch
+
+import dsv4_ops  # noqa: F401
+from dsv4_model.checkpoint.builtin import DEFAULT_MODEL_DIR
+from dsv4_model.checkpoint.writer import write_tiny_checkpoint
+from dsv4_model.runtime.engine import Engine
+from dsv4_model.runtime.generate import generate
+from dsv4_model.runtime.requests import Request
+from dsv4_model.runtime.sampling import SamplingParams
+from dsv4_model.runtime.scheduler import Scheduler
+
+# the built-in model: window 64, compress ratios 4 and 16; prompts and generations below cross them
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser(description='copy files')\n"
+    "    parser.add_argument('src')\n    parser.add_argument('dst')\n    args = parser.parse_args(argv)\n",
+    "class Stack:",
+    "x = 1",
+    "for i in range(10):\n    print(i)\n    if i % 3 == 0:\n        continue\n",
+    "def f(x):",
+    "# Copyright 2001 Python Software Foundation\n\"\"\"Utilities for reading and writing files.\"\"\"\n\nimport io\n",
+]
+MAX_TOKENS = [40, 75, 9, 30, 50, 21, 66]
+
+
+def _params(i: int) -> SamplingParams:
+    if i % 2 == 0:
+        return SamplingParams(seed=100 + i)
+    return SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=100 + i)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    torch.set_num_threads(1)  # the CPU kernels' row results do not depend on it; the machine has 2 cores
+    return Engine.from_pretrained(DEFAULT_MODEL_DIR, device="cpu", dtype=torch.bfloat16, max_batch_size=4,
+                                  max_seq_len=512, quant="none", progress=False)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(engine):
+    tok = engine.get_tokenizer()
+    return [tok.encode(p) for p in PROMPTS]
+
+
+def _alone(engine, ids, i, chunk=24, **kw) -> Request:
+    s = Scheduler(engine, max_prefill_tokens=chunk)
+    r = s.submit(Request(ids, _params(i), MAX_TOKENS[i], **kw))
+    s.run_until_idle()
+    return r
+
+
+@pytest.fixture(scope="module")
+def alone(engine, prompt_ids):
+    return [_alone(engine, ids, i) for i, ids in enumerate(prompt_ids)]
+
+
+def test_staggered_requests_get_their_alone_tokens(engine, prompt_ids, alone):
+    """7 requests (greedy and sampled, prompts of 3..60 tokens, 9..75 new tokens) arriving every few steps into 4
+    rows: each gets exactly the tokens it gets alone."""
+    s = Scheduler(engine, max_prefill_tokens=24)
+    reqs = []
+    for i, ids in enumerate(prompt_ids):
+        reqs.append(s.submit(Request(ids, _params(i), MAX_TOKENS[i])))
+        for _ in range(1 + 2 * i):
+            s.step()
+    s.run_until_idle()
+    for i, (a, r) in enumerate(zip(alone, reqs)):
+        assert r.token_ids == a.token_ids, f"request {i}"
+        assert r.finish_reason == a.finish_reason and r.text == a.text
+    assert s.stats.decode_steps < sum(MAX_TOKENS)  # rows shared steps
+    assert max(len(p) for p in prompt_ids) > 24  # some prompt ran in several chunks
+
+
+def test_greedy_equals_generate(engine, prompt_ids, alone):
+    """The scheduler's greedy tokens are the static generate() loop's (whole-prompt prefill, another loop)."""
+    for i in (0, 2):
+        res = generate(engine, [prompt_ids[i]], max_new_tokens=MAX_TOKENS[i])
+        assert res.token_ids[0] == alone[i].token_ids
+
+
+def test_cancel_frees_the_row_and_changes_no_one_else(engine, prompt_ids, alone):
+    s = Scheduler(engine, max_prefill_tokens=24)
+    seen = threading.Event()
+
+    def on_token(req, t, text):
+        if len(req.token_ids) == 5:
+            seen.set()
+
+    victim = s.submit(Request(prompt_ids[1], _params(1), MAX_TOKENS[1], on_token=on_token))
+    others = [s.submit(Request(prompt_ids[i], _params(i), MAX_TOKENS[i])) for i in (0, 2, 3, 4)]
+    while not seen.is_set():
+        s.step()
+    t = threading.Thread(target=victim.cancel)  # from another thread
+    t.start()
+    t.join()
+    s.run_until_idle()
+    assert victim.finish_reason == "cancelled"
+    assert 5 <= len(victim.token_ids) < MAX_TOKENS[1]
+    assert victim.token_ids == alone[1].token_ids[: len(victim.token_ids)]
+    for i, r in zip((0, 2, 3, 4), others):
+        assert r.token_ids == alone[i].token_ids, f"request {i}"
+    assert all(row.req is None for row in s.rows)
+
+
+def test_second_turn_reuses_the_row(engine, prompt_ids):
+    """A prompt extending a finished request's whole sequence prefills only its new tokens and gives the tokens of
+    a cold run."""
+    tok = engine.get_tokenizer()
+    s = Scheduler(engine, max_prefill_tokens=16)
+    first = s.submit(Request(prompt_ids[0], _params(0), 30, ignore_eos=True))
+    s.run_until_idle()
+    turn2 = prompt_ids[0] + first.token_ids + tok.encode("\n\ndef lucas(n):", add_bos=False)
+    before = s.stats.prefill_tokens
+    second = s.submit(Request(turn2, _params(0), 40))
+    s.run_until_idle()
+    assert s.stats.reuse_hits == 1 and second.reused_tokens >= len(turn2) - len(first.token_ids) - 10
+    assert s.stats.prefill_tokens - before == len(turn2) - second.reused_tokens
+    cold = Scheduler(engine, max_prefill_tokens=16, reuse=False)
+    ref = cold.submit(Request(turn2, _params(0), 40))
+    cold.run_until_idle()
+    assert cold.stats.reuse_hits == 0
+    assert second.token_ids == ref.token_ids
+
+
+def test_unrelated_prompt_does_not_reuse(engine, prompt_ids):
+    s = Scheduler(engine, max_prefill_tokens=16)
+    s.submit(Request(prompt_ids[0], _params(0), 8))
+    s.run_until_idle()
+    s.submit(Request(prompt_ids[2], _params(2), 8))
+    s.run_until_idle()
+    assert s.stats.reuse_hits == 0
+
+
+def test_long_prompt_interleaves_with_decode(engine, prompt_ids):
+    """A prompt of several chunks: the generating row emits tokens between its chunks."""
+    s = Scheduler(engine, max_prefill_tokens=8)
+    events = []
+    real = engine.prefill_at
+
+    def traced(tokens, lengths, start):
+        events.append("chunk")
+        return real(tokens, lengths, start)
+
+    engine.prefill_at = traced
+    try:
+        s.submit(Request(prompt_ids[3], _params(3), 40, on_token=lambda r, t, x: events.append("token")))
+        for _ in range(4):
+            s.step()
+        long = s.submit(Request(prompt_ids[1], _params(1), 4))
+        s.run_until_idle()
+    finally:
+        del engine.prefill_at
+    assert len(prompt_ids[1]) > 4 * 8 and long.finish_reason == "length"
+    chunks = [i for i, e in enumerate(events) if e == "chunk"][1:]  # the long prompt's
+    assert len(chunks) == -(-len(prompt_ids[1]) // 8)
+    assert all("token" in events[a:b] for a, b in zip(chunks, chunks[1:]))
+
+
+def test_stops(engine, prompt_ids, alone):
+    """A stop id ends a request without returning it; a stop string cuts the text before it and is never
+    streamed."""
+    ref = alone[0]
+    streamed = []
+    s = Scheduler(engine)
+    by_id = s.submit(Request(prompt_ids[0], _params(0), MAX_TOKENS[0], stop_ids=frozenset({ref.token_ids[6]})))
+    word = ref.text[len(ref.text) // 2: len(ref.text) // 2 + 3]
+    assert word.strip()
+    by_text = s.submit(Request(prompt_ids[0], _params(0), MAX_TOKENS[0], stop=(word,),
+                               on_token=lambda r, t, x: streamed.append(x or "")))
+    s.run_until_idle()
+    k = ref.token_ids.index(ref.token_ids[6])
+    assert by_id.token_ids == ref.token_ids[:k] and by_id.finish_reason == "stop"
+    assert by_text.finish_reason == "stop" and by_text.text == ref.text[: ref.text.index(word)]
+    assert "".join(streamed) == by_text.text
+    assert by_text.token_ids == ref.token_ids[: len(by_text.token_ids)]
+
+
+def test_more_requests_than_rows_and_max_seq_len(prompt_ids):
+    eng = Engine.from_pretrained(DEFAULT_MODEL_DIR, device="cpu", dtype=torch.bfloat16, max_batch_size=2,
+                                 max_seq_len=64, quant="none", progress=False)
+    s = Scheduler(eng, max_prefill_tokens=32)
+    reqs = [s.submit(Request(prompt_ids[i], _params(i), 100, ignore_eos=True)) for i in (0, 2, 3, 5, 6)]
+    s.run_until_idle()
+    for i, r in zip((0, 2, 3, 5, 6), reqs):
+        assert r.finish_reason == "max_seq_len"
+        assert len(prompt_ids[i]) + len(r.token_ids) == 64 + 1  # the last token needs no cache position
+
+
+def test_bad_requests_are_refused(engine):
+    s = Scheduler(engine)
+    with pytest.raises(ValueError, match="prompt: needs at least one token"):
+        s.submit(Request([]))
+    with pytest.raises(ValueError, match="exceed max_seq_len"):
+        s.submit(Request([5] * 513))
+    with pytest.raises(ValueError, match="outside"):
+        s.submit(Request([5, 4096]))
+    with pytest.raises(ValueError, match="max_tokens"):
+        s.submit(Request([5], max_tokens=0))
+    with pytest.raises(ValueError, match="temperature"):
+        s.submit(Request([5], SamplingParams(temperature=-1.0)))
+    with pytest.raises(ValueError, match="stop"):
+        s.submit(Request([5], stop=("",)))
+    assert s.idle()
+
+
+@pytest.mark.parametrize("layout", ["hf", "official", "dsv4"])
+def test_layouts(tmp_path, layout):
+    """Tiny checkpoints in each layout: staggered requests get generate()'s greedy tokens (fp32)."""
+    write_tiny_checkpoint(tmp_path, layout, seed=3)
+    eng = Engine.from_pretrained(tmp_path, device="cpu", dtype=torch.float32, max_batch_size=3, max_seq_len=128,
+                                 progress=False)
+    prompts = [[1, 5, 9, 13, 2, 7, 30, 31, 8], [1, 4], [1, 17, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 20], [1, 6, 6]]
+    want = [generate(eng, [p], max_new_tokens=20 + 3 * i).token_ids[0] for i, p in enumerate(prompts)]
+    s = Scheduler(eng, max_prefill_tokens=5)
+    reqs = []
+    for i, p in enumerate(prompts):
+        reqs.append(s.submit(Request(p, SamplingParams(), 20 + 3 * i)))
+        s.step()
+        s.step()
+    s.run_until_idle()
+    assert [r.token_ids for r in reqs] == want
