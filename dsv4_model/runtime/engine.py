@@ -69,6 +69,14 @@ class Engine(EngineSession):
         streams at each row's last token [B, hc, dim]) for the first drafts."""
         return prefill_in_chunks(self.model, tokens, lengths, self.prefill_chunk, all_logits, speculate)
 
+    @torch.no_grad()
+    def prefill_at(self, tokens: torch.Tensor, lengths: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """One prefill chunk of rows [:B] each from its own position: tokens [B, S] right-padded, lengths [B] (0: a
+        row left as it is), start [B] -> fp32 logits [B, V] at each row's last token (the scheduler's prefill; the
+        rows' positions and lengths are the caller's to keep)."""
+        dev = self.device
+        return self.model.prefill(tokens.to(dev), lengths.to(dev), start=start.to(dev))
+
     def speculative_runner(self, k: int):
         """The SpeculativeRunner generate(..., speculate=k) steps, built on first use per k from
         `runner_options` (rebuilt when they change)."""
