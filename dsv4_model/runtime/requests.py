@@ -69,6 +69,7 @@ class Request:
         self.stop_ids = frozenset(int(t) for t in self.stop_ids)
         self.stop = tuple(self.stop)
         self._cancel = threading.Event()
+        self._on_cancel: Callable[[], None] | None = None  # the scheduler's wake-up
         self._done = threading.Event()
         self._decoder: StreamDecoder | None = None
         self._shown = 0  # characters of `text` already streamed
@@ -77,6 +78,8 @@ class Request:
     def cancel(self) -> None:
         """From any thread: the request ends ("cancelled") and frees its row at the next step boundary."""
         self._cancel.set()
+        if self._on_cancel is not None:
+            self._on_cancel()
 
     @property
     def cancelled(self) -> bool:
@@ -98,13 +101,12 @@ class Request:
     # ------------------------------------------------------------------ scheduler side
     def start_text(self, tokenizer) -> None:
         self._decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
+        self._plain = self._decoder is None and self.on_token is None  # add_token would only append
 
     def add_token(self, token_id: int, now: float) -> bool:
         """Keep token_id (not a stop id); stream it. True when a stop string ended the request."""
         self.token_ids.append(token_id)
         self.token_times.append(now)
-        if self.timings.first_token is None:
-            self.timings.first_token = now
         if self._decoder is None:
             if self.on_token is not None:
                 self.on_token(self, token_id, None)

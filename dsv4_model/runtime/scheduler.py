@@ -19,6 +19,7 @@ when live rows are not the lowest ones; new requests take the lowest free rows t
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import threading
 import time
@@ -99,6 +100,9 @@ class Scheduler:
         # compile / capture every bucket now: warm-up steps scribble on cache rows, which later hold sequences
         self.runner.prepare_all()
         self.rows = [_Row(i) for i in range(self.runner.max_rows)]
+        self._decoding: list[_Row] = []  # rows in phase "decode", by index (the hot loop's list)
+        self._prefilling: list[_Row] = []  # rows in phase "prefill", in order of admission
+        self._any_cancel = threading.Event()  # set by Request.cancel(): only then are the rows searched
         self.stats = SchedulerStats()
         self._waiting: collections.deque[Request] = collections.deque()
         self._lock = threading.Condition()
@@ -118,6 +122,7 @@ class Scheduler:
         self._check(req)
         req.timings.submitted = time.perf_counter()
         req.start_text(self.tokenizer)
+        req._on_cancel = self._any_cancel.set
         with self._lock:
             self._waiting.append(req)
             self._lock.notify()
@@ -175,6 +180,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission
     def _end_cancelled(self, now: float) -> None:
+        if not self._any_cancel.is_set():
+            return
+        self._any_cancel.clear()
         with self._lock:
             gone = [r for r in self._waiting if r.cancelled]
             for r in gone:
@@ -202,6 +210,7 @@ class Scheduler:
                 req.reused_tokens = start
                 row.owner, row.seq, row.filled = req.id, row.seq[:start], start
             row.req, row.phase, row.produced, row.last_used = req, "prefill", 0, now
+            self._prefilling.append(row)
             row.cap = min(req.max_tokens, 1 + self.max_seq_len - len(req.prompt))
             req.timings.admitted = now
             self.runner.sampler.set_row(row.index, req.params)
@@ -242,6 +251,10 @@ class Scheduler:
 
     def _free(self, row: _Row, reason: str, now: float) -> None:
         req = row.req
+        if row.phase == "decode":
+            self._decoding.remove(row)
+        elif row.phase == "prefill":
+            self._prefilling.remove(row)
         row.req, row.phase, row.last_used = None, "free", now
         if not self.reuse:
             row.owner = None
@@ -272,7 +285,7 @@ class Scheduler:
     def _prefill_chunk(self, flight: _Flight) -> None:
         budget = self.max_prefill_tokens
         parts: list[tuple[_Row, int]] = []
-        for row in sorted((r for r in self.rows if r.phase == "prefill"), key=lambda r: r.req.timings.admitted):
+        for row in self._prefilling:
             n = min(len(row.req.prompt) - row.filled, self.max_prefill_tokens)
             if parts and n > budget:
                 break
@@ -303,18 +316,24 @@ class Scheduler:
             flight.first = [(r.index, r.req) for r in done]
             for r in done:
                 r.phase, r.produced = "decode", 1
+                self._prefilling.remove(r)
+                bisect.insort(self._decoding, r, key=lambda x: x.index)
 
     def _decode_step(self, flight: _Flight, slot: int) -> None:
-        live = [r for r in self.rows if r.phase == "decode" and r.produced < r.cap]
+        live = [r for r in self._decoding if r.produced < r.cap]
         if not live:
             return
         n = live[-1].index + 1
         bucket = self.runner.bucket(n)
-        pos = self._pos_host[slot]
-        for r in self.rows[:bucket]:
-            pos[r.index] = r.filled if (r.phase == "decode" and r.produced < r.cap) else \
-                r.harmless_position(self.max_seq_len)
-        flight.decode_ids = self.runner.launch(n, pos)
+        if len(live) == bucket:
+            pos = [r.filled for r in live]
+        else:  # rows not generating ride along where their writes are harmless
+            pos = [r.harmless_position(self.max_seq_len) for r in self.rows[:bucket]]
+            for r in live:
+                pos[r.index] = r.filled
+        host = self._pos_host[slot]
+        host[:bucket] = torch.tensor(pos, dtype=torch.long)
+        flight.decode_ids = self.runner.launch(n, host)
         flight.decode = [(r.index, r.req) for r in live]
         for r in live:
             r.filled += 1
@@ -328,29 +347,38 @@ class Scheduler:
         if flight.event is not None:
             flight.event.synchronize()
         now = time.perf_counter()
-        first = flight.first_ids.tolist()
+        for (i, req), t in zip(flight.first, flight.first_ids.tolist()):
+            req.timings.first_token = now
+            self._take(self.rows[i], req, t, now)
         by_row = flight.decode_ids.tolist()
-        for (i, req), t in zip(flight.first, first):
-            self._take(i, req, t, now)
-        for i, req in flight.decode:
-            self._take(i, req, by_row[i], now)
+        rows, eos = self.rows, self.eos
+        for i, req in flight.decode:  # the hot loop: one pass per generating row per step
+            t, row = by_row[i], rows[i]
+            if row.owner == req.id:
+                row.seq.append(t)  # fed to the row's next step, if it runs one
+            if row.req is not req or req.finish_reason is not None:
+                continue
+            if t in req.stop_ids or (t == eos and not req.ignore_eos):
+                self._free(row, "stop", now)
+                continue
+            if req._plain:  # no text, no callback: the ids and times alone
+                req.token_ids.append(t)
+                req.token_times.append(now)
+            elif req.add_token(t, now):
+                self._free(row, "stop", now)
+                continue
+            if len(req.token_ids) >= row.cap:
+                self._free(row, "length" if len(req.token_ids) >= req.max_tokens else "max_seq_len", now)
 
-    def _take(self, i: int, req: Request, t: int, now: float) -> None:
-        """Token t sampled for request req in row i."""
-        row = self.rows[i]
+    def _take(self, row: _Row, req: Request, t: int, now: float) -> None:
+        """Token t sampled for request req in `row` (its first, from the prefill logits)."""
         if row.owner == req.id:
-            row.seq.append(t)  # fed to the row's next step, if it runs one
-        if row.req is req and req.finish_reason is None:
-            self._emit(row, t, now)
-
-    def _emit(self, row: _Row, t: int, now: float) -> None:
-        req = row.req
+            row.seq.append(t)
+        if row.req is not req or req.finish_reason is not None:
+            return
         if t in req.stop_ids or (t == self.eos and not req.ignore_eos):
             self._free(row, "stop", now)
-            return
-        if req.add_token(t, now):
+        elif req.add_token(t, now):
             self._free(row, "stop", now)
-        elif len(req.token_ids) >= req.max_tokens:
-            self._free(row, "length", now)
         elif len(req.token_ids) >= row.cap:
-            self._free(row, "max_seq_len", now)
+            self._free(row, "length" if len(req.token_ids) >= req.max_tokens else "max_seq_len", now)
