@@ -133,9 +133,25 @@ def test_unresolvable_references_name_the_argument_and_the_cache(hub_env):
         assert str(e.value).startswith(want) and "\n" not in str(e.value), (ref, str(e.value))
 
 
-def _cli(*args, cache):
-    env = dict(os.environ, HF_HUB_CACHE=str(cache), PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "dsv4_model", "generate", *args], cwd=ROOT, env=env,
+def test_a_partial_download_is_said_as_such(hub_env, monkeypatch):
+    errors = pytest.importorskip("huggingface_hub.errors")
+    if not hasattr(errors, "IncompleteSnapshotError"):
+        pytest.skip("this huggingface_hub does not tell a partial download")
+
+    def partial(repo_id, **kw):
+        raise errors.IncompleteSnapshotError(f"The cached snapshot for '{repo_id}' is incomplete", snapshot_path="x")
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", partial)
+    with pytest.raises(CheckpointError, match=r"--model testorg/tiny-v4: not a directory, and only partly in the "
+                                              r"Hugging Face cache at .* \(an interrupted download: finish it with "
+                                              r"`hf download testorg/tiny-v4`\)$"):
+        resolve_checkpoint("testorg/tiny-v4", "--model")
+
+
+def _cli(*args, cache, module="dsv4_model", command="generate"):
+    env = dict(os.environ, HF_HUB_CACHE=str(cache),
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", module, command, *args], cwd=ROOT, env=env,
                           capture_output=True, timeout=300)
 
 
@@ -151,10 +167,15 @@ def test_the_cli_takes_a_repo_id(hub, reference):
     assert r.stdout.decode() == PROMPT + tok.decode(reference) + "\n"
 
 
-def test_the_cli_refuses_an_uncached_id_in_one_line(hub):
-    r = _cli("--model", "testorg/absent", "--prompt", "x", cache=hub[0])
+@pytest.mark.parametrize("module,args", [("dsv4_model", ["--prompt", "x"]),
+                                         ("dsv4_export", ["--out", "{tmp}/never.pt2", "--device", "cpu"])])
+def test_the_clis_refuse_an_uncached_id_in_one_line(hub, module, args, tmp_path):
+    args = [a.format(tmp=tmp_path) for a in args]
+    r = _cli("--model", "testorg/absent", *args, cache=hub[0], module=module,
+             command="generate" if module == "dsv4_model" else "build")
     lines = r.stderr.decode().splitlines()
     assert r.returncode == 2 and r.stdout == b"" and len(lines) == 1, r.stderr.decode()
+    assert not list(tmp_path.iterdir())
     assert lines[0].startswith(f"error: --model testorg/absent: not a directory, and not in the Hugging Face cache "
                                f"at {hub[0]}"), lines[0]
 
