@@ -7,7 +7,7 @@ PY=${PYTHON:-python3}
 if ! $PY -c 'import torch, sys; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(v < (2, 11))' 2>/dev/null; then
   $PY -m pip install -q torch==2.13.0
 fi
-if ! $PY -c 'import pybind11, scikit_build_core, safetensors, tokenizers, huggingface_hub, transformers, tqdm, pytest, ninja' 2>/dev/null; then
+if ! $PY -c 'import pybind11, scikit_build_core, safetensors, tokenizers, huggingface_hub, transformers, tqdm, pytest, ninja, fastapi, uvicorn, prometheus_client, openai' 2>/dev/null; then
   $PY -m pip install -q -r requirements.txt
 fi
 bash scripts/build_ops.sh

@@ -1,0 +1,307 @@
+"""The FastAPI app: OpenAI routes on a scheduler running on its own thread (bridge.SchedulerThread).
+
+Request path: the body is checked (pydantic + protocol checks: 400 naming the field), the prompt tokenized (chat:
+chat_format), one scheduler Request per choice submitted (429 past max_waiting), then tokens come back as events
+on an asyncio.Queue and go out as SSE chunks (fastapi.sse framing) or one JSON body. A client that goes away
+cancels its requests: streaming through the generator's close, non-streaming through a disconnect watch."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+
+from fastapi import Depends, FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.sse import format_sse_event
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+
+from dsv4_model.runtime.requests import Request
+from dsv4_model.runtime.scheduler import Scheduler
+from dsv4_model.serve.bridge import Event, SchedulerThread, Stream
+from dsv4_model.serve.chat_format import ChatFormat, skipped_specials
+from dsv4_model.serve.metrics import Metrics
+from dsv4_model.serve.output_parser import Delta, OutputParser
+from dsv4_model.serve.protocol import APIError, ChatRequest, CompletionRequest, finish_reason
+
+log = logging.getLogger("dsv4.serve")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """model_name: the id /v1/models lists and requests may name. max_waiting: queued requests before 429.
+    drain_timeout_s: on shutdown, how long running requests may finish before they are cancelled."""
+
+    model_name: str = "dsv4"
+    max_waiting: int = 256
+    api_key: str | None = None
+    drain_timeout_s: float = 30.0
+    chat_format: str = "auto"
+    version: str = "0"
+
+
+class _State:
+    def __init__(self, scheduler: Scheduler, cfg: ServeConfig):
+        self.cfg = cfg
+        self.scheduler = scheduler
+        self.tokenizer = scheduler.tokenizer
+        self.max_seq_len = scheduler.max_seq_len
+        self.chat = ChatFormat(cfg.chat_format, self.tokenizer)
+        self.specials = skipped_specials(self.tokenizer) if self.chat.name == "deepseek_v4" else {}
+        self.thread = SchedulerThread(scheduler, cfg.max_waiting)
+        self.metrics = Metrics(self.thread.counts, scheduler.stats)
+        self.thread._on_finish = self.metrics.on_finish
+        self.created = int(time.time())
+
+
+def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAPI:
+    st = _State(scheduler, cfg)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        st.thread.start()
+        yield
+        n = await asyncio.to_thread(st.thread.drain, cfg.drain_timeout_s)
+        log.info("scheduler stopped (%d request(s) cancelled at shutdown)", n)
+
+    app = FastAPI(title="dsv4", lifespan=lifespan)
+    app.state.serve = st
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        st.metrics.rejected.labels(str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e: RequestValidationError):
+        err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        param = loc[0] if loc else None
+        return await _api_error(request, APIError(400, f"{'.'.join(loc) or 'body'}: {err.get('msg')}", param))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request, e: HTTPException):
+        return JSONResponse(APIError(e.status_code, str(e.detail), kind="not_found_error"
+                                     if e.status_code == 404 else "invalid_request_error").body(),
+                            status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _bug(request, e: Exception):  # a bug: still an OpenAI body, and the traceback in the log
+        log.exception("internal error on %s", request.url.path)
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}", kind="internal_error").body(),
+                            status_code=500)
+
+    def auth(request: HTTPRequest) -> None:
+        if cfg.api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        if not secrets.compare_digest(got.encode(), f"Bearer {cfg.api_key}".encode()):
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY)", kind="authentication_error")
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != cfg.model_name:
+            raise APIError(404, f"model {name!r} is not served here (only {cfg.model_name!r})", "model",
+                           kind="not_found_error")
+
+    @app.get("/health")
+    async def health():
+        if st.thread.draining or not st.thread.alive:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": cfg.version}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(auth)])
+    async def models():
+        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": st.created,
+                                            "owned_by": "dsv4", "max_model_len": st.max_seq_len}]}
+
+    def request_id(request: HTTPRequest, prefix: str) -> str:
+        given = request.headers.get("x-request-id", "")
+        return given if given.isprintable() and 0 < len(given) <= 128 else f"{prefix}-{secrets.token_hex(12)}"
+
+    def check_prompt(ids: list[int], where: str) -> None:
+        if not ids:
+            raise APIError(400, f"{where}: empty", "prompt")
+        if len(ids) > st.max_seq_len:
+            raise APIError(400, f"{where}: {len(ids)} tokens exceed the context of {st.max_seq_len}", "prompt")
+
+    def submit(ids_per_prompt: list[list[int]], body, max_tokens: int, stream: Stream) -> None:
+        reqs = []
+        for p, ids in enumerate(ids_per_prompt):
+            for k in range(body.n):
+                r = Request(ids, params=body.sampling(k), max_tokens=max_tokens, stop=tuple(body.stop or ()),
+                            ignore_eos=body.ignore_eos)
+                reqs.append(stream.bind(r, p * body.n + k))
+        st.thread.submit_all(reqs)
+
+    @app.post("/v1/completions", dependencies=[Depends(auth)])
+    async def completions(body: CompletionRequest, request: HTTPRequest):
+        body.check_unsupported()
+        check_model(body.model)
+        rid = request_id(request, "cmpl")
+        ids = []
+        for i, p in enumerate(body.prompts()):
+            if isinstance(p, str):
+                p = st.tokenizer.encode(p)
+            elif not isinstance(p, list) or not all(isinstance(t, int) for t in p):
+                raise APIError(400, f"prompt[{i}]: must be a string or a list of token ids", "prompt")
+            check_prompt(p, f"prompt[{i}]")
+            ids.append(p)
+        stream = Stream(asyncio.get_running_loop(), {})
+        submit(ids, body, body.max_tokens or 16, stream)
+        texts = [""] * len(stream.requests)
+        base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": cfg.model_name}
+
+        def on_event(ev: Event):
+            if ev.done:
+                reason = finish_reason(stream.requests[ev.choice].finish_reason)
+                return [{"index": ev.choice, "text": "", "logprobs": None, "finish_reason": reason}]
+            texts[ev.choice] += ev.text
+            return [{"index": ev.choice, "text": ev.text, "logprobs": None, "finish_reason": None}] if ev.text \
+                else []
+
+        if body.stream:
+            return _sse(stream, base, on_event, body.include_usage, rid, [])
+        if not await _collect(stream, request, on_event):
+            return Response(status_code=499)
+        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": finish_reason(r.finish_reason)}
+                   for i, (t, r) in enumerate(zip(texts, stream.requests))]
+        _log_done(rid, stream)
+        return JSONResponse({**base, "choices": choices, "usage": _usage(stream)}, headers={"X-Request-Id": rid})
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
+    async def chat(body: ChatRequest, request: HTTPRequest):
+        body.check_unsupported()
+        check_model(body.model)
+        rid = request_id(request, "chatcmpl")
+        prompt = st.chat.prompt(body)
+        check_prompt(prompt.ids, "messages")
+        stream = Stream(asyncio.get_running_loop(), st.specials)
+        submit([prompt.ids], body, body.token_limit or st.max_seq_len, stream)
+        thinking = prompt.parser is not None and prompt.parser.state == "reasoning"
+        parsers = [OutputParser(thinking) if prompt.parser is not None else None for _ in stream.requests]
+        totals = [Delta() for _ in stream.requests]
+        base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": cfg.model_name}
+        call_ids: dict[tuple[int, int], str] = {}
+
+        def delta_json(i: int, d: Delta) -> dict:
+            out = {}
+            if d.reasoning:
+                out["reasoning_content"] = d.reasoning
+            if d.content:
+                out["content"] = d.content
+            if d.tool_calls:
+                out["tool_calls"] = [{"index": c.index, "id": call_ids.setdefault((i, c.index),
+                                                                                  f"call_{secrets.token_hex(12)}"),
+                                      "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                     for c in d.tool_calls]
+            return out
+
+        def reason_of(i: int) -> str:
+            r = finish_reason(stream.requests[i].finish_reason)
+            return "tool_calls" if r == "stop" and totals[i].tool_calls else r
+
+        def on_event(ev: Event):
+            i, p = ev.choice, parsers[ev.choice]
+            d = Delta(content=ev.text) if p is None else (p.finish() if ev.done else p.feed(ev.text))
+            totals[i].add(d)
+            out = [{"index": i, "delta": delta_json(i, d), "logprobs": None, "finish_reason": None}] if d else []
+            if ev.done:
+                out.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": reason_of(i)})
+            return out
+
+        if body.stream:
+            first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for i in range(len(stream.requests))]
+            return _sse(stream, base, on_event, body.include_usage, rid, first)
+        if not await _collect(stream, request, on_event):
+            return Response(status_code=499)
+        choices = []
+        for i, t in enumerate(totals):
+            msg = {"role": "assistant", "content": t.content if t.content or not t.tool_calls else None}
+            if t.reasoning:
+                msg["reasoning_content"] = t.reasoning
+            if t.tool_calls:
+                msg["tool_calls"] = delta_json(i, Delta(tool_calls=t.tool_calls))["tool_calls"]
+            choices.append({"index": i, "message": msg, "logprobs": None, "finish_reason": reason_of(i)})
+        _log_done(rid, stream)
+        return JSONResponse({**base, "object": "chat.completion", "choices": choices, "usage": _usage(stream)},
+                            headers={"X-Request-Id": rid})
+
+    return app
+
+
+def _usage(stream: Stream) -> dict:
+    prompts = {id(r.prompt): len(r.prompt) for r in stream.requests}  # a prompt counts once over its n choices
+    p, c = sum(prompts.values()), sum(len(r.token_ids) for r in stream.requests)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _log_done(rid: str, stream: Stream) -> None:
+    log.info("%s: %s", rid, ", ".join(f"{len(r.token_ids)} tokens ({r.finish_reason})" for r in stream.requests))
+
+
+async def _events(stream: Stream):
+    left = len(stream.requests)
+    while left:
+        ev = await stream.queue.get()
+        left -= ev.done
+        yield ev
+
+
+async def _collect(stream: Stream, request: HTTPRequest, on_event) -> bool:
+    """Consume every event (True); the client going away first cancels the requests (False: nobody to answer,
+    499 in the access log)."""
+    async def consume():
+        async for ev in _events(stream):
+            on_event(ev)
+
+    async def disconnected():
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.05)
+
+    work, watch = asyncio.create_task(consume()), asyncio.create_task(disconnected())
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if work not in done:
+        stream.cancel()
+        await work  # every request ends (cancelled) within a step
+        return False
+    work.result()
+    return True
+
+
+def _sse(stream: Stream, base: dict, on_event, include_usage: bool, rid: str, first: list[dict]):
+    def chunk(choices, **extra) -> bytes:
+        return format_sse_event(data_str=json.dumps({**base, "choices": choices, **extra}, ensure_ascii=False))
+
+    async def body():
+        try:
+            if first:
+                yield chunk(first)
+            async for ev in _events(stream):
+                choices = on_event(ev)
+                if choices:
+                    yield chunk(choices)
+            if include_usage:
+                yield chunk([], usage=_usage(stream))
+            yield format_sse_event(data_str="[DONE]")
+            _log_done(rid, stream)
+        finally:
+            stream.cancel()  # the client went away (or nothing: every request has ended)
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"X-Request-Id": rid})

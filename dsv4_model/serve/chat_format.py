@@ -1,0 +1,82 @@
+"""Which chat format a served model gets, and what the tokenizer must provide for it.
+
+"deepseek_v4": chat_encoding's prompt + output_parser (needs V4's special tokens in the tokenizer).
+"plain": for models without them (the built-in code model): BOS, then each message's text followed by a newline,
+roles unmarked; the completion is all content (no reasoning, no tool calls; `tools` refused).
+"auto": deepseek_v4 when the tokenizer has V4's tokens, else chat requests are refused with a 400 that says so."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsv4_model.serve.chat_encoding import (ASSISTANT, BOS, DSML, THINK, THINK_END, USER, ChatError, encode_chat,
+                                            resolve_options)
+from dsv4_model.serve.output_parser import OutputParser
+from dsv4_model.serve.protocol import APIError, ChatRequest
+
+FORMATS = ("auto", "deepseek_v4", "plain")
+
+
+def token_id(tokenizer, text: str) -> int | None:
+    """The id of a whole-token `text` in a tokenizer.json tokenizer (None: not one token / no such tokenizer)."""
+    tok = getattr(tokenizer, "_tok", None)  # HFTokenizer's tokenizers.Tokenizer
+    return None if tok is None else tok.token_to_id(text)
+
+
+def has_v4_tokens(tokenizer) -> bool:
+    return all(token_id(tokenizer, t) is not None for t in (BOS, USER, ASSISTANT, THINK, THINK_END))
+
+
+def skipped_specials(tokenizer) -> dict[int, str]:
+    """Ids of `<think>`, `</think>`, `｜DSML｜` that decoding drops (special tokens): their text is put back into the
+    stream, because the output parser reads them."""
+    out = {}
+    for text in (THINK, THINK_END, DSML):
+        i = token_id(tokenizer, text)
+        if i is not None and tokenizer.decode([i]) == "":
+            out[i] = text
+    return out
+
+
+@dataclass
+class ChatPrompt:
+    ids: list[int]
+    parser: OutputParser | None  # None: plain text, all content
+
+
+class ChatFormat:
+    def __init__(self, name: str, tokenizer):
+        if name not in FORMATS:
+            raise ValueError(f"chat format must be one of {FORMATS}, got {name!r}")
+        self.tokenizer = tokenizer
+        v4 = has_v4_tokens(tokenizer)
+        if name == "deepseek_v4" and not v4:
+            raise ValueError("--chat-format deepseek_v4: the tokenizer has no DeepSeek-V4 chat tokens "
+                             f"({USER}, {ASSISTANT}, {THINK}, ...)")
+        self.name = ("deepseek_v4" if v4 else "none") if name == "auto" else name
+
+    def prompt(self, req: ChatRequest) -> ChatPrompt:
+        if self.name == "none":
+            raise APIError(400, "this model's tokenizer has no DeepSeek-V4 chat tokens, so it has no chat format: "
+                           "use /v1/completions, or start the server with --chat-format plain", "messages")
+        try:
+            if self.name == "plain":
+                return ChatPrompt(self._plain(req), None)
+            opts = resolve_options(req.thinking, req.reasoning_effort)
+            tools = None if req.tool_choice == "none" else req.tools
+            text = encode_chat(req.messages, tools, opts)
+        except ChatError as e:
+            raise APIError(400, str(e), e.param) from None
+        return ChatPrompt(self.tokenizer.encode(text, add_bos=False), OutputParser(opts.thinking))
+
+    def _plain(self, req: ChatRequest) -> list[int]:
+        if req.tools:
+            raise ChatError("tools need --chat-format deepseek_v4 (this model has no tool format)", "tools")
+        parts = []
+        for i, m in enumerate(req.messages):
+            c = m.get("content") if isinstance(m, dict) else None
+            if not isinstance(c, str):
+                raise ChatError(f"messages[{i}].content: the plain format takes string content", "messages")
+            parts.append(c + "\n")
+        if not parts:
+            raise ChatError("messages: needs at least one message", "messages")
+        return self.tokenizer.encode("".join(parts), add_bos=True)

@@ -1,0 +1,116 @@
+"""`python -m dsv4_model serve ...`: the OpenAI-compatible server (docs/serving.md).
+
+Loads the model, builds the scheduler, serves the app with uvicorn. SIGTERM / SIGINT: the listening socket
+closes, running requests get --drain-timeout seconds to finish, the rest are cancelled, exit 0."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dsv4_model serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="checkpoint directory or ORG/NAME[@REV] in the local HF cache; default: built-in")
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the directory name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (the line on stderr says which)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--quant", choices=("auto", "nvfp4", "none"), default="auto",
+                   help="weights: as stored on CUDA, float on the CPU (auto), or forced")
+    p.add_argument("--max-batch-size", type=int, default=8, help="requests generating at once (batch rows)")
+    p.add_argument("--max-seq-len", type=int, default=4096, help="context per request: prompt + completion")
+    p.add_argument("--max-prefill-tokens", type=int, default=None, help="prompt tokens prefilled per iteration")
+    p.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
+    p.add_argument("--no-reuse", action="store_true", help="do not reuse a finished row's caches for its next turn")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the decode step (default: on for CUDA)")
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every /v1 route")
+    p.add_argument("--chat-format", choices=("auto", "deepseek_v4", "plain"), default="auto",
+                   help="auto: DeepSeek-V4 when the tokenizer has its chat tokens, else chat is refused (400); "
+                        "plain: messages' text joined by newlines (models without a chat format)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests may finish on SIGTERM")
+    p.add_argument("--threads", type=int, default=None, help="CPU intra-op threads")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return p
+
+
+def _check(args) -> None:
+    for name in ("max_batch_size", "max_seq_len", "max_waiting"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= args.port < 65536:
+        raise ValueError("--port must be in [0, 65535]")
+    if args.drain_timeout < 0:
+        raise ValueError("--drain-timeout must be >= 0")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # set by torchrun
+        raise ValueError("serve runs in one process: under torchrun the other ranks would need each request "
+                         "(not built yet, docs/serving.md)")
+
+
+def build_app(args):
+    import torch
+
+    from dsv4_model.checkpoint.builtin import default_model_path
+    from dsv4_model.model.checks import parse_device
+    from dsv4_model.runtime.cli import package_version
+    from dsv4_model.runtime.engine import Engine
+    from dsv4_model.runtime.scheduler import Scheduler
+    from dsv4_model.serve.app import ServeConfig, create_app
+
+    device = parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.model:
+        path = args.model
+    else:
+        path, what = default_model_path()
+        print(f"note: {what}", file=sys.stderr)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    quant = args.quant if args.quant != "auto" else (None if device.type == "cuda" else "none")
+    engine = Engine.from_pretrained(path, device=device, dtype=getattr(torch, args.dtype),
+                                    max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, quant=quant,
+                                    compile=args.compile, progress=False)
+    kw = {} if args.max_prefill_tokens is None else {"max_prefill_tokens": args.max_prefill_tokens}
+    scheduler = Scheduler(engine, reuse=not args.no_reuse, **kw)
+    name = args.served_model_name or os.path.basename(os.path.normpath(str(getattr(engine, "path", path))))
+    cfg = ServeConfig(model_name=name, max_waiting=args.max_waiting, api_key=args.api_key,
+                      drain_timeout_s=args.drain_timeout, chat_format=args.chat_format, version=package_version())
+    return create_app(scheduler, cfg)
+
+
+def _announce(server, host: str) -> None:
+    """One stderr line with the bound port once uvicorn listens (--port 0 picks it)."""
+    while not server.started:
+        if server.should_exit:
+            return
+        threading.Event().wait(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    print(f"dsv4 serve: listening on http://{host}:{port}", file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        _check(args)
+        app = build_app(args)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.drain_timeout + 5.0)
+    server = uvicorn.Server(config)
+    threading.Thread(target=_announce, args=(server, args.host), daemon=True).start()
+    # uvicorn handles SIGTERM / SIGINT while it runs (graceful shutdown, then the app's drain) and re-raises the
+    # signal to the handler it found: a no-op one turns "killed by SIGTERM" into the exit 0 of a clean stop
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    return 0

@@ -1,0 +1,141 @@
+"""OpenAI request bodies (/v1/completions, /v1/chat/completions) as pydantic models, their checks, and the error
+body. A field the server cannot honour is a 400 naming it, never ignored silently and never a 500; fields this
+server does not know are ignored (clients send many)."""
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from dsv4_model.runtime.sampling import SEED_MAX, SEED_MIN, SamplingParams
+
+MAX_N = 16
+MAX_STOPS = 16
+
+
+class APIError(Exception):
+    """An OpenAI-style error: HTTP status, message, the field at fault."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # 0 or -1: off (vLLM's spelling is -1)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    logprobs: Any = None
+    top_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOPS or any(not s for s in stops):
+            raise ValueError(f"stop: at most {MAX_STOPS} non-empty strings")
+        return stops
+
+    def check_unsupported(self) -> None:
+        # the sampler gives ids only: log-probabilities would need a host copy of the logits each step
+        if self.logprobs not in (None, False, 0) or self.top_logprobs:
+            raise APIError(400, "logprobs are not supported by this server", "logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported (only 0)", name)
+
+    def sampling(self, choice: int) -> SamplingParams:
+        """Choice i's parameters: a seeded request's choices draw from seed + i; unseeded ones from a fresh key."""
+        seed = self.seed if self.seed is not None else secrets.randbits(63)
+        seed = (seed + choice - SEED_MIN) % (SEED_MAX - SEED_MIN + 1) + SEED_MIN
+        return SamplingParams(temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p, seed=seed)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        for name in ("echo", "suffix"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported", name)
+        if self.best_of not in (None, 1, self.n):
+            raise APIError(400, "best_of must equal n", "best_of")
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise APIError(400, "prompt: empty", "prompt")
+        if all(isinstance(x, int) for x in p):
+            return [p]
+        return list(p)
+
+
+class ChatTemplateKwargs(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    thinking: bool | None = None
+    enable_thinking: bool | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.tool_choice not in (None, "auto", "none"):
+            raise APIError(400, "tool_choice: only 'auto' and 'none' are supported", "tool_choice")
+        if self.response_format not in (None, {"type": "text"}):
+            raise APIError(400, "response_format: only {'type': 'text'} is supported", "response_format")
+
+    @property
+    def thinking(self) -> bool | None:
+        k = self.chat_template_kwargs
+        if k is None:
+            return None
+        return k.thinking if k.thinking is not None else k.enable_thinking
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+def finish_reason(reason: str | None) -> str:
+    """The scheduler's reasons in OpenAI's words ("abort": cancelled by a shutdown)."""
+    return {"stop": "stop", "length": "length", "max_seq_len": "length"}.get(reason or "", "abort")
+

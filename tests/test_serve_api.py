@@ -1,0 +1,228 @@
+"""The OpenAI-compatible server (dsv4_model.serve) through the official `openai` client over loopback: a real
+uvicorn on 127.0.0.1 (a free port) in a thread of this process, serving the built-in model on the CPU. Greedy texts
+are checked against generate() on the same engine before the server took it."""
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+
+import dsv4_ops  # noqa: F401
+from dsv4_model.checkpoint.builtin import DEFAULT_MODEL_DIR
+from dsv4_model.runtime.engine import Engine
+from dsv4_model.runtime.generate import generate
+from dsv4_model.runtime.scheduler import Scheduler
+from dsv4_model.serve.app import ServeConfig, create_app
+
+PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\n", "x = 1", "for i in range(10):", "def f(x):"]
+N = 14  # tokens per completion: short, the CPU machine is shared
+KEY = "sk-test"
+
+
+class ServerThread:
+    """uvicorn on 127.0.0.1:0 in a thread; .url once it listens; stop() shuts it down (the app drains)."""
+
+    def __init__(self, app):
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        t0 = time.monotonic()
+        while not self.server.started:
+            assert time.monotonic() - t0 < 30 and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def _engine(batch: int) -> Engine:
+    return Engine.from_pretrained(DEFAULT_MODEL_DIR, device="cpu", dtype=torch.bfloat16, max_batch_size=batch,
+                                  max_seq_len=256, quant="none", progress=False)
+
+
+@pytest.fixture(scope="module")
+def served():
+    torch.set_num_threads(1)
+    engine = _engine(4)
+    tok = engine.get_tokenizer()
+    ref = {p: generate(engine, [tok.encode(p)], max_new_tokens=N).texts[0] for p in PROMPTS}
+    srv = ServerThread(create_app(Scheduler(engine, max_prefill_tokens=32),
+                                  ServeConfig(model_name="tiny", max_waiting=32, chat_format="plain")))
+    yield srv, ref, tok
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def small():
+    """One row, one waiting slot, an API key, chat format auto (the built-in model has none)."""
+    srv = ServerThread(create_app(Scheduler(_engine(1)), ServeConfig(model_name="tiny", max_waiting=1, api_key=KEY)))
+    yield srv
+    srv.stop()
+
+
+def _metric(url: str, name: str, labels: str = "") -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + (labels and "{" + labels + "}") + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_models_health_version(served, client):
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    assert httpx.get(served[0].url + "/health").json() == {"status": "ok"}
+    assert httpx.get(served[0].url + "/version").json()["version"]
+
+
+def test_completion_is_the_greedy_text(served, client):
+    _, ref, tok = served
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=N, temperature=0)
+    assert r.choices[0].text == ref[PROMPTS[0]]
+    assert r.usage.prompt_tokens == len(tok.encode(PROMPTS[0])) and r.usage.completion_tokens == N
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_streaming_equals_non_streaming(served, client):
+    _, ref, _ = served
+    for p in PROMPTS[1:3]:
+        chunks = list(client.completions.create(model="tiny", prompt=p, max_tokens=N, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == ref[p]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].usage.completion_tokens == N and not chunks[-1].choices
+        # chat in the plain format: the prompt is the message + "\n", so it equals a completion of that
+        msgs = [{"role": "user", "content": p}]
+        whole = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=N, temperature=0)
+        parts = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=N, temperature=0, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in parts)
+        assert text == whole.choices[0].message.content
+        plain = client.completions.create(model="tiny", prompt=p + "\n", max_tokens=N, temperature=0)
+        assert text == plain.choices[0].text
+
+
+def test_concurrent_requests_each_get_their_solo_text(served, client):
+    """More requests than rows (6 into 4), streaming and not, at once: each text is its prompt's greedy text."""
+    _, ref, _ = served
+    out = {}
+
+    def one(i, p):
+        if i % 2:
+            s = client.completions.create(model="tiny", prompt=p, max_tokens=N, temperature=0, stream=True)
+            out[p] = "".join(c.choices[0].text for c in s)
+        else:
+            out[p] = client.completions.create(model="tiny", prompt=p, max_tokens=N, temperature=0).choices[0].text
+
+    threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(PROMPTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert out == ref
+
+
+def test_n_and_seed_and_stop(served, client):
+    _, ref, _ = served
+    kw = dict(model="tiny", prompt=PROMPTS[4], max_tokens=N, temperature=0.9, top_p=0.95)
+    both = client.completions.create(n=2, seed=7, **kw)
+    apart = [client.completions.create(seed=s, **kw).choices[0].text for s in (7, 8)]
+    assert [c.text for c in both.choices] == apart  # choice i draws from seed + i
+    word = ref[PROMPTS[0]][5:8]
+    cut = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=N, temperature=0, stop=[word])
+    assert cut.choices[0].text == ref[PROMPTS[0]][: ref[PROMPTS[0]].index(word)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kw,param", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
+    (dict(n=100), "n"), (dict(stop=[""]), "stop"), (dict(logprobs=2), "logprobs"), (dict(seed="x"), "seed"),
+    (dict(prompt="word " * 300), "prompt"), (dict(prompt=[5, 99999]), "prompt"), (dict(prompt=[]), "prompt"),
+    (dict(model="other"), "model"),
+])
+def test_invalid_fields_are_4xx(client, kw, param):
+    args = dict(model="tiny", prompt="x", max_tokens=4) | kw
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(**args)
+    assert e.value.status_code == (404 if param == "model" else 400)
+    assert e.value.body["param"] == param and e.value.body["message"]
+
+
+def test_chat_4xx(served, client):
+    with pytest.raises(openai.BadRequestError, match="tools need --chat-format deepseek_v4"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
+    r = httpx.post(served[0].url + "/v1/chat/completions", content=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(served[0].url + "/v1/chat/completions", json={"model": "tiny"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_client_disconnect_cancels(served, client):
+    url = served[0].url
+    before = _metric(url, "dsv4:request_success_total", 'finished_reason="cancelled"')
+    s = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=200, temperature=0, stream=True,
+                                  extra_body={"ignore_eos": True})
+    for _, _ in zip(range(3), s):
+        pass
+    s.close()
+    with pytest.raises(httpx.ReadTimeout):  # non-streaming: the client gives up while it runs
+        httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 200, "ignore_eos": True},
+                   timeout=httpx.Timeout(0.5, connect=5))
+    t0 = time.monotonic()
+    while _metric(url, "dsv4:request_success_total", 'finished_reason="cancelled"') < before + 2:
+        assert time.monotonic() - t0 < 10, "a disconnected request was not cancelled"
+        time.sleep(0.05)
+    assert _metric(url, "dsv4:num_requests_running") == 0
+
+
+def test_metrics(served, client):
+    url = served[0].url
+    gen0, ttft0 = _metric(url, "dsv4:generation_tokens_total"), _metric(url, "dsv4:time_to_first_token_seconds_count")
+    client.completions.create(model="tiny", prompt=PROMPTS[5], max_tokens=5, temperature=0, n=2)
+    assert _metric(url, "dsv4:generation_tokens_total") == gen0 + 10
+    assert _metric(url, "dsv4:time_to_first_token_seconds_count") == ttft0 + 2
+    text = httpx.get(url + "/metrics").text
+    for name in ("dsv4:num_requests_waiting", "dsv4:inter_token_latency_seconds_bucket",
+                 "dsv4:e2e_request_latency_seconds_bucket", "dsv4:prompt_tokens_total", "dsv4:prefix_cache_hits"):
+        assert name in text
+
+
+def test_api_key_and_no_chat_format(small):
+    bad = openai.OpenAI(base_url=small.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    assert httpx.get(small.url + "/health").status_code == 200  # outside /v1: open
+    good = openai.OpenAI(base_url=small.url + "/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="no DeepSeek-V4 chat tokens"):
+        good.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+
+
+def test_429_when_the_queue_is_full(small):
+    """One row, one waiting slot: a third request while one runs and one waits gets 429."""
+    c = openai.OpenAI(base_url=small.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    long = dict(model="tiny", prompt="def f(x):", max_tokens=200, temperature=0, extra_body={"ignore_eos": True})
+    running = c.completions.create(stream=True, **long)
+    next(iter(running))
+    waiting = []
+    t = threading.Thread(target=lambda: waiting.append(c.completions.create(**{**long, "max_tokens": 3})))
+    t.start()
+    t0 = time.monotonic()
+    while _metric(small.url, "dsv4:num_requests_waiting") < 1:
+        assert time.monotonic() - t0 < 10
+        time.sleep(0.02)
+    with pytest.raises(openai.RateLimitError):
+        c.completions.create(**long)
+    running.close()  # frees the row: the waiting one runs
+    t.join(60)
+    assert waiting and waiting[0].usage.completion_tokens == 3
+    assert json.loads(httpx.get(small.url + "/health").text) == {"status": "ok"}

@@ -1,0 +1,51 @@
+"""`python -m dsv4_model serve` as a process: it says where it listens, and on SIGTERM it stops admitting, lets the
+running request finish (drain) and exits 0."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_sigterm_drains_and_exits_0():
+    proc = subprocess.Popen([sys.executable, "-m", "dsv4_model", "serve", "--port", "0", "--device", "cpu",
+                             "--max-batch-size", "2", "--max-seq-len", "256", "--threads", "1",
+                             "--drain-timeout", "20", "--log-level", "warning"],
+                            cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        url = None
+        t0 = time.monotonic()
+        while url is None:
+            assert time.monotonic() - t0 < 90, "no listening line"
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "server exited"
+            m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+            url = m and m.group(1)
+        threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # keep the pipe drained
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+        s = c.completions.create(model="default", prompt="def f(x):", max_tokens=60, temperature=0, stream=True,
+                                 extra_body={"ignore_eos": True})
+        it = iter(s)
+        text = next(it).choices[0].text
+        proc.send_signal(signal.SIGTERM)
+        chunks = list(it)
+        text += "".join(ch.choices[0].text for ch in chunks)
+        assert chunks[-1].choices[0].finish_reason == "length"  # the running request finished, not cut
+        assert proc.wait(60) == 0
+        try:
+            httpx.get(url + "/health", timeout=2)
+            raise AssertionError("still listening after exit")
+        except httpx.ConnectError:
+            pass
+        assert len(text) > 20
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
