@@ -1,0 +1,98 @@
+"""The DeepSeek-V4 chat path through the server: the built-in tokenizer with V4's chat tokens added (`<think>` /
+`</think>` special, so decoding drops them and the server must put them back for the parser) and a stub
+scheduler that "generates" a scripted V4 answer. Checks the prompt the scheduler receives (the exact encoding),
+reasoning_content / content / tool_calls, streaming == non-streaming, and n > 1 under concurrency."""
+import json
+import threading
+
+import openai
+import pytest
+from tokenizers import AddedToken
+
+from dsv4_model.checkpoint.builtin import DEFAULT_MODEL_DIR
+from dsv4_model.checkpoint.tokenizer import HFTokenizer
+from dsv4_model.serve.app import ServeConfig, create_app
+from dsv4_model.serve.chat_encoding import ASSISTANT, BOS, DSML, EOS, THINK, THINK_END, USER
+from dsv4_model.serve.stub import StubScheduler
+from test_serve_api import ServerThread
+
+D = DSML
+ANSWER = (f"The user wants weather.{THINK_END}Checking now.\n\n<{D}tool_calls>\n<{D}invoke name=\"get_weather\">\n"
+          f"<{D}parameter name=\"city\" string=\"true\">Paris</{D}parameter>\n"
+          f"<{D}parameter name=\"days\" string=\"false\">2</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def served():
+    tok = HFTokenizer(DEFAULT_MODEL_DIR / "tokenizer.json", bos_id=0, eos_id=1)
+    tok._tok.add_tokens([AddedToken(DSML, special=False)])
+    tok._tok.add_special_tokens([AddedToken(t, special=True) for t in (BOS, EOS, USER, ASSISTANT, THINK, THINK_END)])
+    tok.eos_id = tok._tok.token_to_id(EOS)
+    tok.bos_id = tok._tok.token_to_id(BOS)
+    answer = tok.encode(ANSWER, add_bos=False) + [tok.eos_id]
+    prompts = []
+
+    def script(req):
+        prompts.append(tok._tok.decode(req.prompt, skip_special_tokens=False))
+        return answer
+
+    srv = ServerThread(create_app(StubScheduler(tok, script), ServeConfig(model_name="v4")))
+    yield srv, prompts, answer
+    srv.stop()
+
+
+def test_tool_call_answer(served):
+    srv, prompts, _ = served
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
+    r = c.chat.completions.create(model="v4", messages=msgs, tools=TOOLS, reasoning_effort="max")
+    m = r.choices[0].message
+    assert m.reasoning_content == "The user wants weather."
+    assert m.content == "Checking now."
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in m.tool_calls] == \
+        [("get_weather", {"city": "Paris", "days": 2})]
+    assert r.choices[0].finish_reason == "tool_calls" and m.tool_calls[0].id.startswith("call_")
+    assert prompts[-1].startswith(BOS + "Reasoning Effort: Absolute maximum")
+    assert "Be brief.\n\n## Tools\n\n" in prompts[-1] and '{"name": "get_weather"' in prompts[-1]
+    assert prompts[-1].endswith(f"{USER}Weather in Paris?{ASSISTANT}{THINK}")
+
+
+def test_streaming_equals_non_streaming_under_concurrency(served):
+    srv, _, answer = served
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    msgs = [{"role": "user", "content": "Weather?"}]
+    results = {}
+
+    def streamed(k):
+        parts = {"reasoning": "", "content": "", "calls": []}
+        for ch in c.chat.completions.create(model="v4", messages=msgs, tools=TOOLS, stream=True, n=2):
+            for choice in ch.choices:
+                d = choice.delta
+                if choice.index == 0:
+                    parts["reasoning"] += getattr(d, "reasoning_content", None) or ""
+                    parts["content"] += d.content or ""
+                    parts["calls"] += [(t.function.name, t.function.arguments) for t in d.tool_calls or []]
+        results[k] = parts
+
+    threads = [threading.Thread(target=streamed, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    whole = c.chat.completions.create(model="v4", messages=msgs, tools=TOOLS).choices[0].message
+    want = {"reasoning": whole.reasoning_content, "content": whole.content,
+            "calls": [(t.function.name, t.function.arguments) for t in whole.tool_calls]}
+    assert len(results) == 4 and all(r == want for r in results.values())
+    assert DSML not in whole.content
+
+
+def test_thinking_off(served):
+    srv, prompts, _ = served
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    r = c.chat.completions.create(model="v4", messages=[{"role": "user", "content": "hi"}],
+                                  extra_body={"chat_template_kwargs": {"thinking": False}})
+    assert prompts[-1] == f"{BOS}{USER}hi{ASSISTANT}{THINK_END}"
+    # chat mode: no reasoning is parsed, so the scripted "...</think>" text stays content up to the DSML block
+    assert getattr(r.choices[0].message, "reasoning_content", None) is None
+    assert r.choices[0].message.content == f"The user wants weather.{THINK_END}Checking now."
