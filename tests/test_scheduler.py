@@ -76,11 +76,23 @@ def test_staggered_requests_get_their_alone_tokens(engine, prompt_ids, alone):
     assert max(len(p) for p in prompt_ids) > 24  # some prompt ran in several chunks
 
 
-def test_greedy_equals_generate(engine, prompt_ids, alone):
-    """The scheduler's greedy tokens are the static generate() loop's (whole-prompt prefill, another loop)."""
-    for i in (0, 2):
-        res = generate(engine, [prompt_ids[i]], max_new_tokens=MAX_TOKENS[i])
-        assert res.token_ids[0] == alone[i].token_ids
+def _greedy_by_hand(engine, ids: list[int], n: int) -> list[int]:
+    """Engine.prefill of the whole prompt, then Engine.decode one token at a time, argmax: no scheduler, no sampler."""
+    engine.reset()
+    logits, out = engine.prefill(torch.tensor([ids])), []
+    while len(out) < n:
+        t = int(logits[0].argmax())
+        if t == engine.config.eos_token_id:
+            break
+        out.append(t)
+        logits = engine.decode(torch.tensor([t]))
+    return out
+
+
+def test_greedy_equals_prefill_and_decode(engine, prompt_ids, alone):
+    """The scheduler's greedy tokens are those of the engine's own prefill + decode calls (whole-prompt prefill)."""
+    for i in (0, 2, 4):
+        assert _greedy_by_hand(engine, prompt_ids[i], MAX_TOKENS[i]) == alone[i].token_ids
 
 
 def test_cancel_frees_the_row_and_changes_no_one_else(engine, prompt_ids, alone):

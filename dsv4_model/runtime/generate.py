@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from dsv4_model.runtime.compiled import DecodeRunner
-from dsv4_model.runtime.sampling import SamplingParams
+from dsv4_model.runtime.sampling import SamplingParams, seed_key
 from dsv4_model.checkpoint.tokenizer import StreamDecoder
 
 # stream(row, token_id, text): called for every emitted token in order; `text` is the decoded increment
@@ -134,6 +134,7 @@ def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0
         raise ValueError("every prompt needs at least one token")
     stops = {int(engine.config.eos_token_id)} | {int(t) for t in (stop_token_ids or ())}
     base = SamplingParams(float(temperature), int(top_k), float(top_p), int(seed)).validate()
+    base = SamplingParams(base.temperature, base.top_k, base.top_p, seed_key(base.seed))  # int64: seed + i stays valid
     if speculate:
         if not hasattr(engine, "speculative_runner"):
             raise ValueError("speculate needs an Engine (an exported package has no MTP step)")
@@ -143,6 +144,8 @@ def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0
     else:
         runner = engine.runner()
 
+    if not speculate and hasattr(engine, "prefill_at"):
+        return _generate_scheduled(engine, runner, ids, base, max_new_tokens, stops, stream, tok)
     result = GenerationResult([], [] if tok is not None else None, [], [len(p) for p in ids], mode=runner.mode_name)
     for start in range(0, len(ids), runner.max_rows):
         chunk = ids[start : start + runner.max_rows]
@@ -155,6 +158,39 @@ def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0
                                        result)
         else:
             _generate_batch(engine, runner, chunk, params, max_new_tokens, stops, stream, tok, start, result)
+    return result
+
+
+@torch.no_grad()
+def _generate_scheduled(engine, runner, ids: list[list[int]], base: SamplingParams, max_new_tokens: int,
+                        stops: set[int], stream, tok) -> GenerationResult:
+    """The prompts as requests of one Scheduler (continuous batching): more prompts than rows flow through the
+    rows as they free up, and each row stops on its own (its cap is its own prompt's, not the longest's)."""
+    from dsv4_model.runtime.requests import Request
+    from dsv4_model.runtime.scheduler import Scheduler
+
+    for p in ids:  # the scheduler checks too, but this message names generate()'s argument
+        if len(p) > engine.max_seq_len:
+            raise ValueError(f"prompt of {len(p)} tokens exceeds max_seq_len={engine.max_seq_len}")
+    rows = min(len(ids), runner.max_rows)
+    sched = Scheduler(engine, max_prefill_tokens=getattr(engine, "prefill_chunk", 8192), rows=rows, tokenizer=tok)
+    t0 = time.perf_counter()
+    reqs = []
+    for i, p in enumerate(ids):
+        on_token = None if stream is None else (lambda req, t, text, i=i: stream(i, t, text))
+        params = SamplingParams(base.temperature, base.top_k, base.top_p, base.seed + i)
+        reqs.append(sched.submit(Request(p, params, max_new_tokens, stop_ids=frozenset(stops), on_token=on_token)))
+    sched.run_until_idle()
+    t_end = time.perf_counter()
+    firsts = [r.timings.first_token for r in reqs if r.timings.first_token is not None]
+    t_first = min(firsts) if firsts else t_end
+    result = GenerationResult([r.token_ids for r in reqs], None if tok is None else [tok.decode(r.token_ids) for r in reqs],
+                              [r.finish_reason for r in reqs], [len(p) for p in ids], t_first - t0, t_end - t_first,
+                              sched.stats.decode_steps, runner.mode_name, {"scheduler": sched.stats})
+    if len(ids) <= rows:  # prompt i held row i: decode() may continue each row where generation stopped
+        engine.set_lengths([sched.rows[i].filled for i in range(len(ids))])
+    else:
+        engine.reset()
     return result
 
 

@@ -86,20 +86,27 @@ class Scheduler:
 
     submit() from any thread; step() / run_until_idle() / serve_forever() on one thread. max_prefill_tokens: prompt
     tokens per iteration (a long prompt delays the generating rows by at most one chunk per token they emit).
-    reuse: keep finished rows' sequences for prompts that extend them (evicted least recently used)."""
+    reuse: keep finished rows' sequences for prompts that extend them (evicted least recently used). rows: use cache
+    rows [:rows] only (default all; the buckets compiled / captured are those up to rows'). tokenizer: the requests'
+    text (default the engine's)."""
 
-    def __init__(self, engine, *, max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, reuse: bool = True):
+    def __init__(self, engine, *, max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, reuse: bool = True,
+                 rows: int | None = None, tokenizer=None):
         check_positive_int(max_prefill_tokens, "max_prefill_tokens")
         self.engine = engine
         self.max_prefill_tokens = max_prefill_tokens
         self.reuse = reuse
         self.max_seq_len = engine.max_seq_len
         self.eos = int(engine.config.eos_token_id)
-        self.tokenizer = engine.get_tokenizer()
+        self.tokenizer = tokenizer if tokenizer is not None else engine.get_tokenizer()
         self.runner = engine.runner()
-        # compile / capture every bucket now: warm-up steps scribble on cache rows, which later hold sequences
-        self.runner.prepare_all()
-        self.rows = [_Row(i) for i in range(self.runner.max_rows)]
+        rows = self.runner.max_rows if rows is None else rows
+        if not 1 <= rows <= self.runner.max_rows:
+            raise ValueError(f"rows must be in [1, max_batch_size={self.runner.max_rows}], got {rows}")
+        # compile / capture the buckets now: warm-up steps scribble on cache rows, which later hold sequences
+        top = self.runner.bucket(rows)
+        self.runner.prepare_all([b for b in self.runner.buckets if b <= top] or [top])
+        self.rows = [_Row(i) for i in range(rows)]
         self._decoding: list[_Row] = []  # rows in phase "decode", by index (the hot loop's list)
         self._prefilling: list[_Row] = []  # rows in phase "prefill", in order of admission
         self._any_cancel = threading.Event()  # set by Request.cancel(): only then are the rows searched
