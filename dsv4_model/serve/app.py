@@ -285,6 +285,25 @@ async def _collect(stream: Stream, request: HTTPRequest, on_event) -> bool:
     return True
 
 
+def _merge(choices: list[dict]) -> list[dict]:
+    """Consecutive unfinished pieces of one choice joined: their text (completions) or their delta's text fields
+    (chat), when both carry the same kind of text."""
+    out: list[dict] = []
+    for c in choices:
+        last = out[-1] if out else None
+        if last is not None and last["index"] == c["index"] and last["finish_reason"] is None \
+                and c["finish_reason"] is None:
+            if "text" in c:
+                out[-1] = {**last, "text": last["text"] + c["text"]}
+                continue
+            a, b = last["delta"], c["delta"]
+            if a.keys() == b.keys() and a.keys() <= {"content", "reasoning_content"}:
+                out[-1] = {**last, "delta": {k: a[k] + b[k] for k in a}}
+                continue
+        out.append(c)
+    return out
+
+
 def _sse(stream: Stream, base: dict, on_event, include_usage: bool, rid: str, first: list[dict]):
     def chunk(choices, **extra) -> bytes:
         return format_sse_event(data_str=json.dumps({**base, "choices": choices, **extra}, ensure_ascii=False))
@@ -293,8 +312,14 @@ def _sse(stream: Stream, base: dict, on_event, include_usage: bool, rid: str, fi
         try:
             if first:
                 yield chunk(first)
-            async for ev in _events(stream):
-                choices = on_event(ev)
+            left = len(stream.requests)
+            while left:
+                # every event already queued goes out in one chunk: one JSON + one write per batch, not per token
+                evs = [await stream.queue.get()]
+                while not stream.queue.empty():
+                    evs.append(stream.queue.get_nowait())
+                left -= sum(ev.done for ev in evs)
+                choices = _merge([c for ev in evs for c in on_event(ev)])
                 if choices:
                     yield chunk(choices)
             if include_usage:
