@@ -4,7 +4,8 @@
                            [--device cuda] [--dtype bfloat16] [--decode-batches 1,2,4] [--prefill-batches 1]
                            [--prefill-lengths 64,256] [--prefill-chunks 4096] [--quant nvfp4] [--act-quant nvfp4]
                            [--no-simulate-quant] [--no-exported-programs] [--jobs N]
-    python -m dsv4_export run model.pt2 --prompt-ids 1 2 3 [--max-new-tokens 16] [--temperature 0] [--no-cuda-graph]
+    python -m dsv4_export run model.pt2 (--prompt TEXT | --prompt-ids 1 2 3) [--max-new-tokens 16] [--temperature 0]
+                           [--no-cuda-graph]
     python -m dsv4_export info model.pt2
 """
 from __future__ import annotations
@@ -23,10 +24,11 @@ def _ints(s: str) -> list[int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from dsv4_model.runtime.cli import _Parser
+    from dsv4_model.runtime.cli import _Parser, _Version
 
     ap = _Parser(prog="python -m dsv4_export", description=__doc__,
                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action=_Version, help="print the dsv4 version and exit")
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
     b = sub.add_parser("build", help="export prefill + decode and compile them into one .pt2")
@@ -60,7 +62,10 @@ def _parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="load a package in this process and generate")
     r.add_argument("package")
-    r.add_argument("--prompt-ids", type=int, nargs="+", required=True)
+    src = r.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", metavar="TEXT",
+                     help="prompt text, encoded with the tokenizer the package carries; prints the text")
+    src.add_argument("--prompt-ids", type=int, nargs="+", help="prompt token ids; prints the generated ids")
     r.add_argument("--max-new-tokens", type=int, default=16)
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--top-k", type=int, default=0)
@@ -76,7 +81,13 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds like Ctrl-C: the build removes its partial files
+
+
 def _build(a) -> int:
+    import signal
+
     import torch
 
     from dsv4_export.build import build_from_checkpoint
@@ -91,6 +102,7 @@ def _build(a) -> int:
         check_positive_int(a.jobs, "--jobs")
     device = str(parse_device(a.device or ("cuda" if torch.cuda.is_available() else "cpu")))
     t0 = time.time()
+    signal.signal(signal.SIGTERM, _terminated)
     build_from_checkpoint(a.model, a.out, max_batch_size=a.max_batch_size, max_seq_len=a.max_seq_len, device=device,
                           dtype=getattr(torch, a.dtype), simulate_quant=not a.no_simulate_quant,
                           quant=a.quant, act_quant=a.act_quant,
@@ -106,16 +118,29 @@ def _build(a) -> int:
 
 def _run(a) -> int:
     from dsv4_model.model.checks import check_positive_int
+    from dsv4_model.runtime.sampling import SamplingParams
+    from dsv4_export import metadata as md
     from dsv4_export.load import ExportedEngine
 
     check_positive_int(a.max_new_tokens, "--max-new-tokens")
+    try:
+        SamplingParams(a.temperature, a.top_k, a.top_p, a.seed).validate()
+    except ValueError as e:
+        raise ValueError(f"--{e}".replace("_", "-", 1)) from None
     t0 = time.time()
     eng = ExportedEngine(a.package, device=a.device, cuda_graph=False if a.no_cuda_graph else None)
     print(f"[export] loaded {a.package} ({', '.join(eng.entries)}) on {eng.device} in {time.time() - t0:.1f} s",
           file=sys.stderr)
-    res = eng.generate([a.prompt_ids], max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
+    if a.prompt is not None and md.K_TOKENIZER not in eng.metadata:
+        raise ValueError(f"{a.package} carries no tokenizer (built before packages did): pass --prompt-ids, or "
+                         "rebuild it")
+    prompt = a.prompt if a.prompt is not None else a.prompt_ids
+    res = eng.generate([prompt], max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                        top_p=a.top_p, seed=a.seed)
-    print("generated:", " ".join(map(str, res.token_ids[0])))
+    if a.prompt is not None:
+        print(a.prompt + res.texts[0])
+    else:
+        print("generated:", " ".join(map(str, res.token_ids[0])))
     if res.finish_reasons[0] == "max_seq_len":
         print(f"[export] cut short after {len(res.token_ids[0])} of {a.max_new_tokens} tokens: the package's caches "
               f"hold max_seq_len={eng.max_seq_len} positions", file=sys.stderr)
@@ -138,11 +163,14 @@ def _info(a) -> int:
 
 
 def main(argv=None) -> int:
-    a = _parser().parse_args(argv)
-    from dsv4_model.runtime.cli import run_cli
-    from dsv4_export.metadata import PackageMismatch
-    from dsv4_export.toolchain import ToolchainError
+    from dsv4_model.runtime.cli import _interrupted, run_cli
 
+    try:
+        a = _parser().parse_args(argv)
+        from dsv4_export.metadata import PackageMismatch
+        from dsv4_export.toolchain import ToolchainError
+    except KeyboardInterrupt:  # Ctrl-C while torch imports: no traceback either
+        return _interrupted()
     return run_cli({"build": _build, "run": _run, "info": _info}[a.cmd], a,
                    (PackageMismatch, ToolchainError, OSError, ValueError, ImportError))
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -192,7 +193,8 @@ def _aot_compile(ep: torch.export.ExportedProgram, args, kwargs, options: dict) 
 
 def toolchain_metadata(verbose: bool = True) -> dict[str, str]:
     """Makes Inductor use the chosen C++ compiler; the metadata that records it (the libstdc++ a loader needs)."""
-    choice = toolchain.configure_inductor(verbose=verbose)
+    choice = toolchain.configure_inductor(verbose=False)  # it would say so on stdout: progress goes to stderr
+    _log(verbose, f"C++ compiler for AOTI: {choice.cxx} ({choice.reason})")
     lib = toolchain.compiler_libstdcxx(choice.cxx)
     return {md.K_CXX: choice.cxx, md.K_CXX_GLIBCXX: ".".join(map(str, lib.glibcxx)) if lib and lib.glibcxx else ""}
 
@@ -234,15 +236,21 @@ def export_and_compile(model: nn.Module, names: Sequence[str], entries: Sequence
     return out
 
 
-def write_package(files: dict[str, list[str]], out: str, meta: dict[str, str]) -> str:
-    """Writes the entries' AOTI files as named models of one .pt2, with the package metadata."""
+def write_package(files: dict[str, list[str]], out: str, meta: dict[str, str], tokenizer_json: str | None = None
+                  ) -> str:
+    """Writes the entries' AOTI files as named models of one .pt2, with the package metadata (and the tokenizer
+    file, when given)."""
     from torch.export.pt2_archive._package import package_pt2
 
     # Written under its final name in a scratch folder (the archive's root folder is named after the file),
     # then moved, so a failed build never leaves a truncated package behind.
     with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(out))) as tmp_dir:
         tmp = os.path.join(tmp_dir, os.path.basename(out))
-        package_pt2(tmp, aoti_files=files, extra_files={md.EXTRA_FILE: json.dumps(meta, indent=1, sort_keys=True)})
+        extra = {md.EXTRA_FILE: json.dumps(meta, indent=1, sort_keys=True)}
+        if tokenizer_json is not None:
+            with open(tokenizer_json, encoding="utf-8") as f:
+                extra[md.TOKENIZER_FILE] = f.read()
+        package_pt2(tmp, aoti_files=files, extra_files=extra)
         os.replace(tmp, out)
     return out
 
@@ -270,7 +278,8 @@ def build_package(model: nn.Module, config: dict, out: str, *, max_batch_size: i
                   prefill_batches: Sequence[int] | None = None, prefill_lengths: Sequence[int] | None = None,
                   save_exported_programs: bool = True, dtype: torch.dtype | None = None, verbose: bool = True,
                   decode_fn: Callable = call_decode, prefill_fn: Callable = call_prefill,
-                  jobs: int | None = None, prefill_chunks: Sequence[int] = ()) -> str:
+                  jobs: int | None = None, prefill_chunks: Sequence[int] = (), tokenizer_json: str | None = None
+                  ) -> str:
     """Exports ``model`` (already on ``device``, caches allocated for max_batch_size x max_seq_len) to ``out``.
 
     Decode buckets default to [max_batch_size]; prefill to batch [1] x ``default_prefill_lengths``;
@@ -280,6 +289,9 @@ def build_package(model: nn.Module, config: dict, out: str, *, max_batch_size: i
     ``save_exported_programs`` also writes ``<out stem>.<entry>.ep.pt2`` (``torch.export.save``; load them with
     ``torch.export.load`` after ``import dsv4_ops``). ``jobs``: processes that export + compile the entries side
     by side (``compile_jobs``: by default one per 3 CPU cores where memory allows; 1 builds in this process).
+    ``tokenizer_json``: the checkpoint's tokenizer.json, carried in the package (None: the byte-level fallback).
+    Nothing is left under ``out``'s name unless the build completes: the ExportedPrograms are written to a
+    scratch folder beside it and moved in with the package; an error or Ctrl-C removes them.
     """
     import dsv4_ops  # noqa: F401  (schemas + fakes must exist before tracing)
 
@@ -329,24 +341,40 @@ def build_package(model: nn.Module, config: dict, out: str, *, max_batch_size: i
         md.K_CPP_PREFILL_CHUNK: ",".join(e.name for e in entries if e.kind == "prefill_chunk"),
         md.K_CPP_CACHES: ";".join(f"{s.name}:{str(s.dtype).removeprefix('torch.')}:{'x'.join(map(str, s.shape))}"
                                   for s in specs),
+        md.K_TOKENIZER: md.TOKENIZER_FILE if tokenizer_json is not None else "bytes",
     })
     out_dir = os.path.dirname(os.path.abspath(out))
     os.makedirs(out_dir, exist_ok=True)
     ep_stem = out[: -len(".pt2")] if save_exported_programs else None
     jobs = compile_jobs(jobs, model, len(entries), device)
-    kwargs = dict(device=device, ep_stem=ep_stem, verbose=verbose, decode_fn=decode_fn, prefill_fn=prefill_fn)
-    if jobs > 1:
-        from dsv4_export.workers import export_and_compile_in_workers
+    scratch = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=out_dir)  # same file system
+    moved: list[str] = []
+    try:
+        scratch_stem = os.path.join(scratch, "ep") if ep_stem is not None else None
+        kwargs = dict(device=device, ep_stem=scratch_stem, verbose=verbose, decode_fn=decode_fn,
+                      prefill_fn=prefill_fn)
+        if jobs > 1:
+            from dsv4_export.workers import export_and_compile_in_workers
 
-        _log(verbose, f"exporting + compiling {len(entries)} entries in {jobs} worker processes")
-        done = export_and_compile_in_workers(model, names, entries, eager_ops, meta, jobs=jobs, **kwargs)
-    else:
-        done = export_and_compile(model, names, entries, eager_ops, meta, **kwargs)
-    if ep_stem is not None:
-        _log(verbose, f"ExportedPrograms saved as {ep_stem}.<entry>.ep.pt2")
-    used = {op: schema for _, ops in done.values() for op, schema in ops.items()}
-    meta[md.K_OPS_USED] = json.dumps(dict(sorted(used.items())), sort_keys=True)
-    write_package({e.name: done[e.name][0] for e in entries}, out, meta)
+            _log(verbose, f"exporting + compiling {len(entries)} entries in {jobs} worker processes")
+            done = export_and_compile_in_workers(model, names, entries, eager_ops, meta, jobs=jobs, **kwargs)
+        else:
+            done = export_and_compile(model, names, entries, eager_ops, meta, **kwargs)
+        used = {op: schema for _, ops in done.values() for op, schema in ops.items()}
+        meta[md.K_OPS_USED] = json.dumps(dict(sorted(used.items())), sort_keys=True)
+        if ep_stem is not None:
+            for e in entries:
+                moved.append(f"{ep_stem}.{e.name}.ep.pt2")
+                os.replace(f"{scratch_stem}.{e.name}.ep.pt2", moved[-1])
+            _log(verbose, f"ExportedPrograms saved as {ep_stem}.<entry>.ep.pt2")
+        write_package({e.name: done[e.name][0] for e in entries}, out, meta, tokenizer_json)  # last: the commit
+    except BaseException:  # Ctrl-C included: no ExportedProgram without its package
+        for f in moved:
+            if os.path.exists(f):
+                os.remove(f)
+        raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     _log(verbose, f"package written: {out} ({os.path.getsize(out) / 2**20:.1f} MiB)")
     return out
 
@@ -392,10 +420,12 @@ def build_from_checkpoint(path: str, out: str, *, max_batch_size: int, max_seq_l
                                max_seq_len=max_seq_len, simulate_quant=simulate_quant, progress=verbose,
                                quant=quant, act_quant=act_quant, allow_beyond_max_position=allow_beyond_max_position)
     cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    tok = os.path.join(path, md.TOKENIZER_FILE)  # carried along: `export run --prompt TEXT` encodes with it
     return build_package(model, cfg, out, max_batch_size=max_batch_size, max_seq_len=max_seq_len, device=device,
                          decode_batches=decode_batches, prefill_batches=prefill_batches,
                          prefill_lengths=prefill_lengths, save_exported_programs=save_exported_programs, dtype=dtype,
-                         verbose=verbose, jobs=jobs, prefill_chunks=prefill_chunks)
+                         verbose=verbose, jobs=jobs, prefill_chunks=prefill_chunks,
+                         tokenizer_json=tok if os.path.isfile(tok) else None)
 
 
 __all__ = ["Entry", "plan_entries", "export_entry", "export_and_compile", "write_package", "build_package", "build_from_checkpoint",

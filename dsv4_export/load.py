@@ -45,6 +45,27 @@ def _bucket(buckets: Sequence[int], n: int, what: str) -> int:
     raise ValueError(f"batch {n} exceeds the largest {what} bucket {max(buckets)} in the package")
 
 
+def package_tokenizer(path: str, meta: dict[str, str], config):
+    """The tokenizer a package carries (metadata K_TOKENIZER), built as load_tokenizer builds a checkpoint's; None
+    for a package built before packages carried one."""
+    import os
+    import tempfile
+    import zipfile
+
+    from dsv4_model.checkpoint.tokenizer import load_tokenizer
+
+    kind = meta.get(md.K_TOKENIZER)
+    if kind in (None, "bytes"):
+        return None if kind is None else load_tokenizer(None, config)
+    with zipfile.ZipFile(path) as z, tempfile.TemporaryDirectory() as d:
+        name = next((n for n in z.namelist() if n.endswith("/extra/" + md.TOKENIZER_FILE)), None)
+        if name is None:
+            raise PackageMismatch(f"{path}: its metadata names {kind}, the archive has no extra/{md.TOKENIZER_FILE}")
+        with open(os.path.join(d, md.TOKENIZER_FILE), "wb") as f:
+            f.write(z.read(name))
+        return load_tokenizer(d, config)
+
+
 class _PackageModel:
     """The part of the Transformer interface ``dsv4_model.runtime.compiled.DecodeRunner`` uses, backed by the package."""
 
@@ -122,6 +143,15 @@ class ExportedEngine(EngineSession):
         self.model = _PackageModel(self)
         self.runner_options = RunnerOptions(compile=False, cuda_graphs=self.cuda_graph)
         self._init_session()
+
+    def get_tokenizer(self):
+        """The tokenizer the package carries; the byte-level fallback for a package built before (ids only)."""
+        if self.tokenizer is None:
+            from dsv4_model.checkpoint.tokenizer import load_tokenizer
+
+            self.tokenizer = package_tokenizer(self.path, self.metadata, self.config) or load_tokenizer(None,
+                                                                                                         self.config)
+        return self.tokenizer
 
     def entry_metadata(self, name: str) -> dict[str, str]:
         """AOTI metadata of one loaded entry (what C++ ``get_metadata()`` returns)."""

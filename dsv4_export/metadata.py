@@ -37,6 +37,10 @@ K_QUANT = "dsv4.quant_info"  # JSON: the model's NVFP4 conversion info ({} for f
 K_VOCAB = "dsv4.vocab_size"
 K_CXX = "dsv4.cxx"  # the compiler of the wrapper .so files
 K_CXX_GLIBCXX = "dsv4.cxx_glibcxx"  # "3.4.33": the newest GLIBCXX its libstdc++ defines ("" if unknown)
+# The tokenizer of text prompts: "tokenizer.json" (the checkpoint's, stored as extra/TOKENIZER_FILE) or "bytes" (the
+# byte-level fallback the config sizes, as for a checkpoint without one); absent in packages built before.
+K_TOKENIZER = "dsv4.tokenizer"
+TOKENIZER_FILE = "tokenizer.json"
 # For C++: "decode_b1,decode_b2" / "prefill_b1" ; caches "name:dtype:d0xd1x..;..." ; "4" / "256".
 K_CPP_DECODE = "dsv4.cpp.decode_entries"
 K_CPP_PREFILL = "dsv4.cpp.prefill_entries"

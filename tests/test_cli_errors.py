@@ -83,8 +83,48 @@ CASES = [
     ("--top-p 0", ["--top-p", "0"], "--top-p must be in (0, 1]"),
     ("--top-k -1", ["--top-k", "-1"], "--top-k must be >= 0"),
     ("--quant fp8", ["--quant", "fp8"], "argument --quant: invalid choice"),
-    ("no --prompt", None, "the following arguments are required: --prompt"),
+    ("no --prompt", None, "no prompt: give --prompt TEXT, --prompt - (stdin) or --prompt-file PATH"),
 ]
+
+
+# Refused before any weight is read, so they run in this process (a subprocess each would cost seconds of
+# imports): main() is what `python -m dsv4_model` runs.
+IN_PROCESS = [
+    ("--temperature inf", ["--temperature", "inf"], "--temperature must be >= 0 and finite, got inf"),
+    ("--temperature nan", ["--temperature", "nan"], "--temperature must be >= 0 and finite, got nan"),
+    ("--seed 2**64 (past uint64)", ["--seed", str(2**64)], "--seed must be an int in [-2**63, 2**64 - 1]"),
+    ("--seed -2**63 - 1 (past int64)", ["--seed", str(-2**63 - 1)], "--seed must be an int in [-2**63, 2**64 - 1]"),
+    ("--speculate 100", ["--speculate", "100"], "--speculate must be an int >= 0 (0 = off) and at most 8"),
+    ("--speculate -1", ["--speculate", "-1"], "--speculate must be an int >= 0"),
+    ("--threads past the usable cores", ["--threads", str(len(os.sched_getaffinity(0)) + 1)],
+     f"this process may use {len(os.sched_getaffinity(0))} cores"),
+    ("--graph-mode on the CPU", ["--graph-mode", "manual", "--device", "cpu"], "there are none on cpu"),
+    ("--cuda-graphs on the CPU", ["--cuda-graphs", "--device", "cpu"], "CUDA graphs need a CUDA device"),
+    ("--graph-mode with --no-cuda-graphs", ["--graph-mode", "manual", "--no-cuda-graphs"],
+     "it contradicts --no-cuda-graphs"),
+    ("--regional-compile --no-compile", ["--regional-compile", "--no-compile"], "it contradicts --no-compile"),
+    ("--regional-compile --speculate 1", ["--regional-compile", "--speculate", "1"],
+     "speculative steps compile whole"),
+    ("--max-seq-len past host memory", ["--max-seq-len", "99999999", "--allow-beyond-max-position", "--device", "cpu"],
+     "free (available host memory): lower --max-seq-len"),
+    ("--prompt-file that does not exist", ["--prompt-file", "/nonexistent/p.txt"],
+     "--prompt-file /nonexistent/p.txt: cannot read"),
+    ("--prompt - twice", ["--prompt", "-", "--prompt", "-"], "stdin holds one prompt"),
+]
+
+
+@pytest.mark.parametrize("case", IN_PROCESS, ids=[c[0] for c in IN_PROCESS])
+def test_bad_option_is_one_line_and_exit_2(case, capfd):
+    from dsv4_model.runtime.cli import main
+
+    _, args, want = case
+    argv = ["generate", *args] + ([] if "--prompt" in args or "--prompt-file" in args else ["--prompt", "def f(x):"])
+    rc = main(argv)
+    out, err = capfd.readouterr()
+    lines = [ln for ln in err.splitlines() if not ln.startswith("[dsv4] ")]
+    assert rc == 2, err
+    assert out == "" and "Traceback" not in err and "loading " not in err
+    assert len(lines) == 1 and lines[0].startswith("error: ") and want in lines[0], err
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -118,11 +158,25 @@ def test_non_utf8_prompt_is_decoded_with_replacement_and_said():
     assert b"not valid UTF-8" in r.stderr and b"Traceback" not in r.stderr
 
 
+def test_cut_short_at_max_position_embeddings_hints_what_works(tmp_path):
+    """At max_seq_len = max_position_embeddings a larger --max-seq-len alone is refused: the hint says so."""
+    d = tmp_path / "short_positions"
+    shutil.copytree(DEFAULT_MODEL_DIR, d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(cfg, max_position_embeddings=32)))
+    r = _cli("generate", "--model", str(d), "--prompt", "def f(x):", "--max-new-tokens", "200")
+    err = r.stderr.decode()
+    assert r.returncode == 0, err
+    assert "cut short after" in err and "max_seq_len=32" in err and "--allow-beyond-max-position" in err
+    assert "raise --max-seq-len" not in err
+
+
 def test_a_completion_cut_short_by_max_seq_len_says_so():
     r = _cli("generate", "--prompt", "def f(x):", "--max-seq-len", "32", "--max-new-tokens", "200")
     err = r.stderr.decode()
     assert r.returncode == 0, err
     assert "cut short after" in err and "of 200 tokens" in err and "max_seq_len=32" in err
+    assert "(raise --max-seq-len)" in err  # 32 < max_position_embeddings: a larger one works
     assert r.stdout.decode().endswith("\n")
 
 
@@ -136,3 +190,20 @@ def test_a_reader_that_goes_away_ends_quietly():
     err = p.stderr.read().decode()
     assert p.wait(timeout=300) == 141
     assert "Traceback" not in err and "BrokenPipe" not in err
+
+
+def test_an_allocation_failure_is_one_line(capfd):
+    """What the memory check did not foresee still ends as one line; other RuntimeErrors keep their traceback."""
+    import types
+
+    from dsv4_model.runtime.cli import run_cli
+
+    def oom(args):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1099511627776 bytes.\n"
+                           "More text ATen adds")
+
+    assert run_cli(oom, types.SimpleNamespace(debug=False)) == 2
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: out of memory: DefaultCPUAllocator: can't allocate")
+    with pytest.raises(RuntimeError, match="not memory"):
+        run_cli(lambda a: (_ for _ in ()).throw(RuntimeError("not memory")), types.SimpleNamespace(debug=False))

@@ -483,3 +483,20 @@ def test_written_inputs_agrees_with_functionalization():
     functional = set(ep.run_decompositions({}).graph_signature.user_inputs_to_mutate.values())
     assert written_inputs(ep) == functional == set(ep.graph_signature.user_inputs[2:])
     assert written_inputs(ro) == set()
+
+
+def test_cli_run_text_in_text_out(cpu_pkg):
+    """`export run --prompt TEXT` encodes with the tokenizer the package records (build_package without a
+    tokenizer.json: the byte-level fallback) and prints prompt + completion as text: the --prompt-ids run's ids."""
+    from dsv4_model.checkpoint.tokenizer import load_tokenizer
+
+    tok, prompt = load_tokenizer(None, cpu_pkg.config), "ab c"
+    assert md.read_from_archive(cpu_pkg.path)["dsv4.tokenizer"] == "bytes"
+    run = [sys.executable, "-m", "dsv4_export", "run", cpu_pkg.path, "--max-new-tokens", str(STEPS)]
+    text = subprocess.run([*run, "--prompt", prompt], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    ids = subprocess.run([*run, "--prompt-ids", *map(str, tok.encode(prompt))], cwd=ROOT, env=_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert text.returncode == 0 and ids.returncode == 0, text.stderr[-3000:] + ids.stderr[-3000:]
+    gen = [int(t) for t in ids.stdout.split("generated:")[1].split()]
+    assert text.stdout == prompt + tok.decode(gen) + "\n"

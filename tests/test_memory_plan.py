@@ -66,7 +66,7 @@ DEFAULT = os.path.join(os.path.dirname(__file__), "..", "dsv4_model", "assets", 
 
 @pytest.mark.parametrize("free_mib", [1, 2**17])
 def test_the_loader_checks_free_memory_then_loads(monkeypatch, capsys, free_mib):
-    # The check runs on CUDA only; here it is pointed at the host so CI runs the path a GPU load takes.
+    # The same check a GPU load runs (on the CPU against available host memory), with the free bytes faked.
     from dsv4_model.checkpoint import loader
     monkeypatch.setattr(loader, "_free_device_bytes", lambda device: free_mib * 2**20)
     if free_mib == 1:

@@ -412,8 +412,12 @@ def _source(load: TensorLoad, reader: TensorReader, device: torch.device):
 
 
 def _free_device_bytes(device: torch.device) -> int | None:
-    """Free bytes of a GPU the model is loaded onto; None for host memory (not checked)."""
-    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    """Free bytes of the GPU the model is loaded onto, or the host's available memory (None: unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    from dsv4_model.checkpoint.memory_plan import available_host_bytes
+
+    return available_host_bytes()
 
 
 def _unit_getter(plan_by_target: dict, reader: TensorReader, device: torch.device):
@@ -571,7 +575,8 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
                             ep=expert_shard.world if expert_shard is not None else 1)
         check_fits(needs, free, str(device))
         if progress:
-            print(f"[dsv4] memory on {device}: {needs.describe()}", file=sys.stderr)
+            print(f"[dsv4] memory on {device}: {needs.describe('per GPU' if device.type == 'cuda' else '')}",
+                  file=sys.stderr)
     model.to_empty(device=device)
     params = model.state_dict(keep_vars=True)
     from tqdm.auto import tqdm

@@ -9,6 +9,7 @@ With expert parallelism over `ep` ranks each rank holds ceil(E / ep) routed expe
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -33,10 +34,10 @@ class MemoryPlan:
     def total(self) -> int:
         return self.weights + self.caches + self.runtime
 
-    def describe(self) -> str:
+    def describe(self, per: str = "per GPU") -> str:
         share = f", {self.ep}-way expert parallel" if self.ep > 1 else ""
         return (f"weights {size(self.weights)} (routed experts {size(self.routed_experts)}{share}) + caches "
-                f"{size(self.caches)} + runtime {size(self.runtime)} = {size(self.total)} per GPU")
+                f"{size(self.caches)} + runtime {size(self.runtime)} = {size(self.total)}" + (f" {per}" if per else ""))
 
 
 def size(n: int) -> str:
@@ -76,5 +77,31 @@ def memory_plan(cfg: ModelConfig, *, max_batch_size: int = 1, max_seq_len: int =
 def check_fits(plan: MemoryPlan, free_bytes: int, device: str) -> None:
     """Raises ValueError naming what does not fit when the plan needs more than `free_bytes` of `device`."""
     if plan.total > free_bytes:
-        raise ValueError(f"the model needs {plan.describe()}, {device} has {size(free_bytes)} free: lower "
+        where = "in host memory" if device.startswith("cpu") else "per GPU"
+        what = "free (available host memory)" if device.startswith("cpu") else "free"
+        raise ValueError(f"the model needs {plan.describe(where)}, {device} has {size(free_bytes)} {what}: lower "
                          "--max-seq-len / --max-batch-size, or use a smaller model")
+
+
+def available_host_bytes() -> int | None:
+    """Host memory a new allocation can get without swapping: Linux MemAvailable (free + reclaimable caches),
+    within a cgroup v2 memory limit; else free pages; None if unknown."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:")), None)
+    except OSError:
+        pass
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return None
+    try:  # a container's limit (killed past it, whatever the host has free)
+        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
+            limit = f.read().strip()
+            if limit != "max":
+                avail = min(avail, int(limit) - int(g.read()))
+    except (OSError, ValueError):
+        pass
+    return avail

@@ -33,6 +33,19 @@ def check_max_seq_len(max_seq_len, config, allow_beyond_max_position: bool = Fal
                          "--allow-beyond-max-position, runs past it anyway)")
 
 
+# Drafts per speculative step (generate(speculate=K), --speculate K). Not a limit of the caches (K spare ring
+# slots work for any K) but of use: the one MTP block chains on its own outputs, so each further draft is accepted
+# less often (docs/speculation.md), while a step verifies K + 1 tokens, runs the block K times and compiles per K.
+MAX_SPECULATE = 8
+
+
+def check_speculate(value, name: str = "speculate") -> int:
+    """K in [0, MAX_SPECULATE]; 0 = no speculation."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_SPECULATE:
+        raise ValueError(f"{name} must be an int >= 0 (0 = off) and at most {MAX_SPECULATE}, got {value!r}")
+    return value
+
+
 def check_positive_int(value, name: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")

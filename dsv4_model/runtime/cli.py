@@ -10,7 +10,10 @@ Started by `torchrun --nproc-per-node N -m dsv4_model generate ...`, every rank 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -53,30 +56,88 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
+def package_version() -> str:
+    """The installed dsv4 distribution's version, else the source tree's pyproject.toml's."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("dsv4")
+    except metadata.PackageNotFoundError:
+        import tomllib
+
+        with open(Path(__file__).resolve().parents[2] / "pyproject.toml", "rb") as f:
+            return tomllib.load(f)["project"]["version"]
+
+
+class _Version(argparse.Action):
+    """--version, read only when asked (no import cost for a run)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        sys.stdout.write(f"dsv4 {package_version()}\n")  # stdout, as argparse's own version action
+        parser.exit(0)
+
+
+class _Prompts(argparse.Action):
+    """--prompt / --prompt-file: (kind, value) pairs in command-line order."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest) or []), (self.const, value)])
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's or taskset's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def default_threads() -> int:
+    """The usable cores less those the machine's 1-minute load average says other jobs keep busy, shared by the
+    ranks torchrun started on this host; at least 1."""
+    try:
+        busy = int(os.getloadavg()[0] + 0.5)
+    except (AttributeError, OSError):
+        busy = 0
+    return max(1, (usable_cores() - busy) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m dsv4_model", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action=_Version, help="print the dsv4 version and exit")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     g = sub.add_parser("generate", help="stream a completion of --prompt")
     g.add_argument("--model", help="checkpoint directory (hf / official / dsv4 layout), or a Hugging Face repo id "
                    "ORG/NAME[@REV] already in the local HF cache; default: built-in")
-    g.add_argument("--prompt", action="append", required=True,
-                   help="prompt text; repeat for a batch (completions are printed one after another); bytes that "
-                        "are not UTF-8 are replaced with U+FFFD (said on stderr)")
+    g.add_argument("--prompt", dest="prompts", action=_Prompts, const="text", metavar="TEXT",
+                   help="prompt text, or - to read one prompt from stdin; repeat for a batch (completions are printed "
+                        "one after another); bytes that are not UTF-8 are replaced with U+FFFD (said on stderr)")
+    g.add_argument("--prompt-file", dest="prompts", action=_Prompts, const="file", metavar="PATH",
+                   help="one prompt per file, its whole text (one final newline dropped); repeatable, mixes with "
+                        "--prompt in command-line order")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON object per prompt on stdout (prompt, ids, text, finish_reason, timings), "
+                        "nothing else; no streaming")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--speculate", type=int, default=0, metavar="K",
-                   help="draft K tokens per step with the model's MTP block and verify them in one pass (0 = off)")
+                   help="draft K tokens per step with the model's MTP block and verify them in one pass (0 = off; "
+                        "K is bounded: docs/speculation.md)")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decode step (default: on for CUDA)")
     g.add_argument("--regional-compile", action="store_true",
                    help="compile one decoder layer at a time, reused by the layers that trace the same (compile "
-                        "time grows with the kinds of layers, not the depth)")
+                        "time grows with the kinds of layers, not the depth); implies --compile (also on the CPU)")
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay the decode step as CUDA graphs (default: on for CUDA)")
-    g.add_argument("--graph-mode", choices=("manual", "reduce-overhead"), default="manual")
+                   help="replay the decode step as CUDA graphs (default: on for CUDA; CUDA only)")
+    g.add_argument("--graph-mode", choices=("manual", "reduce-overhead"), default=None,
+                   help="how the CUDA graphs are captured (default manual; CUDA graphs only)")
     g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     g.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     g.add_argument("--max-seq-len", type=int, default=None,
@@ -94,7 +155,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--act-quant", choices=("none", "nvfp4"), default=None,
                    help="nvfp4 = W4A4 (activations quantized per token too); default: as stored, else none")
     g.add_argument("--threads", type=int, default=None,
-                   help="CPU intra-op threads (default: torch's; 1 is faster when other jobs share the cores)")
+                   help="CPU intra-op threads, at most the cores this process may use (default: those cores less "
+                        "the machine's 1-minute load average, rounded, at least 1)")
     g.add_argument("--debug", action="store_true", help="on an error, show the traceback too")
     return p
 
@@ -104,6 +166,7 @@ def _round_up(n: int, m: int) -> int:
 
 
 _QUIET = [False]  # a torchrun rank other than 0: notes are rank 0's to print
+_STREAMED = [False]  # text on stdout without its final newline yet (a Ctrl-C then ends the line)
 
 
 def _note(msg: str) -> None:
@@ -113,22 +176,46 @@ def _note(msg: str) -> None:
 
 def _check_args(args) -> None:
     """Everything the arguments alone decide, before any file is read."""
-    from dsv4_model.model.checks import check_positive_int
+    from dsv4_model.model.checks import check_positive_int, check_speculate
     from dsv4_model.runtime.sampling import SamplingParams
 
+    if not args.prompts:
+        raise ValueError("no prompt: give --prompt TEXT, --prompt - (stdin) or --prompt-file PATH")
+    if sum(v == "-" for kind, v in args.prompts if kind == "text") > 1:
+        raise ValueError("--prompt -: stdin holds one prompt, give it once")
     check_positive_int(args.max_new_tokens, "--max-new-tokens")
-    if args.speculate != 0:
-        check_positive_int(args.speculate, "--speculate")
+    check_speculate(args.speculate, "--speculate")
     if args.max_seq_len is not None:
         check_positive_int(args.max_seq_len, "--max-seq-len")
     if args.threads is not None:
         check_positive_int(args.threads, "--threads")
+        if args.threads > usable_cores():
+            raise ValueError(f"--threads {args.threads}: this process may use {usable_cores()} cores "
+                             "(more threads than cores only contend)")
+    if args.regional_compile and args.compile is False:
+        raise ValueError("--regional-compile compiles: it contradicts --no-compile")
+    if args.regional_compile and args.speculate:
+        raise ValueError("--regional-compile: speculative steps compile whole (leave it out with --speculate)")
+    if args.graph_mode is not None and args.cuda_graphs is False:
+        raise ValueError("--graph-mode picks how CUDA graphs are captured: it contradicts --no-cuda-graphs")
+    if args.regional_compile and args.graph_mode == "reduce-overhead":
+        raise ValueError("--regional-compile captures manual CUDA graphs: it contradicts --graph-mode reduce-overhead")
     if args.prefill_chunk is not None:
         check_positive_int(args.prefill_chunk, "--prefill-chunk")
     try:
         SamplingParams(args.temperature, args.top_k, args.top_p, args.seed).validate()
     except ValueError as e:
         raise ValueError(f"--{e}".replace("_", "-", 1)) from None
+
+
+def _check_device_args(args, device) -> None:
+    """Options that only mean something on a GPU, refused on the CPU rather than ignored."""
+    if device.type == "cuda":
+        return
+    if args.cuda_graphs:
+        raise ValueError(f"--cuda-graphs: CUDA graphs need a CUDA device, this run is on {device}")
+    if args.graph_mode is not None:
+        raise ValueError(f"--graph-mode picks how CUDA graphs are captured: there are none on {device}")
 
 
 def _prompt_text(arg: str, i: int) -> str:
@@ -139,6 +226,28 @@ def _prompt_text(arg: str, i: int) -> str:
     if text != arg:
         _note(f"--prompt #{i + 1} is not valid UTF-8: its undecodable bytes were replaced with U+FFFD")
     return text
+
+
+def _read_prompts(items) -> list[str]:
+    """The prompts of --prompt TEXT / --prompt - (stdin) / --prompt-file PATH, in command-line order."""
+    out = []
+    for i, (kind, value) in enumerate(items):
+        if kind == "text" and value != "-":
+            out.append(_prompt_text(value, i))
+            continue
+        what = "--prompt - (stdin)" if kind == "text" else f"--prompt-file {value}"
+        try:
+            raw = sys.stdin.buffer.read() if kind == "text" else Path(value).read_bytes()
+        except OSError as e:
+            raise ValueError(f"{what}: cannot read: {e.strerror or e}") from None
+        text = raw.decode("utf-8", "replace")
+        if "\ufffd" in text and b"\xef\xbf\xbd" not in raw:
+            _note(f"{what} is not valid UTF-8: its undecodable bytes were replaced with U+FFFD")
+        text = text[:-1] if text.endswith("\n") else text  # the newline editors and `echo` add
+        if not text:
+            raise ValueError(f"{what}: empty prompt")
+        out.append(text)
+    return out
 
 
 def _cache_len(args, config, prompt_ids) -> int:
@@ -183,7 +292,8 @@ def cmd_generate(args) -> int:
         if shard.rank:
             _QUIET[0] = True
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # rank 0 streams the text
-    prompts = [_prompt_text(p, i) for i, p in enumerate(args.prompt)]
+    _check_device_args(args, device)
+    prompts = _read_prompts(args.prompts)
     if args.model:
         from dsv4_model.checkpoint.hub import resolve_checkpoint
 
@@ -191,8 +301,8 @@ def cmd_generate(args) -> int:
     else:
         path, what = default_model_path()
         _note(what)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.threads or device.type == "cpu":
+        torch.set_num_threads(args.threads or default_threads())
     quant = args.quant if args.quant != "auto" else (None if device.type == "cuda" else "none")
     if args.act_quant == "nvfp4" and quant == "none":
         quant = "nvfp4"
@@ -205,8 +315,8 @@ def cmd_generate(args) -> int:
     prompt_ids = [tok.encode(p) for p in prompts]
     max_seq_len = _cache_len(args, config, prompt_ids)
     t0 = time.perf_counter()
-    runner = RunnerOptions(compile=args.compile, cuda_graphs=args.cuda_graphs, graph_mode=args.graph_mode,
-                           regional=args.regional_compile, log=_note)
+    runner = RunnerOptions(compile=True if args.regional_compile else args.compile, cuda_graphs=args.cuda_graphs,
+                           graph_mode=args.graph_mode or "manual", regional=args.regional_compile, log=_note)
     engine = Engine.from_pretrained(path, device=device, dtype=getattr(torch, args.dtype),
                                     max_batch_size=len(prompt_ids), max_seq_len=max_seq_len,
                                     simulate_quant=not args.no_simulate_quant, runner_options=runner, quant=quant,
@@ -216,7 +326,7 @@ def cmd_generate(args) -> int:
                                     **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}))
     t_load = time.perf_counter() - t0
 
-    single = len(prompt_ids) == 1
+    single = len(prompt_ids) == 1 and not args.json
     t1 = time.perf_counter()
     if args.speculate:  # compile / capture before any text is printed
         from dsv4_model.runtime.sampling import SamplingParams
@@ -230,6 +340,7 @@ def cmd_generate(args) -> int:
     if single:
         sys.stdout.write(prompts[0])
         sys.stdout.flush()
+        _STREAMED[0] = True
 
     def on_token(row, token_id, text):
         if single and text:
@@ -239,8 +350,17 @@ def cmd_generate(args) -> int:
     res = generate(engine, prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stream=on_token, tokenizer=tok,
                    speculate=args.speculate)
-    if single:
+    if args.json:
+        timings = {k: round(v, 6) for k, v in (("load_s", t_load), ("setup_s", t_setup),
+                                                ("prefill_s", res.prefill_seconds), ("decode_s", res.decode_seconds),
+                                                ("decode_tokens_per_s", res.decode_tokens_per_s))}  # of the batch
+        for prompt, ids_in, ids, text, why in zip(prompts, prompt_ids, res.token_ids, res.texts,
+                                                  res.finish_reasons):
+            sys.stdout.write(json.dumps({"prompt": prompt, "prompt_ids": ids_in, "ids": ids, "text": text,
+                                         "finish_reason": why, "timings": timings}, ensure_ascii=False) + "\n")
+    elif single:
         sys.stdout.write("\n")
+        _STREAMED[0] = False
     else:
         for prompt, text in zip(prompts, res.texts):
             sys.stdout.write(f"--- {prompt!r}\n{prompt}{text}\n")
@@ -248,7 +368,7 @@ def cmd_generate(args) -> int:
     for i, (why, ids) in enumerate(zip(res.finish_reasons, res.token_ids)):
         if why == "max_seq_len":
             _note(f"completion {i + 1} cut short after {len(ids)} of {args.max_new_tokens} tokens: the caches hold "
-                  f"max_seq_len={max_seq_len} positions (raise --max-seq-len)")
+                  f"max_seq_len={max_seq_len} positions ({_raise_hint(args, config, max_seq_len)})")
     n = res.num_generated
     total = res.prefill_seconds + res.decode_seconds
     _note(f"{n} tokens in {total:.2f} s = {n / total if total else 0:.1f} tokens/s "
@@ -258,9 +378,19 @@ def cmd_generate(args) -> int:
           + (f"; expert parallel over {shard.world} ranks" if shard is not None else ""))
     spec = res.extra.get("speculation")
     if spec is not None:
+        # a position no row reached (earlier drafts rejected, or the run ended) has no rate: "-", not nan%
         _note(f"speculation: {spec.tokens_per_step:.2f} tokens per step; drafts accepted per position "
-              + " / ".join(f"{100 * a:.1f}%" for a in spec.acceptance()))
+              + " / ".join("-" if math.isnan(a) else f"{100 * a:.1f}%" for a in spec.acceptance()))
     return 0
+
+
+def _raise_hint(args, config, max_seq_len: int) -> str:
+    """What lets a completion run longer: a larger --max-seq-len while it stays within the positions the model
+    was trained for, else only --allow-beyond-max-position."""
+    if max_seq_len < config.max_position_embeddings or args.allow_beyond_max_position:
+        return "raise --max-seq-len"
+    return (f"the model's max_position_embeddings={config.max_position_embeddings}; --allow-beyond-max-position "
+            "with a larger --max-seq-len runs past it, on positions it was not trained for")
 
 
 def run_cli(fn, args, errors: tuple[type[BaseException], ...] = (ValueError, OSError, ImportError)) -> int:
@@ -269,6 +399,11 @@ def run_cli(fn, args, errors: tuple[type[BaseException], ...] = (ValueError, OSE
     command quietly with the status a SIGPIPE would give."""
     try:
         return fn(args)
+    except KeyboardInterrupt:
+        if getattr(args, "debug", False):
+            raise
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C during clean-up ends it at once, silently
+        return _interrupted()
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
         return 141
@@ -278,10 +413,38 @@ def run_cli(fn, args, errors: tuple[type[BaseException], ...] = (ValueError, OSE
         sys.stderr.write(f"error: {e}\n")  # one write: torchrun's ranks share the stream
         sys.stderr.flush()
         return 2
+    except (MemoryError, RuntimeError) as e:  # an allocation the memory check did not foresee
+        if getattr(args, "debug", False) or not _out_of_memory(e):
+            raise
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        sys.stderr.write(f"error: out of memory: {first} (lower --max-seq-len / --max-batch-size, "
+                         "or use a smaller model)\n")
+        return 2
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    import torch
+
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e)
+
+
+def _interrupted() -> int:
+    """Ctrl-C: the text streamed so far ends its line, one line on stderr, the shell's 128 + SIGINT."""
+    try:
+        sys.stdout.write("\n" if _STREAMED[0] else "")
+        sys.stdout.flush()
+    except (OSError, ValueError):  # the reader went away too, or stdout is closed
+        pass
+    sys.stderr.write("interrupted\n")
+    sys.stderr.flush()
+    return 130
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except KeyboardInterrupt:
+        return _interrupted()
     try:
         return run_cli(cmd_generate, args)
     finally:

@@ -57,8 +57,11 @@ class SpeculationStats:
 
 
 def check_model(model, k: int) -> None:
+    from dsv4_model.model.checks import check_speculate
+
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"speculate must be an int >= 1, got {k!r}")
+    check_speculate(k)
     if not model.config.n_mtp_layers:
         raise ValueError("speculative decoding needs the model's MTP block (n_mtp_layers >= 1)")
     if model.spare_window_slots < k:
