@@ -59,13 +59,16 @@ def export_and_compile_in_workers(model: nn.Module, names: Sequence[str], entrie
                 spec_path = os.path.join(tmp, f"spec{k}.json")
                 with open(spec_path, "w") as f:
                     json.dump(spec, f)
+                # own session: a terminal's Ctrl-C reaches the parent only, which stops them here (no
+                # KeyboardInterrupt traceback per worker)
                 procs.append((spec, subprocess.Popen([sys.executable, "-m", "dsv4_export.workers", spec_path],
-                                                     cwd=ROOT, env=env)))
+                                                     cwd=ROOT, env=env, start_new_session=True)))
             failed = [(spec, p.wait()) for spec, p in procs]
         finally:
             for _, p in procs:
                 if p.poll() is None:
                     p.kill()
+                    p.wait()  # gone before the build removes the scratch folder it writes to
         bad = [(s, rc) for s, rc in failed if rc != 0]
         if bad:
             raise RuntimeError("; ".join(f"export worker {s['worker']} ({', '.join(e['name'] for e in s['entries'])})"

@@ -14,7 +14,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _start(module, *args):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.Popen([sys.executable, "-u", "-m", module, *args], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def _ctrl_c(p):
+    os.killpg(p.pid, signal.SIGINT)  # as a terminal does: to the whole process group
 
 
 def _stderr_lines(p, marks: list):
@@ -37,7 +41,7 @@ def test_ctrl_c_during_generate_is_one_line_and_130():
     p = _start("dsv4_model", "generate", "--prompt", "def f(x):", "--max-new-tokens", "4000", "--no-compile")
     lines, reader = _stderr_lines(p, [])
     first = p.stdout.read(12)  # the prompt and streamed tokens: clearly mid-generation
-    p.send_signal(signal.SIGINT)
+    _ctrl_c(p)
     rest = p.stdout.read()
     assert p.wait(timeout=120) == 130
     reader.join(timeout=30)
@@ -54,7 +58,7 @@ def test_ctrl_c_during_export_build_leaves_no_partial_files(tmp_path):
     # by then decode_b1's ExportedProgram has been saved (to the build's scratch folder)
     lines, reader = _stderr_lines(p, [("exporting prefill_b1_s16", started)])
     assert started.wait(timeout=300), "".join(lines)
-    p.send_signal(signal.SIGINT)
+    _ctrl_c(p)
     assert p.wait(timeout=120) == 130, "".join(lines)
     reader.join(timeout=30)
     assert p.stdout.read() == b""  # progress (the compiler line too) is stderr's
