@@ -75,6 +75,14 @@ def test_speculation_line_has_no_nan():
     assert len(rates) == 4 and "-" in rates and "nan" not in err
 
 
+def test_speculate_help_states_the_checked_bound():
+    from dsv4_model.model.checks import MAX_SPECULATE
+    from dsv4_model.runtime import cli
+
+    assert f"at most {MAX_SPECULATE}" in " ".join(cli._parser()._subparsers._group_actions[0].choices["generate"]
+                                                   .format_help().split())
+
+
 def test_regional_compile_implies_compile(monkeypatch):
     from dsv4_model.runtime import cli
 

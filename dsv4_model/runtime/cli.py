@@ -128,7 +128,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--speculate", type=int, default=0, metavar="K",
                    help="draft K tokens per step with the model's MTP block and verify them in one pass (0 = off; "
-                        "K is bounded: docs/speculation.md)")
+                        "at most 8: docs/speculation.md)")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decode step (default: on for CUDA)")
     g.add_argument("--regional-compile", action="store_true",
