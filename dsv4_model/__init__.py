@@ -1,8 +1,9 @@
 """DeepSeek-V4 model in pure PyTorch: config, layers, caches, engine."""
 
+from dsv4_model.checkpoint.builtin import DEFAULT_MODEL
 from dsv4_model.model.config import ModelConfig
 
-__all__ = ["ModelConfig", "Transformer", "Engine"]
+__all__ = ["DEFAULT_MODEL", "ModelConfig", "Transformer", "Engine"]
 
 
 def __getattr__(name):

@@ -218,10 +218,11 @@ def test_hf_tokenizer_bos_and_streaming(tmp_path):
 
 # ------------------------------------------------------------------------------------------- CLI
 def test_cli_default_model_streams(tmp_path, monkeypatch):
+    from dsv4_model.checkpoint import builtin
     from dsv4_model.runtime import cli
 
     monkeypatch.setenv("DSV4_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cli, "DEFAULT_MODEL_DIR", tmp_path / "no-default-model")
+    monkeypatch.setattr(builtin, "DEFAULT_MODEL_DIR", tmp_path / "no-default-model")
     out, err = io.StringIO(), io.StringIO()
     with redirect_stdout(out), redirect_stderr(err):
         rc = cli.main(["generate", "--prompt", "def fibonacci(n):", "--max-new-tokens", "5", "--device", "cpu",

@@ -1,6 +1,7 @@
 """`--model` / `from_pretrained` references: a checkpoint directory, or a Hugging Face repository id.
 
-`resolve_checkpoint(ref)`: an existing directory is returned as is. A reference of the form `org/name` or
+`resolve_checkpoint(ref)`: an existing directory is returned as is; "dsv4-default" (`DEFAULT_MODEL`) is the built-in
+model (dsv4_model/checkpoint/builtin.py). A reference of the form `org/name` or
 `org/name@revision` (a branch, tag or commit hash) that is not a directory is looked up in the local Hugging Face
 cache, offline (huggingface_hub's `snapshot_download(local_files_only=True)`: the cache is wherever HF_HUB_CACHE /
 HF_HOME put it, read by huggingface_hub itself, as for transformers). Nothing is ever downloaded.
@@ -11,6 +12,7 @@ import os
 import re
 from pathlib import Path
 
+from dsv4_model.checkpoint.builtin import DEFAULT_MODEL, default_model_path
 from dsv4_model.checkpoint.io import CheckpointError
 
 # org/name[@revision]; huggingface_hub's validate_repo_id then has the last word on the id itself
@@ -44,6 +46,8 @@ def resolve_checkpoint(ref: str | os.PathLike, arg: str = "") -> Path:
     path = Path(ref)
     if path.is_dir():
         return path
+    if os.fspath(ref) == DEFAULT_MODEL:
+        return default_model_path()[0]
     parsed = _repo_ref(os.fspath(ref))
     if parsed is None:
         raise CheckpointError(f"{what}: no such checkpoint directory")

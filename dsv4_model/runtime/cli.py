@@ -18,35 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "default"
-RANDOM_TINY_NAME = "random-tiny-v1"
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("DSV4_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dsv4")
-    return Path(root)
-
-
-def default_model_path() -> tuple[Path, str]:
-    """(path, description) of the model used when --model is not given."""
-    if (DEFAULT_MODEL_DIR / "config.json").is_file():
-        return DEFAULT_MODEL_DIR, f"built-in default model {DEFAULT_MODEL_DIR}"
-    path = _cache_dir() / RANDOM_TINY_NAME
-    if not (path / "config.json").is_file():
-        from dsv4_model.checkpoint.writer import write_tiny_checkpoint
-
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        write_tiny_checkpoint(tmp, "dsv4", seed=0)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.replace(tmp, path)  # atomic: a concurrent run sees a complete checkpoint or none
-        except OSError:
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
-    return path, (f"no trained default model in {DEFAULT_MODEL_DIR}: using a RANDOM tiny checkpoint at {path} "
-                  "(its output is gibberish; pass --model PATH for a real model)")
+from dsv4_model.checkpoint.builtin import DEFAULT_MODEL, DEFAULT_MODEL_DIR, RANDOM_TINY_NAME, default_model_path  # noqa: F401
 
 
 class _Parser(argparse.ArgumentParser):
@@ -111,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     g = sub.add_parser("generate", help="stream a completion of --prompt")
     g.add_argument("--model", help="checkpoint directory (hf / official / dsv4 layout), or a Hugging Face repo id "
-                   "ORG/NAME[@REV] already in the local HF cache; default: built-in")
+                   "ORG/NAME[@REV] already in the local HF cache; default: the built-in model, also named dsv4-default")
     g.add_argument("--prompt", dest="prompts", action=_Prompts, const="text", metavar="TEXT",
                    help="prompt text, or - to read one prompt from stdin; repeat for a batch (completions are printed "
                         "one after another); bytes that are not UTF-8 are replaced with U+FFFD (said on stderr)")

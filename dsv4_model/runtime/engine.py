@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from dsv4_model.checkpoint.builtin import DEFAULT_MODEL
 from dsv4_model.model.checks import check_positive_int
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.transformer import Transformer
@@ -38,13 +39,13 @@ class Engine(EngineSession):
         self._init_session()
 
     @classmethod
-    def from_pretrained(cls, path, *, device="cpu", dtype=torch.bfloat16, max_batch_size: int = 1,
+    def from_pretrained(cls, path=DEFAULT_MODEL, *, device="cpu", dtype=torch.bfloat16, max_batch_size: int = 1,
                         max_seq_len: int = 4096, simulate_quant: bool = True, compile: bool | None = None,
                         cuda_graphs: bool | None = None, graph_mode: str = "manual", quant: str | None = None,
                         act_quant: str | None = None, runner_options: RunnerOptions | None = None,
                         prefill_chunk: int = DEFAULT_PREFILL_CHUNK, **options) -> "Engine":
-        """Load a checkpoint directory, or a Hugging Face repo id `org/name[@rev]` in the local HF cache
-        (`dsv4_model.checkpoint.hub.resolve_checkpoint`), via `dsv4_model.checkpoint.loader.load_model`; `options`
+        """Load a checkpoint directory, a Hugging Face repo id `org/name[@rev]` in the local HF cache, or
+        "dsv4-default" (the default: the built-in model) (`dsv4_model.checkpoint.hub.resolve_checkpoint`), via `dsv4_model.checkpoint.loader.load_model`; `options`
         go to the loader (e.g. layout=, load_mtp=, progress=). compile / cuda_graphs / graph_mode: how generate()
         runs decode steps (`RunnerOptions`; or pass runner_options, which then replaces them).
         quant: "none" | "nvfp4" (NVFP4 weights, see dsv4_model/quant/quantize_model.py) | None (as stored);
