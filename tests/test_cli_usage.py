@@ -31,7 +31,7 @@ def test_prompts_from_stdin_files_and_text_in_order_as_json(tmp_path):
     objs = _objects(r)
     assert [o["prompt"] for o in objs] == ["def g(y):", "import os", "x = 1"]
     for o in objs:
-        assert set(o) == {"prompt", "prompt_ids", "ids", "text", "finish_reason", "timings"}
+        assert set(o) == {"prompt", "index", "sample", "prompt_ids", "ids", "text", "finish_reason", "timings"}
         assert len(o["ids"]) == 3 and o["finish_reason"] == "length" and isinstance(o["text"], str)
         assert o["timings"]["decode_s"] >= 0 and o["timings"]["load_s"] > 0
 

@@ -94,6 +94,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="print one JSON object per prompt on stdout (prompt, ids, text, finish_reason, timings), "
                         "nothing else; no streaming")
     g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--n", type=int, default=1, metavar="N",
+                   help="completions per prompt (completion j of prompt i samples with seed --seed + i * N + j)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end a completion at this text (not printed); repeatable")
+    g.add_argument("--max-batch-size", type=int, default=None, metavar="ROWS",
+                   help="cache rows: completions generated at once (default: all); more completions flow through "
+                        "the rows as they free up")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -156,7 +163,14 @@ def _check_args(args) -> None:
     if sum(v == "-" for kind, v in args.prompts if kind == "text") > 1:
         raise ValueError("--prompt -: stdin holds one prompt, give it once")
     check_positive_int(args.max_new_tokens, "--max-new-tokens")
+    check_positive_int(args.n, "--n")
+    if args.max_batch_size is not None:
+        check_positive_int(args.max_batch_size, "--max-batch-size")
+    if any(not s for s in args.stop):
+        raise ValueError("--stop: a stop string must not be empty")
     check_speculate(args.speculate, "--speculate")
+    if args.speculate and args.stop:
+        raise ValueError("--stop: not with --speculate yet (speculative steps run outside the scheduler)")
     if args.max_seq_len is not None:
         check_positive_int(args.max_seq_len, "--max-seq-len")
     if args.threads is not None:
@@ -284,13 +298,15 @@ def cmd_generate(args) -> int:
     tok = load_tokenizer(path, config)
     if tok.kind == "bytes":
         _note(f"{path} has no tokenizer.json: using the byte-level fallback tokenizer")
+    prompts = [p for p in prompts for _ in range(args.n)]  # completion j of prompt i at i * n + j
     prompt_ids = [tok.encode(p) for p in prompts]
     max_seq_len = _cache_len(args, config, prompt_ids)
+    rows = min(len(prompt_ids), args.max_batch_size or len(prompt_ids))
     t0 = time.perf_counter()
     runner = RunnerOptions(compile=True if args.regional_compile else args.compile, cuda_graphs=args.cuda_graphs,
                            graph_mode=args.graph_mode or "manual", regional=args.regional_compile, log=_note)
     engine = Engine.from_pretrained(path, device=device, dtype=getattr(torch, args.dtype),
-                                    max_batch_size=len(prompt_ids), max_seq_len=max_seq_len,
+                                    max_batch_size=rows, max_seq_len=max_seq_len,
                                     simulate_quant=not args.no_simulate_quant, runner_options=runner, quant=quant,
                                     act_quant=args.act_quant, allow_beyond_max_position=args.allow_beyond_max_position,
                                     expert_shard=shard, progress=not _QUIET[0],
@@ -305,9 +321,10 @@ def cmd_generate(args) -> int:
         from dsv4_model.runtime.speculative import sampling_mode
 
         mode = sampling_mode([SamplingParams(args.temperature, args.top_k, args.top_p)])
-        engine.speculative_runner(args.speculate).prepare(len(prompt_ids), mode)
-    else:
-        engine.runner().prepare(len(prompt_ids))
+        engine.speculative_runner(args.speculate).prepare(rows, mode)
+    else:  # every bucket the scheduler may step in, as it shrinks (it prepares them too; here they are timed apart)
+        dr = engine.runner()
+        dr.prepare_all([b for b in dr.buckets if b <= dr.bucket(rows)])
     t_setup = time.perf_counter() - t1
     if single:
         sys.stdout.write(prompts[0])
@@ -321,15 +338,16 @@ def cmd_generate(args) -> int:
 
     res = generate(engine, prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stream=on_token, tokenizer=tok,
-                   speculate=args.speculate)
+                   speculate=args.speculate, stop=args.stop)
     if args.json:
         timings = {k: round(v, 6) for k, v in (("load_s", t_load), ("setup_s", t_setup),
                                                 ("prefill_s", res.prefill_seconds), ("decode_s", res.decode_seconds),
                                                 ("decode_tokens_per_s", res.decode_tokens_per_s))}  # of the batch
-        for prompt, ids_in, ids, text, why in zip(prompts, prompt_ids, res.token_ids, res.texts,
-                                                  res.finish_reasons):
-            sys.stdout.write(json.dumps({"prompt": prompt, "prompt_ids": ids_in, "ids": ids, "text": text,
-                                         "finish_reason": why, "timings": timings}, ensure_ascii=False) + "\n")
+        for i, (prompt, ids_in, ids, text, why) in enumerate(zip(prompts, prompt_ids, res.token_ids, res.texts,
+                                                                 res.finish_reasons)):
+            sys.stdout.write(json.dumps({"prompt": prompt, "index": i // args.n, "sample": i % args.n,
+                                         "prompt_ids": ids_in, "ids": ids, "text": text, "finish_reason": why,
+                                         "timings": timings}, ensure_ascii=False) + "\n")
     elif single:
         sys.stdout.write("\n")
         _STREAMED[0] = False
@@ -345,7 +363,7 @@ def cmd_generate(args) -> int:
     total = res.prefill_seconds + res.decode_seconds
     _note(f"{n} tokens in {total:.2f} s = {n / total if total else 0:.1f} tokens/s "
           f"(decode {res.decode_tokens_per_s:.1f} tokens/s, {res.ms_per_step:.2f} ms/step at batch "
-          f"{len(prompt_ids)}; first token {1e3 * res.prefill_seconds:.0f} ms; mode {res.mode} on {device}; "
+          f"{rows}; first token {1e3 * res.prefill_seconds:.0f} ms; mode {res.mode} on {device}; "
           f"not counted: load {t_load:.1f} s, compile/capture {t_setup:.1f} s)"
           + (f"; expert parallel over {shard.world} ranks" if shard is not None else ""))
     spec = res.extra.get("speculation")

@@ -106,13 +106,15 @@ class RowSink:
 
 def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, stop_token_ids=None, stream: StreamCallback | None = None, *,
-             tokenizer=None, add_bos: bool = True, speculate: int = 0) -> GenerationResult:
+             tokenizer=None, add_bos: bool = True, speculate: int = 0, stop=None) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens for each prompt.
 
     prompts: list of strings (encoded with the checkpoint's tokenizer, BOS first) or list of token-id lists.
     Sampling: temperature 0 = greedy; else temperature / top_k (0 = off) / top_p (1 = off); prompt i draws
     with seed `seed + i`, so results do not depend on how prompts are batched. A row stops at the config's
-    EOS or any id in `stop_token_ids`. More prompts than `max_batch_size` run in consecutive batches.
+    EOS or any id in `stop_token_ids`, or at any of the strings `stop` (its text cut before the match; an Engine's
+    generation only). More prompts than `max_batch_size` flow through the rows as they free up (an Engine: the
+    Scheduler), or run in consecutive batches (an exported package, speculate).
     Every row can generate at most max_seq_len - (longest prompt of its batch) + 1 tokens: a row cut short
     there ends with finish reason "max_seq_len" (say so to the user; the CLI does on stderr).
     speculate: K >= 1 MTP drafts per step (dsv4_model.runtime.speculative; an Engine whose model was built with
@@ -144,8 +146,11 @@ def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0
     else:
         runner = engine.runner()
 
+    stop = tuple(stop or ())
     if not speculate and hasattr(engine, "prefill_at"):
-        return _generate_scheduled(engine, runner, ids, base, max_new_tokens, stops, stream, tok)
+        return _generate_scheduled(engine, runner, ids, base, max_new_tokens, stops, stream, tok, stop)
+    if stop:
+        raise ValueError("stop: stop strings need an Engine's generation without speculate (the Scheduler)")
     result = GenerationResult([], [] if tok is not None else None, [], [len(p) for p in ids], mode=runner.mode_name)
     for start in range(0, len(ids), runner.max_rows):
         chunk = ids[start : start + runner.max_rows]
@@ -163,7 +168,7 @@ def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0
 
 @torch.no_grad()
 def _generate_scheduled(engine, runner, ids: list[list[int]], base: SamplingParams, max_new_tokens: int,
-                        stops: set[int], stream, tok) -> GenerationResult:
+                        stops: set[int], stream, tok, stop: tuple[str, ...] = ()) -> GenerationResult:
     """The prompts as requests of one Scheduler (continuous batching): more prompts than rows flow through the
     rows as they free up, and each row stops on its own (its cap is its own prompt's, not the longest's)."""
     from dsv4_model.runtime.requests import Request
@@ -179,12 +184,14 @@ def _generate_scheduled(engine, runner, ids: list[list[int]], base: SamplingPara
     for i, p in enumerate(ids):
         on_token = None if stream is None else (lambda req, t, text, i=i: stream(i, t, text))
         params = SamplingParams(base.temperature, base.top_k, base.top_p, base.seed + i)
-        reqs.append(sched.submit(Request(p, params, max_new_tokens, stop_ids=frozenset(stops), on_token=on_token)))
+        reqs.append(sched.submit(Request(p, params, max_new_tokens, stop_ids=frozenset(stops), stop=stop,
+                                         on_token=on_token)))
     sched.run_until_idle()
     t_end = time.perf_counter()
     firsts = [r.timings.first_token for r in reqs if r.timings.first_token is not None]
     t_first = min(firsts) if firsts else t_end
-    result = GenerationResult([r.token_ids for r in reqs], None if tok is None else [tok.decode(r.token_ids) for r in reqs],
+    texts = None if tok is None else [r.text if stop else tok.decode(r.token_ids) for r in reqs]
+    result = GenerationResult([r.token_ids for r in reqs], texts,
                               [r.finish_reason for r in reqs], [len(p) for p in ids], t_first - t0, t_end - t_first,
                               sched.stats.decode_steps, runner.mode_name, {"scheduler": sched.stats})
     if len(ids) <= rows:  # prompt i held row i: decode() may continue each row where generation stopped
