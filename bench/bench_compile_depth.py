@@ -25,22 +25,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def model_config(name: str, experts: int):
-    from dsv4_model.checkpoint.writer import TINY_CONFIG
-    from dsv4_model.model.config import ModelConfig
+    from common import preset  # here: the parent process never imports torch
 
-    flash = ModelConfig.v4_flash()
-    depth = int(name.removeprefix("flash").removeprefix("micro"))
-    full = depth == flash.n_layers  # the real layer plan; a slice: bench_decode's flash2 ([4, 128], no hash layer)
-    ratios = list(flash.compress_ratios[:depth]) if full else [4, 128, 0][:depth]
-    hashed = flash.n_hash_layers if full else 0
-    if name.startswith("micro"):
-        c = ModelConfig(**{**TINY_CONFIG, "n_layers": depth, "compress_ratios": [min(r, 16) for r in ratios],
-                           "n_mtp_layers": 0, "n_hash_layers": hashed, "n_routed_experts": 4})
-    else:
-        c = flash
-        c.n_layers, c.compress_ratios, c.n_mtp_layers, c.n_hash_layers = depth, ratios, 0, hashed
-        c.n_routed_experts = experts
-    return c.validate()
+    return preset(name, experts=experts)
 
 
 def child(args) -> dict:

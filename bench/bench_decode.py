@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import re
 import sys
 import time
 
@@ -31,88 +30,15 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import dsv4_ops  # noqa: E402,F401
-from dsv4_model.checkpoint.writer import TINY_CONFIG  # noqa: E402
+from common import build_models, cuda_missing, floor_seconds, preset, print_header  # noqa: E402
 from dsv4_model.runtime.compiled import DecodeRunner  # noqa: E402
-from dsv4_model.model.config import ModelConfig  # noqa: E402
 from dsv4_model.model.transformer import Transformer  # noqa: E402
-from dsv4_model.quant.random_model import randomize_floats_  # noqa: E402
 from dsv4_model.runtime.sampling import SamplingParams  # noqa: E402
 
-HBM_BYTES_PER_S = 4.26e12
 PROMPT = 256
 WARM, STEPS, HF_STEPS = 3, 24, 12
-
-
-def model_config(name: str) -> ModelConfig:
-    if name == "micro":
-        return ModelConfig(**{**TINY_CONFIG, "n_layers": 3, "compress_ratios": [0, 4, 16], "n_mtp_layers": 0,
-                              "n_hash_layers": 1, "n_routed_experts": 4}).validate()
-    if name == "flash2":
-        c = ModelConfig.v4_flash()
-        c.n_layers, c.compress_ratios, c.n_mtp_layers, c.n_hash_layers = 2, [4, 128], 0, 0
-        return c.validate()
-    raise ValueError(name)
-
-
-# ------------------------------------------------------------------------------------------ model set-up
-randomize_ = randomize_floats_  # O(1)-activation random floats on the module's device
-
-
-def build_models(cfg: ModelConfig, max_batch: int, max_seq: int, with_hf: bool = True):
-    """(ours, hf or None, note). HF is built first and its weights copied into ours when the names map."""
-    ours = Transformer(cfg, max_batch_size=max_batch, max_seq_len=max_seq, dtype=torch.bfloat16, device="meta")
-    ours.to_empty(device="cuda")
-    randomize_(ours, 0, cfg.n_routed_experts)
-    hf, note = (None, "no HF model asked for") if not with_hf else _build_hf(cfg, ours)
-    ours.setup_runtime(torch.device("cuda"))
-    ours.eval()
-    return ours, hf, note
-
-
-def _build_hf(cfg: ModelConfig, ours: Transformer):
-    """(HF's model or None, note), its random weights copied into ours when the names map."""
-    try:
-        from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-
-        hf_cfg = DeepseekV4Config.from_dict(cfg.to_hf_dict())
-        hf_cfg._attn_implementation = "eager"
-        with torch.device("cuda"):
-            hf = DeepseekV4ForCausalLM._from_config(hf_cfg, dtype=torch.bfloat16).eval()
-        randomize_(hf, 1, cfg.n_routed_experts)
-        try:
-            from hf_utils import hf_to_official_state_dict
-
-            missing, unexpected = ours.load_state_dict(hf_to_official_state_dict(hf.state_dict()), strict=False)
-            note = "same weights" if not unexpected else f"weights copied, unexpected {unexpected[:3]}"
-        except Exception as e:  # names differ in this transformers version: same shapes, own weights
-            note = f"HF weight names did not map ({type(e).__name__}: {e}); HF uses its own random weights"
-    except Exception as e:
-        hf, note = None, f"HF model unavailable: {type(e).__name__}: {e}"
-    return hf, note
-
-
-def floor_seconds(model: Transformer, cfg: ModelConfig, B: int) -> float:
-    total = 0.0
-    # routed experts: bf16 `ffn.experts.w1/2/3`, NVFP4 `ffn.nvfp4.w13_* / w2_*` (shared expert: `shared_*`)
-    expert = re.compile(r"\.ffn\.experts\.w[123]$|\.ffn\.nvfp4\.w(13|2)_(packed|scale|global_scale)$")
-    per_expert_layers = []
-    for name, p in model.state_dict().items():  # weights only: the caches are not in the state dict
-        if name.startswith("mtp."):
-            continue
-        nbytes = p.numel() * p.element_size()
-        if expert.search(name):
-            per_expert_layers.append(nbytes / cfg.n_routed_experts)
-        elif name == "embed.weight":
-            total += B * p.shape[1] * p.element_size()
-        else:
-            total += nbytes
-    E, k = cfg.n_routed_experts, cfg.n_activated_experts
-    distinct = E * (1.0 - (1.0 - k / E) ** B)
-    total += distinct * sum(per_expert_layers)
-    return total / HBM_BYTES_PER_S
 
 
 # ------------------------------------------------------------------------------------------ timing
@@ -180,8 +106,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quant", choices=("none", "nvfp4"), default="none", help="our weights (HF stays bf16)")
     args = ap.parse_args(argv)
     prompt_len = args.prompt
-    if not torch.cuda.is_available():
-        print("bench_decode: needs a CUDA GPU (skipped)")
+    if cuda_missing("bench_decode"):
         return 0
     start = time.perf_counter()
     batches = [int(b) for b in args.batches.split(",")]
@@ -191,7 +116,7 @@ def main(argv=None) -> int:
         return time.perf_counter() - start > frac * args.budget
 
     for name in args.models.split(","):
-        cfg = model_config(name)
+        cfg = preset(name)
         t_build = time.perf_counter()
         ours, hf, note = build_models(cfg, max(batches), prompt_len + 64)
         if args.quant == "nvfp4":
@@ -241,7 +166,7 @@ def main(argv=None) -> int:
             else:
                 res[(B, "reduce-overhead")] = "skipped (time budget)"
         for B in batches:
-            fl = floor_seconds(ours, cfg, B)
+            fl = floor_seconds(ours.state_dict().items(), cfg, B)
             hf_t = res.get((B, "hf generate"))
             for mode in ("eager", "compiled", "compiled+graph", "reduce-overhead", "hf generate"):
                 v = res.get((B, mode), "n/a (no HF model)")
@@ -258,8 +183,7 @@ def main(argv=None) -> int:
     print(f"\nDecode step timings (greedy, prompt {prompt_len}, {STEPS} steps, our weights {args.quant}; "
           f"HF: (t(1+{HF_STEPS}) - t(1)) / {HF_STEPS})")
     hdr = f"{'model':7} {'batch':>5} {'mode':16} {'ms/step':>9} {'tokens/s':>10} {'floor us':>9} {'% of HBM floor':>15} {'vs HF':>7}"
-    print(hdr)
-    print("-" * len(hdr))
+    print_header(hdr)
     for name, B, mode, v, fl, hf_t in rows:
         if isinstance(v, str):
             print(f"{name:7} {B:5d} {mode:16} {v}")

@@ -32,48 +32,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import dsv4_ops  # noqa: E402,F401
-from dsv4_model.checkpoint.writer import TINY_CONFIG  # noqa: E402
+from common import cuda_missing, flash, floor_seconds, micro, print_header  # noqa: E402
 from dsv4_model.runtime.compiled import DecodeRunner  # noqa: E402
-from dsv4_model.model.config import ModelConfig  # noqa: E402
 from dsv4_model.model.transformer import Transformer  # noqa: E402
 from dsv4_model.quant.quantize_model import quantize_model_  # noqa: E402
 from dsv4_model.runtime.sampling import SamplingParams  # noqa: E402
 from dsv4_export.build import build_package  # noqa: E402
 from dsv4_export.load import ExportedEngine  # noqa: E402
 
-HBM_BYTES_PER_S = 4.26e12
 MAX_SEQ, START_POS, WARM, STEPS = 1024, 256, 5, 200
+MODELS = {"tiny": lambda: micro([0, 4, 16], hash_layers=1, experts=8),
+          "flash": lambda: flash([4, 128], experts=8, vocab=16384)}  # the package's constants below 2 GB
+NVFP4_WEIGHT = re.compile(r"(weight_packed|weight_scale|weight_global_scale)$|\.ffn\.nvfp4\.")
 
 
-def model_config(name: str) -> ModelConfig:
-    if name == "tiny":
-        return ModelConfig(**{**TINY_CONFIG, "n_layers": 3, "compress_ratios": [0, 4, 16], "n_mtp_layers": 0,
-                              "n_hash_layers": 1}).validate()
-    if name == "flash":
-        c = ModelConfig.v4_flash()
-        c.n_layers, c.compress_ratios, c.n_mtp_layers, c.n_hash_layers = 2, [4, 128], 0, 0
-        c.n_routed_experts, c.vocab_size = 8, 16384
-        return c.validate()
-    raise ValueError(f"unknown model {name!r}")
+def model_config(name: str):
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}")
+    return MODELS[name]()
 
 
-def floor_seconds(model: Transformer, cfg: ModelConfig) -> float:
-    """Weight bytes one batch-1 step reads / HBM bandwidth (routed experts: top-k of E per layer)."""
-    routed = re.compile(r"\.ffn\.(experts\.w[123]|nvfp4\.w(13|2)_\w+)$")
-    nvfp4_weight = re.compile(r"(weight_packed|weight_scale|weight_global_scale)$|\.ffn\.nvfp4\.")
-    tensors = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if nvfp4_weight.search(n))]
-    total = 0.0
-    for name, t in tensors:
-        if name.startswith("mtp."):
-            continue
-        nbytes = t.numel() * t.element_size()
-        if routed.search(name):
-            total += nbytes * cfg.n_activated_experts / cfg.n_routed_experts
-        elif name == "embed.weight":
-            total += t.shape[1] * t.element_size()
-        else:
-            total += nbytes
-    return total / HBM_BYTES_PER_S
+def weights(model: Transformer):
+    """The weights a step reads: the parameters and the NVFP4 buffers (not the caches, not the hash table)."""
+    return [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if NVFP4_WEIGHT.search(n))]
 
 
 def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
@@ -103,8 +84,7 @@ def main(argv=None) -> int:
     ap.add_argument("--weights", default="nvfp4", choices=["nvfp4", "bf16"])
     ap.add_argument("--budget", type=float, default=170.0, help="seconds; later models are skipped past 40%%")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_export: needs a CUDA GPU (skipped)")
+    if cuda_missing("bench_export"):
         return 0
     start = time.perf_counter()
     rows = []
@@ -133,7 +113,7 @@ def main(argv=None) -> int:
             build_package(model, cfg.to_dict(), path, max_batch_size=1, max_seq_len=MAX_SEQ, device="cuda",
                           decode_batches=[1], prefill_batches=[], save_exported_programs=False, verbose=False)
             t_build = time.perf_counter() - t
-            floor = floor_seconds(model, cfg)
+            floor = floor_seconds(weights(model), cfg)
             del model, bufs
             gc.collect()
             torch.cuda.empty_cache()
@@ -152,8 +132,7 @@ def main(argv=None) -> int:
           "(dsv4::sample included)")
     hdr = (f"{'model':6} {'export+graph ms':>16} {'compiled+graph ms':>18} {'export/compiled':>16} "
            f"{'floor ms':>9} {'% HBM (export)':>15}")
-    print(hdr)
-    print("-" * len(hdr))
+    print_header(hdr)
     for row in rows:
         if isinstance(row[1], str):
             print(f"{row[0]:6} {row[1]}")

@@ -31,12 +31,12 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import dsv4_ops  # noqa: E402,F401
-from dsv4_model.checkpoint.writer import TINY_CONFIG  # noqa: E402
+from common import flash, micro  # noqa: E402
 from dsv4_model.runtime.compiled import DecodeRunner  # noqa: E402
 from dsv4_model.model.decode_options import DecodeOptions  # noqa: E402
 from dsv4_ops.overrides import parse as parse_overrides  # noqa: E402
 from dsv4_ops.overrides import set_overrides  # noqa: E402
-from dsv4_model.quant.random_model import bf16_released_values_  # noqa: E402
+from dsv4_model.quant.random_model import bf16_released_values_, randomize_floats_  # noqa: E402
 from dsv4_model.model.config import ModelConfig  # noqa: E402
 from dsv4_model.model.transformer import Transformer  # noqa: E402
 from dsv4_model.quant.quantize_model import quantize_model_  # noqa: E402
@@ -47,24 +47,15 @@ BASE = [4, 128]
 GOAL_KERNELS, GOAL_US = 12, 45.0
 
 
-def config(ratios: list[int], micro: bool, experts: int) -> ModelConfig:
-    if micro:
-        c = ModelConfig(**{**TINY_CONFIG, "n_layers": len(ratios), "compress_ratios": [min(r, 16) for r in ratios],
-                           "n_mtp_layers": 0, "n_hash_layers": 0, "n_routed_experts": 4})
-    else:
-        c = ModelConfig.v4_flash()
-        c.n_layers, c.compress_ratios, c.n_mtp_layers, c.n_hash_layers = len(ratios), list(ratios), 0, 0
-        c.n_routed_experts = experts
-    return c.validate()
+def config(ratios: list[int], tiny: bool, experts: int) -> ModelConfig:
+    return micro(ratios) if tiny else flash(ratios, experts=experts)
 
 
 def build(cfg: ModelConfig, device: str, max_seq: int) -> Transformer:
     model = Transformer(cfg, max_batch_size=1, max_seq_len=max_seq, dtype=torch.bfloat16, device="meta")
     model.to_empty(device=device)
     if device == "cuda":
-        from bench_decode import randomize_
-
-        randomize_(model, 0, cfg.n_routed_experts)  # on the GPU: GBs of weights, no host round trip
+        randomize_floats_(model, 0, cfg.n_routed_experts)  # on the GPU: GBs of weights, no host round trip
         bf16_released_values_(model)
         model.narrow_weights_()  # as the loader does
     else:

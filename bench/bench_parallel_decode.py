@@ -1,7 +1,7 @@
 """Decode speed of a random NVFP4 DeepSeek-V4 model with expert parallelism over the ranks of a torchrun launch
 (or one process): compiled + CUDA-graph steps at each batch size and context, against the per-GPU byte floor and
-SGLang's published V4-Flash figure (4x H200, TP4 + MTP: 3.37 ms/token at concurrency 1;
-../shared/docs/peers-and-limits.md; not run here).
+SGLang's published V4-Flash figure (4x H200, TP4 + MTP, concurrency 1; bench/common.py cites it from
+/work/shared/docs/peers-and-limits.md: not run here).
 
     torchrun --nproc-per-node 2 bench/bench_parallel_decode.py --layers 43 --experts 256 --batches 1,8,64
     python bench/bench_parallel_decode.py --experts fit --context 131072      # one GPU: as many experts as fit
@@ -27,20 +27,17 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from common import FULL_MODELS as PRESETS  # noqa: E402
+from common import SGLANG_4XH200_FLASH_TPOT_MS as SGLANG  # noqa: E402
+from common import floor_seconds  # noqa: E402
 from dsv4_model.checkpoint.memory_plan import GiB, memory_plan  # noqa: E402
-from dsv4_model.checkpoint.writer import make_config  # noqa: E402
 from dsv4_model.model.config import ModelConfig  # noqa: E402
 from dsv4_model.quant.random_model import random_nvfp4_model  # noqa: E402
 from dsv4_model.runtime import distributed  # noqa: E402
 from dsv4_model.runtime.compiled import DecodeRunner  # noqa: E402
 from dsv4_model.runtime.sampling import SamplingParams  # noqa: E402
 
-HBM_BYTES_PER_S = 4.26e12
-SGLANG_4XH200_MS = 3.37
 WARM = 3
-
-
-PRESETS = {"flash": ModelConfig.v4_flash, "pro": ModelConfig.v4_pro, "tiny": make_config}
 
 
 def fitting_experts(cfg: ModelConfig, *, batch: int, context: int, world: int, free_bytes: int) -> int:
@@ -71,21 +68,6 @@ def config(args, device: torch.device, world: int) -> ModelConfig:
     batches = [int(b) for b in args.batches.split(",")]
     e = fitting_experts(cfg, batch=max(batches), context=args.context, world=world, free_bytes=free)
     return cfg.sliced(n_routed_experts=e)
-
-
-def floor_s(model, cfg, B: int, world: int) -> float:
-    total, per_expert = 0.0, 0.0
-    local = cfg.n_routed_experts // world
-    for name, t in model.state_dict().items():
-        nbytes = t.numel() * t.element_size()
-        if ".ffn.nvfp4.w13_" in name or ".ffn.nvfp4.w2_" in name:
-            per_expert += nbytes / local
-        elif name == "embed.weight":
-            total += B * t.shape[1] * t.element_size()
-        else:
-            total += nbytes
-    E, k = cfg.n_routed_experts, cfg.n_activated_experts
-    return (total + E * (1 - (1 - k / E) ** B) / world * per_expert) / HBM_BYTES_PER_S
 
 
 def main(argv=None) -> int:
@@ -140,7 +122,7 @@ def main(argv=None) -> int:
             t = torch.tensor([ms], device=device)
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
             ms = float(t)
-        rows.append((B, ms, 1e3 * floor_s(model, cfg, B, world), setup_s))
+        rows.append((B, ms, 1e3 * floor_seconds(model.state_dict().items(), cfg, B, world), setup_s))
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
     if rank == 0:
         mode = ("regional compile" if args.regional else "compiled") + " + CUDA graph" if cuda else "eager (CPU)"
@@ -150,8 +132,9 @@ def main(argv=None) -> int:
         print(f"{'batch':>5} {'ms/token':>9} {'tokens/s':>10} {'floor ms':>9} {'% of floor':>10} "
               f"{'vs SGLang 4xH200 (B=1)':>24} {'compile+capture s':>18}")
         for B, ms, fl, setup in rows:
-            peer = f"{SGLANG_4XH200_MS / ms:.2f}x" if B == 1 else "-"
+            peer = f"{SGLANG.value / ms:.2f}x" if B == 1 else "-"
             print(f"{B:5d} {ms:9.3f} {1e3 * B / ms:10.1f} {fl:9.3f} {100 * fl / ms:9.1f}% {peer:>24} {setup:18.1f}")
+        print(f"SGLang 4xH200: {SGLANG.cite()}")
     distributed.shutdown()
     return 0
 

@@ -32,7 +32,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import dsv4_ops  # noqa: E402,F401
-from bench_decode import build_models  # noqa: E402
+from common import build_models, cuda_missing, flash, flash_plan, print_header  # noqa: E402
 from dsv4_model.model import attention as attention_mod  # noqa: E402
 from dsv4_model.model.config import ModelConfig  # noqa: E402
 from dsv4_model.model.indexer import Indexer  # noqa: E402
@@ -43,11 +43,10 @@ DENSE_FLOPS = 790e12
 
 
 def model_config(layers: int, experts: int) -> ModelConfig:
-    c = ModelConfig.v4_flash()
-    ratios = [4, 128] if layers == 2 else list(c.compress_ratios[:layers])
-    c.n_layers, c.compress_ratios, c.n_mtp_layers, c.n_hash_layers = layers, ratios, 0, min(c.n_hash_layers, layers)
-    c.n_routed_experts = experts
-    return c.validate()
+    """V4-Flash's first `layers` layers (its first hash layers), but a CSA + HCA pair for 2."""
+    full, hashed = flash_plan(ModelConfig.v4_flash().n_layers)
+    ratios = [4, 128] if layers == 2 else full[:layers]
+    return flash(ratios, hash_layers=min(hashed, layers), experts=experts)
 
 
 class IndexerTimer:
@@ -143,8 +142,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compiled", action="store_true",
                     help="also time the chunks through one compiled graph per length (its compile time printed)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_prefill: needs a CUDA GPU (skipped)")
+    if cuda_missing("bench_prefill"):
         return 0
     t_start = time.perf_counter()
     lengths = [int(s) for s in args.lengths.split(",")]
@@ -202,8 +200,7 @@ def main(argv=None) -> int:
           f"TFLOP/s)")
     hdr = (f"{'tokens':>7} {'mode':22} {'seconds':>8} {'tokens/s':>9} {'indexer s':>9} {'rest s':>7} "
            f"{'floor s':>8} {'of floor':>8} {'vs HF':>7}")
-    print(hdr)
-    print("-" * len(hdr))
+    print_header(hdr)
     for row in rows:
         if isinstance(row[1], str):
             print(f"{row[0]:7d} {row[1]}")
