@@ -3,17 +3,15 @@
 S stages `mtp.0` .. `mtp.{S-1}`, each a V4 block with a sliding-window-only attention and a biased (not hashed)
 router, i.e. the names and shapes of the model's own `Block` at a window-only layer past the main ones; stage 0
 adds `main_proj` (FP8, [dim, len(target_layer_ids) * dim]) and `main_norm`, the last stage `norm`, `hc_head_*`,
-the Markov head and the confidence head. The loader checks them against what the config implies and skips them.
+the Markov head and the confidence head. The loader checks them against what the config implies and loads them
+into dsv4_model.model.dspark.DSpark (or skips them: load_model(load_dspark=False)).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import torch
-
-from dsv4_model.checkpoint.names import official_storage
 
 DSPARK_PREFIX = "mtp."
 _STAGE_RE = re.compile(r"^mtp\.(\d+)\.")
@@ -49,19 +47,11 @@ def stage_count(cfg, official_names) -> int:
 
 
 def dspark_expected(cfg, n_stages: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """{state-dict-style name (routed experts stacked): (shape, dtype)} of the whole DSpark module, its stage
-    blocks taken from the model's own `Block` (built on the meta device) so they are checked like the main layers."""
-    from dsv4_model.model.transformer import Block
+    """{state-dict-style name (routed experts stacked): (shape, dtype)} of the whole DSpark module: the state dict
+    of dsv4's own `DSpark` (built on the meta device), whose stages are the model's `Block`, so they are checked
+    like the main layers and load into it by the same plan."""
+    from dsv4_model.model.dspark import DSpark
 
-    ratios = stage_ratios(cfg, n_stages)
-    # a config whose trailing layers are the stages, so Block(layer_id >= n_layers) finds its (window-only) ratio
-    ext = dataclasses.replace(cfg, dspark=None, n_mtp_layers=n_stages,
-                              compress_ratios=list(cfg.compress_ratios[:cfg.n_layers]) + list(ratios))
-    expected = {}
     with torch.device("meta"):
-        for i in range(n_stages):
-            block = Block(ext, cfg.n_layers + i, dtype, 1, cfg.window_size)
-            expected.update({f"mtp.{i}.{k}": (tuple(v.shape), v.dtype) for k, v in block.state_dict().items()})
-    for name, shape in dspark_extra_shapes(cfg, n_stages).items():
-        expected[name] = (shape, torch.float32 if official_storage(name) == "f32" else dtype)
-    return expected
+        module = DSpark(cfg, n_stages, dtype=dtype, device="meta")
+    return {k: (tuple(v.shape), v.dtype) for k, v in module.state_dict().items()}
