@@ -76,3 +76,18 @@ def test_the_parallel_decode_bench_runs_under_torchrun():
     assert "over 2 rank(s)" in run.stdout
     table = [ln.split() for ln in run.stdout.splitlines() if ln.strip()[:1].isdigit() and "layers" not in ln]
     assert [int(r[0]) for r in table] == [1, 2] and all(float(r[1]) > 0 for r in table)
+
+
+def test_scheduler_under_torchrun_rank0_decides(ckpts, tmp_path):
+    """Rank 0's Scheduler broadcasts each iteration's plan; rank 1 runs it (step_plan.follow): staggered requests,
+    more than rows, one cancelled, give the single process's tokens."""
+    import sched_worker
+
+    path = str(ckpts / "hf")
+    run = _torchrun(str(HERE / "sched_worker.py"), str(tmp_path / "out.pt"), path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = torch.load(tmp_path / "out.pt")
+    torch.set_num_threads(1)
+    want = sched_worker.run(sched_worker.engine(path))
+    assert got == want
+    assert want[4][1] == "cancelled" and all(why == "length" for _, why in want[:4])

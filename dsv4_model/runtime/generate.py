@@ -178,7 +178,14 @@ def _generate_scheduled(engine, runner, ids: list[list[int]], base: SamplingPara
         if len(p) > engine.max_seq_len:
             raise ValueError(f"prompt of {len(p)} tokens exceeds max_seq_len={engine.max_seq_len}")
     rows = min(len(ids), runner.max_rows)
-    sched = Scheduler(engine, max_prefill_tokens=getattr(engine, "prefill_chunk", 8192), rows=rows, tokenizer=tok)
+    ranks = _ranks()
+    if ranks and ranks[0] != 0:  # torchrun: rank 0 schedules, this rank runs its plans, then gets its result
+        from dsv4_model.runtime.step_plan import follow
+
+        follow(engine, rows)
+        return _result_from_rank0(engine, None, None)
+    sched = Scheduler(engine, max_prefill_tokens=getattr(engine, "prefill_chunk", 8192), rows=rows, tokenizer=tok,
+                      distributed=bool(ranks))
     t0 = time.perf_counter()
     reqs = []
     for i, p in enumerate(ids):
@@ -186,7 +193,10 @@ def _generate_scheduled(engine, runner, ids: list[list[int]], base: SamplingPara
         params = SamplingParams(base.temperature, base.top_k, base.top_p, base.seed + i)
         reqs.append(sched.submit(Request(p, params, max_new_tokens, stop_ids=frozenset(stops), stop=stop,
                                          on_token=on_token)))
-    sched.run_until_idle()
+    try:
+        sched.run_until_idle()
+    finally:
+        sched.close()
     t_end = time.perf_counter()
     firsts = [r.timings.first_token for r in reqs if r.timings.first_token is not None]
     t_first = min(firsts) if firsts else t_end
@@ -194,10 +204,38 @@ def _generate_scheduled(engine, runner, ids: list[list[int]], base: SamplingPara
     result = GenerationResult([r.token_ids for r in reqs], texts,
                               [r.finish_reason for r in reqs], [len(p) for p in ids], t_first - t0, t_end - t_first,
                               sched.stats.decode_steps, runner.mode_name, {"scheduler": sched.stats})
-    if len(ids) <= rows:  # prompt i held row i: decode() may continue each row where generation stopped
-        engine.set_lengths([sched.rows[i].filled for i in range(len(ids))])
-    else:
+    # prompt i held row i: decode() may continue each row where generation stopped
+    lengths = [sched.rows[i].filled for i in range(len(ids))] if len(ids) <= rows else None
+    if ranks:
+        return _result_from_rank0(engine, result, lengths)
+    _set_lengths(engine, lengths)
+    return result
+
+
+def _ranks() -> tuple[int, int] | None:
+    """(rank, world size) of a torchrun group of 2+ ranks, else None."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_rank(), dist.get_world_size()
+    return None
+
+
+def _set_lengths(engine, lengths) -> None:
+    if lengths is None:
         engine.reset()
+    else:
+        engine.set_lengths(lengths)
+
+
+def _result_from_rank0(engine, result, lengths):
+    """Every rank returns rank 0's result (one pickled object at the end, not per step)."""
+    import torch.distributed as dist
+
+    box = [(result, lengths)]
+    dist.broadcast_object_list(box, src=0)
+    result, lengths = box[0]
+    _set_lengths(engine, lengths)
     return result
 
 

@@ -29,8 +29,20 @@ import torch
 
 from dsv4_model.model.checks import check_positive_int
 from dsv4_model.runtime.requests import Request
+from dsv4_model.runtime.step_plan import StepPlan, broadcast_plan
 
 DEFAULT_MAX_PREFILL_TOKENS = 2048
+
+
+def prepare_buckets(runner, rows: int | None) -> int:
+    """Compile / capture the runner's buckets up to that of `rows` (default all), before any row holds a sequence
+    (their warm-up steps write cache rows at position 0). Returns rows."""
+    rows = runner.max_rows if rows is None else rows
+    if not 1 <= rows <= runner.max_rows:
+        raise ValueError(f"rows must be in [1, max_batch_size={runner.max_rows}], got {rows}")
+    top = runner.bucket(rows)
+    runner.prepare_all([b for b in runner.buckets if b <= top] or [top])
+    return rows
 
 
 @dataclass
@@ -88,10 +100,12 @@ class Scheduler:
     tokens per iteration (a long prompt delays the generating rows by at most one chunk per token they emit).
     reuse: keep finished rows' sequences for prompts that extend them (evicted least recently used). rows: use cache
     rows [:rows] only (default all; the buckets compiled / captured are those up to rows'). tokenizer: the requests'
-    text (default the engine's)."""
+    text (default the engine's). group: under torchrun, the process group whose rank 0 runs this scheduler while the
+    other ranks run `step_plan.follow(engine, rows, group)`: each iteration's plan is broadcast (close() ends them).
+    """
 
     def __init__(self, engine, *, max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, reuse: bool = True,
-                 rows: int | None = None, tokenizer=None):
+                 rows: int | None = None, tokenizer=None, group=None, distributed: bool = False):
         check_positive_int(max_prefill_tokens, "max_prefill_tokens")
         self.engine = engine
         self.max_prefill_tokens = max_prefill_tokens
@@ -100,13 +114,9 @@ class Scheduler:
         self.eos = int(engine.config.eos_token_id)
         self.tokenizer = tokenizer if tokenizer is not None else engine.get_tokenizer()
         self.runner = engine.runner()
-        rows = self.runner.max_rows if rows is None else rows
-        if not 1 <= rows <= self.runner.max_rows:
-            raise ValueError(f"rows must be in [1, max_batch_size={self.runner.max_rows}], got {rows}")
-        # compile / capture the buckets now: warm-up steps scribble on cache rows, which later hold sequences
-        top = self.runner.bucket(rows)
-        self.runner.prepare_all([b for b in self.runner.buckets if b <= top] or [top])
-        self.rows = [_Row(i) for i in range(rows)]
+        self.group, self.distributed = group, distributed or group is not None
+        self.rows = [_Row(i) for i in range(prepare_buckets(self.runner, rows))]
+        self._admits: list[tuple[int, object]] = []  # sampler rows to set in the next plan
         self._decoding: list[_Row] = []  # rows in phase "decode", by index (the hot loop's list)
         self._prefilling: list[_Row] = []  # rows in phase "prefill", in order of admission
         self._any_cancel = threading.Event()  # set by Request.cancel(): only then are the rows searched
@@ -174,6 +184,11 @@ class Scheduler:
             self._stopping = True
             self._lock.notify()
 
+    def close(self) -> None:
+        """Under torchrun: tell the following ranks to return (call once, after the last step)."""
+        if self.distributed:
+            broadcast_plan(StepPlan(stop=True), self.group, self._wire)
+
     @torch.no_grad()
     def step(self) -> None:
         now = time.perf_counter()
@@ -220,7 +235,7 @@ class Scheduler:
             self._prefilling.append(row)
             row.cap = min(req.max_tokens, 1 + self.max_seq_len - len(req.prompt))
             req.timings.admitted = now
-            self.runner.sampler.set_row(row.index, req.params)
+            self._admits.append((row.index, req.params))
 
     def _place(self, prompt: list[int]) -> tuple[_Row | None, int]:
         """(row, first position to prefill) for a prompt: a free row whose sequence it extends, else the lowest
@@ -269,11 +284,19 @@ class Scheduler:
 
     # ------------------------------------------------------------------ device work
     def _launch(self) -> _Flight:
+        """Decide this iteration's device work on the host (a StepPlan), broadcast it under torchrun, run it, and
+        start the copy of its ids to the host."""
         flight = _Flight()
         slot = self._slot
         self._slot ^= 1
-        self._prefill_chunk(flight)
-        self._decode_step(flight, slot)
+        plan = StepPlan(self._admits)
+        self._admits = []
+        self._plan_prefill(plan, flight)
+        self._plan_decode(plan, flight, slot)
+        if plan.admits or plan.prefill is not None or plan.decode_rows:
+            if self.distributed:
+                broadcast_plan(plan, self.group, self._wire)
+            flight.first_ids, flight.decode_ids = plan.run(self.engine, self.runner)
         host = self._ids_host[slot]
         nf = len(flight.first)
         if nf:
@@ -289,7 +312,13 @@ class Scheduler:
         flight.decode_ids = host[nf:nf + nd]
         return flight
 
-    def _prefill_chunk(self, flight: _Flight) -> None:
+    @property
+    def _wire(self) -> torch.device:
+        import torch.distributed as dist
+
+        return self.runner.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+
+    def _plan_prefill(self, plan: StepPlan, flight: _Flight) -> None:
         budget = self.max_prefill_tokens
         parts: list[tuple[_Row, int]] = []
         for row in self._prefilling:
@@ -314,19 +343,19 @@ class Scheduler:
             lengths[row.index], start[row.index] = n, s
             row.seq.extend(row.req.prompt[s:s + n])
             row.filled += n
-        logits = self.engine.prefill_at(tokens, lengths, start)
+        plan.prefill = (tokens, lengths, start)
         self.stats.prefill_chunks += 1
         self.stats.prefill_tokens += sum(n for _, n in parts)
         done = [row for row, _ in parts if row.filled == len(row.req.prompt)]
         if done:
-            flight.first_ids = self.runner.sample_rows(logits, [r.index for r in done])
+            plan.first_rows = [r.index for r in done]
             flight.first = [(r.index, r.req) for r in done]
             for r in done:
                 r.phase, r.produced = "decode", 1
                 self._prefilling.remove(r)
                 bisect.insort(self._decoding, r, key=lambda x: x.index)
 
-    def _decode_step(self, flight: _Flight, slot: int) -> None:
+    def _plan_decode(self, plan: StepPlan, flight: _Flight, slot: int) -> None:
         live = [r for r in self._decoding if r.produced < r.cap]
         if not live:
             return
@@ -340,7 +369,7 @@ class Scheduler:
                 pos[r.index] = r.filled
         host = self._pos_host[slot]
         host[:bucket] = torch.tensor(pos, dtype=torch.long)
-        flight.decode_ids = self.runner.launch(n, host)
+        plan.decode_rows, plan.positions = n, host[:bucket]
         flight.decode = [(r.index, r.req) for r in live]
         for r in live:
             r.filled += 1

@@ -1,0 +1,126 @@
+"""What one scheduler iteration runs on the device, as data: the rows admitted (their sampling parameters), one
+prefill chunk, the rows that sample their first token from it, and one decode step (rows and positions).
+
+The scheduler decides a plan on the host, then runs it. Under torchrun (expert parallelism) rank 0 decides and
+broadcasts the plan as two int64 tensors (a 2-value header, then the body), and every other rank runs the same
+plan (`follow`): the ranks execute the same collectives in the same order and never disagree, with no pickled
+objects per step. The sampled ids are equal on every rank (same logits, same seeds), so they stay on the device.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+import torch
+
+from dsv4_model.runtime.sampling import SamplingParams, seed_key
+
+
+def _f2i(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _i2f(i: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", int(i)))[0]
+
+
+@dataclass
+class StepPlan:
+    admits: list[tuple[int, SamplingParams]] = field(default_factory=list)
+    prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # tokens [B, S], lengths [B], start [B]
+    first_rows: list[int] = field(default_factory=list)
+    decode_rows: int = 0  # the step runs rows [:decode_rows] (padded to their bucket)
+    positions: torch.Tensor | None = None  # host [bucket]
+    stop: bool = False
+
+    def run(self, engine, runner) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run the plan on this rank -> (first ids [len(first_rows)], decode ids [decode_rows]), device tensors."""
+        for row, params in self.admits:
+            runner.sampler.set_row(row, params)
+        first = ids = None
+        if self.prefill is not None:
+            logits = engine.prefill_at(*self.prefill)
+            if self.first_rows:
+                first = runner.sample_rows(logits, self.first_rows)
+        if self.decode_rows:
+            ids = runner.launch(self.decode_rows, self.positions)
+        return first, ids
+
+    # ------------------------------------------------------------------ wire format
+    def encode(self) -> torch.Tensor:
+        """[stop, n_admit, B, S, n_first, decode_rows, n_positions] + admits (row, temperature bits, top_k, top_p
+        bits, seed) + lengths, starts, tokens + first rows + positions."""
+        B, S = (0, 0) if self.prefill is None else tuple(self.prefill[0].shape)
+        npos = 0 if self.positions is None or not self.decode_rows else self.positions.shape[0]
+        head = [int(self.stop), len(self.admits), B, S, len(self.first_rows), self.decode_rows, npos]
+        adm = [v for row, p in self.admits
+               for v in (row, _f2i(p.temperature), p.top_k, _f2i(p.top_p), seed_key(p.seed))]
+        parts = [torch.tensor(head + adm + self.first_rows, dtype=torch.long)]
+        if self.prefill is not None:
+            tokens, lengths, start = self.prefill
+            parts += [lengths.long(), start.long(), tokens.long().reshape(-1)]
+        if npos:
+            parts.append(self.positions.long())
+        return torch.cat(parts)
+
+    @classmethod
+    def decode(cls, t: torch.Tensor) -> "StepPlan":
+        v = t.tolist()
+        stop, na, B, S, nf, dr, npos = v[:7]
+        i = 7
+        admits = []
+        for _ in range(na):
+            row, temp, top_k, top_p, seed = v[i:i + 5]
+            admits.append((row, SamplingParams(_i2f(temp), top_k, _i2f(top_p), seed)))
+            i += 5
+        first = v[i:i + nf]
+        i += nf
+        prefill = None
+        if B:
+            lengths, start = t[i:i + B], t[i + B:i + 2 * B]
+            tokens = t[i + 2 * B:i + 2 * B + B * S].view(B, S)
+            prefill = (tokens, lengths, start)
+            i += 2 * B + B * S
+        positions = t[i:i + npos] if npos else None
+        return cls(admits, prefill, first, dr, positions, bool(stop))
+
+
+def broadcast_plan(plan: StepPlan | None, group=None, device: torch.device | str = "cpu") -> StepPlan:
+    """Rank 0 sends `plan`; every other rank receives it (pass None). Two broadcasts: the body's length, the body
+    (on `device`: NCCL needs CUDA tensors)."""
+    import torch.distributed as dist
+
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    sending = dist.get_rank(group) == 0
+    body = plan.encode().to(device) if sending else None
+    n = torch.tensor([body.numel() if sending else 0], dtype=torch.long, device=device)
+    dist.broadcast(n, src, group=group)
+    if not sending:
+        body = torch.empty(int(n.item()), dtype=torch.long, device=device)
+    dist.broadcast(body, src, group=group)
+    return plan if sending else StepPlan.decode(body.cpu())
+
+
+def follow(engine, rows: int | None = None, group=None) -> int:
+    """A rank other than 0: run the plans rank 0's Scheduler(engine, rows=, group=) broadcasts until it sends stop
+    (Scheduler.close). Prepares the same buckets first (their warm-up steps are collectives too). Returns the plans
+    run."""
+    from dsv4_model.runtime.scheduler import prepare_buckets
+
+    runner = engine.runner()
+    prepare_buckets(runner, rows)
+    engine.reset()
+    n = 0
+    with torch.no_grad():
+        while True:
+            plan = broadcast_plan(None, group, _wire_device(runner))
+            if plan.stop:
+                return n
+            plan.run(engine, runner)
+            n += 1
+
+
+def _wire_device(runner) -> torch.device:
+    import torch.distributed as dist
+
+    return runner.device if dist.get_backend() == "nccl" else torch.device("cpu")

@@ -1,0 +1,57 @@
+"""torchrun worker of tests/test_torchrun.py: rank 0 runs a Scheduler over staggered requests (greedy and sampled,
+more than rows, one cancelled) while the other ranks follow its broadcast plans; rank 0 saves each request's ids."""
+import sys
+
+import torch
+import torch.distributed as dist
+
+from dsv4_model.model.parallel import ExpertShard
+from dsv4_model.runtime.engine import Engine
+from dsv4_model.runtime.requests import Request
+from dsv4_model.runtime.sampling import SamplingParams
+from dsv4_model.runtime.scheduler import Scheduler
+from dsv4_model.runtime.step_plan import follow
+
+PROMPTS = [[1, 5, 9, 13, 2, 7, 30, 31, 8], [1, 4], [1, 17, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 20], [1, 6, 6],
+           [1, 2, 3, 4, 5, 6, 7]]
+ROWS, CHUNK = 3, 5
+
+
+def params(i: int) -> SamplingParams:
+    return SamplingParams(seed=50 + i) if i % 2 else SamplingParams(0.9, 8, 0.9, 50 + i)
+
+
+def engine(path, shard=None) -> Engine:
+    return Engine.from_pretrained(path, device="cpu", dtype=torch.float32, max_batch_size=ROWS, max_seq_len=128,
+                                  progress=False, expert_shard=shard)
+
+
+def run(eng: Engine, distributed: bool = False) -> list[tuple[list[int], str]]:
+    """Rank 0's side: the requests, staggered; request 4 is cancelled after its 5th token."""
+    s = Scheduler(eng, max_prefill_tokens=CHUNK, distributed=distributed)
+    reqs = []
+    for i, p in enumerate(PROMPTS):
+        reqs.append(s.submit(Request(p, params(i), 24 + 2 * i, ignore_eos=True)))
+        s.step()
+    while not s.idle():
+        if len(reqs[4].token_ids) >= 5:
+            reqs[4].cancel()
+        s.step()
+    s.close()
+    return [(r.token_ids, r.finish_reason) for r in reqs]
+
+
+def main(out: str, path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    shard = ExpertShard.of_group()
+    eng = engine(path, shard)
+    if shard.rank == 0:
+        torch.save(run(eng, distributed=True), out)
+    else:
+        follow(eng)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
