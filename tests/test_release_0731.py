@@ -1,6 +1,7 @@
 """DeepSeek-V4-Flash-0731 (and V4-Pro-0813): the main model of a checkpoint that carries a DSpark speculative module
 under `mtp.*` loads and generates exactly what the same main model without it does; the DSpark tensors are checked
-and skipped with one note, never taken for an MTP block. DeepSeek-V4.1 is refused in one line (docs/dspark.md,
+and loaded into dsv4's DSpark module beside the main model (or left out: load_dspark=False), with one note, never
+taken for an MTP block. DeepSeek-V4.1 is refused in one line (docs/dspark.md,
 docs/v41.md)."""
 
 from __future__ import annotations
@@ -175,8 +176,28 @@ def test_0731_loads_and_generates_what_the_plain_main_model_does(ckpts, plain_to
     assert all(torch.equal(state[k], ref_state[k]) for k in state)
     n = sum(k.startswith(("mtp.", "model.mtp.")) for k in list_tensors(ckpts[layout]))
     notes = [ln for ln in err.splitlines() if "DSpark" in ln]
-    assert notes == [f"[dsv4] {ckpts[layout]}: DSpark speculative module (3 stages, {n} tensors) recognised and "
-                     "not loaded: dsv4 does not run DSpark yet (docs/dspark.md)"], err
+    assert notes == [f"[dsv4] {ckpts[layout]}: DSpark speculative module (3 stages, {n} tensors) loaded "
+                     "(docs/dspark.md)"], err
+    # the stages hold the checkpoint's values (FP8 / MXFP4 dequantized), beside the main model
+    dspark = eng.model.dspark
+    assert dspark.n_stages == 3 and not any(k.startswith("dspark") for k in state)
+    got = dspark.state_dict()
+    want = canonical_weights(_dspark_cfg(), seed=5)
+    for name, w in want.items():
+        if name.startswith("mtp."):
+            m = re.match(r"(mtp\.\d+\.ffn\.experts)\.(\d+)\.(w\d)\.weight$", name)
+            mine = got[f"{m[1]}.{m[3]}"][int(m[2])] if m else got[name]
+            assert torch.equal(mine, w.to(mine.dtype)), name
+
+
+def test_load_dspark_false_leaves_it_out(ckpts, capfd):
+    capfd.readouterr()
+    model, _ = load_model(ckpts["official"], progress=True, max_seq_len=64, load_dspark=False)
+    assert model.dspark is None
+    n = sum(k.startswith("mtp.") for k in list_tensors(ckpts["official"]))
+    notes = [ln for ln in capfd.readouterr().err.splitlines() if "DSpark" in ln]
+    assert notes == [f"[dsv4] {ckpts['official']}: DSpark speculative module (3 stages, {n} tensors) not loaded "
+                     "(load_dspark=False) (docs/dspark.md)"]
 
 
 def test_no_note_when_progress_is_off_or_the_tensors_are_absent(ckpts, tmp_path, capfd):
@@ -186,9 +207,11 @@ def test_no_note_when_progress_is_off_or_the_tensors_are_absent(ckpts, tmp_path,
     cfg = _dspark_cfg()
     write_checkpoint({n: w for n, w in canonical_weights(cfg, seed=5).items() if not n.startswith("mtp.")}, cfg,
                      tmp_path, "hf")
-    _, cfg2 = load_model(tmp_path, progress=True, max_seq_len=64)
-    assert cfg2.dspark.n_stages == 3
+    model, cfg2 = load_model(tmp_path, progress=True, max_seq_len=64)
+    assert cfg2.dspark.n_stages == 3 and model.dspark is None
     assert "DSpark" not in capfd.readouterr().err
+    with pytest.raises(CheckpointError, match="load_dspark=True, and the checkpoint has no DSpark tensors"):
+        load_model(tmp_path, progress=False, max_seq_len=64, load_dspark=True)
 
 
 @pytest.fixture
@@ -230,13 +253,20 @@ def test_a_wrong_dspark_tensor_is_refused_naming_it(ckpts, tmp_path, no_device_w
     assert want in msg and msg.count("\n") == 1, msg
 
 
-@pytest.mark.parametrize("kw", [{"load_mtp": True}, {"spare_window_slots": 2}])
-def test_mtp_speculation_on_a_dspark_checkpoint_says_it_has_dspark(ckpts, no_device_work, kw):
+def test_mtp_speculation_on_a_dspark_checkpoint_says_it_has_dspark(ckpts, no_device_work):
     with pytest.raises(CheckpointError) as e:
-        load_model(ckpts["official"], progress=False, max_seq_len=64, **kw)
+        load_model(ckpts["official"], progress=False, max_seq_len=64, load_mtp=True)
     msg = str(e.value)
     assert "\n" not in msg and str(ckpts["official"]) in msg
     assert "DSpark speculative module (3 stages" in msg and "not MTP" in msg and "docs/dspark.md" in msg
+
+
+def test_spare_slots_need_the_dspark_module_loaded(ckpts, no_device_work):
+    with pytest.raises(CheckpointError) as e:
+        load_model(ckpts["official"], progress=False, max_seq_len=64, spare_window_slots=2, load_dspark=False)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{ckpts['official']}: spare_window_slots > 0 is for speculative")
+    assert "DSpark module (3 stages), not loaded here: load_dspark=False (docs/dspark.md)" in msg
 
 
 # ----------------------------------------------------------------------------------------------- V4.1

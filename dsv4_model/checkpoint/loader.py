@@ -441,31 +441,67 @@ def _has_mtp(names) -> bool:
     return any(n.startswith("mtp.") or n.startswith("model.mtp.") for n in names)
 
 
-def _skip_dspark(root: Path, tensors: dict[str, TensorInfo], layout: str, config, dtype: torch.dtype, *,
-                 speculate: bool, progress: bool) -> tuple[str, ...]:
+def _check_dspark(root: Path, tensors: dict[str, TensorInfo], layout: str, config, dtype: torch.dtype, *,
+                  load: bool | None, speculate_mtp: bool, spare: bool, expert_shard) -> tuple[int, int, list | None]:
     """A DSpark checkpoint (docs/dspark.md): refuse MTP speculation on it, check its `mtp.*` tensors from the
-    headers against what the config implies (one CheckpointError naming each wrong tensor), and return the prefix
-    the main model's load plan skips. One stderr note says what was recognised and left out."""
+    headers against dsv4's DSpark module (one CheckpointError naming each wrong tensor). Returns (the stage count,
+    the DSpark tensors found, the module's load plan or None where it is not loaded: load=False, no `mtp.*`
+    tensors, expert parallelism)."""
     from dsv4_model.checkpoint.dspark import DSPARK_PREFIX, dspark_expected, stage_count
 
     to_official = hf_to_official_name if layout == "hf" else (lambda k: k)
     found = {k: info for k, info in tensors.items() if to_official(k).startswith(DSPARK_PREFIX)}
     n_stages = stage_count(config, map(to_official, found))
-    if speculate:
+    if speculate_mtp:
         raise CheckpointError(
-            f"{root}: MTP speculation (load_mtp=True / --speculate) needs an MTP block, and this checkpoint has none: "
-            f"its mtp.* tensors are a DSpark speculative module ({n_stages} stages, dspark_* config keys), not MTP; "
-            "dsv4 does not run DSpark yet (docs/dspark.md): run without speculation")
+            f"{root}: MTP speculation (load_mtp=True) needs an MTP block, and this checkpoint has none: its mtp.* "
+            f"tensors are a DSpark speculative module ({n_stages} stages, dspark_* config keys), not MTP "
+            "(docs/dspark.md)")
+    if load and not found:
+        raise CheckpointError(f"{root}: load_dspark=True, and the checkpoint has no DSpark tensors (mtp.*): its "
+                              "config names a DSpark module its tensors do not carry (docs/dspark.md)")
+    if load and expert_shard is not None:
+        raise CheckpointError(f"{root}: load_dspark=True under expert parallelism: dsv4 does not shard the DSpark "
+                              "module's experts yet (docs/dspark.md)")
+    plan = None
     if found:
         try:
-            build_load_plan(found, dspark_expected(config, n_stages, dtype), layout,
-                            subject=f"the DSpark module its config describes ({n_stages} stages)")
+            plan = build_load_plan(found, dspark_expected(config, n_stages, dtype), layout,
+                                   subject=f"the DSpark module its config describes ({n_stages} stages)")
         except CheckpointError as e:
             raise CheckpointError(f"{root}: {e}") from None
-        if progress:
-            print(f"[dsv4] {root}: DSpark speculative module ({n_stages} stages, {len(found)} tensors) recognised "
-                  "and not loaded: dsv4 does not run DSpark yet (docs/dspark.md)", file=sys.stderr)
-    return (DSPARK_PREFIX,)
+    if load is False or expert_shard is not None:
+        plan = None
+    if spare and plan is None:
+        raise CheckpointError(
+            f"{root}: spare_window_slots > 0 is for speculative decoding, which on this checkpoint drafts with its "
+            f"DSpark module ({n_stages} stages), not loaded here: "
+            + ("no mtp.* tensors" if not found else "load_dspark=False" if load is False else "expert parallelism")
+            + " (docs/dspark.md)")
+    return n_stages, len(found), plan
+
+
+def _dspark_note(root: Path, n_stages: int, n_tensors: int, loaded: bool, load: bool | None) -> str:
+    why = "loaded" if loaded else ("not loaded (load_dspark=False)" if load is False
+                                   else "not loaded (expert parallelism)")
+    return f"[dsv4] {root}: DSpark speculative module ({n_stages} stages, {n_tensors} tensors) {why} (docs/dspark.md)"
+
+
+def _load_dspark(plan: list, config, n_stages: int, reader: "TensorReader", *, device: torch.device,
+                 dtype: torch.dtype, max_batch_size: int, simulate_quant: bool):
+    """dsv4's DSpark module with the checkpoint's tensors (FP8 / MXFP4 dequantized as the main model's)."""
+    from dsv4_model.model.dspark import DSpark
+
+    with torch.device("meta"):
+        module = DSpark(config, n_stages, dtype=dtype, max_batch_size=max_batch_size, simulate_quant=simulate_quant,
+                        device="meta")
+    module.to_empty(device=device)
+    params = module.state_dict(keep_vars=True)
+    for load in sorted(plan, key=lambda ld: str(ld.weight.file)):
+        dst = params[load.target] if load.index is None else params[load.target][load.index]
+        dst.copy_(_decode(load, reader, device, dst.dtype))
+    module.setup_runtime(device)
+    return module.eval()
 
 
 def _build_meta_model(config, *, max_batch_size: int, max_seq_len: int, dtype: torch.dtype, simulate_quant: bool,
@@ -499,15 +535,17 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
                max_batch_size: int = 1, max_seq_len: int = 4096, simulate_quant: bool = True, progress: bool = True,
                layout: str | None = None, load_mtp: bool | None = None, quant: str | None = None,
                act_quant: str | None = None, allow_beyond_max_position: bool = False, expert_shard=None,
-               spare_window_slots: int = 0):
+               spare_window_slots: int = 0, load_dspark: bool | None = None):
     """Build `Transformer` from the checkpoint directory `path` and return `(model, config)`.
 
     `layout`: "hf" | "official" | "dsv4" | None (auto). `load_mtp`: None loads the MTP block if the
     checkpoint has one (HF checkpoints never do) and otherwise builds the model without it; True
     requires it; False ignores it. Raises `CheckpointError` (a ValueError) before allocating any device
     memory if the checkpoint does not match the config. A DSpark release (V4-Flash-0731; docs/dspark.md) has no
-    MTP block: its `mtp.*` DSpark tensors are checked and skipped (one stderr note when `progress`), and
-    load_mtp=True or spare_window_slots > 0 is refused. A DeepSeek-V4.1 config is refused (docs/v41.md).
+    MTP block: its `mtp.*` DSpark tensors are checked and, with `load_dspark` None (when present) or True
+    (required), loaded into a `dsv4_model.model.dspark.DSpark` given to the model as `model.dspark` (None
+    otherwise; not part of its state dict); one stderr note when `progress`. load_mtp=True is refused there, and
+    spare_window_slots > 0 unless DSpark is loaded. A DeepSeek-V4.1 config is refused (docs/v41.md).
 
     `quant`: "none" (float weights; NVFP4 checkpoint tensors are dequantized) | "nvfp4" (convert at load,
     see the module docstring) | None (= "nvfp4" for an NVFP4-converted dsv4 checkpoint, else "none").
@@ -538,9 +576,12 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
     n_mtp = int(getattr(config, "n_mtp_layers", 0) or 0)
     has_mtp = _has_mtp(tensors)
     skip: tuple[str, ...] = ()
-    if getattr(config, "dspark", None) is not None:  # mtp.* is a DSpark module: checked, then not loaded
-        skip = _skip_dspark(root, tensors, layout, config, dtype, speculate=bool(load_mtp or spare_window_slots),
-                            progress=progress)
+    dspark_plan = None
+    if getattr(config, "dspark", None) is not None:  # mtp.* is a DSpark module: checked, loaded apart
+        n_stages, n_dspark, dspark_plan = _check_dspark(
+            root, tensors, layout, config, dtype, load=load_dspark, speculate_mtp=bool(load_mtp),
+            spare=bool(spare_window_slots), expert_shard=expert_shard)
+        skip = ("mtp.",)
     elif load_mtp is False or (load_mtp is None and n_mtp > 0 and not has_mtp):
         if load_mtp is None:
             warnings.warn(f"{root}: checkpoint has no MTP tensors; building the model without the MTP block", stacklevel=2)
@@ -594,6 +635,9 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
         for unit in tqdm(units, desc=f"NVFP4 {root.name}", unit="layer", disable=not (progress and units)):
             fill_unit_(model, unit, get)
             clear()
+        dspark = None if dspark_plan is None else _load_dspark(
+            dspark_plan, config, n_stages, reader, device=device, dtype=dtype, max_batch_size=max_batch_size,
+            simulate_quant=simulate_quant)
     if stored:
         upgrade_kernel_layout_(model, stored["kernel_layout"])
     if stored and quant == "none":
@@ -601,6 +645,11 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
     model.narrow_weights_()
     model.setup_runtime(device)
     model.eval()
+    from dsv4_model.model.dspark import attach
+
+    attach(model, dspark)
+    if progress and getattr(config, "dspark", None) is not None and n_dspark:
+        print(_dspark_note(root, n_stages, n_dspark, dspark is not None, load_dspark), file=sys.stderr)
     if progress:
         print(f"[dsv4] loaded {root.name} in {time.perf_counter() - t_start:.1f} s; host memory peak "
               f"{peak_host_bytes() / GiB:.1f} GiB (resident set)", file=sys.stderr)
