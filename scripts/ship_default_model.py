@@ -6,7 +6,7 @@ The routed experts (stored MXFP4 by training) convert losslessly to NVFP4; the a
 the shared expert are quantized post-training (per-tensor amax, ModelOpt convention); everything else stays as
 trained (dsv4_model/quant/quantize_model.py says what and why). The checkpoint carries the `dsv4_quant` marker, so
 the engine loads the NVFP4 buffers as they are. Before converting, the held-out table of the trained weights
-(bf16 vs NVFP4 W4A16 vs W4A4, bench/eval_default_model.py) is printed for bench/RESULTS.md; afterwards
+(bf16 vs NVFP4 W4A16 vs W4A4, eval/eval_default_model.py) is printed for bench/RESULTS.md; afterwards
 `eval.json` of the shipped model is written (tests/test_default_model.py checks against it).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "eval"))
 
 import eval_default_model as ev  # noqa: E402
 from dsv4_model.checkpoint.loader import load_model, save_model  # noqa: E402

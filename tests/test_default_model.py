@@ -29,7 +29,7 @@ def _load_script(name: str, rel: str):
 
 
 train = _load_script("train_default_model", "scripts/train_default_model.py")
-evalmod = _load_script("eval_default_model", "bench/eval_default_model.py")
+evalmod = _load_script("eval_default_model", "eval/eval_default_model.py")
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -197,7 +197,7 @@ needs_assets = pytest.mark.skipif(
 def _recorded() -> dict:
     path = ASSETS / evalmod.EVAL_NAME
     if not path.is_file():
-        pytest.fail(f"{path} is missing: run `python bench/eval_default_model.py --device cpu --write`")
+        pytest.fail(f"{path} is missing: run `python eval/eval_default_model.py --device cpu --write`")
     ev = json.loads(path.read_text())
     assert ev["sample_sha256"] == evalmod.sample_sha256(ASSETS), "heldout_sample.txt changed since eval.json"
     return ev
@@ -289,7 +289,7 @@ def test_the_mtp_block_drafts_the_token_after_next():
     held-out text its drafts of the token after next agree with the main model's greedy choice at the next position
     (what greedy speculation accepts) far above chance, and feeding it the streams of other positions (shifted by
     5) loses most of that; chained drafts (its own streams into a second pass) still agree often."""
-    acc = _load_script("mtp_acceptance", "scripts/mtp_acceptance.py")
+    acc = _load_script("mtp_acceptance", "eval/mtp_acceptance.py")
     from dsv4_model.checkpoint.tokenizer import load_tokenizer
     from dsv4_model.runtime.engine import Engine
 

@@ -3,7 +3,7 @@ held-out text with the head as stored (bf16 values) against the head quantized t
 `dsv4_model.quant.nvfp4.quantize_weight`, dequantized exactly) and to FP8 e4m3 with one fp32 scale per row
 (amax / 448), the rest of the model unchanged (CPU, fp32, as the engine runs it there).
 
-    python scripts/head_quant_accuracy.py [--model DIR] [--text FILE] [--window 512]
+    python eval/head_quant_accuracy.py [--model DIR] [--text FILE] [--window 512]
 
 Per variant: top-1 agreement with the stored head's greedy token, mean KL(stored || variant) in nats per
 position, and the text's perplexity (next-token NLL) under each.

@@ -2,8 +2,8 @@
 a model's held-out text (default: the built-in model and its heldout_sample.txt), per draft position, and the
 tokens per step that gives for K = 1..3 draft tokens.
 
-    python scripts/mtp_acceptance.py [--model DIR] [--text FILE] [--window 512] [--quant none|nvfp4]
-    python scripts/mtp_acceptance.py --generate 200        # also: measured, greedy speculative decoding (eager)
+    python eval/mtp_acceptance.py [--model DIR] [--text FILE] [--window 512] [--quant none|nvfp4]
+    python eval/mtp_acceptance.py --generate 200        # also: measured, greedy speculative decoding (eager)
 
 Per window, one pass of the main model gives its streams h_t and greedy tokens g_t (the prediction of x_{t+1});
 pass k of the MTP block (its own output streams feeding the next pass, as a K-token draft chains it) gives the

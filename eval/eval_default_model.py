@@ -1,8 +1,8 @@
 """Held-out perplexity of the built-in default model: bf16 vs NVFP4 W4A16 vs NVFP4 W4A4, side by side, with
 each NVFP4 variant's top-1 agreement with bf16 (same positions, teacher-forced).
 
-    python bench/eval_default_model.py                      # CPU or GPU (--device), prints the table
-    python bench/eval_default_model.py --device cpu --write # also records eval.json next to the model
+    python eval/eval_default_model.py                      # CPU or GPU (--device), prints the table
+    python eval/eval_default_model.py --device cpu --write # also records eval.json next to the model
 
 Text: the model directory's ``heldout_sample.txt`` (cut by the training script from files held out by path
 hash), encoded with the model's own tokenizer as ``<bos> doc <eos> ...`` and cut into non-overlapping windows
