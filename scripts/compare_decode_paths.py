@@ -1,5 +1,5 @@
 """Teacher-forced comparison of the decode paths on one model: how far compiled (and CUDA-graph) decode
-logits drift from eager decode logits, step by step, on the same tokens (scripts/decode_compare.py).
+logits drift from eager decode logits, step by step, on the same tokens (tests/helpers/decode_compare.py).
 
 A kernel bug shows as a drift far above the bf16 rounding level (~1e-2 on the default model's logits); a
 near-tie as an argmax flip where eager's top-2 margin is below the drift.
@@ -19,7 +19,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from decode_compare import decidable, eager_decode, forced_decode  # noqa: E402
+from tests.helpers.decode_compare import decidable, eager_decode, forced_decode  # noqa: E402
 from dsv4_model.runtime.engine import Engine  # noqa: E402
 from dsv4_model.checkpoint.tokenizer import load_tokenizer  # noqa: E402
 from dsv4_ops.overrides import current as current_overrides  # noqa: E402

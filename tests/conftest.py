@@ -1,11 +1,5 @@
-import pathlib
-import sys
-
 import pytest
 import torch
-
-# The scripts' helpers the tests use too (scripts/train_data.py, scripts/decode_compare.py).
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "scripts"))
 
 
 def _cuda_ready() -> bool:

@@ -17,9 +17,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # DSV4_DEFAULT_MODEL_DIR: check another checkpoint directory with the shipped-model tests (e.g. a fresh run)
 ASSETS = Path(os.environ.get("DSV4_DEFAULT_MODEL_DIR", ROOT / "dsv4_model" / "assets" / "default"))
 
-import train_data as td  # noqa: E402
-
-
 def _load_script(name: str, rel: str):
     spec = importlib.util.spec_from_file_location(name, ROOT / rel)
     mod = importlib.util.module_from_spec(spec)
@@ -28,6 +25,7 @@ def _load_script(name: str, rel: str):
     return mod
 
 
+td = _load_script("train_data", "scripts/train_data.py")  # before the training script, which imports it
 train = _load_script("train_default_model", "scripts/train_default_model.py")
 evalmod = _load_script("eval_default_model", "eval/eval_default_model.py")
 
@@ -252,10 +250,10 @@ def test_shipped_model_generates_eagerly():
 
 @needs_assets
 def test_teacher_forced_paths_helper():
-    """scripts/decode_compare.py (the GPU test's path comparison): an eager DecodeRunner fed eager's own ids
+    """tests/helpers/decode_compare.py (the GPU test's path comparison): an eager DecodeRunner fed eager's own ids
     reproduces eager's logits exactly, a runner fed other ids does not, and decidable() excuses exactly the steps
     whose top-2 gap is within twice the drift."""
-    from decode_compare import decidable, eager_decode, fixed_prefix, forced_decode
+    from helpers.decode_compare import decidable, eager_decode, fixed_prefix, forced_decode
     from dsv4_model.runtime.engine import Engine
     from dsv4_model.checkpoint.tokenizer import load_tokenizer
 

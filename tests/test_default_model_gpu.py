@@ -4,7 +4,7 @@
 Equality runs in fp32, teacher-forced: compiled and eager logits agree to ~1e-6 almost everywhere, but the NVFP4
 ops return bf16 and the KV / indexer keys are rounded to FP8 / FP4, so a value now and then lands one step apart
 (see TOL below): greedy ids must agree wherever the observed drift cannot flip them
-(scripts/decode_compare.py). The
+(tests/helpers/decode_compare.py). The
 default settings (bf16, compile + CUDA graphs) are checked against bf16 eager teacher-forcing instead.
 The checkpoint decides its weight format (NVFP4 when converted, else as stored), as `python -m dsv4_model` does.
 The helpers take the device so the same code can be dry-run on the CPU.
@@ -166,7 +166,7 @@ def test_eager_generates_code(fp32_engine, prompt_ids, eager_ids):
 
 @pytest.fixture(scope="module")
 def eager_forced(fp32_engine, prompt_ids):
-    from decode_compare import eager_decode
+    from helpers.decode_compare import eager_decode
     return eager_decode(fp32_engine, prompt_ids, NEW_TOKENS)
 
 
@@ -182,7 +182,7 @@ def check_path_against_eager(engine, prompt_ids, eager_ids, eager_forced, res, w
     """Per (step, row) of teacher-forced decode: the path's logits within TOL of eager's at >= 90% of them,
     the same greedy token wherever the drift cannot flip it; free-running ids = eager's up to each row's first
     step that the drift could flip."""
-    from decode_compare import decidable, forced_decode
+    from helpers.decode_compare import decidable, forced_decode
 
     fed, ref = eager_forced
     got = forced_decode(engine, prompt_ids, fed, runner=engine.runner())  # the runner `res` came from
@@ -214,7 +214,7 @@ def test_exported_artifact_matches_eager(tmp_path, fp32_engine, prompt_ids, eage
     """The package's greedy ids (a fresh process; only ids come back) equal eager's up to each row's first step
     whose eager top-2 gap a drift of TOL could close (the compiled-path test bounds the drift of the same
     kernels by TOL)."""
-    from decode_compare import fixed_prefix
+    from helpers.decode_compare import fixed_prefix
 
     pkg = build_artifact(tmp_path / "default.pt2", DEVICE, prompt_ids)
     got = run_artifact_fresh(pkg, prompt_ids)

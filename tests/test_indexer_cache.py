@@ -70,7 +70,7 @@ def test_packed_indexer_follows_simulate_quant():
 def test_packed_indexer_decode_cuda():
     """V4's indexer shape (D = 128) takes the CUDA kernel: eager decode agrees with the float-cache path, and
     the compiled + CUDA-graph step (the op and the key packing inside the captured graph) with eager decode."""
-    from decode_compare import eager_decode, forced_decode
+    from helpers.decode_compare import eager_decode, forced_decode
     from dsv4_model.runtime.engine import Engine
 
     cfg = tiny_config(index_head_dim=128, index_n_heads=16, index_topk=8)

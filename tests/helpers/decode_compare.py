@@ -3,7 +3,8 @@ the same tokens, so their logits can be compared step by step.
 
 Greedy ids alone cannot tell a broken path from a near-tie: the NVFP4 ops return bf16 even in an fp32 model, so
 two correct paths can round an activation one bf16 ulp apart and flip a top-2 gap of ~1e-2. Used by
-tests/test_default_model_gpu.py and scripts/compare_decode_paths.py.
+tests/test_default_model_gpu.py, tests/test_default_model.py, tests/test_indexer_cache.py and
+scripts/compare_decode_paths.py (the command-line comparison of the paths).
 """
 from __future__ import annotations
 
