@@ -1,0 +1,4 @@
+# prefill: chunked prefill on the GPU: the CUDA tests of prefill from any position, then the prefill benchmark
+# (whole / chunks / compiled chunks / HF against prompt length).
+step prefill_tests 300 $PY -m pytest -q -m cuda -rs -p no:cacheprovider tests/test_prefill_from_position.py
+step prefill_bench 300 $PY bench/bench_prefill.py --compiled
