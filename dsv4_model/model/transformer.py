@@ -346,14 +346,18 @@ class Transformer(nn.Module):
         return self._logits(last)
 
     def streams(self, tokens: torch.Tensor, lengths: torch.Tensor, static_moe: bool = False,
-                start: "int | torch.Tensor" = 0, span: int | None = None) -> torch.Tensor:
+                start: "int | torch.Tensor" = 0, span: int | None = None,
+                before_layer: Callable | None = None) -> torch.Tensor:
         """The main layers over `tokens` [B, S] from position start (as prefill's; filling cache rows [:B]) -> the
         final residual streams [B, S, hc, dim] before the head's collapse (what prefill's logits and the MTP block
-        read). Tracks gradients where enabled (training)."""
+        read). before_layer(layer_id, h): sees each layer's input streams (DSpark reads its target layers').
+        Tracks gradients where enabled (training)."""
         at = self.prefill_at(tokens.shape, start, span)
         rope = self._rope()
         h = self.embed(tokens).unsqueeze(2).repeat(1, 1, self.hc, 1)
         for layer in self.layers:
+            if before_layer is not None:
+                before_layer(layer.layer_id, h)
             h = layer.prefill(h, tokens, lengths, rope, at, static_moe)
         return h
 

@@ -1,0 +1,117 @@
+"""Greedy speculative decoding with the DSpark module (docs/dspark.md), eager on one device.
+
+Per step and row (y: the last emitted token, at position p, not yet in the caches; d_1..d_K: the DSpark block
+drafted from anchor y, K = block_size): the main model verifies [y, d_1..d_K] at p..p+K in one multi-token decode
+(Transformer._decode_layers over K + 1 DecodeSteps, as decode_tokens), reading the residual streams entering the
+DSpark target layers on the way; n_acc = the leading drafts equal to the main model's argmax; the emitted tokens
+are d_1..d_n_acc and the main model's token after them (c). The committed positions p..p+n_acc go into the DSpark
+rings (their main_x KV), then DSpark drafts the next block from anchor c. The rejected positions' main-model cache
+writes need no undo (spare_window_slots >= K, docs/speculation.md); DSpark's rings only ever take committed rows.
+
+Every value of a step is a device tensor of static shape; the host reads the emitted tokens and n_acc once per
+step. The CPU kernels make the verification bit for bit the one-token decode, so the tokens are plain greedy's.
+"""
+from __future__ import annotations
+
+import torch
+
+from dsv4_model.model.decode_options import DEFAULT as DEFAULT_OPTIONS
+from dsv4_model.model.dspark import DSpark, main_hidden_of
+from dsv4_model.model.layers import hc_post
+from dsv4_model.runtime.speculative import SpeculationStats
+
+
+def check_dspark_model(model) -> DSpark:
+    dspark = getattr(model, "dspark", None)
+    if dspark is None:
+        raise ValueError("DSpark speculation needs the checkpoint's DSpark module (load_model(load_dspark=None), "
+                         "a DSpark checkpoint: docs/dspark.md)")
+    if model.spare_window_slots < dspark.block_size:
+        raise ValueError(f"DSpark speculation verifies block_size={dspark.block_size} drafts: it needs a model built "
+                         f"with spare_window_slots >= {dspark.block_size}, got {model.spare_window_slots}")
+    return dspark
+
+
+def prefill_taps(model, dspark: DSpark, prompt: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Prefill the prompt [B, L] (right-padded: lengths) from position 0 and seed the DSpark rings with its
+    positions -> fp32 logits [B, V] at each row's last token."""
+    taps = {}
+
+    def tap(layer_id, h):
+        if layer_id in dspark.target_layer_ids:
+            taps[layer_id] = h
+
+    h = model.streams(prompt, lengths, before_layer=tap)
+    dspark.commit(main_hidden_of([taps[i] for i in dspark.target_layer_ids]),
+                  torch.zeros_like(lengths), lengths, model.rope_main)
+    return model._logits(h[torch.arange(prompt.shape[0], device=h.device), lengths - 1])
+
+
+def verify_taps(model, dspark: DSpark, tokens: torch.Tensor, positions: torch.Tensor,
+                options=DEFAULT_OPTIONS) -> tuple[torch.Tensor, torch.Tensor]:
+    """decode_tokens (tokens [B, T] at positions [B] ..), and the DSpark context of those positions: -> (fp32
+    logits [B, T, V], main_hidden [B, T, n_targets * dim])."""
+    B, T = tokens.shape
+    targets = dspark.target_layer_ids
+    taps = {}
+
+    def call(layer, h, ids, step, pending, fold):
+        if layer.layer_id in targets:  # the layer's input: the streams with the previous layer's output folded in
+            taps[layer.layer_id] = h if pending is None else hc_post(pending.out, h, pending.post, pending.comb)
+        # a target layer's predecessor keeps its MoE output combined (an NVFP4 MoE's uncombined rows would need
+        # the fused fold to be read)
+        fold = fold and layer.layer_id + 1 not in targets
+        return layer.decode(h, ids, step, pending, fold_rows=fold)
+
+    ids = tokens.t().reshape(-1)
+    h = model.embed(ids).unsqueeze(1).repeat(1, model.hc, 1)
+    h = model._decode_layers(h, ids, model._token_steps(positions, T, options), options, call)
+    logits = model._logits(h).view(T, B, -1).transpose(0, 1)
+    main_hidden = main_hidden_of([taps[i] for i in targets]).view(T, B, -1).transpose(0, 1)
+    return logits, main_hidden
+
+
+def dspark_step(model, dspark: DSpark, y: torch.Tensor, drafts: torch.Tensor, pos: torch.Tensor,
+                options=DEFAULT_OPTIONS):
+    """One greedy step of rows at positions pos [B] holding y [B] and drafts [B, K]. Returns (emitted [B, K + 1],
+    valid up to n_acc + 1; n_acc [B]; the next DSparkDraft, drafted from the last emitted token)."""
+    B, K = drafts.shape
+    rows = torch.arange(B, device=y.device)
+    logits, main_hidden = verify_taps(model, dspark, torch.cat([y.unsqueeze(1), drafts], dim=1), pos, options)
+    g = logits.argmax(-1)  # [B, K + 1]: the main model's token after each verified position
+    n_acc = (drafts == g[:, :K]).int().cumprod(dim=1).sum(dim=1)
+    c = g[rows, n_acc]
+    emitted = torch.cat([drafts, torch.zeros_like(c).unsqueeze(1)], dim=1).scatter(1, n_acc.unsqueeze(1),
+                                                                                    c.unsqueeze(1))
+    dspark.commit(main_hidden, pos, n_acc + 1, model.rope_main)  # positions p .. p + n_acc
+    return emitted, n_acc, dspark.draft(model, c, pos + n_acc)
+
+
+@torch.no_grad()
+def dspark_greedy(model, prompt: torch.Tensor, max_new_tokens: int,
+                  lengths: torch.Tensor | None = None) -> tuple[list[list[int]], SpeculationStats]:
+    """Greedy continuation of prompt [B, L] (right-padded rows: lengths) by max_new_tokens per row, drafting with
+    model.dspark. Returns (the new tokens per row, SpeculationStats with K = block_size)."""
+    dspark = check_dspark_model(model)
+    K = dspark.block_size
+    B, L = prompt.shape
+    dev = model.device
+    prompt = prompt.to(dev)
+    lengths = torch.full((B,), L, device=dev) if lengths is None else lengths.to(dev)
+    if int(lengths.max()) + max_new_tokens + 2 * K > model.max_seq_len:
+        raise ValueError(f"prompt + max_new_tokens + 2 x block_size = {int(lengths.max()) + max_new_tokens + 2 * K}"
+                         f" positions exceed max_seq_len={model.max_seq_len}")
+    rows = torch.arange(B, device=dev)
+    y = prefill_taps(model, dspark, prompt, lengths).argmax(-1)  # the first new token, at position lengths
+    drafts = dspark.draft(model, y, lengths - 1).tokens
+    pos = lengths.clone()
+    out = [[int(t)] for t in y.tolist()]
+    stats = SpeculationStats(K)
+    while min(len(o) for o in out) < max_new_tokens:
+        emitted, n_acc, nxt = dspark_step(model, dspark, y, drafts, pos)
+        y, pos, drafts = emitted[rows, n_acc], pos + n_acc + 1, nxt.tokens
+        e_host, n_host = emitted.tolist(), n_acc.tolist()  # the step's one host read
+        for b in range(B):
+            out[b].extend(e_host[b][: n_host[b] + 1])
+        stats.count(n_host)
+    return [o[:max_new_tokens] for o in out], stats

@@ -1,0 +1,74 @@
+"""Greedy speculative decoding with the DSpark module (dsv4_model/runtime/dspark_speculative.py) on a tiny
+0731-layout checkpoint: the tokens equal plain greedy decoding over 200+ tokens (crossing the compressors' windows
+and the rings many times), with the module's own drafts and with drafts that agree with the main model for 0..K
+positions (every acceptance count, several positions committed to the DSpark rings at once)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4_model.checkpoint.loader import load_model
+from dsv4_model.checkpoint.writer import canonical_weights, write_checkpoint
+from dsv4_model.runtime.dspark_speculative import check_dspark_model, dspark_greedy
+from tests.test_release_0731 import PROMPT, _dspark_cfg
+
+N = 210
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    cfg = _dspark_cfg()
+    return write_checkpoint(canonical_weights(cfg, seed=5), cfg, tmp_path_factory.mktemp("d0731"), "official")
+
+
+def _load(path, **kw):
+    return load_model(path, dtype=torch.float32, max_seq_len=256, progress=False, **kw)[0]
+
+
+@pytest.fixture(scope="module")
+def plain(ckpt):
+    """Plain greedy: prefill, then one decode step per token (a model without spare ring slots)."""
+    model = _load(ckpt, load_dspark=False)
+    logits = model.prefill(torch.tensor([PROMPT]))
+    out = [int(logits.argmax(-1))]
+    for pos in range(len(PROMPT), len(PROMPT) + N + 5):  # K more: the last drafts' truth
+        out.append(int(model.decode_step(torch.tensor([out[-1]]), torch.tensor([pos])).argmax(-1)))
+    assert len(set(out)) > 10  # a real continuation
+    return out
+
+
+@pytest.fixture(scope="module")
+def spec_model(ckpt):
+    return _load(ckpt, spare_window_slots=5)
+
+
+def test_dspark_drafts_give_plain_greedy_tokens(spec_model, plain):
+    toks, stats = dspark_greedy(spec_model, torch.tensor([PROMPT]), N)
+    assert toks[0] == plain[:N]
+    assert stats.emitted + 1 >= N and stats.offered[0] == stats.steps  # (+ 1: the prefill's token)
+
+
+def test_every_acceptance_count_gives_plain_greedy_tokens(spec_model, plain, monkeypatch):
+    """Drafts taken from the plain continuation, the j-th of each block wrong (j = 0..K by turns): the step must
+    accept exactly j, emit the main model's token after them and commit j + 1 positions."""
+    dspark = check_dspark_model(spec_model)
+    K, seq = dspark.block_size, PROMPT + plain
+    real = dspark.draft
+    calls = []
+
+    def oracle(model, anchor, last, stage_out=None):
+        out = real(model, anchor, last, stage_out)  # the module still runs (its rings are read)
+        p, j = int(last[0]) + 2, len(calls) % (K + 1)
+        want = torch.tensor([seq[p:p + K]])
+        if j < K:
+            want[0, j] = (want[0, j] + 1) % spec_model.config.vocab_size
+        calls.append(j)
+        return out._replace(tokens=want)
+
+    monkeypatch.setattr(dspark, "draft", oracle)
+    toks, stats = dspark_greedy(spec_model, torch.tensor([PROMPT]), N)
+    assert toks[0] == plain[:N]
+    # step s verified the drafts of call s, wrong at j = s % (K + 1): it accepted exactly j
+    assert stats.accepted == [sum(j > i for j in calls[:stats.steps]) for i in range(K)]
+    assert stats.accepted[K - 1] > 0 and stats.emitted / stats.steps > 3
