@@ -1,7 +1,7 @@
 """Launches dsv4::nvfp4_linear on V4-Flash shapes at the token counts given (`--m 1,16,64`; default 1: the
 batch-1 GEMV) and, at M = 1, one MoE step (T = 1, 6 experts + the shared one) for Nsight Compute.
 
-The GEMV measures 2x the time its bytes need at HBM speed (bench/RESULTS.md): this script gives `ncu` the
+The GEMV measures 2x the time its bytes need at HBM speed (bench/RESULTS.md, GEMM): this script gives `ncu` the
 launches to explain (issue- vs memory-bound, stall reasons, occupancy). scripts/gpu_check.sh `profile` runs:
 
     ncu --clock-control none --kernel-name "regex:nvfp4" --section SpeedOfLight --section SchedulerStats \

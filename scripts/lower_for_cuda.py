@@ -3,7 +3,7 @@ GPU, and time each phase: export, decompositions, lowering, Triton code generati
 
 Why: GPU time is scarce, and what Inductor does before it compiles kernels (lowering, scheduling, fusion, codegen)
 depends on the device but not on having one. This is how the H200-only compile hang of the bf16 default model was
-found and its fix checked on the CPU machine (bench/RESULTS.md, session 17).
+found and its fix checked on the CPU machine (bench/RESULTS.md#session-17).
 
 Needs `triton` importable (pip install triton into a --target dir and put it on PYTHONPATH). On a CPU-only torch a
 no-op CUDA device guard is compiled once (a few seconds). To check another torch (the GPU machine's 2.11: a CUDA

@@ -1,5 +1,5 @@
 """Instruction mix of a kernel's hot loop, from its SASS, on a machine without a GPU: what the NVFP4 gemv's
-instruction-count work was measured with (bench/RESULTS.md, session 12).
+instruction-count work was measured with (bench/RESULTS.md#session-12).
 
 Needs nvcc and cuobjdump (the CPU machine has nvcc; cuobjdump comes from the wheel `nvidia-cuda-cuobjdump`:
 `pip download --no-deps nvidia-cuda-cuobjdump` and unzip it, then pass --cuobjdump or put its bin/ on PATH).
