@@ -72,3 +72,11 @@ def test_every_acceptance_count_gives_plain_greedy_tokens(spec_model, plain, mon
     # step s verified the drafts of call s, wrong at j = s % (K + 1): it accepted exactly j
     assert stats.accepted == [sum(j > i for j in calls[:stats.steps]) for i in range(K)]
     assert stats.accepted[K - 1] > 0 and stats.emitted / stats.steps > 3
+
+
+def test_mtp_speculation_on_a_dspark_model_names_dspark(spec_model):
+    from dsv4_model.runtime.speculative import check_model
+
+    with pytest.raises(ValueError, match="^speculative decoding here drafts with an MTP block, and this checkpoint "
+                                         "carries a DSpark module instead"):
+        check_model(spec_model, 2)
