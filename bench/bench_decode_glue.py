@@ -1,4 +1,4 @@
-"""The fused decode steps written in session 7 vs what the decode step runs without them (the model's tensor
+"""The fused decode steps vs what the decode step runs without them (the model's tensor
 ops, compiled with torch.compile as in the decode step; for hc_post_pre: hc_post compiled + dsv4::hc_pre), same
 run, V4-Flash decode shapes at batch 1 and 8: dsv4::rms_norm_rope (q: 64 heads x 512, no weight; kv: 512, weight,
 FP8), dsv4::hadamard_fp4 (indexer queries 64 x 128 with RoPE 64), dsv4::indexer_store_keys (a closing window, D

@@ -7,7 +7,7 @@ variant - base, so the embedding, hc_head, head and sampler cancel out. Every mo
 the DecodeRunner step (decode_step + dsv4::sample) compiled and captured as one CUDA graph, batch 1, decoding
 from position --prompt after a real prefill.
   us/step:  CUDA-graph replay, back to back, the best of 3 runs of --steps steps (a layer's share is a
-            difference of two models: single runs moved it by ~2 us).
+            difference of two models: one run's noise is a visible part of it).
   kernels:  GPU kernels of one compiled step run outside the graph (the same kernels the graph holds),
             counted with torch.profiler (memcpy / memset excluded); the extra layer's kernels are listed by name.
 
@@ -159,7 +159,7 @@ def measure(ratios, args, device):
     g = torch.Generator(device=device).manual_seed(0)
     prompt = torch.randint(2, cfg.vocab_size, (1, args.prompt), device=device, generator=g)
     start(runner, model, prompt)
-    us = min(us_per_step(runner, args.steps) for _ in range(REPEATS))  # best of: the ~2 us run-to-run noise
+    us = min(us_per_step(runner, args.steps) for _ in range(REPEATS))  # best of: run-to-run noise
     kernels = kernels_per_step(runner)
     busy = collections.Counter(KERNEL_US)
     del runner, model

@@ -1,8 +1,8 @@
 # sanitizer: compute-sanitizer (memcheck, racecheck) on the direct kernel tests, SANITIZER_JOBS (8) runs at a time
-# (each is bound by the sanitizer's host-side work, not by the GPU; 45 at once on 16 cores ran past 300 s).
+# (each is bound by the sanitizer's host-side work, not by the GPU: all at once, each ran past its limit).
 # Runs: FILE or FILE@K (a pytest -k expression, @ for spaces). The GEMM and sampler files time out as one run under
 # the sanitizer: they are split. The chi-square test only draws more samples from the kernels the other sampler
-# tests run: memcheck only (racecheck instruments every shared-memory access: > 480 s).
+# tests run: memcheck only (racecheck instruments every shared-memory access: far past the limit).
 KERNEL_TESTS="tests/test_nvfp4_quant.py tests/test_indexer.py tests/test_mhc.py tests/test_fp32_linear.py
   tests/test_router.py tests/test_attn.py tests/test_hc_pre.py tests/test_compressor_op.py
   tests/test_norm_rope.py tests/test_hadamard_fp4.py tests/test_key_store.py
