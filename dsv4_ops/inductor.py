@@ -1,4 +1,5 @@
-"""Inductor fallbacks for every dsv4 op, registered before a graph that calls them is lowered.
+"""Inductor fallbacks for every dsv4 op, registered before a graph that calls them is lowered, and Inductor set to
+round as eager does (`eager_rounding`).
 
 Inductor lowers a custom op it has no lowering for through an "implicit fallback" made the first time it meets
 the op. torch 2.11 formats the op's IR arguments for a log line right then, whatever the log level, and an IR
@@ -27,9 +28,22 @@ def dsv4_op_overloads() -> list[torch._ops.OpOverload]:
     return out
 
 
+def eager_rounding() -> None:
+    """Make Inductor round as eager PyTorch does (`emulate_precision_casts`): a fused chain of bf16 elementwise
+    ops otherwise keeps its intermediates in fp32, so a compiled graph (torch.compile, an AOTInductor package)
+    rounded differently from the eager model (logits apart by ~1e-2 on the built-in bf16 model, and greedy text
+    parting at near ties). With it a compiled decode step gives the eager step's logits bit for bit
+    (tests/test_path_consistency.py). A process-wide Inductor setting, read when a graph is lowered."""
+    torch._inductor.config.emulate_precision_casts = True
+
+
 def register_inductor_fallbacks() -> None:
-    """Idempotent; call before torch.compile / AOTInductor lower a graph with dsv4 ops (the engine does)."""
+    """Idempotent; call before torch.compile / AOTInductor lower a graph with dsv4 ops (the engine and the export
+    do). Also sets eager_rounding."""
     global _registered
+    import torch._inductor.config  # noqa: F401
+
+    eager_rounding()
     if _registered:
         return
     from torch._inductor import lowering

@@ -51,6 +51,60 @@ def test_matches_reference_step_by_step(device, B, rows, m, hd, overlap, pdtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m,hd,overlap,spare", [(4, 128, True, 1), (4, 40, True, 3), (16, 72, False, 2),
+                                                 (3, 64, False, 3)])
+def test_by_position_matches_reference_step_by_step(device, m, hd, overlap, spare):
+    """States of c*m + spare rows are indexed by position (Transformer(spare_window_slots=)): the token into row
+    p mod R, the window read by position, no shift; rows at different positions, positions below 0 unwritten."""
+    gen = torch.Generator().manual_seed(m * 10 + spare)
+    B, C = 3, (2 * hd if overlap else hd)
+    R = (2 * m if overlap else m) + spare
+    ape = torch.randn(m, C, generator=gen)
+    ks, ss = fresh_state(B, R, C, device)
+    rks, rss = fresh_state(B, R, C, "cpu")
+    start = torch.tensor([0, 1, m + 2])
+    for t in range(3 * m + 2):
+        kv, score = torch.randn(B, C, generator=gen), torch.randn(B, C, generator=gen) * 3
+        pooled = torch.full((B, hd), float("nan"), device=device)
+        ops.compressor_decode(kv.to(device), score.to(device), ape.to(device), (start + t).to(device), ks, ss, pooled)
+        want = ref.compressor_decode_ref(kv, score, ape, start + t, rks, rss, overlap=overlap)
+        torch.testing.assert_close(pooled.cpu(), want, rtol=1e-5, atol=1e-6, msg=f"step {t}")
+        assert torch.equal(ks.cpu(), rks) and torch.equal(ss.cpu(), rss), f"state differs at step {t}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m,overlap", [(4, True), (16, False)])
+def test_by_position_pools_a_closed_window_as_the_shifted_state(device, m, overlap):
+    """Where a window closes, the position-indexed state pools exactly what the shifted one does (the same rows in
+    the same order and arithmetic: a model with spare slots gives the plain model's entries bit for bit), also
+    after tokens written ahead at later positions were discarded and those positions decoded again (a speculative
+    step's rejected drafts)."""
+    gen = torch.Generator().manual_seed(m)
+    B, hd, spare = 2, 48, 2
+    C = 2 * hd if overlap else hd
+    cm = 2 * m if overlap else m
+    ape = torch.randn(m, C, generator=gen).to(device)
+    shifted = fresh_state(B, cm, C, device)
+    by_pos = fresh_state(B, cm + spare, C, device)
+    toks = [(torch.randn(B, C, generator=gen).to(device), (torch.randn(B, C, generator=gen) * 3).to(device))
+            for _ in range(4 * m)]
+    closed = 0
+    for t, (kv, score) in enumerate(toks):
+        pos = torch.full((B,), t, device=device)
+        if t % 3 == 1:  # junk written ahead at t .. t + spare - 1, then t decoded again
+            for j in range(spare):
+                junk = torch.randn(B, C, generator=gen).to(device)
+                ops.compressor_decode(junk, junk, ape, pos + j, *by_pos, torch.empty(B, hd, device=device))
+        a, b = torch.empty(B, hd, device=device), torch.empty(B, hd, device=device)
+        ops.compressor_decode(kv, score, ape, pos, *shifted, a)
+        ops.compressor_decode(kv, score, ape, pos, *by_pos, b)
+        if (t + 1) % m == 0:
+            assert torch.equal(a, b), f"position {t}"
+            closed += 1
+    assert closed == 4
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_pooled_in_a_narrow_dtype_is_the_fp32_pooling_rounded(device, dtype):
     """pooled bf16 / fp16: the op's fp32 pooling rounded once (what .to(dtype) gives, bit for bit), same states."""
@@ -105,10 +159,12 @@ def test_bad_arguments():
         ops.compressor_decode(kv, score, ape[:, :8], pos, ks, ss, pooled)
     with pytest.raises(RuntimeError, match="positions must be int64 or int32"):
         ops.compressor_decode(kv, score, ape, pos.float(), ks, ss, pooled)
-    with pytest.raises(RuntimeError, match=r"kv_state must be \[>= B = 2, m or 2m \(m = 4\)"):
+    with pytest.raises(RuntimeError, match=r"kv_state must be \[>= B = 2, >= 8 \(2m, m = 4\)"):
         ops.compressor_decode(kv, score, ape, pos, ks[:, :5], ss[:, :5], pooled)
-    with pytest.raises(RuntimeError, match=r"pooled must be a contiguous \[B = 2, 16\]"):
-        ops.compressor_decode(kv, score, ape, pos, ks, ss, torch.empty(2, 32))
+    with pytest.raises(RuntimeError, match=r"kv_state must be \[>= B = 2, >= 4 \(m, m = 4\)"):
+        ops.compressor_decode(kv, score, ape, pos, ks[:, :3], ss[:, :3], torch.empty(2, 32))
+    with pytest.raises(RuntimeError, match=r"pooled must be a contiguous \[B = 2, C = 32 or C / 2"):
+        ops.compressor_decode(kv, score, ape, pos, ks, ss, torch.empty(2, 8))
     with pytest.raises(RuntimeError, match="kv_state must be float32"):
         ops.compressor_decode(kv, score, ape, pos, ks.double(), ss, pooled)
     with pytest.raises(RuntimeError, match="must be distinct"):
@@ -118,9 +174,10 @@ def test_bad_arguments():
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
     gen = torch.Generator().manual_seed(6)
-    for m, hd, overlap, dtype in ((4, 32, True, torch.float32), (8, 40, False, torch.float32),
-                                  (4, 32, True, torch.bfloat16)):
-        C, R = (2 * hd, 2 * m) if overlap else (hd, m)
+    for m, hd, overlap, dtype, spare in ((4, 32, True, torch.float32, 0), (8, 40, False, torch.float32, 0),
+                                         (4, 32, True, torch.bfloat16, 0), (4, 32, True, torch.float32, 3),
+                                         (8, 40, False, torch.bfloat16, 8)):
+        C, R = (2 * hd, 2 * m + spare) if overlap else (hd, m + spare)
         ks, ss = fresh_state(3, R, C, device)
         ss.normal_(generator=None)
         args = (torch.randn(2, C, generator=gen).to(device), torch.randn(2, C, generator=gen).to(device),

@@ -28,8 +28,10 @@ def _ids(cfg, n):
 @pytest.mark.parametrize("spare", [1, 3])
 def test_spare_slots_give_the_logits_of_the_plain_ring(spare, attention):
     """Ragged prefill (13 and 7 tokens), then 70 decode steps (the 16-token window wraps 4 times; ratio-4 and
-    ratio-16 windows close): the same logits as without spare slots, fp32, up to the summation order of the
-    attended rows (the ring holds them in another slot order); the same greedy tokens."""
+    ratio-16 windows close): the same logits as without spare slots, fp32, bit for bit through the fused ops (the
+    attention lists the window's rows by position, the compressor op pools a position-indexed state in the shifted
+    state's order; tests/test_path_consistency.py); the tensor-op attention sums the ring in slot order, so
+    there up to that summation order. The same greedy tokens."""
     opts = DecodeOptions(attention=attention)
     out = {}
     for k in (0, spare):
@@ -41,6 +43,8 @@ def test_spare_slots_give_the_logits_of_the_plain_ring(spare, attention):
             steps.append(m.decode_step(ids[:, PROMPT + t], lengths + t, opts))
         out[k] = torch.stack(steps)
         assert m.layers[0].attn.kv_cache.shape[1] == cfg.window_size + k
+    if attention == "fused":
+        assert torch.equal(out[spare], out[0])
     torch.testing.assert_close(out[spare], out[0], rtol=1e-5, atol=1e-5)
     assert torch.equal(out[spare].argmax(-1), out[0].argmax(-1))
 

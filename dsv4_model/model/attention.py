@@ -409,7 +409,7 @@ class Attention(nn.Module):
                                        idx2=idx2, idx2_offset=idx2_offset)
             return o, out_rope
         keys = self.kv_cache[:B, :R]
-        mask = (self._window_rows(positions) >= 0).unsqueeze(1)
+        mask = self._window_slots_held(positions).unsqueeze(1)
         qkeys = qmask = None
         if sel is not None:
             qkeys = self.kv_cache[:B, R:].gather(1, sel.unsqueeze(-1).expand(-1, -1, self.head_dim)).unsqueeze(1)
@@ -442,14 +442,23 @@ class Attention(nn.Module):
         return torch.cat(parts, dim=1).to(torch.int32)
 
     def _window_rows(self, positions: torch.Tensor) -> torch.Tensor:
-        """[B, R]: ring slot s where it holds one of positions p-W+1..p (p = the row's position), else -1."""
+        """[B, R]: the ring slots of positions p - R + 1 .. p in position order (p = the row's position), -1 for
+        those outside the window p - W + 1 .. p or below 0. Listed by position, not by slot, so the attention's
+        sums (dsv4::sparse_attn_decode adds the listed rows in list order) run in one order whatever the ring's
+        slot count: a model with spare slots (speculation) gives the plain ring's logits bit for bit."""
+        W, R = self.window, self.ring
+        pos = positions.unsqueeze(1) - (R - 1) + torch.arange(R, device=positions.device).unsqueeze(0)
+        return torch.where((pos >= 0) & (pos > positions.unsqueeze(1) - W), pos.remainder(R), -1)
+
+    def _window_slots_held(self, positions: torch.Tensor) -> torch.Tensor:
+        """[B, R] bool: ring slot s holds one of positions p-W+1..p (p = the row's position)."""
         W, R = self.window, self.ring
         s = torch.arange(R, device=positions.device).unsqueeze(0)
         p = positions.unsqueeze(1)
         if R == W:  # every slot holds a position of the window once the ring has filled
-            return torch.where(s <= p, s, -1)
+            return s <= p
         held = s + R * torch.div(p - s, R, rounding_mode="floor")  # the latest position <= p in slot s
-        return torch.where((held >= 0) & (held > p - W), s, -1)
+        return (held >= 0) & (held > p - W)
 
     def _write_entry(self, cache: torch.Tensor, offset: int, positions: torch.Tensor, entry: torch.Tensor,
                      complete: torch.Tensor) -> None:

@@ -103,24 +103,6 @@ class Compressor(nn.Module):
             return ops.hadamard_fp4(kv.unsqueeze(1), cs=None, rope_dim=0).squeeze(1)
         return indexer_fake_quant(kv)
 
-    def _pool_by_position(self, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The position-indexed state (spare > 0): token p into row p % R, then the pooling of the window ending
-        at p (with overlap, the previous window's first half of the features and this one's second half) read by
-        position, fp32 [B, Dc]."""
-        B, m, hd, c = kv.shape[0], self.ratio, self.head_dim, self.coff
-        R = self.kv_state.shape[1]
-        rows = torch.arange(B, device=kv.device)
-        self.kv_state.index_put_((rows, positions % R), kv)
-        self.score_state.index_put_((rows, positions % R), score + self.ape[positions % m])
-        pos = positions.unsqueeze(1) - (c * m - 1) + torch.arange(c * m, device=kv.device).unsqueeze(0)
-        kv_rows = self.kv_state[rows.unsqueeze(1), pos % R]  # [B, c*m, c*hd]
-        sc_rows = self.score_state[rows.unsqueeze(1), pos % R]
-        if self.overlap:
-            kv_rows = torch.cat([kv_rows[:, :m, :hd], kv_rows[:, m:, hd:]], dim=1)
-            sc_rows = torch.cat([sc_rows[:, :m, :hd], sc_rows[:, m:, hd:]], dim=1)
-        sc_rows = sc_rows.masked_fill((pos < 0).unsqueeze(-1), float("-inf"))
-        return (kv_rows * sc_rows.softmax(dim=1)).sum(dim=1)
-
     def linears(self) -> list[torch.Tensor]:
         return [self.wkv.weight, self.wgate.weight]
 
@@ -235,9 +217,9 @@ class Compressor(nn.Module):
         kv, score = self._project(x) if proj is None else proj
         cs = step.cs(rope_kind, m)
         complete = (positions + 1) % m == 0
-        if self.spare:
-            return self._finish(self._pool_by_position(kv, score, positions), cs, x.dtype, store), complete
-        # the op rounds the pooling to x's dtype itself (_finish's .to(dtype) is then no kernel)
+        # the op rounds the pooling to x's dtype itself (_finish's .to(dtype) is then no kernel); a state of
+        # c*m + spare rows (spare > 0) is indexed by position: the op pools a closed window in the same order
+        # and arithmetic as the shifted state, so a model with spare slots computes the plain model's entries
         dt = x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
         pooled = torch.empty(B, hd, dtype=dt, device=x.device)
         ops.compressor_decode(kv, score, ape=self.ape, positions=positions, kv_state=self.kv_state,

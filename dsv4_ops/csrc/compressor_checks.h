@@ -11,9 +11,10 @@ struct Shape {
   int64_t B;   // rows of this step (kv.size(0))
   int64_t C;   // projected width: coff * hd
   int64_t m;   // compression ratio (ape.size(0))
-  int64_t R;   // state rows: coff * m
+  int64_t R;   // state rows: coff * m (shifted), more (indexed by position)
   int64_t hd;  // entry width
   bool overlap;
+  bool by_position;  // R > coff * m: token p in row p mod R, the window read by position, no shift
 };
 
 inline Shape check(const at::Tensor& kv, const at::Tensor& score, const at::Tensor& ape, const at::Tensor& positions,
@@ -45,21 +46,22 @@ inline Shape check(const at::Tensor& kv, const at::Tensor& score, const at::Tens
               kv.device());
   TORCH_CHECK(positions.dim() == 1 && positions.size(0) == B, op, ": positions must be [B = ", B, "], got ",
               positions.sizes());
-  TORCH_CHECK(kv_state.dim() == 3 && kv_state.size(0) >= B && kv_state.size(2) == C &&
-                  (kv_state.size(1) == m || kv_state.size(1) == 2 * m),
-              op, ": kv_state must be [>= B = ", B, ", m or 2m (m = ", m, "), C = ", C, "], got ", kv_state.sizes());
+  // overlapping windows (coff = 2) when pooled is half as wide as kv (C = 2 hd), else coff = 1 (hd = C)
+  const bool overlap = pooled.dim() == 2 && pooled.size(1) * 2 == C && C > 0;
+  const int64_t hd = overlap ? C / 2 : C, cm = overlap ? 2 * m : m;
+  TORCH_CHECK(pooled.dim() == 2 && pooled.size(0) == B && (pooled.size(1) == C || overlap) && pooled.is_contiguous(),
+              op, ": pooled must be a contiguous [B = ", B, ", C = ", C, " or C / 2 (overlapping windows)], got ",
+              pooled.sizes());
+  TORCH_CHECK(kv_state.dim() == 3 && kv_state.size(0) >= B && kv_state.size(2) == C && kv_state.size(1) >= cm,
+              op, ": kv_state must be [>= B = ", B, ", >= ", cm, " (", overlap ? "2m" : "m", ", m = ", m, "), C = ", C,
+              "], got ", kv_state.sizes());
   TORCH_CHECK(score_state.sizes() == kv_state.sizes(), op, ": score_state must match kv_state ", kv_state.sizes(),
               ", got ", score_state.sizes());
   TORCH_CHECK(kv_state.is_contiguous() && score_state.is_contiguous(), op,
               ": kv_state and score_state must be contiguous (written in place)");
-  const bool overlap = kv_state.size(1) == 2 * m;
-  TORCH_CHECK(!overlap || C % 2 == 0, op, ": overlapping windows (2m state rows) need an even C, got ", C);
-  const int64_t hd = overlap ? C / 2 : C;
-  TORCH_CHECK(pooled.dim() == 2 && pooled.size(0) == B && pooled.size(1) == hd && pooled.is_contiguous(), op,
-              ": pooled must be a contiguous [B = ", B, ", ", hd, "], got ", pooled.sizes());
   TORCH_CHECK(!pooled.is_same(kv_state) && !pooled.is_same(score_state) && !kv_state.is_same(score_state), op,
               ": pooled, kv_state and score_state must be distinct tensors");
-  return {B, C, m, kv_state.size(1), hd, overlap};
+  return {B, C, m, kv_state.size(1), hd, overlap, kv_state.size(1) > cm};
 }
 
 }  // namespace dsv4_comp

@@ -156,11 +156,13 @@ TORCH_LIBRARY(dsv4, m) {
 
   // ---- compressor decode ----
   // One decode step of a KV compressor's gated pooling, per row b < B = kv.size(0): score + ape[pos % m] and kv
-  // go into state slot (m if the state has 2m rows (overlapping windows) else 0) + pos % m, pooled[b] = the
+  // go into state slot (m with overlapping windows, else 0) + pos % m, pooled[b] = the
   // softmax-over-rows weighted sum of the window's state (overlap: rows < m read columns [0, hd), rows >= m
   // [hd, 2hd)), then with overlap, when (pos + 1) % m == 0, rows [m, 2m) are copied onto rows [0, m). kv / score
   // fp32 [B, C], ape fp32 [m, C], positions int64 / int32 [B], states fp32 [>= B, m or 2m, C], pooled [B, hd]
-  // fp32, or bf16 / fp16 (the fp32 pooling rounded once). See docs/ops.md "## Compressor decode".
+  // fp32, or bf16 / fp16 (the fp32 pooling rounded once); overlap when hd = C / 2. States of more rows than that
+  // are indexed by position (token p in row p mod R, the window read by position, no shift). See docs/ops.md
+  // "## Compressor decode".
   m.def(
       "compressor_decode(Tensor kv, Tensor score, Tensor ape, Tensor positions, Tensor(a!) kv_state, "
       "Tensor(b!) score_state, Tensor(c!) pooled) -> ()");

@@ -16,11 +16,12 @@ def _compressor_decode_fake(kv, score, ape, positions, kv_state, score_state, po
     m = ape.shape[0]
     torch._check(positions.dtype in (torch.int64, torch.int32) and positions.shape == (B,),
                  lambda: f"{op}: positions must be int64 / int32 [B]")
+    torch._check(pooled.dim() == 2 and pooled.shape[0] == B and (pooled.shape[1] == C or 2 * pooled.shape[1] == C),
+                 lambda: f"{op}: pooled must be [B, C or C / 2]")
+    cm = 2 * m if 2 * pooled.shape[1] == C else m  # overlapping windows: pooled is half as wide as kv
     torch._check(kv_state.dim() == 3 and kv_state.shape[0] >= B and kv_state.shape[2] == C
-                 and kv_state.shape[1] in (m, 2 * m), lambda: f"{op}: kv_state must be [>= B, m or 2m, C]")
+                 and kv_state.shape[1] >= cm, lambda: f"{op}: kv_state must be [>= B, >= {cm}, C]")
     torch._check(score_state.shape == kv_state.shape, lambda: f"{op}: score_state must match kv_state")
-    hd = C // 2 if kv_state.shape[1] == 2 * m else C
-    torch._check(pooled.shape == (B, hd), lambda: f"{op}: pooled must be [B, {hd}]")
 
 
 # A library built before this op existed must still import (other ops keep working).

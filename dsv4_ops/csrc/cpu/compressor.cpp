@@ -1,6 +1,7 @@
 // CPU kernel of dsv4::compressor_decode (docs/ops.md "## Compressor decode"): per row, the token's projections
-// into its state slot, the gated pooling of the window (softmax over the state rows per column, two passes, sums
-// in row order), then the overlap shift when the window closed.
+// into its state slot, the gated pooling of the window (softmax over the window's rows per column, two passes, sums
+// in row order), then the overlap shift when the window closed (shifted layout; a state indexed by position is
+// read by position and never shifted).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -41,9 +42,12 @@ void compressor_decode_cpu(const at::Tensor& kv, const at::Tensor& score, const 
   float* ss = score_state.data_ptr<float>();
   const at::ScalarType out_type = pooled.scalar_type();
   void* out = pooled.data_ptr();
+  const int64_t cm = sh.overlap ? 2 * m : m;  // the rows pooled
   at::parallel_for(0, sh.B, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t p = pos[b], r = ((p % m) + m) % m, slot = (sh.overlap ? m : 0) + r;
+      const int64_t p = pos[b], r = ((p % m) + m) % m;
+      // shifted: the token at row (m if overlap) + r; by position: at row p mod R
+      const int64_t slot = sh.by_position ? ((p % R) + R) % R : (sh.overlap ? m : 0) + r;
       float* kb = ks + b * R * C;
       float* sb = ss + b * R * C;
       for (int64_t k = 0; k < C; ++k) {
@@ -51,17 +55,28 @@ void compressor_decode_cpu(const at::Tensor& kv, const at::Tensor& score, const 
         sb[slot * C + k] = sp[b * C + k] + ap[r * C + k];
       }
       for (int64_t d = 0; d < hd; ++d) {
-        // row j's element of column d: the first m rows' first half, the last m rows' second half (overlap)
-        auto at_ = [&](const float* base, int64_t j) { return base[j * C + (sh.overlap && j >= m ? hd : 0) + d]; };
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < R; ++j) mx = std::max(mx, at_(sb, j));
+        // pooled row j's element of column d: the first m rows' first half, the last m rows' second half (overlap);
+        // row j is state row j (shifted) or the row of position p - cm + 1 + j (by position; a position below 0
+        // reads as an unwritten row: score -inf, kv 0), so both layouts pool a closed window in one order
+        auto at_ = [&](const float* base, int64_t j, float none) {
+          int64_t row = j;
+          if (sh.by_position) {
+            const int64_t q = p - cm + 1 + j;
+            if (q < 0) return none;
+            row = q % R;
+          }
+          return base[row * C + (sh.overlap && j >= m ? hd : 0) + d];
+        };
+        const float ninf = -std::numeric_limits<float>::infinity();
+        float mx = ninf;
+        for (int64_t j = 0; j < cm; ++j) mx = std::max(mx, at_(sb, j, ninf));
         float sum = 0.0f;
-        for (int64_t j = 0; j < R; ++j) sum += std::exp(at_(sb, j) - mx);
+        for (int64_t j = 0; j < cm; ++j) sum += std::exp(at_(sb, j, ninf) - mx);
         float acc = 0.0f;
-        for (int64_t j = 0; j < R; ++j) acc += at_(kb, j) * (std::exp(at_(sb, j) - mx) / sum);
+        for (int64_t j = 0; j < cm; ++j) acc += at_(kb, j, 0.0f) * (std::exp(at_(sb, j, ninf) - mx) / sum);
         store(out, out_type, b * hd + d, acc);
       }
-      if (sh.overlap && ((p + 1) % m + m) % m == 0) {  // the window closed: its rows become the previous window
+      if (sh.overlap && !sh.by_position && ((p + 1) % m + m) % m == 0) {  // closed: its rows become the previous
         std::memcpy(kb, kb + m * C, sizeof(float) * m * C);
         std::memcpy(sb, sb + m * C, sizeof(float) * m * C);
       }

@@ -25,14 +25,16 @@ template <typename P, typename O>  // positions' and pooled's types
 __global__ void __launch_bounds__(kCols* kWarps) compressor_decode_kernel(
     const float* __restrict__ kv, const float* __restrict__ score, const float* __restrict__ ape,
     const P* __restrict__ positions, float* kv_state, float* score_state, O* __restrict__ pooled, int C, int m,
-    int R, int hd, int overlap, int pdl) {
+    int R, int hd, int overlap, int by_pos, int pdl) {
   dsv4_cuda::grid_dep_wait();
   if (pdl) dsv4_cuda::grid_dep_launch();
   __shared__ float part[3][kWarps][kCols];  // running max, sum, weighted sum
   const int b = blockIdx.y, d0 = blockIdx.x * kCols, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int d = d0 + lane;
   const int64_t p = int64_t(positions[b]);
-  const int r = int(((p % m) + m) % m), slot = (overlap ? m : 0) + r;
+  const int cm = overlap ? 2 * m : m;  // the rows pooled
+  // shifted: the token at row (m if overlap) + r; by position: at row p mod R
+  const int r = int(((p % m) + m) % m), slot = by_pos ? int(((p % R) + R) % R) : (overlap ? m : 0) + r;
   float* kb = kv_state + int64_t(b) * R * C;
   float* sb = score_state + int64_t(b) * R * C;
   if (warp < 1 + overlap && d < hd) {  // warp 0: columns d, warp 1: hd + d (overlap)
@@ -44,9 +46,13 @@ __global__ void __launch_bounds__(kCols* kWarps) compressor_decode_kernel(
   float mx = -INFINITY, sum = 0.0f, acc = 0.0f;
   if (d < hd) {
 #pragma unroll 4
-    for (int j = warp; j < R; j += kWarps) {
-      const int64_t e = int64_t(j) * C + (overlap && j >= m ? hd : 0) + d;
-      const float s = sb[e], v = kb[e];
+    for (int j = warp; j < cm; j += kWarps) {
+      // pooled row j: state row j (shifted) or the row of position p - cm + 1 + j (by position; below 0: unwritten)
+      const int64_t q = p - cm + 1 + j;
+      const bool none = by_pos && q < 0;
+      const int64_t row = by_pos ? (none ? 0 : q % R) : j;
+      const int64_t e = row * C + (overlap && j >= m ? hd : 0) + d;
+      const float s = none ? -INFINITY : sb[e], v = none ? 0.0f : kb[e];
       const float nm = fmaxf(mx, s);
       // -inf scores (slots not yet written) weigh 0; the first finite score rescales the empty sums by 0
       const float a = mx == nm ? 1.0f : expf(mx - nm), w = s == -INFINITY ? 0.0f : expf(s - nm);
@@ -73,7 +79,7 @@ __global__ void __launch_bounds__(kCols* kWarps) compressor_decode_kernel(
     }
     dsv4_cuda::store_one(pooled + int64_t(b) * hd + d, A / S);  // rounded to-nearest-even to O
   }
-  if (overlap && ((p + 1) % m + m) % m == 0) {  // the window closed: its rows become the previous window
+  if (overlap && !by_pos && ((p + 1) % m + m) % m == 0) {  // closed: its rows become the previous window
     for (int e = threadIdx.x; e < m * 2 * kCols; e += blockDim.x) {
       const int j = e / (2 * kCols), c = e % (2 * kCols), dd = d0 + (c & (kCols - 1));
       if (dd >= hd) continue;
@@ -87,35 +93,36 @@ __global__ void __launch_bounds__(kCols* kWarps) compressor_decode_kernel(
 template <typename O>
 cudaError_t launch_out(const float* kv, const float* score, const float* ape, const void* positions, int pos_i32,
                        float* kv_state, float* score_state, O* pooled, int B, int C, int m, int R, int hd,
-                       int overlap, cudaStream_t stream) {
+                       int overlap, int by_pos, cudaStream_t stream) {
   const dim3 grid((hd + kCols - 1) / kCols, B);
   const bool pdl = decode_pdl();
   if (pos_i32)
     return launch_ex(pdl, compressor_decode_kernel<int32_t, O>, grid, dim3(kCols * kWarps), 0, stream, kv, score,
                      ape, static_cast<const int32_t*>(positions), kv_state, score_state, pooled, C, m, R, hd,
-                     overlap, int(pdl));
+                     overlap, by_pos, int(pdl));
   return launch_ex(pdl, compressor_decode_kernel<int64_t, O>, grid, dim3(kCols * kWarps), 0, stream, kv, score,
                    ape, static_cast<const int64_t*>(positions), kv_state, score_state, pooled, C, m, R, hd, overlap,
-                   int(pdl));
+                   by_pos, int(pdl));
 }
 
 }  // namespace
 
 // kv / score fp32 [B, C], ape fp32 [m, C], positions int64 (pos_i32 = 0) or int32 [B], kv_state / score_state
-// fp32 contiguous [>= B, R, C] (R = m, or 2m with overlap and C = 2 hd), pooled [B, hd]: pooled_kind 0 fp32,
-// 1 bf16, 2 fp16.
+// fp32 contiguous [>= B, R, C] (R = m, or 2m with overlap and C = 2 hd: shifted; by_pos: R larger, indexed by
+// position), pooled [B, hd]: pooled_kind 0 fp32, 1 bf16, 2 fp16.
 extern "C" cudaError_t dsv4_compressor_decode_launch(const float* kv, const float* score, const float* ape,
                                                      const void* positions, int pos_i32, float* kv_state,
                                                      float* score_state, void* pooled, int pooled_kind, int B, int C,
-                                                     int m, int R, int hd, int overlap, cudaStream_t stream) {
+                                                     int m, int R, int hd, int overlap, int by_pos,
+                                                     cudaStream_t stream) {
   if (B == 0 || hd == 0) return cudaSuccess;
   if (B > 65535) return cudaErrorInvalidValue;
   if (pooled_kind == 1)
     return launch_out(kv, score, ape, positions, pos_i32, kv_state, score_state,
-                      static_cast<__nv_bfloat16*>(pooled), B, C, m, R, hd, overlap, stream);
+                      static_cast<__nv_bfloat16*>(pooled), B, C, m, R, hd, overlap, by_pos, stream);
   if (pooled_kind == 2)
     return launch_out(kv, score, ape, positions, pos_i32, kv_state, score_state, static_cast<__half*>(pooled), B,
-                      C, m, R, hd, overlap, stream);
+                      C, m, R, hd, overlap, by_pos, stream);
   return launch_out(kv, score, ape, positions, pos_i32, kv_state, score_state, static_cast<float*>(pooled), B, C,
-                    m, R, hd, overlap, stream);
+                    m, R, hd, overlap, by_pos, stream);
 }

@@ -26,7 +26,7 @@ void compressor_decode_cuda(const at::Tensor& kv, const at::Tensor& score, const
       pc.scalar_type() == at::kInt, kv_state.data_ptr<float>(), score_state.data_ptr<float>(),
       pooled.data_ptr(),
       pooled.scalar_type() == at::kFloat ? 0 : pooled.scalar_type() == at::kBFloat16 ? 1 : 2, int(sh.B), int(sh.C), int(sh.m), int(sh.R), int(sh.hd), sh.overlap,
-      c10::cuda::getCurrentCUDAStream().stream());
+      sh.by_position, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
 }
 

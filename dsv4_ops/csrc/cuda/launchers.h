@@ -22,7 +22,8 @@ extern "C" cudaError_t dsv4_attn_decode_launch(const void* q, const void* kv, co
 extern "C" cudaError_t dsv4_compressor_decode_launch(const float* kv, const float* score, const float* ape,
                                                      const void* positions, int pos_i32, float* kv_state,
                                                      float* score_state, void* pooled, int pooled_kind, int B, int C,
-                                                     int m, int R, int hd, int overlap, cudaStream_t stream);
+                                                     int m, int R, int hd, int overlap, int by_pos,
+                                                     cudaStream_t stream);
 
 // fp32_linear.cu
 extern "C" cudaError_t dsv4_fp32_linear_launch(const void* x, int x_fp32, int M, int K, const void* const* w,
