@@ -117,6 +117,7 @@ class Scheduler:
         self.group, self.distributed = group, distributed or group is not None
         self.rows = [_Row(i) for i in range(prepare_buckets(self.runner, rows))]
         self._admits: list[tuple[int, object]] = []  # sampler rows to set in the next plan
+        self._closed = False
         self._decoding: list[_Row] = []  # rows in phase "decode", by index (the hot loop's list)
         self._prefilling: list[_Row] = []  # rows in phase "prefill", in order of admission
         self._any_cancel = threading.Event()  # set by Request.cancel(): only then are the rows searched
@@ -169,15 +170,25 @@ class Scheduler:
         while not self.idle():
             self.step()
 
-    def serve_forever(self, poll_s: float = 0.05) -> None:
-        """Step while there is work, sleep on the queue while there is none, until stop()."""
-        while not self._stopping:
-            if self.idle():
+    def serve_forever(self, poll_s: float = 0.05, heartbeat_s: float = 5.0) -> None:
+        """Step while there is work, sleep on the queue while there is none, until stop(). Under torchrun an idle
+        scheduler sends an empty plan every heartbeat_s (the following ranks wait in a broadcast, which would
+        otherwise time out), and close()s at the end."""
+        quiet_since = time.monotonic()
+        try:
+            while not self._stopping:
+                if not self.idle():
+                    self.step()
+                    quiet_since = time.monotonic()
+                    continue
                 with self._lock:
                     if not self._waiting and not self._stopping:
                         self._lock.wait(poll_s)
-                continue
-            self.step()
+                if self.distributed and time.monotonic() - quiet_since > heartbeat_s:
+                    broadcast_plan(StepPlan(), self.group, self._wire)
+                    quiet_since = time.monotonic()
+        finally:
+            self.close()
 
     def stop(self) -> None:
         with self._lock:
@@ -185,8 +196,9 @@ class Scheduler:
             self._lock.notify()
 
     def close(self) -> None:
-        """Under torchrun: tell the following ranks to return (call once, after the last step)."""
-        if self.distributed:
+        """Under torchrun: tell the following ranks to return (after the last step; once)."""
+        if self.distributed and not self._closed:
+            self._closed = True
             broadcast_plan(StepPlan(stop=True), self.group, self._wire)
 
     @torch.no_grad()

@@ -48,22 +48,21 @@ def _check(args) -> None:
         raise ValueError("--port must be in [0, 65535]")
     if args.drain_timeout < 0:
         raise ValueError("--drain-timeout must be >= 0")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # set by torchrun
-        raise ValueError("serve runs in one process: under torchrun the other ranks would need each request "
-                         "(not built yet, docs/serving.md)")
 
 
-def build_app(args):
+def build_engine(args):
+    """The engine (under torchrun: this rank's expert shard, after joining the group) and the checkpoint path."""
     import torch
 
     from dsv4_model.checkpoint.builtin import default_model_path
     from dsv4_model.model.checks import parse_device
-    from dsv4_model.runtime.cli import package_version
+    from dsv4_model.runtime import distributed
     from dsv4_model.runtime.engine import Engine
-    from dsv4_model.runtime.scheduler import Scheduler
-    from dsv4_model.serve.app import ServeConfig, create_app
 
     device = parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    shard = None
+    if distributed.launched():  # expert parallelism: rank 0 serves HTTP and schedules, the others follow
+        device, shard = distributed.init_expert_parallel(device)
     if args.model:
         path = args.model
     else:
@@ -74,9 +73,17 @@ def build_app(args):
     quant = args.quant if args.quant != "auto" else (None if device.type == "cuda" else "none")
     engine = Engine.from_pretrained(path, device=device, dtype=getattr(torch, args.dtype),
                                     max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, quant=quant,
-                                    compile=args.compile, progress=False)
+                                    compile=args.compile, progress=False, expert_shard=shard)
+    return engine, path, shard
+
+
+def build_app(args, engine, path, shard=None):
+    from dsv4_model.runtime.cli import package_version
+    from dsv4_model.runtime.scheduler import Scheduler
+    from dsv4_model.serve.app import ServeConfig, create_app
+
     kw = {} if args.max_prefill_tokens is None else {"max_prefill_tokens": args.max_prefill_tokens}
-    scheduler = Scheduler(engine, reuse=not args.no_reuse, **kw)
+    scheduler = Scheduler(engine, reuse=not args.no_reuse, distributed=shard is not None, **kw)
     name = args.served_model_name or os.path.basename(os.path.normpath(str(getattr(engine, "path", path))))
     cfg = ServeConfig(model_name=name, max_waiting=args.max_waiting, api_key=args.api_key,
                       drain_timeout_s=args.drain_timeout, chat_format=args.chat_format, version=package_version())
@@ -90,14 +97,22 @@ def _announce(server, host: str) -> None:
             return
         threading.Event().wait(0.05)
     port = server.servers[0].sockets[0].getsockname()[1]
-    print(f"dsv4 serve: listening on http://{host}:{port}", file=sys.stderr, flush=True)
+    print(f"dsv4 serve: listening on http://{host}:{port} (pid {os.getpid()})", file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
         _check(args)
-        app = build_app(args)
+        engine, path, shard = build_engine(args)
+        if shard is not None and shard.rank:  # run rank 0's plans until its scheduler stops
+            from dsv4_model.runtime.step_plan import follow
+
+            for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 drains, then its stop plan ends this loop
+                signal.signal(sig, signal.SIG_IGN)
+            follow(engine)
+            return 0
+        app = build_app(args, engine, path, shard)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
