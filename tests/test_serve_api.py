@@ -226,3 +226,25 @@ def test_429_when_the_queue_is_full(small):
     t.join(60)
     assert waiting and waiting[0].usage.completion_tokens == 3
     assert json.loads(httpx.get(small.url + "/health").text) == {"status": "ok"}
+
+
+def test_a_chunk_carries_each_choice_once():
+    """The events of one scheduler step reach the SSE writer together: a choice's last text and its finish (and a
+    tool call and its finish) go out as one choice entry, never two entries of one index in a chunk."""
+    from dsv4_model.serve.app import _merge
+
+    done = {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
+    assert _merge([{"index": 0, "text": "ab", "logprobs": None, "finish_reason": None},
+                   {"index": 0, "text": "c", "logprobs": None, "finish_reason": None}, done,
+                   {"index": 1, "text": "x", "logprobs": None, "finish_reason": None}]) == [
+        {"index": 0, "text": "abc", "logprobs": None, "finish_reason": "length"},
+        {"index": 1, "text": "x", "logprobs": None, "finish_reason": None}]
+    call = {"tool_calls": [{"index": 0, "id": "c1", "type": "function",
+                            "function": {"name": "f", "arguments": "{}"}}]}
+    got = _merge([{"index": 0, "delta": call, "finish_reason": None},
+                  {"index": 0, "delta": {}, "finish_reason": "tool_calls"}])
+    assert got == [{"index": 0, "delta": call, "finish_reason": "tool_calls"}]
+    text = _merge([{"index": 0, "delta": {"content": "a"}, "finish_reason": None},
+                   {"index": 0, "delta": {"content": "b"}, "finish_reason": None},
+                   {"index": 0, "delta": {"reasoning_content": "r"}, "finish_reason": None}])
+    assert text == [{"index": 0, "delta": {"content": "ab", "reasoning_content": "r"}, "finish_reason": None}]

@@ -1,15 +1,14 @@
 """`python -m dsv4_model serve` as a process: it says where it listens, and on SIGTERM it stops admitting, lets the
 running request finish (drain) and exits 0."""
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
-import time
 
 import httpx
 import openai
+
+from helpers.serve_proc import wait_listening
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,15 +19,7 @@ def test_sigterm_drains_and_exits_0():
                              "--drain-timeout", "20", "--log-level", "warning"],
                             cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:
-        url = None
-        t0 = time.monotonic()
-        while url is None:
-            assert time.monotonic() - t0 < 90, "no listening line"
-            line = proc.stderr.readline()
-            assert line or proc.poll() is None, "server exited"
-            m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
-            url = m and m.group(1)
-        threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # keep the pipe drained
+        url, _ = wait_listening(proc, 90)
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
         s = c.completions.create(model="default", prompt="def f(x):", max_tokens=60, temperature=0, stream=True,
                                  extra_body={"ignore_eos": True})

@@ -2,11 +2,9 @@
 parallelism, gloo on the CPU); answers equal the single process's, an idle spell longer than the heartbeat is
 survived, and SIGTERM to rank 0 ends both ranks and torchrun with 0."""
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import torch
 
 from dsv4_model.checkpoint.writer import write_tiny_checkpoint
 from dsv4_model.runtime.engine import Engine
+from helpers.serve_proc import wait_listening
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,16 +27,7 @@ def test_serve_under_torchrun(tmp_path):
     env = {"GLOO_SOCKET_IFNAME": "lo", **os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        url = pid = None
-        t0 = time.monotonic()
-        while url is None:
-            assert time.monotonic() - t0 < 120, "no listening line"
-            line = proc.stderr.readline()
-            assert line or proc.poll() is None, "server exited"
-            m = re.search(r"listening on (http://127\.0\.0\.1:\d+) \(pid (\d+)\)", line)
-            if m:
-                url, pid = m.group(1), int(m.group(2))
-        threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+        url, pid = wait_listening(proc)
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
         prompts = [[1, 5, 9, 13], [1, 17, 3, 3, 3, 20]]
         got = [c.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0,

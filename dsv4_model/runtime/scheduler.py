@@ -117,6 +117,7 @@ class Scheduler:
         self.group, self.distributed = group, distributed or group is not None
         self.rows = [_Row(i) for i in range(prepare_buckets(self.runner, rows))]
         self._admits: list[tuple[int, object]] = []  # sampler rows to set in the next plan
+        self.on_step = None  # called on the scheduler's thread after each step (a server delivers its events then)
         self._closed = False
         self._decoding: list[_Row] = []  # rows in phase "decode", by index (the hot loop's list)
         self._prefilling: list[_Row] = []  # rows in phase "prefill", in order of admission
@@ -211,6 +212,8 @@ class Scheduler:
             self._read(self._flight)
         self._flight = None if flight.empty() else flight
         self.stats.iterations += 1
+        if self.on_step is not None:
+            self.on_step()
 
     # ------------------------------------------------------------------ admission
     def _end_cancelled(self, now: float) -> None:

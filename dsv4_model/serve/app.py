@@ -159,7 +159,7 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
                 raise APIError(400, f"prompt[{i}]: must be a string or a list of token ids", "prompt")
             check_prompt(p, f"prompt[{i}]")
             ids.append(p)
-        stream = Stream(asyncio.get_running_loop(), {})
+        stream = Stream(asyncio.get_running_loop(), {}, st.thread.sink)
         submit(ids, body, body.max_tokens or 16, stream)
         texts = [""] * len(stream.requests)
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": cfg.model_name}
@@ -188,7 +188,7 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
         rid = request_id(request, "chatcmpl")
         prompt = st.chat.prompt(body)
         check_prompt(prompt.ids, "messages")
-        stream = Stream(asyncio.get_running_loop(), st.specials)
+        stream = Stream(asyncio.get_running_loop(), st.specials, st.thread.sink)
         submit([prompt.ids], body, body.token_limit or st.max_seq_len, stream)
         thinking = prompt.parser is not None and prompt.parser.state == "reasoning"
         parsers = [OutputParser(thinking) if prompt.parser is not None else None for _ in stream.requests]
@@ -286,19 +286,20 @@ async def _collect(stream: Stream, request: HTTPRequest, on_event) -> bool:
 
 
 def _merge(choices: list[dict]) -> list[dict]:
-    """Consecutive unfinished pieces of one choice joined: their text (completions) or their delta's text fields
-    (chat), when both carry the same kind of text."""
+    """Consecutive pieces of one choice joined (a chunk carries each choice once): their text (completions) or their
+    deltas' fields (chat: texts and tool-call lists concatenated field by field); a finishing piece adds its
+    finish_reason."""
     out: list[dict] = []
     for c in choices:
         last = out[-1] if out else None
-        if last is not None and last["index"] == c["index"] and last["finish_reason"] is None \
-                and c["finish_reason"] is None:
+        if last is not None and last["index"] == c["index"] and last["finish_reason"] is None:
             if "text" in c:
-                out[-1] = {**last, "text": last["text"] + c["text"]}
+                out[-1] = {**last, **c, "text": last["text"] + c["text"]}
                 continue
             a, b = last["delta"], c["delta"]
-            if a.keys() == b.keys() and a.keys() <= {"content", "reasoning_content"}:
-                out[-1] = {**last, "delta": {k: a[k] + b[k] for k in a}}
+            if all(type(a[k]) is type(b[k]) and isinstance(a[k], (str, list)) for k in a.keys() & b.keys()):
+                # each field keeps its own order (reasoning, content and tool calls are read field by field)
+                out[-1] = {**last, **c, "delta": {**a, **b, **{k: a[k] + b[k] for k in a.keys() & b.keys()}}}
                 continue
         out.append(c)
     return out

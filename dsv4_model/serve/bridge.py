@@ -1,8 +1,9 @@
 """The scheduler on a thread of its own, and the way back to the event loop.
 
 A `Stream` is one HTTP request's view of its `Request`s: the scheduler thread's on_token / on_finish callbacks
-put events into an asyncio.Queue through loop.call_soon_threadsafe (the only thing they do on that thread, so a
-slow client never slows the batch). Admission (429 past max_waiting, 503 while draining) happens here, before a
+collect events, and at the end of each scheduler step one loop.call_soon_threadsafe hands all of them to the event
+loop's queues (one wake-up per step, not per token; the only thing done on that thread, so a slow client never
+slows the batch). Admission (429 past max_waiting, 503 while draining) happens here, before a
 request reaches the scheduler."""
 from __future__ import annotations
 
@@ -27,16 +28,20 @@ class Event:
 class Stream:
     """Events of a group of requests (an HTTP request's choices), consumed on the event loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, special_text: dict[int, str]):
+    def __init__(self, loop: asyncio.AbstractEventLoop, special_text: dict[int, str], sink: "StepSink | None" = None):
         self.loop = loop
+        self.sink = sink  # None: each event wakes the loop itself
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.requests: list[Request] = []
         self._special = special_text  # ids the detokenizer skips but the output parser must see
 
     def bind(self, req: Request, choice: int) -> Request:
         put = self.queue.put_nowait
-        call = self.loop.call_soon_threadsafe
         special = self._special
+        if self.sink is not None:
+            call = self.sink.later(self.loop)
+        else:
+            call = self.loop.call_soon_threadsafe
 
         def on_token(r, token_id, text):
             if token_id in special:
@@ -56,6 +61,33 @@ class Stream:
                 r.cancel()
 
 
+class StepSink:
+    """Events the scheduler thread produced during a step, per event loop, delivered when the step ends (the
+    scheduler's on_step hook): one call_soon_threadsafe per loop and step."""
+
+    def __init__(self):
+        self._pending: dict[asyncio.AbstractEventLoop, list] = {}
+
+    def later(self, loop: asyncio.AbstractEventLoop):
+        """call(fn, arg) for `loop`: queued until flush()."""
+        def call(fn, arg):
+            self._pending.setdefault(loop, []).append((fn, arg))
+        return call
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, {}
+        for loop, calls in pending.items():
+            try:
+                loop.call_soon_threadsafe(_run_all, calls)
+            except RuntimeError:  # the loop closed (shutdown): nobody is waiting
+                pass
+
+
+def _run_all(calls) -> None:
+    for fn, arg in calls:
+        fn(arg)
+
+
 class SchedulerThread:
     """Runs `scheduler.serve_forever()` on a daemon thread; counts live requests for admission and metrics."""
 
@@ -66,6 +98,8 @@ class SchedulerThread:
         self._live: set[Request] = set()
         self._lock = threading.Lock()
         self.draining = False
+        self.sink = StepSink()
+        scheduler.on_step = self.sink.flush  # the events of a step reach the event loop together
         self._thread = threading.Thread(target=scheduler.serve_forever, name="dsv4-scheduler", daemon=True)
 
     def start(self) -> None:

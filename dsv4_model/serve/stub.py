@@ -28,6 +28,7 @@ class StubScheduler:
         self._running: list[tuple[Request, list[int]]] = []
         self._lock = threading.Condition()
         self._stopping = False
+        self.on_step: Callable[[], None] | None = None  # called at the end of every step (the server's flush)
 
     def submit(self, req: Request) -> Request:
         if not req.prompt or len(req.prompt) > self.max_seq_len:
@@ -77,3 +78,5 @@ class StubScheduler:
             else:
                 still.append((req, ids))
         self._running = still
+        if self.on_step is not None:
+            self.on_step()
