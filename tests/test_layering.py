@@ -1,10 +1,10 @@
-"""dsv4_model's packages import one way: model <- quant <- checkpoint <- runtime (each only the ones before it),
+"""dsv4_model's packages import one way: model <- quant <- checkpoint <- runtime <- serve (each only the ones before it),
 and production code never imports the tests' oracle (dsv4_ops.reference)."""
 import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-ORDER = ("model", "quant", "checkpoint", "runtime")
+ORDER = ("model", "quant", "checkpoint", "runtime", "serve")
 
 
 def _imports(path: pathlib.Path) -> set[str]:
