@@ -244,3 +244,30 @@ def test_layouts(tmp_path, layout):
         s.step()
     s.run_until_idle()
     assert [r.token_ids for r in reqs] == want
+
+
+def test_logprobs_are_the_models(engine32, prompt_ids):
+    """logprobs=k: each kept token's log-probability and the k most likely, from the logits it was drawn from (the
+    engine's own prefill / decode logits, log-softmaxed here), for the first token and the decode steps alike."""
+    eng = engine32
+    s = Scheduler(eng, max_prefill_tokens=16)
+    k, n = 3, 12
+    greedy = s.submit(Request(prompt_ids[0], _params(0), n, logprobs=k, ignore_eos=True))
+    sampled = s.submit(Request(prompt_ids[1], _params(1), n, logprobs=0, ignore_eos=True))
+    plain = s.submit(Request(prompt_ids[2], _params(2), n))
+    s.run_until_idle()
+    assert plain.token_logprobs == [] and len(sampled.token_logprobs) == n and len(greedy.token_logprobs) == n
+    for req in (greedy, sampled):
+        eng.reset()
+        logits = eng.prefill(torch.tensor([req.prompt]))
+        for t, (lp, top) in zip(req.token_ids, req.token_logprobs):
+            want = torch.log_softmax(logits[0].float(), -1)
+            assert abs(lp - float(want[t])) < 1e-5
+            assert len(top) == req.logprobs
+            if top:
+                vals, ids = want.topk(req.logprobs)
+                assert [i for i, _ in top] == ids.tolist() and max(abs(a - b) for (_, a), b in zip(top, vals.tolist())) < 1e-5
+                assert top[0][0] == t  # greedy: the token is the most likely
+            logits = eng.decode(torch.tensor([t]))
+    with pytest.raises(ValueError, match="logprobs"):
+        s.submit(Request(prompt_ids[0], logprobs=21))

@@ -309,7 +309,8 @@ class DecodeRunner:
             raise RuntimeError(f"batch bucket {n} is not prepared: prepare it before any row holds a sequence")
         self.padded, self.rows = n, rows
         self.positions[:n].copy_(positions[:n], non_blocking=True)
-        _, nxt = self._run()
+        logits, nxt = self._run()
+        self.last_logits = logits[:rows]
         return nxt[:rows]
 
     # ------------------------------------------------------------------ steady state

@@ -52,6 +52,7 @@ class Request:
     stop_ids: frozenset[int] = frozenset()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # k >= 0: each token's log-probability and the k most likely (None: off)
     on_token: TokenCallback | None = None
     on_finish: Callable[["Request"], None] | None = None
     id: int = field(default_factory=lambda: next(_ids))
@@ -63,6 +64,9 @@ class Request:
     timings: Timings = field(default_factory=Timings)
     token_times: list[float] = field(default_factory=list)
     reused_tokens: int = 0  # prompt tokens whose caches a finished request's row already held
+    # with logprobs: per kept token, (its log-probability, [(id, log-probability)] of the `logprobs` most likely),
+    # from the model's distribution before temperature / top-k / top-p
+    token_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
     def __post_init__(self):
         self.prompt = [int(t) for t in self.prompt]
@@ -101,12 +105,16 @@ class Request:
     # ------------------------------------------------------------------ scheduler side
     def start_text(self, tokenizer) -> None:
         self._decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
-        self._plain = self._decoder is None and self.on_token is None  # add_token would only append
+        # add_token would only append
+        self._plain = self._decoder is None and self.on_token is None and self.logprobs is None
 
-    def add_token(self, token_id: int, now: float) -> bool:
-        """Keep token_id (not a stop id); stream it. True when a stop string ended the request."""
+    def add_token(self, token_id: int, now: float, logprob=None) -> bool:
+        """Keep token_id (not a stop id) and its logprob entry; stream it. True when a stop string ended the
+        request."""
         self.token_ids.append(token_id)
         self.token_times.append(now)
+        if logprob is not None:
+            self.token_logprobs.append(logprob)
         if self._decoder is None:
             if self.on_token is not None:
                 self.on_token(self, token_id, None)

@@ -32,6 +32,7 @@ from dsv4_model.runtime.requests import Request
 from dsv4_model.runtime.step_plan import StepPlan, broadcast_plan
 
 DEFAULT_MAX_PREFILL_TOKENS = 2048
+MAX_LOGPROBS = 20  # top alternatives per token at most (OpenAI's chat API allows 20)
 
 
 def prepare_buckets(runner, rows: int | None) -> int:
@@ -76,6 +77,9 @@ class _Flight:
     decode: list[tuple[int, Request]] = field(default_factory=list)
     decode_ids: torch.Tensor | None = None
     event: object = None
+    # logprobs: ("first" | "decode", request) -> index into lp_host (chosen [m], top values [m, K], top ids [m, K])
+    lp_index: dict = field(default_factory=dict)
+    lp_host: tuple | None = None
 
     def empty(self) -> bool:
         return not self.first and not self.decode
@@ -160,6 +164,8 @@ class Scheduler:
         req.params.validate()
         if any(not isinstance(s, str) or not s for s in req.stop):
             raise ValueError("stop: every stop string must be a non-empty string")
+        if req.logprobs is not None and not (isinstance(req.logprobs, int) and 0 <= req.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs: must be an int in [0, {MAX_LOGPROBS}], got {req.logprobs!r}")
 
     def idle(self) -> bool:
         with self._lock:
@@ -312,6 +318,7 @@ class Scheduler:
             if self.distributed:
                 broadcast_plan(plan, self.group, self._wire)
             flight.first_ids, flight.decode_ids = plan.run(self.engine, self.runner)
+            self._logprobs(plan, flight)
         host = self._ids_host[slot]
         nf = len(flight.first)
         if nf:
@@ -326,6 +333,40 @@ class Scheduler:
         flight.first_ids = host[:nf]
         flight.decode_ids = host[nf:nf + nd]
         return flight
+
+    def _logprobs(self, plan: StepPlan, flight: _Flight) -> None:
+        """For the requests that asked: each sampled token's log-probability and the top k, from the logits it was
+        drawn from, computed on the device and copied with the ids (no sync of its own)."""
+        rows, ids, keys = [], [], []
+        for j, (i, req) in enumerate(flight.first):
+            if req.logprobs is not None:
+                rows.append(plan.prefill_logits[i])
+                ids.append(flight.first_ids[j])
+                keys.append(("first", req))
+        for i, req in flight.decode:
+            if req.logprobs is not None:
+                rows.append(plan.decode_logits[i])
+                ids.append(flight.decode_ids[i])
+                keys.append(("decode", req))
+        if not rows:
+            return
+        k = max(req.logprobs for _, req in keys)
+        lp = torch.log_softmax(torch.stack(rows).float(), dim=-1)
+        chosen = lp.gather(1, torch.stack(ids).view(-1, 1)).squeeze(1)
+        top = lp.topk(k, dim=-1) if k else None
+        flight.lp_host = tuple(t.to("cpu", non_blocking=self._on_cuda) for t in
+                               ((chosen,) + ((top.values, top.indices) if k else ())))
+        flight.lp_index = {key: n for n, key in enumerate(keys)}
+
+    def _logprob(self, flight: _Flight, kind: str, req: Request):
+        n = flight.lp_index.get((kind, req))
+        if n is None:
+            return None
+        chosen = float(flight.lp_host[0][n])
+        if not req.logprobs:
+            return chosen, []
+        vals, idx = flight.lp_host[1][n, :req.logprobs].tolist(), flight.lp_host[2][n, :req.logprobs].tolist()
+        return chosen, list(zip(idx, vals))
 
     @property
     def _wire(self) -> torch.device:
@@ -400,7 +441,7 @@ class Scheduler:
         now = time.perf_counter()
         for (i, req), t in zip(flight.first, flight.first_ids.tolist()):
             req.timings.first_token = now
-            self._take(self.rows[i], req, t, now)
+            self._take(self.rows[i], req, t, now, self._logprob(flight, "first", req))
         by_row = flight.decode_ids.tolist()
         rows, eos = self.rows, self.eos
         for i, req in flight.decode:  # the hot loop: one pass per generating row per step
@@ -415,13 +456,13 @@ class Scheduler:
             if req._plain:  # no text, no callback: the ids and times alone
                 req.token_ids.append(t)
                 req.token_times.append(now)
-            elif req.add_token(t, now):
+            elif req.add_token(t, now, self._logprob(flight, "decode", req) if flight.lp_index else None):
                 self._free(row, "stop", now)
                 continue
             if len(req.token_ids) >= row.cap:
                 self._free(row, "length" if len(req.token_ids) >= req.max_tokens else "max_seq_len", now)
 
-    def _take(self, row: _Row, req: Request, t: int, now: float) -> None:
+    def _take(self, row: _Row, req: Request, t: int, now: float, logprob=None) -> None:
         """Token t sampled for request req in `row` (its first, from the prefill logits)."""
         if row.owner == req.id:
             row.seq.append(t)
@@ -429,7 +470,7 @@ class Scheduler:
             return
         if t in req.stop_ids or (t == self.eos and not req.ignore_eos):
             self._free(row, "stop", now)
-        elif req.add_token(t, now):
+        elif req.add_token(t, now, logprob):
             self._free(row, "stop", now)
         elif len(req.token_ids) >= row.cap:
             self._free(row, "length" if len(req.token_ids) >= req.max_tokens else "max_seq_len", now)

@@ -34,16 +34,19 @@ class StepPlan:
     stop: bool = False
 
     def run(self, engine, runner) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Run the plan on this rank -> (first ids [len(first_rows)], decode ids [decode_rows]), device tensors."""
+        """Run the plan on this rank -> (first ids [len(first_rows)], decode ids [decode_rows]), device tensors. The
+        logits they were sampled from stay on the plan (prefill_logits [B, V], decode_logits [decode_rows, V]) until
+        the next step overwrites them."""
         for row, params in self.admits:
             runner.sampler.set_row(row, params)
         first = ids = None
         if self.prefill is not None:
-            logits = engine.prefill_at(*self.prefill)
+            self.prefill_logits = engine.prefill_at(*self.prefill)
             if self.first_rows:
-                first = runner.sample_rows(logits, self.first_rows)
+                first = runner.sample_rows(self.prefill_logits, self.first_rows)
         if self.decode_rows:
             ids = runner.launch(self.decode_rows, self.positions)
+            self.decode_logits = runner.last_logits
         return first, ids
 
     # ------------------------------------------------------------------ wire format
