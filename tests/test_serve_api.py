@@ -145,7 +145,7 @@ def test_n_and_seed_and_stop(served, client):
 
 @pytest.mark.parametrize("kw,param", [
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
-    (dict(n=100), "n"), (dict(stop=[""]), "stop"), (dict(logprobs=2), "logprobs"), (dict(seed="x"), "seed"),
+    (dict(n=100), "n"), (dict(stop=[""]), "stop"), (dict(logprobs=21), "logprobs"), (dict(seed="x"), "seed"),
     (dict(prompt="word " * 300), "prompt"), (dict(prompt=[5, 99999]), "prompt"), (dict(prompt=[]), "prompt"),
     (dict(model="other"), "model"),
 ])
@@ -241,10 +241,40 @@ def test_a_chunk_carries_each_choice_once():
         {"index": 1, "text": "x", "logprobs": None, "finish_reason": None}]
     call = {"tool_calls": [{"index": 0, "id": "c1", "type": "function",
                             "function": {"name": "f", "arguments": "{}"}}]}
-    got = _merge([{"index": 0, "delta": call, "finish_reason": None},
-                  {"index": 0, "delta": {}, "finish_reason": "tool_calls"}])
-    assert got == [{"index": 0, "delta": call, "finish_reason": "tool_calls"}]
-    text = _merge([{"index": 0, "delta": {"content": "a"}, "finish_reason": None},
-                   {"index": 0, "delta": {"content": "b"}, "finish_reason": None},
-                   {"index": 0, "delta": {"reasoning_content": "r"}, "finish_reason": None}])
-    assert text == [{"index": 0, "delta": {"content": "ab", "reasoning_content": "r"}, "finish_reason": None}]
+    got = _merge([{"index": 0, "delta": call, "logprobs": None, "finish_reason": None},
+                  {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}])
+    assert got == [{"index": 0, "delta": call, "logprobs": None, "finish_reason": "tool_calls"}]
+    lp = [{"content": [{"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}]},
+          {"content": [{"token": "b", "logprob": -1.5, "bytes": [98], "top_logprobs": []}]}]
+    text = _merge([{"index": 0, "delta": {"content": "a"}, "logprobs": lp[0], "finish_reason": None},
+                   {"index": 0, "delta": {"content": "b"}, "logprobs": lp[1], "finish_reason": None},
+                   {"index": 0, "delta": {"reasoning_content": "r"}, "logprobs": None, "finish_reason": None}])
+    assert text == [{"index": 0, "delta": {"content": "ab", "reasoning_content": "r"},
+                     "logprobs": {"content": lp[0]["content"] + lp[1]["content"]}, "finish_reason": None}]
+
+
+def test_logprobs(served, client):
+    """logprobs through the openai client, streamed and not: the scheduler's per-token log-probabilities (the
+    greedy token is the most likely one), the same either way; completions' text offsets add up to the text."""
+    _, ref, tok = served
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=N, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == ref[PROMPTS[0]] and len(lp.tokens) == N and "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(N)]
+    for tok_s, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert v <= 0 and len(top) >= 1 and abs(max(top.values()) - v) < 1e-6  # greedy: the most likely
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=N, temperature=0,
+                                            logprobs=3, stream=True))
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+    c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPTS[1]}],
+                                       max_tokens=N, temperature=0, logprobs=True, top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert len(content) == N and all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.logprob - 1e-6
+                                     for e in content)
+    s = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPTS[1]}],
+                                            max_tokens=N, temperature=0, logprobs=True, top_logprobs=2, stream=True))
+    assert [e.logprob for ch in s if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content] \
+        == [e.logprob for e in content]
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], top_logprobs=2)

@@ -142,7 +142,7 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
         for p, ids in enumerate(ids_per_prompt):
             for k in range(body.n):
                 r = Request(ids, params=body.sampling(k), max_tokens=max_tokens, stop=tuple(body.stop or ()),
-                            ignore_eos=body.ignore_eos)
+                            ignore_eos=body.ignore_eos, logprobs=body.logprob_k())
                 reqs.append(stream.bind(r, p * body.n + k))
         st.thread.submit_all(reqs)
 
@@ -168,15 +168,19 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
             if ev.done:
                 reason = finish_reason(stream.requests[ev.choice].finish_reason)
                 return [{"index": ev.choice, "text": "", "logprobs": None, "finish_reason": reason}]
+            lp = None if ev.logprob is None else \
+                completion_logprobs(st.tokenizer, [ev.token_id], [ev.logprob], len(texts[ev.choice]))
             texts[ev.choice] += ev.text
-            return [{"index": ev.choice, "text": ev.text, "logprobs": None, "finish_reason": None}] if ev.text \
-                else []
+            return [{"index": ev.choice, "text": ev.text, "logprobs": lp, "finish_reason": None}] \
+                if ev.text or lp else []
 
         if body.stream:
             return _sse(stream, base, on_event, body.include_usage, rid, [])
         if not await _collect(stream, request, on_event):
             return Response(status_code=499)
-        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": finish_reason(r.finish_reason)}
+        choices = [{"index": i, "text": t, "finish_reason": finish_reason(r.finish_reason),
+                    "logprobs": None if r.logprobs is None else
+                    completion_logprobs(st.tokenizer, r.token_ids, r.token_logprobs, 0)}
                    for i, (t, r) in enumerate(zip(texts, stream.requests))]
         _log_done(rid, stream)
         return JSONResponse({**base, "choices": choices, "usage": _usage(stream)}, headers={"X-Request-Id": rid})
@@ -217,7 +221,8 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
             i, p = ev.choice, parsers[ev.choice]
             d = Delta(content=ev.text) if p is None else (p.finish() if ev.done else p.feed(ev.text))
             totals[i].add(d)
-            out = [{"index": i, "delta": delta_json(i, d), "logprobs": None, "finish_reason": None}] if d else []
+            lp = None if ev.logprob is None else chat_logprobs(st.tokenizer, [ev.token_id], [ev.logprob])
+            out = [{"index": i, "delta": delta_json(i, d), "logprobs": lp, "finish_reason": None}] if d or lp else []
             if ev.done:
                 out.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": reason_of(i)})
             return out
@@ -235,7 +240,9 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
                 msg["reasoning_content"] = t.reasoning
             if t.tool_calls:
                 msg["tool_calls"] = delta_json(i, Delta(tool_calls=t.tool_calls))["tool_calls"]
-            choices.append({"index": i, "message": msg, "logprobs": None, "finish_reason": reason_of(i)})
+            r = stream.requests[i]
+            lp = None if r.logprobs is None else chat_logprobs(st.tokenizer, r.token_ids, r.token_logprobs)
+            choices.append({"index": i, "message": msg, "logprobs": lp, "finish_reason": reason_of(i)})
         _log_done(rid, stream)
         return JSONResponse({**base, "object": "chat.completion", "choices": choices, "usage": _usage(stream)},
                             headers={"X-Request-Id": rid})
@@ -285,6 +292,37 @@ async def _collect(stream: Stream, request: HTTPRequest, on_event) -> bool:
     return True
 
 
+def _merge_logprobs(a: dict | None, b: dict | None) -> dict | None:
+    """Two pieces' logprobs as one (lists concatenated key by key: completions' tokens / token_logprobs /
+    top_logprobs / text_offset, chat's content)."""
+    if a is None or b is None:
+        return a if b is None else b
+    return {k: a[k] + b[k] for k in a}
+
+
+def completion_logprobs(tok, ids: list[int], entries: list, offset: int) -> dict:
+    """/v1/completions' logprobs object for tokens `ids` whose text starts at `offset` of the completion."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t, (lp, top) in zip(ids, entries):
+        s = tok.decode([t])
+        out["tokens"].append(s)
+        out["token_logprobs"].append(lp)
+        out["top_logprobs"].append({tok.decode([a]): v for a, v in top})
+        out["text_offset"].append(offset)
+        offset += len(s)
+    return out
+
+
+def chat_logprobs(tok, ids: list[int], entries: list) -> dict:
+    """/v1/chat/completions' logprobs object ({"content": [...]}) for tokens `ids`."""
+    def one(t: int, lp: float) -> dict:
+        s = tok.decode([t])
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [{**one(t, lp), "top_logprobs": [one(a, v) for a, v in top]} for t, (lp, top) in
+                        zip(ids, entries)]}
+
+
 def _merge(choices: list[dict]) -> list[dict]:
     """Consecutive pieces of one choice joined (a chunk carries each choice once): their text (completions) or their
     deltas' fields (chat: texts and tool-call lists concatenated field by field); a finishing piece adds its
@@ -293,13 +331,15 @@ def _merge(choices: list[dict]) -> list[dict]:
     for c in choices:
         last = out[-1] if out else None
         if last is not None and last["index"] == c["index"] and last["finish_reason"] is None:
+            lp = _merge_logprobs(last.get("logprobs"), c.get("logprobs"))
             if "text" in c:
-                out[-1] = {**last, **c, "text": last["text"] + c["text"]}
+                out[-1] = {**last, **c, "text": last["text"] + c["text"], "logprobs": lp}
                 continue
             a, b = last["delta"], c["delta"]
             if all(type(a[k]) is type(b[k]) and isinstance(a[k], (str, list)) for k in a.keys() & b.keys()):
                 # each field keeps its own order (reasoning, content and tool calls are read field by field)
-                out[-1] = {**last, **c, "delta": {**a, **b, **{k: a[k] + b[k] for k in a.keys() & b.keys()}}}
+                out[-1] = {**last, **c, "delta": {**a, **b, **{k: a[k] + b[k] for k in a.keys() & b.keys()}},
+                           "logprobs": lp}
                 continue
         out.append(c)
     return out

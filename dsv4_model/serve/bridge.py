@@ -23,6 +23,7 @@ class Event:
     token_id: int | None  # None: the request ended (finish) or held-back text came out
     text: str
     done: bool = False
+    logprob: tuple | None = None  # (log-probability, [(id, log-probability)]) of token_id, when asked for
 
 
 class Stream:
@@ -46,7 +47,8 @@ class Stream:
         def on_token(r, token_id, text):
             if token_id in special:
                 text = special[token_id] + (text or "")
-            call(put, Event(choice, token_id, text or ""))
+            lp = r.token_logprobs[-1] if token_id is not None and r.logprobs is not None else None
+            call(put, Event(choice, token_id, text or "", logprob=lp))
 
         def on_finish(r):
             call(put, Event(choice, None, "", done=True))

@@ -12,6 +12,7 @@ from dsv4_model.runtime.sampling import SEED_MAX, SEED_MIN, SamplingParams
 
 MAX_N = 16
 MAX_STOPS = 16
+MAX_LOGPROBS = 20
 
 
 class APIError(Exception):
@@ -57,9 +58,7 @@ class _Sampling(BaseModel):
         return stops
 
     def check_unsupported(self) -> None:
-        # the sampler gives ids only: log-probabilities would need a host copy of the logits each step
-        if self.logprobs not in (None, False, 0) or self.top_logprobs:
-            raise APIError(400, "logprobs are not supported by this server", "logprobs")
+        self.logprob_k()  # its 400s
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise APIError(400, f"{name} is not supported (only 0)", name)
@@ -80,6 +79,15 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    def logprob_k(self) -> int | None:
+        """logprobs: an int k (0..20): each token's log-probability and the k most likely; None / false: off."""
+        k = self.logprobs
+        if k is None or k is False:
+            return None
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS:
+            raise APIError(400, f"logprobs: an int in [0, {MAX_LOGPROBS}], got {k!r}", "logprobs")
+        return k
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -115,6 +123,19 @@ class ChatRequest(_Sampling):
     reasoning_effort: str | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
     response_format: dict[str, Any] | None = None
+
+    def logprob_k(self) -> int | None:
+        """logprobs: true gives each token's log-probability, top_logprobs (0..20) the most likely alternatives."""
+        if self.logprobs not in (None, True, False):
+            raise APIError(400, f"logprobs: true or false, got {self.logprobs!r}", "logprobs")
+        top = self.top_logprobs
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs: an int in [0, {MAX_LOGPROBS}], got {top!r}", "top_logprobs")
+        if not self.logprobs:
+            if top:
+                raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+            return None
+        return top or 0
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
