@@ -81,7 +81,7 @@ def main():
         q, w, codes, scales, n_valid = make_inputs(B, N)
         out = torch.ops.dsv4.indexer_score_topk(q, w, codes, scales, n_valid, TOPK)
         # Sanity: the op's picks must carry the peer's best scores (bf16 logits: a loose check).
-        ref_scores = ref.indexer_scores_reference(q, w, codes, scales)
+        ref_scores = ref.indexer_scores_ref(q, w, codes, scales)
         got = ref_scores.gather(1, out.long()).sort(1, descending=True).values
         best = ref_scores.topk(TOPK, dim=1).values
         assert ((got - best).abs() <= 1e-4 * best.abs().amax(1, keepdim=True)).all(), "op disagrees with reference"

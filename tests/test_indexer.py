@@ -216,7 +216,7 @@ def test_exact_inputs_match_reference_exactly(device, q_dtype):
         q, w, c, s = exact_inputs(B, N, H, D, q_dtype=q_dtype, seed=N + topk, device=device)
         n_valid = torch.tensor(nv, dtype=torch.int32, device=device)
         got = OP(q, w, c, s, n_valid, topk).cpu()
-        want = ref.indexer_score_topk_reference(q.cpu(), w.cpu(), c.cpu(), s.cpu(), n_valid.cpu(), topk)
+        want = ref.indexer_score_topk_ref(q.cpu(), w.cpu(), c.cpu(), s.cpu(), n_valid.cpu(), topk)
         assert torch.equal(got, want), (N, topk, H, D)
 
 
@@ -234,7 +234,7 @@ def test_massive_ties(device):
     n_valid = torch.tensor([N, N - 3, N], dtype=torch.int64)
     args = [t.to(device) for t in (q, w, c, s, n_valid)]
     got = OP(*args, topk).cpu()
-    want = ref.indexer_score_topk_reference(q, w, c, s, n_valid, topk)
+    want = ref.indexer_score_topk_ref(q, w, c, s, n_valid, topk)
     assert torch.equal(got, want)
     assert got[0].tolist() == list(range(topk)) and got[1].tolist() == list(range(topk))
 
@@ -247,7 +247,7 @@ def test_random_inputs_match_reference_within_tolerance(device, q_dtype):
     q, w, c, s = random_inputs(len(nv), N, 64, 128, q_dtype=q_dtype, seed=3, device=device)
     n_valid = torch.tensor(nv, dtype=torch.int64, device=device)
     got = OP(q, w, c, s, n_valid, topk)
-    scores = ref.indexer_scores_reference(q.cpu(), w.cpu(), c.cpu(), s.cpu())
+    scores = ref.indexer_scores_ref(q.cpu(), w.cpu(), c.cpu(), s.cpu())
     # fp32 sums in another order: ~1e-6 relative; CUDA splits fp32 q into two bf16 terms (2^-17 relative).
     assert_topk_close(got, scores, nv, topk, rtol=1e-5 if q_dtype == torch.bfloat16 else 5e-5)
 
@@ -300,7 +300,7 @@ def test_weights_dtype_and_scale(device, dtype):
     for scale in (1.0, 0.25):  # dyadic: the scores stay exact, so the reference must agree bit for bit
         got = OP(q, w, c, s, n_valid, topk, weights_scale=scale, weights_dtype=dtype)
         assert torch.equal(got, OP(q, w.to(dtype).float() * scale, c, s, n_valid, topk)), scale
-        want = ref.indexer_score_topk_reference(q.cpu(), w.cpu(), c.cpu(), s.cpu(), n_valid.cpu(), topk,
+        want = ref.indexer_score_topk_ref(q.cpu(), w.cpu(), c.cpu(), s.cpu(), n_valid.cpu(), topk,
                                                 weights_scale=scale, weights_dtype=dtype)
         assert torch.equal(got.cpu(), want), scale
 
@@ -315,7 +315,7 @@ def test_weights_dtype_and_scale(device, dtype):
     nv2 = torch.tensor([2, 2], dtype=torch.int64, device=device)
     got = OP(q, w, c, s, nv2, 2, weights_scale=MODEL_SCALE, weights_dtype=dtype)
     assert got.tolist() == [[0, 1], [0, 1]]
-    want = ref.indexer_score_topk_reference(q.cpu(), w.cpu(), c.cpu(), s.cpu(), nv2.cpu(), 2, MODEL_SCALE, dtype)
+    want = ref.indexer_score_topk_ref(q.cpu(), w.cpu(), c.cpu(), s.cpu(), nv2.cpu(), 2, MODEL_SCALE, dtype)
     assert torch.equal(got.cpu(), want)
     assert OP(q, w, c, s, nv2, 2, weights_scale=MODEL_SCALE).tolist() == [[1, 0], [1, 0]]
 
@@ -365,7 +365,7 @@ def test_small_N_and_topk_edge_cases_cpu():
         q, w, c, s = exact_inputs(len(nv), N, 4, 32, seed=N)
         n_valid = torch.tensor(nv, dtype=torch.int32)
         got = OP(q, w, c, s, n_valid, topk)
-        want = ref.indexer_score_topk_reference(q, w, c, s, n_valid, topk)
+        want = ref.indexer_score_topk_ref(q, w, c, s, n_valid, topk)
         assert got.shape == (len(nv), topk)
         assert torch.equal(got, want), (N, topk, nv)
 
@@ -455,12 +455,12 @@ def test_compiled_fullgraph_cpu():
     got = compiled(q, w, c, s, nv)
     assert not counters["graph_break"]
     assert torch.equal(got, step(q, w, c, s, nv))
-    assert torch.equal(got, ref.indexer_score_topk_reference(q, w, c, s, nv, 8))
+    assert torch.equal(got, ref.indexer_score_topk_ref(q, w, c, s, nv, 8))
     w = tie_weights(3, 8, torch.bfloat16, seed=7)
     got = torch.compile(step_lowp, fullgraph=True, dynamic=False)(q, w, c, s, nv)
     assert not counters["graph_break"]
     assert torch.equal(got, step_lowp(q, w, c, s, nv))
-    assert torch.equal(got, ref.indexer_score_topk_reference(q, w, c, s, nv, 8, 0.25, torch.bfloat16))
+    assert torch.equal(got, ref.indexer_score_topk_ref(q, w, c, s, nv, 8, 0.25, torch.bfloat16))
 
 
 @pytest.mark.cuda
@@ -472,7 +472,7 @@ def test_cuda_large_n_paths():
         q, w, c, s = random_inputs(2, N, 64, 128, seed=N, device="cuda")
         n_valid = torch.tensor(nv, dtype=torch.int32, device="cuda")
         got = OP(q, w, c, s, n_valid, topk)
-        scores = ref.indexer_scores_reference(q, w, c, s)  # on the GPU: the reference is plain torch
+        scores = ref.indexer_scores_ref(q, w, c, s)  # on the GPU: the reference is plain torch
         assert_topk_close(got, scores, nv, topk, rtol=1e-5)
 
 
@@ -514,7 +514,7 @@ def test_cuda_graph_replay_with_new_data():
         finally:
             torch.cuda.set_sync_debug_mode(0)
         assert torch.equal(out, eager)
-        want = ref.indexer_score_topk_reference(*[t.cpu() for t in bufs], n_valid.cpu(), topk)
+        want = ref.indexer_score_topk_ref(*[t.cpu() for t in bufs], n_valid.cpu(), topk)
         assert torch.equal(out.cpu(), want)
 
 

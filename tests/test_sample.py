@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import dsv4_ops  # noqa: F401
-from dsv4_ops.reference import philox4x32_10, sample_probs_reference, sample_reference
+from dsv4_ops.reference import philox4x32_10, sample_probs_ref, sample_ref
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.kernels])]
 
@@ -48,7 +48,7 @@ def test_philox_reference_known_answers():
 def test_matches_reference(device, V):
     args = _mixed_batch(48, V, device)
     got = torch.ops.dsv4.sample(*args).cpu()
-    want = sample_reference(*[a.cpu() for a in args])
+    want = sample_ref(*[a.cpu() for a in args])
     assert torch.equal(got, want)
 
 
@@ -107,7 +107,7 @@ def test_distribution_chi_square(device, mode):
     T, k, p = MODES[mode]
     N = 20000
     row = torch.tensor([LOGITS8])
-    probs = sample_probs_reference(row, torch.tensor([T]), torch.tensor([k]), torch.tensor([p]))[0]
+    probs = sample_probs_ref(row, torch.tensor([T]), torch.tensor([k]), torch.tensor([p]))[0]
     if p < 1.0:  # the top-p cut must not sit on a near-tie, where fixed-point rounding could decide it
         in_k = torch.arange(8) < (k if k > 0 else 8)  # LOGITS8 is sorted descending
         base = torch.softmax(torch.where(in_k, row[0].double() / T, float("-inf")), 0)

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from dsv4_ops.reference import sample_probs_reference
+from dsv4_ops.reference import sample_probs_ref
 from dsv4_model.checkpoint.writer import TINY_CONFIG, write_tiny_checkpoint
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.transformer import Transformer
@@ -128,7 +128,7 @@ def test_sampling_follows_the_plain_distribution(top_k, top_p):
     def dist(prefixes):
         lg = e.model.prefill(torch.tensor(prefixes))
         n = len(prefixes)
-        return sample_probs_reference(lg, torch.full((n,), T), torch.full((n,), top_k), torch.full((n,), top_p))
+        return sample_probs_ref(lg, torch.full((n,), T), torch.full((n,), top_k), torch.full((n,), top_p))
 
     exact: dict[tuple, float] = {}
     p1 = dist([prompt])[0]
@@ -167,7 +167,7 @@ def test_filtered_probs_is_the_samplers_distribution(mode):
     if mode == "greedy":
         t = torch.zeros_like(t)
     got = filtered_probs(logits, t, k, p, mode)
-    want = sample_probs_reference(logits, t, k, p)
+    want = sample_probs_ref(logits, t, k, p)
     assert torch.allclose(got.double(), want, atol=1e-6, rtol=1e-5)
 
 

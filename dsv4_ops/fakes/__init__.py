@@ -2,10 +2,10 @@
 
 Each module calls ``torch.library.register_fake`` for the ops of its section of the schema table.
 """
-from dsv4_ops.fakes import quant  # noqa: F401
+from dsv4_ops.fakes import nvfp4_quant  # noqa: F401
 from dsv4_ops.fakes import sample  # noqa: F401
 from dsv4_ops.fakes import indexer  # noqa: F401
-from dsv4_ops.fakes import gemm  # noqa: F401
+from dsv4_ops.fakes import nvfp4_gemm  # noqa: F401
 from dsv4_ops.fakes import mhc  # noqa: F401
 from dsv4_ops.fakes import fp32_linear  # noqa: F401
 from dsv4_ops.fakes import router  # noqa: F401

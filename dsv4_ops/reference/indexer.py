@@ -61,7 +61,7 @@ def indexer_fp4_dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: tor
     return val.to(dtype)
 
 
-def indexer_scores_reference(q, weights, k_codes, k_scales) -> torch.Tensor:
+def indexer_scores_ref(q, weights, k_codes, k_scales) -> torch.Tensor:
     """fp32 [B, N]: sum_h weights[b,h] * relu(q[b,h,:] . k[b,i,:]) for every key (no n_valid mask)."""
     k = indexer_fp4_dequantize(k_codes, k_scales)
     logits = torch.einsum("bhd,bnd->bhn", q.float(), k)
@@ -84,11 +84,11 @@ def indexer_topk_from_scores(scores: torch.Tensor, n_valid: torch.Tensor, topk: 
     return out.to(torch.int32)
 
 
-def indexer_score_topk_reference(q, weights, k_codes, k_scales, n_valid, topk: int, weights_scale: float = 1.0,
+def indexer_score_topk_ref(q, weights, k_codes, k_scales, n_valid, topk: int, weights_scale: float = 1.0,
                                  weights_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Reference of dsv4::indexer_score_topk (see docs/ops.md "## Indexer"). The head weights used are
     float(weights.to(weights_dtype)) * weights_scale, one fp32 multiply (the scalar rounded to fp32 first)."""
     assert weights_dtype in (None, torch.bfloat16, torch.float16), weights_dtype
     w = weights.float() if weights_dtype is None else weights.float().to(weights_dtype).float()
     w = w * weights_scale
-    return indexer_topk_from_scores(indexer_scores_reference(q, w, k_codes, k_scales), n_valid, topk)
+    return indexer_topk_from_scores(indexer_scores_ref(q, w, k_codes, k_scales), n_valid, topk)

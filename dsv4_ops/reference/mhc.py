@@ -1,7 +1,7 @@
-"""mHC, fp32 projection and router references (dsv4::hc_sinkhorn, hc_pre, hc_post_pre, fp32_linear, router_topk)."""
+"""mHC references (dsv4::hc_sinkhorn, hc_pre, hc_post_pre)."""
 import torch
 
-from .gemm import moe_combine_rows_ref
+from .nvfp4_gemm import moe_combine_rows_ref
 
 # ======================================================================================================
 # mHC: dsv4::hc_sinkhorn
@@ -61,31 +61,3 @@ def hc_post_pre_ref(out, res, post, comb, fn, scale, base, norm_weight, iters, h
         out = hc_post_rows_ref(out, out_ids, out_experts, res.shape[:-2])
     h = hc_post_ref(out, res, post, comb)
     return (h, *hc_pre_ref(h, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, out_eps))
-
-
-# ======================================================================================================
-# fp32 projections: dsv4::fp32_linear
-# ======================================================================================================
-
-def fp32_linear_ref(x: torch.Tensor, weight: list[torch.Tensor]) -> list[torch.Tensor]:
-    """out[i] = float(x) @ float(weight[i])^T, summed in float64 and rounded once to fp32 (the op sums in fp32, in
-    an order of its own: compare with a bound on fp32 summation error)."""
-    return [(x.double() @ w.double().t()).float() for w in weight]
-
-
-# ======================================================================================================
-# MoE routing: dsv4::router_topk
-# ======================================================================================================
-
-def router_topk_ref(scores: torch.Tensor, bias, k: int, renormalize: bool, scale: float, sqrt_softplus: bool = False):
-    """(weights fp32 [N, k], indices int64 [N, k]): the k largest scores + bias per row (a stable descending sort:
-    NaN first, ties to the lower index), their unbiased scores, / their sum (renormalize), * scale. sqrt_softplus:
-    scores are the logits, through dsv4_model.model.moe.Gate's F.softplus(logits).sqrt() first."""
-    if sqrt_softplus:
-        scores = torch.nn.functional.softplus(scores).sqrt()
-    key = scores if bias is None else scores + bias
-    indices = torch.sort(key, dim=-1, descending=True, stable=True).indices[:, :k]
-    weights = scores.gather(1, indices)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights * scale, indices

@@ -51,7 +51,7 @@ def gumbel_from_words(words: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log1p(-v))
 
 
-def sample_probs_reference(logits, temperature, top_k, top_p) -> torch.Tensor:
+def sample_probs_ref(logits, temperature, top_k, top_p) -> torch.Tensor:
     """The exact distribution dsv4::sample draws from, float64 [B, V] (rows sum to 1).
 
     temperature <= 0: one-hot at the first argmax. Otherwise softmax(logits / T) restricted to
@@ -87,10 +87,10 @@ def sample_probs_reference(logits, temperature, top_k, top_p) -> torch.Tensor:
     return out
 
 
-def sample_reference(logits, temperature, top_k, top_p, seed, offset) -> torch.Tensor:
-    """dsv4::sample in plain torch: Gumbel-max over the kept set of `sample_probs_reference`, int64 [B]."""
+def sample_ref(logits, temperature, top_k, top_p, seed, offset) -> torch.Tensor:
+    """dsv4::sample in plain torch: Gumbel-max over the kept set of `sample_probs_ref`, int64 [B]."""
     lg = torch.nan_to_num(logits.float(), nan=float("-inf"))
-    probs = sample_probs_reference(logits, temperature, top_k, top_p)
+    probs = sample_probs_ref(logits, temperature, top_k, top_p)
     keys = lg / temperature.float().clamp_min(1e-30)[:, None] + gumbel_from_words(
         sample_uniform_words(seed, offset, lg.shape[1])
     )

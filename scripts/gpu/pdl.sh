@@ -2,8 +2,8 @@
 # dependent launch). Their op tests and the compiled decode without it (the default run has it), then the layer
 # both ways.
 step pdl_op_tests 200 $PY -m pytest -q -m cuda -p no:cacheprovider --kernel-overrides pdl=0 \
-  tests/test_compressor_op.py \
-  tests/test_norm_rope.py tests/test_hc_pre.py tests/test_hadamard_fp4.py tests/test_key_store.py \
+  tests/test_compressor.py \
+  tests/test_norm_rope.py tests/test_hc_pre.py tests/test_hadamard.py tests/test_key_store.py \
   tests/test_attn.py tests/test_indexer.py tests/test_router.py tests/test_fp32_linear.py \
   tests/test_nvfp4_quant.py
 step pdl_compiled 150 $PY -m pytest -q -m cuda -x -p no:cacheprovider tests/test_compiled_decode.py \

@@ -1,7 +1,7 @@
 """NVFP4 GEMM / MoE references (dsv4::nvfp4_linear, nvfp4_linear_w4a4, nvfp4_moe, nvfp4_moe_rows)."""
 import torch
 
-from .quant import nvfp4_dequantize_ref
+from .nvfp4_quant import nvfp4_dequantize_ref
 
 # ======================================================================================================
 # NVFP4 GEMM / MoE: dsv4::nvfp4_linear, nvfp4_linear_w4a4, nvfp4_moe, nvfp4_moe_rows
