@@ -29,6 +29,4 @@ def _sparse_attn_decode_fake(q, kv, idx, sink, scale, out_rope=None, rope_dim=0,
     return q.new_empty(q.shape)
 
 
-# A library built before this op existed must still import (other ops keep working).
-if hasattr(torch.ops.dsv4, "sparse_attn_decode"):
-    torch.library.register_fake("dsv4::sparse_attn_decode")(_sparse_attn_decode_fake)
+torch.library.register_fake("dsv4::sparse_attn_decode")(_sparse_attn_decode_fake)

@@ -24,6 +24,4 @@ def _compressor_decode_fake(kv, score, ape, positions, kv_state, score_state, po
     torch._check(score_state.shape == kv_state.shape, lambda: f"{op}: score_state must match kv_state")
 
 
-# A library built before this op existed must still import (other ops keep working).
-if hasattr(torch.ops.dsv4, "compressor_decode"):
-    torch.library.register_fake("dsv4::compressor_decode")(_compressor_decode_fake)
+torch.library.register_fake("dsv4::compressor_decode")(_compressor_decode_fake)

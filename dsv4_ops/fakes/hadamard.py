@@ -16,6 +16,4 @@ def _hadamard_fp4_fake(x, cs, rope_dim):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-# A library built before this op existed must still import (other ops keep working).
-if hasattr(torch.ops.dsv4, "hadamard_fp4"):
-    torch.library.register_fake("dsv4::hadamard_fp4")(_hadamard_fp4_fake)
+torch.library.register_fake("dsv4::hadamard_fp4")(_hadamard_fp4_fake)

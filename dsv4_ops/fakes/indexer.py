@@ -28,6 +28,4 @@ def _indexer_score_topk_fake(q, weights, k_codes, k_scales, n_valid, topk, weigh
     return q.new_empty((B, topk), dtype=torch.int32)
 
 
-# A library built before this op existed must still import (other ops keep working).
-if hasattr(torch.ops.dsv4, "indexer_score_topk"):
-    torch.library.register_fake("dsv4::indexer_score_topk")(_indexer_score_topk_fake)
+torch.library.register_fake("dsv4::indexer_score_topk")(_indexer_score_topk_fake)

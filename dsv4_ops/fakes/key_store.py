@@ -19,6 +19,4 @@ def _indexer_store_keys_fake(keys, positions, ratio, kv_cache, k_codes, k_scales
                  lambda: f"{op}: k_scales must be uint8 [rows, n, D / 32]")
 
 
-# A library built before this op existed must still import (other ops keep working).
-if hasattr(torch.ops.dsv4, "indexer_store_keys"):
-    torch.library.register_fake("dsv4::indexer_store_keys")(_indexer_store_keys_fake)
+torch.library.register_fake("dsv4::indexer_store_keys")(_indexer_store_keys_fake)

@@ -14,9 +14,7 @@ def _hc_sinkhorn_fake(logits, iters, eps):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
-# A library built before this op existed must still import (other ops keep working).
-if hasattr(torch.ops.dsv4, "hc_sinkhorn"):
-    torch.library.register_fake("dsv4::hc_sinkhorn")(_hc_sinkhorn_fake)
+torch.library.register_fake("dsv4::hc_sinkhorn")(_hc_sinkhorn_fake)
 
 
 def _hc_pre_fake(x, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, out_eps):
@@ -43,8 +41,7 @@ def _hc_pre_fake(x, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, out_e
             x.new_empty(lead + (hc, hc), dtype=torch.float32))
 
 
-if hasattr(torch.ops.dsv4, "hc_pre"):
-    torch.library.register_fake("dsv4::hc_pre")(_hc_pre_fake)
+torch.library.register_fake("dsv4::hc_pre")(_hc_pre_fake)
 
 
 def _hc_post_pre_fake(out, res, post, comb, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, out_eps,
@@ -76,5 +73,4 @@ def _hc_post_pre_fake(out, res, post, comb, fn, scale, base, norm_weight, iters,
     return torch.empty_like(res, memory_format=torch.contiguous_format), y, post2, comb2
 
 
-if hasattr(torch.ops.dsv4, "hc_post_pre"):
-    torch.library.register_fake("dsv4::hc_post_pre")(_hc_post_pre_fake)
+torch.library.register_fake("dsv4::hc_post_pre")(_hc_post_pre_fake)

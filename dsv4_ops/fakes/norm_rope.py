@@ -17,9 +17,7 @@ def _rms_norm_rope_fake(x, weight, cs, eps, rope_dim, fp8_nope):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-# A library built before this op existed must still import (other ops keep working).
-if hasattr(torch.ops.dsv4, "rms_norm_rope"):
-    torch.library.register_fake("dsv4::rms_norm_rope")(_rms_norm_rope_fake)
+torch.library.register_fake("dsv4::rms_norm_rope")(_rms_norm_rope_fake)
 
 
 def _rms_norm_rope_store_fake(x, weight, cs, eps, rope_dim, fp8_nope, positions, ratio, offset, slots, cache):
@@ -35,5 +33,4 @@ def _rms_norm_rope_store_fake(x, weight, cs, eps, rope_dim, fp8_nope, positions,
                  lambda: f"{op}: cache must be [>= rows, >= offset + slots, d] in x's dtype")
 
 
-if hasattr(torch.ops.dsv4, "rms_norm_rope_store"):
-    torch.library.register_fake("dsv4::rms_norm_rope_store")(_rms_norm_rope_store_fake)
+torch.library.register_fake("dsv4::rms_norm_rope_store")(_rms_norm_rope_store_fake)

@@ -118,10 +118,8 @@ def _moe_rows_fake(x, topk_ids, topk_weights, w13_packed, w13_scale, w13_global_
     return x.new_empty((t * k + (t if has_shared else 0), d))
 
 
-# A library built before these ops existed must still import (other ops keep working).
 for _name, _fn in (("nvfp4_linear", _linear_fake), ("nvfp4_linear_grouped", _linear_grouped_fake),
                    ("nvfp4_linear_multi", _linear_multi_fake),
                    ("nvfp4_linear_w4a4", _linear_w4a4_fake),
                    ("nvfp4_moe", _moe_fake), ("nvfp4_moe_rows", _moe_rows_fake)):
-    if hasattr(torch.ops.dsv4, _name):
-        torch.library.register_fake(f"dsv4::{_name}")(_fn)
+    torch.library.register_fake(f"dsv4::{_name}")(_fn)

@@ -15,6 +15,4 @@ def _router_topk_fake(scores, bias, k, renormalize, scale, sqrt_softplus=False):
     return scores.new_empty((n, k)), scores.new_empty((n, k), dtype=torch.long)
 
 
-# A library built before this op existed must still import (other ops keep working).
-if hasattr(torch.ops.dsv4, "router_topk"):
-    torch.library.register_fake("dsv4::router_topk")(_router_topk_fake)
+torch.library.register_fake("dsv4::router_topk")(_router_topk_fake)
