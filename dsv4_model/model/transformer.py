@@ -289,9 +289,22 @@ class Transformer(nn.Module):
                 for buf in (mod.kv_cache, mod.k_codes, mod.k_scales):
                     buf.zero_()
 
+    CACHE_SUFFIXES = ("kv_cache", "k_codes", "k_scales", "kv_state", "score_state")
+
+    @torch.no_grad()
+    def swap_rows_(self, a: list[int], b: list[int]) -> None:
+        """Exchange cache rows a[i] and b[i] in every cache and state buffer (the scheduler brings the rows of a
+        prefill chunk down to rows [:k] and back, so the chunk computes k rows, not every row below the highest)."""
+        ia = torch.tensor(a, dtype=torch.long, device=self.device)
+        ib = torch.tensor(b, dtype=torch.long, device=self.device)
+        for name, buf in self.named_buffers():
+            if name.endswith(self.CACHE_SUFFIXES):
+                held = buf.index_select(0, ia)
+                buf.index_copy_(0, ia, buf.index_select(0, ib))
+                buf.index_copy_(0, ib, held)
+
     def cache_nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for n, b in self.named_buffers()
-                   if n.endswith(("kv_cache", "k_codes", "k_scales", "kv_state", "score_state")))
+        return sum(b.numel() * b.element_size() for n, b in self.named_buffers() if n.endswith(self.CACHE_SUFFIXES))
 
     def scratch_buffer_names(self) -> list[str]:
         """Buffers a decode step writes before it reads them (not state carried between steps)."""

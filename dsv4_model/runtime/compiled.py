@@ -286,13 +286,15 @@ class DecodeRunner:
 
     # ------------------------------------------------------------------ rows joining and leaving (the scheduler)
     @torch.no_grad()
-    def sample_rows(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """The first token of each of `rows` from prefill logits (row r's at logits[r]), drawn with that row's
-        sampler row at offset 0, as sample_first draws it; it becomes the row's next input. Returns the ids [len(rows)]."""
+    def sample_rows(self, logits: torch.Tensor, rows: list[int], logit_rows: list[int] | None = None) -> torch.Tensor:
+        """The first token of each of `rows` from prefill logits (row r's at logits[r], or at logits[logit_rows[i]]),
+        drawn with that row's sampler row at offset 0, as sample_first draws it; it becomes the row's next input.
+        Returns the ids [len(rows)]."""
         idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        at = idx if logit_rows is None else torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         s = self.sampler
         s.offset.index_fill_(0, idx, 0)
-        nxt = ops.sample(logits.index_select(0, idx).float(), temperature=s.temperature[idx], top_k=s.top_k[idx],
+        nxt = ops.sample(logits.index_select(0, at).float(), temperature=s.temperature[idx], top_k=s.top_k[idx],
                          top_p=s.top_p[idx], seed=s.seed[idx], offset=s.offset[idx])
         self.tokens.index_copy_(0, idx, nxt)
         s.offset.index_fill_(0, idx, 1)

@@ -78,6 +78,10 @@ class Engine(EngineSession):
         dev = self.device
         return self.model.prefill(tokens.to(dev), lengths.to(dev), start=start.to(dev))
 
+    def swap_rows(self, pairs: list[tuple[int, int]]) -> None:
+        """Exchange the caches of each pair of rows (the scheduler's prefill placement)."""
+        self.model.swap_rows_([a for a, _ in pairs], [b for _, b in pairs])
+
     def speculative_runner(self, k: int):
         """The SpeculativeRunner generate(..., speculate=k) steps, built on first use per k from
         `runner_options` (rebuilt when they change)."""

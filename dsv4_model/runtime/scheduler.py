@@ -340,7 +340,7 @@ class Scheduler:
         rows, ids, keys = [], [], []
         for j, (i, req) in enumerate(flight.first):
             if req.logprobs is not None:
-                rows.append(plan.prefill_logits[i])
+                rows.append(plan.prefill_logits[plan.first_slots[j]])
                 ids.append(flight.first_ids[j])
                 keys.append(("first", req))
         for i, req in flight.decode:
@@ -387,16 +387,17 @@ class Scheduler:
                 break
         if not parts:
             return
-        B = max(r.index for r, _ in parts) + 1
+        slot = self._place_chunk(plan, [r.index for r, _ in parts])
+        B = max(slot.values()) + 1
         S = max(n for _, n in parts)
         tokens = torch.zeros(B, S, dtype=torch.long)
         lengths = torch.zeros(B, dtype=torch.long)
         # a row not in the chunk starts where its sequence ends (a row "from position 0" would restart its state)
         start = torch.tensor([min(r.filled, self.max_seq_len - 1) for r in self.rows[:B]], dtype=torch.long)
         for row, n in parts:
-            s = row.filled
-            tokens[row.index, :n] = torch.tensor(row.req.prompt[s:s + n])
-            lengths[row.index], start[row.index] = n, s
+            s, i = row.filled, slot[row.index]
+            tokens[i, :n] = torch.tensor(row.req.prompt[s:s + n])
+            lengths[i], start[i] = n, s
             row.seq.extend(row.req.prompt[s:s + n])
             row.filled += n
         plan.prefill = (tokens, lengths, start)
@@ -405,11 +406,23 @@ class Scheduler:
         done = [row for row, _ in parts if row.filled == len(row.req.prompt)]
         if done:
             plan.first_rows = [r.index for r in done]
+            plan.first_slots = [slot[r.index] for r in done]
             flight.first = [(r.index, r.req) for r in done]
             for r in done:
                 r.phase, r.produced = "decode", 1
                 self._prefilling.remove(r)
                 bisect.insort(self._decoding, r, key=lambda x: x.index)
+
+    def _place_chunk(self, plan: StepPlan, rows: list[int]) -> dict[int, int]:
+        """{row: its row in the prefill call}. A chunk computes every row below its highest, so when its k rows are
+        not rows [:k] and the engine can exchange cache rows, rows >= k trade places with the free ones below k
+        for the call (plan.swaps: there and back), and the call computes k rows."""
+        k, held = len(rows), set(rows)
+        if max(rows) < k or not hasattr(self.engine, "swap_rows"):
+            return {r: r for r in rows}
+        low = iter(t for t in range(k) if t not in held)
+        plan.swaps = [(r, next(low)) for r in sorted(rows) if r >= k]
+        return {**{r: r for r in rows if r < k}, **dict(plan.swaps)}
 
     def _plan_decode(self, plan: StepPlan, flight: _Flight, slot: int) -> None:
         live = [r for r in self._decoding if r.produced < r.cap]

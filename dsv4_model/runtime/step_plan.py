@@ -29,6 +29,8 @@ class StepPlan:
     admits: list[tuple[int, SamplingParams]] = field(default_factory=list)
     prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # tokens [B, S], lengths [B], start [B]
     first_rows: list[int] = field(default_factory=list)
+    first_slots: list[int] = field(default_factory=list)  # each first row's row of the prefill logits
+    swaps: list[tuple[int, int]] = field(default_factory=list)  # cache rows exchanged around the prefill
     decode_rows: int = 0  # the step runs rows [:decode_rows] (padded to their bucket)
     positions: torch.Tensor | None = None  # host [bucket]
     stop: bool = False
@@ -41,9 +43,13 @@ class StepPlan:
             runner.sampler.set_row(row, params)
         first = ids = None
         if self.prefill is not None:
+            if self.swaps:  # the chunk's rows down to rows [:B], and back after it
+                engine.swap_rows(self.swaps)
             self.prefill_logits = engine.prefill_at(*self.prefill)
+            if self.swaps:
+                engine.swap_rows(self.swaps)
             if self.first_rows:
-                first = runner.sample_rows(self.prefill_logits, self.first_rows)
+                first = runner.sample_rows(self.prefill_logits, self.first_rows, self.first_slots)
         if self.decode_rows:
             ids = runner.launch(self.decode_rows, self.positions)
             self.decode_logits = runner.last_logits
@@ -51,14 +57,15 @@ class StepPlan:
 
     # ------------------------------------------------------------------ wire format
     def encode(self) -> torch.Tensor:
-        """[stop, n_admit, B, S, n_first, decode_rows, n_positions] + admits (row, temperature bits, top_k, top_p
-        bits, seed) + lengths, starts, tokens + first rows + positions."""
+        """[stop, n_admit, B, S, n_first, decode_rows, n_positions, n_swaps] + admits (row, temperature bits, top_k,
+        top_p bits, seed) + first rows + first slots + swap pairs + lengths, starts, tokens + positions."""
         B, S = (0, 0) if self.prefill is None else tuple(self.prefill[0].shape)
         npos = 0 if self.positions is None or not self.decode_rows else self.positions.shape[0]
-        head = [int(self.stop), len(self.admits), B, S, len(self.first_rows), self.decode_rows, npos]
+        head = [int(self.stop), len(self.admits), B, S, len(self.first_rows), self.decode_rows, npos, len(self.swaps)]
         adm = [v for row, p in self.admits
                for v in (row, _f2i(p.temperature), p.top_k, _f2i(p.top_p), seed_key(p.seed))]
-        parts = [torch.tensor(head + adm + self.first_rows, dtype=torch.long)]
+        swaps = [v for pair in self.swaps for v in pair]
+        parts = [torch.tensor(head + adm + self.first_rows + self.first_slots + swaps, dtype=torch.long)]
         if self.prefill is not None:
             tokens, lengths, start = self.prefill
             parts += [lengths.long(), start.long(), tokens.long().reshape(-1)]
@@ -69,15 +76,17 @@ class StepPlan:
     @classmethod
     def decode(cls, t: torch.Tensor) -> "StepPlan":
         v = t.tolist()
-        stop, na, B, S, nf, dr, npos = v[:7]
-        i = 7
+        stop, na, B, S, nf, dr, npos, nsw = v[:8]
+        i = 8
         admits = []
         for _ in range(na):
             row, temp, top_k, top_p, seed = v[i:i + 5]
             admits.append((row, SamplingParams(_i2f(temp), top_k, _i2f(top_p), seed)))
             i += 5
-        first = v[i:i + nf]
-        i += nf
+        first, slots = v[i:i + nf], v[i + nf:i + 2 * nf]
+        i += 2 * nf
+        swaps = [(v[i + 2 * j], v[i + 2 * j + 1]) for j in range(nsw)]
+        i += 2 * nsw
         prefill = None
         if B:
             lengths, start = t[i:i + B], t[i + B:i + 2 * B]
@@ -85,7 +94,7 @@ class StepPlan:
             prefill = (tokens, lengths, start)
             i += 2 * B + B * S
         positions = t[i:i + npos] if npos else None
-        return cls(admits, prefill, first, dr, positions, bool(stop))
+        return cls(admits, prefill, first, slots, swaps, dr, positions, bool(stop))
 
 
 def broadcast_plan(plan: StepPlan | None, group=None, device: torch.device | str = "cpu") -> StepPlan:
