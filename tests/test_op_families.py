@@ -27,8 +27,8 @@ def test_every_op_of_the_schema_table_is_in_one_family():
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_files(family):
-    want = [f"csrc/cpu/{family}.cpp", f"csrc/cuda/{family}.cu", f"csrc/cuda/{family}_bindings.cpp",
-            f"fakes/{family}.py", f"reference/{family}.py", f"../tests/test_{family}.py"]
+    want = [f"csrc/{family}_checks.h", f"csrc/cpu/{family}.cpp", f"csrc/cuda/{family}.cu",
+            f"csrc/cuda/{family}_bindings.cpp", f"fakes/{family}.py", f"reference/{family}.py", f"../tests/test_{family}.py"]
     missing = [p for p in want if not os.path.isfile(os.path.join(OPS_DIR, p))]
     assert not missing, f"family {family}: no {missing}"
 

@@ -15,6 +15,8 @@
 #include <optional>
 #include <vector>
 
+#include "indexer_checks.h"
+
 namespace {
 
 constexpr float kE2M1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
@@ -26,43 +28,6 @@ inline uint32_t order_key(float f) {
   std::memcpy(&u, &f, 4);
   if ((u << 1) == 0) u = 0;  // -0 == +0
   return (u >> 31) ? ~u : (u | 0x80000000u);
-}
-
-void check_inputs(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_codes,
-                  const at::Tensor& k_scales, const at::Tensor& n_valid, int64_t topk,
-                  std::optional<at::ScalarType> weights_dtype) {
-  TORCH_CHECK(q.dim() == 3, "dsv4::indexer_score_topk: q must be [B, H, D], got ", q.sizes());
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat,
-              "dsv4::indexer_score_topk: q must be bfloat16 or float32, got ", q.scalar_type());
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  TORCH_CHECK(D > 0 && D % 32 == 0, "dsv4::indexer_score_topk: q's last dim D must be a positive multiple of 32, got ",
-              D);
-  TORCH_CHECK(weights.dim() == 2 && weights.size(0) == B && weights.size(1) == H,
-              "dsv4::indexer_score_topk: weights must be [B, H] = [", B, ", ", H, "], got ", weights.sizes());
-  TORCH_CHECK(weights.scalar_type() == at::kFloat, "dsv4::indexer_score_topk: weights must be float32, got ",
-              weights.scalar_type());
-  TORCH_CHECK(k_codes.dim() == 3 && k_codes.size(0) == B && k_codes.size(2) == D / 2,
-              "dsv4::indexer_score_topk: k_codes must be [B, N, D/2] = [", B, ", N, ", D / 2, "], got ",
-              k_codes.sizes());
-  TORCH_CHECK(k_codes.scalar_type() == at::kByte, "dsv4::indexer_score_topk: k_codes must be uint8, got ",
-              k_codes.scalar_type());
-  const int64_t N = k_codes.size(1);
-  TORCH_CHECK(N < (int64_t(1) << 31), "dsv4::indexer_score_topk: at most 2^31-1 keys per row, got N = ", N);
-  TORCH_CHECK(k_scales.dim() == 3 && k_scales.size(0) == B && k_scales.size(1) == N && k_scales.size(2) == D / 32,
-              "dsv4::indexer_score_topk: k_scales must be [B, N, D/32] = [", B, ", ", N, ", ", D / 32, "], got ",
-              k_scales.sizes());
-  TORCH_CHECK(k_scales.scalar_type() == at::kByte,
-              "dsv4::indexer_score_topk: k_scales must be uint8 (UE8M0 exponents), got ", k_scales.scalar_type());
-  TORCH_CHECK(n_valid.dim() == 1 && n_valid.size(0) == B, "dsv4::indexer_score_topk: n_valid must be [B] = [", B,
-              "], got ", n_valid.sizes());
-  TORCH_CHECK(n_valid.scalar_type() == at::kInt || n_valid.scalar_type() == at::kLong,
-              "dsv4::indexer_score_topk: n_valid must be int32 or int64, got ", n_valid.scalar_type());
-  TORCH_CHECK(topk >= 0, "dsv4::indexer_score_topk: topk must be >= 0, got ", topk);
-  TORCH_CHECK(!weights_dtype || *weights_dtype == at::kBFloat16 || *weights_dtype == at::kHalf,
-              "dsv4::indexer_score_topk: weights_dtype must be bfloat16, float16 or None, got ", *weights_dtype);
-  for (const at::Tensor* t : {&weights, &k_codes, &k_scales, &n_valid})
-    TORCH_CHECK(t->device() == q.device(), "dsv4::indexer_score_topk: all inputs must be on ", q.device(),
-                ", got one on ", t->device());
 }
 
 // float(w.to(dtype)) * scale in fp32, for every head weight.
@@ -84,7 +49,7 @@ std::vector<float> effective_weights(const at::Tensor& weights, double weights_s
 at::Tensor indexer_score_topk_cpu(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_codes,
                                   const at::Tensor& k_scales, const at::Tensor& n_valid, int64_t topk,
                                   double weights_scale, std::optional<at::ScalarType> weights_dtype) {
-  check_inputs(q, weights, k_codes, k_scales, n_valid, topk, weights_dtype);
+  dsv4_indexer::check(q, weights, k_codes, k_scales, n_valid, topk, weights_dtype);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), N = k_codes.size(1);
   const at::Tensor qf = q.to(at::kFloat).contiguous();
   const std::vector<float> wf = effective_weights(weights, weights_scale, weights_dtype);

@@ -8,6 +8,7 @@
 #include <limits>
 #include <vector>
 
+#include "sample_checks.h"
 #include "sample_math.h"
 
 namespace {
@@ -77,25 +78,10 @@ int64_t sample_row(const float* l, int64_t V, float t, int64_t k, float p, uint6
   return best_i;
 }
 
-void check_param(const at::Tensor& x, const char* name, int64_t B, at::ScalarType dtype) {
-  TORCH_CHECK(x.dim() == 1 && x.size(0) == B, "dsv4::sample: ", name, " must have shape [B] = [", B, "], got ",
-              x.sizes());
-  TORCH_CHECK(x.scalar_type() == dtype, "dsv4::sample: ", name, " must be ", dtype, ", got ", x.scalar_type());
-  TORCH_CHECK(x.device().is_cpu(), "dsv4::sample: ", name, " must be on the CPU like logits");
-}
-
 at::Tensor sample_cpu(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
                       const at::Tensor& top_p, const at::Tensor& seed, const at::Tensor& offset) {
-  TORCH_CHECK(logits.dim() == 2, "dsv4::sample: logits must be [B, V], got ", logits.sizes());
-  TORCH_CHECK(logits.scalar_type() == at::kFloat, "dsv4::sample: logits must be float32, got ",
-              logits.scalar_type());
+  dsv4_sample::check(logits, temperature, top_k, top_p, seed, offset);
   const int64_t B = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(V > 0, "dsv4::sample: logits must have V > 0 columns");
-  check_param(temperature, "temperature", B, at::kFloat);
-  check_param(top_k, "top_k", B, at::kLong);
-  check_param(top_p, "top_p", B, at::kFloat);
-  check_param(seed, "seed", B, at::kLong);
-  check_param(offset, "offset", B, at::kLong);
   const at::Tensor lc = logits.contiguous(), tc = temperature.contiguous(), kc = top_k.contiguous(),
                    pc = top_p.contiguous(), sc = seed.contiguous(), oc = offset.contiguous();
   at::Tensor out = at::empty({B}, logits.options().dtype(at::kLong));

@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "cuda/launchers.h"
+#include "indexer_checks.h"
 
 namespace {
 
@@ -25,38 +26,15 @@ at::Tensor indexer_score_topk_cuda(const at::Tensor& q, const at::Tensor& weight
                                    double weights_scale, std::optional<at::ScalarType> weights_dtype) {
   const char* op = "dsv4::indexer_score_topk: ";
   TORCH_CHECK(q.is_cuda(), op, "q must be a CUDA tensor");
-  TORCH_CHECK(q.dim() == 3, op, "q must be [B, H, D], got ", q.sizes());
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, op,
-              "q must be bfloat16 or float32, got ", q.scalar_type());
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  dsv4_indexer::check(q, weights, k_codes, k_scales, n_valid, topk, weights_dtype);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), N = k_codes.size(1);
   TORCH_CHECK(D == dsv4_limits::kIndexerCudaHeadDim, op, "the CUDA kernel supports D = ",
               dsv4_limits::kIndexerCudaHeadDim, " (DeepSeek-V4), got D = ", D);
   TORCH_CHECK(H <= dsv4_limits::kIndexerCudaMaxHeads, op, "the CUDA kernel supports at most ",
               dsv4_limits::kIndexerCudaMaxHeads, " heads, got H = ", H);
   TORCH_CHECK(B < 65536, op, "at most 65535 rows, got B = ", B);
-  TORCH_CHECK(weights.dim() == 2 && weights.size(0) == B && weights.size(1) == H, op, "weights must be [B, H] = [",
-              B, ", ", H, "], got ", weights.sizes());
-  TORCH_CHECK(weights.scalar_type() == at::kFloat, op, "weights must be float32, got ", weights.scalar_type());
-  TORCH_CHECK(k_codes.dim() == 3 && k_codes.size(0) == B && k_codes.size(2) == D / 2, op,
-              "k_codes must be [B, N, D/2] = [", B, ", N, ", D / 2, "], got ", k_codes.sizes());
-  TORCH_CHECK(k_codes.scalar_type() == at::kByte, op, "k_codes must be uint8, got ", k_codes.scalar_type());
-  const int64_t N = k_codes.size(1);
-  TORCH_CHECK(N < (int64_t(1) << 31), op, "at most 2^31-1 keys per row, got N = ", N);
-  TORCH_CHECK(k_scales.dim() == 3 && k_scales.size(0) == B && k_scales.size(1) == N && k_scales.size(2) == D / 32, op,
-              "k_scales must be [B, N, D/32] = [", B, ", ", N, ", ", D / 32, "], got ", k_scales.sizes());
-  TORCH_CHECK(k_scales.scalar_type() == at::kByte, op, "k_scales must be uint8 (UE8M0 exponents), got ",
-              k_scales.scalar_type());
-  TORCH_CHECK(n_valid.dim() == 1 && n_valid.size(0) == B, op, "n_valid must be [B] = [", B, "], got ",
-              n_valid.sizes());
-  TORCH_CHECK(n_valid.scalar_type() == at::kInt || n_valid.scalar_type() == at::kLong, op,
-              "n_valid must be int32 or int64, got ", n_valid.scalar_type());
-  TORCH_CHECK(topk >= 0, op, "topk must be >= 0, got ", topk);
-  TORCH_CHECK(!weights_dtype || *weights_dtype == at::kBFloat16 || *weights_dtype == at::kHalf, op,
-              "weights_dtype must be bfloat16, float16 or None, got ", *weights_dtype);
   TORCH_CHECK(topk <= dsv4_indexer_max_topk(), op, "the CUDA kernel supports topk <= ", dsv4_indexer_max_topk(),
               ", got ", topk);
-  for (const at::Tensor* t : {&weights, &k_codes, &k_scales, &n_valid})
-    TORCH_CHECK(t->device() == q.device(), op, "all inputs must be on ", q.device(), ", got one on ", t->device());
 
   const c10::cuda::CUDAGuard guard(q.device());
   const bool q32 = q.scalar_type() == at::kFloat;

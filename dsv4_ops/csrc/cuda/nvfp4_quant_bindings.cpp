@@ -11,6 +11,8 @@
 #include <tuple>
 #include <vector>
 
+#include "nvfp4_quant_checks.h"
+
 namespace dsv4::nvfp4 {
 
 // Defined in nvfp4_quant.cu (same declarations there).
@@ -24,14 +26,6 @@ cudaError_t launch_fused_amax_quantize(const void* x, DType dt, int64_t rows, in
 cudaError_t launch_fused_deinterleave(const void* gate_up, DType dt, const float* row_weight, float limit,
                                       int64_t rows, int64_t I, bool per_row, uint8_t* packed, uint8_t* sf,
                                       float* gs_out, cudaStream_t stream);
-
-// Defined in cpu/nvfp4_quant.cpp.
-void check_float_input(const at::Tensor& x, const char* op, const char* name, int64_t multiple);
-bool check_global_scale(const at::Tensor& gs, at::IntArrayRef lead, const at::Tensor& like, const char* op);
-void check_dequant_inputs(const at::Tensor& packed, const at::Tensor& block_scale, at::ScalarType dtype,
-                          const char* op);
-void check_row_weight(const c10::optional<at::Tensor>& w, int64_t rows, const at::Tensor& like, const char* op);
-std::vector<int64_t> with_last(at::IntArrayRef sizes, int64_t last);
 
 }  // namespace dsv4::nvfp4
 

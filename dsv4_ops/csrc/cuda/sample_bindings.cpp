@@ -7,32 +7,17 @@
 #include <torch/library.h>
 
 #include "cuda/launchers.h"
+#include "sample_checks.h"
 
 namespace {
-
-void check_param(const at::Tensor& x, const at::Tensor& logits, const char* name, at::ScalarType dtype) {
-  const int64_t B = logits.size(0);
-  TORCH_CHECK(x.dim() == 1 && x.size(0) == B, "dsv4::sample: ", name, " must have shape [B] = [", B, "], got ",
-              x.sizes());
-  TORCH_CHECK(x.scalar_type() == dtype, "dsv4::sample: ", name, " must be ", dtype, ", got ", x.scalar_type());
-  TORCH_CHECK(x.device() == logits.device(), "dsv4::sample: ", name, " must be on ", logits.device(), ", got ",
-              x.device());
-}
 
 at::Tensor sample_cuda(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
                        const at::Tensor& top_p, const at::Tensor& seed, const at::Tensor& offset) {
   TORCH_CHECK(logits.is_cuda(), "dsv4::sample: logits must be a CUDA tensor");
-  TORCH_CHECK(logits.dim() == 2, "dsv4::sample: logits must be [B, V], got ", logits.sizes());
-  TORCH_CHECK(logits.scalar_type() == at::kFloat, "dsv4::sample: logits must be float32, got ",
-              logits.scalar_type());
+  dsv4_sample::check(logits, temperature, top_k, top_p, seed, offset);
   const int64_t B = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(V > 0 && V < (int64_t(1) << 31), "dsv4::sample: V must be in [1, 2^31), got ", V);
+  TORCH_CHECK(V < (int64_t(1) << 31), "dsv4::sample: V must be in [1, 2^31), got ", V);
   TORCH_CHECK(B < 65536, "dsv4::sample: at most 65535 rows, got ", B);
-  check_param(temperature, logits, "temperature", at::kFloat);
-  check_param(top_k, logits, "top_k", at::kLong);
-  check_param(top_p, logits, "top_p", at::kFloat);
-  check_param(seed, logits, "seed", at::kLong);
-  check_param(offset, logits, "offset", at::kLong);
   const c10::cuda::CUDAGuard guard(logits.device());
   const at::Tensor lc = logits.contiguous(), tc = temperature.contiguous(), kc = top_k.contiguous(),
                    pc = top_p.contiguous(), sc = seed.contiguous(), oc = offset.contiguous();

@@ -1,0 +1,43 @@
+// Argument checks shared by the CPU and CUDA kernels of dsv4::indexer_score_topk (docs/ops.md "## Indexer"); the
+// CUDA kernel's own limits (D, H, B, topk) stay in its bindings.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace dsv4_indexer {
+
+inline void check(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_codes,
+                  const at::Tensor& k_scales, const at::Tensor& n_valid, int64_t topk,
+                  std::optional<at::ScalarType> weights_dtype) {
+  const char* op = "dsv4::indexer_score_topk: ";
+  TORCH_CHECK(q.dim() == 3, op, "q must be [B, H, D], got ", q.sizes());
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, op,
+              "q must be bfloat16 or float32, got ", q.scalar_type());
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(D > 0 && D % 32 == 0, op, "q's last dim D must be a positive multiple of 32, got ", D);
+  TORCH_CHECK(weights.dim() == 2 && weights.size(0) == B && weights.size(1) == H, op, "weights must be [B, H] = [",
+              B, ", ", H, "], got ", weights.sizes());
+  TORCH_CHECK(weights.scalar_type() == at::kFloat, op, "weights must be float32, got ", weights.scalar_type());
+  TORCH_CHECK(k_codes.dim() == 3 && k_codes.size(0) == B && k_codes.size(2) == D / 2, op,
+              "k_codes must be [B, N, D/2] = [", B, ", N, ", D / 2, "], got ", k_codes.sizes());
+  TORCH_CHECK(k_codes.scalar_type() == at::kByte, op, "k_codes must be uint8, got ", k_codes.scalar_type());
+  const int64_t N = k_codes.size(1);
+  TORCH_CHECK(N < (int64_t(1) << 31), op, "at most 2^31-1 keys per row, got N = ", N);
+  TORCH_CHECK(k_scales.dim() == 3 && k_scales.size(0) == B && k_scales.size(1) == N && k_scales.size(2) == D / 32, op,
+              "k_scales must be [B, N, D/32] = [", B, ", ", N, ", ", D / 32, "], got ", k_scales.sizes());
+  TORCH_CHECK(k_scales.scalar_type() == at::kByte, op, "k_scales must be uint8 (UE8M0 exponents), got ",
+              k_scales.scalar_type());
+  TORCH_CHECK(n_valid.dim() == 1 && n_valid.size(0) == B, op, "n_valid must be [B] = [", B, "], got ",
+              n_valid.sizes());
+  TORCH_CHECK(n_valid.scalar_type() == at::kInt || n_valid.scalar_type() == at::kLong, op,
+              "n_valid must be int32 or int64, got ", n_valid.scalar_type());
+  TORCH_CHECK(topk >= 0, op, "topk must be >= 0, got ", topk);
+  TORCH_CHECK(!weights_dtype || *weights_dtype == at::kBFloat16 || *weights_dtype == at::kHalf, op,
+              "weights_dtype must be bfloat16, float16 or None, got ", *weights_dtype);
+  for (const at::Tensor* t : {&weights, &k_codes, &k_scales, &n_valid})
+    TORCH_CHECK(t->device() == q.device(), op, "all inputs must be on ", q.device(), ", got one on ", t->device());
+}
+
+}  // namespace dsv4_indexer
