@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "../sample_math.h"
+#include "device_info.h"
 #include "launchers.h"
 
 namespace {
@@ -18,7 +19,7 @@ using namespace dsv4_sample;
 
 constexpr int kThreshThreads = 1024;
 constexpr int kPartialThreads = 256;
-constexpr int kTargetCtas = 264;  // 2 per SM on an H200 (132 SMs)
+constexpr int kCtasPerSm = 2;  // partial-kernel CTAs per SM (264 on an H200's 132 SMs)
 constexpr int kNoIndex = 0x7fffffff;
 
 struct Params {
@@ -244,10 +245,12 @@ __global__ void sample_finalize_kernel(const float* part_v, const int* part_i, i
 
 }  // namespace
 
+// Splits per row so that B rows fill kCtasPerSm CTAs per SM of the current device (the bindings' CUDAGuard).
 extern "C" int dsv4_sample_num_splits(int64_t B, int64_t V) {
+  const int64_t target_ctas = int64_t(kCtasPerSm) * dsv4_cuda::sm_count();
   const int64_t groups = (V + 3) / 4;
   const int64_t max_splits = (groups + kPartialThreads - 1) / kPartialThreads;  // >= 1 group per thread
-  int64_t s = (kTargetCtas + B - 1) / (B > 0 ? B : 1);
+  int64_t s = (target_ctas + B - 1) / (B > 0 ? B : 1);
   if (s > max_splits) s = max_splits;
   if (s < 1) s = 1;
   return (int)s;
