@@ -34,13 +34,6 @@ FLOAT_TAGS = frozenset({"F64", "F32", "F16", "BF16"})
 INT_TAGS = frozenset({"I64", "I32", "I16", "I8", "U8"})
 
 
-def st_dtype_tag(dtype: torch.dtype) -> str:
-    for tag, d in ST_DTYPES.items():
-        if d == dtype:
-            return tag
-    raise KeyError(f"no safetensors dtype for {dtype}")
-
-
 @dataclass(frozen=True)
 class TensorInfo:
     key: str

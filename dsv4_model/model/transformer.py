@@ -264,8 +264,6 @@ class Transformer(nn.Module):
             elif isinstance(mod, Compressor):
                 mod.alloc_runtime(device)
 
-    init_caches = setup_runtime
-
     @torch.no_grad()
     def narrow_weights_(self, lossless: bool | None = None) -> "Transformer":
         """Hold the fp32-math weights that only carry bf16 values in bf16 (layers.narrow_if_lossless_: the same

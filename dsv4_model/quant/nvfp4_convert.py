@@ -11,7 +11,8 @@ Sources and how they become NVFP4:
   and the E2M1 codes are kept. Blocks below that window are re-quantized from their dequantized values (with
   the same global scale; in practice they flush to ~0, being < 2^-17 of the tensor's largest block) and a
   warning names the tensor and the count. The other blocks stay exact.
-- FP8 128x128 blocks: dequantized exactly to fp32, then quantized with a per-tensor amax global scale.
+- FP8 128x128 blocks: dequantized exactly by the loader (`quant.formats.dequant_fp8_blocks`), then quantized as a
+  float.
 - Float (bf16 / fp32): post-training quantization, per-tensor amax (`dsv4_model.quant.nvfp4.quantize_weight`).
 - NVFP4 (ModelOpt): kept as is. w1 and w3 of an expert share one global scale in the MoE kernel; when their
   `weight_scale_2` differ, `unify_global_scale` re-encodes the block scales of the one with the smaller global
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4_model.quant.nvfp4 import BLOCK, E2M1_VALUES, E4M3_MAX, pack_codes, quantize_weight, unpack_codes
-from dsv4_model.quant.formats import FP4_BLOCK, dequant_fp8_blocks, e8m0_to_float
+from dsv4_model.quant.formats import FP4_BLOCK, e8m0_to_float
 
 # E4M3 holds every power of two 2^-9 (smallest subnormal) .. 2^8 exactly: 18 values.
 E4M3_POW2_MIN, E4M3_POW2_MAX = -9, 8
@@ -90,11 +91,6 @@ def dequant_nvfp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch
 def float_to_nvfp4(w: torch.Tensor) -> Nvfp4Tensor:
     """Post-training NVFP4 of a float [..., N, K] (one amax / 2688 global scale per matrix)."""
     return Nvfp4Tensor(*quantize_weight(w))
-
-
-def fp8_blocks_to_nvfp4(weight: torch.Tensor, scale: torch.Tensor) -> Nvfp4Tensor:
-    """FP8 e4m3 [N, K] + 128x128-block scales -> NVFP4 (exact fp32 dequantization, then per-tensor amax)."""
-    return float_to_nvfp4(dequant_fp8_blocks(weight, scale, torch.float32))
 
 
 def mxfp4_to_nvfp4(packed: torch.Tensor, scale: torch.Tensor, *, name: str = "tensor") -> Nvfp4Tensor:

@@ -1,4 +1,4 @@
-"""Per-row sampling parameters as static device tensors, and the sampling call.
+"""Per-row sampling parameters as static device tensors.
 
 All per-step state the sampler reads (temperature, top-k, top-p, seed, RNG offset) lives in preallocated
 device tensors, so the sampler can sit inside a compiled graph or a CUDA graph: a step draws fresh numbers
@@ -10,8 +10,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-
-from dsv4_ops import ops
 
 
 @dataclass(frozen=True)
@@ -43,12 +41,6 @@ SEED_MIN, SEED_MAX = -2**63, 2**64 - 1
 def seed_key(seed: int) -> int:
     """The seed as the int64 the sampler's seed tensor holds (two's complement of seed mod 2**64)."""
     return (int(seed) + 2**63) % 2**64 - 2**63
-
-
-def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """int64 [B] token ids from fp32 logits [B, V]; see docs/ops.md "Sampler"."""
-    return ops.sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, offset=offset)
 
 
 class SamplerBuffers:

@@ -31,11 +31,6 @@ def nvfp4_linear_grouped_ref(x, w_packed, w_scale, w_global_scale) -> torch.Tens
                         for g in range(x.shape[-2])], dim=-2)
 
 
-def nvfp4_linear_multi_ref(x, w_packed, w_scale, w_global_scale) -> list[torch.Tensor]:
-    """One input, several matrices: [nvfp4_linear_ref(x, W_i) for each i]."""
-    return [nvfp4_linear_ref(x, w, s, g) for w, s, g in zip(w_packed, w_scale, w_global_scale)]
-
-
 def nvfp4_linear_w4a4_ref(x_packed, x_scale, x_global_scale, w_packed, w_scale, w_global_scale,
                           out_dtype=torch.bfloat16) -> torch.Tensor:
     """W4A4 (Blackwell NVFP4 GEMM numerics): both operands dequantized exactly, fp32 accumulation."""
