@@ -272,3 +272,62 @@ def test_logprobs_are_the_models(engine32, prompt_ids):
             logits = eng.decode(torch.tensor([t]))
     with pytest.raises(ValueError, match="logprobs"):
         s.submit(Request(prompt_ids[0], logprobs=21))
+
+
+def test_riding_rows_at_a_window_close_keep_their_state(engine32):
+    """A prompt prefilled one token per iteration (so its row rides along in decode steps at every position,
+    window-closing ones included) while a higher row generates: its tokens equal its alone tokens (the step must
+    not shift the riding row's compressor state past the window its next chunk reads)."""
+    eng, tok = engine32, engine32.get_tokenizer()
+    ids = tok.encode((DEFAULT_MODEL_DIR / "heldout_sample.txt").read_text())
+    for off in (0, 500):
+        prompt = ids[off:off + 40]
+        alone = Scheduler(eng, max_prefill_tokens=1)
+        ref = alone.submit(Request(prompt, SamplingParams(), 24, ignore_eos=True))
+        alone.run_until_idle()
+        s = Scheduler(eng, max_prefill_tokens=1)
+        s.submit(Request([5, 6, 7], SamplingParams(), 1, ignore_eos=True))  # row 0 for a moment
+        s.submit(Request(ids[300:303], SamplingParams(), 120, ignore_eos=True))  # row 1, generating throughout
+        for _ in range(6):
+            s.step()
+        got = s.submit(Request(prompt, SamplingParams(), 24, ignore_eos=True))  # row 0, below the generating row
+        s.run_until_idle()
+        assert got.token_ids == ref.token_ids, off
+
+
+def test_same_prompt_again_is_not_continued_from_its_last_position(engine32, prompt_ids):
+    """A finished request's prompt sent again: its caches hold one position more than a continuation from the
+    prompt's last token could use (that position's write overwrote what it reads), so it is prefilled cold."""
+    s = Scheduler(engine32, max_prefill_tokens=16)
+    first = s.submit(Request(prompt_ids[4], _params(4), 1))
+    s.run_until_idle()
+    again = s.submit(Request(prompt_ids[4], _params(4), 6))
+    s.run_until_idle()
+    cold = Scheduler(engine32, max_prefill_tokens=16, reuse=False)
+    ref = cold.submit(Request(prompt_ids[4], _params(4), 6))
+    cold.run_until_idle()
+    assert s.stats.reuse_hits == 0 and again.token_ids == ref.token_ids and again.token_ids[:1] == first.token_ids
+
+
+def test_cancelled_before_submit(engine32):
+    s = Scheduler(engine32)
+    r = Request([0, 5, 6], SamplingParams(), 20, ignore_eos=True)
+    r.cancel()
+    s.submit(r)
+    s.run_until_idle()
+    assert r.finish_reason == "cancelled" and r.token_ids == []
+
+
+def test_generate_pads_the_bucket_past_its_rows(engine32):
+    """generate() with 3 prompts on 4 rows steps in a bucket of 4 when the runner pads to buckets (compile / CUDA
+    graphs): the 4th row rides along; the tokens are the unpadded run's."""
+    prompts = [[0, 5, 6], [0, 7], [0, 9, 9, 9]]
+    eng = Engine.from_pretrained(DEFAULT_MODEL_DIR, device="cpu", dtype=torch.float32, max_batch_size=4,
+                                 max_seq_len=128, quant="none", progress=False)
+    want = generate(eng, prompts, max_new_tokens=5).token_ids
+    from dsv4_model.runtime.compiled import DecodeRunner
+
+    eng._runner = DecodeRunner(eng.model, compile=True, compile_backend="eager")  # pads 3 rows to a bucket of 4
+    eng._runner_built_from = eng._checked_runner_options()
+    assert eng.runner().bucket(3) == 4
+    assert generate(eng, prompts, max_new_tokens=5).token_ids == want

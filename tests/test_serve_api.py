@@ -239,6 +239,10 @@ def test_a_chunk_carries_each_choice_once():
                    {"index": 1, "text": "x", "logprobs": None, "finish_reason": None}]) == [
         {"index": 0, "text": "abc", "logprobs": None, "finish_reason": "length"},
         {"index": 1, "text": "x", "logprobs": None, "finish_reason": None}]
+    two = _merge([{"index": i, "text": x, "logprobs": None, "finish_reason": None}
+                  for i, x in ((0, "a"), (1, "b"), (0, "c"), (1, "d"))] + [done])
+    assert two == [{"index": 0, "text": "ac", "logprobs": None, "finish_reason": "length"},
+                   {"index": 1, "text": "bd", "logprobs": None, "finish_reason": None}]  # n = 2, two steps queued
     call = {"tool_calls": [{"index": 0, "id": "c1", "type": "function",
                             "function": {"name": "f", "arguments": "{}"}}]}
     got = _merge([{"index": 0, "delta": call, "logprobs": None, "finish_reason": None},

@@ -301,6 +301,23 @@ class Transformer(nn.Module):
                 buf.index_copy_(0, ia, buf.index_select(0, ib))
                 buf.index_copy_(0, ib, held)
 
+    def compressor_ratios(self) -> set[int]:
+        return {mod.ratio for mod in self.modules() if isinstance(mod, Compressor)}
+
+    @torch.no_grad()
+    def save_compressor_rows(self, rows: list[int]) -> list[torch.Tensor]:
+        """Copies of every compressor state's rows `rows` (restore_compressor_rows puts them back)."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return [buf.index_select(0, idx) for name, buf in self.named_buffers()
+                if name.endswith(("kv_state", "score_state"))]
+
+    @torch.no_grad()
+    def restore_compressor_rows(self, rows: list[int], saved: list[torch.Tensor]) -> None:
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        bufs = [buf for name, buf in self.named_buffers() if name.endswith(("kv_state", "score_state"))]
+        for buf, held in zip(bufs, saved, strict=True):
+            buf.index_copy_(0, idx, held)
+
     def cache_nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for n, b in self.named_buffers() if n.endswith(self.CACHE_SUFFIXES))
 

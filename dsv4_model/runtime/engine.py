@@ -78,6 +78,11 @@ class Engine(EngineSession):
         dev = self.device
         return self.model.prefill(tokens.to(dev), lengths.to(dev), start=start.to(dev))
 
+    def protect_rows(self, rows: list[int]):
+        """Their compressor states, to put back after a decode step they ride along in (restore())."""
+        saved = self.model.save_compressor_rows(rows)
+        return lambda: self.model.restore_compressor_rows(rows, saved)
+
     def swap_rows(self, pairs: list[tuple[int, int]]) -> None:
         """Exchange the caches of each pair of rows (the scheduler's prefill placement)."""
         self.model.swap_rows_([a for a, _ in pairs], [b for _, b in pairs])

@@ -11,7 +11,7 @@ from typing import Callable
 from dsv4_model.checkpoint.tokenizer import StreamDecoder
 from dsv4_model.runtime.sampling import SamplingParams
 
-FINISH_REASONS = ("stop", "length", "max_seq_len", "cancelled")
+FINISH_REASONS = ("stop", "length", "max_seq_len", "cancelled", "error")
 
 # on_token(request, token_id, text): every emitted token in order; `text` is the text it adds ("" while a UTF-8
 # character or a possible stop string is incomplete; None without a tokenizer). A final call with token_id None

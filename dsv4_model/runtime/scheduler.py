@@ -63,8 +63,9 @@ class _Row:
     last_used: float = 0.0
 
     def harmless_position(self, max_seq_len: int) -> int:
-        if self.filled >= max_seq_len:  # no continuation possible: the row's content is dropped
-            self.owner, self.seq, self.filled = None, [], 0
+        if self.filled >= max_seq_len:  # a full row: nothing continues it, so it is no use for reuse either
+            self.owner = None
+            return 0
         return self.filled
 
 
@@ -123,6 +124,8 @@ class Scheduler:
         self._admits: list[tuple[int, object]] = []  # sampler rows to set in the next plan
         self.on_step = None  # called on the scheduler's thread after each step (a server delivers its events then)
         self._closed = False
+        model = getattr(engine, "model", None)
+        self._ratios = sorted(model.compressor_ratios()) if hasattr(model, "compressor_ratios") else []
         self._decoding: list[_Row] = []  # rows in phase "decode", by index (the hot loop's list)
         self._prefilling: list[_Row] = []  # rows in phase "prefill", in order of admission
         self._any_cancel = threading.Event()  # set by Request.cancel(): only then are the rows searched
@@ -146,6 +149,8 @@ class Scheduler:
         req.timings.submitted = time.perf_counter()
         req.start_text(self.tokenizer)
         req._on_cancel = self._any_cancel.set
+        if req.cancelled:  # cancelled before it got here: its cancel() had no scheduler to wake
+            self._any_cancel.set()
         with self._lock:
             self._waiting.append(req)
             self._lock.notify()
@@ -194,8 +199,19 @@ class Scheduler:
                 if self.distributed and time.monotonic() - quiet_since > heartbeat_s:
                     broadcast_plan(StepPlan(), self.group, self._wire)
                     quiet_since = time.monotonic()
+        except BaseException:
+            self._fail_all()
+            raise
         finally:
             self.close()
+
+    def _fail_all(self) -> None:
+        """The loop died: every request it holds ends ("error"), so no caller waits forever."""
+        now = time.perf_counter()
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        for req in waiting + [r.req for r in self.rows if r.req is not None]:
+            req.finish("error", now)
 
     def stop(self) -> None:
         with self._lock:
@@ -278,9 +294,9 @@ class Scheduler:
         return min(free, key=lambda r: r.last_used), 0
 
     def _reusable(self, row: _Row, prompt: list[int]) -> int:
-        """Prompt positions row's caches already hold: the whole written sequence, or all of it but the last
-        position (whose rewrite is harmless); 0 when the prompt does not extend it (a shorter shared prefix is no
-        use: positions written after it have overwritten the window ring and compressor state it needs)."""
+        """Prompt positions row's caches already hold: the whole written sequence when the prompt extends it, else 0
+        (a shorter shared prefix is no use: positions written after it have overwritten the window ring and
+        compressor state it needs)."""
         n = row.filled
         if row.owner is None or n == 0 or len(row.seq) < n or n >= self.max_seq_len:
             return 0
@@ -289,8 +305,9 @@ class Scheduler:
             if a != b:
                 break
             common += 1
-        start = min(common, n, len(prompt) - 1)  # the prompt's last token is always prefilled (its logits)
-        return start if start >= max(1, n - 1) else 0
+        # the whole sequence, and at least one new token (its logits): continuing from an earlier position would
+        # read window-ring slots and compressor state rows that later positions have overwritten
+        return n if common >= n and len(prompt) > n else 0
 
     def _free(self, row: _Row, reason: str, now: float) -> None:
         req = row.req
@@ -434,8 +451,14 @@ class Scheduler:
             pos = [r.filled for r in live]
         else:  # rows not generating ride along where their writes are harmless
             pos = [r.harmless_position(self.max_seq_len) for r in self.rows[:bucket]]
+            pos += [0] * (bucket - len(pos))  # rows past this scheduler's (generate() with fewer): none of ours
             for r in live:
                 pos[r.index] = r.filled
+            # a riding row at a position that closes a compressor window would shift its compressor state past
+            # the window its next chunk reads: the step must leave those states as they were
+            is_live = {r.index for r in live}
+            plan.protect = [i for i, p in enumerate(pos[:len(self.rows)]) if i not in is_live and p > 0
+                            and any((p + 1) % m == 0 for m in self._ratios)]
         host = self._pos_host[slot]
         host[:bucket] = torch.tensor(pos, dtype=torch.long)
         plan.decode_rows, plan.positions = n, host[:bucket]

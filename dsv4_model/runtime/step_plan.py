@@ -32,6 +32,7 @@ class StepPlan:
     first_slots: list[int] = field(default_factory=list)  # each first row's row of the prefill logits
     swaps: list[tuple[int, int]] = field(default_factory=list)  # cache rows exchanged around the prefill
     decode_rows: int = 0  # the step runs rows [:decode_rows] (padded to their bucket)
+    protect: list[int] = field(default_factory=list)  # riding rows whose compressor states the step must not keep
     positions: torch.Tensor | None = None  # host [bucket]
     stop: bool = False
 
@@ -51,8 +52,11 @@ class StepPlan:
             if self.first_rows:
                 first = runner.sample_rows(self.prefill_logits, self.first_rows, self.first_slots)
         if self.decode_rows:
+            restore = engine.protect_rows(self.protect) if self.protect else None
             ids = runner.launch(self.decode_rows, self.positions)
             self.decode_logits = runner.last_logits
+            if restore is not None:
+                restore()
         return first, ids
 
     # ------------------------------------------------------------------ wire format
@@ -61,11 +65,13 @@ class StepPlan:
         top_p bits, seed) + first rows + first slots + swap pairs + lengths, starts, tokens + positions."""
         B, S = (0, 0) if self.prefill is None else tuple(self.prefill[0].shape)
         npos = 0 if self.positions is None or not self.decode_rows else self.positions.shape[0]
-        head = [int(self.stop), len(self.admits), B, S, len(self.first_rows), self.decode_rows, npos, len(self.swaps)]
+        head = [int(self.stop), len(self.admits), B, S, len(self.first_rows), self.decode_rows, npos, len(self.swaps),
+                len(self.protect)]
         adm = [v for row, p in self.admits
                for v in (row, _f2i(p.temperature), p.top_k, _f2i(p.top_p), seed_key(p.seed))]
         swaps = [v for pair in self.swaps for v in pair]
-        parts = [torch.tensor(head + adm + self.first_rows + self.first_slots + swaps, dtype=torch.long)]
+        parts = [torch.tensor(head + adm + self.first_rows + self.first_slots + swaps + self.protect,
+                              dtype=torch.long)]
         if self.prefill is not None:
             tokens, lengths, start = self.prefill
             parts += [lengths.long(), start.long(), tokens.long().reshape(-1)]
@@ -76,8 +82,8 @@ class StepPlan:
     @classmethod
     def decode(cls, t: torch.Tensor) -> "StepPlan":
         v = t.tolist()
-        stop, na, B, S, nf, dr, npos, nsw = v[:8]
-        i = 8
+        stop, na, B, S, nf, dr, npos, nsw, npr = v[:9]
+        i = 9
         admits = []
         for _ in range(na):
             row, temp, top_k, top_p, seed = v[i:i + 5]
@@ -87,6 +93,8 @@ class StepPlan:
         i += 2 * nf
         swaps = [(v[i + 2 * j], v[i + 2 * j + 1]) for j in range(nsw)]
         i += 2 * nsw
+        protect = v[i:i + npr]
+        i += npr
         prefill = None
         if B:
             lengths, start = t[i:i + B], t[i + B:i + 2 * B]
@@ -94,7 +102,7 @@ class StepPlan:
             prefill = (tokens, lengths, start)
             i += 2 * B + B * S
         positions = t[i:i + npos] if npos else None
-        return cls(admits, prefill, first, slots, swaps, dr, positions, bool(stop))
+        return cls(admits, prefill, first, slots, swaps, dr, protect, positions, bool(stop))
 
 
 def broadcast_plan(plan: StepPlan | None, group=None, device: torch.device | str = "cpu") -> StepPlan:

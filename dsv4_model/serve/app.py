@@ -324,23 +324,26 @@ def chat_logprobs(tok, ids: list[int], entries: list) -> dict:
 
 
 def _merge(choices: list[dict]) -> list[dict]:
-    """Consecutive pieces of one choice joined (a chunk carries each choice once): their text (completions) or their
-    deltas' fields (chat: texts and tool-call lists concatenated field by field); a finishing piece adds its
-    finish_reason."""
+    """The pieces of each choice joined (a chunk carries each choice once, whatever order the steps' events of
+    several choices came in): their text (completions) or their deltas' fields (chat: texts and tool-call lists
+    concatenated field by field); a finishing piece adds its finish_reason."""
     out: list[dict] = []
+    at: dict[int, int] = {}  # choice index -> its entry in out
     for c in choices:
-        last = out[-1] if out else None
-        if last is not None and last["index"] == c["index"] and last["finish_reason"] is None:
+        j = at.get(c["index"])
+        last = out[j] if j is not None else None
+        if last is not None and last["finish_reason"] is None:
             lp = _merge_logprobs(last.get("logprobs"), c.get("logprobs"))
             if "text" in c:
-                out[-1] = {**last, **c, "text": last["text"] + c["text"], "logprobs": lp}
+                out[j] = {**last, **c, "text": last["text"] + c["text"], "logprobs": lp}
                 continue
             a, b = last["delta"], c["delta"]
             if all(type(a[k]) is type(b[k]) and isinstance(a[k], (str, list)) for k in a.keys() & b.keys()):
                 # each field keeps its own order (reasoning, content and tool calls are read field by field)
-                out[-1] = {**last, **c, "delta": {**a, **b, **{k: a[k] + b[k] for k in a.keys() & b.keys()}},
-                           "logprobs": lp}
+                out[j] = {**last, **c, "delta": {**a, **b, **{k: a[k] + b[k] for k in a.keys() & b.keys()}},
+                          "logprobs": lp}
                 continue
+        at[c["index"]] = len(out)
         out.append(c)
     return out
 
