@@ -199,18 +199,3 @@ class ExportedEngine(EngineSession):
     # -- the engine interface (dsv4_model.runtime.session.EngineSession: prefill, decode, generate, state) ------
     _prefill_logits = prefill_step
     _decode_logits = decode_step
-
-    @torch.no_grad()
-    def generate_greedy(self, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
-        """Greedy continuation of one prompt, no stop tokens: the loop the C++ runner runs."""
-        if len(prompt_ids) + max_new_tokens - 1 > self.max_seq_len:
-            raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) exceeds "
-                             f"max_seq_len {self.max_seq_len}")
-        self.reset()
-        logits = self.prefill(torch.tensor([list(prompt_ids)]))
-        out: list[int] = []
-        for i in range(max_new_tokens):
-            out.append(int(logits[0].argmax()))
-            if i + 1 < max_new_tokens:
-                logits = self.decode(torch.tensor([out[-1]]))
-        return out

@@ -27,6 +27,7 @@ from dsv4_model.quant.quantize_model import quantize_model_
 from dsv4_export import metadata as md
 from dsv4_export.build import build_package, written_inputs
 from dsv4_export.load import ExportedEngine, PackageMismatch
+from helpers.greedy import greedy_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_B, MAX_S, BUCKET_S, CHUNK = 2, 32, 16, 8
@@ -106,6 +107,7 @@ def _run_fresh(pkg, tmp_path, ids, lens, fed):
     r = _python(f"""
         import torch
         from dsv4_export.load import ExportedEngine
+        from tests.helpers.greedy import greedy_ids
         eng = ExportedEngine({pkg.path!r})
         x = torch.load({inp!r})
         before = [c.clone() for c in eng.caches]
@@ -115,7 +117,7 @@ def _run_fresh(pkg, tmp_path, ids, lens, fed):
             logits.append(eng.decode(torch.tensor(nxt)).cpu())
         gen = eng.generate(x["prompts"], max_new_tokens={STEPS}).token_ids
         gen_single = eng.generate([x["prompts"][1]], max_new_tokens={STEPS}).token_ids[0]
-        greedy = [eng.generate_greedy(p, {STEPS}) for p in x["prompts"]]
+        greedy = [greedy_ids(eng, p, {STEPS}) for p in x["prompts"]]
         meta = eng.entry_metadata("decode_b{MAX_B}")
         torch.save({{"logits": logits, "written": written, "generate": gen, "gen_single": gen_single,
                     "greedy": greedy, "entry_meta": meta, "caches": [s.name for s in eng.cache_specs]}}, {out!r})
@@ -289,7 +291,7 @@ def test_cpp_runner_matches_python_cpu(cpu_pkg, cpu_fresh, runner_bin):
 def test_cpp_runner_prefills_a_long_prompt_in_chunks(cpu_pkg, runner_bin):
     """A prompt longer than every prefill bucket: the C++ runner's chunks give Python's greedy ids exactly."""
     prompt = [(7 * i + 3) % cpu_pkg.config.vocab_size for i in range(21)]
-    assert _cpp_greedy(runner_bin, cpu_pkg, prompt, STEPS) == ExportedEngine(cpu_pkg.path).generate_greedy(prompt, STEPS)
+    assert _cpp_greedy(runner_bin, cpu_pkg, prompt, STEPS) == greedy_ids(ExportedEngine(cpu_pkg.path), prompt, STEPS)
 
 
 @pytest.mark.cuda
