@@ -3,7 +3,7 @@ a model's held-out text (default: the built-in model and its heldout_sample.txt)
 tokens per step that gives for K = 1..3 draft tokens.
 
     python eval/mtp_acceptance.py [--model DIR] [--text FILE] [--window 512] [--quant none|nvfp4]
-    python eval/mtp_acceptance.py --generate 200        # also: measured, greedy speculative decoding (eager)
+    python eval/mtp_acceptance.py --generate 200        # also: measured, greedy speculative decoding (generate)
 
 Per window, one pass of the main model gives its streams h_t and greedy tokens g_t (the prediction of x_{t+1});
 pass k of the MTP block (its own output streams feeding the next pass, as a K-token draft chains it) gives the
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quant", default=None, help="none | nvfp4 (default: as stored)")
     ap.add_argument("--generate", type=int, default=0,
                     help="also decode this many tokens from the first 8 held-out lines as prompts with K = 1..depth "
-                         "drafts (dsv4_model.runtime.speculative) and report the measured rates")
+                         "drafts (generate(..., speculate=K)) and report the measured rates")
     args = ap.parse_args(argv)
     eng = Engine.from_pretrained(args.model, device="cpu", dtype=torch.float32, max_batch_size=1,
                                  max_seq_len=args.window, quant=args.quant, progress=False, compile=False)
@@ -102,8 +102,9 @@ def main(argv=None) -> int:
 
 
 def measure(args, text: str, n: int) -> None:
-    """Greedy speculative decoding of n tokens per prompt (8 held-out lines, one batch) at K = 1..depth."""
-    from dsv4_model.runtime.speculative import speculative_greedy
+    """Greedy speculative decoding (generate(..., speculate=K), the served path) of up to n tokens per prompt
+    (8 held-out lines, one batch; a row stops at EOS) at K = 1..depth."""
+    from dsv4_model.runtime.generate import generate
 
     lines = [ln for ln in text.splitlines() if len(ln.strip()) > 8][:8]
     for k in range(1, args.depth + 1):
@@ -112,9 +113,7 @@ def measure(args, text: str, n: int) -> None:
                                      spare_window_slots=k)
         tok = load_tokenizer(args.model, eng.model.config)
         ids = [tok.encode(ln + "\n") for ln in lines]
-        L = max(map(len, ids))
-        prompt = torch.tensor([i + [0] * (L - len(i)) for i in ids])
-        _, stats = speculative_greedy(eng.model, prompt, n, k, torch.tensor([len(i) for i in ids]))
+        stats = generate(eng, ids, max_new_tokens=n, speculate=k).extra["speculation"]
         rates = " / ".join(f"{100 * r:.1f}%" for r in stats.acceptance())
         print(f"measured, K = {k}: {len(lines)} prompts x {n} tokens, {stats.steps} steps, acceptance per draft "
               f"{rates}, {stats.tokens_per_step:.2f} tokens per step")

@@ -14,8 +14,8 @@ import torch
 from dsv4_model.checkpoint.writer import TINY_CONFIG
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.transformer import Transformer
-from dsv4_model.runtime.speculative import speculative_greedy
 
+from helpers.speculative_greedy import speculative_greedy
 from test_default_model import ASSETS, needs_assets
 
 CFG = ModelConfig(**{**TINY_CONFIG, "n_layers": 3, "compress_ratios": [0, 4, 16, 0]}).validate()

@@ -8,8 +8,8 @@ import torch
 from dsv4_model.checkpoint.writer import TINY_CONFIG
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.transformer import Transformer
-from dsv4_model.runtime.speculative import speculative_greedy
 
+from helpers.speculative_greedy import speculative_greedy
 from test_default_model import ASSETS, needs_assets
 
 N = 200
