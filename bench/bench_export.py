@@ -35,6 +35,7 @@ import dsv4_ops  # noqa: E402,F401
 from common import cuda_missing, flash, floor_seconds, micro, print_header  # noqa: E402
 from dsv4_model.runtime.compiled import DecodeRunner  # noqa: E402
 from dsv4_model.model.transformer import Transformer  # noqa: E402
+from dsv4_model.quant.random_model import init_random_weights  # noqa: E402
 from dsv4_model.quant.quantize_model import quantize_model_  # noqa: E402
 from dsv4_model.runtime.sampling import SamplingParams  # noqa: E402
 from dsv4_export.build import build_package  # noqa: E402
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
             cfg = model_config(name)
             t = time.perf_counter()
             model = Transformer(cfg, max_batch_size=1, max_seq_len=MAX_SEQ, dtype=torch.bfloat16, device="cuda")
-            model.init_random_weights(0)
+            init_random_weights(model, 0)
             if args.weights == "nvfp4":
                 quantize_model_(model)
             # A real prefilled state (the same for both runners), so no step computes on empty caches.

@@ -36,7 +36,7 @@ from dsv4_model.runtime.compiled import DecodeRunner  # noqa: E402
 from dsv4_model.model.decode_options import DecodeOptions  # noqa: E402
 from dsv4_ops.overrides import parse as parse_overrides  # noqa: E402
 from dsv4_ops.overrides import set_overrides  # noqa: E402
-from dsv4_model.quant.random_model import bf16_released_values_, randomize_floats_  # noqa: E402
+from dsv4_model.quant.random_model import bf16_released_values_, init_random_weights, randomize_floats_  # noqa: E402
 from dsv4_model.model.config import ModelConfig  # noqa: E402
 from dsv4_model.model.transformer import Transformer  # noqa: E402
 from dsv4_model.quant.quantize_model import quantize_model_  # noqa: E402
@@ -59,7 +59,7 @@ def build(cfg: ModelConfig, device: str, max_seq: int) -> Transformer:
         bf16_released_values_(model)
         model.narrow_weights_()  # as the loader does
     else:
-        model.init_random_weights(0)
+        init_random_weights(model, 0)
     quantize_model_(model)
     model.setup_runtime(torch.device(device))
     return model.eval()

@@ -22,13 +22,14 @@ def count(device: str, overrides: str) -> int:
     from dsv4_model.model.config import ModelConfig
     from dsv4_model.model.decode_options import DecodeOptions
     from dsv4_model.model.transformer import Transformer
+    from dsv4_model.quant.random_model import init_random_weights
     from dsv4_ops.inductor import register_inductor_fallbacks
 
     register_inductor_fallbacks()
     torch._dynamo.reset()
     cfg = ModelConfig(**{**TINY_CONFIG, "n_layers": 2, "compress_ratios": [4, 16], "n_mtp_layers": 0,
                          "index_head_dim": 64}).validate()
-    m = Transformer(cfg, max_batch_size=1, max_seq_len=64, dtype=torch.float32, device=device).init_random_weights(0)
+    m = init_random_weights(Transformer(cfg, max_batch_size=1, max_seq_len=64, dtype=torch.float32, device=device), 0)
     ids = torch.randint(0, cfg.vocab_size, (1, 9), device=device)
     m.prefill(ids)
     opts = DecodeOptions.parse(overrides)

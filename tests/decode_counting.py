@@ -6,6 +6,7 @@ from dsv4_model.checkpoint.writer import TINY_CONFIG
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.decode_options import DecodeOptions
 from dsv4_model.model.transformer import Transformer
+from dsv4_model.quant.random_model import init_random_weights
 
 PROMPT = 13
 
@@ -21,7 +22,7 @@ def decode_counting(monkeypatch, op: str, *, steps: int, device: str = "cpu", dt
     real, count = getattr(torch.ops.dsv4, op), []
     monkeypatch.setattr(torch.ops.dsv4, op, lambda *a: count.append(1) or real(*a))
     m = Transformer(cfg, max_batch_size=2, max_seq_len=max_seq_len, dtype=dtype, device=device)
-    m.init_random_weights(5)
+    init_random_weights(m, 5)
     full = m.prefill(ids.to(device), all_logits=True)[:, PROMPT:].transpose(0, 1).float().cpu()
     m.prefill(ids[:, :PROMPT].to(device))
     count.clear()

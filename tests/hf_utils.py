@@ -138,11 +138,12 @@ def build_pair(cfg: ModelConfig, *, max_batch_size: int = 1, max_seq_len: int = 
                simulate_quant: bool = False, prefill_attn_rows: int | None = None):
     """(hf_model, our Transformer) in float32 on CPU with identical weights (MTP weights random)."""
     from dsv4_model.model.transformer import Transformer
+    from dsv4_model.quant.random_model import init_random_weights
 
     hf = make_hf_model(cfg, seed)
     ours = Transformer(cfg, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=torch.float32,
                        device="cpu", simulate_quant=simulate_quant, prefill_attn_rows=prefill_attn_rows)
-    ours.init_random_weights(seed + 1)
+    init_random_weights(ours, seed + 1)
     sd = hf_to_official_state_dict(hf.state_dict())
     missing, unexpected = ours.load_state_dict(sd, strict=False)
     assert not unexpected, unexpected

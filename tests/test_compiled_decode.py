@@ -24,6 +24,7 @@ from dsv4_model.model.config import ModelConfig
 from dsv4_model.runtime.engine import Engine
 from dsv4_model.runtime.generate import generate
 from dsv4_model.model.transformer import Transformer
+from dsv4_model.quant.random_model import init_random_weights
 from dsv4_model.runtime.sampling import SamplingParams
 from dsv4_model.runtime.session import RunnerOptions
 
@@ -42,8 +43,8 @@ def micro_config(**over) -> ModelConfig:
 
 def make_model(device, max_batch_size=2, max_seq_len=None, seed=0, dtype=torch.float32):
     max_seq_len = max_seq_len or STEPS + 64
-    return Transformer(micro_config(), max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                       dtype=dtype, device=device).init_random_weights(seed)
+    return init_random_weights(Transformer(micro_config(), max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                                           dtype=dtype, device=device), seed)
 
 
 @pytest.fixture
@@ -156,7 +157,7 @@ def _regional_graphs(ratios, steps=40):
     """Regional compile of a micro model with layers of these ratios: (Dynamo graphs compiled, worst error vs
     eager over `steps` steps)."""
     cfg = micro_config(n_layers=len(ratios), compress_ratios=list(ratios))
-    eager_model = Transformer(cfg, max_batch_size=2, max_seq_len=steps + 64).init_random_weights(0)
+    eager_model = init_random_weights(Transformer(cfg, max_batch_size=2, max_seq_len=steps + 64), 0)
     comp_model = copy.deepcopy(eager_model)
     torch._dynamo.reset()  # the variants are cached across models too: count this model's alone
     counters.clear()

@@ -9,6 +9,7 @@ from dsv4_model.checkpoint.writer import TINY_CONFIG
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.decode_options import DecodeOptions
 from dsv4_model.model.transformer import Transformer
+from dsv4_model.quant.random_model import init_random_weights
 
 BOOL_OPTIONS = [f.name for f in dataclasses.fields(DecodeOptions) if f.type in (bool, "bool")]
 
@@ -26,7 +27,7 @@ def test_parse():
 def _logits(opts, steps=6):
     cfg = ModelConfig(**{**TINY_CONFIG, "n_mtp_layers": 0, "n_layers": 3, "compress_ratios": [0, 4, 16]}).validate()
     ids = torch.randint(0, cfg.vocab_size, (2, 13), generator=torch.Generator().manual_seed(3))
-    m = Transformer(cfg, max_batch_size=2, max_seq_len=40, dtype=torch.float32).init_random_weights(5)
+    m = init_random_weights(Transformer(cfg, max_batch_size=2, max_seq_len=40, dtype=torch.float32), 5)
     m.prefill(ids)
     return torch.stack([m.decode_step(ids[:, t], torch.full((2,), 13 + t), opts) for t in range(steps)])
 

@@ -8,7 +8,7 @@ from dsv4_model.checkpoint.writer import TINY_CONFIG, make_config
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.decode_options import DecodeOptions
 from dsv4_model.model.transformer import Transformer
-from dsv4_model.quant.random_model import random_nvfp4_model
+from dsv4_model.quant.random_model import init_random_weights, random_nvfp4_model
 
 PROMPT, TOTAL = 13, 60
 
@@ -17,7 +17,7 @@ def _float_model(simulate_quant: bool, spare: int = 0):
     cfg = ModelConfig(**{**TINY_CONFIG, "n_mtp_layers": 0, "n_layers": 3, "compress_ratios": [0, 4, 16]}).validate()
     m = Transformer(cfg, max_batch_size=2, max_seq_len=64, dtype=torch.float32, simulate_quant=simulate_quant,
                     spare_window_slots=spare)
-    return m.init_random_weights(5), cfg
+    return init_random_weights(m, 5), cfg
 
 
 def _ids(cfg):
@@ -114,7 +114,7 @@ def test_mtp_block_from_any_position_gives_its_forward_over_the_sequence():
     returns) gives what mtp_forward gives over the whole sequence teacher-forced; fp32."""
     cfg = ModelConfig(**{**TINY_CONFIG, "n_layers": 3, "compress_ratios": [0, 4, 16, 0]}).validate()
     m = Transformer(cfg, max_batch_size=2, max_seq_len=64, dtype=torch.float32, simulate_quant=False)
-    m.init_random_weights(6)
+    init_random_weights(m, 6)
     ids = _ids(cfg)[:, :40]
     S = ids.shape[1]
     with torch.no_grad():

@@ -12,6 +12,7 @@ from dsv4_model.checkpoint.writer import make_config
 from dsv4_model.model.dspark import DSpark, main_hidden_of
 from dsv4_model.model.dspark_config import DSparkConfig
 from dsv4_model.model.transformer import Transformer
+from dsv4_model.quant.random_model import init_random_weights
 from tests.dspark_reference import RefDSpark
 
 W = 16  # the tiny config's window
@@ -26,7 +27,7 @@ def _cfg():
 @pytest.fixture(scope="module")
 def parts():
     cfg = _cfg()
-    model = Transformer(cfg, max_batch_size=2, max_seq_len=128, dtype=torch.float32).init_random_weights(3)
+    model = init_random_weights(Transformer(cfg, max_batch_size=2, max_seq_len=128, dtype=torch.float32), 3)
     return cfg, model
 
 

@@ -13,6 +13,7 @@ from dsv4_model.checkpoint.writer import TINY_CONFIG
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.parallel import ExpertShard
 from dsv4_model.model.transformer import Transformer
+from dsv4_model.quant.random_model import init_random_weights
 
 WORLD = 2
 STEPS = 6
@@ -22,7 +23,7 @@ def _model(quant: str) -> Transformer:
     cfg = ModelConfig(**{**TINY_CONFIG, "n_layers": 3, "compress_ratios": [0, 4, 16], "n_mtp_layers": 0,
                          "n_hash_layers": 1, "n_routed_experts": 8}).validate()
     model = Transformer(cfg, max_batch_size=2, max_seq_len=48, dtype=torch.float32, device="cpu")
-    model.init_random_weights(5)
+    init_random_weights(model, 5)
     if quant == "nvfp4":
         from dsv4_model.quant.quantize_model import quantize_model_
 

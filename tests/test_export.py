@@ -23,6 +23,7 @@ from dsv4_model.runtime.engine import Engine
 from dsv4_model.runtime.generate import generate
 from dsv4_model.runtime.session import RunnerOptions
 from dsv4_model.model.transformer import Transformer
+from dsv4_model.quant.random_model import init_random_weights
 from dsv4_model.quant.quantize_model import quantize_model_
 from dsv4_export import metadata as md
 from dsv4_export.build import build_package, written_inputs
@@ -49,8 +50,8 @@ def _python(code: str, **env):
 
 def _make_model(device, nvfp4=True):
     cfg = make_config("tiny", n_layers=2, compress_ratios=[4, 16], n_hash_layers=1, n_mtp_layers=0)
-    model = Transformer(cfg, max_batch_size=MAX_B, max_seq_len=MAX_S, dtype=torch.float32, device=device,
-                        simulate_quant=True).init_random_weights(0)
+    model = init_random_weights(Transformer(cfg, max_batch_size=MAX_B, max_seq_len=MAX_S, dtype=torch.float32,
+                                            device=device, simulate_quant=True), 0)
     return (quantize_model_(model) if nvfp4 else model), cfg
 
 
@@ -449,8 +450,8 @@ def test_bf16_nvfp4_decode_exports_the_moe_rows_fold():
     from dsv4_export.entrypoints import cache_names, call_decode
 
     cfg = make_config("tiny", n_layers=2, compress_ratios=[4, 16], n_hash_layers=1, n_mtp_layers=0)
-    model = quantize_model_(Transformer(cfg, max_batch_size=MAX_B, max_seq_len=MAX_S, dtype=torch.bfloat16,
-                                        simulate_quant=True).init_random_weights(0))
+    model = quantize_model_(init_random_weights(Transformer(cfg, max_batch_size=MAX_B, max_seq_len=MAX_S,
+                                                            dtype=torch.bfloat16, simulate_quant=True), 0))
     entry = Entry(f"decode_b{MAX_B}", "decode", MAX_B)
     names = cache_names(model, probe=lambda: call_decode(model, *_example_inputs(entry, "cpu")))
     ep = export_entry(model, names, entry, device="cpu")

@@ -12,6 +12,7 @@ from dsv4_model.model.config import ModelConfig
 from dsv4_model.runtime.engine import Engine
 from dsv4_model.runtime.generate import generate
 from dsv4_model.model.transformer import Transformer
+from dsv4_model.quant.random_model import init_random_weights
 from dsv4_model.runtime.session import EngineSession, RunnerOptions
 from dsv4_model.checkpoint.tokenizer import ByteTokenizer, HFTokenizer, StreamDecoder, load_tokenizer
 
@@ -138,7 +139,7 @@ def micro_engine():
     cfg = ModelConfig(**{**TINY_CONFIG, "n_layers": 3, "compress_ratios": [0, 4, 16], "n_mtp_layers": 0,
                          "n_hash_layers": 1, "n_routed_experts": 4}).validate()
     model = Transformer(cfg, max_batch_size=4, max_seq_len=96, dtype=torch.float32, device="cpu")
-    return Engine(model.init_random_weights(3), runner_options=RunnerOptions(compile=False))
+    return Engine(init_random_weights(model, 3), runner_options=RunnerOptions(compile=False))
 
 
 PROMPTS = [[0, 5, 6, 7, 8, 9, 10], [0, 11, 12], [0, 40, 41, 42, 43]]

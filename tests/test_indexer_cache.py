@@ -5,6 +5,7 @@ import torch
 
 from dsv4_model.model.indexer import Indexer
 from dsv4_model.model.transformer import Transformer
+from dsv4_model.quant.random_model import init_random_weights
 from dsv4_ops.reference import indexer_fp4_dequantize
 
 from hf_utils import one_thread, tiny_config  # noqa: F401
@@ -32,8 +33,8 @@ def _indexers(model):
 
 
 def _check(device, dtype, cfg, steps):
-    model = Transformer(cfg, max_batch_size=2, max_seq_len=steps + 24, dtype=dtype, device=device,
-                       simulate_quant=True).init_random_weights(3)
+    model = init_random_weights(Transformer(cfg, max_batch_size=2, max_seq_len=steps + 24, dtype=dtype, device=device,
+                                           simulate_quant=True), 3)
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(1, cfg.vocab_size, (2, 19), generator=g)
     lengths = torch.tensor([19, 11])
@@ -55,8 +56,8 @@ def test_packed_indexer_decode_equals_float_path():
 
 
 def test_packed_indexer_follows_simulate_quant():
-    model = Transformer(tiny_config(), max_batch_size=1, max_seq_len=32, dtype=torch.float32,
-                       simulate_quant=False).init_random_weights(0)
+    model = init_random_weights(Transformer(tiny_config(), max_batch_size=1, max_seq_len=32, dtype=torch.float32,
+                                           simulate_quant=False), 0)
     assert not any(ix.packed_decode() for ix in _indexers(model))  # float keys: no exact FP4 form
     model.set_simulate_quant(True)
     assert all(ix.packed_decode() for ix in _indexers(model))

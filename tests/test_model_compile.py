@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dsv4_model.model.transformer import Transformer
+from dsv4_model.quant.random_model import init_random_weights
 
 from hf_utils import one_thread, tiny_config  # noqa: F401
 
@@ -14,8 +15,8 @@ from hf_utils import one_thread, tiny_config  # noqa: F401
 def _model():
     # SWA + CSA (indexer) + HCA; 2 Sinkhorn iterations keep tracing cheap
     cfg = tiny_config(n_layers=3, compress_ratios=[0, 4, 8], n_mtp_layers=0, n_hash_layers=1, hc_sinkhorn_iters=2)
-    return Transformer(cfg, max_batch_size=3, max_seq_len=48, dtype=torch.float32,
-                       simulate_quant=True).init_random_weights(0)
+    return init_random_weights(Transformer(cfg, max_batch_size=3, max_seq_len=48, dtype=torch.float32,
+                                           simulate_quant=True), 0)
 
 
 @pytest.mark.parametrize("backend", ["eager", pytest.param("aot_eager", marks=pytest.mark.slow)])

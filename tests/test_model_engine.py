@@ -5,6 +5,7 @@ import torch
 
 from dsv4_model.runtime.engine import Engine
 from dsv4_model.model.transformer import Transformer
+from dsv4_model.quant.random_model import init_random_weights
 
 from hf_utils import one_thread, tiny_config  # noqa: F401
 
@@ -12,8 +13,8 @@ from hf_utils import one_thread, tiny_config  # noqa: F401
 @pytest.fixture(scope="module")
 def model():
     cfg = tiny_config(n_layers=2, compress_ratios=[4, 8, 0], n_hash_layers=1)
-    return Transformer(cfg, max_batch_size=2, max_seq_len=32, dtype=torch.float32,
-                       simulate_quant=False).init_random_weights(0)
+    return init_random_weights(Transformer(cfg, max_batch_size=2, max_seq_len=32, dtype=torch.float32,
+                                           simulate_quant=False), 0)
 
 
 class _Spy:

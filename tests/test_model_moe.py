@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 from dsv4_model.model.indexer import topk_indices
 from dsv4_model.model.transformer import Transformer
+from dsv4_model.quant.random_model import init_random_weights
 
 from hf_utils import one_thread, tiny_config  # noqa: F401
 
@@ -12,7 +13,7 @@ from hf_utils import one_thread, tiny_config  # noqa: F401
 def _moe(layer):
     cfg = tiny_config(n_layers=3, compress_ratios=[0, 0, 0, 0], n_hash_layers=2)
     m = Transformer(cfg, max_batch_size=1, max_seq_len=16, dtype=torch.float32, simulate_quant=False)
-    m.init_random_weights(0)
+    init_random_weights(m, 0)
     return cfg, m.layers[layer].ffn
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dsv4_model.model.transformer import Transformer
+from dsv4_model.quant.random_model import init_random_weights
 from dsv4_model.model.quant_sim import fp4_e2m1_block_fake_quant, indexer_fake_quant, kv_fake_quant
 
 from hf_utils import one_thread, tiny_config  # noqa: F401
@@ -11,7 +12,7 @@ from hf_utils import one_thread, tiny_config  # noqa: F401
 
 def _run(cfg, simulate_quant, ids, P):
     m = Transformer(cfg, max_batch_size=1, max_seq_len=64, dtype=torch.float32, simulate_quant=simulate_quant)
-    m.init_random_weights(3)
+    init_random_weights(m, 3)
     m.prefill(ids[:, :P])
     for t in range(P, ids.shape[1]):
         m.decode_step(ids[:, t], torch.tensor([t]))

@@ -5,6 +5,7 @@ import torch
 
 from dsv4_model.runtime.engine import Engine
 from dsv4_model.model.transformer import Transformer
+from dsv4_model.quant.random_model import init_random_weights
 
 from hf_utils import one_thread, tiny_config  # noqa: F401
 
@@ -59,7 +60,7 @@ def test_state_dict_uses_official_names_and_shapes():
 
 def test_meta_build_then_materialize():
     cfg = tiny_config(n_layers=2, compress_ratios=[4, 8, 0], n_hash_layers=1)
-    ref = Transformer(cfg, max_batch_size=1, max_seq_len=32, dtype=torch.float32).init_random_weights(4)
+    ref = init_random_weights(Transformer(cfg, max_batch_size=1, max_seq_len=32, dtype=torch.float32), 4)
     m = Transformer(cfg, max_batch_size=1, max_seq_len=32, dtype=torch.float32, device="meta")
     m.to_empty(device="cpu")
     m.load_state_dict(ref.state_dict())
@@ -74,7 +75,7 @@ def test_fp32_math_weights_narrow_to_bf16_only_when_lossless():
     from dsv4_model.model.compressor import Compressor
 
     cfg = tiny_config(n_layers=2, compress_ratios=[4, 8, 0], n_hash_layers=1)
-    wide = Transformer(cfg, max_batch_size=1, max_seq_len=48, dtype=torch.float32).init_random_weights(5)
+    wide = init_random_weights(Transformer(cfg, max_batch_size=1, max_seq_len=48, dtype=torch.float32), 5)
     comps = [m for m in wide.modules() if isinstance(m, Compressor)]
     assert comps
     wide.narrow_weights_()  # fp32 random values: nothing may change
@@ -103,8 +104,8 @@ def test_bf16_runs_close_to_fp32(simulate_quant):
     lens = torch.tensor([30, 21])
     outs = []
     for dtype in (torch.float32, torch.bfloat16):
-        m = Transformer(cfg, max_batch_size=2, max_seq_len=64, dtype=dtype,
-                        simulate_quant=simulate_quant).init_random_weights(2)
+        m = init_random_weights(Transformer(cfg, max_batch_size=2, max_seq_len=64, dtype=dtype,
+                                            simulate_quant=simulate_quant), 2)
         eng = Engine(m)
         lg = [eng.prefill(ids, lengths=lens)]
         for i in range(6):
@@ -130,7 +131,7 @@ def test_decode_shares_per_step_values_across_layers(monkeypatch):
                          "compress_ratios": [0, 16, 4, 16, 0]}).validate()
     ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
     m = Transformer(cfg, max_batch_size=2, max_seq_len=256, dtype=torch.float32, device="cpu")
-    m.init_random_weights(2)
+    init_random_weights(m, 2)
     m.prefill(ids)
     calls = []
     real = attention.Attention._decode_rows
@@ -160,7 +161,7 @@ def test_decode_shares_per_step_values_across_layers(monkeypatch):
     monkeypatch.setattr(DecodeStep, "shared_rows",
                         lambda self, key, compute: in_slot(self._attn_slots.get(key), key, compute()))
     m2 = Transformer(cfg, max_batch_size=2, max_seq_len=256, dtype=torch.float32, device="cpu")
-    m2.init_random_weights(2)
+    init_random_weights(m2, 2)
     m2.prefill(ids)
     calls.clear()
     own = m2.decode_step(ids[:, 0], torch.full((2,), 9), fused)
@@ -176,7 +177,7 @@ def test_decode_writes_every_rope_slot_before_the_layers(monkeypatch):
     from dsv4_model.model.step_values import DecodeStep
 
     cfg = ModelConfig(**{**TINY_CONFIG, "n_mtp_layers": 0, "n_layers": 3, "compress_ratios": [4, 16, 4]}).validate()
-    m = Transformer(cfg, max_batch_size=1, max_seq_len=64, dtype=torch.float32, device="cpu").init_random_weights(0)
+    m = init_random_weights(Transformer(cfg, max_batch_size=1, max_seq_len=64, dtype=torch.float32, device="cpu"), 0)
     m.prefill(torch.randint(0, cfg.vocab_size, (1, 9)))
     events = []
     real_gather, real_decode = DecodeStep._gather, type(m.layers[0]).decode

@@ -419,11 +419,12 @@ def test_engine_from_pretrained_nvfp4(ckpts, nvfp4_model):
 @pytest.mark.parametrize("act_quant", ["none", "nvfp4"])
 def test_compiled_decode_step_has_no_graph_breaks(act_quant):
     from dsv4_model.model.transformer import Transformer
+    from dsv4_model.quant.random_model import init_random_weights
 
     torch._dynamo.reset()
     counters.clear()
     cfg = make_config(n_layers=3, compress_ratios=[0, 4, 16, 0], n_hash_layers=1, hc_sinkhorn_iters=2)
-    m = quantize_model_(Transformer(cfg, max_batch_size=2, max_seq_len=48).init_random_weights(0), act_quant)
+    m = quantize_model_(init_random_weights(Transformer(cfg, max_batch_size=2, max_seq_len=48), 0), act_quant)
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     lens = torch.tensor([11, 6])
     m.prefill(ids[:, :11], lens)

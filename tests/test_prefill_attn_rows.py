@@ -9,13 +9,14 @@ from dsv4_model.checkpoint.writer import make_config
 from dsv4_model.model import attention
 from dsv4_model.model.attention import Attention
 from dsv4_model.model.transformer import Transformer
+from dsv4_model.quant.random_model import init_random_weights
 
 
 def _model(chunk=None):
     # Exact numerics: with the simulated FP8 / FP4 rounding an ulp of a chunk's accumulation order can move a value
     # across a rounding boundary (seen at 2.5e-4 on an AVX512 host), which is not what this file tests.
-    return Transformer(make_config("tiny"), max_batch_size=2, max_seq_len=512, dtype=torch.float32,
-                       simulate_quant=False, prefill_attn_rows=chunk).init_random_weights(0).eval()
+    return init_random_weights(Transformer(make_config("tiny"), max_batch_size=2, max_seq_len=512, dtype=torch.float32,
+                                           simulate_quant=False, prefill_attn_rows=chunk), 0).eval()
 
 
 def _score_bytes(a: Attention, B, rows, n):

@@ -9,6 +9,7 @@ import dsv4_ops  # noqa: F401  (the op library: the model's fused ops)
 from dsv4_model.checkpoint.writer import make_config
 from dsv4_model.model.attention import Attention
 from dsv4_model.model.transformer import Transformer
+from dsv4_model.quant.random_model import init_random_weights
 from dsv4_model.runtime.engine import Engine
 
 CFG = make_config("tiny")  # SWA, CSA (ratio 4, indexer) and HCA (ratio 16) layers, window 16, an MTP block
@@ -18,8 +19,8 @@ TOL = dict(atol=2e-5, rtol=2e-5)
 
 
 def _model(spare: int = 0, simulate_quant: bool = False, batch: int = 2, gather: bool = False) -> Transformer:
-    m = Transformer(CFG, max_batch_size=batch, max_seq_len=256, dtype=torch.float32,
-                    simulate_quant=simulate_quant, spare_window_slots=spare).init_random_weights(0).eval()
+    m = init_random_weights(Transformer(CFG, max_batch_size=batch, max_seq_len=256, dtype=torch.float32,
+                                        simulate_quant=simulate_quant, spare_window_slots=spare), 0).eval()
     if gather:  # CSA attention on each query's gathered top-k entries (long prompts) instead of a dense mask
         for a in m.modules():
             if isinstance(a, Attention):
@@ -219,8 +220,8 @@ def test_chunks_on_cuda(nvfp4):
     from dsv4_model.quant.quantize_model import quantize_model_
 
     def build():
-        m = Transformer(CFG, max_batch_size=2, max_seq_len=256, dtype=torch.float32, device="cuda",
-                        simulate_quant=False).init_random_weights(0).eval()
+        m = init_random_weights(Transformer(CFG, max_batch_size=2, max_seq_len=256, dtype=torch.float32, device="cuda",
+                                            simulate_quant=False), 0).eval()
         return quantize_model_(m) if nvfp4 else m
 
     tol = dict(atol=2e-2, rtol=2e-2) if nvfp4 else dict(atol=1e-4, rtol=1e-4)

@@ -12,7 +12,7 @@ from dsv4_model.model.transformer import Transformer
 from dsv4_model.quant import random_model
 from dsv4_model.quant.nvfp4 import Nvfp4Linear, dequantize_kernel_layout, padded_k, repack_weight, unrepack_weight
 from dsv4_model.quant.quantize_model import quantize_model_
-from dsv4_model.quant.random_model import bf16_released_values_, random_nvfp4_model
+from dsv4_model.quant.random_model import bf16_released_values_, init_random_weights, random_nvfp4_model
 
 
 def _cfg():
@@ -22,8 +22,8 @@ def _cfg():
 def test_structure_is_what_the_quantizer_makes():
     cfg = _cfg()
     got = random_nvfp4_model(cfg, device="cpu", max_batch_size=2, max_seq_len=64, dtype=torch.float32)
-    ref = quantize_model_(Transformer(cfg, max_batch_size=2, max_seq_len=64, dtype=torch.float32)
-                          .init_random_weights(0))
+    ref = quantize_model_(init_random_weights(Transformer(cfg, max_batch_size=2, max_seq_len=64, dtype=torch.float32),
+                                              0))
     bf16_released_values_(ref)  # as checkpoints store them, then narrowed as the loader does
     ref.narrow_weights_()
     g, r = got.state_dict(), ref.state_dict()

@@ -8,6 +8,7 @@ import torch
 from dsv4_model.checkpoint.writer import TINY_CONFIG
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.transformer import Transformer
+from dsv4_model.quant.random_model import init_random_weights
 
 from helpers.speculative_greedy import speculative_greedy
 from test_default_model import ASSETS, needs_assets
@@ -19,7 +20,7 @@ CFG = ModelConfig(**{**TINY_CONFIG, "n_layers": 3, "compress_ratios": [0, 4, 16,
 def _model(spare: int) -> Transformer:
     m = Transformer(CFG, max_batch_size=2, max_seq_len=256, dtype=torch.float32, simulate_quant=False,
                     spare_window_slots=spare)
-    return m.init_random_weights(6)
+    return init_random_weights(m, 6)
 
 
 def _greedy(m, prompt, lengths, n=N) -> list[list[int]]:

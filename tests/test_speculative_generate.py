@@ -12,6 +12,7 @@ from dsv4_ops.reference import sample_probs_ref
 from dsv4_model.checkpoint.writer import TINY_CONFIG, write_tiny_checkpoint
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.transformer import Transformer
+from dsv4_model.quant.random_model import init_random_weights
 from dsv4_model.runtime.engine import Engine
 from dsv4_model.runtime.generate import GenerationResult
 from dsv4_model.runtime.sampling import SamplingParams
@@ -27,8 +28,8 @@ N = 200
 
 
 def _engine(spare: int, rows: int = 3, seq: int = 256, cfg=CFG, seed: int = 6) -> Engine:
-    m = Transformer(cfg, max_batch_size=rows, max_seq_len=seq, dtype=torch.float32, simulate_quant=False,
-                    spare_window_slots=spare).init_random_weights(seed)
+    m = init_random_weights(Transformer(cfg, max_batch_size=rows, max_seq_len=seq, dtype=torch.float32,
+                                        simulate_quant=False, spare_window_slots=spare), seed)
     return Engine(m, runner_options=RunnerOptions(compile=False))
 
 

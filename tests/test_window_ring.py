@@ -9,6 +9,7 @@ from dsv4_model.checkpoint.writer import TINY_CONFIG
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.decode_options import DecodeOptions
 from dsv4_model.model.transformer import Transformer
+from dsv4_model.quant.random_model import init_random_weights
 
 PROMPT = 13
 
@@ -17,7 +18,7 @@ def _model(spare: int, ratios=(0, 4, 16), max_seq_len=96):
     cfg = ModelConfig(**{**TINY_CONFIG, "n_mtp_layers": 0, "n_layers": len(ratios),
                          "compress_ratios": list(ratios)}).validate()
     m = Transformer(cfg, max_batch_size=2, max_seq_len=max_seq_len, dtype=torch.float32, spare_window_slots=spare)
-    return m.init_random_weights(5), cfg
+    return init_random_weights(m, 5), cfg
 
 
 def _ids(cfg, n):

@@ -25,7 +25,6 @@ Numerics follow the official inference/model.py. Where transformers 5.23 (Deepse
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Callable, NamedTuple
 
 import torch
@@ -502,35 +501,4 @@ class Transformer(nn.Module):
         for mod in self.modules():
             if isinstance(mod, MoE):
                 mod.shard_experts_(shard)
-        return self
-
-    # ------------------------------------------------------------------ testing helper
-    @torch.no_grad()
-    def init_random_weights(self, seed: int = 0) -> "Transformer":
-        """Deterministic random weights with O(1) activations (for tests / tiny demo checkpoints)."""
-        g = torch.Generator().manual_seed(seed)
-
-        def rnd(*shape):
-            return torch.randn(*shape, generator=g)
-
-        for name, p in self.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
-            if name.endswith("norm.weight"):
-                v = 1.0 + 0.1 * rnd(*p.shape)
-            elif "_scale" in leaf:
-                v = 0.5 + torch.rand(*p.shape, generator=g)
-            elif "_base" in leaf or leaf in ("ape", "bias"):
-                v = 0.3 * rnd(*p.shape)
-            elif leaf == "attn_sink":
-                v = rnd(*p.shape)
-            elif name == "embed.weight":
-                v = rnd(*p.shape)
-            else:
-                v = rnd(*p.shape) / math.sqrt(p.shape[-1])
-            p.copy_(v.to(p.dtype))
-        for name, b in self.named_buffers():
-            if name.endswith("tid2eid"):
-                V, k = b.shape
-                perm = torch.rand(V, self.config.n_routed_experts, generator=g).argsort(dim=-1)[:, :k]
-                b.copy_(perm)
         return self

@@ -1,4 +1,5 @@
-"""Random models of any size, built directly on their device: benchmarks at real sizes without a checkpoint.
+"""Random models: `init_random_weights` fills a float model (tests, small benchmarks); the rest builds models of any
+size directly on their device (benchmarks at real sizes without a checkpoint).
 
 `random_nvfp4_model` makes the NVFP4 modules first (`convert_structure_` on the meta device) and fills them with
 random E2M1 codes and block scales, so no float copy of a converted weight ever exists (a full-width V4-Flash layer
@@ -23,6 +24,38 @@ from dsv4_model.quant.quantize_model import Nvfp4GroupedLinear, convert_structur
 # E2M1 magnitudes of codes 0..7 (bit 3 is the sign): a uniformly random byte's code has this rms.
 CODE_RMS = math.sqrt(sum(v * v for v in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)) / 8)
 BLOCK_ELEMS = 2**22  # weights repacked at a time: the repack's per-code int64 intermediates stay ~32 MB each
+
+
+@torch.no_grad()
+def init_random_weights(model: Transformer, seed: int = 0) -> Transformer:
+    """Deterministic random weights with O(1) activations for a float model, from a CPU generator (the tests' and
+    the small benchmarks' model; the same values on every device). Returns the model."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g)
+
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if name.endswith("norm.weight"):
+            v = 1.0 + 0.1 * rnd(*p.shape)
+        elif "_scale" in leaf:
+            v = 0.5 + torch.rand(*p.shape, generator=g)
+        elif "_base" in leaf or leaf in ("ape", "bias"):
+            v = 0.3 * rnd(*p.shape)
+        elif leaf == "attn_sink":
+            v = rnd(*p.shape)
+        elif name == "embed.weight":
+            v = rnd(*p.shape)
+        else:
+            v = rnd(*p.shape) / math.sqrt(p.shape[-1])
+        p.copy_(v.to(p.dtype))
+    for name, b in model.named_buffers():
+        if name.endswith("tid2eid"):
+            V, k = b.shape
+            perm = torch.rand(V, model.config.n_routed_experts, generator=g).argsort(dim=-1)[:, :k]
+            b.copy_(perm)
+    return model
 
 
 @torch.no_grad()
