@@ -1,2 +1,4 @@
-"""Helpers the tests share that a script uses too (imported as `helpers.<module>` from tests: pytest puts tests/ on
-the path; scripts import `tests.helpers.<module>` from the repository root)."""
+"""Helpers the tests share, some a script uses too (imported as `helpers.<module>` from tests: pytest puts tests/ on
+the path; scripts import `tests.helpers.<module>` from the repository root). Oracles that only tests need live here,
+not in the library: `greedy` (the exported engine's plain greedy loop), `speculative_greedy` (the eager speculation
+loop)."""
