@@ -140,4 +140,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    distributed.exit_rank(code)
+    sys.exit(code)

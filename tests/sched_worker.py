@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from dsv4_model.model.parallel import ExpertShard
+from dsv4_model.runtime import distributed
 from dsv4_model.runtime.engine import Engine
 from dsv4_model.runtime.requests import Request
 from dsv4_model.runtime.sampling import SamplingParams
@@ -51,6 +52,7 @@ def main(out: str, path: str) -> None:
     else:
         follow(eng)
     dist.destroy_process_group()
+    distributed.exit_rank(0)  # torch 2.13's gloo ranks may abort at interpreter teardown
 
 
 if __name__ == "__main__":
