@@ -1,4 +1,4 @@
-"""Lower a model's decode step with Inductor for a FAKE CUDA device (an H200's properties) on a machine without a
+"""Lower a model's decode step (or an export prefill entry) with Inductor for a FAKE CUDA device (an H200's properties) on a machine without a
 GPU, and time each phase: export, decompositions, lowering, Triton code generation (kernels are not compiled).
 
 Why: GPU time is scarce, and what Inductor does before it compiles kernels (lowering, scheduling, fusion, codegen)
@@ -10,7 +10,7 @@ no-op CUDA device guard is compiled once (a few seconds). To check another torch
 build runs here without a GPU), run it from that torch's environment with --schemas-only: the dsv4 schemas are then
 defined from registration.cpp instead of loading the library built for this machine's torch.
 
-  python scripts/lower_for_cuda.py [--model DIR] [--dtype bfloat16] [--no-register] [--schemas-only]
+  python scripts/lower_for_cuda.py [--model DIR] [--dtype bfloat16] [--prefill B,S] [--no-register] [--schemas-only]
 """
 from __future__ import annotations
 
@@ -90,6 +90,7 @@ def pretend_cuda() -> None:
     import torch._inductor.fx_passes.joint_graph as jg
 
     cfg.joint_graph_constant_folding = False  # it runs real kernels on the graph's constants
+    cfg.shape_padding = False  # pad_mm times real matmuls (prefill's bmm)
     init = jg.lazy_init
     jg.lazy_init = lambda *a, **k: init(torch.device("cpu"))  # pattern inits make real tensors of the device
 
@@ -111,6 +112,8 @@ def main() -> int:
     p.add_argument("--max-seq-len", type=int, default=256)
     p.add_argument("--no-register", action="store_true", help="skip dsv4_ops.inductor (the old behaviour)")
     p.add_argument("--schemas-only", action="store_true", help="define the dsv4 schemas from source (no library)")
+    p.add_argument("--prefill", metavar="B,S", help="lower the export's prefill entry of B rows x S tokens "
+                   "(prefill_bB_sS) instead of the decode step")
     p.add_argument("--timeout", type=float, default=600, help="dump the stacks and exit after this many seconds")
     args = p.parse_args()
     faulthandler.dump_traceback_later(args.timeout, exit=True)
@@ -122,7 +125,8 @@ def main() -> int:
 
     from dsv4_model.runtime.engine import Engine
 
-    eng = Engine.from_pretrained(args.model, device="cpu", dtype=getattr(torch, args.dtype), max_batch_size=1,
+    B, S = (int(v) for v in args.prefill.split(",")) if args.prefill else (1, 0)
+    eng = Engine.from_pretrained(args.model, device="cpu", dtype=getattr(torch, args.dtype), max_batch_size=B,
                                  max_seq_len=args.max_seq_len, quant="nvfp4", progress=False)
     model = eng.model
     for ix in (m for m in model.modules() if type(m).__name__ == "Indexer"):
@@ -130,8 +134,13 @@ def main() -> int:
     fake = FakeTensorMode()
     fake_cuda_model(model, fake)
     with fake:
-        tokens = torch.zeros(1, dtype=torch.int64, device="cuda")
-        positions = torch.zeros(1, dtype=torch.int64, device="cuda")
+        if S:  # the export's example inputs: full-length rows
+            tokens = torch.zeros(B, S, dtype=torch.int64, device="cuda")
+            positions = torch.full((B,), S, dtype=torch.int64, device="cuda")  # the rows' lengths
+        else:
+            tokens = torch.zeros(1, dtype=torch.int64, device="cuda")
+            positions = torch.zeros(1, dtype=torch.int64, device="cuda")
+    from dsv4_export.entrypoints import call_decode, call_prefill
 
     class Step(torch.nn.Module):
         def __init__(self):
@@ -139,7 +148,7 @@ def main() -> int:
             self.m = model
 
         def forward(self, tokens, positions):
-            return self.m.decode_step(tokens, positions)
+            return (call_prefill if S else call_decode)(self.m, tokens, positions)
 
     t = time.perf_counter()
     with torch.no_grad():

@@ -223,6 +223,8 @@ def test_compile_jobs_rule(monkeypatch):
 
     model, _ = _make_model("cpu")
     monkeypatch.setattr(b.os, "cpu_count", lambda: 16)
+    # 64 GiB free host memory: the cores decide (the rule reads free pages, which vary with the machine's cache)
+    monkeypatch.setattr(b.os, "sysconf", lambda name: {"SC_AVPHYS_PAGES": 64 * 2**18, "SC_PAGE_SIZE": 4096}[name])
     assert b.compile_jobs(None, model, 5, "cpu") == 5 and b.compile_jobs(None, model, 3, "cpu") == 3
     monkeypatch.setattr(b.os, "cpu_count", lambda: 2)
     assert b.compile_jobs(None, model, 5, "cpu") == 1  # the CI machine: in process

@@ -137,10 +137,12 @@ class Compressor(nn.Module):
 
         def ext(v: torch.Tensor, state: torch.Tensor, fill: float) -> torch.Tensor:
             D = v.shape[-1]
-            if fresh:
-                rows = torch.full((B, c * m, D), fill, device=dev)
-            else:  # what earlier chunks left: constants here (no gradient flows into the state)
-                rows = state[:B].detach().gather(1, srows.unsqueeze(-1).expand(-1, -1, D))
+            if fresh:  # the gather below with before = (c-1)*m, spelled as a cat: Inductor (2.11-2.13) fails on
+                # the constant-folded clamp of its index ("'-4 + ((0))' is not comparable") in the overlap's cat
+                return torch.cat([torch.full((B, (c - 1) * m, D), fill, device=dev), v,
+                                  v[:, -1:].expand(-1, m, -1)], dim=1)
+            # what earlier chunks left: constants here (no gradient flows into the state)
+            rows = state[:B].detach().gather(1, srows.unsqueeze(-1).expand(-1, -1, D))
             both = torch.cat([rows, v], dim=1).gather(1, idx.expand(B, -1).unsqueeze(-1).expand(-1, -1, D))
             return torch.where(neg, torch.full((), fill, device=dev), both)
 

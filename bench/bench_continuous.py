@@ -1,0 +1,139 @@
+"""Continuous batching against a static batch on the same engine, in one process (no HTTP): issue #48's "Must show".
+
+    python bench/bench_continuous.py                                  # the built-in model, concurrency 1, 8, 32
+    python bench/bench_continuous.py --model flash2 --concurrency 1,8,64     # random NVFP4 V4-Flash widths
+    python bench/bench_continuous.py --model flash43 --concurrency 1,8,64 --experts 160
+
+For each concurrency C the scheduler (dsv4_model.runtime.scheduler) serves 3C requests (random prompts of
+--prompt-len tokens, --max-tokens each, EOS ignored, greedy), all submitted at once on a scheduler of C rows, so
+C are in flight and the others join as rows free up. Reported: output tokens/s over the run (prefill included),
+TTFT and TPOT percentiles, and the steady-state rate C / TPOT. The peer, from the same run and engine: a static
+batch of C rows (the decode runner's step at bucket C from position --prompt-len, as bench_parallel_decode times
+it): tokens/s = C / step time; goal (issue #48): steady state >= 95% of it.
+
+--model: the built-in model ("default"), a checkpoint directory, or bench/common.py's random NVFP4 presets
+(flash2, flash43 = V4-Flash's 43 layers, micro...), built straight on the device.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+from common import preset  # noqa: E402
+from dsv4_model.runtime.engine import Engine  # noqa: E402
+from dsv4_model.runtime.requests import Request  # noqa: E402
+from dsv4_model.runtime.sampling import SamplingParams  # noqa: E402
+from dsv4_model.runtime.scheduler import Scheduler  # noqa: E402
+from dsv4_model.runtime.session import RunnerOptions  # noqa: E402
+
+
+def build_engine(args, rows: int, max_seq_len: int, device: torch.device) -> Engine:
+    cuda = device.type == "cuda"
+    opts = RunnerOptions(compile=cuda, cuda_graphs=cuda)
+    if args.model == "default" or os.path.isdir(args.model):
+        path = None if args.model == "default" else args.model
+        kw = {} if path is None else {"path": path}
+        return Engine.from_pretrained(**kw, device=str(device), max_batch_size=rows, max_seq_len=max_seq_len,
+                                      runner_options=opts, progress=False)
+    from dsv4_model.quant.random_model import random_nvfp4_model
+
+    cfg = preset(args.model, experts=args.experts)
+    model = random_nvfp4_model(cfg, device=device, max_batch_size=rows, max_seq_len=max_seq_len)
+    return Engine(model, cfg, device, runner_options=opts)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_continuous(engine: Engine, C: int, args, gen: torch.Generator) -> dict:
+    sched = Scheduler(engine, rows=C, max_prefill_tokens=args.max_prefill_tokens, reuse=False, tokenizer=None)
+    V = engine.vocab_size
+    reqs = [Request(torch.randint(0, V, (args.prompt_len,), generator=gen).tolist(), SamplingParams(),
+                    max_tokens=args.max_tokens, ignore_eos=True) for _ in range(args.requests_per_row * C)]
+    sync(engine.device)
+    t0 = time.perf_counter()
+    for r in reqs:
+        sched.submit(r)
+    sched.run_until_idle()
+    sync(engine.device)
+    wall = time.perf_counter() - t0
+    bad = [r.finish_reason for r in reqs if r.finish_reason != "length" or len(r.token_ids) != args.max_tokens]
+    if bad:
+        raise RuntimeError(f"requests ended early: {bad[:4]}")
+    ttft = [r.timings.ttft_s for r in reqs]
+    tpot = [r.tpot_s for r in reqs if r.tpot_s is not None]
+    return {"wall_s": wall, "tokens_per_s": len(reqs) * args.max_tokens / wall,
+            "ttft_p50_ms": 1e3 * _pct(ttft, 50), "ttft_p99_ms": 1e3 * _pct(ttft, 99),
+            "tpot_p50_ms": 1e3 * _pct(tpot, 50), "tpot_p99_ms": 1e3 * _pct(tpot, 99),
+            "steady_tokens_per_s": C / statistics.median(tpot), "decode_steps": sched.stats.decode_steps}
+
+
+def run_static(engine: Engine, C: int, args) -> float:
+    """ms per decode step of a static batch of C rows from position --prompt-len (zeroed caches: a step costs what
+    it costs at that context)."""
+    runner = engine.runner()
+    runner.prepare(C)
+    engine.model.reset_caches()
+    runner.begin([args.prompt_len] * C, [SamplingParams() for _ in range(C)])
+    for _ in range(3):
+        runner.step()
+    sync(engine.device)
+    t0 = time.perf_counter()
+    for _ in range(args.max_tokens):
+        runner.step()
+    sync(engine.device)
+    engine.model.reset_caches()
+    return 1e3 * (time.perf_counter() - t0) / args.max_tokens
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default", help="default, a checkpoint dir, or a preset (flash2, flash43, ...)")
+    ap.add_argument("--experts", type=int, default=None, help="a preset's routed experts (default: all)")
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--requests-per-row", type=int, default=3)
+    ap.add_argument("--max-prefill-tokens", type=int, default=2048)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    device = torch.device(args.device)
+    t0 = time.perf_counter()
+    engine = build_engine(args, max(levels), args.prompt_len + args.max_tokens + 8, device)
+    print(f"{args.model}: {engine.config.n_layers} layers on {device} (built in {time.perf_counter() - t0:.1f} s); "
+          f"prompts {args.prompt_len} tokens, {args.max_tokens} out, {args.requests_per_row} requests per row",
+          flush=True)
+    gen = torch.Generator().manual_seed(0)
+    print(f"{'C':>3} {'tok/s':>9} {'steady tok/s':>12} {'static tok/s':>12} {'steady/static':>13} "
+          f"{'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'static ms/step':>14}", flush=True)
+    for C in levels:
+        run_continuous(engine, C, args, gen)  # warm: compile / capture, first-touch allocations
+        cont = run_continuous(engine, C, args, gen)
+        ms = run_static(engine, C, args)
+        static = 1e3 * C / ms
+        print(f"{C:3d} {cont['tokens_per_s']:9.1f} {cont['steady_tokens_per_s']:12.1f} {static:12.1f} "
+              f"{cont['steady_tokens_per_s'] / static:13.3f} "
+              f"{cont['ttft_p50_ms']:7.1f}/{cont['ttft_p99_ms']:<8.1f} {cont['tpot_p50_ms']:7.2f}/"
+              f"{cont['tpot_p99_ms']:<8.2f} {ms:14.3f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
