@@ -3,7 +3,7 @@
 # asked for, each a file scripts/gpu/PART.sh. $OUT gets summary.txt + logs.tgz (a device call returns few files).
 # Usage on the H200, from the repo root:
 #   bash scripts/gpu_check.sh [PART ...]    (default: mainjob tests sanitizer bench)
-# Parts: mainjob gate tests sanitizer bench soak profile switches pdl decode depth fulldepth ab speculate prefill serve
+# Parts: mainjob gate tests sanitizer bench soak profile switches pdl decode depth fulldepth ab speculate prefill serve continuous
 # Knobs (environment):
 #   GPU_CHECK_SECONDS     a total budget: steps get what is left and are skipped once it is spent
 #   GPU_CHECK_SKIP_BUILD=1  the library is already built (parallel runs share one build)
@@ -12,7 +12,7 @@
 #   SANITIZE              a grep -E pattern on "TOOL SPEC": only the sanitizer runs it matches
 #   SANITIZER_JOBS (8), SANITIZER_TIMEOUT (300 s)   parallel sanitizer runs and each one's limit
 #   SPECULATE_KS ("0 1 2 3"), PROFILE_ARGS, AB_BASE_TGZ, AB_ROUNDS (2)   see the part's file
-#   SERVE_CONCURRENCY ("1 8 32"), SERVE_PORT   see scripts/gpu/serve.sh
+#   SERVE_CONCURRENCY ("1 8 32"), SERVE_PORT, CONTINUOUS_MODELS, CONTINUOUS_C   see scripts/gpu/serve.sh, continuous.sh
 #   OUT (out), PYTHON (python3)
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -1,6 +1,6 @@
 # serve: `python -m dsv4_model serve` on the built-in model (CUDA, compiled) under bench/bench_serve.py at
-# concurrency 1 / 8 / 32 (SERVE_CONCURRENCY), then the same requests' batch offline (`generate --n 32`) for
-# comparison. The GPU machine has no package index: wheels carried in .wheels/ are installed first.
+# concurrency 1 / 8 / 32 (SERVE_CONCURRENCY); the static batch to compare with: the `continuous` part. The GPU
+# machine has no package index: wheels carried in .wheels/ are installed first.
 if [ -d .wheels ] && [ -z "$DRY" ]; then
   $PY -m pip install -q --no-index --find-links .wheels fastapi uvicorn prometheus_client httpx openai \
     > "$LOGS/wheels.log" 2>&1 || note "[serve] wheels from .wheels/ did not install (see wheels.log)"
@@ -22,6 +22,9 @@ for c in ${SERVE_CONCURRENCY:-1 8 32}; do
     --num-requests $(( c * 4 )) --max-tokens 64 --out "$LOGS/serve_c$c.json"
   [ -n "$DRY" ] || note "  $($PY -c 'import json, sys; d = json.load(open(sys.argv[1])); print({k: d[k] for k in d if "throughput" in k or k in ("ttft", "tpot")})' "$LOGS/serve_c$c.json" 2>&1 | tail -c 600)"
 done
-[ -n "$DRY" ] || { kill -TERM $SERVE_PID 2>/dev/null; wait $SERVE_PID; note "[serve] server exit $?"; }
-step serve_offline_n32 240 $PY -m dsv4_model generate --prompt "def fibonacci(n):" --n 32 --max-new-tokens 64
-note "  $(grep -hsE 'tokens/s' "$LOGS/serve_offline_n32.log" | tail -n 2 | tr '\n' ' ')"
+if [ -z "$DRY" ]; then
+  kill -TERM $SERVE_PID 2>/dev/null
+  for _ in $(seq 30); do kill -0 $SERVE_PID 2>/dev/null || break; sleep 1; done
+  kill -0 $SERVE_PID 2>/dev/null && { kill -KILL $SERVE_PID; note "[serve] server killed: no exit 30 s after SIGTERM"; }
+  wait $SERVE_PID; note "[serve] server exit $?"
+fi

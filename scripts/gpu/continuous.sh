@@ -1,0 +1,7 @@
+# continuous: bench/bench_continuous.py (the scheduler against a static batch, in one process) on CONTINUOUS_MODELS
+# (default: the built-in model; presets such as flash2 / flash43 build random NVFP4 models on the GPU) at
+# CONTINUOUS_C concurrency levels.
+for model in ${CONTINUOUS_MODELS:-default}; do
+  step "continuous_$model" 300 $PY bench/bench_continuous.py --model "$model" --concurrency "${CONTINUOUS_C:-1,8,32}"
+  [ -n "$DRY" ] || grep -hsA8 "steady/static" "$LOGS/continuous_$model.log" | sed 's/^/  /' | tee -a "$SUMMARY"
+done
