@@ -13,6 +13,7 @@ import dsv4_ops
 from dsv4_ops import reference as ref
 from dsv4_ops.overrides import kernel_overrides
 from dsv4_model.quant import nvfp4 as nv
+from dsv4_model.quant.nvfp4_modules import Nvfp4Linear, Nvfp4MoE
 
 ops = torch.ops.dsv4
 
@@ -460,14 +461,14 @@ def test_nvfp4_linear_module_vs_bf16():
     gen = torch.Generator().manual_seed(4)
     w = (torch.randn(96, 256, generator=gen) * 0.05).to(torch.bfloat16)
     x = rand_x((5, 256), gen)
-    mod = nv.Nvfp4Linear.from_float(w)
+    mod = Nvfp4Linear.from_float(w)
     y = mod(x)
     y_bf16 = torch.nn.functional.linear(x, w).float()
     rel = ((y.float() - y_bf16).pow(2).mean() / y_bf16.pow(2).mean()).sqrt()
     assert float(rel) < 0.15, f"NVFP4 vs bf16 relative rms error {float(rel):.3f}"
     wd = mod.dequantized_weight()
     assert_bf16_close(y, x.float() @ wd.t(), x.float().abs() @ wd.abs().t(), "module vs its dequantized weight")
-    mod4 = nv.Nvfp4Linear.from_float(w, act_quant="nvfp4")
+    mod4 = Nvfp4Linear.from_float(w, act_quant="nvfp4")
     y4 = mod4(x)
     rel4 = ((y4.float() - y_bf16).pow(2).mean() / y_bf16.pow(2).mean()).sqrt()
     assert float(rel4) < 0.25, f"W4A4 vs bf16 relative rms error {float(rel4):.3f}"
@@ -491,8 +492,8 @@ def test_nvfp4_moe_module_vs_bf16():
     ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
     wts = torch.rand(T, k, generator=gen)
     y_bf16 = (experts.forward_loop(x, wts, ids) + shared(x).float()).to(torch.bfloat16).float()
-    mod = nv.Nvfp4MoE.from_float(experts.w1, experts.w2, experts.w3,
-                                 (shared.w1.weight, shared.w2.weight, shared.w3.weight), 10.0)
+    mod = Nvfp4MoE.from_float(experts.w1, experts.w2, experts.w3,
+                              (shared.w1.weight, shared.w2.weight, shared.w3.weight), 10.0)
     y = mod(x, ids, wts).float()
     rel = ((y - y_bf16).pow(2).mean() / y_bf16.pow(2).mean()).sqrt()
     assert float(rel) < 0.2, f"NVFP4 MoE vs bf16 relative rms error {float(rel):.3f}"

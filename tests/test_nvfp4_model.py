@@ -28,11 +28,12 @@ from dsv4_model.checkpoint.io import CheckpointError
 from dsv4_model.checkpoint.writer import canonical_weights, make_config, write_checkpoint
 from dsv4_model.runtime.engine import Engine
 from dsv4_model.checkpoint.loader import load_model, save_model
-from dsv4_model.quant.nvfp4 import Nvfp4Linear, Nvfp4MoE, dequantize_kernel_layout, pack_codes, repack_weight, row_major
+from dsv4_model.quant.nvfp4 import dequantize_kernel_layout, pack_codes, repack_weight, row_major
+from dsv4_model.quant.nvfp4_modules import Nvfp4GroupedLinear, Nvfp4Linear, Nvfp4MoE
 from dsv4_model.quant.formats import dequant_mxfp4, float_to_e8m0
 from hf_utils import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
 from dsv4_model.quant.quantize_model import (
-    KERNEL_LAYOUT_VERSION, Nvfp4GroupedLinear, dequantize_model_, quantize_model_,
+    KERNEL_LAYOUT_VERSION, dequantize_model_, quantize_model_,
 )
 
 SEQ = 40

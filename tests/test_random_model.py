@@ -10,7 +10,8 @@ from dsv4_model.checkpoint.writer import make_config
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.transformer import Transformer
 from dsv4_model.quant import random_model
-from dsv4_model.quant.nvfp4 import Nvfp4Linear, dequantize_kernel_layout, padded_k, repack_weight, unrepack_weight
+from dsv4_model.quant.nvfp4 import dequantize_kernel_layout, padded_k, repack_weight, unrepack_weight
+from dsv4_model.quant.nvfp4_modules import Nvfp4Linear
 from dsv4_model.quant.quantize_model import quantize_model_
 from dsv4_model.quant.random_model import bf16_released_values_, init_random_weights, random_nvfp4_model
 

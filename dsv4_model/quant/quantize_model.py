@@ -1,4 +1,5 @@
-"""Convert a `Transformer` to NVFP4 weights in place (W4A16, or W4A4 with act_quant="nvfp4").
+"""Convert a `Transformer` to NVFP4 weights in place (W4A16, or W4A4 with act_quant="nvfp4"): the float modules are
+swapped for the NVFP4 ones of dsv4_model.quant.nvfp4_modules.
 
 Converted (the weight bytes that dominate decode):
 - attention: wq_a, wq_b, wkv, wo_b -> `Nvfp4Linear` (W4A16 wq_a + wkv run as one dsv4::nvfp4_linear_multi
@@ -38,14 +39,13 @@ from typing import Callable
 import torch
 from torch import nn
 
-from dsv4_ops import ops
-
 from dsv4_model.model.attention import Attention
-from dsv4_model.model.layers import GroupedLinear, Linear, Projection
+from dsv4_model.model.layers import GroupedLinear, Linear
 from dsv4_model.model.moe import Expert, Experts, FloatExperts, MoE
-from dsv4_model.quant.nvfp4 import (ACT_QUANT_MODES, BLOCK, CODE_CHUNK_BYTES, SCALE_CHUNK_BYTES, Nvfp4Linear, Nvfp4MoE,
-                                    dequantize_kernel_layout, padded_k, repack_weight, tile_major, w4a4_rows)
-from dsv4_model.quant.nvfp4_convert import Nvfp4Tensor, float_to_nvfp4, gate_up_to_nvfp4, to_float, to_nvfp4
+from dsv4_model.quant.nvfp4 import BLOCK, CODE_CHUNK_BYTES, SCALE_CHUNK_BYTES, tile_major
+from dsv4_model.quant.nvfp4_modules import (ACT_QUANT_MODES, Nvfp4Experts, Nvfp4GroupedLinear, Nvfp4Linear,
+                                            Nvfp4MoE)
+from dsv4_model.quant.nvfp4_convert import float_to_nvfp4, gate_up_to_nvfp4, to_float, to_nvfp4
 
 QUANT_MODES = ("none", "nvfp4")
 # Converted checkpoints store the kernel layout of dsv4_model.quant.nvfp4 (repack_weight); bump when it changes.
@@ -64,95 +64,6 @@ def check_modes(quant: str, act_quant: str) -> None:
         raise ValueError(f"act_quant must be one of {ACT_QUANT_MODES}, got {act_quant!r}")
     if act_quant != "none" and quant == "none":
         raise ValueError("act_quant='nvfp4' needs quant='nvfp4' (W4A4 runs on NVFP4 weights)")
-
-
-# ---------------------------------------------------------------------------------------------- modules
-class Nvfp4GroupedLinear(Projection):
-    """Grouped projection z[..., g, :] = x[..., g, :] @ W_g^T (attention wo_a): G NVFP4 matrices [R, K] with one
-    global scale each: one dsv4::nvfp4_linear_grouped call (W4A16; one launch at decode), G W4A4 linears.
-    forward(x [..., G, K]) -> [..., G, R]."""
-
-    def __init__(self, groups: int, in_features: int, out_features: int, out_dtype: torch.dtype,
-                 act_quant: str = "none", device=None):
-        super().__init__()
-        if in_features % BLOCK:
-            raise ValueError(f"Nvfp4GroupedLinear: in_features must be a multiple of 16, got {in_features}")
-        self.groups, self.in_features, self.out_features = groups, in_features, out_features
-        self.out_dtype, self.w4a4 = out_dtype, act_quant == "nvfp4"
-        kp = padded_k(in_features)
-        u8 = dict(dtype=torch.uint8, device=device)
-        self.register_buffer("weight_packed", torch.zeros(groups, out_features, kp // 2, **u8))
-        self.register_buffer("weight_scale", torch.zeros(groups, out_features, kp // BLOCK, **u8))
-        self.register_buffer("weight_global_scale", torch.zeros(groups, dtype=torch.float32, device=device))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.w4a4:
-            return ops.nvfp4_linear_grouped(x.to(torch.bfloat16), w_packed=self.weight_packed,
-                                            w_scale=self.weight_scale,
-                                            w_global_scale=self.weight_global_scale).to(self.out_dtype)
-        outs = []
-        for g in range(self.groups):
-            xg = x[..., g, :]
-            w, s, gs = self.weight_packed[g], self.weight_scale[g], self.weight_global_scale[g]
-            outs.append(w4a4_rows(xg, w, s, gs).to(self.out_dtype))
-        return torch.stack(outs, dim=-2)
-
-    def load_nvfp4_(self, t: Nvfp4Tensor) -> None:
-        """t: [G, R, K/2] / [G, R, K/16] / [G]."""
-        dev = self.weight_packed.device
-        p, s = repack_weight(t.packed.to(dev), t.scale.to(dev))
-        self.weight_packed.copy_(p)
-        self.weight_scale.copy_(s)
-        self.weight_global_scale.copy_(t.global_scale.reshape(self.groups))
-
-    def dequantized_weight(self) -> torch.Tensor:
-        """fp32 [G * R, K] (the layout of the bf16 wo_a weight)."""
-        w = dequantize_kernel_layout(self.weight_packed, self.weight_scale, self.weight_global_scale,
-                                     self.in_features)
-        return w.flatten(0, 1)
-
-    def extra_repr(self) -> str:
-        return f"groups={self.groups}, {self.in_features}, {self.out_features}, w4a4={self.w4a4}"
-
-
-class Nvfp4Experts:
-    """The MoE experts backend of a converted MoE: routed + shared experts in one `Nvfp4MoE` (child `nvfp4`),
-    static shapes in prefill and decode; at decode its uncombined rows can go to the next hc_post_pre."""
-
-    modules = ("nvfp4",)
-    quantized = True
-
-    def combined(self, moe, x, weights, indices, static):
-        if moe.shard is None:
-            return moe.nvfp4(x, indices, weights).to(x.dtype)
-        return combine_rows(self.rows(moe, x, weights, indices), indices.shape[1]).to(x.dtype)
-
-    def gives_rows(self, moe, dtype):
-        return dtype == torch.bfloat16 and moe.nvfp4.out_dtype == torch.bfloat16
-
-    def rows(self, moe, x, weights, indices):
-        if moe.shard is None:
-            return moe.nvfp4.rows(x, indices, weights)
-        # this rank's experts' rows, zeros elsewhere (the shared expert's rows on rank 0 only): summed across the
-        # ranks, every row is the single-process row (one nonzero term: exact in bf16)
-        local, ids = moe.local_ids(indices)
-        rows = moe.nvfp4.rows(x, torch.where(local, ids, -1), weights)
-        keep = torch.cat((local.reshape(-1), torch.full((x.shape[0],), moe.shard.rank == 0, device=x.device)))
-        return moe.shard.all_reduce(torch.where(keep.unsqueeze(-1), rows, 0.0))
-
-    def narrow_(self, moe, start, count):
-        moe.nvfp4.narrow_experts_(start, count)
-
-
-def combine_rows(rows: torch.Tensor, k: int) -> torch.Tensor:
-    """The MoE combine of every row of nvfp4_moe_rows' layout ([T*k routed + T shared, d] bf16), as dsv4::nvfp4_moe
-    does it: the fp32 sum in slot order from +0, then the shared row, rounded once to bf16."""
-    T = rows.shape[0] // (k + 1)
-    routed = rows[: T * k].reshape(T, k, -1).float()
-    acc = torch.zeros_like(routed[:, 0])
-    for j in range(k):
-        acc = acc + routed[:, j]
-    return (acc + rows[T * k:].float()).to(torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------- units

@@ -18,8 +18,9 @@ from torch import nn
 from dsv4_model.model.compressor import Compressor
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.transformer import Transformer
-from dsv4_model.quant.nvfp4 import BLOCK, TILE, Nvfp4Linear, Nvfp4MoE, repack_weight
-from dsv4_model.quant.quantize_model import Nvfp4GroupedLinear, convert_structure_
+from dsv4_model.quant.nvfp4 import BLOCK, TILE, repack_weight
+from dsv4_model.quant.nvfp4_modules import Nvfp4GroupedLinear, Nvfp4Linear, Nvfp4MoE
+from dsv4_model.quant.quantize_model import convert_structure_
 
 # E2M1 magnitudes of codes 0..7 (bit 3 is the sign): a uniformly random byte's code has this rms.
 CODE_RMS = math.sqrt(sum(v * v for v in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)) / 8)
