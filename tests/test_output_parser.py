@@ -1,7 +1,8 @@
 """The reasoning / DSML output parser (dsv4_model.serve.output_parser): each model output gives the same reasoning,
 content and tool calls whole, split at every possible point, and fed one character at a time; no piece of a tag
 ever reaches reasoning or content. Outputs follow the format of the checkpoint's encoder (parse_message_from_
-completion_text in encoding_dsv4.py: `{reasoning}</think>{content}\\n\\n<｜DSML｜tool_calls>...`)."""
+completion_text in encoding_dsv4.py: `{reasoning}</think>{content}\\n\\n<｜DSML｜tool_calls>...`); OFFICIAL holds
+that function's results for some of them."""
 import json
 
 import pytest
@@ -73,6 +74,57 @@ def test_deltas_are_not_held_longer_than_needed():
     assert p.feed("\n\n<｜DS").content == ""
     d = p.feed(f"ML｜tool_calls>\n<{D}invoke name=\"f\">\n</{D}invoke>")
     assert d.content == "" and [c.name for c in d.tool_calls] == ["f"]
+
+
+# [O] parse_message_from_completion_text(text + "<｜end▁of▁sentence｜>", thinking_mode) of the official encoder,
+# `encoding/encoding_dsv4.py` of deepseek-ai/DeepSeek-V4-Flash: its reasoning_content, content and each tool call's
+# (function.name, function.arguments), pasted as literals. The first three outputs are what that file's
+# encode_messages writes for an assistant message (its render_message), the fourth is written by hand.
+# (name, thinking, output text, reasoning, content, [(name, arguments string)])
+OFFICIAL = [
+    ("rendered, thinking", True,
+     f'I need the weather.</think>Checking.\n\n<{D}tool_calls>\n<{D}invoke name="get_weather">\n<{D}parameter '
+     f'name="city" string="true">São Paulo</{D}parameter>\n<{D}parameter name="days" string="false">3</{D}parameter>'
+     f'\n</{D}invoke>\n<{D}invoke name="now">\n\n</{D}invoke>\n</{D}tool_calls>',
+     "I need the weather.", "Checking.", [("get_weather", '{"city": "São Paulo", "days": 3}'), ("now", "{}")]),
+    ("rendered, values of every type", False,
+     f'\n\n<{D}tool_calls>\n<{D}invoke name="f">\n<{D}parameter name="s" string="true">a\nb "q" <i></{D}parameter>'
+     f'\n<{D}parameter name="e" string="true"></{D}parameter>\n<{D}parameter name="n" string="false">-0.0015'
+     f'</{D}parameter>\n<{D}parameter name="z" string="false">[]</{D}parameter>\n<{D}parameter name="b" '
+     f'string="false">true</{D}parameter>\n<{D}parameter name="x" string="false">null</{D}parameter>\n<{D}parameter '
+     f'name="o" string="false">{{"k": [1, {{"y": "é"}}]}}</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>',
+     "", "", [("f", '{"s": "a\\nb \\"q\\" <i>", "e": "", "n": -0.0015, "z": [], "b": true, "x": null, '
+                   '"o": {"k": [1, {"y": "é"}]}}')]),
+    ("rendered, content ending in a newline", True,
+     f'multi\nline\n</think>line1\n\nline2\n\n\n<{D}tool_calls>\n<{D}invoke name="g">\n<{D}parameter name="x" '
+     f'string="true"></{D}parameter>\n</{D}invoke>\n</{D}tool_calls>',
+     "multi\nline\n", "line1\n\nline2\n", [("g", '{"x": ""}')]),
+    ("string=false values as written", True,
+     f'r</think>c\n\n\n\n<{D}tool_calls>\n<{D}invoke name="f">\n<{D}parameter name="x" string="false">[1,2]'
+     f'</{D}parameter>\n<{D}parameter name="y" string="false"> 2 </{D}parameter>\n<{D}parameter name="z" '
+     f'string="false">{{"a" : 1}}</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>',
+     "r", "c\n\n", [("f", '{"x": [1,2], "y":  2 , "z": {"a" : 1}}')]),
+]
+
+
+@pytest.mark.parametrize("name,thinking,text,reasoning,content,calls", OFFICIAL, ids=[c[0] for c in OFFICIAL])
+def test_official_parse_results(name, thinking, text, reasoning, content, calls):
+    """The same reasoning, content and exact arguments strings as the official parser, whole and character by
+    character."""
+    for pieces in ([text], list(text)):
+        total = _collect(OutputParser(thinking), pieces)
+        assert (total.reasoning, total.content) == (reasoning, content)
+        assert [(c.name, c.arguments) for c in total.tool_calls] == calls
+
+
+def test_repeated_parameter_is_not_a_call():
+    """The official parser refuses an invoke that names a parameter twice; here it stays text."""
+    p = OutputParser(thinking=False)
+    block = (f"<{D}tool_calls>\n<{D}invoke name=\"f\">\n<{D}parameter name=\"x\" string=\"true\">1</{D}parameter>\n"
+             f"<{D}parameter name=\"x\" string=\"true\">2</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>")
+    d = p.feed("ok\n\n" + block)
+    d.add(p.finish())
+    assert d.tool_calls == [] and d.content.startswith("ok<｜DSML｜tool_calls>") and "2</" in d.content
 
 
 def test_string_false_value_that_is_not_json_is_kept_as_text():

@@ -1,13 +1,15 @@
-"""DeepSeek-V4's chat prompt, written from the published rules of the checkpoint's `encoding/encoding_dsv4.py`
-(V4 ships no jinja template; vLLM's tokenizer mode `deepseek_v4` and SGLang apply that encoder). docs/serving.md
-"Chat format" lists the rules and the sources; tests/test_chat_encoding.py holds a table of exact strings.
+"""DeepSeek-V4's chat prompt, written from the rules of the checkpoint's `encoding/encoding_dsv4.py`
+(encode_messages; V4 ships no jinja template; vLLM's tokenizer mode `deepseek_v4` and SGLang apply that encoder) and
+checked against it: tests/test_chat_encoding.py holds the strings that encoder gives for a table of conversations.
+docs/serving.md "Chat format" lists the rules, and what of the encoder the API does not express.
 
     BOS [effort text] {system} [\\n\\n## Tools ...] <｜User｜>{user} <｜Assistant｜> <think> | </think>
     assistant turn: [{reasoning}</think>]{content}[\\n\\n<｜DSML｜tool_calls>...]<｜end▁of▁sentence｜>
+    latest_reminder message: <｜latest_reminder｜>{text}
 
-There is no tool role: tool results (and user text after them) fold into one user turn as
+There is no tool role: tool results (and user text around them) fold into one user turn as
 `<tool_result>...</tool_result>` blocks in the order of the calls. In thinking mode, reasoning of assistant turns
-before the last user turn is dropped, unless tools are present."""
+before the last user turn is dropped, unless tools are present or drop_thinking is off."""
 from __future__ import annotations
 
 import json
@@ -21,6 +23,7 @@ ASSISTANT = "<｜Assistant｜>"
 THINK = "<think>"
 THINK_END = "</think>"
 DSML = "｜DSML｜"
+LATEST_REMINDER = "<｜latest_reminder｜>"
 SPECIAL_TOKENS = (BOS, EOS, USER, ASSISTANT, THINK, THINK_END, DSML)
 
 TOOL_CALLS_OPEN = f"<{DSML}tool_calls>"
@@ -48,9 +51,10 @@ EFFORT_TABLES: dict[str, dict[str, str]] = {
     "v4": {"high": "", "max": _ABSOLUTE_MAX},
     "v4-tiered": {"low": "", "high": _ABSOLUTE_MAX, "max": _BEYOND_MAX},
 }
-# OpenAI's reasoning_effort values -> a table's level ("none" turns thinking off)
+# OpenAI's reasoning_effort values -> a table's level ("none" turns thinking off); "v4" as vLLM's deepseek_v4
+# tokenizer maps them onto the encoder's levels (max and xhigh -> max, the rest -> high)
 _EFFORT_ALIASES = {
-    "v4": {"minimal": "high", "low": "high", "medium": "high", "high": "high", "xhigh": "high", "max": "max"},
+    "v4": {"minimal": "high", "low": "high", "medium": "high", "high": "high", "xhigh": "max", "max": "max"},
     "v4-tiered": {"minimal": "low", "low": "low", "medium": "low", "high": "high", "xhigh": "high", "max": "max"},
 }
 
@@ -101,19 +105,22 @@ class ChatOptions:
     drop_thinking: bool = True
 
 
-def resolve_options(thinking: bool | None, reasoning_effort: str | None, table: str = "v4") -> ChatOptions:
-    """The request's switches -> ChatOptions: thinking on unless turned off; reasoning_effort "none" turns it off;
-    other OpenAI levels map onto the table's levels (as vLLM's deepseek_v4 mode maps them)."""
+def resolve_options(thinking: bool | None, reasoning_effort: str | None, table: str = "v4",
+                    drop_thinking: bool | None = None) -> ChatOptions:
+    """The request's switches -> ChatOptions (encode_messages' thinking_mode, reasoning_effort, drop_thinking):
+    thinking on unless turned off; reasoning_effort "none" turns it off; other OpenAI levels map onto the table's
+    levels (as vLLM's deepseek_v4 mode maps them); drop_thinking on unless turned off."""
     on = True if thinking is None else bool(thinking)
+    drop = True if drop_thinking is None else bool(drop_thinking)
     if reasoning_effort is None:
-        return ChatOptions(thinking=on, table=table)
+        return ChatOptions(thinking=on, table=table, drop_thinking=drop)
     if reasoning_effort == "none":
-        return ChatOptions(thinking=False, table=table)
+        return ChatOptions(thinking=False, table=table, drop_thinking=drop)
     level = _EFFORT_ALIASES[table].get(reasoning_effort)
     if level is None:
         allowed = ["none", *_EFFORT_ALIASES[table]]
         raise ChatError(f"reasoning_effort must be one of {allowed}, got {reasoning_effort!r}", "reasoning_effort")
-    return ChatOptions(thinking=on, effort=level, table=table)
+    return ChatOptions(thinking=on, effort=level, table=table, drop_thinking=drop)
 
 
 def _json(value: Any) -> str:
@@ -132,15 +139,19 @@ def render_tools(tools: list[dict]) -> str:
 
 
 def _arguments(call: dict, where: str) -> dict:
+    """A call's arguments as the parameters to write. As the encoder does: a string that is not JSON (also "")
+    becomes one string parameter `arguments`. Beyond it: missing / null -> no parameters, an object as it is."""
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise ChatError(f"{where}: needs a function with a name", "messages")
-    args = fn.get("arguments", "{}")
+    args = fn.get("arguments")
+    if args is None:
+        return {}
     if isinstance(args, str):
         try:
-            args = json.loads(args or "{}")
-        except json.JSONDecodeError as e:
-            raise ChatError(f"{where}.function.arguments: not JSON ({e.msg})", "messages") from None
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return {"arguments": args}
     if not isinstance(args, dict):
         raise ChatError(f"{where}.function.arguments: must be a JSON object", "messages")
     return args
@@ -158,8 +169,8 @@ def render_tool_calls(calls: list[dict], where: str) -> str:
     return f"\n\n{TOOL_CALLS_OPEN}\n" + "\n".join(invokes) + f"\n{TOOL_CALLS_CLOSE}"
 
 
-def _text(content: Any, where: str) -> str:
-    """Message content: a string, None, or OpenAI text parts (joined as they are)."""
+def _text(content: Any, where: str, sep: str = "") -> str:
+    """Message content: a string, None, or OpenAI text parts (joined by `sep`)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -171,13 +182,13 @@ def _text(content: Any, where: str) -> str:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise ChatError(f"{where}.content: only text parts are supported, got {kind!r}", "messages")
             out.append(part["text"])
-        return "".join(out)
+        return sep.join(out)
     raise ChatError(f"{where}.content: must be a string or a list of text parts", "messages")
 
 
 @dataclass
 class _Turn:
-    role: str  # system | developer | user | assistant
+    role: str  # system | developer | user | assistant | latest_reminder
     text: str = ""
     reasoning: str = ""
     calls: list | None = None
@@ -207,12 +218,12 @@ def _fold(messages: list[dict]) -> list[_Turn]:
         if not isinstance(m, dict):
             raise ChatError(f"{where}: must be an object", "messages")
         role = m.get("role")
-        if role == "tool":
+        if role == "tool":  # the encoder joins a result's text parts by a blank line
             k = order.get(m.get("tool_call_id") or "", 0)
-            parts.append((k, f"<tool_result>{_text(m.get('content'), where)}</tool_result>"))
+            parts.append((k, f"<tool_result>{_text(m.get('content'), where, sep=chr(10) * 2)}</tool_result>"))
         elif role == "user":
             parts.append((-1, _text(m.get("content"), where)))
-        elif role in ("system", "developer", "assistant"):
+        elif role in ("system", "developer", "assistant", "latest_reminder"):
             close_user()
             t = _Turn(role, _text(m.get("content"), where), where=where)
             if role == "assistant":
@@ -222,13 +233,17 @@ def _fold(messages: list[dict]) -> list[_Turn]:
                 if t.calls is not None and not isinstance(t.calls, list):
                     raise ChatError(f"{where}.tool_calls: must be a list", "messages")
                 if t.calls:  # the encoder keeps the last call order until another turn calls tools
-                    order = {c.get("id"): j for j, c in enumerate(t.calls) if isinstance(c, dict) and c.get("id")}
+                    order = {}
+                    for j, c in enumerate(t.calls):
+                        cid = (c.get("id") or (c.get("function") or {}).get("id")) if isinstance(c, dict) else None
+                        if cid:
+                            order[cid] = j
             elif role == "developer" and not t.text:
                 raise ChatError(f"{where}: a developer message needs content", "messages")
             turns.append(t)
         else:
-            raise ChatError(f"{where}.role: must be system, developer, user, assistant or tool, got {role!r}",
-                            "messages")
+            raise ChatError(f"{where}.role: must be system, developer, user, assistant, tool or latest_reminder, "
+                            f"got {role!r}", "messages")
     close_user()
     if turns[-1].role not in ("user", "developer"):
         raise ChatError("messages: the last message must be from the user, a developer or a tool", "messages")
@@ -266,6 +281,8 @@ def encode_chat(messages: list[dict], tools: list[dict] | None = None,
             out.append(USER + t.text)
             if t.role == "developer" and t.tools:
                 out.append("\n\n" + render_tools(t.tools))
+        elif t.role == "latest_reminder":
+            out.append(LATEST_REMINDER + t.text)
         else:
             if thinking and (not drop or i > last_user):
                 out.append(t.reasoning + THINK_END)
@@ -274,6 +291,7 @@ def encode_chat(messages: list[dict], tools: list[dict] | None = None,
                 out.append(render_tool_calls(t.calls, t.where))
             out.append(EOS)
         nxt = turns[i + 1].role if i + 1 < len(turns) else None
-        if t.role in ("user", "developer") and nxt in (None, "assistant"):
+        # the encoder writes the header after a user turn followed by an assistant turn, a latest_reminder or the end
+        if t.role in ("user", "developer") and nxt in (None, "assistant", "latest_reminder"):
             out.append(ASSISTANT + (THINK if thinking and (not drop or i >= last_user) else THINK_END))
     return "".join(out)

@@ -61,7 +61,7 @@ class ChatFormat:
         try:
             if self.name == "plain":
                 return ChatPrompt(self._plain(req), None)
-            opts = resolve_options(req.thinking, req.reasoning_effort)
+            opts = resolve_options(req.thinking, req.reasoning_effort, drop_thinking=req.drop_thinking)
             tools = None if req.tool_choice == "none" else req.tools
             text = encode_chat(req.messages, tools, opts)
         except ChatError as e:

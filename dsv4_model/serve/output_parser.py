@@ -4,8 +4,12 @@ Text arrives in pieces that may end anywhere, also inside a tag; a piece's tail 
 held back until the next piece decides it. In thinking mode the text up to `</think>` is reasoning; then content up
 to a DSML block `<｜DSML｜tool_calls> <｜DSML｜invoke name="f"> <｜DSML｜parameter name="k" string="true|false">v
 </｜DSML｜parameter> ... </｜DSML｜invoke> ... </｜DSML｜tool_calls>`, whose invokes become tool calls (each one
-whole, when its closing tag arrives; arguments a JSON object string). Text the parser cannot read as DSML goes to
-content as it is, never dropped; an invoke cut off by the end of the output (max_tokens) is dropped."""
+whole, when its closing tag arrives; arguments a JSON object string). On well-formed output the result is the one
+of parse_message_from_completion_text in the checkpoint's encoding/encoding_dsv4.py (which raises on anything else):
+the blank line before the block is not content, arguments are `{"k": v, ...}` with string values JSON-quoted and
+string="false" values as the model wrote them (tests/test_output_parser.py holds its results). Text the parser cannot
+read as DSML (also an invoke repeating a parameter name) goes to content as it is, never dropped; an invoke cut off by
+the end of the output (max_tokens) is dropped."""
 from __future__ import annotations
 
 import json
@@ -51,6 +55,14 @@ def _partial_tag(text: str, tags: tuple[str, ...]) -> int:
     return 0
 
 
+def _before_block(text: str) -> str:
+    """Text before a DSML block, less the block's blank line (the encoder writes `\\n\\n<｜DSML｜tool_calls>`)."""
+    for _ in range(2):
+        if text.endswith("\n"):
+            text = text[:-1]
+    return text
+
+
 def _held(text: str, tags: tuple[str, ...]) -> int:
     """How much of `text` is certain: all but a tag's possible beginning and the newlines before it (the blank
     line before a DSML block belongs to the block)."""
@@ -60,25 +72,33 @@ def _held(text: str, tags: tuple[str, ...]) -> int:
     return n
 
 
+def _json(value: str) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
 def parse_invoke(text: str, index: int) -> ToolCall | None:
-    """One complete `<｜DSML｜invoke ...>...</｜DSML｜invoke>` -> ToolCall, None when malformed. string="false"
-    values are JSON (kept as a string when they are not)."""
+    """One complete `<｜DSML｜invoke ...>...</｜DSML｜invoke>` -> ToolCall, None when malformed (also a parameter
+    name given twice). Arguments as the encoder's decode_dsml_to_arguments writes them: `{"k": v, ...}`, a
+    string="true" value JSON-quoted, a string="false" value as it is (it is JSON; one that is not is quoted)."""
     m = _INVOKE.fullmatch(text)
     if m is None:
         return None
     name, body = m.group(1), m.group(2)
-    args = {}
+    args: dict[str, str] = {}
     for key, is_str, value in _PARAM.findall(body):
-        if is_str == "true":
-            args[key] = value
-        else:
+        if key in args:
+            return None
+        if is_str == "false":
             try:
-                args[key] = json.loads(value)
+                json.loads(value)
             except json.JSONDecodeError:
-                args[key] = value
+                value = _json(value)
+        else:
+            value = _json(value)
+        args[key] = value
     if _PARAM.sub("", body).strip():  # text between parameters: not the format
         return None
-    return ToolCall(index, name, json.dumps(args, ensure_ascii=False))
+    return ToolCall(index, name, "{" + ", ".join(f"{_json(k)}: {v}" for k, v in args.items()) + "}")
 
 
 class OutputParser:
@@ -122,7 +142,7 @@ class OutputParser:
         ends = [(i, tag) for tag in (THINK_END, TOOL_CALLS_OPEN) if (i := self.buf.find(tag)) >= 0]
         if ends:
             i, tag = min(ends)
-            out.reasoning += self.buf[:i] if tag == THINK_END else self.buf[:i].rstrip("\n")
+            out.reasoning += self.buf[:i] if tag == THINK_END else _before_block(self.buf[:i])
             self.buf = self.buf[i + len(tag):]
             self.state = "content" if tag == THINK_END else "tools"
             return
@@ -135,7 +155,7 @@ class OutputParser:
     def _content(self, out: Delta, final: bool) -> None:
         i = self.buf.find(TOOL_CALLS_OPEN)
         if i >= 0:
-            out.content += self.buf[:i].rstrip("\n")  # the blank line before a block belongs to the block
+            out.content += _before_block(self.buf[:i])  # the blank line before a block belongs to the block
             self.buf = self.buf[i + len(TOOL_CALLS_OPEN):]
             self.state = "tools"
             return

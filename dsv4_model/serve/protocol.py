@@ -113,6 +113,7 @@ class ChatTemplateKwargs(BaseModel):
 
     thinking: bool | None = None
     enable_thinking: bool | None = None
+    drop_thinking: bool | None = None  # the encoder's drop_thinking (earlier turns' reasoning left out)
 
 
 class ChatRequest(_Sampling):
@@ -150,6 +151,10 @@ class ChatRequest(_Sampling):
         if k is None:
             return None
         return k.thinking if k.thinking is not None else k.enable_thinking
+
+    @property
+    def drop_thinking(self) -> bool | None:
+        return None if self.chat_template_kwargs is None else self.chat_template_kwargs.drop_thinking
 
     @property
     def token_limit(self) -> int | None:
