@@ -7,7 +7,8 @@
 For each concurrency C the scheduler (dsv4_model.runtime.scheduler) serves 3C requests (random prompts of
 --prompt-len tokens, --max-tokens each, EOS ignored, greedy), all submitted at once on a scheduler of C rows, so
 C are in flight and the others join as rows free up. Reported: output tokens/s over the run (prefill included),
-TTFT and TPOT percentiles, and the steady-state rate C / TPOT. The peer, from the same run and engine: a static
+TTFT and TPOT percentiles (TPOT includes the prefill chunks of requests that join meanwhile), and the steady state:
+tokens per second over the iterations that ran decode alone. The peer, from the same run and engine: a static
 batch of C rows (the decode runner's step at bucket C from position --prompt-len, as bench_parallel_decode times
 it): tokens/s = C / step time; goal (issue #48): steady state >= 95% of it.
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -66,6 +66,20 @@ def run_continuous(engine: Engine, C: int, args, gen: torch.Generator) -> dict:
     V = engine.vocab_size
     reqs = [Request(torch.randint(0, V, (args.prompt_len,), generator=gen).tolist(), SamplingParams(),
                     max_tokens=args.max_tokens, ignore_eos=True) for _ in range(args.requests_per_row * C)]
+    # decode-only iterations: no prefill chunk in this one or the one before (an iteration waits for the previous
+    # one's device work): their rows per second is the steady state a static batch is compared with
+    steady = {"rows": 0, "s": 0.0}
+    last = {"t": None, "chunks": 0, "rows": 0, "clean": False}
+
+    def on_step():
+        t, st = time.perf_counter(), sched.stats
+        clean = st.prefill_chunks == last["chunks"]
+        if clean and last["clean"] and last["t"] is not None and st.decode_rows > last["rows"]:
+            steady["rows"] += st.decode_rows - last["rows"]
+            steady["s"] += t - last["t"]
+        last.update(t=t, chunks=st.prefill_chunks, rows=st.decode_rows, clean=clean)
+
+    sched.on_step = on_step
     sync(engine.device)
     t0 = time.perf_counter()
     for r in reqs:
@@ -81,7 +95,8 @@ def run_continuous(engine: Engine, C: int, args, gen: torch.Generator) -> dict:
     return {"wall_s": wall, "tokens_per_s": len(reqs) * args.max_tokens / wall,
             "ttft_p50_ms": 1e3 * _pct(ttft, 50), "ttft_p99_ms": 1e3 * _pct(ttft, 99),
             "tpot_p50_ms": 1e3 * _pct(tpot, 50), "tpot_p99_ms": 1e3 * _pct(tpot, 99),
-            "steady_tokens_per_s": C / statistics.median(tpot), "decode_steps": sched.stats.decode_steps}
+            "steady_tokens_per_s": steady["rows"] / steady["s"] if steady["s"] else float("nan"),
+            "decode_steps": sched.stats.decode_steps}
 
 
 def run_static(engine: Engine, C: int, args) -> float:
