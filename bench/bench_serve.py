@@ -3,6 +3,7 @@
     python bench/bench_serve.py --url http://127.0.0.1:8000 --concurrency 8 --num-requests 64 --max-tokens 64
     python bench/bench_serve.py --url ... --request-rate 4        # Poisson arrivals, 4 requests/s on average
     python bench/bench_serve.py --stub-server --port 8011         # a server on a stub scheduler (front-end cost)
+    python bench/bench_serve.py --preset-server flash2 --port 8012   # our server on a random NVFP4 preset model
 
 Streams /v1/completions (or /v1/chat/completions with --chat) with ignore_eos, measures per request TTFT, TPOT
 (mean time per output token after the first), ITL (gaps between chunks) and end-to-end latency, and prints one
@@ -117,6 +118,54 @@ def stub_server(args) -> None:
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
 
 
+class WordTokenizer:
+    """A stand-in tokenizer for a random model: id i is the word " t<i>", so every generated token shows as text
+    (a real tokenizer smaller than the model's vocabulary would decode most random ids to nothing); words of a
+    prompt map to ids by CRC."""
+
+    kind = "words"
+
+    def __init__(self, vocab_size: int, bos_id: int, eos_id: int):
+        self.vocab_size, self.bos_id, self.eos_id = vocab_size, bos_id, eos_id
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        import zlib
+
+        ids = [zlib.crc32(w.encode()) % self.vocab_size for w in text.split()]
+        return [self.bos_id] + ids if add_bos else ids
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f" t{i}" for i in ids)
+
+
+def preset_server(args) -> None:
+    """Our app and scheduler on a random NVFP4 model of a bench/common.py preset (flash2, flash43, ...), built on
+    the GPU: the served figures of models too large for a checkpoint on disk."""
+    import torch
+    import uvicorn
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import preset
+
+    from dsv4_model.quant.random_model import random_nvfp4_model
+    from dsv4_model.runtime.engine import Engine
+    from dsv4_model.runtime.scheduler import Scheduler
+    from dsv4_model.runtime.session import RunnerOptions
+    from dsv4_model.serve.app import ServeConfig, create_app
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
+    cfg = preset(args.preset_server, experts=args.experts)
+    model = random_nvfp4_model(cfg, device=device, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len)
+    engine = Engine(model, cfg, device, runner_options=RunnerOptions(compile=cuda, cuda_graphs=cuda))
+    tok = WordTokenizer(cfg.vocab_size, int(cfg.bos_token_id), int(cfg.eos_token_id))
+    app = create_app(Scheduler(engine, tokenizer=tok),
+                     ServeConfig(model_name=args.model, max_waiting=4096, chat_format="plain"))
+    print(f"serving {args.preset_server} ({cfg.n_layers} layers, {cfg.n_routed_experts} experts) on {device}",
+          file=sys.stderr, flush=True)
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000")
@@ -132,10 +181,18 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("--stub-server", action="store_true", help="serve our app on a stub scheduler instead")
-    p.add_argument("--port", type=int, default=8011, help="--stub-server's port")
+    p.add_argument("--port", type=int, default=8011, help="--stub-server's / --preset-server's port")
+    p.add_argument("--preset-server", metavar="NAME", default=None,
+                   help="serve our app on a random NVFP4 model of this bench/common.py preset instead")
+    p.add_argument("--experts", type=int, default=None, help="--preset-server: routed experts (default: all)")
+    p.add_argument("--max-batch-size", type=int, default=64, help="--preset-server: batch rows")
+    p.add_argument("--max-seq-len", type=int, default=1024, help="--preset-server: context per row")
     args = p.parse_args(argv)
     if args.stub_server:
         stub_server(args)
+        return 0
+    if args.preset_server:
+        preset_server(args)
         return 0
     args.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     res = asyncio.run(run(args))
