@@ -235,27 +235,30 @@ def test_structure_and_kept_layers(nvfp4_model):
 
 
 def test_projections_say_how_their_weight_is_stored(bf16_model, nvfp4_model):
-    # The one seam between the model and quantization: a W4A16 NVFP4 projection hands over its kernel buffers,
-    # a float or W4A4 one does not (then attention calls the modules one by one).
-    from dsv4_model.model.layers import Projection
+    # The one seam between the model and quantization: projections of one input share a launch where their stored
+    # forms have one (W4A16 NVFP4: nvfp4_linear_multi; float in fp32 math: fp32_linear); else each runs alone.
+    from dsv4_model.model.layers import Projection, joint_run
 
     attn = nvfp4_model.layers[1].attn
-    w = attn.wq_a.w4a16()
-    assert w is not None and w.packed is attn.wq_a.weight_packed and w.scale is attn.wq_a.weight_scale
-    assert w.global_scale is attn.wq_a.weight_global_scale and w.out_dtype == attn.wq_a.out_dtype
-    assert attn.wo_a.w4a16() is None  # grouped: its own op
+    assert joint_run(attn.wq_a, attn.wkv) is not None
+    assert joint_run(attn.wo_a) is None and joint_run(attn.wq_a, attn.wo_a) is None  # grouped: its own op
     float_attn = bf16_model.layers[1].attn
     for name in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
         for a in (attn, float_attn):
             assert isinstance(getattr(a, name), Projection), name
-        assert getattr(float_attn, name).w4a16() is None, name
+        assert joint_run(getattr(float_attn, name)) is None, name
+    comp = float_attn.compressor
+    assert joint_run(comp.wkv, comp.wgate) is not None and joint_run(comp.wkv, float_attn.wq_a) is None
+    assert joint_run(float_attn.wq_a, float_attn.wkv, fp32=True) is not None
     w4a4 = Nvfp4Linear(attn.wq_a.in_features, attn.wq_a.out_features, torch.bfloat16, "nvfp4")
-    assert w4a4.w4a16() is None
+    assert joint_run(w4a4) is None and joint_run(attn.wq_a, fp32=True) is None
 
 
-def test_fused_x_projections_equal_separate_calls(nvfp4_model):
-    """Attention runs W4A16 wq_a + wkv, and (at decode) wq_b + the indexer's wq_b, as one nvfp4_linear_multi call
-    each: the same values as the modules."""
+def test_fused_projections_equal_separate_calls(nvfp4_model):
+    """`project` runs W4A16 wq_a + wkv, and wq_b + the indexer's wq_b (decode), as one nvfp4_linear_multi call
+    each, and a compressor's wkv + wgate as one fp32_linear call: the same values as the modules."""
+    from dsv4_model.model.layers import project
+
     attn = nvfp4_model.layers[1].attn
     x = torch.randn(2, 3, attn.wq_a.in_features, generator=torch.Generator().manual_seed(4))
     x = x.to(attn.wq_a.weight_packed.device)
@@ -271,16 +274,20 @@ def test_fused_x_projections_equal_separate_calls(nvfp4_model):
             return func(*args, **(kwargs or {}))
 
     with Calls() as calls:
-        qa, kva = attn._x_projections(x)
+        qa, kva = project(x, attn.wq_a, attn.wkv)
     assert "dsv4.nvfp4_linear_multi.default" in calls.names and "dsv4.nvfp4_linear.default" not in calls.names
     assert torch.equal(qa, attn.wq_a(x)) and torch.equal(kva, attn.wkv(x))
     # the query projections of the attention and of its indexer (both read qr), at decode
     qr = attn.q_norm(qa)
     with Calls() as calls:
-        qb, iproj = attn._qr_projections(qr, True)
+        qb, iproj = project(qr, attn.wq_b, attn.indexer.wq_b)
     assert calls.names.count("dsv4.nvfp4_linear_multi.default") == 1
     assert torch.equal(qb, attn.wq_b(qr)) and torch.equal(iproj, attn.indexer.wq_b(qr))
-    assert attn._qr_projections(qr, False)[1] is None
+    comp = attn.compressor
+    with Calls() as calls:
+        kv, score = project(x, comp.wkv, comp.wgate)
+    assert calls.names.count("dsv4.fp32_linear.default") == 1 and kv.dtype == torch.float32
+    assert torch.equal(kv, comp.wkv(x)) and torch.equal(score, comp.wgate(x))
 
 
 def test_nvfp4_model_matches_its_dequantized_twin(ckpts):

@@ -31,21 +31,13 @@ from dsv4_model.model import decode_options as fused
 from dsv4_model.model.compressor import Compressor, scatter_entries
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.indexer import Indexer, topk_indices
-from dsv4_model.model.layers import (GroupedLinear, Linear, RMSNorm, W4A16Weight, apply_rope, fp32_linear,
+from dsv4_model.model.layers import (GroupedLinear, Linear, RMSNorm, apply_rope, joint_run, project,
                                      unweighted_rms_norm)
 from dsv4_model.model.quant_sim import fp4_pack_indexer_keys, kv_fake_quant
 from dsv4_model.model.step_values import DecodeStep
 
 # a prefill attention chunk's fp32 scores at most (bounds the chunk's rows; see Attention.prefill_rows)
 PREFILL_SCORE_BYTES = 512 * 2**20
-
-
-def _multi(x: torch.Tensor, weights: tuple[W4A16Weight, ...]) -> tuple[torch.Tensor, ...]:
-    """W4A16 projections of the same x in one dsv4::nvfp4_linear_multi call (the values of calling each)."""
-    outs = ops.nvfp4_linear_multi(x.to(torch.bfloat16), w_packed=[w.packed for w in weights],
-                                  w_scale=[w.scale for w in weights],
-                                  w_global_scale=[w.global_scale for w in weights])
-    return tuple(o.to(w.out_dtype) for o, w in zip(outs, weights))
 
 
 class PrefillAt(NamedTuple):
@@ -118,16 +110,21 @@ class Attention(nn.Module):
     def _qkv(self, x: torch.Tensor, cs: torch.Tensor, index_proj: bool = False,
              positions: torch.Tensor | None = None):
         """x [..., dim] -> (qr [..., q_lora], q [..., H, D], kv [..., D], iproj); cs: rope rows for x's positions.
-        iproj: the indexer's wq_b(qr) when index_proj and it ran in the same launch as wq_b (else None).
-        positions (decode): kv may go straight into the window of kv_cache at positions % window (then None)."""
-        qa, kva = self._x_projections(x)
+        iproj: the indexer's wq_b(qr) when index_proj and it ran in the same launch as wq_b (else None: the indexer
+        projects qr itself). positions (decode): kv may go straight into the window of kv_cache at positions %
+        window (then None)."""
+        qa, kva = project(x, self.wq_a, self.wkv)
         if qa.dim() == 2 and fused.norm_rope(qa, 0):  # decode: a dsv4 kernel (PDL) instead of Inductor's reduction
             cs0 = qa.new_empty((qa.shape[0], 0, 2), dtype=torch.float32)
             qr = ops.rms_norm_rope(qa.unsqueeze(1), weight=self.q_norm.weight, cs=cs0, eps=self.q_norm.eps,
                                    rope_dim=0, fp8_nope=False).squeeze(1)
         else:
             qr = self.q_norm(qa)
-        qb, iproj = self._qr_projections(qr, index_proj)
+        ix = self.indexer
+        if index_proj and ix is not None and joint_run(self.wq_b, ix.wq_b) is not None:
+            qb, iproj = project(qr, self.wq_b, ix.wq_b)
+        else:
+            qb, iproj = self.wq_b(qr), None
         q = qb.unflatten(-1, (self.n_heads, self.head_dim))
         if q.dim() == 3 and fused.norm_rope(q, self.rope_dim):  # decode: x [B, dim], cs [B, rope_dim / 2, 2]
             q = ops.rms_norm_rope(q, weight=None, cs=cs, eps=self.eps, rope_dim=self.rope_dim, fp8_nope=False)
@@ -145,34 +142,18 @@ class Attention(nn.Module):
             kv = kv_fake_quant(kv, self.rope_dim)
         return qr, q, kv, iproj
 
-    def _x_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(wq_a(x), wkv(x)); one dsv4::nvfp4_linear_multi launch when both are W4A16 NVFP4 (the same numerics as
-        two nvfp4_linear calls)."""
-        wq_a, wkv = self.wq_a.w4a16(), self.wkv.w4a16()
-        if wq_a is not None and wkv is not None:
-            return _multi(x, (wq_a, wkv))
-        return self.wq_a(x), self.wkv(x)
-
-    def _qr_projections(self, qr: torch.Tensor, index_proj: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(wq_b(qr), the indexer's wq_b(qr) or None); both in one launch when asked for and both are W4A16."""
-        if index_proj and self.indexer is not None:
-            wq_b, iwq_b = self.wq_b.w4a16(), self.indexer.wq_b.w4a16()
-            if wq_b is not None and iwq_b is not None:
-                return _multi(qr, (wq_b, iwq_b))
-        return self.wq_b(qr), None
-
     def _fp32_projections(self, x: torch.Tensor):
         """The fp32-math projections of x at decode, in one dsv4::fp32_linear call: ((wkv(x), wgate(x)) of the
         compressor or None, the same of the indexer's compressor or None, the indexer's weights_proj(x) in fp32
         (Indexer.select has its op round it to the weight's dtype, as the module returns it) or None)."""
         ix = self.indexer
         comp, icomp = self.compressor, (ix.compressor if ix is not None else None)
-        wp = ix.weights_proj.weight if (ix is not None and ix.packed_decode()
-                                        and type(ix.weights_proj) is Linear) else None
-        ws = [w for c in (comp, icomp) if c is not None for w in c.linears()] + ([wp] if wp is not None else [])
-        if not ws:
+        wp = ix.weights_proj if (ix is not None and ix.packed_decode() and type(ix.weights_proj) is Linear) else None
+        mods = [lin for c in (comp, icomp) if c is not None for lin in (c.wkv, c.wgate)]
+        mods += [wp] if wp is not None else []
+        if not mods:
             return None, None, None
-        outs = iter(fp32_linear(x, ws))
+        outs = iter(project(x, *mods, fp32=True))
         cproj = (next(outs), next(outs)) if comp is not None else None
         iproj = (next(outs), next(outs)) if icomp is not None else None
         return cproj, iproj, (next(outs) if wp is not None else None)

@@ -5,14 +5,13 @@ describes the caches)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsv4_ops import ops
 
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model import decode_options as fused
-from dsv4_model.model.layers import Linear, RMSNorm, apply_rope, fp32_linear, narrow_if_lossless_
+from dsv4_model.model.layers import Linear, RMSNorm, apply_rope, narrow_if_lossless_, project
 from dsv4_model.model.quant_sim import indexer_fake_quant, kv_fake_quant
 from dsv4_model.model.step_values import DecodeStep
 
@@ -52,8 +51,8 @@ class Compressor(nn.Module):
         c = self.coff
         self.ape = nn.Parameter(torch.empty(ratio, c * head_dim, dtype=torch.float32), requires_grad=False)
         # checkpoint stores bf16; official runs the compressor projections in fp32
-        self.wkv = Linear(cfg.dim, c * head_dim, torch.float32)
-        self.wgate = Linear(cfg.dim, c * head_dim, torch.float32)
+        self.wkv = Linear(cfg.dim, c * head_dim, torch.float32, fp32=True)
+        self.wgate = Linear(cfg.dim, c * head_dim, torch.float32, fp32=True)
         self.norm = RMSNorm(head_dim, cfg.norm_eps)
 
     def alloc_runtime(self, device) -> None:
@@ -103,13 +102,6 @@ class Compressor(nn.Module):
             return ops.hadamard_fp4(kv.unsqueeze(1), cs=None, rope_dim=0).squeeze(1)
         return indexer_fake_quant(kv)
 
-    def linears(self) -> list[torch.Tensor]:
-        return [self.wkv.weight, self.wgate.weight]
-
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        kv, score = fp32_linear(x, self.linears())
-        return kv, score
-
     def prefill(self, x: torch.Tensor, lengths: torch.Tensor, rope: torch.Tensor, start: torch.Tensor,
                 fresh: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, S, dim]: row b's tokens at positions start[b] .. start[b] + S - 1 (start int64 [B]; the state rows
@@ -121,7 +113,7 @@ class Compressor(nn.Module):
         precedes position 0)."""
         B, S, _ = x.shape
         m, c, hd, dev = self.ratio, self.coff, self.head_dim, x.device
-        kv, score = self._project(x)
+        kv, score = project(x, self.wkv, self.wgate)
         score = score + self.ape[(start.unsqueeze(1) + torch.arange(S, device=dev)) % m]
         # The tokens from the first window the chunk's entries read (m-aligned; with overlap one window earlier):
         # those before start from the state, then the chunk's (c*m + S cover every row's). Positions < 0 read as
@@ -216,7 +208,7 @@ class Compressor(nn.Module):
         store: (positions, cache, offset): entry is None when it was written into cache already (_finish)."""
         B, positions = x.shape[0], step.positions
         m, hd = self.ratio, self.head_dim
-        kv, score = self._project(x) if proj is None else proj
+        kv, score = project(x, self.wkv, self.wgate) if proj is None else proj
         cs = step.cs(rope_kind, m)
         complete = (positions + 1) % m == 0
         # the op rounds the pooling to x's dtype itself (_finish's .to(dtype) is then no kernel); a state of

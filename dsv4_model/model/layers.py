@@ -1,10 +1,10 @@
-"""Building blocks: the projections (bias-free Linear, grouped Linear), RMSNorm, interleaved RoPE (+YaRN), mHC
-hyper-connections."""
+"""Building blocks: the projections (bias-free Linear, grouped Linear, `project` for several of one input), RMSNorm,
+interleaved RoPE (+YaRN), mHC hyper-connections."""
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -13,37 +13,65 @@ from torch import nn
 from dsv4_ops import ops
 
 
-class W4A16Weight(NamedTuple):
-    """A projection's weight as W4A16 NVFP4 kernel buffers, and the dtype the projection returns."""
-
-    packed: torch.Tensor
-    scale: torch.Tensor
-    global_scale: torch.Tensor
-    out_dtype: torch.dtype
+# A stored form's one call for several projections of the same x: run(x, projections) -> their outputs.
+JointRun = Callable[[torch.Tensor, Sequence["Projection"]], Sequence[torch.Tensor]]
 
 
 class Projection(nn.Module):
-    """What the model calls for a weight matrix: forward(x), however the weight is stored (float here, NVFP4 in
-    dsv4_model.quant's subclasses, which replace these modules in place)."""
+    """A weight matrix the model multiplies by, each stored form its own class: float here (`Linear`,
+    `GroupedLinear`), NVFP4 in dsv4_model.quant.nvfp4_modules (the conversion puts those in place of these). One
+    projection is `mod(x)`; several that read the same x go through `project`."""
 
-    def w4a16(self) -> W4A16Weight | None:
-        """The weight as W4A16 NVFP4 buffers (several projections of one input then share one launch), or None."""
+    def joint_run(self, fp32: bool) -> JointRun | None:
+        """The call that runs this projection together with others of its stored form on one x (fp32: their
+        products in fp32 math), or None: it runs alone."""
         return None
 
 
-class Linear(Projection):
-    """y = x @ W^T without bias. Parameters are allocated uninitialised (weights come from a checkpoint)."""
+def joint_run(*projections: Projection, fp32: bool = False) -> JointRun | None:
+    """The one call that computes all of these projections of one x, or None when their stored forms share none."""
+    runs = [p.joint_run(fp32) for p in projections]
+    return runs[0] if all(r is runs[0] for r in runs) else None
 
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
+
+def project(x: torch.Tensor, *projections: Projection, fp32: bool = False) -> tuple[torch.Tensor, ...]:
+    """x @ W^T for each projection of the same x, computed as its weight is stored, in one launch where the stored
+    forms allow (DeepSeek's inference `linear()` dispatches on the weight's dtype the same way):
+    - float weights in fp32 math (`Linear(fp32=True)`; with fp32, any float `Linear`): one dsv4::fp32_linear, fp32 out;
+    - W4A16 NVFP4 weights, two or more: one dsv4::nvfp4_linear_multi (the values of calling each);
+    - otherwise (float in the weight's dtype, W4A4, grouped) each projection's own forward."""
+    run = joint_run(*projections, fp32=fp32)
+    if run is not None and (fp32 or len(projections) > 1):
+        return tuple(run(x, projections))
+    if fp32:
+        raise ValueError("project(fp32=True) takes float Linears only")
+    return tuple(p(x) for p in projections)
+
+
+def _fp32_run(x: torch.Tensor, projections: Sequence[Linear]) -> list[torch.Tensor]:
+    return fp32_linear(x, [p.weight for p in projections])
+
+
+class Linear(Projection):
+    """y = x @ W^T without bias, in the weight's dtype; fp32: in fp32 math with an fp32 output whatever dtype the weight
+    is held in (official's fp32 projections; `narrow_if_lossless_` may hold the weight in bf16). Parameters are
+    allocated uninitialised (weights come from a checkpoint)."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, fp32: bool = False):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features, self.fp32 = in_features, out_features, fp32
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
 
+    def joint_run(self, fp32: bool) -> JointRun | None:
+        return _fp32_run if fp32 or self.fp32 else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp32:
+            return fp32_linear(x, [self.weight])[0]
         return F.linear(x.to(self.weight.dtype), self.weight)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, dtype={self.weight.dtype}"
+        return f"{self.in_features}, {self.out_features}, dtype={self.weight.dtype}" + (", fp32" if self.fp32 else "")
 
 
 class GroupedLinear(Projection):

@@ -10,12 +10,14 @@ of a Blackwell NVFP4 GEMM.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import nn
 
 from dsv4_ops import ops
 
-from dsv4_model.model.layers import Projection, W4A16Weight
+from dsv4_model.model.layers import JointRun, Projection
 from dsv4_model.quant.nvfp4 import (BLOCK, deinterleave_gate_up, dequantize_kernel_layout, interleave_gate_up, padded_k,
                                     quantize_weight, repack_weight)
 
@@ -36,6 +38,14 @@ def w4a4_rows(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: to
     one = torch.ones((), dtype=torch.float32, device=x.device)
     y = ops.nvfp4_linear_w4a4(xp, xs, one, w_packed=packed, w_scale=scale, w_global_scale=gs, out_dtype=torch.float32)
     return y * xg.unsqueeze(-1)
+
+
+def _w4a16_run(x: torch.Tensor, projections: Sequence[Nvfp4Linear]) -> list[torch.Tensor]:
+    """W4A16 projections of one x in one dsv4::nvfp4_linear_multi call (the values of calling each)."""
+    outs = ops.nvfp4_linear_multi(x.to(torch.bfloat16), w_packed=[p.weight_packed for p in projections],
+                                  w_scale=[p.weight_scale for p in projections],
+                                  w_global_scale=[p.weight_global_scale for p in projections])
+    return [o.to(p.out_dtype) for o, p in zip(outs, projections)]
 
 
 class Nvfp4Linear(Projection):
@@ -82,10 +92,8 @@ class Nvfp4Linear(Projection):
         return dequantize_kernel_layout(self.weight_packed, self.weight_scale, self.weight_global_scale,
                                         self.in_features)
 
-    def w4a16(self) -> W4A16Weight | None:
-        if self.w4a4:
-            return None
-        return W4A16Weight(self.weight_packed, self.weight_scale, self.weight_global_scale, self.out_dtype)
+    def joint_run(self, fp32: bool) -> JointRun | None:
+        return None if self.w4a4 or fp32 else _w4a16_run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w4a4:

@@ -3,10 +3,10 @@ swapped for the NVFP4 ones of dsv4_model.quant.nvfp4_modules.
 
 Converted (the weight bytes that dominate decode):
 - attention: wq_a, wq_b, wkv, wo_b -> `Nvfp4Linear` (W4A16 wq_a + wkv run as one dsv4::nvfp4_linear_multi
-  call, and at decode wq_b + the indexer's wq_b as another: `Attention._x_projections` / `_qr_projections`); wo_a (a grouped einsum, G groups of [R, H*D/G]) ->
-  `Nvfp4GroupedLinear`, one dsv4::nvfp4_linear_grouped call, one global scale per group (official runs wo_a in bf16
-  because it has no grouped FP8 kernel; at 8192x4096 per layer it is as large as the activated experts, so it
-  is worth 4 bits); indexer.wq_b -> `Nvfp4Linear`;
+  call, and at decode wq_b + the indexer's wq_b as another: `model.layers.project`); wo_a (a grouped einsum, G
+  groups of [R, H*D/G]) -> `Nvfp4GroupedLinear`, one dsv4::nvfp4_linear_grouped call, one global scale per group
+  (official runs wo_a in bf16 because it has no grouped FP8 kernel; at 8192x4096 per layer it is as large as the
+  activated experts, so it is worth 4 bits); indexer.wq_b -> `Nvfp4Linear`;
 - MoE: routed experts + shared expert -> ONE `Nvfp4MoE` (dsv4::nvfp4_moe, shared expert fused), one global
   scale per expert shared by w1 and w3.
 Kept as they are (bf16 / fp32, as in the official numerics):
