@@ -27,6 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from dsv4_model.checkpoint.tokenizer import load_tokenizer  # noqa: E402
+from dsv4_model.model import mtp  # noqa: E402
 from dsv4_model.runtime.engine import Engine  # noqa: E402
 
 DEFAULT = os.path.join(ROOT, "dsv4_model", "assets", "default")
@@ -43,7 +44,7 @@ def window_counts(model, ids: torch.Tensor, depth: int) -> tuple[list[int], list
     drafts = []
     for k in range(1, depth + 1):  # pass k reads tokens x[t+k] and drafts x[t+k+1]
         n = S - k
-        logits, h = model.mtp_forward(h[:, :n], ids[:, k:], torch.tensor([n]))
+        logits, h = mtp.prefill(model, h[:, :n], ids[:, k:], torch.tensor([n]))
         drafts.append(logits.argmax(-1)[0])
     accepted, eligible = [0] * depth, [0] * depth
     T = S - depth - 1

@@ -137,9 +137,11 @@ def forward_logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def mtp_logits(model, h: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
-    """MTP depth 1 (Transformer.mtp_forward): position t combines the main streams h_t with the embedding of
+    """MTP depth 1 (dsv4_model.model.mtp.prefill): position t combines the main streams h_t with the embedding of
     token t+1 and predicts token t+2. h [B, T, hc, d], next_ids [B, T] (tokens 1..T) -> logits [B, T, V]."""
-    return model.mtp_forward(h, next_ids)[0]
+    from dsv4_model.model import mtp
+
+    return mtp.prefill(model, h, next_ids)[0]
 
 
 @torch.no_grad()

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from dsv4_model.checkpoint.writer import TINY_CONFIG, make_config
+from dsv4_model.model import mtp
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.decode_options import DecodeOptions
 from dsv4_model.model.transformer import Transformer
@@ -110,24 +111,24 @@ def test_compiles_as_one_graph():
 
 
 def test_mtp_block_from_any_position_gives_its_forward_over_the_sequence():
-    """The MTP block continued chunk by chunk (Transformer.mtp_decode_tokens on the main streams decode_tokens
-    returns) gives what mtp_forward gives over the whole sequence teacher-forced; fp32."""
+    """The MTP block continued chunk by chunk (mtp.decode_tokens on the main streams mtp.verify_tokens returns)
+    gives what mtp.prefill gives over the whole sequence teacher-forced; fp32."""
     cfg = ModelConfig(**{**TINY_CONFIG, "n_layers": 3, "compress_ratios": [0, 4, 16, 0]}).validate()
     m = Transformer(cfg, max_batch_size=2, max_seq_len=64, dtype=torch.float32, simulate_quant=False)
     init_random_weights(m, 6)
     ids = _ids(cfg)[:, :40]
     S = ids.shape[1]
     with torch.no_grad():
-        want, _ = m.mtp_forward(m.streams(ids, torch.full((2,), S))[:, :-1], ids[:, 1:])
+        want, _ = mtp.prefill(m, m.streams(ids, torch.full((2,), S))[:, :-1], ids[:, 1:])
         m.prefill(ids[:, :PROMPT])
         h = m.streams(ids[:, :PROMPT], torch.full((2,), PROMPT))
-        m.mtp_forward(h[:, :-1], ids[:, 1:PROMPT])  # the block's cache: positions 0 .. PROMPT - 2
+        mtp.prefill(m, h[:, :-1], ids[:, 1:PROMPT])  # the block's cache: positions 0 .. PROMPT - 2
     last, got = h[:, -1:], []
     for p in range(PROMPT, S - 2, 3):
-        _, hs = m.decode_tokens_streams(ids[:, p:p + 3], torch.full((2,), p))
+        _, hs = mtp.verify_tokens(m, ids[:, p:p + 3], torch.full((2,), p))
         # the block at positions p - 1 .. p + 1: the streams there with the token after each
-        got.append(m.mtp_decode_tokens(torch.cat([last, hs[:, :2]], dim=1), ids[:, p:p + 3],
-                                       torch.full((2,), p - 1))[0])
+        got.append(mtp.decode_tokens(m, torch.cat([last, hs[:, :2]], dim=1), ids[:, p:p + 3],
+                                     torch.full((2,), p - 1))[0])
         last = hs[:, 2:]
     got = torch.cat(got, dim=1)
     torch.testing.assert_close(got, want[:, PROMPT - 1:PROMPT - 1 + got.shape[1]], rtol=1e-5, atol=1e-5)

@@ -283,12 +283,13 @@ def test_teacher_forced_paths_helper():
 
 @needs_assets
 def test_the_mtp_block_drafts_the_token_after_next():
-    """The shipped model's MTP block (Transformer.mtp_forward) reads the main streams at its own position: on
+    """The shipped model's MTP block (dsv4_model.model.mtp.prefill) reads the main streams at its own position: on
     held-out text its drafts of the token after next agree with the main model's greedy choice at the next position
     (what greedy speculation accepts) far above chance, and feeding it the streams of other positions (shifted by
     5) loses most of that; chained drafts (its own streams into a second pass) still agree often."""
     acc = _load_script("mtp_acceptance", "eval/mtp_acceptance.py")
     from dsv4_model.checkpoint.tokenizer import load_tokenizer
+    from dsv4_model.model import mtp
     from dsv4_model.runtime.engine import Engine
 
     eng = Engine.from_pretrained(ASSETS, device="cpu", dtype=torch.float32, max_batch_size=1, max_seq_len=512,
@@ -301,8 +302,8 @@ def test_the_mtp_block_drafts_the_token_after_next():
     assert eligible[1] > 20 and accepted[1] / eligible[1] > 0.25, (accepted, eligible)
     with torch.no_grad():
         h = m.streams(ids, torch.tensor([512]))
-        right = m.mtp_forward(h[:, :-1], ids[:, 1:])[0].argmax(-1)[0]
-        shifted = m.mtp_forward(torch.roll(h[:, :-1], 5, dims=1), ids[:, 1:])[0].argmax(-1)[0]
+        right = mtp.prefill(m, h[:, :-1], ids[:, 1:])[0].argmax(-1)[0]
+        shifted = mtp.prefill(m, torch.roll(h[:, :-1], 5, dims=1), ids[:, 1:])[0].argmax(-1)[0]
     text_hits = lambda d: float((d[:-1] == ids[0, 2:]).float().mean())  # noqa: E731
     assert text_hits(right) > 0.25 and text_hits(shifted) < text_hits(right) - 0.08, (text_hits(right),
                                                                                       text_hits(shifted))

@@ -7,6 +7,7 @@ import torch
 
 import dsv4_ops  # noqa: F401  (the op library: the model's fused ops)
 from dsv4_model.checkpoint.writer import make_config
+from dsv4_model.model import mtp
 from dsv4_model.model.attention import Attention
 from dsv4_model.model.transformer import Transformer
 from dsv4_model.quant.random_model import init_random_weights
@@ -114,8 +115,8 @@ def test_engine_chunks_fill_the_mtp_block_as_one_prefill():
     torch.testing.assert_close(hb, ha, **TOL)
     nxt = _prompt(3, 1, seed=7)
     pos = lengths - 1  # the MTP block's next position: the row's last token, with the token sampled after it
-    a, _ = ref.model.mtp_decode_tokens(ha.unsqueeze(1), nxt, pos)
-    b, _ = eng.model.mtp_decode_tokens(hb.unsqueeze(1), nxt, pos)
+    a, _ = mtp.decode_tokens(ref.model, ha.unsqueeze(1), nxt, pos)
+    b, _ = mtp.decode_tokens(eng.model, hb.unsqueeze(1), nxt, pos)
     torch.testing.assert_close(b, a, **TOL)
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dsv4_model.checkpoint.writer import TINY_CONFIG
+from dsv4_model.model import mtp
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.transformer import Transformer
 from dsv4_model.quant.random_model import init_random_weights
@@ -40,13 +41,13 @@ def case():
     return prompt, lengths, _greedy(_model(0), prompt, lengths)
 
 
-def _force(m, monkeypatch, truth, lengths, right):
+def _force(monkeypatch, truth, lengths, right):
     """Make the MTP block's drafts the greedy tokens where right(position) holds: the draft made at position t
     (for token t + 2) becomes truth's token there."""
-    real = m.mtp_decode_tokens
+    real = mtp.decode_tokens
 
-    def drafted(h, next_ids, positions, *a, **k):
-        logits, out = real(h, next_ids, positions, *a, **k)
+    def drafted(model, h, next_ids, positions, *a, **k):
+        logits, out = real(model, h, next_ids, positions, *a, **k)
         for b in range(logits.shape[0]):
             for j in range(logits.shape[1]):
                 i = int(positions[b]) + j + 2 - int(lengths[b])  # index of token t + 2 in the continuation
@@ -54,7 +55,7 @@ def _force(m, monkeypatch, truth, lengths, right):
                     logits[b, j, truth[b][i]] = 1e9
         return logits, out
 
-    monkeypatch.setattr(m, "mtp_decode_tokens", drafted)
+    monkeypatch.setattr(mtp, "decode_tokens", drafted)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
@@ -63,9 +64,9 @@ def test_the_plain_greedy_tokens(case, monkeypatch, k, drafts):
     prompt, lengths, want = case
     m = _model(k)
     if drafts == "right":
-        _force(m, monkeypatch, want, lengths, lambda b, t: True)
+        _force(monkeypatch, want, lengths, lambda b, t: True)
     elif drafts == "half":  # row 0 right at even positions, row 1 at every third: rows accept different counts
-        _force(m, monkeypatch, want, lengths, lambda b, t: t % (2 + b) == 0)
+        _force(monkeypatch, want, lengths, lambda b, t: t % (2 + b) == 0)
     got, stats = speculative_greedy(m, prompt, N, k, lengths)
     assert got == want
     rates = stats.acceptance()

@@ -10,6 +10,7 @@ import torch
 
 from dsv4_ops.reference import sample_probs_ref
 from dsv4_model.checkpoint.writer import TINY_CONFIG, write_tiny_checkpoint
+from dsv4_model.model import mtp
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.transformer import Transformer
 from dsv4_model.quant.random_model import init_random_weights
@@ -38,13 +39,13 @@ def _prompts(n_rows=3, lens=(13, 9, 5), vocab=CFG.vocab_size):
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens[:n_rows]]
 
 
-def _force_half(model, monkeypatch, truth, prompts):
+def _force_half(monkeypatch, truth, prompts):
     """The MTP block drafts truth's token where position % (2 + row) == 0 (rows accept different counts)."""
-    real = model.mtp_decode_tokens
+    real = mtp.decode_tokens
     lengths = [len(p) for p in prompts]
 
-    def drafted(h, next_ids, positions, *a, **k):
-        logits, out = real(h, next_ids, positions, *a, **k)
+    def drafted(model, h, next_ids, positions, *a, **k):
+        logits, out = real(model, h, next_ids, positions, *a, **k)
         for b in range(logits.shape[0]):
             for j in range(logits.shape[1]):
                 t = int(positions[b]) + j
@@ -53,7 +54,7 @@ def _force_half(model, monkeypatch, truth, prompts):
                     logits[b, j, truth[b][i]] = 1e9
         return logits, out
 
-    monkeypatch.setattr(model, "mtp_decode_tokens", drafted)
+    monkeypatch.setattr(mtp, "decode_tokens", drafted)
 
 
 @pytest.mark.parametrize("k,chunk", [(1, None), (2, None), (3, None), (2, 4)])
@@ -65,7 +66,7 @@ def test_greedy_equals_plain_generate(monkeypatch, k, chunk):
     prompts = _prompts()
     want = e.generate(prompts, max_new_tokens=N)
     plain_lengths = e.lengths
-    _force_half(e.model, monkeypatch, want.token_ids, prompts)
+    _force_half(monkeypatch, want.token_ids, prompts)
     got = e.generate(prompts, max_new_tokens=N, speculate=k)
     assert got.token_ids == want.token_ids and got.finish_reasons == ["length"] * 3
     stats = got.extra["speculation"]

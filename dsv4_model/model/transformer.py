@@ -143,23 +143,17 @@ class Block(nn.Module):
         return h, Pending(self.ffn(x, ids, static=True), post, comb)
 
 
-class MTPBlock(Block):
-    """Multi-token-prediction block (Transformer.mtp_forward; shares embed / head with the main model)."""
-
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, max_batch: int, max_seq_len: int):
-        super().__init__(cfg, layer_id, dtype, max_batch, max_seq_len)
-        self.e_proj = Linear(cfg.dim, cfg.dim, dtype)
-        self.h_proj = Linear(cfg.dim, cfg.dim, dtype)
-        self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.hc_head_fn = _param(cfg.hc_mult, cfg.hc_mult * cfg.dim)
-        self.hc_head_base = _param(cfg.hc_mult)
-        self.hc_head_scale = _param(1)
-
-
 def _param(*shape) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=torch.float32), requires_grad=False)
+
+
+def head_logits(h: torch.Tensor, owner: nn.Module, head: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Streams [..., hc, dim] -> fp32 logits through the collapse (hc_head_*) and norm of `owner` (the
+    Transformer, or an MTP block) and the shared head's weight."""
+    y = hc_head(h, owner.hc_head_fn, owner.hc_head_scale, owner.hc_head_base, cfg.hc_eps, cfg.norm_eps)
+    # fp32 logits of y (bf16 in a bf16 model) and the head as stored (bf16 once narrowed): exact products
+    # summed in fp32, the head read as it is (no fp32 copy of it per call)
+    return fp32_linear(owner.norm(y), [head])[0]
 
 
 class Transformer(nn.Module):
@@ -193,6 +187,8 @@ class Transformer(nn.Module):
             self.hc_head_fn = _param(config.hc_mult, config.hc_mult * config.dim)
             self.hc_head_base = _param(config.hc_mult)
             self.hc_head_scale = _param(1)
+            from dsv4_model.model.mtp import MTPBlock  # here: mtp.py builds on this module's Block
+
             self.mtp = nn.ModuleList(MTPBlock(config, config.n_layers + i, dtype, max_batch_size, max_seq_len)
                                      for i in range(config.n_mtp_layers))
         self.set_simulate_quant(simulate_quant)
@@ -328,20 +324,9 @@ class Transformer(nn.Module):
     def _rope(self) -> dict:
         return {"main": self.rope_main, "compress": self.rope_compress}
 
-    def _logits(self, h: torch.Tensor, owner: nn.Module | None = None) -> torch.Tensor:
-        """Streams [..., hc, dim] -> fp32 logits through the collapse and norm of `owner` (this model, or an MTP
-        block) and the shared head."""
-        owner = self if owner is None else owner
-        y = hc_head(h, owner.hc_head_fn, owner.hc_head_scale, owner.hc_head_base, self.config.hc_eps,
-                    self.config.norm_eps)
-        # fp32 logits of y (bf16 in a bf16 model) and the head as stored (bf16 once narrowed): exact products
-        # summed in fp32, the head read as it is (no fp32 copy of it per call)
-        return fp32_linear(owner.norm(y), [self.head.weight])[0]
-
-    def _mtp_input(self, mtp: "MTPBlock", h: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
-        """The MTP block's input streams: e_proj of the next token's normed embedding onto every stream of
-        h_proj(hnorm(h)); h [..., hc, dim], next_ids [...]."""
-        return mtp.e_proj(mtp.enorm(self.embed(next_ids))).unsqueeze(-2) + mtp.h_proj(mtp.hnorm(h))
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final streams [..., hc, dim] -> fp32 logits."""
+        return head_logits(h, self, self.head.weight, self.config)
 
     # ------------------------------------------------------------------ inference entry points
     @torch.no_grad()
@@ -410,21 +395,6 @@ class Transformer(nn.Module):
                              f"max_seq_len={self.max_seq_len}")
         return PrefillAt(starts, span, fresh, bound)
 
-    def mtp_forward(self, h: torch.Tensor, next_ids: torch.Tensor, lengths: torch.Tensor | None = None,
-                    depth: int = 0, start: "int | torch.Tensor" = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """MTP block `depth` over a sequence from position start (as prefill's): position t combines the streams
-        h_t [B, S, hc, dim] (the main model's, or the previous MTP pass's to draft further ahead) with the
-        embedding of token t+1 (next_ids [B, S]) and predicts the token after it. Fills the block's caches rows
-        [:B]. Returns (fp32 logits [B, S, V] through the shared head, the block's output streams [B, S, hc, dim]).
-        Tracks gradients where enabled (training)."""
-        mtp = self.mtp[depth]
-        B, S = next_ids.shape
-        if lengths is None:
-            lengths = torch.full((B,), S, dtype=torch.long, device=next_ids.device)
-        at = self.prefill_at(next_ids.shape, start, None)
-        out = mtp.prefill(self._mtp_input(mtp, h, next_ids), next_ids, lengths, self._rope(), at)
-        return self._logits(out, mtp), out
-
     @torch.no_grad()
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor,
                     options: DecodeOptions = DEFAULT_OPTIONS, layer_call: Callable | None = None) -> torch.Tensor:
@@ -459,35 +429,18 @@ class Transformer(nn.Module):
         cache holds its positions before) -> fp32 logits [B, T, V]; the caches then hold the T tokens too. What T
         decode steps give, with each weight read once for the T tokens (a speculative step's verification, a
         prompt continued in chunks; docs/speculation.md). Static shapes, no host syncs."""
-        return self.decode_tokens_streams(tokens, positions, options)[0]
-
-    @torch.no_grad()
-    def decode_tokens_streams(self, tokens: torch.Tensor, positions: torch.Tensor,
-                              options: DecodeOptions = DEFAULT_OPTIONS) -> tuple[torch.Tensor, torch.Tensor]:
-        """decode_tokens, and the final streams [B, T, hc, dim] the MTP block reads."""
         B, T = tokens.shape
-        steps = self._token_steps(positions, T, options)
-        ids = tokens.t().reshape(-1)
-        h = self._decode_layers(self.embed(ids).unsqueeze(1).repeat(1, self.hc, 1), ids, steps, options)
-        return self._logits(h).view(T, B, -1).transpose(0, 1), h.view(T, B, *h.shape[1:]).transpose(0, 1)
+        h = self._decode_tokens_streams(tokens, positions, options)
+        return self._logits(h).view(T, B, -1).transpose(0, 1)
 
-    @torch.no_grad()
-    def mtp_decode_tokens(self, h: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
-                          options: DecodeOptions = DEFAULT_OPTIONS, depth: int = 0
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MTP block over T positions per row from any position (its cache holds each row's positions
-        before): position t combines the streams h [B, T, hc, dim] (the main model's there, or an earlier MTP
-        pass's) with the embedding of the token after it (next_ids [B, T]) and predicts the token after that.
-        Returns (fp32 logits [B, T, V], the block's output streams [B, T, hc, dim]): what mtp_forward gives at
-        those positions."""
-        mtp = self.mtp[depth]
-        B, T = next_ids.shape
-        ids = next_ids.t().reshape(-1)
-        hs = h.transpose(0, 1).reshape(T * B, *h.shape[2:])
-        out, pending = mtp.decode(self._mtp_input(mtp, hs, ids), ids, self._token_steps(positions, T, options))
-        out = hc_post(pending.out, out, pending.post, pending.comb)
-        return (self._logits(out, mtp).view(T, B, -1).transpose(0, 1),
-                out.view(T, B, *out.shape[1:]).transpose(0, 1))
+    def _decode_tokens_streams(self, tokens: torch.Tensor, positions: torch.Tensor,
+                               options: DecodeOptions) -> torch.Tensor:
+        """decode_tokens' final streams [T * B, hc, dim], row t * B + b: token t of row b (mtp.verify_tokens
+        also returns them, for the MTP block)."""
+        T = tokens.shape[1]
+        ids = tokens.t().reshape(-1)
+        h = self.embed(ids).unsqueeze(1).repeat(1, self.hc, 1)
+        return self._decode_layers(h, ids, self._token_steps(positions, T, options), options)
 
     def _token_steps(self, positions: torch.Tensor, T: int, options: DecodeOptions) -> list[DecodeStep]:
         return [DecodeStep(positions + t, options, self._rope(), {}, None, {}) for t in range(T)]

@@ -26,6 +26,8 @@ def prefill_in_chunks(model: "Transformer", tokens: torch.Tensor, lengths: torch
     block's cache is filled too (position t reads the streams at t and token t + 1) and the result is (logits
     [B, V], the final streams at each row's last token [B, hc, dim]; all_logits is then ignored), as Engine's
     prefill."""
+    from dsv4_model.model import mtp  # here, not at the top: it loads the op library (see above)
+
     B, S = tokens.shape
     rows = torch.arange(B, device=tokens.device)
     outs, last = [], None
@@ -35,7 +37,7 @@ def prefill_in_chunks(model: "Transformer", tokens: torch.Tensor, lengths: torch
         if speculate:
             nxt = tokens[:, s + 1:e + 1]  # one position short in the last chunk: no token after the prompt
             if nxt.shape[1]:
-                model.mtp_forward(h[:, :nxt.shape[1]], nxt, (lengths - 1 - s).clamp(0, nxt.shape[1]), start=s)
+                mtp.prefill(model, h[:, :nxt.shape[1]], nxt, (lengths - 1 - s).clamp(0, nxt.shape[1]), start=s)
         if all_logits and not speculate:
             outs.append(model._logits(h))
             continue

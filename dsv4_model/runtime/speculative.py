@@ -1,5 +1,5 @@
 """Speculative decoding with the MTP block (docs/speculation.md): per step the main model verifies the last token
-and K drafts in one pass (Transformer.decode_tokens_streams), the drafts are accepted on the device (greedy: equal
+and K drafts in one pass (dsv4_model.model.mtp.verify_tokens), the drafts are accepted on the device (greedy: equal
 to the main model's choice; sampling: the rejection rule, so the output follows the non-speculative
 distribution), and the MTP block drafts K more from the last accepted position. Rejected tokens are not undone:
 the model's window rings have K spare slots and its compressor states are indexed by position
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dsv4_model.model import mtp
 from dsv4_ops import ops
 
 SAMPLING_MODES = ("greedy", "sample", "filter")  # argmax only | temperature | temperature + top-k / top-p
@@ -163,7 +164,7 @@ def draft_chain(model, logits: torch.Tensor, streams: torch.Tensor, pos: torch.T
             qs.append(q)
         toks.append(t)
         if j + 1 < k:
-            lg, out = model.mtp_decode_tokens(streams.unsqueeze(1), t.unsqueeze(1), pos + j, options)
+            lg, out = mtp.decode_tokens(model, streams.unsqueeze(1), t.unsqueeze(1), pos + j, options)
             logits, streams = lg[:, 0], out[:, 0]
     return torch.stack(toks, dim=1), (torch.stack(qs, dim=1) if qs else None)
 
@@ -172,7 +173,7 @@ def first_drafts(model, streams: torch.Tensor, first: torch.Tensor, pos: torch.T
                  options) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The drafts after prefill: the MTP block at the last prompt position pos [B] (the main streams there
     [B, hc, dim], the first sampled token) and on from there."""
-    lg, out = model.mtp_decode_tokens(streams.unsqueeze(1), first.unsqueeze(1), pos, options)
+    lg, out = mtp.decode_tokens(model, streams.unsqueeze(1), first.unsqueeze(1), pos, options)
     return draft_chain(model, lg[:, 0], out[:, 0], pos + 1, k, s, 0, options)
 
 
@@ -183,7 +184,7 @@ def verify_step(model, y: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | 
     correction / bonus token, valid up to n_acc + 1; n_acc [B]; the next step's drafts [B, K] and their q)."""
     B, K = drafts.shape
     rows = torch.arange(B, device=y.device)
-    logits, hs = model.decode_tokens_streams(torch.cat([y.unsqueeze(1), drafts], dim=1), pos, options)
+    logits, hs = mtp.verify_tokens(model, torch.cat([y.unsqueeze(1), drafts], dim=1), pos, options)
     if s.mode == "greedy":
         g = logits.argmax(-1)  # [B, K + 1]: the main model's token after each verified position
         n_acc = (drafts == g[:, :K]).int().cumprod(dim=1).sum(dim=1)
@@ -203,7 +204,7 @@ def verify_step(model, y: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | 
     # the token after each verified position as committed: the accepted drafts, then c
     emitted = torch.cat([drafts, torch.zeros_like(c).unsqueeze(1)], dim=1).scatter(1, n_acc.unsqueeze(1),
                                                                                     c.unsqueeze(1))
-    m_logits, m_out = model.mtp_decode_tokens(hs, emitted, pos, options)  # its cache for the committed positions
+    m_logits, m_out = mtp.decode_tokens(model, hs, emitted, pos, options)  # its cache for the committed positions
     nxt, nq = draft_chain(model, m_logits[rows, n_acc], m_out[rows, n_acc], pos + n_acc + 1, K, s, K + 1,
                           options)
     return emitted, n_acc, nxt, nq

@@ -3,6 +3,7 @@
 (generate(..., speculate=k) is the served path)."""
 import torch
 
+from dsv4_model.model import mtp
 from dsv4_model.model.decode_options import DecodeOptions
 from dsv4_model.runtime.speculative import Sampler, SpeculationStats, check_model, first_drafts, verify_step
 
@@ -28,7 +29,7 @@ def speculative_greedy(model, prompt: torch.Tensor, max_new_tokens: int, k: int,
     h = model.streams(prompt, lengths)
     y = model._logits(h[rows, lengths - 1]).argmax(-1)  # the first new token, at position lengths
     if L > 1:  # the MTP block's cache over the prompt: position t reads (h_t, token t + 1)
-        model.mtp_forward(h[:, :-1], prompt[:, 1:], lengths - 1)
+        mtp.prefill(model, h[:, :-1], prompt[:, 1:], lengths - 1)
     drafts, q = first_drafts(model, h[rows, lengths - 1], y, lengths - 1, k, s, opts)
     pos = lengths.clone()  # where y goes
     out = [[int(t)] for t in y.tolist()]
