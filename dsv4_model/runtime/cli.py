@@ -106,8 +106,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--speculate", type=int, default=0, metavar="K",
-                   help="draft K tokens per step with the model's MTP block and verify them in one pass (0 = off; "
-                        "at most 8: docs/speculation.md)")
+                   help="draft K tokens per step and verify them in one pass (0 = off; at most 8: "
+                        "docs/speculation.md)")
+    g.add_argument("--speculate-method", choices=("auto", "mtp", "dspark"), default="auto",
+                   help="the drafter: the MTP block, or the DSpark module of a V4-Flash-0731-style checkpoint "
+                        "(greedy, eager steps; docs/dspark.md); auto: DSpark when the checkpoint carries it")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decode step (default: on for CUDA)")
     g.add_argument("--regional-compile", action="store_true",
@@ -257,6 +260,25 @@ def _cache_len(args, config, prompt_ids) -> int:
     return n
 
 
+def _check_speculate_method(args, config, path) -> None:
+    """--speculate-method against the checkpoint's config, before any weight is read."""
+    if not args.speculate:
+        return
+    method = args.speculate_method
+    if method == "auto":
+        method = "dspark" if config.dspark is not None else "mtp"
+    if method != "dspark":
+        return
+    if config.dspark is None:
+        raise ValueError(f"--speculate-method dspark: {path} carries no DSpark module (a V4-Flash-0731-style "
+                         "checkpoint does: docs/dspark.md)")
+    if args.speculate > config.dspark.block_size:
+        raise ValueError(f"--speculate {args.speculate}: DSpark drafts blocks of {config.dspark.block_size} tokens "
+                         f"(--speculate 1..{config.dspark.block_size})")
+    if args.temperature != 0:
+        raise ValueError("--speculate with DSpark: greedy only for now (--temperature 0)")
+
+
 def cmd_generate(args) -> int:
     _check_args(args)
     import torch
@@ -265,7 +287,7 @@ def cmd_generate(args) -> int:
     from dsv4_model.runtime.engine import Engine
     from dsv4_model.runtime import distributed
     from dsv4_model.runtime.session import RunnerOptions
-    from dsv4_model.runtime.generate import generate
+    from dsv4_model.runtime.generate import generate, speculate_method_of
     from dsv4_model.checkpoint.loader import load_config
     from dsv4_model.checkpoint.tokenizer import load_tokenizer
 
@@ -293,6 +315,7 @@ def cmd_generate(args) -> int:
     if args.act_quant == "nvfp4" and quant == "none":
         quant = "nvfp4"
     config = load_config(path)
+    _check_speculate_method(args, config, path)
     if shard is not None:
         shard.bounds(config.n_routed_experts)  # the experts must split evenly over the ranks
     tok = load_tokenizer(path, config)
@@ -316,7 +339,11 @@ def cmd_generate(args) -> int:
 
     single = len(prompt_ids) == 1 and not args.json
     t1 = time.perf_counter()
-    if args.speculate:  # compile / capture before any text is printed
+    method = speculate_method_of(engine, args.speculate_method) if args.speculate else None
+    if method == "dspark":
+        _note("DSpark speculation: eager steps (its captured step is not built yet: slower than plain decode on "
+              "CUDA)" if device.type == "cuda" else "DSpark speculation: eager steps")
+    elif args.speculate:  # compile / capture before any text is printed
         from dsv4_model.runtime.sampling import SamplingParams
         from dsv4_model.runtime.speculative import sampling_mode
 
@@ -338,7 +365,7 @@ def cmd_generate(args) -> int:
 
     res = generate(engine, prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stream=on_token, tokenizer=tok,
-                   speculate=args.speculate, stop=args.stop)
+                   speculate=args.speculate, stop=args.stop, speculate_method=args.speculate_method)
     if args.json:
         timings = {k: round(v, 6) for k, v in (("load_s", t_load), ("setup_s", t_setup),
                                                 ("prefill_s", res.prefill_seconds), ("decode_s", res.decode_seconds),

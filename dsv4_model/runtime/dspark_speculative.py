@@ -21,14 +21,18 @@ from dsv4_model.model.layers import hc_post
 from dsv4_model.runtime.speculative import SpeculationStats
 
 
-def check_dspark_model(model) -> DSpark:
+def check_dspark_model(model, k: int | None = None) -> DSpark:
+    """The model's DSpark module, checked for verifying k drafts per step (default: its whole block)."""
     dspark = getattr(model, "dspark", None)
     if dspark is None:
         raise ValueError("DSpark speculation needs the checkpoint's DSpark module (load_model(load_dspark=None), "
                          "a DSpark checkpoint: docs/dspark.md)")
-    if model.spare_window_slots < dspark.block_size:
-        raise ValueError(f"DSpark speculation verifies block_size={dspark.block_size} drafts: it needs a model built "
-                         f"with spare_window_slots >= {dspark.block_size}, got {model.spare_window_slots}")
+    k = dspark.block_size if k is None else k
+    if not 1 <= k <= dspark.block_size:
+        raise ValueError(f"DSpark speculation verifies 1..block_size={dspark.block_size} drafts per step, got {k}")
+    if model.spare_window_slots < k:
+        raise ValueError(f"DSpark speculation verifies {k} drafts: it needs a model built with spare_window_slots "
+                         f">= {k}, got {model.spare_window_slots}")
     return dspark
 
 
@@ -115,3 +119,56 @@ def dspark_greedy(model, prompt: torch.Tensor, max_new_tokens: int,
             out[b].extend(e_host[b][: n_host[b] + 1])
         stats.count(n_host)
     return [o[:max_new_tokens] for o in out], stats
+
+
+@torch.no_grad()
+def generate_batch_dspark(engine, ids: list[list[int]], k: int, max_new_tokens: int, stops: set[int], stream,
+                          tok, row0: int, result) -> None:
+    """One batch of generate(..., speculate=k) drafting with the DSpark module: greedy, eager, the first k
+    drafts of each block verified per step (the rest of the block is cut: later positions are accepted less
+    often). Rows that finished stop advancing (their steps rewrite the same positions: harmless, as a rejected
+    draft's); the host reads each step's tokens once."""
+    import time
+
+    from dsv4_model.runtime.generate import RowSink, right_padded
+
+    model = engine.model
+    dspark = check_dspark_model(model, k)
+    B, dev = len(ids), model.device
+    engine.reset()
+    t0 = time.perf_counter()
+    padded, lens = right_padded(ids)
+    lens = lens.to(dev)
+    y = prefill_taps(model, dspark, padded.to(dev), lens).argmax(-1)
+    drafts = dspark.draft(model, y, lens - 1).tokens[:, :k]
+    pos, live = lens.clone(), torch.ones(B, dtype=torch.long, device=dev)
+    rows = RowSink(B, stops, stream, tok, row0, on_finish=lambda b: live.__setitem__(b, 0))
+    stats, steps = SpeculationStats(k), 0
+    pos_host, r = [len(p) for p in ids], torch.arange(B, device=dev)
+    t_first = time.perf_counter()
+    for b, t in enumerate(y.tolist()):
+        rows.emit(b, t, max_new_tokens, "length")
+    while not rows.done():
+        if max(pos_host) + 2 * k >= model.max_seq_len:  # a step writes up to 2k positions past a row's
+            for b in range(B):
+                if rows.reasons[b] is None:
+                    rows.finish(b, "max_seq_len")
+            break
+        emitted, n_acc, nxt = dspark_step(model, dspark, y, drafts, pos)
+        y, pos, drafts = emitted[r, n_acc], pos + (n_acc + 1) * live, nxt.tokens[:, :k]
+        e_host, n_host, live_host = emitted.tolist(), n_acc.tolist(), live.tolist()  # the step's one read
+        steps += 1
+        counted = []
+        for b in range(B):
+            if not live_host[b]:
+                continue
+            pos_host[b] += n_host[b] + 1
+            counted.append(n_host[b])
+            for t in e_host[b][: n_host[b] + 1]:
+                if rows.reasons[b] is None:
+                    rows.emit(b, t, max_new_tokens, "length")
+        stats.count(counted)
+    engine.set_lengths(pos_host)
+    rows.record(result, tok, (t0, t_first, time.perf_counter()), steps)
+    prev = result.extra.get("speculation")
+    result.extra["speculation"] = stats if prev is None else prev.merged(stats)

@@ -106,7 +106,8 @@ class RowSink:
 
 def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, stop_token_ids=None, stream: StreamCallback | None = None, *,
-             tokenizer=None, add_bos: bool = True, speculate: int = 0, stop=None) -> GenerationResult:
+             tokenizer=None, add_bos: bool = True, speculate: int = 0, stop=None,
+             speculate_method: str = "auto") -> GenerationResult:
     """Generate up to `max_new_tokens` tokens for each prompt.
 
     prompts: list of strings (encoded with the checkpoint's tokenizer, BOS first) or list of token-id lists.
@@ -121,6 +122,8 @@ def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0
     spare_window_slots >= K), 0 = off. Greedy output is the plain greedy decode's; sampled output follows its
     distribution. A step may write 2K positions past its row's, so rows stop 2K positions earlier at
     max_seq_len. result.extra["speculation"]: the SpeculationStats (acceptance per draft position).
+    speculate_method: "mtp" (the MTP block), "dspark" (the DSpark module of a V4-Flash-0731-style checkpoint,
+    docs/dspark.md: greedy only, eager steps, K <= its block size) or "auto" (DSpark when the model carries it).
     """
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
@@ -137,7 +140,16 @@ def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0
     stops = {int(engine.config.eos_token_id)} | {int(t) for t in (stop_token_ids or ())}
     base = SamplingParams(float(temperature), int(top_k), float(top_p), int(seed)).validate()
     base = SamplingParams(base.temperature, base.top_k, base.top_p, seed_key(base.seed))  # int64: seed + i stays valid
-    if speculate:
+    method = speculate_method_of(engine, speculate_method) if speculate else None
+    if method == "dspark":
+        from dsv4_model.runtime.dspark_speculative import check_dspark_model
+
+        check_dspark_model(engine.model, speculate)
+        if base.temperature != 0:
+            raise ValueError("speculate with DSpark: greedy only for now (temperature 0); MTP speculation samples "
+                             "(speculate_method='mtp') where the checkpoint has an MTP block")
+        runner = None
+    elif speculate:
         if not hasattr(engine, "speculative_runner"):
             raise ValueError("speculate needs an Engine (an exported package has no MTP step)")
         runner = engine.speculative_runner(speculate)
@@ -151,12 +163,18 @@ def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0
         return _generate_scheduled(engine, runner, ids, base, max_new_tokens, stops, stream, tok, stop)
     if stop:
         raise ValueError("stop: stop strings need an Engine's generation without speculate (the Scheduler)")
-    result = GenerationResult([], [] if tok is not None else None, [], [len(p) for p in ids], mode=runner.mode_name)
-    for start in range(0, len(ids), runner.max_rows):
-        chunk = ids[start : start + runner.max_rows]
+    mode = runner.mode_name if runner is not None else f"eager, DSpark speculate {speculate}"
+    max_rows = runner.max_rows if runner is not None else engine.max_batch_size
+    result = GenerationResult([], [] if tok is not None else None, [], [len(p) for p in ids], mode=mode)
+    for start in range(0, len(ids), max_rows):
+        chunk = ids[start : start + max_rows]
         params = [SamplingParams(base.temperature, base.top_k, base.top_p, base.seed + start + i)
                   for i in range(len(chunk))]
-        if speculate:
+        if method == "dspark":
+            from dsv4_model.runtime.dspark_speculative import generate_batch_dspark
+
+            generate_batch_dspark(engine, chunk, speculate, max_new_tokens, stops, stream, tok, start, result)
+        elif speculate:
             from dsv4_model.runtime.speculative_generate import generate_batch_speculative
 
             generate_batch_speculative(engine, runner, chunk, params, max_new_tokens, stops, stream, tok, start,
@@ -164,6 +182,22 @@ def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0
         else:
             _generate_batch(engine, runner, chunk, params, max_new_tokens, stops, stream, tok, start, result)
     return result
+
+
+SPECULATE_METHODS = ("auto", "mtp", "dspark")
+
+
+def speculate_method_of(engine, method: str) -> str:
+    """"mtp" or "dspark" for generate's speculate_method ("auto": DSpark when the model carries the module)."""
+    if method not in SPECULATE_METHODS:
+        raise ValueError(f"speculate_method must be one of {SPECULATE_METHODS}, got {method!r}")
+    has_dspark = getattr(getattr(engine, "model", None), "dspark", None) is not None
+    if method == "auto":
+        return "dspark" if has_dspark else "mtp"
+    if method == "dspark" and not has_dspark:
+        raise ValueError("speculate_method='dspark': this model carries no DSpark module (a V4-Flash-0731-style "
+                         "checkpoint does: docs/dspark.md)")
+    return method
 
 
 @torch.no_grad()

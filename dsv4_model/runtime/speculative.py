@@ -65,7 +65,8 @@ def check_model(model, k: int) -> None:
     check_speculate(k)
     if not model.config.n_mtp_layers and getattr(model, "dspark", None) is not None:
         raise ValueError("speculative decoding here drafts with an MTP block, and this checkpoint carries a DSpark "
-                         "module instead, which the served step (--speculate) does not run yet: docs/dspark.md")
+                         "module instead: speculate_method 'dspark' / --speculate-method dspark (or auto) drafts with it "
+                         "(docs/dspark.md)")
     if not model.config.n_mtp_layers:
         raise ValueError("speculative decoding needs the model's MTP block (n_mtp_layers >= 1)")
     if model.spare_window_slots < k:

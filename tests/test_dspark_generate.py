@@ -1,0 +1,98 @@
+"""generate(..., speculate=K) and `--speculate K` drafting with the DSpark module of a tiny 0731-layout checkpoint:
+the tokens of plain greedy generation (ragged rows, more prompts than rows, every K up to the block size), and the
+refusals the CLI gives in one line before any weight is read."""
+from __future__ import annotations
+
+import io
+import json
+from contextlib import redirect_stderr, redirect_stdout
+
+import pytest
+import torch
+
+from dsv4_model.checkpoint.writer import canonical_weights, write_checkpoint
+from dsv4_model.runtime import cli
+from dsv4_model.runtime.engine import Engine
+from dsv4_model.runtime.generate import generate
+from tests.test_release_0731 import PROMPT, _dspark_cfg
+
+PROMPTS = [PROMPT, PROMPT[:5], [3, 14, 15, 92, 65, 35, 89, 79]]
+N = 90  # several blocks, windows of 4 and 16 closing many times
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    cfg = _dspark_cfg()
+    return write_checkpoint(canonical_weights(cfg, seed=5), cfg, tmp_path_factory.mktemp("d0731g"), "official")
+
+
+def _engine(path, **kw):
+    return Engine.from_pretrained(path, device="cpu", dtype=torch.float32, max_batch_size=2, max_seq_len=128,
+                                  progress=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def plain(ckpt):
+    res = generate(_engine(ckpt, load_dspark=False), PROMPTS, max_new_tokens=N, stop_token_ids=[])
+    assert all(len(set(t)) > 5 for t in res.token_ids)  # real continuations
+    return res
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_dspark_speculation_gives_plain_greedy_tokens(ckpt, plain, k):
+    eng = _engine(ckpt, spare_window_slots=k)
+    res = generate(eng, PROMPTS, max_new_tokens=N, speculate=k)  # auto: the checkpoint carries DSpark
+    assert res.token_ids == plain.token_ids
+    assert res.finish_reasons == plain.finish_reasons
+    spec = res.extra["speculation"]
+    assert spec.k == k and spec.steps < 3 * N  # three prompts, 2 rows: two batches of steps
+    # the decode() state continues where generation stopped (the last batch's rows)
+    assert eng.lengths == [len(p) + len(t) - 1 for p, t in zip(PROMPTS[2:], res.token_ids[2:])]
+
+
+def test_dspark_refusals(ckpt):
+    eng = _engine(ckpt, spare_window_slots=2)
+    with pytest.raises(ValueError, match="greedy only"):
+        generate(eng, [PROMPT], max_new_tokens=4, speculate=2, temperature=0.7)
+    with pytest.raises(ValueError, match="carries a DSpark module instead"):
+        generate(eng, [PROMPT], max_new_tokens=4, speculate=2, speculate_method="mtp")
+    with pytest.raises(ValueError, match="speculate_method must be one of"):
+        generate(eng, [PROMPT], max_new_tokens=4, speculate=2, speculate_method="eagle")
+    with pytest.raises(ValueError, match="spare_window_slots >= 3"):
+        generate(eng, [PROMPT], max_new_tokens=4, speculate=3)
+
+
+def _cli(*argv):
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        rc = cli.main(["generate", "--device", "cpu", "--threads", "1", *argv])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_cli_speculate_picks_dspark_and_matches_plain(ckpt):
+    args = ["--model", str(ckpt), "--prompt", "abc", "--max-new-tokens", "40", "--dtype", "float32", "--json"]
+    rc, out, err = _cli(*args)
+    assert rc == 0, err
+    rc2, out2, err2 = _cli(*args, "--speculate", "3")
+    assert rc2 == 0, err2
+    assert json.loads(out2)["ids"] == json.loads(out)["ids"]
+    assert "DSpark speculation: eager steps" in err2 and "speculation:" in err2
+
+
+@pytest.mark.parametrize("extra, msg", [
+    (["--speculate", "6"], "DSpark drafts blocks of 5 tokens"),
+    (["--speculate", "2", "--temperature", "0.5"], "greedy only"),
+])
+def test_cli_dspark_refusals_are_one_line(ckpt, extra, msg):
+    rc, out, err = _cli("--model", str(ckpt), "--prompt", "abc", "--max-new-tokens", "4", *extra)
+    assert rc == 2 and out == ""
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and msg in lines[0] and "Traceback" not in err, err
+
+
+def test_cli_dspark_on_a_checkpoint_without_it_is_one_line():
+    rc, out, err = _cli("--prompt", "abc", "--max-new-tokens", "4", "--speculate", "1", "--speculate-method",
+                        "dspark")
+    assert rc == 2 and out == ""
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("[dsv4]")]  # the model note
+    assert len(lines) == 1 and "carries no DSpark module" in lines[-1], err
