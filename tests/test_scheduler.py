@@ -156,6 +156,21 @@ def test_unrelated_prompt_does_not_reuse(engine, prompt_ids):
     assert s.stats.reuse_hits == 0
 
 
+def test_a_lone_request_after_a_burst_steps_the_smallest_bucket(engine, prompt_ids):
+    """After a burst every row holds a warm sequence; an unrelated request takes the lowest row (evicting its
+    sequence), not the least recently used one higher up that would make each of its steps run 4 rows."""
+    s = Scheduler(engine, max_prefill_tokens=64)
+    for i, n in enumerate([12, 10, 8, 3]):  # row 3 ends first: the least recently used row
+        s.submit(Request(prompt_ids[i], _params(0), n, ignore_eos=True))
+    s.run_until_idle()
+    assert all(r.owner is not None for r in s.rows)
+    steps, rows = s.stats.decode_steps, s.stats.decode_bucket_rows
+    s.submit(Request(prompt_ids[5], _params(0), 6, ignore_eos=True))
+    s.run_until_idle()
+    assert s.stats.decode_steps - steps == 5 and s.stats.decode_bucket_rows - rows == 5  # one row per step
+    assert s.rows[0].seq[:len(prompt_ids[5])] == prompt_ids[5] and s.rows[3].owner is not None
+
+
 def test_long_prompt_interleaves_with_decode(engine, prompt_ids):
     """A prompt of several chunks: the generating row emits tokens between its chunks."""
     s = Scheduler(engine, max_prefill_tokens=8)

@@ -275,8 +275,11 @@ class Scheduler:
             self._admits.append((row.index, req.params))
 
     def _place(self, prompt: list[int]) -> tuple[_Row | None, int]:
-        """(row, first position to prefill) for a prompt: a free row whose sequence it extends, else the lowest
-        free empty row, else the least recently used free row."""
+        """(row, first position to prefill) for a prompt: a free row whose sequence it extends, else a free row
+        inside the decode bucket the live rows need (one the step covers already, or the bucket of one more live
+        row): the lowest empty one, else the least recently used (its kept sequence is evicted). A warm row higher
+        up is not taken: a request there would make every step run a larger bucket (after a burst of requests all
+        rows are warm, and a lone request on row 31 would step bucket 32)."""
         free = [r for r in self.rows if r.req is None]
         if not free:
             return None, 0
@@ -288,10 +291,15 @@ class Scheduler:
                     best, best_len = r, n
             if best is not None:
                 return best, best_len
-        empty = [r for r in free if r.owner is None]
+        busy = [r.index for r in self.rows if r.req is not None]
+        limit = self.runner.bucket(len(busy) + 1)
+        if busy:
+            limit = max(limit, self.runner.bucket(max(busy) + 1))
+        within = [r for r in free if r.index < limit] or free[:1]
+        empty = [r for r in within if r.owner is None]
         if empty:
             return empty[0], 0
-        return min(free, key=lambda r: r.last_used), 0
+        return min(within, key=lambda r: r.last_used), 0
 
     def _reusable(self, row: _Row, prompt: list[int]) -> int:
         """Prompt positions row's caches already hold: the whole written sequence when the prompt extends it, else 0
