@@ -206,22 +206,24 @@ def test_cuda_graph_replay_and_no_sync():
 
 def test_model_picks_the_op_by_size():
     """Decode calls the op whenever its tensor-core kernel runs (bf16, head dim % 64 == 0), else up to
-    FUSED_ATTN_MAX_ROWS (batch x listed rows) and the tensor-op form above; DecodeOptions.attention forces either."""
-    from dsv4_model.model.decode_options import FUSED_ATTN_MAX_ROWS as limit
-    from dsv4_model.model.decode_options import DecodeOptions, decode_attention
+    FUSED_ATTN_MAX_ROWS (batch x listed rows) and the tensor-op form above; DecodeOptions.attention forces either,
+    the op only where kv has q's dtype."""
+    from dsv4_model.model.decode_options import DecodeOptions
+    from dsv4_ops.supports import FUSED_ATTN_MAX_ROWS as limit
 
     auto, fused, torch_form = DecodeOptions(), DecodeOptions(attention="fused"), DecodeOptions(attention="torch")
     bf16, fp32 = torch.empty(1, 4, 512, dtype=torch.bfloat16), torch.empty(1, 4, 512)
     odd = torch.empty(1, 4, 72, dtype=torch.bfloat16)
     for q in (fp32, odd):
-        assert decode_attention(auto, 1, limit, q)
-        assert decode_attention(auto, 4, limit // 4, q)
-        assert not decode_attention(auto, 8, limit // 4, q)
-    assert decode_attention(auto, 64, limit, bf16)
+        assert auto.fused_attention(1, limit, q, q)
+        assert auto.fused_attention(4, limit // 4, q, q)
+        assert not auto.fused_attention(8, limit // 4, q, q)
+    assert auto.fused_attention(64, limit, bf16, bf16)
     with kernel_overrides(attn_kernel="simt"):
-        assert not decode_attention(auto, 8, limit // 4, bf16)
-    assert decode_attention(fused, 8, limit, fp32)
-    assert not decode_attention(torch_form, 1, 1, bf16)
+        assert not auto.fused_attention(8, limit // 4, bf16, bf16)
+    assert fused.fused_attention(8, limit, fp32, fp32)
+    assert not fused.fused_attention(1, 1, fp32, bf16)
+    assert not torch_form.fused_attention(1, 1, bf16, bf16)
     with pytest.raises(ValueError, match="attention must be one of"):
         DecodeOptions(attention="tensor")
 

@@ -58,3 +58,27 @@ def test_cuda_kernels_take_their_listed_widths_and_refuse_others():
         else:
             with pytest.raises(RuntimeError, match=f"d <= {dmax}"):
                 ops.rms_norm_rope(x, weight=None, cs=cs, eps=1e-6, rope_dim=0, fp8_nope=False)
+
+
+def test_supports_answers_from_the_limits():
+    """dsv4_ops.supports (the gates the model asks) takes each limit and refuses one past it."""
+    from dsv4_ops import supports
+
+    def x(d, dtype=torch.float32):
+        return torch.empty(2, 1, d, dtype=dtype)
+
+    dmax = LIMITS.norm_rope_cuda_max_dim
+    assert supports.rms_norm_rope(x(dmax), 0) and not supports.rms_norm_rope(x(dmax + 4), 0)
+    assert not supports.rms_norm_rope(x(64, torch.float16), 0) and not supports.rms_norm_rope(x(64), 2)
+    for gate, dims in ((supports.hadamard_fp4, LIMITS.hadamard_fp4_dims),
+                       (supports.indexer_store_keys, LIMITS.store_keys_dims)):
+        assert all(gate(x(d)) for d in dims) and not gate(x(max(dims) * 2)) and not gate(x(dims[0], torch.half))
+    e, k = LIMITS.router_max_experts, LIMITS.router_max_topk
+    assert supports.router_topk(torch.empty(3, e), k)
+    assert not supports.router_topk(torch.empty(3, e), k + 1) and not supports.router_topk(torch.empty(3, e + 1), k)
+    assert not supports.router_topk(torch.empty(3, e, requires_grad=True), k)  # the op has no backward
+    D, H, K = LIMITS.indexer_cuda_head_dim, LIMITS.indexer_cuda_max_heads, LIMITS.indexer_cuda_max_topk
+    cuda = torch.device("cuda")
+    assert supports.indexer_score_topk(cuda, D, H, K)
+    assert not any(supports.indexer_score_topk(cuda, *a) for a in ((D * 2, H, K), (D, H + 1, K), (D, H, K + 1)))
+    assert supports.indexer_score_topk(torch.device("cpu"), D * 2, H + 1, K + 1)

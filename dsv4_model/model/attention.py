@@ -25,9 +25,8 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
-from dsv4_ops import ops
+from dsv4_ops import ops, supports
 
-from dsv4_model.model import decode_options as fused
 from dsv4_model.model.compressor import Compressor, scatter_entries
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.indexer import Indexer, topk_indices
@@ -114,7 +113,7 @@ class Attention(nn.Module):
         projects qr itself). positions (decode): kv may go straight into the window of kv_cache at positions %
         window (then None)."""
         qa, kva = project(x, self.wq_a, self.wkv)
-        if qa.dim() == 2 and fused.norm_rope(qa, 0):  # decode: a dsv4 kernel (PDL) instead of Inductor's reduction
+        if qa.dim() == 2 and supports.rms_norm_rope(qa, 0):  # decode: a dsv4 kernel (PDL), not Inductor's reduction
             cs0 = qa.new_empty((qa.shape[0], 0, 2), dtype=torch.float32)
             qr = ops.rms_norm_rope(qa.unsqueeze(1), weight=self.q_norm.weight, cs=cs0, eps=self.q_norm.eps,
                                    rope_dim=0, fp8_nope=False).squeeze(1)
@@ -126,9 +125,9 @@ class Attention(nn.Module):
         else:
             qb, iproj = self.wq_b(qr), None
         q = qb.unflatten(-1, (self.n_heads, self.head_dim))
-        if q.dim() == 3 and fused.norm_rope(q, self.rope_dim):  # decode: x [B, dim], cs [B, rope_dim / 2, 2]
+        if q.dim() == 3 and supports.rms_norm_rope(q, self.rope_dim):  # decode: x [B, dim], cs [B, rope_dim / 2, 2]
             q = ops.rms_norm_rope(q, weight=None, cs=cs, eps=self.eps, rope_dim=self.rope_dim, fp8_nope=False)
-            if positions is not None and fused.norm_rope_store(kva, self.kv_cache):
+            if positions is not None and supports.rms_norm_rope_store(kva, self.kv_cache):
                 ops.rms_norm_rope_store(kva, weight=self.kv_norm.weight, cs=cs, eps=self.kv_norm.eps,
                                         rope_dim=self.rope_dim, fp8_nope=self.simulate_quant, positions=positions,
                                         ratio=0, offset=0, slots=self.ring, cache=self.kv_cache)
@@ -345,7 +344,7 @@ class Attention(nn.Module):
             ix = self.indexer
             ientry, icomplete = ix.compressor.decode(x, step, self.rope_kind, iproj_c)
             packed = ix.packed_decode()
-            if packed and fused.key_store(ientry):
+            if packed and supports.indexer_store_keys(ientry):
                 ops.indexer_store_keys(ientry, positions=positions, ratio=m, kv_cache=ix.kv_cache,
                                        k_codes=ix.k_codes, k_scales=ix.k_scales)
             else:
@@ -375,7 +374,7 @@ class Attention(nn.Module):
                 self._write_entry(self.kv_cache, R, positions, entry, complete)
 
         listed = R + (sel.shape[1] if sel is not None else self.n_entries if self.ratio else 0)
-        if fused.decode_attention(step.options, B, listed, q) and q.dtype == self.kv_cache.dtype:
+        if step.options.fused_attention(B, listed, q, self.kv_cache):
             idx2, idx2_offset = None, 0  # the indexer's top-k after the window rows, as the op's second row list
             if sel is None:  # the same rows for every layer of this kind and shape: once per step
                 rows = self._shared_rows(step, (R, m, self.n_entries))
@@ -383,7 +382,7 @@ class Attention(nn.Module):
                 rows, idx2, idx2_offset = self._shared_rows(step, (R, 0, 0)), sel_raw, R
             else:
                 rows = self._decode_rows(positions, sel, sel_valid)
-            out_rope = self.rope_dim > 0 and self.rope_dim % 4 == 0
+            out_rope = supports.sparse_attn_decode_out_rope(self.rope_dim)
             # with out_rope the output's inverse RoPE runs in the op's combine kernel (one kernel less)
             o = ops.sparse_attn_decode(q, self.kv_cache[:B], rows, sink=self.attn_sink, scale=self.softmax_scale,
                                        out_rope=cs if out_rope else None, rope_dim=self.rope_dim if out_rope else 0,

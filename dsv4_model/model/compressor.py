@@ -7,10 +7,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv4_ops import ops
+from dsv4_ops import ops, supports
 
 from dsv4_model.model.config import ModelConfig
-from dsv4_model.model import decode_options as fused
 from dsv4_model.model.layers import Linear, RMSNorm, apply_rope, narrow_if_lossless_, project
 from dsv4_model.model.quant_sim import indexer_fake_quant, kv_fake_quant
 from dsv4_model.model.step_values import DecodeStep
@@ -79,10 +78,10 @@ class Compressor(nn.Module):
         (positions, cache, offset) at decode: the entry is written into cache where its window closed (returns None)
         when the fused op can; else returned for the caller to write."""
         decode, x = pooled.dim() == 2, pooled.to(dtype)
-        if decode and fused.norm_rope(x, self.rope_dim):
+        if decode and supports.rms_norm_rope(x, self.rope_dim):
             fp8 = self.simulate_quant and not self.rotate
             index_keys = self.simulate_quant and self.rotate  # then the Hadamard + FP4 rounding follows
-            if not index_keys and store is not None and fused.norm_rope_store(x, store[1]):
+            if not index_keys and store is not None and supports.rms_norm_rope_store(x, store[1]):
                 positions, cache, offset = store
                 ops.rms_norm_rope_store(x, weight=self.norm.weight, cs=cs, eps=self.norm.eps, rope_dim=self.rope_dim,
                                         fp8_nope=fp8, positions=positions, ratio=self.ratio, offset=offset,
@@ -98,7 +97,7 @@ class Compressor(nn.Module):
                 return kv
             if not self.rotate:
                 return kv_fake_quant(kv, self.rope_dim)
-        if decode and fused.hadamard(kv):
+        if decode and supports.hadamard_fp4(kv):
             return ops.hadamard_fp4(kv.unsqueeze(1), cs=None, rope_dim=0).squeeze(1)
         return indexer_fake_quant(kv)
 
@@ -214,7 +213,7 @@ class Compressor(nn.Module):
         # the op rounds the pooling to x's dtype itself (_finish's .to(dtype) is then no kernel); a state of
         # c*m + spare rows (spare > 0) is indexed by position: the op pools a closed window in the same order
         # and arithmetic as the shifted state, so a model with spare slots computes the plain model's entries
-        dt = x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+        dt = x.dtype if supports.compressor_decode_pooled(x.dtype) else torch.float32
         pooled = torch.empty(B, hd, dtype=dt, device=x.device)
         ops.compressor_decode(kv, score, ape=self.ape, positions=positions, kv_state=self.kv_state,
                               score_state=self.score_state, pooled=pooled)

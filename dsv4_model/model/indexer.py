@@ -9,10 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv4_ops import ops
-from dsv4_ops.limits import LIMITS
+from dsv4_ops import ops, supports
 
-from dsv4_model.model import decode_options as fused
 from dsv4_model.model.compressor import Compressor, scatter_entries
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.layers import Linear, apply_rope
@@ -63,7 +61,7 @@ class Indexer(nn.Module):
         """qr [..., q_lora] -> [..., H_I, Di]; cs broadcastable to the head axis. proj: wq_b(qr) if already
         computed (Attention runs it in the same launch as its own wq_b)."""
         q = (self.wq_b(qr) if proj is None else proj).unflatten(-1, (self.n_heads, self.head_dim))
-        if q.dim() == 3 and self.simulate_quant and fused.hadamard(q):  # decode: cs [B, 1, rope_dim / 2, 2]
+        if q.dim() == 3 and self.simulate_quant and supports.hadamard_fp4(q):  # decode: cs [B, 1, rope_dim / 2, 2]
             return ops.hadamard_fp4(q, cs=cs.reshape(q.shape[0], self.rope_dim // 2, 2), rope_dim=self.rope_dim)
         q = apply_rope(q, cs, self.rope_dim)
         if self.simulate_quant:
@@ -72,14 +70,12 @@ class Indexer(nn.Module):
 
     def packed_decode(self) -> bool:
         """Decode scores the packed FP4 cache with dsv4::indexer_score_topk: the keys are FP4 (simulate_quant)
-        and the kernel takes the shape (dsv4_ops.limits for the CUDA kernel; the CPU kernel: any D % 32 == 0).
-        Both paths select the same entries up to fp32 summation order."""
+        and the kernel takes the shape (dsv4_ops.supports). Both paths select the same entries up to fp32 summation
+        order."""
         if not (self.simulate_quant and self.packed):
             return False
-        if self.kv_cache.device.type == "cuda":
-            return (self.head_dim == LIMITS.indexer_cuda_head_dim and self.n_heads <= LIMITS.indexer_cuda_max_heads
-                    and min(self.index_topk, self.n_entries) <= LIMITS.indexer_cuda_max_topk)
-        return self.kv_cache.device.type == "cpu"
+        return supports.indexer_score_topk(self.kv_cache.device, self.head_dim, self.n_heads,
+                                           min(self.index_topk, self.n_entries))
 
     def store_prefill(self, keys: torch.Tensor, entries: torch.Tensor | None = None,
                       write: torch.Tensor | None = None) -> None:

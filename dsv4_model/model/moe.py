@@ -21,8 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4_ops import ops
-from dsv4_ops.limits import LIMITS
+from dsv4_ops import ops, supports
 
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.layers import Linear, fp32_linear
@@ -43,14 +42,10 @@ class Gate(nn.Module):
         else:
             self.bias = nn.Parameter(torch.empty(cfg.n_routed_experts, dtype=torch.float32), requires_grad=False)
 
-    def _router_takes(self, scores: torch.Tensor) -> bool:
-        return self.topk <= LIMITS.router_max_topk and scores.shape[-1] <= LIMITS.router_max_experts
-
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, dim], ids [N] -> (weights [N, k] fp32, indices [N, k] long)."""
         logits = fp32_linear(x, [self.weight])[0]
-        if (self.score_func == "sqrtsoftplus" and not self.hash and self._router_takes(logits)
-                and not (torch.is_grad_enabled() and logits.requires_grad)):
+        if self.score_func == "sqrtsoftplus" and not self.hash and supports.router_topk(logits, self.topk):
             # the score function inside the op's kernel too (one kernel for scores, selection and weights)
             return ops.router_topk(logits, bias=self.bias, k=self.topk, renormalize=True, scale=self.route_scale,
                                    sqrt_softplus=True)
@@ -61,8 +56,7 @@ class Gate(nn.Module):
         else:
             scores = F.softplus(logits).sqrt()
         renorm = self.score_func != "softmax"
-        if (not self.hash and self._router_takes(scores)
-                and not (torch.is_grad_enabled() and scores.requires_grad)):
+        if not self.hash and supports.router_topk(scores, self.topk):
             # one kernel instead of topk's two, the gather and the renormalisation (the op has no backward)
             return ops.router_topk(scores, bias=self.bias, k=self.topk, renormalize=renorm, scale=self.route_scale)
         if self.hash:

@@ -1,0 +1,80 @@
+"""Whether an op's kernels take a call, one predicate per op with a gate: a caller asks `supports.<op>(...)` and runs
+the tensor-op form where the answer is no. The answers restate the op's own checks (csrc/<family>_checks.h) and
+the kernel limits (dsv4_ops.limits), plus one measured threshold (FUSED_ATTN_MAX_ROWS). Plain Python on shapes,
+dtypes and those values, so torch.compile traces them (a call into the library could not be traced)."""
+from __future__ import annotations
+
+import torch
+
+from dsv4_ops import overrides
+from dsv4_ops.limits import LIMITS
+
+_BF16_FP32 = (torch.bfloat16, torch.float32)
+
+
+def rms_norm_rope(x: torch.Tensor, rope_dim: int) -> bool:
+    """x [rows, heads, d]: bf16 / fp32, d and rope_dim multiples of 4, d within the CUDA kernel's width."""
+    d = x.shape[-1]
+    return x.dtype in _BF16_FP32 and not d % 4 and not rope_dim % 4 and d <= LIMITS.norm_rope_cuda_max_dim
+
+
+def rms_norm_rope_store(x: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Where rms_norm_rope takes x: the cache must have x's dtype and be contiguous (the op writes rows in place)."""
+    return cache.dtype == x.dtype and cache.is_contiguous()
+
+
+def hadamard_fp4(x: torch.Tensor) -> bool:
+    """x [..., d]: bf16 / fp32 at a width the kernel has a transform for."""
+    return x.dtype in _BF16_FP32 and x.shape[-1] in LIMITS.hadamard_fp4_dims
+
+
+def indexer_store_keys(keys: torch.Tensor) -> bool:
+    """keys [B, D]: bf16 / fp32 at a width the packing kernel takes."""
+    return keys.dtype in _BF16_FP32 and keys.shape[-1] in LIMITS.store_keys_dims
+
+
+def indexer_score_topk(device: torch.device, head_dim: int, heads: int, topk: int) -> bool:
+    """The CUDA kernel's head width, head count and top-k limits; the CPU kernel takes any model's indexer."""
+    if device.type == "cuda":
+        return (head_dim == LIMITS.indexer_cuda_head_dim and heads <= LIMITS.indexer_cuda_max_heads
+                and topk <= LIMITS.indexer_cuda_max_topk)
+    return device.type == "cpu"
+
+
+def router_topk(scores: torch.Tensor, k: int) -> bool:
+    """scores [N, E]: E experts and top-k within the kernel's limits; the op has no backward."""
+    return (k <= LIMITS.router_max_topk and scores.shape[-1] <= LIMITS.router_max_experts
+            and not (torch.is_grad_enabled() and scores.requires_grad))
+
+
+def compressor_decode_pooled(dtype: torch.dtype) -> bool:
+    """The dtypes the op rounds its pooled output to (else the caller takes fp32 and rounds itself)."""
+    return dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def sparse_attn_decode(q: torch.Tensor, kv: torch.Tensor) -> bool:
+    """The op reads kv in q's dtype."""
+    return kv.dtype == q.dtype
+
+
+def sparse_attn_decode_out_rope(rope_dim: int) -> bool:
+    """The combine kernel applies the output's inverse RoPE for rope_dim a positive multiple of 4."""
+    return rope_dim > 0 and rope_dim % 4 == 0
+
+
+def sparse_attn_decode_tensor_cores(q: torch.Tensor) -> bool:
+    """Whether the op runs its tensor-core partial kernel for q (the CUDA binding's rule, which reads the same
+    attn_kernel debug override)."""
+    return (q.dtype == torch.bfloat16 and q.shape[-1] in LIMITS.attn_mma_dims
+            and overrides.current().attn_kernel != "simt")
+
+
+# Measured on the H200 (bench/RESULTS.md, bench_attn_decode.py): the op's CUDA-core partial kernel (fp32, or the
+# attn_kernel="simt" override) beats the tensor-op form only while batch x listed rows stays within this.
+FUSED_ATTN_MAX_ROWS = 4 * 640
+
+
+def sparse_attn_decode_faster(batch: int, rows: int, q: torch.Tensor) -> bool:
+    """Whether the op beats the tensor-op form for `batch` queries attending `rows` rows each: its tensor-core
+    kernel at every measured size, its CUDA-core one up to FUSED_ATTN_MAX_ROWS."""
+    return sparse_attn_decode_tensor_cores(q) or batch * rows <= FUSED_ATTN_MAX_ROWS
