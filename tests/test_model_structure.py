@@ -90,6 +90,11 @@ def test_fp32_math_weights_narrow_to_bf16_only_when_lossless():
     ncomps = [m for m in narrow.modules() if isinstance(m, Compressor)]
     assert all(c.wkv.weight.dtype == torch.bfloat16 and c.wgate.weight.dtype == torch.bfloat16 for c in ncomps)
     assert narrow.head.weight.dtype == torch.bfloat16
+    # the head module itself: fp32 math and an fp32 output however its weight is held
+    x = torch.randn(3, cfg.dim, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    assert narrow.head.fp32 and narrow.head(x).dtype == torch.float32
+    assert torch.equal(narrow.head(x), wide.head(x))
+    assert torch.allclose(narrow.head(x), x.float() @ wide.head.weight.t(), rtol=1e-5, atol=1e-5)
     ids = torch.randint(0, cfg.vocab_size, (1, 21), generator=torch.Generator().manual_seed(1))
     assert torch.equal(narrow.prefill(ids), wide.prefill(ids))
     for t in range(6):  # across a closed ratio-4 window, both compressors' decode state

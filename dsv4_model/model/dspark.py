@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4_model.model.config import ModelConfig
-from dsv4_model.model.layers import Linear, RMSNorm, apply_rope, fp32_linear, hc_head, hc_post
+from dsv4_model.model.layers import Linear, RMSNorm, apply_rope, hc_head, hc_post
 from dsv4_model.model.quant_sim import kv_fake_quant
 from dsv4_model.model.transformer import Block, Embedding, _param
 
@@ -53,13 +53,13 @@ class MarkovHead(nn.Module):
     def __init__(self, vocab_size: int, rank: int, dtype: torch.dtype):
         super().__init__()
         self.markov_w1 = Embedding(vocab_size, rank, dtype)
-        self.markov_w2 = Linear(rank, vocab_size, torch.float32)
+        self.markov_w2 = Linear(rank, vocab_size, torch.float32, fp32=True)
 
 
 class ConfidenceHead(nn.Module):
     def __init__(self, dim: int, rank: int):
         super().__init__()
-        self.proj = Linear(dim + rank, 1, torch.float32)  # fp32, no bias (as the release's parameter)
+        self.proj = Linear(dim + rank, 1, torch.float32, fp32=True)  # fp32 math, no bias (as the release's parameter)
 
 
 class DSparkStage(Block):
@@ -201,17 +201,17 @@ class DSpark(nn.Module):
         last = self.mtp[-1]
         c = self.config
         y = hc_head(h, last.hc_head_fn, last.hc_head_scale, last.hc_head_base, c.hc_eps, c.norm_eps)
-        logits = fp32_linear(last.norm(y), [model.head.weight])[0]
+        logits = model.head(last.norm(y))  # the shared head: fp32 logits
         mk = last.markov_head
         prev, toks, embs, rows = anchor, [], [], []
         for i in range(self.block_size):
             e = mk.markov_w1(prev)
-            row = logits[:, i] + fp32_linear(e, [mk.markov_w2.weight])[0]
+            row = logits[:, i] + mk.markov_w2(e)
             prev = row.argmax(-1)
             toks.append(prev)
             embs.append(e)
             rows.append(row)
-        conf = fp32_linear(torch.cat([y, torch.stack(embs, dim=1)], dim=-1), [last.confidence_head.proj.weight])[0]
+        conf = last.confidence_head.proj(torch.cat([y, torch.stack(embs, dim=1)], dim=-1))
         return DSparkDraft(torch.stack(toks, dim=1), torch.stack(rows, dim=1), conf.squeeze(-1))
 
     # ------------------------------------------------------------------ testing helper

@@ -42,7 +42,7 @@ class MTPBlock(Block):
 
     def _logits(self, model: Transformer, out: torch.Tensor) -> torch.Tensor:
         """The block's output streams [..., hc, dim] -> fp32 logits (its collapse and norm, the shared head)."""
-        return head_logits(out, self, model.head.weight, model.config)
+        return head_logits(out, self, model.head, model.config)
 
 
 def prefill(model: Transformer, h: torch.Tensor, next_ids: torch.Tensor, lengths: torch.Tensor | None = None,

@@ -40,8 +40,8 @@ from dsv4_model.model.indexer import Indexer
 from dsv4_model.model.decode_options import DEFAULT as DEFAULT_OPTIONS, DecodeOptions
 from dsv4_model.model.step_values import DecodeStep
 from dsv4_model.model.config import ModelConfig
-from dsv4_model.model.layers import (Linear, RMSNorm, fp32_linear, hc_head, hc_post, hc_pre, narrow_if_lossless_,
-                                     rope_inv_freq, rope_table)
+from dsv4_model.model.layers import (Linear, RMSNorm, hc_head, hc_post, hc_pre, narrow_if_lossless_, rope_inv_freq,
+                                     rope_table)
 from dsv4_model.model.moe import MoE
 
 
@@ -147,13 +147,13 @@ def _param(*shape) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=torch.float32), requires_grad=False)
 
 
-def head_logits(h: torch.Tensor, owner: nn.Module, head: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+def head_logits(h: torch.Tensor, owner: nn.Module, head: Linear, cfg: ModelConfig) -> torch.Tensor:
     """Streams [..., hc, dim] -> fp32 logits through the collapse (hc_head_*) and norm of `owner` (the
-    Transformer, or an MTP block) and the shared head's weight."""
+    Transformer, or an MTP block) and the shared head (a Linear(fp32=True))."""
     y = hc_head(h, owner.hc_head_fn, owner.hc_head_scale, owner.hc_head_base, cfg.hc_eps, cfg.norm_eps)
     # fp32 logits of y (bf16 in a bf16 model) and the head as stored (bf16 once narrowed): exact products
     # summed in fp32, the head read as it is (no fp32 copy of it per call)
-    return fp32_linear(owner.norm(y), [head])[0]
+    return head(owner.norm(y))
 
 
 class Transformer(nn.Module):
@@ -183,7 +183,7 @@ class Transformer(nn.Module):
             self.layers = nn.ModuleList(Block(config, i, dtype, max_batch_size, max_seq_len)
                                         for i in range(config.n_layers))
             self.norm = RMSNorm(config.dim, config.norm_eps)
-            self.head = Linear(config.dim, config.vocab_size, torch.float32)
+            self.head = Linear(config.dim, config.vocab_size, torch.float32, fp32=True)
             self.hc_head_fn = _param(config.hc_mult, config.hc_mult * config.dim)
             self.hc_head_base = _param(config.hc_mult)
             self.hc_head_scale = _param(1)
@@ -326,7 +326,7 @@ class Transformer(nn.Module):
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final streams [..., hc, dim] -> fp32 logits."""
-        return head_logits(h, self, self.head.weight, self.config)
+        return head_logits(h, self, self.head, self.config)
 
     # ------------------------------------------------------------------ inference entry points
     @torch.no_grad()
