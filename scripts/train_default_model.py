@@ -278,11 +278,17 @@ class IndexerDistill:
             self._wrap(attn)
 
     def _wrap(self, attn) -> None:
-        def hook(t):
-            if self.active and torch.is_grad_enabled() and t.comp is not None:
-                self.losses.append(self._loss(attn, t.x, t.lengths, t.rope, t.qr, t.q, t.comp))
+        # prefill is a method, not the module's forward (no forward hook sees it): wrap it on the instance
+        prefill = attn.prefill
 
-        attn.prefill_hooks.append(hook)
+        def wrapped(x, lengths, rope, at):
+            out = prefill(x, lengths, rope, at)
+            n = at.span // attn.ratio  # the compressed entries a query of the chunk can see
+            if self.active and torch.is_grad_enabled() and at.fresh and n:
+                self.losses.append(self._loss(attn, x, lengths, rope, n))
+            return out
+
+        attn.prefill = wrapped
 
     @staticmethod
     def _ste_fp4(x: torch.Tensor) -> torch.Tensor:
@@ -292,13 +298,21 @@ class IndexerDistill:
         r = hadamard_rotate(x)
         return r + (fp4_e2m1_block_fake_quant(r) - r).detach()
 
-    def _loss(self, attn, x, lengths, rope, qr, q, comp) -> torch.Tensor:
+    def _loss(self, attn, x, lengths, rope, n) -> torch.Tensor:
+        """x [B, S, dim] from position 0 (forward_hidden), every row S tokens long; n entries visible at most."""
         idx = attn.indexer
         B, S, _ = x.shape
-        n = comp.shape[1]
         t = torch.arange(S, device=x.device)
         vis = torch.arange(n, device=x.device)[None, :] < ((t + 1) // attn.ratio)[:, None]  # [S, n]
         rows = vis.any(-1)
+        xd = x.detach()
+        start = torch.zeros(B, dtype=torch.long, device=x.device)
+        # the main attention's queries and entries as its prefill computed them: the same calls, with gradients
+        # tracked as there (fp32_linear picks its kernel by that), give the same bits; the compressor rewrites its
+        # state with what it holds
+        qr, q, _, _ = attn._qkv(xd, rope[:S])
+        comp = attn.compressor.prefill(xd, lengths, rope, start, fresh=True)[0][:, :n]
+        qr, q, comp = qr.detach(), q.detach(), comp.detach()
         with torch.no_grad():
             s = torch.einsum("bshd,bnd->bshn", q.float(), comp.float()) * attn.softmax_scale
             p = s.masked_fill(~vis[None, :, None], float("-inf")).softmax(-1).nan_to_num(0.0).sum(2)
@@ -307,10 +321,8 @@ class IndexerDistill:
         sim = idx.simulate_quant
         idx.simulate_quant = idx.compressor.simulate_quant = False
         try:
-            xd = x.detach()
-            start = torch.zeros(B, dtype=torch.long, device=x.device)
             keys = idx.compressor.prefill(xd, lengths, rope, start, fresh=True)[0][:, :n]  # the closed windows' entries
-            iq = idx.queries(qr.detach(), rope[:S].unsqueeze(-3))
+            iq = idx.queries(qr, rope[:S].unsqueeze(-3))
         finally:
             idx.simulate_quant = idx.compressor.simulate_quant = sim
         if sim:
@@ -334,6 +346,9 @@ class IndexerDistill:
 # -------------------------------------------------------------------------------------------------
 
 class SublayerDropout:
+    """Forward hooks on each MoE and on each attention's output projection wo_b (whose output is the attention's:
+    Attention._out ends with it) that replace the output by its dropout while training."""
+
     def __init__(self, model, p: float):
         from dsv4_model.model.attention import Attention
         from dsv4_model.model.moe import MoE
@@ -342,17 +357,14 @@ class SublayerDropout:
         self.active = False
         for mod in model.modules():
             if isinstance(mod, Attention):
-                self._wrap_prefill(mod)
+                mod.wo_b.register_forward_hook(self._drop)
             elif isinstance(mod, MoE):
-                mod.register_forward_hook(lambda m, a, out: self._drop(out))
+                mod.register_forward_hook(self._drop)
 
-    def _drop(self, out: torch.Tensor) -> torch.Tensor:
+    def _drop(self, module, args, out: torch.Tensor) -> torch.Tensor | None:
         if self.active and self.p > 0 and torch.is_grad_enabled():
             return F.dropout(out, self.p, training=True)
-        return out
-
-    def _wrap_prefill(self, attn) -> None:
-        attn.prefill_hooks.append(lambda t: self._drop(t.out))
+        return None  # the output as it is
 
 
 # -------------------------------------------------------------------------------------------------
@@ -689,8 +701,8 @@ def main(argv=None) -> dict:
                 if idx_loss is not None:
                     total = total + args.indexer_weight * idx_loss
                 elif distill.active and distill.layers:
-                    raise RuntimeError("indexer distillation produced no loss: Attention.prefill_hooks saw no "
-                                       "compressed entries")
+                    raise RuntimeError("indexer distillation produced no loss: no CSA attention prefill from "
+                                       "position 0 saw a compressed entry")
             distill.active = dropout.active = False
             detach_runtime_buffers(model)
             opt.zero_grad(set_to_none=True)

@@ -20,7 +20,7 @@ decode step shares between layers (dsv4_model.model.step_values) live in their o
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -52,20 +52,6 @@ class PrefillAt(NamedTuple):
     start_bound: int | None = None
 
 
-class PrefillTrace(NamedTuple):
-    """What Attention.prefill computed, for its prefill_hooks: the input x [B, S, dim], lengths [B], the RoPE
-    table, qr [B, S, q_lora], q [B, S, H, D], the compressed entries [B, n, D] (None without a compressor or
-    before the first window closes) and the output [B, S, dim]."""
-
-    x: torch.Tensor
-    lengths: torch.Tensor
-    rope: torch.Tensor
-    qr: torch.Tensor
-    q: torch.Tensor
-    comp: torch.Tensor | None
-    out: torch.Tensor
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, max_batch: int, max_seq_len: int):
         super().__init__()
@@ -86,9 +72,6 @@ class Attention(nn.Module):
         self.prefill_attn_rows: int | None = None
         # CSA prefill: dense mask over all entries up to this many, else gather the top-k entries per query
         self.prefill_dense_max_entries = 2048
-        # callables seeing every prefill (training: indexer distillation, dropout): hook(PrefillTrace) may return
-        # a tensor that replaces the output
-        self.prefill_hooks: list[Callable[[PrefillTrace], torch.Tensor | None]] = []
         H, D = self.n_heads, self.head_dim
         self.attn_sink = nn.Parameter(torch.empty(H, dtype=torch.float32), requires_grad=False)
         self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, dtype)
@@ -254,11 +237,7 @@ class Attention(nn.Module):
                     keys = torch.cat([keys, blk], dim=1)
                     mask = torch.cat([mask, vis], dim=-1)
             outs.append(self._attend(q[:, t0:t1], keys, mask, qkeys, qmask))
-        out = self._out(torch.cat(outs, dim=1), cs)
-        for hook in self.prefill_hooks:
-            new = hook(PrefillTrace(x, lengths, rope, qr, q, comp, out))
-            out = out if new is None else new
-        return out
+        return self._out(torch.cat(outs, dim=1), cs)
 
     def _prefill_entries(self, compressor: Compressor, cache: torch.Tensor, offset: int, x: torch.Tensor,
                          lengths: torch.Tensor, rope: torch.Tensor, at: "PrefillAt", n_span: int,
