@@ -124,13 +124,16 @@ def main() -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from dsv4_model.runtime.engine import Engine
+    from dsv4_ops import supports
 
     B, S = (int(v) for v in args.prefill.split(",")) if args.prefill else (1, 0)
     eng = Engine.from_pretrained(args.model, device="cpu", dtype=getattr(torch, args.dtype), max_batch_size=B,
                                  max_seq_len=args.max_seq_len, quant="nvfp4", progress=False)
     model = eng.model
     for ix in (m for m in model.modules() if type(m).__name__ == "Indexer"):
-        ix.packed = ix.head_dim == 128 and ix.n_heads <= 64  # Indexer.packed_decode's answer on CUDA
+        # Indexer.packed_decode's answer on CUDA (the model's buffers are still on the CPU here)
+        ix.packed = supports.indexer_score_topk(torch.device("cuda"), ix.head_dim, ix.n_heads,
+                                                min(ix.index_topk, ix.n_entries))
     fake = FakeTensorMode()
     fake_cuda_model(model, fake)
     with fake:
