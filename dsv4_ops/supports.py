@@ -47,6 +47,17 @@ def router_topk(scores: torch.Tensor, k: int) -> bool:
             and not (torch.is_grad_enabled() and scores.requires_grad))
 
 
+def hc_pre(fn: torch.Tensor) -> bool:
+    """fn [(2 + hc) * hc, hc * d]: the mixing weight in bf16 / fp32 (dsv4::hc_pre's check)."""
+    return fn.dtype in _BF16_FP32
+
+
+def hc_post_pre(out_dtype: torch.dtype, h_dtype: torch.dtype, fn: torch.Tensor) -> bool:
+    """Where hc_pre takes fn: the sublayer output folded into the streams must have the streams' dtype (dtypes, not
+    tensors: the Transformer asks before the output exists)."""
+    return out_dtype == h_dtype and hc_pre(fn)
+
+
 def compressor_decode_pooled(dtype: torch.dtype) -> bool:
     """The dtypes the op rounds its pooled output to (else the caller takes fp32 and rounds itself)."""
     return dtype in (torch.float32, torch.bfloat16, torch.float16)

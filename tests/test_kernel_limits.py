@@ -82,3 +82,29 @@ def test_supports_answers_from_the_limits():
     assert supports.indexer_score_topk(cuda, D, H, K)
     assert not any(supports.indexer_score_topk(cuda, *a) for a in ((D * 2, H, K), (D, H + 1, K), (D, H, K + 1)))
     assert supports.indexer_score_topk(torch.device("cpu"), D * 2, H + 1, K + 1)
+
+
+def test_the_hc_gates_answer_as_the_mhc_ops_check():
+    """supports.hc_pre / hc_post_pre say yes exactly where dsv4::hc_pre / hc_post_pre take the call (fn's dtype;
+    the sublayer output in the streams' dtype)."""
+    from dsv4_ops import supports
+
+    hc, d, t = 4, 8, 3
+    mix = (2 + hc) * hc
+    x = torch.randn(t, hc, d)
+    kw = dict(scale=torch.ones(3), base=torch.zeros(mix), norm_weight=torch.ones(d), iters=2, hc_eps=1e-6,
+              norm_eps=1e-6, out_eps=1e-6)
+    post, comb = torch.rand(t, hc), torch.rand(t, hc, hc)
+    for fn_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        fn = torch.randn(mix, hc * d, dtype=fn_dtype) * 0.1
+        for out_dtype in (torch.float32, torch.bfloat16):
+            out = torch.randn(t, d, dtype=out_dtype)
+            for op, ok, call in (
+                    ("hc_pre", supports.hc_pre(fn), lambda: ops.hc_pre(x, fn=fn, **kw)),
+                    ("hc_post_pre", supports.hc_post_pre(out.dtype, x.dtype, fn),
+                     lambda: ops.hc_post_pre(out, x, post, comb, fn=fn, **kw))):
+                if ok:
+                    call()
+                else:
+                    with pytest.raises(RuntimeError, match="must"):
+                        call()

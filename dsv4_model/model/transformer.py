@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4_ops import ops
+from dsv4_ops import ops, supports
 
 from dsv4_model.model.attention import Attention, PrefillAt
 from dsv4_model.model.checks import check_max_seq_len, check_positive_int
@@ -95,7 +95,7 @@ class Block(nn.Module):
     def _pre_normed(self, h: torch.Tensor, site: str, norm: RMSNorm, opts: DecodeOptions):
         """_pre, then the sublayer's norm: at decode one dsv4::hc_pre call (unless opts say otherwise)."""
         fn = getattr(self, f"hc_{site}_fn")
-        if not torch.is_grad_enabled() and opts.hc_pre and fn.dtype in (torch.float32, torch.bfloat16):
+        if not torch.is_grad_enabled() and opts.hc_pre and supports.hc_pre(fn):
             return ops.hc_pre(h, fn=fn, scale=getattr(self, f"hc_{site}_scale").float(),
                               base=getattr(self, f"hc_{site}_base").float(), norm_weight=norm.weight.float(),
                               iters=self.iters, hc_eps=self.hc_eps, norm_eps=self.norm_eps, out_eps=norm.eps)
@@ -105,8 +105,8 @@ class Block(nn.Module):
     def fuses_post(self, site: str, out_dtype: torch.dtype, h_dtype: torch.dtype, opts: DecodeOptions) -> bool:
         """Whether _post_pre_normed folds a sublayer output of out_dtype into streams of h_dtype with one
         dsv4::hc_post_pre call."""
-        return (not torch.is_grad_enabled() and opts.hc_pre and out_dtype == h_dtype
-                and getattr(self, f"hc_{site}_fn").dtype in (torch.float32, torch.bfloat16))
+        return (not torch.is_grad_enabled() and opts.hc_pre
+                and supports.hc_post_pre(out_dtype, h_dtype, getattr(self, f"hc_{site}_fn")))
 
     def _post_pre_normed(self, h: torch.Tensor, pending: "Pending | None", site: str, norm: RMSNorm,
                          opts: DecodeOptions):
