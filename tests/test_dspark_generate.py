@@ -14,6 +14,7 @@ from dsv4_model.checkpoint.writer import canonical_weights, write_checkpoint
 from dsv4_model.runtime import cli
 from dsv4_model.runtime.engine import Engine
 from dsv4_model.runtime.generate import generate
+from dsv4_model.runtime.session import RunnerOptions
 from tests.test_release_0731 import PROMPT, _dspark_cfg
 
 PROMPTS = [PROMPT, PROMPT[:5], [3, 14, 15, 92, 65, 35, 89, 79]]
@@ -46,8 +47,17 @@ def test_dspark_speculation_gives_plain_greedy_tokens(ckpt, plain, k):
     assert res.finish_reasons == plain.finish_reasons
     spec = res.extra["speculation"]
     assert spec.k == k and spec.steps < 3 * N  # three prompts, 2 rows: two batches of steps
-    # the decode() state continues where generation stopped (the last batch's rows)
-    assert eng.lengths == [len(p) + len(t) - 1 for p, t in zip(PROMPTS[2:], res.token_ids[2:])]
+    # the rows' lengths: every position the steps committed (the last step's may pass the tokens kept)
+    for n, p, t in zip(eng.lengths, PROMPTS[2:], res.token_ids[2:]):
+        assert len(p) + len(t) - 1 <= n <= len(p) + len(t) - 1 + k
+
+
+def test_compiled_dspark_step_gives_the_eager_tokens(ckpt, plain):
+    """The DSpark step compiled whole (fullgraph, static shapes: what is captured on CUDA) on the CPU."""
+    eng = _engine(ckpt, spare_window_slots=2, runner_options=RunnerOptions(compile=True))
+    res = generate(eng, PROMPTS[:2], max_new_tokens=40, speculate=2)
+    assert res.token_ids == [t[:40] for t in plain.token_ids[:2]]
+    assert res.mode.startswith("compiled") and "DSpark speculate 2" in res.mode
 
 
 def test_dspark_refusals(ckpt):
@@ -76,7 +86,7 @@ def test_cli_speculate_picks_dspark_and_matches_plain(ckpt):
     rc2, out2, err2 = _cli(*args, "--speculate", "3")
     assert rc2 == 0, err2
     assert json.loads(out2)["ids"] == json.loads(out)["ids"]
-    assert "DSpark speculation: eager steps" in err2 and "speculation:" in err2
+    assert "DSpark speculate 3" in err2 and "speculation:" in err2
 
 
 @pytest.mark.parametrize("extra, msg", [

@@ -340,10 +340,9 @@ def cmd_generate(args) -> int:
     single = len(prompt_ids) == 1 and not args.json
     t1 = time.perf_counter()
     method = speculate_method_of(engine, args.speculate_method) if args.speculate else None
-    if method == "dspark":
-        _note("DSpark speculation: eager steps (its captured step is not built yet: slower than plain decode on "
-              "CUDA)" if device.type == "cuda" else "DSpark speculation: eager steps")
-    elif args.speculate:  # compile / capture before any text is printed
+    if method == "dspark":  # compile / capture before any text is printed
+        engine.dspark_runner(args.speculate).prepare(rows)
+    elif args.speculate:
         from dsv4_model.runtime.sampling import SamplingParams
         from dsv4_model.runtime.speculative import sampling_mode
 

@@ -124,51 +124,30 @@ def dspark_greedy(model, prompt: torch.Tensor, max_new_tokens: int,
 @torch.no_grad()
 def generate_batch_dspark(engine, ids: list[list[int]], k: int, max_new_tokens: int, stops: set[int], stream,
                           tok, row0: int, result) -> None:
-    """One batch of generate(..., speculate=k) drafting with the DSpark module: greedy, eager, the first k
-    drafts of each block verified per step (the rest of the block is cut: later positions are accepted less
-    often). Rows that finished stop advancing (their steps rewrite the same positions: harmless, as a rejected
-    draft's); the host reads each step's tokens once."""
+    """One batch of generate(..., speculate=k) drafting with the DSpark module: greedy, the first k drafts of each
+    block verified per step (the rest of the block is cut: later positions are accepted less often), the steps on
+    `engine.dspark_runner(k)` (compiled + captured as the engine's runner options say) and the host loop of MTP
+    speculation (`speculative_generate.speculative_steps`)."""
     import time
 
-    from dsv4_model.runtime.generate import RowSink, right_padded
+    from dsv4_model.runtime.generate import right_padded
+    from dsv4_model.runtime.sampling import SamplingParams
+    from dsv4_model.runtime.speculative_generate import speculative_steps
 
-    model = engine.model
+    model, B = engine.model, len(ids)
     dspark = check_dspark_model(model, k)
-    B, dev = len(ids), model.device
-    engine.reset()
+    runner = engine.dspark_runner(k)
+    runner.prepare(B)  # compile / capture first: warm-up scribbles on the caches and the DSpark rings
     t0 = time.perf_counter()
+    engine.reset()
     padded, lens = right_padded(ids)
-    lens = lens.to(dev)
-    y = prefill_taps(model, dspark, padded.to(dev), lens).argmax(-1)
-    drafts = dspark.draft(model, y, lens - 1).tokens[:, :k]
-    pos, live = lens.clone(), torch.ones(B, dtype=torch.long, device=dev)
-    rows = RowSink(B, stops, stream, tok, row0, on_finish=lambda b: live.__setitem__(b, 0))
-    stats, steps = SpeculationStats(k), 0
-    pos_host, r = [len(p) for p in ids], torch.arange(B, device=dev)
+    first = prefill_taps(model, dspark, padded.to(model.device), lens.to(model.device)).argmax(-1)
+    runner.begin(lens, [SamplingParams() for _ in range(B)])
+    runner.start(first)
     t_first = time.perf_counter()
-    for b, t in enumerate(y.tolist()):
-        rows.emit(b, t, max_new_tokens, "length")
-    while not rows.done():
-        if max(pos_host) + 2 * k >= model.max_seq_len:  # a step writes up to 2k positions past a row's
-            for b in range(B):
-                if rows.reasons[b] is None:
-                    rows.finish(b, "max_seq_len")
-            break
-        emitted, n_acc, nxt = dspark_step(model, dspark, y, drafts, pos)
-        y, pos, drafts = emitted[r, n_acc], pos + (n_acc + 1) * live, nxt.tokens[:, :k]
-        e_host, n_host, live_host = emitted.tolist(), n_acc.tolist(), live.tolist()  # the step's one read
-        steps += 1
-        counted = []
-        for b in range(B):
-            if not live_host[b]:
-                continue
-            pos_host[b] += n_host[b] + 1
-            counted.append(n_host[b])
-            for t in e_host[b][: n_host[b] + 1]:
-                if rows.reasons[b] is None:
-                    rows.emit(b, t, max_new_tokens, "length")
-        stats.count(counted)
-    engine.set_lengths(pos_host)
-    rows.record(result, tok, (t0, t_first, time.perf_counter()), steps)
+    rows, stats, launched, pos = speculative_steps(runner, first.tolist(), [len(p) for p in ids], max_new_tokens,
+                                                   stops, stream, tok, row0)
+    engine.set_lengths(pos)
+    rows.record(result, tok, (t0, t_first, time.perf_counter()), launched)
     prev = result.extra.get("speculation")
     result.extra["speculation"] = stats if prev is None else prev.merged(stats)

@@ -101,5 +101,18 @@ class Engine(EngineSession):
             self._spec_runner_key = key
         return self._spec_runner
 
+    def dspark_runner(self, k: int):
+        """The DSparkRunner generate(..., speculate=k) steps on a DSpark checkpoint, built on first use per k from
+        `runner_options` (rebuilt when they change)."""
+        from dsv4_model.runtime.dspark_runner import DSparkRunner
+
+        opts = self._checked_runner_options()
+        key = (k, opts)
+        if getattr(self, "_dspark_runner_key", None) != key:
+            self._dspark_runner = DSparkRunner(self.model, k, compile=opts.compile, cuda_graphs=opts.cuda_graphs,
+                                               graph_mode=opts.graph_mode, regional=opts.regional, log=opts.log)
+            self._dspark_runner_key = key
+        return self._dspark_runner
+
     def _decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model.decode_step(tokens, positions)

@@ -145,10 +145,10 @@ def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0
         from dsv4_model.runtime.dspark_speculative import check_dspark_model
 
         check_dspark_model(engine.model, speculate)
+        runner = engine.dspark_runner(speculate)
         if base.temperature != 0:
             raise ValueError("speculate with DSpark: greedy only for now (temperature 0); MTP speculation samples "
                              "(speculate_method='mtp') where the checkpoint has an MTP block")
-        runner = None
     elif speculate:
         if not hasattr(engine, "speculative_runner"):
             raise ValueError("speculate needs an Engine (an exported package has no MTP step)")
@@ -163,11 +163,9 @@ def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0
         return _generate_scheduled(engine, runner, ids, base, max_new_tokens, stops, stream, tok, stop)
     if stop:
         raise ValueError("stop: stop strings need an Engine's generation without speculate (the Scheduler)")
-    mode = runner.mode_name if runner is not None else f"eager, DSpark speculate {speculate}"
-    max_rows = runner.max_rows if runner is not None else engine.max_batch_size
-    result = GenerationResult([], [] if tok is not None else None, [], [len(p) for p in ids], mode=mode)
-    for start in range(0, len(ids), max_rows):
-        chunk = ids[start : start + max_rows]
+    result = GenerationResult([], [] if tok is not None else None, [], [len(p) for p in ids], mode=runner.mode_name)
+    for start in range(0, len(ids), runner.max_rows):
+        chunk = ids[start : start + runner.max_rows]
         params = [SamplingParams(base.temperature, base.top_k, base.top_p, base.seed + start + i)
                   for i in range(len(chunk))]
         if method == "dspark":

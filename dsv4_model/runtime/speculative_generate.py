@@ -15,11 +15,10 @@ from dsv4_model.runtime.speculative import SpeculationStats, sampling_mode
 @torch.no_grad()
 def generate_batch_speculative(engine, runner, ids: list[list[int]], params, max_new_tokens: int, stops: set[int],
                                stream, tok, row0: int, result) -> None:
-    B, k = len(ids), runner.k
+    B = len(ids)
     lengths = [len(p) for p in ids]
     if max(lengths) > engine.max_seq_len:
         raise ValueError(f"prompt of {max(lengths)} tokens exceeds max_seq_len={engine.max_seq_len}")
-    on_cuda = runner.device.type == "cuda"
     runner.prepare(B, sampling_mode(params))  # compile / capture first: warm-up scribbles on the caches
     t0 = time.perf_counter()
     engine.reset()
@@ -29,6 +28,24 @@ def generate_batch_speculative(engine, runner, ids: list[list[int]], params, max
     first = runner.sample_first(logits)
     runner.start(last)
 
+    t_first = time.perf_counter()
+    rows, stats, launched, pos = speculative_steps(runner, first.tolist(), lengths, max_new_tokens, stops, stream,
+                                                   tok, row0)
+    t_end = time.perf_counter()
+    engine.set_lengths(pos)  # every row: its prompt and what its steps emitted
+
+    rows.record(result, tok, (t0, t_first, t_end), launched)
+    prev = result.extra.get("speculation")
+    result.extra["speculation"] = stats if prev is None else prev.merged(stats)
+
+
+def speculative_steps(runner, first: list[int], lengths: list[int], max_new_tokens: int, stops: set[int], stream,
+                      tok, row0: int) -> tuple[RowSink, SpeculationStats, int, list[int]]:
+    """The host side of a batch's speculative steps (an MTP or a DSpark runner, begun and started): emit the first
+    tokens, then keep up to two steps in flight, reading each one's [rows, k + 2] tensor once (pinned, event) and
+    emitting what every row accepted; rows that end are retired (their position stays). Returns (the rows' tokens
+    and finish reasons, the acceptance counts, the steps launched, each row's position after its last token)."""
+    B, k, on_cuda = len(first), runner.k, runner.device.type == "cuda"
     pinned = [torch.empty(B, k + 2, dtype=torch.long, pin_memory=on_cuda) for _ in range(2)]
     events = [torch.cuda.Event() if on_cuda else None for _ in range(2)]
     stats = SpeculationStats(k)
@@ -47,8 +64,7 @@ def generate_batch_speculative(engine, runner, ids: list[list[int]], params, max
             events[slot].record()
 
     launched = read = 0
-    first_host = first.tolist()
-    t_first = time.perf_counter()
+    first_host = first
     for b in range(B):
         rows.emit(b, first_host[b], max_new_tokens, "length")
     while True:
@@ -77,9 +93,4 @@ def generate_batch_speculative(engine, runner, ids: list[list[int]], params, max
     for b in range(B):
         if rows.reasons[b] is None:  # the caches are full before max_new_tokens
             rows.finish(b, "max_seq_len")
-    t_end = time.perf_counter()
-    engine.set_lengths(pos)  # every row: its prompt and what its steps emitted
-
-    rows.record(result, tok, (t0, t_first, t_end), launched)
-    prev = result.extra.get("speculation")
-    result.extra["speculation"] = stats if prev is None else prev.merged(stats)
+    return rows, stats, launched, pos
