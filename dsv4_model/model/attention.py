@@ -52,6 +52,41 @@ class PrefillAt(NamedTuple):
     start_bound: int | None = None
 
 
+class DecodeProjections(NamedTuple):
+    """Decode tokens x [N, dim] at their rope rows cs and what Attention projects them to: _qkv's (qr, q, kv or
+    None when stored already, iproj) and _fp32_projections' (cproj, iproj_c, wproj; each None where absent)."""
+
+    x: torch.Tensor
+    cs: torch.Tensor
+    qr: torch.Tensor
+    q: torch.Tensor
+    kv: torch.Tensor | None
+    iproj: torch.Tensor | None
+    cproj: tuple[torch.Tensor, torch.Tensor] | None
+    iproj_c: tuple[torch.Tensor, torch.Tensor] | None
+    wproj: torch.Tensor | None
+
+    def rows(self, lo: int, hi: int) -> "DecodeProjections":
+        """Rows lo:hi of every tensor (decode_tokens: one token of each sequence)."""
+        def part(v):
+            if v is None:
+                return None
+            if isinstance(v, tuple):
+                return tuple(u[lo:hi] for u in v)
+            return v[lo:hi]
+        return DecodeProjections(*(part(v) for v in self))
+
+
+class Selection(NamedTuple):
+    """The indexer's top-k entries for one decode token per row: idx int64 [B, k] (>= 0), valid bool [B, k], raw
+    (the packed scorer's int32 answer, -1 where none, which the attention op reads as its second row list; None
+    for the tensor-op scorer)."""
+
+    idx: torch.Tensor
+    valid: torch.Tensor
+    raw: torch.Tensor | None
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, max_batch: int, max_seq_len: int):
         super().__init__()
@@ -89,26 +124,27 @@ class Attention(nn.Module):
                                                      dtype=dtype, device=device), persistent=False)
 
     # ------------------------------------------------------------------ shared pieces
-    def _qkv(self, x: torch.Tensor, cs: torch.Tensor, index_proj: bool = False,
+    def _qkv(self, x: torch.Tensor, cs: torch.Tensor, decode: bool = False,
              positions: torch.Tensor | None = None):
         """x [..., dim] -> (qr [..., q_lora], q [..., H, D], kv [..., D], iproj); cs: rope rows for x's positions.
-        iproj: the indexer's wq_b(qr) when index_proj and it ran in the same launch as wq_b (else None: the indexer
+        decode (x [B, dim], one token per row): the norms and RoPE as dsv4 kernels where supports says so, and
+        iproj the indexer's wq_b(qr) when it ran in the same launch as wq_b (else, and in prefill, None: the indexer
         projects qr itself). positions (decode): kv may go straight into the window of kv_cache at positions %
         window (then None)."""
         qa, kva = project(x, self.wq_a, self.wkv)
-        if qa.dim() == 2 and supports.rms_norm_rope(qa, 0):  # decode: a dsv4 kernel (PDL), not Inductor's reduction
+        if decode and supports.rms_norm_rope(qa, 0):  # a dsv4 kernel (PDL), not Inductor's reduction
             cs0 = qa.new_empty((qa.shape[0], 0, 2), dtype=torch.float32)
             qr = ops.rms_norm_rope(qa.unsqueeze(1), weight=self.q_norm.weight, cs=cs0, eps=self.q_norm.eps,
                                    rope_dim=0, fp8_nope=False).squeeze(1)
         else:
             qr = self.q_norm(qa)
         ix = self.indexer
-        if index_proj and ix is not None and joint_run(self.wq_b, ix.wq_b) is not None:
+        if decode and ix is not None and joint_run(self.wq_b, ix.wq_b) is not None:
             qb, iproj = project(qr, self.wq_b, ix.wq_b)
         else:
             qb, iproj = self.wq_b(qr), None
         q = qb.unflatten(-1, (self.n_heads, self.head_dim))
-        if q.dim() == 3 and supports.rms_norm_rope(q, self.rope_dim):  # decode: x [B, dim], cs [B, rope_dim / 2, 2]
+        if decode and supports.rms_norm_rope(q, self.rope_dim):  # cs [B, rope_dim / 2, 2]
             q = ops.rms_norm_rope(q, weight=None, cs=cs, eps=self.eps, rope_dim=self.rope_dim, fp8_nope=False)
             if positions is not None and supports.rms_norm_rope_store(kva, self.kv_cache):
                 ops.rms_norm_rope_store(kva, weight=self.kv_norm.weight, cs=cs, eps=self.kv_norm.eps,
@@ -282,8 +318,7 @@ class Attention(nn.Module):
     def decode(self, x: torch.Tensor, step: DecodeStep) -> torch.Tensor:
         """x [B, dim] at the step's per-row positions -> [B, dim]. Updates caches rows [:B]."""
         cs = step.cs(self.rope_kind)
-        qr, q, kv, iproj = self._qkv(x, cs, index_proj=True, positions=step.positions)
-        o, rotated = self._decode_attend(x, step, cs, qr, q, kv, iproj, *self._fp32_projections(x))
+        o, rotated = self._decode_attend(self._decode_projections(x, cs, step.positions), step)
         return self._out(o, cs, rotated=rotated)
 
     def decode_tokens(self, x: torch.Tensor, steps: list[DecodeStep]) -> torch.Tensor:
@@ -293,92 +328,112 @@ class Attention(nn.Module):
         T = len(steps)
         B = x.shape[0] // T
         cs = torch.cat([st.cs(self.rope_kind) for st in steps])
-        qr, q, kv, iproj = self._qkv(x, cs, index_proj=True)
-        cproj, iproj_c, wproj = self._fp32_projections(x)
-
-        def part(v, t):
-            if v is None:
-                return None
-            if isinstance(v, tuple):
-                return tuple(u[t * B:(t + 1) * B] for u in v)
-            return v[t * B:(t + 1) * B]
-
+        p = self._decode_projections(x, cs)
         outs, rotated = [], False
         for t, st in enumerate(steps):
-            o, rotated = self._decode_attend(part(x, t), st, part(cs, t), part(qr, t), part(q, t), part(kv, t),
-                                             part(iproj, t), part(cproj, t), part(iproj_c, t), part(wproj, t))
+            o, rotated = self._decode_attend(p.rows(t * B, (t + 1) * B), st)
             outs.append(o)
         return self._out(torch.cat(outs), cs, rotated=rotated)
 
-    def _decode_attend(self, x, step, cs, qr, q, kv, iproj, cproj, iproj_c, wproj) -> tuple[torch.Tensor, bool]:
-        """One decode token per row after its projections: the cache writes (kv unless stored already), the
-        compressors, the indexer's selection and the attention -> (o [B, H, D], whether o is already inverse-
-        rotated)."""
-        B, positions = x.shape[0], step.positions
-        W, R, m, dev = self.window, self.ring, self.ratio, x.device
-        rows = torch.arange(B, device=dev)
+    def _decode_projections(self, x: torch.Tensor, cs: torch.Tensor,
+                            positions: torch.Tensor | None = None) -> "DecodeProjections":
+        """Every projection of decode tokens x [N, dim] (_qkv's, then _fp32_projections'); positions: as _qkv's."""
+        qr, q, kv, iproj = self._qkv(x, cs, decode=True, positions=positions)
+        return DecodeProjections(x, cs, qr, q, kv, iproj, *self._fp32_projections(x))
 
-        sel = sel_valid = sel_raw = None
-        if self.indexer is not None:
-            ix = self.indexer
-            ientry, icomplete = ix.compressor.decode(x, step, self.rope_kind, iproj_c)
-            packed = ix.packed_decode()
-            if packed and supports.indexer_store_keys(ientry):
-                ops.indexer_store_keys(ientry, positions=positions, ratio=m, kv_cache=ix.kv_cache,
-                                       k_codes=ix.k_codes, k_scales=ix.k_scales)
-            else:
-                self._write_entry(ix.kv_cache, 0, positions, ientry, icomplete)
-                if packed:
-                    codes, scales = fp4_pack_indexer_keys(ientry)
-                    self._write_entry(ix.k_codes, 0, positions, codes, icomplete)
-                    self._write_entry(ix.k_scales, 0, positions, scales, icomplete)
-            iq = ix.queries(qr, cs.unsqueeze(-3), iproj)
-            k = min(ix.index_topk, self.n_entries)
-            if packed:
-                sel_raw = sel = ix.select(iq, x, step.visible(m), k, wproj)
-                sel_valid = sel >= 0
-                sel = sel.clamp(min=0).long()
-            else:
-                sc = ix.scores(iq.unsqueeze(1), x.unsqueeze(1), ix.kv_cache[:B]).squeeze(1)
-                n_vis = ((positions + 1) // m).unsqueeze(1)
-                sc = sc.masked_fill(torch.arange(self.n_entries, device=dev).unsqueeze(0) >= n_vis, float("-inf"))
-                sel = topk_indices(sc, k)
-                sel_valid = sel < n_vis
+    def _decode_attend(self, p: "DecodeProjections", step: DecodeStep) -> tuple[torch.Tensor, bool]:
+        """One decode token per row after its projections: the indexer's selection, the cache writes and the
+        attention, by the op or the tensor-op form as the step's options decide -> (o [B, H, D], whether o is
+        already inverse-rotated)."""
+        sel = self._decode_select(p, step) if self.indexer is not None else None
+        self._decode_store(p, step)
+        B = p.x.shape[0]
+        listed = self.ring + (sel.idx.shape[1] if sel is not None else self.n_entries if self.ratio else 0)
+        if step.options.fused_attention(B, listed, p.q, self.kv_cache):
+            return self._decode_attend_op(p.q, p.cs, step, sel)
+        return self._decode_attend_reference(p.q, step, sel), False
 
-        if kv is not None:  # else stored by _qkv
-            self.kv_cache.index_put_((rows, positions % R), kv)
+    def _decode_select(self, p: "DecodeProjections", step: DecodeStep) -> "Selection":
+        """CSA: the indexer's compressor advances (its entry stored, _store_index_entry), then its top-k of the
+        entries the token sees."""
+        ix, m, positions = self.indexer, self.ratio, step.positions
+        ientry, icomplete = ix.compressor.decode(p.x, step, self.rope_kind, p.iproj_c)
+        self._store_index_entry(ientry, icomplete, positions)
+        iq = ix.queries(p.qr, p.cs.unsqueeze(-3), p.iproj)
+        k = min(ix.index_topk, self.n_entries)
+        if ix.packed_decode():
+            raw = ix.select(iq, p.x, step.visible(m), k, p.wproj)
+            valid = raw >= 0
+            return Selection(raw.clamp(min=0).long(), valid, raw)
+        B = p.x.shape[0]
+        sc = ix.scores(iq.unsqueeze(1), p.x.unsqueeze(1), ix.kv_cache[:B]).squeeze(1)
+        n_vis = ((positions + 1) // m).unsqueeze(1)
+        sc = sc.masked_fill(torch.arange(self.n_entries, device=p.x.device).unsqueeze(0) >= n_vis, float("-inf"))
+        sel = topk_indices(sc, k)
+        return Selection(sel, sel < n_vis, None)
+
+    def _store_index_entry(self, entry: torch.Tensor, complete: torch.Tensor, positions: torch.Tensor) -> None:
+        """The indexer's compressed key where its window just closed: into its kv_cache and, for the packed
+        scorer, its FP4 codes / scales (one dsv4::indexer_store_keys call where supports says so)."""
+        ix = self.indexer
+        packed = ix.packed_decode()
+        if packed and supports.indexer_store_keys(entry):
+            ops.indexer_store_keys(entry, positions=positions, ratio=self.ratio, kv_cache=ix.kv_cache,
+                                   k_codes=ix.k_codes, k_scales=ix.k_scales)
+            return
+        self._write_entry(ix.kv_cache, 0, positions, entry, complete)
+        if packed:
+            codes, scales = fp4_pack_indexer_keys(entry)
+            self._write_entry(ix.k_codes, 0, positions, codes, complete)
+            self._write_entry(ix.k_scales, 0, positions, scales, complete)
+
+    def _decode_store(self, p: "DecodeProjections", step: DecodeStep) -> None:
+        """The token's kv into the window ring (unless _qkv stored it already) and the compressor's entry where
+        its window just closed."""
+        positions, R = step.positions, self.ring
+        if p.kv is not None:
+            rows = torch.arange(p.x.shape[0], device=p.x.device)
+            self.kv_cache.index_put_((rows, positions % R), p.kv)
         if self.compressor is not None:
-            entry, complete = self.compressor.decode(x, step, self.rope_kind, cproj, (positions, self.kv_cache, R))
+            entry, complete = self.compressor.decode(p.x, step, self.rope_kind, p.cproj,
+                                                     (positions, self.kv_cache, R))
             if entry is not None:
                 self._write_entry(self.kv_cache, R, positions, entry, complete)
 
-        listed = R + (sel.shape[1] if sel is not None else self.n_entries if self.ratio else 0)
-        if step.options.fused_attention(B, listed, q, self.kv_cache):
-            idx2, idx2_offset = None, 0  # the indexer's top-k after the window rows, as the op's second row list
-            if sel is None:  # the same rows for every layer of this kind and shape: once per step
-                rows = self._shared_rows(step, (R, m, self.n_entries))
-            elif sel_raw is not None:
-                rows, idx2, idx2_offset = self._shared_rows(step, (R, 0, 0)), sel_raw, R
-            else:
-                rows = self._decode_rows(positions, sel, sel_valid)
-            out_rope = supports.sparse_attn_decode_out_rope(self.rope_dim)
-            # with out_rope the output's inverse RoPE runs in the op's combine kernel (one kernel less)
-            o = ops.sparse_attn_decode(q, self.kv_cache[:B], rows, sink=self.attn_sink, scale=self.softmax_scale,
-                                       out_rope=cs if out_rope else None, rope_dim=self.rope_dim if out_rope else 0,
-                                       idx2=idx2, idx2_offset=idx2_offset)
-            return o, out_rope
+    def _decode_attend_op(self, q: torch.Tensor, cs: torch.Tensor, step: DecodeStep,
+                          sel: "Selection | None") -> tuple[torch.Tensor, bool]:
+        """The attention as one dsv4::sparse_attn_decode call over the listed cache rows -> (o, whether the op
+        applied the output's inverse RoPE)."""
+        R, m, B = self.ring, self.ratio, q.shape[0]
+        idx2, idx2_offset = None, 0  # the indexer's top-k after the window rows, as the op's second row list
+        if sel is None:  # the same rows for every layer of this kind and shape: once per step
+            rows = self._shared_rows(step, (R, m, self.n_entries))
+        elif sel.raw is not None:
+            rows, idx2, idx2_offset = self._shared_rows(step, (R, 0, 0)), sel.raw, R
+        else:
+            rows = self._decode_rows(step.positions, sel.idx, sel.valid)
+        out_rope = supports.sparse_attn_decode_out_rope(self.rope_dim)
+        # with out_rope the output's inverse RoPE runs in the op's combine kernel (one kernel less)
+        o = ops.sparse_attn_decode(q, self.kv_cache[:B], rows, sink=self.attn_sink, scale=self.softmax_scale,
+                                   out_rope=cs if out_rope else None, rope_dim=self.rope_dim if out_rope else 0,
+                                   idx2=idx2, idx2_offset=idx2_offset)
+        return o, out_rope
+
+    def _decode_attend_reference(self, q: torch.Tensor, step: DecodeStep, sel: "Selection | None") -> torch.Tensor:
+        """The attention in tensor ops (_attend): the window's ring slots, then the selected entries (CSA) or
+        every entry closed so far (HCA) -> o [B, H, D], not inverse-rotated."""
+        R, m, B, positions = self.ring, self.ratio, q.shape[0], step.positions
         keys = self.kv_cache[:B, :R]
         mask = self._window_slots_held(positions).unsqueeze(1)
         qkeys = qmask = None
         if sel is not None:
-            qkeys = self.kv_cache[:B, R:].gather(1, sel.unsqueeze(-1).expand(-1, -1, self.head_dim)).unsqueeze(1)
-            qmask = sel_valid.unsqueeze(1)
+            qkeys = self.kv_cache[:B, R:].gather(1, sel.idx.unsqueeze(-1).expand(-1, -1, self.head_dim)).unsqueeze(1)
+            qmask = sel.valid.unsqueeze(1)
         elif self.ratio:
-            cmask = torch.arange(self.n_entries, device=dev).unsqueeze(0) < ((positions + 1) // m).unsqueeze(1)
+            cmask = torch.arange(self.n_entries, device=q.device).unsqueeze(0) < ((positions + 1) // m).unsqueeze(1)
             keys = self.kv_cache[:B]
             mask = torch.cat([mask, cmask.unsqueeze(1)], dim=-1)
-        o = self._attend(q.unsqueeze(1), keys, mask, qkeys, qmask).squeeze(1)
-        return o, False
+        return self._attend(q.unsqueeze(1), keys, mask, qkeys, qmask).squeeze(1)
 
     def _shared_rows(self, step: DecodeStep, key: tuple) -> torch.Tensor:
         """The attended rows of a layer without an indexer of this (ring slots, ratio, entries) key (ratio 0: the
