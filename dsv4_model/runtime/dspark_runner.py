@@ -5,27 +5,21 @@ each live row by what it accepted. Compiled and captured like the plain step, on
 host reads one [rows, K + 2] tensor per step (the emitted tokens, then their count), as for MTP
 (`speculative_runner.py`).
 
-Use: `prepare(B)` before prefill, `dspark_speculative.prefill_taps` (prefill seeding the DSpark rings), then
+Use (as `speculative_runner.SpeculativeRunner`): `prepare(B)` before prefill, `dspark_speculative.prefill_taps` (prefill seeding the DSpark rings), then
 `begin(positions, params)`, `start(first_tokens)` (the first drafts), `step()` per step, `retire(row)` when a row
 ends."""
 from __future__ import annotations
 
 import torch
 
-from dsv4_model.runtime.compiled import DecodeRunner
 from dsv4_model.runtime.dspark_speculative import check_dspark_model, dspark_step
+from dsv4_model.runtime.speculative_runner import DraftingRunner
 
 
-class DSparkRunner(DecodeRunner):
+class DSparkRunner(DraftingRunner):
     def __init__(self, model, k: int, **options):
         self.dspark = check_dspark_model(model, k)
-        if options.get("regional"):
-            raise ValueError("DSpark speculative steps compile whole (regional=False)")
-        self.k = k
-        super().__init__(model, **options)
-        R = self.max_rows
-        self.drafts = torch.zeros(R, k, dtype=torch.long, device=self.device)
-        self.live = torch.zeros(R, dtype=torch.long, device=self.device)  # 1: a live row (0: padding, or ended)
+        super().__init__(model, k, **options)
 
     @property
     def mode_name(self) -> str:
@@ -45,16 +39,6 @@ class DSparkRunner(DecodeRunner):
         drafts.copy_(nxt.tokens[:, : self.k])
         return (torch.cat([emitted, n_acc.unsqueeze(1)], dim=1),)
 
-    def _reset_buffers(self) -> None:
-        super()._reset_buffers()
-        self.drafts.zero_()
-        self.live.zero_()
-
-    @torch.no_grad()
-    def begin(self, positions, params) -> None:
-        super().begin(positions, params)
-        self.live[: self.rows] = 1
-
     @torch.no_grad()
     def start(self, first: torch.Tensor) -> None:
         """The first tokens [rows] (at each row's position, from the prefill's logits) and the first drafts,
@@ -62,25 +46,3 @@ class DSparkRunner(DecodeRunner):
         n = self.rows
         self.tokens[:n].copy_(first)
         self.drafts[:n].copy_(self.dspark.draft(self.model, first, self.positions[:n] - 1).tokens[:, : self.k])
-
-    def retire(self, row: int) -> None:
-        """Row `row` has ended: steps launched from now on leave its position where it is."""
-        self.live[row] = 0
-
-    def can_step(self) -> bool:
-        """A step writes positions up to its last token's + 2k."""
-        return self._next_pos + 2 * self.k < self.model.max_seq_len
-
-    def settle(self, max_position: int, in_flight: int) -> None:
-        """The largest row position read back, and the steps launched after the read: the next step's bound."""
-        self._next_pos = max_position + (self.k + 1) * in_flight
-
-    @torch.no_grad()
-    def step(self, replay: bool = True) -> torch.Tensor:
-        """One step of the live batch -> [rows, k + 2] int64: row b emitted tokens [:n_b + 1] of its first k + 1
-        columns, n_b (its accepted drafts) in the last. A static buffer in graph modes."""
-        if not self.can_step():
-            raise ValueError(f"DSpark step from position {self._next_pos}: the caches hold max_seq_len="
-                             f"{self.model.max_seq_len} positions and a step may write {2 * self.k} past it")
-        self._next_pos += self.k + 1
-        return self._run(replay)[0][: self.rows]

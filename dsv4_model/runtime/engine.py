@@ -88,31 +88,26 @@ class Engine(EngineSession):
         self.model.swap_rows_([a for a, _ in pairs], [b for _, b in pairs])
 
     def speculative_runner(self, k: int):
-        """The SpeculativeRunner generate(..., speculate=k) steps, built on first use per k from
+        """The SpeculativeRunner generate(..., speculate=k) steps (MTP drafts), built on first use per k from
         `runner_options` (rebuilt when they change)."""
         from dsv4_model.runtime.speculative_runner import SpeculativeRunner
 
-        opts = self._checked_runner_options()
-        key = (k, opts)
-        if getattr(self, "_spec_runner_key", None) != key:
-            self._spec_runner = SpeculativeRunner(self.model, k, compile=opts.compile, cuda_graphs=opts.cuda_graphs,
-                                                  graph_mode=opts.graph_mode, regional=opts.regional,
-                                                  log=opts.log)
-            self._spec_runner_key = key
-        return self._spec_runner
+        return self._drafting_runner(SpeculativeRunner, k)
 
     def dspark_runner(self, k: int):
-        """The DSparkRunner generate(..., speculate=k) steps on a DSpark checkpoint, built on first use per k from
-        `runner_options` (rebuilt when they change)."""
+        """The DSparkRunner generate(..., speculate=k) steps on a DSpark checkpoint, built as speculative_runner."""
         from dsv4_model.runtime.dspark_runner import DSparkRunner
 
+        return self._drafting_runner(DSparkRunner, k)
+
+    def _drafting_runner(self, cls, k: int):
         opts = self._checked_runner_options()
-        key = (k, opts)
-        if getattr(self, "_dspark_runner_key", None) != key:
-            self._dspark_runner = DSparkRunner(self.model, k, compile=opts.compile, cuda_graphs=opts.cuda_graphs,
-                                               graph_mode=opts.graph_mode, regional=opts.regional, log=opts.log)
-            self._dspark_runner_key = key
-        return self._dspark_runner
+        key = (cls, k, opts)
+        if getattr(self, "_drafting_key", None) != key:
+            self._drafting = cls(self.model, k, compile=opts.compile, cuda_graphs=opts.cuda_graphs,
+                                 graph_mode=opts.graph_mode, regional=opts.regional, log=opts.log)
+            self._drafting_key = key
+        return self._drafting
 
     def _decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model.decode_step(tokens, positions)

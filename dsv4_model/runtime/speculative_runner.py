@@ -15,17 +15,60 @@ from dsv4_model.runtime.speculative import (SAMPLING_MODES, Sampler, check_model
                                             verify_step)
 
 
-class SpeculativeRunner(DecodeRunner):
+class DraftingRunner(DecodeRunner):
+    """What the speculative runners share (MTP's below, DSpark's in dspark_runner.py): k drafts per row on static
+    buffers, live rows (ended ones stay where they are), the host's bound on the positions a step writes, and the
+    step's [rows, k + 2] output."""
+
     def __init__(self, model, k: int, **options):
-        check_model(model, k)
         if options.get("regional"):
             raise ValueError("speculative steps compile whole (regional=False)")
         self.k = k
-        self.sampling = "greedy"
         super().__init__(model, **options)
         R = self.max_rows
         self.drafts = torch.zeros(R, k, dtype=torch.long, device=self.device)
         self.live = torch.zeros(R, dtype=torch.long, device=self.device)  # 1: a row of the batch (not padding)
+
+    def _reset_buffers(self) -> None:
+        super()._reset_buffers()
+        self.drafts.zero_()
+        self.live.zero_()
+
+    @torch.no_grad()
+    def begin(self, positions, params) -> None:
+        super().begin(positions, params)
+        self.live[: self.rows] = 1
+
+    def retire(self, row: int) -> None:
+        """Row `row` has finished: steps launched from now on leave its position where it is (a finished row
+        riding along would otherwise run ahead by up to k + 1 per step and end the others' room early)."""
+        self.live[row] = 0
+
+    def can_step(self) -> bool:
+        """Whether a step fits the caches: it writes positions up to its last token's + 2k (the verified K + 1,
+        the chained drafts' positions)."""
+        return self._next_pos + 2 * self.k < self.model.max_seq_len
+
+    def settle(self, max_position: int, in_flight: int) -> None:
+        """The largest row position read back, and the steps launched after the read: the next step's bound."""
+        self._next_pos = max_position + (self.k + 1) * in_flight
+
+    @torch.no_grad()
+    def step(self, replay: bool = True) -> torch.Tensor:
+        """One speculative step of the live batch -> [rows, k + 2] int64: row b emitted tokens [:n_b + 1] of
+        its first k + 1 columns, n_b (its accepted drafts) in the last. A static buffer in graph modes."""
+        if not self.can_step():
+            raise ValueError(f"speculative step from position {self._next_pos}: the caches hold max_seq_len="
+                             f"{self.model.max_seq_len} positions and a step may write {2 * self.k} past it")
+        self._next_pos += self.k + 1
+        return self._run(replay)[0][: self.rows]
+
+
+class SpeculativeRunner(DraftingRunner):
+    def __init__(self, model, k: int, **options):
+        check_model(model, k)
+        self.sampling = "greedy"
+        super().__init__(model, k, **options)
         self.q: torch.Tensor | None = None  # the drafts' distributions [R, k, V], allocated for sampled modes
 
     @property
@@ -69,16 +112,10 @@ class SpeculativeRunner(DecodeRunner):
         if mode != "greedy" and self.q is None:
             self.q = torch.zeros(self.max_rows, self.k, self.model.config.vocab_size, device=self.device)
 
-    def _reset_buffers(self) -> None:
-        super()._reset_buffers()
-        self.drafts.zero_()
-        self.live.zero_()
-
     @torch.no_grad()
     def begin(self, positions, params) -> None:
         self._set_mode(sampling_mode(params))
         super().begin(positions, params)
-        self.live[: self.rows] = 1
 
     @torch.no_grad()
     def start(self, last_streams: torch.Tensor) -> None:
@@ -93,27 +130,3 @@ class SpeculativeRunner(DecodeRunner):
         if q is not None:
             self.q[:n].copy_(q)
         off.add_(1)
-
-    def retire(self, row: int) -> None:
-        """Row `row` has finished: steps launched from now on leave its position where it is (a finished row
-        riding along would otherwise run ahead by up to k + 1 per step and end the others' room early)."""
-        self.live[row] = 0
-
-    def can_step(self) -> bool:
-        """Whether a step fits the caches: it writes positions up to its last token's + 2k (the verified K + 1,
-        the chained drafts' MTP positions)."""
-        return self._next_pos + 2 * self.k < self.model.max_seq_len
-
-    def settle(self, max_position: int, in_flight: int) -> None:
-        """The largest row position read back, and the steps launched after the read: the next step's bound."""
-        self._next_pos = max_position + (self.k + 1) * in_flight
-
-    @torch.no_grad()
-    def step(self, replay: bool = True) -> torch.Tensor:
-        """One speculative step of the live batch -> [rows, k + 2] int64: row b emitted tokens [:n_b + 1] of
-        its first k + 1 columns, n_b (its accepted drafts) in the last. A static buffer in graph modes."""
-        if not self.can_step():
-            raise ValueError(f"speculative step from position {self._next_pos}: the caches hold max_seq_len="
-                             f"{self.model.max_seq_len} positions and a step may write {2 * self.k} past it")
-        self._next_pos += self.k + 1
-        return self._run(replay)[0][: self.rows]
