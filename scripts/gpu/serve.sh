@@ -1,7 +1,8 @@
 # serve: our server under bench/bench_serve.py at SERVE_CONCURRENCY (default 1 8 32): `python -m dsv4_model serve`
 # on the built-in model, then each of SERVE_PRESETS (e.g. "flash2 flash43:160": random NVFP4 models served by
-# `bench_serve.py --preset-server`, :N their routed experts; 43 layers with all 256 do not fit one H200). The static batch to compare with: the `continuous` part. The GPU machine has
-# no package index: wheels carried in .wheels/ are installed first.
+# `bench_serve.py --preset-server`, :N their routed experts; 43 layers with all 256 do not fit one H200). The
+# static batch to compare with: the `continuous` part. The GPU machine has no package index: wheels carried in
+# .wheels/ (made by scripts/gpu_wheels.sh) are installed first.
 if [ -d .wheels ] && [ -z "$DRY" ]; then
   $PY -m pip install -q --no-index --find-links .wheels fastapi uvicorn prometheus_client httpx openai \
     > "$LOGS/wheels.log" 2>&1 || note "[serve] wheels from .wheels/ did not install (see wheels.log)"
