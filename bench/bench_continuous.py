@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from common import preset  # noqa: E402
+from common import percentile, preset_engine  # noqa: E402
 from dsv4_model.runtime.engine import Engine  # noqa: E402
 from dsv4_model.runtime.requests import Request  # noqa: E402
 from dsv4_model.runtime.sampling import SamplingParams  # noqa: E402
@@ -37,23 +37,12 @@ from dsv4_model.runtime.session import RunnerOptions  # noqa: E402
 
 
 def build_engine(args, rows: int, max_seq_len: int, device: torch.device) -> Engine:
+    if args.model != "default" and not os.path.isdir(args.model):
+        return preset_engine(args.model, experts=args.experts, rows=rows, max_seq_len=max_seq_len, device=device)
     cuda = device.type == "cuda"
-    opts = RunnerOptions(compile=cuda, cuda_graphs=cuda)
-    if args.model == "default" or os.path.isdir(args.model):
-        path = None if args.model == "default" else args.model
-        kw = {} if path is None else {"path": path}
-        return Engine.from_pretrained(**kw, device=str(device), max_batch_size=rows, max_seq_len=max_seq_len,
-                                      runner_options=opts, progress=False)
-    from dsv4_model.quant.random_model import random_nvfp4_model
-
-    cfg = preset(args.model, experts=args.experts)
-    model = random_nvfp4_model(cfg, device=device, max_batch_size=rows, max_seq_len=max_seq_len)
-    return Engine(model, cfg, device, runner_options=opts)
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+    kw = {} if args.model == "default" else {"path": args.model}
+    return Engine.from_pretrained(**kw, device=str(device), max_batch_size=rows, max_seq_len=max_seq_len,
+                                  runner_options=RunnerOptions(compile=cuda, cuda_graphs=cuda), progress=False)
 
 
 def sync(device: torch.device) -> None:
@@ -93,8 +82,8 @@ def run_continuous(engine: Engine, C: int, args, gen: torch.Generator) -> dict:
     ttft = [r.timings.ttft_s for r in reqs]
     tpot = [r.tpot_s for r in reqs if r.tpot_s is not None]
     return {"wall_s": wall, "tokens_per_s": len(reqs) * args.max_tokens / wall,
-            "ttft_p50_ms": 1e3 * _pct(ttft, 50), "ttft_p99_ms": 1e3 * _pct(ttft, 99),
-            "tpot_p50_ms": 1e3 * _pct(tpot, 50), "tpot_p99_ms": 1e3 * _pct(tpot, 99),
+            "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
+            "tpot_p50_ms": 1e3 * percentile(tpot, 50), "tpot_p99_ms": 1e3 * percentile(tpot, 99),
             "steady_tokens_per_s": steady["rows"] / steady["s"] if steady["s"] else float("nan"),
             "decode_steps": sched.stats.decode_steps}
 

@@ -21,18 +21,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+from common import percentile, preset_engine  # noqa: E402
 
 
 def _summary(xs: list[float]) -> dict:
     return {"mean_ms": 1e3 * statistics.fmean(xs) if xs else float("nan"),
-            **{f"p{q}_ms": 1e3 * _pct(xs, q) for q in (50, 90, 99)}}
+            **{f"p{q}_ms": 1e3 * percentile(xs, q) for q in (50, 90, 99)}}
 
 
 async def _one(client, url: str, args, prompt: str) -> dict:
@@ -144,20 +140,13 @@ def preset_server(args) -> None:
     import torch
     import uvicorn
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import preset
-
-    from dsv4_model.quant.random_model import random_nvfp4_model
-    from dsv4_model.runtime.engine import Engine
     from dsv4_model.runtime.scheduler import Scheduler
-    from dsv4_model.runtime.session import RunnerOptions
     from dsv4_model.serve.app import ServeConfig, create_app
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cuda = device.type == "cuda"
-    cfg = preset(args.preset_server, experts=args.experts)
-    model = random_nvfp4_model(cfg, device=device, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len)
-    engine = Engine(model, cfg, device, runner_options=RunnerOptions(compile=cuda, cuda_graphs=cuda))
+    engine = preset_engine(args.preset_server, experts=args.experts, rows=args.max_batch_size,
+                           max_seq_len=args.max_seq_len, device=device)
+    cfg = engine.config
     tok = WordTokenizer(cfg.vocab_size, int(cfg.bos_token_id), int(cfg.eos_token_id))
     app = create_app(Scheduler(engine, tokenizer=tok),
                      ServeConfig(model_name=args.model, max_waiting=4096, chat_format="plain"))

@@ -125,6 +125,14 @@ def print_header(header: str) -> None:
     print("-" * len(header))
 
 
+def percentile(xs: list[float], q: float) -> float:
+    """The q-th percentile of xs (nearest rank; nan when empty)."""
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
 def cuda_missing(bench: str, hint: str = "") -> bool:
     """True (after one 'skipped' line) when there is no GPU to time on."""
     if torch.cuda.is_available():
@@ -134,6 +142,19 @@ def cuda_missing(bench: str, hint: str = "") -> bool:
 
 
 # ------------------------------------------------------------------------------------------ model set-up
+def preset_engine(name: str, *, experts: int | None, rows: int, max_seq_len: int, device: torch.device):
+    """An Engine on a random NVFP4 model of preset `name` built on `device`, compiled + captured on CUDA (the
+    served benchmarks' model when no checkpoint of that size is on disk)."""
+    from dsv4_model.quant.random_model import random_nvfp4_model
+    from dsv4_model.runtime.engine import Engine
+    from dsv4_model.runtime.session import RunnerOptions
+
+    cfg = preset(name, experts=experts)
+    cuda = device.type == "cuda"
+    model = random_nvfp4_model(cfg, device=device, max_batch_size=rows, max_seq_len=max_seq_len)
+    return Engine(model, cfg, device, runner_options=RunnerOptions(compile=cuda, cuda_graphs=cuda))
+
+
 def build_models(cfg: ModelConfig, max_batch: int, max_seq: int, with_hf: bool = True):
     """(ours, HF's or None, note) on the GPU, random bf16 weights: HF is built first and its weights copied into
     ours when the names map, so both run the same model."""
