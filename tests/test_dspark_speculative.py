@@ -10,7 +10,8 @@ import torch
 
 from dsv4_model.checkpoint.loader import load_model
 from dsv4_model.checkpoint.writer import canonical_weights, write_checkpoint
-from dsv4_model.runtime.dspark_speculative import check_dspark_model, dspark_greedy
+from dsv4_model.runtime.dspark_speculative import check_dspark_model
+from tests.helpers.dspark_greedy import dspark_greedy
 from tests.test_release_0731 import PROMPT, _dspark_cfg
 
 N = 210

@@ -1,4 +1,5 @@
-"""Greedy speculative decoding with the DSpark module (docs/dspark.md), eager on one device.
+"""Greedy speculative decoding with the DSpark module (docs/dspark.md): the step, and one batch of generate() on
+the DSparkRunner (dspark_runner.py, which runs the step compiled / captured).
 
 Per step and row (y: the last emitted token, at position p, not yet in the caches; d_1..d_K: the DSpark block
 drafted from anchor y, K = block_size): the main model verifies [y, d_1..d_K] at p..p+K in one multi-token decode
@@ -18,7 +19,6 @@ import torch
 from dsv4_model.model.decode_options import DEFAULT as DEFAULT_OPTIONS
 from dsv4_model.model.dspark import DSpark, main_hidden_of
 from dsv4_model.model.layers import hc_post
-from dsv4_model.runtime.speculative import SpeculationStats
 
 
 def check_dspark_model(model, k: int | None = None) -> DSpark:
@@ -92,36 +92,6 @@ def dspark_step(model, dspark: DSpark, y: torch.Tensor, drafts: torch.Tensor, po
 
 
 @torch.no_grad()
-def dspark_greedy(model, prompt: torch.Tensor, max_new_tokens: int,
-                  lengths: torch.Tensor | None = None) -> tuple[list[list[int]], SpeculationStats]:
-    """Greedy continuation of prompt [B, L] (right-padded rows: lengths) by max_new_tokens per row, drafting with
-    model.dspark. Returns (the new tokens per row, SpeculationStats with K = block_size)."""
-    dspark = check_dspark_model(model)
-    K = dspark.block_size
-    B, L = prompt.shape
-    dev = model.device
-    prompt = prompt.to(dev)
-    lengths = torch.full((B,), L, device=dev) if lengths is None else lengths.to(dev)
-    if int(lengths.max()) + max_new_tokens + 2 * K > model.max_seq_len:
-        raise ValueError(f"prompt + max_new_tokens + 2 x block_size = {int(lengths.max()) + max_new_tokens + 2 * K}"
-                         f" positions exceed max_seq_len={model.max_seq_len}")
-    rows = torch.arange(B, device=dev)
-    y = prefill_taps(model, dspark, prompt, lengths).argmax(-1)  # the first new token, at position lengths
-    drafts = dspark.draft(model, y, lengths - 1).tokens
-    pos = lengths.clone()
-    out = [[int(t)] for t in y.tolist()]
-    stats = SpeculationStats(K)
-    while min(len(o) for o in out) < max_new_tokens:
-        emitted, n_acc, nxt = dspark_step(model, dspark, y, drafts, pos)
-        y, pos, drafts = emitted[rows, n_acc], pos + n_acc + 1, nxt.tokens
-        e_host, n_host = emitted.tolist(), n_acc.tolist()  # the step's one host read
-        for b in range(B):
-            out[b].extend(e_host[b][: n_host[b] + 1])
-        stats.count(n_host)
-    return [o[:max_new_tokens] for o in out], stats
-
-
-@torch.no_grad()
 def generate_batch_dspark(engine, ids: list[list[int]], k: int, max_new_tokens: int, stops: set[int], stream,
                           tok, row0: int, result) -> None:
     """One batch of generate(..., speculate=k) drafting with the DSpark module: greedy, the first k drafts of each
@@ -135,13 +105,12 @@ def generate_batch_dspark(engine, ids: list[list[int]], k: int, max_new_tokens: 
     from dsv4_model.runtime.speculative_generate import speculative_steps
 
     model, B = engine.model, len(ids)
-    dspark = check_dspark_model(model, k)
-    runner = engine.dspark_runner(k)
+    runner = engine.dspark_runner(k)  # (it checks the model for k drafts)
     runner.prepare(B)  # compile / capture first: warm-up scribbles on the caches and the DSpark rings
     t0 = time.perf_counter()
     engine.reset()
     padded, lens = right_padded(ids)
-    first = prefill_taps(model, dspark, padded.to(model.device), lens.to(model.device)).argmax(-1)
+    first = prefill_taps(model, runner.dspark, padded.to(model.device), lens.to(model.device)).argmax(-1)
     runner.begin(lens, [SamplingParams() for _ in range(B)])
     runner.start(first)
     t_first = time.perf_counter()

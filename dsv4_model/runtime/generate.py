@@ -142,10 +142,7 @@ def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0
     base = SamplingParams(base.temperature, base.top_k, base.top_p, seed_key(base.seed))  # int64: seed + i stays valid
     method = speculate_method_of(engine, speculate_method) if speculate else None
     if method == "dspark":
-        from dsv4_model.runtime.dspark_speculative import check_dspark_model
-
-        check_dspark_model(engine.model, speculate)
-        runner = engine.dspark_runner(speculate)
+        runner = engine.dspark_runner(speculate)  # (it checks the model for `speculate` drafts)
         if base.temperature != 0:
             raise ValueError("speculate with DSpark: greedy only for now (temperature 0); MTP speculation samples "
                              "(speculate_method='mtp') where the checkpoint has an MTP block")
