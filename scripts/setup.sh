@@ -11,9 +11,10 @@ fi
 # package index (the GPU machine) still runs the main job when CORE is there: one warning names what is missing.
 CORE="pybind11 safetensors tokenizers huggingface_hub"
 REST="scikit_build_core transformers tqdm pytest ninja fastapi uvicorn prometheus_client openai"
-missing=$($PY -c 'import importlib.util, sys; print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))' $CORE $REST)
+missing_of() { $PY -c 'import importlib.util, sys; print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))' "$@"; }
+missing=$(missing_of $CORE $REST)
 if [ -n "$missing" ] && ! $PY -m pip install -q --retries 1 --timeout 10 -r requirements.txt; then
-  missing_core=$($PY -c 'import importlib.util, sys; print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))' $CORE)
+  missing_core=$(missing_of $CORE)
   [ -z "$missing_core" ] || { echo "setup: cannot install $missing_core (needed by the main job)" >&2; exit 1; }
   echo "setup: could not install $missing; the main job runs without them (tests / serve that need them will not)" >&2
 fi
