@@ -71,12 +71,25 @@ class Engine(EngineSession):
         return prefill_in_chunks(self.model, tokens, lengths, self.prefill_chunk, all_logits, speculate)
 
     @torch.no_grad()
-    def prefill_at(self, tokens: torch.Tensor, lengths: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    def prefill_at(self, tokens: torch.Tensor, lengths: torch.Tensor, start: torch.Tensor,
+                   mtp_next: tuple[torch.Tensor, torch.Tensor] | None = None):
         """One prefill chunk of rows [:B] each from its own position: tokens [B, S] right-padded, lengths [B] (0: a
         row left as it is), start [B] -> fp32 logits [B, V] at each row's last token (the scheduler's prefill; the
-        rows' positions and lengths are the caller's to keep)."""
+        rows' positions and lengths are the caller's to keep).
+        mtp_next (next_ids [B, S], next_lengths [B]): also fill the MTP block's cache over the chunk (position t
+        reads token t + 1 = next_ids[b, t - start]; a row's last prompt position has no next token yet, so its
+        next_lengths stops one short) and return (logits, the final streams at each row's last token
+        [B, hc, dim]) for the first drafts."""
+        from dsv4_model.model import mtp
+
         dev = self.device
-        return self.model.prefill(tokens.to(dev), lengths.to(dev), start=start.to(dev))
+        tokens, lengths, start = tokens.to(dev), lengths.to(dev), start.to(dev)
+        if mtp_next is None:
+            return self.model.prefill(tokens, lengths, start=start)
+        h = self.model.streams(tokens, lengths, start=start)
+        mtp.prefill(self.model, h, mtp_next[0].to(dev), mtp_next[1].to(dev), start=start)
+        last = h[torch.arange(h.shape[0], device=dev), (lengths - 1).clamp(min=0)]
+        return self.model._logits(last), last
 
     def protect_rows(self, rows: list[int]):
         """Their compressor states, to put back after a decode step they ride along in (restore())."""

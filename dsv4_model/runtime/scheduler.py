@@ -60,6 +60,7 @@ class _Row:
     owner: int | None = None
     produced: int = 0  # tokens of `req` launched: its first (from prefill) and one per decode step
     cap: int = 0  # tokens `req` may produce: max_tokens, or fewer where max_seq_len ends it
+    pending: int = 0  # speculative steps: launches of `req` not read yet (each gives it one token or more)
     last_used: float = 0.0
 
     def harmless_position(self, max_seq_len: int) -> int:
@@ -118,9 +119,9 @@ class Scheduler:
         self.max_seq_len = engine.max_seq_len
         self.eos = int(engine.config.eos_token_id)
         self.tokenizer = tokenizer if tokenizer is not None else engine.get_tokenizer()
-        self.runner = engine.runner()
+        self.runner = self._make_runner(engine)
         self.group, self.distributed = group, distributed or group is not None
-        self.rows = [_Row(i) for i in range(prepare_buckets(self.runner, rows))]
+        self.rows = [_Row(i) for i in range(self._prepare(rows))]
         self._admits: list[tuple[int, object]] = []  # sampler rows to set in the next plan
         self.on_step = None  # called on the scheduler's thread after each step (a server delivers its events then)
         self._closed = False
@@ -136,7 +137,9 @@ class Scheduler:
         self._on_cuda = self.runner.device.type == "cuda"
         self._pos_host = [torch.zeros(self.runner.max_rows, dtype=torch.long, pin_memory=self._on_cuda)
                           for _ in range(2)]
-        self._ids_host = [torch.zeros(2 * self.runner.max_rows, dtype=torch.long, pin_memory=self._on_cuda)
+        # each flight's ids read back: the first tokens [rows], then the decode step's [rows, *decode_shape]
+        width = 1 + self._decode_width()
+        self._ids_host = [torch.zeros(width * self.runner.max_rows, dtype=torch.long, pin_memory=self._on_cuda)
                           for _ in range(2)]
         self._slot = 0
         self._stopping = False
@@ -268,7 +271,7 @@ class Scheduler:
                 self.stats.reused_tokens += start
                 req.reused_tokens = start
                 row.owner, row.seq, row.filled = req.id, row.seq[:start], start
-            row.req, row.phase, row.produced, row.last_used = req, "prefill", 0, now
+            row.req, row.phase, row.produced, row.pending, row.last_used = req, "prefill", 0, 0, now
             self._prefilling.append(row)
             row.cap = min(req.max_tokens, 1 + self.max_seq_len - len(req.prompt))
             req.timings.admitted = now
@@ -348,15 +351,15 @@ class Scheduler:
         nf = len(flight.first)
         if nf:
             host[:nf].copy_(flight.first_ids, non_blocking=self._on_cuda)
-        nd = 0
+        flight.first_ids = host[:nf]
         if flight.decode:  # rows [:highest live + 1]: read by row index
-            nd = flight.decode_ids.shape[0]
-            host[nf:nf + nd].copy_(flight.decode_ids, non_blocking=self._on_cuda)
+            nd = flight.decode_ids.numel()
+            dst = host[nf:nf + nd].view(flight.decode_ids.shape)
+            dst.copy_(flight.decode_ids, non_blocking=self._on_cuda)
+            flight.decode_ids = dst
         if self._on_cuda and not flight.empty():
             flight.event = torch.cuda.Event()
             flight.event.record()
-        flight.first_ids = host[:nf]
-        flight.decode_ids = host[nf:nf + nd]
         return flight
 
     def _logprobs(self, plan: StepPlan, flight: _Flight) -> None:
@@ -429,6 +432,7 @@ class Scheduler:
         self.stats.prefill_chunks += 1
         self.stats.prefill_tokens += sum(n for _, n in parts)
         done = [row for row, _ in parts if row.filled == len(row.req.prompt)]
+        self._chunk_planned(plan, [(row, n, slot[row.index]) for row, n in parts], done)
         if done:
             plan.first_rows = [r.index for r in done]
             plan.first_slots = [slot[r.index] for r in done]
@@ -437,6 +441,20 @@ class Scheduler:
                 r.phase, r.produced = "decode", 1
                 self._prefilling.remove(r)
                 bisect.insort(self._decoding, r, key=lambda x: x.index)
+
+    def _make_runner(self, engine):
+        return engine.runner()
+
+    def _prepare(self, rows: int | None) -> int:
+        return prepare_buckets(self.runner, rows)
+
+    def _chunk_planned(self, plan: StepPlan, parts: list[tuple[_Row, int, int]], done: list[_Row]) -> None:
+        """After a prefill chunk is planned: (row, tokens, its row in the call) of each part (their `filled` moved
+        past the chunk), the rows whose prompts it ends. (A speculative scheduler adds the MTP block's inputs.)"""
+
+    def _decode_width(self) -> int:
+        """Ids per row a decode step gives the host."""
+        return 1
 
     def _place_chunk(self, plan: StepPlan, rows: list[int]) -> dict[int, int]:
         """{row: its row in the prefill call}. A chunk computes every row below its highest, so when its k rows are
@@ -486,6 +504,11 @@ class Scheduler:
         for (i, req), t in zip(flight.first, flight.first_ids.tolist()):
             req.timings.first_token = now
             self._take(self.rows[i], req, t, now, self._logprob(flight, "first", req))
+        if flight.decode:
+            self._read_decode(flight, now)
+
+    def _read_decode(self, flight: _Flight, now: float) -> None:
+        """The decode step's ids [rows]: one token per generating row."""
         by_row = flight.decode_ids.tolist()
         rows, eos = self.rows, self.eos
         for i, req in flight.decode:  # the hot loop: one pass per generating row per step

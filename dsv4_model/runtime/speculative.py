@@ -179,16 +179,21 @@ def first_drafts(model, streams: torch.Tensor, first: torch.Tensor, pos: torch.T
 
 
 def verify_step(model, y: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, pos: torch.Tensor,
-                s: Sampler, options) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                s: Sampler, options, live: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One speculative step of rows at positions pos [B] holding y [B] (not yet in the caches) and drafts [B, K]
     (drawn from q [B, K, V]; None in greedy mode). Returns (emitted [B, K + 1]: the accepted drafts then the
-    correction / bonus token, valid up to n_acc + 1; n_acc [B]; the next step's drafts [B, K] and their q)."""
+    correction / bonus token, valid up to n_acc + 1; n_acc [B]; the next step's drafts [B, K] and their q).
+    live [B] (1 / 0): rows with 0 accept nothing, so a row riding along writes no further ahead than a step that
+    rejects every draft (its K + 1 positions; what any later step of that row rewrites first)."""
     B, K = drafts.shape
     rows = torch.arange(B, device=y.device)
     logits, hs = mtp.verify_tokens(model, torch.cat([y.unsqueeze(1), drafts], dim=1), pos, options)
     if s.mode == "greedy":
         g = logits.argmax(-1)  # [B, K + 1]: the main model's token after each verified position
         n_acc = (drafts == g[:, :K]).int().cumprod(dim=1).sum(dim=1)
+        if live is not None:
+            n_acc = n_acc * live
         c = g[rows, n_acc]
     else:
         p = s.probs(logits)
@@ -197,6 +202,8 @@ def verify_step(model, y: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | 
         a = torch.where(qd > 0, (pd / qd).clamp(max=1.0), 0.0)
         acc = torch.stack([bernoulli(a[:, j], s.seed, s.base + j) for j in range(K)], dim=1)
         n_acc = acc.int().cumprod(dim=1).sum(dim=1)
+        if live is not None:
+            n_acc = n_acc * live
         # the correction at the first rejection: norm(max(0, p - q)) (p where they are equal); the bonus: p_K
         pn = p[rows, n_acc]
         qn = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)[rows, n_acc]

@@ -35,6 +35,16 @@ class StepPlan:
     protect: list[int] = field(default_factory=list)  # riding rows whose compressor states the step must not keep
     positions: torch.Tensor | None = None  # host [bucket]
     stop: bool = False
+    # speculative steps (dsv4_model.runtime.speculative_scheduler; not sent under torchrun): the steps' sampling
+    # mode, the MTP block's inputs over the prefill chunk (next ids [B, S], next lengths [B]), each first row's
+    # last prompt position, and how the rows ride along: state [bucket] (host) 2 steps, 1 rides at its own
+    # position, 0 at `positions` (for the first drafts: first_hold / first_state over rows [:highest first + 1])
+    mode: str | None = None
+    mtp_next: tuple[torch.Tensor, torch.Tensor] | None = None
+    first_last: list[int] = field(default_factory=list)
+    first_hold: torch.Tensor | None = None
+    first_state: torch.Tensor | None = None
+    state: torch.Tensor | None = None
 
     def run(self, engine, runner) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run the plan on this rank -> (first ids [len(first_rows)], decode ids [decode_rows]), device tensors. The
@@ -42,18 +52,29 @@ class StepPlan:
         the next step overwrites them."""
         for row, params in self.admits:
             runner.sampler.set_row(row, params)
+        if self.mode is not None:
+            runner.set_mode(self.mode)
         first = ids = None
         if self.prefill is not None:
             if self.swaps:  # the chunk's rows down to rows [:B], and back after it
                 engine.swap_rows(self.swaps)
-            self.prefill_logits = engine.prefill_at(*self.prefill)
+            if self.mtp_next is None:
+                self.prefill_logits = engine.prefill_at(*self.prefill)
+            else:
+                self.prefill_logits, streams = engine.prefill_at(*self.prefill, mtp_next=self.mtp_next)
             if self.swaps:
                 engine.swap_rows(self.swaps)
             if self.first_rows:
                 first = runner.sample_rows(self.prefill_logits, self.first_rows, self.first_slots)
+                if self.mtp_next is not None:
+                    runner.start_rows(self.first_rows, streams[self.first_slots], self.first_last, self.first_hold,
+                                      self.first_state)
         if self.decode_rows:
             restore = engine.protect_rows(self.protect) if self.protect else None
-            ids = runner.launch(self.decode_rows, self.positions)
+            if self.state is None:
+                ids = runner.launch(self.decode_rows, self.positions)
+            else:
+                ids = runner.launch(self.decode_rows, self.positions, self.state)
             self.decode_logits = runner.last_logits
             if restore is not None:
                 restore()

@@ -1,0 +1,166 @@
+"""Continuous batching with speculative decoding (the MTP block, docs/speculation.md): the Scheduler's iterations,
+with a speculative step (verify the last token and K drafts, draft K more) in place of the decode step, so a
+generating row emits 1 .. K + 1 tokens per iteration.
+
+What changes against the plain scheduler (docs/architecture.md, "Speculative steps in the scheduler"):
+- prefill chunks fill the MTP block's cache too; the iteration a prompt ends, its row samples its first token and
+  drafts its first K (`SpeculativeRunner.start_rows`);
+- a generating row's position advances on the device by what it accepted, so the host knows it only after the
+  read; the step keeps generating rows at their own positions and puts every other row at the host's (`state`);
+- a row that rides along accepts nothing: it writes its position's K + 1 slots ahead, as a step that rejects every
+  draft, which the row's own next chunk or step rewrites first (the model's rings have K spare slots);
+- a step writes up to 2K positions past a row's: prompts leave that room (refused above max_seq_len - 2K), and a
+  row that reaches it ends with "max_seq_len".
+"""
+from __future__ import annotations
+
+import torch
+
+from dsv4_model.runtime.requests import Request
+from dsv4_model.runtime.scheduler import Scheduler, _Flight, _Row, prepare_buckets
+from dsv4_model.runtime.speculative import SAMPLING_MODES, SpeculationStats, sampling_mode
+from dsv4_model.runtime.step_plan import StepPlan
+
+
+class SpeculativeScheduler(Scheduler):
+    """A Scheduler whose decode steps are speculative with `k` MTP drafts (an Engine whose model has its MTP block
+    and spare_window_slots >= k). modes: the sampling modes prepared (compiled / captured) up front, cheapest
+    first ("greedy", "sample", "filter"); each iteration runs the cheapest that serves its rows, and a request no
+    prepared mode serves is refused. `speculation`: the acceptance counts."""
+
+    def __init__(self, engine, k: int, *, modes: tuple[str, ...] = ("greedy", "filter"), **options):
+        if not modes or any(m not in SAMPLING_MODES for m in modes):
+            raise ValueError(f"modes must be a non-empty tuple of {SAMPLING_MODES}, got {modes!r}")
+        if options.get("group") is not None or options.get("distributed"):
+            raise ValueError("speculate: not under torchrun yet (the scheduler's plans carry no speculative steps "
+                             "across ranks)")
+        self.k = k
+        self.modes = tuple(m for m in SAMPLING_MODES if m in modes)
+        self.speculation = SpeculationStats(k)
+        super().__init__(engine, **options)
+        self.limit = self.max_seq_len - 2 * k  # a step at position p writes up to p + 2k - 1
+        R = self.runner.max_rows
+        self._hold_host = [torch.zeros(R, dtype=torch.long, pin_memory=self._on_cuda) for _ in range(2)]
+        self._state_host = [torch.zeros(R, dtype=torch.long, pin_memory=self._on_cuda) for _ in range(2)]
+        self._first_rows: list[_Row] = []  # rows whose first drafts this iteration's plan makes
+
+    def _make_runner(self, engine):
+        return engine.speculative_runner(self.k)
+
+    def _prepare(self, rows: int | None) -> int:
+        for mode in self.modes:
+            self.runner.set_mode(mode)
+            rows = prepare_buckets(self.runner, rows)
+        return rows
+
+    def _decode_width(self) -> int:
+        return self.k + 2
+
+    def _check(self, req: Request) -> None:
+        super()._check(req)
+        if req.logprobs is not None:
+            raise ValueError("logprobs: not with speculative decoding")
+        if len(req.prompt) > self.max_seq_len - 2 * self.k:
+            raise ValueError(f"prompt: {len(req.prompt)} tokens leave no room for speculative steps (at most "
+                             f"max_seq_len - 2 * speculate = {self.max_seq_len - 2 * self.k})")
+        need = sampling_mode([req.params])
+        if SAMPLING_MODES.index(need) > SAMPLING_MODES.index(self.modes[-1]):
+            raise ValueError(f"sampling: this server's speculative steps are prepared for {self.modes} only, and "
+                             f"these parameters need {need!r}")
+
+    def _harmless(self, row: _Row) -> int:
+        """Where a row that is not generating rides along (its sequence's end), 0 past the room a step needs (what
+        it holds is then lost)."""
+        if row.filled >= self.limit:
+            row.owner = None
+            return 0
+        return row.filled
+
+    # ------------------------------------------------------------------ planning
+    def _chunk_planned(self, plan: StepPlan, parts, done: list[_Row]) -> None:
+        """The MTP block's inputs over the chunk: position t reads token t + 1 (one short on a prompt's last
+        position, drafted on from its first token by start_rows); for the rows it ends, their first drafts."""
+        tokens, lengths, start = plan.prefill
+        nxt = torch.zeros_like(tokens)
+        nlen = torch.zeros_like(lengths)
+        for row, n, i in parts:
+            s = row.filled - n
+            follow = row.req.prompt[s + 1:s + n + 1]
+            nxt[i, :len(follow)] = torch.tensor(follow, dtype=torch.long)
+            nlen[i] = len(follow)
+        plan.mtp_next = (nxt, nlen)
+        self._first_rows = list(done)
+        if not done:
+            return
+        plan.first_last = [len(r.req.prompt) - 1 for r in done]
+        top = max(r.index for r in done) + 1
+        plan.first_hold = torch.tensor([0 if r in done else self._harmless(r) for r in self.rows[:top]],
+                                       dtype=torch.long)
+        plan.first_state = torch.tensor([int(r.phase == "decode") for r in self.rows[:top]], dtype=torch.long)
+        for r in done:
+            r.pending = 1  # its first token
+
+    def _plan_decode(self, plan: StepPlan, flight: _Flight, slot: int) -> None:
+        # a row steps while its known tokens and one per unread step or first token stay under its cap (a row past
+        # it finishes on a read already launched)
+        live = [r for r in self._decoding if len(r.req.token_ids) + r.pending < r.cap]
+        params = [r.req.params for r in self._first_rows + live]
+        self._first_rows = []
+        if params:
+            need = SAMPLING_MODES.index(sampling_mode(params))
+            plan.mode = next(m for m in self.modes if SAMPLING_MODES.index(m) >= need)
+        if not live:
+            return
+        n = live[-1].index + 1
+        bucket = self.runner.bucket(n)
+        hold, state = self._hold_host[slot], self._state_host[slot]
+        hold[:bucket].zero_()
+        state[:bucket].zero_()
+        for r in self.rows[:bucket]:
+            if r.phase == "decode":
+                state[r.index] = 1
+            else:
+                hold[r.index] = self._harmless(r)
+        for r in live:
+            state[r.index] = 2
+            r.pending += 1
+        plan.decode_rows, plan.positions, plan.state = n, hold[:bucket], state[:bucket]
+        flight.decode = [(r.index, r.req) for r in live]
+        self.stats.decode_steps += 1
+        self.stats.decode_rows += len(live)
+        self.stats.decode_bucket_rows += bucket
+
+    # ------------------------------------------------------------------ reading
+    def _take(self, row: _Row, req: Request, t: int, now: float, logprob=None) -> None:
+        row.pending -= 1
+        super()._take(row, req, t, now, logprob)
+
+    def _read_decode(self, flight: _Flight, now: float) -> None:
+        """Each row's [k + 2]: its emitted tokens [:n + 1], then n (-1: the row had no room and rode at 0)."""
+        by_row = flight.decode_ids.tolist()
+        k, rows, eos = self.k, self.rows, self.eos
+        for i, out in enumerate(by_row):
+            if out[k + 1] < 0 and rows[i].req is None:
+                rows[i].owner = None  # its caches were overwritten at position 0
+        counted = []
+        for i, req in flight.decode:
+            row = rows[i]
+            row.pending -= 1
+            if row.req is not req or req.finish_reason is not None:
+                continue
+            n = by_row[i][k + 1]
+            if n < 0:
+                row.owner = None
+                self._free(row, "max_seq_len", now)
+                continue
+            counted.append(n)
+            for t in by_row[i][:n + 1]:
+                row.seq.append(t)
+                row.filled = len(row.seq) - 1  # where the latest token goes (the next step feeds it)
+                if t in req.stop_ids or (t == eos and not req.ignore_eos) or req.add_token(t, now):
+                    self._free(row, "stop", now)
+                    break
+                if len(req.token_ids) >= row.cap:
+                    self._free(row, "length" if len(req.token_ids) >= req.max_tokens else "max_seq_len", now)
+                    break
+        self.speculation.count(counted)
