@@ -236,22 +236,25 @@ def test_structure_and_kept_layers(nvfp4_model):
 
 def test_projections_say_how_their_weight_is_stored(bf16_model, nvfp4_model):
     # The one seam between the model and quantization: projections of one input share a launch where their stored
-    # forms have one (W4A16 NVFP4: nvfp4_linear_multi; float in fp32 math: fp32_linear); else each runs alone.
-    from dsv4_model.model.layers import Projection, joint_run
+    # forms have one (`joint`, set when the module is built: W4A16 NVFP4 -> nvfp4_linear_multi; float in fp32
+    # math -> fp32_linear); else each runs alone.
+    from dsv4_model.model.layers import Projection, project
 
     attn = nvfp4_model.layers[1].attn
-    assert joint_run(attn.wq_a, attn.wkv) is not None
-    assert joint_run(attn.wo_a) is None and joint_run(attn.wq_a, attn.wo_a) is None  # grouped: its own op
+    assert attn.wq_a.joint is not None and attn.wq_a.joint is attn.wkv.joint is attn.indexer.wq_b.joint
+    assert attn.wo_a.joint is None  # grouped: its own op
     float_attn = bf16_model.layers[1].attn
     for name in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
         for a in (attn, float_attn):
             assert isinstance(getattr(a, name), Projection), name
-        assert joint_run(getattr(float_attn, name)) is None, name
+        assert getattr(float_attn, name).joint is None, name
     comp = float_attn.compressor
-    assert joint_run(comp.wkv, comp.wgate) is not None and joint_run(comp.wkv, float_attn.wq_a) is None
-    assert joint_run(float_attn.wq_a, float_attn.wkv, fp32=True) is not None
+    assert comp.wkv.joint is not None and comp.wkv.joint is comp.wgate.joint
+    assert comp.wkv.joint is not attn.wq_a.joint
     w4a4 = Nvfp4Linear(attn.wq_a.in_features, attn.wq_a.out_features, torch.bfloat16, "nvfp4")
-    assert joint_run(w4a4) is None and joint_run(attn.wq_a, fp32=True) is None
+    assert w4a4.joint is None
+    with pytest.raises(ValueError, match="float Linears only"):
+        project(torch.zeros(1, attn.wq_a.in_features), attn.wq_a, fp32=True)
 
 
 def test_fused_projections_equal_separate_calls(nvfp4_model):

@@ -30,8 +30,7 @@ from dsv4_ops import ops, supports
 from dsv4_model.model.compressor import Compressor, scatter_entries
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.indexer import Indexer, topk_indices
-from dsv4_model.model.layers import (GroupedLinear, Linear, RMSNorm, apply_rope, joint_run, project,
-                                     unweighted_rms_norm)
+from dsv4_model.model.layers import GroupedLinear, Linear, RMSNorm, apply_rope, project, unweighted_rms_norm
 from dsv4_model.model.quant_sim import fp4_pack_indexer_keys, kv_fake_quant
 from dsv4_model.model.step_values import DecodeStep
 
@@ -128,7 +127,7 @@ class Attention(nn.Module):
              positions: torch.Tensor | None = None):
         """x [..., dim] -> (qr [..., q_lora], q [..., H, D], kv [..., D], iproj); cs: rope rows for x's positions.
         decode (x [B, dim], one token per row): the norms and RoPE as dsv4 kernels where supports says so, and
-        iproj the indexer's wq_b(qr) when it ran in the same launch as wq_b (else, and in prefill, None: the indexer
+        iproj the indexer's wq_b(qr), projected beside wq_b (in prefill, and without an indexer, None: the indexer
         projects qr itself). positions (decode): kv may go straight into the window of kv_cache at positions %
         window (then None)."""
         qa, kva = project(x, self.wq_a, self.wkv)
@@ -139,7 +138,7 @@ class Attention(nn.Module):
         else:
             qr = self.q_norm(qa)
         ix = self.indexer
-        if decode and ix is not None and joint_run(self.wq_b, ix.wq_b) is not None:
+        if decode and ix is not None:  # the indexer's wq_b reads qr too: one launch where the stored forms have one
             qb, iproj = project(qr, self.wq_b, ix.wq_b)
         else:
             qb, iproj = self.wq_b(qr), None

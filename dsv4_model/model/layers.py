@@ -20,31 +20,29 @@ JointRun = Callable[[torch.Tensor, Sequence["Projection"]], Sequence[torch.Tenso
 class Projection(nn.Module):
     """A weight matrix the model multiplies by, each stored form its own class: float here (`Linear`,
     `GroupedLinear`), NVFP4 in dsv4_model.quant.nvfp4_modules (the conversion puts those in place of these). One
-    projection is `mod(x)`; several that read the same x go through `project`."""
+    projection is `mod(x)`; several that read the same x go through `project`.
 
-    def joint_run(self, fp32: bool) -> JointRun | None:
-        """The call that runs this projection together with others of its stored form on one x (fp32: their
-        products in fp32 math), or None: it runs alone."""
-        return None
+    `joint`: the call that runs projections of this stored form together on one x (`project` uses it for two or
+    more that share it), or None: each runs alone. Set when the module is built, from how its weight is stored,
+    so a call asks nothing."""
 
-
-def joint_run(*projections: Projection, fp32: bool = False) -> JointRun | None:
-    """The one call that computes all of these projections of one x, or None when their stored forms share none."""
-    runs = [p.joint_run(fp32) for p in projections]
-    return runs[0] if all(r is runs[0] for r in runs) else None
+    joint: JointRun | None = None
 
 
 def project(x: torch.Tensor, *projections: Projection, fp32: bool = False) -> tuple[torch.Tensor, ...]:
     """x @ W^T for each projection of the same x, computed as its weight is stored, in one launch where the stored
     forms allow (DeepSeek's inference `linear()` dispatches on the weight's dtype the same way):
-    - float weights in fp32 math (`Linear(fp32=True)`; with fp32, any float `Linear`): one dsv4::fp32_linear, fp32 out;
-    - W4A16 NVFP4 weights, two or more: one dsv4::nvfp4_linear_multi (the values of calling each);
-    - otherwise (float in the weight's dtype, W4A4, grouped) each projection's own forward."""
-    run = joint_run(*projections, fp32=fp32)
-    if run is not None and (fp32 or len(projections) > 1):
-        return tuple(run(x, projections))
+    - fp32: float Linears in fp32 math, one dsv4::fp32_linear, fp32 out;
+    - two or more of one `joint` (W4A16 NVFP4: one dsv4::nvfp4_linear_multi; `Linear(fp32=True)`: one
+      dsv4::fp32_linear): that call, the values of calling each;
+    - otherwise (float in the weight's dtype, W4A4, grouped, mixed forms) each projection's own forward."""
     if fp32:
-        raise ValueError("project(fp32=True) takes float Linears only")
+        if not all(isinstance(p, Linear) for p in projections):
+            raise ValueError("project(fp32=True) takes float Linears only")
+        return tuple(fp32_linear(x, [p.weight for p in projections]))
+    run = projections[0].joint
+    if run is not None and len(projections) > 1 and all(p.joint is run for p in projections):
+        return tuple(run(x, projections))
     return tuple(p(x) for p in projections)
 
 
@@ -61,9 +59,7 @@ class Linear(Projection):
         super().__init__()
         self.in_features, self.out_features, self.fp32 = in_features, out_features, fp32
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
-
-    def joint_run(self, fp32: bool) -> JointRun | None:
-        return _fp32_run if fp32 or self.fp32 else None
+        self.joint = _fp32_run if fp32 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp32:

@@ -17,7 +17,7 @@ from torch import nn
 
 from dsv4_ops import ops
 
-from dsv4_model.model.layers import JointRun, Projection
+from dsv4_model.model.layers import Projection
 from dsv4_model.quant.nvfp4 import (BLOCK, deinterleave_gate_up, dequantize_kernel_layout, interleave_gate_up, padded_k,
                                     quantize_weight, repack_weight)
 
@@ -60,6 +60,7 @@ class Nvfp4Linear(Projection):
             raise ValueError(f"Nvfp4Linear: in_features must be a multiple of 16, got {in_features}")
         self.in_features, self.out_features = in_features, out_features
         self.out_dtype, self.w4a4 = out_dtype, _check_act_quant(act_quant)
+        self.joint = None if self.w4a4 else _w4a16_run
         kp = padded_k(in_features)
         self.register_buffer("weight_packed", torch.zeros(out_features, kp // 2, dtype=torch.uint8, device=device))
         self.register_buffer("weight_scale", torch.zeros(out_features, kp // BLOCK, dtype=torch.uint8, device=device))
@@ -91,9 +92,6 @@ class Nvfp4Linear(Projection):
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize_kernel_layout(self.weight_packed, self.weight_scale, self.weight_global_scale,
                                         self.in_features)
-
-    def joint_run(self, fp32: bool) -> JointRun | None:
-        return None if self.w4a4 or fp32 else _w4a16_run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w4a4:
