@@ -1,7 +1,9 @@
 """Whether an op's kernels take a call, one predicate per op with a gate: a caller asks `supports.<op>(...)` and runs
 the tensor-op form where the answer is no. The answers restate the op's own checks (csrc/<family>_checks.h) and
 the kernel limits (dsv4_ops.limits), plus one measured threshold (FUSED_ATTN_MAX_ROWS). Plain Python on shapes,
-dtypes and those values, so torch.compile traces them (a call into the library could not be traced)."""
+dtypes and those values, so torch.compile traces them (a call into the library could not be traced). Most take
+dtypes and widths, not tensors: their answers depend on nothing else, so the model asks them once, when it allocates
+its caches, instead of in every decode step."""
 from __future__ import annotations
 
 import torch
@@ -12,25 +14,26 @@ from dsv4_ops.limits import LIMITS
 _BF16_FP32 = (torch.bfloat16, torch.float32)
 
 
-def rms_norm_rope(x: torch.Tensor, rope_dim: int) -> bool:
-    """x [rows, heads, d]: bf16 / fp32, d and rope_dim multiples of 4, d within the CUDA kernel's width."""
-    d = x.shape[-1]
-    return x.dtype in _BF16_FP32 and not d % 4 and not rope_dim % 4 and d <= LIMITS.norm_rope_cuda_max_dim
+def rms_norm_rope(dtype: torch.dtype, dim: int, rope_dim: int) -> bool:
+    """x [rows, heads, dim] of dtype: bf16 / fp32, dim and rope_dim multiples of 4, dim within the CUDA kernel's
+    width."""
+    return dtype in _BF16_FP32 and not dim % 4 and not rope_dim % 4 and dim <= LIMITS.norm_rope_cuda_max_dim
 
 
-def rms_norm_rope_store(x: torch.Tensor, cache: torch.Tensor) -> bool:
-    """Where rms_norm_rope takes x: the cache must have x's dtype and be contiguous (the op writes rows in place)."""
-    return cache.dtype == x.dtype and cache.is_contiguous()
+def rms_norm_rope_store(dtype: torch.dtype, cache: torch.Tensor) -> bool:
+    """Where rms_norm_rope takes x of dtype: the cache must have x's dtype and be contiguous (the op writes rows in
+    place)."""
+    return cache.dtype == dtype and cache.is_contiguous()
 
 
-def hadamard_fp4(x: torch.Tensor) -> bool:
-    """x [..., d]: bf16 / fp32 at a width the kernel has a transform for."""
-    return x.dtype in _BF16_FP32 and x.shape[-1] in LIMITS.hadamard_fp4_dims
+def hadamard_fp4(dtype: torch.dtype, dim: int) -> bool:
+    """x [..., dim] of dtype: bf16 / fp32 at a width the kernel has a transform for."""
+    return dtype in _BF16_FP32 and dim in LIMITS.hadamard_fp4_dims
 
 
-def indexer_store_keys(keys: torch.Tensor) -> bool:
-    """keys [B, D]: bf16 / fp32 at a width the packing kernel takes."""
-    return keys.dtype in _BF16_FP32 and keys.shape[-1] in LIMITS.store_keys_dims
+def indexer_store_keys(dtype: torch.dtype, dim: int) -> bool:
+    """keys [B, dim] of dtype: bf16 / fp32 at a width the packing kernel takes."""
+    return dtype in _BF16_FP32 and dim in LIMITS.store_keys_dims
 
 
 def indexer_score_topk(device: torch.device, head_dim: int, heads: int, topk: int) -> bool:

@@ -64,15 +64,13 @@ def test_supports_answers_from_the_limits():
     """dsv4_ops.supports (the gates the model asks) takes each limit and refuses one past it."""
     from dsv4_ops import supports
 
-    def x(d, dtype=torch.float32):
-        return torch.empty(2, 1, d, dtype=dtype)
-
+    f32 = torch.float32
     dmax = LIMITS.norm_rope_cuda_max_dim
-    assert supports.rms_norm_rope(x(dmax), 0) and not supports.rms_norm_rope(x(dmax + 4), 0)
-    assert not supports.rms_norm_rope(x(64, torch.float16), 0) and not supports.rms_norm_rope(x(64), 2)
+    assert supports.rms_norm_rope(f32, dmax, 0) and not supports.rms_norm_rope(f32, dmax + 4, 0)
+    assert not supports.rms_norm_rope(torch.float16, 64, 0) and not supports.rms_norm_rope(f32, 64, 2)
     for gate, dims in ((supports.hadamard_fp4, LIMITS.hadamard_fp4_dims),
                        (supports.indexer_store_keys, LIMITS.store_keys_dims)):
-        assert all(gate(x(d)) for d in dims) and not gate(x(max(dims) * 2)) and not gate(x(dims[0], torch.half))
+        assert all(gate(f32, d) for d in dims) and not gate(f32, max(dims) * 2) and not gate(torch.half, dims[0])
     e, k = LIMITS.router_max_experts, LIMITS.router_max_topk
     assert supports.router_topk(torch.empty(3, e), k)
     assert not supports.router_topk(torch.empty(3, e), k + 1) and not supports.router_topk(torch.empty(3, e + 1), k)

@@ -121,6 +121,12 @@ class Attention(nn.Module):
     def alloc_runtime(self, device, dtype: torch.dtype) -> None:
         self.register_buffer("kv_cache", torch.zeros(self.max_batch, self.ring + self.n_entries, self.head_dim,
                                                      dtype=dtype, device=device), persistent=False)
+        # Whether decode uses each dsv4 kernel (dsv4_ops.supports): the answers depend only on the model dtype (the
+        # activations' and the cache's) and this layer's widths, so they are asked once here, not in every step.
+        self.use_q_norm_op = supports.rms_norm_rope(dtype, self.q_norm.weight.shape[0], 0)
+        self.use_norm_rope_op = supports.rms_norm_rope(dtype, self.head_dim, self.rope_dim)  # q, kv, entries
+        self.use_store_op = supports.rms_norm_rope_store(dtype, self.kv_cache)  # kv / entries into kv_cache
+        self.use_out_rope = supports.sparse_attn_decode_out_rope(self.rope_dim)
 
     # ------------------------------------------------------------------ shared pieces
     def _qkv(self, x: torch.Tensor, cs: torch.Tensor, decode: bool = False,
@@ -131,7 +137,7 @@ class Attention(nn.Module):
         projects qr itself). positions (decode): kv may go straight into the window of kv_cache at positions %
         window (then None)."""
         qa, kva = project(x, self.wq_a, self.wkv)
-        if decode and supports.rms_norm_rope(qa, 0):  # a dsv4 kernel (PDL), not Inductor's reduction
+        if decode and self.use_q_norm_op:  # a dsv4 kernel (PDL), not Inductor's reduction
             cs0 = qa.new_empty((qa.shape[0], 0, 2), dtype=torch.float32)
             qr = ops.rms_norm_rope(qa.unsqueeze(1), weight=self.q_norm.weight, cs=cs0, eps=self.q_norm.eps,
                                    rope_dim=0, fp8_nope=False).squeeze(1)
@@ -143,9 +149,9 @@ class Attention(nn.Module):
         else:
             qb, iproj = self.wq_b(qr), None
         q = qb.unflatten(-1, (self.n_heads, self.head_dim))
-        if decode and supports.rms_norm_rope(q, self.rope_dim):  # cs [B, rope_dim / 2, 2]
+        if decode and self.use_norm_rope_op:  # cs [B, rope_dim / 2, 2]
             q = ops.rms_norm_rope(q, weight=None, cs=cs, eps=self.eps, rope_dim=self.rope_dim, fp8_nope=False)
-            if positions is not None and supports.rms_norm_rope_store(kva, self.kv_cache):
+            if positions is not None and self.use_store_op:
                 ops.rms_norm_rope_store(kva, weight=self.kv_norm.weight, cs=cs, eps=self.kv_norm.eps,
                                         rope_dim=self.rope_dim, fp8_nope=self.simulate_quant, positions=positions,
                                         ratio=0, offset=0, slots=self.ring, cache=self.kv_cache)
@@ -376,7 +382,7 @@ class Attention(nn.Module):
         scorer, its FP4 codes / scales (one dsv4::indexer_store_keys call where supports says so)."""
         ix = self.indexer
         packed = ix.packed_decode()
-        if packed and supports.indexer_store_keys(entry):
+        if packed and ix.use_store_keys_op:
             ops.indexer_store_keys(entry, positions=positions, ratio=self.ratio, kv_cache=ix.kv_cache,
                                    k_codes=ix.k_codes, k_scales=ix.k_scales)
             return
@@ -394,8 +400,8 @@ class Attention(nn.Module):
             rows = torch.arange(p.x.shape[0], device=p.x.device)
             self.kv_cache.index_put_((rows, positions % R), p.kv)
         if self.compressor is not None:
-            entry, complete = self.compressor.decode(p.x, step, self.rope_kind, p.cproj,
-                                                     (positions, self.kv_cache, R))
+            store = (positions, self.kv_cache, R) if self.use_store_op else None
+            entry, complete = self.compressor.decode(p.x, step, self.rope_kind, p.cproj, store)
             if entry is not None:
                 self._write_entry(self.kv_cache, R, positions, entry, complete)
 
@@ -411,8 +417,7 @@ class Attention(nn.Module):
             rows, idx2, idx2_offset = self._shared_rows(step, (R, 0, 0)), sel.raw, R
         else:
             rows = self._decode_rows(step.positions, sel.idx, sel.valid)
-        out_rope = supports.sparse_attn_decode_out_rope(self.rope_dim)
-        # with out_rope the output's inverse RoPE runs in the op's combine kernel (one kernel less)
+        out_rope = self.use_out_rope  # the output's inverse RoPE in the op's combine kernel (one kernel less)
         o = ops.sparse_attn_decode(q, self.kv_cache[:B], rows, sink=self.attn_sink, scale=self.softmax_scale,
                                    out_rope=cs if out_rope else None, rope_dim=self.rope_dim if out_rope else 0,
                                    idx2=idx2, idx2_offset=idx2_offset)

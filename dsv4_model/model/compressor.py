@@ -54,12 +54,17 @@ class Compressor(nn.Module):
         self.wgate = Linear(cfg.dim, c * head_dim, torch.float32, fp32=True)
         self.norm = RMSNorm(head_dim, cfg.norm_eps)
 
-    def alloc_runtime(self, device) -> None:
+    def alloc_runtime(self, device, dtype: torch.dtype) -> None:
         c, m = self.coff, self.ratio
         shape = (self.max_batch, c * m + self.spare, c * self.head_dim)
         self.register_buffer("kv_state", torch.zeros(shape, dtype=torch.float32, device=device), persistent=False)
         self.register_buffer("score_state", torch.full(shape, float("-inf"), dtype=torch.float32, device=device),
                              persistent=False)
+        # What decode's dsv4 kernels take (dsv4_ops.supports) for entries of the model dtype and this width: asked
+        # once here, not in every step. The op rounds its pooling to pooled_dtype itself.
+        self.pooled_dtype = dtype if supports.compressor_decode_pooled(dtype) else torch.float32
+        self.use_norm_rope_op = supports.rms_norm_rope(dtype, self.head_dim, self.rope_dim)
+        self.use_hadamard_op = supports.hadamard_fp4(dtype, self.head_dim)
 
     def narrow_weights_(self, lossless: bool | None = None) -> None:
         """wkv / wgate in bf16 when lossless (layers.narrow_if_lossless_): decode reads half the bytes, every
@@ -75,13 +80,13 @@ class Compressor(nn.Module):
     def _finish(self, pooled: torch.Tensor, cs: torch.Tensor, dtype: torch.dtype, store=None) -> torch.Tensor | None:
         """Pooled entries -> cache entries: RMSNorm, RoPE, and the simulated FP8 (KV) or Hadamard + FP4 (indexer
         keys) rounding; at decode (one entry per row) through the fused ops where they take the shapes. store:
-        (positions, cache, offset) at decode: the entry is written into cache where its window closed (returns None)
-        when the fused op can; else returned for the caller to write."""
+        (positions, cache, offset) at decode, given where the fused op can write that cache: the entry is written
+        into cache where its window closed (returns None); else returned for the caller to write."""
         decode, x = pooled.dim() == 2, pooled.to(dtype)
-        if decode and supports.rms_norm_rope(x, self.rope_dim):
+        if decode and self.use_norm_rope_op:
             fp8 = self.simulate_quant and not self.rotate
             index_keys = self.simulate_quant and self.rotate  # then the Hadamard + FP4 rounding follows
-            if not index_keys and store is not None and supports.rms_norm_rope_store(x, store[1]):
+            if not index_keys and store is not None:
                 positions, cache, offset = store
                 ops.rms_norm_rope_store(x, weight=self.norm.weight, cs=cs, eps=self.norm.eps, rope_dim=self.rope_dim,
                                         fp8_nope=fp8, positions=positions, ratio=self.ratio, offset=offset,
@@ -97,7 +102,7 @@ class Compressor(nn.Module):
                 return kv
             if not self.rotate:
                 return kv_fake_quant(kv, self.rope_dim)
-        if decode and supports.hadamard_fp4(kv):
+        if decode and self.use_hadamard_op:
             return ops.hadamard_fp4(kv.unsqueeze(1), cs=None, rope_dim=0).squeeze(1)
         return indexer_fake_quant(kv)
 
@@ -204,7 +209,8 @@ class Compressor(nn.Module):
         [:B]; returns
         (entry [B, Dc] for window positions//m, complete [B] bool: whether that window closed at this token). proj:
         (wkv(x), wgate(x)) if already computed (Attention runs both compressors' projections in one launch).
-        store: (positions, cache, offset): entry is None when it was written into cache already (_finish)."""
+        store: (positions, cache, offset), where the fused op can write that cache: entry is None when it was
+        written into cache already (_finish)."""
         B, positions = x.shape[0], step.positions
         m, hd = self.ratio, self.head_dim
         kv, score = project(x, self.wkv, self.wgate) if proj is None else proj
@@ -213,8 +219,7 @@ class Compressor(nn.Module):
         # the op rounds the pooling to x's dtype itself (_finish's .to(dtype) is then no kernel); a state of
         # c*m + spare rows (spare > 0) is indexed by position: the op pools a closed window in the same order
         # and arithmetic as the shifted state, so a model with spare slots computes the plain model's entries
-        dt = x.dtype if supports.compressor_decode_pooled(x.dtype) else torch.float32
-        pooled = torch.empty(B, hd, dtype=dt, device=x.device)
+        pooled = torch.empty(B, hd, dtype=self.pooled_dtype, device=x.device)
         ops.compressor_decode(kv, score, ape=self.ape, positions=positions, kv_state=self.kv_state,
                               score_state=self.score_state, pooled=pooled)
         return self._finish(pooled, cs, x.dtype, store), complete

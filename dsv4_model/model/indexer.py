@@ -56,12 +56,18 @@ class Indexer(nn.Module):
                              persistent=False)
         self.register_buffer("k_scales", torch.zeros(self.max_batch, self.n_entries, self.head_dim // 32, **u8),
                              persistent=False)
+        # What decode's dsv4 kernels take (dsv4_ops.supports) on this device, for the model dtype and this indexer's
+        # widths: asked once here, not in every step.
+        self.use_score_op = supports.indexer_score_topk(self.kv_cache.device, self.head_dim, self.n_heads,
+                                                        min(self.index_topk, self.n_entries))
+        self.use_hadamard_op = supports.hadamard_fp4(dtype, self.head_dim)
+        self.use_store_keys_op = supports.indexer_store_keys(dtype, self.head_dim)
 
     def queries(self, qr: torch.Tensor, cs: torch.Tensor, proj: torch.Tensor | None = None) -> torch.Tensor:
         """qr [..., q_lora] -> [..., H_I, Di]; cs broadcastable to the head axis. proj: wq_b(qr) if already
         computed (Attention runs it in the same launch as its own wq_b)."""
         q = (self.wq_b(qr) if proj is None else proj).unflatten(-1, (self.n_heads, self.head_dim))
-        if q.dim() == 3 and self.simulate_quant and supports.hadamard_fp4(q):  # decode: cs [B, 1, rope_dim / 2, 2]
+        if q.dim() == 3 and self.simulate_quant and self.use_hadamard_op:  # decode: cs [B, 1, rope_dim / 2, 2]
             return ops.hadamard_fp4(q, cs=cs.reshape(q.shape[0], self.rope_dim // 2, 2), rope_dim=self.rope_dim)
         q = apply_rope(q, cs, self.rope_dim)
         if self.simulate_quant:
@@ -72,10 +78,7 @@ class Indexer(nn.Module):
         """Decode scores the packed FP4 cache with dsv4::indexer_score_topk: the keys are FP4 (simulate_quant)
         and the kernel takes the shape (dsv4_ops.supports). Both paths select the same entries up to fp32 summation
         order."""
-        if not (self.simulate_quant and self.packed):
-            return False
-        return supports.indexer_score_topk(self.kv_cache.device, self.head_dim, self.n_heads,
-                                           min(self.index_topk, self.n_entries))
+        return self.simulate_quant and self.packed and self.use_score_op
 
     def store_prefill(self, keys: torch.Tensor, entries: torch.Tensor | None = None,
                       write: torch.Tensor | None = None) -> None:

@@ -257,7 +257,7 @@ class Transformer(nn.Module):
             elif isinstance(mod, Indexer):
                 mod.alloc_runtime(device, self.dtype)
             elif isinstance(mod, Compressor):
-                mod.alloc_runtime(device)
+                mod.alloc_runtime(device, self.dtype)
 
     @torch.no_grad()
     def narrow_weights_(self, lossless: bool | None = None) -> "Transformer":
