@@ -362,11 +362,12 @@ class Attention(nn.Module):
         """CSA: the indexer's compressor advances (its entry stored, _store_index_entry), then its top-k of the
         entries the token sees."""
         ix, m, positions = self.indexer, self.ratio, step.positions
+        packed = ix.packed_decode()
         ientry, icomplete = ix.compressor.decode(p.x, step, self.rope_kind, p.iproj_c)
-        self._store_index_entry(ientry, icomplete, positions)
+        self._store_index_entry(ientry, icomplete, positions, packed)
         iq = ix.queries(p.qr, p.cs.unsqueeze(-3), p.iproj)
         k = min(ix.index_topk, self.n_entries)
-        if ix.packed_decode():
+        if packed:
             raw = ix.select(iq, p.x, step.visible(m), k, p.wproj)
             valid = raw >= 0
             return Selection(raw.clamp(min=0).long(), valid, raw)
@@ -377,11 +378,12 @@ class Attention(nn.Module):
         sel = topk_indices(sc, k)
         return Selection(sel, sel < n_vis, None)
 
-    def _store_index_entry(self, entry: torch.Tensor, complete: torch.Tensor, positions: torch.Tensor) -> None:
+    def _store_index_entry(self, entry: torch.Tensor, complete: torch.Tensor, positions: torch.Tensor,
+                           packed: bool) -> None:
         """The indexer's compressed key where its window just closed: into its kv_cache and, for the packed
-        scorer, its FP4 codes / scales (one dsv4::indexer_store_keys call where supports says so)."""
+        scorer (packed: Indexer.packed_decode), its FP4 codes / scales (one dsv4::indexer_store_keys call where
+        the op takes the keys)."""
         ix = self.indexer
-        packed = ix.packed_decode()
         if packed and ix.use_store_keys_op:
             ops.indexer_store_keys(entry, positions=positions, ratio=self.ratio, kv_cache=ix.kv_cache,
                                    k_codes=ix.k_codes, k_scales=ix.k_scales)
