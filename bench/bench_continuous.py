@@ -88,13 +88,16 @@ def run_continuous(engine: Engine, C: int, args, gen: torch.Generator) -> dict:
             "decode_steps": sched.stats.decode_steps}
 
 
-def run_static(engine: Engine, C: int, args) -> float:
-    """ms per decode step of a static batch of C rows from position --prompt-len (zeroed caches: a step costs what
-    it costs at that context)."""
+def run_static(engine: Engine, C: int, args, gen: torch.Generator) -> float:
+    """ms per decode step of a static batch of C rows after a prefill of C random prompts of --prompt-len (rows that
+    differ: identical rows would route every row to the same experts and read a batch of one's weights)."""
     runner = engine.runner()
     runner.prepare(C)
-    engine.model.reset_caches()
+    engine.reset()
+    prompts = torch.randint(0, engine.vocab_size, (C, args.prompt_len), generator=gen)
+    logits = engine.prefill(prompts)
     runner.begin([args.prompt_len] * C, [SamplingParams() for _ in range(C)])
+    runner.sample_first(logits)
     for _ in range(3):
         runner.step()
     sync(engine.device)
@@ -102,7 +105,7 @@ def run_static(engine: Engine, C: int, args) -> float:
     for _ in range(args.max_tokens):
         runner.step()
     sync(engine.device)
-    engine.model.reset_caches()
+    engine.reset()
     return 1e3 * (time.perf_counter() - t0) / args.max_tokens
 
 
@@ -130,7 +133,7 @@ def main(argv=None) -> int:
     for C in levels:
         run_continuous(engine, C, args, gen)  # warm: compile / capture, first-touch allocations
         cont = run_continuous(engine, C, args, gen)
-        ms = run_static(engine, C, args)
+        ms = run_static(engine, C, args, gen)
         static = 1e3 * C / ms
         print(f"{C:3d} {cont['tokens_per_s']:9.1f} {cont['steady_tokens_per_s']:12.1f} {static:12.1f} "
               f"{cont['steady_tokens_per_s'] / static:13.3f} "
