@@ -1,0 +1,196 @@
+"""Speculative steps inside continuous batching (dsv4_model.runtime.speculative_scheduler): requests arriving at
+staggered times get what they get alone (greedy: the plain scheduler's tokens; sampled: the static speculative
+loop's, same seed), with ragged acceptance; stop strings, reuse of a finished row, cancellation, the max_seq_len
+room a step needs, the refusals; on CUDA the compiled + captured steps give the eager tokens."""
+import pytest
+import torch
+
+import dsv4_ops  # noqa: F401
+from dsv4_model.checkpoint.builtin import DEFAULT_MODEL_DIR
+from dsv4_model.runtime.engine import Engine
+from dsv4_model.runtime.generate import generate
+from dsv4_model.runtime.requests import Request
+from dsv4_model.runtime.sampling import SamplingParams
+from dsv4_model.runtime.scheduler import Scheduler
+from dsv4_model.runtime.session import RunnerOptions
+from dsv4_model.runtime.speculative_scheduler import SpeculativeScheduler
+
+K = 2
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser()\n",
+           "class Stack:", "x = 1", "for i in range(10):\n    print(i)\n"]
+MAX_TOKENS = [30, 45, 12, 38, 26]
+
+
+def _params(i: int) -> SamplingParams:
+    if i % 2 == 0:
+        return SamplingParams(seed=7 + i)
+    return SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7 + i)
+
+
+def _engine(device="cpu", rows=4, seq=512, **runner) -> Engine:
+    return Engine.from_pretrained(DEFAULT_MODEL_DIR, device=device, dtype=torch.float32, max_batch_size=rows,
+                                  max_seq_len=seq, quant="none", progress=False, spare_window_slots=K,
+                                  runner_options=RunnerOptions(**runner) if runner else None)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    torch.set_num_threads(1)
+    return _engine()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(engine):
+    tok = engine.get_tokenizer()
+    return [tok.encode(p) for p in PROMPTS]
+
+
+def _run(sched, prompt_ids, stagger: int, chunk_params=_params, **kw) -> list[Request]:
+    reqs = []
+    for i, ids in enumerate(prompt_ids):
+        reqs.append(sched.submit(Request(ids, chunk_params(i), MAX_TOKENS[i], ignore_eos=True, **kw)))
+        for _ in range(stagger):
+            sched.step()
+    sched.run_until_idle()
+    return reqs
+
+
+@pytest.fixture(scope="module")
+def alone(engine, prompt_ids):
+    out = []
+    for i, ids in enumerate(prompt_ids):
+        s = SpeculativeScheduler(engine, K, max_prefill_tokens=8)
+        out.append(s.submit(Request(ids, _params(i), MAX_TOKENS[i], ignore_eos=True)))
+        s.run_until_idle()
+    return out
+
+
+def test_staggered_requests_get_their_alone_tokens(engine, prompt_ids, alone):
+    """5 requests on 4 rows, one every 2 iterations, prompts in chunks of 8 (rows join while others generate, ride
+    along while prefilling): each gets its alone tokens; speculation accepted some drafts and took fewer steps."""
+    s = SpeculativeScheduler(engine, K, max_prefill_tokens=8)
+    got = _run(s, prompt_ids, 2)
+    assert [r.token_ids for r in got] == [r.token_ids for r in alone]
+    assert all(r.finish_reason == "length" and len(r.token_ids) == MAX_TOKENS[i] for i, r in enumerate(got))
+    acc = s.speculation.acceptance()
+    assert 0.1 < acc[0] < 1 and s.speculation.tokens_per_step > 1.2
+    plain = Scheduler(engine, max_prefill_tokens=8)
+    _run(plain, prompt_ids, 2)
+    assert s.stats.decode_steps < plain.stats.decode_steps
+
+
+def test_greedy_equals_the_plain_scheduler(engine, prompt_ids, alone):
+    plain = _run(Scheduler(engine, max_prefill_tokens=8), prompt_ids, 1)
+    for i in range(0, len(PROMPTS), 2):  # the greedy requests
+        assert alone[i].token_ids == plain[i].token_ids, i
+
+
+def test_sampled_equals_the_static_speculative_loop(engine, prompt_ids, alone):
+    """A sampled request alone in the scheduler draws what generate(speculate=K)'s static loop drew with its seed
+    (the same Philox offsets per row: first token 0, first drafts 1, step j 2 + j)."""
+    from dsv4_model.runtime.speculative_generate import generate_batch_speculative  # the static loop
+    from dsv4_model.runtime.generate import GenerationResult
+
+    i = 1
+    p = _params(i)
+    res = GenerationResult([], None, [], [len(prompt_ids[i])])
+    generate_batch_speculative(engine, engine.speculative_runner(K), [prompt_ids[i]], [p], MAX_TOKENS[i], {-1},
+                               None, None, 0, res)
+    assert res.token_ids[0] == alone[i].token_ids
+
+
+def test_stop_strings_and_stop_ids(engine, prompt_ids, alone):
+    """A stop id or string inside a step's accepted tokens ends the request there; tokens after it are dropped."""
+    tok = engine.get_tokenizer()
+    ref = alone[0].token_ids
+    s = SpeculativeScheduler(engine, K, max_prefill_tokens=8)
+    by_id = s.submit(Request(prompt_ids[0], _params(0), MAX_TOKENS[0], stop_ids=frozenset({ref[9]}),
+                             ignore_eos=True))
+    text = tok.decode(ref[:12])
+    s.run_until_idle()
+    j = ref.index(ref[9])
+    assert by_id.token_ids == ref[:j] and by_id.finish_reason == "stop"
+    word = text[-6:].strip() or text[-8:]
+    by_str = s.submit(Request(prompt_ids[0], _params(0), MAX_TOKENS[0], stop=(word,), ignore_eos=True))
+    s.run_until_idle()
+    assert by_str.finish_reason == "stop" and word not in by_str.text
+    assert tok.decode(ref).startswith(by_str.text) and len(by_str.token_ids) < len(ref)
+
+
+def test_second_turn_reuses_the_row(engine, prompt_ids):
+    """A prompt extending a finished request's sequence continues its row (only the new tokens prefilled) and
+    gets the tokens of a cold run."""
+    s = SpeculativeScheduler(engine, K, max_prefill_tokens=16)
+    first = s.submit(Request(prompt_ids[2], _params(2), 17, ignore_eos=True))
+    s.run_until_idle()
+    turn2 = prompt_ids[2] + first.token_ids + prompt_ids[3][1:]
+    again = s.submit(Request(turn2, _params(0), 20, ignore_eos=True))
+    s.run_until_idle()
+    assert s.stats.reuse_hits == 1 and again.reused_tokens == len(prompt_ids[2]) + len(first.token_ids) - 1
+    cold = SpeculativeScheduler(engine, K, max_prefill_tokens=16, reuse=False)
+    ref = cold.submit(Request(turn2, _params(0), 20, ignore_eos=True))
+    cold.run_until_idle()
+    assert again.token_ids == ref.token_ids
+
+
+def test_cancel_changes_no_one_else(engine, prompt_ids, alone):
+    s = SpeculativeScheduler(engine, K, max_prefill_tokens=8)
+    reqs = [s.submit(Request(ids, _params(i), MAX_TOKENS[i], ignore_eos=True)) for i, ids in enumerate(prompt_ids)]
+    for _ in range(8):
+        s.step()
+    reqs[1].cancel()
+    s.run_until_idle()
+    assert reqs[1].finish_reason == "cancelled" and len(reqs[1].token_ids) < MAX_TOKENS[1]
+    for i in (0, 2, 3, 4):
+        assert reqs[i].token_ids == alone[i].token_ids, i
+
+
+def test_max_seq_len_leaves_room_for_a_step():
+    """A step writes up to 2K positions past a row's: a row ends with "max_seq_len" once it has no room, with the
+    plain greedy tokens up to there; a longer prompt is refused."""
+    eng = _engine(rows=2, seq=64)
+    prompt = list(range(5, 45))
+    s = SpeculativeScheduler(eng, K)
+    r = s.submit(Request(prompt, SamplingParams(), 100, ignore_eos=True))
+    s.run_until_idle()
+    plain = Scheduler(eng)
+    ref = plain.submit(Request(prompt, SamplingParams(), 100, ignore_eos=True))
+    plain.run_until_idle()
+    assert r.finish_reason == "max_seq_len" and ref.finish_reason == "max_seq_len"
+    assert r.token_ids == ref.token_ids[:len(r.token_ids)] and 64 - 2 * K - 40 <= len(r.token_ids)
+    with pytest.raises(ValueError, match="no room for speculative steps"):
+        s.submit(Request(list(range(1, 62)), SamplingParams(), 4))
+
+
+def test_refusals(engine):
+    s = SpeculativeScheduler(engine, K, modes=("greedy",))
+    with pytest.raises(ValueError, match="logprobs: not with speculative"):
+        s.submit(Request([0, 5, 6], SamplingParams(), 4, logprobs=2))
+    with pytest.raises(ValueError, match="prepared for .'greedy',. only"):
+        s.submit(Request([0, 5, 6], SamplingParams(temperature=0.5), 4))
+    with pytest.raises(ValueError, match="modes must be"):
+        SpeculativeScheduler(engine, K, modes=("beam",))
+    with pytest.raises(ValueError, match="spare_window_slots"):
+        SpeculativeScheduler(engine, K + 1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_graphs_give_the_eager_tokens():
+    """On CUDA: the compiled + captured speculative step (buckets 1, 2; greedy) inside the scheduler, requests
+    staggered over 2 rows, gives the eager speculative scheduler's tokens and the plain scheduler's."""
+    prompts = [[0, 5, 6, 7, 8], [0, 9, 10], [0, 11, 12, 13, 14, 15, 16]]
+    want = []
+    eager = _engine("cuda", rows=2, seq=256, compile=False, cuda_graphs=False)
+    for S in (Scheduler, lambda e, **kw: SpeculativeScheduler(e, K, modes=("greedy",), **kw)):
+        s = S(eager, max_prefill_tokens=4)
+        want.append([s.submit(Request(p, SamplingParams(), 40, ignore_eos=True)) for p in prompts])
+        s.run_until_idle()
+    assert [r.token_ids for r in want[0]] == [r.token_ids for r in want[1]]
+    del eager
+    graphs = _engine("cuda", rows=2, seq=256, compile=True, cuda_graphs=True)
+    s = SpeculativeScheduler(graphs, K, modes=("greedy",), max_prefill_tokens=4)
+    got = [s.submit(Request(p, SamplingParams(), 40, ignore_eos=True)) for p in prompts]
+    s.run_until_idle()
+    assert [r.token_ids for r in got] == [r.token_ids for r in want[1]]
+    assert s.speculation.tokens_per_step > 1.0
