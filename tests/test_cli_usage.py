@@ -75,6 +75,16 @@ def test_speculation_line_has_no_nan():
     assert len(rates) == 4 and "-" in rates and "nan" not in err
 
 
+def test_speculate_with_stop_strings_and_more_prompts_than_rows():
+    """--speculate runs inside the scheduler: stop strings cut the text, 3 prompts flow through 2 rows, and the
+    greedy texts are the plain run's."""
+    args = ["--prompt", "def f(x):", "--prompt", "class Stack:", "--prompt", "x = 1", "--max-new-tokens", "12",
+            "--max-batch-size", "2", "--json", "--no-compile", "--stop", "\n\n"]
+    plain, spec = _objects(_cli(*args)), _objects(_cli(*args, "--speculate", "2"))
+    assert [o["text"] for o in spec] == [o["text"] for o in plain]
+    assert all("\n\n" not in o["text"] for o in spec)
+
+
 def test_speculate_help_states_the_checked_bound():
     from dsv4_model.model.checks import MAX_SPECULATE
     from dsv4_model.runtime import cli

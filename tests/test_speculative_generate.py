@@ -15,12 +15,11 @@ from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.transformer import Transformer
 from dsv4_model.quant.random_model import init_random_weights
 from dsv4_model.runtime.engine import Engine
-from dsv4_model.runtime.generate import GenerationResult
 from dsv4_model.runtime.sampling import SamplingParams
 from dsv4_model.runtime.session import RunnerOptions
 from dsv4_model.runtime.speculative import filtered_probs
-from dsv4_model.runtime.speculative_generate import generate_batch_speculative
 from dsv4_model.runtime.speculative_runner import SpeculativeRunner
+from tests.helpers.speculative_static import static_speculative
 
 # eos outside the vocabulary: no row stops early, so every row crosses the compression boundaries
 CFG = ModelConfig(**{**TINY_CONFIG, "n_layers": 3, "compress_ratios": [0, 4, 16, 0], "eos_token_id": 10_000})
@@ -102,9 +101,8 @@ def test_the_compiled_step_is_one_graph():
     params = [SamplingParams(), SamplingParams()]
     want = e.generate(prompts, max_new_tokens=40, speculate=2).token_ids
     runner = SpeculativeRunner(e.model, 2, compile=True, compile_backend="eager")
-    res = GenerationResult([], None, [], [len(p) for p in prompts])
-    generate_batch_speculative(e, runner, prompts, params, 40, {CFG.eos_token_id}, None, None, 0, res)
-    assert res.token_ids == want
+    got, _, _ = static_speculative(e, runner, prompts, params, 40, {CFG.eos_token_id})
+    assert got == want
     assert dict(counters["graph_break"]) == {}
     assert counters["stats"]["unique_graphs"] == 1
 

@@ -14,6 +14,7 @@ from dsv4_model.runtime.sampling import SamplingParams
 from dsv4_model.runtime.scheduler import Scheduler
 from dsv4_model.runtime.session import RunnerOptions
 from dsv4_model.runtime.speculative_scheduler import SpeculativeScheduler
+from tests.helpers.speculative_static import static_speculative
 
 K = 2
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser()\n",
@@ -88,15 +89,10 @@ def test_greedy_equals_the_plain_scheduler(engine, prompt_ids, alone):
 def test_sampled_equals_the_static_speculative_loop(engine, prompt_ids, alone):
     """A sampled request alone in the scheduler draws what generate(speculate=K)'s static loop drew with its seed
     (the same Philox offsets per row: first token 0, first drafts 1, step j 2 + j)."""
-    from dsv4_model.runtime.speculative_generate import generate_batch_speculative  # the static loop
-    from dsv4_model.runtime.generate import GenerationResult
-
     i = 1
-    p = _params(i)
-    res = GenerationResult([], None, [], [len(prompt_ids[i])])
-    generate_batch_speculative(engine, engine.speculative_runner(K), [prompt_ids[i]], [p], MAX_TOKENS[i], {-1},
-                               None, None, 0, res)
-    assert res.token_ids[0] == alone[i].token_ids
+    got, _, _ = static_speculative(engine, engine.speculative_runner(K), [prompt_ids[i]], [_params(i)],
+                                   MAX_TOKENS[i], {-1})
+    assert got[0] == alone[i].token_ids
 
 
 def test_stop_strings_and_stop_ids(engine, prompt_ids, alone):
@@ -194,3 +190,51 @@ def test_compiled_graphs_give_the_eager_tokens():
     s.run_until_idle()
     assert [r.token_ids for r in got] == [r.token_ids for r in want[1]]
     assert s.speculation.tokens_per_step > 1.0
+
+
+def test_served_with_speculation(engine, prompt_ids):
+    """`serve --speculate K`'s scheduler behind the server, through the official openai client: concurrent
+    greedy completions (streamed and not) give the plain scheduler's text; logprobs is a 400 naming the field."""
+    import concurrent.futures
+
+    import openai
+
+    from dsv4_model.serve.app import ServeConfig, create_app
+    from tests.test_serve_api import ServerThread
+
+    tok = engine.get_tokenizer()
+    want = {}
+    plain = Scheduler(engine, max_prefill_tokens=16)
+    for p in PROMPTS:
+        want[p] = plain.submit(Request(tok.encode(p), SamplingParams(), 16, ignore_eos=True))
+    plain.run_until_idle()
+    want = {p: r.text for p, r in want.items()}
+    srv = ServerThread(create_app(SpeculativeScheduler(engine, K, max_prefill_tokens=16),
+                                  ServeConfig(model_name="tiny", max_waiting=16, chat_format="plain")))
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def one(p, stream):
+            kw = dict(model="tiny", prompt=p, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+            if not stream:
+                return client.completions.create(**kw).choices[0].text
+            return "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
+
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(lambda a: one(*a), [(p, i % 2 == 1) for i, p in enumerate(PROMPTS)]))
+        assert got == [want[p] for p in PROMPTS]
+        with pytest.raises(openai.BadRequestError, match="logprobs"):
+            client.completions.create(model="tiny", prompt="x = 1", max_tokens=4, logprobs=2)
+    finally:
+        srv.stop()
+
+
+def test_cli_and_torchrun_refusals(engine, monkeypatch):
+    from dsv4_model.runtime import generate as gen_mod
+    from dsv4_model.serve import cli as serve_cli
+
+    with pytest.raises(ValueError, match="--speculate must be an int"):
+        serve_cli._check(serve_cli._parser().parse_args(["--speculate", "99"]))
+    monkeypatch.setattr(gen_mod, "_ranks", lambda: (0, 2))  # as under torchrun: every rank refuses alike
+    with pytest.raises(ValueError, match="speculate: not under torchrun"):
+        generate(engine, [[0, 5, 6]], max_new_tokens=4, speculate=K)

@@ -172,8 +172,6 @@ def _check_args(args) -> None:
     if any(not s for s in args.stop):
         raise ValueError("--stop: a stop string must not be empty")
     check_speculate(args.speculate, "--speculate")
-    if args.speculate and args.stop:
-        raise ValueError("--stop: not with --speculate yet (speculative steps run outside the scheduler)")
     if args.max_seq_len is not None:
         check_positive_int(args.max_seq_len, "--max-seq-len")
     if args.threads is not None:
@@ -272,6 +270,9 @@ def _check_speculate_method(args, config, path) -> None:
     if config.dspark is None:
         raise ValueError(f"--speculate-method dspark: {path} carries no DSpark module (a V4-Flash-0731-style "
                          "checkpoint does: docs/dspark.md)")
+    if args.stop:
+        raise ValueError("--stop: not with DSpark speculation yet (its steps run outside the scheduler; MTP "
+                         "speculation, --speculate-method mtp, takes stop strings)")
     if args.speculate > config.dspark.block_size:
         raise ValueError(f"--speculate {args.speculate}: DSpark drafts blocks of {config.dspark.block_size} tokens "
                          f"(--speculate 1..{config.dspark.block_size})")

@@ -156,10 +156,10 @@ def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0
         runner = engine.runner()
 
     stop = tuple(stop or ())
-    if not speculate and hasattr(engine, "prefill_at"):
-        return _generate_scheduled(engine, runner, ids, base, max_new_tokens, stops, stream, tok, stop)
+    if method != "dspark" and hasattr(engine, "prefill_at"):
+        return _generate_scheduled(engine, runner, ids, base, max_new_tokens, stops, stream, tok, stop, speculate)
     if stop:
-        raise ValueError("stop: stop strings need an Engine's generation without speculate (the Scheduler)")
+        raise ValueError("stop: stop strings need an Engine's generation (the Scheduler; not DSpark speculation)")
     result = GenerationResult([], [] if tok is not None else None, [], [len(p) for p in ids], mode=runner.mode_name)
     for start in range(0, len(ids), runner.max_rows):
         chunk = ids[start : start + runner.max_rows]
@@ -169,11 +169,6 @@ def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0
             from dsv4_model.runtime.dspark_speculative import generate_batch_dspark
 
             generate_batch_dspark(engine, chunk, speculate, max_new_tokens, stops, stream, tok, start, result)
-        elif speculate:
-            from dsv4_model.runtime.speculative_generate import generate_batch_speculative
-
-            generate_batch_speculative(engine, runner, chunk, params, max_new_tokens, stops, stream, tok, start,
-                                       result)
         else:
             _generate_batch(engine, runner, chunk, params, max_new_tokens, stops, stream, tok, start, result)
     return result
@@ -197,9 +192,11 @@ def speculate_method_of(engine, method: str) -> str:
 
 @torch.no_grad()
 def _generate_scheduled(engine, runner, ids: list[list[int]], base: SamplingParams, max_new_tokens: int,
-                        stops: set[int], stream, tok, stop: tuple[str, ...] = ()) -> GenerationResult:
+                        stops: set[int], stream, tok, stop: tuple[str, ...] = (), speculate: int = 0
+                        ) -> GenerationResult:
     """The prompts as requests of one Scheduler (continuous batching): more prompts than rows flow through the
-    rows as they free up, and each row stops on its own (its cap is its own prompt's, not the longest's)."""
+    rows as they free up, and each row stops on its own (its cap is its own prompt's, not the longest's).
+    speculate: K MTP drafts per step (a SpeculativeScheduler prepared for the prompts' one sampling mode)."""
     from dsv4_model.runtime.requests import Request
     from dsv4_model.runtime.scheduler import Scheduler
 
@@ -208,13 +205,27 @@ def _generate_scheduled(engine, runner, ids: list[list[int]], base: SamplingPara
             raise ValueError(f"prompt of {len(p)} tokens exceeds max_seq_len={engine.max_seq_len}")
     rows = min(len(ids), runner.max_rows)
     ranks = _ranks()
+    if speculate and ranks:  # (every rank refuses: none waits on the others)
+        raise ValueError("speculate: not under torchrun yet (the scheduler's step plans carry no speculative steps "
+                         "across ranks)")
     if ranks and ranks[0] != 0:  # torchrun: rank 0 schedules, this rank runs its plans, then gets its result
         from dsv4_model.runtime.step_plan import follow
 
         follow(engine, rows)
         return _result_from_rank0(engine, None, None)
-    sched = Scheduler(engine, max_prefill_tokens=getattr(engine, "prefill_chunk", 8192), rows=rows, tokenizer=tok,
-                      distributed=bool(ranks))
+    options = dict(max_prefill_tokens=getattr(engine, "prefill_chunk", 8192), rows=rows, tokenizer=tok,
+                   distributed=bool(ranks))
+    if speculate:
+        from dsv4_model.runtime.speculative import sampling_mode
+        from dsv4_model.runtime.speculative_scheduler import SpeculativeScheduler
+
+        for p in ids:  # (the scheduler checks too; this names generate()'s argument and the room a step needs)
+            if len(p) > engine.max_seq_len - 2 * speculate:
+                raise ValueError(f"prompt of {len(p)} tokens leaves no room for speculate={speculate} (at most "
+                                 f"max_seq_len - 2 * speculate = {engine.max_seq_len - 2 * speculate})")
+        sched = SpeculativeScheduler(engine, speculate, modes=(sampling_mode([base]),), **options)
+    else:
+        sched = Scheduler(engine, **options)
     t0 = time.perf_counter()
     reqs = []
     for i, p in enumerate(ids):
@@ -232,7 +243,9 @@ def _generate_scheduled(engine, runner, ids: list[list[int]], base: SamplingPara
     texts = None if tok is None else [r.text if stop else tok.decode(r.token_ids) for r in reqs]
     result = GenerationResult([r.token_ids for r in reqs], texts,
                               [r.finish_reason for r in reqs], [len(p) for p in ids], t_first - t0, t_end - t_first,
-                              sched.stats.decode_steps, runner.mode_name, {"scheduler": sched.stats})
+                              sched.stats.decode_steps, sched.runner.mode_name, {"scheduler": sched.stats})
+    if speculate:
+        result.extra["speculation"] = sched.speculation
     # prompt i held row i: decode() may continue each row where generation stopped
     lengths = [sched.rows[i].filled for i in range(len(ids))] if len(ids) <= rows else None
     if ranks:

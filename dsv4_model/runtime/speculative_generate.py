@@ -1,42 +1,13 @@
-"""One batch of generate(..., speculate=K): ragged prefill with the MTP block's cache, the first token and drafts,
-then speculative steps (dsv4_model.runtime.speculative_runner). Per step the host reads one [rows, K + 2] tensor
-(the tokens each row emitted and their count), copied asynchronously into pinned memory; the next step is
-launched before it is read, so host work overlaps the GPU as in the plain loop."""
+"""The host loop of a static batch's speculative steps (DSpark's, dsv4_model.runtime.dspark_speculative; MTP
+speculation runs inside the scheduler, dsv4_model.runtime.speculative_scheduler). Per step the host reads one
+[rows, K + 2] tensor (the tokens each row emitted and their count), copied asynchronously into pinned memory; the
+next step is launched before it is read, so host work overlaps the GPU as in the plain loop."""
 from __future__ import annotations
-
-import time
 
 import torch
 
-from dsv4_model.runtime.generate import RowSink, right_padded
-from dsv4_model.runtime.speculative import SpeculationStats, sampling_mode
-
-
-@torch.no_grad()
-def generate_batch_speculative(engine, runner, ids: list[list[int]], params, max_new_tokens: int, stops: set[int],
-                               stream, tok, row0: int, result) -> None:
-    B = len(ids)
-    lengths = [len(p) for p in ids]
-    if max(lengths) > engine.max_seq_len:
-        raise ValueError(f"prompt of {max(lengths)} tokens exceeds max_seq_len={engine.max_seq_len}")
-    runner.prepare(B, sampling_mode(params))  # compile / capture first: warm-up scribbles on the caches
-    t0 = time.perf_counter()
-    engine.reset()
-    padded, lens_t = right_padded(ids)
-    logits, last = engine.prefill(padded, lengths=lens_t, speculate=True)
-    runner.begin(lens_t, params)
-    first = runner.sample_first(logits)
-    runner.start(last)
-
-    t_first = time.perf_counter()
-    rows, stats, launched, pos = speculative_steps(runner, first.tolist(), lengths, max_new_tokens, stops, stream,
-                                                   tok, row0)
-    t_end = time.perf_counter()
-    engine.set_lengths(pos)  # every row: its prompt and what its steps emitted
-
-    rows.record(result, tok, (t0, t_first, t_end), launched)
-    prev = result.extra.get("speculation")
-    result.extra["speculation"] = stats if prev is None else prev.merged(stats)
+from dsv4_model.runtime.generate import RowSink
+from dsv4_model.runtime.speculative import SpeculationStats
 
 
 def speculative_steps(runner, first: list[int], lengths: list[int], max_new_tokens: int, stops: set[int], stream,

@@ -28,6 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prefill-tokens", type=int, default=None, help="prompt tokens prefilled per iteration")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
     p.add_argument("--no-reuse", action="store_true", help="do not reuse a finished row's caches for its next turn")
+    p.add_argument("--speculate", type=int, default=0, metavar="K",
+                   help="K MTP drafts per decode step (speculative decoding inside the scheduler; 0: off)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decode step (default: on for CUDA)")
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every /v1 route")
@@ -48,6 +50,10 @@ def _check(args) -> None:
         raise ValueError("--port must be in [0, 65535]")
     if args.drain_timeout < 0:
         raise ValueError("--drain-timeout must be >= 0")
+    if args.speculate:
+        from dsv4_model.model.checks import check_speculate
+
+        check_speculate(args.speculate, "--speculate")
 
 
 def build_engine(args):
@@ -62,6 +68,8 @@ def build_engine(args):
     device = parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shard = None
     if distributed.launched():  # expert parallelism: rank 0 serves HTTP and schedules, the others follow
+        if args.speculate:
+            raise ValueError("--speculate: not under torchrun yet (the step plans carry no speculative steps)")
         device, shard = distributed.init_expert_parallel(device)
     if args.model:
         path = args.model
@@ -73,7 +81,8 @@ def build_engine(args):
     quant = args.quant if args.quant != "auto" else (None if device.type == "cuda" else "none")
     engine = Engine.from_pretrained(path, device=device, dtype=getattr(torch, args.dtype),
                                     max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, quant=quant,
-                                    compile=args.compile, progress=False, expert_shard=shard)
+                                    compile=args.compile, progress=False, expert_shard=shard,
+                                    **({"spare_window_slots": args.speculate} if args.speculate else {}))
     return engine, path, shard
 
 
@@ -83,7 +92,12 @@ def build_app(args, engine, path, shard=None):
     from dsv4_model.serve.app import ServeConfig, create_app
 
     kw = {} if args.max_prefill_tokens is None else {"max_prefill_tokens": args.max_prefill_tokens}
-    scheduler = Scheduler(engine, reuse=not args.no_reuse, distributed=shard is not None, **kw)
+    if getattr(args, "speculate", 0):
+        from dsv4_model.runtime.speculative_scheduler import SpeculativeScheduler
+
+        scheduler = SpeculativeScheduler(engine, args.speculate, reuse=not args.no_reuse, **kw)
+    else:
+        scheduler = Scheduler(engine, reuse=not args.no_reuse, distributed=shard is not None, **kw)
     name = args.served_model_name or os.path.basename(os.path.normpath(str(getattr(engine, "path", path))))
     cfg = ServeConfig(model_name=name, max_waiting=args.max_waiting, api_key=args.api_key,
                       drain_timeout_s=args.drain_timeout, chat_format=args.chat_format, version=package_version())
