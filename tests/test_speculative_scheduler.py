@@ -229,12 +229,29 @@ def test_served_with_speculation(engine, prompt_ids):
         srv.stop()
 
 
-def test_cli_and_torchrun_refusals(engine, monkeypatch):
-    from dsv4_model.runtime import generate as gen_mod
+def test_serve_cli_checks_speculate():
     from dsv4_model.serve import cli as serve_cli
 
     with pytest.raises(ValueError, match="--speculate must be an int"):
         serve_cli._check(serve_cli._parser().parse_args(["--speculate", "99"]))
-    monkeypatch.setattr(gen_mod, "_ranks", lambda: (0, 2))  # as under torchrun: every rank refuses alike
-    with pytest.raises(ValueError, match="speculate: not under torchrun"):
-        generate(engine, [[0, 5, 6]], max_new_tokens=4, speculate=K)
+
+
+def test_plans_run_after_the_wire(engine, prompt_ids, alone, monkeypatch):
+    """Under torchrun the other ranks run each plan as decoded from rank 0's int64 wire form: running every plan
+    through encode -> decode gives the staggered requests their alone tokens."""
+    from dsv4_model.runtime.step_plan import StepPlan
+
+    real = StepPlan.run
+    kinds = set()
+
+    def via_wire(plan, eng, runner):
+        back = StepPlan.decode(plan.encode())
+        kinds.update(k for k in ("mtp_next", "first_hold", "state", "mode") if getattr(back, k) is not None)
+        out = real(back, eng, runner)
+        plan.prefill_logits = getattr(back, "prefill_logits", None)
+        return out
+
+    monkeypatch.setattr(StepPlan, "run", via_wire)
+    got = _run(SpeculativeScheduler(engine, K, max_prefill_tokens=8), prompt_ids, 2)
+    assert [r.token_ids for r in got] == [r.token_ids for r in alone]
+    assert kinds == {"mtp_next", "first_hold", "state", "mode"}

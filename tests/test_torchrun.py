@@ -47,9 +47,12 @@ def test_expert_parallel_logits_equal_one_process(ckpts, tmp_path):
                                        msg=lambda m: f"{Path(p).name} compiled={compiled}: {m}")
 
 
-def test_the_cli_under_torchrun_prints_the_single_process_text(ckpts):
+@pytest.mark.parametrize("speculate", [[], ["--speculate", "2", "--temperature", "0.7", "--seed", "3"]],
+                         ids=["plain", "speculate"])
+def test_the_cli_under_torchrun_prints_the_single_process_text(ckpts, speculate):
+    """speculate: the scheduler's speculative steps (sampled) travel to rank 1 in the step plans."""
     args = ["-m", "dsv4_model", "generate", "--model", str(ckpts / "official"), "--prompt", "hello",
-            "--max-new-tokens", "16", "--device", "cpu", "--threads", "1"]
+            "--max-new-tokens", "16", "--device", "cpu", "--threads", "1", *speculate]
     single = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert single.returncode == 0, single.stderr[-2000:]

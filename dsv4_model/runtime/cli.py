@@ -270,6 +270,11 @@ def _check_speculate_method(args, config, path) -> None:
     if config.dspark is None:
         raise ValueError(f"--speculate-method dspark: {path} carries no DSpark module (a V4-Flash-0731-style "
                          "checkpoint does: docs/dspark.md)")
+    from dsv4_model.runtime import distributed
+
+    if distributed.launched():
+        raise ValueError("--speculate with DSpark: not under torchrun yet (its steps run outside the scheduler, "
+                         "whose plans carry MTP speculative steps to every rank)")
     if args.stop:
         raise ValueError("--stop: not with DSpark speculation yet (its steps run outside the scheduler; MTP "
                          "speculation, --speculate-method mtp, takes stop strings)")
@@ -295,8 +300,6 @@ def cmd_generate(args) -> int:
     device = parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shard = None
     if distributed.launched():
-        if args.speculate:
-            raise ValueError("--speculate: not with torchrun yet (expert parallelism runs plain decode steps)")
         device, shard = distributed.init_expert_parallel(device)
         if shard.rank:
             _QUIET[0] = True

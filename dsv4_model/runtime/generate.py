@@ -200,23 +200,21 @@ def _generate_scheduled(engine, runner, ids: list[list[int]], base: SamplingPara
     from dsv4_model.runtime.requests import Request
     from dsv4_model.runtime.scheduler import Scheduler
 
+    from dsv4_model.runtime.speculative import sampling_mode
+
     for p in ids:  # the scheduler checks too, but this message names generate()'s argument
         if len(p) > engine.max_seq_len:
             raise ValueError(f"prompt of {len(p)} tokens exceeds max_seq_len={engine.max_seq_len}")
     rows = min(len(ids), runner.max_rows)
     ranks = _ranks()
-    if speculate and ranks:  # (every rank refuses: none waits on the others)
-        raise ValueError("speculate: not under torchrun yet (the scheduler's step plans carry no speculative steps "
-                         "across ranks)")
     if ranks and ranks[0] != 0:  # torchrun: rank 0 schedules, this rank runs its plans, then gets its result
         from dsv4_model.runtime.step_plan import follow
 
-        follow(engine, rows)
+        follow(engine, rows, speculate=speculate, modes=(sampling_mode([base]),) if speculate else ())
         return _result_from_rank0(engine, None, None)
     options = dict(max_prefill_tokens=getattr(engine, "prefill_chunk", 8192), rows=rows, tokenizer=tok,
                    distributed=bool(ranks))
     if speculate:
-        from dsv4_model.runtime.speculative import sampling_mode
         from dsv4_model.runtime.speculative_scheduler import SpeculativeScheduler
 
         for p in ids:  # (the scheduler checks too; this names generate()'s argument and the room a step needs)

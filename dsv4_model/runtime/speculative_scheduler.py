@@ -22,6 +22,14 @@ from dsv4_model.runtime.speculative import SAMPLING_MODES, SpeculationStats, sam
 from dsv4_model.runtime.step_plan import StepPlan
 
 
+def prepare_modes(runner, rows: int | None, modes: tuple[str, ...]) -> int:
+    """prepare_buckets for each sampling mode (under torchrun every rank prepares the same: warm-ups are collective)."""
+    for mode in modes:
+        runner.set_mode(mode)
+        rows = prepare_buckets(runner, rows)
+    return rows
+
+
 class SpeculativeScheduler(Scheduler):
     """A Scheduler whose decode steps are speculative with `k` MTP drafts (an Engine whose model has its MTP block
     and spare_window_slots >= k). modes: the sampling modes prepared (compiled / captured) up front, cheapest
@@ -31,9 +39,6 @@ class SpeculativeScheduler(Scheduler):
     def __init__(self, engine, k: int, *, modes: tuple[str, ...] = ("greedy", "filter"), **options):
         if not modes or any(m not in SAMPLING_MODES for m in modes):
             raise ValueError(f"modes must be a non-empty tuple of {SAMPLING_MODES}, got {modes!r}")
-        if options.get("group") is not None or options.get("distributed"):
-            raise ValueError("speculate: not under torchrun yet (the scheduler's plans carry no speculative steps "
-                             "across ranks)")
         self.k = k
         self.modes = tuple(m for m in SAMPLING_MODES if m in modes)
         self.speculation = SpeculationStats(k)
@@ -48,10 +53,7 @@ class SpeculativeScheduler(Scheduler):
         return engine.speculative_runner(self.k)
 
     def _prepare(self, rows: int | None) -> int:
-        for mode in self.modes:
-            self.runner.set_mode(mode)
-            rows = prepare_buckets(self.runner, rows)
-        return rows
+        return prepare_modes(self.runner, rows, self.modes)
 
     def _decode_width(self) -> int:
         return self.k + 2

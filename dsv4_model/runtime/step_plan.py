@@ -35,7 +35,7 @@ class StepPlan:
     protect: list[int] = field(default_factory=list)  # riding rows whose compressor states the step must not keep
     positions: torch.Tensor | None = None  # host [bucket]
     stop: bool = False
-    # speculative steps (dsv4_model.runtime.speculative_scheduler; not sent under torchrun): the steps' sampling
+    # speculative steps (dsv4_model.runtime.speculative_scheduler): the steps' sampling
     # mode, the MTP block's inputs over the prefill chunk (next ids [B, S], next lengths [B]), each first row's
     # last prompt position, and how the rows ride along: state [bucket] (host) 2 steps, 1 rides at its own
     # position, 0 at `positions` (for the first drafts: first_hold / first_state over rows [:highest first + 1])
@@ -82,29 +82,44 @@ class StepPlan:
 
     # ------------------------------------------------------------------ wire format
     def encode(self) -> torch.Tensor:
-        """[stop, n_admit, B, S, n_first, decode_rows, n_positions, n_swaps] + admits (row, temperature bits, top_k,
-        top_p bits, seed) + first rows + first slots + swap pairs + lengths, starts, tokens + positions."""
+        """[stop, n_admit, B, S, n_first, decode_rows, n_positions, n_swaps, n_protect, mode, has_mtp, n_first_ctx,
+        has_state] + admits (row, temperature bits, top_k, top_p bits, seed) + first rows + first slots + swap pairs
+        + protect + first_last + first_hold + first_state + lengths, starts, tokens + MTP next lengths, next ids +
+        positions + state."""
+        from dsv4_model.runtime.speculative import SAMPLING_MODES
+
         B, S = (0, 0) if self.prefill is None else tuple(self.prefill[0].shape)
         npos = 0 if self.positions is None or not self.decode_rows else self.positions.shape[0]
+        mode = 0 if self.mode is None else 1 + SAMPLING_MODES.index(self.mode)
+        nctx = 0 if self.first_hold is None else self.first_hold.shape[0]
+        has_state = int(self.state is not None and npos > 0)
         head = [int(self.stop), len(self.admits), B, S, len(self.first_rows), self.decode_rows, npos, len(self.swaps),
-                len(self.protect)]
+                len(self.protect), mode, int(self.mtp_next is not None), nctx, has_state]
         adm = [v for row, p in self.admits
                for v in (row, _f2i(p.temperature), p.top_k, _f2i(p.top_p), seed_key(p.seed))]
         swaps = [v for pair in self.swaps for v in pair]
-        parts = [torch.tensor(head + adm + self.first_rows + self.first_slots + swaps + self.protect,
+        last = self.first_last if self.mtp_next is not None else []
+        ctx = [] if not nctx else self.first_hold.tolist() + self.first_state.tolist()
+        parts = [torch.tensor(head + adm + self.first_rows + self.first_slots + swaps + self.protect + last + ctx,
                               dtype=torch.long)]
         if self.prefill is not None:
             tokens, lengths, start = self.prefill
             parts += [lengths.long(), start.long(), tokens.long().reshape(-1)]
+            if self.mtp_next is not None:
+                parts += [self.mtp_next[1].long(), self.mtp_next[0].long().reshape(-1)]
         if npos:
             parts.append(self.positions.long())
+            if has_state:
+                parts.append(self.state.long())
         return torch.cat(parts)
 
     @classmethod
     def decode(cls, t: torch.Tensor) -> "StepPlan":
+        from dsv4_model.runtime.speculative import SAMPLING_MODES
+
         v = t.tolist()
-        stop, na, B, S, nf, dr, npos, nsw, npr = v[:9]
-        i = 9
+        stop, na, B, S, nf, dr, npos, nsw, npr, mode, has_mtp, nctx, has_state = v[:13]
+        i = 13
         admits = []
         for _ in range(na):
             row, temp, top_k, top_p, seed = v[i:i + 5]
@@ -116,14 +131,28 @@ class StepPlan:
         i += 2 * nsw
         protect = v[i:i + npr]
         i += npr
-        prefill = None
+        plan = cls(admits, None, first, slots, swaps, dr, protect, None, bool(stop))
+        plan.mode = SAMPLING_MODES[mode - 1] if mode else None
+        if has_mtp:
+            plan.first_last = v[i:i + nf]
+            i += nf
+        if nctx:
+            plan.first_hold, plan.first_state = t[i:i + nctx], t[i + nctx:i + 2 * nctx]
+            i += 2 * nctx
         if B:
             lengths, start = t[i:i + B], t[i + B:i + 2 * B]
             tokens = t[i + 2 * B:i + 2 * B + B * S].view(B, S)
-            prefill = (tokens, lengths, start)
+            plan.prefill = (tokens, lengths, start)
             i += 2 * B + B * S
-        positions = t[i:i + npos] if npos else None
-        return cls(admits, prefill, first, slots, swaps, dr, protect, positions, bool(stop))
+            if has_mtp:
+                plan.mtp_next = (t[i + B:i + B + B * S].view(B, S), t[i:i + B])
+                i += B + B * S
+        if npos:
+            plan.positions = t[i:i + npos]
+            i += npos
+            if has_state:
+                plan.state = t[i:i + npos]
+        return plan
 
 
 def broadcast_plan(plan: StepPlan | None, group=None, device: torch.device | str = "cpu") -> StepPlan:
@@ -142,14 +171,20 @@ def broadcast_plan(plan: StepPlan | None, group=None, device: torch.device | str
     return plan if sending else StepPlan.decode(body.cpu())
 
 
-def follow(engine, rows: int | None = None, group=None) -> int:
+def follow(engine, rows: int | None = None, group=None, speculate: int = 0, modes: tuple[str, ...] = ()) -> int:
     """A rank other than 0: run the plans rank 0's Scheduler(engine, rows=, group=) broadcasts until it sends stop
-    (Scheduler.close). Prepares the same buckets first (their warm-up steps are collectives too). Returns the plans
-    run."""
+    (Scheduler.close). Prepares the same buckets first (their warm-up steps are collectives too); speculate /
+    modes: those of rank 0's SpeculativeScheduler. Returns the plans run."""
     from dsv4_model.runtime.scheduler import prepare_buckets
 
-    runner = engine.runner()
-    prepare_buckets(runner, rows)
+    if speculate:
+        from dsv4_model.runtime.speculative_scheduler import prepare_modes
+
+        runner = engine.speculative_runner(speculate)
+        prepare_modes(runner, rows, modes)
+    else:
+        runner = engine.runner()
+        prepare_buckets(runner, rows)
     engine.reset()
     n = 0
     with torch.no_grad():

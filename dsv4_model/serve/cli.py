@@ -11,6 +11,8 @@ import signal
 import sys
 import threading
 
+SPECULATE_MODES = ("greedy", "filter")  # --speculate: steps prepared for greedy and for sampled requests
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dsv4_model serve", description=__doc__,
@@ -68,8 +70,6 @@ def build_engine(args):
     device = parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shard = None
     if distributed.launched():  # expert parallelism: rank 0 serves HTTP and schedules, the others follow
-        if args.speculate:
-            raise ValueError("--speculate: not under torchrun yet (the step plans carry no speculative steps)")
         device, shard = distributed.init_expert_parallel(device)
     if args.model:
         path = args.model
@@ -95,7 +95,8 @@ def build_app(args, engine, path, shard=None):
     if getattr(args, "speculate", 0):
         from dsv4_model.runtime.speculative_scheduler import SpeculativeScheduler
 
-        scheduler = SpeculativeScheduler(engine, args.speculate, reuse=not args.no_reuse, **kw)
+        scheduler = SpeculativeScheduler(engine, args.speculate, modes=SPECULATE_MODES, reuse=not args.no_reuse,
+                                         distributed=shard is not None, **kw)
     else:
         scheduler = Scheduler(engine, reuse=not args.no_reuse, distributed=shard is not None, **kw)
     name = args.served_model_name or os.path.basename(os.path.normpath(str(getattr(engine, "path", path))))
@@ -124,7 +125,7 @@ def main(argv=None) -> int:
 
             for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 drains, then its stop plan ends this loop
                 signal.signal(sig, signal.SIG_IGN)
-            follow(engine)
+            follow(engine, speculate=args.speculate, modes=SPECULATE_MODES if args.speculate else ())
             return 0
         app = build_app(args, engine, path, shard)
     except (ValueError, OSError) as e:
