@@ -4,6 +4,7 @@ scheduler that "generates" a scripted V4 answer. Checks the prompt the scheduler
 reasoning_content / content / tool_calls, streaming == non-streaming, and n > 1 under concurrency."""
 import json
 import threading
+import time
 
 import openai
 import pytest
@@ -21,6 +22,25 @@ ANSWER = (f"The user wants weather.{THINK_END}Checking now.\n\n<{D}tool_calls>\n
           f"<{D}parameter name=\"city\" string=\"true\">Paris</{D}parameter>\n"
           f"<{D}parameter name=\"days\" string=\"false\">2</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>")
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+# asked for by a user message containing "two": two calls whose values need JSON escapes (quotes, backslashes,
+# newlines, non-ASCII), to stream over HTTP
+NASTY = 'a "q" \\ C:\\dir\\n\nnext\tline é 中文 😀 <b> \\u00e9'
+TWO_CALLS = (f"Two lookups.{THINK_END}\n\n<{D}tool_calls>\n<{D}invoke name=\"get_weather\">\n"
+             f"<{D}parameter name=\"city\" string=\"true\">{NASTY}</{D}parameter>\n"
+             f"<{D}parameter name=\"days\" string=\"false\">[1, {{\"k\": \"v\\\"w\"}}]</{D}parameter>\n</{D}invoke>\n"
+             f"<{D}invoke name=\"get_weather\">\n<{D}parameter name=\"city\" string=\"true\">Zürich</{D}parameter>\n"
+             f"</{D}invoke>\n</{D}tool_calls>")
+TWO_ARGS = [{"city": NASTY, "days": [1, {"k": 'v"w'}]}, {"city": "Zürich"}]
+
+
+class PacedStub(StubScheduler):
+    """A step every millisecond, as a model's decode is paced: the events of a step reach the client in chunks
+    of their own instead of the whole answer in one (a stub that runs ahead fills the queue before the event loop
+    reads it)."""
+
+    def step(self) -> None:
+        time.sleep(0.001)
+        super().step()
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +51,14 @@ def served():
     tok.eos_id = tok._tok.token_to_id(EOS)
     tok.bos_id = tok._tok.token_to_id(BOS)
     answer = tok.encode(ANSWER, add_bos=False) + [tok.eos_id]
+    two = tok.encode(TWO_CALLS, add_bos=False) + [tok.eos_id]
     prompts = []
 
     def script(req):
         prompts.append(tok._tok.decode(req.prompt, skip_special_tokens=False))
-        return answer
+        return two if "two" in prompts[-1] else answer
 
-    srv = ServerThread(create_app(StubScheduler(tok, script), ServeConfig(model_name="v4")))
+    srv = ServerThread(create_app(PacedStub(tok, script), ServeConfig(model_name="v4")))
     yield srv, prompts, answer
     srv.stop()
 
@@ -72,7 +93,8 @@ def test_streaming_equals_non_streaming_under_concurrency(served):
                 if choice.index == 0:
                     parts["reasoning"] += getattr(d, "reasoning_content", None) or ""
                     parts["content"] += d.content or ""
-                    parts["calls"] += [(t.function.name, t.function.arguments) for t in d.tool_calls or []]
+                    _accumulate(parts["calls"], d.tool_calls)
+        parts["calls"] = [(t["name"], t["arguments"]) for t in parts["calls"]]
         results[k] = parts
 
     threads = [threading.Thread(target=streamed, args=(k,)) for k in range(4)]
@@ -85,6 +107,48 @@ def test_streaming_equals_non_streaming_under_concurrency(served):
             "calls": [(t.function.name, t.function.arguments) for t in whole.tool_calls]}
     assert len(results) == 4 and all(r == want for r in results.values())
     assert DSML not in whole.content
+
+
+def _accumulate(calls: list[dict], pieces) -> None:
+    """A streaming client's tool calls: a piece with an id opens call `index` (id, type, name), the pieces after
+    it carry the next part of its arguments."""
+    for t in pieces or []:
+        if t.id is not None:
+            assert t.index == len(calls) and t.type == "function" and t.function.name
+            calls.append({"id": t.id, "name": t.function.name, "arguments": t.function.arguments or ""})
+        else:
+            assert t.index == len(calls) - 1 and t.function.name is None and t.type is None
+            calls[-1]["arguments"] += t.function.arguments
+
+
+def test_tool_call_arguments_stream_in_pieces(served):
+    """Two calls with escaped values through the official client, streamed: the first piece of each call carries
+    id / type / name, the arguments come in pieces (the stub emits a token per step) that join into the
+    non-streaming response's exact arguments; the client's own stream helper accumulates the same calls."""
+    srv, _, _ = served
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    msgs = [{"role": "user", "content": "two cities"}]
+    whole = c.chat.completions.create(model="v4", messages=msgs, tools=TOOLS)
+    m = whole.choices[0].message
+    want = [(t.function.name, t.function.arguments) for t in m.tool_calls]
+    assert [json.loads(a) for _, a in want] == TWO_ARGS and whole.choices[0].finish_reason == "tool_calls"
+    assert (m.reasoning_content, m.content) == ("Two lookups.", None)
+
+    calls, pieces, reasoning, content, reason = [], 0, "", "", None
+    for ch in c.chat.completions.create(model="v4", messages=msgs, tools=TOOLS, stream=True):
+        d = ch.choices[0].delta
+        reasoning += getattr(d, "reasoning_content", None) or ""
+        content += d.content or ""
+        _accumulate(calls, d.tool_calls)
+        pieces += len(d.tool_calls or [])
+        reason = ch.choices[0].finish_reason or reason
+    assert [(t["name"], t["arguments"]) for t in calls] == want
+    assert pieces > 2 and (reasoning, content, reason) == ("Two lookups.", "", "tool_calls")
+    assert len({t["id"] for t in calls}) == 2 and DSML not in content
+
+    with c.chat.completions.stream(model="v4", messages=msgs, tools=TOOLS) as s:
+        final = s.get_final_completion()
+    assert [(t.function.name, t.function.arguments) for t in final.choices[0].message.tool_calls] == want
 
 
 def test_thinking_off(served):

@@ -207,11 +207,16 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
             if d.content:
                 out["content"] = d.content
             if d.tool_calls:
-                out["tool_calls"] = [{"index": c.index, "id": call_ids.setdefault((i, c.index),
-                                                                                  f"call_{secrets.token_hex(12)}"),
-                                      "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                                     for c in d.tool_calls]
+                out["tool_calls"] = [call_json(i, c) for c in d.tool_calls]
             return out
+
+        def call_json(i: int, c) -> dict:
+            """A call's first piece opens it (id, type, name), as OpenAI streams; the rest carry arguments."""
+            if c.name is None:
+                return {"index": c.index, "function": {"arguments": c.arguments}}
+            cid = call_ids.setdefault((i, c.index), f"call_{secrets.token_hex(12)}")
+            return {"index": c.index, "id": cid, "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments}}
 
         def reason_of(i: int) -> str:
             r = finish_reason(stream.requests[i].finish_reason)
@@ -326,7 +331,7 @@ def chat_logprobs(tok, ids: list[int], entries: list) -> dict:
 def _merge(choices: list[dict]) -> list[dict]:
     """The pieces of each choice joined (a chunk carries each choice once, whatever order the steps' events of
     several choices came in): their text (completions) or their deltas' fields (chat: texts and tool-call lists
-    concatenated field by field); a finishing piece adds its finish_reason."""
+    concatenated field by field, a call's argument pieces joined); a finishing piece adds its finish_reason."""
     out: list[dict] = []
     at: dict[int, int] = {}  # choice index -> its entry in out
     for c in choices:
@@ -340,12 +345,22 @@ def _merge(choices: list[dict]) -> list[dict]:
             a, b = last["delta"], c["delta"]
             if all(type(a[k]) is type(b[k]) and isinstance(a[k], (str, list)) for k in a.keys() & b.keys()):
                 # each field keeps its own order (reasoning, content and tool calls are read field by field)
-                out[j] = {**last, **c, "delta": {**a, **b, **{k: a[k] + b[k] for k in a.keys() & b.keys()}},
-                          "logprobs": lp}
+                joined = {k: _join_calls(a[k], b[k]) if k == "tool_calls" else a[k] + b[k] for k in a.keys() & b.keys()}
+                out[j] = {**last, **c, "delta": {**a, **b, **joined}, "logprobs": lp}
                 continue
         at[c["index"]] = len(out)
         out.append(c)
     return out
+
+
+def _join_calls(a: list[dict], b: list[dict]) -> list[dict]:
+    """Two chunks' tool-call pieces as one list: a piece continuing the call `a` ends with joins it (one entry
+    per call and chunk, its arguments concatenated)."""
+    if a and b and a[-1]["index"] == b[0]["index"] and "id" not in b[0]:
+        f = a[-1]["function"]
+        last = {**a[-1], "function": {**f, "arguments": f["arguments"] + b[0]["function"]["arguments"]}}
+        return a[:-1] + [last] + b[1:]
+    return a + b
 
 
 def _sse(stream: Stream, base: dict, on_event, include_usage: bool, rid: str, first: list[dict]):
