@@ -156,6 +156,7 @@ class OutputParser:
         self.calls = 0  # calls opened; the one being read is calls - 1
         self.block_calls = 0  # calls opened in the current DSML block
         self.keys: set[str] = set()  # parameter names of the call being read
+        self.scanned = 0  # literal state: how much of buf is known to hold no closing tag
 
     def feed(self, text: str) -> Delta:
         self.buf += text
@@ -284,10 +285,15 @@ class OutputParser:
         self.buf = "" if final else self.buf[n:]  # final: cut off (a closing tag's beginning is not text)
 
     def _literal(self, out: Delta, final: bool) -> None:
-        i = self.buf.find(PARAM_CLOSE)
+        # a value held until its closing tag is searched from where the last search stopped (a long one would
+        # otherwise be rescanned at every token)
+        i = self.buf.find(PARAM_CLOSE, max(0, self.scanned - len(PARAM_CLOSE) + 1))
         if i >= 0:
             self._args(out, _json_value(self.buf[:i]))
             self.buf = self.buf[i + len(PARAM_CLOSE):]
             self.state = "invoke"
+            self.scanned = 0
         elif final:  # cut off: a JSON value is sent whole or not at all
             self.buf = ""
+        else:
+            self.scanned = len(self.buf)
