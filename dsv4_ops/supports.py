@@ -66,9 +66,9 @@ def compressor_decode_pooled(dtype: torch.dtype) -> bool:
     return dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
-def sparse_attn_decode(q: torch.Tensor, kv: torch.Tensor) -> bool:
+def sparse_attn_decode(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
     """The op reads kv in q's dtype."""
-    return kv.dtype == q.dtype
+    return kv_dtype == q_dtype
 
 
 def sparse_attn_decode_out_rope(rope_dim: int) -> bool:
@@ -76,19 +76,19 @@ def sparse_attn_decode_out_rope(rope_dim: int) -> bool:
     return rope_dim > 0 and rope_dim % 4 == 0
 
 
-def sparse_attn_decode_tensor_cores(q: torch.Tensor) -> bool:
-    """Whether the op runs its tensor-core partial kernel for q (the CUDA binding's rule, which reads the same
-    attn_kernel debug override)."""
-    return (q.dtype == torch.bfloat16 and q.shape[-1] in LIMITS.attn_mma_dims
-            and overrides.current().attn_kernel != "simt")
+def sparse_attn_decode_tensor_cores(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the op runs its tensor-core partial kernel for q of dtype and head_dim (the CUDA binding's rule),
+    unless the attn_kernel debug override forces the CUDA-core one (sparse_attn_decode_simt)."""
+    return dtype == torch.bfloat16 and head_dim in LIMITS.attn_mma_dims
+
+
+def sparse_attn_decode_simt() -> bool:
+    """Whether the attn_kernel debug override forces the op's CUDA-core partial kernel (the binding reads the same
+    override at each launch; it may change between steps, so a decode step asks once, when it is built)."""
+    return overrides.current().attn_kernel == "simt"
 
 
 # Measured on the H200 (bench/RESULTS.md, bench_attn_decode.py): the op's CUDA-core partial kernel (fp32, or the
-# attn_kernel="simt" override) beats the tensor-op form only while batch x listed rows stays within this.
+# attn_kernel="simt" override) beats the tensor-op form only while batch x listed rows stays within this; its
+# tensor-core kernel beats it at every measured size.
 FUSED_ATTN_MAX_ROWS = 4 * 640
-
-
-def sparse_attn_decode_faster(batch: int, rows: int, q: torch.Tensor) -> bool:
-    """Whether the op beats the tensor-op form for `batch` queries attending `rows` rows each: its tensor-core
-    kernel at every measured size, its CUDA-core one up to FUSED_ATTN_MAX_ROWS."""
-    return sparse_attn_decode_tensor_cores(q) or batch * rows <= FUSED_ATTN_MAX_ROWS

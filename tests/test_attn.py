@@ -205,25 +205,42 @@ def test_cuda_graph_replay_and_no_sync():
 
 
 def test_model_picks_the_op_by_size():
-    """Decode calls the op whenever its tensor-core kernel runs (bf16, head dim % 64 == 0), else up to
-    FUSED_ATTN_MAX_ROWS (batch x listed rows) and the tensor-op form above; DecodeOptions.attention forces either,
-    the op only where kv has q's dtype."""
+    """Decode calls the op whenever its tensor-core kernel runs (bf16, head dim % 64 == 0; not under the
+    attn_kernel="simt" override, read when the step is built), else up to FUSED_ATTN_MAX_ROWS (batch x listed
+    rows) and the tensor-op form above; DecodeOptions.attention forces either, the op only where kv has q's dtype
+    (Attention.fused_attention with the answers its alloc_runtime asks)."""
+    from dsv4_model.checkpoint.writer import TINY_CONFIG
+    from dsv4_model.model.attention import Attention
+    from dsv4_model.model.config import ModelConfig
     from dsv4_model.model.decode_options import DecodeOptions
+    from dsv4_model.model.step_values import DecodeStep
+    from dsv4_ops import supports
     from dsv4_ops.supports import FUSED_ATTN_MAX_ROWS as limit
 
-    auto, fused, torch_form = DecodeOptions(), DecodeOptions(attention="fused"), DecodeOptions(attention="torch")
-    bf16, fp32 = torch.empty(1, 4, 512, dtype=torch.bfloat16), torch.empty(1, 4, 512)
-    odd = torch.empty(1, 4, 72, dtype=torch.bfloat16)
-    for q in (fp32, odd):
-        assert auto.fused_attention(1, limit, q, q)
-        assert auto.fused_attention(4, limit // 4, q, q)
-        assert not auto.fused_attention(8, limit // 4, q, q)
-    assert auto.fused_attention(64, limit, bf16, bf16)
+    def layer(dtype, head_dim):
+        a = Attention(ModelConfig(**{**TINY_CONFIG, "head_dim": head_dim}), 0, dtype, 1, 64)
+        a.ring = a.window
+        a.alloc_runtime("meta", dtype)
+        return a
+
+    def step(attention="auto"):
+        return DecodeStep(torch.zeros(1, dtype=torch.long), DecodeOptions(attention=attention), {}, {}, None, {})
+
+    auto, fused, torch_form = step(), step("fused"), step("torch")
+    bf16, fp32, odd = layer(torch.bfloat16, 512), layer(torch.float32, 512), layer(torch.bfloat16, 72)
+    for a in (fp32, odd):
+        assert a.fused_attention(1, limit, auto)
+        assert a.fused_attention(4, limit // 4, auto)
+        assert not a.fused_attention(8, limit // 4, auto)
+    assert bf16.fused_attention(64, limit, auto)
     with kernel_overrides(attn_kernel="simt"):
-        assert not auto.fused_attention(8, limit // 4, bf16, bf16)
-    assert fused.fused_attention(8, limit, fp32, fp32)
-    assert not fused.fused_attention(1, 1, fp32, bf16)
-    assert not torch_form.fused_attention(1, 1, bf16, bf16)
+        simt = step()
+    assert not bf16.fused_attention(8, limit // 4, simt) and bf16.fused_attention(64, limit, auto)
+    assert fp32.fused_attention(8, limit, fused)
+    assert not supports.sparse_attn_decode(torch.float32, torch.bfloat16)
+    fp32.use_attn_op = False  # kv_cache not in q's dtype
+    assert not fp32.fused_attention(1, 1, fused)
+    assert not bf16.fused_attention(1, 1, torch_form)
     with pytest.raises(ValueError, match="attention must be one of"):
         DecodeOptions(attention="tensor")
 

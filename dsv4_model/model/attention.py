@@ -127,6 +127,8 @@ class Attention(nn.Module):
         self.use_norm_rope_op = supports.rms_norm_rope(dtype, self.head_dim, self.rope_dim)  # q, kv, entries
         self.use_store_op = supports.rms_norm_rope_store(dtype, self.kv_cache)  # kv / entries into kv_cache
         self.use_out_rope = supports.sparse_attn_decode_out_rope(self.rope_dim)
+        self.use_attn_op = supports.sparse_attn_decode(dtype, self.kv_cache.dtype)  # else the tensor-op form
+        self.attn_tensor_cores = supports.sparse_attn_decode_tensor_cores(dtype, self.head_dim)  # see _fused_attention
 
     # ------------------------------------------------------------------ shared pieces
     def _qkv(self, x: torch.Tensor, cs: torch.Tensor, decode: bool = False,
@@ -354,9 +356,22 @@ class Attention(nn.Module):
         self._decode_store(p, step)
         B = p.x.shape[0]
         listed = self.ring + (sel.idx.shape[1] if sel is not None else self.n_entries if self.ratio else 0)
-        if step.options.fused_attention(B, listed, p.q, self.kv_cache):
+        if self.fused_attention(B, listed, step):
             return self._decode_attend_op(p.q, p.cs, step, sel)
         return self._decode_attend_reference(p.q, step, sel), False
+
+    def fused_attention(self, batch: int, listed: int, step: DecodeStep) -> bool:
+        """Whether decode attends with dsv4::sparse_attn_decode (one op instead of a gather, two GEMMs per key set,
+        masks and a softmax) for `batch` queries attending `listed` cache rows each (static when the step is
+        traced): where the op takes this layer's q / kv (asked at setup), always under the step's
+        DecodeOptions.attention "fused", never under "torch", and under "auto" where it is the faster form: its
+        tensor-core kernel at every measured size (unless the step's attn_kernel override forces the CUDA-core
+        one), the CUDA-core kernel up to supports.FUSED_ATTN_MAX_ROWS."""
+        form = step.options.attention
+        if form == "torch" or not self.use_attn_op:
+            return False
+        return (form == "fused" or (self.attn_tensor_cores and not step.attn_simt)
+                or batch * listed <= supports.FUSED_ATTN_MAX_ROWS)
 
     def _decode_select(self, p: "DecodeProjections", step: DecodeStep) -> "Selection":
         """CSA: the indexer's compressor advances (its entry stored, _store_index_entry), then its top-k of the

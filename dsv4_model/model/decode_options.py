@@ -12,17 +12,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
-
-from dsv4_ops import supports
-
 ATTENTION_MODES = ("auto", "fused", "torch")
 
 
 @dataclass(frozen=True)
 class DecodeOptions:
     hc_pre: bool = True  # mHC at decode as dsv4::hc_pre / hc_post_pre (an NVFP4 MoE's rows folded into the latter)
-    attention: str = "auto"  # dsv4::sparse_attn_decode where faster ("auto"), always ("fused"), never ("torch")
+    # dsv4::sparse_attn_decode where faster ("auto"), always ("fused"), never ("torch"): Attention.fused_attention
+    attention: str = "auto"
 
     def __post_init__(self):
         if self.attention not in ATTENTION_MODES:
@@ -44,14 +41,6 @@ class DecodeOptions:
             else:
                 raise ValueError(f"decode option {item!r}: the value must be 0 or 1")
         return cls(**kw)
-
-    def fused_attention(self, batch: int, rows: int, q: torch.Tensor, kv: torch.Tensor) -> bool:
-        """Whether decode attends with dsv4::sparse_attn_decode (one op instead of a gather, two GEMMs per key set,
-        masks and a softmax) for a batch attending `rows` rows each of kv (shapes are static when the step is
-        traced): where the op takes q / kv and, under "auto", where it is the faster form."""
-        if self.attention == "torch" or not supports.sparse_attn_decode(q, kv):
-            return False
-        return self.attention == "fused" or supports.sparse_attn_decode_faster(batch, rows, q)
 
 
 DEFAULT = DecodeOptions()

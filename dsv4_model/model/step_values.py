@@ -14,6 +14,8 @@ from typing import Callable
 
 import torch
 
+from dsv4_ops import supports
+
 from dsv4_model.model.decode_options import DecodeOptions
 
 Slots = tuple[torch.Tensor, list]  # (scratch buffer [n, max_batch, ...], the key of each of its n slots)
@@ -34,11 +36,13 @@ class DecodeStep:
     positions [B] int64: each row's position. options: how the step is built. tables: {kind: RoPE table
     [max_seq_len, rope_dim / 2, 2]}; rope_slots: {kind: (buffer, offsets m)}; nvis_slots: (buffer, ratios);
     attn_slots: {(ring slots, ratio, entries): (buffer, [key])}. Without slots ({}, None, {}) every value is a
-    tensor of its own (a multi-token decode holds several steps at once)."""
+    tensor of its own (a multi-token decode holds several steps at once). attn_simt: whether the attn_kernel debug
+    override forces the attention op's CUDA-core kernel (Attention.fused_attention), read once per step."""
 
     def __init__(self, positions: torch.Tensor, options: DecodeOptions, tables: dict[str, torch.Tensor],
                  rope_slots: dict[str, Slots], nvis_slots: Slots | None, attn_slots: dict[tuple, Slots]):
         self.positions, self.options = positions, options
+        self.attn_simt = supports.sparse_attn_decode_simt()
         self._tables = tables
         self._nvis_slots, self._attn_slots = nvis_slots, attn_slots
         self._rope = {kind: {m: in_slot(slots, m, self._gather(tables[kind], m)) for m in slots[1]}
