@@ -173,9 +173,9 @@ class DSpark(nn.Module):
 
     def _stage(self, st: DSparkStage, h: torch.Tensor, ids: torch.Tensor, cs: torch.Tensor,
                last: torch.Tensor) -> torch.Tensor:
-        x, post, comb = st._pre(h, "attn")
+        x, post, comb = st._pre(h, st.hc_attn)
         h = hc_post(self._attention(st, st.attn_norm(x), cs, last), h, post, comb)
-        x, post, comb = st._pre(h, "ffn")
+        x, post, comb = st._pre(h, st.hc_ffn)
         return hc_post(st.ffn(st.ffn_norm(x), ids, static=True), h, post, comb)
 
     @torch.no_grad()

@@ -65,6 +65,23 @@ class Pending(NamedTuple):
     n_experts: int = 0
 
 
+class HcSite(NamedTuple):
+    """One sublayer's mHC mix (Block.hc_attn / hc_ffn): its weights (the Block's hc_<site>_fn / scale / base, the
+    checkpoint's names), the sublayer's norm, and whether dsv4::hc_pre takes fn (op: asked at setup)."""
+
+    fn: torch.Tensor
+    scale: torch.Tensor
+    base: torch.Tensor
+    norm: RMSNorm
+    op: bool
+
+
+def fuses_post(site: HcSite, out_dtype: torch.dtype, h_dtype: torch.dtype, opts: DecodeOptions) -> bool:
+    """Whether Block._post_pre_normed folds a sublayer output of out_dtype into streams of h_dtype with one
+    dsv4::hc_post_pre call (supports.hc_post_pre: the dtypes equal, and its fn check, site.op, asked at setup)."""
+    return not torch.is_grad_enabled() and opts.hc_pre and site.op and out_dtype == h_dtype
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, max_batch: int, max_seq_len: int):
         super().__init__()
@@ -76,53 +93,60 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         mix, hc_dim = (2 + self.hc) * self.hc, self.hc * cfg.dim
-        for site in ("attn", "ffn"):
-            self.register_parameter(f"hc_{site}_fn", _param(mix, hc_dim))
-            self.register_parameter(f"hc_{site}_base", _param(mix))
-            self.register_parameter(f"hc_{site}_scale", _param(3))
+        # named as the checkpoints name them (dsv4_model/checkpoint/names.py); read through hc_attn / hc_ffn
+        self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = _param(mix, hc_dim), _param(mix), _param(3)
+        self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = _param(mix, hc_dim), _param(mix), _param(3)
+        self.ask_supports()
 
-    def _pre(self, h: torch.Tensor, site: str):
-        return hc_pre(h, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
-                      getattr(self, f"hc_{site}_base"), self.hc, self.iters, self.hc_eps, self.norm_eps)
+    def ask_supports(self) -> None:
+        """Whether dsv4::hc_pre takes each sublayer's fn (supports.hc_pre): it depends only on how fn is stored, so
+        it is asked here (at construction, and again by Transformer.setup_runtime after the weights are loaded),
+        not in every step."""
+        self.hc_attn_op = supports.hc_pre(self.hc_attn_fn)
+        self.hc_ffn_op = supports.hc_pre(self.hc_ffn_fn)
+
+    # Built on each use from the parameters (no reference kept that a reload or move could leave stale).
+    @property
+    def hc_attn(self) -> HcSite:
+        return HcSite(self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.attn_norm, self.hc_attn_op)
+
+    @property
+    def hc_ffn(self) -> HcSite:
+        return HcSite(self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.ffn_norm, self.hc_ffn_op)
+
+    def _pre(self, h: torch.Tensor, site: HcSite):
+        return hc_pre(h, site.fn, site.scale, site.base, self.hc, self.iters, self.hc_eps, self.norm_eps)
 
     def prefill(self, h: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, rope: dict, at: PrefillAt,
                 static_moe: bool = False) -> torch.Tensor:
-        x, post, comb = self._pre(h, "attn")
+        x, post, comb = self._pre(h, self.hc_attn)
         h = hc_post(self.attn.prefill(self.attn_norm(x), lengths, rope[self.attn.rope_kind], at), h, post, comb)
-        x, post, comb = self._pre(h, "ffn")
+        x, post, comb = self._pre(h, self.hc_ffn)
         return hc_post(self.ffn(self.ffn_norm(x), ids, static=static_moe), h, post, comb)
 
-    def _pre_normed(self, h: torch.Tensor, site: str, norm: RMSNorm, opts: DecodeOptions):
+    def _pre_normed(self, h: torch.Tensor, site: HcSite, opts: DecodeOptions):
         """_pre, then the sublayer's norm: at decode one dsv4::hc_pre call (unless opts say otherwise)."""
-        fn = getattr(self, f"hc_{site}_fn")
-        if not torch.is_grad_enabled() and opts.hc_pre and supports.hc_pre(fn):
-            return ops.hc_pre(h, fn=fn, scale=getattr(self, f"hc_{site}_scale").float(),
-                              base=getattr(self, f"hc_{site}_base").float(), norm_weight=norm.weight.float(),
-                              iters=self.iters, hc_eps=self.hc_eps, norm_eps=self.norm_eps, out_eps=norm.eps)
+        norm = site.norm
+        if not torch.is_grad_enabled() and opts.hc_pre and site.op:
+            return ops.hc_pre(h, fn=site.fn, scale=site.scale.float(), base=site.base.float(),
+                              norm_weight=norm.weight.float(), iters=self.iters, hc_eps=self.hc_eps,
+                              norm_eps=self.norm_eps, out_eps=norm.eps)
         x, post, comb = self._pre(h, site)
         return norm(x), post, comb
 
-    def fuses_post(self, site: str, out_dtype: torch.dtype, h_dtype: torch.dtype, opts: DecodeOptions) -> bool:
-        """Whether _post_pre_normed folds a sublayer output of out_dtype into streams of h_dtype with one
-        dsv4::hc_post_pre call."""
-        return (not torch.is_grad_enabled() and opts.hc_pre
-                and supports.hc_post_pre(out_dtype, h_dtype, getattr(self, f"hc_{site}_fn")))
-
-    def _post_pre_normed(self, h: torch.Tensor, pending: "Pending | None", site: str, norm: RMSNorm,
-                         opts: DecodeOptions):
+    def _post_pre_normed(self, h: torch.Tensor, pending: "Pending | None", site: HcSite, opts: DecodeOptions):
         """hc_post of pending (the previous sublayer's output, or None) into the streams h, then _pre_normed:
         one dsv4::hc_post_pre call where fuses_post, and always for a MoE's uncombined expert rows (which only
         that call can fold). Returns (h, x, post, comb)."""
-        if pending is not None and (pending.ids is not None
-                                    or self.fuses_post(site, pending.out.dtype, h.dtype, opts)):
-            return ops.hc_post_pre(pending.out, h, pending.post, pending.comb, fn=getattr(self, f"hc_{site}_fn"),
-                                   scale=getattr(self, f"hc_{site}_scale").float(),
-                                   base=getattr(self, f"hc_{site}_base").float(), norm_weight=norm.weight.float(),
-                                   iters=self.iters, hc_eps=self.hc_eps, norm_eps=self.norm_eps, out_eps=norm.eps,
+        if pending is not None and (pending.ids is not None or fuses_post(site, pending.out.dtype, h.dtype, opts)):
+            norm = site.norm
+            return ops.hc_post_pre(pending.out, h, pending.post, pending.comb, fn=site.fn, scale=site.scale.float(),
+                                   base=site.base.float(), norm_weight=norm.weight.float(), iters=self.iters,
+                                   hc_eps=self.hc_eps, norm_eps=self.norm_eps, out_eps=norm.eps,
                                    out_ids=pending.ids, out_experts=pending.n_experts)
         if pending is not None:
             h = hc_post(pending.out, h, pending.post, pending.comb)
-        return (h, *self._pre_normed(h, site, norm, opts))
+        return (h, *self._pre_normed(h, site, opts))
 
     def decode(self, h: torch.Tensor, ids: torch.Tensor, step: "DecodeStep | list[DecodeStep]",
                pending: "Pending | None" = None, fold_rows: bool = False) -> "tuple[torch.Tensor, Pending]":
@@ -133,9 +157,9 @@ class Block(nn.Module):
         sum an NVFP4 MoE's expert rows, so they go to it uncombined (one combine kernel less per layer; the
         Transformer decides)."""
         opts = step.options if isinstance(step, DecodeStep) else step[0].options
-        h, x, post, comb = self._post_pre_normed(h, pending, "attn", self.attn_norm, opts)
+        h, x, post, comb = self._post_pre_normed(h, pending, self.hc_attn, opts)
         out = self.attn.decode(x, step) if isinstance(step, DecodeStep) else self.attn.decode_tokens(x, step)
-        h, x, post, comb = self._post_pre_normed(h, Pending(out, post, comb), "ffn", self.ffn_norm, opts)
+        h, x, post, comb = self._post_pre_normed(h, Pending(out, post, comb), self.hc_ffn, opts)
         if fold_rows:
             rows = self.ffn.decode_rows(x, ids)
             if rows is not None:
@@ -252,7 +276,9 @@ class Transformer(nn.Module):
             self.register_buffer(f"attn_rows_{i}", torch.zeros(1, self.max_batch_size, w + (n if r else 0),
                                                                dtype=torch.int32, device=device), persistent=False)
         for mod in self.modules():
-            if isinstance(mod, Attention):
+            if isinstance(mod, Block):
+                mod.ask_supports()
+            elif isinstance(mod, Attention):
                 mod.alloc_runtime(device, self.dtype)
             elif isinstance(mod, Indexer):
                 mod.alloc_runtime(device, self.dtype)
@@ -415,7 +441,7 @@ class Transformer(nn.Module):
         pending = None
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            fold = nxt is not None and nxt.fuses_post("attn", torch.bfloat16, h.dtype, options)
+            fold = nxt is not None and fuses_post(nxt.hc_attn, torch.bfloat16, h.dtype, options)
             if layer_call is None:
                 h, pending = layer.decode(h, tokens, step, pending, fold_rows=fold)
             else:
