@@ -155,8 +155,8 @@ class ExpertsBackend(Protocol):
                  static: bool) -> torch.Tensor:
         """Routed + shared experts' output [N, dim] in x's dtype; static: no data-dependent shapes."""
 
-    def gives_rows(self, moe: "MoE", dtype: torch.dtype) -> bool:
-        """Whether `rows` can give the uncombined bf16 rows for an input of `dtype`."""
+    def rows_dtype(self, moe: "MoE") -> torch.dtype | None:
+        """The input dtype for which `rows` gives the uncombined bf16 rows, or None (asked when installed)."""
 
     def rows(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Each assignment's expert output before the combine, bf16 [N*k (+ N), dim] (dsv4::nvfp4_moe_rows)."""
@@ -181,8 +181,8 @@ class FloatExperts:
         y = moe.shard.all_reduce(run(x, torch.where(local, weights, 0.0), torch.where(local, ids, 0)))
         return (y + moe.shared_experts(x).float()).to(x.dtype)
 
-    def gives_rows(self, moe, dtype):
-        return False
+    def rows_dtype(self, moe):
+        return None
 
     def rows(self, moe, x, weights, indices):
         raise NotImplementedError("float experts give combined outputs only")
@@ -200,6 +200,7 @@ class MoE(nn.Module):
         self.experts = Experts(cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit, dtype)
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, dtype, cfg.swiglu_limit)
         self.backend: ExpertsBackend = FloatExperts()
+        self.rows_dtype = self.backend.rows_dtype(self)  # decode_rows' input dtype (None: no rows)
         self.shard: ExpertShard | None = None  # expert parallelism: this rank's experts (shard_experts_)
         self.expert_start = 0
 
@@ -226,6 +227,7 @@ class MoE(nn.Module):
         for name, mod in modules.items():
             self.add_module(name, mod)
         self.backend = backend
+        self.rows_dtype = backend.rows_dtype(self)
         return old
 
     def _route(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,7 +240,7 @@ class MoE(nn.Module):
         """Decode (x [B, 1, dim]): the experts' uncombined rows for dsv4::hc_post_pre as (rows [B*k (+ B), dim],
         topk ids [B, k], n_experts), or None where the backend gives no bf16 rows (float experts, a model of
         another dtype): the caller then takes forward's combined output."""
-        if not self.backend.gives_rows(self, x.dtype):
+        if x.dtype != self.rows_dtype:
             return None
         x = x.reshape(-1, self.dim)
         weights, indices = self._route(x, ids)

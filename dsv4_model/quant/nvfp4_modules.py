@@ -224,7 +224,8 @@ class Nvfp4MoE(nn.Module):
             qs = (quantize_weight(torch.cat((s1, s3), dim=-2)), quantize_weight(s2))
         return cls.from_nvfp4(q13, q2, qs, swiglu_limit)
 
-    def _weights(self) -> dict:
+    def op_weights(self) -> dict:
+        """The weights as dsv4::nvfp4_moe / nvfp4_moe_rows take them."""
         shared = self.shared_inter > 0
         return dict(w13=(self.w13_packed, self.w13_scale, self.w13_global_scale),
                     w2=(self.w2_packed, self.w2_scale, self.w2_global_scale),
@@ -234,19 +235,16 @@ class Nvfp4MoE(nn.Module):
                     if shared else None,
                     swiglu_limit=self.swiglu_limit)
 
-    def _act(self, x: torch.Tensor) -> torch.Tensor:
+    def op_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x as dsv4::nvfp4_moe / nvfp4_moe_rows take it: bf16 (W4A4: each row NVFP4-rounded first)."""
         if self.w4a4:
             xp, xs, xg = ops.fused_amax_quantize_per_row(x)
             x = ops.nvfp4_dequantize(xp, xs, xg, dtype=torch.bfloat16)
         return x.to(torch.bfloat16)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        y = ops.nvfp4_moe(self._act(x), topk_ids, topk_weights.float(), **self._weights())
+        y = ops.nvfp4_moe(self.op_input(x), topk_ids, topk_weights.float(), **self.op_weights())
         return y.to(self.out_dtype)
-
-    def rows(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """forward's expert rows before the combine (dsv4::nvfp4_moe_rows): bf16 [T*k (+ T), d]."""
-        return ops.nvfp4_moe_rows(self._act(x), topk_ids, topk_weights.float(), **self._weights())
 
     def narrow_experts_(self, start: int, count: int) -> None:
         """Keep routed experts [start, start + count) only (expert parallelism); the shared expert stays."""
@@ -309,18 +307,22 @@ class Nvfp4Experts:
             return moe.nvfp4(x, indices, weights).to(x.dtype)
         return combine_rows(self.rows(moe, x, weights, indices), indices.shape[1]).to(x.dtype)
 
-    def gives_rows(self, moe, dtype):
-        return dtype == torch.bfloat16 and moe.nvfp4.out_dtype == torch.bfloat16
+    def rows_dtype(self, moe):
+        return torch.bfloat16 if moe.nvfp4.out_dtype == torch.bfloat16 else None
 
     def rows(self, moe, x, weights, indices):
-        if moe.shard is None:
-            return moe.nvfp4.rows(x, indices, weights)
-        # this rank's experts' rows, zeros elsewhere (the shared expert's rows on rank 0 only): summed across the
-        # ranks, every row is the single-process row (one nonzero term: exact in bf16)
-        local, ids = moe.local_ids(indices)
-        rows = moe.nvfp4.rows(x, torch.where(local, ids, -1), weights)
-        keep = torch.cat((local.reshape(-1), torch.full((x.shape[0],), moe.shard.rank == 0, device=x.device)))
-        return moe.shard.all_reduce(torch.where(keep.unsqueeze(-1), rows, 0.0))
+        """The module's expert rows before forward's combine (dsv4::nvfp4_moe_rows): bf16 [T*k (+ T), d]."""
+        nv, shard = moe.nvfp4, moe.shard
+        if shard is not None:  # this rank's experts only (the others' ids -1: rows of zeros)
+            local, ids = moe.local_ids(indices)
+            indices = torch.where(local, ids, -1)
+        rows = ops.nvfp4_moe_rows(nv.op_input(x), indices, weights.float(), **nv.op_weights())
+        if shard is None:
+            return rows
+        # the shared expert's rows on rank 0 only: summed across the ranks, every row is the single-process row
+        # (one nonzero term: exact in bf16)
+        keep = torch.cat((local.reshape(-1), torch.full((x.shape[0],), shard.rank == 0, device=x.device)))
+        return shard.all_reduce(torch.where(keep.unsqueeze(-1), rows, 0.0))
 
     def narrow_(self, moe, start, count):
         moe.nvfp4.narrow_experts_(start, count)
