@@ -74,6 +74,10 @@ class _PackageModel:
         self.max_batch_size = engine.max_batch_size
         self.max_seq_len = engine.max_seq_len
         self.device = engine.device
+        self.decode_buckets = sorted(engine._decode)  # the batches the package's decode entries run
+
+    def compressor_ratios(self) -> set[int]:
+        return {int(r) for r in getattr(self._engine.config, "compress_ratios", ()) if r}
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, options=None) -> torch.Tensor:
         if options is not None and options != type(options)():
@@ -140,6 +144,9 @@ class ExportedEngine(EngineSession):
                          if e["kind"] == "prefill" and n in self._models}
         self._prefill_chunk = {(e["batch"], e["seq_len"]): n for n, e in self.entries.items()
                                if e["kind"] == "prefill_chunk" and n in self._models}
+        # the Scheduler's chunked prefill (prefill_at) runs through the prefill_chunk entries
+        self.can_prefill_at = bool(self._prefill_chunk)
+        self.prefill_chunk = max((c for _, c in self._prefill_chunk), default=0)
         self.model = _PackageModel(self)
         self.runner_options = RunnerOptions(compile=False, cuda_graphs=self.cuda_graph)
         self._init_session()
@@ -195,6 +202,46 @@ class ExportedEngine(EngineSession):
         lens[:b] = lengths
         name = self._prefill_chunk[(bb, c)]
         return padded_chunks(padded, lens, c, lambda t, n, s: self._run(name, t, n, s))[:b]
+
+    # -- the Scheduler's interface (dsv4_model.runtime.scheduler) ----------------------------------------------
+    def prefill_at(self, tokens: torch.Tensor, lengths: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """One prefill chunk of rows [:B] each from its own position (Engine.prefill_at) through the
+        prefill_chunk entry of the smallest batch >= B, c positions per call: tokens [B, S], lengths [B] (0: the
+        row is left as it is), start [B] -> fp32 logits [B, V] at each row's last token."""
+        b, S = tokens.shape
+        fits = [(bb, c) for bb, c in self._prefill_chunk if bb >= b]
+        if not fits:
+            raise ValueError(f"no prefill_chunk entry holds {b} rows (package has {sorted(self._prefill_chunk)})")
+        bb, c = min(fits, key=lambda k: (k[0], -k[1]))
+        dev = self.device
+        lengths, start = lengths.to(dev), start.to(dev)
+        # rows past B: no tokens, at position 1 (a row of length 0 at position 0 would restart its compressor
+        # state, and rows past B may hold sequences)
+        starts = torch.ones(bb, dtype=torch.long, device=dev)
+        starts[:b] = start
+        out = None
+        for s in range(0, S, c):
+            part = torch.zeros(bb, c, dtype=torch.long, device=dev)
+            part[:b, :min(c, S - s)] = tokens[:, s:s + c].to(dev)
+            n = torch.zeros(bb, dtype=torch.long, device=dev)
+            n[:b] = (lengths - s).clamp(0, c)
+            logits = self._run(self._prefill_chunk[(bb, c)], part, n, starts + s)[:b]
+            ends = ((lengths - 1 >= s) & (lengths - 1 < s + c)).unsqueeze(1)
+            out = logits if out is None else torch.where(ends, logits, out)
+        return out
+
+    def protect_rows(self, rows: list[int]):
+        """Their compressor states, to put back after a decode step they ride along in (restore())."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        states = [c for spec, c in zip(self.cache_specs, self.caches) if spec.name.endswith(("kv_state",
+                                                                                          "score_state"))]
+        saved = [c.index_select(0, idx) for c in states]
+
+        def restore() -> None:
+            for c, held in zip(states, saved):
+                c.index_copy_(0, idx, held)
+
+        return restore
 
     # -- the engine interface (dsv4_model.runtime.session.EngineSession: prefill, decode, generate, state) ------
     _prefill_logits = prefill_step

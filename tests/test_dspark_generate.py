@@ -106,3 +106,23 @@ def test_cli_dspark_on_a_checkpoint_without_it_is_one_line():
     assert rc == 2 and out == ""
     lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("[dsv4]")]  # the model note
     assert len(lines) == 1 and "carries no DSpark module" in lines[-1], err
+
+
+def test_dspark_steps_inside_the_scheduler(ckpt, plain):
+    """Requests joining a running batch one iteration apart, prompts prefilled 4 tokens per iteration (their chunks
+    committed to the DSpark rings while other rows step, riding rows accepting nothing): each gets plain greedy's
+    tokens; a sampled request is refused (DSpark's steps are greedy)."""
+    from dsv4_model.runtime.requests import Request
+    from dsv4_model.runtime.sampling import SamplingParams
+    from dsv4_model.runtime.speculative_scheduler import SpeculativeScheduler
+
+    s = SpeculativeScheduler(_engine(ckpt, spare_window_slots=3), 3, method="dspark", max_prefill_tokens=4)
+    reqs = []
+    for p in PROMPTS:
+        reqs.append(s.submit(Request(p, SamplingParams(), N)))
+        s.step()
+    s.run_until_idle()
+    assert [r.token_ids for r in reqs] == plain.token_ids
+    assert s.speculation.tokens_per_step > 1.0 and s.stats.prefill_chunks > 4
+    with pytest.raises(ValueError, match="prepared for .'greedy',. only"):
+        s.submit(Request(PROMPT, SamplingParams(temperature=0.7), 4))

@@ -218,6 +218,28 @@ def test_a_prompt_longer_than_every_bucket_runs_in_chunks(cpu_pkg):
         a, b = pkg.decode(nxt), ref.decode(nxt)
 
 
+def test_the_scheduler_runs_a_package(cpu_pkg):
+    """An exported package under the Scheduler (generate() takes this path): 3 requests on 2 rows, staggered, their
+    prompts prefilled through the prefill_chunk entry from each row's own position (5 tokens per iteration, so a
+    prompt spans chunks while the other row decodes): each gets the tokens the eager engine's scheduler gives it."""
+    from dsv4_model.runtime.requests import Request
+    from dsv4_model.runtime.sampling import SamplingParams
+    from dsv4_model.runtime.scheduler import Scheduler
+
+    prompts = [PROMPTS[0], PROMPTS[1], [7, 3, 19, 44]]
+    got = []
+    for eng in (ExportedEngine(cpu_pkg.path), _eager_engine(cpu_pkg)):
+        s = Scheduler(eng, max_prefill_tokens=5, tokenizer=None)
+        reqs = []
+        for p in prompts:
+            reqs.append(s.submit(Request(p, SamplingParams(), 6, ignore_eos=True)))
+            s.step()
+        s.run_until_idle()
+        assert [r.finish_reason for r in reqs] == ["length"] * 3 and s.stats.prefill_chunks > 3
+        got.append([r.token_ids for r in reqs])
+    assert got[0] == got[1]
+
+
 def test_compile_jobs_rule(monkeypatch):
     import dsv4_export.build as b
 

@@ -273,11 +273,8 @@ def _check_speculate_method(args, config, path) -> None:
     from dsv4_model.runtime import distributed
 
     if distributed.launched():
-        raise ValueError("--speculate with DSpark: not under torchrun yet (its steps run outside the scheduler, "
-                         "whose plans carry MTP speculative steps to every rank)")
-    if args.stop:
-        raise ValueError("--stop: not with DSpark speculation yet (its steps run outside the scheduler; MTP "
-                         "speculation, --speculate-method mtp, takes stop strings)")
+        raise ValueError("--speculate with DSpark: not under torchrun yet (the DSpark module is not loaded under "
+                         "expert parallelism)")
     if args.speculate > config.dspark.block_size:
         raise ValueError(f"--speculate {args.speculate}: DSpark drafts blocks of {config.dspark.block_size} tokens "
                          f"(--speculate 1..{config.dspark.block_size})")

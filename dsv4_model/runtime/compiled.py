@@ -110,7 +110,10 @@ class DecodeRunner:
         if self.graph_mode == "reduce-overhead":
             self.compile = True
         self.max_rows = int(model.max_batch_size)
-        self.buckets = batch_buckets(self.max_rows)
+        # a model that runs fixed batches only (an exported package's decode entries) pads to them even eagerly:
+        # its own padding would put the rows past a batch at position 0, and the scheduler's rows hold sequences
+        self._fixed_buckets = getattr(model, "decode_buckets", None)
+        self.buckets = list(self._fixed_buckets or batch_buckets(self.max_rows))
         self.tokens = torch.zeros(self.max_rows, dtype=torch.int64, device=self.device)
         self.positions = torch.zeros(self.max_rows, dtype=torch.int64, device=self.device)
         self.sampler = SamplerBuffers(self.max_rows, self.device)
@@ -195,7 +198,7 @@ class DecodeRunner:
     def bucket(self, rows: int) -> int:
         if not 1 <= rows <= self.max_rows:
             raise ValueError(f"batch of {rows} rows: must be in [1, max_batch_size={self.max_rows}]")
-        if not (self.compile or self.cuda_graphs):
+        if not (self.compile or self.cuda_graphs or self._fixed_buckets):
             return rows  # eager: no reason to pad
         return self.buckets[bisect.bisect_left(self.buckets, rows)]
 

@@ -32,7 +32,8 @@ class DSparkRunner(DraftingRunner):
         return (self.tokens[:n], self.positions[:n], self.live[:n], self.drafts[:n])
 
     def _step_impl(self, tokens, positions, live, drafts):
-        emitted, n_acc, nxt = dspark_step(self.model, self.dspark, tokens, drafts, positions, self.step_options)
+        emitted, n_acc, nxt = dspark_step(self.model, self.dspark, tokens, drafts, positions, self.step_options,
+                                          live)
         rows = torch.arange(tokens.shape[0], device=tokens.device)
         tokens.copy_(emitted[rows, n_acc])
         positions.add_((n_acc + 1) * live)  # padding and ended rows stay where they are
@@ -46,3 +47,17 @@ class DSparkRunner(DraftingRunner):
         n = self.rows
         self.tokens[:n].copy_(first)
         self.drafts[:n].copy_(self.dspark.draft(self.model, first, self.positions[:n] - 1).tokens[:, : self.k])
+
+    @torch.no_grad()
+    def start_rows(self, rows: list[int], streams, last: list[int], hold: torch.Tensor, state: torch.Tensor) -> None:
+        """The first drafts of `rows`, each of which has just sampled its first token (sample_rows) after its
+        prompt's last position last[i] (committed to the DSpark rings by the prefill); the row decodes from
+        last[i] + 1. The draft runs over rows [:max(rows) + 1] (it only reads the rings: the others' drafts are
+        kept). streams: unused (the MTP runner's first drafts read them)."""
+        n = max(rows) + 1
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        at = torch.tensor(last, dtype=torch.long, device=self.device)
+        pos = self._ride(n, hold, state)[0].index_copy(0, idx, at)
+        drafts = self.dspark.draft(self.model, self.tokens[:n], pos).tokens[:, : self.k]
+        self.drafts.index_copy_(0, idx, drafts.index_select(0, idx))
+        self.positions.index_copy_(0, idx, at + 1)

@@ -1,5 +1,5 @@
-"""Greedy speculative decoding with the DSpark module (docs/dspark.md): the step, and one batch of generate() on
-the DSparkRunner (dspark_runner.py, which runs the step compiled / captured).
+"""Greedy speculative decoding with the DSpark module (docs/dspark.md): the step (dspark_runner.py runs it compiled
+/ captured; the scheduler's speculative steps, speculative_scheduler.py, drive it).
 
 Per step and row (y: the last emitted token, at position p, not yet in the caches; d_1..d_K: the DSpark block
 drafted from anchor y, K = block_size): the main model verifies [y, d_1..d_K] at p..p+K in one multi-token decode
@@ -36,19 +36,21 @@ def check_dspark_model(model, k: int | None = None) -> DSpark:
     return dspark
 
 
-def prefill_taps(model, dspark: DSpark, prompt: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Prefill the prompt [B, L] (right-padded: lengths) from position 0 and seed the DSpark rings with its
-    positions -> fp32 logits [B, V] at each row's last token."""
+def prefill_taps(model, dspark: DSpark, prompt: torch.Tensor, lengths: torch.Tensor,
+                 start: torch.Tensor | None = None) -> torch.Tensor:
+    """Prefill the prompt [B, L] (right-padded: lengths; 0: a row left as it is) from position 0, or a chunk of
+    it from each row's start [B], and commit its positions to the DSpark rings -> fp32 logits [B, V] at each row's
+    last token."""
     taps = {}
 
     def tap(layer_id, h):
         if layer_id in dspark.target_layer_ids:
             taps[layer_id] = h
 
-    h = model.streams(prompt, lengths, before_layer=tap)
+    h = model.streams(prompt, lengths, start=0 if start is None else start, before_layer=tap)
     dspark.commit(main_hidden_of([taps[i] for i in dspark.target_layer_ids]),
-                  torch.zeros_like(lengths), lengths, model.rope_main)
-    return model._logits(h[torch.arange(prompt.shape[0], device=h.device), lengths - 1])
+                  torch.zeros_like(lengths) if start is None else start, lengths, model.rope_main)
+    return model._logits(h[torch.arange(prompt.shape[0], device=h.device), (lengths - 1).clamp(min=0)])
 
 
 def verify_taps(model, dspark: DSpark, tokens: torch.Tensor, positions: torch.Tensor,
@@ -76,47 +78,19 @@ def verify_taps(model, dspark: DSpark, tokens: torch.Tensor, positions: torch.Te
 
 
 def dspark_step(model, dspark: DSpark, y: torch.Tensor, drafts: torch.Tensor, pos: torch.Tensor,
-                options=DEFAULT_OPTIONS):
+                options=DEFAULT_OPTIONS, live: torch.Tensor | None = None):
     """One greedy step of rows at positions pos [B] holding y [B] and drafts [B, K]. Returns (emitted [B, K + 1],
-    valid up to n_acc + 1; n_acc [B]; the next DSparkDraft, drafted from the last emitted token)."""
+    valid up to n_acc + 1; n_acc [B]; the next DSparkDraft, drafted from the last emitted token). live [B] (1 / 0):
+    rows with 0 accept nothing (a row riding along commits only its own position, which it rewrites first)."""
     B, K = drafts.shape
     rows = torch.arange(B, device=y.device)
     logits, main_hidden = verify_taps(model, dspark, torch.cat([y.unsqueeze(1), drafts], dim=1), pos, options)
     g = logits.argmax(-1)  # [B, K + 1]: the main model's token after each verified position
     n_acc = (drafts == g[:, :K]).int().cumprod(dim=1).sum(dim=1)
+    if live is not None:
+        n_acc = n_acc * live
     c = g[rows, n_acc]
     emitted = torch.cat([drafts, torch.zeros_like(c).unsqueeze(1)], dim=1).scatter(1, n_acc.unsqueeze(1),
                                                                                     c.unsqueeze(1))
     dspark.commit(main_hidden, pos, n_acc + 1, model.rope_main)  # positions p .. p + n_acc
     return emitted, n_acc, dspark.draft(model, c, pos + n_acc)
-
-
-@torch.no_grad()
-def generate_batch_dspark(engine, ids: list[list[int]], k: int, max_new_tokens: int, stops: set[int], stream,
-                          tok, row0: int, result) -> None:
-    """One batch of generate(..., speculate=k) drafting with the DSpark module: greedy, the first k drafts of each
-    block verified per step (the rest of the block is cut: later positions are accepted less often), the steps on
-    `engine.dspark_runner(k)` (compiled + captured as the engine's runner options say) and the host loop of MTP
-    speculation (`speculative_generate.speculative_steps`)."""
-    import time
-
-    from dsv4_model.runtime.generate import right_padded
-    from dsv4_model.runtime.sampling import SamplingParams
-    from dsv4_model.runtime.speculative_generate import speculative_steps
-
-    model, B = engine.model, len(ids)
-    runner = engine.dspark_runner(k)  # (it checks the model for k drafts)
-    runner.prepare(B)  # compile / capture first: warm-up scribbles on the caches and the DSpark rings
-    t0 = time.perf_counter()
-    engine.reset()
-    padded, lens = right_padded(ids)
-    first = prefill_taps(model, runner.dspark, padded.to(model.device), lens.to(model.device)).argmax(-1)
-    runner.begin(lens, [SamplingParams() for _ in range(B)])
-    runner.start(first)
-    t_first = time.perf_counter()
-    rows, stats, launched, pos = speculative_steps(runner, first.tolist(), [len(p) for p in ids], max_new_tokens,
-                                                   stops, stream, tok, row0)
-    engine.set_lengths(pos)
-    rows.record(result, tok, (t0, t_first, time.perf_counter()), launched)
-    prev = result.extra.get("speculation")
-    result.extra["speculation"] = stats if prev is None else prev.merged(stats)

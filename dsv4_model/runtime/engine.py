@@ -24,6 +24,8 @@ class Engine(EngineSession):
     generate(prompts, ...) (dsv4_model.runtime.generate). State and generation: `EngineSession`.
     prefill_chunk: positions per prefill forward (a longer prompt runs in chunks: dsv4_model.runtime.prefill_chunks)."""
 
+    can_prefill_at = True
+
     def __init__(self, model: Transformer, config: ModelConfig | None = None, device=None, *,
                  runner_options: RunnerOptions = RunnerOptions(), prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         check_positive_int(prefill_chunk, "prefill_chunk")
@@ -72,18 +74,24 @@ class Engine(EngineSession):
 
     @torch.no_grad()
     def prefill_at(self, tokens: torch.Tensor, lengths: torch.Tensor, start: torch.Tensor,
-                   mtp_next: tuple[torch.Tensor, torch.Tensor] | None = None):
+                   mtp_next: tuple[torch.Tensor, torch.Tensor] | None = None, dspark: bool = False):
         """One prefill chunk of rows [:B] each from its own position: tokens [B, S] right-padded, lengths [B] (0: a
         row left as it is), start [B] -> fp32 logits [B, V] at each row's last token (the scheduler's prefill; the
         rows' positions and lengths are the caller's to keep).
         mtp_next (next_ids [B, S], next_lengths [B]): also fill the MTP block's cache over the chunk (position t
         reads token t + 1 = next_ids[b, t - start]; a row's last prompt position has no next token yet, so its
         next_lengths stops one short) and return (logits, the final streams at each row's last token
-        [B, hc, dim]) for the first drafts."""
+        [B, hc, dim]) for the first drafts.
+        dspark: also commit the chunk's positions to the DSpark module's rings (the streams entering its target
+        layers) and return (logits, None)."""
         from dsv4_model.model import mtp
 
         dev = self.device
         tokens, lengths, start = tokens.to(dev), lengths.to(dev), start.to(dev)
+        if dspark:
+            from dsv4_model.runtime.dspark_speculative import prefill_taps
+
+            return prefill_taps(self.model, self.model.dspark, tokens, lengths, start), None
         if mtp_next is None:
             return self.model.prefill(tokens, lengths, start=start)
         h = self.model.streams(tokens, lengths, start=start)

@@ -156,21 +156,18 @@ def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0
         runner = engine.runner()
 
     stop = tuple(stop or ())
-    if method != "dspark" and hasattr(engine, "prefill_at"):
-        return _generate_scheduled(engine, runner, ids, base, max_new_tokens, stops, stream, tok, stop, speculate)
+    if engine.can_prefill_at:
+        return _generate_scheduled(engine, runner, ids, base, max_new_tokens, stops, stream, tok, stop, speculate,
+                                   method)
     if stop:
-        raise ValueError("stop: stop strings need an Engine's generation (the Scheduler; not DSpark speculation)")
+        raise ValueError("stop: stop strings need generation under the Scheduler (an Engine, or a package with "
+                         "prefill_chunk entries)")
     result = GenerationResult([], [] if tok is not None else None, [], [len(p) for p in ids], mode=runner.mode_name)
     for start in range(0, len(ids), runner.max_rows):
         chunk = ids[start : start + runner.max_rows]
         params = [SamplingParams(base.temperature, base.top_k, base.top_p, base.seed + start + i)
                   for i in range(len(chunk))]
-        if method == "dspark":
-            from dsv4_model.runtime.dspark_speculative import generate_batch_dspark
-
-            generate_batch_dspark(engine, chunk, speculate, max_new_tokens, stops, stream, tok, start, result)
-        else:
-            _generate_batch(engine, runner, chunk, params, max_new_tokens, stops, stream, tok, start, result)
+        _generate_batch(engine, runner, chunk, params, max_new_tokens, stops, stream, tok, start, result)
     return result
 
 
@@ -192,11 +189,12 @@ def speculate_method_of(engine, method: str) -> str:
 
 @torch.no_grad()
 def _generate_scheduled(engine, runner, ids: list[list[int]], base: SamplingParams, max_new_tokens: int,
-                        stops: set[int], stream, tok, stop: tuple[str, ...] = (), speculate: int = 0
-                        ) -> GenerationResult:
+                        stops: set[int], stream, tok, stop: tuple[str, ...] = (), speculate: int = 0,
+                        method: str | None = None) -> GenerationResult:
     """The prompts as requests of one Scheduler (continuous batching): more prompts than rows flow through the
     rows as they free up, and each row stops on its own (its cap is its own prompt's, not the longest's).
-    speculate: K MTP drafts per step (a SpeculativeScheduler prepared for the prompts' one sampling mode)."""
+    speculate: K drafts per step by `method` ("mtp" | "dspark"; a SpeculativeScheduler prepared for the
+    prompts' one sampling mode)."""
     from dsv4_model.runtime.requests import Request
     from dsv4_model.runtime.scheduler import Scheduler
 
@@ -210,7 +208,8 @@ def _generate_scheduled(engine, runner, ids: list[list[int]], base: SamplingPara
     if ranks and ranks[0] != 0:  # torchrun: rank 0 schedules, this rank runs its plans, then gets its result
         from dsv4_model.runtime.step_plan import follow
 
-        follow(engine, rows, speculate=speculate, modes=(sampling_mode([base]),) if speculate else ())
+        follow(engine, rows, speculate=speculate, modes=(sampling_mode([base]),) if speculate else (),
+               method=method or "mtp")
         return _result_from_rank0(engine, None, None)
     options = dict(max_prefill_tokens=getattr(engine, "prefill_chunk", 8192), rows=rows, tokenizer=tok,
                    distributed=bool(ranks))
@@ -221,7 +220,7 @@ def _generate_scheduled(engine, runner, ids: list[list[int]], base: SamplingPara
             if len(p) > engine.max_seq_len - 2 * speculate:
                 raise ValueError(f"prompt of {len(p)} tokens leaves no room for speculate={speculate} (at most "
                                  f"max_seq_len - 2 * speculate = {engine.max_seq_len - 2 * speculate})")
-        sched = SpeculativeScheduler(engine, speculate, modes=(sampling_mode([base]),), **options)
+        sched = SpeculativeScheduler(engine, speculate, method=method, modes=(sampling_mode([base]),), **options)
     else:
         sched = Scheduler(engine, **options)
     t0 = time.perf_counter()

@@ -30,6 +30,10 @@ class EngineSession:
     call `_init_session()`, and provide `_prefill_logits(tokens, lengths)` / `_decode_logits(tokens, positions)`
     (device tensors in, fp32 logits out)."""
 
+    # whether generate() can run this engine's prompts through the Scheduler: prefill_at (a chunk of rows each
+    # from its own position) and protect_rows (dsv4_model.runtime.scheduler)
+    can_prefill_at = False
+
     def _init_session(self) -> None:
         self.positions = torch.zeros(self.max_batch_size, dtype=torch.long, device=self.device)
         self._lens: list[int] = []

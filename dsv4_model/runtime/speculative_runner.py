@@ -64,6 +64,39 @@ class DraftingRunner(DecodeRunner):
         return self._run(replay)[0][: self.rows]
 
 
+    # ------------------------------------------------------------------ rows joining and leaving (the scheduler)
+    def set_mode(self, mode: str) -> None:
+        """The sampling mode of the steps from now on (a greedy-only runner takes "greedy" alone)."""
+        if mode != "greedy":
+            raise ValueError(f"{type(self).__name__} steps are greedy only, not {mode!r}")
+
+    def _ride(self, n: int, hold: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [:n]' positions for a pass inside a running batch -> (positions, room) on the device: state (host)
+        1 or 2: the row's own, 0: hold (host); a position without room for a step's writes (2k ahead) becomes 0
+        (room False: what that row holds is lost, and the scheduler stops reusing it)."""
+        st = state[:n].to(self.device, non_blocking=True)
+        pos = torch.where(st > 0, self.positions[:n], hold[:n].to(self.device, non_blocking=True))
+        room = pos + 2 * self.k < self.model.max_seq_len
+        return torch.where(room, pos, 0), room
+
+    @torch.no_grad()
+    def launch(self, rows: int, hold: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """One speculative step of rows [:rows] inside a running batch, padded to their bucket (prepared for the
+        current mode): state [bucket] (host) 2: the row steps, 1: it rides along at its own position, 0: at
+        hold[r]. Returns the bucket's [bucket, k + 2] as step()'s, the count -1 for a row without room for a step
+        (it rode along at position 0 instead)."""
+        n = self.bucket(rows)
+        if (self.compile or self.cuda_graphs) and self._key(n) not in self._ready:
+            raise RuntimeError(f"step {self._key(n)} is not prepared: prepare it before any row holds a sequence")
+        self.padded, self.rows = n, n
+        pos, room = self._ride(n, hold, state)
+        self.positions[:n].copy_(pos)
+        self.live[:n].copy_(((state[:n].to(self.device, non_blocking=True) == 2) & room).long())
+        out = self._run()[0]
+        self.last_logits = None
+        return torch.cat([out[:, :-1], torch.where(room, out[:, -1], -1).unsqueeze(1)], dim=1)
+
+
 class SpeculativeRunner(DraftingRunner):
     def __init__(self, model, k: int, **options):
         check_model(model, k)
@@ -117,19 +150,9 @@ class SpeculativeRunner(DraftingRunner):
         self._set_mode(sampling_mode(params))
         super().begin(positions, params)
 
-    # ------------------------------------------------------------------ rows joining and leaving (the scheduler)
     def set_mode(self, mode: str) -> None:
         """The sampling mode of the steps from now on (its buckets prepared: prepare(rows, mode))."""
         self._set_mode(mode)
-
-    def _ride(self, n: int, hold: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows [:n]' positions for a pass inside a running batch -> (positions, room) on the device: state (host)
-        1 or 2: the row's own, 0: hold (host); a position without room for a step's writes (2k ahead) becomes 0
-        (room False: what that row holds is lost, and the scheduler stops reusing it)."""
-        st = state[:n].to(self.device, non_blocking=True)
-        pos = torch.where(st > 0, self.positions[:n], hold[:n].to(self.device, non_blocking=True))
-        room = pos + 2 * self.k < self.model.max_seq_len
-        return torch.where(room, pos, 0), room
 
     @torch.no_grad()
     def start_rows(self, rows: list[int], streams: torch.Tensor, last: list[int], hold: torch.Tensor,
@@ -151,24 +174,6 @@ class SpeculativeRunner(DraftingRunner):
             self.q.index_copy_(0, idx, q.index_select(0, idx))
         self.positions.index_copy_(0, idx, at + 1)
         self.sampler.offset.index_fill_(0, idx, 2)  # as start() leaves them: the first token 0, the drafts 1
-
-    @torch.no_grad()
-    def launch(self, rows: int, hold: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        """One speculative step of rows [:rows] inside a running batch, padded to their bucket (prepared for the
-        current mode): state [bucket] (host) 2: the row steps, 1: it rides along at its own position, 0: at
-        hold[r]. Returns the bucket's [bucket, k + 2] as step()'s, the count -1 for a row without room for a step
-        (it rode along at position 0 instead)."""
-        n = self.bucket(rows)
-        if (self.compile or self.cuda_graphs) and self._key(n) not in self._ready:
-            raise RuntimeError(f"batch bucket {n} ({self.sampling}) is not prepared: prepare it before any row "
-                               "holds a sequence")
-        self.padded, self.rows = n, n
-        pos, room = self._ride(n, hold, state)
-        self.positions[:n].copy_(pos)
-        self.live[:n].copy_(((state[:n].to(self.device, non_blocking=True) == 2) & room).long())
-        out = self._run()[0]
-        self.last_logits = None
-        return torch.cat([out[:, :-1], torch.where(room, out[:, -1], -1).unsqueeze(1)], dim=1)
 
     @torch.no_grad()
     def start(self, last_streams: torch.Tensor) -> None:

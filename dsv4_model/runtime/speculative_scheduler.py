@@ -1,10 +1,10 @@
-"""Continuous batching with speculative decoding (the MTP block, docs/speculation.md): the Scheduler's iterations,
-with a speculative step (verify the last token and K drafts, draft K more) in place of the decode step, so a
-generating row emits 1 .. K + 1 tokens per iteration.
+"""Continuous batching with speculative decoding (the MTP block or DSpark, docs/speculation.md): the Scheduler's
+iterations with a speculative step (verify the last token and K drafts, draft K more) in place of the decode step,
+so a generating row emits 1 .. K + 1 tokens per iteration.
 
-What changes against the plain scheduler (docs/architecture.md, "Speculative steps in the scheduler"):
-- prefill chunks fill the MTP block's cache too; the iteration a prompt ends, its row samples its first token and
-  drafts its first K (`SpeculativeRunner.start_rows`);
+What changes against the plain scheduler (docs/speculation.md, "Speculative steps in the scheduler"):
+- prefill chunks fill the drafter's state too (the MTP block's cache / DSpark's rings); the iteration a prompt
+  ends, its row samples its first token and drafts its first K (`start_rows`);
 - a generating row's position advances on the device by what it accepted, so the host knows it only after the
   read; the step keeps generating rows at their own positions and puts every other row at the host's (`state`);
 - a row that rides along accepts nothing: it writes its position's K + 1 slots ahead, as a step that rejects every
@@ -31,15 +31,21 @@ def prepare_modes(runner, rows: int | None, modes: tuple[str, ...]) -> int:
 
 
 class SpeculativeScheduler(Scheduler):
-    """A Scheduler whose decode steps are speculative with `k` MTP drafts (an Engine whose model has its MTP block
-    and spare_window_slots >= k). modes: the sampling modes prepared (compiled / captured) up front, cheapest
-    first ("greedy", "sample", "filter"); each iteration runs the cheapest that serves its rows, and a request no
-    prepared mode serves is refused. `speculation`: the acceptance counts."""
+    """A Scheduler whose decode steps are speculative with `k` drafts (an Engine whose model was built with
+    spare_window_slots >= k): method "mtp" (its MTP block) or "dspark" (its DSpark module: greedy steps only).
+    modes: the sampling modes prepared (compiled / captured) up front, cheapest first ("greedy", "sample",
+    "filter"); each iteration runs the cheapest that serves its rows, and a request no prepared mode serves is
+    refused. `speculation`: the acceptance counts."""
 
-    def __init__(self, engine, k: int, *, modes: tuple[str, ...] = ("greedy", "filter"), **options):
+    def __init__(self, engine, k: int, *, method: str = "mtp", modes: tuple[str, ...] = ("greedy", "filter"),
+                 **options):
+        if method not in ("mtp", "dspark"):
+            raise ValueError(f"method must be 'mtp' or 'dspark', got {method!r}")
+        if method == "dspark":
+            modes = ("greedy",)  # (its acceptance is greedy: a sampled request is refused)
         if not modes or any(m not in SAMPLING_MODES for m in modes):
             raise ValueError(f"modes must be a non-empty tuple of {SAMPLING_MODES}, got {modes!r}")
-        self.k = k
+        self.k, self.method = k, method
         self.modes = tuple(m for m in SAMPLING_MODES if m in modes)
         self.speculation = SpeculationStats(k)
         super().__init__(engine, **options)
@@ -50,7 +56,7 @@ class SpeculativeScheduler(Scheduler):
         self._first_rows: list[_Row] = []  # rows whose first drafts this iteration's plan makes
 
     def _make_runner(self, engine):
-        return engine.speculative_runner(self.k)
+        return engine.dspark_runner(self.k) if self.method == "dspark" else engine.speculative_runner(self.k)
 
     def _prepare(self, rows: int | None) -> int:
         return prepare_modes(self.runner, rows, self.modes)
@@ -80,17 +86,21 @@ class SpeculativeScheduler(Scheduler):
 
     # ------------------------------------------------------------------ planning
     def _chunk_planned(self, plan: StepPlan, parts, done: list[_Row]) -> None:
-        """The MTP block's inputs over the chunk: position t reads token t + 1 (one short on a prompt's last
-        position, drafted on from its first token by start_rows); for the rows it ends, their first drafts."""
-        tokens, lengths, start = plan.prefill
-        nxt = torch.zeros_like(tokens)
-        nlen = torch.zeros_like(lengths)
-        for row, n, i in parts:
-            s = row.filled - n
-            follow = row.req.prompt[s + 1:s + n + 1]
-            nxt[i, :len(follow)] = torch.tensor(follow, dtype=torch.long)
-            nlen[i] = len(follow)
-        plan.mtp_next = (nxt, nlen)
+        """The drafter's inputs over the chunk (MTP: position t reads token t + 1, one short on a prompt's last
+        position, drafted on from its first token by start_rows; DSpark: the chunk's positions committed to its
+        rings); for the rows it ends, their first drafts."""
+        if self.method == "dspark":
+            plan.dspark = True
+        else:
+            tokens, lengths, start = plan.prefill
+            nxt = torch.zeros_like(tokens)
+            nlen = torch.zeros_like(lengths)
+            for row, n, i in parts:
+                s = row.filled - n
+                follow = row.req.prompt[s + 1:s + n + 1]
+                nxt[i, :len(follow)] = torch.tensor(follow, dtype=torch.long)
+                nlen[i] = len(follow)
+            plan.mtp_next = (nxt, nlen)
         self._first_rows = list(done)
         if not done:
             return

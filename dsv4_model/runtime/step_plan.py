@@ -41,6 +41,7 @@ class StepPlan:
     # position, 0 at `positions` (for the first drafts: first_hold / first_state over rows [:highest first + 1])
     mode: str | None = None
     mtp_next: tuple[torch.Tensor, torch.Tensor] | None = None
+    dspark: bool = False  # the chunk commits its positions to the DSpark rings (DSpark speculation)
     first_last: list[int] = field(default_factory=list)
     first_hold: torch.Tensor | None = None
     first_state: torch.Tensor | None = None
@@ -58,17 +59,19 @@ class StepPlan:
         if self.prefill is not None:
             if self.swaps:  # the chunk's rows down to rows [:B], and back after it
                 engine.swap_rows(self.swaps)
-            if self.mtp_next is None:
-                self.prefill_logits = engine.prefill_at(*self.prefill)
+            drafting = self.mtp_next is not None or self.dspark
+            if drafting:
+                self.prefill_logits, streams = engine.prefill_at(*self.prefill, mtp_next=self.mtp_next,
+                                                                 dspark=self.dspark)
             else:
-                self.prefill_logits, streams = engine.prefill_at(*self.prefill, mtp_next=self.mtp_next)
+                self.prefill_logits = engine.prefill_at(*self.prefill)
             if self.swaps:
                 engine.swap_rows(self.swaps)
             if self.first_rows:
                 first = runner.sample_rows(self.prefill_logits, self.first_rows, self.first_slots)
-                if self.mtp_next is not None:
-                    runner.start_rows(self.first_rows, streams[self.first_slots], self.first_last, self.first_hold,
-                                      self.first_state)
+                if drafting:
+                    runner.start_rows(self.first_rows, None if streams is None else streams[self.first_slots],
+                                      self.first_last, self.first_hold, self.first_state)
         if self.decode_rows:
             restore = engine.protect_rows(self.protect) if self.protect else None
             if self.state is None:
@@ -82,7 +85,7 @@ class StepPlan:
 
     # ------------------------------------------------------------------ wire format
     def encode(self) -> torch.Tensor:
-        """[stop, n_admit, B, S, n_first, decode_rows, n_positions, n_swaps, n_protect, mode, has_mtp, n_first_ctx,
+        """[stop, n_admit, B, S, n_first, decode_rows, n_positions, n_swaps, n_protect, mode, draft_in (1 MTP, 2 DSpark), n_first_ctx,
         has_state] + admits (row, temperature bits, top_k, top_p bits, seed) + first rows + first slots + swap pairs
         + protect + first_last + first_hold + first_state + lengths, starts, tokens + MTP next lengths, next ids +
         positions + state."""
@@ -94,11 +97,11 @@ class StepPlan:
         nctx = 0 if self.first_hold is None else self.first_hold.shape[0]
         has_state = int(self.state is not None and npos > 0)
         head = [int(self.stop), len(self.admits), B, S, len(self.first_rows), self.decode_rows, npos, len(self.swaps),
-                len(self.protect), mode, int(self.mtp_next is not None), nctx, has_state]
+                len(self.protect), mode, 2 if self.dspark else int(self.mtp_next is not None), nctx, has_state]
         adm = [v for row, p in self.admits
                for v in (row, _f2i(p.temperature), p.top_k, _f2i(p.top_p), seed_key(p.seed))]
         swaps = [v for pair in self.swaps for v in pair]
-        last = self.first_last if self.mtp_next is not None else []
+        last = self.first_last if self.mtp_next is not None or self.dspark else []
         ctx = [] if not nctx else self.first_hold.tolist() + self.first_state.tolist()
         parts = [torch.tensor(head + adm + self.first_rows + self.first_slots + swaps + self.protect + last + ctx,
                               dtype=torch.long)]
@@ -118,7 +121,7 @@ class StepPlan:
         from dsv4_model.runtime.speculative import SAMPLING_MODES
 
         v = t.tolist()
-        stop, na, B, S, nf, dr, npos, nsw, npr, mode, has_mtp, nctx, has_state = v[:13]
+        stop, na, B, S, nf, dr, npos, nsw, npr, mode, draft_in, nctx, has_state = v[:13]
         i = 13
         admits = []
         for _ in range(na):
@@ -133,7 +136,8 @@ class StepPlan:
         i += npr
         plan = cls(admits, None, first, slots, swaps, dr, protect, None, bool(stop))
         plan.mode = SAMPLING_MODES[mode - 1] if mode else None
-        if has_mtp:
+        plan.dspark = draft_in == 2  # (the chunk's drafting inputs: 1 the MTP block's, 2 DSpark's taps)
+        if draft_in:
             plan.first_last = v[i:i + nf]
             i += nf
         if nctx:
@@ -144,7 +148,7 @@ class StepPlan:
             tokens = t[i + 2 * B:i + 2 * B + B * S].view(B, S)
             plan.prefill = (tokens, lengths, start)
             i += 2 * B + B * S
-            if has_mtp:
+            if draft_in == 1:
                 plan.mtp_next = (t[i + B:i + B + B * S].view(B, S), t[i:i + B])
                 i += B + B * S
         if npos:
@@ -171,17 +175,19 @@ def broadcast_plan(plan: StepPlan | None, group=None, device: torch.device | str
     return plan if sending else StepPlan.decode(body.cpu())
 
 
-def follow(engine, rows: int | None = None, group=None, speculate: int = 0, modes: tuple[str, ...] = ()) -> int:
+def follow(engine, rows: int | None = None, group=None, speculate: int = 0, modes: tuple[str, ...] = (),
+           method: str = "mtp") -> int:
     """A rank other than 0: run the plans rank 0's Scheduler(engine, rows=, group=) broadcasts until it sends stop
     (Scheduler.close). Prepares the same buckets first (their warm-up steps are collectives too); speculate /
-    modes: those of rank 0's SpeculativeScheduler. Returns the plans run."""
+    modes / method: those of rank 0's SpeculativeScheduler. Returns the plans run."""
     from dsv4_model.runtime.scheduler import prepare_buckets
 
     if speculate:
         from dsv4_model.runtime.speculative_scheduler import prepare_modes
 
-        runner = engine.speculative_runner(speculate)
-        prepare_modes(runner, rows, modes)
+        dspark = method == "dspark"
+        runner = engine.dspark_runner(speculate) if dspark else engine.speculative_runner(speculate)
+        prepare_modes(runner, rows, ("greedy",) if dspark else modes)
     else:
         runner = engine.runner()
         prepare_buckets(runner, rows)

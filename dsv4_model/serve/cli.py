@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
     p.add_argument("--no-reuse", action="store_true", help="do not reuse a finished row's caches for its next turn")
     p.add_argument("--speculate", type=int, default=0, metavar="K",
-                   help="K MTP drafts per decode step (speculative decoding inside the scheduler; 0: off)")
+                   help="K drafts verified per decode step inside the scheduler (MTP, or DSpark if present; 0: off)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decode step (default: on for CUDA)")
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every /v1 route")
@@ -86,6 +86,12 @@ def build_engine(args):
     return engine, path, shard
 
 
+def _drafter(engine) -> str:
+    """--speculate drafts with the checkpoint's DSpark module where it carries one (greedy steps: sampled
+    requests are then refused), else with its MTP block."""
+    return "dspark" if getattr(engine.model, "dspark", None) is not None else "mtp"
+
+
 def build_app(args, engine, path, shard=None):
     from dsv4_model.runtime.cli import package_version
     from dsv4_model.runtime.scheduler import Scheduler
@@ -95,8 +101,8 @@ def build_app(args, engine, path, shard=None):
     if getattr(args, "speculate", 0):
         from dsv4_model.runtime.speculative_scheduler import SpeculativeScheduler
 
-        scheduler = SpeculativeScheduler(engine, args.speculate, modes=SPECULATE_MODES, reuse=not args.no_reuse,
-                                         distributed=shard is not None, **kw)
+        scheduler = SpeculativeScheduler(engine, args.speculate, method=_drafter(engine), modes=SPECULATE_MODES,
+                                         reuse=not args.no_reuse, distributed=shard is not None, **kw)
     else:
         scheduler = Scheduler(engine, reuse=not args.no_reuse, distributed=shard is not None, **kw)
     name = args.served_model_name or os.path.basename(os.path.normpath(str(getattr(engine, "path", path))))
@@ -125,7 +131,8 @@ def main(argv=None) -> int:
 
             for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 drains, then its stop plan ends this loop
                 signal.signal(sig, signal.SIG_IGN)
-            follow(engine, speculate=args.speculate, modes=SPECULATE_MODES if args.speculate else ())
+            follow(engine, speculate=args.speculate, modes=SPECULATE_MODES if args.speculate else (),
+                   method=_drafter(engine))
             return 0
         app = build_app(args, engine, path, shard)
     except (ValueError, OSError) as e:
