@@ -180,10 +180,10 @@ class DSpark(nn.Module):
 
     @torch.no_grad()
     def draft(self, model, anchor: torch.Tensor, last: torch.Tensor,
-              stage_out: list | None = None) -> DSparkDraft:
+              stage_out: list | None = None, pick=None) -> DSparkDraft:
         """A block of block_size drafts per row: anchor [B] (the token at position last + 1), last [B] (the last
         position committed to the rings). model: the main Transformer (embedding, head, RoPE). stage_out: a list
-        that receives each stage's output streams [B, T, hc, dim] (tests)."""
+        that receives each stage's output streams [B, T, hc, dim] (tests). pick: as head's."""
         B, T = anchor.shape[0], self.block_size
         ids = torch.full((B, T), self.noise_token_id, dtype=torch.long, device=anchor.device)
         ids[:, 0] = anchor
@@ -194,10 +194,11 @@ class DSpark(nn.Module):
             h = self._stage(st, h, ids, cs, last)
             if stage_out is not None:
                 stage_out.append(h)
-        return self.head(model, h, anchor)
+        return self.head(model, h, anchor, pick)
 
-    def head(self, model, h: torch.Tensor, anchor: torch.Tensor) -> DSparkDraft:
-        """The last stage's streams h [B, T, hc, dim] -> DSparkDraft (greedy picks, left to right)."""
+    def head(self, model, h: torch.Tensor, anchor: torch.Tensor, pick=None) -> DSparkDraft:
+        """The last stage's streams h [B, T, hc, dim] -> DSparkDraft, picked left to right (each position's Markov
+        bias reads the token picked before it): pick(logits [B, V], i) -> tokens [B] (default: greedy)."""
         last = self.mtp[-1]
         c = self.config
         y = hc_head(h, last.hc_head_fn, last.hc_head_scale, last.hc_head_base, c.hc_eps, c.norm_eps)
@@ -207,7 +208,7 @@ class DSpark(nn.Module):
         for i in range(self.block_size):
             e = mk.markov_w1(prev)
             row = logits[:, i] + mk.markov_w2(e)
-            prev = row.argmax(-1)
+            prev = row.argmax(-1) if pick is None else pick(row, i)
             toks.append(prev)
             embs.append(e)
             rows.append(row)
