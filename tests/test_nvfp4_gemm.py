@@ -13,7 +13,7 @@ import dsv4_ops
 from dsv4_ops import reference as ref
 from dsv4_ops.overrides import kernel_overrides
 from dsv4_model.quant import nvfp4 as nv
-from dsv4_model.quant.nvfp4_modules import Nvfp4Linear, Nvfp4MoE
+from dsv4_model.quant.nvfp4_modules import Nvfp4MoE, dequantized_weight, nvfp4_linear
 
 ops = torch.ops.dsv4
 
@@ -461,14 +461,14 @@ def test_nvfp4_linear_module_vs_bf16():
     gen = torch.Generator().manual_seed(4)
     w = (torch.randn(96, 256, generator=gen) * 0.05).to(torch.bfloat16)
     x = rand_x((5, 256), gen)
-    mod = Nvfp4Linear.from_float(w)
+    mod = nvfp4_linear(w)
     y = mod(x)
     y_bf16 = torch.nn.functional.linear(x, w).float()
     rel = ((y.float() - y_bf16).pow(2).mean() / y_bf16.pow(2).mean()).sqrt()
     assert float(rel) < 0.15, f"NVFP4 vs bf16 relative rms error {float(rel):.3f}"
-    wd = mod.dequantized_weight()
+    wd = dequantized_weight(mod)
     assert_bf16_close(y, x.float() @ wd.t(), x.float().abs() @ wd.abs().t(), "module vs its dequantized weight")
-    mod4 = Nvfp4Linear.from_float(w, act_quant="nvfp4")
+    mod4 = nvfp4_linear(w, act_quant="nvfp4")
     y4 = mod4(x)
     rel4 = ((y4.float() - y_bf16).pow(2).mean() / y_bf16.pow(2).mean()).sqrt()
     assert float(rel4) < 0.25, f"W4A4 vs bf16 relative rms error {float(rel4):.3f}"

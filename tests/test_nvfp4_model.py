@@ -29,7 +29,8 @@ from dsv4_model.checkpoint.writer import canonical_weights, make_config, write_c
 from dsv4_model.runtime.engine import Engine
 from dsv4_model.checkpoint.loader import load_model, save_model
 from dsv4_model.quant.nvfp4 import dequantize_kernel_layout, pack_codes, repack_weight, row_major
-from dsv4_model.quant.nvfp4_modules import Nvfp4GroupedLinear, Nvfp4Linear, Nvfp4MoE
+from dsv4_model.model.layers import GroupedLinear, Linear, Nvfp4Weight
+from dsv4_model.quant.nvfp4_modules import Nvfp4MoE, is_nvfp4
 from dsv4_model.quant.formats import dequant_mxfp4, float_to_e8m0
 from hf_utils import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
 from dsv4_model.quant.quantize_model import (
@@ -221,8 +222,8 @@ def test_structure_and_kept_layers(nvfp4_model):
     m = nvfp4_model
     attn = m.layers[1].attn
     for name in ("wq_a", "wq_b", "wkv", "wo_b"):
-        assert isinstance(getattr(attn, name), Nvfp4Linear), name
-    assert isinstance(attn.wo_a, Nvfp4GroupedLinear) and isinstance(attn.indexer.wq_b, Nvfp4Linear)
+        assert isinstance(getattr(attn, name), Linear) and is_nvfp4(getattr(attn, name)), name
+    assert isinstance(attn.wo_a, GroupedLinear) and is_nvfp4(attn.wo_a) and is_nvfp4(attn.indexer.wq_b)
     params = dict(m.named_parameters())
     for kept in ("embed.weight", "head.weight", "norm.weight", "layers.1.attn.indexer.weights_proj.weight",
                  "layers.1.attn.compressor.wkv.weight", "layers.1.ffn.gate.weight", "layers.1.hc_attn_fn",
@@ -235,24 +236,25 @@ def test_structure_and_kept_layers(nvfp4_model):
 
 
 def test_projections_say_how_their_weight_is_stored(bf16_model, nvfp4_model):
-    # The one seam between the model and quantization: projections of one input share a launch where their stored
-    # forms have one (`joint`, set when the module is built: W4A16 NVFP4 -> nvfp4_linear_multi; float in fp32
-    # math -> fp32_linear); else each runs alone.
+    # The one seam between the model and quantization: a projection's weight is held in a stored form (`form`,
+    # which the conversion replaces, the module staying); projections of one input share a launch where their
+    # forms have one (`joint`: W4A16 NVFP4 -> nvfp4_linear_multi; float in fp32 math -> fp32_linear); else each
+    # runs alone.
     from dsv4_model.model.layers import Projection, project
 
     attn = nvfp4_model.layers[1].attn
-    assert attn.wq_a.joint is not None and attn.wq_a.joint is attn.wkv.joint is attn.indexer.wq_b.joint
-    assert attn.wo_a.joint is None  # grouped: its own op
+    joint = attn.wq_a.form.joint
+    assert joint is not None and joint is attn.wkv.form.joint is attn.indexer.wq_b.form.joint
     float_attn = bf16_model.layers[1].attn
     for name in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
         for a in (attn, float_attn):
             assert isinstance(getattr(a, name), Projection), name
-        assert getattr(float_attn, name).joint is None, name
+        assert type(getattr(attn, name)) is type(getattr(float_attn, name)), name  # conversion only converts
+        assert getattr(float_attn, name).form.joint is None, name
     comp = float_attn.compressor
-    assert comp.wkv.joint is not None and comp.wkv.joint is comp.wgate.joint
-    assert comp.wkv.joint is not attn.wq_a.joint
-    w4a4 = Nvfp4Linear(attn.wq_a.in_features, attn.wq_a.out_features, torch.bfloat16, "nvfp4")
-    assert w4a4.joint is None
+    assert comp.wkv.form.joint is not None and comp.wkv.form.joint is comp.wgate.form.joint
+    assert comp.wkv.form.joint is not joint
+    assert Nvfp4Weight(w4a4=True).joint is None
     with pytest.raises(ValueError, match="float Linears only"):
         project(torch.zeros(1, attn.wq_a.in_features), attn.wq_a, fp32=True)
 
@@ -299,7 +301,7 @@ def test_nvfp4_model_matches_its_dequantized_twin(ckpts):
     GEMM input to bf16). Measured: KL ~2e-3, top-1 ~0.99, mean |d logit| ~1.5e-2."""
     q = _load(ckpts["official"], quant="nvfp4", dtype=torch.float32, simulate_quant=False, max_batch_size=2)
     twin = dequantize_model_(copy.deepcopy(q))
-    assert not any(isinstance(mod, (Nvfp4Linear, Nvfp4GroupedLinear, Nvfp4MoE)) for mod in twin.modules())
+    assert not any(is_nvfp4(mod) or isinstance(mod, Nvfp4MoE) for mod in twin.modules())
     ids = _tokens(batch=2)
     ref, out = twin.prefill(ids, all_logits=True), q.prefill(ids, all_logits=True)
     kl, top1 = _kl_top1(ref, out)
@@ -362,12 +364,12 @@ def test_converted_checkpoint_round_trip(ckpts, tmp_path, monkeypatch):
     monkeypatch.setattr("dsv4_model.quant.quantize_model.fill_unit_", forbidden)
     monkeypatch.setattr("dsv4_model.checkpoint.loader.fill_unit_", forbidden)
     back = _load(tmp_path / "conv")
-    assert back.quant_info == model.quant_info and back.layers[0].attn.wq_a.w4a4
+    assert back.quant_info == model.quant_info and back.layers[0].attn.wq_a.form.w4a4
     assert _state_equal(back, model)
     ids = _tokens()
     assert torch.equal(back.prefill(ids), model.prefill(ids))
     # act_quant is a run-time choice: the same weights as W4A16
-    assert not _load(tmp_path / "conv", act_quant="none").layers[0].attn.wq_a.w4a4
+    assert not _load(tmp_path / "conv", act_quant="none").layers[0].attn.wq_a.form.w4a4
     # quant="none": dequantized float model
     flat = _load(tmp_path / "conv", quant="none")
     assert flat.quant_info is None and _state_equal(flat, dequantize_model_(copy.deepcopy(model)))
@@ -381,7 +383,7 @@ def test_layout_1_checkpoint_loads_into_the_current_layout(ckpts, tmp_path):
     changed = 0
     with torch.no_grad():
         for mod in v1.modules():
-            if not isinstance(mod, (Nvfp4Linear, Nvfp4GroupedLinear, Nvfp4MoE)):
+            if not (is_nvfp4(mod) or isinstance(mod, Nvfp4MoE)):
                 continue
             for name, buf in mod.named_buffers(recurse=False):
                 if buf.dtype == torch.uint8 and name.endswith(("_packed", "_scale")):

@@ -11,7 +11,8 @@ from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.transformer import Transformer
 from dsv4_model.quant import random_model
 from dsv4_model.quant.nvfp4 import dequantize_kernel_layout, padded_k, repack_weight, unrepack_weight
-from dsv4_model.quant.nvfp4_modules import Nvfp4Linear
+from dsv4_model.model.layers import Linear
+from dsv4_model.quant.nvfp4_modules import is_nvfp4
 from dsv4_model.quant.quantize_model import quantize_model_
 from dsv4_model.quant.random_model import bf16_released_values_, init_random_weights, random_nvfp4_model
 
@@ -40,7 +41,7 @@ def test_weights_have_the_intended_scale_and_the_seed_decides_them():
     a = random_nvfp4_model(cfg, device="cpu", max_seq_len=64, seed=3)
     b = random_nvfp4_model(cfg, device="cpu", max_seq_len=64, seed=3)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
-    lins = [m for m in a.modules() if isinstance(m, Nvfp4Linear)]
+    lins = [m for m in a.modules() if isinstance(m, Linear) and is_nvfp4(m)]
     assert lins
     for m in lins:
         w = dequantize_kernel_layout(m.weight_packed, m.weight_scale, m.weight_global_scale, m.in_features)

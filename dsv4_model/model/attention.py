@@ -30,7 +30,8 @@ from dsv4_ops import ops, supports
 from dsv4_model.model.compressor import Compressor, scatter_entries
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.indexer import Indexer, topk_indices
-from dsv4_model.model.layers import GroupedLinear, Linear, RMSNorm, apply_rope, project, unweighted_rms_norm
+from dsv4_model.model.layers import (FloatWeight, GroupedLinear, Linear, RMSNorm, apply_rope, project,
+                                     unweighted_rms_norm)
 from dsv4_model.model.quant_sim import fp4_pack_indexer_keys, kv_fake_quant
 from dsv4_model.model.step_values import DecodeStep
 
@@ -173,7 +174,9 @@ class Attention(nn.Module):
         (Indexer.select has its op round it to the weight's dtype, as the module returns it) or None)."""
         ix = self.indexer
         comp, icomp = self.compressor, (ix.compressor if ix is not None else None)
-        wp = ix.weights_proj if (ix is not None and ix.packed_decode() and type(ix.weights_proj) is Linear) else None
+        wp = ix.weights_proj if ix is not None and ix.packed_decode() else None
+        if wp is not None and not (type(wp) is Linear and isinstance(wp.form, FloatWeight)):
+            wp = None
         mods = [lin for c in (comp, icomp) if c is not None for lin in (c.wkv, c.wgate)]
         mods += [wp] if wp is not None else []
         if not mods:

@@ -1,5 +1,6 @@
-"""Building blocks: the projections (bias-free Linear, grouped Linear, `project` for several of one input), RMSNorm,
-interleaved RoPE (+YaRN), mHC hyper-connections."""
+"""Building blocks: the projections (bias-free Linear, grouped Linear, `project` for several of one input; each
+multiplies as its weight is stored: float, fp32 math, NVFP4 W4A16 / W4A4), RMSNorm, interleaved RoPE (+YaRN), mHC
+hyper-connections."""
 
 from __future__ import annotations
 
@@ -17,62 +18,193 @@ from dsv4_ops import ops
 JointRun = Callable[[torch.Tensor, Sequence["Projection"]], Sequence[torch.Tensor]]
 
 
-class Projection(nn.Module):
-    """A weight matrix the model multiplies by, each stored form its own class: float here (`Linear`,
-    `GroupedLinear`), NVFP4 in dsv4_model.quant.nvfp4_modules (the conversion puts those in place of these). One
-    projection is `mod(x)`; several that read the same x go through `project`.
+class WeightForm:
+    """How a projection's weight is stored: the tensors its module holds (`names`, as parameters when `parameters`,
+    else as buffers) and the calls that multiply by them, one for a plain projection (`linear`) and one for a
+    grouped one (`grouped`). DeepSeek's inference `linear()` asks the weight's dtype on every call; here the form
+    is set when the weight is stored (`Projection.store_`), so a call asks nothing.
 
-    `joint`: the call that runs projections of this stored form together on one x (`project` uses it for two or
-    more that share it), or None: each runs alone. Set when the module is built, from how its weight is stored,
-    so a call asks nothing."""
+    `joint`: the call that runs plain projections (`Linear`s) of this form together on one x (`project` uses it
+    for two or more that share it), or None: each runs alone."""
 
+    names: tuple[str, ...] = ("weight",)
+    parameters = True
     joint: JointRun | None = None
 
+    def linear(self, x: torch.Tensor, p: Linear) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} has no plain projection")
 
-def project(x: torch.Tensor, *projections: Projection, fp32: bool = False) -> tuple[torch.Tensor, ...]:
-    """x @ W^T for each projection of the same x, computed as its weight is stored, in one launch where the stored
-    forms allow (DeepSeek's inference `linear()` dispatches on the weight's dtype the same way):
-    - fp32: float Linears in fp32 math, one dsv4::fp32_linear, fp32 out;
-    - two or more of one `joint` (W4A16 NVFP4: one dsv4::nvfp4_linear_multi; `Linear(fp32=True)`: one
-      dsv4::fp32_linear): that call, the values of calling each;
-    - otherwise (float in the weight's dtype, W4A4, grouped, mixed forms) each projection's own forward."""
-    if fp32:
-        if not all(isinstance(p, Linear) for p in projections):
-            raise ValueError("project(fp32=True) takes float Linears only")
-        return tuple(fp32_linear(x, [p.weight for p in projections]))
-    run = projections[0].joint
-    if run is not None and len(projections) > 1 and all(p.joint is run for p in projections):
-        return tuple(run(x, projections))
-    return tuple(p(x) for p in projections)
+    def grouped(self, x: torch.Tensor, p: GroupedLinear) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} has no grouped projection")
+
+    def describe(self, p: Projection) -> str:
+        return ""
+
+
+class FloatWeight(WeightForm):
+    """A float `weight` [N, K] (grouped: [G * R, K]), multiplied in its dtype."""
+
+    def linear(self, x: torch.Tensor, p: Linear) -> torch.Tensor:
+        return F.linear(x.to(p.weight.dtype), p.weight)
+
+    def grouped(self, x: torch.Tensor, p: GroupedLinear) -> torch.Tensor:
+        return torch.einsum("...gd,grd->...gr", x, p.weight.view(p.groups, p.out_features, -1))
+
+    def describe(self, p: Projection) -> str:
+        return f"dtype={p.weight.dtype}"
 
 
 def _fp32_run(x: torch.Tensor, projections: Sequence[Linear]) -> list[torch.Tensor]:
     return fp32_linear(x, [p.weight for p in projections])
 
 
+class Fp32Weight(FloatWeight):
+    """A float `weight` multiplied in fp32 math with an fp32 output whatever dtype it is held in (official's fp32
+    projections; `narrow_if_lossless_` may hold it in bf16); several of one x: one dsv4::fp32_linear."""
+
+    joint = staticmethod(_fp32_run)
+
+    def linear(self, x: torch.Tensor, p: Linear) -> torch.Tensor:
+        return fp32_linear(x, [p.weight])[0]
+
+    def grouped(self, x: torch.Tensor, p: GroupedLinear) -> torch.Tensor:
+        return WeightForm.grouped(self, x, p)
+
+    def describe(self, p: Projection) -> str:
+        return super().describe(p) + ", fp32"
+
+
+FLOAT, FP32 = FloatWeight(), Fp32Weight()
+
+
+def w4a4_rows(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+    """fp32 x @ W^T with x quantized to NVFP4 per row (each token's own global scale, so a row's result does not
+    depend on the other rows of its batch), the row's global scale applied after the fp32 GEMM."""
+    xp, xs, xg = ops.fused_amax_quantize_per_row(x)
+    one = torch.ones((), dtype=torch.float32, device=x.device)
+    y = ops.nvfp4_linear_w4a4(xp, xs, one, w_packed=packed, w_scale=scale, w_global_scale=gs, out_dtype=torch.float32)
+    return y * xg.unsqueeze(-1)
+
+
+def _w4a16_run(x: torch.Tensor, projections: Sequence[Linear]) -> list[torch.Tensor]:
+    """W4A16 projections of one x in one dsv4::nvfp4_linear_multi call (the values of calling each)."""
+    outs = ops.nvfp4_linear_multi(x.to(torch.bfloat16), w_packed=[p.weight_packed for p in projections],
+                                  w_scale=[p.weight_scale for p in projections],
+                                  w_global_scale=[p.weight_global_scale for p in projections])
+    return [o.to(p.form.out_dtype) for o, p in zip(outs, projections)]
+
+
+class Nvfp4Weight(WeightForm):
+    """An NVFP4 weight in the kernel layout of dsv4_model.quant.nvfp4 (`weight_packed`, `weight_scale`,
+    `weight_global_scale`; grouped: [G, ...] with one global scale per group; the conversion,
+    dsv4_model.quant.nvfp4_modules.store_nvfp4_, allocates them), the product returned in `out_dtype` (the float
+    weight's dtype). w4a4 False: bf16 activations (W4A16, the fast Hopper path; several of one x: one
+    dsv4::nvfp4_linear_multi); True: activations quantized to NVFP4 per row (W4A4, the numerics of a Blackwell
+    NVFP4 GEMM)."""
+
+    names = ("weight_packed", "weight_scale", "weight_global_scale")
+    parameters = False
+
+    def __init__(self, w4a4: bool = False, out_dtype: torch.dtype = torch.bfloat16):
+        self.w4a4, self.out_dtype = w4a4, out_dtype
+        self.joint = None if w4a4 else _w4a16_run
+
+    def linear(self, x: torch.Tensor, p: Linear) -> torch.Tensor:
+        if self.w4a4:
+            y = w4a4_rows(x, p.weight_packed, p.weight_scale, p.weight_global_scale)
+        else:
+            y = ops.nvfp4_linear(x.to(torch.bfloat16), w_packed=p.weight_packed, w_scale=p.weight_scale,
+                                 w_global_scale=p.weight_global_scale)
+        return y.to(self.out_dtype)
+
+    def grouped(self, x: torch.Tensor, p: GroupedLinear) -> torch.Tensor:
+        """W4A16: one dsv4::nvfp4_linear_grouped call (one launch at decode); W4A4: G per-row-quantized linears."""
+        if not self.w4a4:
+            return ops.nvfp4_linear_grouped(x.to(torch.bfloat16), w_packed=p.weight_packed, w_scale=p.weight_scale,
+                                            w_global_scale=p.weight_global_scale).to(self.out_dtype)
+        outs = []
+        for g in range(p.groups):
+            w, s, gs = p.weight_packed[g], p.weight_scale[g], p.weight_global_scale[g]
+            outs.append(w4a4_rows(x[..., g, :], w, s, gs).to(self.out_dtype))
+        return torch.stack(outs, dim=-2)
+
+    def describe(self, p: Projection) -> str:
+        return f"nvfp4, w4a4={self.w4a4}"
+
+
+class Projection(nn.Module):
+    """A weight matrix the model multiplies by: `Linear` (y = x @ W^T) or `GroupedLinear` (one matrix per group),
+    the weight held in a stored form (`form`: float, fp32-math float or NVFP4; the conversion,
+    dsv4_model.quant.nvfp4_modules, stores NVFP4 in place of the float weight: `store_`). One projection is `mod(x)`; several that read
+    the same x go through `project`."""
+
+    form: WeightForm = FLOAT
+
+    def store_(self, form: WeightForm, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Hold the weight as `tensors` of `form` (its `names`) in place of the current ones, which are returned:
+        the module, its name and its other state stay as they are, only how the weight is stored changes."""
+        if set(tensors) != set(form.names):
+            raise ValueError(f"{type(form).__name__} stores {form.names}, got {tuple(tensors)}")
+        old = {n: getattr(self, n) for n in self.form.names}
+        for n in self.form.names:
+            delattr(self, n)
+        for n in form.names:
+            if form.parameters:
+                self.register_parameter(n, nn.Parameter(tensors[n], requires_grad=False))
+            else:
+                self.register_buffer(n, tensors[n])
+        self.form = form
+        return old
+
+
+def project(x: torch.Tensor, *projections: Projection, fp32: bool = False) -> tuple[torch.Tensor, ...]:
+    """x @ W^T for each projection of the same x, computed as its weight is stored, in one launch where the stored
+    forms allow:
+    - fp32: float Linears in fp32 math, one dsv4::fp32_linear, fp32 out;
+    - two or more Linears of one `joint` (W4A16 NVFP4: one dsv4::nvfp4_linear_multi; `Linear(fp32=True)`: one
+      dsv4::fp32_linear): that call, the values of calling each;
+    - otherwise (float in the weight's dtype, W4A4, grouped, mixed forms) each projection's own forward."""
+    if fp32:
+        if not all(is_float_linear(p) for p in projections):
+            raise ValueError("project(fp32=True) takes float Linears only")
+        return tuple(fp32_linear(x, [p.weight for p in projections]))
+    run = projections[0].form.joint
+    if run is not None and len(projections) > 1 and all(isinstance(p, Linear) and p.form.joint is run
+                                                         for p in projections):
+        return tuple(run(x, projections))
+    return tuple(p(x) for p in projections)
+
+
+def is_float_linear(p: nn.Module) -> bool:
+    """Whether p is a Linear holding a float weight."""
+    return isinstance(p, Linear) and isinstance(p.form, FloatWeight)
+
+
 class Linear(Projection):
-    """y = x @ W^T without bias, in the weight's dtype; fp32: in fp32 math with an fp32 output whatever dtype the weight
-    is held in (official's fp32 projections; `narrow_if_lossless_` may hold the weight in bf16). Parameters are
-    allocated uninitialised (weights come from a checkpoint)."""
+    """y = x @ W^T without bias, as the weight is stored (`form`); built float: in the weight's dtype, or with
+    fp32=True in fp32 math with an fp32 output (`Fp32Weight`). Parameters are allocated uninitialised (weights
+    come from a checkpoint)."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, fp32: bool = False):
         super().__init__()
-        self.in_features, self.out_features, self.fp32 = in_features, out_features, fp32
+        self.in_features, self.out_features = in_features, out_features
+        self.form = FP32 if fp32 else FLOAT
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
-        self.joint = _fp32_run if fp32 else None
+
+    @property
+    def fp32(self) -> bool:
+        return isinstance(self.form, Fp32Weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp32:
-            return fp32_linear(x, [self.weight])[0]
-        return F.linear(x.to(self.weight.dtype), self.weight)
+        return self.form.linear(x, self)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, dtype={self.weight.dtype}" + (", fp32" if self.fp32 else "")
+        return f"{self.in_features}, {self.out_features}, {self.form.describe(self)}"
 
 
 class GroupedLinear(Projection):
-    """z[..., g, :] = x[..., g, :] @ W_g^T for G matrices [R, K] stored as one weight [G * R, K] (attention wo_a).
-    forward(x [..., G, K]) -> [..., G, R]."""
+    """z[..., g, :] = x[..., g, :] @ W_g^T for G matrices [R, K] (attention wo_a), as the weight is stored; built
+    float: one weight [G * R, K]. forward(x [..., G, K]) -> [..., G, R]."""
 
     def __init__(self, groups: int, in_features: int, out_features: int, dtype: torch.dtype):
         super().__init__()
@@ -80,10 +212,10 @@ class GroupedLinear(Projection):
         self.weight = nn.Parameter(torch.empty(groups * out_features, in_features, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("...gd,grd->...gr", x, self.weight.view(self.groups, self.out_features, -1))
+        return self.form.grouped(x, self)
 
     def extra_repr(self) -> str:
-        return f"groups={self.groups}, {self.in_features}, {self.out_features}, dtype={self.weight.dtype}"
+        return f"groups={self.groups}, {self.in_features}, {self.out_features}, {self.form.describe(self)}"
 
 
 class RMSNorm(nn.Module):

@@ -1,7 +1,8 @@
-"""The NVFP4 modules the conversion (dsv4_model.quant.quantize_model) puts in place of the float ones: projections
-(`Nvfp4Linear`, the grouped `Nvfp4GroupedLinear` of attention wo_a) and the MoE's experts (`Nvfp4MoE` behind the
-`Nvfp4Experts` backend). Buffers in the kernel layout of dsv4_model.quant.nvfp4; forward calls the dsv4 ops, so a
-stored NVFP4 model needs no converter.
+"""NVFP4 storage, what the conversion (dsv4_model.quant.quantize_model) puts in place of float weights: a projection's
+weight held as NVFP4 (`store_nvfp4_` / `load_nvfp4_`: the module stays a `Linear` / `GroupedLinear`, its form
+becomes dsv4_model.model.layers.Nvfp4Weight, which multiplies) and the MoE's experts (`Nvfp4MoE` behind the
+`Nvfp4Experts` backend). Buffers in the kernel layout of dsv4_model.quant.nvfp4; the products call the dsv4 ops,
+so a stored NVFP4 model needs no converter.
 
 act_quant "none" (W4A16): bf16 activations, the fast Hopper path. "nvfp4" (W4A4): each token's activation row
 quantized to NVFP4 with its own global scale (results do not depend on the other rows of a batch), the numerics
@@ -10,16 +11,15 @@ of a Blackwell NVFP4 GEMM.
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 from torch import nn
 
 from dsv4_ops import ops
 
-from dsv4_model.model.layers import Projection
+from dsv4_model.model.layers import GroupedLinear, Linear, Nvfp4Weight, Projection
 from dsv4_model.quant.nvfp4 import (BLOCK, deinterleave_gate_up, dequantize_kernel_layout, interleave_gate_up, padded_k,
                                     quantize_weight, repack_weight)
+from dsv4_model.quant.nvfp4_convert import float_to_nvfp4
 
 ACT_QUANT_MODES = ("none", "nvfp4")
 
@@ -31,126 +31,48 @@ def _check_act_quant(act_quant: str) -> bool:
     return act_quant == "nvfp4"
 
 
-def w4a4_rows(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
-    """fp32 x @ W^T with x quantized to NVFP4 per row (each token's own global scale, so a row's result does not
-    depend on the other rows of its batch), the row's global scale applied after the fp32 GEMM."""
-    xp, xs, xg = ops.fused_amax_quantize_per_row(x)
-    one = torch.ones((), dtype=torch.float32, device=x.device)
-    y = ops.nvfp4_linear_w4a4(xp, xs, one, w_packed=packed, w_scale=scale, w_global_scale=gs, out_dtype=torch.float32)
-    return y * xg.unsqueeze(-1)
+def is_nvfp4(p: nn.Module) -> bool:
+    """Whether p is a projection holding an NVFP4 weight."""
+    return isinstance(p, Projection) and isinstance(p.form, Nvfp4Weight)
 
 
-def _w4a16_run(x: torch.Tensor, projections: Sequence[Nvfp4Linear]) -> list[torch.Tensor]:
-    """W4A16 projections of one x in one dsv4::nvfp4_linear_multi call (the values of calling each)."""
-    outs = ops.nvfp4_linear_multi(x.to(torch.bfloat16), w_packed=[p.weight_packed for p in projections],
-                                  w_scale=[p.weight_scale for p in projections],
-                                  w_global_scale=[p.weight_global_scale for p in projections])
-    return [o.to(p.out_dtype) for o, p in zip(outs, projections)]
+def store_nvfp4_(p: Projection, act_quant: str = "none") -> dict[str, torch.Tensor]:
+    """Hold projection p's weight as empty NVFP4 buffers on the float weight's device (meta stays meta), the
+    product in the float weight's dtype. Returns the float tensors it held."""
+    if p.in_features % BLOCK:
+        raise ValueError(f"NVFP4: in_features must be a multiple of 16, got {p.in_features}")
+    lead = (p.groups, p.out_features) if isinstance(p, GroupedLinear) else (p.out_features,)
+    kp, dev = padded_k(p.in_features), p.weight.device
+    u8 = dict(dtype=torch.uint8, device=dev)
+    return p.store_(Nvfp4Weight(_check_act_quant(act_quant), p.weight.dtype),
+                    dict(weight_packed=torch.zeros(*lead, kp // 2, **u8),
+                         weight_scale=torch.zeros(*lead, kp // BLOCK, **u8),
+                         weight_global_scale=torch.zeros(lead[:-1], dtype=torch.float32, device=dev)))
 
 
-class Nvfp4Linear(Projection):
-    """y = x @ W^T with an NVFP4 weight (kernel layout buffers), returned in `out_dtype`. act_quant "none": bf16
-    activations (W4A16, the fast Hopper path); "nvfp4": activations quantized to NVFP4 per row (W4A4, the
-    numerics of a Blackwell NVFP4 GEMM)."""
-
-    def __init__(self, in_features: int, out_features: int, out_dtype: torch.dtype = torch.bfloat16,
-                 act_quant: str = "none", device=None):
-        super().__init__()
-        if in_features % BLOCK != 0:
-            raise ValueError(f"Nvfp4Linear: in_features must be a multiple of 16, got {in_features}")
-        self.in_features, self.out_features = in_features, out_features
-        self.out_dtype, self.w4a4 = out_dtype, _check_act_quant(act_quant)
-        self.joint = None if self.w4a4 else _w4a16_run
-        kp = padded_k(in_features)
-        self.register_buffer("weight_packed", torch.zeros(out_features, kp // 2, dtype=torch.uint8, device=device))
-        self.register_buffer("weight_scale", torch.zeros(out_features, kp // BLOCK, dtype=torch.uint8, device=device))
-        self.register_buffer("weight_global_scale", torch.zeros((), dtype=torch.float32, device=device))
-
-    @classmethod
-    def from_nvfp4(cls, packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
-                   act_quant: str = "none", out_dtype: torch.dtype = torch.bfloat16) -> "Nvfp4Linear":
-        """From a canonical (ModelOpt) NVFP4 weight [N, K/2] / [N, K/16] / 0-d."""
-        mod = cls(packed.shape[-1] * 2, packed.shape[-2], out_dtype, act_quant, device=packed.device)
-        mod.weight_packed, mod.weight_scale = repack_weight(packed, block_scale)
-        mod.weight_global_scale = global_scale.detach().to(torch.float32).reshape(())
-        return mod
-
-    @classmethod
-    def from_float(cls, weight: torch.Tensor, act_quant: str = "none",
-                   out_dtype: torch.dtype = torch.bfloat16) -> "Nvfp4Linear":
-        """Quantize a float weight [N, K] (post-training, per-tensor amax)."""
-        return cls.from_nvfp4(*quantize_weight(weight), act_quant=act_quant, out_dtype=out_dtype)
-
-    def load_nvfp4_(self, t) -> None:
-        """Fill from a canonical NVFP4 tensor t (.packed [N, K/2], .scale [N, K/16], .global_scale 0-d)."""
-        dev = self.weight_packed.device
-        p, s = repack_weight(t.packed.to(dev), t.scale.to(dev))
-        self.weight_packed.copy_(p)
-        self.weight_scale.copy_(s)
-        self.weight_global_scale.copy_(t.global_scale.reshape(()))
-
-    def dequantized_weight(self) -> torch.Tensor:
-        return dequantize_kernel_layout(self.weight_packed, self.weight_scale, self.weight_global_scale,
-                                        self.in_features)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.w4a4:
-            y = w4a4_rows(x, self.weight_packed, self.weight_scale, self.weight_global_scale)
-        else:
-            y = ops.nvfp4_linear(x.to(torch.bfloat16), w_packed=self.weight_packed, w_scale=self.weight_scale,
-                                 w_global_scale=self.weight_global_scale)
-        return y.to(self.out_dtype)
-
-    def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, w4a4={self.w4a4}"
+def load_nvfp4_(p: Projection, t) -> None:
+    """Fill NVFP4 projection p from a canonical NVFP4 tensor t (.packed [..., N, K/2], .scale [..., N, K/16],
+    .global_scale: 0-d, grouped [G])."""
+    dev = p.weight_packed.device
+    packed, scale = repack_weight(t.packed.to(dev), t.scale.to(dev))
+    p.weight_packed.copy_(packed)
+    p.weight_scale.copy_(scale)
+    p.weight_global_scale.copy_(t.global_scale.reshape(p.weight_global_scale.shape))
 
 
-class Nvfp4GroupedLinear(Projection):
-    """Grouped projection z[..., g, :] = x[..., g, :] @ W_g^T (attention wo_a): G NVFP4 matrices [R, K] with one
-    global scale each: one dsv4::nvfp4_linear_grouped call (W4A16; one launch at decode), G W4A4 linears.
-    forward(x [..., G, K]) -> [..., G, R]."""
+def dequantized_weight(p: Projection) -> torch.Tensor:
+    """NVFP4 projection p's weight in fp32, in the float layout ([N, K]; grouped [G * R, K])."""
+    return dequantize_kernel_layout(p.weight_packed, p.weight_scale, p.weight_global_scale,
+                                    p.in_features).reshape(-1, p.in_features)
 
-    def __init__(self, groups: int, in_features: int, out_features: int, out_dtype: torch.dtype,
-                 act_quant: str = "none", device=None):
-        super().__init__()
-        if in_features % BLOCK:
-            raise ValueError(f"Nvfp4GroupedLinear: in_features must be a multiple of 16, got {in_features}")
-        self.groups, self.in_features, self.out_features = groups, in_features, out_features
-        self.out_dtype, self.w4a4 = out_dtype, act_quant == "nvfp4"
-        kp = padded_k(in_features)
-        u8 = dict(dtype=torch.uint8, device=device)
-        self.register_buffer("weight_packed", torch.zeros(groups, out_features, kp // 2, **u8))
-        self.register_buffer("weight_scale", torch.zeros(groups, out_features, kp // BLOCK, **u8))
-        self.register_buffer("weight_global_scale", torch.zeros(groups, dtype=torch.float32, device=device))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.w4a4:
-            return ops.nvfp4_linear_grouped(x.to(torch.bfloat16), w_packed=self.weight_packed,
-                                            w_scale=self.weight_scale,
-                                            w_global_scale=self.weight_global_scale).to(self.out_dtype)
-        outs = []
-        for g in range(self.groups):
-            xg = x[..., g, :]
-            w, s, gs = self.weight_packed[g], self.weight_scale[g], self.weight_global_scale[g]
-            outs.append(w4a4_rows(xg, w, s, gs).to(self.out_dtype))
-        return torch.stack(outs, dim=-2)
-
-    def load_nvfp4_(self, t) -> None:
-        """t: [G, R, K/2] / [G, R, K/16] / [G]."""
-        dev = self.weight_packed.device
-        p, s = repack_weight(t.packed.to(dev), t.scale.to(dev))
-        self.weight_packed.copy_(p)
-        self.weight_scale.copy_(s)
-        self.weight_global_scale.copy_(t.global_scale.reshape(self.groups))
-
-    def dequantized_weight(self) -> torch.Tensor:
-        """fp32 [G * R, K] (the layout of the bf16 wo_a weight)."""
-        w = dequantize_kernel_layout(self.weight_packed, self.weight_scale, self.weight_global_scale,
-                                     self.in_features)
-        return w.flatten(0, 1)
-
-    def extra_repr(self) -> str:
-        return f"groups={self.groups}, {self.in_features}, {self.out_features}, w4a4={self.w4a4}"
+def nvfp4_linear(weight: torch.Tensor, act_quant: str = "none", out_dtype: torch.dtype = torch.bfloat16) -> Linear:
+    """A Linear holding float weight [N, K] quantized to NVFP4 (post-training, per-tensor amax)."""
+    with torch.device(weight.device):
+        lin = Linear(weight.shape[1], weight.shape[0], out_dtype)
+    store_nvfp4_(lin, act_quant)
+    load_nvfp4_(lin, float_to_nvfp4(weight))
+    return lin
 
 
 class Nvfp4MoE(nn.Module):

@@ -1,12 +1,13 @@
-"""Convert a `Transformer` to NVFP4 weights in place (W4A16, or W4A4 with act_quant="nvfp4"): the float modules are
-swapped for the NVFP4 ones of dsv4_model.quant.nvfp4_modules.
+"""Convert a `Transformer` to NVFP4 weights in place (W4A16, or W4A4 with act_quant="nvfp4"): each converted
+projection keeps its module and stores its weight as NVFP4 (`Nvfp4Weight` of dsv4_model.quant.nvfp4_modules);
+each converted MoE swaps its experts backend for the NVFP4 one.
 
 Converted (the weight bytes that dominate decode):
-- attention: wq_a, wq_b, wkv, wo_b -> `Nvfp4Linear` (W4A16 wq_a + wkv run as one dsv4::nvfp4_linear_multi
+- attention: wq_a, wq_b, wkv, wo_b -> NVFP4 (W4A16 wq_a + wkv run as one dsv4::nvfp4_linear_multi
   call, and at decode wq_b + the indexer's wq_b as another: `model.layers.project`); wo_a (a grouped einsum, G
-  groups of [R, H*D/G]) -> `Nvfp4GroupedLinear`, one dsv4::nvfp4_linear_grouped call, one global scale per group
+  groups of [R, H*D/G]) -> NVFP4 grouped, one dsv4::nvfp4_linear_grouped call, one global scale per group
   (official runs wo_a in bf16 because it has no grouped FP8 kernel; at 8192x4096 per layer it is as large as the
-  activated experts, so it is worth 4 bits); indexer.wq_b -> `Nvfp4Linear`;
+  activated experts, so it is worth 4 bits); indexer.wq_b -> NVFP4;
 - MoE: routed experts + shared expert -> ONE `Nvfp4MoE` (dsv4::nvfp4_moe, shared expert fused), one global
   scale per expert shared by w1 and w3.
 Kept as they are (bf16 / fp32, as in the official numerics):
@@ -22,12 +23,12 @@ of a batch), runs dsv4::nvfp4_linear_w4a4 with global scale 1 into fp32 and appl
 before the single rounding to the output dtype. In the MoE only the expert INPUT is NVFP4-quantized (quantize ->
 dequantize to bf16, one extra bf16 rounding); the SwiGLU output h feeding w2 stays bf16 inside dsv4::nvfp4_moe.
 
-Every converted module returns the dtype of the module it replaced (the model dtype), so fp32 test models work.
+Every converted module returns the dtype of its float weight (the model dtype), so fp32 test models work.
 The decode path stays torch.compile(fullgraph=True)-friendly: only dsv4 ops with fakes, static shapes.
 
 Entry points: `quantize_model_(model, act_quant)` (from the model's float weights), `convert_structure_` +
-`fill_unit_` (the loader: empty modules first, then filled from checkpoint sources without materializing
-float weights), `dequantize_model_(model)` (back to float modules holding the dequantized weights).
+`fill_unit_` (the loader: empty storage first, then filled from checkpoint sources without materializing
+float weights), `dequantize_model_(model)` (back to float weights: the dequantized values).
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ import torch
 from torch import nn
 
 from dsv4_model.model.attention import Attention
-from dsv4_model.model.layers import GroupedLinear, Linear
+from dsv4_model.model.layers import FLOAT, GroupedLinear, is_float_linear
 from dsv4_model.model.moe import Expert, Experts, FloatExperts, MoE
 from dsv4_model.quant.nvfp4 import BLOCK, CODE_CHUNK_BYTES, SCALE_CHUNK_BYTES, tile_major
-from dsv4_model.quant.nvfp4_modules import (ACT_QUANT_MODES, Nvfp4Experts, Nvfp4GroupedLinear, Nvfp4Linear,
-                                            Nvfp4MoE)
+from dsv4_model.quant.nvfp4_modules import (ACT_QUANT_MODES, Nvfp4Experts, Nvfp4MoE, dequantized_weight, is_nvfp4,
+                                            load_nvfp4_, store_nvfp4_)
 from dsv4_model.quant.nvfp4_convert import float_to_nvfp4, gate_up_to_nvfp4, to_float, to_nvfp4
 
 QUANT_MODES = ("none", "nvfp4")
@@ -70,21 +71,17 @@ def check_modes(quant: str, act_quant: str) -> None:
 @dataclass
 class QuantUnit:
     """One converted module. `sources`: role -> name of the float tensor it replaces in the unconverted model's
-    state_dict (routed-expert roles "w1"/"w2"/"w3" name the stacked [E, ...] tensors)."""
+    state_dict (routed-expert roles "w1"/"w2"/"w3" name the stacked [E, ...] tensors). `old`: those float tensors
+    by state_dict name (None once filled)."""
 
     name: str
     kind: str  # "linear" | "grouped" | "moe"
     sources: dict[str, str]
-    old: nn.Module | None = field(default=None, repr=False)  # the float module (None once filled)
+    old: dict[str, torch.Tensor] | None = field(default=None, repr=False)
 
 
 def _get(model: nn.Module, path: str) -> nn.Module:
     return model.get_submodule(path) if path else model
-
-
-def _set(model: nn.Module, path: str, mod: nn.Module | None) -> None:
-    parent, _, attr = path.rpartition(".")
-    setattr(_get(model, parent), attr, mod)
 
 
 def _linear_ok(lin: nn.Module) -> bool:
@@ -99,13 +96,13 @@ def find_units(model: nn.Module) -> list[QuantUnit]:
         if isinstance(mod, Attention):
             for attr in ("wq_a", "wq_b", "wkv", "wo_b"):
                 lin = getattr(mod, attr)
-                if isinstance(lin, Linear):
+                if is_float_linear(lin):
                     (units.append(QuantUnit(f"{name}.{attr}", "linear", {"weight": f"{name}.{attr}.weight"}))
                      if _linear_ok(lin) else skipped.append(f"{name}.{attr}"))
-            if isinstance(mod.wo_a, GroupedLinear):
+            if isinstance(mod.wo_a, GroupedLinear) and mod.wo_a.form is FLOAT:
                 (units.append(QuantUnit(f"{name}.wo_a", "grouped", {"weight": f"{name}.wo_a.weight"}))
                  if _linear_ok(mod.wo_a) else skipped.append(f"{name}.wo_a"))
-            if mod.indexer is not None and isinstance(mod.indexer.wq_b, Linear):
+            if mod.indexer is not None and is_float_linear(mod.indexer.wq_b):
                 (units.append(QuantUnit(f"{name}.indexer.wq_b", "linear", {"weight": f"{name}.indexer.wq_b.weight"}))
                  if _linear_ok(mod.indexer.wq_b) else skipped.append(f"{name}.indexer.wq_b"))
         elif isinstance(mod, MoE) and not mod.backend.quantized:
@@ -123,27 +120,20 @@ def find_units(model: nn.Module) -> list[QuantUnit]:
 
 
 def convert_structure_(model: nn.Module, act_quant: str = "none") -> list[QuantUnit]:
-    """Swap every convertible module for an EMPTY NVFP4 module on the same device (meta stays meta) and return
-    the units, each holding the replaced float module in `old`. Marks `model.quant_info`."""
+    """Store every convertible weight as EMPTY NVFP4 buffers on the same device (meta stays meta) and return the
+    units, each holding the float tensors it replaced in `old`. Marks `model.quant_info`."""
     check_modes("nvfp4", act_quant)
     units = find_units(model)
     for u in units:
-        old = _get(model, u.name)
-        u.old = old
-        if u.kind == "linear":
-            new = Nvfp4Linear(old.in_features, old.out_features, old.weight.dtype, act_quant,
-                                   device=old.weight.device)
-            _set(model, u.name, new)
-        elif u.kind == "grouped":
-            new = Nvfp4GroupedLinear(old.groups, old.in_features, old.out_features, old.weight.dtype, act_quant,
-                                     device=old.weight.device)
-            _set(model, u.name, new)
+        mod = _get(model, u.name)
+        if u.kind in ("linear", "grouped"):
+            u.old = {f"{u.name}.{n}": t for n, t in store_nvfp4_(mod, act_quant).items()}
         else:
-            ex, sh = old.experts, old.shared_experts
+            ex, sh = mod.experts, mod.shared_experts
             E, inter, dim = ex.w1.shape
-            new = Nvfp4MoE(E, dim, inter, sh.w1.out_features, ex.limit, ex.w1.dtype, act_quant,
-                                device=ex.w1.device)
-            u.old = nn.ModuleDict(old.swap_backend_(Nvfp4Experts(), {"nvfp4": new}))
+            new = Nvfp4MoE(E, dim, inter, sh.w1.out_features, ex.limit, ex.w1.dtype, act_quant, device=ex.w1.device)
+            old = nn.ModuleDict(mod.swap_backend_(Nvfp4Experts(), {"nvfp4": new}))
+            u.old = dict(old.named_parameters(prefix=u.name))
     model.quant_info = {"method": "nvfp4", "act_quant": act_quant, "kernel_layout": KERNEL_LAYOUT_VERSION}
     return units
 
@@ -156,7 +146,7 @@ def upgrade_kernel_layout_(model: nn.Module, version: int) -> None:
     if version != 1:
         raise ValueError(f"kernel layout version {version!r}: cannot upgrade (known: {KERNEL_LAYOUT_VERSIONS})")
     for mod in model.modules():
-        if not isinstance(mod, (Nvfp4Linear, Nvfp4GroupedLinear, Nvfp4MoE)):
+        if not (is_nvfp4(mod) or isinstance(mod, Nvfp4MoE)):
             continue
         for packed, scale in _KERNEL_BUFFERS:
             if getattr(mod, packed, None) is not None:
@@ -172,11 +162,11 @@ def fill_unit_(model: nn.Module, unit: QuantUnit, get: Getter) -> None:
     """Fill a converted unit from sources: `get(name, index)` returns the float tensor / `Mxfp4Tensor` /
     `Nvfp4Tensor` stored under the unconverted model's state_dict `name` (expert `index` of a stacked one)."""
     if unit.kind == "linear":
-        _get(model, unit.name).load_nvfp4_(to_nvfp4(get(unit.sources["weight"], None), name=unit.name))
+        load_nvfp4_(_get(model, unit.name), to_nvfp4(get(unit.sources["weight"], None), name=unit.name))
     elif unit.kind == "grouped":
         mod = _get(model, unit.name)
         w = to_float(get(unit.sources["weight"], None))
-        mod.load_nvfp4_(float_to_nvfp4(w.view(mod.groups, mod.out_features, mod.in_features)))
+        load_nvfp4_(mod, float_to_nvfp4(w.view(mod.groups, mod.out_features, mod.in_features)))
     else:
         moe = _get(model, unit.name).nvfp4
         s = unit.sources
@@ -197,9 +187,7 @@ def quantize_model_(model: nn.Module, act_quant: str = "none") -> nn.Module:
         raise ValueError("model is already NVFP4-converted")
     units = convert_structure_(model, act_quant)
     for u in units:
-        params = dict(u.old.named_parameters(prefix=u.name))
-
-        def get(name, index, params=params):
+        def get(name, index, params=u.old):
             t = params[name]
             return t if index is None else t[index]
 
@@ -209,17 +197,11 @@ def quantize_model_(model: nn.Module, act_quant: str = "none") -> nn.Module:
 
 @torch.no_grad()
 def dequantize_model_(model: nn.Module) -> nn.Module:
-    """Inverse of the conversion: NVFP4 modules -> float modules (model dtype) holding the dequantized weights,
-    so the result computes with exactly the NVFP4 weight values (rounded once to the model dtype)."""
+    """Inverse of the conversion: NVFP4 weights -> float weights (model dtype) holding the dequantized values, so
+    the result computes with exactly the NVFP4 weight values (rounded once to the model dtype)."""
     for name, mod in list(model.named_modules()):
-        if isinstance(mod, Nvfp4GroupedLinear):
-            lin = GroupedLinear(mod.groups, mod.in_features, mod.out_features, mod.out_dtype)
-            lin.weight.data = mod.dequantized_weight().to(mod.out_dtype)
-            _set(model, name, lin)
-        elif isinstance(mod, Nvfp4Linear):
-            lin = Linear(mod.in_features, mod.out_features, mod.out_dtype)
-            lin.weight.data = mod.dequantized_weight().to(mod.out_dtype)
-            _set(model, name, lin)
+        if is_nvfp4(mod):
+            mod.store_(FLOAT, {"weight": dequantized_weight(mod).to(mod.form.out_dtype)})
         elif isinstance(mod, MoE) and mod.backend.quantized:
             q = mod.nvfp4
             with torch.device("meta"):  # the dequantized tensors replace the parameters

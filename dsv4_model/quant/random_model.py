@@ -1,7 +1,7 @@
 """Random models: `init_random_weights` fills a float model (tests, small benchmarks); the rest builds models of any
 size directly on their device (benchmarks at real sizes without a checkpoint).
 
-`random_nvfp4_model` makes the NVFP4 modules first (`convert_structure_` on the meta device) and fills them with
+`random_nvfp4_model` stores the NVFP4 weights first (`convert_structure_` on the meta device) and fills them with
 random E2M1 codes and block scales, so no float copy of a converted weight ever exists (a full-width V4-Flash layer
 stack holds ~0.56 bytes per weight); everything else gets O(1)-activation float values (`randomize_floats_`).
 A weight is code x block scale 1 x global scale 1 / (rms(code) sqrt(K)): entries of rms 1 / sqrt(K), as a
@@ -19,7 +19,7 @@ from dsv4_model.model.compressor import Compressor
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.transformer import Transformer
 from dsv4_model.quant.nvfp4 import BLOCK, TILE, repack_weight
-from dsv4_model.quant.nvfp4_modules import Nvfp4GroupedLinear, Nvfp4Linear, Nvfp4MoE
+from dsv4_model.quant.nvfp4_modules import Nvfp4MoE, is_nvfp4
 from dsv4_model.quant.quantize_model import convert_structure_
 
 # E2M1 magnitudes of codes 0..7 (bit 3 is the sign): a uniformly random byte's code has this rms.
@@ -126,7 +126,7 @@ def randomize_nvfp4_(model: nn.Module, seed: int, routed_seed: int | None = None
     g = torch.Generator(device=device).manual_seed(seed)
     g_routed = torch.Generator(device=device).manual_seed(seed + 1 if routed_seed is None else routed_seed)
     for mod in model.modules():
-        if isinstance(mod, (Nvfp4Linear, Nvfp4GroupedLinear)):
+        if is_nvfp4(mod):
             _random_nvfp4_(mod.weight_packed, mod.weight_scale, mod.weight_global_scale, mod.in_features, g)
         elif isinstance(mod, Nvfp4MoE):
             parts = [("w13", mod.dim, g_routed), ("w2", mod.inter, g_routed)]
@@ -147,7 +147,7 @@ def random_nvfp4_model(cfg: ModelConfig, *, device, max_batch_size: int = 1, max
     device = torch.device(device)
     model = Transformer(cfg, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype, device="meta")
     for unit in convert_structure_(model, act_quant):
-        unit.old = None  # the meta float modules: never materialized
+        unit.old = None  # the meta float weights: never materialized
     rank = 0
     if expert_shard is not None:
         model.shard_experts_(expert_shard)
