@@ -31,11 +31,11 @@ DSPARK_KEYS = {"dspark_block_size": 5, "dspark_markov_rank": 256, "dspark_target
 PROMPT = [0, 17, 42, 5, 88, 23, 61, 9, 30, 71, 2, 55]
 
 
-def _dspark_cfg():
+def _dspark_cfg(noise_token_id: int = 95, **overrides):
     # the tiny main model without its MTP block, plus 3 window-only DSpark stages fed by its last 3 layers
     return make_config(n_mtp_layers=0, compress_ratios=[0, 4, 16, 4, 16],
                        dspark=DSparkConfig(block_size=5, markov_rank=8, target_layer_ids=(2, 3, 4),
-                                           noise_token_id=95, stage_ratios=(0, 0, 0)))
+                                           noise_token_id=noise_token_id, stage_ratios=(0, 0, 0)), **overrides)
 
 
 def _write_hf_with_mtp(weights, cfg, out):

@@ -8,7 +8,6 @@ import dataclasses
 import pytest
 import torch
 
-from dsv4_ops.reference import sample_probs_ref
 from dsv4_model.checkpoint.writer import TINY_CONFIG, write_tiny_checkpoint
 from dsv4_model.model import mtp
 from dsv4_model.model.config import ModelConfig
@@ -19,6 +18,8 @@ from dsv4_model.runtime.sampling import SamplingParams
 from dsv4_model.runtime.session import RunnerOptions
 from dsv4_model.runtime.speculative import filtered_probs
 from dsv4_model.runtime.speculative_runner import SpeculativeRunner
+from dsv4_ops.reference import sample_probs_ref
+from tests.helpers.chi_square import assert_follows, exact_joint3
 from tests.helpers.speculative_static import static_speculative
 
 # eos outside the vocabulary: no row stops early, so every row crosses the compression boundaries
@@ -124,31 +125,7 @@ def test_sampling_follows_the_plain_distribution(top_k, top_p):
         for t in res.token_ids:
             seen[tuple(t)] = seen.get(tuple(t), 0) + 1
     acc = res.extra["speculation"].acceptance()[0]
-
-    def dist(prefixes):
-        lg = e.model.prefill(torch.tensor(prefixes))
-        n = len(prefixes)
-        return sample_probs_ref(lg, torch.full((n,), T), torch.full((n,), top_k), torch.full((n,), top_p))
-
-    exact: dict[tuple, float] = {}
-    p1 = dist([prompt])[0]
-    for a in p1.nonzero().flatten().tolist():
-        p2 = dist([prompt + [a]])[0]
-        for b in p2.nonzero().flatten().tolist():
-            p3 = dist([prompt + [a, b]])[0]
-            for c in p3.nonzero().flatten().tolist():
-                exact[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
-    assert set(seen) <= set(exact)  # no sequence the plain sampler cannot produce
-    # chi-square over the cells expecting >= 5 draws, the rest pooled
-    big = [c for c in exact if exact[c] * draws >= 5]
-    obs = [seen.get(c, 0) for c in big] + [draws - sum(seen.get(c, 0) for c in big)]
-    exp = [exact[c] * draws for c in big] + [draws * (1 - sum(exact[c] for c in big))]
-    chi2 = sum((o - x) ** 2 / x for o, x in zip(obs, exp) if x > 0)
-    dof = len(obs) - 1
-    # the 0.999 quantile of chi-square(dof), Wilson-Hilferty: a fixed-seed test that fails on a biased sampler
-    z = 3.09
-    limit = dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
-    assert chi2 < limit, (chi2, limit, dof)
+    assert_follows(seen, exact_joint3(e.model, prompt, T, top_k, top_p))
     assert 0.1 < acc < 0.95  # both the acceptance and the correction act
 
 

@@ -110,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
                         "docs/speculation.md)")
     g.add_argument("--speculate-method", choices=("auto", "mtp", "dspark"), default="auto",
                    help="the drafter: the MTP block, or the DSpark module of a V4-Flash-0731-style checkpoint "
-                        "(greedy, eager steps; docs/dspark.md); auto: DSpark when the checkpoint carries it")
+                        "(docs/dspark.md); auto: DSpark when the checkpoint carries it")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decode step (default: on for CUDA)")
     g.add_argument("--regional-compile", action="store_true",
@@ -278,8 +278,6 @@ def _check_speculate_method(args, config, path) -> None:
     if args.speculate > config.dspark.block_size:
         raise ValueError(f"--speculate {args.speculate}: DSpark drafts blocks of {config.dspark.block_size} tokens "
                          f"(--speculate 1..{config.dspark.block_size})")
-    if args.temperature != 0:
-        raise ValueError("--speculate with DSpark: greedy only for now (--temperature 0)")
 
 
 def cmd_generate(args) -> int:

@@ -19,6 +19,7 @@ import torch
 from dsv4_model.model.decode_options import DEFAULT as DEFAULT_OPTIONS
 from dsv4_model.model.dspark import DSpark, main_hidden_of
 from dsv4_model.model.layers import hc_post
+from dsv4_model.runtime.speculative import Sampler, accept
 
 
 def check_dspark_model(model, k: int | None = None) -> DSpark:
@@ -77,20 +78,37 @@ def verify_taps(model, dspark: DSpark, tokens: torch.Tensor, positions: torch.Te
     return logits, main_hidden
 
 
+def draft_block(model, dspark: DSpark, anchor: torch.Tensor, last: torch.Tensor, k: int, s: Sampler, j0: int
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The first k drafts of a DSpark block from anchor [B] after position last [B] -> (drafts [B, k], their
+    distributions [B, k, V] or None in greedy mode). Sampled: position i drawn from its Markov-biased logits with
+    the sampler's parameters at draw j0 + i (every position of the block: the Markov bias of the next reads it)."""
+    if s.mode == "greedy":
+        return dspark.draft(model, anchor, last).tokens[:, :k], None
+    qs = []
+
+    def pick(logits: torch.Tensor, i: int) -> torch.Tensor:
+        q = s.probs(logits.unsqueeze(1))[:, 0]
+        if i < k:
+            qs.append(q)
+        return s.draw(q, j0 + i)
+
+    return dspark.draft(model, anchor, last, pick=pick).tokens[:, :k], torch.stack(qs, dim=1)
+
+
 def dspark_step(model, dspark: DSpark, y: torch.Tensor, drafts: torch.Tensor, pos: torch.Tensor,
-                options=DEFAULT_OPTIONS, live: torch.Tensor | None = None):
-    """One greedy step of rows at positions pos [B] holding y [B] and drafts [B, K]. Returns (emitted [B, K + 1],
-    valid up to n_acc + 1; n_acc [B]; the next DSparkDraft, drafted from the last emitted token). live [B] (1 / 0):
-    rows with 0 accept nothing (a row riding along commits only its own position, which it rewrites first)."""
-    B, K = drafts.shape
-    rows = torch.arange(B, device=y.device)
+                options=DEFAULT_OPTIONS, live: torch.Tensor | None = None, s: Sampler | None = None,
+                q: torch.Tensor | None = None):
+    """One step of rows at positions pos [B] holding y [B] and drafts [B, K] (drawn from q [B, K, V] when
+    sampling). Returns (emitted [B, K + 1], valid up to n_acc + 1; n_acc [B]; the next K drafts, drafted from the
+    last emitted token, and their q). s: the sampler (default greedy; draws 0 .. K - 1 accept, K corrects,
+    K + 1 .. K + block_size draft). live [B] (1 / 0): rows with 0 accept nothing (a row riding along commits only
+    its own position, which it rewrites first)."""
+    K = drafts.shape[1]
+    s = s if s is not None else Sampler("greedy", *([None] * 5))
+    rows = torch.arange(drafts.shape[0], device=y.device)
     logits, main_hidden = verify_taps(model, dspark, torch.cat([y.unsqueeze(1), drafts], dim=1), pos, options)
-    g = logits.argmax(-1)  # [B, K + 1]: the main model's token after each verified position
-    n_acc = (drafts == g[:, :K]).int().cumprod(dim=1).sum(dim=1)
-    if live is not None:
-        n_acc = n_acc * live
-    c = g[rows, n_acc]
-    emitted = torch.cat([drafts, torch.zeros_like(c).unsqueeze(1)], dim=1).scatter(1, n_acc.unsqueeze(1),
-                                                                                    c.unsqueeze(1))
+    emitted, n_acc = accept(logits, drafts, q, s, live)
     dspark.commit(main_hidden, pos, n_acc + 1, model.rope_main)  # positions p .. p + n_acc
-    return emitted, n_acc, dspark.draft(model, c, pos + n_acc)
+    nxt, nq = draft_block(model, dspark, emitted[rows, n_acc], pos + n_acc, K, s, K + 1)
+    return emitted, n_acc, nxt, nq

@@ -123,7 +123,7 @@ def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0
     distribution. A step may write 2K positions past its row's, so rows stop 2K positions earlier at
     max_seq_len. result.extra["speculation"]: the SpeculationStats (acceptance per draft position).
     speculate_method: "mtp" (the MTP block), "dspark" (the DSpark module of a V4-Flash-0731-style checkpoint,
-    docs/dspark.md: greedy only, eager steps, K <= its block size) or "auto" (DSpark when the model carries it).
+    docs/dspark.md: K <= its block size) or "auto" (DSpark when the model carries it).
     """
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
@@ -143,9 +143,6 @@ def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0
     method = speculate_method_of(engine, speculate_method) if speculate else None
     if method == "dspark":
         runner = engine.dspark_runner(speculate)  # (it checks the model for `speculate` drafts)
-        if base.temperature != 0:
-            raise ValueError("speculate with DSpark: greedy only for now (temperature 0); MTP speculation samples "
-                             "(speculate_method='mtp') where the checkpoint has an MTP block")
     elif speculate:
         if not hasattr(engine, "speculative_runner"):
             raise ValueError("speculate needs an Engine (an exported package has no MTP step)")

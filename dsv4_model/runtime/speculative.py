@@ -178,17 +178,15 @@ def first_drafts(model, streams: torch.Tensor, first: torch.Tensor, pos: torch.T
     return draft_chain(model, lg[:, 0], out[:, 0], pos + 1, k, s, 0, options)
 
 
-def verify_step(model, y: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, pos: torch.Tensor,
-                s: Sampler, options, live: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One speculative step of rows at positions pos [B] holding y [B] (not yet in the caches) and drafts [B, K]
-    (drawn from q [B, K, V]; None in greedy mode). Returns (emitted [B, K + 1]: the accepted drafts then the
-    correction / bonus token, valid up to n_acc + 1; n_acc [B]; the next step's drafts [B, K] and their q).
-    live [B] (1 / 0): rows with 0 accept nothing, so a row riding along writes no further ahead than a step that
-    rejects every draft (its K + 1 positions; what any later step of that row rewrites first)."""
+def accept(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, s: Sampler,
+           live: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verification's verdict on drafts [B, K] (drawn from q [B, K, V]; None in greedy mode) from the main
+    model's logits [B, K + 1, V] after the last token and each draft -> (emitted [B, K + 1]: the accepted drafts
+    then the correction / bonus token, valid up to n_acc + 1; n_acc [B]). Greedy: drafts equal to the main model's
+    choice; sampling: the rejection rule (draws base + 0 .. K - 1 for the acceptances, base + K for the correction),
+    so the output follows the main model's distribution. live [B] (1 / 0): rows with 0 accept nothing."""
     B, K = drafts.shape
-    rows = torch.arange(B, device=y.device)
-    logits, hs = mtp.verify_tokens(model, torch.cat([y.unsqueeze(1), drafts], dim=1), pos, options)
+    rows = torch.arange(B, device=drafts.device)
     if s.mode == "greedy":
         g = logits.argmax(-1)  # [B, K + 1]: the main model's token after each verified position
         n_acc = (drafts == g[:, :K]).int().cumprod(dim=1).sum(dim=1)
@@ -212,6 +210,21 @@ def verify_step(model, y: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | 
     # the token after each verified position as committed: the accepted drafts, then c
     emitted = torch.cat([drafts, torch.zeros_like(c).unsqueeze(1)], dim=1).scatter(1, n_acc.unsqueeze(1),
                                                                                     c.unsqueeze(1))
+    return emitted, n_acc
+
+
+def verify_step(model, y: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, pos: torch.Tensor,
+                s: Sampler, options, live: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One speculative step of rows at positions pos [B] holding y [B] (not yet in the caches) and drafts [B, K]
+    (drawn from q [B, K, V]; None in greedy mode). Returns (emitted [B, K + 1], n_acc [B] as `accept`; the next
+    step's drafts [B, K] and their q). live [B] (1 / 0): rows with 0 accept nothing, so a row riding along writes
+    no further ahead than a step that rejects every draft (its K + 1 positions; what any later step of that row
+    rewrites first)."""
+    K = drafts.shape[1]
+    rows = torch.arange(drafts.shape[0], device=y.device)
+    logits, hs = mtp.verify_tokens(model, torch.cat([y.unsqueeze(1), drafts], dim=1), pos, options)
+    emitted, n_acc = accept(logits, drafts, q, s, live)
     m_logits, m_out = mtp.decode_tokens(model, hs, emitted, pos, options)  # its cache for the committed positions
     nxt, nq = draft_chain(model, m_logits[rows, n_acc], m_out[rows, n_acc], pos + n_acc + 1, K, s, K + 1,
                           options)

@@ -20,14 +20,54 @@ class DraftingRunner(DecodeRunner):
     buffers, live rows (ended ones stay where they are), the host's bound on the positions a step writes, and the
     step's [rows, k + 2] output."""
 
+    draws_per_step: int  # the Philox draws a step makes per row (a subclass's): step j's are offsets j * this + i
+
     def __init__(self, model, k: int, **options):
         if options.get("regional"):
             raise ValueError("speculative steps compile whole (regional=False)")
         self.k = k
+        self.sampling = "greedy"
         super().__init__(model, **options)
         R = self.max_rows
         self.drafts = torch.zeros(R, k, dtype=torch.long, device=self.device)
         self.live = torch.zeros(R, dtype=torch.long, device=self.device)  # 1: a row of the batch (not padding)
+        self.q: torch.Tensor | None = None  # the drafts' distributions [R, k, V], allocated for sampled modes
+
+    def _key(self, n: int):
+        return (n, self.sampling)
+
+    def _inputs(self, n: int) -> tuple:
+        q = None if self.sampling == "greedy" else self.q[:n]
+        return (self.tokens[:n], self.positions[:n], self.live[:n], *self.sampler.rows(n), self.drafts[:n], q)
+
+    def _sampler(self, temperature, top_k, top_p, seed, offset) -> Sampler:
+        return Sampler(self.sampling, temperature, top_k, top_p, seed, offset * self.draws_per_step)
+
+    def _advance(self, tokens, positions, live, offset, drafts, q, emitted, n_acc, nxt, nq) -> tuple:
+        """A step's state after its verdict: each row's last emitted token and position (by what it accepted),
+        the next drafts; -> the step's output [rows, k + 2]."""
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        tokens.copy_(emitted[rows, n_acc])
+        positions.add_((n_acc + 1) * live)  # padding and ended rows stay where they are
+        offset.add_(1)
+        drafts.copy_(nxt)
+        if q is not None:
+            q.copy_(nq)
+        return (torch.cat([emitted, n_acc.unsqueeze(1)], dim=1),)
+
+    @torch.no_grad()
+    def prepare(self, rows: int, mode: str | None = None) -> int:
+        """Compile / capture the bucket of `rows` for sampling mode `mode` (the current one if None)."""
+        if mode is not None:
+            self._set_mode(mode)
+        return super().prepare(rows)
+
+    def _set_mode(self, mode: str) -> None:
+        if mode not in SAMPLING_MODES:
+            raise ValueError(f"sampling mode must be one of {SAMPLING_MODES}, got {mode!r}")
+        self.sampling = mode
+        if mode != "greedy" and self.q is None:
+            self.q = torch.zeros(self.max_rows, self.k, self.model.config.vocab_size, device=self.device)
 
     def _reset_buffers(self) -> None:
         super()._reset_buffers()
@@ -36,6 +76,7 @@ class DraftingRunner(DecodeRunner):
 
     @torch.no_grad()
     def begin(self, positions, params) -> None:
+        self._set_mode(sampling_mode(params))
         super().begin(positions, params)
         self.live[: self.rows] = 1
 
@@ -66,9 +107,8 @@ class DraftingRunner(DecodeRunner):
 
     # ------------------------------------------------------------------ rows joining and leaving (the scheduler)
     def set_mode(self, mode: str) -> None:
-        """The sampling mode of the steps from now on (a greedy-only runner takes "greedy" alone)."""
-        if mode != "greedy":
-            raise ValueError(f"{type(self).__name__} steps are greedy only, not {mode!r}")
+        """The sampling mode of the steps from now on (its buckets prepared: prepare(rows, mode))."""
+        self._set_mode(mode)
 
     def _ride(self, n: int, hold: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [:n]' positions for a pass inside a running batch -> (positions, room) on the device: state (host)
@@ -100,59 +140,17 @@ class DraftingRunner(DecodeRunner):
 class SpeculativeRunner(DraftingRunner):
     def __init__(self, model, k: int, **options):
         check_model(model, k)
-        self.sampling = "greedy"
+        self.draws_per_step = 2 * k + 1  # k acceptances, the correction, k drafts
         super().__init__(model, k, **options)
-        self.q: torch.Tensor | None = None  # the drafts' distributions [R, k, V], allocated for sampled modes
 
     @property
     def mode_name(self) -> str:
         return f"{super().mode_name}, speculate {self.k}"
 
-    def _key(self, n: int):
-        return (n, self.sampling)
-
-    def _inputs(self, n: int) -> tuple:
-        q = None if self.sampling == "greedy" else self.q[:n]
-        return (self.tokens[:n], self.positions[:n], self.live[:n], *self.sampler.rows(n), self.drafts[:n], q)
-
-    def _sampler(self, temperature, top_k, top_p, seed, offset) -> Sampler:
-        # a step makes 2k + 1 draws per row: offsets offset * (2k + 1) + j, disjoint from step to step
-        return Sampler(self.sampling, temperature, top_k, top_p, seed, offset * (2 * self.k + 1))
-
     def _step_impl(self, tokens, positions, live, temperature, top_k, top_p, seed, offset, drafts, q):
         s = self._sampler(temperature, top_k, top_p, seed, offset)
         emitted, n_acc, nxt, nq = verify_step(self.model, tokens, drafts, q, positions, s, self.step_options, live)
-        rows = torch.arange(tokens.shape[0], device=tokens.device)
-        tokens.copy_(emitted[rows, n_acc])
-        positions.add_((n_acc + 1) * live)  # padded rows stay at position 0
-        offset.add_(1)
-        drafts.copy_(nxt)
-        if q is not None:
-            q.copy_(nq)
-        return (torch.cat([emitted, n_acc.unsqueeze(1)], dim=1),)
-
-    @torch.no_grad()
-    def prepare(self, rows: int, mode: str | None = None) -> int:
-        """Compile / capture the bucket of `rows` for sampling mode `mode` (the current one if None)."""
-        if mode is not None:
-            self._set_mode(mode)
-        return super().prepare(rows)
-
-    def _set_mode(self, mode: str) -> None:
-        if mode not in SAMPLING_MODES:
-            raise ValueError(f"sampling mode must be one of {SAMPLING_MODES}, got {mode!r}")
-        self.sampling = mode
-        if mode != "greedy" and self.q is None:
-            self.q = torch.zeros(self.max_rows, self.k, self.model.config.vocab_size, device=self.device)
-
-    @torch.no_grad()
-    def begin(self, positions, params) -> None:
-        self._set_mode(sampling_mode(params))
-        super().begin(positions, params)
-
-    def set_mode(self, mode: str) -> None:
-        """The sampling mode of the steps from now on (its buckets prepared: prepare(rows, mode))."""
-        self._set_mode(mode)
+        return self._advance(tokens, positions, live, offset, drafts, q, emitted, n_acc, nxt, nq)
 
     @torch.no_grad()
     def start_rows(self, rows: list[int], streams: torch.Tensor, last: list[int], hold: torch.Tensor,

@@ -32,7 +32,7 @@ def prepare_modes(runner, rows: int | None, modes: tuple[str, ...]) -> int:
 
 class SpeculativeScheduler(Scheduler):
     """A Scheduler whose decode steps are speculative with `k` drafts (an Engine whose model was built with
-    spare_window_slots >= k): method "mtp" (its MTP block) or "dspark" (its DSpark module: greedy steps only).
+    spare_window_slots >= k): method "mtp" (its MTP block) or "dspark" (its DSpark module).
     modes: the sampling modes prepared (compiled / captured) up front, cheapest first ("greedy", "sample",
     "filter"); each iteration runs the cheapest that serves its rows, and a request no prepared mode serves is
     refused. `speculation`: the acceptance counts."""
@@ -41,8 +41,6 @@ class SpeculativeScheduler(Scheduler):
                  **options):
         if method not in ("mtp", "dspark"):
             raise ValueError(f"method must be 'mtp' or 'dspark', got {method!r}")
-        if method == "dspark":
-            modes = ("greedy",)  # (its acceptance is greedy: a sampled request is refused)
         if not modes or any(m not in SAMPLING_MODES for m in modes):
             raise ValueError(f"modes must be a non-empty tuple of {SAMPLING_MODES}, got {modes!r}")
         self.k, self.method = k, method

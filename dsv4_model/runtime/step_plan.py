@@ -187,7 +187,7 @@ def follow(engine, rows: int | None = None, group=None, speculate: int = 0, mode
 
         dspark = method == "dspark"
         runner = engine.dspark_runner(speculate) if dspark else engine.speculative_runner(speculate)
-        prepare_modes(runner, rows, ("greedy",) if dspark else modes)
+        prepare_modes(runner, rows, modes)
     else:
         runner = engine.runner()
         prepare_buckets(runner, rows)

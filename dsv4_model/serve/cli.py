@@ -87,8 +87,7 @@ def build_engine(args):
 
 
 def _drafter(engine) -> str:
-    """--speculate drafts with the checkpoint's DSpark module where it carries one (greedy steps: sampled
-    requests are then refused), else with its MTP block."""
+    """--speculate drafts with the checkpoint's DSpark module where it carries one, else with its MTP block."""
     return "dspark" if getattr(engine.model, "dspark", None) is not None else "mtp"
 
 

@@ -28,8 +28,8 @@ def dspark_greedy(model, prompt: torch.Tensor, max_new_tokens: int,
     out = [[int(t)] for t in y.tolist()]
     stats = SpeculationStats(K)
     while min(len(o) for o in out) < max_new_tokens:
-        emitted, n_acc, nxt = dspark_step(model, dspark, y, drafts, pos)
-        y, pos, drafts = emitted[rows, n_acc], pos + n_acc + 1, nxt.tokens
+        emitted, n_acc, drafts, _ = dspark_step(model, dspark, y, drafts, pos)
+        y, pos = emitted[rows, n_acc], pos + n_acc + 1
         e_host, n_host = emitted.tolist(), n_acc.tolist()  # the step's one host read
         for b in range(B):
             out[b].extend(e_host[b][: n_host[b] + 1])
