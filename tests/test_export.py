@@ -152,7 +152,7 @@ def _check_against_eager(pkg, got):
         assert torch.equal(a.argmax(-1)[d], b.argmax(-1)[d]), f"step {step}"
     n = next((i for i, d in enumerate(decidable) if not bool(d.all())), len(decidable))
     # Prefill wrote the caches this process owns (explicit inputs mutated in place, not package state); the
-    # decode step's scratch buffers (rope_rows_*) only decode writes.
+    # decode step's scratch buffers (step_scratch.*) only decode writes.
     scratch = set(pkg.model.scratch_buffer_names()) & set(got["caches"])
     assert set(got["written"]) == set(got["caches"]) - scratch and got["written"] and scratch
     # generate() on the package = generate() on the eager engine (both greedy; up to a possible near-tie).

@@ -149,16 +149,18 @@ def test_decode_shares_per_step_values_across_layers(monkeypatch):
     # (the same (window, 0, 0) key) beside its own top-k
     assert sorted(calls) == [0, 16]
     # the shared values sit in the step's scratch buffers, which those layers read in place
-    assert m.attn_row_keys == [(cfg.window_size, 0, 0), (cfg.window_size, 16, 256 // 16)]
-    for i, key in enumerate(m.attn_row_keys):
-        layer = next(b.attn for b in m.layers if (b.attn.ring, b.attn.ratio, b.attn.n_entries) == key)
-        assert torch.equal(getattr(m, f"attn_rows_{i}")[0], layer._decode_rows(pos, None, None)), key
-    assert torch.equal(m.n_vis_rows[m.vis_ratios.index(4)], (pos + 1) // 4)
+    scratch = m.step_scratch
+    assert scratch.attn_keys == [(cfg.window_size, 0, 0), (cfg.window_size, 16, 256 // 16)]
+    for a in scratch.attn:
+        layer = next(b.attn for b in m.layers if (b.attn.ring, b.attn.ratio, b.attn.n_entries) == a.key)
+        assert torch.equal(a.rows[0], layer._decode_rows(pos, None, None)), a.key
+    assert torch.equal(scratch.n_vis[scratch.vis_ratios.index(4)], (pos + 1) // 4)
     # every RoPE slot (per table and window offset) holds the step's rows
+    rows = {"main": scratch.rope_main, "compress": scratch.rope_compress}
     for kind, table in m._rope().items():
-        for i, off in enumerate(m.rope_offsets[kind]):
+        for i, off in enumerate(scratch.rope_offsets[kind]):
             want = table[(pos + 1 - off).clamp(min=0)]
-            assert torch.equal(getattr(m, f"rope_rows_{kind}")[i, :2], want), (kind, off)
+            assert torch.equal(rows[kind][i, :2], want), (kind, off)
 
     from dsv4_model.model.step_values import DecodeStep, in_slot
 
@@ -192,4 +194,4 @@ def test_decode_writes_every_rope_slot_before_the_layers(monkeypatch):
     m.decode_step(torch.tensor([3]), torch.tensor([9]))
     first_layer = events.index(("layer",))
     written = sorted(k for e in events[:first_layer] for k in e[1:])
-    assert written == sorted(k for ms in m.rope_offsets.values() for k in ms), events
+    assert written == sorted(k for ms in m.step_scratch.rope_offsets.values() for k in ms), events

@@ -2,7 +2,7 @@
 (per table and window offset), the indexers' visible-entry counts, the attended rows of the layers without an
 indexer.
 
-Each goes into a small model buffer (Transformer.setup_runtime, `scratch_buffer_names`) that the layers' ops read
+Each goes into a small model buffer (`StepScratch`, the Transformer's `step_scratch`) that the layers' ops read
 in place: a plain tensor would be recomputed by Inductor into a fresh copy for every custom op that reads it (one
 kernel per layer and use). The RoPE rows are all written when the step is built, before any layer reads the
 buffer: a slot written after a read of another one reached its reader as a fresh copy too. The other two are
@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch import nn
 
 from dsv4_ops import supports
 
@@ -28,6 +29,49 @@ def in_slot(slots: Slots | None, key, value: torch.Tensor) -> torch.Tensor:
     out = slots[0][slots[1].index(key), :value.shape[0]]
     out.copy_(value)
     return out
+
+
+class AttnRows(nn.Module):
+    """The scratch buffer of one attended-rows key (ring slots, ratio, entries): [1, max_batch, rows] int32."""
+
+    def __init__(self, key: tuple, max_batch: int, device=None):
+        super().__init__()
+        self.key = key
+        w, r, n = key
+        self.register_buffer("rows", torch.zeros(1, max_batch, w + (n if r else 0), dtype=torch.int32, device=device),
+                             persistent=False)
+
+
+class StepScratch(nn.Module):
+    """A decode step's scratch buffers (written by the step before its layers read them, not state carried
+    between steps): the RoPE rows of each table ([offsets, max_batch, rope_dim / 2, 2] fp32, one slot per window
+    offset m), the visible-entry counts ([ratios, max_batch] int64, one slot per ratio) and the attended rows of
+    each key (`attn`, one `AttnRows` per key, sorted)."""
+
+    def __init__(self, max_batch: int, rope_dim: int, compress_ratios: list[int], attn_keys: list[tuple],
+                 device=None):
+        super().__init__()
+        ratios = sorted({r for r in compress_ratios if r})
+        self.rope_offsets = {"main": [1], "compress": [1] + ratios}
+        self.vis_ratios = ratios
+        f32 = dict(dtype=torch.float32, device=device)
+        self.register_buffer("rope_main", torch.zeros(1, max_batch, rope_dim // 2, 2, **f32), persistent=False)
+        self.register_buffer("rope_compress", torch.zeros(1 + len(ratios), max_batch, rope_dim // 2, 2, **f32),
+                             persistent=False)
+        self.register_buffer("n_vis", torch.zeros(max(len(ratios), 1), max_batch, dtype=torch.long, device=device),
+                             persistent=False)
+        self.attn = nn.ModuleList(AttnRows(key, max_batch, device) for key in attn_keys)
+
+    @property
+    def attn_keys(self) -> list[tuple]:
+        return [a.key for a in self.attn]
+
+    def slots(self) -> tuple[dict[str, Slots], Slots, dict[tuple, Slots]]:
+        """DecodeStep's rope_slots, nvis_slots and attn_slots in these buffers."""
+        return ({"main": (self.rope_main, self.rope_offsets["main"]),
+                 "compress": (self.rope_compress, self.rope_offsets["compress"])},
+                (self.n_vis, self.vis_ratios),
+                {a.key: (a.rows, [a.key]) for a in self.attn})
 
 
 class DecodeStep:

@@ -38,7 +38,7 @@ from dsv4_model.model.checks import check_max_seq_len, check_positive_int
 from dsv4_model.model.compressor import Compressor
 from dsv4_model.model.indexer import Indexer
 from dsv4_model.model.decode_options import DEFAULT as DEFAULT_OPTIONS, DecodeOptions
-from dsv4_model.model.step_values import DecodeStep
+from dsv4_model.model.step_values import DecodeStep, StepScratch
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.layers import (Linear, RMSNorm, hc_head, hc_post, hc_pre, narrow_if_lossless_, rope_inv_freq,
                                      rope_table)
@@ -257,24 +257,14 @@ class Transformer(nn.Module):
                              c.beta_fast, c.beta_slow)
         self.register_buffer("rope_main", rope_table(main, self.max_seq_len, device), persistent=False)
         self.register_buffer("rope_compress", rope_table(comp, self.max_seq_len, device), persistent=False)
-        # A decode step's gathered RoPE rows, one slot per (table, offset m): written once per step and read by
-        # every layer. Gathered into a plain tensor instead, Inductor would recompute the gather into a copy for
-        # each custom op that reads it (one kernel per layer and use).
-        self.rope_offsets = {"main": [1], "compress": [1] + sorted({r for r in c.compress_ratios if r})}
-        for kind, ms in self.rope_offsets.items():
-            self.register_buffer(f"rope_rows_{kind}", torch.zeros(len(ms), self.max_batch_size, c.rope_head_dim // 2,
-                                                                  2, device=device), persistent=False)
-        # the same for the visible compressed entries (positions + 1) // m the indexers read, per ratio m
-        self.vis_ratios = sorted({r for r in c.compress_ratios if r})
-        self.register_buffer("n_vis_rows", torch.zeros(max(len(self.vis_ratios), 1), self.max_batch_size,
-                                                       dtype=torch.long, device=device), persistent=False)
-        # ... and for the attended rows of the layers without an indexer, per (ring slots, ratio, entries), and the
-        # window rows alone (ring slots, 0, 0) that CSA layers pass beside their top-k
-        self.attn_row_keys = sorted({(a.ring, a.ratio, a.n_entries) if a.indexer is None else (a.ring, 0, 0)
-                                     for a in self.modules() if isinstance(a, Attention)})
-        for i, (w, r, n) in enumerate(self.attn_row_keys):
-            self.register_buffer(f"attn_rows_{i}", torch.zeros(1, self.max_batch_size, w + (n if r else 0),
-                                                               dtype=torch.int32, device=device), persistent=False)
+        # A decode step's values every layer reads, written once per step into buffers (step_values.StepScratch):
+        # gathered into plain tensors instead, Inductor would recompute each into a copy for every custom op that
+        # reads it (one kernel per layer and use). The attended-rows keys: the layers without an indexer's
+        # (ring slots, ratio, entries), and the window rows alone (ring slots, 0, 0) that CSA layers pass beside
+        # their top-k.
+        attn_keys = sorted({(a.ring, a.ratio, a.n_entries) if a.indexer is None else (a.ring, 0, 0)
+                            for a in self.modules() if isinstance(a, Attention)})
+        self.step_scratch = StepScratch(self.max_batch_size, c.rope_head_dim, c.compress_ratios, attn_keys, device)
         for mod in self.modules():
             if isinstance(mod, Block):
                 mod.ask_supports()
@@ -344,8 +334,7 @@ class Transformer(nn.Module):
 
     def scratch_buffer_names(self) -> list[str]:
         """Buffers a decode step writes before it reads them (not state carried between steps)."""
-        return ([f"rope_rows_{kind}" for kind in self.rope_offsets] + ["n_vis_rows"]
-                + [f"attn_rows_{i}" for i in range(len(self.attn_row_keys))])
+        return [f"step_scratch.{n}" for n, _ in self.step_scratch.named_buffers()]
 
     def _rope(self) -> dict:
         return {"main": self.rope_main, "compress": self.rope_compress}
@@ -429,10 +418,7 @@ class Transformer(nn.Module):
         fold_rows): runs one layer's decode (a compiled region; default: layer.decode).
 
         Static shapes, no host syncs: safe for torch.compile(fullgraph=True) and CUDA graphs."""
-        step = DecodeStep(positions, options, self._rope(),
-                          {kind: (getattr(self, f"rope_rows_{kind}"), ms) for kind, ms in self.rope_offsets.items()},
-                          (self.n_vis_rows, self.vis_ratios),
-                          {key: (getattr(self, f"attn_rows_{i}"), [key]) for i, key in enumerate(self.attn_row_keys)})
+        step = DecodeStep(positions, options, self._rope(), *self.step_scratch.slots())
         h = self.embed(tokens).unsqueeze(1).repeat(1, self.hc, 1)
         return self._logits(self._decode_layers(h, tokens, step, options, layer_call))
 
