@@ -3,7 +3,7 @@
 The defaults are the shipped choices; tests and benchmarks force the others to run every kernel path at the same
 shapes. Process-wide and read at each launch, so a CUDA graph keeps the choices it was captured with.
 
-    with kernel_overrides(nvfp4_gemm_kernel="simple", pdl=False):
+    with kernel_overrides(nvfp4_gemm_kernel="skinny", pdl=False):
         y = ops.nvfp4_linear(...)
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import dataclasses
 
 from dsv4_ops._loader import library_path
 
-GEMM_KERNELS = ("auto", "simple", "tiled", "cublas", "cublas_mmdtype", "skinny")
+GEMM_KERNELS = ("auto", "tiled", "cublas", "skinny")
 FUSED_PATHS = ("auto", "cluster", "grid")
 ATTN_KERNELS = ("auto", "simt")
 

@@ -521,7 +521,7 @@ def _linear_cuda_sweep(n, k):
 
 
 # The full-size sweeps are `slow` and not `kernels`: compute-sanitizer runs the `kernels` tests below, which
-# reach every kernel path (all token-tile widths, K and N tails, tiled / cuBLAS / simple, MoE) at smaller sizes.
+# reach every kernel path (all token-tile widths, K and N tails, tiled / cuBLAS, MoE) at smaller sizes.
 @pytest.mark.cuda
 @pytest.mark.slow
 @pytest.mark.parametrize("n,k", V4_FLASH + V4_PRO)
@@ -538,13 +538,12 @@ def test_linear_cuda(n, k):
 
 @pytest.mark.cuda
 @pytest.mark.kernels
-@pytest.mark.parametrize("choice", ["simple", "tiled", "cublas"])
+@pytest.mark.parametrize("choice", ["tiled", "cublas"])
 @pytest.mark.parametrize("n,k", [(1024, 4096), (40, 272), (24, 144)])
 def test_linear_cuda_forced_kernels(choice, n, k):
-    """Each kernel path forced by the nvfp4_gemm_kernel override (simple: plain CUDA-core kernel, any M; tiled / cublas:
-    the two M > 64 paths) stays correct."""
+    """Each M > 64 kernel path forced by the nvfp4_gemm_kernel override (tiled / cublas) stays correct."""
     gen = torch.Generator().manual_seed(9)
-    for m in ((1, 8, 65) if choice == "simple" else (65, 130, 513, 1000)):
+    for m in (65, 130, 513, 1000):
         x, w, ref32, bound = linear_case(n, k, m, gen, "cuda")
         with kernel_choice(choice):
             out = ops.nvfp4_linear(x, *w)
@@ -679,7 +678,7 @@ def test_moe_cuda_many_experts_padded(T):
         args = kernel_moe_args(w13, w2, sh)
         out = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
         assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, sh, 10.0), f"cuda moe padded T={T}")
-    for choice, sh in (("simple", None), ("skinny", shared), ("skinny", None)):
+    for choice, sh in (("skinny", shared), ("skinny", None)):
         with kernel_choice(choice):
             out = ops.nvfp4_moe(x, ids, wts, *kernel_moe_args(w13, w2, sh), 10.0)
         assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, sh, 10.0), f"cuda {choice} moe T={T}")
@@ -709,7 +708,7 @@ def test_moe_cuda_invalid_ids():
 
 
 # E = 256, k = 6: T = 1, 2 (2-row gemv passes, local routing), 5 (local routing), 64 (gemv, route kernel), 300
-# (T*k > 4E: skinny); the nvfp4_gemm_kernel override forces skinny and simple at every T.
+# (T*k > 4E: skinny); the nvfp4_gemm_kernel override forces skinny at every T.
 @pytest.mark.cuda
 @pytest.mark.kernels
 @pytest.mark.parametrize("T", [1, 2, 5, 64, 300])
@@ -732,7 +731,7 @@ def test_moe_rows_cuda(T):
         for topk in (ids, ext):
             expect = ref.nvfp4_moe_rows_ref(x, topk, wts, *w13, *w2, sh, 10.0)
             keep = local_rows(topk, E, has)
-            for choice in ("auto", "skinny", "simple"):
+            for choice in ("auto", "skinny"):
                 what = f"cuda {choice} moe rows T={T} shared={has} all_local={topk is ids}"
                 with kernel_choice(choice):
                     rows = ops.nvfp4_moe_rows(x, topk, wts, *args, 10.0)

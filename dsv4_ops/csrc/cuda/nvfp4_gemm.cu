@@ -22,13 +22,12 @@
 //     tokens (TM = 128: 32 x 64); K split over a thread-block cluster that reduces through distributed shared
 //     memory where the tiles alone would leave SMs idle (nvfp4_tiled.cu).
 //   dequant_weight: W -> bf16 e2m1 * block scale (exact) for the bindings' cuBLAS path (M >= 256).
-//   simple: plain CUDA-core reference-style kernels (override "simple"), any shape.
 //   MoE: route (one CTA) -> up (gemv or skinny, SwiGLU epilogue) -> down -> combine, chained with PDL.
 //   Dense launches also serve nvfp4_linear_grouped (blockIdx.y = group of x [M, G, K]) and nvfp4_linear_multi
 //   (blockIdx.y = one of several matrices sharing x) on the gemv / skinny kernels.
 // Files: nvfp4_kernels.cuh (what the kernels share), nvfp4_gemv.cu, nvfp4_skinny.cu, nvfp4_tiled.cu; here the
-// simple kernels, the MoE routing / combine and dequant kernels, and the host side (kernel choice, work split,
-// the extern "C" launchers).
+// MoE routing / combine and dequant kernels, and the host side (kernel choice, work split, the extern "C"
+// launchers).
 #include <cstdio>
 #include <cstdlib>
 #include <utility>
@@ -38,134 +37,6 @@
 #include "nvfp4_kernels.cuh"
 
 namespace {
-
-// ------------------------------------------------------------------------------------------ simple kernels
-// Warp-reduced sum_k code * scale * x[k] over row n of an N-row kernel-layout matrix (exact decode, fp32 FMA).
-__device__ float simple_row_dot(const uint8_t* wmat, const uint8_t* smat, int n, int N, int K, const bf16* xrow,
-                                int lane) {
-  const int kp = (K + 127) & ~127;
-  const RowAddr a = row_addr(n, N, kp);
-  float acc = 0.f;
-  for (int wi = lane; wi < kp / 8; wi += 32) {
-    const int c = wi >> 4, t = (wi >> 2) & 3, j = wi & 3;
-    const uint8_t* b = wmat + a.w + size_t(c) * a.wstep + size_t(wi & 15) * 4;
-    const uint8_t* srow = smat + a.s + size_t(c) * a.sstep;
-    const uint32_t w = uint32_t(b[0]) | (uint32_t(b[1]) << 8) | (uint32_t(b[2]) << 16) | (uint32_t(b[3]) << 24);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int s = 2 * j + (q >> 1), h = q & 1;
-      const float sc = scale_value(srow[s]);
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int k = c * 128 + 16 * s + 8 * h + 2 * t + e;
-        if (k < K) acc = fmaf(e2m1_value(word_code(w, q, e)) * sc, __bfloat162float(xrow[k]), acc);
-      }
-    }
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xFFFFFFFFu, acc, off);
-  return acc;
-}
-
-__global__ void nvfp4_simple_linear_kernel(const TiledParams p) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int n = blockIdx.x * kWarps + warp;
-  if (n >= p.N) return;
-  float alpha = __ldg(p.gs);
-  if (p.gs_act != nullptr) alpha *= __ldg(p.gs_act);
-  for (int m = blockIdx.y; m < p.M; m += gridDim.y) {
-    const float dot = simple_row_dot(p.w, p.s, n, p.N, p.K, p.x + size_t(m) * p.K, lane);
-    if (lane == 0) store_out(p.y, size_t(m) * p.N + n, dot * alpha, p.out_kind);
-  }
-}
-
-struct SimpleMoeParams {
-  const bf16* x;
-  const void* ids;
-  int ids64;
-  const float* wts;
-  const uint8_t *w13, *s13, *w2, *s2, *sw13, *ss13, *sw2, *ss2;
-  const float *g13, *g2, *sg13, *sg2;
-  int T, d, k, E, I, Is;
-  float limit;
-  bf16* h;   // routed [T*k, I], then shared [T, Is]
-  bf16* o;   // [(T*k + T), d]
-};
-
-// blockIdx.y = assignment row r (< T*k routed, else shared token r - T*k); warps over SwiGLU columns.
-__device__ void simple_moe_up_row(const SimpleMoeParams& p, int r) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int tk = p.T * p.k;
-  const int col = blockIdx.x * kWarps + warp;
-  const uint8_t *w, *s;
-  float gs, route = 1.f;
-  int inter, tok;
-  bf16* dst;
-  const size_t kpd = size_t((p.d + 127) & ~127);
-  if (r < tk) {
-    const int e = load_id(p.ids, p.ids64, r);
-    if (e < 0 || e >= p.E) return;
-    inter = p.I;
-    w = p.w13 + size_t(e) * 2 * p.I * (kpd / 2);
-    s = p.s13 + size_t(e) * 2 * p.I * (kpd / 16);
-    gs = p.g13[e];
-    route = p.wts[r];
-    tok = r / p.k;
-    dst = p.h + size_t(r) * p.I;
-  } else {
-    inter = p.Is;
-    w = p.sw13;
-    s = p.ss13;
-    gs = p.sg13[0];
-    tok = r - tk;
-    dst = p.h + size_t(tk) * p.I + size_t(tok) * p.Is;
-  }
-  if (col >= inter) return;
-  const int grow = (col / 8) * 16 + col % 8;  // gate row in the interleaved layout; up = grow + 8
-  const bf16* xrow = p.x + size_t(tok) * p.d;
-  const float gate = simple_row_dot(w, s, grow, 2 * inter, p.d, xrow, lane);
-  const float up = simple_row_dot(w, s, grow + 8, 2 * inter, p.d, xrow, lane);
-  float hv = swiglu(round_bf16(gate * gs), round_bf16(up * gs), p.limit);
-  if (r < tk) hv *= route;
-  if (lane == 0) dst[col] = __float2bfloat16(hv);
-}
-
-__global__ void nvfp4_simple_moe_up_kernel(const SimpleMoeParams p) {
-  for (int r = blockIdx.y; r < p.T * p.k + (p.sw13 != nullptr ? p.T : 0); r += gridDim.y) simple_moe_up_row(p, r);
-}
-
-__device__ void simple_moe_down_row(const SimpleMoeParams& p, int r) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int tk = p.T * p.k;
-  const int n = blockIdx.x * kWarps + warp;
-  if (n >= p.d) return;
-  const uint8_t *w, *s;
-  float gs;
-  int K;
-  const bf16* hrow;
-  if (r < tk) {
-    const int e = load_id(p.ids, p.ids64, r);
-    if (e < 0 || e >= p.E) return;
-    K = p.I;
-    const size_t kp = size_t((K + 127) & ~127);
-    w = p.w2 + size_t(e) * p.d * (kp / 2);
-    s = p.s2 + size_t(e) * p.d * (kp / 16);
-    gs = p.g2[e];
-    hrow = p.h + size_t(r) * p.I;
-  } else {
-    K = p.Is;
-    w = p.sw2;
-    s = p.ss2;
-    gs = p.sg2[0];
-    hrow = p.h + size_t(tk) * p.I + size_t(r - tk) * p.Is;
-  }
-  const float dot = simple_row_dot(w, s, n, p.d, K, hrow, lane);
-  if (lane == 0) p.o[size_t(r) * p.d + n] = __float2bfloat16(dot * gs);
-}
-
-__global__ void nvfp4_simple_moe_down_kernel(const SimpleMoeParams p) {
-  for (int r = blockIdx.y; r < p.T * p.k + (p.sw13 != nullptr ? p.T : 0); r += gridDim.y) simple_moe_down_row(p, r);
-}
 
 // ------------------------------------------------------------------------------------------ MoE routing
 // One CTA: per-expert counts, exclusive offsets, the list of active experts (ascending id) and the
@@ -358,7 +229,7 @@ bool moe_local_route() { return dsv4_overrides::get().moe_local_route != 0; }
 }  // namespace
 
 extern "C" cudaError_t dsv4_nvfp4_linear_launch(const Nvfp4LinearArgs* a, cudaStream_t stream) {
-  if ((a->G > 1 || a->nseg > 0) && (a->simple || a->M > 64)) return cudaErrorInvalidValue;  // gemv / skinny only
+  if ((a->G > 1 || a->nseg > 0) && a->M > 64) return cudaErrorInvalidValue;  // gemv / skinny only
   if (a->nseg > kNvfp4MaxSegments) return cudaErrorInvalidValue;
   int64_t n_max = a->N;  // (G <= 1: one matrix; nseg > 0: the widest segment sizes the grid)
   if (a->nseg > 0) {
@@ -367,13 +238,6 @@ extern "C" cudaError_t dsv4_nvfp4_linear_launch(const Nvfp4LinearArgs* a, cudaSt
   }
   if (a->M == 0 || n_max == 0) return cudaSuccess;
   const int64_t kp = (a->K + 127) / 128 * 128, nchunks = kp / 128, ntiles = (n_max + 15) / 16;
-  if (a->simple) {
-    TiledParams p{reinterpret_cast<const bf16*>(a->x), a->w, a->s, a->gs, a->gs_act, a->y, a->out_kind,
-                  int(a->M), int(a->N), int(a->K)};
-    nvfp4_simple_linear_kernel<<<dim3(unsigned((a->N + kWarps - 1) / kWarps), unsigned(a->M < 65535 ? a->M : 65535)),
-                                 kThreads, 0, stream>>>(p);
-    return cudaGetLastError();
-  }
   // The tiled kernel: M > 64, and one dense matrix at 8 < M <= 64 unless skinny is forced (gemv = 0).
   if (a->M > 64 || (a->M > 8 && a->gemv && a->G <= 1 && a->nseg == 0)) {
     const TiledParams p{reinterpret_cast<const bf16*>(a->x), a->w, a->s, a->gs, a->gs_act, a->y, a->out_kind,
@@ -436,99 +300,77 @@ extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t
   const bool shared = a->sw13 != nullptr;
   bf16* h = reinterpret_cast<bf16*>(a->h);
   bf16* o = reinterpret_cast<bf16*>(a->o);
-  if (a->simple) {
-    SimpleMoeParams p{};
-    p.x = reinterpret_cast<const bf16*>(a->x);
-    p.ids = a->ids;
-    p.ids64 = a->ids_int64;
-    p.wts = a->wts;
-    p.w13 = a->w13, p.s13 = a->s13, p.w2 = a->w2, p.s2 = a->s2;
-    p.sw13 = a->sw13, p.ss13 = a->ss13, p.sw2 = a->sw2, p.ss2 = a->ss2;
-    p.g13 = a->g13, p.g2 = a->g2, p.sg13 = a->sg13, p.sg2 = a->sg2;
-    p.T = int(a->T), p.d = int(a->d), p.k = int(a->k), p.E = int(a->E), p.I = int(a->I), p.Is = int(a->Is);
-    p.limit = a->limit;
-    p.h = h;
-    p.o = o;
-    const int64_t rows = TK + (shared ? a->T : 0) < 65535 ? TK + (shared ? a->T : 0) : 65535;
-    const int64_t imax = a->I > a->Is ? a->I : a->Is;
-    nvfp4_simple_moe_up_kernel<<<dim3(unsigned((imax + kWarps - 1) / kWarps), unsigned(rows)), kThreads, 0,
-                                 stream>>>(p);
-    nvfp4_simple_moe_down_kernel<<<dim3(unsigned((a->d + kWarps - 1) / kWarps), unsigned(rows)), kThreads, 0,
-                                   stream>>>(p);
-  } else {
-    SkinnyParams p{};
-    p.pdl = a->pdl;
-    p.route = a->route;
-    p.ids = a->ids;
-    p.ids64 = int(a->ids_int64);
-    p.local_route = TK <= kLocalRouteMax && moe_local_route();
-    cudaError_t err = cudaSuccess;
-    if (!p.local_route) {
-      err = launch_ex(a->pdl != 0, nvfp4_moe_route_kernel, dim3(1), dim3(1024), size_t(2 * a->E) * sizeof(int),
-                      stream, a->ids, int(a->ids_int64), int(TK), int(a->E), a->route);
-      if (err != cudaSuccess) return err;
-    }
-    p.E = int(a->E);
-    p.topk = int(a->k);
-    p.T = int(a->T);
-    p.n_rslots = int(TK < a->E ? TK : a->E);
-    p.wts = a->wts;
-    p.limit = a->limit;
-    // tokens per tile: ~2x the mean tokens per expert (the kernel loops over more). One 8-token tile: the
-    // gemv kernel (2-token passes while T <= 2), else skinny with 8 * nt tokens per pass.
-    const int nt = pick_nt((TK + a->E - 1) / a->E * 2);
-    const bool gemv = a->gemv && nt == 1;
-    const int gemv_rows = a->T <= 2 ? 2 : 8;
-    p.s_chunk = gemv ? gemv_rows : 8 * nt;
-    p.n_sslots = shared ? int((a->T + p.s_chunk - 1) / p.s_chunk) : 0;
-    const int slots = p.n_rslots + p.n_sslots;
-    // up: gate/up rows [2I] x K = d; B rows = tokens of x
-    p.w = a->w13, p.s = a->s13, p.g = a->g13, p.N = int(2 * a->I), p.K = int(a->d);
-    p.sw = a->sw13, p.ss = a->ss13, p.sg = a->sg13, p.sN = int(2 * a->Is), p.sK = int(a->d);
-    p.in = reinterpret_cast<const bf16*>(a->x);
-    p.in_shared = p.in;
-    p.out = h;
-    p.out_shared = h + TK * a->I;
-    const int64_t nmax_up = (shared && a->Is > a->I ? a->Is : a->I) * 2;
-    const int64_t kchunks_d = (a->d + 127) / 128;
-    if (gemv) {
-      int occ = 2;
-      plan_gemv(gemv_rows, (nmax_up + 15) / 16, kchunks_d, slots, p.kw, p.rt, occ);
-      const dim3 grid(unsigned(((nmax_up + 15) / 16 + p.rt - 1) / p.rt), unsigned(slots));
-      err = gemv_rows == 2 ? launch_gemv<kMoeUp, 2>(p, grid, stream, occ)
-                           : launch_gemv<kMoeUp, 8>(p, grid, stream, occ);
-    } else {
-      pick_split((nmax_up + 15) / 16, kchunks_d, slots, p.kw, p.rt);
-      err = launch_skinny<kMoeUp>(p, nt, dim3(unsigned(((nmax_up + 15) / 16 + p.rt - 1) / p.rt), unsigned(slots)),
-                                  stream);
-    }
-    if (err != cudaSuccess) return err;
-    // down: rows d x K = I (Is); B rows = h
-    p.w = a->w2, p.s = a->s2, p.g = a->g2, p.N = int(a->d), p.K = int(a->I);
-    p.sw = a->sw2, p.ss = a->ss2, p.sg = a->sg2, p.sN = int(a->d), p.sK = int(a->Is);
-    p.in = h;
-    p.in_shared = h + TK * a->I;
-    p.out = o;
-    p.out_shared = o + TK * a->d;
-    const int64_t kmax = shared && a->Is > a->I ? a->Is : a->I;
-    const int64_t ntiles_d = (a->d + 15) / 16;
-    if (gemv) {
-      int occ = 2;
-      plan_gemv(gemv_rows, ntiles_d, (kmax + 127) / 128, slots, p.kw, p.rt, occ);
-      const dim3 grid(unsigned((ntiles_d + p.rt - 1) / p.rt), unsigned(slots));
-      err = gemv_rows == 2 ? launch_gemv<kMoeDown, 2>(p, grid, stream, occ)
-                           : launch_gemv<kMoeDown, 8>(p, grid, stream, occ);
-    } else {
-      pick_split(ntiles_d, (kmax + 127) / 128, slots, p.kw, p.rt);
-      err = launch_skinny<kMoeDown>(p, nt, dim3(unsigned((ntiles_d + p.rt - 1) / p.rt), unsigned(slots)), stream);
-    }
+  SkinnyParams p{};
+  p.pdl = a->pdl;
+  p.route = a->route;
+  p.ids = a->ids;
+  p.ids64 = int(a->ids_int64);
+  p.local_route = TK <= kLocalRouteMax && moe_local_route();
+  cudaError_t err = cudaSuccess;
+  if (!p.local_route) {
+    err = launch_ex(a->pdl != 0, nvfp4_moe_route_kernel, dim3(1), dim3(1024), size_t(2 * a->E) * sizeof(int),
+                    stream, a->ids, int(a->ids_int64), int(TK), int(a->E), a->route);
     if (err != cudaSuccess) return err;
   }
-  // dsv4::nvfp4_moe_rows: its consumer sums o. The simple kernels' <<<>>> launches report only through
-  // cudaGetLastError.
-  if (a->skip_combine) return a->simple ? cudaGetLastError() : cudaSuccess;
+  p.E = int(a->E);
+  p.topk = int(a->k);
+  p.T = int(a->T);
+  p.n_rslots = int(TK < a->E ? TK : a->E);
+  p.wts = a->wts;
+  p.limit = a->limit;
+  // tokens per tile: ~2x the mean tokens per expert (the kernel loops over more). One 8-token tile: the
+  // gemv kernel (2-token passes while T <= 2), else skinny with 8 * nt tokens per pass.
+  const int nt = pick_nt((TK + a->E - 1) / a->E * 2);
+  const bool gemv = a->gemv && nt == 1;
+  const int gemv_rows = a->T <= 2 ? 2 : 8;
+  p.s_chunk = gemv ? gemv_rows : 8 * nt;
+  p.n_sslots = shared ? int((a->T + p.s_chunk - 1) / p.s_chunk) : 0;
+  const int slots = p.n_rslots + p.n_sslots;
+  // up: gate/up rows [2I] x K = d; B rows = tokens of x
+  p.w = a->w13, p.s = a->s13, p.g = a->g13, p.N = int(2 * a->I), p.K = int(a->d);
+  p.sw = a->sw13, p.ss = a->ss13, p.sg = a->sg13, p.sN = int(2 * a->Is), p.sK = int(a->d);
+  p.in = reinterpret_cast<const bf16*>(a->x);
+  p.in_shared = p.in;
+  p.out = h;
+  p.out_shared = h + TK * a->I;
+  const int64_t nmax_up = (shared && a->Is > a->I ? a->Is : a->I) * 2;
+  const int64_t kchunks_d = (a->d + 127) / 128;
+  if (gemv) {
+    int occ = 2;
+    plan_gemv(gemv_rows, (nmax_up + 15) / 16, kchunks_d, slots, p.kw, p.rt, occ);
+    const dim3 grid(unsigned(((nmax_up + 15) / 16 + p.rt - 1) / p.rt), unsigned(slots));
+    err = gemv_rows == 2 ? launch_gemv<kMoeUp, 2>(p, grid, stream, occ)
+                         : launch_gemv<kMoeUp, 8>(p, grid, stream, occ);
+  } else {
+    pick_split((nmax_up + 15) / 16, kchunks_d, slots, p.kw, p.rt);
+    err = launch_skinny<kMoeUp>(p, nt, dim3(unsigned(((nmax_up + 15) / 16 + p.rt - 1) / p.rt), unsigned(slots)),
+                                stream);
+  }
+  if (err != cudaSuccess) return err;
+  // down: rows d x K = I (Is); B rows = h
+  p.w = a->w2, p.s = a->s2, p.g = a->g2, p.N = int(a->d), p.K = int(a->I);
+  p.sw = a->sw2, p.ss = a->ss2, p.sg = a->sg2, p.sN = int(a->d), p.sK = int(a->Is);
+  p.in = h;
+  p.in_shared = h + TK * a->I;
+  p.out = o;
+  p.out_shared = o + TK * a->d;
+  const int64_t kmax = shared && a->Is > a->I ? a->Is : a->I;
+  const int64_t ntiles_d = (a->d + 15) / 16;
+  if (gemv) {
+    int occ = 2;
+    plan_gemv(gemv_rows, ntiles_d, (kmax + 127) / 128, slots, p.kw, p.rt, occ);
+    const dim3 grid(unsigned((ntiles_d + p.rt - 1) / p.rt), unsigned(slots));
+    err = gemv_rows == 2 ? launch_gemv<kMoeDown, 2>(p, grid, stream, occ)
+                         : launch_gemv<kMoeDown, 8>(p, grid, stream, occ);
+  } else {
+    pick_split(ntiles_d, (kmax + 127) / 128, slots, p.kw, p.rt);
+    err = launch_skinny<kMoeDown>(p, nt, dim3(unsigned((ntiles_d + p.rt - 1) / p.rt), unsigned(slots)), stream);
+  }
+  if (err != cudaSuccess) return err;
+  // dsv4::nvfp4_moe_rows: its consumer sums o.
+  if (a->skip_combine) return cudaSuccess;
   const int64_t items = a->T * (a->d / 8);
-  return launch_ex(a->pdl != 0 && !a->simple, nvfp4_moe_combine_kernel, dim3(unsigned((items + 255) / 256)),
+  return launch_ex(a->pdl != 0, nvfp4_moe_combine_kernel, dim3(unsigned((items + 255) / 256)),
                    dim3(256), 0, stream, static_cast<const bf16*>(o), a->ids, int(a->ids_int64), int(a->T),
                    int(a->k), int(a->E), int(a->d), shared ? 1 : 0, reinterpret_cast<bf16*>(a->y));
 }

@@ -25,7 +25,6 @@ struct Nvfp4LinearArgs {
   const float* seg_gs[kNvfp4MaxSegments];
   void* seg_y[kNvfp4MaxSegments];
   int64_t seg_n[kNvfp4MaxSegments];
-  int simple;               // 1: the plain CUDA-core kernel
   int gemv;                 // 1 (the default): gemv for M <= 8, tiled for one dense matrix at 8 < M <= 64;
                             // 0: skinny for every M <= 64
   int pdl;                  // launch the gemv kernel with programmatic dependent launch
@@ -56,7 +55,6 @@ struct Nvfp4MoeArgs {
   void* h;                  // bf16 workspace: T*k*I + T*Is
   void* o;                  // bf16 workspace: (T*k + T) * d; the output of dsv4::nvfp4_moe_rows
   void* y;                  // bf16 [T, d] (unused with skip_combine)
-  int simple;
   int gemv;                 // 1: the gemv kernel while T*k <= 4E (the default; 0: skinny)
   int pdl;                  // chain the MoE kernels with programmatic dependent launch
   int skip_combine;         // 1: stop after the down projection, o holds the result (dsv4::nvfp4_moe_rows)

@@ -9,9 +9,8 @@
 // M = 4096 (bench/RESULTS.md). It stays as the fallback where cublasLt is not built in, offers no algorithm,
 // fails, or cannot produce the output dtype (fp16 from bf16 operands); without aten::mm.dtype either, the tiled
 // kernel runs.
-// The nvfp4_gemm_kernel override (overrides.h) = simple (plain CUDA-core kernels, any shape) | tiled | cublas |
-// cublas_mmdtype (the old mm.dtype form, for A/B runs) replaces the M > 64 choice; skinny keeps M <= 8 and MoE
-// decode on the skinny kernel (gemv is faster at M = 1: bench/RESULTS.md); the pdl override off turns off
+// The nvfp4_gemm_kernel override (overrides.h) = tiled | cublas replaces the M > 64 choice; skinny keeps M <= 8
+// and MoE decode on the skinny kernel (gemv is faster at M = 1: bench/RESULTS.md); the pdl override off turns off
 // programmatic dependent launch (the gemv kernels, the MoE chain).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -37,15 +36,13 @@ namespace {
 
 using namespace dsv4_nvfp4;
 
-enum class Choice { kAuto, kSimple, kTiled, kCublas, kCublasMmDtype, kSkinny };
+enum class Choice { kAuto, kTiled, kCublas, kSkinny };
 
 // The nvfp4_gemm_kernel override (overrides.h) forces one kernel path; 0 (auto) picks by shape.
 Choice kernel_choice() {
   const int v = dsv4_overrides::get().nvfp4_gemm_kernel;
-  return v >= 1 && v <= 5 ? static_cast<Choice>(v) : Choice::kAuto;
+  return v >= 1 && v <= 3 ? static_cast<Choice>(v) : Choice::kAuto;
 }
-
-bool use_simple() { return kernel_choice() == Choice::kSimple; }
 
 // Programmatic dependent launch (gemv, the MoE chain) unless the pdl override is off.
 bool use_pdl() { return dsv4_overrides::get().pdl != 0; }
@@ -210,10 +207,8 @@ at::Tensor linear_impl(const at::Tensor& x2, const at::Tensor& w, const at::Tens
   const Choice choice = kernel_choice();
   const auto* mm = mm_dtype_op();
   const bool dense = M > 64 && N > 0 &&
-                     (choice == Choice::kCublas || choice == Choice::kCublasMmDtype ||
-                      (choice == Choice::kAuto && M >= 256));
-  const bool lt = kHaveCublasLt && dense && choice != Choice::kCublasMmDtype &&
-                  (out_dtype == at::kBFloat16 || out_dtype == at::kFloat);
+                     (choice == Choice::kCublas || (choice == Choice::kAuto && M >= 256));
+  const bool lt = kHaveCublasLt && dense && (out_dtype == at::kBFloat16 || out_dtype == at::kFloat);
   if (dense && (lt || mm != nullptr)) {
     at::Tensor wu = at::empty({N, K}, x2.options().dtype(at::kBFloat16));
     check_launch(dsv4_nvfp4_dequant_weight_launch(wc.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(), N, K,
@@ -248,7 +243,6 @@ at::Tensor linear_impl(const at::Tensor& x2, const at::Tensor& w, const at::Tens
   a.M = M;
   a.N = N;
   a.K = K;
-  a.simple = use_simple() ? 1 : 0;
   a.gemv = choice == Choice::kSkinny ? 0 : 1;
   a.pdl = use_pdl() ? 1 : 0;
   check_launch(dsv4_nvfp4_linear_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
@@ -286,7 +280,7 @@ at::Tensor nvfp4_linear_grouped_cuda(const at::Tensor& x, const at::Tensor& w, c
   TORCH_CHECK(M < (int64_t(1) << 31) && G * N < (int64_t(1) << 31) && K < (int64_t(1) << 31), op,
               ": sizes must fit in int32");
   at::Tensor out = at::empty({M, G, N}, x3.options());
-  if (M > 64 || use_simple()) {
+  if (M > 64) {
     for (int64_t g = 0; g < G; ++g)
       out.select(1, g).copy_(linear_impl(x3.select(1, g).contiguous(), w.select(0, g), s.select(0, g),
                                          gs.select(0, g), nullptr, N, at::kBFloat16, op));
@@ -329,7 +323,7 @@ std::vector<at::Tensor> nvfp4_linear_multi_cuda(const at::Tensor& x, at::TensorL
     shape.back() = N;
     return y.view(shape);
   };
-  if (M > 64 || use_simple() || n > kNvfp4MaxSegments) {
+  if (M > 64 || n > kNvfp4MaxSegments) {
     for (int i = 0; i < n; ++i)
       outs.push_back(shaped(linear_impl(x2, w[i], s[i], gs[i], nullptr, ns[i], at::kBFloat16, op), ns[i]));
     return outs;
@@ -444,7 +438,6 @@ at::Tensor moe_impl(const at::Tensor& x, const at::Tensor& ids, const at::Tensor
   a.h = h.data_ptr();
   a.o = o.data_ptr();
   a.y = y.data_ptr();
-  a.simple = use_simple() ? 1 : 0;
   a.pdl = use_pdl() ? 1 : 0;
   a.gemv = kernel_choice() == Choice::kSkinny ? 0 : 1;
   a.skip_combine = rows ? 1 : 0;

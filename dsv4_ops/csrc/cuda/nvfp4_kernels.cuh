@@ -1,4 +1,4 @@
-// What the NVFP4 weight kernels share (nvfp4_gemm.cu: simple / MoE routing / host side, nvfp4_skinny.cu,
+// What the NVFP4 weight kernels share (nvfp4_gemm.cu: MoE routing / host side, nvfp4_skinny.cu,
 // nvfp4_tiled.cu, nvfp4_gemv.cu): the launch parameters and the launchers each kernel file defines (namespace
 // dsv4_nvfp4), and the device helpers (weight / scale decode, routing, epilogue, cp.async) in an anonymous
 // namespace, so every translation unit keeps its own private copy as when they were one file. Layout and
