@@ -299,7 +299,7 @@ def narrow_if_lossless_(lin: Linear, lossless: bool | None = None) -> None:
         return
     narrow = w.to(torch.bfloat16)
     if lossless or torch.equal(narrow.float(), w):
-        lin.weight = nn.Parameter(narrow, requires_grad=False)
+        lin.store_(lin.form, {"weight": narrow})
 
 
 # ---------------------------------------------------------------------------------------------------- mHC
