@@ -13,7 +13,9 @@ batch of C rows (the decode runner's step at bucket C from position --prompt-len
 it): tokens/s = C / step time; goal (issue #48): steady state >= 95% of it.
 
 --model: the built-in model ("default"), a checkpoint directory, or bench/common.py's random NVFP4 presets
-(flash2, flash43 = V4-Flash's 43 layers, micro...), built straight on the device.
+(flash2, flash43 = V4-Flash's 43 layers, micro...), built straight on the device. --speculate K: the scheduler's
+steps speculative (greedy, K drafts from the model's MTP block or DSpark module: the built-in model or a
+checkpoint; the random presets have no drafter), against the same plain static batch.
 """
 from __future__ import annotations
 
@@ -34,13 +36,17 @@ from dsv4_model.runtime.requests import Request  # noqa: E402
 from dsv4_model.runtime.sampling import SamplingParams  # noqa: E402
 from dsv4_model.runtime.scheduler import Scheduler  # noqa: E402
 from dsv4_model.runtime.session import RunnerOptions  # noqa: E402
+from dsv4_model.runtime.speculative_scheduler import SpeculativeScheduler  # noqa: E402
 
 
 def build_engine(args, rows: int, max_seq_len: int, device: torch.device) -> Engine:
     if args.model != "default" and not os.path.isdir(args.model):
-        return preset_engine(args.model, experts=args.experts, rows=rows, max_seq_len=max_seq_len, device=device)
+        return preset_engine(args.model, experts=args.experts, rows=rows, max_seq_len=max_seq_len, device=device,
+                             spare_window_slots=args.speculate)
     cuda = device.type == "cuda"
     kw = {} if args.model == "default" else {"path": args.model}
+    if args.speculate:
+        kw["spare_window_slots"] = args.speculate
     return Engine.from_pretrained(**kw, device=str(device), max_batch_size=rows, max_seq_len=max_seq_len,
                                   runner_options=RunnerOptions(compile=cuda, cuda_graphs=cuda), progress=False)
 
@@ -51,22 +57,31 @@ def sync(device: torch.device) -> None:
 
 
 def run_continuous(engine: Engine, C: int, args, gen: torch.Generator) -> dict:
-    sched = Scheduler(engine, rows=C, max_prefill_tokens=args.max_prefill_tokens, reuse=False, tokenizer=None)
+    opts = dict(rows=C, max_prefill_tokens=args.max_prefill_tokens, reuse=False, tokenizer=None)
+    if args.speculate:  # greedy speculative steps (the checkpoint's drafter: MTP, or DSpark where it has one)
+        method = "dspark" if getattr(engine.model, "dspark", None) is not None else "mtp"
+        sched = SpeculativeScheduler(engine, args.speculate, method=method, modes=("greedy",), **opts)
+    else:
+        sched = Scheduler(engine, **opts)
     V = engine.vocab_size
     reqs = [Request(torch.randint(0, V, (args.prompt_len,), generator=gen).tolist(), SamplingParams(),
                     max_tokens=args.max_tokens, ignore_eos=True) for _ in range(args.requests_per_row * C)]
     # decode-only iterations: no prefill chunk in this one or the one before (an iteration waits for the previous
-    # one's device work): their rows per second is the steady state a static batch is compared with
+    # one's device work): their tokens per second is the steady state a static batch is compared with (a plain
+    # step: one token per generating row; a speculative one: the tokens read back)
     steady = {"rows": 0, "s": 0.0}
     last = {"t": None, "chunks": 0, "rows": 0, "clean": False}
 
+    def tokens() -> int:
+        return sched.speculation.emitted if args.speculate else sched.stats.decode_rows
+
     def on_step():
-        t, st = time.perf_counter(), sched.stats
+        t, st, n = time.perf_counter(), sched.stats, tokens()
         clean = st.prefill_chunks == last["chunks"]
-        if clean and last["clean"] and last["t"] is not None and st.decode_rows > last["rows"]:
-            steady["rows"] += st.decode_rows - last["rows"]
+        if clean and last["clean"] and last["t"] is not None and n > last["rows"]:
+            steady["rows"] += n - last["rows"]
             steady["s"] += t - last["t"]
-        last.update(t=t, chunks=st.prefill_chunks, rows=st.decode_rows, clean=clean)
+        last.update(t=t, chunks=st.prefill_chunks, rows=n, clean=clean)
 
     sched.on_step = on_step
     sync(engine.device)
@@ -119,11 +134,13 @@ def main(argv=None) -> int:
     ap.add_argument("--requests-per-row", type=int, default=3)
     ap.add_argument("--max-prefill-tokens", type=int, default=2048)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--speculate", type=int, default=0, metavar="K",
+                    help="the scheduler's steps speculative with K drafts (against the plain static batch)")
     args = ap.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     device = torch.device(args.device)
     t0 = time.perf_counter()
-    engine = build_engine(args, max(levels), args.prompt_len + args.max_tokens + 8, device)
+    engine = build_engine(args, max(levels), args.prompt_len + args.max_tokens + 8 + 2 * args.speculate, device)
     print(f"{args.model}: {engine.config.n_layers} layers on {device} (built in {time.perf_counter() - t0:.1f} s); "
           f"prompts {args.prompt_len} tokens, {args.max_tokens} out, {args.requests_per_row} requests per row",
           flush=True)

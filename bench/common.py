@@ -142,16 +142,18 @@ def cuda_missing(bench: str, hint: str = "") -> bool:
 
 
 # ------------------------------------------------------------------------------------------ model set-up
-def preset_engine(name: str, *, experts: int | None, rows: int, max_seq_len: int, device: torch.device):
+def preset_engine(name: str, *, experts: int | None, rows: int, max_seq_len: int, device: torch.device,
+                  spare_window_slots: int = 0):
     """An Engine on a random NVFP4 model of preset `name` built on `device`, compiled + captured on CUDA (the
-    served benchmarks' model when no checkpoint of that size is on disk)."""
+    served benchmarks' model when no checkpoint of that size is on disk); spare_window_slots: K for speculation."""
     from dsv4_model.quant.random_model import random_nvfp4_model
     from dsv4_model.runtime.engine import Engine
     from dsv4_model.runtime.session import RunnerOptions
 
     cfg = preset(name, experts=experts)
     cuda = device.type == "cuda"
-    model = random_nvfp4_model(cfg, device=device, max_batch_size=rows, max_seq_len=max_seq_len)
+    model = random_nvfp4_model(cfg, device=device, max_batch_size=rows, max_seq_len=max_seq_len,
+                               spare_window_slots=spare_window_slots)
     return Engine(model, cfg, device, runner_options=RunnerOptions(compile=cuda, cuda_graphs=cuda))
 
 

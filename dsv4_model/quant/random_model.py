@@ -139,13 +139,14 @@ def randomize_nvfp4_(model: nn.Module, seed: int, routed_seed: int | None = None
 
 def random_nvfp4_model(cfg: ModelConfig, *, device, max_batch_size: int = 1, max_seq_len: int = 4096,
                        dtype: torch.dtype = torch.bfloat16, act_quant: str = "none", seed: int = 0,
-                       expert_shard=None) -> Transformer:
+                       expert_shard=None, spare_window_slots: int = 0) -> Transformer:
     """A `Transformer` of `cfg` with random NVFP4 weights (what `quantize_model_` converts) and random floats,
     built on `device` without a float copy of any converted weight; ready to prefill / decode. expert_shard (a
     `dsv4_model.model.parallel.ExpertShard`): only this rank's routed experts are built (their own random codes),
-    every other weight the same on every rank."""
+    every other weight the same on every rank. spare_window_slots: as Transformer's (speculative decoding)."""
     device = torch.device(device)
-    model = Transformer(cfg, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype, device="meta")
+    model = Transformer(cfg, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype, device="meta",
+                        spare_window_slots=spare_window_slots)
     for unit in convert_structure_(model, act_quant):
         unit.old = None  # the meta float weights: never materialized
     rank = 0
