@@ -30,21 +30,6 @@ class DSparkRunner(DraftingRunner):
                                               live, s, q)
         return self._advance(tokens, positions, live, offset, drafts, q, emitted, n_acc, nxt, nq)
 
-    @torch.no_grad()
-    def start_rows(self, rows: list[int], streams, last: list[int], hold: torch.Tensor, state: torch.Tensor) -> None:
-        """The first drafts of `rows`, each of which has just sampled its first token (sample_rows) after its
-        prompt's last position last[i] (committed to the DSpark rings by the prefill); the row decodes from
-        last[i] + 1. The draft runs over rows [:max(rows) + 1] (it only reads the rings: the others' drafts are
-        kept). streams: unused (the MTP runner's first drafts read them)."""
-        n = max(rows) + 1
-        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
-        at = torch.tensor(last, dtype=torch.long, device=self.device)
-        pos = self._ride(n, hold, state)[0].index_copy(0, idx, at)
-        t, k, p, seed, off = self.sampler.rows(n)
-        drafts, q = draft_block(self.model, self.dspark, self.tokens[:n], pos, self.k,
-                                self._sampler(t, k, p, seed, off), 0)
-        self.drafts.index_copy_(0, idx, drafts.index_select(0, idx))
-        if q is not None:
-            self.q.index_copy_(0, idx, q.index_select(0, idx))
-        self.positions.index_copy_(0, idx, at + 1)
-        self.sampler.offset.index_fill_(0, idx, 2)  # the first token drew at 0, these drafts at 1
+    def _first_drafts(self, idx: torch.Tensor, streams, pos: torch.Tensor, s):
+        # the block drafted from each row's first token (the draft only reads the rings the prefill committed)
+        return draft_block(self.model, self.dspark, self.tokens[:pos.shape[0]], pos, self.k, s, 0)

@@ -63,8 +63,11 @@ class _Row:
     pending: int = 0  # speculative steps: launches of `req` not read yet (each gives it one token or more)
     last_used: float = 0.0
 
-    def harmless_position(self, max_seq_len: int) -> int:
-        if self.filled >= max_seq_len:  # a full row: nothing continues it, so it is no use for reuse either
+    def harmless_position(self, limit: int) -> int:
+        """Where the row rides along in a step it is not generating in: its sequence's end, or 0 from `limit` on
+        (max_seq_len; a speculative step's writes need 2k more room): nothing continues a row there, so it is no use
+        for reuse either (what it holds is lost)."""
+        if self.filled >= limit:
             self.owner = None
             return 0
         return self.filled

@@ -137,6 +137,29 @@ class DraftingRunner(DecodeRunner):
         return torch.cat([out[:, :-1], torch.where(room, out[:, -1], -1).unsqueeze(1)], dim=1)
 
 
+    @torch.no_grad()
+    def start_rows(self, rows: list[int], streams: torch.Tensor | None, last: list[int], hold: torch.Tensor,
+                   state: torch.Tensor) -> None:
+        """The first drafts of `rows`, each of which has just sampled its first token (sample_rows) after its
+        prompt's last position last[i]; the row decodes from last[i] + 1. streams: the main streams there
+        ([len(rows), hc, dim]; what the MTP block reads, None for DSpark). The drafter runs over rows
+        [:max(rows) + 1]: the others ride along (hold / state as launch's) and keep their drafts."""
+        n = max(rows) + 1
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        at = torch.tensor(last, dtype=torch.long, device=self.device)
+        pos = self._ride(n, hold, state)[0].index_copy(0, idx, at)
+        drafts, q = self._first_drafts(idx, streams, pos, self._sampler(*self.sampler.rows(n)))
+        self.drafts.index_copy_(0, idx, drafts.index_select(0, idx))
+        if q is not None:
+            self.q.index_copy_(0, idx, q.index_select(0, idx))
+        self.positions.index_copy_(0, idx, at + 1)
+        self.sampler.offset.index_fill_(0, idx, 2)  # the first token drew at offset 0, these drafts at 1
+
+    def _first_drafts(self, idx: torch.Tensor, streams: torch.Tensor | None, pos: torch.Tensor, s: Sampler):
+        """rows [:len(pos)]' first k drafts (and their q) from the last prompt positions pos (a subclass's)."""
+        raise NotImplementedError
+
+
 class SpeculativeRunner(DraftingRunner):
     def __init__(self, model, k: int, **options):
         check_model(model, k)
@@ -152,26 +175,10 @@ class SpeculativeRunner(DraftingRunner):
         emitted, n_acc, nxt, nq = verify_step(self.model, tokens, drafts, q, positions, s, self.step_options, live)
         return self._advance(tokens, positions, live, offset, drafts, q, emitted, n_acc, nxt, nq)
 
-    @torch.no_grad()
-    def start_rows(self, rows: list[int], streams: torch.Tensor, last: list[int], hold: torch.Tensor,
-                   state: torch.Tensor) -> None:
-        """The first drafts of `rows`, each of which has just sampled its first token (sample_rows), from the main
-        streams at its last prompt position last[i] ([len(rows), hc, dim]); the row decodes from last[i] + 1.
-        The MTP block runs over rows [:max(rows) + 1]: the others ride along (hold / state as launch's) and keep
-        their drafts."""
-        n = max(rows) + 1
-        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
-        at = torch.tensor(last, dtype=torch.long, device=self.device)
-        pos = self._ride(n, hold, state)[0].index_copy(0, idx, at)
-        h = streams.new_zeros(n, *streams.shape[1:]).index_copy(0, idx, streams)
-        t, k, p, seed, off = self.sampler.rows(n)
-        drafts, q = first_drafts(self.model, h, self.tokens[:n], pos, self.k,
-                                 self._sampler(t, k, p, seed, off), self.step_options)
-        self.drafts.index_copy_(0, idx, drafts.index_select(0, idx))
-        if q is not None:
-            self.q.index_copy_(0, idx, q.index_select(0, idx))
-        self.positions.index_copy_(0, idx, at + 1)
-        self.sampler.offset.index_fill_(0, idx, 2)  # as start() leaves them: the first token 0, the drafts 1
+    def _first_drafts(self, idx: torch.Tensor, streams: torch.Tensor, pos: torch.Tensor, s: Sampler):
+        # the MTP block at each row's last prompt position, on the main streams there
+        h = streams.new_zeros(pos.shape[0], *streams.shape[1:]).index_copy(0, idx, streams)
+        return first_drafts(self.model, h, self.tokens[:pos.shape[0]], pos, self.k, s, self.step_options)
 
     @torch.no_grad()
     def start(self, last_streams: torch.Tensor) -> None:

@@ -66,21 +66,13 @@ class SpeculativeScheduler(Scheduler):
         super()._check(req)
         if req.logprobs is not None:
             raise ValueError("logprobs: not with speculative decoding")
-        if len(req.prompt) > self.max_seq_len - 2 * self.k:
+        if len(req.prompt) > self.limit:
             raise ValueError(f"prompt: {len(req.prompt)} tokens leave no room for speculative steps (at most "
-                             f"max_seq_len - 2 * speculate = {self.max_seq_len - 2 * self.k})")
+                             f"max_seq_len - 2 * speculate = {self.limit})")
         need = sampling_mode([req.params])
         if SAMPLING_MODES.index(need) > SAMPLING_MODES.index(self.modes[-1]):
             raise ValueError(f"sampling: this server's speculative steps are prepared for {self.modes} only, and "
                              f"these parameters need {need!r}")
-
-    def _harmless(self, row: _Row) -> int:
-        """Where a row that is not generating rides along (its sequence's end), 0 past the room a step needs (what
-        it holds is then lost)."""
-        if row.filled >= self.limit:
-            row.owner = None
-            return 0
-        return row.filled
 
     # ------------------------------------------------------------------ planning
     def _chunk_planned(self, plan: StepPlan, parts, done: list[_Row]) -> None:
@@ -104,8 +96,9 @@ class SpeculativeScheduler(Scheduler):
             return
         plan.first_last = [len(r.req.prompt) - 1 for r in done]
         top = max(r.index for r in done) + 1
-        plan.first_hold = torch.tensor([0 if r in done else self._harmless(r) for r in self.rows[:top]],
-                                       dtype=torch.long)
+        ending = {r.index for r in done}
+        plan.first_hold = torch.tensor([0 if r.index in ending else r.harmless_position(self.limit)
+                                        for r in self.rows[:top]], dtype=torch.long)
         plan.first_state = torch.tensor([int(r.phase == "decode") for r in self.rows[:top]], dtype=torch.long)
         for r in done:
             r.pending = 1  # its first token
@@ -130,7 +123,7 @@ class SpeculativeScheduler(Scheduler):
             if r.phase == "decode":
                 state[r.index] = 1
             else:
-                hold[r.index] = self._harmless(r)
+                hold[r.index] = r.harmless_position(self.limit)
         for r in live:
             state[r.index] = 2
             r.pending += 1

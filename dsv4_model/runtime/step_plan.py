@@ -85,10 +85,10 @@ class StepPlan:
 
     # ------------------------------------------------------------------ wire format
     def encode(self) -> torch.Tensor:
-        """[stop, n_admit, B, S, n_first, decode_rows, n_positions, n_swaps, n_protect, mode, draft_in (1 MTP, 2 DSpark), n_first_ctx,
-        has_state] + admits (row, temperature bits, top_k, top_p bits, seed) + first rows + first slots + swap pairs
-        + protect + first_last + first_hold + first_state + lengths, starts, tokens + MTP next lengths, next ids +
-        positions + state."""
+        """[stop, n_admit, B, S, n_first, decode_rows, n_positions, n_swaps, n_protect, mode, draft_in (1 MTP,
+        2 DSpark), n_first_ctx, has_state] + admits (row, temperature bits, top_k, top_p bits, seed) + first rows +
+        first slots + swap pairs + protect + first_last + first_hold + first_state + lengths, starts, tokens + MTP
+        next lengths, next ids + positions + state."""
         from dsv4_model.runtime.speculative import SAMPLING_MODES
 
         B, S = (0, 0) if self.prefill is None else tuple(self.prefill[0].shape)
