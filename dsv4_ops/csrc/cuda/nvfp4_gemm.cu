@@ -175,19 +175,20 @@ __global__ void nvfp4_dequant_weight_kernel(const uint8_t* w, const uint8_t* s, 
 // ------------------------------------------------------------------------------------------ host side
 int pick_nt(int64_t tokens) { return tokens <= 8 ? 1 : tokens <= 16 ? 2 : tokens <= 32 ? 4 : 8; }
 
+using dsv4_cuda::sm_count;
+
 // Warps per row tile along K (kw) and row tiles per CTA (rt): at most ~4 chunks per warp, and enough
-// CTAs for all SMs when the matrix allows.
+// CTAs for two per SM (264 on an H200) when the matrix allows.
 void pick_split(int64_t ntiles, int64_t nchunks, int64_t slots, int& kw, int& rt) {
+  const int64_t want = 2 * int64_t(sm_count());
   kw = 1;
   while (kw < kWarps && (nchunks + kw - 1) / kw > 4) kw *= 2;
   rt = kWarps / kw;
-  while (kw < kWarps && ((ntiles + rt - 1) / rt) * slots < 264 && nchunks >= 2 * kw) {
+  while (kw < kWarps && ((ntiles + rt - 1) / rt) * slots < want && nchunks >= 2 * kw) {
     kw *= 2;
     rt = kWarps / kw;
   }
 }
-
-using dsv4_cuda::sm_count;
 
 // gemv split: the kw (K-splits per row tile; rt = 8 / kw tiles per CTA) with the fewest chunk-times, counting
 // waves of occ CTAs per SM and ~3 chunk-times of pipeline fill per wave (a fill of 4 picked splits the sweep
