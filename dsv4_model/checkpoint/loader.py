@@ -19,7 +19,8 @@ quant="nvfp4" (see dsv4_model/quant/quantize_model.py for which layers): the mod
 meta device BEFORE allocation, so the float weights of converted layers never exist in full; each converted
 layer (each expert) is built from its checkpoint tensors as they are read: MXFP4 experts losslessly where
 possible, NVFP4 (ModelOpt) experts as stored, FP8 / bf16 tensors quantized per tensor
-(dsv4_model/quant/nvfp4_convert.py).
+(dsv4_model/quant/nvfp4_convert.py). A 0731-style checkpoint's DSpark module (`mtp.*`, docs/dspark.md) is built and
+filled the same way (its stages' units converted, this rank's experts only under expert parallelism).
 
 The module is built on the meta device; every checkpoint tensor is checked against it from the
 safetensors headers alone (names, shapes, dtypes, quantization scales) before any memory is
@@ -42,7 +43,7 @@ from pathlib import Path
 import torch
 
 from dsv4_model.checkpoint.io import CheckpointError, TensorInfo, TensorReader, list_tensors, write_sharded
-from dsv4_model.checkpoint.memory_plan import GiB, check_fits, memory_plan
+from dsv4_model.checkpoint.memory_plan import GiB, check_fits, memory_plan, meta_dspark
 from dsv4_model.checkpoint.tensor_checks import (
     FP8_TAGS, NVFP4_INPUT_SCALE, NVFP4_SCALE, NVFP4_SCALE2, PACKED_FP4_TAGS, check_source, dtype_ok,
     dtype_problem, fmt_shape, source_name,
@@ -442,11 +443,11 @@ def _has_mtp(names) -> bool:
 
 
 def _check_dspark(root: Path, tensors: dict[str, TensorInfo], layout: str, config, dtype: torch.dtype, *,
-                  load: bool | None, speculate_mtp: bool, spare: bool, expert_shard) -> tuple[int, int, list | None]:
+                  load: bool | None, speculate_mtp: bool, spare: bool) -> tuple[int, int, list | None]:
     """A DSpark checkpoint (docs/dspark.md): refuse MTP speculation on it, check its `mtp.*` tensors from the
     headers against dsv4's DSpark module (one CheckpointError naming each wrong tensor). Returns (the stage count,
-    the DSpark tensors found, the module's load plan or None where it is not loaded: load=False, no `mtp.*`
-    tensors, expert parallelism)."""
+    the DSpark tensors found, the module's load plan, of every expert, or None where it is not loaded: load=False,
+    no `mtp.*` tensors)."""
     from dsv4_model.checkpoint.dspark import DSPARK_PREFIX, dspark_expected, stage_count
 
     to_official = hf_to_official_name if layout == "hf" else (lambda k: k)
@@ -460,9 +461,6 @@ def _check_dspark(root: Path, tensors: dict[str, TensorInfo], layout: str, confi
     if load and not found:
         raise CheckpointError(f"{root}: load_dspark=True, and the checkpoint has no DSpark tensors (mtp.*): its "
                               "config names a DSpark module its tensors do not carry (docs/dspark.md)")
-    if load and expert_shard is not None:
-        raise CheckpointError(f"{root}: load_dspark=True under expert parallelism: dsv4 does not shard the DSpark "
-                              "module's experts yet (docs/dspark.md)")
     plan = None
     if found:
         try:
@@ -470,38 +468,56 @@ def _check_dspark(root: Path, tensors: dict[str, TensorInfo], layout: str, confi
                                    subject=f"the DSpark module its config describes ({n_stages} stages)")
         except CheckpointError as e:
             raise CheckpointError(f"{root}: {e}") from None
-    if load is False or expert_shard is not None:
+    if load is False:
         plan = None
     if spare and plan is None:
         raise CheckpointError(
             f"{root}: spare_window_slots > 0 is for speculative decoding, which on this checkpoint drafts with its "
             f"DSpark module ({n_stages} stages), not loaded here: "
-            + ("no mtp.* tensors" if not found else "load_dspark=False" if load is False else "expert parallelism")
-            + " (docs/dspark.md)")
+            + ("no mtp.* tensors" if not found else "load_dspark=False") + " (docs/dspark.md)")
     return n_stages, len(found), plan
 
 
 def _dspark_note(root: Path, n_stages: int, n_tensors: int, loaded: bool, load: bool | None) -> str:
-    why = "loaded" if loaded else ("not loaded (load_dspark=False)" if load is False
-                                   else "not loaded (expert parallelism)")
+    why = "loaded" if loaded else "not loaded (load_dspark=False)"
     return f"[dsv4] {root}: DSpark speculative module ({n_stages} stages, {n_tensors} tensors) {why} (docs/dspark.md)"
 
 
 def _load_dspark(plan: list, config, n_stages: int, reader: "TensorReader", *, device: torch.device,
-                 dtype: torch.dtype, max_batch_size: int, simulate_quant: bool):
-    """dsv4's DSpark module with the checkpoint's tensors (FP8 / MXFP4 dequantized as the main model's)."""
-    from dsv4_model.model.dspark import DSpark
-
-    with torch.device("meta"):
-        module = DSpark(config, n_stages, dtype=dtype, max_batch_size=max_batch_size, simulate_quant=simulate_quant,
-                        device="meta")
+                 dtype: torch.dtype, max_batch_size: int, simulate_quant: bool, quant: str, act_quant: str,
+                 expert_shard=None):
+    """dsv4's DSpark module with the checkpoint's tensors, held as the main model's are: float (FP8 / MXFP4
+    dequantized) or NVFP4 (each unit built from its checkpoint tensors, no float copy), this rank's experts only."""
+    module, units = meta_dspark(config, n_stages, dtype=dtype, max_batch_size=max_batch_size,
+                                simulate_quant=simulate_quant, quant=quant, act_quant=act_quant,
+                                expert_shard=expert_shard)
+    if expert_shard is not None:
+        plan = shard_plan(plan, *expert_shard.bounds(config.n_routed_experts))
     module.to_empty(device=device)
-    params = module.state_dict(keep_vars=True)
-    for load in sorted(plan, key=lambda ld: str(ld.weight.file)):
-        dst = params[load.target] if load.index is None else params[load.target][load.index]
-        dst.copy_(_decode(load, reader, device, dst.dtype))
+    _fill_(module, plan, units, reader, device)
     module.setup_runtime(device)
     return module.eval()
+
+
+def _fill_(module, plan: list, units: list, reader: TensorReader, device: torch.device, *, progress: bool = False,
+           name: str = "") -> None:
+    """Copy the plan's tensors into `module` (built and moved to `device`): the converted units' sources through
+    fill_unit_, the rest decoded into their parameters, in shard order (each shard mapped once)."""
+    from tqdm.auto import tqdm
+
+    unit_sources = {src for u in units for src in u.sources.values()}
+    params = module.state_dict(keep_vars=True)
+    direct = sorted((load for load in plan if load.target not in unit_sources), key=lambda ld: str(ld.weight.file))
+    by_target = {(load.target, load.index): load for load in plan if load.target in unit_sources}
+    for load in tqdm(direct, desc=f"loading {name}", unit="tensor", disable=not progress):
+        dst = params[load.target]
+        if load.index is not None:
+            dst = dst[load.index]
+        dst.copy_(_decode(load, reader, device, dst.dtype))
+    get, clear = _unit_getter(by_target, reader, device)
+    for unit in tqdm(units, desc=f"NVFP4 {name}", unit="layer", disable=not (progress and units)):
+        fill_unit_(module, unit, get)
+        clear()
 
 
 def _build_meta_model(config, *, max_batch_size: int, max_seq_len: int, dtype: torch.dtype, simulate_quant: bool,
@@ -580,7 +596,7 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
     if getattr(config, "dspark", None) is not None:  # mtp.* is a DSpark module: checked, loaded apart
         n_stages, n_dspark, dspark_plan = _check_dspark(
             root, tensors, layout, config, dtype, load=load_dspark, speculate_mtp=bool(load_mtp),
-            spare=bool(spare_window_slots), expert_shard=expert_shard)
+            spare=bool(spare_window_slots))
         skip = ("mtp.",)
     elif load_mtp is False or (load_mtp is None and n_mtp > 0 and not has_mtp):
         if load_mtp is None:
@@ -605,7 +621,6 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
         model.shard_experts_(expert_shard)
     if quant == "nvfp4" and not stored:
         units = convert_structure_(model, act_quant)
-    unit_sources = {src for u in units for src in u.sources.values()}
 
     free = _free_device_bytes(device)
     if free is not None:  # before any device memory is taken: a clear error instead of an out-of-memory
@@ -613,31 +628,19 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
                             act_quant=act_quant, simulate_quant=simulate_quant,
                             allow_beyond_max_position=allow_beyond_max_position,
                             spare_window_slots=spare_window_slots,
-                            ep=expert_shard.world if expert_shard is not None else 1)
+                            ep=expert_shard.world if expert_shard is not None else 1,
+                            dspark_stages=n_stages if dspark_plan is not None else 0)
         check_fits(needs, free, str(device))
         if progress:
             print(f"[dsv4] memory on {device}: {needs.describe('per GPU' if device.type == 'cuda' else '')}",
                   file=sys.stderr)
     model.to_empty(device=device)
-    params = model.state_dict(keep_vars=True)
-    from tqdm.auto import tqdm
-
-    # in shard order, so each shard is mapped once (TensorReader keeps only a few open)
-    direct = sorted((load for load in plan if load.target not in unit_sources), key=lambda ld: str(ld.weight.file))
-    by_target = {(load.target, load.index): load for load in plan if load.target in unit_sources}
-    with torch.no_grad(), TensorReader("cpu") as reader:
-        for load in tqdm(direct, desc=f"loading {root.name}", unit="tensor", disable=not progress):
-            dst = params[load.target]
-            if load.index is not None:
-                dst = dst[load.index]
-            dst.copy_(_decode(load, reader, device, dst.dtype))
-        get, clear = _unit_getter(by_target, reader, device)
-        for unit in tqdm(units, desc=f"NVFP4 {root.name}", unit="layer", disable=not (progress and units)):
-            fill_unit_(model, unit, get)
-            clear()
+    with torch.no_grad(), TensorReader("cpu") as reader:  # (TensorReader keeps only a few shards open)
+        _fill_(model, plan, units, reader, device, progress=progress, name=root.name)
         dspark = None if dspark_plan is None else _load_dspark(
             dspark_plan, config, n_stages, reader, device=device, dtype=dtype, max_batch_size=max_batch_size,
-            simulate_quant=simulate_quant)
+            simulate_quant=simulate_quant, quant=quant, act_quant=act_quant,
+            expert_shard=expert_shard)
     if stored:
         upgrade_kernel_layout_(model, stored["kernel_layout"])
     if stored and quant == "none":

@@ -119,6 +119,13 @@ class DSpark(nn.Module):
     def device(self) -> torch.device:
         return self.mtp[0].attn_norm.weight.device
 
+    def shard_experts_(self, shard) -> "DSpark":
+        """Expert parallelism: keep this rank's slice of every stage's routed experts (the main model's
+        `ExpertShard`; the draft's MoE then sums the ranks' contributions as a main layer's does)."""
+        for st in self.mtp:
+            st.ffn.shard_experts_(shard)
+        return self
+
     def set_simulate_quant(self, on: bool) -> None:
         self.simulate_quant = bool(on)
         for st in self.mtp:

@@ -462,8 +462,11 @@ class Transformer(nn.Module):
 
     def shard_experts_(self, shard) -> "Transformer":
         """Expert parallelism: keep this rank's slice of every MoE layer's routed experts (an
-        `dsv4_model.model.parallel.ExpertShard`); the other weights stay replicated."""
+        `dsv4_model.model.parallel.ExpertShard`); the other weights stay replicated. An attached DSpark module
+        (`model.dspark`, not a submodule) is sharded too."""
         for mod in self.modules():
             if isinstance(mod, MoE):
                 mod.shard_experts_(shard)
+        if getattr(self, "dspark", None) is not None:
+            self.dspark.shard_experts_(shard)
         return self

@@ -15,7 +15,8 @@ Kept as they are (bf16 / fp32, as in the official numerics):
 - every RMSNorm weight, mHC parameters (hc_*_fn/base/scale; fp32 in the release), attn_sink;
 - the router gate weight (fp32 logits decide expert selection) and its bias / tid2eid;
 - compressors (wkv / wgate run in fp32, ape fp32) and indexer weights_proj ([H_I, dim], tiny; scales scores);
-- MTP e_proj / h_proj (not on the decode path yet).
+- MTP e_proj / h_proj (not on the decode path yet), and DSpark's main_proj (its context projection, read once per
+  committed position; the DSpark stages' attention and MoE convert as the main layers').
 
 Activations: W4A16 feeds bf16 activations. W4A4 (act_quant="nvfp4") quantizes each token's activation row to
 NVFP4 with its own global scale (dsv4::fused_amax_quantize_per_row, so results do not depend on the other rows
@@ -182,7 +183,8 @@ def fill_unit_(model: nn.Module, unit: QuantUnit, get: Getter) -> None:
 @torch.no_grad()
 def quantize_model_(model: nn.Module, act_quant: str = "none") -> nn.Module:
     """Convert `model` (float weights, any device) to NVFP4 in place (post-training, per-tensor amax global
-    scales; w1/w3 of an expert share one). Returns the model."""
+    scales; w1/w3 of an expert share one). Returns the model. An attached DSpark module (`model.dspark`, not a
+    submodule: docs/dspark.md) is converted too, as the loader converts it."""
     if getattr(model, "quant_info", None):
         raise ValueError("model is already NVFP4-converted")
     units = convert_structure_(model, act_quant)
@@ -192,6 +194,9 @@ def quantize_model_(model: nn.Module, act_quant: str = "none") -> nn.Module:
             return t if index is None else t[index]
 
         fill_unit_(model, u, get)
+    dspark = getattr(model, "dspark", None)
+    if dspark is not None and not getattr(dspark, "quant_info", None):
+        quantize_model_(dspark, act_quant)
     return model
 
 
@@ -213,4 +218,6 @@ def dequantize_model_(model: nn.Module) -> nn.Module:
                 getattr(sh, r).weight.data = w.to(q.out_dtype)
             mod.swap_backend_(FloatExperts(), {"experts": ex, "shared_experts": sh})
     model.quant_info = None
+    if getattr(model, "dspark", None) is not None:  # the attached DSpark module (not a submodule) too
+        dequantize_model_(model.dspark)
     return model
