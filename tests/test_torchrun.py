@@ -62,6 +62,34 @@ def test_the_cli_under_torchrun_prints_the_single_process_text(ckpts, speculate)
     assert "expert parallel over 2 ranks" in ep.stderr
 
 
+@pytest.mark.parametrize("quant", ["none", "nvfp4"])
+def test_dspark_speculation_under_torchrun_gives_the_single_process_run(tmp_path, quant):
+    """A tiny 0731-layout checkpoint (DSpark under mtp.*): its stages' experts sharded like the main model's, the
+    drafts identical on both ranks (the speculation line's figures are the single process's) and the text plain
+    greedy's."""
+    from dsv4_model.checkpoint.writer import canonical_weights, write_checkpoint
+    from tests.test_release_0731 import _dspark_cfg
+
+    cfg = _dspark_cfg()
+    path = write_checkpoint(canonical_weights(cfg, seed=5), cfg, tmp_path / "d0731", "official")
+    args = ["-m", "dsv4_model", "generate", "--model", str(path), "--prompt", "hello", "--max-new-tokens", "24",
+            "--device", "cpu", "--threads", "1", "--dtype", "float32", "--quant", quant]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    plain = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    single = subprocess.run([sys.executable, *args, "--speculate", "2"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env=env)
+    assert plain.returncode == 0 and single.returncode == 0, (plain.stderr + single.stderr)[-2000:]
+    ep = _torchrun(*args, "--speculate", "2")
+    assert ep.returncode == 0, ep.stderr[-2000:]
+    assert ep.stdout == single.stdout == plain.stdout and len(plain.stdout) > len("hello\n")
+
+    def spec(run):
+        return [ln for ln in run.stderr.splitlines() if "speculation:" in ln]
+
+    assert len(spec(single)) == 1 and spec(ep) == spec(single)
+    assert "DSpark speculate 2" in ep.stderr and "expert parallel over 2 ranks" in ep.stderr
+
+
 def test_experts_that_do_not_split_evenly_are_refused_in_one_line(ckpts):
     run = _torchrun("-m", "dsv4_model", "generate", "--model", str(ckpts / "dsv4"), "--prompt", "hi", "--device",
                     "cpu", ranks=3)

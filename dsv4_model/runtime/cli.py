@@ -270,11 +270,6 @@ def _check_speculate_method(args, config, path) -> None:
     if config.dspark is None:
         raise ValueError(f"--speculate-method dspark: {path} carries no DSpark module (a V4-Flash-0731-style "
                          "checkpoint does: docs/dspark.md)")
-    from dsv4_model.runtime import distributed
-
-    if distributed.launched():
-        raise ValueError("--speculate with DSpark: not under torchrun yet (the DSpark module is not loaded under "
-                         "expert parallelism)")
     if args.speculate > config.dspark.block_size:
         raise ValueError(f"--speculate {args.speculate}: DSpark drafts blocks of {config.dspark.block_size} tokens "
                          f"(--speculate 1..{config.dspark.block_size})")
