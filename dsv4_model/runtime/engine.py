@@ -22,14 +22,20 @@ class Engine(EngineSession):
     prefill(input_ids [B, S], lengths=None, all_logits=False) -> fp32 logits [B, V] (last valid position of each
     row) or [B, S, V]; decode(next_ids [B]) -> fp32 [B, V], each row continuing at its own position;
     generate(prompts, ...) (dsv4_model.runtime.generate). State and generation: `EngineSession`.
-    prefill_chunk: positions per prefill forward (a longer prompt runs in chunks: dsv4_model.runtime.prefill_chunks)."""
+    prefill_chunk: positions per prefill forward (a longer prompt runs in chunks: dsv4_model.runtime.prefill_chunks).
+    compile_prefill: prefill_at's chunks (the scheduler's prefill) through compiled graphs per (rows, tokens) bucket
+    (dsv4_model.runtime.compiled_prefill); None = where the decode step compiles on CUDA (runner_options.compile
+    not False), off on the CPU (compile time). An attribute: assign it to switch."""
 
     can_prefill_at = True
 
     def __init__(self, model: Transformer, config: ModelConfig | None = None, device=None, *,
-                 runner_options: RunnerOptions = RunnerOptions(), prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 runner_options: RunnerOptions = RunnerOptions(), prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 compile_prefill: bool | None = None):
         check_positive_int(prefill_chunk, "prefill_chunk")
         self.prefill_chunk = prefill_chunk
+        self.compile_prefill = _checked_compile_prefill(compile_prefill)
+        self._compiled_prefill = None
         self.model = model
         self.config = config if config is not None else model.config
         self.device = torch.device(device) if device is not None else model.device
@@ -45,24 +51,27 @@ class Engine(EngineSession):
                         max_seq_len: int = 4096, simulate_quant: bool = True, compile: bool | None = None,
                         cuda_graphs: bool | None = None, graph_mode: str = "manual", quant: str | None = None,
                         act_quant: str | None = None, runner_options: RunnerOptions | None = None,
-                        prefill_chunk: int = DEFAULT_PREFILL_CHUNK, **options) -> "Engine":
+                        prefill_chunk: int = DEFAULT_PREFILL_CHUNK, compile_prefill: bool | None = None,
+                        **options) -> "Engine":
         """Load a checkpoint directory, a Hugging Face repo id `org/name[@rev]` in the local HF cache, or
         "dsv4-default" (the default: the built-in model) (`dsv4_model.checkpoint.hub.resolve_checkpoint`), via `dsv4_model.checkpoint.loader.load_model`; `options`
         go to the loader (e.g. layout=, load_mtp=, progress=). compile / cuda_graphs / graph_mode: how generate()
         runs decode steps (`RunnerOptions`; or pass runner_options, which then replaces them).
         quant: "none" | "nvfp4" (NVFP4 weights, see dsv4_model/quant/quantize_model.py) | None (as stored);
-        act_quant: "none" (W4A16) | "nvfp4" (W4A4) | None (as stored / "none")."""
+        act_quant: "none" (W4A16) | "nvfp4" (W4A4) | None (as stored / "none"). compile_prefill: see Engine."""
         from dsv4_model.checkpoint.hub import resolve_checkpoint
         from dsv4_model.checkpoint.loader import load_model
 
         check_positive_int(prefill_chunk, "prefill_chunk")  # before any weight is read
+        _checked_compile_prefill(compile_prefill)
         path = resolve_checkpoint(path)
         model, config = load_model(path, device=device, dtype=dtype, max_batch_size=max_batch_size,
                                    max_seq_len=max_seq_len, simulate_quant=simulate_quant, quant=quant,
                                    act_quant=act_quant, **options)
         if runner_options is None:
             runner_options = RunnerOptions(compile=compile, cuda_graphs=cuda_graphs, graph_mode=graph_mode)
-        engine = cls(model, config, device, runner_options=runner_options, prefill_chunk=prefill_chunk)
+        engine = cls(model, config, device, runner_options=runner_options, prefill_chunk=prefill_chunk,
+                     compile_prefill=compile_prefill)
         engine.path = path
         return engine
 
@@ -93,11 +102,27 @@ class Engine(EngineSession):
 
             return prefill_taps(self.model, self.model.dspark, tokens, lengths, start), None
         if mtp_next is None:
-            return self.model.prefill(tokens, lengths, start=start)
+            compiled = self.compiled_prefill()
+            logits = None if compiled is None else compiled(tokens, lengths, start)
+            return self.model.prefill(tokens, lengths, start=start) if logits is None else logits
         h = self.model.streams(tokens, lengths, start=start)
         mtp.prefill(self.model, h, mtp_next[0].to(dev), mtp_next[1].to(dev), start=start)
         last = h[torch.arange(h.shape[0], device=dev), (lengths - 1).clamp(min=0)]
         return self.model._logits(last), last
+
+    def compiled_prefill(self):
+        """The CompiledPrefill prefill_at runs its chunks through (built on first use), or None when
+        compile_prefill resolves to off. The MTP and DSpark variants of prefill_at stay eager."""
+        on = _checked_compile_prefill(self.compile_prefill)
+        if on is None:
+            on = self.device.type == "cuda" and self._checked_runner_options().compile is not False
+        if not on:
+            return None
+        if self._compiled_prefill is None:
+            from dsv4_model.runtime.compiled_prefill import CompiledPrefill
+
+            self._compiled_prefill = CompiledPrefill(self.model, log=self.runner_options.log)
+        return self._compiled_prefill
 
     def protect_rows(self, rows: list[int]):
         """Their compressor states, to put back after a decode step they ride along in (restore())."""
@@ -132,3 +157,9 @@ class Engine(EngineSession):
 
     def _decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model.decode_step(tokens, positions)
+
+
+def _checked_compile_prefill(value):
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"compile_prefill must be a bool or None, got {value!r}")
+    return value
