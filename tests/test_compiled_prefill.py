@@ -122,3 +122,26 @@ def test_scheduler_greedy_tokens_equal_eager_on_cuda():
     eng.compile_prefill = None  # the CUDA default: on
     assert eng.compiled_prefill() is not None
     assert _greedy(eng, prompts) == ref
+
+
+@pytest.mark.parametrize("flag,want", [([], None), (["--compile-prefill"], True), (["--no-compile-prefill"], False)])
+def test_cli_flags_reach_the_engine(monkeypatch, flag, want):
+    from dsv4_model.runtime import cli
+    from dsv4_model.serve import cli as serve_cli
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake(*a, compile_prefill, **k):
+        seen.append(compile_prefill)
+        raise Stop
+
+    monkeypatch.setattr("dsv4_model.runtime.engine.Engine.from_pretrained", staticmethod(fake))
+    monkeypatch.setattr("torch.set_num_threads", lambda n: None)  # this process's threads are pytest's
+    with pytest.raises(Stop):
+        cli.cmd_generate(cli._parser().parse_args(["generate", "--prompt", "x", "--device", "cpu", *flag]))
+    with pytest.raises(Stop):
+        serve_cli.build_engine(serve_cli._parser().parse_args(["--device", "cpu", *flag]))
+    assert seen == [want, want]

@@ -113,6 +113,9 @@ def _parser() -> argparse.ArgumentParser:
                         "(docs/dspark.md); auto: DSpark when the checkpoint carries it")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decode step (default: on for CUDA)")
+    g.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="prefill chunks through compiled graphs per (rows, tokens) bucket, each compiled on first "
+                        "use (default: on where the decode step compiles on CUDA)")
     g.add_argument("--regional-compile", action="store_true",
                    help="compile one decoder layer at a time, reused by the layers that trace the same (compile "
                         "time grows with the kinds of layers, not the depth); implies --compile (also on the CPU)")
@@ -327,7 +330,7 @@ def cmd_generate(args) -> int:
                                     simulate_quant=not args.no_simulate_quant, runner_options=runner, quant=quant,
                                     act_quant=args.act_quant, allow_beyond_max_position=args.allow_beyond_max_position,
                                     expert_shard=shard, progress=not _QUIET[0],
-                                    spare_window_slots=args.speculate,
+                                    spare_window_slots=args.speculate, compile_prefill=args.compile_prefill,
                                     **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}))
     t_load = time.perf_counter() - t0
 

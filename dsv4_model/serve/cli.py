@@ -34,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="K drafts verified per decode step inside the scheduler (MTP, or DSpark if present; 0: off)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decode step (default: on for CUDA)")
+    p.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="prefill chunks through compiled graphs per (rows, tokens) bucket, each compiled on first "
+                        "use (default: on where the decode step compiles on CUDA)")
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every /v1 route")
     p.add_argument("--chat-format", choices=("auto", "deepseek_v4", "plain"), default="auto",
                    help="auto: DeepSeek-V4 when the tokenizer has its chat tokens, else chat is refused (400); "
@@ -81,7 +84,8 @@ def build_engine(args):
     quant = args.quant if args.quant != "auto" else (None if device.type == "cuda" else "none")
     engine = Engine.from_pretrained(path, device=device, dtype=getattr(torch, args.dtype),
                                     max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, quant=quant,
-                                    compile=args.compile, progress=False, expert_shard=shard,
+                                    compile=args.compile, compile_prefill=args.compile_prefill, progress=False,
+                                    expert_shard=shard,
                                     **({"spare_window_slots": args.speculate} if args.speculate else {}))
     return engine, path, shard
 
