@@ -568,8 +568,8 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
     `act_quant`: "none" (W4A16) | "nvfp4" (W4A4, needs quant="nvfp4") | None (= what a converted checkpoint
     was saved with, else "none"). `allow_beyond_max_position`: max_seq_len may exceed the config's
     max_position_embeddings (positions the model was not trained for). `expert_shard`: a
-    `dsv4_model.model.parallel.ExpertShard`: this rank's slice of the routed experts only is read (every expert's
-    header is still checked), the rest of the model replicated. `spare_window_slots`: K spare cache slots for
+    `dsv4_model.model.parallel.ExpertShard`: this rank's slice of the routed experts (the DSpark stages' too) only
+    is read (every expert's header is still checked), the rest of the model replicated. `spare_window_slots`: K spare cache slots for
     speculative decoding with up to K drafts (Transformer; docs/speculation.md).
     """
     t_start = time.perf_counter()
