@@ -12,6 +12,10 @@ tokens per second over the iterations that ran decode alone. The peer, from the 
 batch of C rows (the decode runner's step at bucket C from position --prompt-len, as bench_parallel_decode times
 it): tokens/s = C / step time; goal (issue #48): steady state >= 95% of it.
 
+--compiled-prefill: each C runs twice, prefill chunks eager and then compiled (Engine.compile_prefill: one graph per
+(rows, tokens) bucket, compiled during the warm-up run; the line says how many and how long), TTFT side by side.
+Without it the prefill is eager, as in earlier figures.
+
 --model: the built-in model ("default"), a checkpoint directory, or bench/common.py's random NVFP4 presets
 (flash2, flash43 = V4-Flash's 43 layers, micro...), built straight on the device. --speculate K: the scheduler's
 steps speculative (greedy, K drafts from the model's MTP block or DSpark module: the built-in model or a
@@ -49,6 +53,12 @@ def build_engine(args, rows: int, max_seq_len: int, device: torch.device) -> Eng
         kw["spare_window_slots"] = args.speculate
     return Engine.from_pretrained(**kw, device=str(device), max_batch_size=rows, max_seq_len=max_seq_len,
                                   runner_options=RunnerOptions(compile=cuda, cuda_graphs=cuda), progress=False)
+
+
+def prefill_graphs(engine: Engine) -> int:
+    """Prefill bucket graphs the engine has compiled (0 while its prefill is eager)."""
+    cp = engine.compiled_prefill()
+    return 0 if cp is None else cp.compiled
 
 
 def sync(device: torch.device) -> None:
@@ -136,6 +146,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--speculate", type=int, default=0, metavar="K",
                     help="the scheduler's steps speculative with K drafts (against the plain static batch)")
+    ap.add_argument("--compiled-prefill", action="store_true",
+                    help="also run the scheduler with compiled prefill chunks (eager and compiled TTFT per C)")
     args = ap.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     device = torch.device(args.device)
@@ -145,17 +157,24 @@ def main(argv=None) -> int:
           f"prompts {args.prompt_len} tokens, {args.max_tokens} out, {args.requests_per_row} requests per row",
           flush=True)
     gen = torch.Generator().manual_seed(0)
-    print(f"{'C':>3} {'tok/s':>9} {'steady tok/s':>12} {'static tok/s':>12} {'steady/static':>13} "
+    print(f"{'C':>3} {'prefill':>8} {'tok/s':>9} {'steady tok/s':>12} {'static tok/s':>12} {'steady/static':>13} "
           f"{'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'static ms/step':>14}", flush=True)
     for C in levels:
-        run_continuous(engine, C, args, gen)  # warm: compile / capture, first-touch allocations
-        cont = run_continuous(engine, C, args, gen)
-        ms = run_static(engine, C, args, gen)
-        static = 1e3 * C / ms
-        print(f"{C:3d} {cont['tokens_per_s']:9.1f} {cont['steady_tokens_per_s']:12.1f} {static:12.1f} "
-              f"{cont['steady_tokens_per_s'] / static:13.3f} "
-              f"{cont['ttft_p50_ms']:7.1f}/{cont['ttft_p99_ms']:<8.1f} {cont['tpot_p50_ms']:7.2f}/"
-              f"{cont['tpot_p99_ms']:<8.2f} {ms:14.3f}", flush=True)
+        for mode in ("eager", "compiled") if args.compiled_prefill else ("eager",):
+            engine.compile_prefill = mode == "compiled"
+            t0 = time.perf_counter()
+            run_continuous(engine, C, args, gen)  # warm: compile / capture, first-touch allocations
+            warm, graphs = time.perf_counter() - t0, prefill_graphs(engine)
+            cont = run_continuous(engine, C, args, gen)
+            ms = run_static(engine, C, args, gen)
+            static = 1e3 * C / ms
+            print(f"{C:3d} {mode:>8} {cont['tokens_per_s']:9.1f} {cont['steady_tokens_per_s']:12.1f} {static:12.1f} "
+                  f"{cont['steady_tokens_per_s'] / static:13.3f} "
+                  f"{cont['ttft_p50_ms']:7.1f}/{cont['ttft_p99_ms']:<8.1f} {cont['tpot_p50_ms']:7.2f}/"
+                  f"{cont['tpot_p99_ms']:<8.2f} {ms:14.3f}", flush=True)
+            if mode == "compiled":  # buckets first met in the timed run would have compiled inside it
+                print(f"    compiled prefill: {graphs} bucket graphs so far (warm-up run {warm:.1f} s); "
+                      f"{prefill_graphs(engine) - graphs} more compiled in the timed run", flush=True)
     return 0
 
 
