@@ -10,7 +10,10 @@ no-op CUDA device guard is compiled once (a few seconds). To check another torch
 build runs here without a GPU), run it from that torch's environment with --schemas-only: the dsv4 schemas are then
 defined from registration.cpp instead of loading the library built for this machine's torch.
 
-  python scripts/lower_for_cuda.py [--model DIR] [--dtype bfloat16] [--prefill B,S] [--no-register] [--schemas-only]
+  python scripts/lower_for_cuda.py [--model DIR] [--dtype bfloat16] [--prefill B,S [--chunk]] [--no-register] [--schemas-only]
+
+--prefill B,S --chunk: the scheduler's compiled prefill chunk instead (dsv4_model.runtime.compiled_prefill: tensor
+starts, span --max-seq-len; what Engine(compile_prefill=True) compiles per bucket of B rows x S tokens).
 """
 from __future__ import annotations
 
@@ -114,6 +117,8 @@ def main() -> int:
     p.add_argument("--schemas-only", action="store_true", help="define the dsv4 schemas from source (no library)")
     p.add_argument("--prefill", metavar="B,S", help="lower the export's prefill entry of B rows x S tokens "
                    "(prefill_bB_sS) instead of the decode step")
+    p.add_argument("--chunk", action="store_true", help="with --prefill: lower the compiled prefill chunk (tensor "
+                   "starts) of dsv4_model.runtime.compiled_prefill instead of the export's entry")
     p.add_argument("--timeout", type=float, default=600, help="dump the stacks and exit after this many seconds")
     args = p.parse_args()
     faulthandler.dump_traceback_later(args.timeout, exit=True)
@@ -126,6 +131,8 @@ def main() -> int:
     from dsv4_model.runtime.engine import Engine
     from dsv4_ops import supports
 
+    if args.chunk and not args.prefill:
+        p.error("--chunk lowers a prefill chunk: give --prefill B,S too")
     B, S = (int(v) for v in args.prefill.split(",")) if args.prefill else (1, 0)
     eng = Engine.from_pretrained(args.model, device="cpu", dtype=getattr(torch, args.dtype), max_batch_size=B,
                                  max_seq_len=args.max_seq_len, quant="nvfp4", progress=False)
@@ -140,6 +147,7 @@ def main() -> int:
         if S:  # the export's example inputs: full-length rows
             tokens = torch.zeros(B, S, dtype=torch.int64, device="cuda")
             positions = torch.full((B,), S, dtype=torch.int64, device="cuda")  # the rows' lengths
+            starts = torch.zeros(B, dtype=torch.int64, device="cuda")  # the compiled chunk's (shapes only)
         else:
             tokens = torch.zeros(1, dtype=torch.int64, device="cuda")
             positions = torch.zeros(1, dtype=torch.int64, device="cuda")
@@ -150,12 +158,18 @@ def main() -> int:
             super().__init__()
             self.m = model
 
-        def forward(self, tokens, positions):
+        def forward(self, tokens, positions, *starts):
+            if starts:
+                return _chunk(self.m, tokens, positions, starts[0], self.m.max_seq_len)
             return (call_prefill if S else call_decode)(self.m, tokens, positions)
+
+    from dsv4_model.runtime.compiled_prefill import _chunk
+
+    inputs = (tokens, positions, starts) if S and args.chunk else (tokens, positions)
 
     t = time.perf_counter()
     with torch.no_grad():
-        ep = torch.export.export(Step(), (tokens, positions), strict=False)
+        ep = torch.export.export(Step(), inputs, strict=False)
     from torch._inductor.decomposition import select_decomp_table
 
     ep = ep.run_decompositions(select_decomp_table())
@@ -209,7 +223,7 @@ def main() -> int:
     print(f"torch {torch.__version__}", flush=True)
     try:
         with fake:
-            compile_fx.compile_fx(ep.module(), [tokens, positions])
+            compile_fx.compile_fx(ep.module(), list(inputs))
     except Exception as e:  # Inductor wraps what codegen raises
         if not isinstance(e, Done) and not isinstance(getattr(e, "inner_exception", None), Done) \
                 and "Done" not in repr(e):

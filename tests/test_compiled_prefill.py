@@ -113,9 +113,10 @@ def test_scheduler_greedy_tokens_equal_eager():
 
 @pytest.mark.cuda
 def test_scheduler_greedy_tokens_equal_eager_on_cuda():
-    """On the GPU with Inductor (the default there): the built-in model as stored (NVFP4), greedy tokens equal."""
-    eng = Engine.from_pretrained(DEFAULT_MODEL_DIR, device="cuda", max_batch_size=4, max_seq_len=256,
-                                 progress=False, compile_prefill=False)
+    """On the GPU with Inductor (the default there), the built-in model in fp32 with float experts (Inductor's
+    fusions move fp32 logits ~1e-6: no near-tie flips; bf16 moves them ~0.06), greedy tokens equal."""
+    eng = Engine.from_pretrained(DEFAULT_MODEL_DIR, device="cuda", dtype=torch.float32, max_batch_size=4,
+                                 max_seq_len=256, quant="none", progress=False, compile_prefill=False)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, eng.vocab_size, (n,), generator=g).tolist() for n in (70, 5, 23, 33, 50)]
     ref = _greedy(eng, prompts)
