@@ -144,3 +144,39 @@ def test_dspark_steps_inside_the_scheduler(ckpt, plain):
     s.run_until_idle()
     assert [r.token_ids for r in reqs] == plain.token_ids
     assert s.speculation.tokens_per_step > 1.0 and s.stats.prefill_chunks > 4
+
+
+def test_each_pass_reads_back_the_confidence_of_the_drafts_it_verified(ckpt):
+    """The scheduler's passes read back, with their tokens, the confidence head's predicted chance of acceptance of
+    each draft they verified (thousandths): the oracle loop's (tests/helpers/dspark_greedy.py takes each block's
+    confidence from DSpark.draft) pass for pass; SpeculationStats sets their mean per position against the measured
+    acceptance, and cut() replays the passes with the block cut at its first draft predicted below a threshold."""
+    from dsv4_model.checkpoint.loader import load_model
+    from dsv4_model.runtime.requests import Request
+    from dsv4_model.runtime.speculative_scheduler import SpeculativeScheduler
+    from tests.helpers.dspark_greedy import dspark_greedy
+
+    K, n = 5, 60
+    sched = SpeculativeScheduler(_engine(ckpt, spare_window_slots=K), K, method="dspark", modes=("greedy",))
+    sched.speculation.judged = []
+    req = sched.submit(Request(PROMPT, max_tokens=n, ignore_eos=True))
+    sched.run_until_idle()
+    model = load_model(ckpt, dtype=torch.float32, max_seq_len=128, progress=False, spare_window_slots=K)[0]
+    toks, ref = dspark_greedy(model, torch.tensor([PROMPT]), n)
+    assert req.token_ids == toks[0]
+
+    spec = sched.speculation
+    got = spec.judged
+    assert len(ref.judged) >= len(got) == spec.row_steps >= n // (K + 1)
+    for (n_got, c_got), (n_ref, c_ref) in zip(got, ref.judged, strict=False):
+        # the same values up to fp32 summation order (the engine's batch of two rows): a thousandth at a rounding edge
+        assert n_got == n_ref and max(abs(a - b) for a, b in zip(c_got, c_ref)) <= 1
+    assert len({c for _, cs in got for c in cs}) > 5  # predictions that vary, each in [0, 1000]
+    assert all(0 <= c <= 1000 for _, cs in got for c in cs)
+    offered0 = [cs[0] for _, cs in got]  # every pass offers its first draft
+    assert spec.predicted_acceptance()[0] == pytest.approx(sum(offered0) / 1000 / len(got))
+    assert spec.cut(0.0) == (pytest.approx(spec.tokens_per_step), K)  # nothing cut
+    assert spec.cut(1.001) == (1.0, 0.0)  # everything cut: the verification's own token only
+    mid = sorted(offered0)[len(offered0) // 2] / 1000  # about half the blocks cut at their first draft
+    tokens, verified = spec.cut(mid + 0.0005)
+    assert 1.0 <= tokens <= spec.tokens_per_step and 0 < verified < K

@@ -194,10 +194,13 @@ def test_compiled_graphs_give_the_eager_tokens():
 
 def test_served_with_speculation(engine, prompt_ids):
     """`serve --speculate K`'s scheduler behind the server, through the official openai client: concurrent
-    greedy completions (streamed and not) give the plain scheduler's text; logprobs is a 400 naming the field."""
+    greedy completions (streamed and not) give the plain scheduler's text; logprobs is a 400 naming the field;
+    /metrics carries the acceptance counts the scheduler holds."""
     import concurrent.futures
+    import urllib.request
 
     import openai
+    from prometheus_client.parser import text_string_to_metric_families
 
     from dsv4_model.serve.app import ServeConfig, create_app
     from tests.test_serve_api import ServerThread
@@ -209,8 +212,8 @@ def test_served_with_speculation(engine, prompt_ids):
         want[p] = plain.submit(Request(tok.encode(p), SamplingParams(), 16, ignore_eos=True))
     plain.run_until_idle()
     want = {p: r.text for p, r in want.items()}
-    srv = ServerThread(create_app(SpeculativeScheduler(engine, K, max_prefill_tokens=16),
-                                  ServeConfig(model_name="tiny", max_waiting=16, chat_format="plain")))
+    sched = SpeculativeScheduler(engine, K, max_prefill_tokens=16)
+    srv = ServerThread(create_app(sched, ServeConfig(model_name="tiny", max_waiting=16, chat_format="plain")))
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
@@ -225,6 +228,16 @@ def test_served_with_speculation(engine, prompt_ids):
         assert got == [want[p] for p in PROMPTS]
         with pytest.raises(openai.BadRequestError, match="logprobs"):
             client.completions.create(model="tiny", prompt="x = 1", max_tokens=4, logprobs=2)
+        # /metrics: the speculative counts, as the scheduler holds them
+        got = {(s.name, s.labels.get("position")): s.value for f in
+               text_string_to_metric_families(urllib.request.urlopen(srv.url + "/metrics").read().decode())
+               for s in f.samples if s.name.startswith("dsv4:spec_decode")}
+        assert got[("dsv4:spec_decode_num_drafts", None)] > len(PROMPTS)
+        assert got[("dsv4:spec_decode_num_draft_tokens", None)] == K * got[("dsv4:spec_decode_num_drafts", None)]
+        per_pos = [got[("dsv4:spec_decode_num_accepted_tokens_per_pos", str(j))] for j in range(K)]
+        assert sum(per_pos) == got[("dsv4:spec_decode_num_accepted_tokens", None)] > 0
+        assert per_pos == sorted(per_pos, reverse=True)  # a later draft is accepted only after the earlier ones
+        assert per_pos == sched.speculation.accepted
     finally:
         srv.stop()
 

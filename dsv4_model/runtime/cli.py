@@ -392,8 +392,13 @@ def cmd_generate(args) -> int:
     spec = res.extra.get("speculation")
     if spec is not None:
         # a position no row reached (earlier drafts rejected, or the run ended) has no rate: "-", not nan%
+        def rates(values):
+            return " / ".join("-" if math.isnan(a) else f"{100 * a:.1f}%" for a in values)
+
         _note(f"speculation: {spec.tokens_per_step:.2f} tokens per step; drafts accepted per position "
-              + " / ".join("-" if math.isnan(a) else f"{100 * a:.1f}%" for a in spec.acceptance()))
+              + rates(spec.acceptance())
+              + (f" (the confidence head predicted {rates(spec.predicted_acceptance())})" if spec.predicted_rows
+                 else ""))
     return 0
 
 

@@ -79,12 +79,14 @@ def verify_taps(model, dspark: DSpark, tokens: torch.Tensor, positions: torch.Te
 
 
 def draft_block(model, dspark: DSpark, anchor: torch.Tensor, last: torch.Tensor, k: int, s: Sampler, j0: int
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The first k drafts of a DSpark block from anchor [B] after position last [B] -> (drafts [B, k], their
-    distributions [B, k, V] or None in greedy mode). Sampled: position i drawn from its Markov-biased logits with
-    the sampler's parameters at draw j0 + i (every position of the block: the Markov bias of the next reads it)."""
+    distributions [B, k, V] or None in greedy mode, the confidence head's predicted chance of each draft's
+    acceptance [B, k] fp32). Sampled: position i drawn from its Markov-biased logits with the sampler's parameters
+    at draw j0 + i (every position of the block: the Markov bias of the next reads it)."""
     if s.mode == "greedy":
-        return dspark.draft(model, anchor, last).tokens[:, :k], None
+        block = dspark.draft(model, anchor, last)
+        return block.tokens[:, :k], None, block.confidence[:, :k].float().sigmoid()
     qs = []
 
     def pick(logits: torch.Tensor, i: int) -> torch.Tensor:
@@ -93,7 +95,8 @@ def draft_block(model, dspark: DSpark, anchor: torch.Tensor, last: torch.Tensor,
             qs.append(q)
         return s.draw(q, j0 + i)
 
-    return dspark.draft(model, anchor, last, pick=pick).tokens[:, :k], torch.stack(qs, dim=1)
+    block = dspark.draft(model, anchor, last, pick=pick)
+    return block.tokens[:, :k], torch.stack(qs, dim=1), block.confidence[:, :k].float().sigmoid()
 
 
 def dspark_step(model, dspark: DSpark, y: torch.Tensor, drafts: torch.Tensor, pos: torch.Tensor,
@@ -101,7 +104,7 @@ def dspark_step(model, dspark: DSpark, y: torch.Tensor, drafts: torch.Tensor, po
                 q: torch.Tensor | None = None):
     """One step of rows at positions pos [B] holding y [B] and drafts [B, K] (drawn from q [B, K, V] when
     sampling). Returns (emitted [B, K + 1], valid up to n_acc + 1; n_acc [B]; the next K drafts, drafted from the
-    last emitted token, and their q). s: the sampler (default greedy; draws 0 .. K - 1 accept, K corrects,
+    last emitted token, their q and their confidence (draft_block's)). s: the sampler (default greedy; draws 0 .. K - 1 accept, K corrects,
     K + 1 .. K + block_size draft). live [B] (1 / 0): rows with 0 accept nothing (a row riding along commits only
     its own position, which it rewrites first)."""
     K = drafts.shape[1]
@@ -110,5 +113,5 @@ def dspark_step(model, dspark: DSpark, y: torch.Tensor, drafts: torch.Tensor, po
     logits, main_hidden = verify_taps(model, dspark, torch.cat([y.unsqueeze(1), drafts], dim=1), pos, options)
     emitted, n_acc = accept(logits, drafts, q, s, live)
     dspark.commit(main_hidden, pos, n_acc + 1, model.rope_main)  # positions p .. p + n_acc
-    nxt, nq = draft_block(model, dspark, emitted[rows, n_acc], pos + n_acc, K, s, K + 1)
-    return emitted, n_acc, nxt, nq
+    nxt, nq, nconf = draft_block(model, dspark, emitted[rows, n_acc], pos + n_acc, K, s, K + 1)
+    return emitted, n_acc, nxt, nq, nconf

@@ -28,10 +28,17 @@ class SpeculationStats:
     emitted: int = 0  # tokens those rows emitted (bonus tokens included)
     accepted: list[int] = field(default_factory=list)  # per draft position: rows that accepted it
     offered: list[int] = field(default_factory=list)  # per draft position: rows whose earlier drafts all passed
+    # a drafter with a confidence head (DSpark): per draft position, its predicted chance of acceptance summed over
+    # the rows it was offered to (set against acceptance())
+    predicted: list[float] = field(default_factory=list)
+    predicted_rows: int = 0  # the counted rows that came with a prediction
+    # every counted row's (drafts accepted, their confidence in thousandths) where kept (judged=[]): cut()'s input
+    judged: list[tuple[int, list[int]]] | None = None
 
     def __post_init__(self):
         self.accepted = self.accepted or [0] * self.k
         self.offered = self.offered or [0] * self.k
+        self.predicted = self.predicted or [0.0] * self.k
 
     @property
     def tokens_per_step(self) -> float:
@@ -41,8 +48,16 @@ class SpeculationStats:
     def acceptance(self) -> list[float]:
         return [a / o if o else float("nan") for a, o in zip(self.accepted, self.offered)]
 
-    def count(self, n_accepted: list[int]) -> None:
-        """One verification pass: the drafts each counted row accepted."""
+    def predicted_acceptance(self) -> list[float]:
+        """Per draft position, the confidence head's mean predicted chance over the rows it was offered to (nan:
+        no prediction counted)."""
+        if not self.predicted_rows:
+            return [float("nan")] * self.k
+        return [p / o if o else float("nan") for p, o in zip(self.predicted, self.offered)]
+
+    def count(self, n_accepted: list[int], confidence: list[list[int]] | None = None) -> None:
+        """One verification pass: the drafts each counted row accepted (and, from a drafter with a confidence
+        head, each row's k drafts' predicted chance of acceptance in thousandths)."""
         self.steps += 1
         self.row_steps += len(n_accepted)
         self.emitted += sum(n + 1 for n in n_accepted)
@@ -50,11 +65,27 @@ class SpeculationStats:
             for j in range(self.k):
                 self.offered[j] += j <= n
                 self.accepted[j] += j < n
+        if confidence is None:
+            return
+        self.predicted_rows += len(confidence)
+        for n, c in zip(n_accepted, confidence):
+            for j in range(min(n + 1, self.k)):
+                self.predicted[j] += c[j] / 1000
+        if self.judged is not None:
+            self.judged.extend((n, list(c)) for n, c in zip(n_accepted, confidence))
 
-    def merged(self, other: "SpeculationStats") -> "SpeculationStats":
-        return SpeculationStats(self.k, self.steps + other.steps, self.row_steps + other.row_steps,
-                                self.emitted + other.emitted, [a + b for a, b in zip(self.accepted, other.accepted)],
-                                [a + b for a, b in zip(self.offered, other.offered)])
+    def cut(self, threshold: float) -> tuple[float, float]:
+        """What cutting each block at its first draft predicted below `threshold` would have given on the kept
+        passes (judged): (tokens per row and pass, drafts verified per row and pass). A row keeps the tokens it
+        accepted before the cut and the verification's own; the verification cost follows the drafts verified."""
+        if not self.judged:
+            raise ValueError("cut() needs the passes kept: SpeculationStats(k, judged=[]) and a drafter that predicts")
+        tokens = verified = 0
+        for n, c in self.judged:
+            keep = next((j for j, v in enumerate(c) if v < 1000 * threshold), len(c))
+            tokens += min(n, keep) + 1
+            verified += keep
+        return tokens / len(self.judged), verified / len(self.judged)
 
 
 def check_model(model, k: int) -> None:

@@ -18,9 +18,10 @@ from dsv4_model.runtime.speculative import (SAMPLING_MODES, Sampler, check_model
 class DraftingRunner(DecodeRunner):
     """What the speculative runners share (MTP's below, DSpark's in dspark_runner.py): k drafts per row on static
     buffers, live rows (ended ones stay where they are), the host's bound on the positions a step writes, and the
-    step's [rows, k + 2] output."""
+    step's [rows, k + 2] output (DSpark's adds the drafts' confidence: `width`)."""
 
     draws_per_step: int  # the Philox draws a step makes per row (a subclass's): step j's are offsets j * this + i
+    confidence: torch.Tensor | None = None  # the drafts' predicted chance of acceptance [R, k] (a drafter that has one)
 
     def __init__(self, model, k: int, **options):
         if options.get("regional"):
@@ -69,10 +70,18 @@ class DraftingRunner(DecodeRunner):
         if mode != "greedy" and self.q is None:
             self.q = torch.zeros(self.max_rows, self.k, self.model.config.vocab_size, device=self.device)
 
+    @property
+    def width(self) -> int:
+        """Columns of a step's output per row: the emitted tokens (k + 1), the count, then the confidence in
+        thousandths of each of the k drafts the step verified where the drafter predicts it."""
+        return self.k + 2 + (self.k if self.confidence is not None else 0)
+
     def _reset_buffers(self) -> None:
         super()._reset_buffers()
         self.drafts.zero_()
         self.live.zero_()
+        if self.confidence is not None:
+            self.confidence.zero_()
 
     @torch.no_grad()
     def begin(self, positions, params) -> None:
@@ -96,8 +105,9 @@ class DraftingRunner(DecodeRunner):
 
     @torch.no_grad()
     def step(self, replay: bool = True) -> torch.Tensor:
-        """One speculative step of the live batch -> [rows, k + 2] int64: row b emitted tokens [:n_b + 1] of
-        its first k + 1 columns, n_b (its accepted drafts) in the last. A static buffer in graph modes."""
+        """One speculative step of the live batch -> [rows, width] int64: row b emitted tokens [:n_b + 1] of
+        its first k + 1 columns, n_b (its accepted drafts) in column k + 1 (then the drafts' confidence where the
+        drafter predicts it). A static buffer in graph modes."""
         if not self.can_step():
             raise ValueError(f"speculative step from position {self._next_pos}: the caches hold max_seq_len="
                              f"{self.model.max_seq_len} positions and a step may write {2 * self.k} past it")
@@ -123,7 +133,7 @@ class DraftingRunner(DecodeRunner):
     def launch(self, rows: int, hold: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """One speculative step of rows [:rows] inside a running batch, padded to their bucket (prepared for the
         current mode): state [bucket] (host) 2: the row steps, 1: it rides along at its own position, 0: at
-        hold[r]. Returns the bucket's [bucket, k + 2] as step()'s, the count -1 for a row without room for a step
+        hold[r]. Returns the bucket's [bucket, width] as step()'s, the count -1 for a row without room for a step
         (it rode along at position 0 instead)."""
         n = self.bucket(rows)
         if (self.compile or self.cuda_graphs) and self._key(n) not in self._ready:
@@ -134,7 +144,9 @@ class DraftingRunner(DecodeRunner):
         self.live[:n].copy_(((state[:n].to(self.device, non_blocking=True) == 2) & room).long())
         out = self._run()[0]
         self.last_logits = None
-        return torch.cat([out[:, :-1], torch.where(room, out[:, -1], -1).unsqueeze(1)], dim=1)
+        k = self.k
+        count = torch.where(room, out[:, k + 1], -1).unsqueeze(1)
+        return torch.cat([out[:, :k + 1], count, out[:, k + 2:]], dim=1)
 
 
     @torch.no_grad()
@@ -148,15 +160,18 @@ class DraftingRunner(DecodeRunner):
         idx = torch.tensor(rows, dtype=torch.long, device=self.device)
         at = torch.tensor(last, dtype=torch.long, device=self.device)
         pos = self._ride(n, hold, state)[0].index_copy(0, idx, at)
-        drafts, q = self._first_drafts(idx, streams, pos, self._sampler(*self.sampler.rows(n)))
+        drafts, q, confidence = self._first_drafts(idx, streams, pos, self._sampler(*self.sampler.rows(n)))
         self.drafts.index_copy_(0, idx, drafts.index_select(0, idx))
         if q is not None:
             self.q.index_copy_(0, idx, q.index_select(0, idx))
+        if confidence is not None:
+            self.confidence.index_copy_(0, idx, confidence.index_select(0, idx))
         self.positions.index_copy_(0, idx, at + 1)
         self.sampler.offset.index_fill_(0, idx, 2)  # the first token drew at offset 0, these drafts at 1
 
     def _first_drafts(self, idx: torch.Tensor, streams: torch.Tensor | None, pos: torch.Tensor, s: Sampler):
-        """rows [:len(pos)]' first k drafts (and their q) from the last prompt positions pos (a subclass's)."""
+        """rows [:len(pos)]' first k drafts, their q (None when greedy) and their confidence (None: the drafter
+        predicts none) from the last prompt positions pos (a subclass's)."""
         raise NotImplementedError
 
 
@@ -178,7 +193,7 @@ class SpeculativeRunner(DraftingRunner):
     def _first_drafts(self, idx: torch.Tensor, streams: torch.Tensor, pos: torch.Tensor, s: Sampler):
         # the MTP block at each row's last prompt position, on the main streams there
         h = streams.new_zeros(pos.shape[0], *streams.shape[1:]).index_copy(0, idx, streams)
-        return first_drafts(self.model, h, self.tokens[:pos.shape[0]], pos, self.k, s, self.step_options)
+        return (*first_drafts(self.model, h, self.tokens[:pos.shape[0]], pos, self.k, s, self.step_options), None)
 
     @torch.no_grad()
     def start(self, last_streams: torch.Tensor) -> None:

@@ -60,7 +60,7 @@ class SpeculativeScheduler(Scheduler):
         return prepare_modes(self.runner, rows, self.modes)
 
     def _decode_width(self) -> int:
-        return self.k + 2
+        return self.runner.width
 
     def _check(self, req: Request) -> None:
         super()._check(req)
@@ -139,13 +139,14 @@ class SpeculativeScheduler(Scheduler):
         super()._take(row, req, t, now, logprob)
 
     def _read_decode(self, flight: _Flight, now: float) -> None:
-        """Each row's [k + 2]: its emitted tokens [:n + 1], then n (-1: the row had no room and rode at 0)."""
+        """Each row's [width]: its emitted tokens [:n + 1], then n (-1: the row had no room and rode at 0), then
+        (DSpark) the verified drafts' confidence in thousandths."""
         by_row = flight.decode_ids.tolist()
         k, rows, eos = self.k, self.rows, self.eos
         for i, out in enumerate(by_row):
             if out[k + 1] < 0 and rows[i].req is None:
                 rows[i].owner = None  # its caches were overwritten at position 0
-        counted = []
+        counted, judged = [], []
         for i, req in flight.decode:
             row = rows[i]
             row.pending -= 1
@@ -157,6 +158,7 @@ class SpeculativeScheduler(Scheduler):
                 self._free(row, "max_seq_len", now)
                 continue
             counted.append(n)
+            judged.append(by_row[i][k + 2:])
             for t in by_row[i][:n + 1]:
                 row.seq.append(t)
                 row.filled = len(row.seq) - 1  # where the latest token goes (the next step feeds it)
@@ -166,4 +168,4 @@ class SpeculativeScheduler(Scheduler):
                 if len(req.token_ids) >= row.cap:
                     self._free(row, "length" if len(req.token_ids) >= req.max_tokens else "max_seq_len", now)
                     break
-        self.speculation.count(counted)
+        self.speculation.count(counted, judged if self.runner.confidence is not None else None)

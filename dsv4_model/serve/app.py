@@ -54,7 +54,7 @@ class _State:
         self.chat = ChatFormat(cfg.chat_format, self.tokenizer)
         self.specials = skipped_specials(self.tokenizer) if self.chat.name == "deepseek_v4" else {}
         self.thread = SchedulerThread(scheduler, cfg.max_waiting)
-        self.metrics = Metrics(self.thread.counts, scheduler.stats)
+        self.metrics = Metrics(self.thread.counts, scheduler.stats, getattr(scheduler, "speculation", None))
         self.thread._on_finish = self.metrics.on_finish
         self.created = int(time.time())
 

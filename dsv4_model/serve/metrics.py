@@ -11,8 +11,9 @@ _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 
 
 class Metrics:
-    def __init__(self, counts, scheduler_stats):
-        """counts() -> (running, waiting); scheduler_stats: the Scheduler's stats object (read at scrape)."""
+    def __init__(self, counts, scheduler_stats, speculation=None):
+        """counts() -> (running, waiting); scheduler_stats: the Scheduler's stats object, speculation: a speculative
+        scheduler's SpeculationStats (both read at scrape)."""
         self.registry = r = CollectorRegistry()
         Gauge("dsv4:num_requests_running", "Requests holding a batch row", registry=r).set_function(
             lambda: counts()[0])
@@ -36,6 +37,8 @@ class Metrics:
                                 registry=r)
         self.rejected = Counter("dsv4:rejected_requests", "HTTP requests refused by status", ["status"],
                                 registry=r)
+        if speculation is not None:
+            _speculation_gauges(r, speculation)
 
     def on_finish(self, req: Request) -> None:
         """Called on the scheduler thread as each request ends."""
@@ -52,3 +55,23 @@ class Metrics:
         self.prompt_tokens.inc(len(req.prompt))
         self.generation_tokens.inc(len(req.token_ids))
         self.finished.labels(req.finish_reason or "unknown").inc()
+
+
+def _speculation_gauges(r: CollectorRegistry, spec) -> None:
+    """Speculative decoding's counts (cumulative, as vLLM's spec_decode metrics): drafts offered and accepted, per
+    draft position too, and where the drafter predicts its acceptance (DSpark's confidence head) the mean prediction
+    per position, to set against the measured rate."""
+    Gauge("dsv4:spec_decode_num_drafts", "Verification passes of a row (cumulative)",
+          registry=r).set_function(lambda: spec.row_steps)
+    Gauge("dsv4:spec_decode_num_draft_tokens", "Draft tokens verified (cumulative)",
+          registry=r).set_function(lambda: spec.row_steps * spec.k)
+    Gauge("dsv4:spec_decode_num_accepted_tokens", "Draft tokens accepted (cumulative)",
+          registry=r).set_function(lambda: sum(spec.accepted))
+    per_pos = Gauge("dsv4:spec_decode_num_accepted_tokens_per_pos", "Drafts accepted at each position (cumulative)",
+                    ["position"], registry=r)
+    predicted = Gauge("dsv4:spec_decode_predicted_acceptance_per_pos", "The drafter's mean predicted chance of "
+                      "acceptance at each position, over the rows offered it (NaN: no prediction)", ["position"],
+                      registry=r)
+    for j in range(spec.k):
+        per_pos.labels(str(j)).set_function(lambda j=j: spec.accepted[j])
+        predicted.labels(str(j)).set_function(lambda j=j: spec.predicted_acceptance()[j])
