@@ -71,6 +71,7 @@ def run_continuous(engine: Engine, C: int, args, gen: torch.Generator) -> dict:
     if args.speculate:  # greedy speculative steps (the checkpoint's drafter: MTP, or DSpark where it has one)
         method = "dspark" if getattr(engine.model, "dspark", None) is not None else "mtp"
         sched = SpeculativeScheduler(engine, args.speculate, method=method, modes=("greedy",), **opts)
+        sched.speculation.judged = []  # every pass kept: what a confidence cut would have given (DSpark)
     else:
         sched = Scheduler(engine, **opts)
     V = engine.vocab_size
@@ -110,7 +111,24 @@ def run_continuous(engine: Engine, C: int, args, gen: torch.Generator) -> dict:
             "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
             "tpot_p50_ms": 1e3 * percentile(tpot, 50), "tpot_p99_ms": 1e3 * percentile(tpot, 99),
             "steady_tokens_per_s": steady["rows"] / steady["s"] if steady["s"] else float("nan"),
-            "decode_steps": sched.stats.decode_steps}
+            "decode_steps": sched.stats.decode_steps,
+            "speculation": sched.speculation if args.speculate else None}
+
+
+def print_speculation(spec) -> None:
+    """Acceptance per draft position (and the drafter's prediction of it); with a confidence head, what cutting each
+    block at its first draft predicted below a threshold would have given (tokens and drafts verified per pass: the
+    verification's cost follows the drafts, docs/dspark.md)."""
+    def rates(values):
+        return " / ".join("-" if v != v else f"{v:.2f}" for v in values)
+
+    print(f"    speculation: {spec.tokens_per_step:.2f} tokens per pass; accepted per position "
+          f"{rates(spec.acceptance())}", flush=True)
+    if spec.predicted_rows:
+        print(f"    the confidence head predicted {rates(spec.predicted_acceptance())}", flush=True)
+        cuts = [(t, *spec.cut(t)) for t in (0.1, 0.3, 0.5, 0.7, 0.9)]
+        print("    cut at p < " + ", ".join(f"{t}: {tok:.2f} tokens / {ver:.2f} drafts" for t, tok, ver in cuts)
+              + f" (no cut: {spec.tokens_per_step:.2f} / {spec.k})", flush=True)
 
 
 def run_static(engine: Engine, C: int, args, gen: torch.Generator) -> float:
@@ -172,6 +190,8 @@ def main(argv=None) -> int:
                   f"{cont['steady_tokens_per_s'] / static:13.3f} "
                   f"{cont['ttft_p50_ms']:7.1f}/{cont['ttft_p99_ms']:<8.1f} {cont['tpot_p50_ms']:7.2f}/"
                   f"{cont['tpot_p99_ms']:<8.2f} {ms:14.3f}", flush=True)
+            if cont["speculation"] is not None:
+                print_speculation(cont["speculation"])
             if mode == "compiled":  # buckets first met in the timed run would have compiled inside it
                 print(f"    compiled prefill: {graphs} bucket graphs so far (warm-up run {warm:.1f} s); "
                       f"{prefill_graphs(engine) - graphs} more compiled in the timed run", flush=True)
