@@ -84,7 +84,7 @@ def test_engine_option_defaults_and_types():
     assert eng.compiled_prefill() is None  # CPU: off unless asked
     eng.compile_prefill = True
     assert isinstance(eng.compiled_prefill(), CompiledPrefill)
-    with pytest.raises(TypeError, match="compile_prefill must be a bool or None"):
+    with pytest.raises(TypeError, match="compile_prefill must be a bool"):
         Engine(_tiny(), compile_prefill="yes")
 
 
@@ -113,19 +113,19 @@ def test_scheduler_greedy_tokens_equal_eager():
 
 @pytest.mark.cuda
 def test_scheduler_greedy_tokens_equal_eager_on_cuda():
-    """On the GPU with Inductor (the default there), the built-in model in fp32 with float experts (Inductor's
+    """On the GPU with Inductor (CompiledPrefill's default backend), the built-in model in fp32 with float experts (Inductor's
     fusions move fp32 logits ~1e-6: no near-tie flips; bf16 moves them ~0.06), greedy tokens equal."""
     eng = Engine.from_pretrained(DEFAULT_MODEL_DIR, device="cuda", dtype=torch.float32, max_batch_size=4,
                                  max_seq_len=256, quant="none", progress=False, compile_prefill=False)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, eng.vocab_size, (n,), generator=g).tolist() for n in (70, 5, 23, 33, 50)]
     ref = _greedy(eng, prompts)
-    eng.compile_prefill = None  # the CUDA default: on
+    eng.compile_prefill = True
     assert eng.compiled_prefill() is not None
     assert _greedy(eng, prompts) == ref
 
 
-@pytest.mark.parametrize("flag,want", [([], None), (["--compile-prefill"], True), (["--no-compile-prefill"], False)])
+@pytest.mark.parametrize("flag,want", [([], False), (["--compile-prefill"], True), (["--no-compile-prefill"], False)])
 def test_cli_flags_reach_the_engine(monkeypatch, flag, want):
     from dsv4_model.runtime import cli
     from dsv4_model.serve import cli as serve_cli

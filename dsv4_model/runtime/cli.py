@@ -113,9 +113,9 @@ def _parser() -> argparse.ArgumentParser:
                         "(docs/dspark.md); auto: DSpark when the checkpoint carries it")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decode step (default: on for CUDA)")
-    g.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=None,
+    g.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=False,
                    help="prefill chunks through compiled graphs per (rows, tokens) bucket, each compiled on first "
-                        "use (default: on where the decode step compiles on CUDA)")
+                        "use (default: off; docs/architecture.md, \"Compiled prefill\")")
     g.add_argument("--regional-compile", action="store_true",
                    help="compile one decoder layer at a time, reused by the layers that trace the same (compile "
                         "time grows with the kinds of layers, not the depth); implies --compile (also on the CPU)")

@@ -24,14 +24,14 @@ class Engine(EngineSession):
     generate(prompts, ...) (dsv4_model.runtime.generate). State and generation: `EngineSession`.
     prefill_chunk: positions per prefill forward (a longer prompt runs in chunks: dsv4_model.runtime.prefill_chunks).
     compile_prefill: prefill_at's chunks (the scheduler's prefill) through compiled graphs per (rows, tokens) bucket
-    (dsv4_model.runtime.compiled_prefill); None = where the decode step compiles on CUDA (runner_options.compile
-    not False), off on the CPU (compile time). An attribute: assign it to switch."""
+    (dsv4_model.runtime.compiled_prefill); off by default until measured on the GPU (each bucket compiles on its
+    first chunk: a one-off stall). An attribute: assign it to switch."""
 
     can_prefill_at = True
 
     def __init__(self, model: Transformer, config: ModelConfig | None = None, device=None, *,
                  runner_options: RunnerOptions = RunnerOptions(), prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 compile_prefill: bool | None = None):
+                 compile_prefill: bool = False):
         check_positive_int(prefill_chunk, "prefill_chunk")
         self.prefill_chunk = prefill_chunk
         self.compile_prefill = _checked_compile_prefill(compile_prefill)
@@ -51,7 +51,7 @@ class Engine(EngineSession):
                         max_seq_len: int = 4096, simulate_quant: bool = True, compile: bool | None = None,
                         cuda_graphs: bool | None = None, graph_mode: str = "manual", quant: str | None = None,
                         act_quant: str | None = None, runner_options: RunnerOptions | None = None,
-                        prefill_chunk: int = DEFAULT_PREFILL_CHUNK, compile_prefill: bool | None = None,
+                        prefill_chunk: int = DEFAULT_PREFILL_CHUNK, compile_prefill: bool = False,
                         **options) -> "Engine":
         """Load a checkpoint directory, a Hugging Face repo id `org/name[@rev]` in the local HF cache, or
         "dsv4-default" (the default: the built-in model) (`dsv4_model.checkpoint.hub.resolve_checkpoint`), via `dsv4_model.checkpoint.loader.load_model`; `options`
@@ -112,11 +112,8 @@ class Engine(EngineSession):
 
     def compiled_prefill(self):
         """The CompiledPrefill prefill_at runs its chunks through (built on first use), or None when
-        compile_prefill resolves to off. The MTP and DSpark variants of prefill_at stay eager."""
-        on = _checked_compile_prefill(self.compile_prefill)
-        if on is None:
-            on = self.device.type == "cuda" and self._checked_runner_options().compile is not False
-        if not on:
+        compile_prefill is off. The MTP and DSpark variants of prefill_at stay eager."""
+        if not _checked_compile_prefill(self.compile_prefill):
             return None
         if self._compiled_prefill is None:
             from dsv4_model.runtime.compiled_prefill import CompiledPrefill
@@ -160,6 +157,6 @@ class Engine(EngineSession):
 
 
 def _checked_compile_prefill(value):
-    if value is not None and not isinstance(value, bool):
-        raise TypeError(f"compile_prefill must be a bool or None, got {value!r}")
+    if not isinstance(value, bool):
+        raise TypeError(f"compile_prefill must be a bool, got {value!r}")
     return value

@@ -34,9 +34,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="K drafts verified per decode step inside the scheduler (MTP, or DSpark if present; 0: off)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decode step (default: on for CUDA)")
-    p.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=False,
                    help="prefill chunks through compiled graphs per (rows, tokens) bucket, each compiled on first "
-                        "use (default: on where the decode step compiles on CUDA)")
+                        "use (default: off; docs/architecture.md, \"Compiled prefill\")")
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every /v1 route")
     p.add_argument("--chat-format", choices=("auto", "deepseek_v4", "plain"), default="auto",
                    help="auto: DeepSeek-V4 when the tokenizer has its chat tokens, else chat is refused (400); "
