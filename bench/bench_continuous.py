@@ -19,7 +19,8 @@ Without it the prefill is eager, as in earlier figures.
 --model: the built-in model ("default"), a checkpoint directory, or bench/common.py's random NVFP4 presets
 (flash2, flash43 = V4-Flash's 43 layers, micro...), built straight on the device. --speculate K: the scheduler's
 steps speculative (greedy, K drafts from the model's MTP block or DSpark module: the built-in model or a
-checkpoint; the random presets have no drafter), against the same plain static batch.
+checkpoint; a preset with --drafter mtp|dspark gets a random one, whose drafts are rarely accepted: the pass's cost,
+printed as ms per pass against the static batch's plain step), against the same plain static batch.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from common import percentile, preset_engine  # noqa: E402
+from common import DRAFTERS, percentile, preset_engine  # noqa: E402
 from dsv4_model.runtime.engine import Engine  # noqa: E402
 from dsv4_model.runtime.requests import Request  # noqa: E402
 from dsv4_model.runtime.sampling import SamplingParams  # noqa: E402
@@ -46,7 +47,9 @@ from dsv4_model.runtime.speculative_scheduler import SpeculativeScheduler  # noq
 def build_engine(args, rows: int, max_seq_len: int, device: torch.device) -> Engine:
     if args.model != "default" and not os.path.isdir(args.model):
         return preset_engine(args.model, experts=args.experts, rows=rows, max_seq_len=max_seq_len, device=device,
-                             spare_window_slots=args.speculate)
+                             spare_window_slots=args.speculate, drafter=args.drafter)
+    if args.drafter:
+        raise SystemExit("--drafter: a preset's random drafter; a checkpoint speculates with its own")
     cuda = device.type == "cuda"
     kw = {} if args.model == "default" else {"path": args.model}
     if args.speculate:
@@ -80,8 +83,8 @@ def run_continuous(engine: Engine, C: int, args, gen: torch.Generator) -> dict:
     # decode-only iterations: no prefill chunk in this one or the one before (an iteration waits for the previous
     # one's device work): their tokens per second is the steady state a static batch is compared with (a plain
     # step: one token per generating row; a speculative one: the tokens read back)
-    steady = {"rows": 0, "s": 0.0}
-    last = {"t": None, "chunks": 0, "rows": 0, "clean": False}
+    steady = {"rows": 0, "s": 0.0, "steps": 0}
+    last = {"t": None, "chunks": 0, "rows": 0, "clean": False, "steps": 0}
 
     def tokens() -> int:
         return sched.speculation.emitted if args.speculate else sched.stats.decode_rows
@@ -92,7 +95,8 @@ def run_continuous(engine: Engine, C: int, args, gen: torch.Generator) -> dict:
         if clean and last["clean"] and last["t"] is not None and n > last["rows"]:
             steady["rows"] += n - last["rows"]
             steady["s"] += t - last["t"]
-        last.update(t=t, chunks=st.prefill_chunks, rows=n, clean=clean)
+            steady["steps"] += st.decode_steps - last["steps"]
+        last.update(t=t, chunks=st.prefill_chunks, rows=n, clean=clean, steps=st.decode_steps)
 
     sched.on_step = on_step
     sync(engine.device)
@@ -112,6 +116,7 @@ def run_continuous(engine: Engine, C: int, args, gen: torch.Generator) -> dict:
             "tpot_p50_ms": 1e3 * percentile(tpot, 50), "tpot_p99_ms": 1e3 * percentile(tpot, 99),
             "steady_tokens_per_s": steady["rows"] / steady["s"] if steady["s"] else float("nan"),
             "decode_steps": sched.stats.decode_steps,
+            "steady_ms_per_step": 1e3 * steady["s"] / steady["steps"] if steady["steps"] else float("nan"),
             "speculation": sched.speculation if args.speculate else None}
 
 
@@ -162,6 +167,8 @@ def main(argv=None) -> int:
     ap.add_argument("--requests-per-row", type=int, default=3)
     ap.add_argument("--max-prefill-tokens", type=int, default=2048)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--drafter", choices=DRAFTERS, default=None,
+                    help="a preset's random drafter for --speculate (bench/common.py with_drafter): the step's cost")
     ap.add_argument("--speculate", type=int, default=0, metavar="K",
                     help="the scheduler's steps speculative with K drafts (against the plain static batch)")
     ap.add_argument("--compiled-prefill", action="store_true",
@@ -191,6 +198,8 @@ def main(argv=None) -> int:
                   f"{cont['ttft_p50_ms']:7.1f}/{cont['ttft_p99_ms']:<8.1f} {cont['tpot_p50_ms']:7.2f}/"
                   f"{cont['tpot_p99_ms']:<8.2f} {ms:14.3f}", flush=True)
             if cont["speculation"] is not None:
+                print(f"    steady state: {cont['steady_ms_per_step']:.3f} ms per speculative pass "
+                      f"({cont['steady_ms_per_step'] / ms:.3f}x the static batch's plain step)", flush=True)
                 print_speculation(cont["speculation"])
             if mode == "compiled":  # buckets first met in the timed run would have compiled inside it
                 print(f"    compiled prefill: {graphs} bucket graphs so far (warm-up run {warm:.1f} s); "

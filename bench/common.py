@@ -11,6 +11,7 @@ A benchmark that times other widths builds them with `micro(...)` / `flash(...)`
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Iterable, NamedTuple
 
@@ -62,6 +63,28 @@ def preset(name: str, *, experts: int | None = None) -> ModelConfig:
                 return micro(ratios, hash_layers=hashed)
             return flash(ratios, hash_layers=hashed, experts=experts)
     raise ValueError(f"unknown model {name!r}")
+
+
+DRAFTERS = ("mtp", "dspark")
+
+
+def with_drafter(cfg: ModelConfig, drafter: str | None) -> ModelConfig:
+    """cfg with a drafter for the speculative benchmarks: "mtp" one MTP block (V4-Flash's), "dspark" a DSpark module
+    as V4-Flash-0731's (docs/dspark.md: 3 window-only stages fed by the last three layers, blocks of 5, Markov rank
+    256; fewer targets on a shallower model), None: cfg as it is. Random weights, so drafts are rarely accepted: what
+    these runs measure is the cost of a speculative step."""
+    if drafter is None:
+        return cfg
+    if drafter == "mtp":
+        return dataclasses.replace(cfg, n_mtp_layers=1, compress_ratios=list(cfg.compress_ratios) + [0]).validate()
+    if drafter != "dspark":
+        raise ValueError(f"drafter must be one of {DRAFTERS} or None, got {drafter!r}")
+    from dsv4_model.model.dspark_config import DSparkConfig
+
+    targets = tuple(range(max(0, cfg.n_layers - 3), cfg.n_layers))
+    sp = DSparkConfig(block_size=5, markov_rank=256 if cfg.dim >= 1024 else 16, target_layer_ids=targets,
+                      noise_token_id=min(128799, cfg.vocab_size - 1), stage_ratios=(0, 0, 0))
+    return dataclasses.replace(cfg, n_mtp_layers=0, dspark=sp).validate()
 
 
 # Whole published models, for the benchmarks that slice them (ModelConfig.sliced).
@@ -143,17 +166,21 @@ def cuda_missing(bench: str, hint: str = "") -> bool:
 
 # ------------------------------------------------------------------------------------------ model set-up
 def preset_engine(name: str, *, experts: int | None, rows: int, max_seq_len: int, device: torch.device,
-                  spare_window_slots: int = 0):
+                  spare_window_slots: int = 0, drafter: str | None = None):
     """An Engine on a random NVFP4 model of preset `name` built on `device`, compiled + captured on CUDA (the
-    served benchmarks' model when no checkpoint of that size is on disk); spare_window_slots: K for speculation."""
-    from dsv4_model.quant.random_model import random_nvfp4_model
+    served benchmarks' model when no checkpoint of that size is on disk); spare_window_slots: K for speculation;
+    drafter: a random MTP block or DSpark module with it (`with_drafter`)."""
+    from dsv4_model.model.dspark import attach
+    from dsv4_model.quant.random_model import random_nvfp4_dspark, random_nvfp4_model
     from dsv4_model.runtime.engine import Engine
     from dsv4_model.runtime.session import RunnerOptions
 
-    cfg = preset(name, experts=experts)
+    cfg = with_drafter(preset(name, experts=experts), drafter)
     cuda = device.type == "cuda"
     model = random_nvfp4_model(cfg, device=device, max_batch_size=rows, max_seq_len=max_seq_len,
                                spare_window_slots=spare_window_slots)
+    if cfg.dspark is not None:
+        attach(model, random_nvfp4_dspark(cfg, device=device, max_batch_size=rows))
     return Engine(model, cfg, device, runner_options=RunnerOptions(compile=cuda, cuda_graphs=cuda))
 
 

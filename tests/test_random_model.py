@@ -113,3 +113,31 @@ def test_expert_shards_share_every_replicated_weight():
     assert routed and all(a[k].shape[0] == cfg.n_routed_experts // 2 for k in routed)
     assert all(torch.equal(a[k], b[k]) for k in a if k not in routed)  # replicated: the same on both ranks
     assert not all(torch.equal(a[k], b[k]) for k in routed)  # each rank its own experts
+
+
+def test_a_random_dspark_is_what_the_quantizer_makes_and_speculates_exactly():
+    """random_nvfp4_dspark (the benchmarks' full-size DSpark): the structure the quantizer gives a float DSpark, and
+    greedy speculation with it on a random NVFP4 main model gives that model's plain greedy tokens."""
+    from dsv4_model.model.dspark import DSpark, attach
+    from dsv4_model.runtime.engine import Engine
+    from dsv4_model.runtime.generate import generate
+    from tests.test_release_0731 import _dspark_cfg
+
+    cfg = _dspark_cfg()
+    got = random_model.random_nvfp4_dspark(cfg, device="cpu", max_batch_size=2, dtype=torch.float32)
+    ref = quantize_model_(DSpark(cfg, dtype=torch.float32, max_batch_size=2).init_random_weights())
+    g, r = got.state_dict(), ref.state_dict()
+    assert g.keys() == r.keys() and any(".nvfp4." in k for k in g)
+    for k in r:
+        assert (g[k].shape, g[k].dtype) == (r[k].shape, r[k].dtype), k
+    assert {type(m) for m in got.modules()} == {type(m) for m in ref.modules()}
+
+    model = random_nvfp4_model(cfg, device="cpu", max_batch_size=2, max_seq_len=96, dtype=torch.float32,
+                               spare_window_slots=3)
+    attach(model, got)
+    eng = Engine(model, cfg, torch.device("cpu"))
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 1, 4, 1, 5]]
+    plain = generate(eng, prompts, max_new_tokens=24, stop_token_ids=[])
+    spec = generate(eng, prompts, max_new_tokens=24, speculate=3, stop_token_ids=[])
+    assert spec.token_ids == plain.token_ids and "DSpark speculate 3" in spec.mode
+    assert len({t for row in plain.token_ids for t in row}) > 5

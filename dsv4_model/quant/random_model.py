@@ -162,3 +162,26 @@ def random_nvfp4_model(cfg: ModelConfig, *, device, max_batch_size: int = 1, max
     model.setup_runtime(device)
     model.reset_caches()
     return model.eval()
+
+
+def random_nvfp4_dspark(cfg: ModelConfig, *, device, max_batch_size: int = 1, dtype: torch.dtype = torch.bfloat16,
+                        act_quant: str = "none", seed: int = 100, expert_shard=None):
+    """A DSpark module of `cfg` (cfg.dspark: its stage count given) with random NVFP4 weights, built as
+    `random_nvfp4_model` builds the main model (no float copy of a converted weight): what the loader holds for a
+    V4-Flash-0731 checkpoint under quant="nvfp4", for benchmarks at full size. Attach it with
+    `dsv4_model.model.dspark.attach(model, module)`."""
+    from dsv4_model.model.dspark import DSpark
+
+    device = torch.device(device)
+    module = DSpark(cfg, dtype=dtype, max_batch_size=max_batch_size, device="meta")
+    for unit in convert_structure_(module, act_quant):
+        unit.old = None
+    rank = 0
+    if expert_shard is not None:
+        module.shard_experts_(expert_shard)
+        rank = expert_shard.rank
+    module.to_empty(device=device)
+    randomize_floats_(module, seed, cfg.n_routed_experts)
+    randomize_nvfp4_(module, seed + 1, routed_seed=seed + 2 + rank)
+    module.setup_runtime(device)
+    return module.eval()
