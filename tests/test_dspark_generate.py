@@ -104,10 +104,11 @@ def test_cli_speculate_picks_dspark_and_matches_plain(ckpt):
     args = ["--model", str(ckpt), "--prompt", "abc", "--max-new-tokens", "40", "--dtype", "float32", "--json"]
     rc, out, err = _cli(*args)
     assert rc == 0, err
+    assert "DSpark speculative module (3 stages" in err and "not loaded" in err  # not held without --speculate
     rc2, out2, err2 = _cli(*args, "--speculate", "3")
     assert rc2 == 0, err2
     assert json.loads(out2)["ids"] == json.loads(out)["ids"]
-    assert "DSpark speculate 3" in err2 and "speculation:" in err2
+    assert "DSpark speculate 3" in err2 and "speculation:" in err2 and "not loaded" not in err2
 
 
 @pytest.mark.parametrize("extra, msg", [

@@ -197,7 +197,7 @@ def test_load_dspark_false_leaves_it_out(ckpts, capfd):
     n = sum(k.startswith("mtp.") for k in list_tensors(ckpts["official"]))
     notes = [ln for ln in capfd.readouterr().err.splitlines() if "DSpark" in ln]
     assert notes == [f"[dsv4] {ckpts['official']}: DSpark speculative module (3 stages, {n} tensors) not loaded "
-                     "(load_dspark=False) (docs/dspark.md)"]
+                     "(load_dspark=False; the CLI and serve load it with --speculate) (docs/dspark.md)"]
 
 
 def test_no_note_when_progress_is_off_or_the_tensors_are_absent(ckpts, tmp_path, capfd):

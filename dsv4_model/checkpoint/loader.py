@@ -479,7 +479,7 @@ def _check_dspark(root: Path, tensors: dict[str, TensorInfo], layout: str, confi
 
 
 def _dspark_note(root: Path, n_stages: int, n_tensors: int, loaded: bool, load: bool | None) -> str:
-    why = "loaded" if loaded else "not loaded (load_dspark=False)"
+    why = "loaded" if loaded else "not loaded (load_dspark=False; the CLI and serve load it with --speculate)"
     return f"[dsv4] {root}: DSpark speculative module ({n_stages} stages, {n_tensors} tensors) {why} (docs/dspark.md)"
 
 

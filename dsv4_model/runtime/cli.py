@@ -261,6 +261,12 @@ def _cache_len(args, config, prompt_ids) -> int:
     return n
 
 
+def _drafters_to_load(speculate: int) -> dict:
+    """Loader options: the checkpoint's drafter (its MTP block or DSpark module; Flash-0731's DSpark holds 10.6 GiB
+    in NVFP4 on one GPU, docs/memory.md) loaded only where --speculate will use it."""
+    return {} if speculate else {"load_mtp": False, "load_dspark": False}
+
+
 def _check_speculate_method(args, config, path) -> None:
     """--speculate-method against the checkpoint's config, before any weight is read."""
     if not args.speculate:
@@ -331,6 +337,7 @@ def cmd_generate(args) -> int:
                                     act_quant=args.act_quant, allow_beyond_max_position=args.allow_beyond_max_position,
                                     expert_shard=shard, progress=not _QUIET[0],
                                     spare_window_slots=args.speculate, compile_prefill=args.compile_prefill,
+                                    **_drafters_to_load(args.speculate),
                                     **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}))
     t_load = time.perf_counter() - t0
 

@@ -68,6 +68,7 @@ def build_engine(args):
     from dsv4_model.checkpoint.builtin import default_model_path
     from dsv4_model.model.checks import parse_device
     from dsv4_model.runtime import distributed
+    from dsv4_model.runtime.cli import _drafters_to_load
     from dsv4_model.runtime.engine import Engine
 
     device = parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -85,7 +86,7 @@ def build_engine(args):
     engine = Engine.from_pretrained(path, device=device, dtype=getattr(torch, args.dtype),
                                     max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, quant=quant,
                                     compile=args.compile, compile_prefill=args.compile_prefill, progress=False,
-                                    expert_shard=shard,
+                                    expert_shard=shard, **_drafters_to_load(args.speculate),
                                     **({"spare_window_slots": args.speculate} if args.speculate else {}))
     return engine, path, shard
 
