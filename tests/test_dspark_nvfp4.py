@@ -211,3 +211,27 @@ def test_the_loader_plans_the_dspark_bytes(ckpts, monkeypatch, capsys):
     with pytest.raises(ValueError, match=r"\+ DSpark .* cpu has"):
         _load(ckpts["official"], quant="nvfp4")
     _load(ckpts["official"], quant="nvfp4", load_dspark=False)  # without it the model fits
+
+
+# ----------------------------------------------------------------------------------------------- saving
+@pytest.mark.parametrize("quant", ["nvfp4", "none"])
+def test_a_dsv4_save_keeps_the_dspark_module(ckpts, float_model, nvfp4_model, tmp_path, quant):
+    """save_model writes the attached DSpark under its mtp.* names as the model holds it (a converted checkpoint:
+    its NVFP4 buffers), and the dsv4 checkpoint loads it back, every tensor equal; a mixed save is refused."""
+    from dsv4_model.checkpoint.loader import save_model
+
+    src = nvfp4_model if quant == "nvfp4" else float_model
+    save_model(src, src.config, tmp_path / "saved")
+    back = _load(tmp_path / "saved")
+    assert back.dspark is not None and bool(getattr(back.dspark, "quant_info", None)) == (quant == "nvfp4")
+    want, got = src.dspark.state_dict(), back.dspark.state_dict()
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want), [k for k in want if not torch.equal(want[k], got[k])]
+    if quant == "nvfp4":  # read back as float: the dequantized values of the same module
+        deq = _load(tmp_path / "saved", quant="none").dspark
+        ref = dequantize_model_(copy.deepcopy(src.dspark))
+        assert all(torch.equal(v, deq.state_dict()[k]) for k, v in ref.state_dict().items())
+        mixed = copy.copy(float_model)
+        object.__setattr__(mixed, "dspark", src.dspark)
+        with pytest.raises(ValueError, match="DSpark module is held unlike the model"):
+            save_model(mixed, float_model.config, tmp_path / "mixed")

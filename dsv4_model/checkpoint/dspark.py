@@ -46,12 +46,17 @@ def stage_count(cfg, official_names) -> int:
     return max(found) + 1 if found else 0
 
 
-def dspark_expected(cfg, n_stages: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def dspark_expected(cfg, n_stages: int, dtype: torch.dtype,
+                    stored_act_quant: str | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """{state-dict-style name (routed experts stacked): (shape, dtype)} of the whole DSpark module: the state dict
     of dsv4's own `DSpark` (built on the meta device), whose stages are the model's `Block`, so they are checked
-    like the main layers and load into it by the same plan."""
+    like the main layers and load into it by the same plan. stored_act_quant: a converted dsv4 checkpoint's (its
+    DSpark saved with the NVFP4 buffers, as the main model's)."""
     from dsv4_model.model.dspark import DSpark
+    from dsv4_model.quant.quantize_model import convert_structure_
 
     with torch.device("meta"):
         module = DSpark(cfg, n_stages, dtype=dtype, device="meta")
+    if stored_act_quant is not None:
+        convert_structure_(module, stored_act_quant)
     return {k: (tuple(v.shape), v.dtype) for k, v in module.state_dict().items()}

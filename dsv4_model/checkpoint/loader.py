@@ -443,7 +443,8 @@ def _has_mtp(names) -> bool:
 
 
 def _check_dspark(root: Path, tensors: dict[str, TensorInfo], layout: str, config, dtype: torch.dtype, *,
-                  load: bool | None, speculate_mtp: bool, spare: bool) -> tuple[int, int, list | None]:
+                  load: bool | None, speculate_mtp: bool, spare: bool,
+                  stored_act_quant: str | None = None) -> tuple[int, int, list | None]:
     """A DSpark checkpoint (docs/dspark.md): refuse MTP speculation on it, check its `mtp.*` tensors from the
     headers against dsv4's DSpark module (one CheckpointError naming each wrong tensor). Returns (the stage count,
     the DSpark tensors found, the module's load plan, of every expert, or None where it is not loaded: load=False,
@@ -464,7 +465,7 @@ def _check_dspark(root: Path, tensors: dict[str, TensorInfo], layout: str, confi
     plan = None
     if found:
         try:
-            plan = build_load_plan(found, dspark_expected(config, n_stages, dtype), layout,
+            plan = build_load_plan(found, dspark_expected(config, n_stages, dtype, stored_act_quant), layout,
                                    subject=f"the DSpark module its config describes ({n_stages} stages)")
         except CheckpointError as e:
             raise CheckpointError(f"{root}: {e}") from None
@@ -485,16 +486,19 @@ def _dspark_note(root: Path, n_stages: int, n_tensors: int, loaded: bool, load: 
 
 def _load_dspark(plan: list, config, n_stages: int, reader: "TensorReader", *, device: torch.device,
                  dtype: torch.dtype, max_batch_size: int, simulate_quant: bool, quant: str, act_quant: str,
-                 expert_shard=None):
+                 expert_shard=None, stored: dict | None = None):
     """dsv4's DSpark module with the checkpoint's tensors, held as the main model's are: float (FP8 / MXFP4
-    dequantized) or NVFP4 (each unit built from its checkpoint tensors, no float copy), this rank's experts only."""
+    dequantized) or NVFP4 (each unit built from its checkpoint tensors, no float copy; a converted dsv4
+    checkpoint's `stored` NVFP4 buffers read as they are), this rank's experts only."""
     module, units = meta_dspark(config, n_stages, dtype=dtype, max_batch_size=max_batch_size,
-                                simulate_quant=simulate_quant, quant=quant, act_quant=act_quant,
-                                expert_shard=expert_shard)
+                                simulate_quant=simulate_quant, quant="nvfp4" if stored else quant,
+                                act_quant=act_quant, expert_shard=expert_shard)
     if expert_shard is not None:
         plan = shard_plan(plan, *expert_shard.bounds(config.n_routed_experts))
     module.to_empty(device=device)
-    _fill_(module, plan, units, reader, device)
+    _fill_(module, plan, [] if stored else units, reader, device)
+    if stored:
+        upgrade_kernel_layout_(module, stored["kernel_layout"])
     module.setup_runtime(device)
     return module.eval()
 
@@ -596,7 +600,7 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
     if getattr(config, "dspark", None) is not None:  # mtp.* is a DSpark module: checked, loaded apart
         n_stages, n_dspark, dspark_plan = _check_dspark(
             root, tensors, layout, config, dtype, load=load_dspark, speculate_mtp=bool(load_mtp),
-            spare=bool(spare_window_slots))
+            spare=bool(spare_window_slots), stored_act_quant=stored["act_quant"] if stored else None)
         skip = ("mtp.",)
     elif load_mtp is False or (load_mtp is None and n_mtp > 0 and not has_mtp):
         if load_mtp is None:
@@ -640,7 +644,10 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
         dspark = None if dspark_plan is None else _load_dspark(
             dspark_plan, config, n_stages, reader, device=device, dtype=dtype, max_batch_size=max_batch_size,
             simulate_quant=simulate_quant, quant=quant, act_quant=act_quant,
-            expert_shard=expert_shard)
+            expert_shard=expert_shard, stored=stored)
+    from dsv4_model.model.dspark import attach
+
+    attach(model, dspark)  # before a dequantization, which converts it with the model
     if stored:
         upgrade_kernel_layout_(model, stored["kernel_layout"])
     if stored and quant == "none":
@@ -648,9 +655,6 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
     model.narrow_weights_()
     model.setup_runtime(device)
     model.eval()
-    from dsv4_model.model.dspark import attach
-
-    attach(model, dspark)
     if progress and getattr(config, "dspark", None) is not None and n_dspark:
         print(_dspark_note(root, n_stages, n_dspark, dspark is not None, load_dspark), file=sys.stderr)
     if progress:
@@ -671,11 +675,19 @@ def save_model(model, config, path: str | os.PathLike, *, num_shards: int | None
                max_shard_bytes: int | None = 5 * 2**30) -> None:
     """Write `model` in the dsv4 layout: its state_dict (stacked experts) as safetensors (sharded with an
     index above `max_shard_bytes`, or into exactly `num_shards` files) + `config.json`. An NVFP4-converted
-    model is written with its NVFP4 buffers and the `dsv4_quant` marker (loads back without re-quantizing)."""
+    model is written with its NVFP4 buffers and the `dsv4_quant` marker (loads back without re-quantizing). An
+    attached DSpark module (`model.dspark`, a 0731-style checkpoint's) is written under its `mtp.*` names, held as
+    the model is (NVFP4 or float)."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     state = model.state_dict()
     quant_info = getattr(model, "quant_info", None)
+    dspark = getattr(model, "dspark", None)
+    if dspark is not None:
+        if bool(getattr(dspark, "quant_info", None)) != bool(quant_info):
+            raise ValueError("save_model: the attached DSpark module is held unlike the model (NVFP4 / float): "
+                             "convert both with quantize_model_(model)")
+        state.update(dspark.state_dict())
     meta = {DSV4_FORMAT_KEY: str(DSV4_FORMAT_VERSION)}
     if quant_info:
         meta[QUANT_INFO_KEY] = json.dumps(quant_info)
