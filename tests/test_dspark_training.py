@@ -98,3 +98,24 @@ def test_gradients_reach_every_trained_parameter(parts):
     missing = [n for n, p in trained.items() if p.grad is None or not p.grad.abs().sum() > 0]
     assert not missing, missing
     assert all(p.grad is None for p in model.parameters())  # the main model is frozen
+
+
+def test_train_dspark_writes_what_the_eval_loads(tmp_path):
+    """scripts/train_dspark.py on the built-in model for a few seconds: its weights (DSpark.state_dict names,
+    mtp.0..2) load into eval/dspark_acceptance.py's DSpark, and the stages started from the MTP block."""
+    import train_dspark
+
+    from dsv4_model.checkpoint.loader import load_model
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "eval"))
+    import dspark_acceptance
+
+    log = train_dspark.main(["--out", str(tmp_path), "--minutes", "0.05", "--max-files", "2", "--seq-len", "64",
+                             "--batch-size", "2", "--anchors", "8", "--val-windows", "1", "--log-every", "1"])
+    assert log["steps"] >= 1 and log["train"] and len(log["val"]) == 2
+    model, cfg = load_model(str(train_dspark.DEFAULT), dtype=torch.float32, quant="none", progress=False)
+    d = dspark_acceptance.load_dspark(str(tmp_path), cfg, 1)
+    assert {k.split(".")[1] for k in d.state_dict()} == {"0", "1", "2"}
+    assert list(d.target_layer_ids) == [cfg.n_layers - 3, cfg.n_layers - 2, cfg.n_layers - 1]
+    # the router biases are not trained: still the MTP block's
+    assert torch.equal(d.mtp[2].ffn.gate.bias, model.mtp[0].ffn.gate.bias)
