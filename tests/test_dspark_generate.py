@@ -60,10 +60,12 @@ def test_compiled_dspark_step_gives_the_eager_tokens(ckpt, plain):
     assert res.mode.startswith("compiled") and "DSpark speculate 2" in res.mode
 
 
-def test_dspark_sampling_follows_the_plain_distribution(tmp_path, top_k=5, top_p=0.8):
+def test_dspark_sampling_follows_the_plain_distribution(tmp_path, top_k=5, top_p=0.8, cut=0.5):
     """3 tokens after one prompt, 2048 draws (seeds) with K = 2 drafts from a random DSpark module over a vocabulary
-    of 8 (drafts accepted part of the time: the acceptance, the correction and the bonus draws all act):
-    chi-square against the plain model's exact joint (tests/helpers/chi_square.py)."""
+    of 8 (drafts accepted part of the time: the acceptance, the correction and the bonus draws all act), blocks cut
+    by the confidence head part of the time (a cut decided from the drafts before each offered one: the bonus
+    drawn where the block was cut): chi-square against the plain model's exact joint (tests/helpers/chi_square.py;
+    the uncut rule alone: the MTP test's)."""
     from tests.helpers.chi_square import assert_follows, exact_joint3
 
     cfg = _dspark_cfg(vocab_size=8, noise_token_id=7, eos_token_id=10_000)  # no row stops early
@@ -75,12 +77,14 @@ def test_dspark_sampling_follows_the_plain_distribution(tmp_path, top_k=5, top_p
     seen: dict[tuple, int] = {}
     for s in range(0, draws, rows):
         res = generate(eng, [prompt] * rows, max_new_tokens=3, temperature=T, top_k=top_k, top_p=top_p, seed=s,
-                       speculate=2, stop_token_ids=[])
+                       speculate=2, stop_token_ids=[], dspark_cut=cut)
         for t in res.token_ids:
             seen[tuple(t)] = seen.get(tuple(t), 0) + 1
-    acc = res.extra["speculation"].acceptance()[0]
+    spec = res.extra["speculation"]
+    acc = spec.acceptance()[0]
     assert_follows(seen, exact_joint3(eng.model, prompt, T, top_k, top_p))
     assert 0.05 < acc < 0.95, acc
+    assert 0 < spec.offered[0] < spec.row_steps, (spec.offered, spec.row_steps)  # some blocks cut at once
 
 
 def test_dspark_refusals(ckpt):
@@ -109,10 +113,16 @@ def test_cli_speculate_picks_dspark_and_matches_plain(ckpt):
     assert rc2 == 0, err2
     assert json.loads(out2)["ids"] == json.loads(out)["ids"]
     assert "DSpark speculate 3" in err2 and "speculation:" in err2 and "not loaded" not in err2
+    rc3, out3, err3 = _cli(*args, "--speculate", "3", "--dspark-cut", "0.9")
+    assert rc3 == 0 and json.loads(out3)["ids"] == json.loads(out)["ids"], err3
+    assert "DSpark speculate 3, cut 0.9" in err3
 
 
 @pytest.mark.parametrize("extra, msg", [
     (["--speculate", "6"], "DSpark drafts blocks of 5 tokens"),
+    (["--dspark-cut", "0.5"], "the confidence cut is DSpark's: it needs --speculate K"),
+    (["--speculate", "2", "--dspark-cut", "2"], "--dspark-cut must be a chance in [0, 1]"),
+    (["--speculate", "2", "--speculate-method", "mtp", "--dspark-cut", "0.5"], "the confidence cut is DSpark's"),
 ])
 def test_cli_dspark_refusals_are_one_line(ckpt, extra, msg):
     rc, out, err = _cli("--model", str(ckpt), "--prompt", "abc", "--max-new-tokens", "4", *extra)
@@ -181,3 +191,34 @@ def test_each_pass_reads_back_the_confidence_of_the_drafts_it_verified(ckpt):
     mid = sorted(offered0)[len(offered0) // 2] / 1000  # about half the blocks cut at their first draft
     tokens, verified = spec.cut(mid + 0.0005)
     assert 1.0 <= tokens <= spec.tokens_per_step and 0 < verified < K
+
+
+def test_the_confidence_cut_keeps_plain_greedy_tokens_and_offers_only_the_kept_drafts(ckpt, plain, cut=0.9):
+    """dspark_cut: each row's block cut before its first draft predicted below the cut, on the device (the passes
+    read back -1 for the drafts left out, and the predictions of the others are >= the cut); greedy output is
+    still plain greedy's, and a pass accepts no draft past its cut."""
+    eng = _engine(ckpt, spare_window_slots=5)
+    res = generate(eng, PROMPTS[:2], max_new_tokens=12, speculate=5, dspark_cut=cut)
+    assert res.token_ids == [t[:12] for t in plain.token_ids[:2]] and f"cut {cut:g}" in res.mode
+    from dsv4_model.runtime.requests import Request
+    from dsv4_model.runtime.speculative_scheduler import SpeculativeScheduler
+
+    s = SpeculativeScheduler(eng, 5, method="dspark", modes=("greedy",), dspark_cut=cut)
+    s.speculation.judged = []
+    req = s.submit(Request(PROMPT, max_tokens=N, ignore_eos=True))
+    s.run_until_idle()
+    assert req.token_ids == plain.token_ids[0]
+    cuts = 0
+    for n, c in s.speculation.judged:
+        kept = next((j for j, v in enumerate(c) if v < 0), len(c))
+        assert n <= kept and all(v < 0 for v in c[kept:]) and all(v >= 1000 * cut - 1 for v in c[:kept])
+        cuts += kept < len(c)
+    assert cuts > 0
+
+
+def test_the_confidence_cut_is_refused_without_dspark(ckpt):
+    eng = _engine(ckpt, spare_window_slots=2)
+    with pytest.raises(ValueError, match="confidence cut is DSpark's, and this run does not speculate"):
+        generate(eng, [PROMPT], max_new_tokens=4, dspark_cut=0.5)
+    with pytest.raises(ValueError, match="cut must be a predicted chance in"):
+        generate(eng, [PROMPT], max_new_tokens=4, speculate=2, dspark_cut=1.5)

@@ -91,3 +91,39 @@ def test_learned_routing_selects_distinct_experts():
         w2, i2 = moe.gate(x, torch.zeros(16, dtype=torch.long))
         moe.gate.weight.requires_grad_(False)
     assert all(len(set(row.tolist())) == i2.shape[1] for row in i2)
+
+
+def test_tokens_not_routed_read_no_expert_and_keep_the_others_exact(monkeypatch):
+    """MoE.forward(routed=mask) (a speculative step's positions past its cut): the routed tokens' outputs are
+    bit for bit the unmasked ones, the others get the shared expert alone; NVFP4 (hash and learned layers) hands
+    the expert kernels id -1 for them (which they skip: no weight read), float experts weight 0."""
+    from dsv4_ops import ops
+    from dsv4_model.quant.quantize_model import quantize_model_
+
+    cfg = tiny_config(n_layers=3, compress_ratios=[0, 0, 0, 0], n_hash_layers=2)
+    m = Transformer(cfg, max_batch_size=1, max_seq_len=16, dtype=torch.float32, simulate_quant=False)
+    init_random_weights(m, 0)
+    x = torch.randn(6, cfg.dim, generator=torch.Generator().manual_seed(2))
+    ids = torch.tensor([7, 3, 9, 7, 1, 4])
+    mask = torch.tensor([True, True, False, True, False, False])
+    none = torch.zeros(6, dtype=torch.bool)
+    for layer in (0, 2):  # hash routing, learned routing
+        moe = m.layers[layer].ffn
+        full, cut, shared = (moe(x, ids, static=True, routed=r) for r in (None, mask, none))
+        assert torch.equal(cut[mask], full[mask]) and torch.equal(cut[~mask], shared[~mask])
+        assert not torch.equal(cut[~mask], full[~mask])
+    quantize_model_(m)
+    seen = []
+    real = ops.nvfp4_moe
+
+    def spy(x, topk_ids, topk_weights, **kw):
+        seen.append(topk_ids.clone())
+        return real(x, topk_ids, topk_weights, **kw)
+
+    monkeypatch.setattr(ops, "nvfp4_moe", spy)
+    for layer in (0, 2):
+        moe = m.layers[layer].ffn
+        full, cut = moe(x, ids, static=True), moe(x, ids, static=True, routed=mask)
+        assert torch.equal(cut[mask], full[mask])
+        got = seen[-1]
+        assert (got[~mask] == -1).all() and (got[mask] >= 0).all()

@@ -230,24 +230,33 @@ class MoE(nn.Module):
         self.rows_dtype = backend.rows_dtype(self)
         return old
 
-    def _route(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _route(self, x: torch.Tensor, ids: torch.Tensor,
+               routed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         weights, indices = self.gate(x, ids.reshape(-1))
         if self.gate.hash:  # a hash table row may repeat an expert; a top-k selection never does
             weights = dedup_weights(weights, indices)
+        if routed is not None:
+            # a token whose output nobody reads (a speculative step's positions past its cut) goes to no expert:
+            # id -1, which the expert kernels skip (no weight read for it), and weight 0 for the float paths
+            keep = routed.reshape(-1, 1)
+            weights, indices = torch.where(keep, weights, 0.0), torch.where(keep, indices, -1)
         return weights, indices
 
-    def decode_rows(self, x: torch.Tensor, ids: torch.Tensor):
+    def decode_rows(self, x: torch.Tensor, ids: torch.Tensor, routed: torch.Tensor | None = None):
         """Decode (x [B, 1, dim]): the experts' uncombined rows for dsv4::hc_post_pre as (rows [B*k (+ B), dim],
         topk ids [B, k], n_experts), or None where the backend gives no bf16 rows (float experts, a model of
-        another dtype): the caller then takes forward's combined output."""
+        another dtype): the caller then takes forward's combined output. routed: as forward's."""
         if x.dtype != self.rows_dtype:
             return None
         x = x.reshape(-1, self.dim)
-        weights, indices = self._route(x, ids)
+        weights, indices = self._route(x, ids, routed)
         return self.backend.rows(self, x, weights, indices), indices, self.n_experts
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, static: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, static: bool = False,
+                routed: torch.Tensor | None = None) -> torch.Tensor:
+        """routed [tokens] bool (None: all): the tokens that go to their experts; the others get the shared
+        expert's output only, and no routed expert's weights are read for them."""
         shape = x.shape
         x = x.reshape(-1, self.dim)
-        weights, indices = self._route(x, ids)
+        weights, indices = self._route(x, ids, routed)
         return self.backend.combined(self, x, weights, indices, static).view(shape)

@@ -149,22 +149,23 @@ class Block(nn.Module):
         return (h, *self._pre_normed(h, site, opts))
 
     def decode(self, h: torch.Tensor, ids: torch.Tensor, step: "DecodeStep | list[DecodeStep]",
-               pending: "Pending | None" = None, fold_rows: bool = False) -> "tuple[torch.Tensor, Pending]":
+               pending: "Pending | None" = None, fold_rows: bool = False,
+               routed: torch.Tensor | None = None) -> "tuple[torch.Tensor, Pending]":
         """One token per row (step: a DecodeStep), or T (step: T DecodeSteps; rows t * B + b of h / ids: token t
         of sequence b; attention token after token, everything else on all rows: Attention.decode_tokens).
         pending: the previous block's ffn output not yet folded into the streams h (its hc_post runs fused with
         this block's first hc_pre); returns (h, pending) the same way. fold_rows: the next block's hc_post_pre can
         sum an NVFP4 MoE's expert rows, so they go to it uncombined (one combine kernel less per layer; the
-        Transformer decides)."""
+        Transformer decides). routed: the rows whose tokens go to their routed experts (MoE.forward; None: all)."""
         opts = step.options if isinstance(step, DecodeStep) else step[0].options
         h, x, post, comb = self._post_pre_normed(h, pending, self.hc_attn, opts)
         out = self.attn.decode(x, step) if isinstance(step, DecodeStep) else self.attn.decode_tokens(x, step)
         h, x, post, comb = self._post_pre_normed(h, Pending(out, post, comb), self.hc_ffn, opts)
         if fold_rows:
-            rows = self.ffn.decode_rows(x, ids)
+            rows = self.ffn.decode_rows(x, ids, routed)
             if rows is not None:
                 return h, Pending(rows[0], post, comb, rows[1], rows[2])
-        return h, Pending(self.ffn(x, ids, static=True), post, comb)
+        return h, Pending(self.ffn(x, ids, static=True, routed=routed), post, comb)
 
 
 def _param(*shape) -> nn.Parameter:

@@ -111,6 +111,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--speculate-method", choices=("auto", "mtp", "dspark"), default="auto",
                    help="the drafter: the MTP block, or the DSpark module of a V4-Flash-0731-style checkpoint "
                         "(docs/dspark.md); auto: DSpark when the checkpoint carries it")
+    g.add_argument("--dspark-cut", type=float, default=0.0, metavar="P",
+                   help="DSpark: cut each block before its first draft predicted below P (the confidence head's chance of "
+                        "acceptance; fewer experts read per step; 0 = off; docs/dspark.md)")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decode step (default: on for CUDA)")
     g.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=False,
@@ -261,6 +264,11 @@ def _cache_len(args, config, prompt_ids) -> int:
     return n
 
 
+def check_dspark_cut(cut: float) -> None:
+    if not 0.0 <= cut <= 1.0:
+        raise ValueError(f"--dspark-cut must be a chance in [0, 1] (0 = off), got {cut}")
+
+
 def _drafters_to_load(speculate: int) -> dict:
     """Loader options: the checkpoint's drafter (its MTP block or DSpark module; Flash-0731's DSpark holds 10.6 GiB
     in NVFP4 on one GPU, docs/memory.md) loaded only where --speculate will use it."""
@@ -268,13 +276,15 @@ def _drafters_to_load(speculate: int) -> dict:
 
 
 def _check_speculate_method(args, config, path) -> None:
-    """--speculate-method against the checkpoint's config, before any weight is read."""
-    if not args.speculate:
-        return
+    """--speculate-method / --dspark-cut against the checkpoint's config, before any weight is read."""
+    check_dspark_cut(args.dspark_cut)
     method = args.speculate_method
     if method == "auto":
         method = "dspark" if config.dspark is not None else "mtp"
-    if method != "dspark":
+    if args.dspark_cut and (not args.speculate or method != "dspark"):
+        raise ValueError("--dspark-cut: the confidence cut is DSpark's: it needs --speculate K on a checkpoint "
+                         "with a DSpark module")
+    if not args.speculate or method != "dspark":
         return
     if config.dspark is None:
         raise ValueError(f"--speculate-method dspark: {path} carries no DSpark module (a V4-Flash-0731-style "
@@ -345,7 +355,7 @@ def cmd_generate(args) -> int:
     t1 = time.perf_counter()
     method = speculate_method_of(engine, args.speculate_method) if args.speculate else None
     if method == "dspark":  # compile / capture before any text is printed
-        engine.dspark_runner(args.speculate).prepare(rows)
+        engine.dspark_runner(args.speculate, cut=args.dspark_cut).prepare(rows)
     elif args.speculate:
         from dsv4_model.runtime.sampling import SamplingParams
         from dsv4_model.runtime.speculative import sampling_mode
@@ -368,7 +378,8 @@ def cmd_generate(args) -> int:
 
     res = generate(engine, prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stream=on_token, tokenizer=tok,
-                   speculate=args.speculate, stop=args.stop, speculate_method=args.speculate_method)
+                   speculate=args.speculate, stop=args.stop, speculate_method=args.speculate_method,
+                   dspark_cut=args.dspark_cut)
     if args.json:
         timings = {k: round(v, 6) for k, v in (("load_s", t_load), ("setup_s", t_setup),
                                                 ("prefill_s", res.prefill_seconds), ("decode_s", res.decode_seconds),

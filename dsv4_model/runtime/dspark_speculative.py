@@ -55,9 +55,10 @@ def prefill_taps(model, dspark: DSpark, prompt: torch.Tensor, lengths: torch.Ten
 
 
 def verify_taps(model, dspark: DSpark, tokens: torch.Tensor, positions: torch.Tensor,
-                options=DEFAULT_OPTIONS) -> tuple[torch.Tensor, torch.Tensor]:
+                options=DEFAULT_OPTIONS, limit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """decode_tokens (tokens [B, T] at positions [B] ..), and the DSpark context of those positions: -> (fp32
-    logits [B, T, V], main_hidden [B, T, n_targets * dim])."""
+    logits [B, T, V], main_hidden [B, T, n_targets * dim]). limit [B] (None: T - 1): row b's tokens past
+    limit[b] go to no routed expert (their outputs are not read: a block cut short reads fewer experts)."""
     B, T = tokens.shape
     targets = dspark.target_layer_ids
     taps = {}
@@ -68,9 +69,11 @@ def verify_taps(model, dspark: DSpark, tokens: torch.Tensor, positions: torch.Te
         # a target layer's predecessor keeps its MoE output combined (an NVFP4 MoE's uncombined rows would need
         # the fused fold to be read)
         fold = fold and layer.layer_id + 1 not in targets
-        return layer.decode(h, ids, step, pending, fold_rows=fold)
+        return layer.decode(h, ids, step, pending, fold_rows=fold, routed=routed)
 
     ids = tokens.t().reshape(-1)
+    routed = None if limit is None else (torch.arange(T, device=tokens.device).unsqueeze(1)
+                                         <= limit.unsqueeze(0)).reshape(-1)  # row t * B + b: token t of row b
     h = model.embed(ids).unsqueeze(1).repeat(1, model.hc, 1)
     h = model._decode_layers(h, ids, model._token_steps(positions, T, options), options, call)
     logits = model._logits(h).view(T, B, -1).transpose(0, 1)
@@ -101,17 +104,19 @@ def draft_block(model, dspark: DSpark, anchor: torch.Tensor, last: torch.Tensor,
 
 def dspark_step(model, dspark: DSpark, y: torch.Tensor, drafts: torch.Tensor, pos: torch.Tensor,
                 options=DEFAULT_OPTIONS, live: torch.Tensor | None = None, s: Sampler | None = None,
-                q: torch.Tensor | None = None):
+                q: torch.Tensor | None = None, limit: torch.Tensor | None = None):
     """One step of rows at positions pos [B] holding y [B] and drafts [B, K] (drawn from q [B, K, V] when
     sampling). Returns (emitted [B, K + 1], valid up to n_acc + 1; n_acc [B]; the next K drafts, drafted from the
     last emitted token, their q and their confidence (draft_block's)). s: the sampler (default greedy; draws 0 .. K - 1 accept, K corrects,
     K + 1 .. K + block_size draft). live [B] (1 / 0): rows with 0 accept nothing (a row riding along commits only
-    its own position, which it rewrites first)."""
+    its own position, which it rewrites first). limit [B] (None: K): each row's block cut after its first
+    limit[b] drafts (`accept`): the positions past it read no routed expert (`verify_taps`)."""
     K = drafts.shape[1]
     s = s if s is not None else Sampler("greedy", *([None] * 5))
     rows = torch.arange(drafts.shape[0], device=y.device)
-    logits, main_hidden = verify_taps(model, dspark, torch.cat([y.unsqueeze(1), drafts], dim=1), pos, options)
-    emitted, n_acc = accept(logits, drafts, q, s, live)
+    logits, main_hidden = verify_taps(model, dspark, torch.cat([y.unsqueeze(1), drafts], dim=1), pos, options,
+                                      limit)
+    emitted, n_acc = accept(logits, drafts, q, s, live, limit)
     dspark.commit(main_hidden, pos, n_acc + 1, model.rope_main)  # positions p .. p + n_acc
     nxt, nq, nconf = draft_block(model, dspark, emitted[rows, n_acc], pos + n_acc, K, s, K + 1)
     return emitted, n_acc, nxt, nq, nconf

@@ -137,18 +137,19 @@ class Engine(EngineSession):
 
         return self._drafting_runner(SpeculativeRunner, k)
 
-    def dspark_runner(self, k: int):
-        """The DSparkRunner generate(..., speculate=k) steps on a DSpark checkpoint, built as speculative_runner."""
+    def dspark_runner(self, k: int, cut: float = 0.0):
+        """The DSparkRunner generate(..., speculate=k) steps on a DSpark checkpoint, built as speculative_runner;
+        cut: its confidence cut (dsv4_model.runtime.dspark_runner; 0: off)."""
         from dsv4_model.runtime.dspark_runner import DSparkRunner
 
-        return self._drafting_runner(DSparkRunner, k)
+        return self._drafting_runner(DSparkRunner, k, cut=cut)
 
-    def _drafting_runner(self, cls, k: int):
+    def _drafting_runner(self, cls, k: int, **kw):
         opts = self._checked_runner_options()
-        key = (cls, k, opts)
+        key = (cls, k, opts, tuple(sorted(kw.items())))
         if getattr(self, "_drafting_key", None) != key:
             self._drafting = cls(self.model, k, compile=opts.compile, cuda_graphs=opts.cuda_graphs,
-                                 graph_mode=opts.graph_mode, regional=opts.regional, log=opts.log)
+                                 graph_mode=opts.graph_mode, regional=opts.regional, log=opts.log, **kw)
             self._drafting_key = key
         return self._drafting
 

@@ -107,7 +107,7 @@ class RowSink:
 def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, stop_token_ids=None, stream: StreamCallback | None = None, *,
              tokenizer=None, add_bos: bool = True, speculate: int = 0, stop=None,
-             speculate_method: str = "auto") -> GenerationResult:
+             speculate_method: str = "auto", dspark_cut: float = 0.0) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens for each prompt.
 
     prompts: list of strings (encoded with the checkpoint's tokenizer, BOS first) or list of token-id lists.
@@ -123,7 +123,9 @@ def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0
     distribution. A step may write 2K positions past its row's, so rows stop 2K positions earlier at
     max_seq_len. result.extra["speculation"]: the SpeculationStats (acceptance per draft position).
     speculate_method: "mtp" (the MTP block), "dspark" (the DSpark module of a V4-Flash-0731-style checkpoint,
-    docs/dspark.md: K <= its block size) or "auto" (DSpark when the model carries it).
+    docs/dspark.md: K <= its block size) or "auto" (DSpark when the model carries it). dspark_cut: DSpark's
+    confidence cut (a block cut before its first draft predicted below it: fewer experts read per step; 0: off;
+    docs/dspark.md, "The confidence cut").
     """
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
@@ -141,8 +143,11 @@ def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0
     base = SamplingParams(float(temperature), int(top_k), float(top_p), int(seed)).validate()
     base = SamplingParams(base.temperature, base.top_k, base.top_p, seed_key(base.seed))  # int64: seed + i stays valid
     method = speculate_method_of(engine, speculate_method) if speculate else None
+    if dspark_cut and method != "dspark":
+        raise ValueError("dspark_cut: the confidence cut is DSpark's, and this run "
+                         + ("drafts with the MTP block" if speculate else "does not speculate (speculate=0)"))
     if method == "dspark":
-        runner = engine.dspark_runner(speculate)  # (it checks the model for `speculate` drafts)
+        runner = engine.dspark_runner(speculate, cut=dspark_cut)  # (it checks the model for `speculate` drafts)
     elif speculate:
         if not hasattr(engine, "speculative_runner"):
             raise ValueError("speculate needs an Engine (an exported package has no MTP step)")
@@ -155,7 +160,7 @@ def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0
     stop = tuple(stop or ())
     if engine.can_prefill_at:
         return _generate_scheduled(engine, runner, ids, base, max_new_tokens, stops, stream, tok, stop, speculate,
-                                   method)
+                                   method, dspark_cut)
     if stop:
         raise ValueError("stop: stop strings need generation under the Scheduler (an Engine, or a package with "
                          "prefill_chunk entries)")
@@ -187,7 +192,7 @@ def speculate_method_of(engine, method: str) -> str:
 @torch.no_grad()
 def _generate_scheduled(engine, runner, ids: list[list[int]], base: SamplingParams, max_new_tokens: int,
                         stops: set[int], stream, tok, stop: tuple[str, ...] = (), speculate: int = 0,
-                        method: str | None = None) -> GenerationResult:
+                        method: str | None = None, dspark_cut: float = 0.0) -> GenerationResult:
     """The prompts as requests of one Scheduler (continuous batching): more prompts than rows flow through the
     rows as they free up, and each row stops on its own (its cap is its own prompt's, not the longest's).
     speculate: K drafts per step by `method` ("mtp" | "dspark"; a SpeculativeScheduler prepared for the
@@ -206,7 +211,7 @@ def _generate_scheduled(engine, runner, ids: list[list[int]], base: SamplingPara
         from dsv4_model.runtime.step_plan import follow
 
         follow(engine, rows, speculate=speculate, modes=(sampling_mode([base]),) if speculate else (),
-               method=method or "mtp")
+               method=method or "mtp", dspark_cut=dspark_cut)
         return _result_from_rank0(engine, None, None)
     options = dict(max_prefill_tokens=getattr(engine, "prefill_chunk", 8192), rows=rows, tokenizer=tok,
                    distributed=bool(ranks))
@@ -217,7 +222,8 @@ def _generate_scheduled(engine, runner, ids: list[list[int]], base: SamplingPara
             if len(p) > engine.max_seq_len - 2 * speculate:
                 raise ValueError(f"prompt of {len(p)} tokens leaves no room for speculate={speculate} (at most "
                                  f"max_seq_len - 2 * speculate = {engine.max_seq_len - 2 * speculate})")
-        sched = SpeculativeScheduler(engine, speculate, method=method, modes=(sampling_mode([base]),), **options)
+        sched = SpeculativeScheduler(engine, speculate, method=method, modes=(sampling_mode([base]),),
+                                     dspark_cut=dspark_cut, **options)
     else:
         sched = Scheduler(engine, **options)
     t0 = time.perf_counter()

@@ -57,20 +57,20 @@ class SpeculationStats:
 
     def count(self, n_accepted: list[int], confidence: list[list[int]] | None = None) -> None:
         """One verification pass: the drafts each counted row accepted (and, from a drafter with a confidence
-        head, each row's k drafts' predicted chance of acceptance in thousandths)."""
+        head, each row's k drafts' predicted chance of acceptance in thousandths, -1 for a draft a cut left out)."""
         self.steps += 1
         self.row_steps += len(n_accepted)
         self.emitted += sum(n + 1 for n in n_accepted)
-        for n in n_accepted:
-            for j in range(self.k):
-                self.offered[j] += j <= n
+        for i, n in enumerate(n_accepted):
+            for j in range(self.k):  # a draft a confidence cut left out (-1) was not offered
+                self.offered[j] += j <= n and (confidence is None or confidence[i][j] >= 0)
                 self.accepted[j] += j < n
         if confidence is None:
             return
         self.predicted_rows += len(confidence)
         for n, c in zip(n_accepted, confidence):
             for j in range(min(n + 1, self.k)):
-                self.predicted[j] += c[j] / 1000
+                self.predicted[j] += max(c[j], 0) / 1000
         if self.judged is not None:
             self.judged.extend((n, list(c)) for n, c in zip(n_accepted, confidence))
 
@@ -210,17 +210,21 @@ def first_drafts(model, streams: torch.Tensor, first: torch.Tensor, pos: torch.T
 
 
 def accept(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, s: Sampler,
-           live: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           live: torch.Tensor | None = None, limit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The verification's verdict on drafts [B, K] (drawn from q [B, K, V]; None in greedy mode) from the main
     model's logits [B, K + 1, V] after the last token and each draft -> (emitted [B, K + 1]: the accepted drafts
     then the correction / bonus token, valid up to n_acc + 1; n_acc [B]). Greedy: drafts equal to the main model's
     choice; sampling: the rejection rule (draws base + 0 .. K - 1 for the acceptances, base + K for the correction),
-    so the output follows the main model's distribution. live [B] (1 / 0): rows with 0 accept nothing."""
+    so the output follows the main model's distribution. live [B] (1 / 0): rows with 0 accept nothing. limit [B]
+    (0..K, None: K): row b offers only its first limit[b] drafts (a block cut short), the token after them drawn
+    as a bonus; a limit decided from the drafts before each offered one keeps the output's distribution."""
     B, K = drafts.shape
     rows = torch.arange(B, device=drafts.device)
+    offered = None if limit is None else torch.arange(K, device=drafts.device) < limit.unsqueeze(1)
     if s.mode == "greedy":
         g = logits.argmax(-1)  # [B, K + 1]: the main model's token after each verified position
-        n_acc = (drafts == g[:, :K]).int().cumprod(dim=1).sum(dim=1)
+        match = drafts == g[:, :K]
+        n_acc = (match if offered is None else match & offered).int().cumprod(dim=1).sum(dim=1)
         if live is not None:
             n_acc = n_acc * live
         c = g[rows, n_acc]
@@ -230,12 +234,15 @@ def accept(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, s
         qd = q.gather(2, drafts.unsqueeze(2)).squeeze(2)
         a = torch.where(qd > 0, (pd / qd).clamp(max=1.0), 0.0)
         acc = torch.stack([bernoulli(a[:, j], s.seed, s.base + j) for j in range(K)], dim=1)
-        n_acc = acc.int().cumprod(dim=1).sum(dim=1)
+        n_acc = (acc if offered is None else acc & offered).int().cumprod(dim=1).sum(dim=1)
         if live is not None:
             n_acc = n_acc * live
-        # the correction at the first rejection: norm(max(0, p - q)) (p where they are equal); the bonus: p_K
+        # the correction at the first rejection: norm(max(0, p - q)) (p where they are equal); the bonus after
+        # every offered draft passed: p at n_acc
         pn = p[rows, n_acc]
         qn = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)[rows, n_acc]
+        if limit is not None:
+            qn = torch.where((n_acc < limit).unsqueeze(1), qn, 0.0)
         r = (pn - qn).clamp(min=0)
         c = s.draw(torch.where(r.sum(1, keepdim=True) > 0, r, pn), K)
     # the token after each verified position as committed: the accepted drafts, then c

@@ -35,12 +35,15 @@ class SpeculativeScheduler(Scheduler):
     spare_window_slots >= k): method "mtp" (its MTP block) or "dspark" (its DSpark module).
     modes: the sampling modes prepared (compiled / captured) up front, cheapest first ("greedy", "sample",
     "filter"); each iteration runs the cheapest that serves its rows, and a request no prepared mode serves is
-    refused. `speculation`: the acceptance counts."""
+    refused. `speculation`: the acceptance counts. dspark_cut: DSpark's confidence cut (dspark_runner.py; 0: off)."""
 
     def __init__(self, engine, k: int, *, method: str = "mtp", modes: tuple[str, ...] = ("greedy", "filter"),
-                 **options):
+                 dspark_cut: float = 0.0, **options):
         if method not in ("mtp", "dspark"):
             raise ValueError(f"method must be 'mtp' or 'dspark', got {method!r}")
+        if dspark_cut and method != "dspark":
+            raise ValueError("dspark_cut: the confidence cut is DSpark's (method='dspark'); the MTP block predicts none")
+        self.dspark_cut = dspark_cut
         if not modes or any(m not in SAMPLING_MODES for m in modes):
             raise ValueError(f"modes must be a non-empty tuple of {SAMPLING_MODES}, got {modes!r}")
         self.k, self.method = k, method
@@ -54,7 +57,9 @@ class SpeculativeScheduler(Scheduler):
         self._first_rows: list[_Row] = []  # rows whose first drafts this iteration's plan makes
 
     def _make_runner(self, engine):
-        return engine.dspark_runner(self.k) if self.method == "dspark" else engine.speculative_runner(self.k)
+        if self.method == "mtp":
+            return engine.speculative_runner(self.k)
+        return engine.dspark_runner(self.k, cut=self.dspark_cut) if self.dspark_cut else engine.dspark_runner(self.k)
 
     def _prepare(self, rows: int | None) -> int:
         return prepare_modes(self.runner, rows, self.modes)

@@ -176,17 +176,17 @@ def broadcast_plan(plan: StepPlan | None, group=None, device: torch.device | str
 
 
 def follow(engine, rows: int | None = None, group=None, speculate: int = 0, modes: tuple[str, ...] = (),
-           method: str = "mtp") -> int:
+           method: str = "mtp", dspark_cut: float = 0.0) -> int:
     """A rank other than 0: run the plans rank 0's Scheduler(engine, rows=, group=) broadcasts until it sends stop
     (Scheduler.close). Prepares the same buckets first (their warm-up steps are collectives too); speculate /
-    modes / method: those of rank 0's SpeculativeScheduler. Returns the plans run."""
+    modes / method / dspark_cut: those of rank 0's SpeculativeScheduler. Returns the plans run."""
     from dsv4_model.runtime.scheduler import prepare_buckets
 
     if speculate:
         from dsv4_model.runtime.speculative_scheduler import prepare_modes
 
         dspark = method == "dspark"
-        runner = engine.dspark_runner(speculate) if dspark else engine.speculative_runner(speculate)
+        runner = engine.dspark_runner(speculate, cut=dspark_cut) if dspark else engine.speculative_runner(speculate)
         prepare_modes(runner, rows, modes)
     else:
         runner = engine.runner()

@@ -32,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-reuse", action="store_true", help="do not reuse a finished row's caches for its next turn")
     p.add_argument("--speculate", type=int, default=0, metavar="K",
                    help="K drafts verified per decode step inside the scheduler (MTP, or DSpark if present; 0: off)")
+    p.add_argument("--dspark-cut", type=float, default=0.0, metavar="P",
+                   help="DSpark: cut each block before its first draft predicted below P (the confidence head's chance of "
+                        "acceptance; fewer experts read per step; 0 = off; docs/dspark.md)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decode step (default: on for CUDA)")
     p.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=False,
@@ -59,6 +62,11 @@ def _check(args) -> None:
         from dsv4_model.model.checks import check_speculate
 
         check_speculate(args.speculate, "--speculate")
+    from dsv4_model.runtime.cli import check_dspark_cut
+
+    check_dspark_cut(args.dspark_cut)
+    if args.dspark_cut and not args.speculate:
+        raise ValueError("--dspark-cut: the confidence cut is DSpark's speculation's: it needs --speculate K")
 
 
 def build_engine(args):
@@ -105,8 +113,12 @@ def build_app(args, engine, path, shard=None):
     if getattr(args, "speculate", 0):
         from dsv4_model.runtime.speculative_scheduler import SpeculativeScheduler
 
-        scheduler = SpeculativeScheduler(engine, args.speculate, method=_drafter(engine), modes=SPECULATE_MODES,
-                                         reuse=not args.no_reuse, distributed=shard is not None, **kw)
+        method = _drafter(engine)
+        if args.dspark_cut and method != "dspark":
+            raise ValueError("--dspark-cut: the confidence cut is DSpark's, and this checkpoint has no DSpark module")
+        scheduler = SpeculativeScheduler(engine, args.speculate, method=method, modes=SPECULATE_MODES,
+                                         dspark_cut=args.dspark_cut, reuse=not args.no_reuse,
+                                         distributed=shard is not None, **kw)
     else:
         scheduler = Scheduler(engine, reuse=not args.no_reuse, distributed=shard is not None, **kw)
     name = args.served_model_name or os.path.basename(os.path.normpath(str(getattr(engine, "path", path))))
@@ -136,7 +148,7 @@ def main(argv=None) -> int:
             for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 drains, then its stop plan ends this loop
                 signal.signal(sig, signal.SIG_IGN)
             follow(engine, speculate=args.speculate, modes=SPECULATE_MODES if args.speculate else (),
-                   method=_drafter(engine))
+                   method=_drafter(engine), dspark_cut=args.dspark_cut)
             return 0
         app = build_app(args, engine, path, shard)
     except (ValueError, OSError) as e:
