@@ -73,7 +73,8 @@ def run_continuous(engine: Engine, C: int, args, gen: torch.Generator) -> dict:
     opts = dict(rows=C, max_prefill_tokens=args.max_prefill_tokens, reuse=False, tokenizer=None)
     if args.speculate:  # greedy speculative steps (the checkpoint's drafter: MTP, or DSpark where it has one)
         method = "dspark" if getattr(engine.model, "dspark", None) is not None else "mtp"
-        sched = SpeculativeScheduler(engine, args.speculate, method=method, modes=("greedy",), **opts)
+        sched = SpeculativeScheduler(engine, args.speculate, method=method, modes=("greedy",),
+                                     dspark_cut=args.dspark_cut, **opts)
         sched.speculation.judged = []  # every pass kept: what a confidence cut would have given (DSpark)
     else:
         sched = Scheduler(engine, **opts)
@@ -169,6 +170,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--drafter", choices=DRAFTERS, default=None,
                     help="a preset's random drafter for --speculate (bench/common.py with_drafter): the step's cost")
+    ap.add_argument("--dspark-cut", type=float, default=0.0, metavar="P",
+                    help="DSpark's confidence cut with --speculate (docs/dspark.md; 0: off)")
     ap.add_argument("--speculate", type=int, default=0, metavar="K",
                     help="the scheduler's steps speculative with K drafts (against the plain static batch)")
     ap.add_argument("--compiled-prefill", action="store_true",

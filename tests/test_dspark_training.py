@@ -11,22 +11,14 @@ import sys
 import pytest
 import torch
 
-from dsv4_model.checkpoint.writer import make_config
 from dsv4_model.model.dspark import DSpark
-from dsv4_model.model.dspark_config import DSparkConfig
 from dsv4_model.model.transformer import Transformer
 from dsv4_model.quant.random_model import init_random_weights
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import dspark_training as dt  # noqa: E402
 
-W = 16  # the tiny config's window
-
-
-def _cfg():
-    return make_config(n_mtp_layers=0, compress_ratios=[0, 4, 16, 4, 16],
-                       dspark=DSparkConfig(block_size=5, markov_rank=8, target_layer_ids=(2, 3, 4),
-                                           noise_token_id=95, stage_ratios=(0, 0, 0)))
+from tests.test_dspark import W, _cfg  # noqa: E402  (the same tiny DSpark config and window)
 
 
 @pytest.fixture(scope="module")

@@ -19,3 +19,13 @@ if [ -n "$preset" ]; then
     done
   done
 fi
+# The confidence cut's saving: flash2's random DSpark at K = 5 with blocks cut before a draft predicted below
+# SPECULATE_CUT (0.5; empty: skipped), against the uncut K = 5 run of the same bench (docs/dspark.md).
+if [ -n "$preset" ] && [ -n "${SPECULATE_CUT-0.5}" ]; then
+  step "speculate_${preset}_dspark_cut" 400 $PY bench/bench_continuous.py --model "$preset" --concurrency 1,8 \
+    --prompt-len 128 --max-tokens 64 --requests-per-row 2 --speculate 5 --drafter dspark --dspark-cut "${SPECULATE_CUT-0.5}"
+  step "speculate_${preset}_dspark_5" 400 $PY bench/bench_continuous.py --model "$preset" --concurrency 1,8 \
+    --prompt-len 128 --max-tokens 64 --requests-per-row 2 --speculate 5 --drafter dspark
+  [ -n "$DRY" ] || grep -hsE "^ +[0-9]+ +eager|steady state|speculation:" "$LOGS/speculate_${preset}_dspark_cut.log" \
+    "$LOGS/speculate_${preset}_dspark_5.log" | sed 's/^/  /' | tee -a "$SUMMARY"
+fi
