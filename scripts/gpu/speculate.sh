@@ -6,12 +6,12 @@ for k in ${SPECULATE_KS:-0 1 2 3}; do
   grep -vsE '^\[dsv4\]' "$LOGS/speculate_$k.log" | md5sum | sed "s/^/  text md5 K=$k: /" | tee -a "$SUMMARY"
 done
 # Then the cost of a speculative pass at V4-Flash widths: SPECULATE_PRESET (flash2; empty: skipped) with a random
-# drafter of each of SPECULATE_DRAFTERS (mtp dspark: bench/common.py with_drafter), K in SPECULATE_PRESET_KS, at
+# drafter of each of SPECULATE_DRAFTERS (mtp dspark: bench/common.py with_drafter), K in SPECULATE_PRESET_KS (3), at
 # concurrency 1 and 8 through the scheduler: ms per pass against the plain static batch's step (the 1.15x goal).
 preset=${SPECULATE_PRESET-flash2}
 if [ -n "$preset" ]; then
   for d in ${SPECULATE_DRAFTERS:-mtp dspark}; do
-    for k in ${SPECULATE_PRESET_KS:-1 3}; do
+    for k in ${SPECULATE_PRESET_KS:-3}; do
       step "speculate_${preset}_${d}_$k" 400 $PY bench/bench_continuous.py --model "$preset" --concurrency 1,8 \
         --prompt-len 128 --max-tokens 64 --requests-per-row 2 --speculate "$k" --drafter "$d"
       [ -n "$DRY" ] || grep -hsE "^ +[0-9]+ +eager|steady state" "$LOGS/speculate_${preset}_${d}_$k.log" | sed 's/^/  /' \
