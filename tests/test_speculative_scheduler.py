@@ -247,6 +247,10 @@ def test_serve_cli_checks_speculate():
 
     with pytest.raises(ValueError, match="--speculate must be an int"):
         serve_cli._check(serve_cli._parser().parse_args(["--speculate", "99"]))
+    with pytest.raises(ValueError, match="--dspark-cut: the confidence cut is DSpark's speculation's"):
+        serve_cli._check(serve_cli._parser().parse_args(["--dspark-cut", "0.5"]))
+    with pytest.raises(ValueError, match=r"--dspark-cut must be a chance in \[0, 1\]"):
+        serve_cli._check(serve_cli._parser().parse_args(["--speculate", "2", "--dspark-cut", "-1"]))
 
 
 def test_plans_run_after_the_wire(engine, prompt_ids, alone, monkeypatch):
