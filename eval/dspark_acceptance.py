@@ -16,7 +16,6 @@ attached, 8 held-out lines as prompts), asserting its tokens equal plain greedy'
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -29,6 +28,7 @@ sys.path.insert(0, os.path.join(ROOT, "eval"))
 
 import dspark_training as dt  # noqa: E402
 import mtp_acceptance  # noqa: E402
+from dsv4_model.checkpoint.loader import load_drafter  # noqa: E402
 from dsv4_model.checkpoint.tokenizer import load_tokenizer  # noqa: E402
 from dsv4_model.model.dspark import DSpark, attach  # noqa: E402
 from dsv4_model.runtime.engine import Engine  # noqa: E402
@@ -37,17 +37,10 @@ DEFAULT = mtp_acceptance.DEFAULT
 
 
 def load_dspark(path: str, cfg, max_batch_size: int, simulate_quant: bool = True) -> DSpark:
-    """scripts/train_dspark.py's directory -> a DSpark for the model of config cfg (fp32)."""
-    from safetensors.torch import load_file
-
-    k = json.load(open(os.path.join(path, "dspark_config.json")))
-    dcfg = dt.dspark_config_for(cfg, k["n_stages"], k["dspark_block_size"], k["dspark_markov_rank"],
-                                k["dspark_noise_token_id"])
-    if list(dcfg.dspark.target_layer_ids) != list(k["dspark_target_layer_ids"]):
-        raise ValueError(f"{path}: target layers {k['dspark_target_layer_ids']} are not this model's last 3")
-    d = DSpark(dcfg, dtype=torch.float32, max_batch_size=max_batch_size, simulate_quant=simulate_quant)
-    d.load_state_dict(load_file(os.path.join(path, "dspark.safetensors")))
-    return d
+    """scripts/train_dspark.py's directory -> a DSpark for the model of config cfg (fp32), to attach beside the
+    model's own MTP block."""
+    return load_drafter(path, cfg, dtype=torch.float32, max_batch_size=max_batch_size,
+                        simulate_quant=simulate_quant)
 
 
 @torch.no_grad()

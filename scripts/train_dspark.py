@@ -14,7 +14,8 @@ AdamW, warm-up + cosine over the time budget, like train_default_model.py.
 
 Writes into --out: dspark.safetensors (the `DSpark.state_dict()` names, `mtp.0..S-1.*`, fp32), dspark_config.json
 (the release's dspark_* keys + stage count), train_log.json (loss curve, per-position accuracy on validation
-windows). No checkpoint loader reads this directory yet (eval/dspark_acceptance.py does).
+windows): a DSpark drafter directory (dsv4_model/checkpoint/drafter.py), loaded with
+`python -m dsv4_model generate --speculate K --drafter DIR` (serve: the same option) or load_model(drafter=DIR).
 """
 from __future__ import annotations
 

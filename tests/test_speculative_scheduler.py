@@ -251,6 +251,8 @@ def test_serve_cli_checks_speculate():
         serve_cli._check(serve_cli._parser().parse_args(["--dspark-cut", "0.5"]))
     with pytest.raises(ValueError, match=r"--dspark-cut must be a chance in \[0, 1\]"):
         serve_cli._check(serve_cli._parser().parse_args(["--speculate", "2", "--dspark-cut", "-1"]))
+    with pytest.raises(ValueError, match="--drafter: the DSpark module drafts for speculative decoding"):
+        serve_cli._check(serve_cli._parser().parse_args(["--drafter", "d"]))
 
 
 def test_plans_run_after_the_wire(engine, prompt_ids, alone, monkeypatch):

@@ -524,6 +524,25 @@ def _fill_(module, plan: list, units: list, reader: TensorReader, device: torch.
         clear()
 
 
+def load_drafter(path: str | os.PathLike, config, *, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.bfloat16, max_batch_size: int = 1, simulate_quant: bool = True,
+                 quant: str = "none", act_quant: str = "none"):
+    """The DSpark module of drafter directory `path` (checkpoint/drafter.py) for a model of `config` (the main
+    model's, loaded apart), checked and built as load_model(drafter=) builds it; give it to a model with
+    dsv4_model.model.dspark.attach (e.g. to compare it with the model's own MTP block)."""
+    from dsv4_model.checkpoint.drafter import with_drafter
+
+    device = parse_device(device)
+    check_modes(quant, act_quant)
+    config = with_drafter(config, path)
+    n_stages, _, plan = _check_dspark(Path(path), list_tensors(path), "dsv4", config, dtype, load=True,
+                                      speculate_mtp=False, spare=False)
+    with torch.no_grad(), TensorReader("cpu") as reader:
+        return _load_dspark(plan, config, n_stages, reader, device=device, dtype=dtype,
+                            max_batch_size=max_batch_size, simulate_quant=simulate_quant, quant=quant,
+                            act_quant=act_quant)
+
+
 def _build_meta_model(config, *, max_batch_size: int, max_seq_len: int, dtype: torch.dtype, simulate_quant: bool,
                       allow_beyond_max_position: bool = False, spare_window_slots: int = 0):
     from dsv4_model.model.transformer import Transformer
@@ -555,7 +574,8 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
                max_batch_size: int = 1, max_seq_len: int = 4096, simulate_quant: bool = True, progress: bool = True,
                layout: str | None = None, load_mtp: bool | None = None, quant: str | None = None,
                act_quant: str | None = None, allow_beyond_max_position: bool = False, expert_shard=None,
-               spare_window_slots: int = 0, load_dspark: bool | None = None):
+               spare_window_slots: int = 0, load_dspark: bool | None = None,
+               drafter: str | os.PathLike | None = None):
     """Build `Transformer` from the checkpoint directory `path` and return `(model, config)`.
 
     `layout`: "hf" | "official" | "dsv4" | None (auto). `load_mtp`: None loads the MTP block if the
@@ -588,6 +608,16 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     config = load_config(root, layout)
+    dspark_root, dspark_tensors, dspark_layout = root, tensors, layout
+    if drafter is not None:
+        from dsv4_model.checkpoint.drafter import with_drafter
+
+        if load_dspark is False or load_mtp:
+            raise ValueError("drafter: a DSpark drafter directory is loaded as the model's drafter; it cannot go "
+                             "with load_dspark=False or load_mtp=True")
+        config = with_drafter(config, drafter)
+        dspark_root, dspark_layout, load_dspark = Path(drafter), "dsv4", True
+        dspark_tensors = list_tensors(dspark_root)
     stored = _stored_quant(root, layout)
     quant = quant or ("nvfp4" if stored else "none")
     act_quant = act_quant or (stored["act_quant"] if stored and quant == "nvfp4" else "none")
@@ -599,8 +629,9 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
     dspark_plan = None
     if getattr(config, "dspark", None) is not None:  # mtp.* is a DSpark module: checked, loaded apart
         n_stages, n_dspark, dspark_plan = _check_dspark(
-            root, tensors, layout, config, dtype, load=load_dspark, speculate_mtp=bool(load_mtp),
-            spare=bool(spare_window_slots), stored_act_quant=stored["act_quant"] if stored else None)
+            dspark_root, dspark_tensors, dspark_layout, config, dtype, load=load_dspark,
+            speculate_mtp=bool(load_mtp), spare=bool(spare_window_slots),
+            stored_act_quant=stored["act_quant"] if stored and drafter is None else None)
         skip = ("mtp.",)
     elif load_mtp is False or (load_mtp is None and n_mtp > 0 and not has_mtp):
         if load_mtp is None:
@@ -644,7 +675,7 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
         dspark = None if dspark_plan is None else _load_dspark(
             dspark_plan, config, n_stages, reader, device=device, dtype=dtype, max_batch_size=max_batch_size,
             simulate_quant=simulate_quant, quant=quant, act_quant=act_quant,
-            expert_shard=expert_shard, stored=stored)
+            expert_shard=expert_shard, stored=stored if drafter is None else None)
     from dsv4_model.model.dspark import attach
 
     attach(model, dspark)  # before a dequantization, which converts it with the model
@@ -656,7 +687,7 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
     model.setup_runtime(device)
     model.eval()
     if progress and getattr(config, "dspark", None) is not None and n_dspark:
-        print(_dspark_note(root, n_stages, n_dspark, dspark is not None, load_dspark), file=sys.stderr)
+        print(_dspark_note(dspark_root, n_stages, n_dspark, dspark is not None, load_dspark), file=sys.stderr)
     if progress:
         print(f"[dsv4] loaded {root.name} in {time.perf_counter() - t_start:.1f} s; host memory peak "
               f"{peak_host_bytes() / GiB:.1f} GiB (resident set)", file=sys.stderr)

@@ -111,6 +111,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--speculate-method", choices=("auto", "mtp", "dspark"), default="auto",
                    help="the drafter: the MTP block, or the DSpark module of a V4-Flash-0731-style checkpoint "
                         "(docs/dspark.md); auto: DSpark when the checkpoint carries it")
+    g.add_argument("--drafter", default=None, metavar="DIR",
+                   help="draft with the DSpark module in DIR (scripts/train_dspark.py's output) instead of the "
+                        "checkpoint's own drafter (needs --speculate; docs/dspark.md)")
     g.add_argument("--dspark-cut", type=float, default=0.0, metavar="P",
                    help="DSpark: cut each block before its first draft predicted below P (the confidence head's chance of "
                         "acceptance; fewer experts read per step; 0 = off; docs/dspark.md)")
@@ -178,6 +181,7 @@ def _check_args(args) -> None:
     if any(not s for s in args.stop):
         raise ValueError("--stop: a stop string must not be empty")
     check_speculate(args.speculate, "--speculate")
+    check_drafter_args(args)
     if args.max_seq_len is not None:
         check_positive_int(args.max_seq_len, "--max-seq-len")
     if args.threads is not None:
@@ -269,10 +273,30 @@ def check_dspark_cut(cut: float) -> None:
         raise ValueError(f"--dspark-cut must be a chance in [0, 1] (0 = off), got {cut}")
 
 
-def _drafters_to_load(speculate: int) -> dict:
+def _drafters_to_load(speculate: int, drafter: str | None = None) -> dict:
     """Loader options: the checkpoint's drafter (its MTP block or DSpark module; Flash-0731's DSpark holds 10.6 GiB
-    in NVFP4 on one GPU, docs/memory.md) loaded only where --speculate will use it."""
-    return {} if speculate else {"load_mtp": False, "load_dspark": False}
+    in NVFP4 on one GPU, docs/memory.md), or the --drafter directory's, loaded only where --speculate will use
+    it."""
+    if not speculate:
+        return {"load_mtp": False, "load_dspark": False}
+    return {"drafter": drafter} if drafter else {}
+
+
+def check_drafter_args(args) -> None:
+    """--drafter against the other speculation options, before any file is read."""
+    if args.drafter and not args.speculate:
+        raise ValueError("--drafter: the DSpark module drafts for speculative decoding: it needs --speculate K")
+    if args.drafter and getattr(args, "speculate_method", "auto") == "mtp":
+        raise ValueError("--drafter holds a DSpark module: it contradicts --speculate-method mtp")
+
+
+def config_with_drafter(config, args):
+    """The checkpoint's config as the engine will be built: with --drafter's DSpark module when given."""
+    if not (args.drafter and args.speculate):
+        return config
+    from dsv4_model.checkpoint.drafter import with_drafter
+
+    return with_drafter(config, args.drafter)
 
 
 def _check_speculate_method(args, config, path) -> None:
@@ -327,7 +351,7 @@ def cmd_generate(args) -> int:
     quant = args.quant if args.quant != "auto" else (None if device.type == "cuda" else "none")
     if args.act_quant == "nvfp4" and quant == "none":
         quant = "nvfp4"
-    config = load_config(path)
+    config = config_with_drafter(load_config(path), args)
     _check_speculate_method(args, config, path)
     if shard is not None:
         shard.bounds(config.n_routed_experts)  # the experts must split evenly over the ranks
@@ -347,7 +371,7 @@ def cmd_generate(args) -> int:
                                     act_quant=args.act_quant, allow_beyond_max_position=args.allow_beyond_max_position,
                                     expert_shard=shard, progress=not _QUIET[0],
                                     spare_window_slots=args.speculate, compile_prefill=args.compile_prefill,
-                                    **_drafters_to_load(args.speculate),
+                                    **_drafters_to_load(args.speculate, args.drafter),
                                     **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}))
     t_load = time.perf_counter() - t0
 

@@ -32,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-reuse", action="store_true", help="do not reuse a finished row's caches for its next turn")
     p.add_argument("--speculate", type=int, default=0, metavar="K",
                    help="K drafts verified per decode step inside the scheduler (MTP, or DSpark if present; 0: off)")
+    p.add_argument("--drafter", default=None, metavar="DIR",
+                   help="draft with the DSpark module in DIR (scripts/train_dspark.py's output) instead of the "
+                        "checkpoint's own drafter (needs --speculate; docs/dspark.md)")
     p.add_argument("--dspark-cut", type=float, default=0.0, metavar="P",
                    help="DSpark: cut each block before its first draft predicted below P (the confidence head's chance of "
                         "acceptance; fewer experts read per step; 0 = off; docs/dspark.md)")
@@ -62,9 +65,10 @@ def _check(args) -> None:
         from dsv4_model.model.checks import check_speculate
 
         check_speculate(args.speculate, "--speculate")
-    from dsv4_model.runtime.cli import check_dspark_cut
+    from dsv4_model.runtime.cli import check_drafter_args, check_dspark_cut
 
     check_dspark_cut(args.dspark_cut)
+    check_drafter_args(args)
     if args.dspark_cut and not args.speculate:
         raise ValueError("--dspark-cut: the confidence cut is DSpark's speculation's: it needs --speculate K")
 
@@ -94,7 +98,7 @@ def build_engine(args):
     engine = Engine.from_pretrained(path, device=device, dtype=getattr(torch, args.dtype),
                                     max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, quant=quant,
                                     compile=args.compile, compile_prefill=args.compile_prefill, progress=False,
-                                    expert_shard=shard, **_drafters_to_load(args.speculate),
+                                    expert_shard=shard, **_drafters_to_load(args.speculate, args.drafter),
                                     **({"spare_window_slots": args.speculate} if args.speculate else {}))
     return engine, path, shard
 
