@@ -5,6 +5,14 @@ for k in ${SPECULATE_KS:-0 1 2 3}; do
   note "  $(grep -hsE 'done in|tokens/s|speculation:' "$LOGS/speculate_$k.log" | tr '\n' ' ')"
   grep -vsE '^\[dsv4\]' "$LOGS/speculate_$k.log" | md5sum | sed "s/^/  text md5 K=$k: /" | tee -a "$SUMMARY"
 done
+# SPECULATE_DRAFTER_DIR (empty: skipped): the same prompt with a trained DSpark directory (--drafter DIR,
+# scripts/train_dspark.py's output) for each K in SPECULATE_DRAFTER_KS (1 3): its text must match K = 0's.
+for k in ${SPECULATE_DRAFTER_DIR:+${SPECULATE_DRAFTER_KS:-1 3}}; do
+  step "speculate_drafter_$k" 200 $PY -m dsv4_model generate --prompt "def fibonacci(n):" --max-new-tokens 128 \
+    --speculate $k --drafter "$SPECULATE_DRAFTER_DIR"
+  note "  $(grep -hsE 'done in|tokens/s|speculation:' "$LOGS/speculate_drafter_$k.log" | tr '\n' ' ')"
+  grep -vsE '^\[dsv4\]' "$LOGS/speculate_drafter_$k.log" | md5sum | sed "s/^/  text md5 drafter K=$k: /" | tee -a "$SUMMARY"
+done
 # Then the cost of a speculative pass at V4-Flash widths: SPECULATE_PRESET (flash2; empty: skipped) with a random
 # drafter of each of SPECULATE_DRAFTERS (mtp dspark: bench/common.py with_drafter), K in SPECULATE_PRESET_KS (3), at
 # concurrency 1 and 8 through the scheduler: ms per pass against the plain static batch's step (the 1.15x goal).
