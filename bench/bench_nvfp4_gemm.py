@@ -77,12 +77,12 @@ def nvfp4_bytes(n, k):
 def bench_linear(gen):
     print("\n## nvfp4_linear (W4A16) vs bf16 torch.matmul (cuBLAS), CUDA-graph replay, weights streamed from HBM")
     print("(M > 8: 'nvfp4 us' is the default path -- tiled mma kernel (K split over a cluster where tiles are few) "
-          "for M < 256, dequantize + cuBLAS for M >= 256; M > 64: 'tiled' / 'deq+cuBLAS' force each path; "
-          "8 < M <= 64: 'skinny' the kernel the tiled one replaced there; M <= 8: 'nvfp4 us' is the gemv kernel "
+          "for M < 256, dequantize + cuBLAS for M >= 256; M > 64: 'tiled' / 'deq+cuBLAS' / 'wgmma' force each path; "
+          "8 < M <= 64: 'skinny' the kernel the tiled one replaced there, 'wgmma' the opt-in warpgroup-MMA kernel; M <= 8: 'nvfp4 us' is the gemv kernel "
           "(default, cp.async ring, programmatic dependent launch), 'no-PDL' the same without PDL, 'skinny' the "
           "M <= 64 kernel)")
     hdr = (f"{'proj':>13} {'N x K':>12} {'M':>5} | {'nvfp4 us':>9} {'bf16 us':>9} {'speedup':>7} | "
-           f"{'GB/s':>7} {'HBM':>5} | {'TF/s':>6} {'bf16 TF/s':>9} | {'tiled us':>8} {'deq+cuBLAS':>10}")
+           f"{'GB/s':>7} {'HBM':>5} | {'TF/s':>6} {'bf16 TF/s':>9} | {'tiled us':>8} {'deq+cuBLAS':>10} {'wgmma us':>8}")
     print(hdr)
     print("-" * len(hdr))
     rows = []
@@ -110,16 +110,20 @@ def bench_linear(gen):
                 alt = "".join(f" | {lab} {t:6.2f} us ({wbytes / (t * 1e-6) / HBM:4.0%})"
                               for lab, t in (("no-PDL", ts[0]), ("skinny", ts[1])))
             if 8 < m <= 64:
-                with kernel_choice("skinny"):
-                    t = graph_us(lambda i: ops.nvfp4_linear(x, ws[i % copies][0], ws[i % copies][1], gs), reps)
-                alt = f" | skinny {t:6.2f} us ({t / t_op:4.2f}x the default's time)"
-            if m > 64:
                 ts = []
-                for choice in ("tiled", "cublas"):
+                for choice in ("skinny", "wgmma"):
                     with kernel_choice(choice):
                         ts.append(graph_us(lambda i: ops.nvfp4_linear(x, ws[i % copies][0], ws[i % copies][1], gs),
                                            reps))
-                alt = f" | {ts[0]:8.1f} {ts[1]:10.1f}"
+                alt = (f" | skinny {ts[0]:6.2f} us ({ts[0] / t_op:4.2f}x the default's time) | wgmma {ts[1]:6.2f} us "
+                       f"({ts[1] / t_op:4.2f}x, {t_peer / ts[1]:4.2f}x bf16)")
+            if m > 64:
+                ts = []
+                for choice in ("tiled", "cublas", "wgmma"):
+                    with kernel_choice(choice):
+                        ts.append(graph_us(lambda i: ops.nvfp4_linear(x, ws[i % copies][0], ws[i % copies][1], gs),
+                                           reps))
+                alt = f" | {ts[0]:8.1f} {ts[1]:10.1f} {ts[2]:8.1f} ({t_peer / ts[2]:4.2f}x bf16)"
             gbs = wbytes / (t_op * 1e-6)
             print(f"{name:>13} {f'{n}x{k}':>12} {m:>5} | {t_op:9.2f} {t_peer:9.2f} {t_peer / t_op:6.2f}x | "
                   f"{gbs / 1e9:7.0f} {gbs / HBM:5.0%} | {flops / t_op * 1e-6:6.1f} {flops / t_peer * 1e-6:9.1f}"

@@ -21,11 +21,15 @@
 //     cp.async pipeline (activations swizzled for ldmatrix, packed weights + scales), warps of 16 features x all
 //     tokens (TM = 128: 32 x 64); K split over a thread-block cluster that reduces through distributed shared
 //     memory where the tiles alone would leave SMs idle (nvfp4_tiled.cu).
+//   wgmma (opt-in: the override "wgmma", where tiled would run and at every M > 64): the tiled kernel's CTA with
+//     Hopper's warpgroup MMA, the decoded weights as its register A operand, activations read by the tensor cores
+//     from shared memory (nvfp4_wgmma.cu).
 //   dequant_weight: W -> bf16 e2m1 * block scale (exact) for the bindings' cuBLAS path (M >= 256).
 //   MoE: route (one CTA) -> up (gemv or skinny, SwiGLU epilogue) -> down -> combine, chained with PDL.
 //   Dense launches also serve nvfp4_linear_grouped (blockIdx.y = group of x [M, G, K]) and nvfp4_linear_multi
 //   (blockIdx.y = one of several matrices sharing x) on the gemv / skinny kernels.
-// Files: nvfp4_kernels.cuh (what the kernels share), nvfp4_gemv.cu, nvfp4_skinny.cu, nvfp4_tiled.cu; here the
+// Files: nvfp4_kernels.cuh (what the kernels share), nvfp4_gemv.cu, nvfp4_skinny.cu, nvfp4_tiled.cu,
+// nvfp4_wgmma.cu (nvfp4_tile.cuh: what the two tile kernels share); here the
 // MoE routing / combine and dequant kernels, and the host side (kernel choice, work split, the extern "C"
 // launchers).
 #include <cstdio>
@@ -243,7 +247,8 @@ extern "C" cudaError_t dsv4_nvfp4_linear_launch(const Nvfp4LinearArgs* a, cudaSt
   if (a->M > 64 || (a->M > 8 && a->gemv && a->G <= 1 && a->nseg == 0)) {
     const TiledParams p{reinterpret_cast<const bf16*>(a->x), a->w, a->s, a->gs, a->gs_act, a->y, a->out_kind,
                         int(a->M), int(a->N), int(a->K)};
-    return launch_tiled(p, dsv4_cuda::sm_count(), stream);  // nvfp4_tiled.cu
+    return a->wgmma ? launch_wgmma(p, dsv4_cuda::sm_count(), stream)   // nvfp4_wgmma.cu
+                    : launch_tiled(p, dsv4_cuda::sm_count(), stream);  // nvfp4_tiled.cu
   }
   SkinnyParams p{};
   p.x = reinterpret_cast<const bf16*>(a->x);

@@ -28,6 +28,7 @@ struct Nvfp4LinearArgs {
   int gemv;                 // 1 (the default): gemv for M <= 8, tiled for one dense matrix at 8 < M <= 64;
                             // 0: skinny for every M <= 64
   int pdl;                  // launch the gemv kernel with programmatic dependent launch
+  int wgmma;                // 1: the wgmma kernel where the tiled one would run (nvfp4_wgmma.cu; opt-in)
 };
 
 // Canonical NVFP4 activations -> bf16 code * block scale (no global scale), exact.

@@ -9,7 +9,8 @@
 // M = 4096 (bench/RESULTS.md). It stays as the fallback where cublasLt is not built in, offers no algorithm,
 // fails, or cannot produce the output dtype (fp16 from bf16 operands); without aten::mm.dtype either, the tiled
 // kernel runs.
-// The nvfp4_gemm_kernel override (overrides.h) = tiled | cublas replaces the M > 64 choice; skinny keeps M <= 8
+// The nvfp4_gemm_kernel override (overrides.h) = tiled | cublas replaces the M > 64 choice; wgmma runs the
+// wgmma kernel wherever the tiled one would run and at every M > 64 (opt-in until measured); skinny keeps M <= 8
 // and MoE decode on the skinny kernel (gemv is faster at M = 1: bench/RESULTS.md); the pdl override off turns off
 // programmatic dependent launch (the gemv kernels, the MoE chain).
 #include <ATen/ATen.h>
@@ -36,12 +37,12 @@ namespace {
 
 using namespace dsv4_nvfp4;
 
-enum class Choice { kAuto, kTiled, kCublas, kSkinny };
+enum class Choice { kAuto, kTiled, kCublas, kSkinny, kWgmma };
 
 // The nvfp4_gemm_kernel override (overrides.h) forces one kernel path; 0 (auto) picks by shape.
 Choice kernel_choice() {
   const int v = dsv4_overrides::get().nvfp4_gemm_kernel;
-  return v >= 1 && v <= 3 ? static_cast<Choice>(v) : Choice::kAuto;
+  return v >= 1 && v <= 4 ? static_cast<Choice>(v) : Choice::kAuto;
 }
 
 // Programmatic dependent launch (gemv, the MoE chain) unless the pdl override is off.
@@ -245,6 +246,7 @@ at::Tensor linear_impl(const at::Tensor& x2, const at::Tensor& w, const at::Tens
   a.K = K;
   a.gemv = choice == Choice::kSkinny ? 0 : 1;
   a.pdl = use_pdl() ? 1 : 0;
+  a.wgmma = choice == Choice::kWgmma ? 1 : 0;
   check_launch(dsv4_nvfp4_linear_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
   return out;
 }

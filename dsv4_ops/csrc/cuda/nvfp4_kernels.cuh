@@ -85,6 +85,7 @@ cudaError_t launch_skinny(const SkinnyParams& p, int nt, dim3 grid, cudaStream_t
 template <int MODE, int ROWS>
 cudaError_t launch_gemv(const SkinnyParams& p, dim3 grid, cudaStream_t stream, int occ);
 cudaError_t launch_tiled(const TiledParams& p, int sms, cudaStream_t stream);
+cudaError_t launch_wgmma(const TiledParams& p, int sms, cudaStream_t stream);
 
 }  // namespace dsv4_nvfp4
 

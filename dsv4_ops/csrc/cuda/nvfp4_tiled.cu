@@ -8,17 +8,9 @@
 // SMs), the S CTAs of one tile split K and form a thread-block cluster; each stages its fp32 partial tile in its
 // shared memory and then sums 1/S of the tile over all S partials through distributed shared memory, in rank
 // order (deterministic), and stores it. No workspace, no second launch.
-#include <cooperative_groups.h>
-
-#include "nvfp4_kernels.cuh"
-
-namespace cg = cooperative_groups;
+#include "nvfp4_tile.cuh"
 
 namespace {
-
-constexpr int kTileN = 128;
-constexpr int kOutStride = kTileN + 4;  // fp32 epilogue staging [token][feature]
-constexpr int kMaxSplit = 8;            // portable cluster size
 
 template <int TM>
 struct TiledCfg {
@@ -39,27 +31,6 @@ struct TiledCfg {
   static_assert(kTokPerWarp % 16 == 0, "a warp's tokens come in ldmatrix.x4 groups of 16");
   static_assert(kXLoads >= 1 && kWn * kT * 16 == kTileN, "tile shape");
 };
-
-// Stores v[0..3] (features n .. n + 3 of token row m) with the global scale applied.
-__device__ __forceinline__ void store4(const TiledParams& p, int m, int n, float4 v, float alpha) {
-  v.x *= alpha;
-  v.y *= alpha;
-  v.z *= alpha;
-  v.w *= alpha;
-  const size_t o = size_t(m) * p.N + n;
-  if ((p.N & 3) == 0 && p.out_kind == 0) {
-    const __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
-    uint2 u;
-    u.x = *reinterpret_cast<const uint32_t*>(&a);
-    u.y = *reinterpret_cast<const uint32_t*>(&b);
-    *reinterpret_cast<uint2*>(reinterpret_cast<bf16*>(p.y) + o) = u;
-  } else if ((p.N & 3) == 0 && p.out_kind == 2) {
-    *reinterpret_cast<float4*>(reinterpret_cast<float*>(p.y) + o) = v;
-  } else {
-    const float e[4] = {v.x, v.y, v.z, v.w};
-    for (int u = 0; u < 4 && n + u < p.N; ++u) store_out(p.y, o + u, e[u], p.out_kind);
-  }
-}
 
 // blockIdx = (feature tile, token tile, K split); `per` chunks of 128 K per split. CLUSTER: gridDim.z > 1 CTAs of
 // a tile form one cluster along z.
@@ -215,93 +186,7 @@ __global__ void __launch_bounds__(kThreads, TiledCfg<TM>::kOcc) nvfp4_tiled_kern
         cs[tok * kOutStride + row] = acc[t][nt][e];
         cs[tok * kOutStride + row + 8] = acc[t][nt][2 + e];
       }
-  float alpha = __ldg(p.gs) * kUnbias;
-  if (p.gs_act != nullptr) alpha *= __ldg(p.gs_act);
-  // Items of 4 features of one token; rank r of S sums items r, r + S, ... over every rank's partial.
-  constexpr int kItems = TM * kTileN / 4;
-  if constexpr (CLUSTER) {
-    cg::cluster_group cl = cg::this_cluster();
-    cl.sync();  // every partial staged
-    const int S = int(gridDim.z), r = int(blockIdx.z);
-    for (int id = r * kThreads + tid; id < kItems; id += S * kThreads) {
-      const int tl = id >> 5, fl = (id & 31) * 4;
-      const int m = m_base + tl, n = n_base + fl;
-      if (m >= p.M || n >= p.N) continue;
-      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-      for (int q = 0; q < S; ++q) {
-        const float4 u = *reinterpret_cast<const float4*>(cl.map_shared_rank(cs, q) + tl * kOutStride + fl);
-        v.x += u.x;
-        v.y += u.y;
-        v.z += u.z;
-        v.w += u.w;
-      }
-      store4(p, m, n, v, alpha);
-    }
-    cl.sync();  // no CTA leaves while another still reads its shared memory
-  } else {
-    __syncthreads();
-    for (int id = tid; id < kItems; id += kThreads) {
-      const int tl = id >> 5, fl = (id & 31) * 4;
-      const int m = m_base + tl, n = n_base + fl;
-      if (m >= p.M || n >= p.N) continue;
-      store4(p, m, n, *reinterpret_cast<const float4*>(cs + tl * kOutStride + fl), alpha);
-    }
-  }
-}
-
-// A cluster launch of the split kernel: grid (feature tiles, token tiles, splits), clusters along z.
-template <int TM>
-struct ClusterLaunch {
-  cudaLaunchAttribute attr[1];
-  cudaLaunchConfig_t cfg;
-  ClusterLaunch(dim3 grid, cudaStream_t stream) : attr{}, cfg{} {
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = TiledCfg<TM>::kSmem;
-    cfg.stream = stream;
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 1;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = grid.z;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-  }
-  ClusterLaunch(const ClusterLaunch&) = delete;  // cfg.attrs points into this object
-};
-
-// Clusters of `splits` CTAs resident at once (a GPC holds whole clusters: 8-CTA clusters fill fewer SMs than 8
-// free CTA slots suggest), -1 where the query fails; cached per device and split count.
-template <int TM>
-int max_active_clusters(int splits, cudaStream_t stream) {
-  static int cache[64][kMaxSplit + 1] = {};
-  int dev = 0;
-  cudaGetDevice(&dev);
-  int& v = cache[dev & 63][splits];
-  if (v == 0) {
-    const ClusterLaunch<TM> l(dim3(1, 1, unsigned(splits)), stream);
-    int n = 0;
-    v = cudaOccupancyMaxActiveClusters(&n, nvfp4_tiled_kernel<TM, true>, &l.cfg) == cudaSuccess && n > 0 ? n : -1;
-    if (v < 0) cudaGetLastError();  // clear it: the launch falls back to no split
-  }
-  return v;
-}
-
-// K splits for `tiles` CTAs: as many as give every SM its CTAs (each split >= 2 chunks, at most a portable
-// cluster) while every tile's cluster is resident at once (else the last clusters run as a second wave: 32
-// clusters of 8 where 30 fit took 1.7x the time); then as few as cover the chunks with `per` each (no empty split).
-template <int TM>
-void plan_split(int64_t tiles, int nchunks, int sms, cudaStream_t stream, int& splits, int& per) {
-  const int slots = sms * TiledCfg<TM>::kOcc;
-  int s = tiles < slots ? int(slots / tiles) : 1;
-  s = s < kMaxSplit ? s : kMaxSplit;
-  s = s < nchunks / 2 ? s : nchunks / 2;
-  for (; s > 1; --s) {
-    per = (nchunks + s - 1) / s;
-    splits = (nchunks + per - 1) / per;
-    if (splits > 1 && tiles <= max_active_clusters<TM>(splits, stream)) return;
-  }
-  per = nchunks;
-  splits = 1;
+  store_tile<TM, CLUSTER>(p, cs, m_base, n_base);
 }
 
 template <int TM>
@@ -314,12 +199,13 @@ cudaError_t run_tiled(const TiledParams& p, int sms, cudaStream_t stream) {
   const int nchunks = (p.K + 127) / 128;
   const unsigned nt = unsigned((p.N + kTileN - 1) / kTileN), mt = unsigned((p.M + TM - 1) / TM);
   int splits = 1, per = nchunks;
-  plan_split<TM>(int64_t(nt) * mt, nchunks, sms, stream, splits, per);
+  plan_split<nvfp4_tiled_kernel<TM, true>, Cfg::kSmem>(int64_t(nt) * mt, nchunks, sms * Cfg::kOcc, stream, splits,
+                                                        per);
   if (splits == 1) {
     nvfp4_tiled_kernel<TM, false><<<dim3(nt, mt, 1), kThreads, Cfg::kSmem, stream>>>(p, per);
     return cudaGetLastError();
   }
-  const ClusterLaunch<TM> l(dim3(nt, mt, unsigned(splits)), stream);
+  const ClusterLaunch l(dim3(nt, mt, unsigned(splits)), Cfg::kSmem, stream);
   return cudaLaunchKernelEx(&l.cfg, nvfp4_tiled_kernel<TM, true>, p, per);
 }
 
