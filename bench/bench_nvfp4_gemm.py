@@ -232,7 +232,7 @@ class MoePeer:
 
 def bench_moe(gen):
     print(f"\n## nvfp4_moe: {E} experts, top-{TOPK}, d={D}, I={INTER} (routing uniform random), vs bf16 per-expert loop")
-    hdr = (f"{'variant':>15} {'T':>3} {'experts':>7} | {'nvfp4 us':>9} {'GB/s':>7} {'HBM':>5} | "
+    hdr = (f"{'variant':>15} {'T':>4} {'experts':>7} | {'nvfp4 us':>9} {'GB/s':>7} {'HBM':>5} | "
            f"{'bf16 us':>9} {'bf16 GB/s':>9} {'speedup':>7}")
     print(hdr)
     print("-" * len(hdr))
@@ -252,7 +252,7 @@ def bench_moe(gen):
         torch.empty(INTER, D, device="cuda", dtype=torch.bfloat16)))
     expert_bytes = nvfp4_bytes(2 * INTER, D) + nvfp4_bytes(D, INTER)
     rows = []
-    for T in (1, 8, 64):
+    for T in (1, 8, 64, 512, 4096):  # 512 / 4096: prefill chunks (skinny by default, wgmma opt-in)
         x = torch.randn(T, D, device="cuda", generator=gen).to(torch.bfloat16)
         ids = torch.rand(T, E, device="cuda", generator=gen).topk(TOPK, dim=1).indices.to(torch.int32)
         wts = torch.rand(T, TOPK, device="cuda", generator=gen)
@@ -267,10 +267,13 @@ def bench_moe(gen):
             t_peer = graph_us(lambda i: peer(x), 2 if T > 8 else 5)
             with kernel_choice("skinny"):  # the decode kernel before gemv
                 t_gv = graph_us(lambda i: ops.nvfp4_moe(x, ids, wts, w13, s13, g13, w2, s2, g2, *sh, 10.0), reps)
+            with kernel_choice("wgmma"):  # the opt-in warpgroup-MMA kernels where skinny runs (T*k > 4E)
+                t_wg = graph_us(lambda i: ops.nvfp4_moe(x, ids, wts, w13, s13, g13, w2, s2, g2, *sh, 10.0), reps)
             gbs = nbytes / (t_op * 1e-6)
-            print(f"{variant:>15} {T:>3} {n_unique:>7} | {t_op:9.1f} {gbs / 1e9:7.0f} {gbs / HBM:5.0%} | "
+            print(f"{variant:>15} {T:>4} {n_unique:>7} | {t_op:9.1f} {gbs / 1e9:7.0f} {gbs / HBM:5.0%} | "
                   f"{t_peer:9.1f} {bbytes / (t_peer * 1e-6) / 1e9:9.0f} {t_peer / t_op:6.2f}x | "
-                  f"skinny {t_gv:7.1f} us ({nbytes / (t_gv * 1e-6) / HBM:4.0%})")
+                  f"skinny {t_gv:7.1f} us ({nbytes / (t_gv * 1e-6) / HBM:4.0%}) | wgmma {t_wg:7.1f} us "
+                  f"({t_peer / t_wg:4.2f}x bf16)")
             rows.append((variant, T, n_unique, t_op, t_peer))
     return rows
 

@@ -21,9 +21,9 @@
 //     cp.async pipeline (activations swizzled for ldmatrix, packed weights + scales), warps of 16 features x all
 //     tokens (TM = 128: 32 x 64); K split over a thread-block cluster that reduces through distributed shared
 //     memory where the tiles alone would leave SMs idle (nvfp4_tiled.cu).
-//   wgmma (opt-in: the override "wgmma", where tiled would run and at every M > 64): the tiled kernel's CTA with
-//     Hopper's warpgroup MMA, the decoded weights as its register A operand, activations read by the tensor cores
-//     from shared memory (nvfp4_wgmma.cu).
+//   wgmma (opt-in: the override "wgmma", where tiled would run and at every M > 64; and the MoE projections where
+//     skinny would run): the tiled kernel's CTA with Hopper's warpgroup MMA, the decoded weights as its register A
+//     operand, activations read by the tensor cores from shared memory (nvfp4_wgmma.cu, nvfp4_wgmma.cuh).
 //   dequant_weight: W -> bf16 e2m1 * block scale (exact) for the bindings' cuBLAS path (M >= 256).
 //   MoE: route (one CTA) -> up (gemv or skinny, SwiGLU epilogue) -> down -> combine, chained with PDL.
 //   Dense launches also serve nvfp4_linear_grouped (blockIdx.y = group of x [M, G, K]) and nvfp4_linear_multi
@@ -329,7 +329,9 @@ extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t
   const int nt = pick_nt((TK + a->E - 1) / a->E * 2);
   const bool gemv = a->gemv && nt == 1;
   const int gemv_rows = a->T <= 2 ? 2 : 8;
-  p.s_chunk = gemv ? gemv_rows : 8 * nt;
+  // the wgmma kernels (opt-in) where skinny would run: TM tokens per tile, 128 rows per CTA
+  const int wg_tm = a->wgmma && !gemv ? wgmma_tile_tokens((TK + a->E - 1) / a->E * 2) : 0;
+  p.s_chunk = gemv ? gemv_rows : wg_tm ? wg_tm : 8 * nt;
   p.n_sslots = shared ? int((a->T + p.s_chunk - 1) / p.s_chunk) : 0;
   const int slots = p.n_rslots + p.n_sslots;
   // up: gate/up rows [2I] x K = d; B rows = tokens of x
@@ -341,7 +343,9 @@ extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t
   p.out_shared = h + TK * a->I;
   const int64_t nmax_up = (shared && a->Is > a->I ? a->Is : a->I) * 2;
   const int64_t kchunks_d = (a->d + 127) / 128;
-  if (gemv) {
+  if (wg_tm) {
+    err = launch_moe_wgmma<kMoeUp>(p, wg_tm, dim3(unsigned((nmax_up + 127) / 128), unsigned(slots)), stream);
+  } else if (gemv) {
     int occ = 2;
     plan_gemv(gemv_rows, (nmax_up + 15) / 16, kchunks_d, slots, p.kw, p.rt, occ);
     const dim3 grid(unsigned(((nmax_up + 15) / 16 + p.rt - 1) / p.rt), unsigned(slots));
@@ -362,7 +366,9 @@ extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t
   p.out_shared = o + TK * a->d;
   const int64_t kmax = shared && a->Is > a->I ? a->Is : a->I;
   const int64_t ntiles_d = (a->d + 15) / 16;
-  if (gemv) {
+  if (wg_tm) {
+    err = launch_moe_wgmma<kMoeDown>(p, wg_tm, dim3(unsigned((a->d + 127) / 128), unsigned(slots)), stream);
+  } else if (gemv) {
     int occ = 2;
     plan_gemv(gemv_rows, ntiles_d, (kmax + 127) / 128, slots, p.kw, p.rt, occ);
     const dim3 grid(unsigned((ntiles_d + p.rt - 1) / p.rt), unsigned(slots));

@@ -10,7 +10,8 @@
 // fails, or cannot produce the output dtype (fp16 from bf16 operands); without aten::mm.dtype either, the tiled
 // kernel runs.
 // The nvfp4_gemm_kernel override (overrides.h) = tiled | cublas replaces the M > 64 choice; wgmma runs the
-// wgmma kernel wherever the tiled one would run and at every M > 64 (opt-in until measured); skinny keeps M <= 8
+// wgmma kernels wherever the tiled one would run, at every M > 64 and for the MoE projections beyond gemv's reach
+// (opt-in until measured); skinny keeps M <= 8
 // and MoE decode on the skinny kernel (gemv is faster at M = 1: bench/RESULTS.md); the pdl override off turns off
 // programmatic dependent launch (the gemv kernels, the MoE chain).
 #include <ATen/ATen.h>
@@ -442,6 +443,7 @@ at::Tensor moe_impl(const at::Tensor& x, const at::Tensor& ids, const at::Tensor
   a.y = y.data_ptr();
   a.pdl = use_pdl() ? 1 : 0;
   a.gemv = kernel_choice() == Choice::kSkinny ? 0 : 1;
+  a.wgmma = kernel_choice() == Choice::kWgmma ? 1 : 0;
   a.skip_combine = rows ? 1 : 0;
   check_launch(dsv4_nvfp4_moe_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
   return y;

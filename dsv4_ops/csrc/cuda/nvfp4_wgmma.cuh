@@ -1,0 +1,186 @@
+// Hopper's warpgroup MMA for the NVFP4 tile kernels (nvfp4_wgmma.cu: dense and MoE): the wgmma primitives, the
+// shared-memory ring of one CTA (128 features = two warpgroups of 64, TM tokens) and its K loop. Each warp decodes
+// its 16 rows' weights into registers as wgmma's A operand (the m64k16 register fragment is, warp by warp, mma.sync's
+// m16k16 one: nvfp4_mma.cuh's decode); B, the activations, is read by the tensor cores from shared memory (K-major,
+// 128-byte swizzle atoms of 8 rows x 64 k: two atoms per 128-k chunk).
+#pragma once
+#include "nvfp4_tile.cuh"
+
+namespace {
+
+constexpr int kWgStages = 4;  // chunk i in the tensor cores, i + 1 decoded, i + 2 .. i + 3 loading
+
+template <int TM>
+struct WgCfg {
+  static constexpr int kXStage = TM * 256;     // bf16 activations: 2 atoms of TM rows x 64 k (128 B), swizzled
+  static constexpr int kWStage = kTileN * 64;  // packed weights, 128 rows x one chunk
+  static constexpr int kSStage = kTileN * 8;   // scale bytes
+  static constexpr int kStageBytes = kXStage + kWStage + kSStage;
+  static constexpr int kSmem = kStageBytes * kWgStages + 1024;  // + the slack that aligns the ring to 1 KB
+  static constexpr int kOcc = TM >= 128 ? 1 : 2;                // CTAs per SM the launch bounds allow
+  static constexpr int kXLoads = TM * 16 / kThreads;            // 16-byte activation pieces per thread per stage
+  static constexpr int kAcc = TM / 2;                           // fp32 accumulators per thread
+  static_assert(kStageBytes % 1024 == 0, "every stage's atoms start 1 KB aligned (the swizzle's period)");
+  static_assert(kXLoads >= 1, "tile shape");
+  static_assert(TM * kOutStride * 4 <= kStageBytes * kWgStages, "epilogue staging must fit in the ring");
+};
+
+template <int N>
+__device__ __forceinline__ void wgmma_bf16(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc);
+
+// d[64 x N] += a (registers: this warp's 16 rows x 16 k) * B (shared memory, descriptor desc: N rows x 16 k).
+template <>
+__device__ __forceinline__ void wgmma_bf16<16>(float (&d)[8], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7"
+      "}, {%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_bf16<32>(float (&d)[16], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
+      "}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_bf16<64>(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+      "}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_bf16<128>(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+      "}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// The accumulators are written by the tensor cores behind the compiler's back: pin them after a wait.
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// cp.async writes are the generic proxy's; wgmma reads shared memory through the async proxy.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Shared-memory matrix descriptor of a K-major operand in 128-byte swizzle atoms (8 rows x 128 B, 1 KB aligned;
+// consecutive 8-row groups 1 KB apart): start address >> 4, leading offset 1 (unused in this mode), stride 1024 B.
+__device__ __forceinline__ uint64_t b_desc(uint32_t saddr) {
+  return uint64_t((saddr & 0x3FFFFu) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+// The CTA's K loop over n_local chunks: load_stage(stage pointer) issues one chunk's cp.async copies (weights at
+// kXStage, scale bytes at kXStage + kWStage, activations at 0 in the swizzled atoms, this thread's share); the
+// wgmmas of chunk i run while chunk i + 1 is decoded, with one stage kept for the chunk in flight. acc: this
+// thread's accumulators of rows r0 / r0 + 8 (D fragment: accumulator 4i + e = row r0 + 8 (e >> 1), token
+// 8i + 2 tq + (e & 1)). Returns with every copy and wgmma done and the CTA synchronized (the ring is free).
+template <int TM, typename LoadStage>
+__device__ __forceinline__ void wgmma_k_loop(uint8_t* smem, uint32_t smem_s, int n_local, int r0, int tq,
+                                             LoadStage&& load_stage, float (&acc)[TM / 2]) {
+  using Cfg = WgCfg<TM>;
+  constexpr int S = kWgStages;
+  const uint32_t w_ld = uint32_t(Cfg::kXStage + r0 * 64 + tq * 16);
+  const uint32_t s_ld = uint32_t(Cfg::kXStage + Cfg::kWStage + r0 * 8);
+  auto compute = [&](int st) {  // decode the chunk in stage st (8 k-steps' A fragments), issue its 8 wgmmas
+    const uint8_t* xs = smem + st * Cfg::kStageBytes;
+    const uint32_t xs_s = smem_s + uint32_t(st * Cfg::kStageBytes);
+    const uint4 wa = *reinterpret_cast<const uint4*>(xs + w_ld);
+    const uint4 wb = *reinterpret_cast<const uint4*>(xs + w_ld + 8 * 64);
+    const RowScales sa = row_scales(*reinterpret_cast<const uint2*>(xs + s_ld));
+    const RowScales sb = row_scales(*reinterpret_cast<const uint2*>(xs + s_ld + 8 * 8));
+    uint32_t a[8][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint32_t ra[4], rb[4];
+      decode_word(j == 0 ? wa.x : j == 1 ? wa.y : j == 2 ? wa.z : wa.w, ra);
+      decode_word(j == 0 ? wb.x : j == 1 ? wb.y : j == 2 ? wb.z : wb.w, rb);
+      a_fragment_rs(ra, rb, sa, sb, 2 * j, a[2 * j]);
+      a_fragment_rs(ra, rb, sa, sb, 2 * j + 1, a[2 * j + 1]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < 8; ++s)
+      wgmma_bf16<TM>(acc, a[s], b_desc(xs_s + uint32_t((s >> 2) * (TM * 128) + (s & 3) * 32)));
+    wgmma_commit();
+  };
+#pragma unroll
+  for (int st = 0; st < S - 2; ++st) {
+    if (st < n_local) load_stage(smem + st * Cfg::kStageBytes);
+    cp_async_commit();
+  }
+  for (int i = 0; i < n_local; ++i) {
+    __syncthreads();  // every warpgroup is past the wait below for chunk i - 2: its stage is free
+    if (i + S - 2 < n_local) load_stage(smem + ((i + S - 2) % S) * Cfg::kStageBytes);
+    cp_async_commit();
+    cp_async_wait<S - 2>();  // this thread's pieces of chunk i landed
+    fence_proxy_async();
+    __syncthreads();  // and every thread's
+    compute(i % S);
+    wgmma_wait<1>();  // chunk i - 1's wgmmas are done (their stage may be refilled next trip)
+  }
+  wgmma_wait<0>();
+  fence_operands(acc);
+  cp_async_wait<0>();
+  __syncthreads();
+}
+
+// The CTA's dynamic shared memory, aligned to 1 KB (the swizzle atoms' period): generic pointer and shared-window
+// address (WgCfg::kSmem has the slack).
+struct AlignedSmem {
+  uint8_t* p;
+  uint32_t s;
+};
+__device__ __forceinline__ AlignedSmem aligned_smem(uint8_t* raw_ptr) {
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(raw_ptr));
+  const uint32_t s = (raw + 1023u) & ~1023u;
+  return {raw_ptr + (s - raw), s};
+}
+
+// Shared-memory offset of activation piece (token row r, 16-byte piece ch of the chunk's 256 B): atom ch >> 3,
+// row r, piece (ch & 7) ^ (r & 7).
+template <int TM>
+__device__ __forceinline__ uint32_t x_piece_offset(int r, int ch) {
+  return uint32_t((ch >> 3) * (TM * 128) + r * 128 + (((ch & 7) ^ (r & 7)) << 4));
+}
+
+}  // namespace
