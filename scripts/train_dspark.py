@@ -62,6 +62,9 @@ def parse_args(argv=None):
     ap.add_argument("--val-windows", type=int, default=8)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--max-files", type=int, help="only the first N train files (quick runs)")
+    ap.add_argument("--init", type=Path, default=None, metavar="DIR",
+                    help="start from this drafter directory's weights (an earlier run's --out: train it longer; its "
+                         "config overrides --stages / --block-size / --markov-rank / --noise-token-id)")
     return ap.parse_args(argv)
 
 
@@ -72,6 +75,12 @@ def build(model_dir: Path, device, batch: int, seq_len: int, args):
 
     model, cfg = load_model(str(model_dir), device=device, dtype=torch.float32, max_batch_size=batch,
                             max_seq_len=seq_len, quant="none", progress=False)
+    if args.init is not None:
+        from dsv4_model.checkpoint.drafter import with_drafter
+
+        sp = with_drafter(cfg, args.init).dspark
+        args.stages, args.block_size = len(sp.stage_ratios), sp.block_size
+        args.markov_rank, args.noise_token_id = sp.markov_rank, sp.noise_token_id
     dcfg = dt.dspark_config_for(cfg, args.stages, args.block_size, args.markov_rank, args.noise_token_id)
     d = DSpark(dcfg, dtype=torch.float32, max_batch_size=1, simulate_quant=False, device=device)
     d.init_random_weights(args.seed)
@@ -85,6 +94,10 @@ def build(model_dir: Path, device, batch: int, seq_len: int, args):
         last.markov_head.markov_w2.weight.zero_()  # start as the plain head
         last.confidence_head.proj.weight.zero_()
         d.mtp[0].main_proj.weight.normal_(0.0, 0.02)
+    if args.init is not None:  # an earlier run's module, checked against this model as the loader checks it
+        from dsv4_model.checkpoint.loader import load_drafter
+
+        d.load_state_dict(load_drafter(args.init, cfg, dtype=torch.float32, simulate_quant=False).state_dict())
     for p in model.parameters():
         p.requires_grad_(False)
     named = [(n, p.requires_grad_(not n.endswith("gate.bias"))) for n, p in d.named_parameters()]

@@ -111,3 +111,9 @@ def test_train_dspark_writes_what_the_eval_loads(tmp_path):
     assert list(d.target_layer_ids) == [cfg.n_layers - 3, cfg.n_layers - 2, cfg.n_layers - 1]
     # the router biases are not trained: still the MTP block's
     assert torch.equal(d.mtp[2].ffn.gate.bias, model.mtp[0].ffn.gate.bias)
+    # --init continues from a run's output: its first validation is the earlier run's last
+    again = train_dspark.main(["--out", str(tmp_path / "more"), "--init", str(tmp_path), "--minutes", "0.01",
+                               "--max-files", "2", "--seq-len", "64", "--batch-size", "2", "--anchors", "8",
+                               "--val-windows", "1", "--log-every", "1"])
+    assert again["val"][0]["acc"] == pytest.approx(log["val"][-1]["acc"], abs=1e-6)
+    assert again["val"][0]["ce"] == pytest.approx(log["val"][-1]["ce"], rel=1e-5)
