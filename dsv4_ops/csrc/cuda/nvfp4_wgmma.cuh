@@ -110,8 +110,10 @@ __device__ __forceinline__ uint64_t b_desc(uint32_t saddr) {
 }
 
 // The CTA's K loop over n_local chunks: load_stage(stage pointer) issues one chunk's cp.async copies (weights at
-// kXStage, scale bytes at kXStage + kWStage, activations at 0 in the swizzled atoms, this thread's share); the
-// wgmmas of chunk i run while chunk i + 1 is decoded, with one stage kept for the chunk in flight. acc: this
+// kXStage, scale bytes at kXStage + kWStage, activations at 0 in the swizzled atoms, this thread's share). A chunk
+// is two wgmma groups of 4 k-steps; a pending wgmma's A registers must not be written (PTX ISA, wgmma.wait_group),
+// so half h of chunk i is written only once half h of chunk i - 1 has retired: chunk i - 1's second half runs
+// while chunk i's first half is decoded, and one stage is kept for the chunk in flight. acc: this
 // thread's accumulators of rows r0 / r0 + 8 (D fragment: accumulator 4i + e = row r0 + 8 (e >> 1), token
 // 8i + 2 tq + (e & 1)). Returns with every copy and wgmma done and the CTA synchronized (the ring is free).
 template <int TM, typename LoadStage>
@@ -130,18 +132,27 @@ __device__ __forceinline__ void wgmma_k_loop(uint8_t* smem, uint32_t smem_s, int
     const RowScales sb = row_scales(*reinterpret_cast<const uint2*>(xs + s_ld + 8 * 8));
     uint32_t a[8][4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      uint32_t ra[4], rb[4];
-      decode_word(j == 0 ? wa.x : j == 1 ? wa.y : j == 2 ? wa.z : wa.w, ra);
-      decode_word(j == 0 ? wb.x : j == 1 ? wb.y : j == 2 ? wb.z : wb.w, rb);
-      a_fragment_rs(ra, rb, sa, sb, 2 * j, a[2 * j]);
-      a_fragment_rs(ra, rb, sa, sb, 2 * j + 1, a[2 * j + 1]);
-    }
-    wgmma_fence();
+    for (int h = 0; h < 2; ++h) {
+      uint32_t ra[2][4], rb[2][4];
 #pragma unroll
-    for (int s = 0; s < 8; ++s)
-      wgmma_bf16<TM>(acc, a[s], b_desc(xs_s + uint32_t((s >> 2) * (TM * 128) + (s & 3) * 32)));
-    wgmma_commit();
+      for (int jj = 0; jj < 2; ++jj) {
+        const int j = 2 * h + jj;
+        decode_word(j == 0 ? wa.x : j == 1 ? wa.y : j == 2 ? wa.z : wa.w, ra[jj]);
+        decode_word(j == 0 ? wb.x : j == 1 ? wb.y : j == 2 ? wb.z : wb.w, rb[jj]);
+      }
+      wgmma_wait<1>();  // the group that last read a[4h .. 4h + 3] (previous chunk's half h) is done
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        const int j = 2 * h + jj;
+        a_fragment_rs(ra[jj], rb[jj], sa, sb, 2 * j, a[2 * j]);
+        a_fragment_rs(ra[jj], rb[jj], sa, sb, 2 * j + 1, a[2 * j + 1]);
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int s = 4 * h; s < 4 * h + 4; ++s)
+        wgmma_bf16<TM>(acc, a[s], b_desc(xs_s + uint32_t((s >> 2) * (TM * 128) + (s & 3) * 32)));
+      wgmma_commit();
+    }
   };
 #pragma unroll
   for (int st = 0; st < S - 2; ++st) {
@@ -155,8 +166,7 @@ __device__ __forceinline__ void wgmma_k_loop(uint8_t* smem, uint32_t smem_s, int
     cp_async_wait<S - 2>();  // this thread's pieces of chunk i landed
     fence_proxy_async();
     __syncthreads();  // and every thread's
-    compute(i % S);
-    wgmma_wait<1>();  // chunk i - 1's wgmmas are done (their stage may be refilled next trip)
+    compute(i % S);  // on return: chunk i - 1 fully done (its second half retired by the second wait<1>)
   }
   wgmma_wait<0>();
   fence_operands(acc);
