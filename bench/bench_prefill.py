@@ -14,8 +14,10 @@ shared + 6 routed experts per layer) + the attention's and the indexer's product
 --compiled: also the chunks through one torch.compile graph per prompt length (tensor starts; the figure to
 decide on a compiled prefill in the engine).
 
+--gemm-kernels auto,wgmma: the eager modes again with the NVFP4 linears and MoE on the opt-in wgmma kernels.
+
 Run: python bench/bench_prefill.py [--lengths 4096,8192,32768,131072] [--chunk 8192] [--layers 2]
-       [--experts 256] [--hf-max 8192] [--budget SECONDS] [--compiled]
+       [--experts 256] [--hf-max 8192] [--budget SECONDS] [--compiled] [--gemm-kernels auto,wgmma]
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import dsv4_ops  # noqa: E402,F401
+from dsv4_ops.overrides import kernel_overrides  # noqa: E402
 from common import build_models, cuda_missing, flash, flash_plan, print_header  # noqa: E402
 from dsv4_model.model import attention as attention_mod  # noqa: E402
 from dsv4_model.model.config import ModelConfig  # noqa: E402
@@ -139,6 +142,8 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--hf-max", type=int, default=8192, help="longest prompt given to HF (0: none)")
     ap.add_argument("--budget", type=float, default=240.0, help="seconds; later lengths are skipped")
+    ap.add_argument("--gemm-kernels", default="auto",
+                    help="nvfp4_gemm_kernel overrides the eager modes run under, e.g. auto,wgmma (dsv4_ops.overrides)")
     ap.add_argument("--compiled", action="store_true",
                     help="also time the chunks through one compiled graph per length (its compile time printed)")
     args = ap.parse_args(argv)
@@ -162,15 +167,18 @@ def main(argv=None) -> int:
         lens = torch.full((1,), S, dtype=torch.long, device="cuda")
         reps = 1 if S > 16384 else 2
         res = {}
-        for mode, chunk in (("whole", S), (f"chunks of {args.chunk}", args.chunk)):
-            if mode != "whole" and S <= args.chunk:
-                continue
-            try:
-                res[mode] = timed(lambda: prefill_in_chunks(ours, ids, lens, chunk), reps)
-            except torch.cuda.OutOfMemoryError:
-                res[mode] = "out of memory"
-            gc.collect()
-            torch.cuda.empty_cache()
+        for kernel in args.gemm_kernels.split(","):
+            for mode, chunk in (("whole", S), (f"chunks of {args.chunk}", args.chunk)):
+                if mode != "whole" and S <= args.chunk:
+                    continue
+                mode += "" if kernel == "auto" else f" [{kernel}]"
+                try:
+                    with kernel_overrides(nvfp4_gemm_kernel=kernel):
+                        res[mode] = timed(lambda: prefill_in_chunks(ours, ids, lens, chunk), reps)
+                except torch.cuda.OutOfMemoryError:
+                    res[mode] = "out of memory"
+                gc.collect()
+                torch.cuda.empty_cache()
         if args.compiled:
             c = min(S, args.chunk)
             mode = f"compiled, chunks {c}"
@@ -198,7 +206,7 @@ def main(argv=None) -> int:
 
     print(f"\nPrefill, batch 1 (eager; indexer = its scores + top-k; floor = FLOPs at {DENSE_FLOPS / 1e12:.0f} "
           f"TFLOP/s)")
-    hdr = (f"{'tokens':>7} {'mode':22} {'seconds':>8} {'tokens/s':>9} {'indexer s':>9} {'rest s':>7} "
+    hdr = (f"{'tokens':>7} {'mode':30} {'seconds':>8} {'tokens/s':>9} {'indexer s':>9} {'rest s':>7} "
            f"{'floor s':>8} {'of floor':>8} {'vs HF':>7}")
     print_header(hdr)
     for row in rows:
@@ -211,11 +219,11 @@ def main(argv=None) -> int:
             if mode == "hf":
                 continue
             if isinstance(v, str):
-                print(f"{S:7d} {mode:22} {v}")
+                print(f"{S:7d} {mode:30} {v}")
                 continue
             wall, ix = v
             vs = f"{hf_t / wall:6.2f}x" if isinstance(hf_t, float) else "   n/a"
-            print(f"{S:7d} {mode:22} {wall:8.3f} {S / wall:9.0f} {ix:9.3f} {wall - ix:7.3f} {floor:8.3f} "
+            print(f"{S:7d} {mode:30} {wall:8.3f} {S / wall:9.0f} {ix:9.3f} {wall - ix:7.3f} {floor:8.3f} "
                   f"{floor / wall:7.1%} {vs}")
         if hf_t is not None:
             print(f"{S:7d} {'HF forward':22} " + (f"{hf_t:8.3f} {S / hf_t:9.0f}" if isinstance(hf_t, float) else hf_t))
