@@ -15,6 +15,73 @@ constexpr int kTileN = 128;
 constexpr int kOutStride = kTileN + 4;  // fp32 epilogue staging [token][feature]
 constexpr int kMaxSplit = 8;            // portable cluster size
 
+// This thread's share of a dense tile kernel's stage (tiled, wgmma): XLoads 16-byte activation pieces (placed where
+// the kernel's layout x_offset(row, piece) puts them), 2 x 16 B of packed weights and (threads < 128) the 8 scale
+// bytes of one 128-k chunk; every source moves one chunk on after each stage issued. Padding past K needs no guard
+// in the mma loops: activations past K load as zeros (and padded codes are 0).
+template <int XLoads>
+struct DenseStageCopies {
+  const bf16* x_src[XLoads];
+  uint32_t x_dst[XLoads];
+  bool x_row_ok[XLoads];
+  const uint8_t* w_src[2];
+  bool w_ok[2];
+  uint32_t w_step[2];  // 1024 in a full 16-row tile, 64 in a row-major N % 16 tail
+  const uint8_t* s_src;
+  uint32_t s_step;
+  bool s_ok;
+  int k_next;  // k of this thread's pieces in the next stage issued
+
+  template <typename XOffset>
+  __device__ __forceinline__ DenseStageCopies(const TiledParams& p, int m_base, int n_base, int c_begin,
+                                              XOffset x_offset) {
+    const int tid = threadIdx.x, kp = (p.K + 127) & ~127;
+    const int x_k = (tid & 15) * 8;  // the k of this thread's activation pieces inside a chunk
+#pragma unroll
+    for (int i = 0; i < XLoads; ++i) {
+      const int r = (tid + i * kThreads) >> 4;
+      x_row_ok[i] = m_base + r < p.M;
+      x_src[i] = p.x + size_t(min(m_base + r, p.M - 1)) * p.K + size_t(c_begin) * 128 + x_k;
+      x_dst[i] = x_offset(r, tid & 15);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int id = tid + i * kThreads, r = id >> 2, part = id & 3, n = n_base + r;
+      const RowAddr a = row_addr(min(n, p.N - 1), p.N, kp);
+      w_src[i] = p.w + a.w + size_t(c_begin) * a.wstep + part * 16;
+      w_ok[i] = n < p.N;
+      w_step[i] = a.wstep;
+    }
+    const RowAddr sa = row_addr(min(n_base + (tid & 127), p.N - 1), p.N, kp);
+    s_src = p.s + sa.s + size_t(c_begin) * sa.sstep;
+    s_step = sa.sstep;
+    s_ok = tid < kTileN && n_base + tid < p.N;
+    k_next = c_begin * 128 + x_k;
+  }
+
+  // Stage xs: activations at 0, weights at x_bytes, scale bytes at x_bytes + w_bytes.
+  __device__ __forceinline__ void issue(const TiledParams& p, uint8_t* xs, int x_bytes, int w_bytes) {
+    const int tid = threadIdx.x;
+    uint8_t* ws = xs + x_bytes;
+    uint8_t* ss = ws + w_bytes;
+    const bool k_ok = k_next < p.K;
+#pragma unroll
+    for (int i = 0; i < XLoads; ++i) {
+      const bool ok = x_row_ok[i] && k_ok;
+      cp_async16(xs + x_dst[i], ok ? x_src[i] : p.x, ok ? 16 : 0);
+      x_src[i] += 128;
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      cp_async16(ws + (tid + i * kThreads) * 16, w_src[i], w_ok[i] ? 16 : 0);
+      w_src[i] += w_step[i];
+    }
+    if (tid < kTileN) cp_async8(ss + tid * 8, s_src, s_ok ? 8 : 0);
+    s_src += s_step;
+    k_next += 128;
+  }
+};
+
 // Stores v[0..3] (features n .. n + 3 of token row m) with the global scale applied.
 __device__ __forceinline__ void store4(const TiledParams& p, int m, int n, float4 v, float alpha) {
   v.x *= alpha;

@@ -45,54 +45,10 @@ __global__ void __launch_bounds__(kThreads, TiledCfg<TM>::kOcc) nvfp4_tiled_kern
   const int kp = (p.K + 127) & ~127, nchunks = kp >> 7;
   const int c_begin = min(int(blockIdx.z) * per, nchunks), n_local = min(c_begin + per, nchunks) - c_begin;
 
-  // This thread's copies of a stage: running sources, one chunk further after each stage issued.
-  const bf16* x_src[Cfg::kXLoads];
-  uint32_t x_dst[Cfg::kXLoads];
-  bool x_row_ok[Cfg::kXLoads];
-  const int x_k = (tid & 15) * 8;  // the k of this thread's activation pieces inside a chunk
-#pragma unroll
-  for (int i = 0; i < Cfg::kXLoads; ++i) {
-    const int r = (tid + i * kThreads) >> 4, ch = tid & 15;
-    x_row_ok[i] = m_base + r < p.M;
-    x_src[i] = p.x + size_t(min(m_base + r, p.M - 1)) * p.K + size_t(c_begin) * 128 + x_k;
-    x_dst[i] = uint32_t(r * 256 + ((ch ^ (r & 7)) << 4));
-  }
-  const uint8_t* w_src[2];
-  bool w_ok[2];
-  uint32_t w_step[2];  // 1024 in a full 16-row tile, 64 in a row-major N % 16 tail
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int id = tid + i * kThreads, r = id >> 2, part = id & 3, n = n_base + r;
-    const RowAddr a = row_addr(min(n, p.N - 1), p.N, kp);
-    w_src[i] = p.w + a.w + size_t(c_begin) * a.wstep + part * 16;
-    w_ok[i] = n < p.N;
-    w_step[i] = a.wstep;
-  }
-  const RowAddr sa_row = row_addr(min(n_base + (tid & 127), p.N - 1), p.N, kp);
-  const uint8_t* s_src = p.s + sa_row.s + size_t(c_begin) * sa_row.sstep;
-  const bool s_ok = tid < kTileN && n_base + tid < p.N;
-  int k_next = c_begin * 128 + x_k;  // k of this thread's pieces in the next stage issued
-
-  // Padding past K needs no guard in the mma loop: activations past K load as zeros (and padded codes are 0).
-  auto load_stage = [&](uint8_t* xs) {
-    uint8_t* ws = xs + Cfg::kXStage;
-    uint8_t* ss = ws + Cfg::kWStage;
-    const bool k_ok = k_next < p.K;
-#pragma unroll
-    for (int i = 0; i < Cfg::kXLoads; ++i) {
-      const bool ok = x_row_ok[i] && k_ok;
-      cp_async16(xs + x_dst[i], ok ? x_src[i] : p.x, ok ? 16 : 0);
-      x_src[i] += 128;
-    }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      cp_async16(ws + (tid + i * kThreads) * 16, w_src[i], w_ok[i] ? 16 : 0);
-      w_src[i] += w_step[i];
-    }
-    if (tid < kTileN) cp_async8(ss + tid * 8, s_src, s_ok ? 8 : 0);
-    s_src += sa_row.sstep;
-    k_next += 128;
-  };
+  // This thread's copies of a stage (activation pieces XOR-swizzled by row for ldmatrix).
+  DenseStageCopies<Cfg::kXLoads> copies(
+      p, m_base, n_base, c_begin, [](int r, int ch) { return uint32_t(r * 256 + ((ch ^ (r & 7)) << 4)); });
+  auto load_stage = [&](uint8_t* xs) { copies.issue(p, xs, Cfg::kXStage, Cfg::kWStage); };
 
   // ldmatrix source of token tile pair np, k-step s: tok * 256 + (((2s + h) ^ (tok & 7)) << 4) with
   // tok = tok0 + 16 np (tok & 7 = lane & 7) and h = (lane >> 3) & 1, i.e. x_ld + np * 4096 + ((s << 5) ^ x_sw).
