@@ -15,12 +15,12 @@ constexpr int kTileN = 128;
 constexpr int kOutStride = kTileN + 4;  // fp32 epilogue staging [token][feature]
 constexpr int kMaxSplit = 8;            // portable cluster size
 
-// This thread's share of a dense tile kernel's stage (tiled, wgmma): XLoads 16-byte activation pieces (placed where
-// the kernel's layout x_offset(row, piece) puts them), 2 x 16 B of packed weights and (threads < 128) the 8 scale
-// bytes of one 128-k chunk; every source moves one chunk on after each stage issued. Padding past K needs no guard
-// in the mma loops: activations past K load as zeros (and padded codes are 0).
+// This thread's share of a tile kernel's stage (tiled, wgmma dense and MoE): XLoads 16-byte activation pieces (placed
+// where the kernel's layout x_offset(row, piece) puts them), 2 x 16 B of packed weights and (threads < 128) the 8
+// scale bytes of one 128-k chunk; every source moves one chunk on after each stage issued. Padding past K needs no
+// guard in the mma loops: activations past K load as zeros (and padded codes are 0).
 template <int XLoads>
-struct DenseStageCopies {
+struct StageCopies {
   const bf16* x_src[XLoads];
   uint32_t x_dst[XLoads];
   bool x_row_ok[XLoads];
@@ -32,9 +32,11 @@ struct DenseStageCopies {
   bool s_ok;
   int k_next;  // k of this thread's pieces in the next stage issued
 
+  StageCopies() = default;  // the MoE kernel fills the sources per token tile
+  // A dense tile: rows m_base.. of x, features n_base.. of the matrix, from chunk c_begin.
   template <typename XOffset>
-  __device__ __forceinline__ DenseStageCopies(const TiledParams& p, int m_base, int n_base, int c_begin,
-                                              XOffset x_offset) {
+  __device__ __forceinline__ StageCopies(const TiledParams& p, int m_base, int n_base, int c_begin,
+                                         XOffset x_offset) {
     const int tid = threadIdx.x, kp = (p.K + 127) & ~127;
     const int x_k = (tid & 15) * 8;  // the k of this thread's activation pieces inside a chunk
 #pragma unroll
@@ -59,16 +61,17 @@ struct DenseStageCopies {
     k_next = c_begin * 128 + x_k;
   }
 
-  // Stage xs: activations at 0, weights at x_bytes, scale bytes at x_bytes + w_bytes.
-  __device__ __forceinline__ void issue(const TiledParams& p, uint8_t* xs, int x_bytes, int w_bytes) {
+  // Stage xs: activations at 0, weights at x_bytes, scale bytes at x_bytes + w_bytes; K: the activations' width,
+  // any: a valid address for the zero-filling copies.
+  __device__ __forceinline__ void issue(uint8_t* xs, int x_bytes, int w_bytes, int K, const bf16* any) {
     const int tid = threadIdx.x;
     uint8_t* ws = xs + x_bytes;
     uint8_t* ss = ws + w_bytes;
-    const bool k_ok = k_next < p.K;
+    const bool k_ok = k_next < K;
 #pragma unroll
     for (int i = 0; i < XLoads; ++i) {
       const bool ok = x_row_ok[i] && k_ok;
-      cp_async16(xs + x_dst[i], ok ? x_src[i] : p.x, ok ? 16 : 0);
+      cp_async16(xs + x_dst[i], ok ? x_src[i] : any, ok ? 16 : 0);
       x_src[i] += 128;
     }
 #pragma unroll

@@ -46,9 +46,9 @@ __global__ void __launch_bounds__(kThreads, TiledCfg<TM>::kOcc) nvfp4_tiled_kern
   const int c_begin = min(int(blockIdx.z) * per, nchunks), n_local = min(c_begin + per, nchunks) - c_begin;
 
   // This thread's copies of a stage (activation pieces XOR-swizzled by row for ldmatrix).
-  DenseStageCopies<Cfg::kXLoads> copies(
+  StageCopies<Cfg::kXLoads> copies(
       p, m_base, n_base, c_begin, [](int r, int ch) { return uint32_t(r * 256 + ((ch ^ (r & 7)) << 4)); });
-  auto load_stage = [&](uint8_t* xs) { copies.issue(p, xs, Cfg::kXStage, Cfg::kWStage); };
+  auto load_stage = [&](uint8_t* xs) { copies.issue(xs, Cfg::kXStage, Cfg::kWStage, p.K, p.x); };
 
   // ldmatrix source of token tile pair np, k-step s: tok * 256 + (((2s + h) ^ (tok & 7)) << 4) with
   // tok = tok0 + 16 np (tok & 7 = lane & 7) and h = (lane >> 3) & 1, i.e. x_ld + np * 4096 + ((s << 5) ^ x_sw).

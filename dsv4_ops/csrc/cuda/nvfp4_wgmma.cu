@@ -25,8 +25,8 @@ __global__ void __launch_bounds__(kThreads, WgCfg<TM>::kOcc) nvfp4_wgmma_kernel(
   const int c_begin = min(int(blockIdx.z) * per, nchunks), n_local = min(c_begin + per, nchunks) - c_begin;
 
   // This thread's copies of a stage (activation pieces in the 128-byte swizzle atoms wgmma reads).
-  DenseStageCopies<Cfg::kXLoads> copies(p, m_base, n_base, c_begin, x_piece_offset<TM>);
-  auto load_stage = [&](uint8_t* xs) { copies.issue(p, xs, Cfg::kXStage, Cfg::kWStage); };
+  StageCopies<Cfg::kXLoads> copies(p, m_base, n_base, c_begin, x_piece_offset<TM>);
+  auto load_stage = [&](uint8_t* xs) { copies.issue(xs, Cfg::kXStage, Cfg::kWStage, p.K, p.x); };
 
   // This warp's 16 rows (g, g + 8) of the tile: warpgroup warp >> 2 holds rows 64 (warp >> 2) .. + 63.
   const int r0 = warp * 16 + g;
@@ -61,54 +61,33 @@ __global__ void __launch_bounds__(kThreads, WgCfg<TM>::kOcc) nvfp4_moe_wgmma_ker
   const int n_base = blockIdx.x * kTileN, tile = blockIdx.x * 8 + warp;
   const int kp = (task.K + 127) & ~127, nchunks = kp >> 7;
   const int x_k = (tid & 15) * 8;
-  const RowAddr sa_row = row_addr(min(n_base + (tid & 127), task.N - 1), task.N, kp);
-  const bool s_ok = tid < kTileN && n_base + tid < task.N;
-  RowAddr w_row[2];
-  bool w_ok[2];
+  // The stage copies: weights and scales from chunk 0 of the task's rows, activations gathered per token tile.
+  StageCopies<Cfg::kXLoads> base;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int n = n_base + ((tid + i * kThreads) >> 2);
-    w_row[i] = row_addr(min(n, task.N - 1), task.N, kp);
-    w_ok[i] = n < task.N;
+    const int id = tid + i * kThreads, n = n_base + (id >> 2);
+    const RowAddr a = row_addr(min(n, task.N - 1), task.N, kp);
+    base.w_src[i] = task.w + a.w + (id & 3) * 16;
+    base.w_ok[i] = n < task.N;
+    base.w_step[i] = a.wstep;
   }
-  uint32_t x_dst[Cfg::kXLoads];
+  const RowAddr sa = row_addr(min(n_base + (tid & 127), task.N - 1), task.N, kp);
+  base.s_src = task.s + sa.s;
+  base.s_step = sa.sstep;
+  base.s_ok = tid < kTileN && n_base + tid < task.N;
+  base.k_next = x_k;
 #pragma unroll
-  for (int i = 0; i < Cfg::kXLoads; ++i) x_dst[i] = x_piece_offset<TM>((tid + i * kThreads) >> 4, tid & 15);
+  for (int i = 0; i < Cfg::kXLoads; ++i) base.x_dst[i] = x_piece_offset<TM>((tid + i * kThreads) >> 4, tid & 15);
 
   for (int tt = 0; tt < task.cnt; tt += TM) {
-    // This token tile's sources (activation rows gathered by position; rows past the task's tokens load zeros).
-    const bf16* x_src[Cfg::kXLoads];
-    bool x_row_ok[Cfg::kXLoads];
+    StageCopies<Cfg::kXLoads> copies = base;  // this token tile's activation rows (past the task's tokens: zeros)
 #pragma unroll
     for (int i = 0; i < Cfg::kXLoads; ++i) {
       const int pos = tt + ((tid + i * kThreads) >> 4);
-      x_row_ok[i] = pos < task.cnt;
-      x_src[i] = b_row<MODE>(p, task, min(pos, task.cnt - 1)) + x_k;
+      copies.x_row_ok[i] = pos < task.cnt;
+      copies.x_src[i] = b_row<MODE>(p, task, min(pos, task.cnt - 1)) + x_k;
     }
-    const uint8_t* w_src[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) w_src[i] = task.w + w_row[i].w + ((tid + i * kThreads) & 3) * 16;
-    const uint8_t* s_src = task.s + sa_row.s;
-    int k_next = x_k;
-    auto load_stage = [&](uint8_t* xs) {
-      uint8_t* ws = xs + Cfg::kXStage;
-      uint8_t* ss = ws + Cfg::kWStage;
-      const bool k_ok = k_next < task.K;
-#pragma unroll
-      for (int i = 0; i < Cfg::kXLoads; ++i) {
-        const bool ok = x_row_ok[i] && k_ok;
-        cp_async16(xs + x_dst[i], ok ? x_src[i] : p.in, ok ? 16 : 0);
-        x_src[i] += 128;
-      }
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        cp_async16(ws + (tid + i * kThreads) * 16, w_src[i], w_ok[i] ? 16 : 0);
-        w_src[i] += w_row[i].wstep;
-      }
-      if (tid < kTileN) cp_async8(ss + tid * 8, s_src, s_ok ? 8 : 0);
-      s_src += sa_row.sstep;
-      k_next += 128;
-    };
+    auto load_stage = [&](uint8_t* xs) { copies.issue(xs, Cfg::kXStage, Cfg::kWStage, task.K, p.in); };
     float acc[Cfg::kAcc];
 #pragma unroll
     for (int i = 0; i < Cfg::kAcc; ++i) acc[i] = 0.f;
