@@ -98,6 +98,23 @@ def test_a_drafter_is_held_nvfp4_with_the_model(release):
     assert sq.keys() == sw.keys() and all(torch.equal(sq[k], sw[k]) for k in sw)
 
 
+def test_a_drafter_with_a_converted_nvfp4_checkpoint(release, tmp_path):
+    """A dsv4 save of the NVFP4 model (stored NVFP4 buffers, its own DSpark inside): the drafter replaces that
+    DSpark, converted at load as on the original checkpoint; quant="none" keeps it float."""
+    from dsv4_model.checkpoint.loader import save_model
+
+    _, ckpt, drafter, other = release
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, cfg = load_model(ckpt, dtype=torch.float32, max_seq_len=64, progress=False, quant="nvfp4")
+        save_model(model, cfg, tmp_path / "saved")
+        want = _load(ckpt, drafter=drafter, quant="nvfp4").dspark.state_dict()
+        got = _load(tmp_path / "saved", drafter=drafter).dspark.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    floats = _load(tmp_path / "saved", drafter=drafter, quant="none").dspark.state_dict()
+    assert all(torch.equal(floats[k], v) for k, v in other.state_dict().items())
+
+
 def test_a_drafter_on_a_model_with_an_mtp_block_speculates_as_plain_greedy(builtin_drafter):
     path, drafter, d = builtin_drafter
     torch.manual_seed(0)
