@@ -111,12 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--speculate-method", choices=("auto", "mtp", "dspark"), default="auto",
                    help="the drafter: the MTP block, or the DSpark module of a V4-Flash-0731-style checkpoint "
                         "(docs/dspark.md); auto: DSpark when the checkpoint carries it")
-    g.add_argument("--drafter", default=None, metavar="DIR",
-                   help="draft with the DSpark module in DIR (scripts/train_dspark.py's output) instead of the "
-                        "checkpoint's own drafter (needs --speculate; docs/dspark.md)")
-    g.add_argument("--dspark-cut", type=float, default=0.0, metavar="P",
-                   help="DSpark: cut each block before its first draft predicted below P (the confidence head's chance of "
-                        "acceptance; fewer experts read per step; 0 = off; docs/dspark.md)")
+    add_dspark_args(g)
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decode step (default: on for CUDA)")
     g.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=False,
@@ -271,6 +266,16 @@ def _cache_len(args, config, prompt_ids) -> int:
 def check_dspark_cut(cut: float) -> None:
     if not 0.0 <= cut <= 1.0:
         raise ValueError(f"--dspark-cut must be a chance in [0, 1] (0 = off), got {cut}")
+
+
+def add_dspark_args(group) -> None:
+    """--drafter / --dspark-cut (generate and serve)."""
+    group.add_argument("--drafter", default=None, metavar="DIR",
+                       help="draft with the DSpark module in DIR (scripts/train_dspark.py's output) instead of the "
+                            "checkpoint's own drafter (needs --speculate; docs/dspark.md)")
+    group.add_argument("--dspark-cut", type=float, default=0.0, metavar="P",
+                       help="DSpark: cut each block before its first draft predicted below P (the confidence head's "
+                            "chance of acceptance; fewer experts read per step; 0 = off; docs/dspark.md)")
 
 
 def _drafters_to_load(speculate: int, drafter: str | None = None) -> dict:

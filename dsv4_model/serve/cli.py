@@ -15,6 +15,8 @@ SPECULATE_MODES = ("greedy", "filter")  # --speculate: steps prepared for greedy
 
 
 def _parser() -> argparse.ArgumentParser:
+    from dsv4_model.runtime.cli import add_dspark_args
+
     p = argparse.ArgumentParser(prog="python -m dsv4_model serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint directory or ORG/NAME[@REV] in the local HF cache; default: built-in")
@@ -32,12 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-reuse", action="store_true", help="do not reuse a finished row's caches for its next turn")
     p.add_argument("--speculate", type=int, default=0, metavar="K",
                    help="K drafts verified per decode step inside the scheduler (MTP, or DSpark if present; 0: off)")
-    p.add_argument("--drafter", default=None, metavar="DIR",
-                   help="draft with the DSpark module in DIR (scripts/train_dspark.py's output) instead of the "
-                        "checkpoint's own drafter (needs --speculate; docs/dspark.md)")
-    p.add_argument("--dspark-cut", type=float, default=0.0, metavar="P",
-                   help="DSpark: cut each block before its first draft predicted below P (the confidence head's chance of "
-                        "acceptance; fewer experts read per step; 0 = off; docs/dspark.md)")
+    add_dspark_args(p)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decode step (default: on for CUDA)")
     p.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=False,
