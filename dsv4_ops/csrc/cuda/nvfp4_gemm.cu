@@ -12,20 +12,20 @@
 //   gemv (default for dense M <= 8 and the MoE projections while T*k <= 4E; the nvfp4_gemm_kernel override
 //     "skinny" opts out): skinny's work split, fed through a per-warp cp.async shared-memory ring (weights, scales,
 //     activations; see the kernel's comment); PDL for dense. Faster than skinny at M = 1 (bench/RESULTS.md).
-//   skinny (grouped / multi launches at 8 < M <= 64, every MoE projection beyond gemv's reach; every M <= 64
-//     with the override "skinny"): each warp owns 16 rows x a K range, streams its weights
+//   skinny (grouped / multi launches at 8 < M <= 64; the MoE projections beyond gemv's reach with the override
+//     "skinny" or "tiled"; every M <= 64 with the override "skinny"): each warp owns 16 rows x a K range, streams its weights
 //     straight from HBM into registers (two-deep register prefetch of 2 chunks), B fragments (activations)
 //     from L1/L2; warps of a CTA split K and reduce through shared memory. MoE: blockIdx.y = active-expert
 //     slot (device-side routing, grid sized by min(E, T*k)), gather of token rows, fused SwiGLU epilogue.
-//   tiled (one dense matrix at 8 < M < 256 by default): 128 features x 16 / 32 / 64 / 128 tokens per CTA, a
+//   tiled (one dense matrix at 8 < M < 32 by default; every M > 8 with the override "tiled"): 128 features x 16 / 32 / 64 / 128 tokens per CTA, a
 //     cp.async pipeline (activations swizzled for ldmatrix, packed weights + scales), warps of 16 features x all
 //     tokens (TM = 128: 32 x 64); K split over a thread-block cluster that reduces through distributed shared
 //     memory where the tiles alone would leave SMs idle (nvfp4_tiled.cu).
-//   wgmma (opt-in: the override "wgmma", where tiled would run and at every M > 64; and the MoE projections where
-//     skinny would run): the tiled kernel's CTA with Hopper's warpgroup MMA, the decoded weights as its register A
+//   wgmma (default for one dense matrix at 32 <= M <= 1024 and the MoE projections beyond gemv's reach; every
+//     M > 8 with the override "wgmma"): the tiled kernel's CTA with Hopper's warpgroup MMA, the decoded weights as its register A
 //     operand, activations read by the tensor cores from shared memory (nvfp4_wgmma.cu, nvfp4_wgmma.cuh).
-//   dequant_weight: W -> bf16 e2m1 * block scale (exact) for the bindings' cuBLAS path (M >= 256).
-//   MoE: route (one CTA) -> up (gemv or skinny, SwiGLU epilogue) -> down -> combine, chained with PDL.
+//   dequant_weight: W -> bf16 e2m1 * block scale (exact) for the bindings' cuBLAS path (M > 1024).
+//   MoE: route (one CTA) -> up (gemv, wgmma or skinny, SwiGLU epilogue) -> down -> combine, chained with PDL.
 //   Dense launches also serve nvfp4_linear_grouped (blockIdx.y = group of x [M, G, K]) and nvfp4_linear_multi
 //   (blockIdx.y = one of several matrices sharing x) on the gemv / skinny kernels.
 // Files: nvfp4_kernels.cuh (what the kernels share), nvfp4_gemv.cu, nvfp4_skinny.cu, nvfp4_tiled.cu,
@@ -329,7 +329,7 @@ extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t
   const int nt = pick_nt((TK + a->E - 1) / a->E * 2);
   const bool gemv = a->gemv && nt == 1;
   const int gemv_rows = a->T <= 2 ? 2 : 8;
-  // the wgmma kernels (opt-in) where skinny would run: TM tokens per tile, 128 rows per CTA
+  // the wgmma kernels where skinny would run (unless a kernel is forced): TM tokens per tile, 128 rows per CTA
   const int wg_tm = a->wgmma && !gemv ? wgmma_tile_tokens((TK + a->E - 1) / a->E * 2) : 0;
   p.s_chunk = gemv ? gemv_rows : wg_tm ? wg_tm : 8 * nt;
   p.n_sslots = shared ? int((a->T + p.s_chunk - 1) / p.s_chunk) : 0;

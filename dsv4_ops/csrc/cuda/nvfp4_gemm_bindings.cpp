@@ -1,17 +1,18 @@
 // CUDA registration of dsv4::nvfp4_linear / nvfp4_linear_w4a4 / nvfp4_moe / nvfp4_moe_rows: argument checks
 // (shared with the CPU kernels), outputs and workspaces from the caching allocator (graph-pool aware), launch on
 // the current stream. The kernels live in nvfp4_gemm.cu and the kernel files it names.
-// Kernel choice for y = x W^T: M <= 8 tokens -> the gemv kernel (cp.async ring); M <= 64 -> the skinny kernel;
-// 64 < M < 256 -> the tiled mma kernel; M >= 256 -> dequantize W to bf16 (exact e2m1 * block scale) + one cublasLt
+// Kernel choice for y = x W^T (measured on the H200, bench/RESULTS.md "GEMM and head"): M <= 8 tokens -> the gemv
+// kernel (cp.async ring); 8 < M < 32 -> the tiled mma kernel (the skinny kernel for grouped / multi launches);
+// 32 <= M <= 1024 -> the wgmma kernel (decoded weights as warpgroup-MMA register operand; 1.1-1.7x the tiled one);
+// M > 1024 -> dequantize W to bf16 (exact e2m1 * block scale) + one cublasLt
 // bf16 GEMM whose epilogue applies the global scale (alpha read from device memory, so no host sync and CUDA-graph
 // safe) and rounds once to the output dtype. The previous form of that path (aten::mm.dtype to an fp32 [M, N]
 // product, then one scaling pass) wrote and re-read the fp32 product: far slower than a bf16 matmul for wq_b at
 // M = 4096 (bench/RESULTS.md). It stays as the fallback where cublasLt is not built in, offers no algorithm,
-// fails, or cannot produce the output dtype (fp16 from bf16 operands); without aten::mm.dtype either, the tiled
-// kernel runs.
-// The nvfp4_gemm_kernel override (overrides.h) = tiled | cublas replaces the M > 64 choice; wgmma runs the
-// wgmma kernels wherever the tiled one would run, at every M > 64 and for the MoE projections beyond gemv's reach
-// (opt-in until measured); skinny keeps M <= 8
+// fails, or cannot produce the output dtype (fp16 from bf16 operands); without aten::mm.dtype either, the wgmma
+// kernel runs. The MoE projections beyond gemv's reach (prefill) run on the wgmma MoE kernels.
+// The nvfp4_gemm_kernel override (overrides.h) forces one path: tiled | wgmma at every M > 8 (and the MoE on
+// wgmma, or on skinny with tiled), cublas at every M > 64; skinny keeps M <= 8
 // and MoE decode on the skinny kernel (gemv is faster at M = 1: bench/RESULTS.md); the pdl override off turns off
 // programmatic dependent launch (the gemv kernels, the MoE chain).
 #include <ATen/ATen.h>
@@ -45,6 +46,10 @@ Choice kernel_choice() {
   const int v = dsv4_overrides::get().nvfp4_gemm_kernel;
   return v >= 1 && v <= 4 ? static_cast<Choice>(v) : Choice::kAuto;
 }
+
+// The auto rule's bounds for the wgmma kernel (H200, bench/bench_nvfp4_gemm.py, every V4-Flash shape): below
+// 32 rows the tiled kernel is as fast (M = 16: within 4%), above 1024 dequantize + cuBLAS is (M = 4096: 1.1-1.4x).
+constexpr int64_t kWgmmaMinRows = 32, kWgmmaMaxRows = 1024;
 
 // Programmatic dependent launch (gemv, the MoE chain) unless the pdl override is off.
 bool use_pdl() { return dsv4_overrides::get().pdl != 0; }
@@ -209,7 +214,7 @@ at::Tensor linear_impl(const at::Tensor& x2, const at::Tensor& w, const at::Tens
   const Choice choice = kernel_choice();
   const auto* mm = mm_dtype_op();
   const bool dense = M > 64 && N > 0 &&
-                     (choice == Choice::kCublas || (choice == Choice::kAuto && M >= 256));
+                     (choice == Choice::kCublas || (choice == Choice::kAuto && M > kWgmmaMaxRows));
   const bool lt = kHaveCublasLt && dense && (out_dtype == at::kBFloat16 || out_dtype == at::kFloat);
   if (dense && (lt || mm != nullptr)) {
     at::Tensor wu = at::empty({N, K}, x2.options().dtype(at::kBFloat16));
@@ -247,7 +252,7 @@ at::Tensor linear_impl(const at::Tensor& x2, const at::Tensor& w, const at::Tens
   a.K = K;
   a.gemv = choice == Choice::kSkinny ? 0 : 1;
   a.pdl = use_pdl() ? 1 : 0;
-  a.wgmma = choice == Choice::kWgmma ? 1 : 0;
+  a.wgmma = choice == Choice::kWgmma || (choice == Choice::kAuto && M >= kWgmmaMinRows) ? 1 : 0;
   check_launch(dsv4_nvfp4_linear_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
   return out;
 }
@@ -443,7 +448,8 @@ at::Tensor moe_impl(const at::Tensor& x, const at::Tensor& ids, const at::Tensor
   a.y = y.data_ptr();
   a.pdl = use_pdl() ? 1 : 0;
   a.gemv = kernel_choice() == Choice::kSkinny ? 0 : 1;
-  a.wgmma = kernel_choice() == Choice::kWgmma ? 1 : 0;
+  // wgmma MoE kernels wherever skinny would run, unless a kernel is forced (tiled / skinny keep skinny)
+  a.wgmma = kernel_choice() == Choice::kWgmma || kernel_choice() == Choice::kAuto ? 1 : 0;
   a.skip_combine = rows ? 1 : 0;
   check_launch(dsv4_nvfp4_moe_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
   return y;

@@ -1,4 +1,4 @@
-// The tiled NVFP4 kernel (dense 8 < M < 256 by default; nvfp4_gemm.cu's file comment) and its launcher.
+// The tiled NVFP4 kernel (dense 8 < M < 32 by default; nvfp4_gemm.cu's file comment) and its launcher.
 // A CTA owns 128 features x TM tokens (TM = 16, 32, 64 or 128 by M: no token tile is mostly padding) over a
 // range of K, through a cp.async pipeline of packed weights + scales + swizzled activations; weights are decoded
 // to bf16 in registers for mma.sync. Up to TM = 64 each of the 8 warps owns 16 features x all TM tokens, so every

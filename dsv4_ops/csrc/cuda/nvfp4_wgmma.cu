@@ -1,4 +1,4 @@
-// The wgmma NVFP4 kernels (opt-in for now: the nvfp4_gemm_kernel override "wgmma"; nvfp4_gemm.cu's file comment)
+// The wgmma NVFP4 kernels (dense 32 <= M <= 1024 and the MoE beyond gemv by default; nvfp4_gemm.cu's file comment)
 // and their launchers; the warpgroup-MMA K loop they share is nvfp4_wgmma.cuh.
 //   dense: one matrix at 8 < M: the tiled kernel's CTA (nvfp4_tile.cuh: 128 features x TM tokens over a range of
 //     K, the cluster K split, the epilogue) with wgmma in place of mma.sync. One wgmma.m64nTMk16 per k-step
