@@ -14,10 +14,11 @@ shared + 6 routed experts per layer) + the attention's and the indexer's product
 --compiled: also the chunks through one torch.compile graph per prompt length (tensor starts; the figure to
 decide on a compiled prefill in the engine).
 
---gemm-kernels auto,wgmma: the eager modes again with the NVFP4 linears and MoE on the opt-in wgmma kernels.
+--gemm-kernels auto,cublas: the eager modes again under each nvfp4_gemm_kernel override (cublas: dequantize +
+cuBLAS for every linear past 64 rows and the MoE on the skinny kernel, the default before the wgmma kernels).
 
 Run: python bench/bench_prefill.py [--lengths 4096,8192,32768,131072] [--chunk 8192] [--layers 2]
-       [--experts 256] [--hf-max 8192] [--budget SECONDS] [--compiled] [--gemm-kernels auto,wgmma]
+       [--experts 256] [--hf-max 8192] [--budget SECONDS] [--compiled] [--gemm-kernels auto,cublas]
 """
 from __future__ import annotations
 
@@ -143,7 +144,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-max", type=int, default=8192, help="longest prompt given to HF (0: none)")
     ap.add_argument("--budget", type=float, default=240.0, help="seconds; later lengths are skipped")
     ap.add_argument("--gemm-kernels", default="auto",
-                    help="nvfp4_gemm_kernel overrides the eager modes run under, e.g. auto,wgmma (dsv4_ops.overrides)")
+                    help="nvfp4_gemm_kernel overrides the eager modes run under, e.g. auto,cublas (dsv4_ops.overrides)")
     ap.add_argument("--compiled", action="store_true",
                     help="also time the chunks through one compiled graph per length (its compile time printed)")
     args = ap.parse_args(argv)
