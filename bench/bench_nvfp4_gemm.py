@@ -151,9 +151,16 @@ def _fused_row(m, wbytes, flops, out_bytes, op, peer, split):
     return m, t_op, t_peer, t_split
 
 
+def _forced_skinny(m, wbytes, op):
+    """One line: the op with the nvfp4_gemm_kernel override "skinny" (its one-launch kernel at M <= 64)."""
+    with kernel_choice("skinny"):
+        t = graph_us(op, reps_for(wbytes, 0.0, 0))
+    print(f"{m:>5} | skinny (forced): {t:10.2f} us")
+
+
 def bench_grouped(gen):
     g, n, k = 8, 1024, 4096  # V4-Flash attention wo_a: 8 groups of 1024 x 4096
-    _fused_header(f"\n## nvfp4_linear_grouped (wo_a, {g} x ({n}x{k}), one launch at M <= 64) vs bf16 torch.bmm "
+    _fused_header(f"\n## nvfp4_linear_grouped (wo_a, {g} x ({n}x{k}), one launch at M <= 1024) vs bf16 torch.bmm "
                   "(cuBLAS), and vs 8 nvfp4_linear calls", "grouped us", "bf16 bmm us", "8 x linear us")
     wbytes = g * nvfp4_bytes(n, k)
     copies = max(1, min(64, math.ceil(ROTATE_BYTES / wbytes)))
@@ -162,7 +169,7 @@ def bench_grouped(gen):
     bcopies = max(1, min(16, math.ceil(ROTATE_BYTES / (g * n * k * 2))))
     wb = [torch.randn(g, n, k, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(bcopies)]
     rows = []
-    for m in (1, 8, 64):
+    for m in (1, 8, 32, 64, 256):
         x = torch.randn(m, g, k, device="cuda", generator=gen).to(torch.bfloat16)
         xt = x.transpose(0, 1).contiguous()  # the peer's [G, M, K]
         xs = [x[:, j].contiguous() for j in range(g)]
@@ -174,6 +181,8 @@ def bench_grouped(gen):
         rows.append(_fused_row(m, wbytes, 2.0 * m * g * n * k, m * g * n * 2,
                                lambda i: ops.nvfp4_linear_grouped(x, ws[i % copies][0], ws[i % copies][1], gs),
                                lambda i: torch.bmm(xt, wb[i % bcopies].transpose(1, 2)), loop))
+        if 8 < m <= 64:  # the one-launch kernel the wgmma one replaced there
+            _forced_skinny(m, wbytes, lambda i: ops.nvfp4_linear_grouped(x, ws[i % copies][0], ws[i % copies][1], gs))
     del ws, wb
     torch.cuda.empty_cache()
     return rows
@@ -181,7 +190,7 @@ def bench_grouped(gen):
 
 def bench_multi(gen):
     ns, k = (1024, 512), 4096  # V4-Flash wq_a + wkv: both read the layer input x
-    _fused_header(f"\n## nvfp4_linear_multi (wq_a + wkv, {ns[0]}+{ns[1]} x {k}, one launch at M <= 64) vs bf16 "
+    _fused_header(f"\n## nvfp4_linear_multi (wq_a + wkv, {ns[0]}+{ns[1]} x {k}, one launch at M < 32, per matrix from 32) vs bf16 "
                   "cuBLAS (two matmuls) and vs two nvfp4_linear calls", "multi us", "bf16 us", "2 x linear us")
     wbytes = sum(nvfp4_bytes(n, k) for n in ns)
     copies = max(1, min(256, math.ceil(ROTATE_BYTES / wbytes)))
@@ -190,8 +199,11 @@ def bench_multi(gen):
     bcopies = max(1, min(64, math.ceil(ROTATE_BYTES / (sum(ns) * k * 2))))
     wb = [[torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16) for n in ns] for _ in range(bcopies)]
     rows = []
-    for m in (1, 8, 64):
+    for m in (1, 8, 32, 64):
         x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+        if 8 < m <= 64:
+            _forced_skinny(m, wbytes, lambda i: ops.nvfp4_linear_multi(
+                x, [w[0] for w in ws[i % copies]], [w[1] for w in ws[i % copies]], gs))
         rows.append(_fused_row(
             m, wbytes, 2.0 * m * sum(ns) * k, m * sum(ns) * 2,
             lambda i: ops.nvfp4_linear_multi(x, [w[0] for w in ws[i % copies]], [w[1] for w in ws[i % copies]], gs),

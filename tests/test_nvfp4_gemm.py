@@ -635,18 +635,24 @@ def test_linear_w4a4_cuda(m):
 @pytest.mark.kernels
 @pytest.mark.parametrize("g,n,k", [(8, 1024, 4096), (3, 40, 272), (2, 24, 144)])
 def test_linear_grouped_cuda(g, n, k):
-    """All groups in one launch at decode sizes (gemv: M <= 8, skinny: M <= 64, both with PDL on and off), each
-    group through the nvfp4_linear paths beyond; V4-Flash wo_a is 8 x (1024 x 4096)."""
+    """All groups in one launch (gemv: M <= 8; skinny: 8 < M < 32, or M <= 64 forced; wgmma: 32 <= M <= 1024, or
+    every M > 8 forced), with PDL on and off; each group through the nvfp4_linear paths beyond; V4-Flash wo_a is
+    8 x (1024 x 4096)."""
     gen = torch.Generator().manual_seed(g + n + k)
-    for m in (1, 2, 5, 8, 33, 100):
+    for m in (1, 2, 5, 8, 20, 33, 64, 100, 1100):
         x, w, _, ref32, bound = grouped_case(g, n, k, (m,), gen, "cuda")
         out = ops.nvfp4_linear_grouped(x, *w)
         assert_bf16_close(out, ref32, bound, f"cuda grouped {m}x{g}x{n}x{k}")
         with kernel_overrides(pdl=False):
             assert torch.equal(ops.nvfp4_linear_grouped(x, *w), out), f"grouped without PDL {m}"
-        if m <= 8:
+        if m <= 64:
             with kernel_choice("skinny"):
                 assert_bf16_close(ops.nvfp4_linear_grouped(x, *w), ref32, bound, f"cuda skinny grouped {m}")
+        if m > 8:
+            with kernel_choice("wgmma"):
+                again = ops.nvfp4_linear_grouped(x, *w)
+                assert_bf16_close(again, ref32, bound, f"cuda wgmma grouped {m}")
+                assert torch.equal(ops.nvfp4_linear_grouped(x, *w), again), f"wgmma grouped {m} not deterministic"
         xs = x[::2] if m > 1 else x  # a strided batch view
         assert_bf16_close(ops.nvfp4_linear_grouped(xs, *w), ref32[::2] if m > 1 else ref32, bound[::2] if m > 1
                           else bound, f"cuda grouped strided {m}")
@@ -657,16 +663,17 @@ def test_linear_grouped_cuda(g, n, k):
 @pytest.mark.parametrize("ns,k", [((1024, 512), 4096), ((40, 8, 24, 16), 272), ((16, 32, 8, 8, 24), 144)])
 def test_linear_multi_cuda(ns, k):
     """V4-Flash wq_a + wkv (1024 / 512 x 4096) in one launch at decode sizes (gemv, skinny; PDL on and off);
-    segments narrower than others; five matrices (more than one launch holds) and M > 64 run per matrix."""
+    segments narrower than others; five matrices (more than one launch holds), M >= 32 (the wgmma kernel) and M >
+    64 run per matrix."""
     gen = torch.Generator().manual_seed(len(ns) + k)
-    for m in (1, 3, 8, 40, 100):
+    for m in (1, 3, 8, 20, 40, 100):
         x, w, refs, bounds = multi_case(ns, k, (m,), gen, "cuda")
         outs = ops.nvfp4_linear_multi(x, *w)
         for i, (o, r, b) in enumerate(zip(outs, refs, bounds)):
             assert_bf16_close(o, r, b, f"cuda multi {m} seg {i}")
         with kernel_overrides(pdl=False):
             assert all(torch.equal(a, b) for a, b in zip(ops.nvfp4_linear_multi(x, *w), outs))
-        if m <= 8:
+        if m <= 64:
             with kernel_choice("skinny"):
                 for i, (o, r, b) in enumerate(zip(ops.nvfp4_linear_multi(x, *w), refs, bounds)):
                     assert_bf16_close(o, r, b, f"cuda skinny multi {m} seg {i}")

@@ -234,7 +234,9 @@ bool moe_local_route() { return dsv4_overrides::get().moe_local_route != 0; }
 }  // namespace
 
 extern "C" cudaError_t dsv4_nvfp4_linear_launch(const Nvfp4LinearArgs* a, cudaStream_t stream) {
-  if ((a->G > 1 || a->nseg > 0) && a->M > 64) return cudaErrorInvalidValue;  // gemv / skinny only
+  // grouped beyond gemv's rows with wgmma: one wgmma launch, every group's tiles in its grid
+  const bool wg_grouped = a->G > 1 && a->nseg == 0 && a->M > 8 && a->wgmma;
+  if ((a->G > 1 || a->nseg > 0) && a->M > 64 && !wg_grouped) return cudaErrorInvalidValue;  // gemv / skinny only
   if (a->nseg > kNvfp4MaxSegments) return cudaErrorInvalidValue;
   int64_t n_max = a->N;  // (G <= 1: one matrix; nseg > 0: the widest segment sizes the grid)
   if (a->nseg > 0) {
@@ -243,10 +245,14 @@ extern "C" cudaError_t dsv4_nvfp4_linear_launch(const Nvfp4LinearArgs* a, cudaSt
   }
   if (a->M == 0 || n_max == 0) return cudaSuccess;
   const int64_t kp = (a->K + 127) / 128 * 128, nchunks = kp / 128, ntiles = (n_max + 15) / 16;
-  // The tiled kernel: M > 64, and one dense matrix at 8 < M <= 64 unless skinny is forced (gemv = 0).
-  if (a->M > 64 || (a->M > 8 && a->gemv && a->G <= 1 && a->nseg == 0)) {
-    const TiledParams p{reinterpret_cast<const bf16*>(a->x), a->w, a->s, a->gs, a->gs_act, a->y, a->out_kind,
-                        int(a->M), int(a->N), int(a->K)};
+  // The tile kernels: M > 64, and one dense matrix at 8 < M <= 64 unless skinny is forced (gemv = 0); wgmma also
+  // takes a grouped launch.
+  if (wg_grouped || (a->G <= 1 && a->nseg == 0 && (a->M > 64 || (a->M > 8 && a->gemv)))) {
+    TiledParams p{reinterpret_cast<const bf16*>(a->x), a->w, a->s, a->gs, a->gs_act, a->y, a->out_kind,
+                  int(a->M), int(a->N), int(a->K)};
+    p.G = a->G > 1 ? int(a->G) : 1;
+    p.ldx = int(p.G * a->K);
+    p.ldy = int(p.G * a->N);
     return a->wgmma ? launch_wgmma(p, dsv4_cuda::sm_count(), stream)   // nvfp4_wgmma.cu
                     : launch_tiled(p, dsv4_cuda::sm_count(), stream);  // nvfp4_tiled.cu
   }

@@ -16,7 +16,7 @@ struct Nvfp4LinearArgs {
   void* y;                  // [M, N]
   int out_kind;
   int64_t M, N, K;
-  int64_t G;                // > 1: nvfp4_linear_grouped (gemv / skinny only): x [M, G, K], w [G, N, Kp/2], gs [G],
+  int64_t G;                // > 1: nvfp4_linear_grouped (gemv / skinny, wgmma): x [M, G, K], w [G, N, Kp/2], gs [G],
                             // y [M, G, N], group = blockIdx.y
   int nseg;                 // > 0: nvfp4_linear_multi (gemv / skinny only): y_i = x W_i^T for the segments below
                             // (w, s, gs, y, N above unused), segment = blockIdx.y
@@ -28,7 +28,7 @@ struct Nvfp4LinearArgs {
   int gemv;                 // 1 (the default): gemv for M <= 8, tiled for one dense matrix at 8 < M <= 64;
                             // 0: skinny for every M <= 64
   int pdl;                  // launch the gemv kernel with programmatic dependent launch
-  int wgmma;                // 1: the wgmma kernel where the tiled one would run (nvfp4_wgmma.cu; opt-in)
+  int wgmma;                // 1: the wgmma kernel where the tiled one would run, and grouped at M > 8 (nvfp4_wgmma.cu)
 };
 
 // Canonical NVFP4 activations -> bf16 code * block scale (no global scale), exact.

@@ -288,7 +288,12 @@ at::Tensor nvfp4_linear_grouped_cuda(const at::Tensor& x, const at::Tensor& w, c
   TORCH_CHECK(M < (int64_t(1) << 31) && G * N < (int64_t(1) << 31) && K < (int64_t(1) << 31), op,
               ": sizes must fit in int32");
   at::Tensor out = at::empty({M, G, N}, x3.options());
-  if (M > 64) {
+  // wgmma: every group in one launch where the linear's rule picks that kernel (or it is forced, at M > 8)
+  const Choice choice = kernel_choice();
+  const bool wgmma = choice == Choice::kWgmma ? M > 8
+                                              : choice == Choice::kAuto && M >= kWgmmaMinRows && M <= kWgmmaMaxRows;
+  TORCH_CHECK(G * K < (int64_t(1) << 31), op, ": sizes must fit in int32");
+  if (M > 64 && !wgmma) {
     for (int64_t g = 0; g < G; ++g)
       out.select(1, g).copy_(linear_impl(x3.select(1, g).contiguous(), w.select(0, g), s.select(0, g),
                                          gs.select(0, g), nullptr, N, at::kBFloat16, op));
@@ -307,14 +312,15 @@ at::Tensor nvfp4_linear_grouped_cuda(const at::Tensor& x, const at::Tensor& w, c
   a.N = N;
   a.K = K;
   a.G = G;
-  a.gemv = kernel_choice() == Choice::kSkinny ? 0 : 1;
+  a.gemv = choice == Choice::kSkinny ? 0 : 1;
+  a.wgmma = wgmma ? 1 : 0;
   a.pdl = use_pdl() ? 1 : 0;
   check_launch(dsv4_nvfp4_linear_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
   return out.view(out_shape);
 }
 
-// One launch for up to kNvfp4MaxSegments matrices at decode sizes (M <= 64: gemv / skinny, segment =
-// blockIdx.y); otherwise one nvfp4_linear per matrix.
+// One launch for up to kNvfp4MaxSegments matrices at decode sizes (M < 32, or M <= 64 with a kernel forced: gemv /
+// skinny, segment = blockIdx.y); otherwise one nvfp4_linear per matrix.
 std::vector<at::Tensor> nvfp4_linear_multi_cuda(const at::Tensor& x, at::TensorList w, at::TensorList s,
                                                 at::TensorList gs) {
   const char* op = "dsv4::nvfp4_linear_multi";
@@ -331,7 +337,8 @@ std::vector<at::Tensor> nvfp4_linear_multi_cuda(const at::Tensor& x, at::TensorL
     shape.back() = N;
     return y.view(shape);
   };
-  if (M > 64 || n > kNvfp4MaxSegments) {
+  // Per matrix where the linear's rule picks the wgmma kernel (faster there than one skinny launch for all)
+  if (M > 64 || n > kNvfp4MaxSegments || (kernel_choice() == Choice::kAuto && M >= kWgmmaMinRows)) {
     for (int i = 0; i < n; ++i)
       outs.push_back(shaped(linear_impl(x2, w[i], s[i], gs[i], nullptr, ns[i], at::kBFloat16, op), ns[i]));
     return outs;

@@ -77,7 +77,26 @@ struct TiledParams {
   void* y;
   int out_kind;
   int M, N, K;
+  // G > 1: nvfp4_linear_grouped (wgmma only): x [M, G, K], y [M, G, N], the stacked matrices [G, N, ...] and one
+  // global scale each; the kernel's blockIdx.y = group * token tiles + token tile (group_matrix).
+  int G = 1;
+  int ldx = 0, ldy = 0;  // row strides of x / y in elements (a plain matrix: K / N)
+  int y_col = 0;         // the matrix's first column of y (group g: g * N)
 };
+
+// The CTA's matrix of a grouped launch: group g's slices of x, y and the stacked weights.
+__device__ __forceinline__ TiledParams group_matrix(const TiledParams& p, int g) {
+  TiledParams q = p;
+  if (p.G > 1) {
+    const size_t kp = size_t((p.K + 127) & ~127), rows = size_t(g) * size_t(p.N);
+    q.x = p.x + size_t(g) * size_t(p.K);
+    q.w = p.w + rows * (kp / 2);
+    q.s = p.s + rows * (kp / 16);
+    q.gs = p.gs + g;
+    q.y_col = g * p.N;
+  }
+  return q;
+}
 
 // Launchers of the kernel files (instantiated there for every MODE / ROWS the host side uses).
 template <int MODE>

@@ -43,7 +43,7 @@ struct StageCopies {
     for (int i = 0; i < XLoads; ++i) {
       const int r = (tid + i * kThreads) >> 4;
       x_row_ok[i] = m_base + r < p.M;
-      x_src[i] = p.x + size_t(min(m_base + r, p.M - 1)) * p.K + size_t(c_begin) * 128 + x_k;
+      x_src[i] = p.x + size_t(min(m_base + r, p.M - 1)) * p.ldx + size_t(c_begin) * 128 + x_k;
       x_dst[i] = x_offset(r, tid & 15);
     }
 #pragma unroll
@@ -91,7 +91,7 @@ __device__ __forceinline__ void store4(const TiledParams& p, int m, int n, float
   v.y *= alpha;
   v.z *= alpha;
   v.w *= alpha;
-  const size_t o = size_t(m) * p.N + n;
+  const size_t o = size_t(m) * p.ldy + p.y_col + n;  // (N % 4 == 0: 4-aligned too, as ldy = G N and y_col = g N)
   if ((p.N & 3) == 0 && p.out_kind == 0) {
     const __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
     uint2 u;

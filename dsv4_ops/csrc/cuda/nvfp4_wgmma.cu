@@ -12,15 +12,17 @@
 
 namespace {
 
-// blockIdx = (feature tile, token tile, K split); `per` chunks of 128 K per split. CLUSTER: gridDim.z > 1 CTAs of
-// a tile form one cluster along z.
+// blockIdx = (feature tile, group * token tiles + token tile, K split); `per` chunks of 128 K per split. CLUSTER:
+// gridDim.z > 1 CTAs of a tile form one cluster along z.
 template <int TM, bool CLUSTER>
-__global__ void __launch_bounds__(kThreads, WgCfg<TM>::kOcc) nvfp4_wgmma_kernel(const TiledParams p, int per) {
+__global__ void __launch_bounds__(kThreads, WgCfg<TM>::kOcc) nvfp4_wgmma_kernel(const TiledParams pg, int per) {
   using Cfg = WgCfg<TM>;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   const AlignedSmem sm = aligned_smem(smem_raw);
+  const int mt = (pg.M + TM - 1) / TM;
+  const TiledParams p = group_matrix(pg, int(blockIdx.y) / mt);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
-  const int n_base = blockIdx.x * kTileN, m_base = blockIdx.y * TM;
+  const int n_base = blockIdx.x * kTileN, m_base = (int(blockIdx.y) % mt) * TM;
   const int kp = (p.K + 127) & ~127, nchunks = kp >> 7;
   const int c_begin = min(int(blockIdx.z) * per, nchunks), n_local = min(c_begin + per, nchunks) - c_begin;
 
@@ -107,7 +109,7 @@ cudaError_t run_wgmma(const TiledParams& p, int sms, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
   }
   const int nchunks = (p.K + 127) / 128;
-  const unsigned nt = unsigned((p.N + kTileN - 1) / kTileN), mt = unsigned((p.M + TM - 1) / TM);
+  const unsigned nt = unsigned((p.N + kTileN - 1) / kTileN), mt = unsigned((p.M + TM - 1) / TM * p.G);
   int splits = 1, per = nchunks;
   plan_split<nvfp4_wgmma_kernel<TM, true>, Cfg::kSmem>(int64_t(nt) * mt, nchunks, sms * Cfg::kOcc, stream, splits,
                                                          per);
