@@ -151,16 +151,16 @@ def _fused_row(m, wbytes, flops, out_bytes, op, peer, split):
     return m, t_op, t_peer, t_split
 
 
-def _forced_skinny(m, wbytes, op):
-    """One line: the op with the nvfp4_gemm_kernel override "skinny" (its one-launch kernel at M <= 64)."""
-    with kernel_choice("skinny"):
+def _forced(m, wbytes, kernel, op):
+    """One line: the op under the nvfp4_gemm_kernel override `kernel`."""
+    with kernel_choice(kernel):
         t = graph_us(op, reps_for(wbytes, 0.0, 0))
-    print(f"{m:>5} | skinny (forced): {t:10.2f} us")
+    print(f"{m:>5} | {kernel} (forced): {t:10.2f} us")
 
 
 def bench_grouped(gen):
     g, n, k = 8, 1024, 4096  # V4-Flash attention wo_a: 8 groups of 1024 x 4096
-    _fused_header(f"\n## nvfp4_linear_grouped (wo_a, {g} x ({n}x{k}), one launch at M <= 1024) vs bf16 torch.bmm "
+    _fused_header(f"\n## nvfp4_linear_grouped (wo_a, {g} x ({n}x{k}), one launch at M <= 64; wgmma: forced) vs bf16 torch.bmm "
                   "(cuBLAS), and vs 8 nvfp4_linear calls", "grouped us", "bf16 bmm us", "8 x linear us")
     wbytes = g * nvfp4_bytes(n, k)
     copies = max(1, min(64, math.ceil(ROTATE_BYTES / wbytes)))
@@ -181,8 +181,8 @@ def bench_grouped(gen):
         rows.append(_fused_row(m, wbytes, 2.0 * m * g * n * k, m * g * n * 2,
                                lambda i: ops.nvfp4_linear_grouped(x, ws[i % copies][0], ws[i % copies][1], gs),
                                lambda i: torch.bmm(xt, wb[i % bcopies].transpose(1, 2)), loop))
-        if 8 < m <= 64:  # the one-launch kernel the wgmma one replaced there
-            _forced_skinny(m, wbytes, lambda i: ops.nvfp4_linear_grouped(x, ws[i % copies][0], ws[i % copies][1], gs))
+        if m > 8:  # the opt-in one-launch wgmma kernel
+            _forced(m, wbytes, "wgmma", lambda i: ops.nvfp4_linear_grouped(x, ws[i % copies][0], ws[i % copies][1], gs))
     del ws, wb
     torch.cuda.empty_cache()
     return rows
@@ -202,7 +202,7 @@ def bench_multi(gen):
     for m in (1, 8, 32, 64):
         x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
         if 8 < m <= 64:
-            _forced_skinny(m, wbytes, lambda i: ops.nvfp4_linear_multi(
+            _forced(m, wbytes, "skinny", lambda i: ops.nvfp4_linear_multi(
                 x, [w[0] for w in ws[i % copies]], [w[1] for w in ws[i % copies]], gs))
         rows.append(_fused_row(
             m, wbytes, 2.0 * m * sum(ns) * k, m * sum(ns) * 2,

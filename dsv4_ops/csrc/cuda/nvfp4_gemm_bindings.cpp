@@ -288,10 +288,10 @@ at::Tensor nvfp4_linear_grouped_cuda(const at::Tensor& x, const at::Tensor& w, c
   TORCH_CHECK(M < (int64_t(1) << 31) && G * N < (int64_t(1) << 31) && K < (int64_t(1) << 31), op,
               ": sizes must fit in int32");
   at::Tensor out = at::empty({M, G, N}, x3.options());
-  // wgmma: every group in one launch where the linear's rule picks that kernel (or it is forced, at M > 8)
+  // wgmma: every group in one launch (M > 8), opt-in (the override "wgmma") until the H200 has run it; by default
+  // skinny at M <= 64, then each group through the linear's rule (wgmma per group up to 1024 rows)
   const Choice choice = kernel_choice();
-  const bool wgmma = choice == Choice::kWgmma ? M > 8
-                                              : choice == Choice::kAuto && M >= kWgmmaMinRows && M <= kWgmmaMaxRows;
+  const bool wgmma = choice == Choice::kWgmma && M > 8;
   TORCH_CHECK(G * K < (int64_t(1) << 31), op, ": sizes must fit in int32");
   if (M > 64 && !wgmma) {
     for (int64_t g = 0; g < G; ++g)
