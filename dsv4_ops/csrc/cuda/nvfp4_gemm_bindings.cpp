@@ -50,6 +50,9 @@ Choice kernel_choice() {
 // The auto rule's bounds for the wgmma kernel (H200, bench/bench_nvfp4_gemm.py, every V4-Flash shape): below
 // 32 rows the tiled kernel is as fast (M = 16: within 4%), above 1024 dequantize + cuBLAS is (M = 4096: 1.1-1.4x).
 constexpr int64_t kWgmmaMinRows = 32, kWgmmaMaxRows = 1024;
+// Whether the auto rule puts one matrix of M rows on the wgmma kernel (where the tile kernels run, below the cuBLAS
+// path's rows).
+bool auto_wgmma(Choice choice, int64_t M) { return choice == Choice::kAuto && M >= kWgmmaMinRows; }
 
 // Programmatic dependent launch (gemv, the MoE chain) unless the pdl override is off.
 bool use_pdl() { return dsv4_overrides::get().pdl != 0; }
@@ -252,7 +255,7 @@ at::Tensor linear_impl(const at::Tensor& x2, const at::Tensor& w, const at::Tens
   a.K = K;
   a.gemv = choice == Choice::kSkinny ? 0 : 1;
   a.pdl = use_pdl() ? 1 : 0;
-  a.wgmma = choice == Choice::kWgmma || (choice == Choice::kAuto && M >= kWgmmaMinRows) ? 1 : 0;
+  a.wgmma = choice == Choice::kWgmma || auto_wgmma(choice, M) ? 1 : 0;
   check_launch(dsv4_nvfp4_linear_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
   return out;
 }
@@ -338,7 +341,7 @@ std::vector<at::Tensor> nvfp4_linear_multi_cuda(const at::Tensor& x, at::TensorL
     return y.view(shape);
   };
   // Per matrix where the linear's rule picks the wgmma kernel (faster there than one skinny launch for all)
-  if (M > 64 || n > kNvfp4MaxSegments || (kernel_choice() == Choice::kAuto && M >= kWgmmaMinRows)) {
+  if (M > 64 || n > kNvfp4MaxSegments || auto_wgmma(kernel_choice(), M)) {
     for (int i = 0; i < n; ++i)
       outs.push_back(shaped(linear_impl(x2, w[i], s[i], gs[i], nullptr, ns[i], at::kBFloat16, op), ns[i]));
     return outs;
@@ -454,9 +457,10 @@ at::Tensor moe_impl(const at::Tensor& x, const at::Tensor& ids, const at::Tensor
   a.o = o.data_ptr();
   a.y = y.data_ptr();
   a.pdl = use_pdl() ? 1 : 0;
-  a.gemv = kernel_choice() == Choice::kSkinny ? 0 : 1;
+  const Choice choice = kernel_choice();
+  a.gemv = choice == Choice::kSkinny ? 0 : 1;
   // wgmma MoE kernels wherever skinny would run, unless a kernel is forced (tiled / skinny keep skinny)
-  a.wgmma = kernel_choice() == Choice::kWgmma || kernel_choice() == Choice::kAuto ? 1 : 0;
+  a.wgmma = choice == Choice::kWgmma || choice == Choice::kAuto ? 1 : 0;
   a.skip_combine = rows ? 1 : 0;
   check_launch(dsv4_nvfp4_moe_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
   return y;
