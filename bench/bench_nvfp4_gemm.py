@@ -160,7 +160,7 @@ def _forced(m, wbytes, kernel, op):
 
 def bench_grouped(gen):
     g, n, k = 8, 1024, 4096  # V4-Flash attention wo_a: 8 groups of 1024 x 4096
-    _fused_header(f"\n## nvfp4_linear_grouped (wo_a, {g} x ({n}x{k}), one launch at M <= 64; wgmma: forced) vs bf16 torch.bmm "
+    _fused_header(f"\n## nvfp4_linear_grouped (wo_a, {g} x ({n}x{k}), one launch: skinny below 32 rows, wgmma to 1024) vs bf16 torch.bmm "
                   "(cuBLAS), and vs 8 nvfp4_linear calls", "grouped us", "bf16 bmm us", "8 x linear us")
     wbytes = g * nvfp4_bytes(n, k)
     copies = max(1, min(64, math.ceil(ROTATE_BYTES / wbytes)))
@@ -181,8 +181,8 @@ def bench_grouped(gen):
         rows.append(_fused_row(m, wbytes, 2.0 * m * g * n * k, m * g * n * 2,
                                lambda i: ops.nvfp4_linear_grouped(x, ws[i % copies][0], ws[i % copies][1], gs),
                                lambda i: torch.bmm(xt, wb[i % bcopies].transpose(1, 2)), loop))
-        if m > 8:  # the opt-in one-launch wgmma kernel
-            _forced(m, wbytes, "wgmma", lambda i: ops.nvfp4_linear_grouped(x, ws[i % copies][0], ws[i % copies][1], gs))
+        if 8 < m <= 64:  # the one-launch skinny kernel the auto rule left at 32 rows
+            _forced(m, wbytes, "skinny", lambda i: ops.nvfp4_linear_grouped(x, ws[i % copies][0], ws[i % copies][1], gs))
     del ws, wb
     torch.cuda.empty_cache()
     return rows

@@ -635,8 +635,9 @@ def test_linear_w4a4_cuda(m):
 @pytest.mark.kernels
 @pytest.mark.parametrize("g,n,k", [(8, 1024, 4096), (3, 40, 272), (2, 24, 144)])
 def test_linear_grouped_cuda(g, n, k):
-    """All groups in one launch (gemv: M <= 8; skinny: M <= 64; wgmma: every M > 8 with the override), with PDL on
-    and off; by default each group through the nvfp4_linear paths beyond 64; V4-Flash wo_a is 8 x (1024 x 4096)."""
+    """All groups in one launch (gemv: M <= 8; skinny: M < 32, or to 64 forced; wgmma: 32 <= M <= 1024, or every
+    M > 8 forced), with PDL on and off; each group through the nvfp4_linear paths beyond 1024 rows; V4-Flash wo_a
+    is 8 x (1024 x 4096)."""
     gen = torch.Generator().manual_seed(g + n + k)
     for m in (1, 2, 5, 8, 20, 33, 64, 100, 1100):
         x, w, _, ref32, bound = grouped_case(g, n, k, (m,), gen, "cuda")

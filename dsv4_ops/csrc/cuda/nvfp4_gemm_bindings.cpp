@@ -275,8 +275,8 @@ at::Tensor nvfp4_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at:
   return linear_impl(x2, w, s, gs, nullptr, N, at::kBFloat16, op).view(out_shape);
 }
 
-// One launch for every group at decode sizes (M <= 64, the gemv / skinny kernels: group = blockIdx.y); larger
-// M runs each group through the nvfp4_linear paths.
+// One launch for every group: gemv / skinny at M < 32, wgmma up to 1024 rows (group = blockIdx.y); larger M runs
+// each group through the nvfp4_linear paths.
 at::Tensor nvfp4_linear_grouped_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
                                      const at::Tensor& gs) {
   const char* op = "dsv4::nvfp4_linear_grouped";
@@ -291,10 +291,11 @@ at::Tensor nvfp4_linear_grouped_cuda(const at::Tensor& x, const at::Tensor& w, c
   TORCH_CHECK(M < (int64_t(1) << 31) && G * N < (int64_t(1) << 31) && K < (int64_t(1) << 31), op,
               ": sizes must fit in int32");
   at::Tensor out = at::empty({M, G, N}, x3.options());
-  // wgmma: every group in one launch (M > 8), opt-in (the override "wgmma") until the H200 has run it; by default
-  // skinny at M <= 64, then each group through the linear's rule (wgmma per group up to 1024 rows)
+  // wgmma: every group in one launch for 32 <= M <= 1024 (forced: any M > 8); 3.2-5x the skinny kernel / the
+  // per-group loop at M = 32-256 (bench/RESULTS.md, session 32). Else skinny at M <= 64, then each group through
+  // the linear's rule (dequantize + cuBLAS beyond 1024 rows).
   const Choice choice = kernel_choice();
-  const bool wgmma = choice == Choice::kWgmma && M > 8;
+  const bool wgmma = (choice == Choice::kWgmma && M > 8) || (auto_wgmma(choice, M) && M <= kWgmmaMaxRows);
   TORCH_CHECK(G * K < (int64_t(1) << 31), op, ": sizes must fit in int32");
   if (M > 64 && !wgmma) {
     for (int64_t g = 0; g < G; ++g)
