@@ -1,8 +1,8 @@
-# serve: our server under bench/bench_serve.py at SERVE_CONCURRENCY (default 1 8 32): `python -m dsv4_model serve`
-# on the built-in model, then each of SERVE_PRESETS (e.g. "flash2 flash43:160": random NVFP4 models served by
-# `bench_serve.py --preset-server`, :N their routed experts; 43 layers with all 256 do not fit one H200). The
-# static batch to compare with: the `continuous` part. The GPU machine has no package index: wheels carried in
-# .wheels/ (made by scripts/gpu_wheels.sh) are installed first.
+# serve: our server under bench/bench_serve.py at SERVE_CONCURRENCY (default 1 8 32), for each of SERVE_PRESETS
+# (default "default"): default is `python -m dsv4_model serve` on the built-in model; others (e.g. "flash2
+# flash43:160") random NVFP4 models served by `bench_serve.py --preset-server`, :N their routed experts (43 layers
+# with all 256 do not fit one H200). The static batch to compare with: the `continuous` part. The GPU machine has
+# no package index: wheels carried in .wheels/ (made by scripts/gpu_wheels.sh) are installed first.
 if [ -d .wheels ] && [ -z "$DRY" ]; then
   $PY -m pip install -q --no-index --find-links .wheels fastapi uvicorn prometheus_client httpx openai \
     > "$LOGS/wheels.log" 2>&1 || note "[serve] wheels from .wheels/ did not install (see wheels.log)"
@@ -15,7 +15,13 @@ serve_bench() {  # serve_bench NAME SERVER-CMD...: start the server, bench each 
     "$@" > "$LOGS/serve_${name}_server.log" 2>&1 &
     local pid=$! t0=$(date +%s)
     until curl -sf "http://127.0.0.1:$SERVE_PORT/health" > /dev/null; do
-      kill -0 $pid 2>/dev/null && [ $(( $(date +%s) - t0 )) -lt 300 ] || break
+      if ! kill -0 $pid 2>/dev/null; then
+        wait $pid; note "[serve_$name] server exited ($?) before it was up: $(tail -n 1 "$LOGS/serve_${name}_server.log")"
+        return 0
+      fi
+      if [ $(( $(date +%s) - t0 )) -ge 300 ]; then
+        kill -KILL $pid; note "[serve_$name] server not up after 300 s (killed)"; return 0
+      fi
       sleep 1
     done
     note "[serve_$name] server up after $(( $(date +%s) - t0 ))s"
@@ -31,8 +37,10 @@ serve_bench() {  # serve_bench NAME SERVER-CMD...: start the server, bench each 
   kill -0 $pid 2>/dev/null && { kill -KILL $pid; note "[serve_$name] server killed: no exit 30 s after SIGTERM"; }
   wait $pid; note "[serve_$name] server exit $?"
 }
-serve_bench default $PY -m dsv4_model serve --port "$SERVE_PORT" --max-batch-size 32
-for p in ${SERVE_PRESETS:-}; do
+for p in ${SERVE_PRESETS:-default}; do
+  if [ "$p" = default ]; then
+    serve_bench default $PY -m dsv4_model serve --port "$SERVE_PORT" --max-batch-size 32; continue
+  fi
   experts=(); [[ $p == *:* ]] && experts=(--experts "${p#*:}")
   serve_bench "${p%%:*}" $PY bench/bench_serve.py --preset-server "${p%%:*}" ${experts[@]+"${experts[@]}"} \
     --port "$SERVE_PORT" --max-batch-size 64
