@@ -135,6 +135,24 @@ def timed(fn, reps: int, split: bool = True) -> tuple[float, float]:
 
 
 @torch.no_grad()
+def print_rows(S, res, floor):
+    """One length's rows: each mode's (wall, indexer) seconds or its failure, then HF's forward."""
+    hf_t = res.get("hf")
+    for mode, v in res.items():
+        if mode == "hf":
+            continue
+        if isinstance(v, str):
+            print(f"{S:7d} {mode:30} {v}")
+            continue
+        wall, ix = v
+        vs = f"{hf_t / wall:6.2f}x" if isinstance(hf_t, float) else "   n/a"
+        print(f"{S:7d} {mode:30} {wall:8.3f} {S / wall:9.0f} {ix:9.3f} {wall - ix:7.3f} {floor:8.3f} "
+              f"{floor / wall:7.1%} {vs}")
+    if hf_t is not None:
+        print(f"{S:7d} {'HF forward':30} " + (f"{hf_t:8.3f} {S / hf_t:9.0f}" if isinstance(hf_t, float) else hf_t))
+    sys.stdout.flush()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="4096,8192,32768,131072")
@@ -159,10 +177,13 @@ def main(argv=None) -> int:
     print(f"[V4-Flash widths, {cfg.n_layers} layers {cfg.compress_ratios[:cfg.n_layers]}, {cfg.n_routed_experts} "
           f"experts, NVFP4 W4A16] {note}", flush=True)
     g = torch.Generator(device="cuda").manual_seed(0)
-    rows = []
+    print(f"\nPrefill, batch 1 (eager; indexer = its scores + top-k; floor = FLOPs at {DENSE_FLOPS / 1e12:.0f} "
+          f"TFLOP/s); each length's rows print as it finishes")
+    print_header(f"{'tokens':>7} {'mode':30} {'seconds':>8} {'tokens/s':>9} {'indexer s':>9} {'rest s':>7} "
+                 f"{'floor s':>8} {'of floor':>8} {'vs HF':>7}")
     for S in lengths:
         if time.perf_counter() - t_start > args.budget:
-            rows.append((S, "skipped (time budget)"))
+            print(f"{S:7d} skipped (time budget)", flush=True)
             continue
         ids = torch.randint(2, cfg.vocab_size, (1, S), device="cuda", generator=g)
         lens = torch.full((1,), S, dtype=torch.long, device="cuda")
@@ -202,32 +223,9 @@ def main(argv=None) -> int:
                 res["hf"] = "out of memory"
             gc.collect()
             torch.cuda.empty_cache()
-        rows.append((S, res, flop_floor(cfg, ours, S)))
+        print_rows(S, res, flop_floor(cfg, ours, S))
         print(f"[S={S}] done at {time.perf_counter() - t_start:.0f} s", flush=True)
 
-    print(f"\nPrefill, batch 1 (eager; indexer = its scores + top-k; floor = FLOPs at {DENSE_FLOPS / 1e12:.0f} "
-          f"TFLOP/s)")
-    hdr = (f"{'tokens':>7} {'mode':30} {'seconds':>8} {'tokens/s':>9} {'indexer s':>9} {'rest s':>7} "
-           f"{'floor s':>8} {'of floor':>8} {'vs HF':>7}")
-    print_header(hdr)
-    for row in rows:
-        if isinstance(row[1], str):
-            print(f"{row[0]:7d} {row[1]}")
-            continue
-        S, res, floor = row
-        hf_t = res.get("hf")
-        for mode, v in res.items():
-            if mode == "hf":
-                continue
-            if isinstance(v, str):
-                print(f"{S:7d} {mode:30} {v}")
-                continue
-            wall, ix = v
-            vs = f"{hf_t / wall:6.2f}x" if isinstance(hf_t, float) else "   n/a"
-            print(f"{S:7d} {mode:30} {wall:8.3f} {S / wall:9.0f} {ix:9.3f} {wall - ix:7.3f} {floor:8.3f} "
-                  f"{floor / wall:7.1%} {vs}")
-        if hf_t is not None:
-            print(f"{S:7d} {'HF forward':22} " + (f"{hf_t:8.3f} {S / hf_t:9.0f}" if isinstance(hf_t, float) else hf_t))
     return 0
 
 
