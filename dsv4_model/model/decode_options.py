@@ -5,9 +5,7 @@ The decode step runs each fused op (one launch instead of the several Inductor k
 replaces, the faster one measured on the H200: bench/RESULTS.md) wherever its kernels take the call
 (`dsv4_ops.supports`); elsewhere, and in prefill and training, the tensor-op form runs. Two debug overrides remain,
 for bisecting and A/B runs (`scripts/gpu_check.sh switches`): the whole mHC chain as tensor ops, and the
-attention's form. Each gives the shipped logits up to summation order (tests/test_decode_options.py). One
-experiment, off by default: `prefetch` (dsv4::prefetch_l2 of each layer's weights ahead of their readers; the same
-logits bit for bit, tests/test_prefetch.py).
+attention's form. Each gives the shipped logits up to summation order (tests/test_decode_options.py).
 """
 from __future__ import annotations
 
