@@ -142,9 +142,3 @@ def compressor_decode(kv: Tensor, score: Tensor, *, ape: Tensor, positions: Tens
 def indexer_store_keys(keys: Tensor, *, positions: Tensor, ratio: int, kv_cache: Tensor, k_codes: Tensor,
                        k_scales: Tensor) -> None:
     _ops.indexer_store_keys(keys, positions, ratio, kv_cache, k_codes, k_scales)
-
-
-def prefetch_l2(after: Tensor, *, weights: list[Tensor], marker: Tensor) -> None:
-    """Ask the GPU to bring `weights` into L2 now, for kernels later in the stream (no value changes; on the CPU
-    only marker is written: the bytes asked for). Ordered after `after` is produced; marker int64 [1]."""
-    _ops.prefetch_l2(after, weights, marker)

@@ -1,6 +1,5 @@
 """DecodeOptions: parsing, and every debug override (each alone, and all together) giving the logits of the shipped
-defaults on a model with every attention kind (fp32: to summation-order rounding). (The prefetch experiment,
-off by default: tests/test_prefetch.py.)"""
+defaults on a model with every attention kind (fp32: to summation-order rounding)."""
 import dataclasses
 
 import pytest
@@ -12,15 +11,13 @@ from dsv4_model.model.decode_options import DecodeOptions
 from dsv4_model.model.transformer import Transformer
 from dsv4_model.quant.random_model import init_random_weights
 
-# the debug overrides: on by default, each turned off alone
-BOOL_OPTIONS = [f.name for f in dataclasses.fields(DecodeOptions) if f.type in (bool, "bool") and f.default]
+BOOL_OPTIONS = [f.name for f in dataclasses.fields(DecodeOptions) if f.type in (bool, "bool")]
 
 
 def test_parse():
     assert DecodeOptions.parse("") == DecodeOptions()
     assert DecodeOptions.parse("hc_pre=0, attention=torch") == DecodeOptions(hc_pre=False, attention="torch")
     assert DecodeOptions.parse("hc_pre=1") == DecodeOptions()
-    assert DecodeOptions.parse("prefetch=1") == DecodeOptions(prefetch=True)
     for bad in ("hc_pre", "nope=0", "hc_pre=off", "norm_rope=0"):
         with pytest.raises(ValueError, match="decode option"):
             DecodeOptions.parse(bad)

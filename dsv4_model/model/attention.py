@@ -30,7 +30,7 @@ from dsv4_ops import ops, supports
 from dsv4_model.model.compressor import Compressor, scatter_entries
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.indexer import Indexer, topk_indices
-from dsv4_model.model.layers import (FloatWeight, GroupedLinear, Linear, RMSNorm, apply_rope, project, stored,
+from dsv4_model.model.layers import (FloatWeight, GroupedLinear, Linear, RMSNorm, apply_rope, project,
                                      unweighted_rms_norm)
 from dsv4_model.model.quant_sim import fp4_pack_indexer_keys, kv_fake_quant
 from dsv4_model.model.step_values import DecodeStep
@@ -328,22 +328,8 @@ class Attention(nn.Module):
     def decode(self, x: torch.Tensor, step: DecodeStep) -> torch.Tensor:
         """x [B, dim] at the step's per-row positions -> [B, dim]. Updates caches rows [:B]."""
         cs = step.cs(self.rope_kind)
-        p = self._decode_projections(x, cs, step.positions)
-        step.prefetch(p.q, self.output_weights())  # the compressors, indexer and attention are latency-bound
-        o, rotated = self._decode_attend(p, step)
+        o, rotated = self._decode_attend(self._decode_projections(x, cs, step.positions), step)
         return self._out(o, cs, rotated=rotated)
-
-    def input_weights(self) -> list[torch.Tensor]:
-        """The weights decode reads first, in order (the q / kv projections, then the fp32-math ones)."""
-        ix, comp = self.indexer, self.compressor
-        icomp = ix.compressor if ix is not None else None
-        return stored(self.wq_a, self.wkv, self.wq_b, ix.wq_b if ix is not None else None,
-                      *(lin for c in (comp, icomp) if c is not None for lin in (c.wkv, c.wgate)),
-                      ix.weights_proj if ix is not None else None)
-
-    def output_weights(self) -> list[torch.Tensor]:
-        """The weights of the output projection (wo_a, wo_b), read after the attention."""
-        return stored(self.wo_a, self.wo_b)
 
     def decode_tokens(self, x: torch.Tensor, steps: list[DecodeStep]) -> torch.Tensor:
         """T tokens per row at once: x [T * B, dim] (row t * B + b: token t of sequence b, at steps[t]'s

@@ -20,9 +20,6 @@ class DecodeOptions:
     hc_pre: bool = True  # mHC at decode as dsv4::hc_pre / hc_post_pre (an NVFP4 MoE's rows folded into the latter)
     # dsv4::sparse_attn_decode where faster ("auto"), always ("fused"), never ("torch"): Attention.fused_attention
     attention: str = "auto"
-    # dsv4::prefetch_l2 of each layer's weights ahead of their readers (Block.decode), while latency-bound kernels
-    # leave HBM idle: an experiment, off until the H200 measures it (bench/bench_layer.py --decode-options prefetch=1)
-    prefetch: bool = False
 
     def __post_init__(self):
         if self.attention not in ATTENTION_MODES:
@@ -30,7 +27,7 @@ class DecodeOptions:
 
     @classmethod
     def parse(cls, text: str) -> "DecodeOptions":
-        """"hc_pre=0,attention=torch,prefetch=1" -> DecodeOptions (for command lines; "" = the defaults)."""
+        """"hc_pre=0,attention=torch" -> DecodeOptions (for command lines; "" = the defaults)."""
         fields = {f.name: f.type for f in dataclasses.fields(cls)}
         kw = {}
         for item in filter(None, (t.strip() for t in text.split(","))):

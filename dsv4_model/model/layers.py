@@ -175,18 +175,6 @@ def project(x: torch.Tensor, *projections: Projection, fp32: bool = False) -> tu
     return tuple(p(x) for p in projections)
 
 
-def stored(*mods: nn.Module | None) -> list[torch.Tensor]:
-    """The tensors the weights of `mods` are held in (a Projection: its stored form's; another module: all its
-    parameters and buffers), in order; None entries skipped. What a prefetch of their weights asks for."""
-    out: list[torch.Tensor] = []
-    for m in mods:
-        if isinstance(m, Projection):
-            out += [getattr(m, n) for n in m.form.names]
-        elif m is not None:
-            out += [*m.parameters(), *m.buffers()]
-    return out
-
-
 def is_float_linear(p: nn.Module) -> bool:
     """Whether p is a Linear holding a float weight."""
     return isinstance(p, Linear) and isinstance(p.form, FloatWeight)

@@ -213,12 +213,6 @@ class MoE(nn.Module):
         self.backend.narrow_(self, start, count)
         self.shard, self.expert_start = shard, start
 
-    def first_weights(self) -> list[torch.Tensor]:
-        """The weights a decode step reads before the routed experts' (known once routed): the router's and the
-        shared expert's, as stored (float or in the NVFP4 backend's module)."""
-        shared = [t for name, t in (*self.named_parameters(), *self.named_buffers()) if "shared" in name]
-        return [self.gate.weight, *shared]
-
     def local_ids(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(whether each assignment's expert is on this rank, its index among this rank's experts)."""
         ids = indices - self.expert_start

@@ -15,8 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from dsv4_ops import ops, supports
-from dsv4_ops.limits import LIMITS
+from dsv4_ops import supports
 
 from dsv4_model.model.decode_options import DecodeOptions
 
@@ -62,19 +61,17 @@ class StepScratch(nn.Module):
         self.register_buffer("n_vis", torch.zeros(max(len(ratios), 1), max_batch, dtype=torch.long, device=device),
                              persistent=False)
         self.attn = nn.ModuleList(AttnRows(key, max_batch, device) for key in attn_keys)
-        # what dsv4::prefetch_l2 writes (the bytes it asked for): its one output, so the op stays in the graph
-        self.register_buffer("prefetch_marker", torch.zeros(1, dtype=torch.long, device=device), persistent=False)
 
     @property
     def attn_keys(self) -> list[tuple]:
         return [a.key for a in self.attn]
 
-    def slots(self) -> tuple[dict[str, Slots], Slots, dict[tuple, Slots], torch.Tensor]:
-        """DecodeStep's rope_slots, nvis_slots, attn_slots and prefetch_marker in these buffers."""
+    def slots(self) -> tuple[dict[str, Slots], Slots, dict[tuple, Slots]]:
+        """DecodeStep's rope_slots, nvis_slots and attn_slots in these buffers."""
         return ({"main": (self.rope_main, self.rope_offsets["main"]),
                  "compress": (self.rope_compress, self.rope_offsets["compress"])},
                 (self.n_vis, self.vis_ratios),
-                {a.key: (a.rows, [a.key]) for a in self.attn}, self.prefetch_marker)
+                {a.key: (a.rows, [a.key]) for a in self.attn})
 
 
 class DecodeStep:
@@ -84,14 +81,11 @@ class DecodeStep:
     [max_seq_len, rope_dim / 2, 2]}; rope_slots: {kind: (buffer, offsets m)}; nvis_slots: (buffer, ratios);
     attn_slots: {(ring slots, ratio, entries): (buffer, [key])}. Without slots ({}, None, {}) every value is a
     tensor of its own (a multi-token decode holds several steps at once). attn_simt: whether the attn_kernel debug
-    override forces the attention op's CUDA-core kernel (Attention.fused_attention), read once per step.
-    prefetch_marker: the buffer dsv4::prefetch_l2 writes (`prefetch`; None: no prefetch)."""
+    override forces the attention op's CUDA-core kernel (Attention.fused_attention), read once per step."""
 
     def __init__(self, positions: torch.Tensor, options: DecodeOptions, tables: dict[str, torch.Tensor],
-                 rope_slots: dict[str, Slots], nvis_slots: Slots | None, attn_slots: dict[tuple, Slots],
-                 prefetch_marker: torch.Tensor | None = None):
+                 rope_slots: dict[str, Slots], nvis_slots: Slots | None, attn_slots: dict[tuple, Slots]):
         self.positions, self.options = positions, options
-        self._marker = prefetch_marker if options.prefetch else None
         self.attn_simt = supports.sparse_attn_decode_simt()
         self._tables = tables
         self._nvis_slots, self._attn_slots = nvis_slots, attn_slots
@@ -116,16 +110,6 @@ class DecodeStep:
         if m not in self._visible:
             self._visible[m] = in_slot(self._nvis_slots, m, (self.positions + 1) // m)
         return self._visible[m]
-
-    def prefetch(self, after: torch.Tensor, weights: list[torch.Tensor]) -> None:
-        """Under DecodeOptions.prefetch, ask the GPU to bring `weights` into L2 once `after` exists (dsv4::prefetch_l2:
-        the kernels between then and the weights' readers are latency-bound, so HBM would idle); else nothing."""
-        if self._marker is None:
-            return
-        weights = [w for w in weights if w.numel() and w.is_contiguous()]
-        n = LIMITS.prefetch_max_tensors
-        for i in range(0, len(weights), n):
-            ops.prefetch_l2(after, weights=weights[i:i + n], marker=self._marker)
 
     def shared_rows(self, key: tuple, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The attended row list of key (window, ratio, entries), computed by the first layer that asks."""

@@ -158,12 +158,8 @@ class Block(nn.Module):
         sum an NVFP4 MoE's expert rows, so they go to it uncombined (one combine kernel less per layer; the
         Transformer decides). routed: the rows whose tokens go to their routed experts (MoE.forward; None: all)."""
         opts = step.options if isinstance(step, DecodeStep) else step[0].options
-        if isinstance(step, DecodeStep):  # mHC and the norms ahead of each sublayer are latency-bound
-            step.prefetch(h, self.attn.input_weights())
         h, x, post, comb = self._post_pre_normed(h, pending, self.hc_attn, opts)
         out = self.attn.decode(x, step) if isinstance(step, DecodeStep) else self.attn.decode_tokens(x, step)
-        if isinstance(step, DecodeStep):
-            step.prefetch(out, self.ffn.first_weights())
         h, x, post, comb = self._post_pre_normed(h, Pending(out, post, comb), self.hc_ffn, opts)
         if fold_rows:
             rows = self.ffn.decode_rows(x, ids, routed)

@@ -15,7 +15,6 @@ constexpr int64_t kIndexerCudaMaxTopk = 4096;
 constexpr int64_t kNormRopeCudaMaxDim = 4096;  // one thread per 4 elements, <= 1024 threads
 constexpr int64_t kAttnMmaDimMultiple = 64;    // the tensor-core attention partial kernel: D % 64 == 0, D <= 512
 constexpr int64_t kAttnMmaMaxDim = 512;
-constexpr int64_t kPrefetchMaxTensors = 32;   // dsv4::prefetch_l2: the tensors of one call (a kernel parameter)
 
 constexpr bool hadamard_fp4_dim_ok(int64_t d) { return d == 64 || d == 128 || d == 256; }
 constexpr bool store_keys_dim_ok(int64_t d) { return d == 64 || d == 128 || d == 256 || d == 512; }

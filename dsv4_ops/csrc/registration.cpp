@@ -30,7 +30,6 @@ extern "C" __attribute__((visibility("default"))) int64_t dsv4_ops_kernel_limit(
   if (n == "indexer_cuda_max_heads") return kIndexerCudaMaxHeads;
   if (n == "indexer_cuda_max_topk") return kIndexerCudaMaxTopk;
   if (n == "norm_rope_cuda_max_dim") return kNormRopeCudaMaxDim;
-  if (n == "prefetch_max_tensors") return kPrefetchMaxTensors;
   if (n == "hadamard_fp4_dim") return hadamard_fp4_dim_ok(value);
   if (n == "store_keys_dim") return store_keys_dim_ok(value);
   if (n == "attn_mma_dim") return attn_mma_dim_ok(value);
@@ -198,14 +197,6 @@ TORCH_LIBRARY(dsv4, m) {
   m.def(
       "indexer_store_keys(Tensor keys, Tensor positions, int ratio, Tensor(a!) kv_cache, Tensor(b!) k_codes, "
       "Tensor(c!) k_scales) -> ()");
-
-  // ---- L2 weight prefetch ----
-  // Asks the GPU to bring the bytes of each of `weights` (contiguous, any dtype, at most kPrefetchMaxTensors) into
-  // its L2 cache now, for kernels later in the stream that read them; no value changes. marker (int64 [1]) is set
-  // to the number of bytes asked for. `after` is not read: it orders the op after the value it names. The decode
-  // step issues it where the GPU's memory would idle (latency-bound kernels) ahead of the weights' readers. See
-  // docs/ops.md "## L2 prefetch".
-  m.def("prefetch_l2(Tensor after, Tensor[] weights, Tensor(a!) marker) -> ()");
 
   // ---- decode state ----
 }

@@ -73,10 +73,6 @@ extern "C" cudaError_t dsv4_rms_norm_rope_store_launch(const void* x, int x_fp32
                                                        int slots, void* cache, int64_t row_stride,
                                                        cudaStream_t stream);
 
-// prefetch.cu
-extern "C" cudaError_t dsv4_prefetch_l2_launch(const void* const* ptrs, const int64_t* bytes, int n,
-                                               int64_t* marker, int64_t total, cudaStream_t stream);
-
 // router.cu
 extern "C" cudaError_t dsv4_router_topk_launch(const float* scores, const float* bias, int64_t n, int E, int k,
                                                int renormalize, float scale, int sqrt_softplus, float* weights,
