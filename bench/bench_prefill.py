@@ -12,13 +12,15 @@ the FLOP floor at 790 TFLOP/s (bf16 dense, measured): 2 x the weights a token mu
 shared + 6 routed experts per layer) + the attention's and the indexer's products at the mean position.
 
 --compiled: also the chunks through one torch.compile graph per prompt length (tensor starts; the figure to
-decide on a compiled prefill in the engine).
+decide on a compiled prefill in the engine); --regional: a graph per distinct layer instead (compile time
+independent of depth: what a 43-layer model needs).
 
 --gemm-kernels auto,cublas: the eager modes again under each nvfp4_gemm_kernel override (cublas: dequantize +
 cuBLAS for every linear past 64 rows and the MoE on the skinny kernel, the default before the wgmma kernels).
 
 Run: python bench/bench_prefill.py [--lengths 4096,8192,32768,131072] [--chunk 8192] [--layers 2]
-       [--experts 256] [--hf-max 8192] [--budget SECONDS] [--compiled] [--gemm-kernels auto,cublas]
+       [--experts 256] [--hf-max 8192] [--budget SECONDS] [--compiled [--regional]]
+       [--gemm-kernels auto,cublas]
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ from dsv4_model.model import attention as attention_mod  # noqa: E402
 from dsv4_model.model.config import ModelConfig  # noqa: E402
 from dsv4_model.model.indexer import Indexer  # noqa: E402
 from dsv4_model.quant.quantize_model import quantize_model_  # noqa: E402
+from dsv4_model.runtime.compiled_prefill import _layer_prefill  # noqa: E402
 from dsv4_model.runtime.prefill_chunks import padded_chunks, prefill_in_chunks  # noqa: E402
 
 DENSE_FLOPS = 790e12
@@ -107,10 +110,16 @@ def flop_floor(cfg: ModelConfig, model, S: int) -> float:
     return flops / DENSE_FLOPS
 
 
-def compiled_chunks(model, chunk: int, span: int):
+def compiled_chunks(model, chunk: int, span: int, regional: bool = False):
     """run(ids, lens): the prompt's chunks through one torch.compile graph (fullgraph, static shapes, the starts
-    a tensor: Transformer.prefill(start=tensor, span=span)), the last chunk padded."""
-    step = torch.compile(lambda t, n, s: model.prefill(t, n, start=s, span=span), fullgraph=True, dynamic=False)
+    a tensor: Transformer.prefill(start=tensor, span=span)), the last chunk padded; regional: one graph per
+    distinct layer instead (CompiledPrefill(regional=True)'s form), the rest eager."""
+    if regional:
+        layer = torch.compile(_layer_prefill, fullgraph=True, dynamic=False)
+        step = lambda t, n, s: model.prefill(t, n, start=s, span=span, layer_call=layer)  # noqa: E731
+    else:
+        step = torch.compile(lambda t, n, s: model.prefill(t, n, start=s, span=span), fullgraph=True,
+                             dynamic=False)
     return lambda ids, lens: padded_chunks(ids, lens, chunk, step)
 
 
@@ -165,6 +174,9 @@ def main(argv=None) -> int:
                     help="nvfp4_gemm_kernel overrides the eager modes run under, e.g. auto,cublas (dsv4_ops.overrides)")
     ap.add_argument("--compiled", action="store_true",
                     help="also time the chunks through one compiled graph per length (its compile time printed)")
+    ap.add_argument("--regional", action="store_true",
+                    help="with --compiled: compile one layer at a time (a graph per distinct layer; what "
+                         "--regional-compile does to the engine's compiled prefill)")
     args = ap.parse_args(argv)
     if cuda_missing("bench_prefill"):
         return 0
@@ -203,9 +215,9 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
         if args.compiled:
             c = min(S, args.chunk)
-            mode = f"compiled, chunks {c}"
+            mode = f"compiled{' regional' if args.regional else ''}, chunks {c}"
             try:
-                run = compiled_chunks(ours, c, S)
+                run = compiled_chunks(ours, c, S, args.regional)
                 t0 = time.perf_counter()
                 run(ids, lens)
                 torch.cuda.synchronize()

@@ -6,6 +6,8 @@ CPU tests compile with the aot_eager backend (Dynamo + AOT autograd's traced gra
 compile of the prefill takes minutes on this CPU; the decode tests cover Inductor's CPU codegen). Tolerances: the
 static-shape MoE (float experts' gather + einsum, what the compiled chunk runs) sums in another order than eager's
 per-expert loop: equal in bf16 on the built-in model, ~1e-6 apart in fp32 (TOL). The CUDA test runs Inductor."""
+import copy
+
 import pytest
 import torch
 
@@ -79,6 +81,46 @@ def test_padded_rows_untouched_and_logits_equal_eager():
     assert cp.compiled == 1
 
 
+def _regional_run(ratios: list[int]) -> tuple[int, float]:
+    """A float32 model with layers of these compress ratios: two chunks (rows at their own starts) through
+    regional compiled prefill against eager. Returns (Dynamo graphs compiled, worst |logits - eager|)."""
+    from torch._dynamo.utils import counters
+
+    cfg = make_config("tiny", n_layers=len(ratios), compress_ratios=list(ratios), n_mtp_layers=0, n_hash_layers=1,
+                      n_routed_experts=4)
+    eager = init_random_weights(Transformer(cfg, max_batch_size=2, max_seq_len=96, dtype=torch.float32,
+                                            simulate_quant=False), 0).eval()
+    comp = copy.deepcopy(eager)
+    torch._dynamo.reset()  # variants are cached across models: count this model's alone
+    counters.clear()
+    cp = CompiledPrefill(comp, backend="aot_eager", regional=True)
+    ids = torch.randint(0, cfg.vocab_size, (2, 60), generator=torch.Generator().manual_seed(1))
+    worst = 0.0
+    for start, lengths in ((torch.tensor([0, 0]), torch.tensor([30, 21])), (torch.tensor([30, 21]),
+                                                                             torch.tensor([30, 25]))):
+        tokens = torch.stack([ids[b, int(s):int(s) + 30] for b, s in enumerate(start)])
+        ref = eager.prefill(tokens, lengths, start=start)
+        got = cp(tokens, lengths, start)
+        torch.testing.assert_close(got, ref, **TOL)
+        worst = max(worst, float((got - ref).abs().max()))
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert cp.compiled == 1  # one (rows, tokens) bucket: 2 x 32
+    pos = torch.tensor([60, 46])
+    torch.testing.assert_close(comp.decode_step(ids[:, 59], pos), eager.decode_step(ids[:, 59], pos), **TOL)
+    return counters["stats"]["unique_graphs"], worst
+
+
+def test_regional_reuses_layers_and_matches_eager():
+    """regional=True compiles each decoder layer's prefill as a region: a model three times as deep (the same
+    kinds of layers) compiles no more graphs, and its logits (and the caches decode reads next) are eager's.
+    Variants: the hash-routed first layer, then one per layer kind (SWA / CSA / HCA)."""
+    shallow, _ = _regional_run([0, 4, 16] + [4, 16, 0] * 2)
+    deep, worst = _regional_run([0, 4, 16] + [4, 16, 0] * 6)
+    assert deep == shallow, (shallow, deep)
+    assert 3 <= shallow <= 6, shallow  # (a whole-chunk graph would be one)
+    print(f"regional prefill: {shallow} graphs for 9 and 21 layers; max |regional - eager| logits {worst:.3g}")
+
+
 def test_engine_option_defaults_and_types():
     eng = Engine(_tiny())
     assert eng.compiled_prefill() is None  # CPU: off unless asked
@@ -146,3 +188,28 @@ def test_cli_flags_reach_the_engine(monkeypatch, flag, want):
     with pytest.raises(Stop):
         serve_cli.build_engine(serve_cli._parser().parse_args(["--device", "cpu", *flag]))
     assert seen == [want, want]
+
+
+def test_serve_regional_compile_reaches_the_engine(monkeypatch):
+    """`serve --regional-compile`: the engine's runner options compile layer by layer (decode and, with
+    --compile-prefill, the prefill chunks); with --no-compile or --speculate it is refused in one line."""
+    from dsv4_model.serve import cli as serve_cli
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake(*a, runner_options, compile_prefill, **k):
+        seen.append((runner_options.compile, runner_options.regional, compile_prefill))
+        raise Stop
+
+    monkeypatch.setattr("dsv4_model.runtime.engine.Engine.from_pretrained", staticmethod(fake))
+    for flags, want in (([], (None, False, False)), (["--regional-compile", "--compile-prefill"], (True, True, True))):
+        with pytest.raises(Stop):
+            serve_cli.build_engine(serve_cli._parser().parse_args(["--device", "cpu", *flags]))
+        assert seen.pop() == want
+    for flags, msg in ((["--no-compile"], "it contradicts --no-compile"),
+                       (["--speculate", "1"], "speculative steps compile whole")):
+        with pytest.raises(ValueError, match=msg):
+            serve_cli._check(serve_cli._parser().parse_args(["--regional-compile", *flags]))

@@ -348,7 +348,7 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None,
                 all_logits: bool = False, static_moe: bool = False, start: "int | torch.Tensor" = 0,
-                span: int | None = None) -> torch.Tensor:
+                span: int | None = None, layer_call: Callable | None = None) -> torch.Tensor:
         """Forward `tokens` [B, S] at positions start .. start + S - 1 and fill cache rows [:B]. start: an int, or
         int64 [B] per row; > 0: a chunk of a longer prompt (the rows' caches hold their positions before start,
         from earlier chunks or decode steps; the result is what one prefill of the whole prompt gives).
@@ -361,13 +361,14 @@ class Transformer(nn.Module):
         token lengths[b]-1 (default S-1; junk where lengths[b] == 0), or [B, S, V].
         static_moe: float experts through their static-shape path (gathering each token's expert weights: what
         torch.export can trace; memory grows with tokens x top-k x expert size) instead of the per-expert loop
-        with data-dependent shapes."""
+        with data-dependent shapes. layer_call(layer, h, ids, lengths, rope, at, static_moe): runs one layer's
+        prefill (a compiled region; default: layer.prefill)."""
         B, S = tokens.shape
         tokens = tokens.to(self.device)
         if lengths is None:
             lengths = torch.full((B,), S, dtype=torch.long, device=self.device)
         lengths = lengths.to(device=self.device, dtype=torch.long)
-        h = self.streams(tokens, lengths, static_moe, start, span)
+        h = self.streams(tokens, lengths, static_moe, start, span, layer_call=layer_call)
         if all_logits:
             return self._logits(h)
         last = h[torch.arange(B, device=self.device), (lengths - 1).clamp(min=0)]
@@ -375,18 +376,21 @@ class Transformer(nn.Module):
 
     def streams(self, tokens: torch.Tensor, lengths: torch.Tensor, static_moe: bool = False,
                 start: "int | torch.Tensor" = 0, span: int | None = None,
-                before_layer: Callable | None = None) -> torch.Tensor:
+                before_layer: Callable | None = None, layer_call: Callable | None = None) -> torch.Tensor:
         """The main layers over `tokens` [B, S] from position start (as prefill's; filling cache rows [:B]) -> the
         final residual streams [B, S, hc, dim] before the head's collapse (what prefill's logits and the MTP block
         read). before_layer(layer_id, h): sees each layer's input streams (DSpark reads its target layers').
-        Tracks gradients where enabled (training)."""
+        layer_call: as prefill's. Tracks gradients where enabled (training)."""
         at = self.prefill_at(tokens.shape, start, span)
         rope = self._rope()
         h = self.embed(tokens).unsqueeze(2).repeat(1, 1, self.hc, 1)
         for layer in self.layers:
             if before_layer is not None:
                 before_layer(layer.layer_id, h)
-            h = layer.prefill(h, tokens, lengths, rope, at, static_moe)
+            if layer_call is None:
+                h = layer.prefill(h, tokens, lengths, rope, at, static_moe)
+            else:
+                h = layer_call(layer, h, tokens, lengths, rope, at, static_moe)
         return h
 
     def prefill_at(self, shape: torch.Size, start: "int | torch.Tensor", span: int | None) -> PrefillAt:

@@ -119,7 +119,8 @@ def _parser() -> argparse.ArgumentParser:
                         "use (default: off; docs/architecture.md, \"Compiled prefill\")")
     g.add_argument("--regional-compile", action="store_true",
                    help="compile one decoder layer at a time, reused by the layers that trace the same (compile "
-                        "time grows with the kinds of layers, not the depth); implies --compile (also on the CPU)")
+                        "time grows with the kinds of layers, not the depth): decode steps, and prefill chunks with "
+                        "--compile-prefill; implies --compile (also on the CPU)")
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay the decode step as CUDA graphs (default: on for CUDA; CUDA only)")
     g.add_argument("--graph-mode", choices=("manual", "reduce-overhead"), default=None,

@@ -1,5 +1,5 @@
 """Compiled prefill chunks for the scheduler (`Engine.prefill_at`): one torch.compile graph (fullgraph, static shapes)
-per (row bucket, token bucket).
+per (row bucket, token bucket), or with `regional` one per (distinct layer, bucket).
 
 A chunk of rows [:B] x S tokens is padded to the buckets (rows: the decode buckets 1, 2, 4, ..., max_batch_size;
 tokens: 16, 32, ..., max_seq_len) and run as `Transformer.prefill(start=tensor, span=max_seq_len, static_moe=True)`,
@@ -45,6 +45,12 @@ def _chunk(model, tokens, lengths, start, span: int):
     return model.prefill(tokens, lengths, static_moe=True, start=start, span=span)
 
 
+def _layer_prefill(layer, h, ids, lengths, rope, at, static_moe: bool):
+    """One decoder layer's prefill of a chunk (what regional compilation compiles; module-level, so that every
+    layer shares one code object and, where layers differ only in weights and caches, one compiled variant)."""
+    return layer.prefill(h, ids, lengths, rope, at, static_moe)
+
+
 def gather_bytes_per_token(model) -> int:
     """Bytes of expert weights the float experts' static path gathers per token (the largest layer's), 0 without
     float experts."""
@@ -64,10 +70,13 @@ class CompiledPrefill:
     """Runs prefill chunks of `model` (a Transformer) through per-bucket compiled graphs.
 
     backend: torch.compile backend ("inductor"; CPU tests use "aot_eager"). log: progress lines while a bucket
-    compiles. moe_gather_bytes: see the module docstring."""
+    compiles. moe_gather_bytes: see the module docstring. regional: compile one decoder layer at a time (the
+    embedding, the head and the last-token gather run eagerly): layers that differ only in weights and caches share
+    a compiled variant, so a bucket's compile time grows with the kinds of layers, not the depth (a whole-chunk
+    graph of a 43-layer model compiles every layer anew)."""
 
     def __init__(self, model, *, backend: str = "inductor", log: Callable[[str], None] | None = None,
-                 moe_gather_bytes: int = MOE_GATHER_BYTES):
+                 moe_gather_bytes: int = MOE_GATHER_BYTES, regional: bool = False):
         self.model = model
         self.log = log
         self.span = int(model.max_seq_len)
@@ -79,13 +88,24 @@ class CompiledPrefill:
         # Dynamo counts variants per code object; every engine compiles `_chunk` (a variant per bucket and model):
         # leave room for them (past the limit it would fall back to eager silently, or fail under fullgraph)
         n = len(self.row_buckets) * len(self.token_buckets)
+        self.regional = bool(regional)
+        if self.regional:  # a variant per distinct layer, per bucket
+            n *= len(model.layers)
         cfg = torch._dynamo.config
         cfg.recompile_limit = max(cfg.recompile_limit, 4 * n)
         cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 16 * n)
         from dsv4_ops.inductor import register_inductor_fallbacks
 
         register_inductor_fallbacks()
-        self._fn = torch.compile(_chunk, fullgraph=True, dynamic=False, backend=backend)
+        if self.regional:
+            self._layer_fn = torch.compile(_layer_prefill, fullgraph=True, dynamic=False, backend=backend)
+            self._fn = self._regional_chunk
+        else:
+            self._fn = torch.compile(_chunk, fullgraph=True, dynamic=False, backend=backend)
+
+    def _regional_chunk(self, model, tokens, lengths, start, span: int):
+        """_chunk with each layer's prefill compiled and the rest eager."""
+        return model.prefill(tokens, lengths, static_moe=True, start=start, span=span, layer_call=self._layer_fn)
 
     @property
     def compiled(self) -> int:

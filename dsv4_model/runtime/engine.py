@@ -24,8 +24,9 @@ class Engine(EngineSession):
     generate(prompts, ...) (dsv4_model.runtime.generate). State and generation: `EngineSession`.
     prefill_chunk: positions per prefill forward (a longer prompt runs in chunks: dsv4_model.runtime.prefill_chunks).
     compile_prefill: prefill_at's chunks (the scheduler's prefill) through compiled graphs per (rows, tokens) bucket
-    (dsv4_model.runtime.compiled_prefill); off by default until measured on the GPU (each bucket compiles on its
-    first chunk: a one-off stall). An attribute: assign it to switch."""
+    (dsv4_model.runtime.compiled_prefill; layer by layer where runner_options.regional); off by default until
+    measured on the GPU (each bucket compiles on its first chunk: a one-off stall). An attribute: assign it to
+    switch."""
 
     can_prefill_at = True
 
@@ -118,7 +119,8 @@ class Engine(EngineSession):
         if self._compiled_prefill is None:
             from dsv4_model.runtime.compiled_prefill import CompiledPrefill
 
-            self._compiled_prefill = CompiledPrefill(self.model, log=self.runner_options.log)
+            self._compiled_prefill = CompiledPrefill(self.model, log=self.runner_options.log,
+                                                     regional=self.runner_options.regional)
         return self._compiled_prefill
 
     def protect_rows(self, rows: list[int]):

@@ -16,7 +16,7 @@ from dsv4_model.model.checks import decode_request, prefill_request
 class RunnerOptions:
     """How generate() runs decode steps (the settings of dsv4_model.runtime.compiled.DecodeRunner): compile /
     cuda_graphs None = on for CUDA, off on the CPU; graph_mode "manual" | "reduce-overhead"; regional: compile one
-    decoder layer at a time; log: called with progress lines while a batch bucket compiles / captures."""
+    decoder layer at a time (decode steps, and the Engine's compiled prefill chunks); log: called with progress lines while a batch bucket compiles / captures."""
 
     compile: bool | None = None
     cuda_graphs: bool | None = None

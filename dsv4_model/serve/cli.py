@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=False,
                    help="prefill chunks through compiled graphs per (rows, tokens) bucket, each compiled on first "
                         "use (default: off; docs/architecture.md, \"Compiled prefill\")")
+    p.add_argument("--regional-compile", action="store_true",
+                   help="compile one decoder layer at a time, decode steps and (with --compile-prefill) prefill "
+                        "chunks: start-up compile time grows with the kinds of layers, not the depth")
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every /v1 route")
     p.add_argument("--chat-format", choices=("auto", "deepseek_v4", "plain"), default="auto",
                    help="auto: DeepSeek-V4 when the tokenizer has its chat tokens, else chat is refused (400); "
@@ -66,6 +69,10 @@ def _check(args) -> None:
 
     check_dspark_cut(args.dspark_cut)
     check_drafter_args(args)
+    if args.regional_compile and args.compile is False:
+        raise ValueError("--regional-compile compiles: it contradicts --no-compile")
+    if args.regional_compile and args.speculate:
+        raise ValueError("--regional-compile: speculative steps compile whole (leave it out with --speculate)")
     if args.dspark_cut and not args.speculate:
         raise ValueError("--dspark-cut: the confidence cut is DSpark's speculation's: it needs --speculate K")
 
@@ -79,6 +86,7 @@ def build_engine(args):
     from dsv4_model.runtime import distributed
     from dsv4_model.runtime.cli import _drafters_to_load
     from dsv4_model.runtime.engine import Engine
+    from dsv4_model.runtime.session import RunnerOptions
 
     device = parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shard = None
@@ -94,7 +102,9 @@ def build_engine(args):
     quant = args.quant if args.quant != "auto" else (None if device.type == "cuda" else "none")
     engine = Engine.from_pretrained(path, device=device, dtype=getattr(torch, args.dtype),
                                     max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, quant=quant,
-                                    compile=args.compile, compile_prefill=args.compile_prefill, progress=False,
+                                    runner_options=RunnerOptions(compile=True if args.regional_compile else
+                                                                 args.compile, regional=args.regional_compile),
+                                    compile_prefill=args.compile_prefill, progress=False,
                                     expert_shard=shard, **_drafters_to_load(args.speculate, args.drafter),
                                     **({"spare_window_slots": args.speculate} if args.speculate else {}))
     return engine, path, shard
