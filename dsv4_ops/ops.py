@@ -78,6 +78,10 @@ def indexer_score_topk(q: Tensor, weights: Tensor, *, k_codes: Tensor, k_scales:
     return _ops.indexer_score_topk(q, weights, k_codes, k_scales, n_valid, topk, weights_scale, weights_dtype)
 
 
+def indexer_prefill_scores(q: Tensor, weights: Tensor, *, keys: Tensor, n_visible: Tensor) -> Tensor:
+    return _ops.indexer_prefill_scores(q, weights, keys, n_visible)
+
+
 def sample(logits: Tensor, *, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor,
            offset: Tensor) -> Tensor:
     return _ops.sample(logits, temperature, top_k, top_p, seed, offset)

@@ -44,6 +44,12 @@ def indexer_score_topk(device: torch.device, head_dim: int, heads: int, topk: in
     return device.type == "cpu"
 
 
+def indexer_prefill_scores(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """The CUDA kernel (bf16 queries / keys of DeepSeek-V4's head width) where the model calls the op; on the CPU
+    the torch form (a batched matmul) is faster than the op's loop kernel (the reference it is tested against)."""
+    return device.type == "cuda" and dtype == torch.bfloat16 and head_dim == LIMITS.indexer_cuda_head_dim
+
+
 def router_topk(scores: torch.Tensor, k: int) -> bool:
     """scores [N, E]: E experts and top-k within the kernel's limits; the op has no backward."""
     return (k <= LIMITS.router_max_topk and scores.shape[-1] <= LIMITS.router_max_experts

@@ -267,8 +267,7 @@ class Attention(nn.Module):
                 n_vis = (start.unsqueeze(-1) + tq + 1) // m  # [B, T, 1]
                 vis = torch.arange(n, device=dev).view(1, 1, -1) < n_vis  # [B, T, n]
                 if iq is not None:
-                    sc = self.indexer.scores(iq[:, t0:t1], x[:, t0:t1], ikeys[:, :n])
-                    sc = sc.masked_fill(~vis, float("-inf"))
+                    sc = self.indexer.prefill_scores(iq[:, t0:t1], x[:, t0:t1], ikeys[:, :n], n_vis.squeeze(-1))
                     idx = topk_indices(sc, min(self.indexer.index_topk, n))
                     valid = idx < n_vis
                     if n <= self.prefill_dense_max_entries:

@@ -114,3 +114,15 @@ class Indexer(nn.Module):
         w = self.weights_proj(x).float() * self.weight_scale
         s = torch.einsum("bshd,btd->bsht", q.float(), keys.float()).relu()
         return (s * w.unsqueeze(-1)).sum(dim=2)
+
+    def prefill_scores(self, q: torch.Tensor, x: torch.Tensor, keys: torch.Tensor,
+                       n_vis: torch.Tensor) -> torch.Tensor:
+        """scores(q, x, keys), -inf where entry t >= n_vis[b, s] (int64 [B, S]: the entries query s sees). Where
+        the kernel takes them (supports.indexer_prefill_scores; no gradient) one dsv4::indexer_prefill_scores: the
+        torch form's [B, S, H_I, T] fp32 products never exist (64x the scores at V4's 64 heads)."""
+        if (q.dtype == keys.dtype and supports.indexer_prefill_scores(q.device, q.dtype, q.shape[-1])
+                and not torch.is_grad_enabled()):
+            w = self.weights_proj(x).float() * self.weight_scale
+            return ops.indexer_prefill_scores(q, w, keys=keys, n_visible=n_vis)
+        t = torch.arange(keys.shape[1], device=keys.device)
+        return self.scores(q, x, keys).masked_fill(t >= n_vis.unsqueeze(-1), float("-inf"))

@@ -1,5 +1,5 @@
-// Argument checks shared by the CPU and CUDA kernels of dsv4::indexer_score_topk (docs/ops.md "## Indexer"); the
-// CUDA kernel's own limits (D, H, B, topk) stay in its bindings.
+// Argument checks shared by the CPU and CUDA kernels of dsv4::indexer_score_topk and dsv4::indexer_prefill_scores
+// (docs/ops.md "## Indexer"); the CUDA kernels' own limits (D, H, B, topk) stay in their bindings.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -37,6 +37,31 @@ inline void check(const at::Tensor& q, const at::Tensor& weights, const at::Tens
   TORCH_CHECK(!weights_dtype || *weights_dtype == at::kBFloat16 || *weights_dtype == at::kHalf, op,
               "weights_dtype must be bfloat16, float16 or None, got ", *weights_dtype);
   for (const at::Tensor* t : {&weights, &k_codes, &k_scales, &n_valid})
+    TORCH_CHECK(t->device() == q.device(), op, "all inputs must be on ", q.device(), ", got one on ", t->device());
+}
+
+// dsv4::indexer_prefill_scores: q [B, S, H, D] and keys [B, T, D] of one dtype (bf16 / fp32), weights fp32
+// [B, S, H], n_visible int64 [B, S].
+inline void check_prefill(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& keys,
+                          const at::Tensor& n_visible) {
+  const char* op = "dsv4::indexer_prefill_scores: ";
+  TORCH_CHECK(q.dim() == 4, op, "q must be [B, S, H, D], got ", q.sizes());
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, op,
+              "q must be bfloat16 or float32, got ", q.scalar_type());
+  const int64_t B = q.size(0), S = q.size(1), H = q.size(2), D = q.size(3);
+  TORCH_CHECK(H > 0 && D > 0, op, "q must have at least one head of width > 0, got ", q.sizes());
+  TORCH_CHECK(weights.dim() == 3 && weights.size(0) == B && weights.size(1) == S && weights.size(2) == H, op,
+              "weights must be [B, S, H] = [", B, ", ", S, ", ", H, "], got ", weights.sizes());
+  TORCH_CHECK(weights.scalar_type() == at::kFloat, op, "weights must be float32, got ", weights.scalar_type());
+  TORCH_CHECK(keys.dim() == 3 && keys.size(0) == B && keys.size(2) == D, op, "keys must be [B, T, D] = [", B,
+              ", T, ", D, "], got ", keys.sizes());
+  TORCH_CHECK(keys.scalar_type() == q.scalar_type(), op, "keys must have q's dtype ", q.scalar_type(), ", got ",
+              keys.scalar_type());
+  TORCH_CHECK(keys.size(1) < (int64_t(1) << 31) && S < (int64_t(1) << 31), op, "at most 2^31-1 queries / keys per row");
+  TORCH_CHECK(n_visible.dim() == 2 && n_visible.size(0) == B && n_visible.size(1) == S, op,
+              "n_visible must be [B, S] = [", B, ", ", S, "], got ", n_visible.sizes());
+  TORCH_CHECK(n_visible.scalar_type() == at::kLong, op, "n_visible must be int64, got ", n_visible.scalar_type());
+  for (const at::Tensor* t : {&weights, &keys, &n_visible})
     TORCH_CHECK(t->device() == q.device(), op, "all inputs must be on ", q.device(), ", got one on ", t->device());
 }
 

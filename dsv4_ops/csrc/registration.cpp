@@ -59,6 +59,9 @@ TORCH_LIBRARY(dsv4, m) {
   m.def(
       "indexer_score_topk(Tensor q, Tensor weights, Tensor k_codes, Tensor k_scales, Tensor n_valid, int topk, "
       "float weights_scale=1.0, ScalarType? weights_dtype=None) -> Tensor");
+  // Prefill-time scores of the same indexer over a chunk of queries: out[b,s,t] = sum_h weights[b,s,h] *
+  // relu(q[b,s,h] . keys[b,t]) (fp32; q / keys bf16 or fp32, one dtype), -inf where t >= n_visible[b,s].
+  m.def("indexer_prefill_scores(Tensor q, Tensor weights, Tensor keys, Tensor n_visible) -> Tensor");
 
   // ---- sampler ----
   // Per-row greedy (temperature <= 0) or temperature / top-k (0 = off) / top-p (>= 1 = off) sampling with a

@@ -1,4 +1,5 @@
-"""Fake for dsv4::indexer_score_topk: int32 [B, topk] indices; never reads data."""
+"""Fakes for dsv4::indexer_score_topk (int32 [B, topk] indices) and dsv4::indexer_prefill_scores (fp32 [B, S, T]);
+never read data."""
 import torch
 
 
@@ -29,3 +30,20 @@ def _indexer_score_topk_fake(q, weights, k_codes, k_scales, n_valid, topk, weigh
 
 
 torch.library.register_fake("dsv4::indexer_score_topk")(_indexer_score_topk_fake)
+
+
+def _indexer_prefill_scores_fake(q, weights, keys, n_visible):
+    op = "dsv4::indexer_prefill_scores"
+    torch._check(q.dim() == 4, lambda: f"{op}: q must be [B, S, H, D], got {tuple(q.shape)}")
+    torch._check(q.dtype in (torch.bfloat16, torch.float32), lambda: f"{op}: q must be bfloat16 or float32")
+    B, S, H, D = q.shape
+    torch._check(weights.dim() == 3 and tuple(weights.shape) == (B, S, H), lambda: f"{op}: weights must be [B, S, H]")
+    torch._check(weights.dtype == torch.float32, lambda: f"{op}: weights must be float32")
+    torch._check(keys.dim() == 3 and keys.shape[0] == B and keys.shape[2] == D, lambda: f"{op}: keys must be [B, T, D]")
+    torch._check(keys.dtype == q.dtype, lambda: f"{op}: keys must have q's dtype")
+    torch._check(n_visible.dim() == 2 and tuple(n_visible.shape) == (B, S), lambda: f"{op}: n_visible must be [B, S]")
+    torch._check(n_visible.dtype == torch.int64, lambda: f"{op}: n_visible must be int64")
+    return q.new_empty((B, S, keys.shape[1]), dtype=torch.float32)
+
+
+torch.library.register_fake("dsv4::indexer_prefill_scores")(_indexer_prefill_scores_fake)

@@ -92,3 +92,13 @@ def indexer_score_topk_ref(q, weights, k_codes, k_scales, n_valid, topk: int, we
     w = weights.float() if weights_dtype is None else weights.float().to(weights_dtype).float()
     w = w * weights_scale
     return indexer_topk_from_scores(indexer_scores_ref(q, w, k_codes, k_scales), n_valid, topk)
+
+
+def indexer_prefill_scores_ref(q, weights, keys, n_visible) -> torch.Tensor:
+    """Reference of dsv4::indexer_prefill_scores: fp32 [B, S, T] = sum_h weights[b,s,h] * relu(q[b,s,h] . keys[b,t])
+    (q [B, S, H, D], keys [B, T, D], weights fp32 [B, S, H]), -inf where t >= n_visible[b, s] (int64 [B, S]): the
+    model's torch form (Indexer.scores, then the visibility mask)."""
+    s = torch.einsum("bshd,btd->bsht", q.float(), keys.float()).relu()
+    scores = (s * weights.float().unsqueeze(-1)).sum(dim=2)
+    t = torch.arange(keys.shape[1], device=keys.device)
+    return scores.masked_fill(t.view(1, 1, -1) >= n_visible.unsqueeze(-1), float("-inf"))

@@ -1,4 +1,5 @@
-// CPU kernel of dsv4::indexer_score_topk (DeepSeek-V4 lightning indexer at decode).
+// CPU kernels of dsv4::indexer_score_topk (DeepSeek-V4 lightning indexer at decode) and
+// dsv4::indexer_prefill_scores (its scores over a prefill chunk, at the end of this file).
 // Scores are fp32: per key the dot products run sequentially over d, the head sum sequentially over h
 // (the CUDA kernel sums in another order, so scores may differ in the last bits; exact-input results agree).
 // Ranking uses the same total order as the CUDA kernel: the float mapped to an order-preserving uint32
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -99,6 +101,46 @@ at::Tensor indexer_score_topk_cpu(const at::Tensor& q, const at::Tensor& weights
   return out;
 }
 
+// dsv4::indexer_prefill_scores: per (b, s) every visible key's score, dot products sequential over d, the head
+// sum sequential over h (fp32); -inf for keys t >= n_visible[b, s].
+at::Tensor indexer_prefill_scores_cpu(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& keys,
+                                      const at::Tensor& n_visible) {
+  dsv4_indexer::check_prefill(q, weights, keys, n_visible);
+  const int64_t B = q.size(0), S = q.size(1), H = q.size(2), D = q.size(3), T = keys.size(1);
+  const at::Tensor qf = q.to(at::kFloat).contiguous(), kf = keys.to(at::kFloat).contiguous(),
+                   wc = weights.contiguous(), nc = n_visible.contiguous();
+  at::Tensor out = at::empty({B, S, T}, q.options().dtype(at::kFloat));
+  const float *qp = qf.data_ptr<float>(), *kp = kf.data_ptr<float>(), *wp = wc.data_ptr<float>();
+  const int64_t* np = nc.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B * S, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bs = begin; bs < end; ++bs) {
+      const int64_t b = bs / S, n = std::min(std::max(np[bs], int64_t(0)), T);
+      const float* qrow = qp + bs * H * D;
+      const float* w = wp + bs * H;
+      float* orow = op + bs * T;
+      for (int64_t t = 0; t < T; ++t) {
+        if (t >= n) {
+          orow[t] = -std::numeric_limits<float>::infinity();
+          continue;
+        }
+        const float* k = kp + (b * T + t) * D;
+        float score = 0.f;
+        for (int64_t h = 0; h < H; ++h) {
+          float dot = 0.f;
+          for (int64_t d = 0; d < D; ++d) dot += qrow[h * D + d] * k[d];
+          score += w[h] * std::max(dot, 0.f);
+        }
+        orow[t] = score;
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(dsv4, CPU, m) { m.impl("indexer_score_topk", &indexer_score_topk_cpu); }
+TORCH_LIBRARY_IMPL(dsv4, CPU, m) {
+  m.impl("indexer_score_topk", &indexer_score_topk_cpu);
+  m.impl("indexer_prefill_scores", &indexer_prefill_scores_cpu);
+}

@@ -1,5 +1,6 @@
-// CUDA registration of dsv4::indexer_score_topk: input checks, the score scratch from the caching allocator
-// (graph-pool aware), launch on the current stream. The kernels live in indexer.cu.
+// CUDA registration of dsv4::indexer_score_topk and dsv4::indexer_prefill_scores: input checks, outputs and the
+// score scratch from the caching allocator (graph-pool aware), launch on the current stream. The kernels live in
+// indexer.cu and indexer_prefill.cu.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -54,6 +55,33 @@ at::Tensor indexer_score_topk_cuda(const at::Tensor& q, const at::Tensor& weight
   return out;
 }
 
+at::Tensor indexer_prefill_scores_cuda(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& keys,
+                                       const at::Tensor& n_visible) {
+  const char* op = "dsv4::indexer_prefill_scores: ";
+  TORCH_CHECK(q.is_cuda(), op, "q must be a CUDA tensor");
+  dsv4_indexer::check_prefill(q, weights, keys, n_visible);
+  const int64_t B = q.size(0), S = q.size(1), H = q.size(2), D = q.size(3), T = keys.size(1);
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16, op, "the CUDA kernel takes bfloat16 q / keys, got ", q.scalar_type());
+  TORCH_CHECK(D == dsv4_indexer_prefill_head_dim(), op, "the CUDA kernel supports D = ",
+              dsv4_indexer_prefill_head_dim(), " (DeepSeek-V4), got D = ", D);
+  TORCH_CHECK(B < 65536 && (S + 63) / 64 < 65536, op, "at most 65535 rows and 65535 x 64 queries per row, got B = ",
+              B, ", S = ", S);
+  TORCH_CHECK(S * H * D < (int64_t(1) << 62) && S * T < (int64_t(1) << 62), op, "sizes too large");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const at::Tensor qc = aligned(q, 16), wc = weights.contiguous(), kc = aligned(keys, 16),
+                   nc = n_visible.contiguous();
+  at::Tensor out = at::empty({B, S, T}, q.options().dtype(at::kFloat));
+  const cudaError_t err = dsv4_indexer_prefill_scores_launch(
+      qc.data_ptr(), wc.data_ptr<float>(), kc.data_ptr(), nc.data_ptr<int64_t>(), out.data_ptr<float>(),
+      static_cast<int>(B), static_cast<int>(S), static_cast<int>(H), static_cast<int>(T),
+      c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == cudaSuccess, op, "kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(dsv4, CUDA, m) { m.impl("indexer_score_topk", &indexer_score_topk_cuda); }
+TORCH_LIBRARY_IMPL(dsv4, CUDA, m) {
+  m.impl("indexer_score_topk", &indexer_score_topk_cuda);
+  m.impl("indexer_prefill_scores", &indexer_prefill_scores_cuda);
+}

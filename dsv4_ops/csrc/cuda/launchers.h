@@ -46,6 +46,13 @@ extern "C" cudaError_t dsv4_indexer_score_topk_launch(const void* q, int q_is_fp
                                                       int topk, uint32_t* keys_scratch, int32_t* out,
                                                       cudaStream_t stream);
 
+// indexer_prefill.cu: q bf16 [B, S, H, D], w fp32 [B, S, H], k bf16 [B, T, D], n_visible int64 [B, S] (all
+// contiguous, 16-byte aligned) -> out fp32 [B, S, T]; D = dsv4_indexer_prefill_head_dim(), H >= 1
+extern "C" int dsv4_indexer_prefill_head_dim();
+extern "C" cudaError_t dsv4_indexer_prefill_scores_launch(const void* q, const float* w, const void* k,
+                                                          const int64_t* n_visible, float* out, int B, int S, int H,
+                                                          int T, cudaStream_t stream);
+
 // key_store.cu
 extern "C" int dsv4_store_keys_kernel_ok(int D);
 extern "C" cudaError_t dsv4_store_keys_launch(const void* keys, int keys_fp32, const void* positions, int pos_i32,

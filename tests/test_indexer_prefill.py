@@ -1,0 +1,135 @@
+"""dsv4::indexer_prefill_scores (the lightning indexer's scores over a prefill chunk): against the reference (the
+model's torch form) exactly on inputs whose every product and partial sum is exact in fp32, within a summation-order
+bound on random ones; -inf past each query's visible keys, whole invisible key tiles included; opcheck, fake,
+argument errors; the model's prefill through the op gives the torch form's logits."""
+import pytest
+import torch
+
+import dsv4_ops  # noqa: F401  (loads the library and the fakes)
+from dsv4_ops import ops, reference as ref
+
+OP = torch.ops.dsv4.indexer_prefill_scores
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.kernels])]
+
+
+def _inputs(B, S, H, D, T, *, exact=False, seed=0, device="cpu", dtype=torch.bfloat16, start=None, ratio=4):
+    """q [B, S, H, D], weights [B, S, H], keys [B, T, D], n_visible [B, S] as a prefill chunk sees them: query s of
+    row b at position start[b] + s sees the (start[b] + s + 1) // ratio entries closed by then. exact: small
+    integers and dyadic weights (every score exact in fp32, so any summation order agrees)."""
+    g = torch.Generator().manual_seed(seed)
+    if exact:
+        q = torch.randint(-3, 4, (B, S, H, D), generator=g).float()
+        k = torch.randint(-3, 4, (B, T, D), generator=g).float()
+        w = torch.randint(-8, 9, (B, S, H), generator=g).float() / 8
+    else:
+        q = torch.randn(B, S, H, D, generator=g)
+        k = torch.randn(B, T, D, generator=g) * torch.exp(torch.randn(B, T, 1, generator=g))
+        w = torch.randn(B, S, H, generator=g) * H**-0.5
+    start = torch.zeros(B, dtype=torch.long) if start is None else torch.as_tensor(start)
+    nv = ((start.view(B, 1) + torch.arange(S) + 1) // ratio).clamp(max=T)
+    return [t.to(device) for t in (q.to(dtype), w, k.to(dtype), nv)]
+
+
+def _bound(q, w, k):
+    """Summation-order bound per score: a few ulps of sum_h |w| * sum_d |q| |k|."""
+    mag = torch.einsum("bshd,btd->bsht", q.float().abs(), k.float().abs())
+    return (mag * w.abs().unsqueeze(-1)).sum(2) * 2e-6 + 1e-30
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("B,S,H,D,T,start", [(2, 70, 64, 128, 300, [0, 517]), (1, 130, 3, 128, 129, [40]),
+                                               (1, 5, 64, 128, 1000, [3990])])
+def test_exact_inputs_equal_the_reference(device, B, S, H, D, T, start):
+    """Tiles past S / T, a row that sees every key, one that sees few, tiles no query sees (-inf, no products)."""
+    args = _inputs(B, S, H, D, T, exact=True, device=device, start=start)
+    got = OP(*args)
+    want = ref.indexer_prefill_scores_ref(*args)
+    assert got.dtype == torch.float32 and got.shape == (B, S, T)
+    assert torch.equal(got, want)
+    assert bool(torch.isneginf(got).any()) and bool(torch.isfinite(got).any())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_random_inputs_within_summation_order(device):
+    args = _inputs(2, 96, 64, 128, 256, seed=1, device=device, start=[100, 700])
+    got, want = OP(*args), ref.indexer_prefill_scores_ref(*args)
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(got))
+    assert bool(((got - want).abs()[fin] <= _bound(*args[:3])[fin]).all())
+
+
+def test_cpu_takes_fp32_and_any_width():
+    """The CPU kernel takes what the reference takes: fp32 q / keys, any head width and count."""
+    args = _inputs(2, 9, 5, 24, 13, exact=True, dtype=torch.float32, start=[0, 20], ratio=2)
+    assert torch.equal(OP(*args), ref.indexer_prefill_scores_ref(*args))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    torch.library.opcheck(OP.default, tuple(_inputs(1, 20, 4, 128, 40, device=device, start=[30])))
+
+
+def test_fake_shape():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 7, 64, 128, dtype=torch.bfloat16)
+        out = OP(q, torch.empty(2, 7, 64), torch.empty(2, 33, 128, dtype=torch.bfloat16),
+                 torch.empty(2, 7, dtype=torch.long))
+    assert out.shape == (2, 7, 33) and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("change,msg", [
+    (lambda a: [a[0][0]] + a[1:], r"q must be \[B, S, H, D\]"),
+    (lambda a: [a[0], a[1][..., :1]] + a[2:], r"weights must be \[B, S, H\]"),
+    (lambda a: [a[0], a[1].double()] + a[2:], "weights must be float32"),
+    (lambda a: a[:2] + [a[2].float(), a[3]], "keys must have q's dtype"),
+    (lambda a: a[:2] + [a[2][..., :64], a[3]], r"keys must be \[B, T, D\]"),
+    (lambda a: a[:3] + [a[3].int()], "n_visible must be int64"),
+    (lambda a: a[:3] + [a[3][:, :2]], r"n_visible must be \[B, S\]"),
+])
+def test_bad_arguments_name_the_argument(change, msg):
+    args = _inputs(1, 4, 2, 128, 8)
+    with pytest.raises(RuntimeError, match=msg):
+        OP(*change(args))
+
+
+@pytest.mark.cuda
+@pytest.mark.kernels
+def test_cuda_refuses_what_it_does_not_take():
+    args = _inputs(1, 4, 2, 64, 8, device="cuda")
+    with pytest.raises(RuntimeError, match="supports D = 128"):
+        OP(*args)
+    args = _inputs(1, 4, 2, 128, 8, device="cuda", dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="takes bfloat16"):
+        OP(*args)
+
+
+def test_model_prefill_through_the_op(monkeypatch):
+    """A bf16 model with CSA layers: prefill chunks through the op (forced on the CPU) give the torch form's
+    logits (the same scores up to summation order: equal top-k here) and the same caches."""
+    from dsv4_model.checkpoint.writer import make_config
+    from dsv4_model.model import attention as attention_mod
+    from dsv4_model.model.transformer import Transformer
+    from dsv4_model.quant.random_model import init_random_weights
+
+    cfg = make_config("tiny")
+    ids = torch.randint(0, cfg.vocab_size, (2, 50), generator=torch.Generator().manual_seed(0))
+
+    def run(use_op: bool):
+        monkeypatch.setattr(attention_mod.supports, "indexer_prefill_scores", lambda *a: use_op)
+        calls = []
+        real = ops.indexer_prefill_scores
+        monkeypatch.setattr(attention_mod.ops, "indexer_prefill_scores",
+                            lambda *a, **k: calls.append(1) or real(*a, **k))
+        m = init_random_weights(Transformer(cfg, max_batch_size=2, max_seq_len=128, dtype=torch.bfloat16), 0).eval()
+        with torch.no_grad():
+            first = m.prefill(ids[:, :30], torch.tensor([30, 22]))
+            second = m.prefill(ids[:, 30:], torch.tensor([20, 20]), start=torch.tensor([30, 22]))
+        return first, second, {n: b.clone() for n, b in m.named_buffers()}, len(calls)
+
+    a1, a2, abuf, acalls = run(False)
+    b1, b2, bbuf, bcalls = run(True)
+    assert acalls == 0 and bcalls > 0
+    assert torch.equal(a1, b1) and torch.equal(a2, b2)
+    assert all(torch.equal(abuf[n], bbuf[n]) for n in abuf)
