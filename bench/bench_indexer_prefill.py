@@ -1,0 +1,86 @@
+"""Benchmark of dsv4::indexer_prefill_scores (the lightning indexer's scores over a prefill chunk) on the H200.
+
+V4's indexer: 64 heads x 128 dims, bf16 queries / keys (FP4 values), one row. A chunk of S queries starting at
+position P scores the (P + s + 1) // 4 compressed entries each has seen (T = (P + S) // 4 in all: the CSA ratio 4).
+The peer is the model's torch form in the same run (what prefill ran before the op): an fp32 einsum to
+[S, 64, T], relu, the head weights, the head sum, the visibility mask; skipped where its products would not fit
+PEER_BYTES. Times: CUDA events around REPS calls after a warm-up. TFLOP/s counts the visible products only
+(2 x 64 x 128 per visible (query, entry) pair); the limit is bf16 dense tensor-core math at 790 TFLOP/s
+(measured, bench/bench_prefill.py).
+
+Run: python bench/bench_indexer_prefill.py   (about a minute)
+"""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import dsv4_ops  # noqa: E402,F401
+from common import cuda_missing  # noqa: E402
+from dsv4_ops import ops, reference as ref  # noqa: E402
+
+H, D, RATIO = 64, 128, 4
+DENSE_FLOPS = 790e12
+PEER_BYTES = 12 << 30
+REPS = 5
+SHAPES = [(1024, 0), (1024, 7168), (4096, 0), (4096, 28672), (8192, 0), (8192, 122880)]  # (S, P)
+
+
+def inputs(S, P):
+    g = torch.Generator(device="cuda").manual_seed(S + P)
+    T = (P + S) // RATIO
+    q = torch.randn(1, S, H, D, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(1, T, D, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.randn(1, S, H, device="cuda", generator=g) * (D**-0.5 * H**-0.5)
+    nv = ((P + torch.arange(S, device="cuda") + 1) // RATIO).view(1, S)
+    return q, w, k, nv
+
+
+def ms(fn) -> float:
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPS):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / REPS
+
+
+def main() -> int:
+    if cuda_missing("bench_indexer_prefill"):
+        return 0
+    torch.backends.cuda.matmul.allow_tf32 = False  # the model's fp32 einsum
+    print(f"dsv4::indexer_prefill_scores  H={H} D={D} ratio {RATIO}  {torch.cuda.get_device_name(0)}  "
+          f"torch {torch.__version__}")
+    hdr = (f"{'S':>5} {'from':>7} {'T':>6} | {'op ms':>8} {'TFLOP/s':>8} {'of limit':>8} | {'torch ms':>9} "
+           f"{'x faster':>8}")
+    print(hdr + "\n" + "-" * len(hdr))
+    for S, P in SHAPES:
+        q, w, k, nv = inputs(S, P)
+        T = k.shape[1]
+        got = ops.indexer_prefill_scores(q, w, keys=k, n_visible=nv)
+        flops = 2.0 * H * D * float(nv.clamp(max=T).sum())
+        op_ms = ms(lambda: ops.indexer_prefill_scores(q, w, keys=k, n_visible=nv))
+        tflops = flops / (op_ms * 1e-3) / 1e12
+        if S * H * T * 4 <= PEER_BYTES:
+            want = ref.indexer_prefill_scores_ref(q, w, k, nv)
+            fin = torch.isfinite(want)
+            err = float((got - want).abs()[fin].max() / want.abs()[fin].max().clamp(min=1e-30)) if fin.any() else 0.0
+            assert torch.equal(fin, torch.isfinite(got)) and err < 1e-4, f"op disagrees with the torch form ({err})"
+            del want
+            peer_ms = ms(lambda: ref.indexer_prefill_scores_ref(q, w, k, nv))
+            peer = f"{peer_ms:9.2f} {peer_ms / op_ms:8.2f}"
+        else:
+            peer = f"{'skipped':>9} {'-':>8}"  # its [S, 64, T] fp32 products do not fit PEER_BYTES
+        print(f"{S:5d} {P:7d} {T:6d} | {op_ms:8.3f} {tflops:8.1f} {tflops * 1e12 / DENSE_FLOPS:7.1%} | {peer}",
+              flush=True)
+        del q, w, k, nv, got
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
