@@ -20,7 +20,7 @@ def _model(chunk=None):
 
 
 def _score_bytes(a: Attention, B, rows, n):
-    return B * a.n_heads * rows * (rows + a.window + n) * 4
+    return B * a.n_heads * rows * (2 * a.window + n) * 4
 
 
 def test_rows_are_the_most_that_fit_the_budget(monkeypatch):
@@ -56,3 +56,33 @@ def test_logits_do_not_depend_on_the_chunking(monkeypatch, budget):
         got = _model(chunk=24).prefill(ids, lengths, all_logits=True)
     valid = torch.arange(200)[None, :] < lengths[:, None]
     torch.testing.assert_close(got[valid], whole[valid], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("entries", ["none", "shared", "per-query"])
+def test_window_sub_blocks_equal_one_dense_mask(entries):
+    """_attend_window (the window in sub-blocks of W queries, a band mask over 2W - 1 keys each) gives what one
+    softmax over the block's dense window mask gives (_attend, decode's torch form): T not a multiple of W, a row
+    whose first keys lie before position 0, shared (dense) or per-query (top-k) entries."""
+    a = next(m for m in _model().modules() if isinstance(m, Attention))
+    g = torch.Generator().manual_seed(5)
+    B, S, T, t0, H, D = 2, 90, 37, 40, a.n_heads, a.head_dim
+    P = a.window - 1
+    kv = torch.randn(B, P + S, D, generator=g)
+    q = torch.randn(B, T, H, D, generator=g)
+    first_ok = torch.tensor([[0], [P - 3 - t0]])  # row 1: positions from 3 - t0 on exist (start 3 - t0 < 0 past)
+    blk = vis = qkeys = qmask = None
+    if entries == "shared":
+        blk = torch.randn(B, 11, D, generator=g)
+        vis = torch.rand(B, T, 11, generator=g) < 0.6
+    elif entries == "per-query":
+        qkeys = torch.randn(B, T, 5, D, generator=g)
+        qmask = torch.rand(B, T, 5, generator=g) < 0.6
+    got = a._attend_window(q, kv, t0, first_ok, blk, vis, qkeys, qmask)
+    tq = torch.arange(T).view(1, -1, 1)
+    tj = torch.arange(T + P).view(1, 1, -1)
+    mask = (tj >= tq) & (tj <= tq + P) & (t0 + tj >= first_ok.unsqueeze(-1))
+    keys = kv[:, t0:t0 + T + P]
+    if blk is not None:
+        keys, mask = torch.cat([keys, blk], dim=1), torch.cat([mask, vis], dim=-1)
+    want = a._attend(q, keys, mask, qkeys, qmask)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)

@@ -251,13 +251,11 @@ class Attention(nn.Module):
         outs = []
         rows = self.prefill_rows(B, S, n_span)
         first_ok = P - start  # [B, 1]: key j is at a position >= 0 from here
+        kv_f = kv_all.float()  # once: every query block's window keys are views of it
         for t0 in range(0, S, rows):
             t1 = min(S, t0 + rows)
             tq = torch.arange(t0, t1, device=dev).view(1, -1, 1)
-            tj = torch.arange(t0, t1 + P, device=dev).view(1, 1, -1)
-            mask = (tj >= tq) & (tj <= tq + P) & (tj >= first_ok.unsqueeze(-1))  # [B, T, J]
-            keys = kv_all[:, t0:t1 + P]
-            qkeys = qmask = None
+            blk = vis = qkeys = qmask = None
             # the entries closed by the block's last query at most: the later ones no query of it sees
             n = 0 if comp is None else min(n_span, comp.shape[1])
             if n and at.start_bound is not None:
@@ -278,11 +276,53 @@ class Attention(nn.Module):
                         k = idx.shape[-1]
                         qkeys = blk.gather(1, idx.flatten(1).unsqueeze(-1).expand(-1, -1, blk.shape[-1]))
                         qkeys, qmask = qkeys.view(B, t1 - t0, k, -1), valid
-                if qkeys is None:
-                    keys = torch.cat([keys, blk], dim=1)
-                    mask = torch.cat([mask, vis], dim=-1)
-            outs.append(self._attend(q[:, t0:t1], keys, mask, qkeys, qmask))
+                        blk = vis = None
+            outs.append(self._attend_window(q[:, t0:t1], kv_f, t0, first_ok, blk, vis, qkeys, qmask))
         return self._out(torch.cat(outs, dim=1), cs)
+
+    def _attend_window(self, q: torch.Tensor, kv_f: torch.Tensor, t0: int, first_ok: torch.Tensor,
+                       blk: torch.Tensor | None = None, vis: torch.Tensor | None = None,
+                       qkeys: torch.Tensor | None = None, qmask: torch.Tensor | None = None) -> torch.Tensor:
+        """Prefill's _attend: one softmax (fp32, the per-head sink in the denominator) per query of q [B, T, H, D]
+        (chunk positions t0 ..) over its sliding window -- the W keys of kv_f (fp32 [B, W - 1 + S, D]; key i is
+        chunk position i - (W - 1)) ending at it, those at indices < first_ok [B, 1] (positions < 0) masked -- and
+        the shared entries blk [B, n, D] (mask vis [B, T, n]) or per-query entries qkeys [B, T, K, D] (qmask).
+        The window runs in sub-blocks of W queries, each scoring the 2W - 1 keys its queries see (a strided view
+        of kv_f) against a band mask: not one [T, T + W - 1] mask over the block, whose products grow with T.
+        K == V. -> [B, T, H, D]."""
+        B, T, H, D = q.shape
+        R, P, dev = self.window, self.window - 1, q.device
+        nb = -(-T // R)
+        pad = nb * R - T
+        qf = q.float()
+        qb = torch.nn.functional.pad(qf, (0, 0, 0, 0, 0, pad)).view(B, nb, R, H, D)
+        keys = kv_f[:, t0:t0 + nb * R + P]
+        keys = torch.nn.functional.pad(keys, (0, 0, 0, nb * R + P - keys.shape[1]))  # (the padded queries' only)
+        kw = keys.unfold(1, R + P, R)  # [B, nb, D, R + P]: sub-block i's keys t0 + iR .. t0 + iR + R + P - 1
+        r = torch.arange(R, device=dev).view(R, 1)
+        j = torch.arange(R + P, device=dev).view(1, R + P)
+        at = t0 + R * torch.arange(nb, device=dev).view(1, nb, 1, 1) + j  # [1, nb, 1, R + P] indices into kv_f
+        wmask = (j >= r) & (j <= r + P) & (at >= first_ok.view(B, 1, 1, 1))  # [B, nb, R, R + P]
+        s = torch.einsum("bnrhd,bndj->bnrhj", qb, kw).masked_fill(~wmask.unsqueeze(3), float("-inf"))
+        parts = [s.flatten(1, 2)[:, :T]]  # [B, T, H, R + P]
+        if blk is not None:
+            parts.append(torch.einsum("bthd,bnd->bthn", qf, blk.float()).masked_fill(~vis.unsqueeze(2),
+                                                                                     float("-inf")))
+        if qkeys is not None:
+            parts.append(torch.einsum("bthd,btkd->bthk", qf, qkeys.float()).masked_fill(~qmask.unsqueeze(2),
+                                                                                        float("-inf")))
+        s = torch.cat(parts, dim=-1) * self.softmax_scale
+        sink = self.attn_sink.float().view(1, 1, -1, 1).expand(B, T, -1, 1)
+        p = torch.cat([s, sink], dim=-1).softmax(dim=-1)
+        pw = torch.nn.functional.pad(p[..., :R + P], (0, 0, 0, 0, 0, pad)).view(B, nb, R, H, R + P)
+        o = torch.einsum("bnrhj,bndj->bnrhd", pw, kw).flatten(1, 2)[:, :T]
+        off = R + P
+        if blk is not None:
+            o = o + torch.einsum("bthn,bnd->bthd", p[..., off:off + blk.shape[1]], blk.float())
+            off += blk.shape[1]
+        if qkeys is not None:
+            o = o + torch.einsum("bthk,btkd->bthd", p[..., off:off + qkeys.shape[2]], qkeys.float())
+        return o.to(q.dtype)
 
     def _prefill_entries(self, compressor: Compressor, cache: torch.Tensor, offset: int, x: torch.Tensor,
                          lengths: torch.Tensor, rope: torch.Tensor, at: "PrefillAt", n_span: int,
@@ -304,11 +344,11 @@ class Attention(nn.Module):
 
     def prefill_rows(self, B: int, S: int, n_entries: int) -> int:
         """Query rows per prefill chunk: ``prefill_attn_rows`` if set, else S halved until the chunk's scores
-        [B, H, rows, rows + window + entries] fit PREFILL_SCORE_BYTES (keys over-counted for the top-k path)."""
+        [B, H, rows, 2 window + entries] fit PREFILL_SCORE_BYTES (keys over-counted for the top-k path)."""
         if self.prefill_attn_rows is not None:
             return self.prefill_attn_rows
         rows = S
-        while rows > 64 and B * self.n_heads * rows * (rows + self.window + n_entries) * 4 > PREFILL_SCORE_BYTES:
+        while rows > 64 and B * self.n_heads * rows * (2 * self.window + n_entries) * 4 > PREFILL_SCORE_BYTES:
             rows = (rows + 1) // 2
         return rows
 
