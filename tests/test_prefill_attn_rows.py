@@ -86,3 +86,32 @@ def test_window_sub_blocks_equal_one_dense_mask(entries):
         keys, mask = torch.cat([keys, blk], dim=1), torch.cat([mask, vis], dim=-1)
     want = a._attend(q, keys, mask, qkeys, qmask)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("dense_max", [2048, 0])
+def test_prefill_through_the_decode_attention_op(monkeypatch, dense_max):
+    """Prefill's attention as dsv4::sparse_attn_decode calls (each query a row listing its window rows and its
+    entries; what CUDA runs) gives the torch form's logits and caches: chunks from position 0 and from per-row
+    starts, CSA (indexer top-k; dense_max 0: the gather form on the torch side) and HCA layers, blocks of rows."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, make_config("tiny").vocab_size, (2, 120))
+
+    def run(use_op: bool):
+        monkeypatch.setattr(Attention, "prefill_attn_op", lambda self, x: use_op)
+        m = _model()
+        for mod in m.modules():
+            if isinstance(mod, Attention):
+                mod.prefill_dense_max_entries = dense_max
+        first = m.prefill(ids[:, :70], torch.tensor([70, 45]), all_logits=True)
+        second = m.prefill(ids[:, 70:], torch.tensor([50, 30]), start=torch.tensor([70, 45]), all_logits=True)
+        return first, second, {n: b.clone() for n, b in m.named_buffers()}
+
+    ref1, ref2, ref_bufs = run(False)
+    monkeypatch.setattr(attention, "PREFILL_SCORE_BYTES", 1)  # 64-row blocks on the op side
+    got1, got2, got_bufs = run(True)
+    v1 = torch.arange(70)[None, :] < torch.tensor([70, 45])[:, None]
+    v2 = torch.arange(50)[None, :] < torch.tensor([50, 30])[:, None]
+    torch.testing.assert_close(got1[v1], ref1[v1], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got2[v2], ref2[v2], atol=2e-5, rtol=2e-5)
+    for n, b in ref_bufs.items():
+        torch.testing.assert_close(got_bufs[n], b, atol=2e-5, rtol=2e-5, msg=n)

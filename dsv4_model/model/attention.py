@@ -251,6 +251,8 @@ class Attention(nn.Module):
         outs = []
         rows = self.prefill_rows(B, S, n_span)
         first_ok = P - start  # [B, 1]: key j is at a position >= 0 from here
+        if self.prefill_attn_op(x):
+            return self._out(self._prefill_attend_op(q, kv_all, comp, n_span, iq, ikeys, x, at, first_ok, rows), cs)
         kv_f = kv_all.float()  # once: every query block's window keys are views of it
         for t0 in range(0, S, rows):
             t1 = min(S, t0 + rows)
@@ -279,6 +281,54 @@ class Attention(nn.Module):
                         blk = vis = None
             outs.append(self._attend_window(q[:, t0:t1], kv_f, t0, first_ok, blk, vis, qkeys, qmask))
         return self._out(torch.cat(outs, dim=1), cs)
+
+    def prefill_attn_op(self, x: torch.Tensor) -> bool:
+        """Whether prefill attends with dsv4::sparse_attn_decode, each query a row listing its keys: on CUDA where
+        decode's tensor-core kernel takes this layer (heads as the MMA's rows, as FlashMLA's sparse kernels), no
+        gradient. Elsewhere the torch form (_attend_window)."""
+        return (x.device.type == "cuda" and self.use_attn_op and self.attn_tensor_cores
+                and not torch.is_grad_enabled())
+
+    def _prefill_attend_op(self, q: torch.Tensor, kv_all: torch.Tensor, comp: torch.Tensor | None, n_span: int,
+                           iq: torch.Tensor | None, ikeys: torch.Tensor | None, x: torch.Tensor, at: "PrefillAt",
+                           first_ok: torch.Tensor, rows: int) -> torch.Tensor:
+        """prefill's attention with one dsv4::sparse_attn_decode call per block of query rows: the keys of every
+        row (its window kv_all [B, W - 1 + S, D], then its n_span compressed entries) in one buffer that every
+        query reads through a stride-0 view; query t of row b lists its window rows (those at positions >= 0) and
+        its entries: the indexer's top-k of those it sees (CSA), or all it sees (HCA). Returns o [B, S, H, D]."""
+        B, S, H, D = q.shape
+        P, m, dev = self.window - 1, self.ratio, q.device
+        n = 0 if comp is None else min(n_span, comp.shape[1])
+        L = P + S + n  # keys per batch row in the buffer
+        buf = torch.cat([kv_all, comp[:, :n]], dim=1) if n else kv_all
+        kv = buf.reshape(1, B * L, D)
+        base = (torch.arange(B, device=dev) * L).view(B, 1, 1)
+        start = at.start.view(B, 1, 1)
+        rows = min(rows, max(1, 4096 // B))  # the op's fp32 workspace: [rows, H, D] per split (0.5 GiB at V4 widths)
+        outs = []
+        for t0 in range(0, S, rows):
+            t1 = min(S, t0 + rows)
+            tq = torch.arange(t0, t1, device=dev).view(1, -1, 1)
+            win = tq + torch.arange(P + 1, device=dev).view(1, 1, -1)  # [1, T, W] indices into kv_all
+            idx = torch.where(win >= first_ok.view(B, 1, 1), win + base, -1)  # [B, T, W]
+            idx2 = None
+            # the entries closed by the block's last query at most: the later ones no query of it sees
+            nb = n if not n or at.start_bound is None else min(n, (at.start_bound + t1) // m)
+            if nb:
+                n_vis = (start + tq + 1) // m  # [B, T, 1]
+                if self.indexer is not None:
+                    sc = self.indexer.prefill_scores(iq[:, t0:t1], x[:, t0:t1], ikeys[:, :nb], n_vis.squeeze(-1))
+                    e = topk_indices(sc, min(self.indexer.index_topk, nb))  # [B, T, k]
+                else:
+                    e = torch.arange(nb, device=dev).view(1, 1, nb)
+                idx2 = torch.where(e < n_vis, e + base, -1)  # [B, T, k | n]
+            T = t1 - t0
+            o = ops.sparse_attn_decode(q[:, t0:t1].reshape(B * T, H, D), kv.expand(B * T, -1, -1),
+                                       idx.reshape(B * T, -1), sink=self.attn_sink, scale=self.softmax_scale,
+                                       idx2=None if idx2 is None else idx2.reshape(B * T, -1),
+                                       idx2_offset=P + S)
+            outs.append(o.view(B, T, H, D))
+        return torch.cat(outs, dim=1)
 
     def _attend_window(self, q: torch.Tensor, kv_f: torch.Tensor, t0: int, first_ok: torch.Tensor,
                        blk: torch.Tensor | None = None, vis: torch.Tensor | None = None,
