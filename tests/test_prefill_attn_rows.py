@@ -115,3 +115,21 @@ def test_prefill_through_the_decode_attention_op(monkeypatch, dense_max):
     torch.testing.assert_close(got2[v2], ref2[v2], atol=2e-5, rtol=2e-5)
     for n, b in ref_bufs.items():
         torch.testing.assert_close(got_bufs[n], b, atol=2e-5, rtol=2e-5, msg=n)
+
+
+@pytest.mark.cuda
+def test_cuda_prefill_attention_op_matches_the_torch_form(monkeypatch):
+    """On the GPU (bf16, head_dim 128: the tensor-core kernel) prefill attends through dsv4::sparse_attn_decode;
+    the torch form on the same weights gives the same logits to bf16 rounding and the same greedy token."""
+    cfg = make_config("tiny", head_dim=128)
+    ids = torch.randint(0, cfg.vocab_size, (2, 150), generator=torch.Generator().manual_seed(1)).cuda()
+    lengths = torch.tensor([150, 97], device="cuda")
+    m = init_random_weights(Transformer(cfg, max_batch_size=2, max_seq_len=512, dtype=torch.bfloat16,
+                                        device="cuda"), 0).eval()
+    with torch.no_grad():
+        assert all(a.prefill_attn_op(ids) for a in m.modules() if isinstance(a, Attention))
+        got = m.prefill(ids, lengths)
+        monkeypatch.setattr(Attention, "prefill_attn_op", lambda self, x: False)
+        want = m.prefill(ids, lengths)
+    torch.testing.assert_close(got, want, atol=0.06, rtol=0.02)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
