@@ -249,10 +249,10 @@ class Attention(nn.Module):
                 self.indexer.compressor.prefill(x, lengths, rope, at.start, at.fresh)
 
         outs = []
-        rows = self.prefill_rows(B, S, n_span)
         first_ok = P - start  # [B, 1]: key j is at a position >= 0 from here
         if self.prefill_attn_op(x):
-            return self._out(self._prefill_attend_op(q, kv_all, comp, n_span, iq, ikeys, x, at, first_ok, rows), cs)
+            return self._out(self._prefill_attend_op(q, kv_all, comp, n_span, iq, ikeys, x, at, first_ok), cs)
+        rows = self.prefill_rows(B, S, n_span)
         kv_f = kv_all.float()  # once: every query block's window keys are views of it
         for t0 in range(0, S, rows):
             t1 = min(S, t0 + rows)
@@ -291,7 +291,7 @@ class Attention(nn.Module):
 
     def _prefill_attend_op(self, q: torch.Tensor, kv_all: torch.Tensor, comp: torch.Tensor | None, n_span: int,
                            iq: torch.Tensor | None, ikeys: torch.Tensor | None, x: torch.Tensor, at: "PrefillAt",
-                           first_ok: torch.Tensor, rows: int) -> torch.Tensor:
+                           first_ok: torch.Tensor) -> torch.Tensor:
         """prefill's attention with one dsv4::sparse_attn_decode call per block of query rows: the keys of every
         row (its window kv_all [B, W - 1 + S, D], then its n_span compressed entries) in one buffer that every
         query reads through a stride-0 view; query t of row b lists its window rows (those at positions >= 0) and
@@ -304,7 +304,9 @@ class Attention(nn.Module):
         kv = buf.reshape(1, B * L, D)
         base = (torch.arange(B, device=dev) * L).view(B, 1, 1)
         start = at.start.view(B, 1, 1)
-        rows = min(rows, max(1, 4096 // B))  # the op's fp32 workspace: [rows, H, D] per split (0.5 GiB at V4 widths)
+        # rows per call: the op's fp32 workspace [B * rows, H, D] per split (0.5 GiB at V4 widths) and the indexer's
+        # scores [B, rows, n] (PREFILL_SCORE_BYTES) bound them; no [H, rows, keys] scores exist on this path
+        rows = self.prefill_attn_rows or min(S, max(1, 4096 // B), max(64, PREFILL_SCORE_BYTES // (4 * B * max(n, 1))))
         outs = []
         for t0 in range(0, S, rows):
             t1 = min(S, t0 + rows)
