@@ -23,6 +23,7 @@
 
 #include "launchers.h"
 #include "mma.h"
+#include "smem_copy.h"
 #include "pdl.h"
 
 namespace cg = cooperative_groups;
@@ -32,7 +33,13 @@ namespace {
 using dsv4_cuda::decode_pdl;
 using dsv4_cuda::launch_ex;
 
+using dsv4_cuda::cp_async16;
+using dsv4_cuda::cp_async4;
+using dsv4_cuda::cp_async_commit;
+using dsv4_cuda::cp_async_wait;
+using dsv4_cuda::ldmatrix_x4;
 using dsv4_cuda::mma_bf16;
+using dsv4_cuda::smem_u32;
 
 constexpr int kD = 128;              // head dim (DeepSeek-V4 indexer)
 constexpr int kTK = 64;              // keys per tile
@@ -49,31 +56,6 @@ constexpr int kSmemBudget = 200 * 1024;
 // Rows of at most this many valid keys (all selected) are ordered by counting ranks (nv compares per key, one
 // pass) instead of a bitonic sort of topk's power of two (45 barrier-separated steps at topk 512).
 constexpr int kRankSortMax = 128;
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-}
-
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, int bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
 
 
 __device__ __forceinline__ uint32_t bf16x2_bits(__nv_bfloat16 lo, __nv_bfloat16 hi) {

@@ -17,10 +17,11 @@
 
 #include "launchers.h"
 #include "mma.h"
+#include "smem_copy.h"
 
 namespace {
 
-using dsv4_cuda::mma_bf16;
+using namespace dsv4_cuda;  // mma.h, smem_copy.h
 
 constexpr int kD = 128;                     // head dim (DeepSeek-V4 indexer)
 constexpr int kPieces = kD / 8;             // 16-byte pieces per row
@@ -32,25 +33,6 @@ constexpr int kRowBytes = kD * 2;           // 256
 constexpr int kKeyBytes = kT * kRowBytes;   // 32 KB
 constexpr int kQBytes = kQ * kRowBytes;     // 16 KB per stage
 constexpr int kSmem = kKeyBytes + kStages * kQBytes;
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
 
 // Byte offset of piece p (16 bytes) of row r in a swizzled tile.
 __device__ __forceinline__ uint32_t tile_off(int r, int p) { return uint32_t(r * kRowBytes + ((p ^ (r & 7)) << 4)); }
