@@ -133,3 +133,13 @@ def test_model_prefill_through_the_op(monkeypatch):
     assert acalls == 0 and bcalls > 0
     assert torch.equal(a1, b1) and torch.equal(a2, b2)
     assert all(torch.equal(abuf[n], bbuf[n]) for n in abuf)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_negative_and_huge_visible_counts(device):
+    """n_visible below 0 (any int64, -2^40 included) scores nothing; above T scores every key."""
+    q, w, k, nv = _inputs(1, 4, 2, 128, 40, exact=True, device=device)
+    nv = torch.tensor([[-5, -2**40, 2**40, 7]], device=device)
+    got = OP(q, w, k, nv)
+    assert torch.equal(got, ref.indexer_prefill_scores_ref(q, w, k, nv))
+    assert bool(torch.isneginf(got[0, :2]).all()) and bool(torch.isfinite(got[0, 2]).all())

@@ -306,7 +306,8 @@ class Attention(nn.Module):
         start = at.start.view(B, 1, 1)
         # rows per call: the op's fp32 workspace [B * rows, H, D] per split (0.5 GiB at V4 widths) and the indexer's
         # scores [B, rows, n] (PREFILL_SCORE_BYTES) bound them; no [H, rows, keys] scores exist on this path
-        rows = self.prefill_attn_rows or min(S, max(1, 4096 // B), max(64, PREFILL_SCORE_BYTES // (4 * B * max(n, 1))))
+        rows = min(self.prefill_attn_rows or max(64, PREFILL_SCORE_BYTES // (4 * B * max(n, 1))), S,
+                   max(1, 4096 // B))
         outs = []
         for t0 in range(0, S, rows):
             t1 = min(S, t0 + rows)

@@ -37,6 +37,9 @@ constexpr int kSmem = kKeyBytes + kStages * kQBytes;
 // Byte offset of piece p (16 bytes) of row r in a swizzled tile.
 __device__ __forceinline__ uint32_t tile_off(int r, int p) { return uint32_t(r * kRowBytes + ((p ^ (r & 7)) << 4)); }
 
+// n_visible clamped to [0, T] before it is narrowed to int.
+__device__ __forceinline__ int visible(int64_t n, int T) { return int(n < 0 ? 0 : n < T ? n : int64_t(T)); }
+
 struct PrefillArgs {
   const __nv_bfloat16* q;  // [B, S, H, D]
   const float* w;          // [B, S, H]
@@ -59,7 +62,7 @@ __global__ void __launch_bounds__(kThreads, 2) indexer_prefill_kernel(const Pref
   __syncthreads();
   int vis = 0;
   for (int i = tid; i < kQ; i += kThreads)
-    if (s0 + i < S) vis = max(vis, int(nv[s0 + i] < T ? nv[s0 + i] : int64_t(T)));
+    if (s0 + i < S) vis = max(vis, visible(nv[s0 + i], T));
   atomicMax(&tile_vis, vis);
   __syncthreads();
   float* out = a.out + (int64_t(b) * S) * T;
@@ -146,7 +149,7 @@ __global__ void __launch_bounds__(kThreads, 2) indexer_prefill_kernel(const Pref
   for (int half = 0; half < 2; ++half) {
     const int s = half ? qb8 : qa;
     if (s >= S) continue;
-    const int n = int(nv[s] < T ? nv[s] : int64_t(T));
+    const int n = visible(nv[s], T);
     float* row = out + int64_t(s) * T;
 #pragma unroll
     for (int j = 0; j < kT / 8; ++j) {
