@@ -248,10 +248,10 @@ class Attention(nn.Module):
             if self.indexer is not None:
                 self.indexer.compressor.prefill(x, lengths, rope, at.start, at.fresh)
 
-        outs = []
         first_ok = P - start  # [B, 1]: key j is at a position >= 0 from here
         if self.prefill_attn_op(x):
             return self._out(self._prefill_attend_op(q, kv_all, comp, n_span, iq, ikeys, x, at, first_ok), cs)
+        outs = []
         rows = self.prefill_rows(B, S, n_span)
         kv_f = kv_all.float()  # once: every query block's window keys are views of it
         for t0 in range(0, S, rows):
