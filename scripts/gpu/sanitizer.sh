@@ -3,8 +3,8 @@
 # Runs: FILE or FILE@K (a pytest -k expression, @ for spaces). The GEMM and sampler files time out as one run under
 # the sanitizer: they are split. The chi-square test only draws more samples from the kernels the other sampler
 # tests run: memcheck only (racecheck instruments every shared-memory access: far past the limit).
-KERNEL_TESTS="tests/test_nvfp4_quant.py tests/test_indexer.py tests/test_mhc.py tests/test_fp32_linear.py
-  tests/test_router.py tests/test_attn.py tests/test_hc_pre.py tests/test_compressor.py
+KERNEL_TESTS="tests/test_nvfp4_quant.py tests/test_indexer.py tests/test_indexer_prefill.py tests/test_mhc.py
+  tests/test_fp32_linear.py tests/test_router.py tests/test_attn.py tests/test_hc_pre.py tests/test_compressor.py
   tests/test_norm_rope.py tests/test_hadamard.py tests/test_key_store.py
   tests/test_nvfp4_gemm.py@decode_kernels
   tests/test_nvfp4_gemm.py@linear_cuda@and@not@w4a4@and@not@decode
