@@ -256,19 +256,13 @@ class Attention(nn.Module):
         kv_f = kv_all.float()  # once: every query block's window keys are views of it
         for t0 in range(0, S, rows):
             t1 = min(S, t0 + rows)
-            tq = torch.arange(t0, t1, device=dev).view(1, -1, 1)
             blk = vis = qkeys = qmask = None
-            # the entries closed by the block's last query at most: the later ones no query of it sees
-            n = 0 if comp is None else min(n_span, comp.shape[1])
-            if n and at.start_bound is not None:
-                n = min(n, (at.start_bound + t1) // m)
+            n, n_vis, idx = self._block_entries(0 if comp is None else min(n_span, comp.shape[1]), t0, t1, at,
+                                                iq, x, ikeys)
             if n:
                 blk = comp[:, :n]
-                n_vis = (start.unsqueeze(-1) + tq + 1) // m  # [B, T, 1]
                 vis = torch.arange(n, device=dev).view(1, 1, -1) < n_vis  # [B, T, n]
-                if iq is not None:
-                    sc = self.indexer.prefill_scores(iq[:, t0:t1], x[:, t0:t1], ikeys[:, :n], n_vis.squeeze(-1))
-                    idx = topk_indices(sc, min(self.indexer.index_topk, n))
+                if idx is not None:
                     valid = idx < n_vis
                     if n <= self.prefill_dense_max_entries:
                         idx = torch.where(valid, idx, torch.full_like(idx, n))
@@ -297,13 +291,12 @@ class Attention(nn.Module):
         query reads through a stride-0 view; query t of row b lists its window rows (those at positions >= 0) and
         its entries: the indexer's top-k of those it sees (CSA), or all it sees (HCA). Returns o [B, S, H, D]."""
         B, S, H, D = q.shape
-        P, m, dev = self.window - 1, self.ratio, q.device
+        P, dev = self.window - 1, q.device
         n = 0 if comp is None else min(n_span, comp.shape[1])
         L = P + S + n  # keys per batch row in the buffer
         buf = torch.cat([kv_all, comp[:, :n]], dim=1) if n else kv_all
         kv = buf.reshape(1, B * L, D)
         base = (torch.arange(B, device=dev) * L).view(B, 1, 1)
-        start = at.start.view(B, 1, 1)
         # rows per call: the op's fp32 workspace [B * rows, H, D] per split (0.5 GiB at V4 widths) and the indexer's
         # scores [B, rows, n] (PREFILL_SCORE_BYTES) bound them; no [H, rows, keys] scores exist on this path
         rows = min(self.prefill_attn_rows or max(64, PREFILL_SCORE_BYTES // (4 * B * max(n, 1))), S,
@@ -315,15 +308,9 @@ class Attention(nn.Module):
             win = tq + torch.arange(P + 1, device=dev).view(1, 1, -1)  # [1, T, W] indices into kv_all
             idx = torch.where(win >= first_ok.view(B, 1, 1), win + base, -1)  # [B, T, W]
             idx2 = None
-            # the entries closed by the block's last query at most: the later ones no query of it sees
-            nb = n if not n or at.start_bound is None else min(n, (at.start_bound + t1) // m)
+            nb, n_vis, e = self._block_entries(n, t0, t1, at, iq, x, ikeys)
             if nb:
-                n_vis = (start + tq + 1) // m  # [B, T, 1]
-                if self.indexer is not None:
-                    sc = self.indexer.prefill_scores(iq[:, t0:t1], x[:, t0:t1], ikeys[:, :nb], n_vis.squeeze(-1))
-                    e = topk_indices(sc, min(self.indexer.index_topk, nb))  # [B, T, k]
-                else:
-                    e = torch.arange(nb, device=dev).view(1, 1, nb)
+                e = torch.arange(nb, device=dev).view(1, 1, nb) if e is None else e  # HCA: every entry seen
                 idx2 = torch.where(e < n_vis, e + base, -1)  # [B, T, k | n]
             T = t1 - t0
             o = ops.sparse_attn_decode(q[:, t0:t1].reshape(B * T, H, D), kv.expand(B * T, -1, -1),
@@ -332,6 +319,23 @@ class Attention(nn.Module):
                                        idx2_offset=P + S)
             outs.append(o.view(B, T, H, D))
         return torch.cat(outs, dim=1)
+
+    def _block_entries(self, n: int, t0: int, t1: int, at: "PrefillAt", iq: torch.Tensor | None, x: torch.Tensor,
+                       ikeys: torch.Tensor | None) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+        """The compressed entries queries t0 .. t1 - 1 of a chunk may attend, of the first n: (n trimmed to those
+        closed by the block's last query at most, n_vis [B, T, 1] the entries each query has seen, the indexer's
+        top-k [B, T, k] over them (CSA; None without an indexer)); (0, None, None) when there are none."""
+        m = self.ratio
+        if n and at.start_bound is not None:  # the later ones no query of the block sees
+            n = min(n, (at.start_bound + t1) // m)
+        if not n:
+            return 0, None, None
+        tq = torch.arange(t0, t1, device=x.device).view(1, -1, 1)
+        n_vis = (at.start.view(-1, 1, 1) + tq + 1) // m  # [B, T, 1]
+        if iq is None:
+            return n, n_vis, None
+        sc = self.indexer.prefill_scores(iq[:, t0:t1], x[:, t0:t1], ikeys[:, :n], n_vis.squeeze(-1))
+        return n, n_vis, topk_indices(sc, min(self.indexer.index_topk, n))
 
     def _attend_window(self, q: torch.Tensor, kv_f: torch.Tensor, t0: int, first_ok: torch.Tensor,
                        blk: torch.Tensor | None = None, vis: torch.Tensor | None = None,

@@ -185,10 +185,7 @@ def _check_args(args) -> None:
         if args.threads > usable_cores():
             raise ValueError(f"--threads {args.threads}: this process may use {usable_cores()} cores "
                              "(more threads than cores only contend)")
-    if args.regional_compile and args.compile is False:
-        raise ValueError("--regional-compile compiles: it contradicts --no-compile")
-    if args.regional_compile and args.speculate:
-        raise ValueError("--regional-compile: speculative steps compile whole (leave it out with --speculate)")
+    check_regional_args(args)
     if args.graph_mode is not None and args.cuda_graphs is False:
         raise ValueError("--graph-mode picks how CUDA graphs are captured: it contradicts --no-cuda-graphs")
     if args.regional_compile and args.graph_mode == "reduce-overhead":
@@ -286,6 +283,14 @@ def _drafters_to_load(speculate: int, drafter: str | None = None) -> dict:
     if not speculate:
         return {"load_mtp": False, "load_dspark": False}
     return {"drafter": drafter} if drafter else {}
+
+
+def check_regional_args(args) -> None:
+    """--regional-compile against --compile and --speculate (generate and serve)."""
+    if args.regional_compile and args.compile is False:
+        raise ValueError("--regional-compile compiles: it contradicts --no-compile")
+    if args.regional_compile and args.speculate:
+        raise ValueError("--regional-compile: speculative steps compile whole (leave it out with --speculate)")
 
 
 def check_drafter_args(args) -> None:

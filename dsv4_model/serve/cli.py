@@ -65,14 +65,11 @@ def _check(args) -> None:
         from dsv4_model.model.checks import check_speculate
 
         check_speculate(args.speculate, "--speculate")
-    from dsv4_model.runtime.cli import check_drafter_args, check_dspark_cut
+    from dsv4_model.runtime.cli import check_drafter_args, check_dspark_cut, check_regional_args
 
     check_dspark_cut(args.dspark_cut)
     check_drafter_args(args)
-    if args.regional_compile and args.compile is False:
-        raise ValueError("--regional-compile compiles: it contradicts --no-compile")
-    if args.regional_compile and args.speculate:
-        raise ValueError("--regional-compile: speculative steps compile whole (leave it out with --speculate)")
+    check_regional_args(args)
     if args.dspark_cut and not args.speculate:
         raise ValueError("--dspark-cut: the confidence cut is DSpark's speculation's: it needs --speculate K")
 
