@@ -14,7 +14,7 @@ import dataclasses
 
 from dsv4_ops._loader import library_path
 
-GEMM_KERNELS = ("auto", "tiled", "cublas", "skinny", "wgmma")
+GEMM_KERNELS = ("auto", "tiled", "cublas", "skinny", "wgmma", "wgmma_wide")
 FUSED_PATHS = ("auto", "cluster", "grid")
 ATTN_KERNELS = ("auto", "simt")
 

@@ -538,10 +538,11 @@ def test_linear_cuda(n, k):
 
 @pytest.mark.cuda
 @pytest.mark.kernels
-@pytest.mark.parametrize("choice", ["tiled", "cublas", "wgmma"])
+@pytest.mark.parametrize("choice", ["tiled", "cublas", "wgmma", "wgmma_wide"])
 @pytest.mark.parametrize("n,k", [(1024, 4096), (40, 272), (24, 144)])
 def test_linear_cuda_forced_kernels(choice, n, k):
-    """Each M > 64 kernel path forced by the nvfp4_gemm_kernel override (tiled / cublas / wgmma) stays correct."""
+    """Each M > 64 kernel path forced by the nvfp4_gemm_kernel override (tiled / cublas / wgmma / wgmma_wide)
+    stays correct."""
     gen = torch.Generator().manual_seed(9)
     for m in (65, 130, 513, 1000):
         x, w, ref32, bound = linear_case(n, k, m, gen, "cuda")
@@ -572,26 +573,28 @@ def test_linear_cuda_tiled_small_m(n, k):
         assert bool(((out32 - ref32).abs() <= 4e-5 * bound + 1e-30).all()), f"cuda tiled w4a4 {m}x{n}x{k}"
 
 
-# The wgmma kernel (opt-in, nvfp4_wgmma.cu) at every token tile (16 / 32 / 64 / 128, several tiles past 128), with
-# the cluster K split, N and K tails, N % 4 != 0, W4A16 and W4A4 (fp32 out): within the bound of the reference,
-# deterministic.
+# The wgmma kernel (nvfp4_wgmma.cu) at every token tile (16 / 32 / 64 / 128, several tiles past 128), with the
+# cluster K split, N and K tails, N % 4 != 0, W4A16 and W4A4 (fp32 out): within the bound of the reference,
+# deterministic; the same for its wide tile (256 rows: two wgmma blocks per warpgroup, N tails inside a block and
+# a whole empty second block at N = 24 / 130).
 @pytest.mark.cuda
 @pytest.mark.kernels
-@pytest.mark.parametrize("n,k", [(520, 1296), (1030, 1024), (4096, 4096), (24, 144), (4096, 8192)])
-def test_linear_cuda_wgmma(n, k):
+@pytest.mark.parametrize("choice", ["wgmma", "wgmma_wide"])
+@pytest.mark.parametrize("n,k", [(520, 1296), (1030, 1024), (4096, 4096), (24, 144), (4096, 8192), (130, 512)])
+def test_linear_cuda_wgmma(choice, n, k):
     gen = torch.Generator().manual_seed(3 * n + k)
     for m in (9, 16, 33, 64, 100, 128, 200, 513):
         x, w, ref32, bound = linear_case(n, k, m, gen, "cuda")
-        with kernel_choice("wgmma"):
+        with kernel_choice(choice):
             out = ops.nvfp4_linear(x, *w)
             again = ops.nvfp4_linear(x, *w)
-        assert_bf16_close(out, ref32, bound, f"cuda wgmma linear {m}x{n}x{k}")
-        assert torch.equal(again, out), f"wgmma linear {m}x{n}x{k} not deterministic"
+        assert_bf16_close(out, ref32, bound, f"cuda {choice} linear {m}x{n}x{k}")
+        assert torch.equal(again, out), f"{choice} linear {m}x{n}x{k} not deterministic"
     for m in (12, 64, 130):
         xq, w, ref32, bound = w4a4_case(n, k, (m,), gen, "cuda")
-        with kernel_choice("wgmma"):
+        with kernel_choice(choice):
             out32 = ops.nvfp4_linear_w4a4(*xq, *w, torch.float32)
-        assert bool(((out32 - ref32).abs() <= 4e-5 * bound + 1e-30).all()), f"cuda wgmma w4a4 {m}x{n}x{k}"
+        assert bool(((out32 - ref32).abs() <= 4e-5 * bound + 1e-30).all()), f"cuda {choice} w4a4 {m}x{n}x{k}"
 
 
 # (1024, 4096): 8 warps split K; (32768, 1024): more CTAs than fit at once; the small ones: N / K tails, CTAs

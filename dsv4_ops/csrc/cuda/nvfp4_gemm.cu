@@ -253,8 +253,8 @@ extern "C" cudaError_t dsv4_nvfp4_linear_launch(const Nvfp4LinearArgs* a, cudaSt
     p.G = a->G > 1 ? int(a->G) : 1;
     p.ldx = int(p.G * a->K);
     p.ldy = int(p.G * a->N);
-    return a->wgmma ? launch_wgmma(p, dsv4_cuda::sm_count(), stream)   // nvfp4_wgmma.cu
-                    : launch_tiled(p, dsv4_cuda::sm_count(), stream);  // nvfp4_tiled.cu
+    return a->wgmma ? launch_wgmma(p, a->wgmma == 2, dsv4_cuda::sm_count(), stream)  // nvfp4_wgmma.cu
+                    : launch_tiled(p, dsv4_cuda::sm_count(), stream);                 // nvfp4_tiled.cu
   }
   SkinnyParams p{};
   p.x = reinterpret_cast<const bf16*>(a->x);

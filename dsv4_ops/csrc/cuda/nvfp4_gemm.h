@@ -28,7 +28,8 @@ struct Nvfp4LinearArgs {
   int gemv;                 // 1 (the default): gemv for M <= 8, tiled for one dense matrix at 8 < M <= 64;
                             // 0: skinny for every M <= 64
   int pdl;                  // launch the gemv kernel with programmatic dependent launch
-  int wgmma;                // 1: the wgmma kernel where the tiled one would run, and grouped at M > 8 (nvfp4_wgmma.cu)
+  int wgmma;                // 1: the wgmma kernel where the tiled one would run, and grouped at M > 8 (nvfp4_wgmma.cu);
+                            // 2: the same with 256-row tiles (the wide tile)
 };
 
 // Canonical NVFP4 activations -> bf16 code * block scale (no global scale), exact.

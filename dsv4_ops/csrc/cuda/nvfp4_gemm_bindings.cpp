@@ -11,8 +11,8 @@
 // M = 4096 (bench/RESULTS.md). It stays as the fallback where cublasLt is not built in, offers no algorithm,
 // fails, or cannot produce the output dtype (fp16 from bf16 operands); without aten::mm.dtype either, the wgmma
 // kernel runs. The MoE projections beyond gemv's reach (prefill) run on the wgmma MoE kernels.
-// The nvfp4_gemm_kernel override (overrides.h) forces one path: tiled | wgmma at every M > 8 (and the MoE on
-// wgmma, or on skinny with tiled), cublas at every M > 64; skinny keeps M <= 8
+// The nvfp4_gemm_kernel override (overrides.h) forces one path: tiled | wgmma | wgmma_wide (256-row tiles) at every
+// M > 8 (and the MoE on wgmma, or on skinny with tiled), cublas at every M > 64; skinny keeps M <= 8
 // and MoE decode on the skinny kernel (gemv is faster at M = 1: bench/RESULTS.md); the pdl override off turns off
 // programmatic dependent launch (the gemv kernels, the MoE chain).
 #include <ATen/ATen.h>
@@ -39,13 +39,18 @@ namespace {
 
 using namespace dsv4_nvfp4;
 
-enum class Choice { kAuto, kTiled, kCublas, kSkinny, kWgmma };
+enum class Choice { kAuto, kTiled, kCublas, kSkinny, kWgmma, kWgmmaWide };
 
 // The nvfp4_gemm_kernel override (overrides.h) forces one kernel path; 0 (auto) picks by shape.
 Choice kernel_choice() {
   const int v = dsv4_overrides::get().nvfp4_gemm_kernel;
-  return v >= 1 && v <= 4 ? static_cast<Choice>(v) : Choice::kAuto;
+  return v >= 1 && v <= 5 ? static_cast<Choice>(v) : Choice::kAuto;
 }
+
+// wgmma forced: the 128-row tile (kWgmma) or the 256-row one (kWgmmaWide; the MoE keeps its 128-row tile).
+bool forced_wgmma(Choice choice) { return choice == Choice::kWgmma || choice == Choice::kWgmmaWide; }
+// The Nvfp4LinearArgs::wgmma value of a dense launch on wgmma: 2 for the wide tile where forced.
+int wgmma_arg(Choice choice) { return choice == Choice::kWgmmaWide ? 2 : 1; }
 
 // The auto rule's bounds for the wgmma kernel (H200, bench/bench_nvfp4_gemm.py, every V4-Flash shape): below
 // 32 rows the tiled kernel is as fast (M = 16: within 4%), above 1024 dequantize + cuBLAS is (M = 4096: 1.1-1.4x).
@@ -255,7 +260,7 @@ at::Tensor linear_impl(const at::Tensor& x2, const at::Tensor& w, const at::Tens
   a.K = K;
   a.gemv = choice == Choice::kSkinny ? 0 : 1;
   a.pdl = use_pdl() ? 1 : 0;
-  a.wgmma = choice == Choice::kWgmma || auto_wgmma(choice, M) ? 1 : 0;
+  a.wgmma = forced_wgmma(choice) || auto_wgmma(choice, M) ? wgmma_arg(choice) : 0;
   check_launch(dsv4_nvfp4_linear_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
   return out;
 }
@@ -295,7 +300,7 @@ at::Tensor nvfp4_linear_grouped_cuda(const at::Tensor& x, const at::Tensor& w, c
   // per-group loop at M = 32-256 (bench/RESULTS.md, session 32). Else skinny at M <= 64, then each group through
   // the linear's rule (dequantize + cuBLAS beyond 1024 rows).
   const Choice choice = kernel_choice();
-  const bool wgmma = (choice == Choice::kWgmma && M > 8) || (auto_wgmma(choice, M) && M <= kWgmmaMaxRows);
+  const bool wgmma = (forced_wgmma(choice) && M > 8) || (auto_wgmma(choice, M) && M <= kWgmmaMaxRows);
   TORCH_CHECK(G * K < (int64_t(1) << 31), op, ": sizes must fit in int32");
   if (M > 64 && !wgmma) {
     for (int64_t g = 0; g < G; ++g)
@@ -317,7 +322,7 @@ at::Tensor nvfp4_linear_grouped_cuda(const at::Tensor& x, const at::Tensor& w, c
   a.K = K;
   a.G = G;
   a.gemv = choice == Choice::kSkinny ? 0 : 1;
-  a.wgmma = wgmma ? 1 : 0;
+  a.wgmma = wgmma ? wgmma_arg(choice) : 0;
   a.pdl = use_pdl() ? 1 : 0;
   check_launch(dsv4_nvfp4_linear_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
   return out.view(out_shape);
@@ -461,7 +466,7 @@ at::Tensor moe_impl(const at::Tensor& x, const at::Tensor& ids, const at::Tensor
   const Choice choice = kernel_choice();
   a.gemv = choice == Choice::kSkinny ? 0 : 1;
   // wgmma MoE kernels wherever skinny would run, unless a kernel is forced (tiled / skinny keep skinny)
-  a.wgmma = choice == Choice::kWgmma || choice == Choice::kAuto ? 1 : 0;
+  a.wgmma = forced_wgmma(choice) || choice == Choice::kAuto ? 1 : 0;
   a.skip_combine = rows ? 1 : 0;
   check_launch(dsv4_nvfp4_moe_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
   return y;

@@ -1,5 +1,5 @@
-// What the two tile kernels (nvfp4_tiled.cu: mma.sync; nvfp4_wgmma.cu: warpgroup MMA) share: a CTA owns 128
-// features x TM tokens over a range of K, stages its fp32 partial tile in shared memory and stores it (summed over
+// What the two tile kernels (nvfp4_tiled.cu: mma.sync; nvfp4_wgmma.cu: warpgroup MMA) share: a CTA owns TN (128;
+// the wide wgmma tile 256) features x TM tokens over a range of K, stages its fp32 partial tile in shared memory and stores it (summed over
 // the K split's cluster through distributed shared memory, in rank order: deterministic, no workspace); the
 // cluster launch and the K-split plan.
 #pragma once
@@ -16,17 +16,19 @@ constexpr int kOutStride = kTileN + 4;  // fp32 epilogue staging [token][feature
 constexpr int kMaxSplit = 8;            // portable cluster size
 
 // This thread's share of a tile kernel's stage (tiled, wgmma dense and MoE): XLoads 16-byte activation pieces (placed
-// where the kernel's layout x_offset(row, piece) puts them), 2 x 16 B of packed weights and (threads < 128) the 8
-// scale bytes of one 128-k chunk; every source moves one chunk on after each stage issued. Padding past K needs no
-// guard in the mma loops: activations past K load as zeros (and padded codes are 0).
-template <int XLoads>
+// where the kernel's layout x_offset(row, piece) puts them), TN / 64 x 16 B of packed weights and (threads < TN) the
+// 8 scale bytes of one 128-k chunk of TN feature rows; every source moves one chunk on after each stage issued.
+// Padding past K needs no guard in the mma loops: activations past K load as zeros (and padded codes are 0).
+template <int XLoads, int TN = kTileN>
 struct StageCopies {
+  static constexpr int kWLoads = TN * 64 / 16 / kThreads;
+  static_assert(kWLoads >= 1 && TN <= kThreads, "tile rows");
   const bf16* x_src[XLoads];
   uint32_t x_dst[XLoads];
   bool x_row_ok[XLoads];
-  const uint8_t* w_src[2];
-  bool w_ok[2];
-  uint32_t w_step[2];  // 1024 in a full 16-row tile, 64 in a row-major N % 16 tail
+  const uint8_t* w_src[kWLoads];
+  bool w_ok[kWLoads];
+  uint32_t w_step[kWLoads];  // 1024 in a full 16-row tile, 64 in a row-major N % 16 tail
   const uint8_t* s_src;
   uint32_t s_step;
   bool s_ok;
@@ -47,17 +49,17 @@ struct StageCopies {
       x_dst[i] = x_offset(r, tid & 15);
     }
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < kWLoads; ++i) {
       const int id = tid + i * kThreads, r = id >> 2, part = id & 3, n = n_base + r;
       const RowAddr a = row_addr(min(n, p.N - 1), p.N, kp);
       w_src[i] = p.w + a.w + size_t(c_begin) * a.wstep + part * 16;
       w_ok[i] = n < p.N;
       w_step[i] = a.wstep;
     }
-    const RowAddr sa = row_addr(min(n_base + (tid & 127), p.N - 1), p.N, kp);
+    const RowAddr sa = row_addr(min(n_base + (tid & (TN - 1)), p.N - 1), p.N, kp);
     s_src = p.s + sa.s + size_t(c_begin) * sa.sstep;
     s_step = sa.sstep;
-    s_ok = tid < kTileN && n_base + tid < p.N;
+    s_ok = tid < TN && n_base + tid < p.N;
     k_next = c_begin * 128 + x_k;
   }
 
@@ -75,11 +77,11 @@ struct StageCopies {
       x_src[i] += 128;
     }
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < kWLoads; ++i) {
       cp_async16(ws + (tid + i * kThreads) * 16, w_src[i], w_ok[i] ? 16 : 0);
       w_src[i] += w_step[i];
     }
-    if (tid < kTileN) cp_async8(ss + tid * 8, s_src, s_ok ? 8 : 0);
+    if (tid < TN) cp_async8(ss + tid * 8, s_src, s_ok ? 8 : 0);
     s_src += s_step;
     k_next += 128;
   }
@@ -106,26 +108,32 @@ __device__ __forceinline__ void store4(const TiledParams& p, int m, int n, float
   }
 }
 
-// The staged tile cs[token][feature] (unscaled; this CTA's K range) -> y: every rank of a CLUSTER (gridDim.z
-// CTAs along z) sums 1/S of the tile over all S partials.
-template <int TM, bool CLUSTER>
+// Row stride (fp32) of a tile's epilogue staging cs[token][feature].
+template <int TN>
+__host__ __device__ constexpr int out_stride() {
+  return TN + 4;
+}
+
+// The staged tile cs[token][feature] (row stride out_stride<TN>, unscaled; this CTA's K range) -> y: every rank of
+// a CLUSTER (gridDim.z CTAs along z) sums 1/S of the tile over all S partials.
+template <int TM, bool CLUSTER, int TN = kTileN>
 __device__ __forceinline__ void store_tile(const TiledParams& p, float* cs, int m_base, int n_base) {
   const int tid = threadIdx.x;
   float alpha = __ldg(p.gs) * kUnbias;
   if (p.gs_act != nullptr) alpha *= __ldg(p.gs_act);
   // Items of 4 features of one token; rank r of S sums items r, r + S, ... over every rank's partial.
-  constexpr int kItems = TM * kTileN / 4;
+  constexpr int kItems = TM * TN / 4, kRowItems = TN / 4, kStride = out_stride<TN>();
   if constexpr (CLUSTER) {
     cg::cluster_group cl = cg::this_cluster();
     cl.sync();  // every partial staged
     const int S = int(gridDim.z), r = int(blockIdx.z);
     for (int id = r * kThreads + tid; id < kItems; id += S * kThreads) {
-      const int tl = id >> 5, fl = (id & 31) * 4;
+      const int tl = id / kRowItems, fl = (id % kRowItems) * 4;
       const int m = m_base + tl, n = n_base + fl;
       if (m >= p.M || n >= p.N) continue;
       float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
       for (int q = 0; q < S; ++q) {
-        const float4 u = *reinterpret_cast<const float4*>(cl.map_shared_rank(cs, q) + tl * kOutStride + fl);
+        const float4 u = *reinterpret_cast<const float4*>(cl.map_shared_rank(cs, q) + tl * kStride + fl);
         v.x += u.x;
         v.y += u.y;
         v.z += u.z;
@@ -137,10 +145,10 @@ __device__ __forceinline__ void store_tile(const TiledParams& p, float* cs, int 
   } else {
     __syncthreads();
     for (int id = tid; id < kItems; id += kThreads) {
-      const int tl = id >> 5, fl = (id & 31) * 4;
+      const int tl = id / kRowItems, fl = (id % kRowItems) * 4;
       const int m = m_base + tl, n = n_base + fl;
       if (m >= p.M || n >= p.N) continue;
-      store4(p, m, n, *reinterpret_cast<const float4*>(cs + tl * kOutStride + fl), alpha);
+      store4(p, m, n, *reinterpret_cast<const float4*>(cs + tl * kStride + fl), alpha);
     }
   }
 }

@@ -13,37 +13,41 @@
 namespace {
 
 // blockIdx = (feature tile, group * token tiles + token tile, K split); `per` chunks of 128 K per split. CLUSTER:
-// gridDim.z > 1 CTAs of a tile form one cluster along z.
-template <int TM, bool CLUSTER>
-__global__ void __launch_bounds__(kThreads, WgCfg<TM>::kOcc) nvfp4_wgmma_kernel(const TiledParams pg, int per) {
-  using Cfg = WgCfg<TM>;
+// gridDim.z > 1 CTAs of a tile form one cluster along z. TN: features per CTA (128, or the wide 256).
+template <int TM, int TN, bool CLUSTER>
+__global__ void __launch_bounds__(kThreads, WgCfg<TM, TN>::kOcc) nvfp4_wgmma_kernel(const TiledParams pg, int per) {
+  using Cfg = WgCfg<TM, TN>;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   const AlignedSmem sm = aligned_smem(smem_raw);
   const int mt = (pg.M + TM - 1) / TM;
   const TiledParams p = group_matrix(pg, int(blockIdx.y) / mt);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
-  const int n_base = blockIdx.x * kTileN, m_base = (int(blockIdx.y) % mt) * TM;
+  const int n_base = blockIdx.x * TN, m_base = (int(blockIdx.y) % mt) * TM;
   const int kp = (p.K + 127) & ~127, nchunks = kp >> 7;
   const int c_begin = min(int(blockIdx.z) * per, nchunks), n_local = min(c_begin + per, nchunks) - c_begin;
 
   // This thread's copies of a stage (activation pieces in the 128-byte swizzle atoms wgmma reads).
-  StageCopies<Cfg::kXLoads> copies(p, m_base, n_base, c_begin, x_piece_offset<TM>);
+  StageCopies<Cfg::kXLoads, TN> copies(p, m_base, n_base, c_begin, x_piece_offset<TM>);
   auto load_stage = [&](uint8_t* xs) { copies.issue(xs, Cfg::kXStage, Cfg::kWStage, p.K, p.x); };
 
-  // This warp's 16 rows (g, g + 8) of the tile: warpgroup warp >> 2 holds rows 64 (warp >> 2) .. + 63.
+  // This warp's 16 rows (g, g + 8) of each 128-row block: warpgroup warp >> 2 holds rows 64 (warp >> 2) .. + 63.
   const int r0 = warp * 16 + g;
   float acc[Cfg::kAcc];
 #pragma unroll
   for (int i = 0; i < Cfg::kAcc; ++i) acc[i] = 0.f;
-  wgmma_k_loop<TM>(sm.p, sm.s, n_local, r0, tq, load_stage, acc);
+  wgmma_k_loop<TM, TN>(sm.p, sm.s, n_local, r0, tq, load_stage, acc);
 
   // The CTA's (partial) tile, unscaled: cs[token][feature].
   float* cs = reinterpret_cast<float*>(sm.p);
+  constexpr int kStride = out_stride<TN>();
 #pragma unroll
-  for (int i = 0; i < TM / 8; ++i)
+  for (int b = 0; b < Cfg::kBlocks; ++b)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) cs[(8 * i + 2 * tq + (e & 1)) * kOutStride + r0 + 8 * (e >> 1)] = acc[4 * i + e];
-  store_tile<TM, CLUSTER>(p, cs, m_base, n_base);
+    for (int i = 0; i < TM / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        cs[(8 * i + 2 * tq + (e & 1)) * kStride + 128 * b + r0 + 8 * (e >> 1)] = acc[b * (TM / 2) + 4 * i + e];
+  store_tile<TM, CLUSTER, TN>(p, cs, m_base, n_base);
 }
 
 // MoE up / down: blockIdx.y = slot (resolve_task), blockIdx.x = 128 rows of the task's matrix.
@@ -93,7 +97,7 @@ __global__ void __launch_bounds__(kThreads, WgCfg<TM>::kOcc) nvfp4_moe_wgmma_ker
     float acc[Cfg::kAcc];
 #pragma unroll
     for (int i = 0; i < Cfg::kAcc; ++i) acc[i] = 0.f;
-    wgmma_k_loop<TM>(sm.p, sm.s, nchunks, warp * 16 + g, tq, load_stage, acc);
+    wgmma_k_loop<TM, kTileN>(sm.p, sm.s, nchunks, warp * 16 + g, tq, load_stage, acc);
     // every weight load of this CTA is issued: let the next kernel's CTAs fill the SMs this wave frees
     if (p.pdl && tt + TM >= task.cnt) grid_dep_launch();
     if (tile < ntiles)
@@ -101,24 +105,24 @@ __global__ void __launch_bounds__(kThreads, WgCfg<TM>::kOcc) nvfp4_moe_wgmma_ker
   }
 }
 
-template <int TM>
+template <int TM, int TN>
 cudaError_t run_wgmma(const TiledParams& p, int sms, cudaStream_t stream) {
-  using Cfg = WgCfg<TM>;
-  for (const auto kernel : {nvfp4_wgmma_kernel<TM, false>, nvfp4_wgmma_kernel<TM, true>}) {
+  using Cfg = WgCfg<TM, TN>;
+  for (const auto kernel : {nvfp4_wgmma_kernel<TM, TN, false>, nvfp4_wgmma_kernel<TM, TN, true>}) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmem);
     if (err != cudaSuccess) return err;
   }
   const int nchunks = (p.K + 127) / 128;
-  const unsigned nt = unsigned((p.N + kTileN - 1) / kTileN), mt = unsigned((p.M + TM - 1) / TM * p.G);
+  const unsigned nt = unsigned((p.N + TN - 1) / TN), mt = unsigned((p.M + TM - 1) / TM * p.G);
   int splits = 1, per = nchunks;
-  plan_split<nvfp4_wgmma_kernel<TM, true>, Cfg::kSmem>(int64_t(nt) * mt, nchunks, sms * Cfg::kOcc, stream, splits,
-                                                         per);
+  plan_split<nvfp4_wgmma_kernel<TM, TN, true>, Cfg::kSmem>(int64_t(nt) * mt, nchunks, sms * Cfg::kOcc, stream,
+                                                             splits, per);
   if (splits == 1) {
-    nvfp4_wgmma_kernel<TM, false><<<dim3(nt, mt, 1), kThreads, Cfg::kSmem, stream>>>(p, per);
+    nvfp4_wgmma_kernel<TM, TN, false><<<dim3(nt, mt, 1), kThreads, Cfg::kSmem, stream>>>(p, per);
     return cudaGetLastError();
   }
   const ClusterLaunch l(dim3(nt, mt, unsigned(splits)), Cfg::kSmem, stream);
-  return cudaLaunchKernelEx(&l.cfg, nvfp4_wgmma_kernel<TM, true>, p, per);
+  return cudaLaunchKernelEx(&l.cfg, nvfp4_wgmma_kernel<TM, TN, true>, p, per);
 }
 
 template <int MODE, int TM>
@@ -136,12 +140,13 @@ namespace dsv4_nvfp4 {
 
 int wgmma_tile_tokens(int64_t tokens) { return tokens <= 16 ? 16 : tokens <= 32 ? 32 : tokens <= 64 ? 64 : 128; }
 
-cudaError_t launch_wgmma(const TiledParams& p, int sms, cudaStream_t stream) {
+cudaError_t launch_wgmma(const TiledParams& p, bool wide, int sms, cudaStream_t stream) {
+  if (wide) return p.M <= 64 ? run_wgmma<64, 256>(p, sms, stream) : run_wgmma<128, 256>(p, sms, stream);
   switch (wgmma_tile_tokens(p.M)) {
-    case 16: return run_wgmma<16>(p, sms, stream);
-    case 32: return run_wgmma<32>(p, sms, stream);
-    case 64: return run_wgmma<64>(p, sms, stream);
-    default: return run_wgmma<128>(p, sms, stream);
+    case 16: return run_wgmma<16, kTileN>(p, sms, stream);
+    case 32: return run_wgmma<32, kTileN>(p, sms, stream);
+    case 64: return run_wgmma<64, kTileN>(p, sms, stream);
+    default: return run_wgmma<128, kTileN>(p, sms, stream);
   }
 }
 

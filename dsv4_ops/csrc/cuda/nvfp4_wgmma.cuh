@@ -1,6 +1,7 @@
 // Hopper's warpgroup MMA for the NVFP4 tile kernels (nvfp4_wgmma.cu: dense and MoE): the wgmma primitives, the
-// shared-memory ring of one CTA (128 features = two warpgroups of 64, TM tokens) and its K loop. Each warp decodes
-// its 16 rows' weights into registers as wgmma's A operand (the m64k16 register fragment is, warp by warp, mma.sync's
+// shared-memory ring of one CTA (TN = 128 features = two warpgroups of 64, or the wide tile's 256 = two blocks of
+// 64 per warpgroup; TM tokens) and its K loop. Each warp decodes its 16 rows' (per block) weights into registers
+// as wgmma's A operand (the m64k16 register fragment is, warp by warp, mma.sync's
 // m16k16 one: nvfp4_mma.cuh's decode); B, the activations, is read by the tensor cores from shared memory (K-major,
 // 128-byte swizzle atoms of 8 rows x 64 k: two atoms per 128-k chunk).
 #pragma once
@@ -10,19 +11,24 @@ namespace {
 
 constexpr int kWgStages = 4;  // chunk i in the tensor cores, i + 1 decoded, i + 2 .. i + 3 loading
 
-template <int TM>
+// The wide tile (TN = 256) halves the activation bytes each output costs: every CTA reads its TM tokens' rows
+// once per TN features, and past a few hundred tokens those L2 reads, not the weights, bound the 128-row tile.
+template <int TM, int TN = kTileN>
 struct WgCfg {
+  static constexpr int kBlocks = TN / 128;     // 64-row wgmma blocks per warpgroup
   static constexpr int kXStage = TM * 256;     // bf16 activations: 2 atoms of TM rows x 64 k (128 B), swizzled
-  static constexpr int kWStage = kTileN * 64;  // packed weights, 128 rows x one chunk
-  static constexpr int kSStage = kTileN * 8;   // scale bytes
+  static constexpr int kWStage = TN * 64;      // packed weights, TN rows x one chunk
+  static constexpr int kSStage = TN * 8;       // scale bytes
   static constexpr int kStageBytes = kXStage + kWStage + kSStage;
   static constexpr int kSmem = kStageBytes * kWgStages + 1024;  // + the slack that aligns the ring to 1 KB
-  static constexpr int kOcc = TM >= 128 ? 1 : 2;                // CTAs per SM the launch bounds allow
+  static constexpr int kOcc = TM * kBlocks >= 128 ? 1 : 2;      // CTAs per SM the launch bounds allow
   static constexpr int kXLoads = TM * 16 / kThreads;            // 16-byte activation pieces per thread per stage
-  static constexpr int kAcc = TM / 2;                           // fp32 accumulators per thread
+  static constexpr int kAcc = TM / 2 * kBlocks;                 // fp32 accumulators per thread
+  static_assert(TN == 128 || TN == 256, "tile rows");
   static_assert(kStageBytes % 1024 == 0, "every stage's atoms start 1 KB aligned (the swizzle's period)");
   static_assert(kXLoads >= 1, "tile shape");
-  static_assert(TM * kOutStride * 4 <= kStageBytes * kWgStages, "epilogue staging must fit in the ring");
+  static_assert(TM * out_stride<TN>() * 4 <= kStageBytes * kWgStages, "epilogue staging must fit in the ring");
+  static_assert(kSmem <= 227 * 1024, "shared memory per CTA");
 };
 
 template <int N>
@@ -111,47 +117,59 @@ __device__ __forceinline__ uint64_t b_desc(uint32_t saddr) {
 
 // The CTA's K loop over n_local chunks: load_stage(stage pointer) issues one chunk's cp.async copies (weights at
 // kXStage, scale bytes at kXStage + kWStage, activations at 0 in the swizzled atoms, this thread's share). A chunk
-// is two wgmma groups of 4 k-steps; a pending wgmma's A registers must not be written (PTX ISA, wgmma.wait_group),
-// so half h of chunk i is written only once half h of chunk i - 1 has retired: chunk i - 1's second half runs
-// while chunk i's first half is decoded, and one stage is kept for the chunk in flight. acc: this
-// thread's accumulators of rows r0 / r0 + 8 (D fragment: accumulator 4i + e = row r0 + 8 (e >> 1), token
-// 8i + 2 tq + (e & 1)). Returns with every copy and wgmma done and the CTA synchronized (the ring is free).
-template <int TM, typename LoadStage>
+// is, per 64-row block of the warpgroup, two wgmma groups of 4 k-steps (order: half 0 of every block, then half
+// 1); a pending wgmma's A registers must not be written (PTX ISA, wgmma.wait_group), so A fragments live in two
+// slots used by alternate groups, and a group's slot is written only once the group before its predecessor has
+// retired (wait_group 1): each group is decoded while the previous one runs, and one stage is kept for the chunk
+// in flight. acc: this thread's accumulators, block b at acc[b * TM / 2 ..] (rows r0 + 128 b / + 8; D fragment:
+// accumulator 4i + e = row + 8 (e >> 1), token 8i + 2 tq + (e & 1)). Returns with every copy and wgmma done and the
+// CTA synchronized (the ring is free).
+template <int TM, int TN, typename LoadStage>
 __device__ __forceinline__ void wgmma_k_loop(uint8_t* smem, uint32_t smem_s, int n_local, int r0, int tq,
-                                             LoadStage&& load_stage, float (&acc)[TM / 2]) {
-  using Cfg = WgCfg<TM>;
-  constexpr int S = kWgStages;
+                                             LoadStage&& load_stage, float (&acc)[WgCfg<TM, TN>::kAcc]) {
+  using Cfg = WgCfg<TM, TN>;
+  constexpr int S = kWgStages, B = Cfg::kBlocks;
   const uint32_t w_ld = uint32_t(Cfg::kXStage + r0 * 64 + tq * 16);
   const uint32_t s_ld = uint32_t(Cfg::kXStage + Cfg::kWStage + r0 * 8);
-  auto compute = [&](int st) {  // decode the chunk in stage st (8 k-steps' A fragments), issue its 8 wgmmas
+  auto compute = [&](int st) {  // decode the chunk in stage st (8 k-steps' A fragments per block), issue its wgmmas
     const uint8_t* xs = smem + st * Cfg::kStageBytes;
     const uint32_t xs_s = smem_s + uint32_t(st * Cfg::kStageBytes);
-    const uint4 wa = *reinterpret_cast<const uint4*>(xs + w_ld);
-    const uint4 wb = *reinterpret_cast<const uint4*>(xs + w_ld + 8 * 64);
-    const RowScales sa = row_scales(*reinterpret_cast<const uint2*>(xs + s_ld));
-    const RowScales sb = row_scales(*reinterpret_cast<const uint2*>(xs + s_ld + 8 * 8));
-    uint32_t a[8][4];
+    uint4 wa[B], wb[B];
+    RowScales sa[B], sb[B];
+#pragma unroll
+    for (int b = 0; b < B; ++b) {  // block b: rows r0 + 128 b (wa, sa) and + 8 (wb, sb)
+      wa[b] = *reinterpret_cast<const uint4*>(xs + w_ld + b * 128 * 64);
+      wb[b] = *reinterpret_cast<const uint4*>(xs + w_ld + b * 128 * 64 + 8 * 64);
+      sa[b] = row_scales(*reinterpret_cast<const uint2*>(xs + s_ld + b * 128 * 8));
+      sb[b] = row_scales(*reinterpret_cast<const uint2*>(xs + s_ld + b * 128 * 8 + 8 * 8));
+    }
+    uint32_t a[2][4][4];  // [slot][k-step of the half]
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      uint32_t ra[2][4], rb[2][4];
 #pragma unroll
-      for (int jj = 0; jj < 2; ++jj) {
-        const int j = 2 * h + jj;
-        decode_word(j == 0 ? wa.x : j == 1 ? wa.y : j == 2 ? wa.z : wa.w, ra[jj]);
-        decode_word(j == 0 ? wb.x : j == 1 ? wb.y : j == 2 ? wb.z : wb.w, rb[jj]);
+      for (int b = 0; b < B; ++b) {
+        const int slot = (h * B + b) & 1;
+        uint32_t ra[2][4], rb[2][4];
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+          const int j = 2 * h + jj;
+          decode_word(j == 0 ? wa[b].x : j == 1 ? wa[b].y : j == 2 ? wa[b].z : wa[b].w, ra[jj]);
+          decode_word(j == 0 ? wb[b].x : j == 1 ? wb[b].y : j == 2 ? wb[b].z : wb[b].w, rb[jj]);
+        }
+        wgmma_wait<1>();  // the group that last read this slot (two groups back) is done
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+          const int j = 2 * h + jj;
+          a_fragment_rs(ra[jj], rb[jj], sa[b], sb[b], 2 * j, a[slot][2 * jj]);
+          a_fragment_rs(ra[jj], rb[jj], sa[b], sb[b], 2 * j + 1, a[slot][2 * jj + 1]);
+        }
+        wgmma_fence();
+        float(&d)[TM / 2] = *reinterpret_cast<float(*)[TM / 2]>(acc + b * (TM / 2));
+#pragma unroll
+        for (int s = 4 * h; s < 4 * h + 4; ++s)
+          wgmma_bf16<TM>(d, a[slot][s & 3], b_desc(xs_s + uint32_t((s >> 2) * (TM * 128) + (s & 3) * 32)));
+        wgmma_commit();
       }
-      wgmma_wait<1>();  // the group that last read a[4h .. 4h + 3] (previous chunk's half h) is done
-#pragma unroll
-      for (int jj = 0; jj < 2; ++jj) {
-        const int j = 2 * h + jj;
-        a_fragment_rs(ra[jj], rb[jj], sa, sb, 2 * j, a[2 * j]);
-        a_fragment_rs(ra[jj], rb[jj], sa, sb, 2 * j + 1, a[2 * j + 1]);
-      }
-      wgmma_fence();
-#pragma unroll
-      for (int s = 4 * h; s < 4 * h + 4; ++s)
-        wgmma_bf16<TM>(acc, a[s], b_desc(xs_s + uint32_t((s >> 2) * (TM * 128) + (s & 3) * 32)));
-      wgmma_commit();
     }
   };
 #pragma unroll
@@ -166,7 +184,7 @@ __device__ __forceinline__ void wgmma_k_loop(uint8_t* smem, uint32_t smem_s, int
     cp_async_wait<S - 2>();  // this thread's pieces of chunk i landed
     fence_proxy_async();
     __syncthreads();  // and every thread's
-    compute(i % S);  // on return: chunk i - 1 fully done (its second half retired by the second wait<1>)
+    compute(i % S);  // on return: every group of chunk i - 1 retired (by the waits of chunk i's groups)
   }
   wgmma_wait<0>();
   fence_operands(acc);
