@@ -78,7 +78,7 @@ def bench_linear(gen):
     print("\n## nvfp4_linear (W4A16) vs bf16 torch.matmul (cuBLAS), CUDA-graph replay, weights streamed from HBM")
     print("(M > 8: 'nvfp4 us' is the default path -- tiled mma kernel (K split over a cluster where tiles are few) "
           "for M < 32, wgmma kernel for 32 <= M <= 1024, dequantize + cuBLAS above; M > 64: 'tiled' / 'deq+cuBLAS' / 'wgmma' / 'wide' (wgmma, 256-row tiles) force each path; "
-          "8 < M <= 64: 'skinny' / 'tiled' / 'wgmma' forced, each against the default's time; M <= 8: 'nvfp4 us' is the gemv kernel "
+          "8 < M <= 64: 'skinny' / 'tiled' / 'wgmma' / 'wide' forced, each against the default's time; M <= 8: 'nvfp4 us' is the gemv kernel "
           "(default, cp.async ring, programmatic dependent launch), 'no-PDL' the same without PDL, 'skinny' the "
           "M <= 64 kernel)")
     hdr = (f"{'proj':>13} {'N x K':>12} {'M':>5} | {'nvfp4 us':>9} {'bf16 us':>9} {'speedup':>7} | "
@@ -111,12 +111,12 @@ def bench_linear(gen):
                               for lab, t in (("no-PDL", ts[0]), ("skinny", ts[1])))
             if 8 < m <= 64:
                 ts = []
-                for choice in ("skinny", "tiled", "wgmma"):
+                for choice in ("skinny", "tiled", "wgmma", "wgmma_wide"):
                     with kernel_choice(choice):
                         ts.append(graph_us(lambda i: ops.nvfp4_linear(x, ws[i % copies][0], ws[i % copies][1], gs),
                                            reps))
                 alt = "".join(f" | {lab} {t:6.2f} us ({t / t_op:4.2f}x the default's time)"
-                              for lab, t in zip(("skinny", "tiled", "wgmma"), ts))
+                              for lab, t in zip(("skinny", "tiled", "wgmma", "wide"), ts))
             if m > 64:
                 ts = []
                 for choice in ("tiled", "cublas", "wgmma", "wgmma_wide"):

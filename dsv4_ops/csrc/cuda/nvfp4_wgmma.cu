@@ -141,7 +141,11 @@ namespace dsv4_nvfp4 {
 int wgmma_tile_tokens(int64_t tokens) { return tokens <= 16 ? 16 : tokens <= 32 ? 32 : tokens <= 64 ? 64 : 128; }
 
 cudaError_t launch_wgmma(const TiledParams& p, bool wide, int sms, cudaStream_t stream) {
-  if (wide) return p.M <= 64 ? run_wgmma<64, 256>(p, sms, stream) : run_wgmma<128, 256>(p, sms, stream);
+  if (wide) {
+    const int tm = wgmma_tile_tokens(p.M);
+    return tm <= 32 ? run_wgmma<32, 256>(p, sms, stream)
+                    : tm == 64 ? run_wgmma<64, 256>(p, sms, stream) : run_wgmma<128, 256>(p, sms, stream);
+  }
   switch (wgmma_tile_tokens(p.M)) {
     case 16: return run_wgmma<16, kTileN>(p, sms, stream);
     case 32: return run_wgmma<32, kTileN>(p, sms, stream);
