@@ -6,6 +6,10 @@ einsums, masks, softmax with the sink), same run, batch 1 to 32, V4-Flash decode
 compiled graph per shape), bytes = the cache rows read once, fraction of 4.26 TB/s. The op runs its tensor-core
 partial kernel here (bf16, D % 64 == 0); 'simt' = the CUDA-core partial kernel (the attn_kernel="simt" override) on the
 same inputs.
+Prefill form (Attention._prefill_attend_op): T query rows of one sequence, each listing its 128-token window and
+512 compressed entries of one shared key buffer (kv a stride-0 view), the CTA holding 16 heads (decode's form) vs 64
+heads (a row's keys staged once; the default at T >= the SM count); TF/s counts QK and PV (P as bf16 hi + lo: 3
+products of 2 H J D).
 
 Run: python bench/bench_attn_decode.py
 """
@@ -55,7 +59,36 @@ def main() -> int:
                                   - sparse_attn_decode_ref(q, kv, idx, sink, scale).float()).abs().max())
             print(f"{name:12} {B:2d} {idx.shape[1]:5d} | {vs_peer(ours, peer, B * idx.shape[1] * D * 2)} | "
                   f"simt {simt:7.2f} us ({peer / simt:5.2f}x)   (max |diff| {err:.1e}, simt {err_simt:.1e})")
+    prefill(gen)
     return 0
+
+
+def prefill(gen) -> None:
+    print(f"\n{'prefill rows':12} {'J':>5} | {'16 heads us':>11} {'64 heads us':>11} {'speedup':>8} | {'TF/s':>5} "
+          f"(64 heads)  max |diff|")
+    n_entries, listed = 2048, 512
+    for T in (1024, 4096):
+        L = W - 1 + T + n_entries
+        q = torch.randn(T, H, D, device="cuda", generator=gen).to(torch.bfloat16)
+        buf = torch.randn(1, L, D, device="cuda", generator=gen).to(torch.bfloat16)
+        t = torch.arange(T, device="cuda").view(T, 1)
+        win = (t + torch.arange(W, device="cuda").view(1, W)).int()
+        sel = (W - 1 + T + torch.randint(0, n_entries, (T, listed), device="cuda", generator=gen)).int()
+        sink = torch.randn(H, device="cuda", generator=gen)
+        kv = buf.expand(T, -1, -1)
+
+        def call():
+            return torch.ops.dsv4.sparse_attn_decode(q, kv, win, sink, D ** -0.5, None, 0, sel - (W - 1 + T),
+                                                     W - 1 + T)
+        outs, times = [], []
+        for kernel in ("mma_16_heads", "mma_all_heads"):
+            with kernel_overrides(attn_kernel=kernel):
+                times.append(graph_us(call, 4))
+                outs.append(call())
+        J = W + listed
+        flops = 3 * 2.0 * T * H * J * D
+        print(f"{T:12d} {J:5d} | {times[0]:11.1f} {times[1]:11.1f} {times[0] / times[1]:7.2f}x | "
+              f"{flops / times[1] * 1e-6:5.1f}             {float((outs[0].float() - outs[1].float()).abs().max()):.1e}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from dsv4_ops._loader import library_path
 
 GEMM_KERNELS = ("auto", "tiled", "cublas", "skinny", "wgmma", "wgmma_wide")
 FUSED_PATHS = ("auto", "cluster", "grid")
-ATTN_KERNELS = ("auto", "simt")
+ATTN_KERNELS = ("auto", "simt", "mma_all_heads", "mma_16_heads")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +24,8 @@ class KernelOverrides:
     """nvfp4_gemm_kernel: the NVFP4 linear's kernel path ("auto" picks by shape). pdl: programmatic dependent
     launch of the decode kernels and the NVFP4 chain. moe_local_route: the MoE's up / down kernels route themselves
     at decode sizes (off: the route kernel at every size). attn_kernel: "simt" runs the CUDA-core attention kernel
-    where the tensor-core one applies. nvfp4_fused_path: the per-tensor fused quantizers' scheme."""
+    where the tensor-core one applies, "mma_all_heads" the tensor-core one with 64 heads per CTA (prefill's form)
+    at every size, "mma_16_heads" with 16 (decode's form). nvfp4_fused_path: the per-tensor fused quantizers' scheme."""
     nvfp4_gemm_kernel: str = "auto"
     pdl: bool = True
     moe_local_route: bool = True
@@ -38,7 +39,7 @@ class KernelOverrides:
             if value not in allowed:
                 raise ValueError(f"KernelOverrides.{name} must be one of {allowed}, got {value!r}")
         return {"nvfp4_gemm_kernel": GEMM_KERNELS.index(self.nvfp4_gemm_kernel), "pdl": int(self.pdl),
-                "moe_local_route": int(self.moe_local_route), "attn_simt": int(self.attn_kernel == "simt"),
+                "moe_local_route": int(self.moe_local_route), "attn_kernel": ATTN_KERNELS.index(self.attn_kernel),
                 "nvfp4_fused_path": FUSED_PATHS.index(self.nvfp4_fused_path)}
 
 
@@ -67,7 +68,7 @@ def native() -> KernelOverrides:
         got[name] = v.value
     return KernelOverrides(nvfp4_gemm_kernel=GEMM_KERNELS[got["nvfp4_gemm_kernel"]], pdl=bool(got["pdl"]),
                            moe_local_route=bool(got["moe_local_route"]),
-                           attn_kernel="simt" if got["attn_simt"] else "auto",
+                           attn_kernel=ATTN_KERNELS[got["attn_kernel"]],
                            nvfp4_fused_path=FUSED_PATHS[got["nvfp4_fused_path"]])
 
 

@@ -60,7 +60,8 @@ def test_matches_reference(device, B, H, D, N, J, dtype):
 def test_both_partial_kernels_match_reference(B, H, D, N, J):
     """bf16 with D % 64 == 0 runs the tensor-core partial kernel (P applied as bf16 hi + lo parts: the CUDA-core
     kernel's tolerance holds); the attn_kernel="simt" override the CUDA-core one; H = 12 leaves heads of a
-    16-head CTA empty."""
+    16-head CTA empty. "mma_all_heads" (64 heads per CTA, prefill's form) does each head's arithmetic in the same
+    order as the 16-head CTA: the same bits."""
     gen = torch.Generator().manual_seed(B * 1000 + H + D + J + 7)
     q, kv, idx, sink = case(B, H, D, N, J, torch.bfloat16, gen, kv_rows=B + 1)
     idx[0, :5] = -1  # a chunk that starts with skipped rows
@@ -72,6 +73,9 @@ def test_both_partial_kernels_match_reference(B, H, D, N, J):
         simt = ops.sparse_attn_decode(*args)
     check(simt, q, kv, idx, sink, scale)
     torch.testing.assert_close(mma.float(), simt.float(), rtol=2 ** -7, atol=1e-5)
+    for kernel in ("mma_all_heads", "mma_16_heads"):
+        with kernel_overrides(attn_kernel=kernel):
+            assert torch.equal(ops.sparse_attn_decode(*args), mma), kernel
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -120,7 +124,7 @@ def test_second_row_list_is_the_joined_list(device, B, H, D, N, J1, J2, off, dty
     joined = torch.cat([idx, torch.where(sel >= 0, sel + off, -1)], dim=1)
     scale = D ** -0.5
     dev = [t.to(device) for t in (q, kv, idx, sink)]
-    for kernel in (("auto", "simt") if device == "cuda" else ("auto",)):
+    for kernel in (("auto", "simt", "mma_all_heads") if device == "cuda" else ("auto",)):
         with kernel_overrides(attn_kernel=kernel):
             want = ops.sparse_attn_decode(dev[0], dev[1], joined.to(device).int(), dev[3], scale)
             for s in (sel.int(), sel):

@@ -15,7 +15,7 @@ int* field(const char* name) {
   if (!std::strcmp(name, "nvfp4_gemm_kernel")) return &o.nvfp4_gemm_kernel;
   if (!std::strcmp(name, "pdl")) return &o.pdl;
   if (!std::strcmp(name, "moe_local_route")) return &o.moe_local_route;
-  if (!std::strcmp(name, "attn_simt")) return &o.attn_simt;
+  if (!std::strcmp(name, "attn_kernel")) return &o.attn_kernel;
   if (!std::strcmp(name, "nvfp4_fused_path")) return &o.nvfp4_fused_path;
   return nullptr;
 }

@@ -10,7 +10,8 @@ struct Overrides {
   int nvfp4_gemm_kernel = 0;  // NVFP4 linear kernel: 0 auto, 1 tiled, 2 cublas, 3 skinny, 4 wgmma, 5 wgmma_wide
   int pdl = 1;                // programmatic dependent launch of the decode kernels and the NVFP4 chain
   int moe_local_route = 1;    // the MoE's up / down kernels route themselves at decode sizes
-  int attn_simt = 0;          // the CUDA-core attention partial kernel also where the tensor-core one applies
+  int attn_kernel = 0;        // attention partial kernel: 0 auto, 1 the CUDA-core one also where the tensor-core one
+                              // applies, 2 / 3 the tensor-core one with 64 / 16 heads per CTA at every size
   int nvfp4_fused_path = 0;   // per-tensor fused quantizers: 0 auto, 1 cluster, 2 grid
 };
 

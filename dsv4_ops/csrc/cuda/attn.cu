@@ -246,7 +246,11 @@ __global__ void __launch_bounds__(kHeads * 32) attn_partial_kernel(
 // in warp order, so every warp holds the same scores. P . V: P (fp32) is split into bf16 hi + lo parts (two mmas,
 // ~16 significant bits, so the result keeps fp32-level accuracy instead of bf16-rounded probabilities) against the
 // warp's dims of V (ldmatrix.trans). Same workspace as the CUDA-core kernel; the combine kernel is shared.
+// HG head groups of 16 per CTA (4 warps each) share the staged rows: HG = 1 at decode (more CTAs for few rows),
+// HG = 4 (64 heads, 512 threads) where the rows alone fill the GPU (prefill: a query per row), so that a row's keys
+// are staged once instead of once per 16 heads.
 constexpr int kMmaHeads = 16, kMmaWarps = 4, kMmaMaxKs = 512 / kMmaWarps / 16, kMmaMaxNt = 512 / kMmaWarps / 8;
+constexpr int kMmaWideGroups = 4;  // head groups per CTA of the all-heads form
 
 __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
   const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -260,22 +264,26 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 }
 __device__ __forceinline__ uint32_t ld_u32(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
-__host__ __device__ constexpr size_t partial_mma_smem(int D) {
-  return size_t(kMmaWarps) * kMmaHeads * kChunk * 4 + 2 * (size_t(kChunk) * row_bytes(D, 2) + kChunk * 4);
+__host__ __device__ constexpr size_t partial_mma_smem(int D, int groups) {
+  return size_t(groups) * kMmaWarps * kMmaHeads * kChunk * 4 + 2 * (size_t(kChunk) * row_bytes(D, 2) + kChunk * 4);
 }
 
-__global__ void __launch_bounds__(kMmaWarps * 32) attn_partial_mma_kernel(
+template <int HG>
+__global__ void __launch_bounds__(HG * kMmaWarps * 32) attn_partial_mma_kernel(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv, const int32_t* __restrict__ idx,
     int J1, const int32_t* __restrict__ idx2, int idx2_offset, int H, int N, int D, int J, int64_t kv_batch_stride,
     int rows_per_split, float scale, float* __restrict__ ws_o, float* __restrict__ ws_ml, int pdl) {
   dsv4_cuda::grid_dep_wait();
   if (pdl) dsv4_cuda::grid_dep_launch();
   extern __shared__ __align__(16) unsigned char smem[];
-  const int split = blockIdx.x, h0 = blockIdx.y * kMmaHeads, b = blockIdx.z, nsplit = gridDim.x;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int split = blockIdx.x, b = blockIdx.z, nsplit = gridDim.x;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int hg = (threadIdx.x >> 5) / kMmaWarps, warp = (threadIdx.x >> 5) % kMmaWarps;  // head group, dim quarter
+  const int h0 = (blockIdx.y * HG + hg) * kMmaHeads;
   const int rb = row_bytes(D, 2), dq = D / kMmaWarps, d_w = warp * dq, nks = dq / 16, nnt = dq / 8;
-  float* red = reinterpret_cast<float*>(smem);  // [warp][16 heads][32 rows]: partial scores
-  unsigned char* bufs = smem + size_t(kMmaWarps) * kMmaHeads * kChunk * 4;
+  // [head group][warp][16 heads][32 rows]: partial scores
+  float* red = reinterpret_cast<float*>(smem) + size_t(hg) * kMmaWarps * kMmaHeads * kChunk;
+  unsigned char* bufs = smem + size_t(HG) * kMmaWarps * kMmaHeads * kChunk * 4;
   const size_t buf_bytes = size_t(kChunk) * rb + kChunk * 4;
   const __nv_bfloat16* kvb = kv + int64_t(b) * kv_batch_stride;
   const RowList rl = row_list(idx, J1, idx2, J, idx2_offset, b);
@@ -305,7 +313,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_partial_mma_kernel(
   for (int c0 = j_begin; c0 < j_end; c0 += kChunk, buf ^= 1) {
     __syncthreads();  // every warp is done with the buffer the next chunk goes to, and with `red`
     if (c0 + kChunk < j_end) {
-      stage_chunk(bufs + (buf ^ 1) * buf_bytes, rb, kvb, rl, N, D, c0 + kChunk, j_end);
+      stage_chunk(bufs + (buf ^ 1) * buf_bytes, rb, kvb, rl, N, D, c0 + kChunk, j_end);  // (all HG groups' threads)
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
@@ -356,7 +364,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) attn_partial_mma_kernel(
       rmax[r] = fmaxf(rmax[r], __shfl_xor_sync(0xffffffffu, rmax[r], 2));
     }
     // every listed row scores finite for every head, so either both maxima are finite or the chunk lists nothing
-    // and this is true in every lane (no barrier follows in this iteration)
+    // and this is true in every lane of every head group (no barrier follows in this iteration)
     if (fmaxf(m_run[0], rmax[0]) == -INFINITY) continue;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -506,15 +514,20 @@ cudaError_t launch(const void* q, const void* kv, const int32_t* idx, int J1, co
     cudaError_t e = cudaFuncSetAttribute(attn_partial_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          int(partial_smem(512, sizeof(T))));
     if (e == cudaSuccess)
-      e = cudaFuncSetAttribute(attn_partial_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               int(partial_mma_smem(512)));
+      e = cudaFuncSetAttribute(attn_partial_mma_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               int(partial_mma_smem(512, 1)));
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(attn_partial_mma_kernel<kMmaWideGroups>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               int(partial_mma_smem(512, kMmaWideGroups)));
     if (e != cudaSuccess) return e;
     opted_in[dev] = true;
   }
   const bool pdl = decode_pdl();
   if (use_mma) {
-    const dim3 grid(nsplit, (H + kMmaHeads - 1) / kMmaHeads, B);
-    launch_ex(pdl, attn_partial_mma_kernel, grid, dim3(kMmaWarps * 32), partial_mma_smem(D), stream,
+    const int hg = use_mma == 2 ? kMmaWideGroups : 1, heads = hg * kMmaHeads;
+    const dim3 grid(nsplit, (H + heads - 1) / heads, B);
+    const auto kernel = use_mma == 2 ? attn_partial_mma_kernel<kMmaWideGroups> : attn_partial_mma_kernel<1>;
+    launch_ex(pdl, kernel, grid, dim3(hg * kMmaWarps * 32), partial_mma_smem(D, hg), stream,
               static_cast<const __nv_bfloat16*>(q), static_cast<const __nv_bfloat16*>(kv), idx, J1, idx2, idx2_offset,
               H, N, D, J, kv_batch_stride, rows_per_split, scale, ws_o, ws_ml, int(pdl));
   } else {
@@ -555,9 +568,10 @@ extern "C" int dsv4_attn_decode_splits(int B, int H, int J, int num_sms, int use
 // q [B, H, D], kv rows of D elements with kv_batch_stride elements between batch rows, idx int32 [B, J1], idx2
 // int32 [B, J - J1] or null (listed after idx as idx2 + idx2_offset where idx2 >= 0), sink fp32 [H], out
 // [B, H, D]; is_fp32: q / kv / out fp32 (else bf16); use_mma: the tensor-core partial kernel (bf16,
-// dsv4_attn_decode_mma_ok). D <= 512, D % 8 == 0. Workspace: ws_o fp32 [B, nsplit, H, D], ws_ml fp32
-// [B, nsplit, H, 2]. out_rope: fp32 [B, rope_dim / 2, (cos, sin)] (rope_dim % 4 == 0) or null: the output's
-// inverse RoPE, applied by the combine kernel to the rounded output and rounded again.
+// dsv4_attn_decode_mma_ok; 1: 16 heads per CTA, 2: 64, for many rows, with the splits dsv4_attn_decode_splits
+// gives for 1). D <= 512, D % 8 == 0. Workspace: ws_o fp32 [B, nsplit, H, D], ws_ml fp32 [B, nsplit, H, 2].
+// out_rope: fp32 [B, rope_dim / 2, (cos, sin)] (rope_dim % 4 == 0) or null: the output's inverse RoPE, applied by
+// the combine kernel to the rounded output and rounded again.
 extern "C" cudaError_t dsv4_attn_decode_launch(const void* q, const void* kv, const int32_t* idx, int J1,
                                                const int32_t* idx2, int idx2_offset, const float* sink, int is_fp32,
                                                int B, int H, int N, int D, int J,

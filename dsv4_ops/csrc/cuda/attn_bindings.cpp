@@ -50,11 +50,15 @@ at::Tensor sparse_attn_decode_cuda(const at::Tensor& q, const at::Tensor& kv, co
   };
   const at::Tensor ic = narrow(idx), i2 = idx2.has_value() ? narrow(*idx2) : at::Tensor();
   // The tensor-core partial kernel where it applies (bf16, D % 64 == 0: faster than the CUDA-core one,
-  // bench_attn_decode.py, bench/RESULTS.md); the attn_simt override keeps the CUDA-core kernel.
-  const int use_mma = !dsv4_overrides::get().attn_simt && q.scalar_type() == at::kBFloat16 &&
-                      dsv4_attn_decode_mma_ok(int(D));
+  // bench_attn_decode.py, bench/RESULTS.md); the attn_kernel override 1 keeps the CUDA-core kernel. 64 heads per
+  // CTA (use_mma 2) where the rows alone give every SM a CTA (prefill: a query per row; a row's keys staged once,
+  // not once per 16 heads); the override's 2 / 3 force 64 / 16 heads per CTA.
+  const int forced = dsv4_overrides::get().attn_kernel;
+  const int sms = sm_count();
+  const int mma_ok = forced != 1 && q.scalar_type() == at::kBFloat16 && dsv4_attn_decode_mma_ok(int(D));
+  const int use_mma = !mma_ok ? 0 : (forced == 2 || (forced != 3 && B >= sms)) ? 2 : 1;
   int rows_per_split = 0;
-  const int nsplit = dsv4_attn_decode_splits(int(B), int(H), int(J), sm_count(), use_mma, &rows_per_split);
+  const int nsplit = dsv4_attn_decode_splits(int(B), int(H), int(J), sms, mma_ok, &rows_per_split);
   const at::TensorOptions f32 = q.options().dtype(at::kFloat);
   at::Tensor ws_o = at::empty({B, nsplit, H, D}, f32);
   at::Tensor ws_ml = at::empty({B, nsplit, H, 2}, f32);
