@@ -10,7 +10,7 @@ fi
 # The main job needs only CORE; the rest serve the tests, the server and the parity references. A machine with no
 # package index (the GPU machine) still runs the main job when CORE is there: one warning names what is missing.
 CORE="pybind11 safetensors tokenizers huggingface_hub"
-REST="scikit_build_core transformers tqdm pytest ninja fastapi uvicorn prometheus_client openai"
+REST="scikit_build_core transformers tqdm pytest ninja fastapi uvicorn prometheus_client openai httpx"
 missing_of() { $PY -c 'import importlib.util, sys; print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))' "$@"; }
 missing=$(missing_of $CORE $REST)
 if [ -n "$missing" ] && ! $PY -m pip install -q --retries 1 --timeout 10 -r requirements.txt; then
