@@ -11,8 +11,9 @@ Prefill form (Attention._prefill_attend_op): T query rows of one sequence, each 
 heads (a row's keys staged once; the default at T >= the SM count); TF/s counts QK and PV (P as bf16 hi + lo: 3
 products of 2 H J D).
 
-Run: python bench/bench_attn_decode.py
+Run: python bench/bench_attn_decode.py [--parts decode,prefill]
 """
+import argparse
 import os
 import sys
 
@@ -32,9 +33,20 @@ CASES = [("CSA top-512", 1024, 512), ("HCA 64K ctx", 512, 512), ("SWA", 0, 0)]
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="decode,prefill", help="decode (with the compiled peer), prefill")
+    parts = set(ap.parse_args().parts.split(","))
     gen = cuda_generator("bench_attn_decode")
     if gen is None:
         return 0
+    if "decode" in parts:
+        decode(gen)
+    if "prefill" in parts:
+        prefill(gen)
+    return 0
+
+
+def decode(gen) -> None:
     # every (case, batch) shape keeps its own compiled graph (past the default limit dynamo falls back to eager)
     torch._dynamo.config.recompile_limit = 64
     torch_form = torch.compile(sparse_attn_decode_ref, dynamic=False)
@@ -59,8 +71,6 @@ def main() -> int:
                                   - sparse_attn_decode_ref(q, kv, idx, sink, scale).float()).abs().max())
             print(f"{name:12} {B:2d} {idx.shape[1]:5d} | {vs_peer(ours, peer, B * idx.shape[1] * D * 2)} | "
                   f"simt {simt:7.2f} us ({peer / simt:5.2f}x)   (max |diff| {err:.1e}, simt {err_simt:.1e})")
-    prefill(gen)
-    return 0
 
 
 def prefill(gen) -> None:
