@@ -3,7 +3,8 @@
 // the current stream. The kernels live in nvfp4_gemm.cu and the kernel files it names.
 // Kernel choice for y = x W^T (measured on the H200, bench/RESULTS.md "GEMM and head"): M <= 8 tokens -> the gemv
 // kernel (cp.async ring); 8 < M < 32 -> the tiled mma kernel (the skinny kernel for grouped / multi launches);
-// 32 <= M <= 1024 -> the wgmma kernel (decoded weights as warpgroup-MMA register operand; 1.1-1.7x the tiled one);
+// 32 <= M <= 1024 -> the wgmma kernel (decoded weights as warpgroup-MMA register operand; 1.1-1.7x the tiled one;
+// 256-feature tiles past 64 rows where they nearly fill the GPU: auto_wide);
 // M > 1024 -> dequantize W to bf16 (exact e2m1 * block scale) + one cublasLt
 // bf16 GEMM whose epilogue applies the global scale (alpha read from device memory, so no host sync and CUDA-graph
 // safe) and rounds once to the output dtype. The previous form of that path (aten::mm.dtype to an fp32 [M, N]
@@ -30,6 +31,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cuda/device_info.h"
 #include "cuda/mm_dtype.h"
 #include "cuda/nvfp4_gemm.h"
 #include "nvfp4_gemm_checks.h"
@@ -49,8 +51,20 @@ Choice kernel_choice() {
 
 // wgmma forced: the 128-row tile (kWgmma) or the 256-row one (kWgmmaWide; the MoE keeps its 128-row tile).
 bool forced_wgmma(Choice choice) { return choice == Choice::kWgmma || choice == Choice::kWgmmaWide; }
-// The Nvfp4LinearArgs::wgmma value of a dense launch on wgmma: 2 for the wide tile where forced.
-int wgmma_arg(Choice choice) { return choice == Choice::kWgmmaWide ? 2 : 1; }
+
+// The auto rule's wide tile (256 features x 128 tokens): past 64 rows where its tiles alone nearly fill the GPU
+// (>= 3/4 of the SMs). Measured on an H100 (bench/RESULTS.md, session 33): wq_b M = 128 / 1024 20.6 -> 17.7 /
+// 155.8 -> 132.4 µs, wo_b / w1+w3 / w2 at M = 1024 1.16-1.18x faster; with fewer tiles (wkv, expert w1, M <= 512 of
+// the 4096-wide matrices) the 128-row tile's extra CTAs win, and at M <= 64 the wide tile loses everywhere. One
+// matrix only: the grouped launch has not been measured with it.
+bool auto_wide(int64_t M, int64_t N, int64_t G) {
+  const int64_t tiles = (N + 255) / 256 * ((M + 127) / 128);
+  return G <= 1 && M > 64 && 4 * tiles >= 3 * int64_t(dsv4_cuda::sm_count());
+}
+// The Nvfp4LinearArgs::wgmma value of a dense launch on wgmma: 2 for the wide tile (forced, or auto where it wins).
+int wgmma_arg(Choice choice, int64_t M, int64_t N, int64_t G) {
+  return choice == Choice::kWgmmaWide || (choice == Choice::kAuto && auto_wide(M, N, G)) ? 2 : 1;
+}
 
 // The auto rule's bounds for the wgmma kernel (H200, bench/bench_nvfp4_gemm.py, every V4-Flash shape): below
 // 32 rows the tiled kernel is as fast (M = 16: within 4%), above 1024 dequantize + cuBLAS is (M = 4096: 1.1-1.4x).
@@ -260,7 +274,7 @@ at::Tensor linear_impl(const at::Tensor& x2, const at::Tensor& w, const at::Tens
   a.K = K;
   a.gemv = choice == Choice::kSkinny ? 0 : 1;
   a.pdl = use_pdl() ? 1 : 0;
-  a.wgmma = forced_wgmma(choice) || auto_wgmma(choice, M) ? wgmma_arg(choice) : 0;
+  a.wgmma = forced_wgmma(choice) || auto_wgmma(choice, M) ? wgmma_arg(choice, M, N, 1) : 0;
   check_launch(dsv4_nvfp4_linear_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
   return out;
 }
@@ -322,7 +336,7 @@ at::Tensor nvfp4_linear_grouped_cuda(const at::Tensor& x, const at::Tensor& w, c
   a.K = K;
   a.G = G;
   a.gemv = choice == Choice::kSkinny ? 0 : 1;
-  a.wgmma = wgmma ? wgmma_arg(choice) : 0;
+  a.wgmma = wgmma ? wgmma_arg(choice, M, N, G) : 0;
   a.pdl = use_pdl() ? 1 : 0;
   check_launch(dsv4_nvfp4_linear_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
   return out.view(out_shape);
