@@ -17,10 +17,12 @@ independent of depth: what a 43-layer model needs).
 
 --gemm-kernels auto,cublas: the eager modes again under each nvfp4_gemm_kernel override (cublas: dequantize +
 cuBLAS for every linear past 64 rows and the MoE on the skinny kernel, the default before the wgmma kernels).
+--no-eager: the compiled rows only (and HF); --profile: after each length's compiled timing, one more call under
+torch.profiler and the kernels that took its GPU time, the largest first (name, calls, ms, share).
 
 Run: python bench/bench_prefill.py [--lengths 4096,8192,32768,131072] [--chunk 8192] [--layers 2]
        [--experts 256] [--hf-max 8192] [--budget SECONDS] [--compiled [--regional]]
-       [--gemm-kernels auto,cublas]
+       [--gemm-kernels auto,cublas] [--no-eager] [--profile]
 """
 from __future__ import annotations
 
@@ -143,6 +145,38 @@ def timed(fn, reps: int, split: bool = True) -> tuple[float, float]:
     return wall, it.seconds() / reps
 
 
+def kernel_split(fn, top: int = 15, activity=None) -> list[tuple[str, int, float]]:
+    """One call of fn under torch.profiler: (kernel name, calls, ms) of the `top` kernels by GPU time summed over
+    calls, the largest first, and a last row "all kernels" (the sum over every kernel). activity: the profiler
+    activity whose events are summed (CUDA by default; CPU lets the CPU tests exercise it)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    act = ProfilerActivity.CUDA if activity is None else activity
+    dev = DeviceType.CUDA if act == ProfilerActivity.CUDA else DeviceType.CPU
+    with profile(activities=[act]) as prof:
+        fn()
+        if dev == DeviceType.CUDA:
+            torch.cuda.synchronize()
+    by_name: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type != dev:
+            continue
+        row = by_name.setdefault(e.name, [0, 0.0])
+        row[0] += 1
+        row[1] += e.time_range.elapsed_us() / 1e3
+    rows = sorted(((n, c, ms) for n, (c, ms) in by_name.items()), key=lambda r: -r[2])
+    total = sum(ms for _, _, ms in rows)
+    return rows[:top] + [("all kernels", sum(c for _, c, _ in rows), total)]
+
+
+def print_split(S: int, rows: list[tuple[str, int, float]]) -> None:
+    total = rows[-1][2]
+    print(f"[S={S}] GPU time by kernel (one compiled call under the profiler):")
+    for name, calls, ms in rows:
+        print(f"    {ms:9.1f} ms {ms / max(total, 1e-9):6.1%} {calls:6d} x  {name[:110]}")
+    sys.stdout.flush()
+
+
 @torch.no_grad()
 def print_rows(S, res, floor):
     """One length's rows: each mode's (wall, indexer) seconds or its failure, then HF's forward."""
@@ -177,6 +211,9 @@ def main(argv=None) -> int:
     ap.add_argument("--regional", action="store_true",
                     help="with --compiled: compile one layer at a time (a graph per distinct layer; what "
                          "--regional-compile does to the engine's compiled prefill)")
+    ap.add_argument("--no-eager", action="store_true", help="skip the eager rows (compiled and HF only)")
+    ap.add_argument("--profile", action="store_true",
+                    help="with --compiled: the GPU time of one compiled call split by kernel")
     args = ap.parse_args(argv)
     if cuda_missing("bench_prefill"):
         return 0
@@ -201,7 +238,7 @@ def main(argv=None) -> int:
         lens = torch.full((1,), S, dtype=torch.long, device="cuda")
         reps = 1 if S > 16384 else 2
         res = {}
-        for kernel in args.gemm_kernels.split(","):
+        for kernel in ([] if args.no_eager else args.gemm_kernels.split(",")):
             for mode, chunk in (("whole", S), (f"chunks of {args.chunk}", args.chunk)):
                 if mode != "whole" and S <= args.chunk:
                     continue
@@ -223,6 +260,8 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
                 print(f"[S={S}] {mode}: compiled in {time.perf_counter() - t0:.1f} s", flush=True)
                 res[mode] = timed(lambda: run(ids, lens), reps, split=False)
+                if args.profile:
+                    print_split(S, kernel_split(lambda: run(ids, lens)))
             except Exception as e:  # report and go on: the eager rows stand
                 res[mode] = f"failed: {type(e).__name__}: {str(e)[:100]}"
             torch._dynamo.reset()
