@@ -8,8 +8,8 @@ partial kernel here (bf16, D % 64 == 0); 'simt' = the CUDA-core partial kernel (
 same inputs.
 Prefill form (Attention._prefill_attend_op): T query rows of one sequence, each listing its 128-token window and
 512 compressed entries of one shared key buffer (kv a stride-0 view), the CTA holding 16 heads (decode's form) vs 64
-heads (a row's keys staged once; the default at T >= the SM count); TF/s counts QK and PV (P as bf16 hi + lo: 3
-products of 2 H J D).
+heads (a row's keys staged once; the default at T >= the SM count) vs the warpgroup-MMA kernel (attn_kernel="wgmma");
+TF/s counts QK and PV (P as bf16 hi + lo: 3 products of 2 H J D).
 
 Run: python bench/bench_attn_decode.py [--parts decode,prefill]
 """
@@ -74,8 +74,8 @@ def decode(gen) -> None:
 
 
 def prefill(gen) -> None:
-    print(f"\n{'prefill rows':12} {'J':>5} | {'16 heads us':>11} {'64 heads us':>11} {'speedup':>8} | {'TF/s':>5} "
-          f"(64 heads)  max |diff|")
+    print(f"\n{'prefill rows':12} {'J':>5} | {'16 heads us':>11} {'64 heads us':>11} {'wgmma us':>9} | "
+          f"{'TF/s 64 heads':>13} {'wgmma':>6} | max |diff| 64 heads, wgmma vs 16 heads")
     n_entries, listed = 2048, 512
     for T in (1024, 4096):
         L = W - 1 + T + n_entries
@@ -91,14 +91,15 @@ def prefill(gen) -> None:
             return torch.ops.dsv4.sparse_attn_decode(q, kv, win, sink, D ** -0.5, None, 0, sel - (W - 1 + T),
                                                      W - 1 + T)
         outs, times = [], []
-        for kernel in ("mma_16_heads", "mma_all_heads"):
+        for kernel in ("mma_16_heads", "mma_all_heads", "wgmma"):
             with kernel_overrides(attn_kernel=kernel):
                 times.append(graph_us(call, 4))
                 outs.append(call())
         J = W + listed
         flops = 3 * 2.0 * T * H * J * D
-        print(f"{T:12d} {J:5d} | {times[0]:11.1f} {times[1]:11.1f} {times[0] / times[1]:7.2f}x | "
-              f"{flops / times[1] * 1e-6:5.1f}             {float((outs[0].float() - outs[1].float()).abs().max()):.1e}")
+        diff = [float((o.float() - outs[0].float()).abs().max()) for o in outs[1:]]
+        print(f"{T:12d} {J:5d} | {times[0]:11.1f} {times[1]:11.1f} {times[2]:9.1f} | "
+              f"{flops / times[1] * 1e-6:13.1f} {flops / times[2] * 1e-6:6.1f} | {diff[0]:.1e}, {diff[1]:.1e}")
 
 
 if __name__ == "__main__":

@@ -76,6 +76,39 @@ def test_both_partial_kernels_match_reference(B, H, D, N, J):
     for kernel in ("mma_all_heads", "mma_16_heads"):
         with kernel_overrides(attn_kernel=kernel):
             assert torch.equal(ops.sparse_attn_decode(*args), mma), kernel
+    with kernel_overrides(attn_kernel="wgmma"):  # D = 512: the warpgroup-MMA kernel; else the auto choice
+        wg = ops.sparse_attn_decode(*args)
+    check(wg, q, kv, idx, sink, scale)
+    torch.testing.assert_close(wg.float(), mma.float(), rtol=2 ** -7, atol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.kernels
+@pytest.mark.parametrize("T,n,listed", [(300, 700, 512), (140, 90, 90), (5, 40, 37)])
+def test_prefill_rows_warpgroup_kernel(T, n, listed):
+    """The prefill form (T query rows of one sequence, kv one key buffer seen through a stride-0 view, each row its
+    128-key window then its entries as idx2 with an offset; some rows see fewer keys, a chunk of skipped ones) on
+    the warpgroup-MMA kernel: within the reference's bf16 tolerance, and close to the mma kernel's output."""
+    gen = torch.Generator().manual_seed(T + n)
+    H, D, W = 64, 512, 128
+    L = W - 1 + T + n
+    q = torch.randn(T, H, D, generator=gen).to(torch.bfloat16)
+    buf = torch.randn(1, L, D, generator=gen).to(torch.bfloat16)
+    win = torch.arange(T).view(T, 1) + torch.arange(W).view(1, W)
+    win = torch.where(win < W - 1 - (T // 3), -1, win)  # the first rows' windows reach before the sequence
+    sel = torch.randint(0, n, (T, listed), generator=gen)
+    sel = torch.where(torch.arange(listed).view(1, -1) >= (torch.arange(T).view(-1, 1) * listed) // T + 1, -1, sel)
+    sink = torch.randn(H, generator=gen)
+    scale = D ** -0.5
+    dev = [t.cuda() for t in (q, buf, win.int(), sel.int(), sink)]
+    kv = dev[1].expand(T, -1, -1)
+    call = lambda: ops.sparse_attn_decode(dev[0], kv, dev[2], dev[4], scale, None, 0, dev[3], W - 1 + T)  # noqa: E731
+    with kernel_overrides(attn_kernel="wgmma"):
+        got = call()
+    joined = torch.cat([win, torch.where(sel >= 0, sel + W - 1 + T, -1)], dim=1)
+    check(got, q, buf.expand(T, -1, -1), joined, sink, scale)
+    with kernel_overrides(attn_kernel="mma_all_heads"):
+        torch.testing.assert_close(got.float(), call().float(), rtol=2 ** -7, atol=1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -124,7 +157,7 @@ def test_second_row_list_is_the_joined_list(device, B, H, D, N, J1, J2, off, dty
     joined = torch.cat([idx, torch.where(sel >= 0, sel + off, -1)], dim=1)
     scale = D ** -0.5
     dev = [t.to(device) for t in (q, kv, idx, sink)]
-    for kernel in (("auto", "simt", "mma_all_heads") if device == "cuda" else ("auto",)):
+    for kernel in (("auto", "simt", "mma_all_heads", "wgmma") if device == "cuda" else ("auto",)):
         with kernel_overrides(attn_kernel=kernel):
             want = ops.sparse_attn_decode(dev[0], dev[1], joined.to(device).int(), dev[3], scale)
             for s in (sel.int(), sel):

@@ -11,7 +11,8 @@ struct Overrides {
   int pdl = 1;                // programmatic dependent launch of the decode kernels and the NVFP4 chain
   int moe_local_route = 1;    // the MoE's up / down kernels route themselves at decode sizes
   int attn_kernel = 0;        // attention partial kernel: 0 auto, 1 the CUDA-core one also where the tensor-core one
-                              // applies, 2 / 3 the tensor-core one with 64 / 16 heads per CTA at every size
+                              // applies, 2 / 3 the tensor-core one with 64 / 16 heads per CTA at every size,
+                              // 4 the warpgroup-MMA one (attn_wgmma.cu) where it applies
   int nvfp4_fused_path = 0;   // per-tensor fused quantizers: 0 auto, 1 cluster, 2 grid
 };
 

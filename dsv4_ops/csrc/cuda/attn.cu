@@ -16,6 +16,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "attn_rows.h"
 #include "float_cast.h"
 #include "launchers.h"
 #include "mma.h"
@@ -24,6 +25,8 @@
 namespace {
 
 using dsv4_cuda::decode_pdl;
+using dsv4_cuda::row_list;
+using dsv4_cuda::RowList;
 using dsv4_cuda::launch_ex;
 
 using dsv4_cuda::mma_bf16;
@@ -68,22 +71,6 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// The listed rows of one batch row: a[j] for j < ja, then b[j - ja] + off where b's entry is >= 0 (the op's idx2:
-// the indexer's top-k as it returns it, -1 for none).
-struct RowList {
-  const int32_t* a;
-  const int32_t* b;
-  int ja, off;
-  __device__ __forceinline__ int at(int j) const {
-    if (j < ja) return __ldg(a + j);
-    const int v = __ldg(b + (j - ja));
-    return v >= 0 && v <= 0x7FFFFFFF - off ? v + off : -1;
-  }
-};
-
-__device__ __forceinline__ RowList row_list(const int32_t* idx, int J1, const int32_t* idx2, int J, int off, int b) {
-  return {idx + int64_t(b) * J1, idx2 == nullptr ? nullptr : idx2 + int64_t(b) * (J - J1), J1, off};
-}
 
 // Stage the rows of the chunk at c0 (ids rl.at(c0 ..), those at j >= j_end skipped) into ks with cp.async (all
 // copies in flight at once; skipped rows zero-filled and their id -1), one commit group.
@@ -535,7 +522,12 @@ cudaError_t launch(const void* q, const void* kv, const int32_t* idx, int J1, co
     opted_in[dev] = true;
   }
   const bool pdl = decode_pdl();
-  if (use_mma) {
+  if (use_mma == 3) {  // attn_wgmma.cu: 64 heads x 512 dims on warpgroup MMA
+    const cudaError_t e = dsv4_attn_partial_wgmma_launch(q, kv, idx, J1, idx2, idx2_offset, B, H, N, J,
+                                                         kv_batch_stride, scale, ws_o, ws_ml, nsplit, rows_per_split,
+                                                         int(pdl), stream);
+    if (e != cudaSuccess) return e;
+  } else if (use_mma) {
     const int hg = use_mma == 2 ? kMmaWideGroups : 1, heads = hg * kMmaHeads;
     const dim3 grid(nsplit, (H + heads - 1) / heads, B);
     const auto kernel = use_mma == 2 ? attn_partial_mma_kernel<kMmaWideGroups> : attn_partial_mma_kernel<1>;
@@ -580,8 +572,8 @@ extern "C" int dsv4_attn_decode_splits(int B, int H, int J, int num_sms, int use
 // q [B, H, D], kv rows of D elements with kv_batch_stride elements between batch rows, idx int32 [B, J1], idx2
 // int32 [B, J - J1] or null (listed after idx as idx2 + idx2_offset where idx2 >= 0), sink fp32 [H], out
 // [B, H, D]; is_fp32: q / kv / out fp32 (else bf16); use_mma: the tensor-core partial kernel (bf16,
-// dsv4_attn_decode_mma_ok; 1: 16 heads per CTA, 2: 64, for many rows, with the splits dsv4_attn_decode_splits
-// gives for 1). D <= 512, D % 8 == 0. Workspace: ws_o fp32 [B, nsplit, H, D], ws_ml fp32 [B, nsplit, H, 2].
+// dsv4_attn_decode_mma_ok; 1: 16 heads per CTA, 2: 64, for many rows, 3: the warpgroup-MMA kernel of
+// attn_wgmma.cu (D = 512), each with the splits dsv4_attn_decode_splits gives for 1). D <= 512, D % 8 == 0. Workspace: ws_o fp32 [B, nsplit, H, D], ws_ml fp32 [B, nsplit, H, 2].
 // out_rope: fp32 [B, rope_dim / 2, (cos, sin)] (rope_dim % 4 == 0) or null: the output's inverse RoPE, applied by
 // the combine kernel to the rounded output and rounded again.
 extern "C" cudaError_t dsv4_attn_decode_launch(const void* q, const void* kv, const int32_t* idx, int J1,
@@ -592,6 +584,7 @@ extern "C" cudaError_t dsv4_attn_decode_launch(const void* q, const void* kv, co
                                                int rope_dim, void* out, cudaStream_t stream) {
   if (B == 0 || H == 0) return cudaSuccess;
   if (D > 512 || D % 8 != 0 || (use_mma && (is_fp32 || !dsv4_attn_decode_mma_ok(D)))) return cudaErrorInvalidValue;
+  if (use_mma == 3 && !dsv4_attn_partial_wgmma_ok(D)) return cudaErrorInvalidValue;
   if (out_rope != nullptr && (rope_dim % 4 != 0 || rope_dim <= 0 || rope_dim > D)) return cudaErrorInvalidValue;
   if (idx2 == nullptr && J1 != J) return cudaErrorInvalidValue;
   return is_fp32 ? launch<float>(q, kv, idx, J1, idx2, idx2_offset, sink, B, H, N, D, J, kv_batch_stride, scale, ws_o,

@@ -52,11 +52,15 @@ at::Tensor sparse_attn_decode_cuda(const at::Tensor& q, const at::Tensor& kv, co
   // The tensor-core partial kernel where it applies (bf16, D % 64 == 0: faster than the CUDA-core one,
   // bench_attn_decode.py, bench/RESULTS.md); the attn_kernel override 1 keeps the CUDA-core kernel. 64 heads per
   // CTA (use_mma 2) where the rows alone give every SM a CTA (prefill: a query per row; a row's keys staged once,
-  // not once per 16 heads); the override's 2 / 3 force 64 / 16 heads per CTA.
+  // not once per 16 heads); the override's 2 / 3 force 64 / 16 heads per CTA, 4 the warpgroup-MMA kernel
+  // (attn_wgmma.cu; D = 512, else the auto choice).
   const int forced = dsv4_overrides::get().attn_kernel;
   const int sms = sm_count();
   const int mma_ok = forced != 1 && q.scalar_type() == at::kBFloat16 && dsv4_attn_decode_mma_ok(int(D));
-  const int use_mma = !mma_ok ? 0 : (forced == 2 || (forced != 3 && B >= sms)) ? 2 : 1;
+  const int use_mma = !mma_ok                                              ? 0
+                      : forced == 4 && dsv4_attn_partial_wgmma_ok(int(D))  ? 3
+                      : (forced == 2 || (forced != 3 && B >= sms))         ? 2
+                                                                           : 1;
   int rows_per_split = 0;
   const int nsplit = dsv4_attn_decode_splits(int(B), int(H), int(J), sms, mma_ok, &rows_per_split);
   const at::TensorOptions f32 = q.options().dtype(at::kFloat);

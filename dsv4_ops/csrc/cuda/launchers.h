@@ -18,6 +18,14 @@ extern "C" cudaError_t dsv4_attn_decode_launch(const void* q, const void* kv, co
                                                int nsplit, int rows_per_split, int use_mma, const float* out_rope,
                                                int rope_dim, void* out, cudaStream_t stream);
 
+// attn_wgmma.cu (called by attn.cu's launcher)
+extern "C" int dsv4_attn_partial_wgmma_ok(int D);
+extern "C" cudaError_t dsv4_attn_partial_wgmma_launch(const void* q, const void* kv, const int32_t* idx, int J1,
+                                                      const int32_t* idx2, int idx2_offset, int B, int H, int N,
+                                                      int J, int64_t kv_batch_stride, float scale, float* ws_o,
+                                                      float* ws_ml, int nsplit, int rows_per_split, int pdl,
+                                                      cudaStream_t stream);
+
 // compressor.cu
 extern "C" cudaError_t dsv4_compressor_decode_launch(const float* kv, const float* score, const float* ape,
                                                      const void* positions, int pos_i32, float* kv_state,

@@ -6,6 +6,7 @@
 // 128-byte swizzle atoms of 8 rows x 64 k: two atoms per 128-k chunk).
 #pragma once
 #include "nvfp4_tile.cuh"
+#include "wgmma.h"
 
 namespace {
 
@@ -94,26 +95,14 @@ __device__ __forceinline__ void wgmma_bf16<128>(float (&d)[64], const uint32_t (
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
-// The accumulators are written by the tensor cores behind the compiler's back: pin them after a wait.
-template <int N>
-__device__ __forceinline__ void fence_operands(float (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-// cp.async writes are the generic proxy's; wgmma reads shared memory through the async proxy.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+using dsv4_cuda::fence_operands;
+using dsv4_cuda::fence_proxy_async;
+using dsv4_cuda::wgmma_commit;
+using dsv4_cuda::wgmma_fence;
+using dsv4_cuda::wgmma_wait;
 
-// Shared-memory matrix descriptor of a K-major operand in 128-byte swizzle atoms (8 rows x 128 B, 1 KB aligned;
-// consecutive 8-row groups 1 KB apart): start address >> 4, leading offset 1 (unused in this mode), stride 1024 B.
-__device__ __forceinline__ uint64_t b_desc(uint32_t saddr) {
-  return uint64_t((saddr & 0x3FFFFu) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
-}
+// Descriptor of the K-major activation operand (8-row groups 1 KB apart).
+__device__ __forceinline__ uint64_t b_desc(uint32_t saddr) { return dsv4_cuda::smem_desc(saddr, 16, 1024); }
 
 // The CTA's K loop over n_local chunks: load_stage(stage pointer) issues one chunk's cp.async copies (weights at
 // kXStage, scale bytes at kXStage + kWStage, activations at 0 in the swizzled atoms, this thread's share). A chunk
