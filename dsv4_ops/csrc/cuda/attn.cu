@@ -238,10 +238,10 @@ __global__ void __launch_bounds__(kHeads * 32) attn_partial_kernel(
 // are staged once instead of once per 16 heads.
 constexpr int kMmaHeads = 16, kMmaWarps = 4, kMmaMaxKs = 512 / kMmaWarps / 16, kMmaMaxNt = 512 / kMmaWarps / 8;
 constexpr int kMmaWideGroups = 4;  // head groups per CTA of the all-heads form
-// Row stride (floats) of the partial-score tiles: a warp's 8-byte accesses (head g, columns 2t, 2t + 1) land on
-// 16 distinct bank pairs per half-warp when the stride is 8 mod 32 (at 32 they were 8-way conflicts: g's rows on
-// the same banks).
-constexpr int kRedStride = kChunk + 8;
+// Float index of (head row r, column c) in a warp's 16 x 32 partial-score tile: columns XOR-swizzled by r % 4, so a
+// warp's 8-byte accesses (head g, columns 2t, 2t + 1) land on 16 distinct bank pairs per half-warp (unswizzled
+// they were 8-way conflicts: every g on the same banks). Unpadded: 3 CTAs of 16 heads still fit an SM.
+__device__ __forceinline__ int red_at(int r, int c) { return r * kChunk + (c ^ ((r & 3) << 3)); }
 
 __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
   const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -256,7 +256,7 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 __device__ __forceinline__ uint32_t ld_u32(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
 __host__ __device__ constexpr size_t partial_mma_smem(int D, int groups) {
-  return size_t(groups) * kMmaWarps * kMmaHeads * kRedStride * 4 + 2 * (size_t(kChunk) * row_bytes(D, 2) + kChunk * 4);
+  return size_t(groups) * kMmaWarps * kMmaHeads * kChunk * 4 + 2 * (size_t(kChunk) * row_bytes(D, 2) + kChunk * 4);
 }
 
 template <int HG>
@@ -273,8 +273,8 @@ __global__ void __launch_bounds__(HG * kMmaWarps * 32) attn_partial_mma_kernel(
   const int h0 = (blockIdx.y * HG + hg) * kMmaHeads;
   const int rb = row_bytes(D, 2), dq = D / kMmaWarps, d_w = warp * dq, nks = dq / 16, nnt = dq / 8;
   // [head group][warp][16 heads][32 rows]: partial scores
-  float* red = reinterpret_cast<float*>(smem) + size_t(hg) * kMmaWarps * kMmaHeads * kRedStride;
-  unsigned char* bufs = smem + size_t(HG) * kMmaWarps * kMmaHeads * kRedStride * 4;
+  float* red = reinterpret_cast<float*>(smem) + size_t(hg) * kMmaWarps * kMmaHeads * kChunk;
+  unsigned char* bufs = smem + size_t(HG) * kMmaWarps * kMmaHeads * kChunk * 4;
   const size_t buf_bytes = size_t(kChunk) * rb + kChunk * 4;
   const __nv_bfloat16* kvb = kv + int64_t(b) * kv_batch_stride;
   const RowList rl = row_list(idx, J1, idx2, J, idx2_offset, b);
@@ -333,7 +333,7 @@ __global__ void __launch_bounds__(HG * kMmaWarps * 32) attn_partial_mma_kernel(
     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
       for (int c = 0; c < 4; c += 2)
-        *reinterpret_cast<float2*>(red + (warp * kMmaHeads + g + 8 * (c >> 1)) * kRedStride + 8 * nt + 2 * t) =
+        *reinterpret_cast<float2*>(red + red_at(warp * kMmaHeads + g + 8 * (c >> 1), 8 * nt + 2 * t)) =
             make_float2(sc[nt][c], sc[nt][c + 1]);
     __syncthreads();
     float rmax[2] = {-INFINITY, -INFINITY};
@@ -345,7 +345,7 @@ __global__ void __launch_bounds__(HG * kMmaWarps * 32) attn_partial_mma_kernel(
         float v0 = 0.0f, v1 = 0.0f;
 #pragma unroll
         for (int w = 0; w < kMmaWarps; ++w) {
-          const float2 u = *reinterpret_cast<const float2*>(red + (w * kMmaHeads + hr) * kRedStride + col);
+          const float2 u = *reinterpret_cast<const float2*>(red + red_at(w * kMmaHeads + hr, col));
           v0 += u.x;
           v1 += u.y;
         }
