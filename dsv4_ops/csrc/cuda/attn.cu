@@ -16,7 +16,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "attn_rows.h"
+#include "attn_common.h"
 #include "float_cast.h"
 #include "launchers.h"
 #include "mma.h"
@@ -30,6 +30,8 @@ using dsv4_cuda::RowList;
 using dsv4_cuda::launch_ex;
 
 using dsv4_cuda::mma_bf16;
+using dsv4_cuda::quad_max;
+using dsv4_cuda::quad_sum;
 using dsv4_cuda::round_to;
 using dsv4_cuda::store_one;
 
@@ -358,10 +360,7 @@ __global__ void __launch_bounds__(HG * kMmaWarps * 32) attn_partial_mma_kernel(
     }
     float alpha[2], psum[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      rmax[r] = fmaxf(rmax[r], __shfl_xor_sync(0xffffffffu, rmax[r], 1));
-      rmax[r] = fmaxf(rmax[r], __shfl_xor_sync(0xffffffffu, rmax[r], 2));
-    }
+    for (int r = 0; r < 2; ++r) rmax[r] = quad_max(rmax[r]);
     // every listed row scores finite for every head, so either both maxima are finite or the chunk lists nothing
     // and this is true in every lane of every head group (no barrier follows in this iteration)
     if (fmaxf(m_run[0], rmax[0]) == -INFINITY) continue;
@@ -383,11 +382,7 @@ __global__ void __launch_bounds__(HG * kMmaWarps * 32) attn_partial_mma_kernel(
       }
     }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      psum[r] += __shfl_xor_sync(0xffffffffu, psum[r], 1);
-      psum[r] += __shfl_xor_sync(0xffffffffu, psum[r], 2);
-      l_run[r] = l_run[r] * alpha[r] + psum[r];
-    }
+    for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + quad_sum(psum[r]);
 #pragma unroll
     for (int i = 0; i < kMmaMaxNt; ++i) {
       o[i][0] *= alpha[0], o[i][1] *= alpha[0], o[i][2] *= alpha[1], o[i][3] *= alpha[1];

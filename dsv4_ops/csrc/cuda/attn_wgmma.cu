@@ -18,7 +18,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "attn_rows.h"
+#include "attn_common.h"
 #include "launchers.h"
 #include "pdl.h"
 #include "smem_copy.h"
@@ -50,50 +50,6 @@ __device__ __forceinline__ uint32_t tile_off(int r, int p) {
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-// d[64 x 32] += A[64 x 16] . B[16 x 32], both from shared memory (descriptors a, b; B K-major).
-__device__ __forceinline__ void wgmma_ss_n32(float (&d)[16], uint64_t a, uint64_t b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
-      "}, %16, %17, p, 1, 1, 0, 0;\n}"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "l"(a), "l"(b));
-}
-
-// d[64 x 256] += A[64 x 16] . B[16 x 256], both from shared memory (descriptors a, b; B MN-major: transposed).
-__device__ __forceinline__ void wgmma_ss_n256_tb(float (&d)[128], uint64_t a, uint64_t b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,"
-      "%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,"
-      "%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,"
-      "%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,"
-      "%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,"
-      "%123,%124,%125,%126,%127"
-      "}, %128, %129, p, 1, 1, 0, 1;\n}"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
-        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
-        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
-        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),
-        "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]),
-        "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]),
-        "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]),
-        "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]),
-        "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]),
-        "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]),
-        "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]),
-        "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(a), "l"(b));
 }
 
 __global__ void __launch_bounds__(kThreads, 1) attn_partial_wgmma_kernel(
@@ -166,7 +122,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_partial_wgmma_kernel(
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk) {
       const uint32_t off = uint32_t((kk >> 2) * kRegion + (kk & 3) * 32);
-      wgmma_ss_n32(s, smem_desc(sbase + kQOff + off, 16, 1024), smem_desc(ks + wg * 32 * 128 + off, 16, 1024));
+      wgmma_ss<32, false>(s, smem_desc(sbase + kQOff + off, 16, 1024), smem_desc(ks + wg * 32 * 128 + off, 16, 1024));
     }
     wgmma_commit();
     wgmma_wait<0>();
@@ -182,10 +138,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_partial_wgmma_kernel(
         mx[e >> 1] = fmaxf(mx[e >> 1], v);
       }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-    }
+    for (int r = 0; r < 2; ++r) mx[r] = quad_max(mx[r]);
     if (t == 0) red_max[wg * kH + r0] = mx[0], red_max[wg * kH + r0 + 8] = mx[1];
     __syncthreads();
     float alpha[2], psum[2] = {0.0f, 0.0f};
@@ -203,11 +156,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_partial_wgmma_kernel(
       psum[(i >> 1) & 1] += s[i];
     }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      psum[r] += __shfl_xor_sync(0xffffffffu, psum[r], 1);
-      psum[r] += __shfl_xor_sync(0xffffffffu, psum[r], 2);
-      l_run[r] = l_run[r] * alpha[r] + psum[r];
-    }
+    for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + quad_sum(psum[r]);
 #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] *= alpha[(i >> 1) & 1];
     // P of this half as bf16 hi + lo into the K-major 64 x 64 tiles (row r, key k at byte r * 128 + 2k, swizzled)
@@ -232,8 +181,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_partial_wgmma_kernel(
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk) {
       const uint64_t v = smem_desc(ks + 4 * wg * kRegion + kk * 16 * 128, kRegion, 1024);
-      wgmma_ss_n256_tb(o, smem_desc(sbase + kPOff + kk * 32, 16, 1024), v);
-      wgmma_ss_n256_tb(o, smem_desc(sbase + kPOff + kPTile + kk * 32, 16, 1024), v);
+      wgmma_ss<256, true>(o, smem_desc(sbase + kPOff + kk * 32, 16, 1024), v);
+      wgmma_ss<256, true>(o, smem_desc(sbase + kPOff + kPTile + kk * 32, 16, 1024), v);
     }
     wgmma_commit();
     wgmma_wait<0>();

@@ -1,5 +1,5 @@
-// The rows a sparse_attn_decode row lists (attn.cu, attn_wgmma.cu): its idx, then its idx2 + offset (sm_80+; no
-// torch headers).
+// What the sparse_attn_decode partial kernels share (attn.cu, attn_wgmma.cu; sm_80+, no torch headers): the rows a
+// batch row lists (its idx, then its idx2 + offset) and the reductions over an mma fragment row's four lanes.
 #pragma once
 #include <stdint.h>
 
@@ -20,6 +20,16 @@ struct RowList {
 
 __device__ __forceinline__ RowList row_list(const int32_t* idx, int J1, const int32_t* idx2, int J, int off, int b) {
   return {idx + int64_t(b) * J1, idx2 == nullptr ? nullptr : idx2 + int64_t(b) * (J - J1), J1, off};
+}
+
+// The sum / maximum over the 4 lanes of a quad (lane % 4 = t: the columns of one row of an mma accumulator).
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+__device__ __forceinline__ float quad_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
 }  // namespace dsv4_cuda
