@@ -517,7 +517,7 @@ cudaError_t launch(const void* q, const void* kv, const int32_t* idx, int J1, co
     opted_in[dev] = true;
   }
   const bool pdl = decode_pdl();
-  if (use_mma == 3) {  // attn_wgmma.cu: 64 heads x 512 dims on warpgroup MMA
+  if (use_mma == 3) {  // attn_wgmma.cu: 64 heads x 512 dims on warpgroup MMA (its own opt-in)
     const cudaError_t e = dsv4_attn_partial_wgmma_launch(q, kv, idx, J1, idx2, idx2_offset, B, H, N, J,
                                                          kv_batch_stride, scale, ws_o, ws_ml, nsplit, rows_per_split,
                                                          int(pdl), stream);
@@ -548,18 +548,20 @@ extern "C" int dsv4_attn_decode_mma_ok(int D) { return dsv4_limits::attn_mma_dim
 // Splits of the listed rows: as many CTAs as one wave holds (2 CTAs of 8 heads or 3 of 16 heads per SM, by shared
 // memory), at most 64 per (row, head group). Rounded down: CTAs past a full wave run as a second wave (at batch 8
 // with 640 rows, rounding up gave 320 CTAs for 264 slots on the H200: two waves of 4 chunks instead of one of 5;
-// not yet measured).
+// not yet measured). use_mma 3 (attn_wgmma.cu): one CTA of 64 heads per SM, splits of whole 64-row chunks; the
+// 64-head mma CTA (use_mma 2) keeps the 16-head plan, so both mma forms give the same bits.
 extern "C" int dsv4_attn_decode_splits(int B, int H, int J, int num_sms, int use_mma, int* rows_per_split) {
-  const int heads = use_mma ? kMmaHeads : kHeads, per_sm = use_mma ? 3 : 2;
+  const int heads = use_mma == 3 ? 64 : use_mma ? kMmaHeads : kHeads, per_sm = use_mma == 3 ? 1 : use_mma ? 3 : 2;
+  const int chunk = use_mma == 3 ? 64 : kChunk;
   const int groups = B * ((H + heads - 1) / heads);
-  int n = (J + kChunk - 1) / kChunk;
+  int n = (J + chunk - 1) / chunk;
   const int want = per_sm * num_sms / groups;
   if (n > want) n = want;
   if (n > 64) n = 64;
   if (n < 1) n = 1;
   int per = (J + n - 1) / n;
-  per = (per + kChunk - 1) / kChunk * kChunk;
-  if (per < kChunk) per = kChunk;
+  per = (per + chunk - 1) / chunk * chunk;
+  if (per < chunk) per = chunk;
   *rows_per_split = per;
   return (J + per - 1) / per > 0 ? (J + per - 1) / per : 1;
 }
@@ -568,7 +570,8 @@ extern "C" int dsv4_attn_decode_splits(int B, int H, int J, int num_sms, int use
 // int32 [B, J - J1] or null (listed after idx as idx2 + idx2_offset where idx2 >= 0), sink fp32 [H], out
 // [B, H, D]; is_fp32: q / kv / out fp32 (else bf16); use_mma: the tensor-core partial kernel (bf16,
 // dsv4_attn_decode_mma_ok; 1: 16 heads per CTA, 2: 64, for many rows, 3: the warpgroup-MMA kernel of
-// attn_wgmma.cu (D = 512), each with the splits dsv4_attn_decode_splits gives for 1). D <= 512, D % 8 == 0. Workspace: ws_o fp32 [B, nsplit, H, D], ws_ml fp32 [B, nsplit, H, 2].
+// attn_wgmma.cu (D = 512); the splits as dsv4_attn_decode_splits gives them for that value). D <= 512,
+// D % 8 == 0. Workspace: ws_o fp32 [B, nsplit, H, D], ws_ml fp32 [B, nsplit, H, 2].
 // out_rope: fp32 [B, rope_dim / 2, (cos, sin)] (rope_dim % 4 == 0) or null: the output's inverse RoPE, applied by
 // the combine kernel to the rounded output and rounded again.
 extern "C" cudaError_t dsv4_attn_decode_launch(const void* q, const void* kv, const int32_t* idx, int J1,

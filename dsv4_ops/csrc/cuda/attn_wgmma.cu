@@ -41,6 +41,8 @@ constexpr int kMaxOff = kPOff + 2 * kPTile;                  // [2 warpgroups][6
 constexpr int kSumOff = kMaxOff + 2 * kH * 4;                // [2][64] sums of exponentials
 constexpr int kIdOff = kSumOff + 2 * kH * 4;                 // [2 stages][64] row ids (-1: none)
 constexpr int kSmem = kIdOff + 2 * kKeys * 4 + 1024;         // + the slack that aligns the ring to 1 KB
+static_assert(kKOff % 1024 == 0 && kPOff % 1024 == 0 && kPTile % 1024 == 0, "swizzled tiles start 1 KB aligned");
+static_assert(kSmem <= 227 * 1024, "shared memory per CTA");
 
 // Byte offset of 16-byte piece p of row r in a 64-row tile of 128-byte swizzle atoms.
 __device__ __forceinline__ uint32_t tile_off(int r, int p) {
@@ -88,8 +90,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_partial_wgmma_kernel(
   for (int e = tid; e < kH * kPieces; e += kThreads) {
     const int hh = e / kPieces, pc = e - hh * kPieces;
     const bool ok = h0 + hh < H;
-    cp_async16(sbase + kQOff + tile_off(hh, pc), ok ? static_cast<const void*>(q + (int64_t(b) * H + h0 + hh) * kD + pc * 8) : q,
-               ok ? 16 : 0);
+    const void* src = ok ? static_cast<const void*>(q + (int64_t(b) * H + h0 + hh) * kD + pc * 8) : q;
+    cp_async16(sbase + kQOff + tile_off(hh, pc), src, ok ? 16 : 0);
   }
   cp_async_commit();
   stage(j_begin, 0);
@@ -118,6 +120,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_partial_wgmma_kernel(
     float s[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) s[i] = 0.0f;
+    fence_operands(s);  // the zeros are written before the fence, not moved past it
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk) {
@@ -177,6 +180,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_partial_wgmma_kernel(
     __syncthreads();  // both halves of P are in shared memory
 
     // O += P V over this warpgroup's 256 dims: V rows = keys (K), 64-dim columns kRegion apart (MN-major)
+    fence_operands(o);  // the rescaled accumulators are written before the fence
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk) {
@@ -200,7 +204,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_partial_wgmma_kernel(
     if (h >= H) continue;
     float* wo = ws_o + (wbase + h) * kD + 256 * wg + 2 * t;
 #pragma unroll
-    for (int i = 0; i < 32; ++i) *reinterpret_cast<float2*>(wo + 8 * i) = make_float2(o[4 * i + 2 * r], o[4 * i + 2 * r + 1]);
+    for (int i = 0; i < 32; ++i)
+      *reinterpret_cast<float2*>(wo + 8 * i) = make_float2(o[4 * i + 2 * r], o[4 * i + 2 * r + 1]);
     if (wg == 0 && t == 0) {
       ws_ml[(wbase + h) * 2] = m_run[r];
       ws_ml[(wbase + h) * 2 + 1] = red_sum[r0 + 8 * r] + red_sum[kH + r0 + 8 * r];
@@ -227,8 +232,7 @@ extern "C" cudaError_t dsv4_attn_partial_wgmma_launch(const void* q, const void*
     if (e != cudaSuccess) return e;
     opted_in[dev] = true;
   }
-  launch_ex(pdl != 0, attn_partial_wgmma_kernel, dim3(nsplit, (H + kH - 1) / kH, B), dim3(kThreads), size_t(kSmem),
-            stream, static_cast<const __nv_bfloat16*>(q), static_cast<const __nv_bfloat16*>(kv), idx, J1, idx2,
-            idx2_offset, H, N, J, kv_batch_stride, rows_per_split, scale, ws_o, ws_ml, pdl);
-  return cudaGetLastError();
+  return launch_ex(pdl != 0, attn_partial_wgmma_kernel, dim3(nsplit, (H + kH - 1) / kH, B), dim3(kThreads),
+                   size_t(kSmem), stream, static_cast<const __nv_bfloat16*>(q), static_cast<const __nv_bfloat16*>(kv),
+                   idx, J1, idx2, idx2_offset, H, N, J, kv_batch_stride, rows_per_split, scale, ws_o, ws_ml, pdl);
 }

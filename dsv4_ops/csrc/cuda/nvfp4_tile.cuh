@@ -1,7 +1,7 @@
 // What the two tile kernels (nvfp4_tiled.cu: mma.sync; nvfp4_wgmma.cu: warpgroup MMA) share: a CTA owns TN (128;
-// the wide wgmma tile 256) features x TM tokens over a range of K, stages its fp32 partial tile in shared memory and stores it (summed over
-// the K split's cluster through distributed shared memory, in rank order: deterministic, no workspace); the
-// cluster launch and the K-split plan.
+// the wide wgmma tile 256) features x TM tokens over a range of K, stages its fp32 partial tile in shared memory
+// and stores it (summed over the K split's cluster through distributed shared memory, in rank order:
+// deterministic, no workspace); the cluster launch and the K-split plan.
 #pragma once
 #include <cooperative_groups.h>
 
