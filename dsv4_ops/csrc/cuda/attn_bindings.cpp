@@ -62,7 +62,7 @@ at::Tensor sparse_attn_decode_cuda(const at::Tensor& q, const at::Tensor& kv, co
                       : (forced == 2 || (forced != 3 && B >= sms))         ? 2
                                                                            : 1;
   int rows_per_split = 0;
-  const int nsplit = dsv4_attn_decode_splits(int(B), int(H), int(J), sms, use_mma == 3 ? 3 : mma_ok, &rows_per_split);
+  const int nsplit = dsv4_attn_decode_splits(int(B), int(H), int(J), sms, use_mma, &rows_per_split);
   const at::TensorOptions f32 = q.options().dtype(at::kFloat);
   at::Tensor ws_o = at::empty({B, nsplit, H, D}, f32);
   at::Tensor ws_ml = at::empty({B, nsplit, H, 2}, f32);
