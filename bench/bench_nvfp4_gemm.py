@@ -4,7 +4,7 @@ Linear: DeepSeek-V4-Flash projection shapes (N x K) at M = 1, 8, 16, 32, 64, 128
 peer = torch.matmul with a bf16 weight of the same shape (cuBLAS). Grouped (wo_a, 8 x (1024 x 4096)): dsv4::nvfp4_linear_grouped vs
 torch.bmm on bf16 weights and vs 8 nvfp4_linear calls. Multi (wq_a + wkv): dsv4::nvfp4_linear_multi vs two
 torch.matmul and two nvfp4_linear calls. MoE: 256 experts, top-6 (uniform random routing), d = 4096,
-I = 2048, T = 1, 8, 64 tokens, routed only and routed + shared expert; peer = a per-expert bf16 loop in torch
+I = 2048, T = 1 ... 8192 tokens, routed only and routed + shared expert; peer = a per-expert bf16 loop in torch
 (index_select, 3 matmuls, clamped SwiGLU, index_add_) for the same routing, captured in a CUDA graph.
 
 Every figure is a CUDA-graph replay of REPS back-to-back calls divided by REPS (best of 3 replays). Calls cycle
@@ -265,7 +265,7 @@ def bench_moe(gen):
         torch.empty(INTER, D, device="cuda", dtype=torch.bfloat16)))
     expert_bytes = nvfp4_bytes(2 * INTER, D) + nvfp4_bytes(D, INTER)
     rows = []
-    for T in (1, 8, 64, 512, 4096):  # 512 / 4096: prefill chunks (skinny by default, wgmma opt-in)
+    for T in (1, 8, 64, 512, 4096, 8192):  # 512 ... 8192: prefill chunks (the wgmma kernels)
         x = torch.randn(T, D, device="cuda", generator=gen).to(torch.bfloat16)
         ids = torch.rand(T, E, device="cuda", generator=gen).topk(TOPK, dim=1).indices.to(torch.int32)
         wts = torch.rand(T, TOPK, device="cuda", generator=gen)
@@ -280,13 +280,15 @@ def bench_moe(gen):
             t_peer = graph_us(lambda i: peer(x), 2 if T > 8 else 5)
             with kernel_choice("skinny"):  # the decode kernel before gemv
                 t_gv = graph_us(lambda i: ops.nvfp4_moe(x, ids, wts, w13, s13, g13, w2, s2, g2, *sh, 10.0), reps)
-            with kernel_choice("wgmma"):  # the opt-in warpgroup-MMA kernels where skinny runs (T*k > 4E)
+            with kernel_choice("wgmma"):  # the warpgroup-MMA kernels where skinny would run (T*k > 4E)
                 t_wg = graph_us(lambda i: ops.nvfp4_moe(x, ids, wts, w13, s13, g13, w2, s2, g2, *sh, 10.0), reps)
+            with kernel_choice("wgmma_wide"):  # the same with 256-row tiles
+                t_ww = graph_us(lambda i: ops.nvfp4_moe(x, ids, wts, w13, s13, g13, w2, s2, g2, *sh, 10.0), reps)
             gbs = nbytes / (t_op * 1e-6)
             print(f"{variant:>15} {T:>4} {n_unique:>7} | {t_op:9.1f} {gbs / 1e9:7.0f} {gbs / HBM:5.0%} | "
                   f"{t_peer:9.1f} {bbytes / (t_peer * 1e-6) / 1e9:9.0f} {t_peer / t_op:6.2f}x | "
                   f"skinny {t_gv:7.1f} us ({nbytes / (t_gv * 1e-6) / HBM:4.0%}) | wgmma {t_wg:7.1f} us "
-                  f"({t_peer / t_wg:4.2f}x bf16)")
+                  f"({t_peer / t_wg:4.2f}x bf16) | wide {t_ww:7.1f} us ({t_peer / t_ww:4.2f}x bf16)")
             rows.append((variant, T, n_unique, t_op, t_peer))
     return rows
 

@@ -710,23 +710,24 @@ def test_moe_cuda_many_experts_padded(T):
         args = kernel_moe_args(w13, w2, sh)
         out = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
         assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, sh, 10.0), f"cuda moe padded T={T}")
-    for choice, sh in (("skinny", shared), ("skinny", None), ("wgmma", shared), ("wgmma", None)):
-        with kernel_choice(choice):
-            out = ops.nvfp4_moe(x, ids, wts, *kernel_moe_args(w13, w2, sh), 10.0)
-        assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, sh, 10.0), f"cuda {choice} moe T={T}")
+    for choice in ("skinny", "wgmma", "wgmma_wide"):
+        for sh in (shared, None):
+            with kernel_choice(choice):
+                out = ops.nvfp4_moe(x, ids, wts, *kernel_moe_args(w13, w2, sh), 10.0)
+            assert_moe_close(out, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, sh, 10.0), f"cuda {choice} moe T={T}")
 
 
 @pytest.mark.cuda
 @pytest.mark.kernels
 @pytest.mark.parametrize("T", [40, 100, 700])
 def test_moe_cuda_many_tokens_per_expert(T):
-    """Few experts, many tokens each: the wider token tiles and the per-expert token loop (skinny by default; the
-    wgmma kernels' 16- to 128-token tiles, several per expert at T = 700, with the override)."""
+    """Few experts, many tokens each: the wider token tiles and the per-expert token loop (the wgmma kernels' 16- to
+    128-token tiles, several per expert at T = 700; 128- and 256-row tiles)."""
     gen = torch.Generator().manual_seed(400 + T)
     x, ids, wts, w13, w2, shared = moe_case(8, 272, 80, 48, T, 2, gen, "cuda")
     args = kernel_moe_args(w13, w2, shared)
     expect = ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, shared, 10.0)
-    for choice in ("auto", "wgmma"):
+    for choice in ("auto", "wgmma", "wgmma_wide"):
         with kernel_choice(choice):
             out = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
             again = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
@@ -769,7 +770,7 @@ def test_moe_rows_cuda(T):
         for topk in (ids, ext):
             expect = ref.nvfp4_moe_rows_ref(x, topk, wts, *w13, *w2, sh, 10.0)
             keep = local_rows(topk, E, has)
-            for choice in ("auto", "skinny", "wgmma"):
+            for choice in ("auto", "skinny", "wgmma", "wgmma_wide"):
                 what = f"cuda {choice} moe rows T={T} shared={has} all_local={topk is ids}"
                 with kernel_choice(choice):
                     rows = ops.nvfp4_moe_rows(x, topk, wts, *args, 10.0)

@@ -350,7 +350,7 @@ extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t
   const int64_t nmax_up = (shared && a->Is > a->I ? a->Is : a->I) * 2;
   const int64_t kchunks_d = (a->d + 127) / 128;
   if (wg_tm) {
-    err = launch_moe_wgmma<kMoeUp>(p, wg_tm, dim3(unsigned((nmax_up + 127) / 128), unsigned(slots)), stream);
+    err = launch_moe_wgmma<kMoeUp>(p, wg_tm, a->wgmma == 2, int(nmax_up), slots, stream);
   } else if (gemv) {
     int occ = 2;
     plan_gemv(gemv_rows, (nmax_up + 15) / 16, kchunks_d, slots, p.kw, p.rt, occ);
@@ -373,7 +373,7 @@ extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t
   const int64_t kmax = shared && a->Is > a->I ? a->Is : a->I;
   const int64_t ntiles_d = (a->d + 15) / 16;
   if (wg_tm) {
-    err = launch_moe_wgmma<kMoeDown>(p, wg_tm, dim3(unsigned((a->d + 127) / 128), unsigned(slots)), stream);
+    err = launch_moe_wgmma<kMoeDown>(p, wg_tm, a->wgmma == 2, int(a->d), slots, stream);
   } else if (gemv) {
     int occ = 2;
     plan_gemv(gemv_rows, ntiles_d, (kmax + 127) / 128, slots, p.kw, p.rt, occ);

@@ -105,8 +105,9 @@ template <int MODE, int ROWS>
 cudaError_t launch_gemv(const SkinnyParams& p, dim3 grid, cudaStream_t stream, int occ);
 cudaError_t launch_tiled(const TiledParams& p, int sms, cudaStream_t stream);
 cudaError_t launch_wgmma(const TiledParams& p, bool wide, int sms, cudaStream_t stream);  // wide: 256-row tiles
+// grid: ceil(rows / 128) (wide: / 256) x slots
 template <int MODE>
-cudaError_t launch_moe_wgmma(const SkinnyParams& p, int tm, dim3 grid, cudaStream_t stream);
+cudaError_t launch_moe_wgmma(const SkinnyParams& p, int tm, bool wide, int rows, int slots, cudaStream_t stream);
 int wgmma_tile_tokens(int64_t tokens);  // the wgmma kernels' token tile (16 / 32 / 64 / 128) for `tokens`
 
 }  // namespace dsv4_nvfp4

@@ -50,10 +50,12 @@ __global__ void __launch_bounds__(kThreads, WgCfg<TM, TN>::kOcc) nvfp4_wgmma_ker
   store_tile<TM, CLUSTER, TN>(p, cs, m_base, n_base);
 }
 
-// MoE up / down: blockIdx.y = slot (resolve_task), blockIdx.x = 128 rows of the task's matrix.
-template <int MODE, int TM>
-__global__ void __launch_bounds__(kThreads, WgCfg<TM>::kOcc) nvfp4_moe_wgmma_kernel(const SkinnyParams p) {
-  using Cfg = WgCfg<TM>;
+// MoE up / down: blockIdx.y = slot (resolve_task), blockIdx.x = TN rows of the task's matrix.
+template <int MODE, int TM, int TN>
+__global__ void __launch_bounds__(kThreads, WgCfg<TM, TN>::kOcc) nvfp4_moe_wgmma_kernel(const SkinnyParams p) {
+  using Cfg = WgCfg<TM, TN>;
+  using Copies = StageCopies<Cfg::kXLoads, TN>;
+  constexpr int kTiles = TN / 16;  // 16-row tiles of the CTA (the skinny epilogue's unit)
   extern __shared__ __align__(128) uint8_t smem_raw[];
   __shared__ LocalRoute lr;
   if (p.pdl) grid_dep_wait();
@@ -61,32 +63,32 @@ __global__ void __launch_bounds__(kThreads, WgCfg<TM>::kOcc) nvfp4_moe_wgmma_ker
   Task task;
   if (!resolve_task<MODE>(p, task, lr)) return;
   const int ntiles = (task.N + 15) >> 4;
-  if (int(blockIdx.x) * 8 >= ntiles) return;  // the shared expert may be narrower than the routed ones
+  if (int(blockIdx.x) * kTiles >= ntiles) return;  // the shared expert may be narrower than the routed ones
   const AlignedSmem sm = aligned_smem(smem_raw);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
-  const int n_base = blockIdx.x * kTileN, tile = blockIdx.x * 8 + warp;
+  const int n_base = blockIdx.x * TN;
   const int kp = (task.K + 127) & ~127, nchunks = kp >> 7;
   const int x_k = (tid & 15) * 8;
   // The stage copies: weights and scales from chunk 0 of the task's rows, activations gathered per token tile.
-  StageCopies<Cfg::kXLoads> base;
+  Copies base;
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < Copies::kWLoads; ++i) {
     const int id = tid + i * kThreads, n = n_base + (id >> 2);
     const RowAddr a = row_addr(min(n, task.N - 1), task.N, kp);
     base.w_src[i] = task.w + a.w + (id & 3) * 16;
     base.w_ok[i] = n < task.N;
     base.w_step[i] = a.wstep;
   }
-  const RowAddr sa = row_addr(min(n_base + (tid & 127), task.N - 1), task.N, kp);
+  const RowAddr sa = row_addr(min(n_base + (tid & (TN - 1)), task.N - 1), task.N, kp);
   base.s_src = task.s + sa.s;
   base.s_step = sa.sstep;
-  base.s_ok = tid < kTileN && n_base + tid < task.N;
+  base.s_ok = tid < TN && n_base + tid < task.N;
   base.k_next = x_k;
 #pragma unroll
   for (int i = 0; i < Cfg::kXLoads; ++i) base.x_dst[i] = x_piece_offset<TM>((tid + i * kThreads) >> 4, tid & 15);
 
   for (int tt = 0; tt < task.cnt; tt += TM) {
-    StageCopies<Cfg::kXLoads> copies = base;  // this token tile's activation rows (past the task's tokens: zeros)
+    Copies copies = base;  // this token tile's activation rows (past the task's tokens: zeros)
 #pragma unroll
     for (int i = 0; i < Cfg::kXLoads; ++i) {
       const int pos = tt + ((tid + i * kThreads) >> 4);
@@ -97,11 +99,17 @@ __global__ void __launch_bounds__(kThreads, WgCfg<TM>::kOcc) nvfp4_moe_wgmma_ker
     float acc[Cfg::kAcc];
 #pragma unroll
     for (int i = 0; i < Cfg::kAcc; ++i) acc[i] = 0.f;
-    wgmma_k_loop<TM, kTileN>(sm.p, sm.s, nchunks, warp * 16 + g, tq, load_stage, acc);
+    wgmma_k_loop<TM, TN>(sm.p, sm.s, nchunks, warp * 16 + g, tq, load_stage, acc);
     // every weight load of this CTA is issued: let the next kernel's CTAs fill the SMs this wave frees
     if (p.pdl && tt + TM >= task.cnt) grid_dep_launch();
-    if (tile < ntiles)
-      skinny_epilogue<MODE, TM / 8>(p, task, *reinterpret_cast<const float(*)[TM / 8][4]>(acc), tile, tt, g, tq, TM);
+    // block b holds rows 128 b + 16 warp + g (+ 8): 16-row tile 8 b + warp of the CTA
+#pragma unroll
+    for (int b = 0; b < Cfg::kBlocks; ++b) {
+      const int tile = blockIdx.x * kTiles + 8 * b + warp;
+      if (tile < ntiles)
+        skinny_epilogue<MODE, TM / 8>(p, task, *reinterpret_cast<const float(*)[TM / 8][4]>(acc + b * (TM / 2)),
+                                      tile, tt, g, tq, TM);
+    }
   }
 }
 
@@ -125,13 +133,13 @@ cudaError_t run_wgmma(const TiledParams& p, int sms, cudaStream_t stream) {
   return cudaLaunchKernelEx(&l.cfg, nvfp4_wgmma_kernel<TM, TN, true>, p, per);
 }
 
-template <int MODE, int TM>
+template <int MODE, int TM, int TN>
 cudaError_t run_moe_wgmma(const SkinnyParams& p, dim3 grid, cudaStream_t stream) {
-  const auto kernel = nvfp4_moe_wgmma_kernel<MODE, TM>;
-  const cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, WgCfg<TM>::kSmem);
+  const auto kernel = nvfp4_moe_wgmma_kernel<MODE, TM, TN>;
+  constexpr int smem = WgCfg<TM, TN>::kSmem;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  return launch_ex(p.pdl != 0, kernel, grid, dim3(kThreads), size_t(WgCfg<TM>::kSmem), stream, p);
+  return launch_ex(p.pdl != 0, kernel, grid, dim3(kThreads), size_t(smem), stream, p);
 }
 
 }  // namespace
@@ -155,16 +163,23 @@ cudaError_t launch_wgmma(const TiledParams& p, bool wide, int sms, cudaStream_t 
 }
 
 template <int MODE>
-cudaError_t launch_moe_wgmma(const SkinnyParams& p, int tm, dim3 grid, cudaStream_t stream) {
+cudaError_t launch_moe_wgmma(const SkinnyParams& p, int tm, bool wide, int rows, int slots, cudaStream_t stream) {
+  if (wide) {  // the dense wide tile's token tiles (16 -> 32)
+    const dim3 grid(unsigned((rows + 255) / 256), unsigned(slots));
+    return tm <= 32 ? run_moe_wgmma<MODE, 32, 256>(p, grid, stream)
+                    : tm == 64 ? run_moe_wgmma<MODE, 64, 256>(p, grid, stream)
+                               : run_moe_wgmma<MODE, 128, 256>(p, grid, stream);
+  }
+  const dim3 grid(unsigned((rows + kTileN - 1) / kTileN), unsigned(slots));
   switch (tm) {
-    case 16: return run_moe_wgmma<MODE, 16>(p, grid, stream);
-    case 32: return run_moe_wgmma<MODE, 32>(p, grid, stream);
-    case 64: return run_moe_wgmma<MODE, 64>(p, grid, stream);
-    default: return run_moe_wgmma<MODE, 128>(p, grid, stream);
+    case 16: return run_moe_wgmma<MODE, 16, kTileN>(p, grid, stream);
+    case 32: return run_moe_wgmma<MODE, 32, kTileN>(p, grid, stream);
+    case 64: return run_moe_wgmma<MODE, 64, kTileN>(p, grid, stream);
+    default: return run_moe_wgmma<MODE, 128, kTileN>(p, grid, stream);
   }
 }
 
-template cudaError_t launch_moe_wgmma<kMoeUp>(const SkinnyParams&, int, dim3, cudaStream_t);
-template cudaError_t launch_moe_wgmma<kMoeDown>(const SkinnyParams&, int, dim3, cudaStream_t);
+template cudaError_t launch_moe_wgmma<kMoeUp>(const SkinnyParams&, int, bool, int, int, cudaStream_t);
+template cudaError_t launch_moe_wgmma<kMoeDown>(const SkinnyParams&, int, bool, int, int, cudaStream_t);
 
 }  // namespace dsv4_nvfp4
