@@ -73,6 +73,23 @@ constexpr int64_t kWgmmaMinRows = 32, kWgmmaMaxRows = 1024;
 // path's rows).
 bool auto_wgmma(Choice choice, int64_t M) { return choice == Choice::kAuto && M >= kWgmmaMinRows; }
 
+// The one-launch MoE's counters (nvfp4_gemv.cu): one zeroed buffer per device, which its kernel leaves zeroed.
+// Made outside CUDA-graph capture only (its zero fill must not become a node of a graph) and never freed (a
+// captured graph keeps its address); until it exists, or where a launch needs more slots, the MoE takes two
+// launches. One stream per device may run the one-launch MoE at a time (the moe_one_launch override's contract).
+constexpr int64_t kMoeSyncInts = 16384;
+int* moe_sync_buffer(const at::Tensor& like, cudaStream_t stream) {
+  static at::Tensor bufs[64];
+  const int dev = like.get_device();
+  if (dev < 0 || dev >= 64) return nullptr;
+  if (!bufs[dev].defined()) {
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &st) != cudaSuccess || st != cudaStreamCaptureStatusNone) return nullptr;
+    bufs[dev] = at::zeros({kMoeSyncInts}, like.options().dtype(at::kInt));
+  }
+  return bufs[dev].data_ptr<int>();
+}
+
 // Programmatic dependent launch (gemv, the MoE chain) unless the pdl override is off.
 bool use_pdl() { return dsv4_overrides::get().pdl != 0; }
 
@@ -483,7 +500,12 @@ at::Tensor moe_impl(const at::Tensor& x, const at::Tensor& ids, const at::Tensor
   // 256-row tiles only forced (not yet measured against the 128-row ones)
   a.wgmma = choice == Choice::kWgmmaWide ? 2 : choice == Choice::kWgmma || choice == Choice::kAuto ? 1 : 0;
   a.skip_combine = rows ? 1 : 0;
-  check_launch(dsv4_nvfp4_moe_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  if (dsv4_overrides::get().moe_one_launch != 0) {
+    a.sync = moe_sync_buffer(x, stream);
+    a.sync_len = a.sync != nullptr ? int(kMoeSyncInts) : 0;
+  }
+  check_launch(dsv4_nvfp4_moe_launch(&a, stream), op);
   return y;
 }
 
