@@ -856,11 +856,12 @@ def test_moe_cuda_one_launch(E, T, k, d):
                 with kernel_overrides(moe_one_launch=True):
                     for _ in range(3):  # the counters are back at zero after each launch
                         assert torch.equal(ops.nvfp4_moe(x, ids, wts, *args, 10.0), want), what
-                    rows = ops.nvfp4_moe_rows(x, ids, wts, *args, 10.0)
+                    # back to back with PDL: the second launch's CTAs may start under the first one's tail
+                    rows, rows2 = (ops.nvfp4_moe_rows(x, ids, wts, *args, 10.0) for _ in range(2))
                     with kernel_overrides(pdl=False):
                         assert torch.equal(ops.nvfp4_moe(x, ids, wts, *args, 10.0), want), f"{what} no PDL"
             keep = local_rows(ids, E, sh is not None)
-            assert torch.equal(rows[keep], want_rows[keep]), what
+            assert torch.equal(rows[keep], want_rows[keep]) and torch.equal(rows2[keep], rows[keep]), what
         assert_moe_close(want, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, sh, 10.0), what)
     args = kernel_moe_args(w13, w2, shared)
     with kernel_overrides(moe_one_launch=True):

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 #include "cuda/device_info.h"
@@ -74,20 +75,28 @@ constexpr int64_t kWgmmaMinRows = 32, kWgmmaMaxRows = 1024;
 bool auto_wgmma(Choice choice, int64_t M) { return choice == Choice::kAuto && M >= kWgmmaMinRows; }
 
 // The one-launch MoE's counters (nvfp4_gemv.cu): one zeroed buffer per device, which its kernel leaves zeroed.
-// Made outside CUDA-graph capture only (its zero fill must not become a node of a graph) and never freed (a
-// captured graph keeps its address); until it exists, or where a launch needs more slots, the MoE takes two
-// launches. One stream per device may run the one-launch MoE at a time (the moe_one_launch override's contract).
+// Allocated once per device and process with cudaMalloc, outside CUDA-graph capture, and never freed: not from
+// the caching allocator, whose memory a graph pool (torch.compile's cudagraph trees) could hand back to others.
+// Until it exists (a first call inside capture), or where a launch needs more slots, the MoE takes two launches.
+// One stream per device may run the one-launch MoE at a time (the moe_one_launch override's contract).
 constexpr int64_t kMoeSyncInts = 16384;
-int* moe_sync_buffer(const at::Tensor& like, cudaStream_t stream) {
-  static at::Tensor bufs[64];
-  const int dev = like.get_device();
+int* moe_sync_buffer(int dev, cudaStream_t stream) {
+  static std::mutex mu;
+  static int* bufs[64] = {};
   if (dev < 0 || dev >= 64) return nullptr;
-  if (!bufs[dev].defined()) {
+  const std::lock_guard<std::mutex> lock(mu);
+  if (bufs[dev] == nullptr) {
     cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
     if (cudaStreamIsCapturing(stream, &st) != cudaSuccess || st != cudaStreamCaptureStatusNone) return nullptr;
-    bufs[dev] = at::zeros({kMoeSyncInts}, like.options().dtype(at::kInt));
+    int* p = nullptr;
+    if (cudaMalloc(&p, kMoeSyncInts * sizeof(int)) != cudaSuccess) return nullptr;
+    if (cudaMemsetAsync(p, 0, kMoeSyncInts * sizeof(int), stream) != cudaSuccess) {  // before this launch
+      cudaFree(p);
+      return nullptr;
+    }
+    bufs[dev] = p;
   }
-  return bufs[dev].data_ptr<int>();
+  return bufs[dev];
 }
 
 // Programmatic dependent launch (gemv, the MoE chain) unless the pdl override is off.
@@ -502,7 +511,7 @@ at::Tensor moe_impl(const at::Tensor& x, const at::Tensor& ids, const at::Tensor
   a.skip_combine = rows ? 1 : 0;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   if (dsv4_overrides::get().moe_one_launch != 0) {
-    a.sync = moe_sync_buffer(x, stream);
+    a.sync = moe_sync_buffer(x.get_device(), stream);
     a.sync_len = a.sync != nullptr ? int(kMoeSyncInts) : 0;
   }
   check_launch(dsv4_nvfp4_moe_launch(&a, stream), op);

@@ -32,9 +32,11 @@ struct GemvShared {
 
 // One CTA of the gemv kernel: row tiles bx * rt.. of slot / group by (the CTA's blockIdx, or the one-launch MoE
 // kernel's task). pdl_wait: this CTA's griddepcontrol.wait is still to come (where the kernel comments above say).
-// before_x(): called by every thread of the CTA once the ring's first weight copies are issued and before any
+// WAIT_X: before_x() is called by every thread of the CTA once the ring's first weight copies are issued and
+// before any activation row is read (else the fill issues chunk by chunk, weights and activations together, so the
+// first chunk is not held back by the others' weights).
 // activation row is read (the one-launch MoE kernel's down tasks wait there for their slot's up tasks).
-template <int MODE, int ROWS, int OCC, typename BeforeX>
+template <int MODE, int ROWS, int OCC, bool WAIT_X = false, typename BeforeX>
 __device__ __forceinline__ void gemv_cta(const SkinnyParams& p, int bx, int by, bool pdl_wait, uint8_t* gsmem,
                                          GemvShared& sh, BeforeX&& before_x) {
   using Cfg = GemvCfg<ROWS, OCC>;
@@ -135,12 +137,19 @@ __device__ __forceinline__ void gemv_cta(const SkinnyParams& p, int bx, int by, 
       }
       cp_async_commit();
     };
-    // the first S - 1 chunks' weights, then their activations (group 0 holds every weight of the fill)
+    if (WAIT_X) {  // the first S - 1 chunks' weights, then their activations (group 0 holds every fill weight)
 #pragma unroll
-    for (int j = 0; j < S - 1; ++j) issue_w(c_begin + j, ring + j * Cfg::kStage);
-    if (tt == 0) before_x();
+      for (int j = 0; j < S - 1; ++j) issue_w(c_begin + j, ring + j * Cfg::kStage);
+      if (tt == 0) before_x();
 #pragma unroll
-    for (int j = 0; j < S - 1; ++j) issue_x(c_begin + j, ring + j * Cfg::kStage);
+      for (int j = 0; j < S - 1; ++j) issue_x(c_begin + j, ring + j * Cfg::kStage);
+    } else {
+#pragma unroll
+      for (int j = 0; j < S - 1; ++j) {
+        issue_w(c_begin + j, ring + j * Cfg::kStage);
+        issue_x(c_begin + j, ring + j * Cfg::kStage);
+      }
+    }
     float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
     // One trip of the outer loop walks the whole ring, so every stage offset is a constant.
     for (int c0 = c_begin; c0 < c_end; c0 += S) {
@@ -225,11 +234,14 @@ __global__ void __launch_bounds__(kThreads, OCC)
     }
   } else {
     const int slot = (t - n_up) / m.down_x;
-    gemv_cta<kMoeDown, ROWS, OCC>(down, (t - n_up) % m.down_x, slot, false, gsmem, sh, [&] {
+    gemv_cta<kMoeDown, ROWS, OCC, true>(down, (t - n_up) % m.down_x, slot, false, gsmem, sh, [&] {
       if (threadIdx.x == 0) {
         const int* done = m.sync + 2 + slot;
-        while (ld_acquire_gpu(done) < m.up_x) __nanosleep(64);
-        __threadfence();
+        // ~4 s: a broken contract (two streams sharing the counters) traps instead of hanging the GPU
+        for (int spins = 0; ld_acquire_gpu(done) < m.up_x; ++spins) {
+          if (spins == (1 << 26)) __trap();
+          __nanosleep(64);
+        }
       }
       __syncthreads();
     });
@@ -240,6 +252,7 @@ __global__ void __launch_bounds__(kThreads, OCC)
     __threadfence();
     const int total = (m.up_x + m.down_x) * m.slots;
     if (atomicAdd(m.sync + 1, 1) == total - 1) {  // every other CTA is past its last read of sync
+      __threadfence();  // (the zeros below after every increment seen)
       for (int i = 0; i < 2 + m.slots; ++i) m.sync[i] = 0;
       __threadfence();
     }
