@@ -211,6 +211,9 @@ def main(argv=None) -> int:
     ap.add_argument("--regional", action="store_true",
                     help="with --compiled: compile one layer at a time (a graph per distinct layer; what "
                          "--regional-compile does to the engine's compiled prefill)")
+    ap.add_argument("--attn-kernels", default="auto",
+                    help="with --compiled: attn_kernel overrides its graph is timed under, e.g. auto,wgmma (the same "
+                         "compiled graph: the override is read at each launch)")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager rows (compiled and HF only)")
     ap.add_argument("--profile", action="store_true",
                     help="with --compiled: the GPU time of one compiled call split by kernel")
@@ -259,9 +262,13 @@ def main(argv=None) -> int:
                 run(ids, lens)
                 torch.cuda.synchronize()
                 print(f"[S={S}] {mode}: compiled in {time.perf_counter() - t0:.1f} s", flush=True)
-                res[mode] = timed(lambda: run(ids, lens), reps, split=False)
-                if args.profile:
-                    print_split(S, kernel_split(lambda: run(ids, lens)))
+                for attn in args.attn_kernels.split(","):
+                    name = mode if attn == "auto" else f"{mode} [attn {attn}]"
+                    with kernel_overrides(attn_kernel=attn):
+                        res[name] = timed(lambda: run(ids, lens), reps, split=False)
+                        if args.profile:
+                            print(f"[S={S}] {name}: GPU time by kernel", flush=True)
+                            print_split(S, kernel_split(lambda: run(ids, lens)))
             except Exception as e:  # report and go on: the eager rows stand
                 res[mode] = f"failed: {type(e).__name__}: {str(e)[:100]}"
             torch._dynamo.reset()
