@@ -284,16 +284,11 @@ def bench_moe(gen):
                 t_wg = graph_us(lambda i: ops.nvfp4_moe(x, ids, wts, w13, s13, g13, w2, s2, g2, *sh, 10.0), reps)
             with kernel_choice("wgmma_wide"):  # the same with 256-row tiles
                 t_ww = graph_us(lambda i: ops.nvfp4_moe(x, ids, wts, w13, s13, g13, w2, s2, g2, *sh, 10.0), reps)
-            t_one = math.nan  # up and down in one launch: the gemv sizes only (T * k <= 4 E)
-            if T * TOPK <= 4 * E:
-                with kernel_overrides(moe_one_launch=True):
-                    t_one = graph_us(lambda i: ops.nvfp4_moe(x, ids, wts, w13, s13, g13, w2, s2, g2, *sh, 10.0), reps)
             gbs = nbytes / (t_op * 1e-6)
             print(f"{variant:>15} {T:>4} {n_unique:>7} | {t_op:9.1f} {gbs / 1e9:7.0f} {gbs / HBM:5.0%} | "
                   f"{t_peer:9.1f} {bbytes / (t_peer * 1e-6) / 1e9:9.0f} {t_peer / t_op:6.2f}x | "
                   f"skinny {t_gv:7.1f} us ({nbytes / (t_gv * 1e-6) / HBM:4.0%}) | wgmma {t_wg:7.1f} us "
-                  f"({t_peer / t_wg:4.2f}x bf16) | wide {t_ww:7.1f} us ({t_peer / t_ww:4.2f}x bf16) | one launch "
-                  f"{t_one:7.1f} us ({nbytes / (t_one * 1e-6) / HBM:4.0%})")
+                  f"({t_peer / t_wg:4.2f}x bf16) | wide {t_ww:7.1f} us ({t_peer / t_ww:4.2f}x bf16)")
             rows.append((variant, T, n_unique, t_op, t_peer))
     return rows
 

@@ -26,15 +26,12 @@ class KernelOverrides:
     at decode sizes (off: the route kernel at every size). attn_kernel: "simt" runs the CUDA-core attention kernel
     where the tensor-core one applies, "mma_all_heads" the tensor-core one with 64 heads per CTA (prefill's form)
     at every size, "mma_16_heads" with 16 (decode's form), "wgmma" the warpgroup-MMA kernel (bf16, head dim 512;
-    elsewhere the auto choice). nvfp4_fused_path: the per-tensor fused quantizers' scheme. moe_one_launch: the decode
-    MoE's up and down projections in one launch, the down tasks waiting on per-expert counters instead of a kernel
-    boundary (opt-in until measured; one stream per device at a time: its counters are the device's)."""
+    elsewhere the auto choice). nvfp4_fused_path: the per-tensor fused quantizers' scheme."""
     nvfp4_gemm_kernel: str = "auto"
     pdl: bool = True
     moe_local_route: bool = True
     attn_kernel: str = "auto"
     nvfp4_fused_path: str = "auto"
-    moe_one_launch: bool = False
 
     def _as_ints(self) -> dict[str, int]:
         for name, value, allowed in (("nvfp4_gemm_kernel", self.nvfp4_gemm_kernel, GEMM_KERNELS),
@@ -44,8 +41,7 @@ class KernelOverrides:
                 raise ValueError(f"KernelOverrides.{name} must be one of {allowed}, got {value!r}")
         return {"nvfp4_gemm_kernel": GEMM_KERNELS.index(self.nvfp4_gemm_kernel), "pdl": int(self.pdl),
                 "moe_local_route": int(self.moe_local_route), "attn_kernel": ATTN_KERNELS.index(self.attn_kernel),
-                "nvfp4_fused_path": FUSED_PATHS.index(self.nvfp4_fused_path),
-                "moe_one_launch": int(self.moe_one_launch)}
+                "nvfp4_fused_path": FUSED_PATHS.index(self.nvfp4_fused_path)}
 
 
 def _lib():
@@ -74,8 +70,7 @@ def native() -> KernelOverrides:
     return KernelOverrides(nvfp4_gemm_kernel=GEMM_KERNELS[got["nvfp4_gemm_kernel"]], pdl=bool(got["pdl"]),
                            moe_local_route=bool(got["moe_local_route"]),
                            attn_kernel=ATTN_KERNELS[got["attn_kernel"]],
-                           nvfp4_fused_path=FUSED_PATHS[got["nvfp4_fused_path"]],
-                           moe_one_launch=bool(got["moe_one_launch"]))
+                           nvfp4_fused_path=FUSED_PATHS[got["nvfp4_fused_path"]])
 
 
 def set_overrides(overrides: KernelOverrides) -> None:

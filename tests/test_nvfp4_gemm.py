@@ -828,54 +828,6 @@ def test_moe_cuda_local_route(E, T, k):
     assert torch.equal(static_out, ops.nvfp4_moe(x, ids, wts, *args, 10.0)), "local route graph replay"
 
 
-# E, T, k: local routing (T * k <= 32), the route kernel (36, 384: T = 64 on 256 experts, 8-token passes), few
-# experts with many tokens each (the token loop), two-token passes (T <= 2) with 3 CTAs per SM at V4-Flash widths.
-@pytest.mark.cuda
-@pytest.mark.kernels
-@pytest.mark.parametrize("E,T,k,d", [(256, 1, 6, 272), (256, 2, 6, 272), (256, 5, 6, 272), (256, 6, 6, 272),
-                                     (256, 64, 6, 272), (8, 16, 2, 272), (8, 1, 6, 4096), (8, 8, 6, 4096)])
-def test_moe_cuda_one_launch(E, T, k, d):
-    """The decode MoE's up and down projections in one launch (moe_one_launch): bit-equal to two launches (the
-    same per-warp sums; the down tasks read h only after their slot's up tasks published it), nvfp4_moe and
-    nvfp4_moe_rows, with and without the shared expert, invalid ids, PDL on and off, the route kernel and local
-    routing; its counters return to zero, so back-to-back calls and a CUDA graph replayed on new routing agree."""
-    gen = torch.Generator().manual_seed(900 + E + T + d)
-    inter = 2048 if d == 4096 else 80
-    x, ids, wts, w13, w2, shared = moe_case(E, d, inter, inter if d == 4096 else 48, T, k, gen, "cuda", dup=True)
-    if T > 2:
-        ids[T // 2] = ids[0]  # two tokens with the same experts
-        ids[1, 0] = -1
-        ids[2, k - 1] = E  # out of range: dropped
-    for sh in (shared, None):
-        args = kernel_moe_args(w13, w2, sh)
-        for local in (True, False):
-            what = f"one launch E={E} T={T} shared={sh is not None} local_route={local}"
-            with kernel_overrides(moe_local_route=local):
-                want = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
-                want_rows = ops.nvfp4_moe_rows(x, ids, wts, *args, 10.0)
-                with kernel_overrides(moe_one_launch=True):
-                    for _ in range(3):  # the counters are back at zero after each launch
-                        assert torch.equal(ops.nvfp4_moe(x, ids, wts, *args, 10.0), want), what
-                    # back to back with PDL: the second launch's CTAs may start under the first one's tail
-                    rows, rows2 = (ops.nvfp4_moe_rows(x, ids, wts, *args, 10.0) for _ in range(2))
-                    with kernel_overrides(pdl=False):
-                        assert torch.equal(ops.nvfp4_moe(x, ids, wts, *args, 10.0), want), f"{what} no PDL"
-            keep = local_rows(ids, E, sh is not None)
-            assert torch.equal(rows[keep], want_rows[keep]) and torch.equal(rows2[keep], rows[keep]), what
-        assert_moe_close(want, ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, sh, 10.0), what)
-    args = kernel_moe_args(w13, w2, shared)
-    with kernel_overrides(moe_one_launch=True):
-        ops.nvfp4_moe(x, ids, wts, *args, 10.0)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
-        for _ in range(3):
-            ids.copy_(torch.randint(-1, E + 1, ids.shape, generator=gen).to("cuda"))
-            x.copy_(rand_x(x.shape, gen, "cuda"))
-            graph.replay()
-            assert torch.equal(static_out, ops.nvfp4_moe(x, ids, wts, *args, 10.0)), "one-launch graph replay"
-
-
 @pytest.mark.cuda
 @pytest.mark.kernels
 def test_opcheck_cuda():

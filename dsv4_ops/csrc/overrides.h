@@ -14,7 +14,6 @@ struct Overrides {
                               // applies, 2 / 3 the tensor-core one with 64 / 16 heads per CTA at every size,
                               // 4 the warpgroup-MMA one (attn_wgmma.cu) where it applies
   int nvfp4_fused_path = 0;   // per-tensor fused quantizers: 0 auto, 1 cluster, 2 grid
-  int moe_one_launch = 0;     // the decode MoE's up and down gemv projections in one launch (opt-in until measured)
 };
 
 // The process's overrides (one instance inside libdsv4_ops.so).

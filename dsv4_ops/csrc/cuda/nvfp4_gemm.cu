@@ -306,16 +306,6 @@ extern "C" cudaError_t dsv4_nvfp4_dequant_weight_launch(const uint8_t* w, const 
   return cudaGetLastError();
 }
 
-namespace {
-// The MoE's combine: y[t] = the sum of token t's rows of o (routed, weighted in the down epilogue, + shared).
-cudaError_t launch_combine(const Nvfp4MoeArgs* a, const bf16* o, bool shared, cudaStream_t stream) {
-  const int64_t items = a->T * (a->d / 8);
-  return launch_ex(a->pdl != 0, nvfp4_moe_combine_kernel, dim3(unsigned((items + 255) / 256)), dim3(256), 0,
-                   stream, o, a->ids, int(a->ids_int64), int(a->T), int(a->k), int(a->E), int(a->d),
-                   shared ? 1 : 0, reinterpret_cast<bf16*>(a->y));
-}
-}  // namespace
-
 extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t stream) {
   if (a->T == 0) return cudaSuccess;
   const int64_t TK = a->T * a->k;
@@ -359,30 +349,6 @@ extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t
   p.out_shared = h + TK * a->I;
   const int64_t nmax_up = (shared && a->Is > a->I ? a->Is : a->I) * 2;
   const int64_t kchunks_d = (a->d + 127) / 128;
-  // down: rows d x K = I (Is); B rows = h
-  auto set_down = [&](SkinnyParams& q) {
-    q.w = a->w2, q.s = a->s2, q.g = a->g2, q.N = int(a->d), q.K = int(a->I);
-    q.sw = a->sw2, q.ss = a->ss2, q.sg = a->sg2, q.sN = int(a->d), q.sK = int(a->Is);
-    q.in = h;
-    q.in_shared = h + TK * a->I;
-    q.out = o;
-    q.out_shared = o + TK * a->d;
-  };
-  const int64_t kmax = shared && a->Is > a->I ? a->Is : a->I;
-  const int64_t ntiles_d = (a->d + 15) / 16;
-  if (gemv && a->sync != nullptr && 2 + slots <= a->sync_len) {  // up and down in one launch (nvfp4_gemv.cu)
-    SkinnyParams pd = p;
-    set_down(pd);
-    // each projection's split as in two launches (the same sums); the kernel's ring and occupancy are up's
-    int occ = 2, occ_down = 2;
-    plan_gemv(gemv_rows, (nmax_up + 15) / 16, kchunks_d, slots, p.kw, p.rt, occ);
-    plan_gemv(gemv_rows, ntiles_d, (kmax + 127) / 128, slots, pd.kw, pd.rt, occ_down);
-    const MoeOneLaunch m{a->sync, int(((nmax_up + 15) / 16 + p.rt - 1) / p.rt), int((ntiles_d + pd.rt - 1) / pd.rt),
-                         slots};
-    err = launch_moe_gemv_one_launch(p, pd, m, gemv_rows, occ, stream);
-    if (err != cudaSuccess) return err;
-    return a->skip_combine ? cudaSuccess : launch_combine(a, o, shared, stream);
-  }
   if (wg_tm) {
     err = launch_moe_wgmma<kMoeUp>(p, wg_tm, a->wgmma == 2, int(nmax_up), slots, stream);
   } else if (gemv) {
@@ -397,7 +363,15 @@ extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t
                                 stream);
   }
   if (err != cudaSuccess) return err;
-  set_down(p);
+  // down: rows d x K = I (Is); B rows = h
+  p.w = a->w2, p.s = a->s2, p.g = a->g2, p.N = int(a->d), p.K = int(a->I);
+  p.sw = a->sw2, p.ss = a->ss2, p.sg = a->sg2, p.sN = int(a->d), p.sK = int(a->Is);
+  p.in = h;
+  p.in_shared = h + TK * a->I;
+  p.out = o;
+  p.out_shared = o + TK * a->d;
+  const int64_t kmax = shared && a->Is > a->I ? a->Is : a->I;
+  const int64_t ntiles_d = (a->d + 15) / 16;
   if (wg_tm) {
     err = launch_moe_wgmma<kMoeDown>(p, wg_tm, a->wgmma == 2, int(a->d), slots, stream);
   } else if (gemv) {
@@ -412,5 +386,9 @@ extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t
   }
   if (err != cudaSuccess) return err;
   // dsv4::nvfp4_moe_rows: its consumer sums o.
-  return a->skip_combine ? cudaSuccess : launch_combine(a, o, shared, stream);
+  if (a->skip_combine) return cudaSuccess;
+  const int64_t items = a->T * (a->d / 8);
+  return launch_ex(a->pdl != 0, nvfp4_moe_combine_kernel, dim3(unsigned((items + 255) / 256)),
+                   dim3(256), 0, stream, static_cast<const bf16*>(o), a->ids, int(a->ids_int64), int(a->T),
+                   int(a->k), int(a->E), int(a->d), shared ? 1 : 0, reinterpret_cast<bf16*>(a->y));
 }

@@ -61,8 +61,6 @@ struct Nvfp4MoeArgs {
   int pdl;                  // chain the MoE kernels with programmatic dependent launch
   int skip_combine;         // 1: stop after the down projection, o holds the result (dsv4::nvfp4_moe_rows)
   int wgmma;                // 1: the wgmma kernels where skinny would run (nvfp4_wgmma.cu), 2: with 256-row tiles
-  int* sync;                // non-null: the gemv up and down projections in one launch (nvfp4_gemv.cu); sync_len
-  int sync_len;             // ints of zeros it returns zeroed (>= 2 + slots, else two launches)
 };
 
 #ifdef __cplusplus

@@ -29,7 +29,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <vector>
 
 #include "cuda/device_info.h"
@@ -73,31 +72,6 @@ constexpr int64_t kWgmmaMinRows = 32, kWgmmaMaxRows = 1024;
 // Whether the auto rule puts one matrix of M rows on the wgmma kernel (where the tile kernels run, below the cuBLAS
 // path's rows).
 bool auto_wgmma(Choice choice, int64_t M) { return choice == Choice::kAuto && M >= kWgmmaMinRows; }
-
-// The one-launch MoE's counters (nvfp4_gemv.cu): one zeroed buffer per device, which its kernel leaves zeroed.
-// Allocated once per device and process with cudaMalloc, outside CUDA-graph capture, and never freed: not from
-// the caching allocator, whose memory a graph pool (torch.compile's cudagraph trees) could hand back to others.
-// Until it exists (a first call inside capture), or where a launch needs more slots, the MoE takes two launches.
-// One stream per device may run the one-launch MoE at a time (the moe_one_launch override's contract).
-constexpr int64_t kMoeSyncInts = 16384;
-int* moe_sync_buffer(int dev, cudaStream_t stream) {
-  static std::mutex mu;
-  static int* bufs[64] = {};
-  if (dev < 0 || dev >= 64) return nullptr;
-  const std::lock_guard<std::mutex> lock(mu);
-  if (bufs[dev] == nullptr) {
-    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(stream, &st) != cudaSuccess || st != cudaStreamCaptureStatusNone) return nullptr;
-    int* p = nullptr;
-    if (cudaMalloc(&p, kMoeSyncInts * sizeof(int)) != cudaSuccess) return nullptr;
-    if (cudaMemsetAsync(p, 0, kMoeSyncInts * sizeof(int), stream) != cudaSuccess) {  // before this launch
-      cudaFree(p);
-      return nullptr;
-    }
-    bufs[dev] = p;
-  }
-  return bufs[dev];
-}
 
 // Programmatic dependent launch (gemv, the MoE chain) unless the pdl override is off.
 bool use_pdl() { return dsv4_overrides::get().pdl != 0; }
@@ -509,12 +483,7 @@ at::Tensor moe_impl(const at::Tensor& x, const at::Tensor& ids, const at::Tensor
   // 256-row tiles only forced (not yet measured against the 128-row ones)
   a.wgmma = choice == Choice::kWgmmaWide ? 2 : choice == Choice::kWgmma || choice == Choice::kAuto ? 1 : 0;
   a.skip_combine = rows ? 1 : 0;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  if (dsv4_overrides::get().moe_one_launch != 0) {
-    a.sync = moe_sync_buffer(x.get_device(), stream);
-    a.sync_len = a.sync != nullptr ? int(kMoeSyncInts) : 0;
-  }
-  check_launch(dsv4_nvfp4_moe_launch(&a, stream), op);
+  check_launch(dsv4_nvfp4_moe_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
   return y;
 }
 

@@ -24,38 +24,28 @@ struct GemvCfg {
   static constexpr int kSmem = kStage * kStages * kWarps;
 };
 
-// The gemv kernel's shared memory besides the ring.
-struct GemvShared {
-  float red[kWarps][4][32];
-  LocalRoute lr;
-};
-
-// One CTA of the gemv kernel: row tiles bx * rt.. of slot / group by (the CTA's blockIdx, or the one-launch MoE
-// kernel's task). pdl_wait: this CTA's griddepcontrol.wait is still to come (where the kernel comments above say).
-// WAIT_X: before_x() is called by every thread of the CTA once the ring's first weight copies are issued and
-// before any activation row is read (else the fill issues chunk by chunk, weights and activations together, so the
-// first chunk is not held back by the others' weights).
-// activation row is read (the one-launch MoE kernel's down tasks wait there for their slot's up tasks).
-template <int MODE, int ROWS, int OCC, bool WAIT_X = false, typename BeforeX>
-__device__ __forceinline__ void gemv_cta(const SkinnyParams& p, int bx, int by, bool pdl_wait, uint8_t* gsmem,
-                                         GemvShared& sh, BeforeX&& before_x) {
+template <int MODE, int ROWS, int OCC>
+__global__ void __launch_bounds__(kThreads, OCC) nvfp4_gemv_kernel(const SkinnyParams p) {
   using Cfg = GemvCfg<ROWS, OCC>;
   constexpr int S = Cfg::kStages;
+  extern __shared__ __align__(128) uint8_t gsmem[];
+  __shared__ float red[kWarps][4][32];
+  __shared__ LocalRoute lr;
   // The weights and the shape of a dense task or of the shared expert are launch parameters, known before the
   // wait; a routed expert comes from the routing (its kernel, or the ids: the predecessors' outputs).
-  const bool early = MODE == kDense || by < p.n_sslots;
-  if (!early && pdl_wait) grid_dep_wait();
-  local_route_cta<MODE>(p, sh.lr, by);
+  const bool early = MODE == kDense || int(blockIdx.y) < p.n_sslots;
+  if (!early && p.pdl) grid_dep_wait();
+  local_route_cta<MODE>(p, lr);
   Task task;
   if (MODE == kDense) {
-    dense_task(p, task, by);
-  } else if (!resolve_task<MODE>(p, task, sh.lr, by)) {
+    dense_task(p, task);
+  } else if (!resolve_task<MODE>(p, task, lr)) {
     return;
   }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   const int kw = warp % p.kw, rt = warp / p.kw;
   const int ntiles = (task.N + 15) >> 4;
-  const int tile0 = bx * p.rt;
+  const int tile0 = blockIdx.x * p.rt;
   if (tile0 >= ntiles) return;
   const bool tile_ok = tile0 + rt < ntiles;
   const int tile = tile_ok ? tile0 + rt : ntiles - 1;
@@ -70,7 +60,7 @@ __device__ __forceinline__ void gemv_cta(const SkinnyParams& p, int bx, int by, 
   const uint8_t* s_ptr = task.s + row_addr(min(tile * 16 + (lane & 15), task.N - 1), task.N, kp).s;
   const uint32_t wstep = ra.wstep, sstep = ra.sstep;
   uint8_t* ring = gsmem + warp * (Cfg::kStage * S);
-  if (early && pdl_wait) {
+  if (early && p.pdl) {
     // Only the chunks the ring's first fills read: warming the whole K range slowed large shapes (it competes
     // with the previous kernel's own stream; bench/RESULTS.md).
     const int warm = min(c_end - c_begin, S);
@@ -117,17 +107,12 @@ __device__ __forceinline__ void gemv_cta(const SkinnyParams& p, int bx, int by, 
 #pragma unroll
     for (int i = 0; i < ROWS / 2; ++i)
       xrow[i] = b_row<MODE>(p, task, tt + min((lane >> 4) + 2 * i, rows - 1));
-    // Chunk ci into stage stg: its weights and scales (issue_w), then its activation pieces and the commit that
-    // closes the chunk's cp.async group (issue_x; the group is empty past c_end).
-    auto issue_w = [&](int ci, uint8_t* stg) {
+    // Chunk ci into stage stg: one cp.async group per chunk (empty past c_end).
+    auto issue = [&](int ci, uint8_t* stg) {
       if (ci < c_end) {
         cp_async16(stg + lane * 16, wa_ptr + uint32_t(ci) * wstep, 16);
         cp_async16(stg + 512 + lane * 16, wb_ptr + uint32_t(ci) * wstep, 16);
         if (lane < 16) cp_async8(stg + Cfg::kW + lane * 8, s_ptr + uint32_t(ci) * sstep, 8);
-      }
-    };
-    auto issue_x = [&](int ci, uint8_t* stg) {
-      if (ci < c_end) {
         const int kx = ci * 128 + pc * 8;
 #pragma unroll
         for (int i = 0; i < ROWS / 2; ++i) {
@@ -137,19 +122,8 @@ __device__ __forceinline__ void gemv_cta(const SkinnyParams& p, int bx, int by, 
       }
       cp_async_commit();
     };
-    if (WAIT_X) {  // the first S - 1 chunks' weights, then their activations (group 0 holds every fill weight)
 #pragma unroll
-      for (int j = 0; j < S - 1; ++j) issue_w(c_begin + j, ring + j * Cfg::kStage);
-      if (tt == 0) before_x();
-#pragma unroll
-      for (int j = 0; j < S - 1; ++j) issue_x(c_begin + j, ring + j * Cfg::kStage);
-    } else {
-#pragma unroll
-      for (int j = 0; j < S - 1; ++j) {
-        issue_w(c_begin + j, ring + j * Cfg::kStage);
-        issue_x(c_begin + j, ring + j * Cfg::kStage);
-      }
-    }
+    for (int j = 0; j < S - 1; ++j) issue(c_begin + j, ring + j * Cfg::kStage);
     float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
     // One trip of the outer loop walks the whole ring, so every stage offset is a constant.
     for (int c0 = c_begin; c0 < c_end; c0 += S) {
@@ -158,8 +132,7 @@ __device__ __forceinline__ void gemv_cta(const SkinnyParams& p, int bx, int by, 
         const int c = c0 + j;
         if (c >= c_end) break;
         // chunk c + S - 1 into the stage consumed last step (the __syncwarp below ordered its reads)
-        issue_w(c + S - 1, ring + ((j + S - 1) % S) * Cfg::kStage);
-        issue_x(c + S - 1, ring + ((j + S - 1) % S) * Cfg::kStage);
+        issue(c + S - 1, ring + ((j + S - 1) % S) * Cfg::kStage);
         cp_async_wait<S - 1>();  // this thread's copies of chunk c have landed
         __syncwarp();            // ... and every lane's
         const uint8_t* st = ring + j * Cfg::kStage;
@@ -183,79 +156,18 @@ __device__ __forceinline__ void gemv_cta(const SkinnyParams& p, int bx, int by, 
     if (p.kw > 1) {
       if (kw != 0) {
 #pragma unroll
-        for (int r = 0; r < 4; ++r) sh.red[warp][r][lane] = acc[0][r];
+        for (int r = 0; r < 4; ++r) red[warp][r][lane] = acc[0][r];
       }
       __syncthreads();
       if (kw == 0) {
         for (int w2 = 1; w2 < p.kw; ++w2) {
 #pragma unroll
-          for (int r = 0; r < 4; ++r) acc[0][r] += sh.red[warp + w2][r][lane];
+          for (int r = 0; r < 4; ++r) acc[0][r] += red[warp + w2][r][lane];
         }
       }
     }
     if (kw == 0 && tile_ok) skinny_epilogue<MODE, 1>(p, task, acc, tile, tt, g, tq, ROWS);
     if (p.kw > 1) __syncthreads();  // `red` is reused by the next pass
-  }
-}
-
-template <int MODE, int ROWS, int OCC>
-__global__ void __launch_bounds__(kThreads, OCC) nvfp4_gemv_kernel(const SkinnyParams p) {
-  extern __shared__ __align__(128) uint8_t gsmem[];
-  __shared__ GemvShared sh;
-  gemv_cta<MODE, ROWS, OCC>(p, int(blockIdx.x), int(blockIdx.y), p.pdl != 0, gsmem, sh, [] {});
-}
-
-// ------------------------------------------------------------------------------- the MoE in one launch
-// Up and down projections of the decode MoE (the gemv regime) in one grid: the down tasks of a slot read the h rows
-// its up tasks write, so instead of a kernel boundary (the down kernel's routed CTAs could read nothing, weights
-// included, before the whole up kernel ended) each down task streams its first weight chunks into its ring and
-// then waits on its slot's counter. Tasks are handed out by a ticket in the order CTAs start, every up task before
-// any down task: a down task waits only on up tasks that CTAs already hold, and those never wait, so the grid
-// cannot deadlock whatever the residency. MoeOneLaunch::sync: nvfp4_kernels.cuh.
-
-template <int ROWS, int OCC>
-__global__ void __launch_bounds__(kThreads, OCC)
-    nvfp4_moe_gemv_one_launch_kernel(const SkinnyParams up, const SkinnyParams down, const MoeOneLaunch m) {
-  extern __shared__ __align__(128) uint8_t gsmem[];
-  __shared__ GemvShared sh;
-  __shared__ int ticket;
-  // x and the ids come from the predecessors, and the previous launch's reset of sync must be visible: wait first
-  if (up.pdl) grid_dep_wait();
-  if (threadIdx.x == 0) ticket = atomicAdd(m.sync, 1);
-  __syncthreads();
-  const int t = ticket, n_up = m.up_x * m.slots;
-  if (t < n_up) {
-    const int slot = t / m.up_x;
-    gemv_cta<kMoeUp, ROWS, OCC>(up, t % m.up_x, slot, false, gsmem, sh, [] {});
-    __syncthreads();  // every thread's h stores are issued before the fence below publishes them
-    if (threadIdx.x == 0) {
-      __threadfence();
-      atomicAdd(m.sync + 2 + slot, 1);
-    }
-  } else {
-    const int slot = (t - n_up) / m.down_x;
-    gemv_cta<kMoeDown, ROWS, OCC, true>(down, (t - n_up) % m.down_x, slot, false, gsmem, sh, [&] {
-      if (threadIdx.x == 0) {
-        const int* done = m.sync + 2 + slot;
-        // ~4 s: a broken contract (two streams sharing the counters) traps instead of hanging the GPU
-        for (int spins = 0; ld_acquire_gpu(done) < m.up_x; ++spins) {
-          if (spins == (1 << 26)) __trap();
-          __nanosleep(64);
-        }
-      }
-      __syncthreads();
-    });
-  }
-  if (up.pdl) grid_dep_launch();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const int total = (m.up_x + m.down_x) * m.slots;
-    if (atomicAdd(m.sync + 1, 1) == total - 1) {  // every other CTA is past its last read of sync
-      __threadfence();  // (the zeros below after every increment seen)
-      for (int i = 0; i < 2 + m.slots; ++i) m.sync[i] = 0;
-      __threadfence();
-    }
   }
 }
 
@@ -282,27 +194,6 @@ template <int MODE, int ROWS>
 cudaError_t launch_gemv(const SkinnyParams& p, dim3 grid, cudaStream_t stream, int occ) {
   if (ROWS == 2 && occ == 3) return launch_gemv_occ<MODE, 2, 3>(p, grid, stream);
   return launch_gemv_occ<MODE, ROWS, 2>(p, grid, stream);
-}
-
-template <int ROWS, int OCC>
-cudaError_t launch_one_launch_occ(const SkinnyParams& up, const SkinnyParams& down, const MoeOneLaunch& m,
-                                  cudaStream_t stream) {
-  auto kernel = nvfp4_moe_gemv_one_launch_kernel<ROWS, OCC>;
-  const cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, GemvCfg<ROWS, OCC>::kSmem);
-  if (err != cudaSuccess) return err;
-  const dim3 grid(unsigned((m.up_x + m.down_x) * m.slots));
-  return launch_ex(up.pdl != 0, kernel, grid, dim3(kThreads), size_t(GemvCfg<ROWS, OCC>::kSmem), stream, up, down,
-                   m);
-}
-
-cudaError_t launch_moe_gemv_one_launch(const SkinnyParams& up, const SkinnyParams& down, const MoeOneLaunch& m,
-                                       int rows, int occ, cudaStream_t stream) {
-  if (rows == 2) {
-    return occ == 3 ? launch_one_launch_occ<2, 3>(up, down, m, stream)
-                    : launch_one_launch_occ<2, 2>(up, down, m, stream);
-  }
-  return launch_one_launch_occ<8, 2>(up, down, m, stream);
 }
 
 template cudaError_t launch_gemv<kDense, 2>(const SkinnyParams&, dim3, cudaStream_t, int);

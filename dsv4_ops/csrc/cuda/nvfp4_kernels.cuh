@@ -105,15 +105,6 @@ template <int MODE, int ROWS>
 cudaError_t launch_gemv(const SkinnyParams& p, dim3 grid, cudaStream_t stream, int occ);
 cudaError_t launch_tiled(const TiledParams& p, int sms, cudaStream_t stream);
 cudaError_t launch_wgmma(const TiledParams& p, bool wide, int sms, cudaStream_t stream);  // wide: 256-row tiles
-// The decode MoE's up and down gemv projections in one launch (nvfp4_gemv.cu): a 1-D grid of (up_x + down_x) *
-// slots CTAs. sync: 2 + slots ints, zeros before the launch and again after it (its last CTA resets them): [0] the
-// task ticket, [1] CTAs done, [2 + slot] up CTAs of the slot done.
-struct MoeOneLaunch {
-  int* sync;
-  int up_x, down_x, slots;  // row-tile groups per slot of each projection (gridDim.x of its own launch)
-};
-cudaError_t launch_moe_gemv_one_launch(const SkinnyParams& up, const SkinnyParams& down, const MoeOneLaunch& m,
-                                       int rows, int occ, cudaStream_t stream);
 // grid: ceil(rows / 128) (wide: / 256) x slots
 template <int MODE>
 cudaError_t launch_moe_wgmma(const SkinnyParams& p, int tm, bool wide, int rows, int slots, cudaStream_t stream);
@@ -144,12 +135,6 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
 __device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
-__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
@@ -216,11 +201,11 @@ struct Task {
   void* y;                    // dense: the output
 };
 
-// Dense matrix of group `by` (the CTA's blockIdx.y; stacked [G, N, Kp/2] / [G, N, Kp/16]); alpha needs the
-// global scale, read by the caller (after griddepcontrol.wait in the gemv kernel).
-__device__ __forceinline__ void dense_task(const SkinnyParams& p, Task& t, int by) {
-  if (p.nseg > 0) {  // nvfp4_linear_multi: segment by, its own matrix and output
-    const int seg = by;
+// Dense matrix of group blockIdx.y (stacked [G, N, Kp/2] / [G, N, Kp/16]); alpha needs the global scale, read
+// by the caller (after griddepcontrol.wait in the gemv kernel).
+__device__ __forceinline__ void dense_task(const SkinnyParams& p, Task& t) {
+  if (p.nseg > 0) {  // nvfp4_linear_multi: segment blockIdx.y, its own matrix and output
+    const int seg = int(blockIdx.y);
     t.grp = 0;
     t.w = p.seg_w[seg];
     t.s = p.seg_s[seg];
@@ -228,7 +213,7 @@ __device__ __forceinline__ void dense_task(const SkinnyParams& p, Task& t, int b
     t.y = p.seg_y[seg];
     t.N = p.seg_n[seg];
   } else {
-    t.grp = by;
+    t.grp = int(blockIdx.y);
     const size_t kp = size_t((p.K + 127) & ~127), off = size_t(t.grp) * size_t(p.N);
     t.w = p.w + off * (kp / 2);
     t.s = p.s + off * (kp / 16);
@@ -280,24 +265,23 @@ __device__ void local_route(const SkinnyParams& p, int slot, LocalRoute& r) {
 }
 
 // The CTA's local routing (MoE kernels, routed slots, local_route on): all threads call it before resolve_task.
-// by: the CTA's slot (its blockIdx.y; the one-launch MoE kernel's from its ticket).
 template <int MODE>
-__device__ __forceinline__ void local_route_cta(const SkinnyParams& p, LocalRoute& r, int by) {
-  if (MODE == kDense || !p.local_route || by < p.n_sslots) return;  // CTA-uniform
-  if (threadIdx.x < 32) local_route(p, by - p.n_sslots, r);
+__device__ __forceinline__ void local_route_cta(const SkinnyParams& p, LocalRoute& r) {
+  if (MODE == kDense || !p.local_route || int(blockIdx.y) < p.n_sslots) return;  // CTA-uniform
+  if (threadIdx.x < 32) local_route(p, int(blockIdx.y) - p.n_sslots, r);
   __syncthreads();
 }
 
 template <int MODE>
-__device__ __forceinline__ bool resolve_task(const SkinnyParams& p, Task& t, const LocalRoute& lr, int by) {
+__device__ __forceinline__ bool resolve_task(const SkinnyParams& p, Task& t, const LocalRoute& lr) {
   if (MODE == kDense) {
-    dense_task(p, t, by);
+    dense_task(p, t);
     float a = __ldg(t.gsp) * kUnbias;
     if (p.gs_act != nullptr) a *= __ldg(p.gs_act);
     t.alpha = a;
     return true;
   }
-  const int slot = by - p.n_sslots;
+  const int slot = int(blockIdx.y) - p.n_sslots;
   if (slot >= 0) {
     int e;
     if (p.local_route) {
@@ -325,7 +309,7 @@ __device__ __forceinline__ bool resolve_task(const SkinnyParams& p, Task& t, con
     t.s = p.ss;
     t.N = p.sN;
     t.K = p.sK;
-    t.base = by * p.s_chunk;
+    t.base = int(blockIdx.y) * p.s_chunk;
     t.cnt = min(p.s_chunk, p.T - t.base);
     t.kind = 2;
     t.alpha = __ldg(p.sg) * kUnbias;

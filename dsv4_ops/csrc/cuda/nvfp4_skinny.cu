@@ -13,9 +13,9 @@ __global__ void __launch_bounds__(kThreads) nvfp4_skinny_kernel(const SkinnyPara
   __shared__ float red[kWarps][NT * 4][32];
   __shared__ LocalRoute lr;
   if (p.pdl) grid_dep_wait();
-  local_route_cta<MODE>(p, lr, int(blockIdx.y));
+  local_route_cta<MODE>(p, lr);
   Task task;
-  if (!resolve_task<MODE>(p, task, lr, int(blockIdx.y))) return;
+  if (!resolve_task<MODE>(p, task, lr)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   const int kw = warp % p.kw, rt = warp / p.kw;
   const int ntiles = (task.N + 15) >> 4;

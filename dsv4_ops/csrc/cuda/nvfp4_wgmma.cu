@@ -59,9 +59,9 @@ __global__ void __launch_bounds__(kThreads, WgCfg<TM, TN>::kOcc) nvfp4_moe_wgmma
   extern __shared__ __align__(128) uint8_t smem_raw[];
   __shared__ LocalRoute lr;
   if (p.pdl) grid_dep_wait();
-  local_route_cta<MODE>(p, lr, int(blockIdx.y));
+  local_route_cta<MODE>(p, lr);
   Task task;
-  if (!resolve_task<MODE>(p, task, lr, int(blockIdx.y))) return;
+  if (!resolve_task<MODE>(p, task, lr)) return;
   const int ntiles = (task.N + 15) >> 4;
   if (int(blockIdx.x) * kTiles >= ntiles) return;  // the shared expert may be narrower than the routed ones
   const AlignedSmem sm = aligned_smem(smem_raw);
