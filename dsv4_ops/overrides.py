@@ -25,8 +25,8 @@ class KernelOverrides:
     launch of the decode kernels and the NVFP4 chain. moe_local_route: the MoE's up / down kernels route themselves
     at decode sizes (off: the route kernel at every size). attn_kernel: "simt" runs the CUDA-core attention kernel
     where the tensor-core one applies, "mma_all_heads" the tensor-core one with 64 heads per CTA (prefill's form)
-    at every size, "mma_16_heads" with 16 (decode's form), "wgmma" the warpgroup-MMA kernel (bf16, head dim 512;
-    elsewhere the auto choice). nvfp4_fused_path: the per-tensor fused quantizers' scheme."""
+    at every size, "mma_16_heads" with 16 (decode's form), "wgmma" the warpgroup-MMA kernel at every size (bf16,
+    head dim 512, elsewhere the auto choice; auto runs it for prefill rows). nvfp4_fused_path: the per-tensor fused quantizers' scheme."""
     nvfp4_gemm_kernel: str = "auto"
     pdl: bool = True
     moe_local_route: bool = True

@@ -88,7 +88,8 @@ def test_both_partial_kernels_match_reference(B, H, D, N, J):
 def test_prefill_rows_warpgroup_kernel(T, n, listed):
     """The prefill form (T query rows of one sequence, kv one key buffer seen through a stride-0 view, each row its
     128-key window then its entries as idx2 with an offset; some rows see fewer keys, a chunk of skipped ones) on
-    the warpgroup-MMA kernel: within the reference's bf16 tolerance, and close to the mma kernel's output."""
+    the warpgroup-MMA kernel: within the reference's bf16 tolerance, and close to the mma kernel's output; the
+    auto choice runs it where the rows fill the SMs."""
     gen = torch.Generator().manual_seed(T + n)
     H, D, W = 64, 512, 128
     L = W - 1 + T + n
@@ -109,6 +110,11 @@ def test_prefill_rows_warpgroup_kernel(T, n, listed):
     check(got, q, buf.expand(T, -1, -1), joined, sink, scale)
     with kernel_overrides(attn_kernel="mma_all_heads"):
         torch.testing.assert_close(got.float(), call().float(), rtol=2 ** -7, atol=1e-5)
+    # the auto choice: this kernel where the rows alone fill the SMs (prefill), the 16-head mma CTA below
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    with kernel_overrides(attn_kernel="wgmma" if T >= sms else "mma_16_heads"):
+        want = call()
+    assert torch.equal(call(), want), f"auto choice at {T} rows ({sms} SMs)"
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -23,7 +23,8 @@
 //     memory where the tiles alone would leave SMs idle (nvfp4_tiled.cu).
 //   wgmma (default for one dense matrix at 32 <= M <= 1024 and the MoE projections beyond gemv's reach; every
 //     M > 8 with the override "wgmma"): the tiled kernel's CTA with Hopper's warpgroup MMA, the decoded weights as its register A
-//     operand, activations read by the tensor cores from shared memory (nvfp4_wgmma.cu, nvfp4_wgmma.cuh).
+//     operand, activations read by the tensor cores from shared memory (nvfp4_wgmma.cu, nvfp4_wgmma.cuh); 128 or
+//     256 weight rows per CTA (the wide tile: dense where its tiles fill the GPU, the MoE from 32-token tiles).
 //   dequant_weight: W -> bf16 e2m1 * block scale (exact) for the bindings' cuBLAS path (M > 1024).
 //   MoE: route (one CTA) -> up (gemv, wgmma or skinny, SwiGLU epilogue) -> down -> combine, chained with PDL.
 //   Dense launches also serve nvfp4_linear_grouped (blockIdx.y = group of x [M, G, K]) and nvfp4_linear_multi
@@ -337,6 +338,9 @@ extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t
   const int gemv_rows = a->T <= 2 ? 2 : 8;
   // the wgmma kernels where skinny would run (unless a kernel is forced): TM tokens per tile, 128 rows per CTA
   const int wg_tm = a->wgmma && !gemv ? wgmma_tile_tokens((TK + a->E - 1) / a->E * 2) : 0;
+  // 256-row tiles (forced, or auto from 32-token tiles: each CTA re-reads its gathered activations half as often;
+  // H100, 256 experts top-6, T = 512 / 4096 / 8192: 1.13x / 1.07x / 1.08x the 128-row tiles, bench/RESULTS.md)
+  const bool wide = a->wgmma == 2 || (a->wgmma == 3 && wg_tm >= 32);
   p.s_chunk = gemv ? gemv_rows : wg_tm ? wg_tm : 8 * nt;
   p.n_sslots = shared ? int((a->T + p.s_chunk - 1) / p.s_chunk) : 0;
   const int slots = p.n_rslots + p.n_sslots;
@@ -350,7 +354,7 @@ extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t
   const int64_t nmax_up = (shared && a->Is > a->I ? a->Is : a->I) * 2;
   const int64_t kchunks_d = (a->d + 127) / 128;
   if (wg_tm) {
-    err = launch_moe_wgmma<kMoeUp>(p, wg_tm, a->wgmma == 2, int(nmax_up), slots, stream);
+    err = launch_moe_wgmma<kMoeUp>(p, wg_tm, wide, int(nmax_up), slots, stream);
   } else if (gemv) {
     int occ = 2;
     plan_gemv(gemv_rows, (nmax_up + 15) / 16, kchunks_d, slots, p.kw, p.rt, occ);
@@ -373,7 +377,7 @@ extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t
   const int64_t kmax = shared && a->Is > a->I ? a->Is : a->I;
   const int64_t ntiles_d = (a->d + 15) / 16;
   if (wg_tm) {
-    err = launch_moe_wgmma<kMoeDown>(p, wg_tm, a->wgmma == 2, int(a->d), slots, stream);
+    err = launch_moe_wgmma<kMoeDown>(p, wg_tm, wide, int(a->d), slots, stream);
   } else if (gemv) {
     int occ = 2;
     plan_gemv(gemv_rows, ntiles_d, (kmax + 127) / 128, slots, p.kw, p.rt, occ);

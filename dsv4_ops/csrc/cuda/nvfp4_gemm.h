@@ -60,7 +60,8 @@ struct Nvfp4MoeArgs {
   int gemv;                 // 1: the gemv kernel while T*k <= 4E (the default; 0: skinny)
   int pdl;                  // chain the MoE kernels with programmatic dependent launch
   int skip_combine;         // 1: stop after the down projection, o holds the result (dsv4::nvfp4_moe_rows)
-  int wgmma;                // 1: the wgmma kernels where skinny would run (nvfp4_wgmma.cu), 2: with 256-row tiles
+  int wgmma;                // the wgmma kernels where skinny would run (nvfp4_wgmma.cu): 1 128-row tiles, 2 256-row
+                            // tiles, 3 the auto choice between them (dsv4_nvfp4_moe_launch)
 };
 
 #ifdef __cplusplus

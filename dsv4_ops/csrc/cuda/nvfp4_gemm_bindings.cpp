@@ -479,9 +479,9 @@ at::Tensor moe_impl(const at::Tensor& x, const at::Tensor& ids, const at::Tensor
   a.pdl = use_pdl() ? 1 : 0;
   const Choice choice = kernel_choice();
   a.gemv = choice == Choice::kSkinny ? 0 : 1;
-  // wgmma MoE kernels wherever skinny would run, unless a kernel is forced (tiled / skinny keep skinny); their
-  // 256-row tiles only forced (not yet measured against the 128-row ones)
-  a.wgmma = choice == Choice::kWgmmaWide ? 2 : choice == Choice::kWgmma || choice == Choice::kAuto ? 1 : 0;
+  // wgmma MoE kernels wherever skinny would run, unless a kernel is forced (tiled / skinny keep skinny): auto picks
+  // their tile rows (3), wgmma / wgmma_wide force 128 / 256
+  a.wgmma = choice == Choice::kWgmmaWide ? 2 : choice == Choice::kWgmma ? 1 : choice == Choice::kAuto ? 3 : 0;
   a.skip_combine = rows ? 1 : 0;
   check_launch(dsv4_nvfp4_moe_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
   return y;
