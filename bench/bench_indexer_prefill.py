@@ -6,7 +6,8 @@ The peer is the model's torch form in the same run (what prefill ran before the 
 [S, 64, T], relu, the head weights, the head sum, the visibility mask; skipped where its products would not fit
 PEER_BYTES. Times: CUDA events around REPS calls after a warm-up. TFLOP/s counts the visible products only
 (2 x 64 x 128 per visible (query, entry) pair); the limit is bf16 dense tensor-core math at 790 TFLOP/s
-(measured, bench/bench_prefill.py).
+(measured, bench/bench_prefill.py). Then dsv4::indexer_topk (the top-512 of such scores) against the model's torch
+form (topk_indices), both on causal chunks of 8192 queries.
 
 Run: python bench/bench_indexer_prefill.py   (about a minute)
 """
@@ -21,7 +22,7 @@ import dsv4_ops  # noqa: E402,F401
 from common import cuda_missing  # noqa: E402
 from dsv4_ops import ops, reference as ref  # noqa: E402
 
-H, D, RATIO = 64, 128, 4
+H, D, RATIO, TOPK = 64, 128, 4, 512
 DENSE_FLOPS = 790e12
 PEER_BYTES = 12 << 30
 REPS = 5
@@ -79,7 +80,31 @@ def main() -> int:
               flush=True)
         del q, w, k, nv, got
         torch.cuda.empty_cache()
+    bench_topk()
     return 0
+
+
+def bench_topk() -> None:
+    """dsv4::indexer_topk against the model's torch form (topk_indices: torch.topk of the int64 composite) on one
+    chunk's scores: the same indices, and the time of each."""
+    from dsv4_model.model.indexer import topk_indices
+
+    print(f"\ndsv4::indexer_topk, top-{TOPK} of fp32 scores [S, T] ({torch.cuda.get_device_name(0)})")
+    hdr = f"{'S':>5} {'T':>6} | {'op ms':>8} {'GB/s':>7} | {'torch ms':>9} {'x faster':>8}"
+    print(hdr + "\n" + "-" * len(hdr))
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for S, T in ((8192, 2048), (8192, 8192), (8192, 32768)):
+        sc = torch.randn(1, S, T, device="cuda", generator=g)
+        vis = (torch.arange(S, device="cuda") * T // S + 1).view(1, S, 1)  # causal: row s sees (s + 1) T / S
+        sc = sc.masked_fill(torch.arange(T, device="cuda") >= vis, float("-inf"))
+        k = min(TOPK, T)
+        assert torch.equal(ops.indexer_topk(sc, k), topk_indices(sc, k)), "op disagrees with topk_indices"
+        op_ms = ms(lambda: ops.indexer_topk(sc, k))
+        peer_ms = ms(lambda: topk_indices(sc, k))
+        print(f"{S:5d} {T:6d} | {op_ms:8.3f} {sc.numel() * 4 / (op_ms * 1e-3) / 1e9:7.0f} | {peer_ms:9.3f} "
+              f"{peer_ms / op_ms:8.2f}", flush=True)
+        del sc
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

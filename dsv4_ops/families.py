@@ -10,7 +10,7 @@ from __future__ import annotations
 FAMILIES: dict[str, tuple[str, ...]] = {
     "nvfp4_quant": ("nvfp4_quantize", "nvfp4_dequantize", "fused_amax_quantize", "fused_amax_quantize_per_row",
                     "fused_deinterleave_amax_quantize"),
-    "indexer": ("indexer_score_topk", "indexer_prefill_scores"),
+    "indexer": ("indexer_score_topk", "indexer_prefill_scores", "indexer_topk"),
     "sample": ("sample",),
     "nvfp4_gemm": ("nvfp4_linear", "nvfp4_linear_grouped", "nvfp4_linear_multi", "nvfp4_linear_w4a4", "nvfp4_moe",
                    "nvfp4_moe_rows"),

@@ -82,6 +82,10 @@ def indexer_prefill_scores(q: Tensor, weights: Tensor, *, keys: Tensor, n_visibl
     return _ops.indexer_prefill_scores(q, weights, keys, n_visible)
 
 
+def indexer_topk(scores: Tensor, topk: int) -> Tensor:
+    return _ops.indexer_topk(scores, topk)
+
+
 def sample(logits: Tensor, *, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor,
            offset: Tensor) -> Tensor:
     return _ops.sample(logits, temperature, top_k, top_p, seed, offset)

@@ -50,6 +50,12 @@ def indexer_prefill_scores(device: torch.device, dtype: torch.dtype, head_dim: i
     return device.type == "cuda" and dtype == torch.bfloat16 and head_dim == LIMITS.indexer_cuda_head_dim
 
 
+def indexer_topk(device: torch.device, topk: int) -> bool:
+    """The CUDA kernel's top-k limit (its winners sorted in one CTA's shared memory); on the CPU torch.topk of the
+    composite (the model's topk_indices) is faster than the op's per-row sort (the reference it is tested against)."""
+    return device.type == "cuda" and topk <= LIMITS.indexer_cuda_max_topk
+
+
 def router_topk(scores: torch.Tensor, k: int) -> bool:
     """scores [N, E]: E experts and top-k within the kernel's limits; the op has no backward."""
     return (k <= LIMITS.router_max_topk and scores.shape[-1] <= LIMITS.router_max_experts

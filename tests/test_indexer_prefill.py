@@ -143,3 +143,69 @@ def test_negative_and_huge_visible_counts(device):
     got = OP(q, w, k, nv)
     assert torch.equal(got, ref.indexer_prefill_scores_ref(q, w, k, nv))
     assert bool(torch.isneginf(got[0, :2]).all()) and bool(torch.isfinite(got[0, 2]).all())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# dsv4::indexer_topk: the top-k of those scores
+# ---------------------------------------------------------------------------------------------------------
+TOPK = torch.ops.dsv4.indexer_topk
+
+
+def _scores_with_ties(shape, seed=0, device="cpu"):
+    """fp32 scores as prefill gives them: a coarse grid (many exact ties), +0 and -0, and -inf past a visible count
+    that varies by row (some rows see fewer entries than the top-k takes)."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randint(-20, 21, shape, generator=g).float() / 4
+    s = torch.where(torch.rand(shape, generator=g) < 0.05, torch.tensor(-0.0), s)
+    n = shape[-1]
+    vis = torch.randint(1, n + 1, shape[:-1], generator=g)
+    s = s.masked_fill(torch.arange(n) >= vis.unsqueeze(-1), float("-inf"))
+    return s.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape,k", [((2, 37, 300), 64), ((1, 5, 1000), 512), ((3, 129), 129), ((4, 1), 1),
+                                     ((2, 3, 4100), 4096)])
+def test_topk_equals_the_reference_and_the_model_form(device, shape, k):
+    """Each row's indices by (score desc, index asc), -0 == +0, ties and -inf included: the stable-sort reference and
+    the model's torch form (topk_indices, torch.topk of the composite) give the same indices in the same order."""
+    from dsv4_model.model.indexer import topk_indices
+
+    s = _scores_with_ties(shape, seed=k, device=device)
+    got = TOPK(s, k)
+    assert got.dtype == torch.int64 and got.shape == (*shape[:-1], k)
+    assert torch.equal(got.cpu(), ref.indexer_topk_ref(s.cpu(), k))
+    assert torch.equal(got, topk_indices(s, k))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_topk_opcheck(device):
+    for k in (1, 7):
+        torch.library.opcheck(TOPK.default, (_scores_with_ties((3, 40), seed=k, device=device), k))
+
+
+def test_topk_bad_arguments_name_the_argument():
+    s = torch.randn(2, 10)
+    for bad, msg in (((s.double(), 3), "scores must be float32"), ((s, 0), "topk must be in"),
+                     ((s, 11), "topk must be in"), ((torch.randn(2, 0), 1), "N >= 1")):
+        with pytest.raises(RuntimeError, match=msg):
+            TOPK(*bad)
+    assert ops.indexer_topk(s, 2).shape == (2, 2)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        assert TOPK(torch.empty(4, 9, 33), 5).shape == (4, 9, 5)
+
+
+@pytest.mark.cuda
+@pytest.mark.kernels
+def test_topk_cuda_prefill_sizes():
+    """A prefill chunk's shape (8192 queries over 8192 entries, top-512; most rows cached in shared memory, long
+    rows not), rows beyond one launch's 65535, and the decode limit refused."""
+    s = _scores_with_ties((1, 8192, 8192), seed=3, device="cuda")
+    assert torch.equal(TOPK(s, 512), ref.indexer_topk_ref(s, 512))
+    s = _scores_with_ties((2, 40000, 600), seed=4, device="cuda")
+    assert torch.equal(TOPK(s, 512), ref.indexer_topk_ref(s, 512))
+    s = torch.randn(3, 70000, device="cuda")  # a row longer than the shared-memory cache
+    assert torch.equal(TOPK(s, 300), ref.indexer_topk_ref(s, 300))
+    with pytest.raises(RuntimeError, match="topk <= 4096"):
+        TOPK(torch.randn(2, 5000, device="cuda"), 4097)

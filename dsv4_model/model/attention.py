@@ -335,7 +335,10 @@ class Attention(nn.Module):
         if iq is None:
             return n, n_vis, None
         sc = self.indexer.prefill_scores(iq[:, t0:t1], x[:, t0:t1], ikeys[:, :n], n_vis.squeeze(-1))
-        return n, n_vis, topk_indices(sc, min(self.indexer.index_topk, n))
+        k = min(self.indexer.index_topk, n)
+        # on CUDA one dsv4::indexer_topk (the same indices in the same order; torch.topk of the composite costs
+        # ~10% of a long compiled prefill there: bench/RESULTS.md, session 34)
+        return n, n_vis, ops.indexer_topk(sc, k) if supports.indexer_topk(sc.device, k) else topk_indices(sc, k)
 
     def _attend_window(self, q: torch.Tensor, kv_f: torch.Tensor, t0: int, first_ok: torch.Tensor,
                        blk: torch.Tensor | None = None, vis: torch.Tensor | None = None,

@@ -65,4 +65,15 @@ inline void check_prefill(const at::Tensor& q, const at::Tensor& weights, const 
     TORCH_CHECK(t->device() == q.device(), op, "all inputs must be on ", q.device(), ", got one on ", t->device());
 }
 
+// dsv4::indexer_topk: scores fp32 [..., N] (N >= 1), 1 <= topk <= N.
+inline void check_topk(const at::Tensor& scores, int64_t topk) {
+  const char* op = "dsv4::indexer_topk: ";
+  TORCH_CHECK(scores.dim() >= 1 && scores.size(-1) >= 1, op, "scores must be [..., N] with N >= 1, got ",
+              scores.sizes());
+  TORCH_CHECK(scores.scalar_type() == at::kFloat, op, "scores must be float32, got ", scores.scalar_type());
+  TORCH_CHECK(scores.size(-1) < (int64_t(1) << 31), op, "at most 2^31-1 scores per row, got ", scores.size(-1));
+  TORCH_CHECK(topk >= 1 && topk <= scores.size(-1), op, "topk must be in [1, N = ", scores.size(-1), "], got ",
+              topk);
+}
+
 }  // namespace dsv4_indexer

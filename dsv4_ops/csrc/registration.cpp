@@ -62,6 +62,10 @@ TORCH_LIBRARY(dsv4, m) {
   // Prefill-time scores of the same indexer over a chunk of queries: out[b,s,t] = sum_h weights[b,s,h] *
   // relu(q[b,s,h] . keys[b,t]) (fp32; q / keys bf16 or fp32, one dtype), -inf where t >= n_visible[b,s].
   m.def("indexer_prefill_scores(Tensor q, Tensor weights, Tensor keys, Tensor n_visible) -> Tensor");
+  // The top-k of such scores: int64 [..., topk] indices of the topk largest of each row of fp32 scores [..., N]
+  // (topk <= N), in the decode op's order (score desc, index asc; -0 == +0): torch.topk of the int64 composite
+  // (order-preserving score bits << 32 | N - 1 - index), the model's topk_indices, in one op.
+  m.def("indexer_topk(Tensor scores, int topk) -> Tensor");
 
   // ---- sampler ----
   // Per-row greedy (temperature <= 0) or temperature / top-k (0 = off) / top-p (>= 1 = off) sampling with a

@@ -1,5 +1,5 @@
-"""Fakes for dsv4::indexer_score_topk (int32 [B, topk] indices) and dsv4::indexer_prefill_scores (fp32 [B, S, T]);
-never read data."""
+"""Fakes for dsv4::indexer_score_topk (int32 [B, topk] indices), dsv4::indexer_prefill_scores (fp32 [B, S, T]) and
+dsv4::indexer_topk (int64 [..., topk]); never read data."""
 import torch
 
 
@@ -47,3 +47,14 @@ def _indexer_prefill_scores_fake(q, weights, keys, n_visible):
 
 
 torch.library.register_fake("dsv4::indexer_prefill_scores")(_indexer_prefill_scores_fake)
+
+
+def _indexer_topk_fake(scores, topk):
+    op = "dsv4::indexer_topk"
+    torch._check(scores.dim() >= 1, lambda: f"{op}: scores must be [..., N], got {tuple(scores.shape)}")
+    torch._check(scores.dtype == torch.float32, lambda: f"{op}: scores must be float32, got {scores.dtype}")
+    torch._check(1 <= topk <= scores.shape[-1], lambda: f"{op}: topk must be in [1, N], got {topk}")
+    return scores.new_empty((*scores.shape[:-1], topk), dtype=torch.int64)
+
+
+torch.library.register_fake("dsv4::indexer_topk")(_indexer_topk_fake)

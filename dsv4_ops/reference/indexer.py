@@ -102,3 +102,9 @@ def indexer_prefill_scores_ref(q, weights, keys, n_visible) -> torch.Tensor:
     scores = (s * weights.float().unsqueeze(-1)).sum(dim=2)
     t = torch.arange(keys.shape[1], device=keys.device)
     return scores.masked_fill(t.view(1, 1, -1) >= n_visible.unsqueeze(-1), float("-inf"))
+
+
+def indexer_topk_ref(scores, topk: int) -> torch.Tensor:
+    """Reference of dsv4::indexer_topk: int64 [..., topk], each row's indices by (score desc, index asc), -0 and +0
+    equal: a stable descending sort (equal scores keep index order)."""
+    return torch.sort(scores.float(), dim=-1, descending=True, stable=True).indices[..., :topk]

@@ -1,5 +1,6 @@
 // CPU kernels of dsv4::indexer_score_topk (DeepSeek-V4 lightning indexer at decode) and
-// dsv4::indexer_prefill_scores (its scores over a prefill chunk, at the end of this file).
+// dsv4::indexer_prefill_scores (its scores over a prefill chunk) and dsv4::indexer_topk (their top-k), at the end of
+// this file.
 // Scores are fp32: per key the dot products run sequentially over d, the head sum sequentially over h
 // (the CUDA kernel sums in another order, so scores may differ in the last bits; exact-input results agree).
 // Ranking uses the same total order as the CUDA kernel: the float mapped to an order-preserving uint32
@@ -13,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <vector>
@@ -138,9 +140,32 @@ at::Tensor indexer_prefill_scores_cpu(const at::Tensor& q, const at::Tensor& wei
   return out;
 }
 
+// dsv4::indexer_topk: per row the topk largest composites (order_key(score) << 32 | N - 1 - i), descending.
+at::Tensor indexer_topk_cpu(const at::Tensor& scores, int64_t topk) {
+  dsv4_indexer::check_topk(scores, topk);
+  const int64_t N = scores.size(-1), R = scores.numel() / N;
+  const at::Tensor sc = scores.contiguous();
+  std::vector<int64_t> shape(scores.sizes().begin(), scores.sizes().end());
+  shape.back() = topk;
+  at::Tensor out = at::empty(shape, scores.options().dtype(at::kLong));
+  const float* sp = sc.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<uint64_t> comp(N);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = sp + r * N;
+      for (int64_t i = 0; i < N; ++i) comp[i] = (uint64_t(order_key(row[i])) << 32) | uint64_t(N - 1 - i);
+      std::partial_sort(comp.begin(), comp.begin() + topk, comp.end(), std::greater<uint64_t>());
+      for (int64_t j = 0; j < topk; ++j) op[r * topk + j] = N - 1 - int64_t(comp[j] & 0xFFFFFFFFu);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dsv4, CPU, m) {
   m.impl("indexer_score_topk", &indexer_score_topk_cpu);
   m.impl("indexer_prefill_scores", &indexer_prefill_scores_cpu);
+  m.impl("indexer_topk", &indexer_topk_cpu);
 }

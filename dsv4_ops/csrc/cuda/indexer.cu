@@ -287,9 +287,12 @@ __device__ void bitonic_sort_desc(unsigned long long* a, int n) {
   }
 }
 
+// SCORES: src holds fp32 scores (dsv4::indexer_topk: each mapped by order_key as it is read, every key valid:
+// n_valid null), else the scoring kernel's order keys. OutT: the output's index type.
+template <bool SCORES, typename OutT>
 __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kTopkThreads, 1)
-    indexer_topk_kernel(const uint32_t* __restrict__ keys, const void* __restrict__ n_valid, int nv_is64, int N,
-                        int k, int kpad, int cache_cap, int32_t* __restrict__ out) {
+    indexer_topk_kernel(const void* __restrict__ src, const void* __restrict__ n_valid, int nv_is64, int N,
+                        int k, int kpad, int cache_cap, OutT* __restrict__ out) {
   dsv4_cuda::grid_dep_wait();  // keys and n_valid come from the scoring kernel / the step
   cg::cluster_group cluster = cg::this_cluster();
   extern __shared__ __align__(16) unsigned char s_dyn[];
@@ -304,34 +307,37 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kTopkThreads,
   const int rank = static_cast<int>(cluster.block_rank());
   const int b = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int nv = static_cast<int>(read_n_valid(n_valid, nv_is64, b, N));
-  const uint32_t* row = keys + static_cast<size_t>(b) * N;
+  const int nv = n_valid != nullptr ? static_cast<int>(read_n_valid(n_valid, nv_is64, b, N)) : N;
+  const size_t row0 = static_cast<size_t>(b) * N;
+  auto row = [&](int i) -> uint32_t {
+    return SCORES ? order_key(static_cast<const float*>(src)[row0 + i]) : static_cast<const uint32_t*>(src)[row0 + i];
+  };
   const uint32_t nm1 = static_cast<uint32_t>(N - 1);
-  int32_t* orow = out + static_cast<size_t>(b) * k;
+  OutT* orow = out + static_cast<size_t>(b) * k;
 
   if (nv <= k) {  // every valid key is selected: only the order is left (uniform over the cluster)
     if (rank != 0) return;
     for (int j = tid; j < k; j += blockDim.x)
-      if (j >= nv) orow[j] = -1;
+      if (j >= nv) orow[j] = OutT(-1);
     if (nv <= kRankSortMax) {  // short rows (decode early in a sequence): one pass, each key's rank by counting
       for (int j = tid; j < nv; j += blockDim.x)
-        cand[j] = (static_cast<unsigned long long>(row[j]) << 32) | (nm1 - static_cast<uint32_t>(j));
+        cand[j] = (static_cast<unsigned long long>(row(j)) << 32) | (nm1 - static_cast<uint32_t>(j));
       __syncthreads();
       for (int j = tid; j < nv; j += blockDim.x) {
         const unsigned long long c = cand[j];
         int r = 0;
         for (int i = 0; i < nv; ++i) r += cand[i] > c;  // composites are distinct: ranks are a permutation
-        orow[r] = static_cast<int32_t>(nm1 - static_cast<uint32_t>(c));
+        orow[r] = static_cast<OutT>(nm1 - static_cast<uint32_t>(c));
       }
       return;
     }
     int npad = 1;  // the sort needs only the valid keys' power of two, not topk's
     while (npad < nv) npad <<= 1;
     for (int j = tid; j < npad; j += blockDim.x)
-      cand[j] = j < nv ? ((static_cast<unsigned long long>(row[j]) << 32) | (nm1 - static_cast<uint32_t>(j))) : 0ull;
+      cand[j] = j < nv ? ((static_cast<unsigned long long>(row(j)) << 32) | (nm1 - static_cast<uint32_t>(j))) : 0ull;
     __syncthreads();
     bitonic_sort_desc(cand, npad);
-    for (int j = tid; j < nv; j += blockDim.x) orow[j] = static_cast<int32_t>(nm1 - static_cast<uint32_t>(cand[j]));
+    for (int j = tid; j < nv; j += blockDim.x) orow[j] = static_cast<OutT>(nm1 - static_cast<uint32_t>(cand[j]));
     return;
   }
 
@@ -361,13 +367,13 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kTopkThreads,
       uint32_t key;
       if (cached) {
         if (p == 0) {
-          key = row[i];
+          key = row(i);
           cache[i - start] = key;
         } else {
           key = cache[i - start];
         }
       } else {
-        key = row[i];
+        key = row(i);
       }
       const unsigned long long cmp = (static_cast<unsigned long long>(key) << 32) | (nm1 - static_cast<uint32_t>(i));
       if ((cmp & mask) == prefix) {
@@ -423,7 +429,7 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kTopkThreads,
   unsigned* rcount = cluster.map_shared_rank(&s_count, 0);
   unsigned long long* rcand = cluster.map_shared_rank(cand, 0);
   for (int i = start + tid; i < end; i += blockDim.x) {
-    const uint32_t key = cached ? cache[i - start] : row[i];
+    const uint32_t key = cached ? cache[i - start] : row(i);
     const unsigned long long cmp = (static_cast<unsigned long long>(key) << 32) | (nm1 - static_cast<uint32_t>(i));
     if (cmp >= prefix) {
       const unsigned pos = atomicAdd(rcount, 1u);
@@ -433,7 +439,26 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kTopkThreads,
   cluster.sync();
   if (rank != 0) return;
   bitonic_sort_desc(cand, kpad);
-  for (int j = tid; j < k; j += blockDim.x) orow[j] = static_cast<int32_t>(nm1 - static_cast<uint32_t>(cand[j]));
+  for (int j = tid; j < k; j += blockDim.x) orow[j] = static_cast<OutT>(nm1 - static_cast<uint32_t>(cand[j]));
+}
+
+// The top-k kernel over B rows of N: kpad (topk's power of two) candidates in CTA 0, and each CTA's slice of
+// the row cached in shared memory when it fits the budget.
+template <bool SCORES, typename OutT>
+cudaError_t launch_topk(const void* src, const void* n_valid, int nv_is64, int B, int N, int topk, OutT* out,
+                        cudaStream_t stream) {
+  int kpad = 1;
+  while (kpad < topk) kpad <<= 1;
+  const int len = (N + kCluster - 1) / kCluster;
+  const size_t base = static_cast<size_t>(kpad) * sizeof(unsigned long long);
+  const int cache_cap = base + static_cast<size_t>(len) * 4 <= static_cast<size_t>(kSmemBudget) ? len : 0;
+  const size_t smem = base + static_cast<size_t>(cache_cap) * 4;
+  const auto kernel = indexer_topk_kernel<SCORES, OutT>;
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  return launch_ex(decode_pdl(), kernel, dim3(kCluster, B), dim3(kTopkThreads), smem, stream, src, n_valid, nv_is64,
+                   N, topk, kpad, cache_cap, out);
 }
 
 struct DeviceInfo {
@@ -487,15 +512,18 @@ extern "C" cudaError_t dsv4_indexer_score_topk_launch(const void* q, int q_is_fp
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
-  int kpad = 1;
-  while (kpad < topk) kpad <<= 1;
-  const int len = (N + kCluster - 1) / kCluster;
-  const size_t base = static_cast<size_t>(kpad) * sizeof(unsigned long long);
-  const int cache_cap = base + static_cast<size_t>(len) * 4 <= static_cast<size_t>(kSmemBudget) ? len : 0;
-  const size_t smem = base + static_cast<size_t>(cache_cap) * 4;
-  cudaError_t err = cudaFuncSetAttribute(indexer_topk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem));
-  if (err != cudaSuccess) return err;
-  return launch_ex(decode_pdl(), indexer_topk_kernel, dim3(kCluster, B), dim3(kTopkThreads), smem, stream,
-                   static_cast<const uint32_t*>(keys_scratch), n_valid, nv_is64, N, topk, kpad, cache_cap, out);
+  return launch_topk<false>(keys_scratch, n_valid, nv_is64, B, N, topk, out, stream);
+}
+
+// dsv4::indexer_topk: scores fp32 [R, N] contiguous, 1 <= topk <= min(N, 4096); out int64 [R, topk]. Rows in
+// launches of at most 65535 (the grid's y).
+extern "C" cudaError_t dsv4_indexer_topk_launch(const float* scores, int64_t R, int N, int topk, int64_t* out,
+                                                cudaStream_t stream) {
+  constexpr int64_t kMaxRows = 65535;
+  for (int64_t r0 = 0; r0 < R; r0 += kMaxRows) {
+    const int rows = static_cast<int>(R - r0 < kMaxRows ? R - r0 : kMaxRows);
+    const cudaError_t err = launch_topk<true>(scores + r0 * N, nullptr, 0, rows, N, topk, out + r0 * topk, stream);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
 }

@@ -1,4 +1,4 @@
-// CUDA registration of dsv4::indexer_score_topk and dsv4::indexer_prefill_scores: input checks, outputs and the
+// CUDA registration of dsv4::indexer_score_topk, dsv4::indexer_prefill_scores and dsv4::indexer_topk: input checks, outputs and the
 // score scratch from the caching allocator (graph-pool aware), launch on the current stream. The kernels live in
 // indexer.cu and indexer_prefill.cu.
 #include <ATen/ATen.h>
@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "cuda/launchers.h"
 #include "indexer_checks.h"
@@ -79,9 +80,29 @@ at::Tensor indexer_prefill_scores_cuda(const at::Tensor& q, const at::Tensor& we
   return out;
 }
 
+at::Tensor indexer_topk_cuda(const at::Tensor& scores, int64_t topk) {
+  const char* op = "dsv4::indexer_topk: ";
+  TORCH_CHECK(scores.is_cuda(), op, "scores must be a CUDA tensor");
+  dsv4_indexer::check_topk(scores, topk);
+  TORCH_CHECK(topk <= dsv4_indexer_max_topk(), op, "the CUDA kernel supports topk <= ", dsv4_indexer_max_topk(),
+              ", got ", topk);
+  const int64_t N = scores.size(-1), R = scores.numel() / N;
+  const c10::cuda::CUDAGuard guard(scores.device());
+  const at::Tensor sc = scores.contiguous();
+  std::vector<int64_t> shape(scores.sizes().begin(), scores.sizes().end());
+  shape.back() = topk;
+  at::Tensor out = at::empty(shape, scores.options().dtype(at::kLong));
+  const cudaError_t err = dsv4_indexer_topk_launch(sc.data_ptr<float>(), R, static_cast<int>(N),
+                                                   static_cast<int>(topk), out.data_ptr<int64_t>(),
+                                                   c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == cudaSuccess, op, "kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dsv4, CUDA, m) {
   m.impl("indexer_score_topk", &indexer_score_topk_cuda);
   m.impl("indexer_prefill_scores", &indexer_prefill_scores_cuda);
+  m.impl("indexer_topk", &indexer_topk_cuda);
 }

@@ -53,6 +53,9 @@ extern "C" cudaError_t dsv4_indexer_score_topk_launch(const void* q, int q_is_fp
                                                       const void* n_valid, int nv_is64, int B, int H, int N,
                                                       int topk, uint32_t* keys_scratch, int32_t* out,
                                                       cudaStream_t stream);
+// scores fp32 [R, N] contiguous, 1 <= topk <= min(N, dsv4_indexer_max_topk()) -> out int64 [R, topk]
+extern "C" cudaError_t dsv4_indexer_topk_launch(const float* scores, int64_t R, int N, int topk, int64_t* out,
+                                                cudaStream_t stream);
 
 // indexer_prefill.cu: q bf16 [B, S, H, D], w fp32 [B, S, H], k bf16 [B, T, D], n_visible int64 [B, S] (all
 // contiguous, 16-byte aligned) -> out fp32 [B, S, T]; D = dsv4_indexer_prefill_head_dim(), H >= 1
