@@ -478,3 +478,22 @@ def test_post_pre_rows_cuda_graph_replay_and_no_sync():
     want = ops.hc_post_pre(ref.moe_combine_rows_ref(new_rows, new_ids, E_ROWS, True).cuda(), res, post, comb, *args)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------- hc_post (torch)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_hc_post_sums_in_order_without_the_product_tensor(device, dtype):
+    """The model's hc_post adds one stream's term at a time: the same values as reducing the [..., hc, hc, d]
+    products (what it computed before; prefill held that tensor), bit for bit."""
+    from dsv4_model.model.layers import hc_post
+
+    gen = torch.Generator().manual_seed(3)
+    T, hc, d = 300, 4, 256
+    out = torch.randn(2, T, d, generator=gen).to(dtype)
+    res = torch.randn(2, T, hc, d, generator=gen).to(dtype)
+    post = torch.rand(2, T, hc, generator=gen) * 2
+    comb = torch.rand(2, T, hc, hc, generator=gen)
+    out, res, post, comb = (t.to(device) for t in (out, res, post, comb))
+    want = post.unsqueeze(-1) * out.float().unsqueeze(-2) + (comb.unsqueeze(-1) * res.float().unsqueeze(-2)).sum(-3)
+    assert torch.equal(hc_post(out, res, post, comb), want.to(dtype))

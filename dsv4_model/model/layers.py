@@ -342,9 +342,14 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
 
 
 def hc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """Expand a sublayer output back to hc streams: h'_j = post_j * out + sum_i comb[i, j] * res_i (fp32)."""
-    y = post.unsqueeze(-1) * out.float().unsqueeze(-2) + (comb.unsqueeze(-1) * residual.float().unsqueeze(-2)).sum(-3)
-    return y.to(out.dtype)
+    """Expand a sublayer output back to hc streams: h'_j = post_j * out + sum_i comb[i, j] * res_i (fp32).
+    The sum over i runs in order, one [..., hc, d] term at a time: the same sums as reducing the [..., hc, hc, d]
+    products, which eager prefill would otherwise hold (16 GiB at 65,536 tokens of V4-Flash width)."""
+    res = residual.float()
+    mix = comb[..., 0, :].unsqueeze(-1) * res[..., 0:1, :]
+    for i in range(1, comb.shape[-2]):
+        mix = mix + comb[..., i, :].unsqueeze(-1) * res[..., i:i + 1, :]
+    return (post.unsqueeze(-1) * out.float().unsqueeze(-2) + mix).to(out.dtype)
 
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_eps: float,
