@@ -194,6 +194,10 @@ def build_models(cfg: ModelConfig, max_batch: int, max_seq: int, with_hf: bool =
     ours.to_empty(device="cuda")
     randomize_floats_(ours, 0, cfg.n_routed_experts)
     hf, note = (None, "no HF model asked for") if not with_hf else _build_hf(cfg, ours)
+    # the fp32-math weights (compressor projections, head) in bf16 as the released checkpoints hold them and the
+    # loader keeps them (without HF's bf16 weights copied in, the random fp32 values are rounded: else their
+    # products run as fp32 SIMT GEMMs no real checkpoint sees, 8% of a 128K prefill: bench/RESULTS.md, session 34)
+    ours.narrow_weights_(lossless=None if hf is not None else True)
     ours.setup_runtime(torch.device("cuda"))
     ours.eval()
     return ours, hf, note
