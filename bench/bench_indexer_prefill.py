@@ -85,12 +85,15 @@ def main() -> int:
 
 
 def bench_topk() -> None:
-    """dsv4::indexer_topk against the model's torch form (topk_indices: torch.topk of the int64 composite) on one
-    chunk's scores: the same indices, and the time of each."""
+    """dsv4::indexer_topk (its default, and each kernel forced) against the model's torch form (topk_indices:
+    torch.topk of the int64 composite) on one chunk's scores: the same indices, and the time of each."""
     from dsv4_model.model.indexer import topk_indices
+    from dsv4_ops.overrides import TOPK_KERNELS, kernel_overrides
 
-    print(f"\ndsv4::indexer_topk, top-{TOPK} of fp32 scores [S, T] ({torch.cuda.get_device_name(0)})")
-    hdr = f"{'S':>5} {'T':>6} | {'op ms':>8} {'GB/s':>7} | {'torch ms':>9} {'x faster':>8}"
+    print(f"\ndsv4::indexer_topk, top-{TOPK} of fp32 scores [S, T] ({torch.cuda.get_device_name(0)}); "
+          "op ms by kernel (auto = the default)")
+    hdr = (f"{'S':>5} {'T':>6} | " + " ".join(f"{n:>8}" for n in TOPK_KERNELS)
+           + f" {'GB/s':>7} | {'torch ms':>9} {'x faster':>8}")
     print(hdr + "\n" + "-" * len(hdr))
     g = torch.Generator(device="cuda").manual_seed(1)
     for S, T in ((8192, 2048), (8192, 8192), (8192, 32768)):
@@ -98,12 +101,17 @@ def bench_topk() -> None:
         vis = (torch.arange(S, device="cuda") * T // S + 1).view(1, S, 1)  # causal: row s sees (s + 1) T / S
         sc = sc.masked_fill(torch.arange(T, device="cuda") >= vis, float("-inf"))
         k = min(TOPK, T)
-        assert torch.equal(ops.indexer_topk(sc, k), topk_indices(sc, k)), "op disagrees with topk_indices"
-        op_ms = ms(lambda: ops.indexer_topk(sc, k))
+        want = topk_indices(sc, k)
+        times = []
+        for name in TOPK_KERNELS:
+            with kernel_overrides(topk_kernel=name):
+                assert torch.equal(ops.indexer_topk(sc, k), want), f"the {name} kernel disagrees with topk_indices"
+                times.append(ms(lambda: ops.indexer_topk(sc, k)))
         peer_ms = ms(lambda: topk_indices(sc, k))
-        print(f"{S:5d} {T:6d} | {op_ms:8.3f} {sc.numel() * 4 / (op_ms * 1e-3) / 1e9:7.0f} | {peer_ms:9.3f} "
-              f"{peer_ms / op_ms:8.2f}", flush=True)
-        del sc
+        best = min(times)
+        print(f"{S:5d} {T:6d} | " + " ".join(f"{t:8.3f}" for t in times)
+              + f" {sc.numel() * 4 / (best * 1e-3) / 1e9:7.0f} | {peer_ms:9.3f} {peer_ms / times[0]:8.2f}", flush=True)
+        del sc, want
         torch.cuda.empty_cache()
 
 

@@ -17,6 +17,7 @@ from dsv4_ops._loader import library_path
 GEMM_KERNELS = ("auto", "tiled", "cublas", "skinny", "wgmma", "wgmma_wide")
 FUSED_PATHS = ("auto", "cluster", "grid")
 ATTN_KERNELS = ("auto", "simt", "mma_all_heads", "mma_16_heads", "wgmma")
+TOPK_KERNELS = ("auto", "cluster", "rows")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,22 +27,27 @@ class KernelOverrides:
     at decode sizes (off: the route kernel at every size). attn_kernel: "simt" runs the CUDA-core attention kernel
     where the tensor-core one applies, "mma_all_heads" the tensor-core one with 64 heads per CTA (prefill's form)
     at every size, "mma_16_heads" with 16 (decode's form), "wgmma" the warpgroup-MMA kernel at every size (bf16,
-    head dim 512, elsewhere the auto choice; auto runs it for prefill rows). nvfp4_fused_path: the per-tensor fused quantizers' scheme."""
+    head dim 512, elsewhere the auto choice; auto runs it for prefill rows). nvfp4_fused_path: the per-tensor fused
+    quantizers' scheme. topk_kernel: dsv4::indexer_topk's kernel, "cluster" (8 CTAs per row; auto) or "rows" (one
+    CTA per row)."""
     nvfp4_gemm_kernel: str = "auto"
     pdl: bool = True
     moe_local_route: bool = True
     attn_kernel: str = "auto"
     nvfp4_fused_path: str = "auto"
+    topk_kernel: str = "auto"
 
     def _as_ints(self) -> dict[str, int]:
         for name, value, allowed in (("nvfp4_gemm_kernel", self.nvfp4_gemm_kernel, GEMM_KERNELS),
                                      ("attn_kernel", self.attn_kernel, ATTN_KERNELS),
-                                     ("nvfp4_fused_path", self.nvfp4_fused_path, FUSED_PATHS)):
+                                     ("nvfp4_fused_path", self.nvfp4_fused_path, FUSED_PATHS),
+                                     ("topk_kernel", self.topk_kernel, TOPK_KERNELS)):
             if value not in allowed:
                 raise ValueError(f"KernelOverrides.{name} must be one of {allowed}, got {value!r}")
         return {"nvfp4_gemm_kernel": GEMM_KERNELS.index(self.nvfp4_gemm_kernel), "pdl": int(self.pdl),
                 "moe_local_route": int(self.moe_local_route), "attn_kernel": ATTN_KERNELS.index(self.attn_kernel),
-                "nvfp4_fused_path": FUSED_PATHS.index(self.nvfp4_fused_path)}
+                "nvfp4_fused_path": FUSED_PATHS.index(self.nvfp4_fused_path),
+                "topk_kernel": TOPK_KERNELS.index(self.topk_kernel)}
 
 
 def _lib():
@@ -70,7 +76,8 @@ def native() -> KernelOverrides:
     return KernelOverrides(nvfp4_gemm_kernel=GEMM_KERNELS[got["nvfp4_gemm_kernel"]], pdl=bool(got["pdl"]),
                            moe_local_route=bool(got["moe_local_route"]),
                            attn_kernel=ATTN_KERNELS[got["attn_kernel"]],
-                           nvfp4_fused_path=FUSED_PATHS[got["nvfp4_fused_path"]])
+                           nvfp4_fused_path=FUSED_PATHS[got["nvfp4_fused_path"]],
+                           topk_kernel=TOPK_KERNELS[got["topk_kernel"]])
 
 
 def set_overrides(overrides: KernelOverrides) -> None:

@@ -7,6 +7,7 @@ import torch
 
 import dsv4_ops  # noqa: F401  (loads the library and the fakes)
 from dsv4_ops import ops, reference as ref
+from dsv4_ops.overrides import kernel_overrides
 
 OP = torch.ops.dsv4.indexer_prefill_scores
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.kernels])]
@@ -196,16 +197,36 @@ def test_topk_bad_arguments_name_the_argument():
         assert TOPK(torch.empty(4, 9, 33), 5).shape == (4, 9, 5)
 
 
+TOPK_KERNELS = ["auto", "cluster", "rows"]
+
+
 @pytest.mark.cuda
 @pytest.mark.kernels
-def test_topk_cuda_prefill_sizes():
+@pytest.mark.parametrize("kernel", TOPK_KERNELS)
+def test_topk_cuda_prefill_sizes(kernel):
     """A prefill chunk's shape (8192 queries over 8192 entries, top-512; most rows cached in shared memory, long
-    rows not), rows beyond one launch's 65535, and the decode limit refused."""
-    s = _scores_with_ties((1, 8192, 8192), seed=3, device="cuda")
-    assert torch.equal(TOPK(s, 512), ref.indexer_topk_ref(s, 512))
-    s = _scores_with_ties((2, 40000, 600), seed=4, device="cuda")
-    assert torch.equal(TOPK(s, 512), ref.indexer_topk_ref(s, 512))
-    s = torch.randn(3, 70000, device="cuda")  # a row longer than the shared-memory cache
-    assert torch.equal(TOPK(s, 300), ref.indexer_topk_ref(s, 300))
-    with pytest.raises(RuntimeError, match="topk <= 4096"):
-        TOPK(torch.randn(2, 5000, device="cuda"), 4097)
+    rows not), rows beyond one launch's 65535, and the decode limit refused; on each kernel."""
+    with kernel_overrides(topk_kernel=kernel):
+        s = _scores_with_ties((1, 8192, 8192), seed=3, device="cuda")
+        assert torch.equal(TOPK(s, 512), ref.indexer_topk_ref(s, 512))
+        s = _scores_with_ties((2, 40000, 600), seed=4, device="cuda")
+        assert torch.equal(TOPK(s, 512), ref.indexer_topk_ref(s, 512))
+        s = torch.randn(3, 70000, device="cuda")  # a row longer than the shared-memory cache
+        assert torch.equal(TOPK(s, 300), ref.indexer_topk_ref(s, 300))
+        with pytest.raises(RuntimeError, match="topk <= 4096"):
+            TOPK(torch.randn(2, 5000, device="cuda"), 4097)
+
+
+@pytest.mark.cuda
+@pytest.mark.kernels
+@pytest.mark.parametrize("kernel", TOPK_KERNELS[1:])
+@pytest.mark.parametrize("shape,k", [((2, 37, 300), 64), ((1, 5, 1000), 512), ((3, 129), 129), ((4, 1), 1),
+                                     ((2, 3, 4100), 4096), ((600, 2048), 512), ((64, 20000), 512),
+                                     ((5, 50000), 4096)])
+def test_topk_cuda_kernels_equal_the_reference(kernel, shape, k):
+    """Each forced kernel against the stable-sort reference: ties, -0, -inf past a visible count, k = N, one
+    entry, short rows (256 threads), long rows (1024 threads) cached in shared memory and not."""
+    s = _scores_with_ties(shape, seed=k + shape[-1], device="cuda")
+    with kernel_overrides(topk_kernel=kernel):
+        got = TOPK(s, k)
+    assert torch.equal(got.cpu(), ref.indexer_topk_ref(s.cpu(), k))

@@ -17,6 +17,7 @@ int* field(const char* name) {
   if (!std::strcmp(name, "moe_local_route")) return &o.moe_local_route;
   if (!std::strcmp(name, "attn_kernel")) return &o.attn_kernel;
   if (!std::strcmp(name, "nvfp4_fused_path")) return &o.nvfp4_fused_path;
+  if (!std::strcmp(name, "topk_kernel")) return &o.topk_kernel;
   return nullptr;
 }
 }  // namespace

@@ -25,6 +25,7 @@
 #include "mma.h"
 #include "smem_copy.h"
 #include "pdl.h"
+#include "topk_select.cuh"
 
 namespace cg = cooperative_groups;
 
@@ -40,6 +41,9 @@ using dsv4_cuda::cp_async_wait;
 using dsv4_cuda::ldmatrix_x4;
 using dsv4_cuda::mma_bf16;
 using dsv4_cuda::smem_u32;
+using dsv4_cuda::order_key;
+using dsv4_cuda::radix_find_digit;
+using dsv4_cuda::bitonic_sort_desc;
 
 constexpr int kD = 128;              // head dim (DeepSeek-V4 indexer)
 constexpr int kTK = 64;              // keys per tile
@@ -80,12 +84,6 @@ __device__ __forceinline__ uint32_t e2m1_bf16_bits(uint32_t nib) {
 __device__ __forceinline__ uint32_t ue8m0_bf16x2(uint32_t e) {
   const uint32_t h = e ? (e << 7) : 0x0040u;
   return h | (h << 16);
-}
-
-__device__ __forceinline__ uint32_t order_key(float f) {
-  uint32_t u = __float_as_uint(f);
-  if ((u << 1) == 0) u = 0;  // -0 == +0
-  return (u >> 31) ? ~u : (u | 0x80000000u);
 }
 
 // float(w.to(bf16 / fp16)) * scale: the same fp32 operations as the model's weight in PyTorch.
@@ -268,25 +266,6 @@ __global__ void __launch_bounds__(kThreads, 2)
 // Kernel 2: top-k
 // ------------------------------------------------------------------------------------------------------------
 
-// Descending bitonic sort of n (power of two) entries in shared memory by the whole CTA.
-__device__ void bitonic_sort_desc(unsigned long long* a, int n) {
-  for (int size = 2; size <= n; size <<= 1) {
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      for (int t = threadIdx.x; t < n / 2; t += blockDim.x) {
-        const int lo = 2 * stride * (t / stride) + (t % stride);
-        const int hi = lo + stride;
-        const bool desc = (lo & size) == 0;
-        const unsigned long long x = a[lo], y = a[hi];
-        if (desc ? (x < y) : (x > y)) {
-          a[lo] = y;
-          a[hi] = x;
-        }
-      }
-      __syncthreads();
-    }
-  }
-}
-
 // SCORES: src holds fp32 scores (dsv4::indexer_topk: each mapped by order_key as it is read, every key valid:
 // n_valid null), else the scoring kernel's order keys. OutT: the output's index type.
 template <bool SCORES, typename OutT>
@@ -306,7 +285,7 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kTopkThreads,
 
   const int rank = static_cast<int>(cluster.block_rank());
   const int b = blockIdx.y;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x, warp = tid >> 5;
   const int nv = n_valid != nullptr ? static_cast<int>(read_n_valid(n_valid, nv_is64, b, N)) : N;
   const size_t row0 = static_cast<size_t>(b) * N;
   auto row = [&](int i) -> uint32_t {
@@ -395,29 +374,7 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kTopkThreads,
       s_tot[j] = sum;
     }
     __syncthreads();
-    if (warp == 0) {  // the digit holding the krem-th largest: lane l owns bins 8l..8l+7
-      unsigned loc = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) loc += s_tot[8 * lane + j];
-      unsigned suf = loc;  // sum over lanes >= this lane
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const unsigned v = __shfl_down_sync(0xffffffffu, suf, off);
-        if (lane + off < 32) suf += v;
-      }
-      const unsigned ball = __ballot_sync(0xffffffffu, suf >= krem);
-      const int L = 31 - __clz(ball);
-      if (lane == L) {
-        unsigned above = suf - loc;
-        int d = 8 * L + 7;
-        for (; d > 8 * L; --d) {
-          if (above + s_tot[d] >= krem) break;
-          above += s_tot[d];
-        }
-        s_digit = d;
-        s_above = above;
-      }
-    }
+    if (warp == 0) radix_find_digit(s_tot, krem, &s_digit, &s_above);
     __syncthreads();
     const int d = s_digit;
     krem -= s_above;
@@ -519,6 +476,7 @@ extern "C" cudaError_t dsv4_indexer_score_topk_launch(const void* q, int q_is_fp
 // launches of at most 65535 (the grid's y).
 extern "C" cudaError_t dsv4_indexer_topk_launch(const float* scores, int64_t R, int N, int topk, int64_t* out,
                                                 cudaStream_t stream) {
+  if (dsv4_overrides::get().topk_kernel == 2) return dsv4_indexer_topk_rows_launch(scores, R, N, topk, out, stream);
   constexpr int64_t kMaxRows = 65535;
   for (int64_t r0 = 0; r0 < R; r0 += kMaxRows) {
     const int rows = static_cast<int>(R - r0 < kMaxRows ? R - r0 : kMaxRows);

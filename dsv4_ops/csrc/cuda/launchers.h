@@ -57,6 +57,10 @@ extern "C" cudaError_t dsv4_indexer_score_topk_launch(const void* q, int q_is_fp
 extern "C" cudaError_t dsv4_indexer_topk_launch(const float* scores, int64_t R, int N, int topk, int64_t* out,
                                                 cudaStream_t stream);
 
+// indexer_topk_rows.cu: the same contract, one CTA per row (called by dsv4_indexer_topk_launch)
+extern "C" cudaError_t dsv4_indexer_topk_rows_launch(const float* scores, int64_t R, int N, int topk, int64_t* out,
+                                                     cudaStream_t stream);
+
 // indexer_prefill.cu: q bf16 [B, S, H, D], w fp32 [B, S, H], k bf16 [B, T, D], n_visible int64 [B, S] (all
 // contiguous, 16-byte aligned) -> out fp32 [B, S, T]; D = dsv4_indexer_prefill_head_dim(), H >= 1
 extern "C" int dsv4_indexer_prefill_head_dim();
