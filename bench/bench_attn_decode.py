@@ -1,11 +1,12 @@
 """dsv4::sparse_attn_decode vs the tensor-op form it replaces (the model's Attention._attend: gather, fp32
-einsums, masks, softmax with the sink), same run, batch 1 to 32, V4-Flash decode shapes:
+einsums, masks, softmax with the sink), same run, batch 1 to 128, V4-Flash decode shapes:
   CSA: window 128 + top-512 of the compressed entries; HCA at 64K context: window 128 + 512 entries; SWA: the
   window only. H = 64 heads x D = 512, bf16 cache.
 µs per call by CUDA-graph replay (the tensor-op form compiled with torch.compile, as in the decode step; one
 compiled graph per shape), bytes = the cache rows read once, fraction of 4.26 TB/s. The op runs its tensor-core
-partial kernel here (bf16, D % 64 == 0); 'simt' = the CUDA-core partial kernel (the attn_kernel="simt" override) on the
-same inputs.
+partial kernel here (bf16, D % 64 == 0; 16 heads per CTA below the SM count); then each partial kernel forced on the
+same inputs (the attn_kernel override): 'simt' the CUDA-core one, 'mma_all_heads' the 64-head mma CTA, 'wgmma' the
+warpgroup-MMA one (a decode batch's rows read once for all 64 heads instead of once per 16).
 Prefill form (Attention._prefill_attend_op): T query rows of one sequence, each listing its 128-token window and
 512 compressed entries of one shared key buffer (kv a stride-0 view), the CTA holding 16 heads (decode's form) vs 64
 heads (a row's keys staged once; the default at T >= the SM count) vs the warpgroup-MMA kernel (attn_kernel="wgmma");
@@ -28,7 +29,7 @@ from dsv4_ops.overrides import kernel_overrides  # noqa: E402
 from timing import cuda_generator, graph_us, vs_peer  # noqa: E402
 
 H, D, W = 64, 512, 128
-BATCHES = (1, 2, 4, 8, 16, 32)
+BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 CASES = [("CSA top-512", 1024, 512), ("HCA 64K ctx", 512, 512), ("SWA", 0, 0)]
 
 
@@ -50,7 +51,8 @@ def decode(gen) -> None:
     # every (case, batch) shape keeps its own compiled graph (past the default limit dynamo falls back to eager)
     torch._dynamo.config.recompile_limit = 64
     torch_form = torch.compile(sparse_attn_decode_ref, dynamic=False)
-    print(f"{'case':12} {'B':>2} {'J':>5} | {'op us':>7} {'peer us':>10} {'speedup':>8} | {'GB/s':>6} {'HBM':>5}")
+    print(f"{'case':12} {'B':>3} {'J':>5} | {'op us':>7} {'peer us':>10} {'speedup':>8} | {'GB/s':>6} {'HBM':>5} | "
+          "forced kernels")
     for name, n_entries, listed in CASES:
         for B in BATCHES:
             N = W + n_entries
@@ -65,12 +67,17 @@ def decode(gen) -> None:
             peer = graph_us(lambda: torch_form(q, kv, idx, sink, scale), 64)
             err = float((torch.ops.dsv4.sparse_attn_decode(q, kv, idx, sink, scale).float()
                          - sparse_attn_decode_ref(q, kv, idx, sink, scale).float()).abs().max())
-            with kernel_overrides(attn_kernel="simt"):  # the CUDA-core partial kernel, same inputs
-                simt = graph_us(lambda: torch.ops.dsv4.sparse_attn_decode(q, kv, idx, sink, scale), 64)
-                err_simt = float((torch.ops.dsv4.sparse_attn_decode(q, kv, idx, sink, scale).float()
-                                  - sparse_attn_decode_ref(q, kv, idx, sink, scale).float()).abs().max())
-            print(f"{name:12} {B:2d} {idx.shape[1]:5d} | {vs_peer(ours, peer, B * idx.shape[1] * D * 2)} | "
-                  f"simt {simt:7.2f} us ({peer / simt:5.2f}x)   (max |diff| {err:.1e}, simt {err_simt:.1e})")
+            forced = {}  # the other partial kernels on the same inputs: us, max |diff| against the reference
+            for kernel in ("simt", "mma_all_heads", "wgmma"):
+                with kernel_overrides(attn_kernel=kernel):
+                    us = graph_us(lambda: torch.ops.dsv4.sparse_attn_decode(q, kv, idx, sink, scale), 64)
+                    e = float((torch.ops.dsv4.sparse_attn_decode(q, kv, idx, sink, scale).float()
+                               - sparse_attn_decode_ref(q, kv, idx, sink, scale).float()).abs().max())
+                forced[kernel] = (us, e)
+            others = " ".join(f"{k} {us:7.2f}" for k, (us, _) in forced.items())
+            errs = ", ".join(f"{k} {e:.1e}" for k, (_, e) in forced.items())
+            print(f"{name:12} {B:3d} {idx.shape[1]:5d} | {vs_peer(ours, peer, B * idx.shape[1] * D * 2)} | "
+                  f"{others} us   (max |diff| {err:.1e}; {errs})", flush=True)
 
 
 def prefill(gen) -> None:

@@ -16,7 +16,7 @@ after one warm-up call each.
 weights, so HF runs bf16 and we run NVFP4 on the same underlying weights; the floor then counts NVFP4 bytes.
 
 Run: python bench/bench_decode.py [--budget SECONDS] [--models flash2,micro] [--batches 1,8,64] [--prompt 256]
-       [--quant none|nvfp4]
+       [--quant none|nvfp4] [--kernel-overrides "attn_kernel=wgmma"]
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import dsv4_ops  # noqa: E402,F401
+from dsv4_ops.overrides import parse as parse_overrides, set_overrides  # noqa: E402
 from common import build_models, cuda_missing, floor_seconds, preset, print_header  # noqa: E402
 from dsv4_model.runtime.compiled import DecodeRunner  # noqa: E402
 from dsv4_model.model.transformer import Transformer  # noqa: E402
@@ -104,7 +105,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens per row")
     ap.add_argument("--quant", choices=("none", "nvfp4"), default="none", help="our weights (HF stays bf16)")
+    ap.add_argument("--kernel-overrides", default="", help='dsv4_ops.overrides for the run, e.g. "attn_kernel=wgmma"')
     args = ap.parse_args(argv)
+    set_overrides(parse_overrides(args.kernel_overrides))
     prompt_len = args.prompt
     if cuda_missing("bench_decode"):
         return 0
