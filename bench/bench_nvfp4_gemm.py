@@ -1,9 +1,9 @@
 """Benchmark of dsv4::nvfp4_linear (W4A16) and dsv4::nvfp4_moe on the H200, against bf16 PyTorch peers.
 
 Linear: DeepSeek-V4-Flash projection shapes (N x K) at M = 1, 8, 16, 32, 64, 128, 256, 512, 1024, 4096 tokens;
-peer = torch.matmul with a bf16 weight of the same shape (cuBLAS). Grouped (wo_a, 8 x (1024 x 4096)): dsv4::nvfp4_linear_grouped vs
-torch.bmm on bf16 weights and vs 8 nvfp4_linear calls. Multi (wq_a + wkv): dsv4::nvfp4_linear_multi vs two
-torch.matmul and two nvfp4_linear calls. MoE: 256 experts, top-6 (uniform random routing), d = 4096,
+peer = torch.matmul with a bf16 weight of the same shape (cuBLAS). Grouped (wo_a, 8 x (1024 x 4096)):
+dsv4::nvfp4_linear_grouped vs torch.bmm on bf16 weights and vs 8 nvfp4_linear calls. Multi (wq_a + wkv; wq_b +
+the indexer's wq_b): dsv4::nvfp4_linear_multi vs two torch.matmul and two nvfp4_linear calls. MoE: 256 experts, top-6 (uniform random routing), d = 4096,
 I = 2048, T = 1 ... 8192 tokens, routed only and routed + shared expert; peer = a per-expert bf16 loop in torch
 (index_select, 3 matmuls, clamped SwiGLU, index_add_) for the same routing, captured in a CUDA graph.
 
@@ -190,29 +190,34 @@ def bench_grouped(gen):
 
 
 def bench_multi(gen):
-    ns, k = (1024, 512), 4096  # V4-Flash wq_a + wkv: both read the layer input x
-    _fused_header(f"\n## nvfp4_linear_multi (wq_a + wkv, {ns[0]}+{ns[1]} x {k}, one launch at M < 32, per matrix from 32) vs bf16 "
-                  "cuBLAS (two matmuls) and vs two nvfp4_linear calls", "multi us", "bf16 us", "2 x linear us")
+    # V4-Flash's two one-launch pairs: wq_a + wkv (both read the layer input x) and the attention's wq_b + the
+    # indexer's wq_b (both read q_lora); M = 16 is a B = 16 decode or a speculative B = 8, K = 1 verification
+    for ns, k, what in (((1024, 512), 4096, "wq_a + wkv"), ((32768, 8192), 1024, "wq_b + indexer wq_b")):
+        _bench_multi_pair(gen, ns, k, what)
+
+
+def _bench_multi_pair(gen, ns, k, what):
+    _fused_header(f"\n## nvfp4_linear_multi ({what}, {ns[0]}+{ns[1]} x {k}, one launch at M < 32, per matrix from "
+                  "32) vs bf16 cuBLAS (two matmuls) and vs two nvfp4_linear calls", "multi us", "bf16 us",
+                  "2 x linear us")
     wbytes = sum(nvfp4_bytes(n, k) for n in ns)
     copies = max(1, min(256, math.ceil(ROTATE_BYTES / wbytes)))
     ws = [[rand_kernel_weight((), n, k, gen) for n in ns] for _ in range(copies)]
     gs = [torch.tensor(0.01, device="cuda") for _ in ns]
     bcopies = max(1, min(64, math.ceil(ROTATE_BYTES / (sum(ns) * k * 2))))
     wb = [[torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16) for n in ns] for _ in range(bcopies)]
-    rows = []
-    for m in (1, 8, 32, 64):
+    for m in (1, 8, 16, 24, 32, 64):
         x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
         if 8 < m <= 64:
             _forced(m, wbytes, "skinny", lambda i: ops.nvfp4_linear_multi(
                 x, [w[0] for w in ws[i % copies]], [w[1] for w in ws[i % copies]], gs))
-        rows.append(_fused_row(
+        _fused_row(
             m, wbytes, 2.0 * m * sum(ns) * k, m * sum(ns) * 2,
             lambda i: ops.nvfp4_linear_multi(x, [w[0] for w in ws[i % copies]], [w[1] for w in ws[i % copies]], gs),
             lambda i: [torch.matmul(x, w.t()) for w in wb[i % bcopies]],
-            lambda i: [ops.nvfp4_linear(x, w[0], w[1], g) for w, g in zip(ws[i % copies], gs)]))
+            lambda i: [ops.nvfp4_linear(x, w[0], w[1], g) for w, g in zip(ws[i % copies], gs)])
     del ws, wb
     torch.cuda.empty_cache()
-    return rows
 
 
 class MoePeer:
