@@ -18,7 +18,8 @@ independent of depth: what a 43-layer model needs).
 --gemm-kernels auto,cublas: the eager modes again under each nvfp4_gemm_kernel override (cublas: dequantize +
 cuBLAS for every linear past 64 rows and the MoE on the skinny kernel, the default before the wgmma kernels).
 --no-eager: the compiled rows only (and HF); --profile: after each length's compiled timing, one more call under
-torch.profiler and the kernels that took its GPU time, the largest first (name, calls, ms, share).
+torch.profiler and the kernels that took its GPU time, the largest first (name, calls, ms, share), then the copy
+kernels' time by the op chain that launched them.
 
 Run: python bench/bench_prefill.py [--lengths 4096,8192,32768,131072] [--chunk 8192] [--layers 2]
        [--experts 256] [--hf-max 8192] [--budget SECONDS] [--compiled [--regional]]
@@ -169,6 +170,33 @@ def kernel_split(fn, top: int = 15, activity=None) -> list[tuple[str, int, float
     return rows[:top] + [("all kernels", sum(c for _, c, _ in rows), total)]
 
 
+def copy_sources(fn, top: int = 12, pattern: str = "copy") -> list[tuple[str, int, float]]:
+    """One call of fn under torch.profiler with shapes: the GPU time of the kernels whose name holds `pattern`, by
+    the CPU op chain that launched them (outermost op > ... > launching op, with the launching op's input shapes):
+    (chain, calls, ms), the largest first. Which op's copies a prefill pays for."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        fn()
+        torch.cuda.synchronize()
+    by_chain: dict[str, list] = {}
+    for e in prof.events():
+        ks = [k for k in e.kernels if pattern in k.name]
+        if not ks:
+            continue
+        names, p = [], e
+        while p is not None:
+            names.append(p.name)
+            p = p.cpu_parent
+        names.reverse()  # outermost first; kept: the outermost, any dsv4 op, the two innermost
+        kept = [n for i, n in enumerate(names) if i == 0 or i >= len(names) - 2 or n.startswith("dsv4::")]
+        chain = " > ".join(n[:40] for n in kept)
+        key = f"{chain} {e.input_shapes}"
+        row = by_chain.setdefault(key, [0, 0.0])
+        row[0] += len(ks)
+        row[1] += sum(k.duration for k in ks) / 1e3
+    return sorted(((n, c, ms) for n, (c, ms) in by_chain.items()), key=lambda r: -r[2])[:top]
+
+
 def print_split(S: int, rows: list[tuple[str, int, float]]) -> None:
     total = rows[-1][2]
     print(f"[S={S}] GPU time by kernel (one compiled call under the profiler):")
@@ -269,6 +297,11 @@ def main(argv=None) -> int:
                         if args.profile:
                             print(f"[S={S}] {name}: GPU time by kernel", flush=True)
                             print_split(S, kernel_split(lambda: run(ids, lens)))
+                            try:  # where the copy kernels come from (a failure here costs only these lines)
+                                for chain, calls, ms in copy_sources(lambda: run(ids, lens)):
+                                    print(f"    copies {ms:9.1f} ms {calls:6d} x  {chain[:200]}")
+                            except Exception as e:  # noqa: BLE001
+                                print(f"    copy sources not found: {type(e).__name__}: {e}")
             except Exception as e:  # report and go on: the eager rows stand
                 res[mode] = f"failed: {type(e).__name__}: {str(e)[:100]}"
             torch._dynamo.reset()
