@@ -6,6 +6,7 @@ SGLang's published V4-Flash figure (4x H200, TP4 + MTP, concurrency 1; bench/com
     torchrun --nproc-per-node 2 bench/bench_parallel_decode.py --layers 43 --experts 256 --batches 1,8,64
     python bench/bench_parallel_decode.py --experts fit --context 131072      # one GPU: as many experts as fit
     python bench/bench_parallel_decode.py --preset pro --experts fit --batches 1,8
+    python bench/bench_parallel_decode.py --layers 2 --experts 256 --batches 16,64 --kernel-overrides attn_kernel=wgmma
 
 --experts fit: the most routed experts whose memory plan (dsv4_model.checkpoint.memory_plan: weights + caches for
 the largest batch x context) leaves --reserve-gib of the GPU's free memory for graph pools and activations.
@@ -31,6 +32,7 @@ from common import FULL_MODELS as PRESETS  # noqa: E402
 from common import SGLANG_4XH200_FLASH_TPOT_MS as SGLANG  # noqa: E402
 from common import floor_seconds  # noqa: E402
 from dsv4_model.checkpoint.memory_plan import GiB, memory_plan  # noqa: E402
+from dsv4_ops.overrides import parse as parse_overrides, set_overrides  # noqa: E402
 from dsv4_model.model.config import ModelConfig  # noqa: E402
 from dsv4_model.quant.random_model import random_nvfp4_model  # noqa: E402
 from dsv4_model.runtime import distributed  # noqa: E402
@@ -82,7 +84,9 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--kernel-overrides", default="", help='dsv4_ops.overrides for the run, e.g. "attn_kernel=wgmma"')
     args = ap.parse_args(argv)
+    set_overrides(parse_overrides(args.kernel_overrides))
     device = torch.device(args.device)
     shard = None
     if distributed.launched():
