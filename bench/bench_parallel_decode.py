@@ -6,7 +6,7 @@ SGLang's published V4-Flash figure (4x H200, TP4 + MTP, concurrency 1; bench/com
     torchrun --nproc-per-node 2 bench/bench_parallel_decode.py --layers 43 --experts 256 --batches 1,8,64
     python bench/bench_parallel_decode.py --experts fit --context 131072      # one GPU: as many experts as fit
     python bench/bench_parallel_decode.py --preset pro --experts fit --batches 1,8
-    python bench/bench_parallel_decode.py --layers 2 --experts 256 --batches 16,64 --kernel-overrides attn_kernel=wgmma
+    python bench/bench_parallel_decode.py --layers 4 --experts 256 --batches 16,64 --kernel-overrides attn_kernel=wgmma
 
 --experts fit: the most routed experts whose memory plan (dsv4_model.checkpoint.memory_plan: weights + caches for
 the largest batch x context) leaves --reserve-gib of the GPU's free memory for graph pools and activations.
