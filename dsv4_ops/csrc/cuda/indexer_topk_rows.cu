@@ -4,9 +4,9 @@
 // 0.58x torch.topk (bench/RESULTS.md, session 35). No torch headers: indexer.cu's launcher dispatches here.
 //
 // Per row: an MSB-first radix select with 8-bit digits on the 64-bit composite (topk_select.cuh), each pass one
-// histogram in shared memory (a thread adds a run of equal digits with one atomic: scores crowd into a few
-// exponents), the row's order keys cached in shared memory after the first read when they fit; then the k
-// composites >= the selected prefix are gathered (one atomic per warp) and bitonic-sorted.
+// histogram in shared memory (one atomic per distinct digit of a warp's 32 keys: scores crowd into a few exponents,
+// and same-address atomics serialize), the row's order keys cached in shared memory after the first read when
+// they fit; then the k composites >= the selected prefix are gathered (one atomic per warp) and bitonic-sorted.
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -22,8 +22,9 @@ constexpr int kSmemBudget = 200 * 1024;
 constexpr int kShortRow = 4096;  // rows up to this many scores: 256 threads (8 CTAs per SM), longer: 1024
 
 template <int THREADS>
-__global__ void __launch_bounds__(THREADS) indexer_topk_rows_kernel(const float* __restrict__ scores, int N, int k,
-                                                                    int kpad, int cached, int64_t* __restrict__ out) {
+__global__ void __launch_bounds__(THREADS, 2048 / THREADS)
+    indexer_topk_rows_kernel(const float* __restrict__ scores, int N, int k, int kpad, int cached,
+                             int64_t* __restrict__ out) {
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned long long* cand = reinterpret_cast<unsigned long long*>(smem);  // [kpad]
   uint32_t* cache = reinterpret_cast<uint32_t*>(cand + kpad);               // [N] when cached
@@ -57,21 +58,20 @@ __global__ void __launch_bounds__(THREADS) indexer_topk_rows_kernel(const float*
     unsigned* h = hist[p & 1];
     for (int j = tid; j < 256; j += THREADS) h[j] = 0;
     __syncthreads();
-    unsigned run_digit = 0, run_count = 0;
-    for (int i = tid; i < N; i += THREADS) {
-      const unsigned long long cmp =
-          (static_cast<unsigned long long>(key_at(i, p == 0)) << 32) | (nm1 - static_cast<uint32_t>(i));
-      if ((cmp & mask) == prefix) {
-        const unsigned digit = static_cast<unsigned>(cmp >> shift) & 255u;
-        if (digit != run_digit && run_count) {
-          atomicAdd(&h[run_digit], run_count);
-          run_count = 0;
-        }
-        run_digit = digit;
-        ++run_count;
+    for (int base = 0; base < N; base += THREADS) {  // the same trip count in every lane: warp collectives
+      const int i = base + tid;
+      bool in = false;
+      unsigned digit = 256u;
+      if (i < N) {
+        const unsigned long long cmp =
+            (static_cast<unsigned long long>(key_at(i, p == 0)) << 32) | (nm1 - static_cast<uint32_t>(i));
+        in = (cmp & mask) == prefix;
+        if (in) digit = static_cast<unsigned>(cmp >> shift) & 255u;
       }
+      if (__ballot_sync(0xffffffffu, in) == 0u) continue;
+      const unsigned peers = __match_any_sync(0xffffffffu, digit);  // the warp's lanes with this lane's digit
+      if (in && lane == __ffs(peers) - 1) atomicAdd(&h[digit], static_cast<unsigned>(__popc(peers)));
     }
-    if (run_count) atomicAdd(&h[run_digit], run_count);
     __syncthreads();
     if (tid < 32) radix_find_digit(h, krem, &s_digit, &s_above);
     __syncthreads();
