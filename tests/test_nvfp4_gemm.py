@@ -719,6 +719,22 @@ def test_moe_cuda_many_experts_padded(T):
 
 @pytest.mark.cuda
 @pytest.mark.kernels
+@pytest.mark.parametrize("T", [1, 5, 64])
+def test_moe_cuda_down_prefetch_changes_no_bit(T):
+    """The moe_prefetch_down override (the up kernel's CTAs warm L2 with the down projection) at decode sizes, with
+    and without the shared expert (a narrower one than the routed: its own byte count): the same bits as without
+    it."""
+    gen = torch.Generator().manual_seed(500 + T)
+    x, ids, wts, w13, w2, shared = moe_case(16, 1024, 512, 272, T, 6, gen, "cuda")
+    for sh in (shared, None):
+        args = kernel_moe_args(w13, w2, sh)
+        plain = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
+        with kernel_overrides(moe_prefetch_down=True):
+            assert torch.equal(ops.nvfp4_moe(x, ids, wts, *args, 10.0), plain), f"T={T} shared={sh is not None}"
+
+
+@pytest.mark.cuda
+@pytest.mark.kernels
 @pytest.mark.parametrize("T", [40, 100, 700])
 def test_moe_cuda_many_tokens_per_expert(T):
     """Few experts, many tokens each: the wider token tiles and the per-expert token loop (the wgmma kernels' 16- to

@@ -169,6 +169,7 @@ __global__ void __launch_bounds__(kThreads, OCC) nvfp4_gemv_kernel(const SkinnyP
     if (kw == 0 && tile_ok) skinny_epilogue<MODE, 1>(p, task, acc, tile, tt, g, tq, ROWS);
     if (p.kw > 1) __syncthreads();  // `red` is reused by the next pass
   }
+  if (MODE == kMoeUp && p.pf_w != nullptr) prefetch_down_share(p, task);
 }
 
 }  // namespace

@@ -64,6 +64,10 @@ struct SkinnyParams {
   float limit;
   int kw, rt;  // warps splitting K per row tile, row tiles per CTA (kw * rt = 8)
   int pdl;     // launched with programmatic dependent launch
+  // MoE up on the gemv kernel with the moe_prefetch_down override (else null): each CTA, its own stream done,
+  // prefetches its share of its task's down projection into L2 (bytes per routed expert / of the shared expert).
+  const uint8_t *pf_w, *pf_s, *pf_sw, *pf_ss;
+  int64_t pf_wbytes, pf_sbytes, pf_swbytes, pf_ssbytes;
 };
 
 
@@ -195,6 +199,7 @@ struct Task {
   float alpha;
   int N, K, cnt, base, kind;  // kind: 0 dense, 1 routed expert (base = offset in the sorted assignments),
                               // 2 shared expert (base = first token)
+  int expert;                 // routed: the expert id
   const int* asg;             // routed: the expert's assignments (asg[base + pos]); global route or shared memory
   int grp;                    // dense: the group (x [M, G, K], y [M, G, N])
   const float* gsp;           // dense: the global scale
@@ -298,6 +303,7 @@ __device__ __forceinline__ bool resolve_task(const SkinnyParams& p, Task& t, con
       t.asg = p.route + 3 * p.E + 1;
     }
     t.kind = 1;
+    t.expert = e;
     t.N = p.N;
     t.K = p.K;
     const size_t kp = size_t((p.K + 127) & ~127);
@@ -315,6 +321,28 @@ __device__ __forceinline__ bool resolve_task(const SkinnyParams& p, Task& t, con
     t.alpha = __ldg(p.sg) * kUnbias;
   }
   return true;
+}
+
+// This CTA's share (blockIdx.x of gridDim.x) of `bytes` at base, warmed into L2 by bulk prefetches of whole
+// 16-byte pieces (bases are 16-byte aligned: whole kernel-layout rows).
+__device__ __forceinline__ void prefetch_share_l2(const uint8_t* base, int64_t bytes) {
+  constexpr int64_t kPiece = 32 * 1024;
+  const int64_t per = ((bytes + gridDim.x - 1) / gridDim.x + 15) & ~int64_t(15);
+  const int64_t lo = int64_t(blockIdx.x) * per, hi = (lo + per < bytes ? lo + per : bytes) & ~int64_t(15);
+  for (int64_t off = lo + int64_t(threadIdx.x) * kPiece; off < hi; off += int64_t(blockDim.x) * kPiece)
+    prefetch_l2_bulk(base + off, uint32_t(hi - off < kPiece ? hi - off : kPiece));
+}
+
+// MoE up, moe_prefetch_down: the CTA's share of its task's down projection (codes and scales) into L2, so that
+// the down kernel reads it from there; the shared expert's by its first token chunk's CTAs only.
+__device__ __forceinline__ void prefetch_down_share(const SkinnyParams& p, const Task& t) {
+  if (t.kind == 1) {
+    prefetch_share_l2(p.pf_w + int64_t(t.expert) * p.pf_wbytes, p.pf_wbytes);
+    prefetch_share_l2(p.pf_s + int64_t(t.expert) * p.pf_sbytes, p.pf_sbytes);
+  } else if (t.kind == 2 && t.base == 0) {
+    prefetch_share_l2(p.pf_sw, p.pf_swbytes);
+    prefetch_share_l2(p.pf_ss, p.pf_ssbytes);
+  }
 }
 
 // Row of the B operand (activations) for token-tile position pos < cnt.
