@@ -327,14 +327,13 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kTopkThreads,
   const int len = (nv + kCluster - 1) / kCluster;
   const int start = min(nv, rank * len), end = min(nv, start + len);
   const bool cached = cache_cap >= len;
-  const int idx_bits = nm1 ? 32 - __clz(nm1) : 0;
-  const int npass = 4 + (idx_bits + 7) / 8;
+  const int npass = dsv4_cuda::radix_passes(nm1);
 
   unsigned long long prefix = 0;
   unsigned krem = static_cast<unsigned>(k);
   for (int p = 0; p < npass; ++p) {
-    const int shift = p < 4 ? 56 - 8 * p : 8 * (npass - 1 - p);
-    const unsigned long long mask = shift >= 56 ? 0ull : ~((1ull << (shift + 8)) - 1ull);
+    const int shift = dsv4_cuda::radix_shift(p, npass);
+    const unsigned long long mask = dsv4_cuda::radix_mask_above(shift);
     unsigned* h = s_hist[p & 1];
     // This buffer was last read remotely in pass p-2, before every CTA arrived at pass p-1's cluster barrier.
     for (int j = tid; j < 256; j += blockDim.x) h[j] = 0;

@@ -48,13 +48,12 @@ __global__ void __launch_bounds__(THREADS, 2048 / THREADS)
   for (int j = tid; j < kpad; j += THREADS) cand[j] = 0ull;  // the sort's padding past the k winners
   if (tid == 0) s_count = 0;
 
-  const int idx_bits = nm1 ? 32 - __clz(nm1) : 0;
-  const int npass = 4 + (idx_bits + 7) / 8;  // index digits only break ties of equal scores
+  const int npass = radix_passes(nm1);
   unsigned long long prefix = 0;
   unsigned krem = static_cast<unsigned>(k);
   for (int p = 0; p < npass; ++p) {
-    const int shift = p < 4 ? 56 - 8 * p : 8 * (npass - 1 - p);
-    const unsigned long long mask = shift >= 56 ? 0ull : ~((1ull << (shift + 8)) - 1ull);
+    const int shift = radix_shift(p, npass);
+    const unsigned long long mask = radix_mask_above(shift);
     unsigned* h = hist[p & 1];
     for (int j = tid; j < 256; j += THREADS) h[j] = 0;
     __syncthreads();

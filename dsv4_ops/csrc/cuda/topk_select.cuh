@@ -13,6 +13,15 @@ __device__ __forceinline__ uint32_t order_key(float f) {
   return (u >> 31) ? ~u : (u | 0x80000000u);
 }
 
+// The select's passes over N entries, 8-bit digits from the top: the 4 of the score key, then those of the index
+// that N - 1 needs (they only break ties of equal scores). Pass p reads the digit at radix_shift(p, passes) of
+// the composites whose digits above it (radix_mask_above) equal the prefix chosen so far.
+__device__ __forceinline__ int radix_passes(uint32_t nm1) { return 4 + ((nm1 ? 32 - __clz(nm1) : 0) + 7) / 8; }
+__device__ __forceinline__ int radix_shift(int p, int passes) { return p < 4 ? 56 - 8 * p : 8 * (passes - 1 - p); }
+__device__ __forceinline__ unsigned long long radix_mask_above(int shift) {
+  return shift >= 56 ? 0ull : ~((1ull << (shift + 8)) - 1ull);
+}
+
 // Warp 0 of the CTA: the digit of a 256-bin histogram `tot` (counts of the candidates still in play) that holds
 // the krem-th largest, and how many candidates lie in the digits above it. Lane l owns bins 8l .. 8l + 7; the
 // lane that finds the digit writes *digit and *above (shared memory: the caller syncs before reading them).
