@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "l2_prefetch.cuh"
 #include "nvfp4_gemm.h"
 #include "nvfp4_mma.cuh"
 #include "pdl.h"
@@ -121,6 +122,9 @@ namespace {
 using dsv4_cuda::grid_dep_launch;
 using dsv4_cuda::grid_dep_wait;
 using dsv4_cuda::launch_ex;
+using dsv4_cuda::prefetch_l2;
+using dsv4_cuda::prefetch_l2_bulk;
+using dsv4_cuda::prefetch_l2_share;
 using namespace dsv4_nvfp4;
 
 constexpr int kStageChunks = 2;  // chunks per register-prefetch stage (skinny kernel)
@@ -133,13 +137,6 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
                : "l"(p));
   return v;
 }
-
-// Warm L2 (the GPU's point of coherence: a later write by another kernel updates the same lines, so this is a hint
-// that can never make a later read stale). bytes: a multiple of 16, p 16-byte aligned.
-__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
@@ -323,25 +320,17 @@ __device__ __forceinline__ bool resolve_task(const SkinnyParams& p, Task& t, con
   return true;
 }
 
-// This CTA's share (blockIdx.x of gridDim.x) of `bytes` at base, warmed into L2 by bulk prefetches of whole
-// 16-byte pieces (bases are 16-byte aligned: whole kernel-layout rows).
-__device__ __forceinline__ void prefetch_share_l2(const uint8_t* base, int64_t bytes) {
-  constexpr int64_t kPiece = 32 * 1024;
-  const int64_t per = ((bytes + gridDim.x - 1) / gridDim.x + 15) & ~int64_t(15);
-  const int64_t lo = int64_t(blockIdx.x) * per, hi = (lo + per < bytes ? lo + per : bytes) & ~int64_t(15);
-  for (int64_t off = lo + int64_t(threadIdx.x) * kPiece; off < hi; off += int64_t(blockDim.x) * kPiece)
-    prefetch_l2_bulk(base + off, uint32_t(hi - off < kPiece ? hi - off : kPiece));
-}
-
-// MoE up, moe_prefetch_down: the CTA's share of its task's down projection (codes and scales) into L2, so that
-// the down kernel reads it from there; the shared expert's by its first token chunk's CTAs only.
+// MoE up, moe_prefetch_down: the CTA's share (blockIdx.x of the task's gridDim.x CTAs) of its task's down
+// projection (codes and scales; whole kernel-layout rows, 16-byte aligned) into L2, so that the down kernel reads
+// it from there; the shared expert's by its first token chunk's CTAs only.
 __device__ __forceinline__ void prefetch_down_share(const SkinnyParams& p, const Task& t) {
+  const int64_t part = blockIdx.x, parts = gridDim.x;
   if (t.kind == 1) {
-    prefetch_share_l2(p.pf_w + int64_t(t.expert) * p.pf_wbytes, p.pf_wbytes);
-    prefetch_share_l2(p.pf_s + int64_t(t.expert) * p.pf_sbytes, p.pf_sbytes);
+    prefetch_l2_share(p.pf_w + int64_t(t.expert) * p.pf_wbytes, p.pf_wbytes, part, parts);
+    prefetch_l2_share(p.pf_s + int64_t(t.expert) * p.pf_sbytes, p.pf_sbytes, part, parts);
   } else if (t.kind == 2 && t.base == 0) {
-    prefetch_share_l2(p.pf_sw, p.pf_swbytes);
-    prefetch_share_l2(p.pf_ss, p.pf_ssbytes);
+    prefetch_l2_share(p.pf_sw, p.pf_swbytes, part, parts);
+    prefetch_l2_share(p.pf_ss, p.pf_ssbytes, part, parts);
   }
 }
 

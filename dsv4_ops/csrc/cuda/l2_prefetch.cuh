@@ -1,0 +1,25 @@
+// Warming L2 with bytes a later kernel reads (no torch headers). L2 is the GPU's point of coherence: a later
+// write by another kernel updates the same lines, so a prefetch is a hint that can never make a later read stale.
+#pragma once
+#include <stdint.h>
+
+namespace dsv4_cuda {
+
+// bytes: a multiple of 16, p 16-byte aligned.
+__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+// Part `part` of `parts` of [base, base + bytes) (base 16-byte aligned; a tail under 16 bytes is left out), issued
+// by the calling CTA's threads as bulk prefetches of 32 KB.
+__device__ __forceinline__ void prefetch_l2_share(const uint8_t* base, int64_t bytes, int64_t part, int64_t parts) {
+  constexpr int64_t kPiece = 32 * 1024;
+  const int64_t per = ((bytes + parts - 1) / parts + 15) & ~int64_t(15);
+  const int64_t lo = part * per, hi = (lo + per < bytes ? lo + per : bytes) & ~int64_t(15);
+  for (int64_t off = lo + int64_t(threadIdx.x) * kPiece; off < hi; off += int64_t(blockDim.x) * kPiece)
+    prefetch_l2_bulk(base + off, uint32_t(hi - off < kPiece ? hi - off : kPiece));
+}
+
+}  // namespace dsv4_cuda
