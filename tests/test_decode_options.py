@@ -21,7 +21,7 @@ def test_parse():
     for bad in ("hc_pre", "nope=0", "hc_pre=off", "norm_rope=0"):
         with pytest.raises(ValueError, match="decode option"):
             DecodeOptions.parse(bad)
-    assert BOOL_OPTIONS == ["hc_pre"]
+    assert BOOL_OPTIONS == ["hc_pre", "prefetch_out_proj"]
 
 
 def _logits(opts, steps=6):
@@ -39,10 +39,11 @@ def shipped():
 
 @pytest.mark.parametrize("off", BOOL_OPTIONS + ["attention=torch", "attention=fused", "all"])
 def test_every_override_gives_the_shipped_logits(shipped, off):
+    flipped = {name: not getattr(DecodeOptions(), name) for name in BOOL_OPTIONS}  # each away from its default
     if off == "all":
-        opts = DecodeOptions(attention="torch", **{name: False for name in BOOL_OPTIONS})
+        opts = DecodeOptions(attention="torch", **flipped)
     elif off.startswith("attention="):
         opts = DecodeOptions(attention=off.split("=")[1])
     else:
-        opts = DecodeOptions(**{off: False})
+        opts = DecodeOptions(**{off: flipped[off]})
     torch.testing.assert_close(_logits(opts), shipped, rtol=1e-4, atol=1e-4)

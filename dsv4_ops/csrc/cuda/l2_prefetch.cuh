@@ -22,4 +22,15 @@ __device__ __forceinline__ void prefetch_l2_share(const uint8_t* base, int64_t b
     prefetch_l2_bulk(base + off, uint32_t(hi - off < kPiece ? hi - off : kPiece));
 }
 
+// Up to 8 byte ranges for a kernel to warm (a launch parameter: passed by value).
+struct L2PrefetchList {
+  const uint8_t* p[8];
+  int64_t bytes[8];
+  int n;
+};
+
+__device__ __forceinline__ void prefetch_l2_list_share(const L2PrefetchList& l, int64_t part, int64_t parts) {
+  for (int i = 0; i < l.n; ++i) prefetch_l2_share(l.p[i], l.bytes[i], part, parts);
+}
+
 }  // namespace dsv4_cuda
