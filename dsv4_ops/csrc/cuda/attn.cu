@@ -591,8 +591,8 @@ extern "C" cudaError_t dsv4_attn_decode_launch(const void* q, const void* kv, co
   if (B == 0 || H == 0) return cudaSuccess;
   if (n_pf < 0 || n_pf > 8) return cudaErrorInvalidValue;
   dsv4_cuda::L2PrefetchList pf{};
-  for (int i = 0; i < n_pf; ++i) {  // whole 16-byte pieces of 16-byte aligned ranges (a hint: others are left out)
-    if (reinterpret_cast<uintptr_t>(pf_ptr[i]) % 16 != 0 || pf_bytes[i] < 16) continue;
+  for (int i = 0; i < n_pf; ++i) {  // the whole 16-byte pieces of each range are prefetched (prefetch_l2_share)
+    if (pf_bytes[i] < 16) continue;
     pf.p[pf.n] = static_cast<const uint8_t*>(pf_ptr[i]);
     pf.bytes[pf.n++] = pf_bytes[i];
   }

@@ -12,14 +12,18 @@ __device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) 
 
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
-// Part `part` of `parts` of [base, base + bytes) (base 16-byte aligned; a tail under 16 bytes is left out), issued
-// by the calling CTA's threads as bulk prefetches of 32 KB.
+// Part `part` of `parts` of [base, base + bytes), issued by the calling CTA's threads as bulk prefetches of up to
+// 32 KB: only the whole 16-byte-aligned pieces inside the range (the bulk prefetch's alignment), any base.
 __device__ __forceinline__ void prefetch_l2_share(const uint8_t* base, int64_t bytes, int64_t part, int64_t parts) {
   constexpr int64_t kPiece = 32 * 1024;
-  const int64_t per = ((bytes + parts - 1) / parts + 15) & ~int64_t(15);
-  const int64_t lo = part * per, hi = (lo + per < bytes ? lo + per : bytes) & ~int64_t(15);
+  const uintptr_t a = reinterpret_cast<uintptr_t>(base);
+  const int64_t skip = int64_t((16 - (a & 15)) & 15), span = (bytes - skip) & ~int64_t(15);
+  if (span <= 0) return;
+  const uint8_t* start = base + skip;
+  const int64_t per = ((span + parts - 1) / parts + 15) & ~int64_t(15);
+  const int64_t lo = part * per, hi = lo + per < span ? lo + per : span;
   for (int64_t off = lo + int64_t(threadIdx.x) * kPiece; off < hi; off += int64_t(blockDim.x) * kPiece)
-    prefetch_l2_bulk(base + off, uint32_t(hi - off < kPiece ? hi - off : kPiece));
+    prefetch_l2_bulk(start + off, uint32_t(hi - off < kPiece ? hi - off : kPiece));
 }
 
 // Up to 8 byte ranges for a kernel to warm (a launch parameter: passed by value).

@@ -362,8 +362,10 @@ extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t
     int occ = 2;
     plan_gemv(gemv_rows, (nmax_up + 15) / 16, kchunks_d, slots, p.kw, p.rt, occ);
     const dim3 grid(unsigned(((nmax_up + 15) / 16 + p.rt - 1) / p.rt), unsigned(slots));
-    if (moe_prefetch_down()) {  // the down projection's bytes per expert: [d, Kp(I)] codes / scales
-      const int64_t kp = (a->I + 127) / 128 * 128, kps = (a->Is + 127) / 128 * 128;
+    // the down projection's bytes per expert ([d, Kp(I)] codes / scales), warmed while they fit in L2 together
+    const int64_t kp = (a->I + 127) / 128 * 128, kps = (a->Is + 127) / 128 * 128;
+    const int64_t down = p.n_rslots * (a->d * kp / 2 + a->d * kp / 16) + (shared ? a->d * kps * 9 / 16 : 0);
+    if (moe_prefetch_down() && down <= dsv4_cuda::l2_bytes()) {
       p.pf_w = a->w2, p.pf_s = a->s2, p.pf_wbytes = a->d * kp / 2, p.pf_sbytes = a->d * kp / 16;
       p.pf_sw = a->sw2, p.pf_ss = a->ss2, p.pf_swbytes = a->d * kps / 2, p.pf_ssbytes = a->d * kps / 16;
     }

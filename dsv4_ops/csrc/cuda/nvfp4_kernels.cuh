@@ -320,11 +320,11 @@ __device__ __forceinline__ bool resolve_task(const SkinnyParams& p, Task& t, con
   return true;
 }
 
-// MoE up, moe_prefetch_down: the CTA's share (blockIdx.x of the task's gridDim.x CTAs) of its task's down
-// projection (codes and scales; whole kernel-layout rows, 16-byte aligned) into L2, so that the down kernel reads
-// it from there; the shared expert's by its first token chunk's CTAs only.
-__device__ __forceinline__ void prefetch_down_share(const SkinnyParams& p, const Task& t) {
-  const int64_t part = blockIdx.x, parts = gridDim.x;
+// MoE up, moe_prefetch_down: the CTA's share (blockIdx.x of the `parts` CTAs that have tiles of its task) of its
+// task's down projection (codes and scales) into L2, so that the down kernel reads it from there; the shared
+// expert's by its first token chunk's CTAs only.
+__device__ __forceinline__ void prefetch_down_share(const SkinnyParams& p, const Task& t, int64_t parts) {
+  const int64_t part = blockIdx.x;
   if (t.kind == 1) {
     prefetch_l2_share(p.pf_w + int64_t(t.expert) * p.pf_wbytes, p.pf_wbytes, part, parts);
     prefetch_l2_share(p.pf_s + int64_t(t.expert) * p.pf_sbytes, p.pf_sbytes, part, parts);
