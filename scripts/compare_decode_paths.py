@@ -6,6 +6,7 @@ near-tie as an argmax flip where eager's top-2 margin is below the drift.
 
 Run (GPU): python scripts/compare_decode_paths.py [--model DIR] [--dtype float32] [--steps 32]
            python scripts/compare_decode_paths.py --kernel-overrides nvfp4_gemm_kernel=skinny   (M <= 64 kernel)
+           python scripts/compare_decode_paths.py --paths verify-2,verify-4   (speculation's verification)
 CPU dry run: python scripts/compare_decode_paths.py --device cpu --paths compiled --steps 4
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.helpers.decode_compare import decidable, eager_decode, forced_decode  # noqa: E402
+from tests.helpers.decode_compare import decidable, eager_decode, forced_decode, multi_token_decode  # noqa: E402
 from dsv4_model.runtime.engine import Engine  # noqa: E402
 from dsv4_model.checkpoint.tokenizer import load_tokenizer  # noqa: E402
 from dsv4_ops.overrides import current as current_overrides  # noqa: E402
@@ -32,6 +33,7 @@ PATHS = {  # name -> DecodeRunner options
     "graph-manual": dict(compile=True, cuda_graphs=True, graph_mode="manual"),
     "graph-reduce-overhead": dict(compile=True, cuda_graphs=True, graph_mode="reduce-overhead"),
 }
+VERIFY = {"verify-2": 2, "verify-4": 4}  # eager multi-token decode, 2 / 4 tokens (--speculate 1 / 3's verification)
 
 
 def main(argv=None) -> int:
@@ -40,7 +42,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--paths", default=",".join(PATHS))
+    ap.add_argument("--paths", default=",".join(PATHS), help=f"of {', '.join([*PATHS, *VERIFY])}")
     ap.add_argument("--kernel-overrides", default="", help='dsv4_ops.overrides, e.g. "nvfp4_gemm_kernel=skinny"')
     args = ap.parse_args(argv)
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=getattr(torch, args.dtype),
@@ -53,7 +55,8 @@ def main(argv=None) -> int:
     top2 = ref.topk(2, dim=-1).values
     margin = top2[..., 0] - top2[..., 1]
     for name in args.paths.split(","):
-        got = forced_decode(engine, prompts, fed, **PATHS[name])
+        got = (multi_token_decode(engine, prompts, fed, VERIFY[name]) if name in VERIFY
+               else forced_decode(engine, prompts, fed, **PATHS[name]))
         drift = (got - ref).abs().amax(-1)  # [steps, B]
         flips = got.argmax(-1) != ref.argmax(-1)
         s, r = divmod(int(drift.flatten().argmax()), drift.shape[1])

@@ -4,7 +4,8 @@ the same tokens, so their logits can be compared step by step.
 Greedy ids alone cannot tell a broken path from a near-tie: the NVFP4 ops return bf16 even in an fp32 model, so
 two correct paths can round an activation one bf16 ulp apart and flip a top-2 gap of ~1e-2. Used by
 tests/test_default_model_gpu.py, tests/test_default_model.py, tests/test_indexer_cache.py and
-scripts/compare_decode_paths.py (the command-line comparison of the paths).
+scripts/compare_decode_paths.py (the command-line comparison of the paths, the multi-token decode of a
+speculative step's verification among them).
 """
 from __future__ import annotations
 
@@ -52,6 +53,24 @@ def forced_decode(engine, prompts: list[list[int]], fed: torch.Tensor, runner: D
         runner.tokens[:b].copy_(fed[step].to(runner.tokens.device))
         logits, _ = runner.step()
         out.append(logits.float().cpu())
+    return torch.stack(out)
+
+
+@torch.no_grad()
+def multi_token_decode(engine, prompts: list[list[int]], fed: torch.Tensor, tokens: int = 2) -> torch.Tensor:
+    """fp32 logits [steps, B, V] (CPU) of the multi-token decode (Transformer.decode_tokens: a speculative step's
+    verification, eager) fed `fed` `tokens` at a time (steps: a multiple of tokens): what greedy speculation
+    compares against the plain step's logits."""
+    steps, b = fed.shape
+    if steps % tokens:
+        raise ValueError(f"steps ({steps}) must be a multiple of tokens ({tokens})")
+    _prefill(engine, prompts)
+    positions = engine.positions[:b].clone()
+    out = []
+    for s in range(0, steps, tokens):
+        logits = engine.model.decode_tokens(fed[s:s + tokens].t().to(positions.device), positions)  # [B, T, V]
+        out.extend(logits.float().cpu().unbind(1))
+        positions = positions + tokens
     return torch.stack(out)
 
 
