@@ -590,11 +590,10 @@ extern "C" cudaError_t dsv4_attn_decode_launch(const void* q, const void* kv, co
                                                const int64_t* pf_bytes, int n_pf, cudaStream_t stream) {
   if (B == 0 || H == 0) return cudaSuccess;
   if (n_pf < 0 || n_pf > 8) return cudaErrorInvalidValue;
-  dsv4_cuda::L2PrefetchList pf{};
-  for (int i = 0; i < n_pf; ++i) {  // the whole 16-byte pieces of each range are prefetched (prefetch_l2_share)
-    if (pf_bytes[i] < 16) continue;
-    pf.p[pf.n] = static_cast<const uint8_t*>(pf_ptr[i]);
-    pf.bytes[pf.n++] = pf_bytes[i];
+  dsv4_cuda::L2PrefetchList pf{};  // (prefetch_l2_share takes the whole 16-byte pieces of any range)
+  for (; pf.n < n_pf; ++pf.n) {
+    pf.p[pf.n] = static_cast<const uint8_t*>(pf_ptr[pf.n]);
+    pf.bytes[pf.n] = pf_bytes[pf.n];
   }
   if (D > 512 || D % 8 != 0 || (use_mma && (is_fp32 || !dsv4_attn_decode_mma_ok(D)))) return cudaErrorInvalidValue;
   if (use_mma == 3 && !dsv4_attn_partial_wgmma_ok(D)) return cudaErrorInvalidValue;

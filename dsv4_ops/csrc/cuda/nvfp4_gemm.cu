@@ -364,10 +364,10 @@ extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t
     const dim3 grid(unsigned(((nmax_up + 15) / 16 + p.rt - 1) / p.rt), unsigned(slots));
     // the down projection's bytes per expert ([d, Kp(I)] codes / scales), warmed while they fit in L2 together
     const int64_t kp = (a->I + 127) / 128 * 128, kps = (a->Is + 127) / 128 * 128;
-    const int64_t down = p.n_rslots * (a->d * kp / 2 + a->d * kp / 16) + (shared ? a->d * kps * 9 / 16 : 0);
-    if (moe_prefetch_down() && down <= dsv4_cuda::l2_bytes()) {
-      p.pf_w = a->w2, p.pf_s = a->s2, p.pf_wbytes = a->d * kp / 2, p.pf_sbytes = a->d * kp / 16;
-      p.pf_sw = a->sw2, p.pf_ss = a->ss2, p.pf_swbytes = a->d * kps / 2, p.pf_ssbytes = a->d * kps / 16;
+    const int64_t wb = a->d * kp / 2, sb = a->d * kp / 16, swb = a->d * kps / 2, ssb = a->d * kps / 16;
+    if (moe_prefetch_down() && p.n_rslots * (wb + sb) + (shared ? swb + ssb : 0) <= dsv4_cuda::l2_bytes()) {
+      p.pf_w = a->w2, p.pf_s = a->s2, p.pf_wbytes = wb, p.pf_sbytes = sb;
+      p.pf_sw = a->sw2, p.pf_ss = a->ss2, p.pf_swbytes = swb, p.pf_ssbytes = ssb;
     }
     err = gemv_rows == 2 ? launch_gemv<kMoeUp, 2>(p, grid, stream, occ)
                          : launch_gemv<kMoeUp, 8>(p, grid, stream, occ);
