@@ -96,7 +96,8 @@ def bench_topk() -> None:
            + f" {'GB/s':>7} | {'torch ms':>9} {'x faster':>8}")
     print(hdr + "\n" + "-" * len(hdr))
     g = torch.Generator(device="cuda").manual_seed(1)
-    for S, T in ((8192, 2048), (8192, 8192), (8192, 32768)):
+    for S, T in ((64, 8192), (256, 8192), (1024, 8192), (256, 32768), (1024, 32768), (8192, 2048), (8192, 8192),
+                 (8192, 32768)):
         sc = torch.randn(1, S, T, device="cuda", generator=g)
         vis = (torch.arange(S, device="cuda") * T // S + 1).view(1, S, 1)  # causal: row s sees (s + 1) T / S
         sc = sc.masked_fill(torch.arange(T, device="cuda") >= vis, float("-inf"))

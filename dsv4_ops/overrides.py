@@ -27,9 +27,9 @@ class KernelOverrides:
     at decode sizes (off: the route kernel at every size). attn_kernel: "simt" runs the CUDA-core attention kernel
     where the tensor-core one applies, "mma_all_heads" the tensor-core one with 64 heads per CTA (prefill's form)
     at every size, "mma_16_heads" with 16 (decode's form), "wgmma" the warpgroup-MMA kernel at every size (bf16,
-    head dim 512, elsewhere the auto choice; auto runs it for prefill rows). nvfp4_fused_path: the per-tensor fused
-    quantizers' scheme. topk_kernel: dsv4::indexer_topk's kernel, "cluster" (8 CTAs per row; auto) or "rows" (one
-    CTA per row). moe_prefetch_down: at decode sizes (the gemv kernels) the MoE up kernel's CTAs, their own stream
+    head dim 512, elsewhere the auto choice; auto runs it at 64+ heads and 2048+ listed keys per call).
+    nvfp4_fused_path: the per-tensor fused quantizers' scheme. topk_kernel: dsv4::indexer_topk's kernel, "cluster"
+    (8 CTAs per row; auto below 64 rows) or "rows" (one CTA per row; auto from 64). moe_prefetch_down: at decode sizes (the gemv kernels) the MoE up kernel's CTAs, their own stream
     done, prefetch their share of their expert's down-projection weights into L2."""
     nvfp4_gemm_kernel: str = "auto"
     pdl: bool = True

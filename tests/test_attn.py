@@ -58,28 +58,27 @@ def test_matches_reference(device, B, H, D, N, J, dtype):
 @pytest.mark.kernels
 @pytest.mark.parametrize("B,H,D,N,J", [s for s in SHAPES if s[2] % 64 == 0])
 def test_both_partial_kernels_match_reference(B, H, D, N, J):
-    """bf16 with D % 64 == 0 runs the tensor-core partial kernel (P applied as bf16 hi + lo parts: the CUDA-core
-    kernel's tolerance holds); the attn_kernel="simt" override the CUDA-core one; H = 12 leaves heads of a
-    16-head CTA empty. "mma_all_heads" (64 heads per CTA, prefill's form) does each head's arithmetic in the same
-    order as the 16-head CTA: the same bits."""
+    """bf16 with D % 64 == 0 runs a tensor-core partial kernel (P applied as bf16 hi + lo parts: the CUDA-core
+    kernel's tolerance holds): the default (auto), the 16-head mma.sync CTA, the warpgroup-MMA one; the
+    attn_kernel="simt" override the CUDA-core one; H = 12 leaves heads of a 16-head CTA empty. "mma_all_heads" (64
+    heads per CTA, prefill's form) does each head's arithmetic in the same order as the 16-head CTA: the same bits."""
     gen = torch.Generator().manual_seed(B * 1000 + H + D + J + 7)
     q, kv, idx, sink = case(B, H, D, N, J, torch.bfloat16, gen, kv_rows=B + 1)
     idx[0, :5] = -1  # a chunk that starts with skipped rows
     scale = D ** -0.5
     args = (q.cuda(), kv.cuda(), idx.cuda().int(), sink.cuda(), scale)
-    mma = ops.sparse_attn_decode(*args)
-    check(mma, q, kv, idx, sink, scale)
-    with kernel_overrides(attn_kernel="simt"):
-        simt = ops.sparse_attn_decode(*args)
-    check(simt, q, kv, idx, sink, scale)
-    torch.testing.assert_close(mma.float(), simt.float(), rtol=2 ** -7, atol=1e-5)
-    for kernel in ("mma_all_heads", "mma_16_heads"):
+    auto = ops.sparse_attn_decode(*args)
+    check(auto, q, kv, idx, sink, scale)
+    outs = {}
+    for kernel in ("simt", "mma_16_heads", "mma_all_heads", "wgmma"):  # wgmma: D = 512, else the auto choice
         with kernel_overrides(attn_kernel=kernel):
-            assert torch.equal(ops.sparse_attn_decode(*args), mma), kernel
-    with kernel_overrides(attn_kernel="wgmma"):  # D = 512: the warpgroup-MMA kernel; else the auto choice
-        wg = ops.sparse_attn_decode(*args)
-    check(wg, q, kv, idx, sink, scale)
-    torch.testing.assert_close(wg.float(), mma.float(), rtol=2 ** -7, atol=1e-5)
+            outs[kernel] = ops.sparse_attn_decode(*args)
+        check(outs[kernel], q, kv, idx, sink, scale)
+    mma = outs["mma_16_heads"]
+    assert torch.equal(outs["mma_all_heads"], mma)
+    for kernel in ("simt", "wgmma"):
+        torch.testing.assert_close(outs[kernel].float(), mma.float(), rtol=2 ** -7, atol=1e-5, msg=kernel)
+    assert any(torch.equal(auto, outs[k]) for k in ("mma_16_heads", "wgmma"))  # auto picks one of them
 
 
 @pytest.mark.cuda

@@ -52,17 +52,19 @@ at::Tensor sparse_attn_decode_cuda(const at::Tensor& q, const at::Tensor& kv, co
   };
   const at::Tensor ic = narrow(idx), i2 = idx2.has_value() ? narrow(*idx2) : at::Tensor();
   // The tensor-core partial kernel where it applies (bf16, D % 64 == 0: faster than the CUDA-core one,
-  // bench_attn_decode.py, bench/RESULTS.md); the attn_kernel override 1 keeps the CUDA-core kernel. Where the rows
-  // alone give every SM a CTA (prefill: a query per row) a CTA takes all 64 heads, staging a row's keys once: the
-  // warpgroup-MMA kernel (use_mma 3, attn_wgmma.cu) at D = 512, H >= 64 (H100, 64 heads x 640 keys per row: 1.69x the
-  // mma.sync kernel's 64-head CTA, 175 TF/s), else that 64-head CTA (use_mma 2). The override's 2 / 3 force the
-  // 64 / 16-head mma.sync CTA, 4 the warpgroup-MMA kernel (D = 512, else the auto choice).
+  // bench_attn_decode.py, bench/RESULTS.md); the attn_kernel override 1 keeps the CUDA-core kernel. With 64+ heads
+  // and 2048+ listed keys in all (B x J) the warpgroup-MMA kernel (use_mma 3, attn_wgmma.cu; D = 512): H100, 64
+  // heads, per call vs the 16-head mma.sync CTA: 640 keys B = 4 15.0 vs 17.5 us, B = 64 57.6 vs 157.7; 128 keys
+  // B = 16 14.2 vs 17.2, B = 8 13.6 vs 11.9 (loses below); prefill rows 1.69x the 64-head mma.sync CTA. Where rows
+  // alone fill the SMs and wgmma does not apply, the 64-head CTA (use_mma 2), else the 16-head one (use_mma 1). The
+  // override's 2 / 3 force the 64 / 16-head mma.sync CTA, 4 the warpgroup-MMA kernel (D = 512, else the auto choice).
   const int forced = dsv4_overrides::get().attn_kernel;
   const int sms = sm_count();
   const int mma_ok = forced != 1 && q.scalar_type() == at::kBFloat16 && dsv4_attn_decode_mma_ok(int(D));
   const bool wide_rows = forced == 0 && B >= sms;  // the auto choice's prefill form
   // (the warpgroup kernel's CTA always computes 64 heads: measured with 64, kept from smaller models)
-  const bool wgmma = (forced == 4 || (wide_rows && H >= 64)) && dsv4_attn_partial_wgmma_ok(int(D));
+  const bool wgmma_auto = forced == 0 && H >= 64 && (wide_rows || B * J >= 2048);
+  const bool wgmma = (forced == 4 || wgmma_auto) && dsv4_attn_partial_wgmma_ok(int(D));
   const int use_mma = !mma_ok ? 0 : wgmma ? 3 : (forced == 2 || wide_rows) ? 2 : 1;
   int rows_per_split = 0;
   const int nsplit = dsv4_attn_decode_splits(int(B), int(H), int(J), sms, use_mma, &rows_per_split);
