@@ -198,8 +198,8 @@ def bench_multi(gen):
 
 
 def _bench_multi_pair(gen, ns, k, what):
-    _fused_header(f"\n## nvfp4_linear_multi ({what}, {ns[0]}+{ns[1]} x {k}, one launch at M < 32, per matrix from "
-                  "32) vs bf16 cuBLAS (two matmuls) and vs two nvfp4_linear calls", "multi us", "bf16 us",
+    _fused_header(f"\n## nvfp4_linear_multi ({what}, {ns[0]}+{ns[1]} x {k}, one launch at M <= 8, per matrix from "
+                  "9) vs bf16 cuBLAS (two matmuls) and vs two nvfp4_linear calls", "multi us", "bf16 us",
                   "2 x linear us")
     wbytes = sum(nvfp4_bytes(n, k) for n in ns)
     copies = max(1, min(256, math.ceil(ROTATE_BYTES / wbytes)))

@@ -665,9 +665,9 @@ def test_linear_grouped_cuda(g, n, k):
 @pytest.mark.kernels
 @pytest.mark.parametrize("ns,k", [((1024, 512), 4096), ((40, 8, 24, 16), 272), ((16, 32, 8, 8, 24), 144)])
 def test_linear_multi_cuda(ns, k):
-    """V4-Flash wq_a + wkv (1024 / 512 x 4096) in one launch at decode sizes (gemv, skinny; PDL on and off);
-    segments narrower than others; five matrices (more than one launch holds), M >= 32 (the wgmma kernel) and M >
-    64 run per matrix."""
+    """V4-Flash wq_a + wkv (1024 / 512 x 4096) in one launch at decode sizes (gemv; skinny forced; PDL on and off);
+    segments narrower than others; five matrices (more than one launch holds); from M = 9 each matrix as its own
+    nvfp4_linear (the same bits)."""
     gen = torch.Generator().manual_seed(len(ns) + k)
     for m in (1, 3, 8, 20, 40, 100):
         x, w, refs, bounds = multi_case(ns, k, (m,), gen, "cuda")
@@ -676,6 +676,9 @@ def test_linear_multi_cuda(ns, k):
             assert_bf16_close(o, r, b, f"cuda multi {m} seg {i}")
         with kernel_overrides(pdl=False):
             assert all(torch.equal(a, b) for a, b in zip(ops.nvfp4_linear_multi(x, *w), outs))
+        if m > 8:
+            for i, o in enumerate(outs):
+                assert torch.equal(o, ops.nvfp4_linear(x, w[0][i], w[1][i], w[2][i])), f"multi {m} seg {i}"
         if m <= 64:
             with kernel_choice("skinny"):
                 for i, (o, r, b) in enumerate(zip(ops.nvfp4_linear_multi(x, *w), refs, bounds)):

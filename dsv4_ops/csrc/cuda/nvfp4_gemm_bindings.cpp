@@ -342,8 +342,9 @@ at::Tensor nvfp4_linear_grouped_cuda(const at::Tensor& x, const at::Tensor& w, c
   return out.view(out_shape);
 }
 
-// One launch for up to kNvfp4MaxSegments matrices at decode sizes (M < 32, or M <= 64 with a kernel forced: gemv /
-// skinny, segment = blockIdx.y); otherwise one nvfp4_linear per matrix.
+// One launch for up to kNvfp4MaxSegments matrices at decode sizes (M <= 8, or M <= 64 with a kernel forced: gemv /
+// skinny, segment = blockIdx.y); otherwise one nvfp4_linear per matrix (H100: at M = 16 / 24 wq_b + the indexer's
+// wq_b per matrix 17.0 / 20.0 us vs one skinny launch 38.5 / 56.0; wq_a + wkv 12.4 / 13.6 vs 11.7 / 15.2).
 std::vector<at::Tensor> nvfp4_linear_multi_cuda(const at::Tensor& x, at::TensorList w, at::TensorList s,
                                                 at::TensorList gs) {
   const char* op = "dsv4::nvfp4_linear_multi";
@@ -360,8 +361,8 @@ std::vector<at::Tensor> nvfp4_linear_multi_cuda(const at::Tensor& x, at::TensorL
     shape.back() = N;
     return y.view(shape);
   };
-  // Per matrix where the linear's rule picks the wgmma kernel (faster there than one skinny launch for all)
-  if (M > 64 || n > kNvfp4MaxSegments || auto_wgmma(kernel_choice(), M)) {
+  // Per matrix where the linear's rule picks the tiled or wgmma kernel (faster there than one skinny launch)
+  if (M > 64 || n > kNvfp4MaxSegments || (kernel_choice() == Choice::kAuto && M > 8)) {
     for (int i = 0; i < n; ++i)
       outs.push_back(shaped(linear_impl(x2, w[i], s[i], gs[i], nullptr, ns[i], at::kBFloat16, op), ns[i]));
     return outs;
