@@ -6,7 +6,7 @@ dsv4::nvfp4_linear_grouped vs torch.bmm on bf16 weights and vs 8 nvfp4_linear ca
 the indexer's wq_b): dsv4::nvfp4_linear_multi vs two torch.matmul and two nvfp4_linear calls. MoE: 256 experts,
 top-6 (uniform random routing), d = 4096, I = 2048, T = 1 ... 8192 tokens, routed only and routed + shared expert;
 peer = a per-expert bf16 loop in torch (index_select, 3 matmuls, clamped SwiGLU, index_add_) for the same routing,
-captured in a CUDA graph; at T <= 64 also with the moe_prefetch_down override.
+captured in a CUDA graph.
 
 Every figure is a CUDA-graph replay of REPS back-to-back calls divided by REPS (best of 3 replays). Calls cycle
 through copies of the weights totalling >= 256 MB, so every call streams its weights from HBM (no L2 reuse across
@@ -290,16 +290,11 @@ def bench_moe(gen):
                 t_wg = graph_us(lambda i: ops.nvfp4_moe(x, ids, wts, w13, s13, g13, w2, s2, g2, *sh, 10.0), reps)
             with kernel_choice("wgmma_wide"):  # the same with 256-row tiles
                 t_ww = graph_us(lambda i: ops.nvfp4_moe(x, ids, wts, w13, s13, g13, w2, s2, g2, *sh, 10.0), reps)
-            pf = ""
-            if T <= 64:  # decode sizes: the up kernel warming L2 with the down projection (an override)
-                with kernel_overrides(moe_prefetch_down=True):
-                    t_pf = graph_us(lambda i: ops.nvfp4_moe(x, ids, wts, w13, s13, g13, w2, s2, g2, *sh, 10.0), reps)
-                pf = f" | down prefetched {t_pf:7.1f} us ({nbytes / (t_pf * 1e-6) / HBM:4.0%})"
             gbs = nbytes / (t_op * 1e-6)
             print(f"{variant:>15} {T:>4} {n_unique:>7} | {t_op:9.1f} {gbs / 1e9:7.0f} {gbs / HBM:5.0%} | "
                   f"{t_peer:9.1f} {bbytes / (t_peer * 1e-6) / 1e9:9.0f} {t_peer / t_op:6.2f}x | "
                   f"skinny {t_gv:7.1f} us ({nbytes / (t_gv * 1e-6) / HBM:4.0%}) | wgmma {t_wg:7.1f} us "
-                  f"({t_peer / t_wg:4.2f}x bf16) | wide {t_ww:7.1f} us ({t_peer / t_ww:4.2f}x bf16){pf}")
+                  f"({t_peer / t_wg:4.2f}x bf16) | wide {t_ww:7.1f} us ({t_peer / t_ww:4.2f}x bf16)")
             rows.append((variant, T, n_unique, t_op, t_peer))
     return rows
 

@@ -121,9 +121,8 @@ def fp32_linear(x: Tensor, weights: Sequence[Tensor]) -> list[Tensor]:
 
 def sparse_attn_decode(q: Tensor, kv: Tensor, idx: Tensor, *, sink: Tensor, scale: float,
                        out_rope: Tensor | None = None, rope_dim: int = 0, idx2: Tensor | None = None,
-                       idx2_offset: int = 0, prefetch: Sequence[Tensor] | None = None) -> Tensor:
-    return _ops.sparse_attn_decode(q, kv, idx, sink, scale, out_rope, rope_dim, idx2, idx2_offset,
-                                   None if prefetch is None else list(prefetch))
+                       idx2_offset: int = 0) -> Tensor:
+    return _ops.sparse_attn_decode(q, kv, idx, sink, scale, out_rope, rope_dim, idx2, idx2_offset)
 
 
 def rms_norm_rope(x: Tensor, *, weight: Tensor | None, cs: Tensor, eps: float, rope_dim: int,

@@ -29,15 +29,13 @@ class KernelOverrides:
     at every size, "mma_16_heads" with 16 (decode's form), "wgmma" the warpgroup-MMA kernel at every size (bf16,
     head dim 512, elsewhere the auto choice; auto runs it at 64+ heads and 2048+ listed keys per call).
     nvfp4_fused_path: the per-tensor fused quantizers' scheme. topk_kernel: dsv4::indexer_topk's kernel, "cluster"
-    (8 CTAs per row; auto below 64 rows) or "rows" (one CTA per row; auto from 64). moe_prefetch_down: at decode sizes (the gemv kernels) the MoE up kernel's CTAs, their own stream
-    done, prefetch their share of their expert's down-projection weights into L2."""
+    (8 CTAs per row; auto below 64 rows) or "rows" (one CTA per row; auto from 64)."""
     nvfp4_gemm_kernel: str = "auto"
     pdl: bool = True
     moe_local_route: bool = True
     attn_kernel: str = "auto"
     nvfp4_fused_path: str = "auto"
     topk_kernel: str = "auto"
-    moe_prefetch_down: bool = False
 
     def _as_ints(self) -> dict[str, int]:
         for name, value, allowed in (("nvfp4_gemm_kernel", self.nvfp4_gemm_kernel, GEMM_KERNELS),
@@ -49,8 +47,7 @@ class KernelOverrides:
         return {"nvfp4_gemm_kernel": GEMM_KERNELS.index(self.nvfp4_gemm_kernel), "pdl": int(self.pdl),
                 "moe_local_route": int(self.moe_local_route), "attn_kernel": ATTN_KERNELS.index(self.attn_kernel),
                 "nvfp4_fused_path": FUSED_PATHS.index(self.nvfp4_fused_path),
-                "topk_kernel": TOPK_KERNELS.index(self.topk_kernel),
-                "moe_prefetch_down": int(self.moe_prefetch_down)}
+                "topk_kernel": TOPK_KERNELS.index(self.topk_kernel)}
 
 
 def _lib():
@@ -80,8 +77,7 @@ def native() -> KernelOverrides:
                            moe_local_route=bool(got["moe_local_route"]),
                            attn_kernel=ATTN_KERNELS[got["attn_kernel"]],
                            nvfp4_fused_path=FUSED_PATHS[got["nvfp4_fused_path"]],
-                           topk_kernel=TOPK_KERNELS[got["topk_kernel"]],
-                           moe_prefetch_down=bool(got["moe_prefetch_down"]))
+                           topk_kernel=TOPK_KERNELS[got["topk_kernel"]])
 
 
 def set_overrides(overrides: KernelOverrides) -> None:

@@ -21,7 +21,7 @@ def test_parse():
     for bad in ("hc_pre", "nope=0", "hc_pre=off", "norm_rope=0"):
         with pytest.raises(ValueError, match="decode option"):
             DecodeOptions.parse(bad)
-    assert BOOL_OPTIONS == ["hc_pre", "prefetch_out_proj"]
+    assert BOOL_OPTIONS == ["hc_pre"]
 
 
 def _logits(opts, steps=6):

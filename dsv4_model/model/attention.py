@@ -537,13 +537,9 @@ class Attention(nn.Module):
         else:
             rows = self._decode_rows(step.positions, sel.idx, sel.valid)
         out_rope = self.use_out_rope  # the output's inverse RoPE in the op's combine kernel (one kernel less)
-        prefetch = None  # wo_a / wo_b as stored (NVFP4 codes and scales, or the float weight), read next
-        if step.options.prefetch_out_proj:  # not the global scales (a few bytes)
-            prefetch = [t for p in (self.wo_a, self.wo_b) for t in (getattr(p, n) for n in p.form.names)
-                        if t.numel() >= 4096]
         o = ops.sparse_attn_decode(q, self.kv_cache[:B], rows, sink=self.attn_sink, scale=self.softmax_scale,
                                    out_rope=cs if out_rope else None, rope_dim=self.rope_dim if out_rope else 0,
-                                   idx2=idx2, idx2_offset=idx2_offset, prefetch=prefetch)
+                                   idx2=idx2, idx2_offset=idx2_offset)
         return o, out_rope
 
     def _decode_attend_reference(self, q: torch.Tensor, step: DecodeStep, sel: "Selection | None") -> torch.Tensor:

@@ -5,8 +5,7 @@ The decode step runs each fused op (one launch instead of the several Inductor k
 replaces, the faster one measured on the H200: bench/RESULTS.md) wherever its kernels take the call
 (`dsv4_ops.supports`); elsewhere, and in prefill and training, the tensor-op form runs. Two debug overrides remain,
 for bisecting and A/B runs (`scripts/gpu_check.sh switches`): the whole mHC chain as tensor ops, and the
-attention's form. Each gives the shipped logits up to summation order (tests/test_decode_options.py). One
-experiment, off until measured: `prefetch_out_proj` (the attention op warms L2 with wo_a / wo_b; the same bits).
+attention's form. Each gives the shipped logits up to summation order (tests/test_decode_options.py).
 """
 from __future__ import annotations
 
@@ -21,9 +20,6 @@ class DecodeOptions:
     hc_pre: bool = True  # mHC at decode as dsv4::hc_pre / hc_post_pre (an NVFP4 MoE's rows folded into the latter)
     # dsv4::sparse_attn_decode where faster ("auto"), always ("fused"), never ("torch"): Attention.fused_attention
     attention: str = "auto"
-    # dsv4::sparse_attn_decode's kernels warm L2 with the output projection's weights (wo_a, wo_b) while the
-    # latency-bound attention runs; a hint that changes no value
-    prefetch_out_proj: bool = False
 
     def __post_init__(self):
         if self.attention not in ATTENTION_MODES:

@@ -40,17 +40,6 @@ inline void check_idx2(const at::Tensor& q, const std::optional<at::Tensor>& idx
   TORCH_CHECK(idx2->device() == q.device(), op, ": idx2 is on ", idx2->device(), ", q on ", q.device());
 }
 
-// prefetch: at most kAttnMaxPrefetch tensors on q's device (only their bytes are read, and only as an L2 hint).
-constexpr int kAttnMaxPrefetch = 8;
-inline void check_prefetch(const at::Tensor& q, const std::optional<at::TensorList>& prefetch) {
-  const char* op = "dsv4::sparse_attn_decode";
-  if (!prefetch.has_value()) return;
-  TORCH_CHECK(prefetch->size() <= size_t(kAttnMaxPrefetch), op, ": prefetch takes at most ", kAttnMaxPrefetch,
-              " tensors, got ", prefetch->size());
-  for (const at::Tensor& t : *prefetch)
-    TORCH_CHECK(t.device() == q.device(), op, ": a prefetch tensor is on ", t.device(), ", q on ", q.device());
-}
-
 // The whole row list as one int64 tensor: idx, then idx2 + offset where idx2 >= 0, else -1.
 inline at::Tensor joined_rows(const at::Tensor& idx, const std::optional<at::Tensor>& idx2, int64_t offset) {
   const at::Tensor a = idx.to(at::kLong);

@@ -14,7 +14,6 @@ struct Overrides {
                               // applies, 2 / 3 the tensor-core one with 64 / 16 heads per CTA at every size,
                               // 4 the warpgroup-MMA one (attn_wgmma.cu) where it applies
   int nvfp4_fused_path = 0;   // per-tensor fused quantizers: 0 auto, 1 cluster, 2 grid
-  int moe_prefetch_down = 0;  // MoE decode (gemv): the up kernel's CTAs warm L2 with the down projection's weights
   int topk_kernel = 0;        // dsv4::indexer_topk: 0 auto (rows from 64 rows), 1 the 8-CTA cluster per row,
                               // 2 one CTA per row (indexer_topk_rows.cu)
 };

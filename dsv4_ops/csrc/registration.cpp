@@ -147,11 +147,9 @@ TORCH_LIBRARY(dsv4, m) {
   // are then rotated back (inverse RoPE, as the attention output before wo_a) and rounded again.
   // With idx2 (int32 / int64 [B, J2]) the list goes on with rows idx2 + idx2_offset where idx2 >= 0 (negative: no
   // row): a CSA layer passes its per-step window rows and the indexer's top-k as they are (no row-list kernel).
-  // prefetch (at most 8 tensors on q's device that a later kernel reads, e.g. the output projection's weights):
-  // the CUDA kernels warm L2 with them while the attention runs; a hint that changes no value (the CPU ignores it).
   m.def(
       "sparse_attn_decode(Tensor q, Tensor kv, Tensor idx, Tensor sink, float scale, Tensor? out_rope=None, "
-      "int rope_dim=0, Tensor? idx2=None, int idx2_offset=0, Tensor[]? prefetch=None) -> Tensor");
+      "int rope_dim=0, Tensor? idx2=None, int idx2_offset=0) -> Tensor");
 
   // ---- MoE routing ----
   // Per row of scores fp32 [N, E]: the k experts with the largest scores + bias (NaN above every number, ties to

@@ -1,10 +1,9 @@
 """Fake for dsv4::sparse_attn_decode: the shape and dtype of q (with or without the output's inverse RoPE, with or
-without a second row list; the L2 prefetch list changes nothing)."""
+without a second row list)."""
 import torch
 
 
-def _sparse_attn_decode_fake(q, kv, idx, sink, scale, out_rope=None, rope_dim=0, idx2=None, idx2_offset=0,
-                             prefetch=None):
+def _sparse_attn_decode_fake(q, kv, idx, sink, scale, out_rope=None, rope_dim=0, idx2=None, idx2_offset=0):
     op = "dsv4::sparse_attn_decode"
     torch._check(q.dim() == 3, lambda: f"{op}: q must be [B, H, D], got {tuple(q.shape)}")
     torch._check(q.dtype in (torch.bfloat16, torch.float16, torch.float32),
@@ -27,7 +26,6 @@ def _sparse_attn_decode_fake(q, kv, idx, sink, scale, out_rope=None, rope_dim=0,
     if idx2 is not None:
         torch._check(idx2.dim() == 2 and idx2.shape[0] == q.shape[0] and idx2.dtype in (torch.int32, torch.int64),
                      lambda: f"{op}: idx2 must be int32 / int64 [B, J2]")
-    torch._check(prefetch is None or len(prefetch) <= 8, lambda: f"{op}: prefetch takes at most 8 tensors")
     return q.new_empty(q.shape)
 
 

@@ -55,12 +55,10 @@ void attend_rows(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& id
 
 at::Tensor sparse_attn_decode_cpu(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx,
                                   const at::Tensor& sink, double scale, const std::optional<at::Tensor>& out_rope,
-                                  int64_t rope_dim, const std::optional<at::Tensor>& idx2, int64_t idx2_offset,
-                                  const std::optional<at::TensorList>& prefetch) {
+                                  int64_t rope_dim, const std::optional<at::Tensor>& idx2, int64_t idx2_offset) {
   dsv4_attn::check(q, kv, idx, sink);
   dsv4_attn::check_out_rope(q, out_rope, rope_dim);
   dsv4_attn::check_idx2(q, idx2, idx2_offset);
-  dsv4_attn::check_prefetch(q, prefetch);  // no cache to warm here
   const at::Tensor qc = q.contiguous(), kc = kv.contiguous();
   const at::Tensor ic = dsv4_attn::joined_rows(idx, idx2, idx2_offset).contiguous();
   const at::Tensor sc = sink.contiguous();

@@ -18,7 +18,6 @@
 
 #include "attn_common.h"
 #include "float_cast.h"
-#include "l2_prefetch.cuh"
 #include "launchers.h"
 #include "mma.h"
 #include "pdl.h"
@@ -439,13 +438,7 @@ __global__ void __launch_bounds__(128) attn_combine_kernel(const float* __restri
                                                           const float* __restrict__ ws_ml,
                                                           const float* __restrict__ sink, int H, int D, int nsplit,
                                                           const float* __restrict__ out_rope, int rope_dim,
-                                                          T* __restrict__ out, int pdl,
-                                                          const dsv4_cuda::L2PrefetchList prefetch) {
-  // The op's prefetch list before the wait: with PDL these CTAs are resident while the partial kernel runs (it
-  // lets them launch at its start), a latency-bound phase during which HBM is nearly idle.
-  if (prefetch.n > 0)
-    dsv4_cuda::prefetch_l2_list_share(prefetch, int64_t(blockIdx.y) * gridDim.x + blockIdx.x,
-                                      int64_t(gridDim.x) * gridDim.y);
+                                                          T* __restrict__ out, int pdl) {
   dsv4_cuda::grid_dep_wait();
   if (pdl) dsv4_cuda::grid_dep_launch();
   __shared__ float wgt[64];
@@ -506,7 +499,7 @@ template <typename T>
 cudaError_t launch(const void* q, const void* kv, const int32_t* idx, int J1, const int32_t* idx2, int idx2_offset,
                    const float* sink, int B, int H, int N, int D, int J, int64_t kv_batch_stride, float scale,
                    float* ws_o, float* ws_ml, int nsplit, int rows_per_split, int use_mma, const float* out_rope,
-                   int rope_dim, void* out, const dsv4_cuda::L2PrefetchList& prefetch, cudaStream_t stream) {
+                   int rope_dim, void* out, cudaStream_t stream) {
   // > 48 KB of dynamic shared memory needs an opt-in, per device (a host-side call, not a stream operation)
   static bool opted_in[64] = {};
   int dev = 0;
@@ -543,7 +536,7 @@ cudaError_t launch(const void* q, const void* kv, const int32_t* idx, int J1, co
               kv_batch_stride, rows_per_split, scale, ws_o, ws_ml, int(pdl));
   }
   launch_ex(pdl, attn_combine_kernel<T>, dim3(H, B), dim3(128), 0, stream, ws_o, ws_ml, sink, H, D, nsplit, out_rope,
-            rope_dim, static_cast<T*>(out), int(pdl), prefetch);
+            rope_dim, static_cast<T*>(out), int(pdl));
   return cudaGetLastError();
 }
 
@@ -586,22 +579,15 @@ extern "C" cudaError_t dsv4_attn_decode_launch(const void* q, const void* kv, co
                                                int B, int H, int N, int D, int J,
                                                int64_t kv_batch_stride, float scale, float* ws_o, float* ws_ml,
                                                int nsplit, int rows_per_split, int use_mma, const float* out_rope,
-                                               int rope_dim, void* out, const void* const* pf_ptr,
-                                               const int64_t* pf_bytes, int n_pf, cudaStream_t stream) {
+                                               int rope_dim, void* out, cudaStream_t stream) {
   if (B == 0 || H == 0) return cudaSuccess;
-  if (n_pf < 0 || n_pf > 8) return cudaErrorInvalidValue;
-  dsv4_cuda::L2PrefetchList pf{};  // (prefetch_l2_share takes the whole 16-byte pieces of any range)
-  for (; pf.n < n_pf; ++pf.n) {
-    pf.p[pf.n] = static_cast<const uint8_t*>(pf_ptr[pf.n]);
-    pf.bytes[pf.n] = pf_bytes[pf.n];
-  }
   if (D > 512 || D % 8 != 0 || (use_mma && (is_fp32 || !dsv4_attn_decode_mma_ok(D)))) return cudaErrorInvalidValue;
   if (use_mma == 3 && !dsv4_attn_partial_wgmma_ok(D)) return cudaErrorInvalidValue;
   if (out_rope != nullptr && (rope_dim % 4 != 0 || rope_dim <= 0 || rope_dim > D)) return cudaErrorInvalidValue;
   if (idx2 == nullptr && J1 != J) return cudaErrorInvalidValue;
   return is_fp32 ? launch<float>(q, kv, idx, J1, idx2, idx2_offset, sink, B, H, N, D, J, kv_batch_stride, scale, ws_o,
-                                 ws_ml, nsplit, rows_per_split, 0, out_rope, rope_dim, out, pf, stream)
+                                 ws_ml, nsplit, rows_per_split, 0, out_rope, rope_dim, out, stream)
                  : launch<__nv_bfloat16>(q, kv, idx, J1, idx2, idx2_offset, sink, B, H, N, D, J, kv_batch_stride,
                                          scale, ws_o, ws_ml, nsplit, rows_per_split, use_mma, out_rope, rope_dim, out,
-                                         pf, stream);
+                                         stream);
 }

@@ -21,14 +21,12 @@ using dsv4_cuda::sm_count;
 
 at::Tensor sparse_attn_decode_cuda(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx,
                                    const at::Tensor& sink, double scale, const std::optional<at::Tensor>& out_rope,
-                                   int64_t rope_dim, const std::optional<at::Tensor>& idx2, int64_t idx2_offset,
-                                   const std::optional<at::TensorList>& prefetch) {
+                                   int64_t rope_dim, const std::optional<at::Tensor>& idx2, int64_t idx2_offset) {
   const char* op = "dsv4::sparse_attn_decode";
   TORCH_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor, got ", q.device());
   dsv4_attn::check(q, kv, idx, sink);
   dsv4_attn::check_out_rope(q, out_rope, rope_dim);
   dsv4_attn::check_idx2(q, idx2, idx2_offset);
-  dsv4_attn::check_prefetch(q, prefetch);
   const c10::cuda::CUDAGuard guard(q.device());
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), N = kv.size(1), J1 = idx.size(1);
   const int64_t J = J1 + (idx2.has_value() ? idx2->size(1) : 0);
@@ -72,22 +70,12 @@ at::Tensor sparse_attn_decode_cuda(const at::Tensor& q, const at::Tensor& kv, co
   at::Tensor ws_o = at::empty({B, nsplit, H, D}, f32);
   at::Tensor ws_ml = at::empty({B, nsplit, H, 2}, f32);
   at::Tensor out = at::empty({B, H, D}, q.options());
-  // The prefetch list: each tensor's bytes when it is contiguous (a hint: others are left out, nothing is copied)
-  const void* pf_ptr[dsv4_attn::kAttnMaxPrefetch] = {};
-  int64_t pf_bytes[dsv4_attn::kAttnMaxPrefetch] = {};
-  int n_pf = 0;
-  if (prefetch.has_value())
-    for (const at::Tensor& t : *prefetch)
-      if (t.is_contiguous() && t.numel() > 0) {
-        pf_ptr[n_pf] = t.data_ptr();
-        pf_bytes[n_pf++] = int64_t(t.nbytes());
-      }
   const cudaError_t err = dsv4_attn_decode_launch(
       qc.data_ptr(), kv.data_ptr(), ic.data_ptr<int32_t>(), int(J1), i2.defined() ? i2.data_ptr<int32_t>() : nullptr,
       int(idx2_offset), sc.data_ptr<float>(), q.scalar_type() == at::kFloat,
       int(B), int(H), int(N), int(D), int(J), kv.stride(0), float(scale), ws_o.data_ptr<float>(),
       ws_ml.data_ptr<float>(), nsplit, rows_per_split, use_mma, rc.defined() ? rc.data_ptr<float>() : nullptr,
-      int(rope_dim), out.data_ptr(), pf_ptr, pf_bytes, n_pf,
+      int(rope_dim), out.data_ptr(),
       c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
   return out;

@@ -18,17 +18,4 @@ inline int sm_count() {
   return n;
 }
 
-// L2 bytes of the current device (50 MB on the H200 / H100).
-inline long long l2_bytes() {
-  static long long cache[64] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return 50LL << 20;
-  if (dev >= 0 && dev < 64 && cache[dev] > 0) return cache[dev];
-  int n = 0;
-  cudaDeviceGetAttribute(&n, cudaDevAttrL2CacheSize, dev);
-  const long long b = n > 0 ? n : 50LL << 20;
-  if (dev >= 0 && dev < 64) cache[dev] = b;
-  return b;
-}
-
 }  // namespace dsv4_cuda

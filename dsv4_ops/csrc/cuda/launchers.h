@@ -11,14 +11,12 @@
 // attn.cu
 extern "C" int dsv4_attn_decode_mma_ok(int D);
 extern "C" int dsv4_attn_decode_splits(int B, int H, int J, int num_sms, int use_mma, int* rows_per_split);
-// pf_ptr / pf_bytes: n_pf <= 8 byte ranges the combine kernel warms into L2 (the op's prefetch list)
 extern "C" cudaError_t dsv4_attn_decode_launch(const void* q, const void* kv, const int32_t* idx, int J1,
                                                const int32_t* idx2, int idx2_offset, const float* sink,
                                                int is_fp32, int B, int H, int N, int D, int J,
                                                int64_t kv_batch_stride, float scale, float* ws_o, float* ws_ml,
                                                int nsplit, int rows_per_split, int use_mma, const float* out_rope,
-                                               int rope_dim, void* out, const void* const* pf_ptr,
-                                               const int64_t* pf_bytes, int n_pf, cudaStream_t stream);
+                                               int rope_dim, void* out, cudaStream_t stream);
 
 // attn_wgmma.cu (called by attn.cu's launcher)
 extern "C" int dsv4_attn_partial_wgmma_ok(int D);

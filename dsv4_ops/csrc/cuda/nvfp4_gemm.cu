@@ -232,9 +232,6 @@ void plan_gemv(int rows, int64_t ntiles, int64_t nchunks, int64_t slots, int& kw
 // The moe_local_route override off launches the route kernel at every size (read at each launch).
 bool moe_local_route() { return dsv4_overrides::get().moe_local_route != 0; }
 
-// The moe_prefetch_down override: the gemv up kernel warms L2 with the down projection (not yet measured; off).
-bool moe_prefetch_down() { return dsv4_overrides::get().moe_prefetch_down != 0; }
-
 }  // namespace
 
 extern "C" cudaError_t dsv4_nvfp4_linear_launch(const Nvfp4LinearArgs* a, cudaStream_t stream) {
@@ -362,16 +359,8 @@ extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t
     int occ = 2;
     plan_gemv(gemv_rows, (nmax_up + 15) / 16, kchunks_d, slots, p.kw, p.rt, occ);
     const dim3 grid(unsigned(((nmax_up + 15) / 16 + p.rt - 1) / p.rt), unsigned(slots));
-    // the down projection's bytes per expert ([d, Kp(I)] codes / scales), warmed while they fit in L2 together
-    const int64_t kp = (a->I + 127) / 128 * 128, kps = (a->Is + 127) / 128 * 128;
-    const int64_t wb = a->d * kp / 2, sb = a->d * kp / 16, swb = a->d * kps / 2, ssb = a->d * kps / 16;
-    if (moe_prefetch_down() && p.n_rslots * (wb + sb) + (shared ? swb + ssb : 0) <= dsv4_cuda::l2_bytes()) {
-      p.pf_w = a->w2, p.pf_s = a->s2, p.pf_wbytes = wb, p.pf_sbytes = sb;
-      p.pf_sw = a->sw2, p.pf_ss = a->ss2, p.pf_swbytes = swb, p.pf_ssbytes = ssb;
-    }
     err = gemv_rows == 2 ? launch_gemv<kMoeUp, 2>(p, grid, stream, occ)
                          : launch_gemv<kMoeUp, 8>(p, grid, stream, occ);
-    p.pf_w = nullptr;
   } else {
     pick_split((nmax_up + 15) / 16, kchunks_d, slots, p.kw, p.rt);
     err = launch_skinny<kMoeUp>(p, nt, dim3(unsigned(((nmax_up + 15) / 16 + p.rt - 1) / p.rt), unsigned(slots)),

@@ -24,9 +24,7 @@ struct GemvCfg {
   static constexpr int kSmem = kStage * kStages * kWarps;
 };
 
-// PF (MoE up only, the moe_prefetch_down override): an instantiation of its own, so the default kernels keep their
-// code.
-template <int MODE, int ROWS, int OCC, bool PF>
+template <int MODE, int ROWS, int OCC>
 __global__ void __launch_bounds__(kThreads, OCC) nvfp4_gemv_kernel(const SkinnyParams p) {
   using Cfg = GemvCfg<ROWS, OCC>;
   constexpr int S = Cfg::kStages;
@@ -171,16 +169,15 @@ __global__ void __launch_bounds__(kThreads, OCC) nvfp4_gemv_kernel(const SkinnyP
     if (kw == 0 && tile_ok) skinny_epilogue<MODE, 1>(p, task, acc, tile, tt, g, tq, ROWS);
     if (p.kw > 1) __syncthreads();  // `red` is reused by the next pass
   }
-  if (PF) prefetch_down_share(p, task, (ntiles + p.rt - 1) / p.rt);  // the CTAs that have tiles of this task
 }
 
 }  // namespace
 
 namespace dsv4_nvfp4 {
 
-template <int MODE, int ROWS, int OCC, bool PF>
-cudaError_t launch_gemv_kernel(const SkinnyParams& p, dim3 grid, cudaStream_t stream) {
-  auto kernel = nvfp4_gemv_kernel<MODE, ROWS, OCC, PF>;
+template <int MODE, int ROWS, int OCC>
+cudaError_t launch_gemv_occ(const SkinnyParams& p, dim3 grid, cudaStream_t stream) {
+  auto kernel = nvfp4_gemv_kernel<MODE, ROWS, OCC>;
   static bool smem_set[64] = {};  // per device; the attribute is set before the first launch (never in capture)
   int dev = 0;
   cudaGetDevice(&dev);
@@ -191,14 +188,6 @@ cudaError_t launch_gemv_kernel(const SkinnyParams& p, dim3 grid, cudaStream_t st
     smem_set[dev & 63] = true;
   }
   return launch_ex(p.pdl != 0, kernel, grid, dim3(kThreads), size_t(GemvCfg<ROWS, OCC>::kSmem), stream, p);
-}
-
-template <int MODE, int ROWS, int OCC>
-cudaError_t launch_gemv_occ(const SkinnyParams& p, dim3 grid, cudaStream_t stream) {
-  if constexpr (MODE == kMoeUp) {
-    if (p.pf_w != nullptr) return launch_gemv_kernel<MODE, ROWS, OCC, true>(p, grid, stream);
-  }
-  return launch_gemv_kernel<MODE, ROWS, OCC, false>(p, grid, stream);
 }
 
 template <int MODE, int ROWS>

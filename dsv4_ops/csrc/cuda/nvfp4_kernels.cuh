@@ -9,7 +9,6 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "l2_prefetch.cuh"
 #include "nvfp4_gemm.h"
 #include "nvfp4_mma.cuh"
 #include "pdl.h"
@@ -65,10 +64,6 @@ struct SkinnyParams {
   float limit;
   int kw, rt;  // warps splitting K per row tile, row tiles per CTA (kw * rt = 8)
   int pdl;     // launched with programmatic dependent launch
-  // MoE up on the gemv kernel with the moe_prefetch_down override (else null): each CTA, its own stream done,
-  // prefetches its share of its task's down projection into L2 (bytes per routed expert / of the shared expert).
-  const uint8_t *pf_w, *pf_s, *pf_sw, *pf_ss;
-  int64_t pf_wbytes, pf_sbytes, pf_swbytes, pf_ssbytes;
 };
 
 
@@ -122,9 +117,6 @@ namespace {
 using dsv4_cuda::grid_dep_launch;
 using dsv4_cuda::grid_dep_wait;
 using dsv4_cuda::launch_ex;
-using dsv4_cuda::prefetch_l2;
-using dsv4_cuda::prefetch_l2_bulk;
-using dsv4_cuda::prefetch_l2_share;
 using namespace dsv4_nvfp4;
 
 constexpr int kStageChunks = 2;  // chunks per register-prefetch stage (skinny kernel)
@@ -137,6 +129,13 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
                : "l"(p));
   return v;
 }
+
+// Warm L2 (the GPU's point of coherence: a later write by another kernel updates the same lines, so this is a hint
+// that can never make a later read stale). bytes: a multiple of 16, p 16-byte aligned.
+__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
@@ -196,7 +195,6 @@ struct Task {
   float alpha;
   int N, K, cnt, base, kind;  // kind: 0 dense, 1 routed expert (base = offset in the sorted assignments),
                               // 2 shared expert (base = first token)
-  int expert;                 // routed: the expert id
   const int* asg;             // routed: the expert's assignments (asg[base + pos]); global route or shared memory
   int grp;                    // dense: the group (x [M, G, K], y [M, G, N])
   const float* gsp;           // dense: the global scale
@@ -300,7 +298,6 @@ __device__ __forceinline__ bool resolve_task(const SkinnyParams& p, Task& t, con
       t.asg = p.route + 3 * p.E + 1;
     }
     t.kind = 1;
-    t.expert = e;
     t.N = p.N;
     t.K = p.K;
     const size_t kp = size_t((p.K + 127) & ~127);
@@ -318,20 +315,6 @@ __device__ __forceinline__ bool resolve_task(const SkinnyParams& p, Task& t, con
     t.alpha = __ldg(p.sg) * kUnbias;
   }
   return true;
-}
-
-// MoE up, moe_prefetch_down: the CTA's share (blockIdx.x of the `parts` CTAs that have tiles of its task) of its
-// task's down projection (codes and scales) into L2, so that the down kernel reads it from there; the shared
-// expert's by its first token chunk's CTAs only.
-__device__ __forceinline__ void prefetch_down_share(const SkinnyParams& p, const Task& t, int64_t parts) {
-  const int64_t part = blockIdx.x;
-  if (t.kind == 1) {
-    prefetch_l2_share(p.pf_w + int64_t(t.expert) * p.pf_wbytes, p.pf_wbytes, part, parts);
-    prefetch_l2_share(p.pf_s + int64_t(t.expert) * p.pf_sbytes, p.pf_sbytes, part, parts);
-  } else if (t.kind == 2 && t.base == 0) {
-    prefetch_l2_share(p.pf_sw, p.pf_swbytes, part, parts);
-    prefetch_l2_share(p.pf_ss, p.pf_ssbytes, part, parts);
-  }
 }
 
 // Row of the B operand (activations) for token-tile position pos < cnt.
