@@ -118,6 +118,8 @@ def run_continuous(engine: Engine, C: int, args, gen: torch.Generator) -> dict:
             "steady_tokens_per_s": steady["rows"] / steady["s"] if steady["s"] else float("nan"),
             "decode_steps": sched.stats.decode_steps,
             "steady_ms_per_step": 1e3 * steady["s"] / steady["steps"] if steady["steps"] else float("nan"),
+            "steady_rows_per_step": steady["rows"] / steady["steps"] if steady["steps"] else float("nan"),
+            "steady_steps": steady["steps"],
             "speculation": sched.speculation if args.speculate else None}
 
 
@@ -204,6 +206,11 @@ def main(argv=None) -> int:
                 print(f"    steady state: {cont['steady_ms_per_step']:.3f} ms per speculative pass "
                       f"({cont['steady_ms_per_step'] / ms:.3f}x the static batch's plain step)", flush=True)
                 print_speculation(cont["speculation"])
+            else:  # where a shortfall comes from: a slower step, or rows without a token in it
+                step_ms = cont["steady_ms_per_step"]
+                print(f"    steady state: {step_ms:.3f} ms per step ({step_ms / ms:.3f}x the static batch's), "
+                      f"{cont['steady_rows_per_step']:.2f} of {C} rows emit per step; "
+                      f"{cont['steady_steps']} of {cont['decode_steps']} decode steps counted", flush=True)
             if mode == "compiled":  # buckets first met in the timed run would have compiled inside it
                 print(f"    compiled prefill: {graphs} bucket graphs so far (warm-up run {warm:.1f} s); "
                       f"{prefill_graphs(engine) - graphs} more compiled in the timed run", flush=True)
