@@ -2,7 +2,7 @@
 // (shared with the CPU kernels), outputs and workspaces from the caching allocator (graph-pool aware), launch on
 // the current stream. The kernels live in nvfp4_gemm.cu and the kernel files it names.
 // Kernel choice for y = x W^T (measured on the H200, bench/RESULTS.md "GEMM and head"): M <= 8 tokens -> the gemv
-// kernel (cp.async ring); 8 < M < 32 -> the tiled mma kernel (the skinny kernel for grouped / multi launches);
+// kernel (cp.async ring); 8 < M < 32 -> the tiled mma kernel (the skinny kernel for grouped launches);
 // 32 <= M <= 1024 -> the wgmma kernel (decoded weights as warpgroup-MMA register operand; 1.1-1.7x the tiled one;
 // 256-feature tiles past 64 rows where they nearly fill the GPU: auto_wide);
 // M > 1024 -> dequantize W to bf16 (exact e2m1 * block scale) + one cublasLt
