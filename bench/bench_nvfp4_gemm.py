@@ -6,7 +6,7 @@ dsv4::nvfp4_linear_grouped vs torch.bmm on bf16 weights and vs 8 nvfp4_linear ca
 the indexer's wq_b): dsv4::nvfp4_linear_multi vs two torch.matmul and two nvfp4_linear calls. MoE: 256 experts,
 top-6 (uniform random routing), d = 4096, I = 2048, T = 1 ... 8192 tokens, routed only and routed + shared expert;
 peer = a per-expert bf16 loop in torch (index_select, 3 matmuls, clamped SwiGLU, index_add_) for the same routing,
-captured in a CUDA graph.
+captured in a CUDA graph; at 2 < T <= 64 also with the gemv kernel in 2-token passes (moe_gemv_rows=2).
 
 Every figure is a CUDA-graph replay of REPS back-to-back calls divided by REPS (best of 3 replays). Calls cycle
 through copies of the weights totalling >= 256 MB, so every call streams its weights from HBM (no L2 reuse across
@@ -271,7 +271,7 @@ def bench_moe(gen):
         torch.empty(INTER, D, device="cuda", dtype=torch.bfloat16)))
     expert_bytes = nvfp4_bytes(2 * INTER, D) + nvfp4_bytes(D, INTER)
     rows = []
-    for T in (1, 8, 64, 512, 4096, 8192):  # 512 ... 8192: prefill chunks (the wgmma kernels)
+    for T in (1, 8, 16, 64, 512, 4096, 8192):  # 512 ... 8192: prefill chunks (the wgmma kernels)
         x = torch.randn(T, D, device="cuda", generator=gen).to(torch.bfloat16)
         ids = torch.rand(T, E, device="cuda", generator=gen).topk(TOPK, dim=1).indices.to(torch.int32)
         wts = torch.rand(T, TOPK, device="cuda", generator=gen)
@@ -290,11 +290,16 @@ def bench_moe(gen):
                 t_wg = graph_us(lambda i: ops.nvfp4_moe(x, ids, wts, w13, s13, g13, w2, s2, g2, *sh, 10.0), reps)
             with kernel_choice("wgmma_wide"):  # the same with 256-row tiles
                 t_ww = graph_us(lambda i: ops.nvfp4_moe(x, ids, wts, w13, s13, g13, w2, s2, g2, *sh, 10.0), reps)
+            rows2 = ""
+            if 2 < T <= 64:  # the gemv kernel's 2-token passes (moe_gemv_rows; where gemv runs: else the same)
+                with kernel_overrides(moe_gemv_rows=2):
+                    t_r2 = graph_us(lambda i: ops.nvfp4_moe(x, ids, wts, w13, s13, g13, w2, s2, g2, *sh, 10.0), reps)
+                rows2 = f" | 2-row gemv {t_r2:7.1f} us ({nbytes / (t_r2 * 1e-6) / HBM:4.0%})"
             gbs = nbytes / (t_op * 1e-6)
             print(f"{variant:>15} {T:>4} {n_unique:>7} | {t_op:9.1f} {gbs / 1e9:7.0f} {gbs / HBM:5.0%} | "
                   f"{t_peer:9.1f} {bbytes / (t_peer * 1e-6) / 1e9:9.0f} {t_peer / t_op:6.2f}x | "
                   f"skinny {t_gv:7.1f} us ({nbytes / (t_gv * 1e-6) / HBM:4.0%}) | wgmma {t_wg:7.1f} us "
-                  f"({t_peer / t_wg:4.2f}x bf16) | wide {t_ww:7.1f} us ({t_peer / t_ww:4.2f}x bf16)")
+                  f"({t_peer / t_wg:4.2f}x bf16) | wide {t_ww:7.1f} us ({t_peer / t_ww:4.2f}x bf16)" + rows2)
             rows.append((variant, T, n_unique, t_op, t_peer))
     return rows
 

@@ -18,6 +18,7 @@ GEMM_KERNELS = ("auto", "tiled", "cublas", "skinny", "wgmma", "wgmma_wide")
 FUSED_PATHS = ("auto", "cluster", "grid")
 ATTN_KERNELS = ("auto", "simt", "mma_all_heads", "mma_16_heads", "wgmma")
 TOPK_KERNELS = ("auto", "cluster", "rows")
+MOE_GEMV_ROWS = (0, 2, 8)  # 0: auto
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,13 +30,16 @@ class KernelOverrides:
     at every size, "mma_16_heads" with 16 (decode's form), "wgmma" the warpgroup-MMA kernel at every size (bf16,
     head dim 512, elsewhere the auto choice; auto runs it at 64+ heads and 2048+ listed keys per call).
     nvfp4_fused_path: the per-tensor fused quantizers' scheme. topk_kernel: dsv4::indexer_topk's kernel, "cluster"
-    (8 CTAs per row; auto below 64 rows) or "rows" (one CTA per row; auto from 64)."""
+    (8 CTAs per row; auto below 64 rows) or "rows" (one CTA per row; auto from 64). moe_gemv_rows: token rows per
+    pass of the MoE's gemv kernel, 0 (auto: 2 while T <= 2, else 8), 2 or 8 (an experiment: a deeper weight ring
+    with 2)."""
     nvfp4_gemm_kernel: str = "auto"
     pdl: bool = True
     moe_local_route: bool = True
     attn_kernel: str = "auto"
     nvfp4_fused_path: str = "auto"
     topk_kernel: str = "auto"
+    moe_gemv_rows: int = 0
 
     def _as_ints(self) -> dict[str, int]:
         for name, value, allowed in (("nvfp4_gemm_kernel", self.nvfp4_gemm_kernel, GEMM_KERNELS),
@@ -44,10 +48,13 @@ class KernelOverrides:
                                      ("topk_kernel", self.topk_kernel, TOPK_KERNELS)):
             if value not in allowed:
                 raise ValueError(f"KernelOverrides.{name} must be one of {allowed}, got {value!r}")
+        if self.moe_gemv_rows not in MOE_GEMV_ROWS:
+            raise ValueError(f"KernelOverrides.moe_gemv_rows must be one of {MOE_GEMV_ROWS}, "
+                             f"got {self.moe_gemv_rows!r}")
         return {"nvfp4_gemm_kernel": GEMM_KERNELS.index(self.nvfp4_gemm_kernel), "pdl": int(self.pdl),
                 "moe_local_route": int(self.moe_local_route), "attn_kernel": ATTN_KERNELS.index(self.attn_kernel),
                 "nvfp4_fused_path": FUSED_PATHS.index(self.nvfp4_fused_path),
-                "topk_kernel": TOPK_KERNELS.index(self.topk_kernel)}
+                "topk_kernel": TOPK_KERNELS.index(self.topk_kernel), "moe_gemv_rows": self.moe_gemv_rows}
 
 
 def _lib():
@@ -77,7 +84,7 @@ def native() -> KernelOverrides:
                            moe_local_route=bool(got["moe_local_route"]),
                            attn_kernel=ATTN_KERNELS[got["attn_kernel"]],
                            nvfp4_fused_path=FUSED_PATHS[got["nvfp4_fused_path"]],
-                           topk_kernel=TOPK_KERNELS[got["topk_kernel"]])
+                           topk_kernel=TOPK_KERNELS[got["topk_kernel"]], moe_gemv_rows=got["moe_gemv_rows"])
 
 
 def set_overrides(overrides: KernelOverrides) -> None:
@@ -108,5 +115,6 @@ def parse(spec: str) -> KernelOverrides:
         name, _, value = item.partition("=")
         if name not in fields:
             raise ValueError(f"unknown kernel override {name!r} (known: {', '.join(fields)})")
-        out[name] = value not in ("0", "false", "off") if fields[name] == "bool" else value
+        kind = fields[name]
+        out[name] = value not in ("0", "false", "off") if kind == "bool" else int(value) if kind == "int" else value
     return KernelOverrides(**out)

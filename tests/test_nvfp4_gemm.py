@@ -740,6 +740,27 @@ def test_moe_cuda_many_tokens_per_expert(T):
 
 @pytest.mark.cuda
 @pytest.mark.kernels
+@pytest.mark.parametrize("E,T", [(256, 1), (256, 8), (32, 8), (8, 16)])
+def test_moe_cuda_gemv_rows_change_no_bit(E, T):
+    """The moe_gemv_rows override (the gemv kernel's token rows per pass, 2 or 8): every output column's sums run
+    in the same order whatever the pass holds, so both give the same bits, with and without the shared expert
+    (2-token slots of it at T = 8 / 16), experts with more tokens than a pass (several passes: E = 8), the route
+    kernel (T * k > 32) and local routing."""
+    gen = torch.Generator().manual_seed(600 + E + T)
+    x, ids, wts, w13, w2, shared = moe_case(E, 1024, 512, 272, T, 6 if E > 8 else 4, gen, "cuda")
+    for sh in (shared, None):
+        args = kernel_moe_args(w13, w2, sh)
+        outs = {}
+        for rows in (2, 8):
+            with kernel_overrides(moe_gemv_rows=rows):
+                outs[rows] = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
+        what = f"E={E} T={T} shared={sh is not None}"
+        assert torch.equal(outs[2], outs[8]), what
+        assert_moe_close(outs[2], ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, sh, 10.0), what)
+
+
+@pytest.mark.cuda
+@pytest.mark.kernels
 def test_moe_cuda_invalid_ids():
     gen = torch.Generator().manual_seed(8)
     x, ids, wts, w13, w2, _ = moe_case(4, 128, 16, 0, 6, 2, gen, "cuda")

@@ -16,7 +16,7 @@ def test_defaults_are_what_the_library_starts_with():
 
 def test_scoped_overrides_reach_the_library_and_restore():
     forced = dict(nvfp4_gemm_kernel="skinny", pdl=False, moe_local_route=False, attn_kernel="simt",
-                  nvfp4_fused_path="grid", topk_kernel="rows")
+                  nvfp4_fused_path="grid", topk_kernel="rows", moe_gemv_rows=2)
     with pytest.raises(KeyError):
         with ov.kernel_overrides(**forced):
             assert ov.native() == ov.current() == ov.KernelOverrides(**forced)
@@ -37,6 +37,9 @@ def test_bad_values_are_refused_before_anything_changes():
         ov.parse("gemv_split=2:2")
     assert ov.native() == ov.KernelOverrides()
     assert ov.parse("attn_kernel=simt, pdl=0") == ov.KernelOverrides(attn_kernel="simt", pdl=False)
+    assert ov.parse("moe_gemv_rows=8") == ov.KernelOverrides(moe_gemv_rows=8)
+    with pytest.raises(ValueError, match="moe_gemv_rows"):
+        ov.set_overrides(ov.KernelOverrides(moe_gemv_rows=4))
     assert ov.parse("") == ov.KernelOverrides()
 
 

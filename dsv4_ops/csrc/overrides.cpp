@@ -18,6 +18,7 @@ int* field(const char* name) {
   if (!std::strcmp(name, "attn_kernel")) return &o.attn_kernel;
   if (!std::strcmp(name, "nvfp4_fused_path")) return &o.nvfp4_fused_path;
   if (!std::strcmp(name, "topk_kernel")) return &o.topk_kernel;
+  if (!std::strcmp(name, "moe_gemv_rows")) return &o.moe_gemv_rows;
   return nullptr;
 }
 }  // namespace
