@@ -146,6 +146,7 @@ def preset_server(args) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     engine = preset_engine(args.preset_server, experts=args.experts, rows=args.max_batch_size,
                            max_seq_len=args.max_seq_len, device=device)
+    engine.compile_prefill = args.compile_prefill
     cfg = engine.config
     tok = WordTokenizer(cfg.vocab_size, int(cfg.bos_token_id), int(cfg.eos_token_id))
     app = create_app(Scheduler(engine, tokenizer=tok),
@@ -176,6 +177,8 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=int, default=None, help="--preset-server: routed experts (default: all)")
     p.add_argument("--max-batch-size", type=int, default=64, help="--preset-server: batch rows")
     p.add_argument("--max-seq-len", type=int, default=1024, help="--preset-server: context per row")
+    p.add_argument("--compile-prefill", action="store_true",
+                   help="--preset-server: prefill chunks through compiled graphs (serve --compile-prefill)")
     args = p.parse_args(argv)
     if args.stub_server:
         stub_server(args)

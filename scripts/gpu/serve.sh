@@ -43,5 +43,5 @@ for p in ${SERVE_PRESETS:-default}; do
   fi
   experts=(); [[ $p == *:* ]] && experts=(--experts "${p#*:}")
   serve_bench "${p%%:*}" $PY bench/bench_serve.py --preset-server "${p%%:*}" ${experts[@]+"${experts[@]}"} \
-    --port "$SERVE_PORT" --max-batch-size 64
+    --port "$SERVE_PORT" --max-batch-size 64 ${SERVE_ARGS:-}
 done
