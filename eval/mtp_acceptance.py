@@ -4,6 +4,7 @@ tokens per step that gives for K = 1..3 draft tokens.
 
     python eval/mtp_acceptance.py [--model DIR] [--text FILE] [--window 512] [--quant none|nvfp4]
     python eval/mtp_acceptance.py --generate 200        # also: measured, greedy speculative decoding (generate)
+    python eval/mtp_acceptance.py --draft-head nvfp4    # drafts from an NVFP4 copy of the head (Engine.set_draft_head)
 
 Per window, one pass of the main model gives its streams h_t and greedy tokens g_t (the prediction of x_{t+1});
 pass k of the MTP block (its own output streams feeding the next pass, as a K-token draft chains it) gives the
@@ -28,7 +29,7 @@ sys.path.insert(0, ROOT)
 
 from dsv4_model.checkpoint.tokenizer import load_tokenizer  # noqa: E402
 from dsv4_model.model import mtp  # noqa: E402
-from dsv4_model.runtime.engine import Engine  # noqa: E402
+from dsv4_model.runtime.engine import DRAFT_HEADS, Engine  # noqa: E402
 
 DEFAULT = os.path.join(ROOT, "dsv4_model", "assets", "default")
 
@@ -68,12 +69,15 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--depth", type=int, default=3, help="draft positions to estimate")
     ap.add_argument("--quant", default=None, help="none | nvfp4 (default: as stored)")
+    ap.add_argument("--draft-head", default="stored", choices=DRAFT_HEADS,
+                    help="the head the MTP block's drafts read (the main model's stays as stored)")
     ap.add_argument("--generate", type=int, default=0,
                     help="also decode this many tokens from the first 8 held-out lines as prompts with K = 1..depth "
                          "drafts (generate(..., speculate=K)) and report the measured rates")
     args = ap.parse_args(argv)
     eng = Engine.from_pretrained(args.model, device="cpu", dtype=torch.float32, max_batch_size=1,
                                  max_seq_len=args.window, quant=args.quant, progress=False, compile=False)
+    eng.set_draft_head(args.draft_head)
     model = eng.model
     if not model.config.n_mtp_layers:
         print(f"error: {args.model} has no MTP block", file=sys.stderr)
@@ -88,8 +92,8 @@ def main(argv=None) -> int:
         elig = [p + q for p, q in zip(elig, e)]
         hits, n = hits + h, n + t
     rates = [a / e if e else float("nan") for a, e in zip(acc, elig)]
-    print(f"{args.model}: {n} positions in {len(ids) // W} windows of {W} tokens; MTP top-1 vs the text "
-          f"(token after next): {100 * hits / n:.1f}%")
+    print(f"{args.model}: {n} positions in {len(ids) // W} windows of {W} tokens; draft head {args.draft_head}; "
+          f"MTP top-1 vs the text (token after next): {100 * hits / n:.1f}%")
     print(f"{'draft':>5} {'eligible':>9} {'accepted':>9} {'rate':>7}   {'K':>2} {'tokens/step':>11}")
     per_step = 1.0
     chain = 1.0
@@ -112,6 +116,7 @@ def measure(args, text: str, n: int) -> None:
         eng = Engine.from_pretrained(args.model, device="cpu", dtype=torch.float32, max_batch_size=len(lines),
                                      max_seq_len=args.window, quant=args.quant, progress=False, compile=False,
                                      spare_window_slots=k)
+        eng.set_draft_head(args.draft_head)
         tok = load_tokenizer(args.model, eng.model.config)
         ids = [tok.encode(ln + "\n") for ln in lines]
         stats = generate(eng, ids, max_new_tokens=n, speculate=k).extra["speculation"]

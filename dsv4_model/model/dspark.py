@@ -34,7 +34,7 @@ from torch import nn
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.layers import Linear, RMSNorm, apply_rope, hc_head, hc_post
 from dsv4_model.model.quant_sim import kv_fake_quant
-from dsv4_model.model.transformer import Block, Embedding, _param
+from dsv4_model.model.transformer import Block, Embedding, _param, draft_head
 
 
 class DSparkDraft(NamedTuple):
@@ -209,7 +209,7 @@ class DSpark(nn.Module):
         last = self.mtp[-1]
         c = self.config
         y = hc_head(h, last.hc_head_fn, last.hc_head_scale, last.hc_head_base, c.hc_eps, c.norm_eps)
-        logits = model.head(last.norm(y))  # the shared head: fp32 logits
+        logits = draft_head(model)(last.norm(y))  # the shared head (or the drafters' own): fp32 logits
         mk = last.markov_head
         prev, toks, embs, rows = anchor, [], [], []
         for i in range(self.block_size):

@@ -17,7 +17,7 @@ import torch
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.decode_options import DEFAULT as DEFAULT_OPTIONS, DecodeOptions
 from dsv4_model.model.layers import Linear, RMSNorm, hc_post
-from dsv4_model.model.transformer import Block, Transformer, _param, head_logits
+from dsv4_model.model.transformer import Block, Transformer, _param, draft_head, head_logits
 
 
 class MTPBlock(Block):
@@ -41,8 +41,9 @@ class MTPBlock(Block):
         return self.e_proj(self.enorm(model.embed(next_ids))).unsqueeze(-2) + self.h_proj(self.hnorm(h))
 
     def _logits(self, model: Transformer, out: torch.Tensor) -> torch.Tensor:
-        """The block's output streams [..., hc, dim] -> fp32 logits (its collapse and norm, the shared head)."""
-        return head_logits(out, self, model.head, model.config)
+        """The block's output streams [..., hc, dim] -> fp32 logits (its collapse and norm, the shared head or the
+        drafters' head: transformer.draft_head)."""
+        return head_logits(out, self, draft_head(model), model.config)
 
 
 def prefill(model: Transformer, h: torch.Tensor, next_ids: torch.Tensor, lengths: torch.Tensor | None = None,

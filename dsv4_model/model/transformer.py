@@ -172,6 +172,19 @@ def _param(*shape) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=torch.float32), requires_grad=False)
 
 
+def draft_head(model: "Transformer") -> nn.Module:
+    """The head the drafters (MTP block, DSpark) read: the model's own, or the one attach_draft_head gave it (e.g.
+    NVFP4: a quarter of the bytes per speculative step; verification keeps the model's head, so greedy output and
+    the sampled distribution are unchanged, only how often drafts are accepted)."""
+    return model.__dict__.get("draft_head") or model.head
+
+
+def attach_draft_head(model: "Transformer", head: nn.Module | None) -> None:
+    """Give the model a drafters' head (fp32 logits of [..., dim]), or None for its own; a plain attribute, not a
+    submodule: the model's state dict and module walks stay the checkpoint's."""
+    object.__setattr__(model, "draft_head", head)
+
+
 def head_logits(h: torch.Tensor, owner: nn.Module, head: Linear, cfg: ModelConfig) -> torch.Tensor:
     """Streams [..., hc, dim] -> fp32 logits through the collapse (hc_head_*) and norm of `owner` (the
     Transformer, or an MTP block) and the shared head (a Linear(fp32=True))."""

@@ -75,6 +75,14 @@ def nvfp4_linear(weight: torch.Tensor, act_quant: str = "none", out_dtype: torch
     return lin
 
 
+def nvfp4_draft_head(head: Linear) -> Linear:
+    """An NVFP4 copy of the model's head for the drafters (transformer.attach_draft_head): fp32 logits of the
+    W4A16 product (rounded to bf16 by the op first), from the head's float weight (a quarter of its bf16 bytes)."""
+    if is_nvfp4(head):
+        raise ValueError("the head is NVFP4 already: draft with it as it is")
+    return nvfp4_linear(head.weight.detach(), out_dtype=torch.float32)
+
+
 class Nvfp4MoE(nn.Module):
     """Routed SwiGLU experts (+ optional shared expert) with NVFP4 weights, one dsv4::nvfp4_moe call.
 

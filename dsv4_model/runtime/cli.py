@@ -267,13 +267,17 @@ def check_dspark_cut(cut: float) -> None:
 
 
 def add_dspark_args(group) -> None:
-    """--drafter / --dspark-cut (generate and serve)."""
+    """--drafter / --dspark-cut / --draft-head (generate and serve)."""
     group.add_argument("--drafter", default=None, metavar="DIR",
                        help="draft with the DSpark module in DIR (scripts/train_dspark.py's output) instead of the "
                             "checkpoint's own drafter (needs --speculate; docs/dspark.md)")
     group.add_argument("--dspark-cut", type=float, default=0.0, metavar="P",
                        help="DSpark: cut each block before its first draft predicted below P (the confidence head's "
                             "chance of acceptance; fewer experts read per step; 0 = off; docs/dspark.md)")
+    group.add_argument("--draft-head", choices=("stored", "nvfp4"), default="stored",  # Engine.set_draft_head's
+                       help="the head the drafts read: the model's (stored), or an NVFP4 copy of it (a quarter of "
+                            "its bytes per speculative step; the output is unchanged, the acceptance may drop; "
+                            "docs/speculation.md)")
 
 
 def _drafters_to_load(speculate: int, drafter: str | None = None) -> dict:
@@ -297,6 +301,9 @@ def check_drafter_args(args) -> None:
     """--drafter against the other speculation options, before any file is read."""
     if args.drafter and not args.speculate:
         raise ValueError("--drafter: the DSpark module drafts for speculative decoding: it needs --speculate K")
+    if getattr(args, "draft_head", "stored") != "stored" and not args.speculate:
+        raise ValueError(f"--draft-head {args.draft_head}: the drafters' head is speculative decoding's: it needs "
+                         "--speculate K")
     if args.drafter and getattr(args, "speculate_method", "auto") == "mtp":
         raise ValueError("--drafter holds a DSpark module: it contradicts --speculate-method mtp")
 
@@ -384,6 +391,8 @@ def cmd_generate(args) -> int:
                                     spare_window_slots=args.speculate, compile_prefill=args.compile_prefill,
                                     **_drafters_to_load(args.speculate, args.drafter),
                                     **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}))
+    if args.speculate and args.draft_head != "stored":
+        engine.set_draft_head(args.draft_head)
     t_load = time.perf_counter() - t0
 
     single = len(prompt_ids) == 1 and not args.json

@@ -16,6 +16,8 @@ from dsv4_model.runtime.session import EngineSession, RunnerOptions
 DEFAULT_PREFILL_CHUNK = 8192
 
 
+DRAFT_HEADS = ("stored", "nvfp4")
+
 class Engine(EngineSession):
     """Owns the per-row positions of a `Transformer` and validates requests before any compute.
 
@@ -45,6 +47,7 @@ class Engine(EngineSession):
         self.vocab_size = self.config.vocab_size
         self.runner_options = runner_options  # how generate() runs decode steps
         self.path = None  # checkpoint directory: generate() looks for tokenizer.json there
+        self.draft_head = "stored"  # the head the drafters read (set_draft_head)
         self._init_session()
 
     @classmethod
@@ -146,9 +149,22 @@ class Engine(EngineSession):
 
         return self._drafting_runner(DSparkRunner, k, cut=cut)
 
+    def set_draft_head(self, kind: str) -> None:
+        """The head the drafters (MTP block, DSpark) read: "stored" (the model's) or "nvfp4" (an NVFP4 copy of it,
+        built here: a quarter of the head's bytes per speculative step, at some acceptance; greedy output and the
+        sampled distribution are unchanged, since verification reads the stored head). Speculative runners built
+        before are rebuilt on next use."""
+        from dsv4_model.model.transformer import attach_draft_head
+        from dsv4_model.quant.nvfp4_modules import nvfp4_draft_head
+
+        if kind not in DRAFT_HEADS:
+            raise ValueError(f"draft_head must be one of {DRAFT_HEADS}, got {kind!r}")
+        attach_draft_head(self.model, nvfp4_draft_head(self.model.head) if kind == "nvfp4" else None)
+        self.draft_head = kind
+
     def _drafting_runner(self, cls, k: int, **kw):
         opts = self._checked_runner_options()
-        key = (cls, k, opts, tuple(sorted(kw.items())))
+        key = (cls, k, opts, tuple(sorted(kw.items())), self.draft_head)
         if getattr(self, "_drafting_key", None) != key:
             self._drafting = cls(self.model, k, compile=opts.compile, cuda_graphs=opts.cuda_graphs,
                                  graph_mode=opts.graph_mode, regional=opts.regional, log=opts.log, **kw)

@@ -104,6 +104,8 @@ def build_engine(args):
                                     compile_prefill=args.compile_prefill, progress=False,
                                     expert_shard=shard, **_drafters_to_load(args.speculate, args.drafter),
                                     **({"spare_window_slots": args.speculate} if args.speculate else {}))
+    if args.speculate and args.draft_head != "stored":
+        engine.set_draft_head(args.draft_head)
     return engine, path, shard
 
 
