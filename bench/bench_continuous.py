@@ -176,6 +176,8 @@ def main(argv=None) -> int:
                     help="DSpark's confidence cut with --speculate (docs/dspark.md; 0: off)")
     ap.add_argument("--speculate", type=int, default=0, metavar="K",
                     help="the scheduler's steps speculative with K drafts (against the plain static batch)")
+    ap.add_argument("--draft-head", choices=("stored", "nvfp4"), default="stored",
+                    help="with --speculate: the head the drafts read (Engine.set_draft_head)")
     ap.add_argument("--compiled-prefill", action="store_true",
                     help="also run the scheduler with compiled prefill chunks (eager and compiled TTFT per C)")
     args = ap.parse_args(argv)
@@ -183,6 +185,8 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     t0 = time.perf_counter()
     engine = build_engine(args, max(levels), args.prompt_len + args.max_tokens + 8 + 2 * args.speculate, device)
+    if args.speculate and args.draft_head != "stored":
+        engine.set_draft_head(args.draft_head)
     print(f"{args.model}: {engine.config.n_layers} layers on {device} (built in {time.perf_counter() - t0:.1f} s); "
           f"prompts {args.prompt_len} tokens, {args.max_tokens} out, {args.requests_per_row} requests per row",
           flush=True)

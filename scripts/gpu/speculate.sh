@@ -1,7 +1,11 @@
 # speculate: the default model with --speculate K (compiled + CUDA graph per bucket) for each K in SPECULATE_KS:
 # tokens/s, tokens per step and acceptance per draft position, against the plain run (K = 0) of the same prompt.
+# SPECULATE_ARGS: more arguments of every speculative run (K > 0 here, and the preset passes below), e.g.
+# "--draft-head nvfp4".
 for k in ${SPECULATE_KS:-0 1 2 3}; do
-  step "speculate_$k" 200 $PY -m dsv4_model generate --prompt "def fibonacci(n):" --max-new-tokens 128 --speculate $k
+  extra=(); [ "$k" != 0 ] && extra=(${SPECULATE_ARGS:-})
+  step "speculate_$k" 200 $PY -m dsv4_model generate --prompt "def fibonacci(n):" --max-new-tokens 128 --speculate $k \
+    ${extra[@]+"${extra[@]}"}
   note "  $(grep -hsE 'done in|tokens/s|speculation:' "$LOGS/speculate_$k.log" | tr '\n' ' ')"
   grep -vsE '^\[dsv4\]' "$LOGS/speculate_$k.log" | md5sum | sed "s/^/  text md5 K=$k: /" | tee -a "$SUMMARY"
 done
@@ -21,7 +25,7 @@ if [ -n "$preset" ]; then
   for d in ${SPECULATE_DRAFTERS:-mtp dspark}; do
     for k in ${SPECULATE_PRESET_KS:-3}; do
       step "speculate_${preset}_${d}_$k" 400 $PY bench/bench_continuous.py --model "$preset" --concurrency 1,8 \
-        --prompt-len 128 --max-tokens 64 --requests-per-row 2 --speculate "$k" --drafter "$d"
+        --prompt-len 128 --max-tokens 64 --requests-per-row 2 --speculate "$k" --drafter "$d" ${SPECULATE_ARGS:-}
       [ -n "$DRY" ] || grep -hsE "^ +[0-9]+ +eager|steady state" "$LOGS/speculate_${preset}_${d}_$k.log" | sed 's/^/  /' \
         | tee -a "$SUMMARY"
     done
