@@ -34,8 +34,9 @@ def fused_deinterleave_amax_quantize(gate_up: Tensor, *, row_weight: Tensor | No
 
 
 # ---- NVFP4 GEMM / MoE (weights in the kernel layout of dsv4_model.quant.nvfp4)
-def nvfp4_linear(x: Tensor, *, w_packed: Tensor, w_scale: Tensor, w_global_scale: Tensor) -> Tensor:
-    return _ops.nvfp4_linear(x, w_packed, w_scale, w_global_scale)
+def nvfp4_linear(x: Tensor, *, w_packed: Tensor, w_scale: Tensor, w_global_scale: Tensor,
+                 out_dtype: torch.dtype | None = None) -> Tensor:
+    return _ops.nvfp4_linear(x, w_packed, w_scale, w_global_scale, out_dtype)
 
 
 def nvfp4_linear_grouped(x: Tensor, *, w_packed: Tensor, w_scale: Tensor, w_global_scale: Tensor) -> Tensor:

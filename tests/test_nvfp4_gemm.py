@@ -160,6 +160,27 @@ def test_linear_cpu_v4_shapes(n, k, m):
     assert_bf16_close(ops.nvfp4_linear(x, *w), ref32, bound, f"cpu linear {m}x{n}x{k}")
 
 
+def check_linear_out_dtypes(device, ms):
+    """out_dtype fp32 / fp16: the fp32 sums written as they are (fp32) or rounded once; bf16 (the default) is the
+    fp32 output rounded once, so the three agree bit for bit after rounding; fp32 within the sums' order of the
+    exact product."""
+    gen = torch.Generator().manual_seed(11)
+    for m in ms:
+        x, w, ref32, bound = linear_case(40, 272, m, gen, device)
+        out32 = ops.nvfp4_linear(x, *w, torch.float32)
+        assert out32.dtype == torch.float32 and out32.shape == (m, 40)
+        assert torch.equal(out32.to(torch.bfloat16), ops.nvfp4_linear(x, *w))
+        assert torch.equal(ops.nvfp4_linear(x, *w, torch.bfloat16), ops.nvfp4_linear(x, *w))
+        assert torch.equal(out32.to(torch.float16), ops.nvfp4_linear(x, *w, torch.float16))
+        torch.testing.assert_close(out32, ref32, atol=1e-5 * float(bound.max()), rtol=1e-5)
+    with pytest.raises(RuntimeError, match="out_dtype must be bfloat16, float16 or float32"):
+        ops.nvfp4_linear(x, *w, torch.int32)
+
+
+def test_linear_out_dtype_cpu():
+    check_linear_out_dtypes("cpu", (1, 5, 70))
+
+
 def test_linear_cpu_batched_input_and_reference():
     gen = torch.Generator().manual_seed(3)
     packed, scale, gs = rand_nvfp4((), 24, 160, gen)
@@ -393,6 +414,7 @@ def opcheck_args(device, gen):
         (ops.nvfp4_linear_multi.default, (mxx, *mw)),
         (ops.nvfp4_linear.default, (x, *w)),
         (ops.nvfp4_linear.default, (x[0], *w)),
+        (ops.nvfp4_linear.default, (x, *w, torch.float32)),
         (ops.nvfp4_linear_grouped.default, (gx, *gw)),
         # test_schema compares inputs with allclose, which float8 lacks: the uint8 view of the scales runs all four
         (ops.nvfp4_linear_w4a4.default, (xq[0], xq[1].view(torch.uint8), xq[2], *w4, torch.bfloat16)),
@@ -736,6 +758,13 @@ def test_moe_cuda_many_tokens_per_expert(T):
             again = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
         assert_moe_close(out, expect, f"cuda {choice} moe many T={T}")
         assert torch.equal(again, out), f"cuda {choice} moe many T={T} not deterministic"
+
+
+@pytest.mark.cuda
+@pytest.mark.kernels
+def test_linear_out_dtype_cuda():
+    """gemv (M <= 8), tiled (8 < M < 32), wgmma (32 <= M <= 1024), dequantize + cuBLAS (M > 1024)."""
+    check_linear_out_dtypes("cuda", (1, 5, 20, 70, 1100))
 
 
 @pytest.mark.cuda

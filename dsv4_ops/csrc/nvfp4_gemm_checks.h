@@ -25,6 +25,14 @@ inline void check_global_scale(const at::Tensor& gs, const at::Tensor& ref, cons
   check_same_device(gs, ref, op, name);
 }
 
+// nvfp4_linear's out_dtype: None -> bf16; bf16, fp16 or fp32 (written from the fp32 sums).
+inline at::ScalarType linear_out_dtype(std::optional<at::ScalarType> out_dtype, const char* op) {
+  const at::ScalarType dt = out_dtype.value_or(at::kBFloat16);
+  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat || dt == at::kHalf, op,
+              ": out_dtype must be bfloat16, float16 or float32, got ", dt);
+  return dt;
+}
+
 // One kernel-layout matrix [N, Kp/2] + [N, Kp/16] (batch dims in `lead` leading dims, e.g. experts). Returns N.
 // The NVFP4 activation operand of nvfp4_linear_w4a4 (fused_amax_quantize outputs); returns K.
 inline int64_t check_w4a4_activation(const at::Tensor& xp, const at::Tensor& xs, const at::Tensor& xg,

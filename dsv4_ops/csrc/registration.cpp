@@ -78,7 +78,9 @@ TORCH_LIBRARY(dsv4, m) {
   // Weights in the kernel layout of dsv4_model.nvfp4.repack_weight: codes uint8 [N, Kp/2] (Kp = K rounded up
   // to 128), scale bytes uint8 [N, Kp/16], fp32 0-d global scale (dequant direction). bf16 activations,
   // fp32 accumulation. See docs/ops.md "## NVFP4 GEMM / MoE".
-  m.def("nvfp4_linear(Tensor x, Tensor w_packed, Tensor w_scale, Tensor w_global_scale) -> Tensor");
+  // out_dtype: bf16 (None), or fp32 / fp16 written straight from the fp32 sums (fp32: no rounding; a head's logits).
+  m.def("nvfp4_linear(Tensor x, Tensor w_packed, Tensor w_scale, Tensor w_global_scale, ScalarType? out_dtype=None) "
+        "-> Tensor");
   // G independent projections in one call (attention wo_a): out[..., g, :] = x[..., g, :] @ W_g^T, with
   // w_packed [G, N, Kp/2], w_scale [G, N, Kp/16], w_global_scale [G]; bf16 out [..., G, N].
   m.def("nvfp4_linear_grouped(Tensor x, Tensor w_packed, Tensor w_scale, Tensor w_global_scale) -> Tensor");

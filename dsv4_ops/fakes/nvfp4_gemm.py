@@ -24,12 +24,15 @@ def _check_gs(op, g):
     torch._check(g.dtype == torch.float32 and g.numel() == 1, lambda: f"{op}: global scale must be fp32 0-d")
 
 
-def _linear_fake(x, w_packed, w_scale, w_global_scale):
+def _linear_fake(x, w_packed, w_scale, w_global_scale, out_dtype=None):
     op = "dsv4::nvfp4_linear"
     torch._check(x.dtype == torch.bfloat16, lambda: f"{op}: x must be bf16, got {x.dtype}")
+    dt = torch.bfloat16 if out_dtype is None else out_dtype
+    torch._check(dt in (torch.bfloat16, torch.float16, torch.float32),
+                 lambda: f"{op}: out_dtype must be bfloat16, float16 or float32, got {dt}")
     n = _check_weight(op, w_packed, w_scale, x.shape[-1], 0)
     _check_gs(op, w_global_scale)
-    return x.new_empty((*x.shape[:-1], n))
+    return x.new_empty((*x.shape[:-1], n), dtype=dt)
 
 
 def _linear_grouped_fake(x, w_packed, w_scale, w_global_scale):

@@ -76,17 +76,19 @@ at::Tensor dequant_matrix(const at::Tensor& w, const at::Tensor& s, int64_t K, f
 
 float scalar_of(const at::Tensor& t) { return t.reshape({-1})[0].item<float>(); }
 
-at::Tensor nvfp4_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const at::Tensor& gs) {
+at::Tensor nvfp4_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const at::Tensor& gs,
+                            std::optional<at::ScalarType> out_dtype) {
   const char* op = "dsv4::nvfp4_linear";
   TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kBFloat16, op, ": x must be bf16 [..., K], got ",
               x.scalar_type(), " ", x.sizes());
+  const at::ScalarType dt = dsv4_nvfp4::linear_out_dtype(out_dtype, op);
   const int64_t K = x.size(-1);
   const int64_t N = check_weight(w, s, K, 0, x, op, "w_packed", "w_scale");
   check_global_scale(gs, x, op, "w_global_scale");
   const at::Tensor W = dequant_matrix(w, s, K, scalar_of(gs));
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
-  return dsv4_cpu::row_matmul(x.reshape({-1, K}).to(at::kFloat), W).to(at::kBFloat16).reshape(out_shape);
+  return dsv4_cpu::row_matmul(x.reshape({-1, K}).to(at::kFloat), W).to(dt).reshape(out_shape);
 }
 
 at::Tensor nvfp4_linear_grouped_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
@@ -109,7 +111,7 @@ std::vector<at::Tensor> nvfp4_linear_multi_cpu(const at::Tensor& x, at::TensorLi
                                                at::TensorList gs) {
   check_multi(x, w, s, gs, "dsv4::nvfp4_linear_multi");
   std::vector<at::Tensor> outs;
-  for (size_t i = 0; i < w.size(); ++i) outs.push_back(nvfp4_linear_cpu(x, w[i], s[i], gs[i]));
+  for (size_t i = 0; i < w.size(); ++i) outs.push_back(nvfp4_linear_cpu(x, w[i], s[i], gs[i], std::nullopt));
   return outs;
 }
 

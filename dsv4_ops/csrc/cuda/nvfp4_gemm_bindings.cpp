@@ -279,11 +279,13 @@ at::Tensor linear_impl(const at::Tensor& x2, const at::Tensor& w, const at::Tens
   return out;
 }
 
-at::Tensor nvfp4_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const at::Tensor& gs) {
+at::Tensor nvfp4_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const at::Tensor& gs,
+                             std::optional<at::ScalarType> out_dtype) {
   const char* op = "dsv4::nvfp4_linear";
   check_cuda(x, op, "x");
   TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kBFloat16, op, ": x must be bf16 [..., K], got ",
               x.scalar_type(), " ", x.sizes());
+  const at::ScalarType dt = dsv4_nvfp4::linear_out_dtype(out_dtype, op);
   const int64_t K = x.size(-1);
   const int64_t N = check_weight(w, s, K, 0, x, op, "w_packed", "w_scale");
   check_global_scale(gs, x, op, "w_global_scale");
@@ -291,7 +293,7 @@ at::Tensor nvfp4_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at:
   const at::Tensor x2 = prep(x.reshape({-1, K}), 16);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
-  return linear_impl(x2, w, s, gs, nullptr, N, at::kBFloat16, op).view(out_shape);
+  return linear_impl(x2, w, s, gs, nullptr, N, dt, op).view(out_shape);
 }
 
 // One launch for every group: gemv / skinny at M < 32, wgmma up to 1024 rows (group = blockIdx.y); larger M runs
