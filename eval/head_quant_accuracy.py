@@ -1,7 +1,9 @@
 """What quantizing the head would cost in accuracy: the built-in model's (or a model directory's) logits on its
 held-out text with the head as stored (bf16 values) against the head quantized to NVFP4 (ModelOpt's bytes,
 `dsv4_model.quant.nvfp4.quantize_weight`, dequantized exactly) and to FP8 e4m3 with one fp32 scale per row
-(amax / 448), the rest of the model unchanged (CPU, fp32, as the engine runs it there).
+(amax / 448), the rest of the model unchanged (CPU, fp32, as the engine runs it there); and the head as
+`--head-quant nvfp4` runs it (`quantize_head_`: the same bytes through dsv4::nvfp4_linear, bf16 activations, fp32
+logits from its sums).
 
     python eval/head_quant_accuracy.py [--model DIR] [--text FILE] [--window 512]
 
@@ -22,11 +24,13 @@ sys.path.insert(0, ROOT)
 
 from dsv4_model.checkpoint.tokenizer import load_tokenizer  # noqa: E402
 from dsv4_model.quant.nvfp4 import quantize_weight  # noqa: E402
+from dsv4_model.quant.nvfp4_modules import nvfp4_draft_head  # noqa: E402
 from dsv4_model.runtime.engine import Engine  # noqa: E402
 from dsv4_ops import reference as ref  # noqa: E402
 
 DEFAULT = os.path.join(ROOT, "dsv4_model", "assets", "default")
 E4M3_MAX = 448.0
+OP_HEAD = "--head-quant nvfp4 (W4A16)"
 
 
 def nvfp4_head(w: torch.Tensor) -> torch.Tensor:
@@ -53,8 +57,9 @@ def main(argv=None) -> int:
     stored = model.head.weight.detach().clone()
     variants = {"stored (bf16)": stored, "NVFP4": nvfp4_head(stored.float()),
                 "FP8 e4m3, scale per row": fp8_row_head(stored.float())}
+    stored_head, op_head = model.head, nvfp4_draft_head(model.head)  # the module quantize_head_ makes of it
     W = args.window
-    sums = {name: [0, 0.0, 0.0] for name in variants}  # top-1 agreements, KL sum, NLL sum
+    sums = {name: [0, 0.0, 0.0] for name in [*variants, OP_HEAD]}  # top-1 agreements, KL sum, NLL sum
     n = 0
     for i in range(0, len(ids) - W, W):
         x = torch.tensor([ids[i:i + W]])
@@ -66,6 +71,9 @@ def main(argv=None) -> int:
                                                    requires_grad=False)
             logp[name] = torch.log_softmax(model._logits(h)[0].double(), dim=-1)
         model.head.weight = torch.nn.Parameter(stored, requires_grad=False)
+        model.head = op_head
+        logp[OP_HEAD] = torch.log_softmax(model._logits(h)[0].double(), dim=-1)
+        model.head = stored_head
         base = logp["stored (bf16)"]
         top = base.argmax(-1)
         for name, lp in logp.items():

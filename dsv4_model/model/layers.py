@@ -100,21 +100,25 @@ class Nvfp4Weight(WeightForm):
     dsv4_model.quant.nvfp4_modules.store_nvfp4_, allocates them), the product returned in `out_dtype` (the float
     weight's dtype). w4a4 False: bf16 activations (W4A16, the fast Hopper path; several of one x: one
     dsv4::nvfp4_linear_multi); True: activations quantized to NVFP4 per row (W4A4, the numerics of a Blackwell
-    NVFP4 GEMM)."""
+    NVFP4 GEMM). exact_out (W4A16, one Linear: a head): the op writes out_dtype from its fp32 sums, no bf16
+    rounding between (fp32 logits)."""
 
     names = ("weight_packed", "weight_scale", "weight_global_scale")
     parameters = False
 
-    def __init__(self, w4a4: bool = False, out_dtype: torch.dtype = torch.bfloat16):
-        self.w4a4, self.out_dtype = w4a4, out_dtype
-        self.joint = None if w4a4 else _w4a16_run
+    def __init__(self, w4a4: bool = False, out_dtype: torch.dtype = torch.bfloat16, exact_out: bool = False):
+        if exact_out and w4a4:
+            raise ValueError("exact_out is W4A16's (the W4A4 rows carry their own scales)")
+        self.w4a4, self.out_dtype, self.exact_out = w4a4, out_dtype, exact_out
+        self.joint = None if w4a4 or exact_out else _w4a16_run
 
     def linear(self, x: torch.Tensor, p: Linear) -> torch.Tensor:
         if self.w4a4:
             y = w4a4_rows(x, p.weight_packed, p.weight_scale, p.weight_global_scale)
         else:
             y = ops.nvfp4_linear(x.to(torch.bfloat16), w_packed=p.weight_packed, w_scale=p.weight_scale,
-                                 w_global_scale=p.weight_global_scale)
+                                 w_global_scale=p.weight_global_scale,
+                                 out_dtype=self.out_dtype if self.exact_out else None)
         return y.to(self.out_dtype)
 
     def grouped(self, x: torch.Tensor, p: GroupedLinear) -> torch.Tensor:

@@ -36,15 +36,19 @@ def is_nvfp4(p: nn.Module) -> bool:
     return isinstance(p, Projection) and isinstance(p.form, Nvfp4Weight)
 
 
-def store_nvfp4_(p: Projection, act_quant: str = "none") -> dict[str, torch.Tensor]:
-    """Hold projection p's weight as empty NVFP4 buffers on the float weight's device (meta stays meta), the
-    product in the float weight's dtype. Returns the float tensors it held."""
+def store_nvfp4_(p: Projection, act_quant: str = "none", *, fp32_out: bool = False,
+                 device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """Hold projection p's weight as empty NVFP4 buffers on `device` (default: the float weight's; meta stays
+    meta), the product in the float weight's dtype, or with fp32_out in fp32 straight from the op's sums (a head's
+    logits). Returns the float tensors it held."""
     if p.in_features % BLOCK:
         raise ValueError(f"NVFP4: in_features must be a multiple of 16, got {p.in_features}")
     lead = (p.groups, p.out_features) if isinstance(p, GroupedLinear) else (p.out_features,)
-    kp, dev = padded_k(p.in_features), p.weight.device
+    kp, dev = padded_k(p.in_features), p.weight.device if device is None else device
     u8 = dict(dtype=torch.uint8, device=dev)
-    return p.store_(Nvfp4Weight(_check_act_quant(act_quant), p.weight.dtype),
+    form = (Nvfp4Weight(_check_act_quant(act_quant), torch.float32, exact_out=True) if fp32_out
+            else Nvfp4Weight(_check_act_quant(act_quant), p.weight.dtype))
+    return p.store_(form,
                     dict(weight_packed=torch.zeros(*lead, kp // 2, **u8),
                          weight_scale=torch.zeros(*lead, kp // BLOCK, **u8),
                          weight_global_scale=torch.zeros(lead[:-1], dtype=torch.float32, device=dev)))
@@ -76,11 +80,27 @@ def nvfp4_linear(weight: torch.Tensor, act_quant: str = "none", out_dtype: torch
 
 
 def nvfp4_draft_head(head: Linear) -> Linear:
-    """An NVFP4 copy of the model's head for the drafters (transformer.attach_draft_head): fp32 logits of the
-    W4A16 product (rounded to bf16 by the op first), from the head's float weight (a quarter of its bf16 bytes)."""
+    """An NVFP4 copy of the model's head for the drafters (transformer.attach_draft_head): the W4A16 product's fp32
+    sums as fp32 logits, from the head's float weight (a quarter of its bf16 bytes; post-training quantization,
+    one global scale). The float weight is not copied: the copy's float side is never allocated."""
     if is_nvfp4(head):
         raise ValueError("the head is NVFP4 already: draft with it as it is")
-    return nvfp4_linear(head.weight.detach(), out_dtype=torch.float32)
+    w = head.weight.detach()
+    with torch.device("meta"):
+        lin = Linear(head.in_features, head.out_features, torch.float32)
+    store_nvfp4_(lin, fp32_out=True, device=w.device)
+    load_nvfp4_(lin, float_to_nvfp4(w))
+    return lin
+
+
+def quantize_head_(head: Linear) -> None:
+    """The model's head itself to NVFP4 in place (W4A16, fp32 logits from the op's sums; its float weight freed): a
+    quarter of its bytes per decode step, at some accuracy (bench/RESULTS.md: the built-in model's greedy token
+    changes at ~6% of positions, perplexity +0.01%)."""
+    if is_nvfp4(head):
+        return
+    w = store_nvfp4_(head, fp32_out=True)["weight"]
+    load_nvfp4_(head, float_to_nvfp4(w.detach()))
 
 
 class Nvfp4MoE(nn.Module):

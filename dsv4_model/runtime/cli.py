@@ -139,6 +139,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--quant", choices=("auto", "nvfp4", "none"), default="auto",
                    help="weights: nvfp4 (dsv4 NVFP4 kernels) or none (float); auto = as stored on CUDA, float on "
                         "CPU (the CPU NVFP4 kernels are exact references that dequantize per call, ~3x slower)")
+    g.add_argument("--head-quant", choices=("none", "nvfp4"), default="none",  # Engine.from_pretrained's
+                   help="the head: as stored (none), or NVFP4 after loading (a quarter of its bytes per step; the greedy "
+                        "token changes at ~6%% of the built-in model's positions; docs/nvfp4.md)")
     g.add_argument("--act-quant", choices=("none", "nvfp4"), default=None,
                    help="nvfp4 = W4A4 (activations quantized per token too); default: as stored, else none")
     g.add_argument("--threads", type=int, default=None,
@@ -389,6 +392,7 @@ def cmd_generate(args) -> int:
                                     act_quant=args.act_quant, allow_beyond_max_position=args.allow_beyond_max_position,
                                     expert_shard=shard, progress=not _QUIET[0],
                                     spare_window_slots=args.speculate, compile_prefill=args.compile_prefill,
+                                    head_quant=args.head_quant,
                                     **_drafters_to_load(args.speculate, args.drafter),
                                     **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}))
     if args.speculate and args.draft_head != "stored":

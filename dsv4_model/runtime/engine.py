@@ -17,6 +17,7 @@ DEFAULT_PREFILL_CHUNK = 8192
 
 
 DRAFT_HEADS = ("stored", "nvfp4")
+HEAD_QUANTS = ("none", "nvfp4")
 
 class Engine(EngineSession):
     """Owns the per-row positions of a `Transformer` and validates requests before any compute.
@@ -56,22 +57,30 @@ class Engine(EngineSession):
                         cuda_graphs: bool | None = None, graph_mode: str = "manual", quant: str | None = None,
                         act_quant: str | None = None, runner_options: RunnerOptions | None = None,
                         prefill_chunk: int = DEFAULT_PREFILL_CHUNK, compile_prefill: bool = False,
-                        **options) -> "Engine":
+                        head_quant: str = "none", **options) -> "Engine":
         """Load a checkpoint directory, a Hugging Face repo id `org/name[@rev]` in the local HF cache, or
         "dsv4-default" (the default: the built-in model) (`dsv4_model.checkpoint.hub.resolve_checkpoint`), via `dsv4_model.checkpoint.loader.load_model`; `options`
         go to the loader (e.g. layout=, load_mtp=, progress=). compile / cuda_graphs / graph_mode: how generate()
         runs decode steps (`RunnerOptions`; or pass runner_options, which then replaces them).
         quant: "none" | "nvfp4" (NVFP4 weights, see dsv4_model/quant/quantize_model.py) | None (as stored);
-        act_quant: "none" (W4A16) | "nvfp4" (W4A4) | None (as stored / "none"). compile_prefill: see Engine."""
+        act_quant: "none" (W4A16) | "nvfp4" (W4A4) | None (as stored / "none"). compile_prefill: see Engine.
+        head_quant: "none" (the head as stored) | "nvfp4" (the head to NVFP4 after loading: a quarter of its bytes
+        per step, fp32 logits from W4A16 sums; an accuracy trade, docs/nvfp4.md "The head")."""
         from dsv4_model.checkpoint.hub import resolve_checkpoint
         from dsv4_model.checkpoint.loader import load_model
 
         check_positive_int(prefill_chunk, "prefill_chunk")  # before any weight is read
         _checked_compile_prefill(compile_prefill)
+        if head_quant not in HEAD_QUANTS:
+            raise ValueError(f"head_quant must be one of {HEAD_QUANTS}, got {head_quant!r}")
         path = resolve_checkpoint(path)
         model, config = load_model(path, device=device, dtype=dtype, max_batch_size=max_batch_size,
                                    max_seq_len=max_seq_len, simulate_quant=simulate_quant, quant=quant,
                                    act_quant=act_quant, **options)
+        if head_quant == "nvfp4":
+            from dsv4_model.quant.nvfp4_modules import quantize_head_
+
+            quantize_head_(model.head)
         if runner_options is None:
             runner_options = RunnerOptions(compile=compile, cuda_graphs=cuda_graphs, graph_mode=graph_mode)
         engine = cls(model, config, device, runner_options=runner_options, prefill_chunk=prefill_chunk,
@@ -155,11 +164,12 @@ class Engine(EngineSession):
         sampled distribution are unchanged, since verification reads the stored head). Speculative runners built
         before are rebuilt on next use."""
         from dsv4_model.model.transformer import attach_draft_head
-        from dsv4_model.quant.nvfp4_modules import nvfp4_draft_head
+        from dsv4_model.quant.nvfp4_modules import is_nvfp4, nvfp4_draft_head
 
         if kind not in DRAFT_HEADS:
             raise ValueError(f"draft_head must be one of {DRAFT_HEADS}, got {kind!r}")
-        attach_draft_head(self.model, nvfp4_draft_head(self.model.head) if kind == "nvfp4" else None)
+        copy = kind == "nvfp4" and not is_nvfp4(self.model.head)  # an NVFP4 head (head_quant) drafts as it is
+        attach_draft_head(self.model, nvfp4_draft_head(self.model.head) if copy else None)
         self.draft_head = kind
 
     def _drafting_runner(self, cls, k: int, **kw):

@@ -27,6 +27,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--quant", choices=("auto", "nvfp4", "none"), default="auto",
                    help="weights: as stored on CUDA, float on the CPU (auto), or forced")
+    p.add_argument("--head-quant", choices=("none", "nvfp4"), default="none",
+                   help="the head: as stored (none), or NVFP4 after loading (a quarter of its bytes per step; the greedy "
+                        "token changes at ~6%% of the built-in model's positions; docs/nvfp4.md)")
     p.add_argument("--max-batch-size", type=int, default=8, help="requests generating at once (batch rows)")
     p.add_argument("--max-seq-len", type=int, default=4096, help="context per request: prompt + completion")
     p.add_argument("--max-prefill-tokens", type=int, default=None, help="prompt tokens prefilled per iteration")
@@ -101,7 +104,7 @@ def build_engine(args):
                                     max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, quant=quant,
                                     runner_options=RunnerOptions(compile=True if args.regional_compile else
                                                                  args.compile, regional=args.regional_compile),
-                                    compile_prefill=args.compile_prefill, progress=False,
+                                    compile_prefill=args.compile_prefill, progress=False, head_quant=args.head_quant,
                                     expert_shard=shard, **_drafters_to_load(args.speculate, args.drafter),
                                     **({"spare_window_slots": args.speculate} if args.speculate else {}))
     if args.speculate and args.draft_head != "stored":

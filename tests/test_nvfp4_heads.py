@@ -1,8 +1,10 @@
-"""The drafters' head (Engine.set_draft_head / transformer.attach_draft_head): an NVFP4 copy of the model's head
-that the MTP block and DSpark draft with, while verification reads the stored head. Its logits are the W4A16
-product of the dequantized copy; greedy speculation with it gives the plain greedy tokens (tiny model over window
-wraps and compression boundaries; the built-in model, its drafts still mostly accepted); the refusals."""
+"""NVFP4 heads. The drafters' head (Engine.set_draft_head / transformer.attach_draft_head): an NVFP4 copy of the
+model's head that the MTP block and DSpark draft with, while verification reads the stored head; its logits are the
+W4A16 product of the dequantized copy in fp32; greedy speculation with it gives the plain greedy tokens (tiny model
+over window wraps and compression boundaries; the built-in model, its drafts still mostly accepted). The model's
+own head in NVFP4 (head_quant / --head-quant): the same module in place of the stored head. The refusals."""
 import io
+import json
 from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
@@ -37,10 +39,11 @@ def test_draft_logits_are_the_nvfp4_copys_product():
     got = blk._logits(m, h)
     y = blk.norm(hc_head(h, blk.hc_head_fn, blk.hc_head_scale, blk.hc_head_base, m.config.hc_eps,
                          m.config.norm_eps))
-    # the op: bf16 activations, the dequantized NVFP4 weight, fp32 sums, the output rounded to bf16 once
-    want = (y.to(torch.bfloat16).float() @ dequantized_weight(lin).T).to(torch.bfloat16).float()
+    # the op: bf16 activations, the dequantized NVFP4 weight, fp32 sums written as fp32 (no bf16 rounding)
+    want = y.to(torch.bfloat16).float() @ dequantized_weight(lin).T
     assert got.dtype == torch.float32
-    torch.testing.assert_close(got, want, atol=1e-2, rtol=2 ** -7)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(got, got.to(torch.bfloat16).float())  # not rounded to bf16 on the way
     attach_draft_head(m, None)
     assert draft_head(m) is m.head
     assert not torch.equal(blk._logits(m, h), got)  # the copy is not the stored head
@@ -125,3 +128,44 @@ def test_mtp_module_reads_the_drafters_head(monkeypatch):
     h = torch.randn(2, 1, m.config.hc_mult, m.config.dim)
     logits, _ = mtp.decode_tokens(m, h, torch.tensor([[1], [2]]), torch.tensor([20, 30]))
     assert torch.equal(logits, torch.full_like(logits, 7.0))
+
+
+@needs_assets
+def test_head_quant_puts_the_same_nvfp4_head_in_place():
+    """head_quant="nvfp4": the head's float weight is gone, its NVFP4 bytes are the drafters' copy's, and the
+    model's logits are that module's on the same streams (fp32, not bf16-rounded); drafting with "nvfp4" then
+    reads the head itself."""
+    from dsv4_model.quant.nvfp4_modules import is_nvfp4
+    from dsv4_model.runtime.engine import Engine
+
+    kw = dict(device="cpu", dtype=torch.float32, max_batch_size=1, max_seq_len=64, progress=False, compile=False)
+    plain = Engine.from_pretrained(ASSETS, **kw)
+    quant = Engine.from_pretrained(ASSETS, head_quant="nvfp4", **kw)
+    copy = nvfp4_draft_head(plain.model.head)
+    head = quant.model.head
+    assert is_nvfp4(head) and not hasattr(head, "weight")
+    for name in ("weight_packed", "weight_scale", "weight_global_scale"):
+        assert torch.equal(getattr(head, name), getattr(copy, name)), name
+    ids = torch.tensor([[1, 17, 300, 42, 9, 1000, 5]])
+    h = quant.model.streams(ids, torch.tensor([7]))
+    got = quant.model._logits(h)
+    assert got.dtype == torch.float32 and not torch.equal(got, got.to(torch.bfloat16).float())
+    attach_draft_head(plain.model, None)
+    plain.model.head = copy
+    assert torch.equal(plain.model._logits(h), got)
+    quant.set_draft_head("nvfp4")
+    assert draft_head(quant.model) is head
+    with pytest.raises(ValueError, match="head_quant must be one of"):
+        Engine.from_pretrained(ASSETS, head_quant="fp4", **kw)
+
+
+@needs_assets
+def test_cli_head_quant_generates():
+    from dsv4_model.runtime import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        rc = cli.main(["generate", "--device", "cpu", "--prompt", "def f(x):", "--max-new-tokens", "8",
+                       "--head-quant", "nvfp4", "--json"])
+    assert rc == 0, err.getvalue()
+    assert len(json.loads(out.getvalue())["ids"]) == 8
