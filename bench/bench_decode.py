@@ -16,7 +16,7 @@ after one warm-up call each.
 weights, so HF runs bf16 and we run NVFP4 on the same underlying weights; the floor then counts NVFP4 bytes.
 
 Run: python bench/bench_decode.py [--budget SECONDS] [--models flash2,micro] [--batches 1,8,64] [--prompt 256]
-       [--quant none|nvfp4] [--kernel-overrides "attn_kernel=wgmma"]
+       [--quant none|nvfp4] [--head-quant none|nvfp4] [--kernel-overrides "attn_kernel=wgmma"]
 """
 from __future__ import annotations
 
@@ -105,6 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens per row")
     ap.add_argument("--quant", choices=("none", "nvfp4"), default="none", help="our weights (HF stays bf16)")
+    ap.add_argument("--head-quant", choices=("none", "nvfp4"), default="none",
+                    help="our head: as built (bf16) or NVFP4 (Engine's head_quant; the floor counts its bytes)")
     ap.add_argument("--kernel-overrides", default="", help='dsv4_ops.overrides for the run, e.g. "attn_kernel=wgmma"')
     args = ap.parse_args(argv)
     set_overrides(parse_overrides(args.kernel_overrides))
@@ -126,6 +128,11 @@ def main(argv=None) -> int:
             from dsv4_model.quant.quantize_model import quantize_model_
 
             quantize_model_(ours)
+            torch.cuda.empty_cache()
+        if args.head_quant == "nvfp4":
+            from dsv4_model.quant.nvfp4_modules import quantize_head_
+
+            quantize_head_(ours.head)
             torch.cuda.empty_cache()
         print(f"[{name}] built in {time.perf_counter() - t_build:.1f} s; {note}; our weights {args.quant}", flush=True)
         g = torch.Generator(device="cuda").manual_seed(0)
