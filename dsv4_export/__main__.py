@@ -3,7 +3,7 @@
     python -m dsv4_export build --model CKPT_DIR --out model.pt2 [--max-batch-size 4] [--max-seq-len 4096]
                            [--device cuda] [--dtype bfloat16] [--decode-batches 1,2,4] [--prefill-batches 1]
                            [--prefill-lengths 64,256] [--prefill-chunks 4096] [--quant nvfp4] [--act-quant nvfp4]
-                           [--no-simulate-quant] [--no-exported-programs] [--jobs N]
+                           [--no-simulate-quant] [--no-exported-programs] [--jobs N] [--head-quant nvfp4]
     python -m dsv4_export run model.pt2 (--prompt TEXT | --prompt-ids 1 2 3) [--max-new-tokens 16] [--temperature 0]
                            [--no-cuda-graph]
     python -m dsv4_export info model.pt2
@@ -54,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--quant", choices=["none", "nvfp4"], default=None,
                    help="weights: nvfp4 converts at load (default: as the checkpoint stores them)")
     b.add_argument("--act-quant", choices=["none", "nvfp4"], default=None, help="NVFP4 activations (W4A4)")
+    b.add_argument("--head-quant", choices=["none", "nvfp4"], default="none",
+                   help="the head in NVFP4 (a quarter of its bytes per step; an accuracy trade: docs/nvfp4.md)")
     b.add_argument("--jobs", type=int, default=None,
                    help="processes that export + compile the entries side by side (default: one per 3 CPU cores, "
                         "as memory allows)")
@@ -111,7 +113,7 @@ def _build(a) -> int:
                           prefill_lengths=a.prefill_lengths,
                           save_exported_programs=not a.no_exported_programs,
                           allow_beyond_max_position=a.allow_beyond_max_position, jobs=a.jobs,
-                          prefill_chunks=a.prefill_chunks or ())
+                          prefill_chunks=a.prefill_chunks or (), head_quant=a.head_quant)
     print(f"[export] done in {time.time() - t0:.0f} s: {a.out}", file=sys.stderr)
     return 0
 

@@ -404,13 +404,17 @@ def build_from_checkpoint(path: str, out: str, *, max_batch_size: int, max_seq_l
                           decode_batches: Sequence[int] | None = None, prefill_batches: Sequence[int] | None = None,
                           prefill_lengths: Sequence[int] | None = None, save_exported_programs: bool = True,
                           verbose: bool = True, allow_beyond_max_position: bool = False,
-                          jobs: int | None = None, prefill_chunks: Sequence[int] = ()) -> str:
+                          jobs: int | None = None, prefill_chunks: Sequence[int] = (),
+                          head_quant: str = "none") -> str:
     """Loads a checkpoint (a directory, or a Hugging Face repo id in the local HF cache: see
     ``dsv4_model.checkpoint.hub``) with ``dsv4_model.checkpoint.loader.load_model`` and exports it (see
     ``build_package``).
 
     ``quant`` / ``act_quant``: as for the loader ("nvfp4" converts the weights at load: the exported graphs then
-    call dsv4::nvfp4_linear / nvfp4_moe; None keeps what the checkpoint stores)."""
+    call dsv4::nvfp4_linear / nvfp4_moe; None keeps what the checkpoint stores). ``head_quant``: "nvfp4" puts the
+    head in NVFP4 before export (Engine.from_pretrained's option; recorded in the package's quant info)."""
+    if head_quant not in ("none", "nvfp4"):
+        raise ValueError(f"head_quant must be 'none' or 'nvfp4', got {head_quant!r}")
     from dsv4_model.checkpoint.hub import resolve_checkpoint
     from dsv4_model.checkpoint.loader import load_model
 
@@ -419,6 +423,11 @@ def build_from_checkpoint(path: str, out: str, *, max_batch_size: int, max_seq_l
     model, config = load_model(path, device=device, dtype=dtype, max_batch_size=max_batch_size,
                                max_seq_len=max_seq_len, simulate_quant=simulate_quant, progress=verbose,
                                quant=quant, act_quant=act_quant, allow_beyond_max_position=allow_beyond_max_position)
+    if head_quant == "nvfp4":
+        from dsv4_model.quant.nvfp4_modules import quantize_head_
+
+        quantize_head_(model.head)
+        model.quant_info = {**(getattr(model, "quant_info", None) or {}), "head": "nvfp4"}
     cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     tok = os.path.join(path, md.TOKENIZER_FILE)  # carried along: `export run --prompt TEXT` encodes with it
     return build_package(model, cfg, out, max_batch_size=max_batch_size, max_seq_len=max_seq_len, device=device,

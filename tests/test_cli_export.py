@@ -19,3 +19,23 @@ def test_package_carries_the_checkpoints_tokenizer(tmp_path):
     text = "def fibonacci(n):\n    return n"
     assert got.kind == "tokenizer.json" and got.encode(text) == want.encode(text) != load_tokenizer(None, config).encode(text)
     assert package_tokenizer(out, {}, config) is None  # a package built before: none recorded
+
+
+def test_build_head_quant_exports_the_nvfp4_head(tmp_path, monkeypatch):
+    """--head-quant nvfp4: the model build_package exports holds the NVFP4 head and says so in its quant info; a bad
+    value is refused before the checkpoint is read (no compile: build_package is stubbed)."""
+    import pytest
+
+    from dsv4_export import build
+    from dsv4_export.__main__ import main
+    from dsv4_model.quant.nvfp4_modules import is_nvfp4
+
+    seen = {}
+    monkeypatch.setattr(build, "build_package", lambda model, cfg, out, **kw: seen.update(model=model) or out)
+    out = str(tmp_path / "m.pt2")
+    assert main(["build", "--model", str(DEFAULT_MODEL_DIR), "--out", out, "--device", "cpu", "--dtype", "float32",
+                 "--head-quant", "nvfp4"]) == 0
+    assert is_nvfp4(seen["model"].head) and seen["model"].quant_info["head"] == "nvfp4"
+    with pytest.raises(ValueError, match="head_quant must be"):
+        build.build_from_checkpoint(str(tmp_path / "missing"), out, max_batch_size=1, max_seq_len=64, device="cpu",
+                                    head_quant="fp8")
