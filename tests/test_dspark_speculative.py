@@ -81,3 +81,26 @@ def test_mtp_speculation_on_a_dspark_model_names_dspark(spec_model):
     with pytest.raises(ValueError, match="^speculative decoding here drafts with an MTP block, and this checkpoint "
                                          "carries a DSpark module instead"):
         check_model(spec_model, 2)
+
+
+def test_dspark_drafts_from_the_nvfp4_drafters_head_give_plain_greedy_tokens(ckpt, plain):
+    """DSpark reads the drafters' head (transformer.draft_head) for its block's logits: with the NVFP4 copy the
+    greedy tokens are still plain greedy decoding's (verification reads the stored head)."""
+    from dsv4_model.model.transformer import attach_draft_head
+    from dsv4_model.quant.nvfp4_modules import nvfp4_draft_head
+
+    class Counted(torch.nn.Module):  # the copy, counting the calls that reach it
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.calls = inner, 0
+
+        def forward(self, x):
+            self.calls += 1
+            return self.inner(x)
+
+    model = _load(ckpt, spare_window_slots=5)
+    head = Counted(nvfp4_draft_head(model.head))
+    attach_draft_head(model, head)
+    toks, stats = dspark_greedy(model, torch.tensor([PROMPT]), N)
+    assert toks[0] == plain[:N]
+    assert head.calls >= stats.steps > 0  # every block drafted through it
