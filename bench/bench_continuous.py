@@ -139,15 +139,19 @@ def print_speculation(spec) -> None:
               + f" (no cut: {spec.tokens_per_step:.2f} / {spec.k})", flush=True)
 
 
-def run_static(engine: Engine, C: int, args, gen: torch.Generator) -> float:
+def run_static(engine: Engine, C: int, args, gen: torch.Generator, staggered: bool = False) -> float:
     """ms per decode step of a static batch of C rows after a prefill of C random prompts of --prompt-len (rows that
-    differ: identical rows would route every row to the same experts and read a batch of one's weights)."""
+    differ: identical rows would route every row to the same experts and read a batch of one's weights). staggered:
+    row r's prompt is --prompt-len + (17 r mod --max-tokens) long, so the rows sit at positions spread over the
+    range the scheduler's rows decode in, as they do there (aligned rows close their compressor windows in the
+    same steps: 3 of 4 steps of a CSA layer without one)."""
     runner = engine.runner()
     runner.prepare(C)
     engine.reset()
-    prompts = torch.randint(0, engine.vocab_size, (C, args.prompt_len), generator=gen)
-    logits = engine.prefill(prompts)
-    runner.begin([args.prompt_len] * C, [SamplingParams() for _ in range(C)])
+    lengths = [args.prompt_len + ((17 * r) % args.max_tokens if staggered else 0) for r in range(C)]
+    prompts = torch.randint(0, engine.vocab_size, (C, max(lengths)), generator=gen)
+    logits = engine.prefill(prompts, torch.tensor(lengths)) if staggered else engine.prefill(prompts)
+    runner.begin(lengths, [SamplingParams() for _ in range(C)])
     runner.sample_first(logits)
     for _ in range(3):
         runner.step()
@@ -184,7 +188,8 @@ def main(argv=None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     device = torch.device(args.device)
     t0 = time.perf_counter()
-    engine = build_engine(args, max(levels), args.prompt_len + args.max_tokens + 8 + 2 * args.speculate, device)
+    # (room for the staggered static batch: prompts up to --max-tokens longer, then --max-tokens + 3 steps)
+    engine = build_engine(args, max(levels), args.prompt_len + 2 * args.max_tokens + 8 + 2 * args.speculate, device)
     if args.speculate and args.draft_head != "stored":
         engine.set_draft_head(args.draft_head)
     print(f"{args.model}: {engine.config.n_layers} layers on {device} (built in {time.perf_counter() - t0:.1f} s); "
@@ -201,6 +206,7 @@ def main(argv=None) -> int:
             warm, graphs = time.perf_counter() - t0, prefill_graphs(engine)
             cont = run_continuous(engine, C, args, gen)
             ms = run_static(engine, C, args, gen)
+            ms_st = run_static(engine, C, args, gen, staggered=True)
             static = 1e3 * C / ms
             print(f"{C:3d} {mode:>8} {cont['tokens_per_s']:9.1f} {cont['steady_tokens_per_s']:12.1f} {static:12.1f} "
                   f"{cont['steady_tokens_per_s'] / static:13.3f} "
@@ -212,6 +218,8 @@ def main(argv=None) -> int:
                 print_speculation(cont["speculation"])
             else:  # where a shortfall comes from: a slower step, or rows without a token in it
                 step_ms = cont["steady_ms_per_step"]
+                print(f"    static batch with staggered positions: {ms_st:.3f} ms per step (steady / it: "
+                      f"{cont['steady_tokens_per_s'] / (1e3 * C / ms_st):.3f})", flush=True)
                 print(f"    steady state: {step_ms:.3f} ms per step ({step_ms / ms:.3f}x the static batch's), "
                       f"{cont['steady_rows_per_step']:.2f} of {C} rows emit per step; "
                       f"{cont['steady_steps']} of {cont['decode_steps']} decode steps counted", flush=True)
