@@ -769,23 +769,22 @@ def test_linear_out_dtype_cuda():
 
 @pytest.mark.cuda
 @pytest.mark.kernels
-@pytest.mark.parametrize("E,T", [(256, 1), (256, 8), (32, 8), (8, 8)])
-def test_moe_cuda_gemv_rows_change_no_bit(E, T):
-    """The moe_gemv_rows override (the gemv kernel's token rows per pass, 2 or 8): every output column's sums run
-    in the same order whatever the pass holds, so both give the same bits, with and without the shared expert
-    (2-token slots of it at T = 8), experts with more tokens than a pass (several passes: E = 8, ~4 each), the route
-    kernel (T * k > 32) and local routing."""
+@pytest.mark.parametrize("E,T", [(256, 1), (256, 8), (256, 7), (32, 8), (8, 8), (8, 7)])
+def test_moe_cuda_gemv_rows(E, T):
+    """The moe_gemv_rows override (the gemv kernel's token rows per pass, 2 or 8) within the reference's tolerance
+    either way (not bit for bit: the row count changes the launch plan's K split, so the order of the partial
+    sums), with and without the shared expert (2-token slots of it, a partial last one at T = 7), experts with more
+    tokens than a pass (several passes, a partial last one: ~4 tokens each), the route kernel (T * k > 32) and
+    local routing (E = 8)."""
     gen = torch.Generator().manual_seed(600 + E + T)
     x, ids, wts, w13, w2, shared = moe_case(E, 1024, 512, 272, T, 6 if E > 8 else 4, gen, "cuda")
     for sh in (shared, None):
         args = kernel_moe_args(w13, w2, sh)
-        outs = {}
+        want = ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, sh, 10.0)
         for rows in (2, 8):
             with kernel_overrides(moe_gemv_rows=rows):
-                outs[rows] = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
-        what = f"E={E} T={T} shared={sh is not None}"
-        assert torch.equal(outs[2], outs[8]), what
-        assert_moe_close(outs[2], ref.nvfp4_moe_ref(x, ids, wts, *w13, *w2, sh, 10.0), what)
+                assert_moe_close(ops.nvfp4_moe(x, ids, wts, *args, 10.0), want,
+                                 f"rows={rows} E={E} T={T} shared={sh is not None}")
 
 
 @pytest.mark.cuda
