@@ -1,17 +1,17 @@
-"""Kernels and microseconds per decoder layer in the batch-1 decode step.
+"""Kernels and microseconds per decoder layer in the decode step (batch 1, or --batch B rows that differ).
 
 Method: models that differ by exactly one layer. The base has layers [CSA, HCA] (compress ratios [4, 128]); each
 variant appends one layer of a kind (CSA = ratio 4 with the lightning indexer, HCA = 128, SWA = 0). Per layer =
 variant - base, so the embedding, hc_head, head and sampler cancel out. Every model: V4-Flash widths
 (dim 4096, 64 heads x 512, 256 routed experts top-6, hc 4), random weights, NVFP4 W4A16 (`quantize_model_`),
-the DecodeRunner step (decode_step + dsv4::sample) compiled and captured as one CUDA graph, batch 1, decoding
+the DecodeRunner step (decode_step + dsv4::sample) compiled and captured as one CUDA graph, batch 1 (or --batch), decoding
 from position --prompt after a real prefill.
   us/step:  CUDA-graph replay, back to back, the best of 3 runs of --steps steps (a layer's share is a
             difference of two models: one run's noise is a visible part of it).
   kernels:  GPU kernels of one compiled step run outside the graph (the same kernels the graph holds),
             counted with torch.profiler (memcpy / memset excluded); the extra layer's kernels are listed by name.
 
-Run: python bench/bench_layer.py [--kinds csa,hca,swa] [--prompt 256] [--experts 256]
+Run: python bench/bench_layer.py [--kinds csa,hca,swa] [--prompt 256] [--experts 256] [--batch 64]
      python bench/bench_layer.py --device cpu --micro --no-compile   # dry run of the method on a CPU
 """
 from __future__ import annotations
@@ -51,8 +51,8 @@ def config(ratios: list[int], tiny: bool, experts: int) -> ModelConfig:
     return micro(ratios) if tiny else flash(ratios, experts=experts)
 
 
-def build(cfg: ModelConfig, device: str, max_seq: int) -> Transformer:
-    model = Transformer(cfg, max_batch_size=1, max_seq_len=max_seq, dtype=torch.bfloat16, device="meta")
+def build(cfg: ModelConfig, device: str, max_seq: int, batch: int = 1) -> Transformer:
+    model = Transformer(cfg, max_batch_size=batch, max_seq_len=max_seq, dtype=torch.bfloat16, device="meta")
     model.to_empty(device=device)
     if device == "cuda":
         randomize_floats_(model, 0, cfg.n_routed_experts)  # on the GPU: GBs of weights, no host round trip
@@ -67,10 +67,11 @@ def build(cfg: ModelConfig, device: str, max_seq: int) -> Transformer:
 
 @torch.no_grad()
 def start(runner: DecodeRunner, model: Transformer, prompt: torch.Tensor) -> None:
-    runner.prepare(1)
-    lengths = torch.full((1,), prompt.shape[1], dtype=torch.long, device=prompt.device)
+    B = prompt.shape[0]
+    runner.prepare(B)
+    lengths = torch.full((B,), prompt.shape[1], dtype=torch.long, device=prompt.device)
     logits = model.prefill(prompt, lengths)
-    runner.begin(lengths, [SamplingParams()])
+    runner.begin(lengths, [SamplingParams() for _ in range(B)])
     runner.sample_first(logits)
     for _ in range(3):
         runner.step(runner.cuda_graphs)
@@ -153,11 +154,11 @@ def categorize(kernels: collections.Counter) -> collections.Counter:
 def measure(ratios, args, device):
     KERNEL_US.clear()
     cfg = config(ratios, args.micro, args.experts)
-    model = build(cfg, device, args.prompt + REPEATS * args.steps + 64)  # room for every decoded position
+    model = build(cfg, device, args.prompt + REPEATS * args.steps + 64, args.batch)  # room for every position
     runner = DecodeRunner(model, compile=args.compile, cuda_graphs=device == "cuda", graph_mode="manual",
                           step_options=DecodeOptions.parse(args.decode_options))
     g = torch.Generator(device=device).manual_seed(0)
-    prompt = torch.randint(2, cfg.vocab_size, (1, args.prompt), device=device, generator=g)
+    prompt = torch.randint(2, cfg.vocab_size, (args.batch, args.prompt), device=device, generator=g)
     start(runner, model, prompt)
     us = min(us_per_step(runner, args.steps) for _ in range(REPEATS))  # best of: run-to-run noise
     kernels = kernels_per_step(runner)
@@ -176,6 +177,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=1, help="decode rows (random prompts: they route apart)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--micro", action="store_true", help="tiny widths (a dry run of the method)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
@@ -198,7 +200,7 @@ def main(argv=None) -> int:
         rows.append((kind, us - base_us, n, extra, extra_busy))
         print(f"+{kind}: {us:.1f} us/step, {sum(k.values())} kernels/step", flush=True)
     unit = "kernels" if args.device == "cuda" else "top-level ops (CPU dry run)"
-    print(f"\nPer decoder layer, batch 1, NVFP4 W4A16, {'micro' if args.micro else 'V4-Flash'} widths, "
+    print(f"\nPer decoder layer, batch {args.batch}, NVFP4 W4A16, {'micro' if args.micro else 'V4-Flash'} widths, "
           f"{'compiled' if args.compile else 'eager'} + {'CUDA graph' if args.device == 'cuda' else 'no graph'}, "
           f"position {args.prompt}")
     print(f"{'layer':6} {'us/layer':>9} {unit:>12}   goal: <= {GOAL_KERNELS} kernels, <= {GOAL_US:.0f} us")
