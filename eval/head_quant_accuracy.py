@@ -2,8 +2,8 @@
 held-out text with the head as stored (bf16 values) against the head quantized to NVFP4 (ModelOpt's bytes,
 `dsv4_model.quant.nvfp4.quantize_weight`, dequantized exactly) and to FP8 e4m3 with one fp32 scale per row
 (amax / 448), the rest of the model unchanged (CPU, fp32, as the engine runs it there); and the head as
-`--head-quant nvfp4` runs it (`quantize_head_`: the same bytes through dsv4::nvfp4_linear, bf16 activations, fp32
-logits from its sums).
+`--head-quant nvfp4` runs it (`quantize_head_`: block scales chosen for the least squared error,
+`nvfp4.quantize_weight_mse`, through dsv4::nvfp4_linear, bf16 activations, fp32 logits from its sums).
 
     python eval/head_quant_accuracy.py [--model DIR] [--text FILE] [--window 512]
 

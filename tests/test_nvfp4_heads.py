@@ -169,3 +169,25 @@ def test_cli_head_quant_generates():
                        "--head-quant", "nvfp4", "--json"])
     assert rc == 0, err.getvalue()
     assert len(json.loads(out.getvalue())["ids"]) == 8
+
+
+def test_mse_scales_never_lose_to_modelopts_block_for_block():
+    """quantize_weight_mse (the heads' quantizer): ModelOpt's global scale and format; each block's squared error
+    at most quantize_weight's (its scale is among the candidates), the total smaller on weights whose blocks vary;
+    passes of rows give the same bytes as one; an all-zero matrix as quantize_weight gives it."""
+    from dsv4_model.quant.nvfp4 import quantize_weight, quantize_weight_mse
+    from dsv4_ops import reference as ref
+
+    torch.manual_seed(3)
+    w = (torch.randn(96, 272) * torch.rand(96, 1) * 3).to(torch.bfloat16)
+    w[5, :16] = 0  # an all-zero block
+    a, b = quantize_weight(w), quantize_weight_mse(w, rows_per_pass=40)
+    assert torch.equal(a[2], b[2]) and [t.dtype for t in a] == [t.dtype for t in b]
+    assert [t.shape for t in a] == [t.shape for t in b]
+    err = [(ref.nvfp4_gemm_dequant_ref(*q) - w.float()).square().unflatten(-1, (-1, 16)).sum(-1) for q in (a, b)]
+    assert bool((err[1] <= err[0]).all()) and float(err[1].sum()) < 0.9 * float(err[0].sum())
+    one = quantize_weight_mse(w, rows_per_pass=96)
+    assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(b[:2], one[:2]))
+    z = torch.zeros(16, 32)
+    assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+               for x, y in zip(quantize_weight(z)[:2], quantize_weight_mse(z)[:2]))

@@ -238,3 +238,51 @@ def quantize_weight(w: torch.Tensor, global_scale: torch.Tensor | None = None
            + (a >= 3.5).int() + (a > 5.0).int())
     codes = (mag | ((y < 0).int() << 3)).flatten(-2)
     return pack_codes(codes), scale, gs
+
+
+MSE_SCALE_FACTORS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 1.05)  # of amax / 6: the block scales quantize_weight_mse tries
+
+
+def _e2m1_round(y: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (sign bit 3) of y, magnitudes round-to-nearest-even and clipped at 6 (quantize_weight's rule)."""
+    a = y.abs()
+    mag = ((a > 0.25).int() + (a >= 0.75).int() + (a > 1.25).int() + (a >= 1.75).int() + (a > 2.5).int()
+           + (a >= 3.5).int() + (a > 5.0).int())
+    return mag | ((y < 0).int() << 3)
+
+
+def quantize_weight_mse(w: torch.Tensor, rows_per_pass: int = 8192
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_weight with each block's scale chosen for the least squared error: ModelOpt's global scale
+    (amax / 2688), then per 16-value block the e4m3 scale among MSE_SCALE_FACTORS x blk_amax / (6 gs) whose codes
+    dequantize closest to the block (a smaller scale clips the block's largest values to 6 x scale and resolves
+    the rest finer). The factor 1 is ModelOpt's scale, so no block's error exceeds quantize_weight's. For weights
+    converted here from float (the NVFP4 head, head_quant); checkpoints' NVFP4 bytes are taken as they are.
+    w [N, K] (K % 16 == 0), in passes of rows_per_pass rows; returns quantize_weight's canonical triple."""
+    if w.dim() != 2 or w.shape[-1] % BLOCK != 0:
+        raise ValueError(f"quantize_weight_mse: need [N, K] with K % 16 == 0, got {tuple(w.shape)}")
+    gs = w.float().abs().amax() / (FP4_MAX * E4M3_MAX)
+    if not bool(gs > 0):
+        return quantize_weight(w)
+    table = torch.tensor(E2M1_VALUES, device=w.device)
+    packed, scales = [], []
+    for r0 in range(0, w.shape[0], rows_per_pass):
+        blocks = w[r0:r0 + rows_per_pass].float().unflatten(-1, (-1, BLOCK))
+        base = blocks.abs().amax(dim=-1) / (FP4_MAX * gs)
+        best_err = best_scale = best_codes = None
+        for f in MSE_SCALE_FACTORS:
+            s = (base * f)
+            s = torch.where(s == 0, torch.ones_like(s), s).clamp(min=2.0**-9).to(torch.float8_e4m3fn).float()
+            codes = _e2m1_round(blocks / (s * gs)[..., None])
+            deq = table[codes & 7] * (1 - 2 * (codes >> 3)).float() * (s * gs)[..., None]
+            err = (deq - blocks).square().sum(-1)
+            if best_err is None:
+                best_err, best_scale, best_codes = err, s, codes
+            else:
+                better = err < best_err
+                best_err = torch.where(better, err, best_err)
+                best_scale = torch.where(better, s, best_scale)
+                best_codes = torch.where(better[..., None], codes, best_codes)
+        packed.append(pack_codes(best_codes.flatten(-2)))
+        scales.append(best_scale.to(torch.float8_e4m3fn))
+    return torch.cat(packed), torch.cat(scales), gs

@@ -141,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
                         "CPU (the CPU NVFP4 kernels are exact references that dequantize per call, ~3x slower)")
     g.add_argument("--head-quant", choices=("none", "nvfp4"), default="none",  # Engine.from_pretrained's
                    help="the head: as stored (none), or NVFP4 after loading (a quarter of its bytes per step; the greedy "
-                        "token changes at ~6%% of the built-in model's positions; docs/nvfp4.md)")
+                        "token changes at ~5%% of the built-in model's positions; docs/nvfp4.md)")
     g.add_argument("--act-quant", choices=("none", "nvfp4"), default=None,
                    help="nvfp4 = W4A4 (activations quantized per token too); default: as stored, else none")
     g.add_argument("--threads", type=int, default=None,

@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="weights: as stored on CUDA, float on the CPU (auto), or forced")
     p.add_argument("--head-quant", choices=("none", "nvfp4"), default="none",
                    help="the head: as stored (none), or NVFP4 after loading (a quarter of its bytes per step; the greedy "
-                        "token changes at ~6%% of the built-in model's positions; docs/nvfp4.md)")
+                        "token changes at ~5%% of the built-in model's positions; docs/nvfp4.md)")
     p.add_argument("--max-batch-size", type=int, default=8, help="requests generating at once (batch rows)")
     p.add_argument("--max-seq-len", type=int, default=4096, help="context per request: prompt + completion")
     p.add_argument("--max-prefill-tokens", type=int, default=None, help="prompt tokens prefilled per iteration")
