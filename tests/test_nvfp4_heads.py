@@ -191,3 +191,33 @@ def test_mse_scales_never_lose_to_modelopts_block_for_block():
     z = torch.zeros(16, 32)
     assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8))
                for x, y in zip(quantize_weight(z)[:2], quantize_weight_mse(z)[:2]))
+
+
+def test_a_compiled_draft_step_sees_a_head_attached_after_it_ran():
+    """The drafters' head attached after a compiled drafting step ran: the step recompiles and drafts with it (the
+    attribute exists from construction, so the first trace guards on it)."""
+    m = _model(1)
+
+    class Marked(torch.nn.Module):
+        def forward(self, x):
+            return torch.full((*x.shape[:-1], m.config.vocab_size), 7.0)
+
+    h = torch.randn(2, 1, m.config.hc_mult, m.config.dim)
+    ids, pos = torch.tensor([[1], [2]]), torch.tensor([20, 30])
+    torch._dynamo.reset()
+    step = torch.compile(lambda h, ids, pos: mtp.decode_tokens(m, h, ids, pos)[0], backend="eager", fullgraph=True)
+    assert not torch.equal(step(h, ids, pos), torch.full((2, 1, m.config.vocab_size), 7.0))
+    attach_draft_head(m, Marked())
+    assert torch.equal(step(h, ids, pos), torch.full((2, 1, m.config.vocab_size), 7.0))
+
+
+@needs_assets
+def test_a_model_with_an_nvfp4_head_is_not_saved(tmp_path):
+    from dsv4_model.checkpoint.loader import save_model
+    from dsv4_model.runtime.engine import Engine
+
+    eng = Engine.from_pretrained(ASSETS, device="cpu", dtype=torch.float32, max_seq_len=64, progress=False,
+                                 compile=False, head_quant="nvfp4")
+    with pytest.raises(ValueError, match="the head is NVFP4"):
+        save_model(eng.model, eng.config, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -709,6 +709,11 @@ def save_model(model, config, path: str | os.PathLike, *, num_shards: int | None
     model is written with its NVFP4 buffers and the `dsv4_quant` marker (loads back without re-quantizing). An
     attached DSpark module (`model.dspark`, a 0731-style checkpoint's) is written under its `mtp.*` names, held as
     the model is (NVFP4 or float)."""
+    from dsv4_model.quant.nvfp4_modules import is_nvfp4
+
+    if is_nvfp4(model.head):  # (before anything is written: no loader reads a head stored that way)
+        raise ValueError("save_model: the head is NVFP4 (head_quant): save the model as loaded, with its stored head; "
+                         "head_quant converts it again at load")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     state = model.state_dict()

@@ -200,6 +200,9 @@ class Transformer(nn.Module):
                  prefill_attn_rows: int | None = None, allow_beyond_max_position: bool = False,
                  spare_window_slots: int = 0):
         super().__init__()
+        # the drafters' own head (attach_draft_head), None: the model's. Present from the start, so a compiled step
+        # that read it guards on it and recompiles when a head is attached later.
+        attach_draft_head(self, None)
         config.validate()
         check_positive_int(max_batch_size, "max_batch_size")
         check_max_seq_len(max_seq_len, config, allow_beyond_max_position)

@@ -251,7 +251,7 @@ def _e2m1_round(y: torch.Tensor) -> torch.Tensor:
     return mag | ((y < 0).int() << 3)
 
 
-def quantize_weight_mse(w: torch.Tensor, rows_per_pass: int = 8192
+def quantize_weight_mse(w: torch.Tensor, rows_per_pass: int = 2048
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """quantize_weight with each block's scale chosen for the least squared error: ModelOpt's global scale
     (amax / 2688), then per 16-value block the e4m3 scale among MSE_SCALE_FACTORS x blk_amax / (6 gs) whose codes

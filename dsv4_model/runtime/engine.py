@@ -168,6 +168,8 @@ class Engine(EngineSession):
 
         if kind not in DRAFT_HEADS:
             raise ValueError(f"draft_head must be one of {DRAFT_HEADS}, got {kind!r}")
+        if kind == self.draft_head:  # (a second copy would leave captured graphs reading the first one's buffers)
+            return
         copy = kind == "nvfp4" and not is_nvfp4(self.model.head)  # an NVFP4 head (head_quant) drafts as it is
         attach_draft_head(self.model, nvfp4_draft_head(self.model.head) if copy else None)
         self.draft_head = kind
