@@ -711,7 +711,8 @@ def save_model(model, config, path: str | os.PathLike, *, num_shards: int | None
     the model is (NVFP4 or float)."""
     from dsv4_model.quant.nvfp4_modules import is_nvfp4
 
-    if is_nvfp4(model.head):  # (before anything is written: no loader reads a head stored that way)
+    head = getattr(model, "head", None)  # (a state-dict holder, e.g. the training script's, has none)
+    if head is not None and is_nvfp4(head):  # before anything is written: no loader reads a head stored that way
         raise ValueError("save_model: the head is NVFP4 (head_quant): save the model as loaded, with its stored head; "
                          "head_quant converts it again at load")
     out = Path(path)
