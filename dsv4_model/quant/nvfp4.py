@@ -232,19 +232,15 @@ def quantize_weight(w: torch.Tensor, global_scale: torch.Tensor | None = None
     live = gs_b > 0
     scale = torch.where(live, scale.float(), torch.zeros_like(gs_b)).to(torch.float8_e4m3fn)
     y = torch.where(live[..., None], blocks / (scale.float() * gs_b)[..., None], torch.zeros_like(blocks))
-    a = y.abs()
-    # E2M1 magnitude code, ties to even: the midpoints 0.75, 1.75, 3.5 round up, 0.25, 1.25, 2.5, 5 down
-    mag = ((a > 0.25).int() + (a >= 0.75).int() + (a > 1.25).int() + (a >= 1.75).int() + (a > 2.5).int()
-           + (a >= 3.5).int() + (a > 5.0).int())
-    codes = (mag | ((y < 0).int() << 3)).flatten(-2)
-    return pack_codes(codes), scale, gs
+    return pack_codes(_e2m1_round(y).flatten(-2)), scale, gs
 
 
 MSE_SCALE_FACTORS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 1.05)  # of amax / 6: the block scales quantize_weight_mse tries
 
 
 def _e2m1_round(y: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes (sign bit 3) of y, magnitudes round-to-nearest-even and clipped at 6 (quantize_weight's rule)."""
+    """E2M1 codes (sign bit 3) of y, magnitudes round-to-nearest-even and clipped at 6: the midpoints 0.75, 1.75,
+    3.5 round up, 0.25, 1.25, 2.5, 5 down."""
     a = y.abs()
     mag = ((a > 0.25).int() + (a >= 0.75).int() + (a > 1.25).int() + (a >= 1.75).int() + (a > 2.5).int()
            + (a >= 3.5).int() + (a > 5.0).int())
