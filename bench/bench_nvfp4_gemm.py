@@ -6,7 +6,7 @@ dsv4::nvfp4_linear_grouped vs torch.bmm on bf16 weights and vs 8 nvfp4_linear ca
 the indexer's wq_b): dsv4::nvfp4_linear_multi vs two torch.matmul and two nvfp4_linear calls. MoE: 256 experts,
 top-6 (uniform random routing), d = 4096, I = 2048, T = 1 ... 8192 tokens, routed only and routed + shared expert;
 peer = a per-expert bf16 loop in torch (index_select, 3 matmuls, clamped SwiGLU, index_add_) for the same routing,
-captured in a CUDA graph; at 2 < T <= 64 also with the gemv kernel in 2-token passes (moe_gemv_rows=2).
+captured in a CUDA graph; at 8 < T <= 64 also with the gemv kernel in 2-token passes (moe_gemv_rows=2; the auto choice to T = 8).
 Head: V4-Flash's head (129280 x 4096, fp32 logits) stored bf16 (dsv4::fp32_linear) vs NVFP4 (head_quant).
 
 Every figure is a CUDA-graph replay of REPS back-to-back calls divided by REPS (best of 3 replays). Calls cycle
@@ -292,7 +292,7 @@ def bench_moe(gen):
             with kernel_choice("wgmma_wide"):  # the same with 256-row tiles
                 t_ww = graph_us(lambda i: ops.nvfp4_moe(x, ids, wts, w13, s13, g13, w2, s2, g2, *sh, 10.0), reps)
             rows2 = ""
-            if 2 < T <= 64:  # the gemv kernel's 2-token passes (moe_gemv_rows; where gemv runs: else the same)
+            if 8 < T <= 64:  # the gemv kernel's 2-token passes (moe_gemv_rows; where gemv runs: else the same)
                 with kernel_overrides(moe_gemv_rows=2):
                     t_r2 = graph_us(lambda i: ops.nvfp4_moe(x, ids, wts, w13, s13, g13, w2, s2, g2, *sh, 10.0), reps)
                 rows2 = f" | 2-row gemv {t_r2:7.1f} us ({nbytes / (t_r2 * 1e-6) / HBM:4.0%})"

@@ -31,8 +31,8 @@ class KernelOverrides:
     head dim 512, elsewhere the auto choice; auto runs it at 64+ heads and 2048+ listed keys per call).
     nvfp4_fused_path: the per-tensor fused quantizers' scheme. topk_kernel: dsv4::indexer_topk's kernel, "cluster"
     (8 CTAs per row; auto below 64 rows) or "rows" (one CTA per row; auto from 64). moe_gemv_rows: token rows per
-    pass of the MoE's gemv kernel, 0 (auto: 2 while T <= 2, else 8), 2 or 8 (an experiment: a deeper weight ring
-    with 2)."""
+    pass of the MoE's gemv kernel, 0 (auto: 2 while T <= 8, else 8), 2 or 8 (2 gives each warp a deeper weight
+    ring)."""
     nvfp4_gemm_kernel: str = "auto"
     pdl: bool = True
     moe_local_route: bool = True

@@ -16,7 +16,7 @@ struct Overrides {
   int nvfp4_fused_path = 0;   // per-tensor fused quantizers: 0 auto, 1 cluster, 2 grid
   int topk_kernel = 0;        // dsv4::indexer_topk: 0 auto (rows from 64 rows), 1 the 8-CTA cluster per row,
                               // 2 one CTA per row (indexer_topk_rows.cu)
-  int moe_gemv_rows = 0;      // MoE on the gemv kernel: token rows per pass, 0 auto (2 while T <= 2, else 8), 2, 8
+  int moe_gemv_rows = 0;      // MoE on the gemv kernel: token rows per pass, 0 auto (2 while T <= 8, else 8), 2, 8
 };
 
 // The process's overrides (one instance inside libdsv4_ops.so).

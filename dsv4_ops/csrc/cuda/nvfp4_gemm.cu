@@ -335,11 +335,12 @@ extern "C" cudaError_t dsv4_nvfp4_moe_launch(const Nvfp4MoeArgs* a, cudaStream_t
   // gemv kernel (2-token passes while T <= 2), else skinny with 8 * nt tokens per pass.
   const int nt = pick_nt((TK + a->E - 1) / a->E * 2);
   const bool gemv = a->gemv && nt == 1;
-  // Token rows per gemv pass: 2 while T <= 2, else 8 (the moe_gemv_rows override forces either: with 2 rows a
+  // Token rows per gemv pass: 2 while T <= 8, else 8 (the moe_gemv_rows override forces either). With 2 rows a
   // warp's ring holds 4-6 chunks instead of 3, more weight bytes in flight where most experts see one token; a
-  // slot with more tokens takes several passes, the shared expert T / 2 slots; not measured yet).
+  // slot with more tokens takes several passes, the shared expert T / 2 slots. H100, 256 experts top-6: T = 8
+  // 240.9 vs 252.5 us, T = 16 even, T = 64 1.19x slower (bench/RESULTS.md).
   const int forced_rows = dsv4_overrides::get().moe_gemv_rows;
-  const int gemv_rows = forced_rows == 2 || forced_rows == 8 ? forced_rows : a->T <= 2 ? 2 : 8;
+  const int gemv_rows = forced_rows == 2 || forced_rows == 8 ? forced_rows : a->T <= 8 ? 2 : 8;
   // the wgmma kernels where skinny would run (unless a kernel is forced): TM tokens per tile, 128 rows per CTA
   const int wg_tm = a->wgmma && !gemv ? wgmma_tile_tokens((TK + a->E - 1) / a->E * 2) : 0;
   // 256-row tiles (forced, or auto from 32-token tiles: each CTA re-reads its gathered activations half as often;
