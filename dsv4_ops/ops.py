@@ -75,8 +75,10 @@ def nvfp4_moe_rows(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, *, w13: Se
 
 # ---- indexer, sampler, router
 def indexer_score_topk(q: Tensor, weights: Tensor, *, k_codes: Tensor, k_scales: Tensor, n_valid: Tensor, topk: int,
-                       weights_scale: float = 1.0, weights_dtype: torch.dtype | None = None) -> Tensor:
-    return _ops.indexer_score_topk(q, weights, k_codes, k_scales, n_valid, topk, weights_scale, weights_dtype)
+                       weights_scale: float = 1.0, weights_dtype: torch.dtype | None = None,
+                       kv_batch: int = 0) -> Tensor:
+    return _ops.indexer_score_topk(q, weights, k_codes, k_scales, n_valid, topk, weights_scale, weights_dtype,
+                                   kv_batch)
 
 
 def indexer_prefill_scores(q: Tensor, weights: Tensor, *, keys: Tensor, n_visible: Tensor) -> Tensor:
@@ -122,8 +124,8 @@ def fp32_linear(x: Tensor, weights: Sequence[Tensor]) -> list[Tensor]:
 
 def sparse_attn_decode(q: Tensor, kv: Tensor, idx: Tensor, *, sink: Tensor, scale: float,
                        out_rope: Tensor | None = None, rope_dim: int = 0, idx2: Tensor | None = None,
-                       idx2_offset: int = 0) -> Tensor:
-    return _ops.sparse_attn_decode(q, kv, idx, sink, scale, out_rope, rope_dim, idx2, idx2_offset)
+                       idx2_offset: int = 0, kv_batch: int = 0) -> Tensor:
+    return _ops.sparse_attn_decode(q, kv, idx, sink, scale, out_rope, rope_dim, idx2, idx2_offset, kv_batch)
 
 
 def rms_norm_rope(x: Tensor, *, weight: Tensor | None, cs: Tensor, eps: float, rope_dim: int,

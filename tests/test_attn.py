@@ -173,6 +173,36 @@ def test_second_row_list_is_the_joined_list(device, B, H, D, N, J1, J2, off, dty
                                ref.sparse_attn_decode_ref(q, kv, joined, sink, scale), rtol=0, atol=0)
 
 
+# (T, S, H, D, N, J1, J2): a verification of 4 tokens of 2 V4-Flash CSA rows, 2 tokens of 3 tiny rows
+KV_BATCH = [(4, 2, 64, 512, 1152, 128, 512), (2, 3, 4, 80, 40, 16, 12)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T,S,H,D,N,J1,J2", KV_BATCH)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kv_batch_reads_each_rows_sequence(device, T, S, H, D, N, J1, J2, dtype):
+    """kv_batch = S: query row b (T tokens of S sequences, token-major) reads kv[b % S] -- the same bits as the
+    call on the cache repeated T times (every kernel on CUDA), a cache with spare rows, and the reference."""
+    gen = torch.Generator().manual_seed(T * 10 + S)
+    q, kv, idx, sink = case(T * S, H, D, N, J1, dtype, gen, kv_rows=S + 2)
+    sel = torch.where(torch.rand(T * S, J2, generator=gen) < 0.25, -1, torch.randint(0, N - J1, (T * S, J2),
+                                                                                       generator=gen))
+    scale = D ** -0.5
+    rep = kv[:S].repeat(T, 1, 1)
+    dev = lambda t: t.to(device)  # noqa: E731
+    for kernel in (("auto", "simt", "mma_all_heads", "mma_16_heads", "wgmma") if device == "cuda" else ("auto",)):
+        with kernel_overrides(attn_kernel=kernel):
+            want = ops.sparse_attn_decode(dev(q), dev(rep), dev(idx).int(), dev(sink), scale, None, 0, dev(sel), J1)
+            got = ops.sparse_attn_decode(dev(q), dev(kv), dev(idx).int(), dev(sink), scale, None, 0, dev(sel), J1, S)
+            assert torch.equal(got, want), kernel
+    joined = torch.cat([idx, torch.where(sel >= 0, sel + J1, -1)], dim=1)
+    check(got, q, rep, joined, sink, scale)
+    torch.testing.assert_close(ref.sparse_attn_decode_ref(q, kv, idx, sink, scale, None, 0, sel, J1, S),
+                               ref.sparse_attn_decode_ref(q, rep, joined, sink, scale), rtol=0, atol=0)
+    torch.library.opcheck(ops.sparse_attn_decode.default,
+                          (dev(q), dev(kv), dev(idx).int(), dev(sink), scale, None, 0, dev(sel), J1, S))
+
+
 def test_bad_arguments():
     q, kv = torch.randn(2, 4, 16), torch.randn(2, 10, 16)
     idx, sink = torch.zeros(2, 3, dtype=torch.int32), torch.zeros(4)
@@ -190,6 +220,10 @@ def test_bad_arguments():
         ops.sparse_attn_decode(q, kv, idx, sink, 1.0, None, 0, idx.float(), 4)
     with pytest.raises(RuntimeError, match=r"idx2_offset must be in \[0, 2\^31\)"):
         ops.sparse_attn_decode(q, kv, idx, sink, 1.0, None, 0, idx, -1)
+    with pytest.raises(RuntimeError, match="kv_batch must be 0 or divide B = 2, got 3"):
+        ops.sparse_attn_decode(q, kv, idx, sink, 1.0, None, 0, None, 0, 3)
+    with pytest.raises(RuntimeError, match=r"kv must be \[B' >= kv_batch = 2"):
+        ops.sparse_attn_decode(q.repeat(2, 1, 1), kv[:1], idx.repeat(2, 1), sink, 1.0, None, 0, None, 0, 2)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -79,6 +79,32 @@ def test_ragged_positions_and_spare_slots():
     torch.testing.assert_close(torch.cat(got, 1), torch.stack(want, 1), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("simulate_quant", [False, True], ids=["fp32-keys", "fp8-kv-fp4-indexer"])
+@pytest.mark.parametrize("opts", [DecodeOptions(), DecodeOptions(attention="fused"), DecodeOptions(attention="torch")],
+                         ids=["shipped", "attention=fused", "attention=torch"])
+def test_one_attention_call_for_the_tokens_equals_token_after_token(simulate_quant, opts):
+    """With T - 1 spare ring slots the layers select (the FP4 indexer's op where simulate_quant) and attend the T
+    tokens in one call each after their cache writes (Attention.decode_tokens); without, token after token. Both
+    give the same logits, ragged positions, every chunk of 4 tokens (the window wraps, ratio-4 and ratio-16
+    windows close inside chunks). The torch form sums over the ring's slots, so rings of other sizes agree to
+    fp32 ulps, which the simulated FP8 / FP4 roundings turn into steps (as two rings token after token do): there
+    the greedy tokens, and logits within those steps."""
+    T = 4
+    (batched, cfg), (tokenwise, _) = (_float_model(simulate_quant, spare=T - 1), _float_model(simulate_quant))
+    ids = _ids(cfg)
+    lengths = torch.tensor([PROMPT, 9])
+    for m in (batched, tokenwise):
+        m.prefill(ids[:, :PROMPT], lengths)
+    for c in range((TOTAL - PROMPT) // T):
+        chunk, pos = ids[:, PROMPT + T * c: PROMPT + T * (c + 1)], lengths + T * c
+        got, want = batched.decode_tokens(chunk, pos, opts), tokenwise.decode_tokens(chunk, pos, opts)
+        if simulate_quant and opts.attention == "torch":
+            torch.testing.assert_close(got, want, rtol=0, atol=5e-3)
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_nvfp4_weights():
     """A random NVFP4 (W4A16, bf16) model: 3 tokens per pass give, within bf16 noise, the logits of a prefill of
     the whole sequence, and the greedy tokens of 3 decode steps per pass."""

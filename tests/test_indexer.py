@@ -370,6 +370,28 @@ def test_small_N_and_topk_edge_cases_cpu():
         assert torch.equal(got, want), (N, topk, nv)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_kv_batch_scores_each_rows_sequence(device, q_dtype):
+    """kv_batch = S: query row b (T tokens of S sequences, token-major) scores sequence b % S's keys -- the same
+    indices as the call on the keys repeated T times, and the reference; opcheck."""
+    T, S = 3, 2
+    N, topk, H, D = (40, 8, 64, 128) if device == "cpu" else (3000, 512, 64, 128)
+    q, w, c, s = exact_inputs(T * S, N, H, D, q_dtype=q_dtype, seed=11, device=device)
+    c, s = c[:S], s[:S]  # the sequences' keys; the queries' rows are T tokens of each
+    n_valid = torch.tensor([N, 7, N - 1, 0, 37, N + 3], dtype=torch.int64, device=device)
+    got = OP(q, w, c, s, n_valid, topk, kv_batch=S)
+    want = OP(q, w, c.repeat(T, 1, 1), s.repeat(T, 1, 1), n_valid, topk)
+    assert torch.equal(got, want)
+    assert torch.equal(got.cpu(), ref.indexer_score_topk_ref(q.cpu(), w.cpu(), c.cpu(), s.cpu(), n_valid.cpu(), topk,
+                                                             kv_batch=S))
+    torch.library.opcheck(OP.default, (q, w, c, s, n_valid, topk), dict(kv_batch=S))
+    with pytest.raises(RuntimeError, match="kv_batch must be 0 or divide B = 6, got 4"):
+        OP(q, w, c, s, n_valid, topk, kv_batch=4)
+    with pytest.raises(RuntimeError, match="k_codes must be \\[kv_batch, N, D/2\\] = \\[3"):
+        OP(q, w, c, s, n_valid, topk, kv_batch=3)
+
+
 def test_input_validation_cpu():
     q, w, c, s = exact_inputs(2, 10, 4, 64)
     nv = torch.tensor([10, 10], dtype=torch.int32)

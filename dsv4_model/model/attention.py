@@ -33,7 +33,7 @@ from dsv4_model.model.indexer import Indexer, topk_indices
 from dsv4_model.model.layers import (FloatWeight, GroupedLinear, Linear, RMSNorm, apply_rope, project,
                                      unweighted_rms_norm)
 from dsv4_model.model.quant_sim import fp4_pack_indexer_keys, kv_fake_quant
-from dsv4_model.model.step_values import DecodeStep
+from dsv4_model.model.step_values import DecodeStep, TokenSteps
 
 # a prefill attention chunk's fp32 scores at most (bounds the chunk's rows; see Attention.prefill_rows)
 PREFILL_SCORE_BYTES = 512 * 2**20
@@ -430,19 +430,31 @@ class Attention(nn.Module):
         o, rotated = self._decode_attend(self._decode_projections(x, cs, step.positions), step)
         return self._out(o, cs, rotated=rotated)
 
-    def decode_tokens(self, x: torch.Tensor, steps: list[DecodeStep]) -> torch.Tensor:
+    def decode_tokens(self, x: torch.Tensor, steps: TokenSteps) -> torch.Tensor:
         """T tokens per row at once: x [T * B, dim] (row t * B + b: token t of sequence b, at steps[t]'s
         positions) -> [T * B, dim]. The projections run on all T * B rows (their weights read once); the cache
-        writes, compressors, indexer and attention token after token, as T decode steps would."""
+        writes and compressors token after token, as T decode steps would. Where the ring has T - 1 spare slots (a
+        speculative model verifying K + 1 tokens) the indexer's selection and the attention then run once over the
+        T * B rows, each at its own position (steps.stacked): what a later token wrote is outside an earlier
+        one's window (its slot held a position W + spare back) and past its visible entries, so each token sees
+        what its own decode step would. Else token after token."""
         T = len(steps)
         B = x.shape[0] // T
         cs = torch.cat([st.cs(self.rope_kind) for st in steps])
         p = self._decode_projections(x, cs)
-        outs, rotated = [], False
+        if T - 1 > self.ring - self.window:
+            outs, rotated = [], False
+            for t, st in enumerate(steps):
+                o, rotated = self._decode_attend(p.rows(t * B, (t + 1) * B), st)
+                outs.append(o)
+            return self._out(torch.cat(outs), cs, rotated=rotated)
         for t, st in enumerate(steps):
-            o, rotated = self._decode_attend(p.rows(t * B, (t + 1) * B), st)
-            outs.append(o)
-        return self._out(torch.cat(outs), cs, rotated=rotated)
+            pt = p.rows(t * B, (t + 1) * B)
+            if self.indexer is not None:
+                self._decode_index_store(pt, st)
+            self._decode_store(pt, st)
+        o, rotated = self._decode_attend(p, steps.stacked, seqs=B, stored=True)
+        return self._out(o, cs, rotated=rotated)
 
     def _decode_projections(self, x: torch.Tensor, cs: torch.Tensor,
                             positions: torch.Tensor | None = None) -> "DecodeProjections":
@@ -450,17 +462,22 @@ class Attention(nn.Module):
         qr, q, kv, iproj = self._qkv(x, cs, decode=True, positions=positions)
         return DecodeProjections(x, cs, qr, q, kv, iproj, *self._fp32_projections(x))
 
-    def _decode_attend(self, p: "DecodeProjections", step: DecodeStep) -> tuple[torch.Tensor, bool]:
-        """One decode token per row after its projections: the indexer's selection, the cache writes and the
-        attention, by the op or the tensor-op form as the step's options decide -> (o [B, H, D], whether o is
-        already inverse-rotated)."""
-        sel = self._decode_select(p, step) if self.indexer is not None else None
-        self._decode_store(p, step)
-        B = p.x.shape[0]
+    def _decode_attend(self, p: "DecodeProjections", step: DecodeStep, seqs: int | None = None,
+                       stored: bool = False) -> tuple[torch.Tensor, bool]:
+        """One decode token per row after its projections: the indexer's selection, the cache writes (unless
+        stored: done already) and the attention, by the op or the tensor-op form as the step's options decide ->
+        (o [N, H, D], whether o is already inverse-rotated). seqs: the rows are tokens of that many sequences,
+        row n of sequence n % seqs (decode_tokens), else one per sequence."""
+        if not stored and self.indexer is not None:
+            self._decode_index_store(p, step)
+        sel = self._decode_index_select(p, step, seqs) if self.indexer is not None else None
+        if not stored:
+            self._decode_store(p, step)
+        N = p.x.shape[0]
         listed = self.ring + (sel.idx.shape[1] if sel is not None else self.n_entries if self.ratio else 0)
-        if self.fused_attention(B, listed, step):
-            return self._decode_attend_op(p.q, p.cs, step, sel)
-        return self._decode_attend_reference(p.q, step, sel), False
+        if self.fused_attention(N, listed, step):
+            return self._decode_attend_op(p.q, p.cs, step, sel, seqs)
+        return self._decode_attend_reference(p.q, step, sel, seqs), False
 
     def fused_attention(self, batch: int, listed: int, step: DecodeStep) -> bool:
         """Whether decode attends with dsv4::sparse_attn_decode (one op instead of a gather, two GEMMs per key set,
@@ -475,21 +492,23 @@ class Attention(nn.Module):
         return (form == "fused" or (self.attn_tensor_cores and not step.attn_simt)
                 or batch * listed <= supports.FUSED_ATTN_MAX_ROWS)
 
-    def _decode_select(self, p: "DecodeProjections", step: DecodeStep) -> "Selection":
-        """CSA: the indexer's compressor advances (its entry stored, _store_index_entry), then its top-k of the
-        entries the token sees."""
+    def _decode_index_store(self, p: "DecodeProjections", step: DecodeStep) -> None:
+        """CSA: the indexer's compressor advances, its entry stored where its window just closed
+        (_store_index_entry)."""
+        ientry, icomplete = self.indexer.compressor.decode(p.x, step, self.rope_kind, p.iproj_c)
+        self._store_index_entry(ientry, icomplete, step.positions, self.indexer.packed_decode())
+
+    def _decode_index_select(self, p: "DecodeProjections", step: DecodeStep, seqs: int | None) -> "Selection":
+        """CSA: the indexer's top-k of the entries each row's token sees (seqs: as _decode_attend's)."""
         ix, m, positions = self.indexer, self.ratio, step.positions
-        packed = ix.packed_decode()
-        ientry, icomplete = ix.compressor.decode(p.x, step, self.rope_kind, p.iproj_c)
-        self._store_index_entry(ientry, icomplete, positions, packed)
         iq = ix.queries(p.qr, p.cs.unsqueeze(-3), p.iproj)
         k = min(ix.index_topk, self.n_entries)
-        if packed:
-            raw = ix.select(iq, p.x, step.visible(m), k, p.wproj)
+        if ix.packed_decode():
+            raw = ix.select(iq, p.x, step.visible(m), k, p.wproj, seqs)
             valid = raw >= 0
             return Selection(raw.clamp(min=0).long(), valid, raw)
-        B = p.x.shape[0]
-        sc = ix.scores(iq.unsqueeze(1), p.x.unsqueeze(1), ix.kv_cache[:B]).squeeze(1)
+        keys = self._seq_rows(ix.kv_cache, p.x.shape[0], seqs)
+        sc = ix.scores(iq.unsqueeze(1), p.x.unsqueeze(1), keys).squeeze(1)
         n_vis = ((positions + 1) // m).unsqueeze(1)
         sc = sc.masked_fill(torch.arange(self.n_entries, device=p.x.device).unsqueeze(0) >= n_vis, float("-inf"))
         sel = topk_indices(sc, k)
@@ -524,11 +543,11 @@ class Attention(nn.Module):
             if entry is not None:
                 self._write_entry(self.kv_cache, R, positions, entry, complete)
 
-    def _decode_attend_op(self, q: torch.Tensor, cs: torch.Tensor, step: DecodeStep,
-                          sel: "Selection | None") -> tuple[torch.Tensor, bool]:
+    def _decode_attend_op(self, q: torch.Tensor, cs: torch.Tensor, step: DecodeStep, sel: "Selection | None",
+                          seqs: int | None = None) -> tuple[torch.Tensor, bool]:
         """The attention as one dsv4::sparse_attn_decode call over the listed cache rows -> (o, whether the op
-        applied the output's inverse RoPE)."""
-        R, m, B = self.ring, self.ratio, q.shape[0]
+        applied the output's inverse RoPE). seqs: as _decode_attend's (the op's kv_batch)."""
+        R, m, B = self.ring, self.ratio, seqs or q.shape[0]
         idx2, idx2_offset = None, 0  # the indexer's top-k after the window rows, as the op's second row list
         if sel is None:  # the same rows for every layer of this kind and shape: once per step
             rows = self._shared_rows(step, (R, m, self.n_entries))
@@ -539,24 +558,32 @@ class Attention(nn.Module):
         out_rope = self.use_out_rope  # the output's inverse RoPE in the op's combine kernel (one kernel less)
         o = ops.sparse_attn_decode(q, self.kv_cache[:B], rows, sink=self.attn_sink, scale=self.softmax_scale,
                                    out_rope=cs if out_rope else None, rope_dim=self.rope_dim if out_rope else 0,
-                                   idx2=idx2, idx2_offset=idx2_offset)
+                                   idx2=idx2, idx2_offset=idx2_offset, kv_batch=seqs or 0)
         return o, out_rope
 
-    def _decode_attend_reference(self, q: torch.Tensor, step: DecodeStep, sel: "Selection | None") -> torch.Tensor:
+    def _decode_attend_reference(self, q: torch.Tensor, step: DecodeStep, sel: "Selection | None",
+                                 seqs: int | None = None) -> torch.Tensor:
         """The attention in tensor ops (_attend): the window's ring slots, then the selected entries (CSA) or
-        every entry closed so far (HCA) -> o [B, H, D], not inverse-rotated."""
-        R, m, B, positions = self.ring, self.ratio, q.shape[0], step.positions
-        keys = self.kv_cache[:B, :R]
+        every entry closed so far (HCA) -> o [B, H, D], not inverse-rotated. seqs: as _decode_attend's."""
+        R, m, positions = self.ring, self.ratio, step.positions
+        cache = self._seq_rows(self.kv_cache, q.shape[0], seqs)
+        keys = cache[:, :R]
         mask = self._window_slots_held(positions).unsqueeze(1)
         qkeys = qmask = None
         if sel is not None:
-            qkeys = self.kv_cache[:B, R:].gather(1, sel.idx.unsqueeze(-1).expand(-1, -1, self.head_dim)).unsqueeze(1)
+            qkeys = cache[:, R:].gather(1, sel.idx.unsqueeze(-1).expand(-1, -1, self.head_dim)).unsqueeze(1)
             qmask = sel.valid.unsqueeze(1)
         elif self.ratio:
             cmask = torch.arange(self.n_entries, device=q.device).unsqueeze(0) < ((positions + 1) // m).unsqueeze(1)
-            keys = self.kv_cache[:B]
+            keys = cache
             mask = torch.cat([mask, cmask.unsqueeze(1)], dim=-1)
         return self._attend(q.unsqueeze(1), keys, mask, qkeys, qmask).squeeze(1)
+
+    @staticmethod
+    def _seq_rows(cache: torch.Tensor, n: int, seqs: int | None) -> torch.Tensor:
+        """The cache rows of n query rows: rows [:n], or with seqs (n tokens of seqs sequences, token-major) rows
+        [:seqs] repeated (the tensor-op forms; the ops read them in place)."""
+        return cache[:n] if not seqs else cache[:seqs].repeat(n // seqs, *([1] * (cache.dim() - 1)))
 
     def _shared_rows(self, step: DecodeStep, key: tuple) -> torch.Tensor:
         """The attended rows of a layer without an indexer of this (ring slots, ratio, entries) key (ratio 0: the

@@ -96,18 +96,19 @@ class Indexer(nn.Module):
             scatter_entries(self.k_scales, entries, scales, write)
 
     def select(self, q: torch.Tensor, x: torch.Tensor, n_vis: torch.Tensor, k: int,
-               proj: torch.Tensor | None = None) -> torch.Tensor:
+               proj: torch.Tensor | None = None, seqs: int | None = None) -> torch.Tensor:
         """Decode top-k over the packed cache: q [B, H_I, Di], x [B, dim], n_vis [B] -> int32 [B, k], -1 past
         the valid entries. proj: the fp32 product of weights_proj (Attention._fp32_projections), not yet rounded
-        to the weight's dtype."""
-        B = q.shape[0]
+        to the weight's dtype. seqs: the B rows are tokens of that many sequences (row b of sequence b % seqs)."""
+        B = seqs or q.shape[0]
         if proj is None:
             w, dtype = self.weights_proj(x).float(), None
         else:  # the op rounds it as the module rounds its output, and scales it: no pointwise kernel of its own
             w, dtype = proj, self.weights_proj.weight.dtype
             dtype = None if dtype == torch.float32 else dtype
         return ops.indexer_score_topk(q, w, k_codes=self.k_codes[:B], k_scales=self.k_scales[:B], n_valid=n_vis,
-                                      topk=k, weights_scale=self.weight_scale, weights_dtype=dtype)
+                                      topk=k, weights_scale=self.weight_scale, weights_dtype=dtype,
+                                      kv_batch=seqs or 0)
 
     def scores(self, q: torch.Tensor, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """q [B, S, H_I, Di], x [B, S, dim], keys [B, T, Di] -> fp32 [B, S, T]."""

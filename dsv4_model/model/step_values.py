@@ -116,3 +116,21 @@ class DecodeStep:
         if key not in self._rows:
             self._rows[key] = in_slot(self._attn_slots.get(key), key, compute())
         return self._rows[key]
+
+
+class TokenSteps(list):
+    """The T DecodeSteps of a multi-token decode (Transformer.decode_tokens: rows t * B + b hold token t of row b,
+    at positions + t), and `stacked`: one DecodeStep over all T * B rows at their own positions, where the layers
+    select and attend the T tokens in one call each (Attention.decode_tokens); built on first use, then shared."""
+
+    def __init__(self, positions: torch.Tensor, T: int, options: DecodeOptions, tables: dict[str, torch.Tensor]):
+        super().__init__(DecodeStep(positions + t, options, tables, {}, None, {}) for t in range(T))
+        self._tables = tables
+        self._stacked: DecodeStep | None = None
+
+    @property
+    def stacked(self) -> DecodeStep:
+        if self._stacked is None:
+            self._stacked = DecodeStep(torch.cat([st.positions for st in self]), self[0].options, self._tables, {},
+                                       None, {})
+        return self._stacked

@@ -38,7 +38,7 @@ from dsv4_model.model.checks import check_max_seq_len, check_positive_int
 from dsv4_model.model.compressor import Compressor
 from dsv4_model.model.indexer import Indexer
 from dsv4_model.model.decode_options import DEFAULT as DEFAULT_OPTIONS, DecodeOptions
-from dsv4_model.model.step_values import DecodeStep, StepScratch
+from dsv4_model.model.step_values import DecodeStep, StepScratch, TokenSteps
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.layers import (Linear, RMSNorm, hc_head, hc_post, hc_pre, narrow_if_lossless_, rope_inv_freq,
                                      rope_table)
@@ -475,8 +475,8 @@ class Transformer(nn.Module):
         h = self.embed(ids).unsqueeze(1).repeat(1, self.hc, 1)
         return self._decode_layers(h, ids, self._token_steps(positions, T, options), options)
 
-    def _token_steps(self, positions: torch.Tensor, T: int, options: DecodeOptions) -> list[DecodeStep]:
-        return [DecodeStep(positions + t, options, self._rope(), {}, None, {}) for t in range(T)]
+    def _token_steps(self, positions: torch.Tensor, T: int, options: DecodeOptions) -> TokenSteps:
+        return TokenSteps(positions, T, options, self._rope())
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         return self.prefill(tokens, lengths, all_logits=True)

@@ -7,14 +7,20 @@
 
 namespace dsv4_attn {
 
-// Returns nothing; names the argument that is wrong.
-inline void check(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx, const at::Tensor& sink) {
+// Returns nothing; names the argument that is wrong. kv_batch > 0: query row b reads kv[b % kv_batch] (T tokens of
+// kv_batch sequences, token-major: a speculative step's verification), so kv needs kv_batch rows and B a multiple
+// of it; 0: kv[b].
+inline void check(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx, const at::Tensor& sink,
+                  int64_t kv_batch) {
   const char* op = "dsv4::sparse_attn_decode";
   TORCH_CHECK(q.dim() == 3, op, ": q must be [B, H, D], got ", q.sizes());
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf || q.scalar_type() == at::kFloat, op,
               ": q must be bfloat16, float16 or float32, got ", q.scalar_type());
-  TORCH_CHECK(kv.dim() == 3 && kv.size(2) == q.size(2) && kv.size(0) >= q.size(0), op,
-              ": kv must be [B' >= B, N, D = ", q.size(2), "], got ", kv.sizes());
+  TORCH_CHECK(kv_batch >= 0 && kv_batch < (int64_t(1) << 31) && (kv_batch == 0 || q.size(0) % kv_batch == 0), op,
+              ": kv_batch must be 0 or divide B = ", q.size(0), ", got ", kv_batch);
+  const int64_t rows = kv_batch ? kv_batch : q.size(0);
+  TORCH_CHECK(kv.dim() == 3 && kv.size(2) == q.size(2) && kv.size(0) >= rows, op, ": kv must be [B' >= ",
+              kv_batch ? "kv_batch = " : "B = ", rows, ", N, D = ", q.size(2), "], got ", kv.sizes());
   TORCH_CHECK(kv.scalar_type() == q.scalar_type(), op, ": kv must have q's dtype ", q.scalar_type(), ", got ",
               kv.scalar_type());
   TORCH_CHECK(idx.dim() == 2 && idx.size(0) == q.size(0), op, ": idx must be [B = ", q.size(0), ", J], got ",
@@ -79,11 +85,12 @@ inline at::Tensor inverse_rope_aten(const at::Tensor& out, const at::Tensor& cs,
 // The op as ATen ops (the reference's steps): fp32 scores of the gathered rows, masked where idx is outside
 // [0, N), times scale, one softmax with the per-head sink, fp32 weighted sum, q's dtype.
 inline at::Tensor attend_aten(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx,
-                              const at::Tensor& sink, double scale) {
+                              const at::Tensor& sink, double scale, int64_t kv_batch) {
   const int64_t B = q.size(0), N = kv.size(1);
   const at::Tensor valid = idx.ge(0).logical_and(idx.lt(N));  // [B, J]
   const at::Tensor rows = at::where(valid, idx, at::zeros({}, idx.options())).to(at::kLong);
-  const at::Tensor keys = kv.narrow(0, 0, B).to(at::kFloat).gather(
+  const at::Tensor seqs = kv_batch ? kv.narrow(0, 0, kv_batch).repeat({B / kv_batch, 1, 1}) : kv.narrow(0, 0, B);
+  const at::Tensor keys = seqs.to(at::kFloat).gather(
       1, rows.unsqueeze(-1).expand({B, rows.size(1), kv.size(2)}));           // [B, J, D]
   at::Tensor s = at::matmul(q.to(at::kFloat), keys.transpose(1, 2));          // [B, H, J]
   s = s.masked_fill(valid.logical_not().unsqueeze(1), -INFINITY).mul(scale);

@@ -8,9 +8,11 @@
 
 namespace dsv4_indexer {
 
+// kv_batch > 0: query row b scores the keys of sequence b % kv_batch (T tokens of kv_batch sequences,
+// token-major), so the keys hold kv_batch rows and B is a multiple of it; 0: row b's own.
 inline void check(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_codes,
                   const at::Tensor& k_scales, const at::Tensor& n_valid, int64_t topk,
-                  std::optional<at::ScalarType> weights_dtype) {
+                  std::optional<at::ScalarType> weights_dtype, int64_t kv_batch) {
   const char* op = "dsv4::indexer_score_topk: ";
   TORCH_CHECK(q.dim() == 3, op, "q must be [B, H, D], got ", q.sizes());
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, op,
@@ -20,13 +22,17 @@ inline void check(const at::Tensor& q, const at::Tensor& weights, const at::Tens
   TORCH_CHECK(weights.dim() == 2 && weights.size(0) == B && weights.size(1) == H, op, "weights must be [B, H] = [",
               B, ", ", H, "], got ", weights.sizes());
   TORCH_CHECK(weights.scalar_type() == at::kFloat, op, "weights must be float32, got ", weights.scalar_type());
-  TORCH_CHECK(k_codes.dim() == 3 && k_codes.size(0) == B && k_codes.size(2) == D / 2, op,
-              "k_codes must be [B, N, D/2] = [", B, ", N, ", D / 2, "], got ", k_codes.sizes());
+  TORCH_CHECK(kv_batch >= 0 && kv_batch < (int64_t(1) << 31) && (kv_batch == 0 || B % kv_batch == 0), op,
+              "kv_batch must be 0 or divide B = ", B, ", got ", kv_batch);
+  const int64_t S = kv_batch ? kv_batch : B;
+  TORCH_CHECK(k_codes.dim() == 3 && k_codes.size(0) == S && k_codes.size(2) == D / 2, op, "k_codes must be [",
+              kv_batch ? "kv_batch" : "B", ", N, D/2] = [", S, ", N, ", D / 2, "], got ", k_codes.sizes());
   TORCH_CHECK(k_codes.scalar_type() == at::kByte, op, "k_codes must be uint8, got ", k_codes.scalar_type());
   const int64_t N = k_codes.size(1);
   TORCH_CHECK(N < (int64_t(1) << 31), op, "at most 2^31-1 keys per row, got N = ", N);
-  TORCH_CHECK(k_scales.dim() == 3 && k_scales.size(0) == B && k_scales.size(1) == N && k_scales.size(2) == D / 32, op,
-              "k_scales must be [B, N, D/32] = [", B, ", ", N, ", ", D / 32, "], got ", k_scales.sizes());
+  TORCH_CHECK(k_scales.dim() == 3 && k_scales.size(0) == S && k_scales.size(1) == N && k_scales.size(2) == D / 32, op,
+              "k_scales must be [", kv_batch ? "kv_batch" : "B", ", N, D/32] = [", S, ", ", N, ", ", D / 32, "], got ",
+              k_scales.sizes());
   TORCH_CHECK(k_scales.scalar_type() == at::kByte, op, "k_scales must be uint8 (UE8M0 exponents), got ",
               k_scales.scalar_type());
   TORCH_CHECK(n_valid.dim() == 1 && n_valid.size(0) == B, op, "n_valid must be [B] = [", B, "], got ",

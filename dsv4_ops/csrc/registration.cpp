@@ -55,10 +55,11 @@ TORCH_LIBRARY(dsv4, m) {
   // (E2M1 codes + UE8M0 block-32 scales) keys i < n_valid[b]; returns int32 [B, topk] indices sorted by
   // (score desc, index asc), -1 padded. The head weight used is float(weights.to(weights_dtype)) * weights_scale
   // (fp32; weights_dtype bf16 / fp16 or None): the model's rounding and scaling of weights_proj ride in the op.
-  // See docs/ops.md "## Indexer".
+  // With kv_batch > 0 row b scores the keys of sequence b % kv_batch (T tokens of kv_batch sequences, token-major:
+  // a speculative step's verification). See docs/ops.md "## Indexer".
   m.def(
       "indexer_score_topk(Tensor q, Tensor weights, Tensor k_codes, Tensor k_scales, Tensor n_valid, int topk, "
-      "float weights_scale=1.0, ScalarType? weights_dtype=None) -> Tensor");
+      "float weights_scale=1.0, ScalarType? weights_dtype=None, int kv_batch=0) -> Tensor");
   // Prefill-time scores of the same indexer over a chunk of queries: out[b,s,t] = sum_h weights[b,s,h] *
   // relu(q[b,s,h] . keys[b,t]) (fp32; q / keys bf16 or fp32, one dtype), -inf where t >= n_visible[b,s].
   m.def("indexer_prefill_scores(Tensor q, Tensor weights, Tensor keys, Tensor n_visible) -> Tensor");
@@ -149,9 +150,11 @@ TORCH_LIBRARY(dsv4, m) {
   // are then rotated back (inverse RoPE, as the attention output before wo_a) and rounded again.
   // With idx2 (int32 / int64 [B, J2]) the list goes on with rows idx2 + idx2_offset where idx2 >= 0 (negative: no
   // row): a CSA layer passes its per-step window rows and the indexer's top-k as they are (no row-list kernel).
+  // With kv_batch > 0 query row b reads kv[b % kv_batch]: T tokens of kv_batch sequences at once, token-major (a
+  // speculative step's verification attends its tokens in one call).
   m.def(
       "sparse_attn_decode(Tensor q, Tensor kv, Tensor idx, Tensor sink, float scale, Tensor? out_rope=None, "
-      "int rope_dim=0, Tensor? idx2=None, int idx2_offset=0) -> Tensor");
+      "int rope_dim=0, Tensor? idx2=None, int idx2_offset=0, int kv_batch=0) -> Tensor");
 
   // ---- MoE routing ----
   // Per row of scores fp32 [N, E]: the k experts with the largest scores + bias (NaN above every number, ties to

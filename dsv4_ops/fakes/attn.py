@@ -3,13 +3,17 @@ without a second row list)."""
 import torch
 
 
-def _sparse_attn_decode_fake(q, kv, idx, sink, scale, out_rope=None, rope_dim=0, idx2=None, idx2_offset=0):
+def _sparse_attn_decode_fake(q, kv, idx, sink, scale, out_rope=None, rope_dim=0, idx2=None, idx2_offset=0,
+                             kv_batch=0):
     op = "dsv4::sparse_attn_decode"
     torch._check(q.dim() == 3, lambda: f"{op}: q must be [B, H, D], got {tuple(q.shape)}")
     torch._check(q.dtype in (torch.bfloat16, torch.float16, torch.float32),
                  lambda: f"{op}: q must be bfloat16, float16 or float32, got {q.dtype}")
-    torch._check(kv.dim() == 3 and kv.shape[2] == q.shape[2] and kv.shape[0] >= q.shape[0],
-                 lambda: f"{op}: kv must be [B' >= B, N, D], got {tuple(kv.shape)}")
+    torch._check(kv_batch == 0 or (kv_batch > 0 and q.shape[0] % kv_batch == 0),
+                 lambda: f"{op}: kv_batch must be 0 or divide B = {q.shape[0]}, got {kv_batch}")
+    rows = kv_batch or q.shape[0]
+    torch._check(kv.dim() == 3 and kv.shape[2] == q.shape[2] and kv.shape[0] >= rows,
+                 lambda: f"{op}: kv must be [B' >= {rows}, N, D], got {tuple(kv.shape)}")
     torch._check(kv.dtype == q.dtype, lambda: f"{op}: kv must have q's dtype")
     torch._check(idx.dim() == 2 and idx.shape[0] == q.shape[0] and idx.dtype in (torch.int32, torch.int64),
                  lambda: f"{op}: idx must be int32 / int64 [B, J]")

@@ -3,7 +3,8 @@ dsv4::indexer_topk (int64 [..., topk]); never read data."""
 import torch
 
 
-def _indexer_score_topk_fake(q, weights, k_codes, k_scales, n_valid, topk, weights_scale=1.0, weights_dtype=None):
+def _indexer_score_topk_fake(q, weights, k_codes, k_scales, n_valid, topk, weights_scale=1.0, weights_dtype=None,
+                             kv_batch=0):
     torch._check(q.dim() == 3, lambda: f"dsv4::indexer_score_topk: q must be [B, H, D], got {tuple(q.shape)}")
     torch._check(q.dtype in (torch.bfloat16, torch.float32),
                  lambda: f"dsv4::indexer_score_topk: q must be bfloat16 or float32, got {q.dtype}")
@@ -12,12 +13,16 @@ def _indexer_score_topk_fake(q, weights, k_codes, k_scales, n_valid, topk, weigh
     torch._check(weights.dim() == 2 and weights.shape[0] == B and weights.shape[1] == H,
                  lambda: "dsv4::indexer_score_topk: weights must be [B, H]")
     torch._check(weights.dtype == torch.float32, lambda: "dsv4::indexer_score_topk: weights must be float32")
-    torch._check(k_codes.dim() == 3 and k_codes.shape[0] == B and k_codes.shape[2] * 2 == D,
-                 lambda: "dsv4::indexer_score_topk: k_codes must be [B, N, D/2]")
+    torch._check(kv_batch == 0 or (kv_batch > 0 and B % kv_batch == 0),
+                 lambda: f"dsv4::indexer_score_topk: kv_batch must be 0 or divide B = {B}, got {kv_batch}")
+    S = kv_batch or B  # the sequences whose keys the rows score
+    torch._check(k_codes.dim() == 3 and k_codes.shape[0] == S and k_codes.shape[2] * 2 == D,
+                 lambda: "dsv4::indexer_score_topk: k_codes must be [B or kv_batch, N, D/2]")
     torch._check(k_codes.dtype == torch.uint8, lambda: "dsv4::indexer_score_topk: k_codes must be uint8")
     N = k_codes.shape[1]
-    torch._check(k_scales.dim() == 3 and k_scales.shape[0] == B and k_scales.shape[1] == N
-                 and k_scales.shape[2] * 32 == D, lambda: "dsv4::indexer_score_topk: k_scales must be [B, N, D/32]")
+    torch._check(k_scales.dim() == 3 and k_scales.shape[0] == S and k_scales.shape[1] == N
+                 and k_scales.shape[2] * 32 == D,
+                 lambda: "dsv4::indexer_score_topk: k_scales must be [B or kv_batch, N, D/32]")
     torch._check(k_scales.dtype == torch.uint8, lambda: "dsv4::indexer_score_topk: k_scales must be uint8")
     torch._check(n_valid.dim() == 1 and n_valid.shape[0] == B, lambda: "dsv4::indexer_score_topk: n_valid must be [B]")
     torch._check(n_valid.dtype in (torch.int32, torch.int64),

@@ -85,9 +85,13 @@ def indexer_topk_from_scores(scores: torch.Tensor, n_valid: torch.Tensor, topk: 
 
 
 def indexer_score_topk_ref(q, weights, k_codes, k_scales, n_valid, topk: int, weights_scale: float = 1.0,
-                                 weights_dtype: torch.dtype | None = None) -> torch.Tensor:
+                                 weights_dtype: torch.dtype | None = None, kv_batch: int = 0) -> torch.Tensor:
     """Reference of dsv4::indexer_score_topk (see docs/ops.md "## Indexer"). The head weights used are
-    float(weights.to(weights_dtype)) * weights_scale, one fp32 multiply (the scalar rounded to fp32 first)."""
+    float(weights.to(weights_dtype)) * weights_scale, one fp32 multiply (the scalar rounded to fp32 first).
+    kv_batch > 0: row b scores the keys of sequence b % kv_batch."""
+    if kv_batch:
+        reps = q.shape[0] // kv_batch
+        k_codes, k_scales = k_codes.repeat(reps, 1, 1), k_scales.repeat(reps, 1, 1)
     assert weights_dtype in (None, torch.bfloat16, torch.float16), weights_dtype
     w = weights.float() if weights_dtype is None else weights.float().to(weights_dtype).float()
     w = w * weights_scale

@@ -52,8 +52,9 @@ std::vector<float> effective_weights(const at::Tensor& weights, double weights_s
 
 at::Tensor indexer_score_topk_cpu(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_codes,
                                   const at::Tensor& k_scales, const at::Tensor& n_valid, int64_t topk,
-                                  double weights_scale, std::optional<at::ScalarType> weights_dtype) {
-  dsv4_indexer::check(q, weights, k_codes, k_scales, n_valid, topk, weights_dtype);
+                                  double weights_scale, std::optional<at::ScalarType> weights_dtype,
+                                  int64_t kv_batch) {
+  dsv4_indexer::check(q, weights, k_codes, k_scales, n_valid, topk, weights_dtype, kv_batch);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), N = k_codes.size(1);
   const at::Tensor qf = q.to(at::kFloat).contiguous();
   const std::vector<float> wf = effective_weights(weights, weights_scale, weights_dtype);
@@ -71,13 +72,14 @@ at::Tensor indexer_score_topk_cpu(const at::Tensor& q, const at::Tensor& weights
   std::vector<int32_t> order(N);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t nv = std::min<int64_t>(std::max<int64_t>(nvp[b], 0), N);
+    const int64_t kb = kv_batch ? b % kv_batch : b;  // the sequence whose keys row b scores
     const float* qb = qp + b * H * D;
     const float* wb = wp + b * H;
     at::parallel_for(0, nv, 16, [&](int64_t i0, int64_t i1) {
       std::vector<float> k(D);
       for (int64_t i = i0; i < i1; ++i) {
-        const uint8_t* c = cp + (b * N + i) * (D / 2);
-        const uint8_t* s = sp + (b * N + i) * (D / 32);
+        const uint8_t* c = cp + (kb * N + i) * (D / 2);
+        const uint8_t* s = sp + (kb * N + i) * (D / 32);
         for (int64_t d = 0; d < D; ++d) {
           const int nib = (d & 1) ? (c[d / 2] >> 4) : (c[d / 2] & 0xF);
           const float v = kE2M1[nib & 7] * ue8m0(s[d / 32]);

@@ -102,7 +102,7 @@ template <typename T>
 __global__ void __launch_bounds__(kHeads * 32) attn_partial_kernel(
     const T* __restrict__ q, const T* __restrict__ kv, const int32_t* __restrict__ idx, int J1,
     const int32_t* __restrict__ idx2, int idx2_offset, int H, int N, int D, int J, int64_t kv_batch_stride,
-    int rows_per_split, float scale, float* __restrict__ ws_o, float* __restrict__ ws_ml, int pdl) {
+    int kv_batch, int rows_per_split, float scale, float* __restrict__ ws_o, float* __restrict__ ws_ml, int pdl) {
   dsv4_cuda::grid_dep_wait();
   if (pdl) dsv4_cuda::grid_dep_launch();
   constexpr int E = epp<T>();
@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kHeads * 32) attn_partial_kernel(
   float* qs = reinterpret_cast<float*>(smem);  // [kHeads][D]
   unsigned char* bufs = smem + size_t(kHeads) * D * 4;
   const size_t buf_bytes = size_t(kChunk) * rb + kChunk * 4;  // rows, then their ids (-1: skipped)
-  const T* kvb = kv + int64_t(b) * kv_batch_stride;
+  const T* kvb = kv + int64_t(kv_batch ? b % kv_batch : b) * kv_batch_stride;
   const RowList rl = row_list(idx, J1, idx2, J, idx2_offset, b);
   const int j_begin = split * rows_per_split, j_end = min(J, j_begin + rows_per_split);
 
@@ -265,7 +265,7 @@ template <int HG>
 __global__ void __launch_bounds__(HG * kMmaWarps * 32) attn_partial_mma_kernel(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv, const int32_t* __restrict__ idx,
     int J1, const int32_t* __restrict__ idx2, int idx2_offset, int H, int N, int D, int J, int64_t kv_batch_stride,
-    int rows_per_split, float scale, float* __restrict__ ws_o, float* __restrict__ ws_ml, int pdl) {
+    int kv_batch, int rows_per_split, float scale, float* __restrict__ ws_o, float* __restrict__ ws_ml, int pdl) {
   dsv4_cuda::grid_dep_wait();
   if (pdl) dsv4_cuda::grid_dep_launch();
   extern __shared__ __align__(16) unsigned char smem[];
@@ -278,7 +278,7 @@ __global__ void __launch_bounds__(HG * kMmaWarps * 32) attn_partial_mma_kernel(
   float* red = reinterpret_cast<float*>(smem) + size_t(hg) * kMmaWarps * kMmaHeads * kChunk;
   unsigned char* bufs = smem + size_t(HG) * kMmaWarps * kMmaHeads * kChunk * 4;
   const size_t buf_bytes = size_t(kChunk) * rb + kChunk * 4;
-  const __nv_bfloat16* kvb = kv + int64_t(b) * kv_batch_stride;
+  const __nv_bfloat16* kvb = kv + int64_t(kv_batch ? b % kv_batch : b) * kv_batch_stride;
   const RowList rl = row_list(idx, J1, idx2, J, idx2_offset, b);
   const int j_begin = split * rows_per_split, j_end = min(J, j_begin + rows_per_split);
   if (j_begin < j_end) stage_chunk(bufs, rb, kvb, rl, N, D, j_begin, j_end);
@@ -497,9 +497,9 @@ __global__ void __launch_bounds__(128) attn_combine_kernel(const float* __restri
 
 template <typename T>
 cudaError_t launch(const void* q, const void* kv, const int32_t* idx, int J1, const int32_t* idx2, int idx2_offset,
-                   const float* sink, int B, int H, int N, int D, int J, int64_t kv_batch_stride, float scale,
-                   float* ws_o, float* ws_ml, int nsplit, int rows_per_split, int use_mma, const float* out_rope,
-                   int rope_dim, void* out, cudaStream_t stream) {
+                   const float* sink, int B, int H, int N, int D, int J, int64_t kv_batch_stride, int kv_batch,
+                   float scale, float* ws_o, float* ws_ml, int nsplit, int rows_per_split, int use_mma,
+                   const float* out_rope, int rope_dim, void* out, cudaStream_t stream) {
   // > 48 KB of dynamic shared memory needs an opt-in, per device (a host-side call, not a stream operation)
   static bool opted_in[64] = {};
   int dev = 0;
@@ -519,8 +519,8 @@ cudaError_t launch(const void* q, const void* kv, const int32_t* idx, int J1, co
   const bool pdl = decode_pdl();
   if (use_mma == 3) {  // attn_wgmma.cu: 64 heads x 512 dims on warpgroup MMA (its own opt-in)
     const cudaError_t e = dsv4_attn_partial_wgmma_launch(q, kv, idx, J1, idx2, idx2_offset, B, H, N, J,
-                                                         kv_batch_stride, scale, ws_o, ws_ml, nsplit, rows_per_split,
-                                                         int(pdl), stream);
+                                                         kv_batch_stride, kv_batch, scale, ws_o, ws_ml, nsplit,
+                                                         rows_per_split, int(pdl), stream);
     if (e != cudaSuccess) return e;
   } else if (use_mma) {
     const int hg = use_mma == 2 ? kMmaWideGroups : 1, heads = hg * kMmaHeads;
@@ -528,12 +528,12 @@ cudaError_t launch(const void* q, const void* kv, const int32_t* idx, int J1, co
     const auto kernel = use_mma == 2 ? attn_partial_mma_kernel<kMmaWideGroups> : attn_partial_mma_kernel<1>;
     launch_ex(pdl, kernel, grid, dim3(hg * kMmaWarps * 32), partial_mma_smem(D, hg), stream,
               static_cast<const __nv_bfloat16*>(q), static_cast<const __nv_bfloat16*>(kv), idx, J1, idx2, idx2_offset,
-              H, N, D, J, kv_batch_stride, rows_per_split, scale, ws_o, ws_ml, int(pdl));
+              H, N, D, J, kv_batch_stride, kv_batch, rows_per_split, scale, ws_o, ws_ml, int(pdl));
   } else {
     const dim3 grid(nsplit, (H + kHeads - 1) / kHeads, B);
     launch_ex(pdl, attn_partial_kernel<T>, grid, dim3(kHeads * 32), partial_smem(D, sizeof(T)), stream,
               static_cast<const T*>(q), static_cast<const T*>(kv), idx, J1, idx2, idx2_offset, H, N, D, J,
-              kv_batch_stride, rows_per_split, scale, ws_o, ws_ml, int(pdl));
+              kv_batch_stride, kv_batch, rows_per_split, scale, ws_o, ws_ml, int(pdl));
   }
   launch_ex(pdl, attn_combine_kernel<T>, dim3(H, B), dim3(128), 0, stream, ws_o, ws_ml, sink, H, D, nsplit, out_rope,
             rope_dim, static_cast<T*>(out), int(pdl));
@@ -566,7 +566,8 @@ extern "C" int dsv4_attn_decode_splits(int B, int H, int J, int num_sms, int use
   return (J + per - 1) / per > 0 ? (J + per - 1) / per : 1;
 }
 
-// q [B, H, D], kv rows of D elements with kv_batch_stride elements between batch rows, idx int32 [B, J1], idx2
+// q [B, H, D], kv rows of D elements with kv_batch_stride elements between batch rows (query row b reads batch
+// row b % kv_batch where kv_batch > 0, else b), idx int32 [B, J1], idx2
 // int32 [B, J - J1] or null (listed after idx as idx2 + idx2_offset where idx2 >= 0), sink fp32 [H], out
 // [B, H, D]; is_fp32: q / kv / out fp32 (else bf16); use_mma: the tensor-core partial kernel (bf16,
 // dsv4_attn_decode_mma_ok; 1: 16 heads per CTA, 2: 64, for many rows, 3: the warpgroup-MMA kernel of
@@ -577,17 +578,18 @@ extern "C" int dsv4_attn_decode_splits(int B, int H, int J, int num_sms, int use
 extern "C" cudaError_t dsv4_attn_decode_launch(const void* q, const void* kv, const int32_t* idx, int J1,
                                                const int32_t* idx2, int idx2_offset, const float* sink, int is_fp32,
                                                int B, int H, int N, int D, int J,
-                                               int64_t kv_batch_stride, float scale, float* ws_o, float* ws_ml,
-                                               int nsplit, int rows_per_split, int use_mma, const float* out_rope,
-                                               int rope_dim, void* out, cudaStream_t stream) {
+                                               int64_t kv_batch_stride, int kv_batch, float scale, float* ws_o,
+                                               float* ws_ml, int nsplit, int rows_per_split, int use_mma,
+                                               const float* out_rope, int rope_dim, void* out,
+                                               cudaStream_t stream) {
   if (B == 0 || H == 0) return cudaSuccess;
   if (D > 512 || D % 8 != 0 || (use_mma && (is_fp32 || !dsv4_attn_decode_mma_ok(D)))) return cudaErrorInvalidValue;
   if (use_mma == 3 && !dsv4_attn_partial_wgmma_ok(D)) return cudaErrorInvalidValue;
   if (out_rope != nullptr && (rope_dim % 4 != 0 || rope_dim <= 0 || rope_dim > D)) return cudaErrorInvalidValue;
   if (idx2 == nullptr && J1 != J) return cudaErrorInvalidValue;
-  return is_fp32 ? launch<float>(q, kv, idx, J1, idx2, idx2_offset, sink, B, H, N, D, J, kv_batch_stride, scale, ws_o,
-                                 ws_ml, nsplit, rows_per_split, 0, out_rope, rope_dim, out, stream)
+  return is_fp32 ? launch<float>(q, kv, idx, J1, idx2, idx2_offset, sink, B, H, N, D, J, kv_batch_stride, kv_batch,
+                                 scale, ws_o, ws_ml, nsplit, rows_per_split, 0, out_rope, rope_dim, out, stream)
                  : launch<__nv_bfloat16>(q, kv, idx, J1, idx2, idx2_offset, sink, B, H, N, D, J, kv_batch_stride,
-                                         scale, ws_o, ws_ml, nsplit, rows_per_split, use_mma, out_rope, rope_dim, out,
-                                         stream);
+                                         kv_batch, scale, ws_o, ws_ml, nsplit, rows_per_split, use_mma, out_rope,
+                                         rope_dim, out, stream);
 }

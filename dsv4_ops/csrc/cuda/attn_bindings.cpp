@@ -21,10 +21,11 @@ using dsv4_cuda::sm_count;
 
 at::Tensor sparse_attn_decode_cuda(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx,
                                    const at::Tensor& sink, double scale, const std::optional<at::Tensor>& out_rope,
-                                   int64_t rope_dim, const std::optional<at::Tensor>& idx2, int64_t idx2_offset) {
+                                   int64_t rope_dim, const std::optional<at::Tensor>& idx2, int64_t idx2_offset,
+                                   int64_t kv_batch) {
   const char* op = "dsv4::sparse_attn_decode";
   TORCH_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor, got ", q.device());
-  dsv4_attn::check(q, kv, idx, sink);
+  dsv4_attn::check(q, kv, idx, sink, kv_batch);
   dsv4_attn::check_out_rope(q, out_rope, rope_dim);
   dsv4_attn::check_idx2(q, idx2, idx2_offset);
   const c10::cuda::CUDAGuard guard(q.device());
@@ -37,7 +38,7 @@ at::Tensor sparse_attn_decode_cuda(const at::Tensor& q, const at::Tensor& kv, co
                       (kv.stride(0) * kv.element_size()) % 16 == 0;  // 16-byte row copies
   if (!kernel) {
     const at::Tensor rows = dsv4_attn::joined_rows(idx, idx2, idx2_offset);
-    const at::Tensor out = dsv4_attn::attend_aten(q, kv, rows, sink, scale);
+    const at::Tensor out = dsv4_attn::attend_aten(q, kv, rows, sink, scale, kv_batch);
     return out_rope.has_value() ? dsv4_attn::inverse_rope_aten(out, out_rope->contiguous(), rope_dim) : out;
   }
   const at::Tensor rc = out_rope.has_value() ? out_rope->contiguous() : at::Tensor();
@@ -73,7 +74,7 @@ at::Tensor sparse_attn_decode_cuda(const at::Tensor& q, const at::Tensor& kv, co
   const cudaError_t err = dsv4_attn_decode_launch(
       qc.data_ptr(), kv.data_ptr(), ic.data_ptr<int32_t>(), int(J1), i2.defined() ? i2.data_ptr<int32_t>() : nullptr,
       int(idx2_offset), sc.data_ptr<float>(), q.scalar_type() == at::kFloat,
-      int(B), int(H), int(N), int(D), int(J), kv.stride(0), float(scale), ws_o.data_ptr<float>(),
+      int(B), int(H), int(N), int(D), int(J), kv.stride(0), int(kv_batch), float(scale), ws_o.data_ptr<float>(),
       ws_ml.data_ptr<float>(), nsplit, rows_per_split, use_mma, rc.defined() ? rc.data_ptr<float>() : nullptr,
       int(rope_dim), out.data_ptr(),
       c10::cuda::getCurrentCUDAStream().stream());

@@ -57,7 +57,7 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 __global__ void __launch_bounds__(kThreads, 1) attn_partial_wgmma_kernel(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv, const int32_t* __restrict__ idx,
     int J1, const int32_t* __restrict__ idx2, int idx2_offset, int H, int N, int J, int64_t kv_batch_stride,
-    int rows_per_split, float scale, float* __restrict__ ws_o, float* __restrict__ ws_ml, int pdl) {
+    int kv_batch, int rows_per_split, float scale, float* __restrict__ ws_o, float* __restrict__ ws_ml, int pdl) {
   grid_dep_wait();
   if (pdl) grid_dep_launch();
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_partial_wgmma_kernel(
   float* red_sum = reinterpret_cast<float*>(base + kSumOff);
   const int split = blockIdx.x, h0 = blockIdx.y * kH, b = blockIdx.z, nsplit = gridDim.x;
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const __nv_bfloat16* kvb = kv + int64_t(b) * kv_batch_stride;
+  const __nv_bfloat16* kvb = kv + int64_t(kv_batch ? b % kv_batch : b) * kv_batch_stride;
   const RowList rl = row_list(idx, J1, idx2, J, idx2_offset, b);
   const int j_begin = split * rows_per_split, j_end = min(J, j_begin + rows_per_split);
 
@@ -220,9 +220,9 @@ extern "C" int dsv4_attn_partial_wgmma_ok(int D) { return D == kD; }
 // The partial kernel's launch (attn.cu's launcher, use_mma 3): grid (nsplit, ceil(H / 64), B).
 extern "C" cudaError_t dsv4_attn_partial_wgmma_launch(const void* q, const void* kv, const int32_t* idx, int J1,
                                                       const int32_t* idx2, int idx2_offset, int B, int H, int N,
-                                                      int J, int64_t kv_batch_stride, float scale, float* ws_o,
-                                                      float* ws_ml, int nsplit, int rows_per_split, int pdl,
-                                                      cudaStream_t stream) {
+                                                      int J, int64_t kv_batch_stride, int kv_batch, float scale,
+                                                      float* ws_o, float* ws_ml, int nsplit, int rows_per_split,
+                                                      int pdl, cudaStream_t stream) {
   static bool opted_in[64] = {};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) dev = 0;
@@ -234,5 +234,6 @@ extern "C" cudaError_t dsv4_attn_partial_wgmma_launch(const void* q, const void*
   }
   return launch_ex(pdl != 0, attn_partial_wgmma_kernel, dim3(nsplit, (H + kH - 1) / kH, B), dim3(kThreads),
                    size_t(kSmem), stream, static_cast<const __nv_bfloat16*>(q), static_cast<const __nv_bfloat16*>(kv),
-                   idx, J1, idx2, idx2_offset, H, N, J, kv_batch_stride, rows_per_split, scale, ws_o, ws_ml, pdl);
+                   idx, J1, idx2, idx2_offset, H, N, J, kv_batch_stride, kv_batch, rows_per_split, scale, ws_o, ws_ml,
+                   pdl);
 }

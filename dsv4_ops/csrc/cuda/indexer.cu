@@ -107,8 +107,8 @@ template <bool kSplit>
 __global__ void __launch_bounds__(kThreads, 2)
     indexer_score_kernel(const void* __restrict__ q, const float* __restrict__ weights, int weights_round,
                          float weights_scale, const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,
-                         const void* __restrict__ n_valid, int nv_is64, int H, int N, uint32_t* __restrict__ keys_out,
-                         int pdl) {
+                         const void* __restrict__ n_valid, int nv_is64, int H, int N, int kv_batch,
+                         uint32_t* __restrict__ keys_out, int pdl) {
   dsv4_cuda::grid_dep_wait();
   if (pdl) dsv4_cuda::grid_dep_launch();
   constexpr int kHG = kSplit ? 4 : 2;
@@ -133,8 +133,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int ntiles = static_cast<int>((nv + kTK - 1) / kTK);
   if (static_cast<int>(blockIdx.x) >= ntiles) return;  // uniform over the CTA
 
-  const uint8_t* codes_row = codes + static_cast<size_t>(b) * N * kCodeBytes;
-  const uint8_t* scales_row = scales + static_cast<size_t>(b) * N * kScaleBytes;
+  const size_t kb = kv_batch ? b % kv_batch : b;  // the sequence whose keys row b scores
+  const uint8_t* codes_row = codes + kb * N * kCodeBytes;
+  const uint8_t* scales_row = scales + kb * N * kScaleBytes;
 
   // Every stage commits a group (possibly empty) so the wait count below is the same in every iteration.
   auto issue = [&](int it) {
@@ -448,8 +449,8 @@ extern "C" int dsv4_indexer_max_topk() { return kMaxTopk; }
 extern "C" cudaError_t dsv4_indexer_score_topk_launch(const void* q, int q_is_fp32, const float* weights,
                                                       int weights_round, float weights_scale, const uint8_t* codes,
                                                       const uint8_t* scales, const void* n_valid, int nv_is64, int B,
-                                                      int H, int N, int topk, uint32_t* keys_scratch, int32_t* out,
-                                                      cudaStream_t stream) {
+                                                      int H, int N, int kv_batch, int topk, uint32_t* keys_scratch,
+                                                      int32_t* out, cudaStream_t stream) {
   if (B == 0 || topk == 0) return cudaSuccess;
   DeviceInfo& info = device_info();
   if (N > 0) {
@@ -461,10 +462,10 @@ extern "C" cudaError_t dsv4_indexer_score_topk_launch(const void* q, int q_is_fp
     const bool pdl = decode_pdl();
     if (q_is_fp32)
       launch_ex(pdl, indexer_score_kernel<true>, grid, dim3(kThreads), 0, stream, q, weights, weights_round,
-                weights_scale, codes, scales, n_valid, nv_is64, H, N, keys_scratch, int(pdl));
+                weights_scale, codes, scales, n_valid, nv_is64, H, N, kv_batch, keys_scratch, int(pdl));
     else
       launch_ex(pdl, indexer_score_kernel<false>, grid, dim3(kThreads), 0, stream, q, weights, weights_round,
-                weights_scale, codes, scales, n_valid, nv_is64, H, N, keys_scratch, int(pdl));
+                weights_scale, codes, scales, n_valid, nv_is64, H, N, kv_batch, keys_scratch, int(pdl));
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }

@@ -25,10 +25,11 @@ at::Tensor aligned(const at::Tensor& t, int64_t bytes) {
 
 at::Tensor indexer_score_topk_cuda(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_codes,
                                    const at::Tensor& k_scales, const at::Tensor& n_valid, int64_t topk,
-                                   double weights_scale, std::optional<at::ScalarType> weights_dtype) {
+                                   double weights_scale, std::optional<at::ScalarType> weights_dtype,
+                                   int64_t kv_batch) {
   const char* op = "dsv4::indexer_score_topk: ";
   TORCH_CHECK(q.is_cuda(), op, "q must be a CUDA tensor");
-  dsv4_indexer::check(q, weights, k_codes, k_scales, n_valid, topk, weights_dtype);
+  dsv4_indexer::check(q, weights, k_codes, k_scales, n_valid, topk, weights_dtype, kv_batch);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), N = k_codes.size(1);
   TORCH_CHECK(D == dsv4_limits::kIndexerCudaHeadDim, op, "the CUDA kernel supports D = ",
               dsv4_limits::kIndexerCudaHeadDim, " (DeepSeek-V4), got D = ", D);
@@ -49,7 +50,7 @@ at::Tensor indexer_score_topk_cuda(const at::Tensor& q, const at::Tensor& weight
   const cudaError_t err = dsv4_indexer_score_topk_launch(
       qc.data_ptr(), q32 ? 1 : 0, wc.data_ptr<float>(), weights_round, static_cast<float>(weights_scale),
       cc.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(), nc.data_ptr(), n_valid.scalar_type() == at::kLong ? 1 : 0,
-      static_cast<int>(B), static_cast<int>(H), static_cast<int>(N), static_cast<int>(topk),
+      static_cast<int>(B), static_cast<int>(H), static_cast<int>(N), static_cast<int>(kv_batch), static_cast<int>(topk),
       reinterpret_cast<uint32_t*>(scratch.data_ptr<int32_t>()), out.data_ptr<int32_t>(),
       c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, op, "kernel launch failed: ", cudaGetErrorString(err));

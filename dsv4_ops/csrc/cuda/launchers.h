@@ -14,17 +14,18 @@ extern "C" int dsv4_attn_decode_splits(int B, int H, int J, int num_sms, int use
 extern "C" cudaError_t dsv4_attn_decode_launch(const void* q, const void* kv, const int32_t* idx, int J1,
                                                const int32_t* idx2, int idx2_offset, const float* sink,
                                                int is_fp32, int B, int H, int N, int D, int J,
-                                               int64_t kv_batch_stride, float scale, float* ws_o, float* ws_ml,
-                                               int nsplit, int rows_per_split, int use_mma, const float* out_rope,
-                                               int rope_dim, void* out, cudaStream_t stream);
+                                               int64_t kv_batch_stride, int kv_batch, float scale, float* ws_o,
+                                               float* ws_ml, int nsplit, int rows_per_split, int use_mma,
+                                               const float* out_rope, int rope_dim, void* out,
+                                               cudaStream_t stream);
 
 // attn_wgmma.cu (called by attn.cu's launcher)
 extern "C" int dsv4_attn_partial_wgmma_ok(int D);
 extern "C" cudaError_t dsv4_attn_partial_wgmma_launch(const void* q, const void* kv, const int32_t* idx, int J1,
                                                       const int32_t* idx2, int idx2_offset, int B, int H, int N,
-                                                      int J, int64_t kv_batch_stride, float scale, float* ws_o,
-                                                      float* ws_ml, int nsplit, int rows_per_split, int pdl,
-                                                      cudaStream_t stream);
+                                                      int J, int64_t kv_batch_stride, int kv_batch, float scale,
+                                                      float* ws_o, float* ws_ml, int nsplit, int rows_per_split,
+                                                      int pdl, cudaStream_t stream);
 
 // compressor.cu
 extern "C" cudaError_t dsv4_compressor_decode_launch(const float* kv, const float* score, const float* ape,
@@ -46,12 +47,13 @@ extern "C" cudaError_t dsv4_hadamard_fp4_launch(const void* x, int x_fp32, const
 
 // indexer.cu
 extern "C" int dsv4_indexer_max_topk();
-// weights_round: 0 none, 1 bf16, 2 fp16 (each weight is rounded to it, then multiplied by weights_scale in fp32)
+// weights_round: 0 none, 1 bf16, 2 fp16 (each weight is rounded to it, then multiplied by weights_scale in fp32);
+// kv_batch > 0: row b scores the keys of sequence b % kv_batch, else b's
 extern "C" cudaError_t dsv4_indexer_score_topk_launch(const void* q, int q_is_fp32, const float* weights,
                                                       int weights_round, float weights_scale,
                                                       const uint8_t* codes, const uint8_t* scales,
                                                       const void* n_valid, int nv_is64, int B, int H, int N,
-                                                      int topk, uint32_t* keys_scratch, int32_t* out,
+                                                      int kv_batch, int topk, uint32_t* keys_scratch, int32_t* out,
                                                       cudaStream_t stream);
 // scores fp32 [R, N] contiguous, 1 <= topk <= min(N, dsv4_indexer_max_topk()) -> out int64 [R, topk]
 extern "C" cudaError_t dsv4_indexer_topk_launch(const float* scores, int64_t R, int N, int topk, int64_t* out,
