@@ -105,6 +105,25 @@ def test_one_attention_call_for_the_tokens_equals_token_after_token(simulate_qua
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_the_ops_run_once_per_layer_for_the_tokens(monkeypatch):
+    """With spare slots a T-token decode calls dsv4::sparse_attn_decode once per layer and the FP4 indexer's
+    dsv4::indexer_score_topk once per CSA layer (token after token: T times each)."""
+    calls = {"sparse_attn_decode": 0, "indexer_score_topk": 0}
+    for name in calls:
+        real = getattr(torch.ops.dsv4, name)
+        monkeypatch.setattr(torch.ops.dsv4, name, lambda *a, _r=real, _n=name: calls.__setitem__(_n, calls[_n] + 1)
+                            or _r(*a))
+    T, opts = 4, DecodeOptions(attention="fused")
+    for spare, per_layer in ((T - 1, 1), (0, T)):
+        m, cfg = _float_model(simulate_quant=True, spare=spare)
+        ids = _ids(cfg)
+        m.prefill(ids[:, :PROMPT])
+        calls.update(dict.fromkeys(calls, 0))
+        m.decode_tokens(ids[:, PROMPT:PROMPT + T], torch.full((2,), PROMPT), opts)
+        assert calls == {"sparse_attn_decode": cfg.n_layers * per_layer,
+                         "indexer_score_topk": cfg.compress_ratios.count(4) * per_layer}, spare
+
+
 def test_nvfp4_weights():
     """A random NVFP4 (W4A16, bf16) model: 3 tokens per pass give, within bf16 noise, the logits of a prefill of
     the whole sequence, and the greedy tokens of 3 decode steps per pass."""

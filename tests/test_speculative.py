@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from dsv4_model.checkpoint.writer import TINY_CONFIG
-from dsv4_model.model import mtp
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.transformer import Transformer
 from dsv4_model.quant.random_model import init_random_weights
 
+from helpers.forced_drafts import force_drafts
 from helpers.speculative_greedy import speculative_greedy
 from test_default_model import ASSETS, needs_assets
 
@@ -44,18 +44,11 @@ def case():
 def _force(monkeypatch, truth, lengths, right):
     """Make the MTP block's drafts the greedy tokens where right(position) holds: the draft made at position t
     (for token t + 2) becomes truth's token there."""
-    real = mtp.decode_tokens
+    def token(b, t):
+        i = t + 2 - int(lengths[b])  # index of token t + 2 in the continuation
+        return truth[b][i] if 0 <= i < len(truth[b]) and right(b, t) else None
 
-    def drafted(model, h, next_ids, positions, *a, **k):
-        logits, out = real(model, h, next_ids, positions, *a, **k)
-        for b in range(logits.shape[0]):
-            for j in range(logits.shape[1]):
-                i = int(positions[b]) + j + 2 - int(lengths[b])  # index of token t + 2 in the continuation
-                if 0 <= i < len(truth[b]) and right(b, int(positions[b]) + j):
-                    logits[b, j, truth[b][i]] = 1e9
-        return logits, out
-
-    monkeypatch.setattr(mtp, "decode_tokens", drafted)
+    force_drafts(monkeypatch, token)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from dsv4_model.checkpoint.writer import TINY_CONFIG, write_tiny_checkpoint
-from dsv4_model.model import mtp
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.transformer import Transformer
 from dsv4_model.quant.random_model import init_random_weights
@@ -20,6 +19,7 @@ from dsv4_model.runtime.speculative import filtered_probs
 from dsv4_model.runtime.speculative_runner import SpeculativeRunner
 from dsv4_ops.reference import sample_probs_ref
 from tests.helpers.chi_square import assert_follows, exact_joint3
+from tests.helpers.forced_drafts import force_drafts
 from tests.helpers.speculative_static import static_speculative
 
 # eos outside the vocabulary: no row stops early, so every row crosses the compression boundaries
@@ -41,20 +41,13 @@ def _prompts(n_rows=3, lens=(13, 9, 5), vocab=CFG.vocab_size):
 
 def _force_half(monkeypatch, truth, prompts):
     """The MTP block drafts truth's token where position % (2 + row) == 0 (rows accept different counts)."""
-    real = mtp.decode_tokens
     lengths = [len(p) for p in prompts]
 
-    def drafted(model, h, next_ids, positions, *a, **k):
-        logits, out = real(model, h, next_ids, positions, *a, **k)
-        for b in range(logits.shape[0]):
-            for j in range(logits.shape[1]):
-                t = int(positions[b]) + j
-                i = t + 2 - lengths[b]  # index of token t + 2 in the continuation (token 0 at position L)
-                if 0 <= i < len(truth[b]) and t % (2 + b) == 0:
-                    logits[b, j, truth[b][i]] = 1e9
-        return logits, out
+    def token(b, t):
+        i = t + 2 - lengths[b]  # index of token t + 2 in the continuation (token 0 at position L)
+        return truth[b][i] if 0 <= i < len(truth[b]) and t % (2 + b) == 0 else None
 
-    monkeypatch.setattr(mtp, "decode_tokens", drafted)
+    force_drafts(monkeypatch, token)
 
 
 @pytest.mark.parametrize("k,chunk", [(1, None), (2, None), (3, None), (2, 4)])

@@ -4,9 +4,10 @@ logits there predict token t + 2 (speculative decoding's drafts). It has its own
 shares the main model's embedding and head, so each entry point takes the Transformer, which holds the blocks
 as `model.mtp` (checkpoint names `mtp.{depth}.*`).
 
-Three entry points, after the main model's own:
+Entry points, after the main model's own:
   prefill(model, h, next_ids, ...)              the block over a sequence from a position (the prompt; training)
   decode_tokens(model, h, next_ids, positions)  T positions per row from any position (a speculative step's drafts)
+  decode_streams(...), logits(model, out)       the same in two parts (the head on the rows a step drafts from)
   verify_tokens(model, tokens, positions)       the main model's decode_tokens and the final streams the block reads
 """
 
@@ -70,14 +71,26 @@ def decode_tokens(model: Transformer, h: torch.Tensor, next_ids: torch.Tensor, p
     embedding of the token after it (next_ids [B, T]) and predicts the token after that. Returns (fp32 logits
     [B, T, V], the block's output streams [B, T, hc, dim]): what prefill gives at those positions, with the
     decode step's static shapes and no host sync (it runs inside the compiled speculative step)."""
+    out = decode_streams(model, h, next_ids, positions, options, depth)
+    return logits(model, out, depth), out
+
+
+@torch.no_grad()
+def decode_streams(model: Transformer, h: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
+                   options: DecodeOptions = DEFAULT_OPTIONS, depth: int = 0) -> torch.Tensor:
+    """decode_tokens' output streams [B, T, hc, dim] alone (its caches written the same)."""
     block = model.mtp[depth]
     B, T = next_ids.shape
     ids = next_ids.t().reshape(-1)  # rows t * B + b, as Block.decode takes T tokens
     hs = h.transpose(0, 1).reshape(T * B, *h.shape[2:])
     out, pending = block.decode(block._inputs(model, hs, ids), ids, model._token_steps(positions, T, options))
     out = hc_post(pending.out, out, pending.post, pending.comb)
-    return (block._logits(model, out).view(T, B, -1).transpose(0, 1),
-            out.view(T, B, *out.shape[1:]).transpose(0, 1))
+    return out.view(T, B, *out.shape[1:]).transpose(0, 1)
+
+
+def logits(model: Transformer, out: torch.Tensor, depth: int = 0) -> torch.Tensor:
+    """Block `depth`'s output streams [..., hc, dim] -> fp32 logits [..., V] (its collapse, norm and head)."""
+    return model.mtp[depth]._logits(model, out)
 
 
 @torch.no_grad()

@@ -263,7 +263,8 @@ def verify_step(model, y: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | 
     rows = torch.arange(drafts.shape[0], device=y.device)
     logits, hs = mtp.verify_tokens(model, torch.cat([y.unsqueeze(1), drafts], dim=1), pos, options)
     emitted, n_acc = accept(logits, drafts, q, s, live)
-    m_logits, m_out = mtp.decode_tokens(model, hs, emitted, pos, options)  # its cache for the committed positions
-    nxt, nq = draft_chain(model, m_logits[rows, n_acc], m_out[rows, n_acc], pos + n_acc + 1, K, s, K + 1,
-                          options)
+    # the block over the K + 1 verified positions (its cache for the committed ones); the head on the row each
+    # row drafts from only (B rows instead of (K + 1) x B: the weight is read either way, the work is not)
+    m_out = mtp.decode_streams(model, hs, emitted, pos, options)[rows, n_acc]
+    nxt, nq = draft_chain(model, mtp.logits(model, m_out), m_out, pos + n_acc + 1, K, s, K + 1, options)
     return emitted, n_acc, nxt, nq
