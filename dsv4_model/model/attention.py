@@ -39,6 +39,17 @@ from dsv4_model.model.step_values import DecodeStep, TokenSteps
 PREFILL_SCORE_BYTES = 512 * 2**20
 
 
+def _by_seq(t: torch.Tensor, seqs: int) -> torch.Tensor:
+    """Decode rows [T * seqs, ...] (row t * seqs + b: token t of sequence b) -> [seqs, T, ...], a view: the
+    tensor-op forms attend each sequence's tokens against its cache rows in one batch entry."""
+    return t.view(-1, seqs, *t.shape[1:]).transpose(0, 1)
+
+
+def _by_row(t: torch.Tensor) -> torch.Tensor:
+    """_by_seq's inverse: [seqs, T, ...] -> [T * seqs, ...]."""
+    return t.transpose(0, 1).reshape(-1, *t.shape[2:])
+
+
 class PrefillAt(NamedTuple):
     """Where a prefill chunk sits: start int64 [B] (row b's first token's position), span (an int: every row's
     start + lengths is at most span, so a query sees at most span // m compressed entries; padding may run
@@ -442,7 +453,7 @@ class Attention(nn.Module):
         B = x.shape[0] // T
         cs = torch.cat([st.cs(self.rope_kind) for st in steps])
         p = self._decode_projections(x, cs)
-        if T - 1 > self.ring - self.window:
+        if T == 1 or T - 1 > self.ring - self.window:
             outs, rotated = [], False
             for t, st in enumerate(steps):
                 o, rotated = self._decode_attend(p.rows(t * B, (t + 1) * B), st)
@@ -507,8 +518,8 @@ class Attention(nn.Module):
             raw = ix.select(iq, p.x, step.visible(m), k, p.wproj, seqs)
             valid = raw >= 0
             return Selection(raw.clamp(min=0).long(), valid, raw)
-        keys = self._seq_rows(ix.kv_cache, p.x.shape[0], seqs)
-        sc = ix.scores(iq.unsqueeze(1), p.x.unsqueeze(1), keys).squeeze(1)
+        S = seqs or p.x.shape[0]
+        sc = _by_row(ix.scores(_by_seq(iq, S), _by_seq(p.x, S), ix.kv_cache[:S]))
         n_vis = ((positions + 1) // m).unsqueeze(1)
         sc = sc.masked_fill(torch.arange(self.n_entries, device=p.x.device).unsqueeze(0) >= n_vis, float("-inf"))
         sel = topk_indices(sc, k)
@@ -565,25 +576,21 @@ class Attention(nn.Module):
                                  seqs: int | None = None) -> torch.Tensor:
         """The attention in tensor ops (_attend): the window's ring slots, then the selected entries (CSA) or
         every entry closed so far (HCA) -> o [B, H, D], not inverse-rotated. seqs: as _decode_attend's."""
-        R, m, positions = self.ring, self.ratio, step.positions
-        cache = self._seq_rows(self.kv_cache, q.shape[0], seqs)
+        R, m, positions, S = self.ring, self.ratio, step.positions, seqs or q.shape[0]
+        cache = self.kv_cache[:S]  # each sequence's T query tokens attend its cache together (_by_seq)
         keys = cache[:, :R]
-        mask = self._window_slots_held(positions).unsqueeze(1)
+        mask = _by_seq(self._window_slots_held(positions), S)
         qkeys = qmask = None
         if sel is not None:
-            qkeys = cache[:, R:].gather(1, sel.idx.unsqueeze(-1).expand(-1, -1, self.head_dim)).unsqueeze(1)
-            qmask = sel.valid.unsqueeze(1)
+            k = sel.idx.shape[1]
+            rows = _by_seq(sel.idx, S).reshape(S, -1, 1).expand(-1, -1, self.head_dim)
+            qkeys = cache[:, R:].gather(1, rows).view(S, -1, k, self.head_dim)
+            qmask = _by_seq(sel.valid, S)
         elif self.ratio:
             cmask = torch.arange(self.n_entries, device=q.device).unsqueeze(0) < ((positions + 1) // m).unsqueeze(1)
             keys = cache
-            mask = torch.cat([mask, cmask.unsqueeze(1)], dim=-1)
-        return self._attend(q.unsqueeze(1), keys, mask, qkeys, qmask).squeeze(1)
-
-    @staticmethod
-    def _seq_rows(cache: torch.Tensor, n: int, seqs: int | None) -> torch.Tensor:
-        """The cache rows of n query rows: rows [:n], or with seqs (n tokens of seqs sequences, token-major) rows
-        [:seqs] repeated (the tensor-op forms; the ops read them in place)."""
-        return cache[:n] if not seqs else cache[:seqs].repeat(n // seqs, *([1] * (cache.dim() - 1)))
+            mask = torch.cat([mask, _by_seq(cmask, S)], dim=-1)
+        return _by_row(self._attend(_by_seq(q, S), keys, mask, qkeys, qmask))
 
     def _shared_rows(self, step: DecodeStep, key: tuple) -> torch.Tensor:
         """The attended rows of a layer without an indexer of this (ring slots, ratio, entries) key (ratio 0: the
