@@ -7,7 +7,8 @@ the indexer's wq_b): dsv4::nvfp4_linear_multi vs two torch.matmul and two nvfp4_
 top-6 (uniform random routing), d = 4096, I = 2048, T = 1 ... 8192 tokens, routed only and routed + shared expert;
 peer = a per-expert bf16 loop in torch (index_select, 3 matmuls, clamped SwiGLU, index_add_) for the same routing,
 captured in a CUDA graph; at 8 < T <= 64 also with the gemv kernel in 2-token passes (moe_gemv_rows=2; the auto choice to T = 8).
-Head: V4-Flash's head (129280 x 4096, fp32 logits) stored bf16 (dsv4::fp32_linear) vs NVFP4 (head_quant).
+Head: V4-Flash's head (129280 x 4096, fp32 logits) stored bf16 (dsv4::fp32_linear) vs NVFP4 (head_quant); the
+built-in model's (4096 x 256) the same.
 
 Every figure is a CUDA-graph replay of REPS back-to-back calls divided by REPS (best of 3 replays). Calls cycle
 through copies of the weights totalling >= 256 MB, so every call streams its weights from HBM (no L2 reuse across
@@ -307,8 +308,13 @@ def bench_moe(gen):
 
 def bench_head(gen):
     """The head as the model runs it (V4-Flash: 129280 x 4096; fp32 logits): stored bf16 through dsv4::fp32_linear
-    (exact products, fp32 sums) against the NVFP4 head of head_quant="nvfp4" (dsv4::nvfp4_linear, out_dtype fp32)."""
-    n, k = 129280, 4096
+    (exact products, fp32 sums) against the NVFP4 head of head_quant="nvfp4" (dsv4::nvfp4_linear, out_dtype fp32).
+    Then the built-in model's head (4096 x 256), where the NVFP4 drafters' head measured slower per step."""
+    for n, k, ms in ((129280, 4096, (1, 8, 64, 256)), (4096, 256, (1, 4, 8))):
+        _bench_head(gen, n, k, ms)
+
+
+def _bench_head(gen, n, k, ms):
     print(f"\n## the head, {n} x {k}, fp32 logits: bf16 weight (dsv4::fp32_linear, the default) vs NVFP4 "
           "(head_quant: dsv4::nvfp4_linear out_dtype=fp32)")
     hdr = f"{'M':>5} | {'bf16 us':>9} {'HBM':>5} | {'nvfp4 us':>9} {'HBM':>5} | {'speedup':>7}"
@@ -316,7 +322,7 @@ def bench_head(gen):
     wb = torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16)  # 1.06 GB: one copy streams from HBM
     wq, sq = rand_kernel_weight((), n, k, gen)
     gs = torch.tensor(0.01, device="cuda")
-    for m in (1, 8, 64, 256):
+    for m in ms:
         x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
         t_b = graph_us(lambda i: ops.fp32_linear(x, [wb]), 4)
         t_q = graph_us(lambda i: ops.nvfp4_linear(x, wq, sq, gs, torch.float32), 4)

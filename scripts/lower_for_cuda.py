@@ -10,10 +10,13 @@ no-op CUDA device guard is compiled once (a few seconds). To check another torch
 build runs here without a GPU), run it from that torch's environment with --schemas-only: the dsv4 schemas are then
 defined from registration.cpp instead of loading the library built for this machine's torch.
 
-  python scripts/lower_for_cuda.py [--model DIR] [--dtype bfloat16] [--prefill B,S [--chunk]] [--no-register] [--schemas-only]
+  python scripts/lower_for_cuda.py [--model DIR] [--dtype bfloat16] [--prefill B,S [--chunk] | --verify T]
+                                   [--no-register] [--schemas-only]
 
 --prefill B,S --chunk: the scheduler's compiled prefill chunk instead (dsv4_model.runtime.compiled_prefill: tensor
 starts, span --max-seq-len; what Engine(compile_prefill=True) compiles per bucket of B rows x S tokens).
+--verify T: a speculative step's verification instead (Transformer.decode_tokens of T tokens per row on a model with
+T - 1 spare window slots, as --speculate T - 1 builds it): the kernels and dsv4 op calls of that pass.
 """
 from __future__ import annotations
 
@@ -119,6 +122,8 @@ def main() -> int:
                    "(prefill_bB_sS) instead of the decode step")
     p.add_argument("--chunk", action="store_true", help="with --prefill: lower the compiled prefill chunk (tensor "
                    "starts) of dsv4_model.runtime.compiled_prefill instead of the export's entry")
+    p.add_argument("--verify", type=int, default=0, metavar="T", help="lower the verification of T tokens per row "
+                   "(Transformer.decode_tokens, T - 1 spare window slots) instead of the decode step")
     p.add_argument("--timeout", type=float, default=600, help="dump the stacks and exit after this many seconds")
     args = p.parse_args()
     faulthandler.dump_traceback_later(args.timeout, exit=True)
@@ -134,8 +139,11 @@ def main() -> int:
     if args.chunk and not args.prefill:
         p.error("--chunk lowers a prefill chunk: give --prefill B,S too")
     B, S = (int(v) for v in args.prefill.split(",")) if args.prefill else (1, 0)
+    if args.verify and args.prefill:
+        p.error("--verify and --prefill lower different entries: give one")
     eng = Engine.from_pretrained(args.model, device="cpu", dtype=getattr(torch, args.dtype), max_batch_size=B,
-                                 max_seq_len=args.max_seq_len, quant="nvfp4", progress=False)
+                                 max_seq_len=args.max_seq_len, quant="nvfp4", progress=False,
+                                 spare_window_slots=max(args.verify - 1, 0))
     model = eng.model
     for ix in (m for m in model.modules() if type(m).__name__ == "Indexer"):
         # Indexer.packed_decode's answer on CUDA (the model's buffers are still on the CPU here)
@@ -149,7 +157,7 @@ def main() -> int:
             positions = torch.full((B,), S, dtype=torch.int64, device="cuda")  # the rows' lengths
             starts = torch.zeros(B, dtype=torch.int64, device="cuda")  # the compiled chunk's (shapes only)
         else:
-            tokens = torch.zeros(1, dtype=torch.int64, device="cuda")
+            tokens = torch.zeros((1, args.verify) if args.verify else (1,), dtype=torch.int64, device="cuda")
             positions = torch.zeros(1, dtype=torch.int64, device="cuda")
     from dsv4_export.entrypoints import call_decode, call_prefill
 
@@ -161,6 +169,8 @@ def main() -> int:
         def forward(self, tokens, positions, *starts):
             if starts:
                 return _chunk(self.m, tokens, positions, starts[0], self.m.max_seq_len)
+            if args.verify:
+                return self.m.decode_tokens(tokens, positions)
             return (call_prefill if S else call_decode)(self.m, tokens, positions)
 
     from dsv4_model.runtime.compiled_prefill import _chunk
