@@ -134,10 +134,13 @@ def rms_norm_rope(x: Tensor, *, weight: Tensor | None, cs: Tensor, eps: float, r
 
 
 def rms_norm_rope_store(x: Tensor, *, weight: Tensor | None, cs: Tensor, eps: float, rope_dim: int, fp8_nope: bool,
-                        positions: Tensor, ratio: int, offset: int, slots: int, cache: Tensor) -> None:
-    """Writes row r into cache[r] in place: at slot offset + positions[r] % slots (ratio 0: a sliding window), or
-    at offset + min(positions[r] // ratio, slots - 1) where (positions[r] + 1) % ratio == 0 (a closed entry)."""
-    _ops.rms_norm_rope_store(x, weight, cs, eps, rope_dim, fp8_nope, positions, ratio, offset, slots, cache)
+                        positions: Tensor, ratio: int, offset: int, slots: int, cache: Tensor,
+                        kv_batch: int = 0) -> None:
+    """Writes row r into cache[r] in place (cache[r % kv_batch] with kv_batch > 0): at slot offset + positions[r] %
+    slots (ratio 0: a sliding window), or at offset + min(positions[r] // ratio, slots - 1) where (positions[r] + 1)
+    % ratio == 0 (a closed entry)."""
+    _ops.rms_norm_rope_store(x, weight, cs, eps, rope_dim, fp8_nope, positions, ratio, offset, slots, cache,
+                             kv_batch)
 
 
 def hadamard_fp4(x: Tensor, *, cs: Tensor | None, rope_dim: int) -> Tensor:
@@ -151,5 +154,5 @@ def compressor_decode(kv: Tensor, score: Tensor, *, ape: Tensor, positions: Tens
 
 
 def indexer_store_keys(keys: Tensor, *, positions: Tensor, ratio: int, kv_cache: Tensor, k_codes: Tensor,
-                       k_scales: Tensor) -> None:
-    _ops.indexer_store_keys(keys, positions, ratio, kv_cache, k_codes, k_scales)
+                       k_scales: Tensor, kv_batch: int = 0) -> None:
+    _ops.indexer_store_keys(keys, positions, ratio, kv_cache, k_codes, k_scales, kv_batch)

@@ -14,8 +14,9 @@ from dsv4_model.quant.random_model import init_random_weights, random_nvfp4_mode
 PROMPT, TOTAL = 13, 60
 
 
-def _float_model(simulate_quant: bool, spare: int = 0):
-    cfg = ModelConfig(**{**TINY_CONFIG, "n_mtp_layers": 0, "n_layers": 3, "compress_ratios": [0, 4, 16]}).validate()
+def _float_model(simulate_quant: bool, spare: int = 0, **fields):
+    cfg = ModelConfig(**{**TINY_CONFIG, "n_mtp_layers": 0, "n_layers": 3, "compress_ratios": [0, 4, 16],
+                         **fields}).validate()
     m = Transformer(cfg, max_batch_size=2, max_seq_len=64, dtype=torch.float32, simulate_quant=simulate_quant,
                     spare_window_slots=spare)
     return init_random_weights(m, 5), cfg
@@ -89,8 +90,8 @@ def test_one_attention_call_for_the_tokens_equals_token_after_token(simulate_qua
     windows close inside chunks). The torch form sums over the ring's slots, so rings of other sizes agree to
     fp32 ulps, which the simulated FP8 / FP4 roundings turn into steps (as two rings token after token do): there
     the greedy tokens, and logits within those steps."""
-    T = 4
-    (batched, cfg), (tokenwise, _) = (_float_model(simulate_quant, spare=T - 1), _float_model(simulate_quant))
+    T, wide = 4, dict(index_head_dim=64)  # indexer keys the key-store op takes
+    (batched, cfg), (tokenwise, _) = _float_model(simulate_quant, T - 1, **wide), _float_model(simulate_quant, **wide)
     ids = _ids(cfg)
     lengths = torch.tensor([PROMPT, 9])
     for m in (batched, tokenwise):
@@ -106,22 +107,27 @@ def test_one_attention_call_for_the_tokens_equals_token_after_token(simulate_qua
 
 
 def test_the_ops_run_once_per_layer_for_the_tokens(monkeypatch):
-    """With spare slots a T-token decode calls dsv4::sparse_attn_decode once per layer and the FP4 indexer's
-    dsv4::indexer_score_topk once per CSA layer (token after token: T times each)."""
-    calls = {"sparse_attn_decode": 0, "indexer_score_topk": 0}
+    """With spare slots a T-token decode calls dsv4::sparse_attn_decode once per layer, the FP4 indexer's
+    dsv4::indexer_score_topk and its key store once per CSA layer and the compressed-entry store once per
+    compressor of the attention (token after token: T times each); the compressors' states advance token after
+    token either way (dsv4::compressor_decode T times per compressor)."""
+    calls = dict.fromkeys(("sparse_attn_decode", "indexer_score_topk", "indexer_store_keys", "rms_norm_rope_store",
+                           "compressor_decode"), 0)
     for name in calls:
         real = getattr(torch.ops.dsv4, name)
         monkeypatch.setattr(torch.ops.dsv4, name, lambda *a, _r=real, _n=name: calls.__setitem__(_n, calls[_n] + 1)
                             or _r(*a))
     T, opts = 4, DecodeOptions(attention="fused")
     for spare, per_layer in ((T - 1, 1), (0, T)):
-        m, cfg = _float_model(simulate_quant=True, spare=spare)
+        m, cfg = _float_model(simulate_quant=True, spare=spare, index_head_dim=64)  # keys the key-store op takes
         ids = _ids(cfg)
         m.prefill(ids[:, :PROMPT])
         calls.update(dict.fromkeys(calls, 0))
         m.decode_tokens(ids[:, PROMPT:PROMPT + T], torch.full((2,), PROMPT), opts)
-        assert calls == {"sparse_attn_decode": cfg.n_layers * per_layer,
-                         "indexer_score_topk": cfg.compress_ratios.count(4) * per_layer}, spare
+        csa, compressed = cfg.compress_ratios.count(4), sum(r > 0 for r in cfg.compress_ratios)
+        assert calls == {"sparse_attn_decode": cfg.n_layers * per_layer, "indexer_score_topk": csa * per_layer,
+                         "indexer_store_keys": csa * per_layer, "rms_norm_rope_store": compressed * per_layer,
+                         "compressor_decode": (compressed + csa) * T}, spare
 
 
 def test_nvfp4_weights():

@@ -52,6 +52,29 @@ def test_matches_reference_step_by_step(device, B, rows, n, D, ratio, dtype, pdt
     assert int(got[1].count_nonzero()) > 0
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_kv_batch_is_each_token_in_turn(device):
+    """kv_batch = S: 4 tokens of 3 sequences (token-major, ratio 4: each sequence closes one window in the call)
+    written in one call leave every cache byte where 4 calls of one token per sequence do; the reference too."""
+    gen = torch.Generator().manual_seed(12)
+    T, S, n, D = 4, 3, 6, 128
+    keys = fp4_keys(T * S, D, torch.bfloat16, gen)
+    pos = torch.tensor([2, 9, 13]).repeat(T) + torch.arange(T).repeat_interleave(S)
+    want, got, refd = (caches(S + 1, n, D, torch.bfloat16, dev) for dev in (device, device, "cpu"))
+    for t in range(T):
+        r = slice(t * S, (t + 1) * S)
+        ops.indexer_store_keys(keys[r].to(device), pos[r].to(device), 4, *want)
+    ops.indexer_store_keys(keys.to(device), pos.to(device), 4, *got, S)
+    ref.indexer_store_keys_ref(keys, pos, 4, *refd, S)
+    for g, w, r in zip(got, want, refd):
+        assert torch.equal(g, w) and torch.equal(g.cpu(), r)
+    assert int(got[1].count_nonzero()) > 0
+    torch.library.opcheck(ops.indexer_store_keys.default,
+                          (keys.to(device), pos.to(device), 4, *caches(S, n, D, torch.bfloat16, device), S))
+    with pytest.raises(RuntimeError, match="kv_batch must be 0 or divide B = 12, got 5"):
+        ops.indexer_store_keys(keys, pos, 4, *caches(S, n, D, torch.bfloat16, "cpu"), 5)
+
+
 def test_bad_arguments():
     keys, pos = torch.randn(2, 128), torch.tensor([3, 7])
     kv, codes, scales = caches(2, 4, 128, torch.float32, "cpu")

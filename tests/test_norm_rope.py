@@ -210,6 +210,33 @@ def test_store_matches_reference(device, dtype, ratio, offset, slots, positions)
             close(got.cpu(), cpu, True)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ratio", [0, 4])
+def test_store_kv_batch_is_each_token_in_turn(device, ratio):
+    """kv_batch = S: 3 tokens of 2 sequences (token-major) written in one call go where 3 calls of one token per
+    sequence put them (the window wraps; ratio 4: one window closes in the call), bit for bit; the reference too;
+    opcheck."""
+    gen = torch.Generator().manual_seed(11 + ratio)
+    T, S = 3, 2
+    x, w, cs, cache = store_case(T * S, 512, 64, torch.bfloat16, gen)
+    pos = torch.tensor([5, 14]).repeat(T) + torch.arange(T).repeat_interleave(S)  # token t of row b at p_b + t
+    args = lambda *t: [v.to(device) for v in t]  # noqa: E731
+    want = cache.clone().to(device)
+    for t in range(T):
+        r = slice(t * S, (t + 1) * S)
+        ops.rms_norm_rope_store(*args(x[r], w, cs[r]), EPS, 64, True, pos[r].to(device), ratio, 2, 8, want)
+    got = cache.clone().to(device)
+    ops.rms_norm_rope_store(*args(x, w, cs), EPS, 64, True, pos.to(device), ratio, 2, 8, got, S)
+    assert torch.equal(got, want) and not torch.equal(got.cpu(), cache)
+    refd = cache.clone()
+    ref.rms_norm_rope_store_ref(x, w, cs, EPS, 64, True, pos, ratio, 2, 8, refd, S)
+    close(got.cpu(), refd, True)
+    torch.library.opcheck(ops.rms_norm_rope_store.default,
+                          (*args(x, w, cs), EPS, 64, True, pos.to(device), ratio, 2, 8, cache.clone().to(device), S))
+    with pytest.raises(RuntimeError, match="kv_batch must be 0 or divide rows = 6, got 4"):
+        ops.rms_norm_rope_store(x, w, cs, EPS, 64, True, pos, ratio, 2, 8, cache.clone(), 4)
+
+
 def test_store_is_rms_norm_rope():
     """The stored vectors are rms_norm_rope's, bit for bit (same kernel, another destination)."""
     gen = torch.Generator().manual_seed(7)

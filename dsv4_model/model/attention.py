@@ -50,6 +50,14 @@ def _by_row(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(0, 1).reshape(-1, *t.shape[2:])
 
 
+def _rows_of(step: DecodeStep | TokenSteps, n: int) -> tuple[torch.Tensor, int]:
+    """The positions of n decode rows and how many sequences they are tokens of: (step.positions, 0) for one
+    token per row, (the stacked positions, n // T) for T tokens per row (0: one per row, as the ops' kv_batch)."""
+    if isinstance(step, DecodeStep):
+        return step.positions, 0
+    return step.stacked.positions, n // len(step)
+
+
 class PrefillAt(NamedTuple):
     """Where a prefill chunk sits: start int64 [B] (row b's first token's position), span (an int: every row's
     start + lengths is at most span, so a query sees at most span // m compressed entries; padding may run
@@ -459,11 +467,9 @@ class Attention(nn.Module):
                 o, rotated = self._decode_attend(p.rows(t * B, (t + 1) * B), st)
                 outs.append(o)
             return self._out(torch.cat(outs), cs, rotated=rotated)
-        for t, st in enumerate(steps):
-            pt = p.rows(t * B, (t + 1) * B)
-            if self.indexer is not None:
-                self._decode_index_store(pt, st)
-            self._decode_store(pt, st)
+        if self.indexer is not None:
+            self._decode_index_store(p, steps)
+        self._decode_store(p, steps)
         o, rotated = self._decode_attend(p, steps.stacked, seqs=B, stored=True)
         return self._out(o, cs, rotated=rotated)
 
@@ -503,11 +509,15 @@ class Attention(nn.Module):
         return (form == "fused" or (self.attn_tensor_cores and not step.attn_simt)
                 or batch * listed <= supports.FUSED_ATTN_MAX_ROWS)
 
-    def _decode_index_store(self, p: "DecodeProjections", step: DecodeStep) -> None:
-        """CSA: the indexer's compressor advances, its entry stored where its window just closed
-        (_store_index_entry)."""
-        ientry, icomplete = self.indexer.compressor.decode(p.x, step, self.rope_kind, p.iproj_c)
-        self._store_index_entry(ientry, icomplete, step.positions, self.indexer.packed_decode())
+    def _decode_index_store(self, p: "DecodeProjections", step: DecodeStep | TokenSteps) -> None:
+        """CSA: the indexer's compressor advances (over T tokens per row: token after token), its entries stored
+        where a window just closed (_store_index_entry)."""
+        comp, (positions, seqs) = self.indexer.compressor, _rows_of(step, p.x.shape[0])
+        if seqs:
+            ientry, icomplete = comp.decode_tokens(p.x, step, self.rope_kind, p.iproj_c)
+        else:
+            ientry, icomplete = comp.decode(p.x, step, self.rope_kind, p.iproj_c)
+        self._store_index_entry(ientry, icomplete, positions, self.indexer.packed_decode(), seqs)
 
     def _decode_index_select(self, p: "DecodeProjections", step: DecodeStep, seqs: int | None) -> "Selection":
         """CSA: the indexer's top-k of the entries each row's token sees (seqs: as _decode_attend's)."""
@@ -526,33 +536,37 @@ class Attention(nn.Module):
         return Selection(sel, sel < n_vis, None)
 
     def _store_index_entry(self, entry: torch.Tensor, complete: torch.Tensor, positions: torch.Tensor,
-                           packed: bool) -> None:
+                           packed: bool, seqs: int = 0) -> None:
         """The indexer's compressed key where its window just closed: into its kv_cache and, for the packed
         scorer (packed: Indexer.packed_decode), its FP4 codes / scales (one dsv4::indexer_store_keys call where
-        the op takes the keys)."""
+        the op takes the keys). seqs: the rows are tokens of that many sequences (_rows_of)."""
         ix = self.indexer
         if packed and ix.use_store_keys_op:
             ops.indexer_store_keys(entry, positions=positions, ratio=self.ratio, kv_cache=ix.kv_cache,
-                                   k_codes=ix.k_codes, k_scales=ix.k_scales)
+                                   k_codes=ix.k_codes, k_scales=ix.k_scales, kv_batch=seqs)
             return
-        self._write_entry(ix.kv_cache, 0, positions, entry, complete)
+        self._write_entry(ix.kv_cache, 0, positions, entry, complete, seqs)
         if packed:
             codes, scales = fp4_pack_indexer_keys(entry)
-            self._write_entry(ix.k_codes, 0, positions, codes, complete)
-            self._write_entry(ix.k_scales, 0, positions, scales, complete)
+            self._write_entry(ix.k_codes, 0, positions, codes, complete, seqs)
+            self._write_entry(ix.k_scales, 0, positions, scales, complete, seqs)
 
-    def _decode_store(self, p: "DecodeProjections", step: DecodeStep) -> None:
-        """The token's kv into the window ring (unless _qkv stored it already) and the compressor's entry where
-        its window just closed."""
-        positions, R = step.positions, self.ring
+    def _decode_store(self, p: "DecodeProjections", step: DecodeStep | TokenSteps) -> None:
+        """The tokens' kv into the window ring (unless _qkv stored it already) and the compressor's entries where
+        a window just closed (over T tokens per row its state advances token after token, the entries are written
+        at once)."""
+        (positions, seqs), R = _rows_of(step, p.x.shape[0]), self.ring
         if p.kv is not None:
             rows = torch.arange(p.x.shape[0], device=p.x.device)
-            self.kv_cache.index_put_((rows, positions % R), p.kv)
+            self.kv_cache.index_put_((rows % seqs if seqs else rows, positions % R), p.kv)
         if self.compressor is not None:
-            store = (positions, self.kv_cache, R) if self.use_store_op else None
-            entry, complete = self.compressor.decode(p.x, step, self.rope_kind, p.cproj, store)
+            store = (positions, self.kv_cache, R, seqs) if self.use_store_op else None
+            if seqs:
+                entry, complete = self.compressor.decode_tokens(p.x, step, self.rope_kind, p.cproj, store)
+            else:
+                entry, complete = self.compressor.decode(p.x, step, self.rope_kind, p.cproj, store)
             if entry is not None:
-                self._write_entry(self.kv_cache, R, positions, entry, complete)
+                self._write_entry(self.kv_cache, R, positions, entry, complete, seqs)
 
     def _decode_attend_op(self, q: torch.Tensor, cs: torch.Tensor, step: DecodeStep, sel: "Selection | None",
                           seqs: int | None = None) -> tuple[torch.Tensor, bool]:
@@ -632,8 +646,14 @@ class Attention(nn.Module):
         return (held >= 0) & (held > p - W)
 
     def _write_entry(self, cache: torch.Tensor, offset: int, positions: torch.Tensor, entry: torch.Tensor,
-                     complete: torch.Tensor) -> None:
-        """Write entry positions//m where the window just closed; rewrite the old value elsewhere."""
+                     complete: torch.Tensor, seqs: int = 0) -> None:
+        """Write entry positions//m where the window just closed; rewrite the old value elsewhere. seqs: the rows
+        are tokens of that many sequences, written token after token (two tokens of a row can name one slot, the
+        earlier rewriting its old value)."""
+        if seqs:
+            for r in range(0, entry.shape[0], seqs):
+                self._write_entry(cache, offset, positions[r:r + seqs], entry[r:r + seqs], complete[r:r + seqs])
+            return
         B = entry.shape[0]
         n = cache.shape[1] - offset
         rows = torch.arange(B, device=entry.device)

@@ -12,7 +12,7 @@ from dsv4_ops import ops, supports
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.layers import Linear, RMSNorm, apply_rope, narrow_if_lossless_, project
 from dsv4_model.model.quant_sim import indexer_fake_quant, kv_fake_quant
-from dsv4_model.model.step_values import DecodeStep
+from dsv4_model.model.step_values import DecodeStep, TokenSteps
 
 
 def scatter_entries(cache: torch.Tensor, index: torch.Tensor, values: torch.Tensor, write: torch.Tensor) -> None:
@@ -80,17 +80,18 @@ class Compressor(nn.Module):
     def _finish(self, pooled: torch.Tensor, cs: torch.Tensor, dtype: torch.dtype, store=None) -> torch.Tensor | None:
         """Pooled entries -> cache entries: RMSNorm, RoPE, and the simulated FP8 (KV) or Hadamard + FP4 (indexer
         keys) rounding; at decode (one entry per row) through the fused ops where they take the shapes. store:
-        (positions, cache, offset) at decode, given where the fused op can write that cache: the entry is written
-        into cache where its window closed (returns None); else returned for the caller to write."""
+        (positions, cache, offset, seqs) at decode, given where the fused op can write that cache: the entry is
+        written into cache where its window closed (returns None; seqs > 0: row r into cache row r % seqs, T tokens
+        of seqs sequences); else returned for the caller to write."""
         decode, x = pooled.dim() == 2, pooled.to(dtype)
         if decode and self.use_norm_rope_op:
             fp8 = self.simulate_quant and not self.rotate
             index_keys = self.simulate_quant and self.rotate  # then the Hadamard + FP4 rounding follows
             if not index_keys and store is not None:
-                positions, cache, offset = store
+                positions, cache, offset, seqs = store
                 ops.rms_norm_rope_store(x, weight=self.norm.weight, cs=cs, eps=self.norm.eps, rope_dim=self.rope_dim,
                                         fp8_nope=fp8, positions=positions, ratio=self.ratio, offset=offset,
-                                        slots=cache.shape[1] - offset, cache=cache)
+                                        slots=cache.shape[1] - offset, cache=cache, kv_batch=seqs)
                 return None
             kv = ops.rms_norm_rope(x.unsqueeze(1), weight=self.norm.weight, cs=cs, eps=self.norm.eps,
                                    rope_dim=self.rope_dim, fp8_nope=fp8).squeeze(1)
@@ -211,15 +212,31 @@ class Compressor(nn.Module):
         (wkv(x), wgate(x)) if already computed (Attention runs both compressors' projections in one launch).
         store: (positions, cache, offset), where the fused op can write that cache: entry is None when it was
         written into cache already (_finish)."""
-        B, positions = x.shape[0], step.positions
-        m, hd = self.ratio, self.head_dim
         kv, score = project(x, self.wkv, self.wgate) if proj is None else proj
-        cs = step.cs(rope_kind, m)
-        complete = (positions + 1) % m == 0
-        # the op rounds the pooling to x's dtype itself (_finish's .to(dtype) is then no kernel); a state of
-        # c*m + spare rows (spare > 0) is indexed by position: the op pools a closed window in the same order
-        # and arithmetic as the shifted state, so a model with spare slots computes the plain model's entries
-        pooled = torch.empty(B, hd, dtype=self.pooled_dtype, device=x.device)
+        complete = (step.positions + 1) % self.ratio == 0
+        return self._finish(self._advance(kv, score, step.positions), step.cs(rope_kind, self.ratio), x.dtype,
+                            store), complete
+
+    def decode_tokens(self, x: torch.Tensor, steps: TokenSteps, rope_kind: str,
+                      proj: tuple[torch.Tensor, torch.Tensor] | None = None, store=None):
+        """decode of T tokens per row (x [T * B, dim], row t * B + b at steps[t]): the state advances token after
+        token, then the T * B pooled windows go through _finish at once (store: decode's, with seqs = B) ->
+        (entries [T * B, Dc] or None, complete [T * B])."""
+        B = x.shape[0] // len(steps)
+        kv, score = project(x, self.wkv, self.wgate) if proj is None else proj
+        pooled = [self._advance(kv[t * B:(t + 1) * B], score[t * B:(t + 1) * B], st.positions)
+                  for t, st in enumerate(steps)]
+        cs = torch.cat([st.cs(rope_kind, self.ratio) for st in steps])
+        complete = (steps.stacked.positions + 1) % self.ratio == 0
+        return self._finish(torch.cat(pooled), cs, x.dtype, store), complete
+
+    def _advance(self, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One token per row into the state; its window pooled -> [B, hd] (a closed window's entry where
+        (positions + 1) % m == 0). The op rounds the pooling to x's dtype itself (_finish's .to(dtype) is then no
+        kernel); a state of c*m + spare rows (spare > 0) is indexed by position: the op pools a closed window in
+        the same order and arithmetic as the shifted state, so a model with spare slots computes the plain model's
+        entries."""
+        pooled = torch.empty(kv.shape[0], self.head_dim, dtype=self.pooled_dtype, device=kv.device)
         ops.compressor_decode(kv, score, ape=self.ape, positions=positions, kv_state=self.kv_state,
                               score_state=self.score_state, pooled=pooled)
-        return self._finish(pooled, cs, x.dtype, store), complete
+        return pooled

@@ -43,10 +43,11 @@ inline Shape check(const at::Tensor& x, const std::optional<at::Tensor>& weight,
 }
 
 // dsv4::rms_norm_rope_store: x [rows, d] (as one head), positions int64 / int32 [rows], cache a contiguous
-// [>= rows, >= offset + slots, d] tensor of x's dtype.
+// [>= rows, >= offset + slots, d] tensor of x's dtype; kv_batch > 0 (a divisor of rows): row r writes cache row
+// r % kv_batch (T tokens of kv_batch sequences, token-major), and the cache needs kv_batch rows.
 inline Shape check_store(const at::Tensor& x, const std::optional<at::Tensor>& weight, const at::Tensor& cs,
                          double eps, int64_t rope_dim, bool fp8_nope, const at::Tensor& positions, int64_t ratio,
-                         int64_t offset, int64_t slots, const at::Tensor& cache) {
+                         int64_t offset, int64_t slots, const at::Tensor& cache, int64_t kv_batch) {
   const char* op = "dsv4::rms_norm_rope_store";
   TORCH_CHECK(x.dim() == 2, op, ": x must be [rows, d], got ", x.sizes());
   const Shape sh = check(x.unsqueeze(1), weight, cs, eps, rope_dim, fp8_nope);
@@ -56,10 +57,14 @@ inline Shape check_store(const at::Tensor& x, const std::optional<at::Tensor>& w
               "], got ", positions.sizes());
   TORCH_CHECK(ratio >= 0 && offset >= 0 && slots >= 1, op, ": need ratio >= 0, offset >= 0, slots >= 1; got ",
               ratio, ", ", offset, ", ", slots);
-  TORCH_CHECK(cache.scalar_type() == x.scalar_type() && cache.dim() == 3 && cache.size(0) >= sh.rows &&
+  TORCH_CHECK(kv_batch >= 0 && (kv_batch == 0 || sh.rows % kv_batch == 0), op,
+              ": kv_batch must be 0 or divide rows = ", sh.rows, ", got ", kv_batch);
+  const int64_t seqs = kv_batch ? kv_batch : sh.rows;
+  TORCH_CHECK(cache.scalar_type() == x.scalar_type() && cache.dim() == 3 && cache.size(0) >= seqs &&
                   cache.size(1) >= offset + slots && cache.size(2) == sh.d && cache.is_contiguous(),
-              op, ": cache must be a contiguous ", x.scalar_type(), " [>= rows = ", sh.rows, ", >= offset + slots = ",
-              offset + slots, ", d = ", sh.d, "], got ", cache.scalar_type(), " ", cache.sizes());
+              op, ": cache must be a contiguous ", x.scalar_type(), " [>= ", kv_batch ? "kv_batch" : "rows", " = ",
+              seqs, ", >= offset + slots = ", offset + slots, ", d = ", sh.d, "], got ", cache.scalar_type(), " ",
+              cache.sizes());
   for (const at::Tensor* t : {&positions, &cache})
     TORCH_CHECK(t->device() == x.device(), op, ": every tensor must be on x's device (", x.device(), ")");
   return sh;

@@ -188,10 +188,11 @@ TORCH_LIBRARY(dsv4, m) {
   // The same per vector of x [rows, d], written into cache [>= rows, S, d] (x's dtype) at row r, slot: ratio 0 (the
   // sliding window) offset + positions[r] % slots for every row; ratio >= 1 (compressed entries) offset +
   // min(positions[r] / ratio, slots - 1) only where (positions[r] + 1) % ratio == 0, other rows untouched. The
-  // decode step's kv and compressed-entry stores without their index_put kernels.
+  // decode step's kv and compressed-entry stores without their index_put kernels. kv_batch > 0: row r writes cache
+  // row r % kv_batch (T tokens of kv_batch sequences, token-major: a verification's tokens in one call).
   m.def(
       "rms_norm_rope_store(Tensor x, Tensor? weight, Tensor cs, float eps, int rope_dim, bool fp8_nope, "
-      "Tensor positions, int ratio, int offset, int slots, Tensor(a!) cache) -> ()");
+      "Tensor positions, int ratio, int offset, int slots, Tensor(a!) cache, int kv_batch=0) -> ()");
 
   // ---- indexer Hadamard + FP4 ----
   // Per vector x[r, h] (x [rows, heads, d], bf16 / fp32, d a power of two >= 32): with rope_dim > 0 its trailing
@@ -205,10 +206,11 @@ TORCH_LIBRARY(dsv4, m) {
   // For each row b < B whose compression window closed at this token ((pos + 1) % ratio == 0, positions >= 0):
   // slot = min(pos / ratio, n - 1); kv_cache[b, slot] = keys[b] (bf16 / fp32 [B, D], D % 32 == 0) and its FP4
   // form (E2M1 codes uint8 [D / 2], UE8M0 block-32 exponents uint8 [D / 32], as the indexer cache stores keys)
-  // into k_codes[b, slot] / k_scales[b, slot]. See docs/ops.md "## Indexer key store".
+  // into k_codes[b, slot] / k_scales[b, slot]; with kv_batch > 0 into cache row b % kv_batch (T tokens of kv_batch
+  // sequences, token-major). See docs/ops.md "## Indexer key store".
   m.def(
       "indexer_store_keys(Tensor keys, Tensor positions, int ratio, Tensor(a!) kv_cache, Tensor(b!) k_codes, "
-      "Tensor(c!) k_scales) -> ()");
+      "Tensor(c!) k_scales, int kv_batch=0) -> ()");
 
   // ---- decode state ----
 }

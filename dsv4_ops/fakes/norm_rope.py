@@ -20,7 +20,8 @@ def _rms_norm_rope_fake(x, weight, cs, eps, rope_dim, fp8_nope):
 torch.library.register_fake("dsv4::rms_norm_rope")(_rms_norm_rope_fake)
 
 
-def _rms_norm_rope_store_fake(x, weight, cs, eps, rope_dim, fp8_nope, positions, ratio, offset, slots, cache):
+def _rms_norm_rope_store_fake(x, weight, cs, eps, rope_dim, fp8_nope, positions, ratio, offset, slots, cache,
+                              kv_batch=0):
     op = "dsv4::rms_norm_rope_store"
     torch._check(x.dim() == 2, lambda: f"{op}: x must be [rows, d], got {tuple(x.shape)}")
     _rms_norm_rope_fake(x.unsqueeze(1), weight, cs, eps, rope_dim, fp8_nope)
@@ -28,9 +29,11 @@ def _rms_norm_rope_store_fake(x, weight, cs, eps, rope_dim, fp8_nope, positions,
     torch._check(positions.dtype in (torch.int64, torch.int32) and positions.shape == (rows,),
                  lambda: f"{op}: positions must be int64 / int32 [rows]")
     torch._check(ratio >= 0 and offset >= 0 and slots >= 1, lambda: f"{op}: need ratio >= 0, offset >= 0, slots >= 1")
-    torch._check(cache.dtype == x.dtype and cache.dim() == 3 and cache.shape[0] >= rows
+    torch._check(kv_batch == 0 or (kv_batch > 0 and rows % kv_batch == 0),
+                 lambda: f"{op}: kv_batch must be 0 or divide rows = {rows}, got {kv_batch}")
+    torch._check(cache.dtype == x.dtype and cache.dim() == 3 and cache.shape[0] >= (kv_batch or rows)
                  and cache.shape[1] >= offset + slots and cache.shape[2] == d,
-                 lambda: f"{op}: cache must be [>= rows, >= offset + slots, d] in x's dtype")
+                 lambda: f"{op}: cache must be [>= rows (kv_batch), >= offset + slots, d] in x's dtype")
 
 
 torch.library.register_fake("dsv4::rms_norm_rope_store")(_rms_norm_rope_store_fake)

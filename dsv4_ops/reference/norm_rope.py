@@ -26,12 +26,14 @@ def rms_norm_rope_ref(x: torch.Tensor, weight, cs: torch.Tensor, eps: float, rop
 
 def rms_norm_rope_store_ref(x: torch.Tensor, weight, cs: torch.Tensor, eps: float, rope_dim: int, fp8_nope: bool,
                             positions: torch.Tensor, ratio: int, offset: int, slots: int,
-                            cache: torch.Tensor) -> None:
-    """rms_norm_rope_ref of x [rows, d] written into cache [>= rows, S, d] in place: row r at slot offset +
-    positions[r] % slots (ratio 0, a sliding window), or offset + min(positions[r] // ratio, slots - 1) only where
-    (positions[r] + 1) % ratio == 0 (compressed entries); the model's index_put / _write_entry steps."""
+                            cache: torch.Tensor, kv_batch: int = 0) -> None:
+    """rms_norm_rope_ref of x [rows, d] written into cache [>= rows, S, d] in place: row r (into cache row
+    r % kv_batch with kv_batch > 0) at slot offset + positions[r] % slots (ratio 0, a sliding window), or offset +
+    min(positions[r] // ratio, slots - 1) only where (positions[r] + 1) % ratio == 0 (compressed entries); the
+    model's index_put / _write_entry steps."""
     y = rms_norm_rope_ref(x.unsqueeze(1), weight, cs, eps, rope_dim, fp8_nope).squeeze(1)
     for r, p in enumerate(positions.tolist()):
         if p < 0 or (ratio and (p + 1) % ratio):
             continue
-        cache[r, offset + (p % slots if ratio == 0 else min(p // ratio, slots - 1))] = y[r]
+        slot = p % slots if ratio == 0 else min(p // ratio, slots - 1)
+        cache[r % kv_batch if kv_batch else r, offset + slot] = y[r]

@@ -41,15 +41,17 @@ void store_row(const T* key, int64_t D, T* cache, uint8_t* codes, uint8_t* scale
 }
 
 void indexer_store_keys_cpu(const at::Tensor& keys, const at::Tensor& positions, int64_t ratio,
-                            const at::Tensor& kv_cache, const at::Tensor& k_codes, const at::Tensor& k_scales) {
-  const dsv4_key_store::Shape sh = dsv4_key_store::check(keys, positions, ratio, kv_cache, k_codes, k_scales);
+                            const at::Tensor& kv_cache, const at::Tensor& k_codes, const at::Tensor& k_scales,
+                            int64_t kv_batch) {
+  const dsv4_key_store::Shape sh =
+      dsv4_key_store::check(keys, positions, ratio, kv_cache, k_codes, k_scales, kv_batch);
   TORCH_CHECK(keys.device().is_cpu(), "dsv4::indexer_store_keys: expected CPU tensors, got ", keys.device());
   const at::Tensor kc = keys.contiguous(), pc = positions.to(at::kLong).contiguous();
   const int64_t* pos = pc.data_ptr<int64_t>();
   for (int64_t b = 0; b < sh.B; ++b) {
     const int64_t slot = dsv4::entry_slot(pos[b], ratio, sh.n);
     if (slot < 0) continue;
-    const int64_t at = b * sh.n + slot;
+    const int64_t at = (kv_batch ? b % kv_batch : b) * sh.n + slot;
     uint8_t* codes = k_codes.data_ptr<uint8_t>() + at * (sh.D / 2);
     uint8_t* scales = k_scales.data_ptr<uint8_t>() + at * (sh.D / 32);
     if (keys.scalar_type() == at::kBFloat16)

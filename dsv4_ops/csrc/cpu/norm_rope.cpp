@@ -89,9 +89,9 @@ at::Tensor rms_norm_rope_cpu(const at::Tensor& x, const std::optional<at::Tensor
 
 void rms_norm_rope_store_cpu(const at::Tensor& x, const std::optional<at::Tensor>& weight, const at::Tensor& cs,
                              double eps, int64_t rope_dim, bool fp8_nope, const at::Tensor& positions, int64_t ratio,
-                             int64_t offset, int64_t slots, const at::Tensor& cache) {
-  const dsv4_norm_rope::Shape sh =
-      dsv4_norm_rope::check_store(x, weight, cs, eps, rope_dim, fp8_nope, positions, ratio, offset, slots, cache);
+                             int64_t offset, int64_t slots, const at::Tensor& cache, int64_t kv_batch) {
+  const dsv4_norm_rope::Shape sh = dsv4_norm_rope::check_store(x, weight, cs, eps, rope_dim, fp8_nope, positions,
+                                                               ratio, offset, slots, cache, kv_batch);
   TORCH_CHECK(x.device().is_cpu(), "dsv4::rms_norm_rope_store: expected CPU tensors, got ", x.device());
   const at::Tensor xc = x.contiguous(), cc = cs.contiguous(), pc = positions.to(at::kLong).contiguous();
   const at::Tensor wc = weight.has_value() ? weight->contiguous() : at::Tensor();
@@ -101,7 +101,7 @@ void rms_norm_rope_store_cpu(const at::Tensor& x, const std::optional<at::Tensor
   auto dst = [&](auto* base) {
     return [=](int64_t v) -> decltype(base) {
       const int64_t slot = dsv4::cache_slot(pos[v], ratio, slots);  // row v's slot past offset
-      return slot < 0 ? nullptr : base + v * row + (offset + slot) * d;
+      return slot < 0 ? nullptr : base + (kv_batch ? v % kv_batch : v) * row + (offset + slot) * d;
     };
   };
   if (x.scalar_type() == at::kBFloat16)

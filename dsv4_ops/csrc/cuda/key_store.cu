@@ -32,7 +32,8 @@ __device__ __forceinline__ uint32_t e2m1_code(float y) {  // y in [-6, 6]; ties 
 template <typename T, typename P, int E>
 __global__ void __launch_bounds__(32 * kWarpsPerCta) store_keys_kernel(const T* __restrict__ keys,
                                                                         const P* __restrict__ positions, int B,
-                                                                        int ratio, int n, T* __restrict__ cache,
+                                                                        int ratio, int n, int kv_batch,
+                                                                        T* __restrict__ cache,
                                                                         uint8_t* __restrict__ codes,
                                                                         uint8_t* __restrict__ scales, int pdl) {
   dsv4_cuda::grid_dep_wait();
@@ -42,7 +43,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) store_keys_kernel(const T* 
   if (b >= B) return;
   const int64_t slot = dsv4::entry_slot(int64_t(positions[b]), ratio, n);
   if (slot < 0) return;  // whole warps leave: no window closed in this row
-  const int64_t at = int64_t(b) * n + slot;
+  const int64_t at = int64_t(kv_batch ? b % kv_batch : b) * n + slot;  // the row's sequence's cache row
   T v[E];
   float amax = 0.0f;
 #pragma unroll
@@ -66,8 +67,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) store_keys_kernel(const T* 
 }
 
 template <typename T, typename P>
-cudaError_t launch_t(const void* keys, const void* positions, int B, int D, int ratio, int n, void* cache,
-                     uint8_t* codes, uint8_t* scales, cudaStream_t stream) {
+cudaError_t launch_t(const void* keys, const void* positions, int B, int D, int ratio, int n, int kv_batch,
+                     void* cache, uint8_t* codes, uint8_t* scales, cudaStream_t stream) {
   const unsigned grid = unsigned((B + kWarpsPerCta - 1) / kWarpsPerCta);
   const dim3 block(32 * kWarpsPerCta);
   const T* k = static_cast<const T*>(keys);
@@ -76,17 +77,20 @@ cudaError_t launch_t(const void* keys, const void* positions, int B, int D, int 
   const bool pdl = decode_pdl();
   switch (D) {
     case 64:
-      launch_ex(pdl, store_keys_kernel<T, P, 2>, grid, block, 0, stream, k, p, B, ratio, n, c, codes, scales, int(pdl));
+      launch_ex(pdl, store_keys_kernel<T, P, 2>, grid, block, 0, stream, k, p, B, ratio, n, kv_batch, c, codes,
+                scales, int(pdl));
       break;
     case 128:
-      launch_ex(pdl, store_keys_kernel<T, P, 4>, grid, block, 0, stream, k, p, B, ratio, n, c, codes, scales, int(pdl));
+      launch_ex(pdl, store_keys_kernel<T, P, 4>, grid, block, 0, stream, k, p, B, ratio, n, kv_batch, c, codes,
+                scales, int(pdl));
       break;
     case 256:
-      launch_ex(pdl, store_keys_kernel<T, P, 8>, grid, block, 0, stream, k, p, B, ratio, n, c, codes, scales, int(pdl));
+      launch_ex(pdl, store_keys_kernel<T, P, 8>, grid, block, 0, stream, k, p, B, ratio, n, kv_batch, c, codes,
+                scales, int(pdl));
       break;
     case 512:
-      launch_ex(pdl, store_keys_kernel<T, P, 16>, grid, block, 0, stream, k, p, B, ratio, n, c, codes, scales,
-                int(pdl));
+      launch_ex(pdl, store_keys_kernel<T, P, 16>, grid, block, 0, stream, k, p, B, ratio, n, kv_batch, c, codes,
+                scales, int(pdl));
       break;
     default: return cudaErrorInvalidValue;
   }
@@ -98,15 +102,17 @@ cudaError_t launch_t(const void* keys, const void* positions, int B, int D, int 
 extern "C" int dsv4_store_keys_kernel_ok(int D) { return dsv4_limits::store_keys_dim_ok(D); }
 
 // keys [B, D] (keys_fp32: float32, else bf16), positions [B] (pos_i32: int32, else int64), cache [>= B, n, D]
-// of the keys' dtype, codes uint8 [>= B, n, D / 2], scales uint8 [>= B, n, D / 32]; all contiguous.
+// of the keys' dtype, codes uint8 [>= B, n, D / 2], scales uint8 [>= B, n, D / 32]; all contiguous. kv_batch > 0:
+// row b writes cache row b % kv_batch (the caches need kv_batch rows).
 extern "C" cudaError_t dsv4_store_keys_launch(const void* keys, int keys_fp32, const void* positions, int pos_i32,
-                                              int B, int D, int ratio, int n, void* cache, uint8_t* codes,
-                                              uint8_t* scales, cudaStream_t stream) {
+                                              int B, int D, int ratio, int n, int kv_batch, void* cache,
+                                              uint8_t* codes, uint8_t* scales, cudaStream_t stream) {
   if (B == 0) return cudaSuccess;
   if (!dsv4_store_keys_kernel_ok(D) || ratio < 1 || n < 1) return cudaErrorInvalidValue;
+  using bf16 = __nv_bfloat16;
   if (keys_fp32)
-    return pos_i32 ? launch_t<float, int32_t>(keys, positions, B, D, ratio, n, cache, codes, scales, stream)
-                   : launch_t<float, int64_t>(keys, positions, B, D, ratio, n, cache, codes, scales, stream);
-  return pos_i32 ? launch_t<__nv_bfloat16, int32_t>(keys, positions, B, D, ratio, n, cache, codes, scales, stream)
-                 : launch_t<__nv_bfloat16, int64_t>(keys, positions, B, D, ratio, n, cache, codes, scales, stream);
+    return pos_i32 ? launch_t<float, int32_t>(keys, positions, B, D, ratio, n, kv_batch, cache, codes, scales, stream)
+                   : launch_t<float, int64_t>(keys, positions, B, D, ratio, n, kv_batch, cache, codes, scales, stream);
+  return pos_i32 ? launch_t<bf16, int32_t>(keys, positions, B, D, ratio, n, kv_batch, cache, codes, scales, stream)
+                 : launch_t<bf16, int64_t>(keys, positions, B, D, ratio, n, kv_batch, cache, codes, scales, stream);
 }

@@ -73,8 +73,8 @@ extern "C" cudaError_t dsv4_indexer_prefill_scores_launch(const void* q, const f
 // key_store.cu
 extern "C" int dsv4_store_keys_kernel_ok(int D);
 extern "C" cudaError_t dsv4_store_keys_launch(const void* keys, int keys_fp32, const void* positions, int pos_i32,
-                                              int B, int D, int ratio, int n, void* cache, uint8_t* codes,
-                                              uint8_t* scales, cudaStream_t stream);
+                                              int B, int D, int ratio, int n, int kv_batch, void* cache,
+                                              uint8_t* codes, uint8_t* scales, cudaStream_t stream);
 
 // mhc.cu
 extern "C" cudaError_t dsv4_hc_sinkhorn_launch(const float* x, float* y, int64_t n, int hc, int iters, float eps,
@@ -94,7 +94,7 @@ extern "C" cudaError_t dsv4_rms_norm_rope_launch(const void* x, int x_fp32, cons
 extern "C" cudaError_t dsv4_rms_norm_rope_store_launch(const void* x, int x_fp32, const float* w, const float* cs,
                                                        int64_t rows, int d, int rope_dim, float eps, int fp8_nope,
                                                        const void* positions, int pos_i32, int ratio, int offset,
-                                                       int slots, void* cache, int64_t row_stride,
+                                                       int slots, void* cache, int64_t row_stride, int64_t kv_batch,
                                                        cudaStream_t stream);
 
 // router.cu

@@ -53,6 +53,7 @@ struct Dest {
   const void* positions;  // int64 / int32 [rows] or null
   int pos_i32, ratio, offset, slots;
   int64_t row_stride;  // the cache's elements per row
+  int64_t kv_batch;    // > 0: row v writes cache row v % kv_batch (T tokens of kv_batch sequences), else v
 };
 
 template <typename T>
@@ -61,7 +62,7 @@ __device__ __forceinline__ T* dest(T* out, const Dest& st, int64_t v, int d) {
   const int64_t pos = st.pos_i32 ? int64_t(static_cast<const int32_t*>(st.positions)[v])
                                  : static_cast<const int64_t*>(st.positions)[v];
   const int64_t slot = dsv4::cache_slot(pos, st.ratio, st.slots);
-  return slot < 0 ? nullptr : out + v * st.row_stride + (st.offset + slot) * d;
+  return slot < 0 ? nullptr : out + (st.kv_batch ? v % st.kv_batch : v) * st.row_stride + (st.offset + slot) * d;
 }
 
 template <typename T>
@@ -150,12 +151,12 @@ extern "C" cudaError_t dsv4_rms_norm_rope_launch(const void* x, int x_fp32, cons
 }
 
 // The store form: x [rows, d], cache [>= rows, row_stride / d, d] (16-byte aligned), positions int64 (or int32 when
-// pos_i32) [rows]; slots per dsv4::cache_slot.
+// pos_i32) [rows]; slots per dsv4::cache_slot; kv_batch > 0: row v writes cache row v % kv_batch.
 extern "C" cudaError_t dsv4_rms_norm_rope_store_launch(const void* x, int x_fp32, const float* w, const float* cs,
                                                        int64_t rows, int d, int rope_dim, float eps, int fp8_nope,
                                                        const void* positions, int pos_i32, int ratio, int offset,
-                                                       int slots, void* cache, int64_t row_stride,
+                                                       int slots, void* cache, int64_t row_stride, int64_t kv_batch,
                                                        cudaStream_t stream) {
-  const Dest st{positions, pos_i32, ratio, offset, slots, row_stride};
+  const Dest st{positions, pos_i32, ratio, offset, slots, row_stride, kv_batch};
   return launch(x, x_fp32, w, cs, cache, rows, 1, d, rope_dim, eps, fp8_nope, st, stream);
 }

@@ -40,11 +40,11 @@ at::Tensor rms_norm_rope_cuda(const at::Tensor& x, const std::optional<at::Tenso
 
 void rms_norm_rope_store_cuda(const at::Tensor& x, const std::optional<at::Tensor>& weight, const at::Tensor& cs,
                               double eps, int64_t rope_dim, bool fp8_nope, const at::Tensor& positions, int64_t ratio,
-                              int64_t offset, int64_t slots, const at::Tensor& cache) {
+                              int64_t offset, int64_t slots, const at::Tensor& cache, int64_t kv_batch) {
   const char* op = "dsv4::rms_norm_rope_store";
   TORCH_CHECK(x.is_cuda(), op, ": x must be a CUDA tensor, got ", x.device());
-  const dsv4_norm_rope::Shape sh =
-      dsv4_norm_rope::check_store(x, weight, cs, eps, rope_dim, fp8_nope, positions, ratio, offset, slots, cache);
+  const dsv4_norm_rope::Shape sh = dsv4_norm_rope::check_store(x, weight, cs, eps, rope_dim, fp8_nope, positions,
+                                                               ratio, offset, slots, cache, kv_batch);
   TORCH_CHECK(sh.d <= dsv4_limits::kNormRopeCudaMaxDim, op, ": the CUDA kernel takes d <= ",
               dsv4_limits::kNormRopeCudaMaxDim, ", got ", sh.d);
   TORCH_CHECK(ratio < (int64_t(1) << 31) && offset + slots < (int64_t(1) << 31), op,
@@ -59,7 +59,7 @@ void rms_norm_rope_store_cuda(const at::Tensor& x, const std::optional<at::Tenso
       xc.data_ptr(), x.scalar_type() == at::kFloat, wc.defined() ? wc.data_ptr<float>() : nullptr,
       cc.data_ptr<float>(), sh.rows, int(sh.d), int(rope_dim), float(eps), fp8_nope, pc.data_ptr(),
       pc.scalar_type() == at::kInt, int(ratio), int(offset), int(slots), cache.data_ptr(), cache.size(1) * sh.d,
-      c10::cuda::getCurrentCUDAStream().stream());
+      kv_batch, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
 }
 
