@@ -149,8 +149,8 @@ def hadamard_fp4(x: Tensor, *, cs: Tensor | None, rope_dim: int) -> Tensor:
 
 # ---- cache writes (in place)
 def compressor_decode(kv: Tensor, score: Tensor, *, ape: Tensor, positions: Tensor, kv_state: Tensor,
-                      score_state: Tensor, pooled: Tensor) -> None:
-    _ops.compressor_decode(kv, score, ape, positions, kv_state, score_state, pooled)
+                      score_state: Tensor, pooled: Tensor, kv_batch: int = 0) -> None:
+    _ops.compressor_decode(kv, score, ape, positions, kv_state, score_state, pooled, kv_batch)
 
 
 def indexer_store_keys(keys: Tensor, *, positions: Tensor, ratio: int, kv_cache: Tensor, k_codes: Tensor,

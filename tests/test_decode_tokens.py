@@ -108,9 +108,8 @@ def test_one_attention_call_for_the_tokens_equals_token_after_token(simulate_qua
 
 def test_the_ops_run_once_per_layer_for_the_tokens(monkeypatch):
     """With spare slots a T-token decode calls dsv4::sparse_attn_decode once per layer, the FP4 indexer's
-    dsv4::indexer_score_topk and its key store once per CSA layer and the compressed-entry store once per
-    compressor of the attention (token after token: T times each); the compressors' states advance token after
-    token either way (dsv4::compressor_decode T times per compressor)."""
+    dsv4::indexer_score_topk and its key store once per CSA layer, and dsv4::compressor_decode once per compressor
+    and the compressed-entry store once per compressor of the attention (token after token: T times each)."""
     calls = dict.fromkeys(("sparse_attn_decode", "indexer_score_topk", "indexer_store_keys", "rms_norm_rope_store",
                            "compressor_decode"), 0)
     for name in calls:
@@ -127,7 +126,7 @@ def test_the_ops_run_once_per_layer_for_the_tokens(monkeypatch):
         csa, compressed = cfg.compress_ratios.count(4), sum(r > 0 for r in cfg.compress_ratios)
         assert calls == {"sparse_attn_decode": cfg.n_layers * per_layer, "indexer_score_topk": csa * per_layer,
                          "indexer_store_keys": csa * per_layer, "rms_norm_rope_store": compressed * per_layer,
-                         "compressor_decode": (compressed + csa) * T}, spare
+                         "compressor_decode": (compressed + csa) * per_layer}, spare
 
 
 def test_nvfp4_weights():

@@ -219,24 +219,23 @@ class Compressor(nn.Module):
 
     def decode_tokens(self, x: torch.Tensor, steps: TokenSteps, rope_kind: str,
                       proj: tuple[torch.Tensor, torch.Tensor] | None = None, store=None):
-        """decode of T tokens per row (x [T * B, dim], row t * B + b at steps[t]): the state advances token after
-        token, then the T * B pooled windows go through _finish at once (store: decode's, with seqs = B) ->
-        (entries [T * B, Dc] or None, complete [T * B])."""
+        """decode of T tokens per row (x [T * B, dim], row t * B + b at steps[t]): one op call advances each row's
+        state token after token, then the T * B pooled windows go through _finish at once (store: decode's, with
+        seqs = B) -> (entries [T * B, Dc] or None, complete [T * B])."""
         B = x.shape[0] // len(steps)
         kv, score = project(x, self.wkv, self.wgate) if proj is None else proj
-        pooled = [self._advance(kv[t * B:(t + 1) * B], score[t * B:(t + 1) * B], st.positions)
-                  for t, st in enumerate(steps)]
+        positions = steps.stacked.positions
         cs = torch.cat([st.cs(rope_kind, self.ratio) for st in steps])
-        complete = (steps.stacked.positions + 1) % self.ratio == 0
-        return self._finish(torch.cat(pooled), cs, x.dtype, store), complete
+        return self._finish(self._advance(kv, score, positions, B), cs, x.dtype, store), \
+            (positions + 1) % self.ratio == 0
 
-    def _advance(self, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One token per row into the state; its window pooled -> [B, hd] (a closed window's entry where
-        (positions + 1) % m == 0). The op rounds the pooling to x's dtype itself (_finish's .to(dtype) is then no
-        kernel); a state of c*m + spare rows (spare > 0) is indexed by position: the op pools a closed window in
-        the same order and arithmetic as the shifted state, so a model with spare slots computes the plain model's
-        entries."""
+    def _advance(self, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor, seqs: int = 0) -> torch.Tensor:
+        """Each row's token into the state; its window pooled -> [rows, hd] (a closed window's entry where
+        (positions + 1) % m == 0); seqs: the rows are tokens of that many sequences, each advancing its state in
+        order. The op rounds the pooling to x's dtype itself (_finish's .to(dtype) is then no kernel); a state of
+        c*m + spare rows (spare > 0) is indexed by position: the op pools a closed window in the same order and
+        arithmetic as the shifted state, so a model with spare slots computes the plain model's entries."""
         pooled = torch.empty(kv.shape[0], self.head_dim, dtype=self.pooled_dtype, device=kv.device)
         ops.compressor_decode(kv, score, ape=self.ape, positions=positions, kv_state=self.kv_state,
-                              score_state=self.score_state, pooled=pooled)
+                              score_state=self.score_state, pooled=pooled, kv_batch=seqs)
         return pooled

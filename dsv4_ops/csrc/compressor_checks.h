@@ -9,6 +9,7 @@ namespace dsv4_comp {
 
 struct Shape {
   int64_t B;   // rows of this step (kv.size(0))
+  int64_t S;   // sequences whose states they advance: B, or kv_batch (T = B / S tokens each, token-major)
   int64_t C;   // projected width: coff * hd
   int64_t m;   // compression ratio (ape.size(0))
   int64_t R;   // state rows: coff * m (shifted), more (indexed by position)
@@ -17,8 +18,11 @@ struct Shape {
   bool by_position;  // R > coff * m: token p in row p mod R, the window read by position, no shift
 };
 
+// kv_batch > 0 (a divisor of B): the rows are T = B / kv_batch tokens of kv_batch sequences, token-major (row
+// t * kv_batch + b: token t of sequence b), each sequence's tokens advancing its state in order; 0: one per row.
 inline Shape check(const at::Tensor& kv, const at::Tensor& score, const at::Tensor& ape, const at::Tensor& positions,
-                   const at::Tensor& kv_state, const at::Tensor& score_state, const at::Tensor& pooled) {
+                   const at::Tensor& kv_state, const at::Tensor& score_state, const at::Tensor& pooled,
+                   int64_t kv_batch) {
   const char* op = "dsv4::compressor_decode";
   auto f32 = [&](const at::Tensor& t, const char* name) {
     TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t.scalar_type());
@@ -52,16 +56,19 @@ inline Shape check(const at::Tensor& kv, const at::Tensor& score, const at::Tens
   TORCH_CHECK(pooled.dim() == 2 && pooled.size(0) == B && (pooled.size(1) == C || overlap) && pooled.is_contiguous(),
               op, ": pooled must be a contiguous [B = ", B, ", C = ", C, " or C / 2 (overlapping windows)], got ",
               pooled.sizes());
-  TORCH_CHECK(kv_state.dim() == 3 && kv_state.size(0) >= B && kv_state.size(2) == C && kv_state.size(1) >= cm,
-              op, ": kv_state must be [>= B = ", B, ", >= ", cm, " (", overlap ? "2m" : "m", ", m = ", m, "), C = ", C,
-              "], got ", kv_state.sizes());
+  TORCH_CHECK(kv_batch >= 0 && (kv_batch == 0 || B % kv_batch == 0), op, ": kv_batch must be 0 or divide B = ", B,
+              ", got ", kv_batch);
+  const int64_t S = kv_batch ? kv_batch : B;
+  TORCH_CHECK(kv_state.dim() == 3 && kv_state.size(0) >= S && kv_state.size(2) == C && kv_state.size(1) >= cm,
+              op, ": kv_state must be [>= ", kv_batch ? "kv_batch" : "B", " = ", S, ", >= ", cm, " (",
+              overlap ? "2m" : "m", ", m = ", m, "), C = ", C, "], got ", kv_state.sizes());
   TORCH_CHECK(score_state.sizes() == kv_state.sizes(), op, ": score_state must match kv_state ", kv_state.sizes(),
               ", got ", score_state.sizes());
   TORCH_CHECK(kv_state.is_contiguous() && score_state.is_contiguous(), op,
               ": kv_state and score_state must be contiguous (written in place)");
   TORCH_CHECK(!pooled.is_same(kv_state) && !pooled.is_same(score_state) && !kv_state.is_same(score_state), op,
               ": pooled, kv_state and score_state must be distinct tensors");
-  return {B, C, m, kv_state.size(1), hd, overlap, kv_state.size(1) > cm};
+  return {B, S, C, m, kv_state.size(1), hd, overlap, kv_state.size(1) > cm};
 }
 
 }  // namespace dsv4_comp

@@ -174,10 +174,11 @@ TORCH_LIBRARY(dsv4, m) {
   // fp32 [B, C], ape fp32 [m, C], positions int64 / int32 [B], states fp32 [>= B, m or 2m, C], pooled [B, hd]
   // fp32, or bf16 / fp16 (the fp32 pooling rounded once); overlap when hd = C / 2. States of more rows than that
   // are indexed by position (token p in row p mod R, the window read by position, no shift). See docs/ops.md
-  // "## Compressor decode".
+  // "## Compressor decode". kv_batch > 0: the B rows are T tokens of kv_batch sequences, token-major (row
+  // t * kv_batch + b), each advancing state row b in order (a speculative step's verification in one launch).
   m.def(
       "compressor_decode(Tensor kv, Tensor score, Tensor ape, Tensor positions, Tensor(a!) kv_state, "
-      "Tensor(b!) score_state, Tensor(c!) pooled) -> ()");
+      "Tensor(b!) score_state, Tensor(c!) pooled, int kv_batch=0) -> ()");
 
   // ---- RMSNorm + RoPE ----
   // Per vector x[r, h] (x [rows, heads, d], bf16 / fp32): y = RMSNorm (fp32, times weight fp32 [d] if given)

@@ -3,7 +3,7 @@
 import torch
 
 
-def _compressor_decode_fake(kv, score, ape, positions, kv_state, score_state, pooled):
+def _compressor_decode_fake(kv, score, ape, positions, kv_state, score_state, pooled, kv_batch=0):
     op = "dsv4::compressor_decode"
     for name, t in (("kv", kv), ("score", score), ("ape", ape), ("kv_state", kv_state),
                     ("score_state", score_state)):
@@ -19,8 +19,10 @@ def _compressor_decode_fake(kv, score, ape, positions, kv_state, score_state, po
     torch._check(pooled.dim() == 2 and pooled.shape[0] == B and (pooled.shape[1] == C or 2 * pooled.shape[1] == C),
                  lambda: f"{op}: pooled must be [B, C or C / 2]")
     cm = 2 * m if 2 * pooled.shape[1] == C else m  # overlapping windows: pooled is half as wide as kv
-    torch._check(kv_state.dim() == 3 and kv_state.shape[0] >= B and kv_state.shape[2] == C
-                 and kv_state.shape[1] >= cm, lambda: f"{op}: kv_state must be [>= B, >= {cm}, C]")
+    torch._check(kv_batch == 0 or (kv_batch > 0 and B % kv_batch == 0),
+                 lambda: f"{op}: kv_batch must be 0 or divide B = {B}, got {kv_batch}")
+    torch._check(kv_state.dim() == 3 and kv_state.shape[0] >= (kv_batch or B) and kv_state.shape[2] == C
+                 and kv_state.shape[1] >= cm, lambda: f"{op}: kv_state must be [>= B (kv_batch), >= {cm}, C]")
     torch._check(score_state.shape == kv_state.shape, lambda: f"{op}: score_state must match kv_state")
 
 

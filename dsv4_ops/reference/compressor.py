@@ -3,12 +3,17 @@ import torch
 
 
 def compressor_decode_ref(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
-                          kv_state: torch.Tensor, score_state: torch.Tensor, overlap: bool | None = None
-                          ) -> torch.Tensor:
+                          kv_state: torch.Tensor, score_state: torch.Tensor, overlap: bool | None = None,
+                          kv_batch: int = 0) -> torch.Tensor:
     """One decode step of dsv4_model.model.compressor.Compressor.decode's state update and pooling (as tensor ops):
     writes the token into rows [:B] of the states in place and returns pooled fp32 [B, hd]. overlap: overlapping
     windows (C = 2 hd; default: the state has 2m rows). States of more than c*m rows (c = 2 with overlap) are
-    indexed by position (token p in row p mod R, the window read by position, never shifted)."""
+    indexed by position (token p in row p mod R, the window read by position, never shifted). kv_batch > 0: the B
+    rows are tokens of kv_batch sequences, token-major: kv_batch rows at a time, in order."""
+    if kv_batch:
+        return torch.cat([compressor_decode_ref(kv[r:r + kv_batch], score[r:r + kv_batch], ape,
+                                                positions[r:r + kv_batch], kv_state, score_state, overlap)
+                          for r in range(0, kv.shape[0], kv_batch)])
     B, C = kv.shape
     m, R = ape.shape[0], kv_state.shape[1]
     overlap = R == 2 * m if overlap is None else overlap

@@ -28,8 +28,8 @@ void store(void* out, at::ScalarType t, int64_t i, float v) {
 
 void compressor_decode_cpu(const at::Tensor& kv, const at::Tensor& score, const at::Tensor& ape,
                            const at::Tensor& positions, const at::Tensor& kv_state, const at::Tensor& score_state,
-                           const at::Tensor& pooled) {
-  const dsv4_comp::Shape sh = dsv4_comp::check(kv, score, ape, positions, kv_state, score_state, pooled);
+                           const at::Tensor& pooled, int64_t kv_batch) {
+  const dsv4_comp::Shape sh = dsv4_comp::check(kv, score, ape, positions, kv_state, score_state, pooled, kv_batch);
   TORCH_CHECK(kv.device().is_cpu(), "dsv4::compressor_decode: expected CPU tensors, got ", kv.device());
   const at::Tensor kc = kv.contiguous(), sc = score.contiguous(), ac = ape.contiguous();
   const at::Tensor pc = positions.to(at::kLong).contiguous();
@@ -43,16 +43,18 @@ void compressor_decode_cpu(const at::Tensor& kv, const at::Tensor& score, const 
   const at::ScalarType out_type = pooled.scalar_type();
   void* out = pooled.data_ptr();
   const int64_t cm = sh.overlap ? 2 * m : m;  // the rows pooled
-  at::parallel_for(0, sh.B, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t p = pos[b], r = ((p % m) + m) % m;
+  // per sequence b, its tokens in order: rows n = b, S + b, 2S + b, ... (one row each without kv_batch)
+  at::parallel_for(0, sh.S, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+    for (int64_t n = b; n < sh.B; n += sh.S) {
+      const int64_t p = pos[n], r = ((p % m) + m) % m;
       // shifted: the token at row (m if overlap) + r; by position: at row p mod R
       const int64_t slot = sh.by_position ? ((p % R) + R) % R : (sh.overlap ? m : 0) + r;
       float* kb = ks + b * R * C;
       float* sb = ss + b * R * C;
       for (int64_t k = 0; k < C; ++k) {
-        kb[slot * C + k] = kp[b * C + k];
-        sb[slot * C + k] = sp[b * C + k] + ap[r * C + k];
+        kb[slot * C + k] = kp[n * C + k];
+        sb[slot * C + k] = sp[n * C + k] + ap[r * C + k];
       }
       for (int64_t d = 0; d < hd; ++d) {
         // pooled row j's element of column d: the first m rows' first half, the last m rows' second half (overlap);
@@ -74,7 +76,7 @@ void compressor_decode_cpu(const at::Tensor& kv, const at::Tensor& score, const 
         for (int64_t j = 0; j < cm; ++j) sum += std::exp(at_(sb, j, ninf) - mx);
         float acc = 0.0f;
         for (int64_t j = 0; j < cm; ++j) acc += at_(kb, j, 0.0f) * (std::exp(at_(sb, j, ninf) - mx) / sum);
-        store(out, out_type, b * hd + d, acc);
+        store(out, out_type, n * hd + d, acc);
       }
       if (sh.overlap && !sh.by_position && ((p + 1) % m + m) % m == 0) {  // closed: its rows become the previous
         std::memcpy(kb, kb + m * C, sizeof(float) * m * C);

@@ -31,7 +31,7 @@ extern "C" cudaError_t dsv4_attn_partial_wgmma_launch(const void* q, const void*
 extern "C" cudaError_t dsv4_compressor_decode_launch(const float* kv, const float* score, const float* ape,
                                                      const void* positions, int pos_i32, float* kv_state,
                                                      float* score_state, void* pooled, int pooled_kind, int B, int C,
-                                                     int m, int R, int hd, int overlap, int by_pos,
+                                                     int m, int R, int hd, int overlap, int by_pos, int kv_batch,
                                                      cudaStream_t stream);
 
 // fp32_linear.cu
