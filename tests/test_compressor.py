@@ -51,17 +51,18 @@ def test_matches_reference_step_by_step(device, B, rows, m, hd, overlap, pdtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("m,hd,overlap,spare", [(4, 128, True, 3), (4, 40, True, 0), (16, 72, False, 2)])
+@pytest.mark.parametrize("m,hd,overlap,spare", [(4, 128, True, 4), (4, 40, True, 0), (4, 40, False, 0),
+                                                 (16, 72, False, 2)])
 def test_kv_batch_advances_each_sequence_in_order(device, m, hd, overlap, spare):
     """kv_batch = S: T tokens of S sequences (token-major) in one call give what T calls of one token per sequence
-    give, states and pooled bit for bit (windows close inside a call; the shifted state with spare 0, indexed by
-    position with spare slots); the reference too; opcheck."""
+    give, states and pooled bit for bit (windows close inside a call, twice at m = 4: two shifts of the shifted
+    state in one call; the state indexed by position with spare slots); the reference too; opcheck."""
     gen = torch.Generator().manual_seed(m * 10 + spare + 7)
-    S, T, C = 3, 3, (2 * hd if overlap else hd)
+    S, T, C = 3, 5, (2 * hd if overlap else hd)
     R = (2 * m if overlap else m) + spare
     ape = torch.randn(m, C, generator=gen)
     one, many, ref_states = fresh_state(S, R, C, device), fresh_state(S, R, C, device), fresh_state(S, R, C, "cpu")
-    start = torch.tensor([0, 2, m + 1])
+    start = torch.tensor([m - 3, 2, m + 1])  # m = 16: rows 0 and 2 close a window in the first / third call
     for call in range(3):
         pos = start.repeat(T) + call * T + torch.arange(T).repeat_interleave(S)  # token t of row b at start_b + t
         kv, score = torch.randn(T * S, C, generator=gen), torch.randn(T * S, C, generator=gen) * 3
@@ -77,7 +78,7 @@ def test_kv_batch_advances_each_sequence_in_order(device, m, hd, overlap, spare)
         torch.testing.assert_close(got.cpu(), r, rtol=1e-5, atol=1e-6)
     torch.library.opcheck(ops.compressor_decode.default, (kv.to(device), score.to(device), ape.to(device),
                                                           pos.to(device), *many, got, S))
-    with pytest.raises(RuntimeError, match="kv_batch must be 0 or divide B = 9, got 2"):
+    with pytest.raises(RuntimeError, match="kv_batch must be 0 or divide B = 15, got 2"):
         ops.compressor_decode(kv, score, ape, pos, *fresh_state(S, R, C, "cpu"), torch.empty(T * S, hd), 2)
 
 

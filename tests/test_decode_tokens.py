@@ -83,14 +83,16 @@ def test_ragged_positions_and_spare_slots():
 @pytest.mark.parametrize("simulate_quant", [False, True], ids=["fp32-keys", "fp8-kv-fp4-indexer"])
 @pytest.mark.parametrize("opts", [DecodeOptions(), DecodeOptions(attention="fused"), DecodeOptions(attention="torch")],
                          ids=["shipped", "attention=fused", "attention=torch"])
-def test_one_attention_call_for_the_tokens_equals_token_after_token(simulate_quant, opts):
+@pytest.mark.parametrize("index_head_dim", [32, 64], ids=["keys-by-tensor-ops", "keys-by-the-op"])
+def test_one_attention_call_for_the_tokens_equals_token_after_token(simulate_quant, opts, index_head_dim):
     """With T - 1 spare ring slots the layers select (the FP4 indexer's op where simulate_quant) and attend the T
     tokens in one call each after their cache writes (Attention.decode_tokens); without, token after token. Both
     give the same logits, ragged positions, every chunk of 4 tokens (the window wraps, ratio-4 and ratio-16
-    windows close inside chunks). The torch form sums over the ring's slots, so rings of other sizes agree to
+    windows close inside chunks), the indexer's keys stored by tensor ops (head dim 32) or by
+    dsv4::indexer_store_keys (64). The torch form sums over the ring's slots, so rings of other sizes agree to
     fp32 ulps, which the simulated FP8 / FP4 roundings turn into steps (as two rings token after token do): there
     the greedy tokens, and logits within those steps."""
-    T, wide = 4, dict(index_head_dim=64)  # indexer keys the key-store op takes
+    T, wide = 4, dict(index_head_dim=index_head_dim)
     (batched, cfg), (tokenwise, _) = _float_model(simulate_quant, T - 1, **wide), _float_model(simulate_quant, **wide)
     ids = _ids(cfg)
     lengths = torch.tensor([PROMPT, 9])
@@ -147,11 +149,12 @@ def test_nvfp4_weights():
     assert (got.argmax(-1) == steps.argmax(-1)).float().mean() >= 0.95
 
 
-def test_compiles_as_one_graph():
+@pytest.mark.parametrize("spare", [0, 2], ids=["token-after-token", "one-call"])
+def test_compiles_as_one_graph(spare):
     """torch.compile(fullgraph=True) traces the T-token pass (static shapes, no host sync) and gives eager's
-    logits."""
-    m, cfg = _float_model(simulate_quant=False)
-    ref, _ = _float_model(simulate_quant=False)
+    logits, token after token and with the ops called once for the tokens (spare slots)."""
+    m, cfg = _float_model(simulate_quant=False, spare=spare)
+    ref, _ = _float_model(simulate_quant=False, spare=spare)
     ids = _ids(cfg)
     torch._dynamo.reset()
     step = torch.compile(lambda t, p, o: m.decode_tokens(t, p, o), fullgraph=True, backend="aot_eager")

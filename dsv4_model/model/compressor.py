@@ -210,8 +210,8 @@ class Compressor(nn.Module):
         [:B]; returns
         (entry [B, Dc] for window positions//m, complete [B] bool: whether that window closed at this token). proj:
         (wkv(x), wgate(x)) if already computed (Attention runs both compressors' projections in one launch).
-        store: (positions, cache, offset), where the fused op can write that cache: entry is None when it was
-        written into cache already (_finish)."""
+        store: (positions, cache, offset, seqs), where the fused op can write that cache: entry is None when it
+        was written into cache already (_finish)."""
         kv, score = project(x, self.wkv, self.wgate) if proj is None else proj
         complete = (step.positions + 1) % self.ratio == 0
         return self._finish(self._advance(kv, score, step.positions), step.cs(rope_kind, self.ratio), x.dtype,
