@@ -451,12 +451,13 @@ class Attention(nn.Module):
 
     def decode_tokens(self, x: torch.Tensor, steps: TokenSteps) -> torch.Tensor:
         """T tokens per row at once: x [T * B, dim] (row t * B + b: token t of sequence b, at steps[t]'s
-        positions) -> [T * B, dim]. The projections run on all T * B rows (their weights read once); the cache
-        writes and compressors token after token, as T decode steps would. Where the ring has T - 1 spare slots (a
-        speculative model verifying K + 1 tokens) the indexer's selection and the attention then run once over the
-        T * B rows, each at its own position (steps.stacked): what a later token wrote is outside an earlier
-        one's window (its slot held a position W + spare back) and past its visible entries, so each token sees
-        what its own decode step would. Else token after token."""
+        positions) -> [T * B, dim]. The projections run on all T * B rows (their weights read once). Where the ring
+        has T - 1 spare slots (a speculative model verifying K + 1 tokens) every other op runs once for the T * B
+        rows too: the compressors advance each row's state token after token inside their op, then the cache
+        writes, the indexer's selection and the attention, each row at its own position (steps.stacked): what a
+        later token wrote is outside an earlier one's window (its slot held a position W + spare back) and past
+        its visible entries, so each token sees what its own decode step would. Else token after token, as T
+        decode steps would."""
         T = len(steps)
         B = x.shape[0] // T
         cs = torch.cat([st.cs(self.rope_kind) for st in steps])

@@ -152,7 +152,8 @@ class Block(nn.Module):
                pending: "Pending | None" = None, fold_rows: bool = False,
                routed: torch.Tensor | None = None) -> "tuple[torch.Tensor, Pending]":
         """One token per row (step: a DecodeStep), or T (step: T DecodeSteps; rows t * B + b of h / ids: token t
-        of sequence b; attention token after token, everything else on all rows: Attention.decode_tokens).
+        of sequence b; every op on all rows where the rings have T - 1 spare slots, else attention token after
+        token: Attention.decode_tokens).
         pending: the previous block's ffn output not yet folded into the streams h (its hc_post runs fused with
         this block's first hc_pre); returns (h, pending) the same way. fold_rows: the next block's hc_post_pre can
         sum an NVFP4 MoE's expert rows, so they go to it uncombined (one combine kernel less per layer; the
