@@ -225,7 +225,7 @@ class Compressor(nn.Module):
         B = x.shape[0] // len(steps)
         kv, score = project(x, self.wkv, self.wgate) if proj is None else proj
         positions = steps.stacked.positions
-        cs = torch.cat([st.cs(rope_kind, self.ratio) for st in steps])
+        cs = steps.stacked.cs(rope_kind, self.ratio)
         return self._finish(self._advance(kv, score, positions, B), cs, x.dtype, store), \
             (positions + 1) % self.ratio == 0
 

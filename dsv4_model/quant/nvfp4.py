@@ -45,6 +45,12 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((p & 0xF, p >> 4), dim=-1).flatten(-2)
 
 
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """int E2M1 codes (sign bit 3) -> their fp32 values."""
+    v = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)[codes & 7]
+    return torch.where(codes >= 8, -v, v)
+
+
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
     """int codes [..., K] (0..15) -> canonical packed uint8 [..., K/2]."""
     c = codes.to(torch.int32)
@@ -181,10 +187,7 @@ def unrepack_weight(packed_k: torch.Tensor, scale_k: torch.Tensor, k: int) -> tu
 def dequantize_kernel_layout(packed_k: torch.Tensor, scale_k: torch.Tensor, global_scale: torch.Tensor,
                              k: int) -> torch.Tensor:
     """fp32 [..., N, k] weights of a kernel-layout NVFP4 tensor (value = e2m1 * scale * global_scale)."""
-    codes = _words_to_codes(row_major(packed_k, CODE_CHUNK_BYTES))[..., :k]
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    v = lut[codes & 7]
-    v = torch.where(codes >= 8, -v, v)
+    v = e2m1_values(_words_to_codes(row_major(packed_k, CODE_CHUNK_BYTES))[..., :k])
     gs = global_scale.float()
     s = decode_scale(row_major(scale_k, SCALE_CHUNK_BYTES))[..., : k // BLOCK]
     s = s * gs.reshape(gs.shape + (1,) * (v.dim() - gs.dim()))
@@ -260,7 +263,6 @@ def quantize_weight_mse(w: torch.Tensor, rows_per_pass: int = 2048
     gs = w.float().abs().amax() / (FP4_MAX * E4M3_MAX)
     if not bool(gs > 0):
         return quantize_weight(w)
-    table = torch.tensor(E2M1_VALUES, device=w.device)
     packed, scales = [], []
     for r0 in range(0, w.shape[0], rows_per_pass):
         blocks = w[r0:r0 + rows_per_pass].float().unflatten(-1, (-1, BLOCK))
@@ -270,7 +272,7 @@ def quantize_weight_mse(w: torch.Tensor, rows_per_pass: int = 2048
             s = (base * f)
             s = torch.where(s == 0, torch.ones_like(s), s).clamp(min=2.0**-9).to(torch.float8_e4m3fn).float()
             codes = _e2m1_round(blocks / (s * gs)[..., None])
-            deq = table[codes & 7] * (1 - 2 * (codes >> 3)).float() * (s * gs)[..., None]
+            deq = e2m1_values(codes) * (s * gs)[..., None]
             err = (deq - blocks).square().sum(-1)
             if best_err is None:
                 best_err, best_scale, best_codes = err, s, codes

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4_model.quant.nvfp4 import BLOCK, E2M1_VALUES, E4M3_MAX, pack_codes, quantize_weight, unpack_codes
+from dsv4_model.quant.nvfp4 import BLOCK, E4M3_MAX, e2m1_values, pack_codes, quantize_weight, unpack_codes
 from dsv4_model.quant.formats import FP4_BLOCK, e8m0_to_float
 
 # E4M3 holds every power of two 2^-9 (smallest subnormal) .. 2^8 exactly: 18 values.
@@ -64,13 +64,7 @@ class Mxfp4Tensor:
         codes = unpack_codes(self.packed.view(torch.uint8))
         k = codes.shape[-1]
         s = e8m0_to_float(self.scale).repeat_interleave(FP4_BLOCK, dim=-1)[..., :k]
-        return (_e2m1(codes) * s).to(dtype)
-
-
-def _e2m1(codes: torch.Tensor) -> torch.Tensor:
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    v = lut[codes & 7]
-    return torch.where(codes >= 8, -v, v)
+        return (e2m1_values(codes) * s).to(dtype)
 
 
 def _scale_times_gs(scale: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
@@ -83,7 +77,7 @@ def dequant_nvfp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Canonical NVFP4 -> `dtype`, computed as e2m1 * (float(scale) * global_scale) in fp32 (the order of
     dsv4::nvfp4_dequantize), rounded once to `dtype`. `scale` may be float8_e4m3fn or its bytes as uint8."""
-    v = _e2m1(unpack_codes(packed.view(torch.uint8)))
+    v = e2m1_values(unpack_codes(packed.view(torch.uint8)))
     s = _scale_times_gs(scale, global_scale)
     return (v.unflatten(-1, (-1, BLOCK)) * s.unsqueeze(-1)).flatten(-2).to(dtype)
 
