@@ -2,7 +2,7 @@
 # tokens/s, tokens per step and acceptance per draft position, against the plain run (K = 0) of the same prompt.
 # SPECULATE_ARGS: more arguments of every speculative run (K > 0 here, and the preset passes below), e.g.
 # "--draft-head nvfp4".
-for k in ${SPECULATE_KS:-0 1 2 3}; do
+for k in ${SPECULATE_KS-0 1 2 3}; do
   extra=(); [ "$k" != 0 ] && extra=(${SPECULATE_ARGS:-})
   step "speculate_$k" 200 $PY -m dsv4_model generate --prompt "def fibonacci(n):" --max-new-tokens 128 --speculate $k \
     ${extra[@]+"${extra[@]}"}
