@@ -142,19 +142,27 @@ def test_cli_dspark_on_a_checkpoint_without_it_is_one_line():
 def test_dspark_steps_inside_the_scheduler(ckpt, plain):
     """Requests joining a running batch one iteration apart, prompts prefilled 4 tokens per iteration (their chunks
     committed to the DSpark rings while other rows step, riding rows accepting nothing): each gets plain greedy's
-    tokens."""
+    tokens, and the one asking for logprobs the plain scheduler's."""
     from dsv4_model.runtime.requests import Request
     from dsv4_model.runtime.sampling import SamplingParams
+    from dsv4_model.runtime.scheduler import Scheduler
     from dsv4_model.runtime.speculative_scheduler import SpeculativeScheduler
 
     s = SpeculativeScheduler(_engine(ckpt, spare_window_slots=3), 3, method="dspark", max_prefill_tokens=4)
     reqs = []
-    for p in PROMPTS:
-        reqs.append(s.submit(Request(p, SamplingParams(), N)))
+    for i, p in enumerate(PROMPTS):
+        reqs.append(s.submit(Request(p, SamplingParams(), N, logprobs=2 if i == 0 else None)))
         s.step()
     s.run_until_idle()
     assert [r.token_ids for r in reqs] == plain.token_ids
     assert s.speculation.tokens_per_step > 1.0 and s.stats.prefill_chunks > 4
+    ref = Scheduler(_engine(ckpt, load_dspark=False), max_prefill_tokens=4)
+    want = ref.submit(Request(PROMPTS[0], SamplingParams(), N, logprobs=2))
+    ref.run_until_idle()
+    got = reqs[0].token_logprobs
+    assert len(got) == len(want.token_logprobs) == len(reqs[0].token_ids)
+    for (lp, top), (wlp, wtop) in zip(got, want.token_logprobs):
+        assert abs(lp - wlp) < 1e-4 and [i for i, _ in top] == [i for i, _ in wtop]
 
 
 def test_each_pass_reads_back_the_confidence_of_the_drafts_it_verified(ckpt):

@@ -158,10 +158,51 @@ def test_max_seq_len_leaves_room_for_a_step():
         s.submit(Request(list(range(1, 62)), SamplingParams(), 4))
 
 
+def _teacher_forced_logprobs(engine, req: Request) -> list[torch.Tensor]:
+    """The plain engine's log-softmaxed logits before each of req's tokens (prefill, then one decode per token)."""
+    engine.reset()
+    logits = engine.prefill(torch.tensor([req.prompt]))
+    out = []
+    for t in req.token_ids:
+        out.append(torch.log_softmax(logits[0].float(), -1))
+        logits = engine.decode(torch.tensor([t]))
+    return out
+
+
+def test_logprobs_are_the_main_models(engine, prompt_ids):
+    """logprobs=k with speculation: each kept token's log-probability and the k most likely are the main model's
+    (the verification's logits, which decided it), equal to the plain engine's teacher-forced logits; for the
+    first token, accepted drafts and correction / bonus tokens alike, greedy and sampled rows in one batch,
+    staggered; tokens equal a run without logprobs."""
+    k = 3
+    s = SpeculativeScheduler(engine, K, max_prefill_tokens=8)
+    reqs = []
+    for i in range(3):
+        reqs.append(s.submit(Request(prompt_ids[i], _params(i), 20, logprobs=(k if i != 1 else 0),
+                                     ignore_eos=True)))
+        s.step()
+    quiet = s.submit(Request(prompt_ids[3], _params(3), 20, ignore_eos=True))
+    s.run_until_idle()
+    assert s.speculation.accepted[0] > 0  # some tokens came from accepted drafts
+    assert quiet.token_logprobs == []
+    ref = SpeculativeScheduler(engine, K, max_prefill_tokens=8)
+    without = [ref.submit(Request(prompt_ids[i], _params(i), 20, ignore_eos=True)) for i in range(3)]
+    ref.run_until_idle()
+    for req, plain in zip(reqs, without):
+        assert req.token_ids == plain.token_ids and len(req.token_logprobs) == len(req.token_ids) == 20
+        for t, (lp, top), want in zip(req.token_ids, req.token_logprobs, _teacher_forced_logprobs(engine, req)):
+            assert abs(lp - float(want[t])) < 1e-4
+            assert len(top) == req.logprobs
+            if top:
+                vals, ids = want.topk(req.logprobs)
+                assert [i for i, _ in top] == ids.tolist()
+                assert max(abs(a - b) for (_, a), b in zip(top, vals.tolist())) < 1e-4
+                if req.params.temperature <= 0:
+                    assert top[0][0] == t
+
+
 def test_refusals(engine):
     s = SpeculativeScheduler(engine, K, modes=("greedy",))
-    with pytest.raises(ValueError, match="logprobs: not with speculative"):
-        s.submit(Request([0, 5, 6], SamplingParams(), 4, logprobs=2))
     with pytest.raises(ValueError, match="prepared for .'greedy',. only"):
         s.submit(Request([0, 5, 6], SamplingParams(temperature=0.5), 4))
     with pytest.raises(ValueError, match="modes must be"):
@@ -194,7 +235,7 @@ def test_compiled_graphs_give_the_eager_tokens():
 
 def test_served_with_speculation(engine, prompt_ids):
     """`serve --speculate K`'s scheduler behind the server, through the official openai client: concurrent
-    greedy completions (streamed and not) give the plain scheduler's text; logprobs is a 400 naming the field;
+    greedy completions (streamed and not) give the plain scheduler's text, logprobs its log-probabilities;
     /metrics carries the acceptance counts the scheduler holds."""
     import concurrent.futures
     import urllib.request
@@ -210,7 +251,9 @@ def test_served_with_speculation(engine, prompt_ids):
     plain = Scheduler(engine, max_prefill_tokens=16)
     for p in PROMPTS:
         want[p] = plain.submit(Request(tok.encode(p), SamplingParams(), 16, ignore_eos=True))
+    with_lp = plain.submit(Request(tok.encode(PROMPTS[0]), SamplingParams(), 16, ignore_eos=True, logprobs=2))
     plain.run_until_idle()
+    want_lp = with_lp.token_logprobs
     want = {p: r.text for p, r in want.items()}
     sched = SpeculativeScheduler(engine, K, max_prefill_tokens=16)
     srv = ServerThread(create_app(sched, ServeConfig(model_name="tiny", max_waiting=16, chat_format="plain")))
@@ -226,8 +269,13 @@ def test_served_with_speculation(engine, prompt_ids):
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
             got = list(pool.map(lambda a: one(*a), [(p, i % 2 == 1) for i, p in enumerate(PROMPTS)]))
         assert got == [want[p] for p in PROMPTS]
-        with pytest.raises(openai.BadRequestError, match="logprobs"):
-            client.completions.create(model="tiny", prompt="x = 1", max_tokens=4, logprobs=2)
+        # logprobs: the plain scheduler's (the main model's distribution at each token)
+        r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16, temperature=0, logprobs=2,
+                                      extra_body={"ignore_eos": True})
+        lp = r.choices[0].logprobs
+        assert r.choices[0].text == want[PROMPTS[0]] and len(lp.token_logprobs) == 16
+        assert max(abs(a - b[0]) for a, b in zip(lp.token_logprobs, want_lp)) < 1e-4
+        assert [len(t) for t in lp.top_logprobs] == [2] * 16
         # /metrics: the speculative counts, as the scheduler holds them
         got = {(s.name, s.labels.get("position")): s.value for f in
                text_string_to_metric_families(urllib.request.urlopen(srv.url + "/metrics").read().decode())

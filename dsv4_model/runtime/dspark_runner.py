@@ -45,11 +45,11 @@ class DSparkRunner(DraftingRunner):
             kept = (confidence >= self.cut).int().cumprod(dim=1)
             limit = kept.sum(dim=1)
             judged = torch.where(kept.bool(), judged, -1)
-        emitted, n_acc, nxt, nq, nconf = dspark_step(self.model, self.dspark, tokens, drafts, positions,
+        emitted, n_acc, nxt, nq, nconf, logits = dspark_step(self.model, self.dspark, tokens, drafts, positions,
                                                      self.step_options, live, s, q, limit)
-        out, = self._advance(tokens, positions, live, offset, drafts, q, emitted, n_acc, nxt, nq)
+        out, logits = self._advance(tokens, positions, live, offset, drafts, q, emitted, n_acc, nxt, nq, logits)
         confidence.copy_(nconf)
-        return (torch.cat([out, judged], dim=1),)
+        return torch.cat([out, judged], dim=1), logits
 
     def _first_drafts(self, idx: torch.Tensor, streams, pos: torch.Tensor, s):
         # the block drafted from each row's first token (the draft only reads the rings the prefill committed)

@@ -107,7 +107,8 @@ def dspark_step(model, dspark: DSpark, y: torch.Tensor, drafts: torch.Tensor, po
                 q: torch.Tensor | None = None, limit: torch.Tensor | None = None):
     """One step of rows at positions pos [B] holding y [B] and drafts [B, K] (drawn from q [B, K, V] when
     sampling). Returns (emitted [B, K + 1], valid up to n_acc + 1; n_acc [B]; the next K drafts, drafted from the
-    last emitted token, their q and their confidence (draft_block's)). s: the sampler (default greedy; draws 0 .. K - 1 accept, K corrects,
+    last emitted token, their q and their confidence (draft_block's); the main model's logits [B, K + 1, V] each
+    emitted token was decided from). s: the sampler (default greedy; draws 0 .. K - 1 accept, K corrects,
     K + 1 .. K + block_size draft). live [B] (1 / 0): rows with 0 accept nothing (a row riding along commits only
     its own position, which it rewrites first). limit [B] (None: K): each row's block cut after its first
     limit[b] drafts (`accept`): the positions past it read no routed expert (`verify_taps`)."""
@@ -119,4 +120,4 @@ def dspark_step(model, dspark: DSpark, y: torch.Tensor, drafts: torch.Tensor, po
     emitted, n_acc = accept(logits, drafts, q, s, live, limit)
     dspark.commit(main_hidden, pos, n_acc + 1, model.rope_main)  # positions p .. p + n_acc
     nxt, nq, nconf = draft_block(model, dspark, emitted[rows, n_acc], pos + n_acc, K, s, K + 1)
-    return emitted, n_acc, nxt, nq, nconf
+    return emitted, n_acc, nxt, nq, nconf, logits

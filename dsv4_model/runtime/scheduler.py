@@ -82,7 +82,8 @@ class _Flight:
     decode: list[tuple[int, Request]] = field(default_factory=list)
     decode_ids: torch.Tensor | None = None
     event: object = None
-    # logprobs: ("first" | "decode", request) -> index into lp_host (chosen [m], top values [m, K], top ids [m, K])
+    # logprobs: ("first" | "decode", request) -> its first entry in lp_host (chosen [m], top values [m, K], top ids
+    # [m, K]); a speculative step's row has one entry per verified position
     lp_index: dict = field(default_factory=dict)
     lp_host: tuple | None = None
 
@@ -371,28 +372,39 @@ class Scheduler:
         rows, ids, keys = [], [], []
         for j, (i, req) in enumerate(flight.first):
             if req.logprobs is not None:
-                rows.append(plan.prefill_logits[plan.first_slots[j]])
-                ids.append(flight.first_ids[j])
+                slot = plan.first_slots[j]
+                rows.append(plan.prefill_logits[slot:slot + 1])
+                ids.append(flight.first_ids[j:j + 1])
                 keys.append(("first", req))
         for i, req in flight.decode:
             if req.logprobs is not None:
-                rows.append(plan.decode_logits[i])
-                ids.append(flight.decode_ids[i])
+                logits, emitted = self._decode_logits(plan, flight, i)
+                rows.append(logits)
+                ids.append(emitted)
                 keys.append(("decode", req))
         if not rows:
             return
         k = max(req.logprobs for _, req in keys)
-        lp = torch.log_softmax(torch.stack(rows).float(), dim=-1)
-        chosen = lp.gather(1, torch.stack(ids).view(-1, 1)).squeeze(1)
+        lp = torch.log_softmax(torch.cat(rows).float(), dim=-1)
+        chosen = lp.gather(1, torch.cat(ids).view(-1, 1)).squeeze(1)
         top = lp.topk(k, dim=-1) if k else None
         flight.lp_host = tuple(t.to("cpu", non_blocking=self._on_cuda) for t in
                                ((chosen,) + ((top.values, top.indices) if k else ())))
-        flight.lp_index = {key: n for n, key in enumerate(keys)}
+        starts = [0]
+        for r in rows[:-1]:
+            starts.append(starts[-1] + r.shape[0])
+        flight.lp_index = dict(zip(keys, starts))
 
-    def _logprob(self, flight: _Flight, kind: str, req: Request):
+    def _decode_logits(self, plan: StepPlan, flight: _Flight, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row i's logits of the decode step [m, V] and the tokens drawn from them [m] (device tensors): one."""
+        return plan.decode_logits[i:i + 1], flight.decode_ids[i:i + 1]
+
+    def _logprob(self, flight: _Flight, kind: str, req: Request, j: int = 0):
+        """req's logprob entry for its j-th token of this flight's `kind` (None: it asked for none)."""
         n = flight.lp_index.get((kind, req))
         if n is None:
             return None
+        n += j
         chosen = float(flight.lp_host[0][n])
         if not req.logprobs:
             return chosen, []

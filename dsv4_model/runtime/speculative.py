@@ -253,12 +253,12 @@ def accept(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, s
 
 def verify_step(model, y: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, pos: torch.Tensor,
                 s: Sampler, options, live: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """One speculative step of rows at positions pos [B] holding y [B] (not yet in the caches) and drafts [B, K]
     (drawn from q [B, K, V]; None in greedy mode). Returns (emitted [B, K + 1], n_acc [B] as `accept`; the next
-    step's drafts [B, K] and their q). live [B] (1 / 0): rows with 0 accept nothing, so a row riding along writes
-    no further ahead than a step that rejects every draft (its K + 1 positions; what any later step of that row
-    rewrites first)."""
+    step's drafts [B, K] and their q; the main model's logits [B, K + 1, V] each emitted token was decided from).
+    live [B] (1 / 0): rows with 0 accept nothing, so a row riding along writes no further ahead than a step that
+    rejects every draft (its K + 1 positions; what any later step of that row rewrites first)."""
     K = drafts.shape[1]
     rows = torch.arange(drafts.shape[0], device=y.device)
     logits, hs = mtp.verify_tokens(model, torch.cat([y.unsqueeze(1), drafts], dim=1), pos, options)
@@ -267,4 +267,4 @@ def verify_step(model, y: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | 
     # row drafts from only (B rows instead of (K + 1) x B: the weight is read either way, the work is not)
     m_out = mtp.decode_streams(model, hs, emitted, pos, options)[rows, n_acc]
     nxt, nq = draft_chain(model, mtp.logits(model, m_out), m_out, pos + n_acc + 1, K, s, K + 1, options)
-    return emitted, n_acc, nxt, nq
+    return emitted, n_acc, nxt, nq, logits

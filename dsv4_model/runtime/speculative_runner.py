@@ -1,7 +1,8 @@
 """Speculative decode steps on static buffers (dsv4_model.runtime.speculative holds the step's math): a
 `DecodeRunner` whose step verifies the last token and K drafts, accepts on the device, drafts K more and advances
 each row by what it accepted. Compiled and captured like the plain step, one CUDA graph per (batch bucket,
-sampling mode); the host reads one [rows, K + 2] tensor per step (the emitted tokens, then their count).
+sampling mode); the host reads one [rows, K + 2] tensor per step (the emitted tokens, then their count). The
+verification's logits [rows, K + 1, V] are the step's second output (`last_logits`), read only for logprobs.
 
 Use: `prepare(B, mode)` before prefill, prefill with the MTP block's cache (Engine.prefill(...,
 speculate=True)), `begin(positions, params)`, `sample_first(logits)`, `start(last_streams)`, then `step()` while
@@ -44,9 +45,9 @@ class DraftingRunner(DecodeRunner):
     def _sampler(self, temperature, top_k, top_p, seed, offset) -> Sampler:
         return Sampler(self.sampling, temperature, top_k, top_p, seed, offset * self.draws_per_step)
 
-    def _advance(self, tokens, positions, live, offset, drafts, q, emitted, n_acc, nxt, nq) -> tuple:
+    def _advance(self, tokens, positions, live, offset, drafts, q, emitted, n_acc, nxt, nq, logits) -> tuple:
         """A step's state after its verdict: each row's last emitted token and position (by what it accepted),
-        the next drafts; -> the step's output [rows, k + 2]."""
+        the next drafts; -> the step's outputs: [rows, k + 2] and the verification's logits [rows, k + 1, V]."""
         rows = torch.arange(tokens.shape[0], device=tokens.device)
         tokens.copy_(emitted[rows, n_acc])
         positions.add_((n_acc + 1) * live)  # padding and ended rows stay where they are
@@ -54,7 +55,7 @@ class DraftingRunner(DecodeRunner):
         drafts.copy_(nxt)
         if q is not None:
             q.copy_(nq)
-        return (torch.cat([emitted, n_acc.unsqueeze(1)], dim=1),)
+        return torch.cat([emitted, n_acc.unsqueeze(1)], dim=1), logits
 
     @torch.no_grad()
     def prepare(self, rows: int, mode: str | None = None) -> int:
@@ -112,7 +113,9 @@ class DraftingRunner(DecodeRunner):
             raise ValueError(f"speculative step from position {self._next_pos}: the caches hold max_seq_len="
                              f"{self.model.max_seq_len} positions and a step may write {2 * self.k} past it")
         self._next_pos += self.k + 1
-        return self._run(replay)[0][: self.rows]
+        out, logits = self._run(replay)
+        self.last_logits = logits[: self.rows]
+        return out[: self.rows]
 
 
     # ------------------------------------------------------------------ rows joining and leaving (the scheduler)
@@ -134,7 +137,7 @@ class DraftingRunner(DecodeRunner):
         """One speculative step of rows [:rows] inside a running batch, padded to their bucket (prepared for the
         current mode): state [bucket] (host) 2: the row steps, 1: it rides along at its own position, 0: at
         hold[r]. Returns the bucket's [bucket, width] as step()'s, the count -1 for a row without room for a step
-        (it rode along at position 0 instead)."""
+        (it rode along at position 0 instead); the verification's logits [bucket, k + 1, V] stay in last_logits."""
         n = self.bucket(rows)
         if (self.compile or self.cuda_graphs) and self._key(n) not in self._ready:
             raise RuntimeError(f"step {self._key(n)} is not prepared: prepare it before any row holds a sequence")
@@ -142,8 +145,7 @@ class DraftingRunner(DecodeRunner):
         pos, room = self._ride(n, hold, state)
         self.positions[:n].copy_(pos)
         self.live[:n].copy_(((state[:n].to(self.device, non_blocking=True) == 2) & room).long())
-        out = self._run()[0]
-        self.last_logits = None
+        out, self.last_logits = self._run()
         k = self.k
         count = torch.where(room, out[:, k + 1], -1).unsqueeze(1)
         return torch.cat([out[:, :k + 1], count, out[:, k + 2:]], dim=1)
@@ -187,8 +189,9 @@ class SpeculativeRunner(DraftingRunner):
 
     def _step_impl(self, tokens, positions, live, temperature, top_k, top_p, seed, offset, drafts, q):
         s = self._sampler(temperature, top_k, top_p, seed, offset)
-        emitted, n_acc, nxt, nq = verify_step(self.model, tokens, drafts, q, positions, s, self.step_options, live)
-        return self._advance(tokens, positions, live, offset, drafts, q, emitted, n_acc, nxt, nq)
+        emitted, n_acc, nxt, nq, logits = verify_step(self.model, tokens, drafts, q, positions, s, self.step_options,
+                                                      live)
+        return self._advance(tokens, positions, live, offset, drafts, q, emitted, n_acc, nxt, nq, logits)
 
     def _first_drafts(self, idx: torch.Tensor, streams: torch.Tensor, pos: torch.Tensor, s: Sampler):
         # the MTP block at each row's last prompt position, on the main streams there

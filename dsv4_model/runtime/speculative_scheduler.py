@@ -69,8 +69,6 @@ class SpeculativeScheduler(Scheduler):
 
     def _check(self, req: Request) -> None:
         super()._check(req)
-        if req.logprobs is not None:
-            raise ValueError("logprobs: not with speculative decoding")
         if len(req.prompt) > self.limit:
             raise ValueError(f"prompt: {len(req.prompt)} tokens leave no room for speculative steps (at most "
                              f"max_seq_len - 2 * speculate = {self.limit})")
@@ -139,6 +137,10 @@ class SpeculativeScheduler(Scheduler):
         self.stats.decode_bucket_rows += bucket
 
     # ------------------------------------------------------------------ reading
+    def _decode_logits(self, plan: StepPlan, flight: _Flight, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # the verification's K + 1 positions: the token emitted at each was decided from its main-model logits
+        return plan.decode_logits[i], flight.decode_ids[i, :self.k + 1]
+
     def _take(self, row: _Row, req: Request, t: int, now: float, logprob=None) -> None:
         row.pending -= 1
         super()._take(row, req, t, now, logprob)
@@ -164,10 +166,11 @@ class SpeculativeScheduler(Scheduler):
                 continue
             counted.append(n)
             judged.append(by_row[i][k + 2:])
-            for t in by_row[i][:n + 1]:
+            for j, t in enumerate(by_row[i][:n + 1]):
                 row.seq.append(t)
                 row.filled = len(row.seq) - 1  # where the latest token goes (the next step feeds it)
-                if t in req.stop_ids or (t == eos and not req.ignore_eos) or req.add_token(t, now):
+                if t in req.stop_ids or (t == eos and not req.ignore_eos) or \
+                        req.add_token(t, now, self._logprob(flight, "decode", req, j)):
                     self._free(row, "stop", now)
                     break
                 if len(req.token_ids) >= row.cap:

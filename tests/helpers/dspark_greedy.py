@@ -31,7 +31,7 @@ def dspark_greedy(model, prompt: torch.Tensor, max_new_tokens: int,
     stats = SpeculationStats(K, judged=[])
     while min(len(o) for o in out) < max_new_tokens:
         judged = (confidence * 1000).round().long().tolist()  # the drafts this step verifies
-        emitted, n_acc, drafts, _, confidence = dspark_step(model, dspark, y, drafts, pos)
+        emitted, n_acc, drafts, _, confidence, _ = dspark_step(model, dspark, y, drafts, pos)
         y, pos = emitted[rows, n_acc], pos + n_acc + 1
         e_host, n_host = emitted.tolist(), n_acc.tolist()  # the step's one host read
         for b in range(B):

@@ -35,7 +35,7 @@ def speculative_greedy(model, prompt: torch.Tensor, max_new_tokens: int, k: int,
     out = [[int(t)] for t in y.tolist()]
     stats = SpeculationStats(k)
     while min(len(o) for o in out) < max_new_tokens:
-        emitted, n_acc, drafts, q = verify_step(model, y, drafts, q, pos, s, opts)
+        emitted, n_acc, drafts, q, _ = verify_step(model, y, drafts, q, pos, s, opts)
         y, pos = emitted[rows, n_acc], pos + n_acc + 1
         e_host, n_host = emitted.tolist(), n_acc.tolist()  # the step's one host read
         for b in range(B):
