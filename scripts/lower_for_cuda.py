@@ -10,13 +10,15 @@ no-op CUDA device guard is compiled once (a few seconds). To check another torch
 build runs here without a GPU), run it from that torch's environment with --schemas-only: the dsv4 schemas are then
 defined from registration.cpp instead of loading the library built for this machine's torch.
 
-  python scripts/lower_for_cuda.py [--model DIR] [--dtype bfloat16] [--prefill B,S [--chunk] | --verify T]
-                                   [--no-register] [--schemas-only]
+  python scripts/lower_for_cuda.py [--model DIR] [--dtype bfloat16] [--prefill B,S [--chunk] | --verify T |
+                                   --speculate K] [--no-register] [--schemas-only]
 
 --prefill B,S --chunk: the scheduler's compiled prefill chunk instead (dsv4_model.runtime.compiled_prefill: tensor
 starts, span --max-seq-len; what Engine(compile_prefill=True) compiles per bucket of B rows x S tokens).
 --verify T: a speculative step's verification instead (Transformer.decode_tokens of T tokens per row on a model with
 T - 1 spare window slots, as --speculate T - 1 builds it): the kernels and dsv4 op calls of that pass.
+--speculate K: a whole greedy speculative step with the MTP block (speculative.verify_step: the verification of
+K + 1 tokens, the acceptance, the block over the K + 1 positions, K chained drafts), what the runner captures.
 """
 from __future__ import annotations
 
@@ -124,6 +126,8 @@ def main() -> int:
                    "starts) of dsv4_model.runtime.compiled_prefill instead of the export's entry")
     p.add_argument("--verify", type=int, default=0, metavar="T", help="lower the verification of T tokens per row "
                    "(Transformer.decode_tokens, T - 1 spare window slots) instead of the decode step")
+    p.add_argument("--speculate", type=int, default=0, metavar="K", help="lower a whole greedy speculative step "
+                   "with K MTP drafts (speculative.verify_step) instead of the decode step")
     p.add_argument("--timeout", type=float, default=600, help="dump the stacks and exit after this many seconds")
     args = p.parse_args()
     faulthandler.dump_traceback_later(args.timeout, exit=True)
@@ -139,8 +143,10 @@ def main() -> int:
     if args.chunk and not args.prefill:
         p.error("--chunk lowers a prefill chunk: give --prefill B,S too")
     B, S = (int(v) for v in args.prefill.split(",")) if args.prefill else (1, 0)
-    if args.verify and args.prefill:
-        p.error("--verify and --prefill lower different entries: give one")
+    if sum(map(bool, (args.verify, args.prefill, args.speculate))) > 1:
+        p.error("--verify, --speculate and --prefill lower different entries: give one")
+    if args.speculate:
+        args.verify = args.speculate + 1  # the model's spare slots, the verified tokens
     eng = Engine.from_pretrained(args.model, device="cpu", dtype=getattr(torch, args.dtype), max_batch_size=B,
                                  max_seq_len=args.max_seq_len, quant="nvfp4", progress=False,
                                  spare_window_slots=max(args.verify - 1, 0))
@@ -169,11 +175,17 @@ def main() -> int:
         def forward(self, tokens, positions, *starts):
             if starts:
                 return _chunk(self.m, tokens, positions, starts[0], self.m.max_seq_len)
+            if args.speculate:
+                s = Sampler("greedy", *([None] * 5))
+                out = verify_step(self.m, tokens[:, 0], tokens[:, 1:], None, positions, s, DEFAULT_OPTIONS)
+                return tuple(t for t in out if t is not None)
             if args.verify:
                 return self.m.decode_tokens(tokens, positions)
             return (call_prefill if S else call_decode)(self.m, tokens, positions)
 
+    from dsv4_model.model.decode_options import DEFAULT as DEFAULT_OPTIONS
     from dsv4_model.runtime.compiled_prefill import _chunk
+    from dsv4_model.runtime.speculative import Sampler, verify_step
 
     inputs = (tokens, positions, starts) if S and args.chunk else (tokens, positions)
 

@@ -111,7 +111,8 @@ def test_one_attention_call_for_the_tokens_equals_token_after_token(simulate_qua
 def test_the_ops_run_once_per_layer_for_the_tokens(monkeypatch):
     """With spare slots a T-token decode calls dsv4::sparse_attn_decode once per layer, the FP4 indexer's
     dsv4::indexer_score_topk and its key store once per CSA layer, and dsv4::compressor_decode once per compressor
-    and the compressed-entry store once per compressor of the attention (token after token: T times each)."""
+    and the compressed-entry store once per compressor of the attention, the window's store once per layer
+    (token after token: T times each, the window's by index_put)."""
     calls = dict.fromkeys(("sparse_attn_decode", "indexer_score_topk", "indexer_store_keys", "rms_norm_rope_store",
                            "compressor_decode"), 0)
     for name in calls:
@@ -126,8 +127,9 @@ def test_the_ops_run_once_per_layer_for_the_tokens(monkeypatch):
         calls.update(dict.fromkeys(calls, 0))
         m.decode_tokens(ids[:, PROMPT:PROMPT + T], torch.full((2,), PROMPT), opts)
         csa, compressed = cfg.compress_ratios.count(4), sum(r > 0 for r in cfg.compress_ratios)
+        window = cfg.n_layers if per_layer == 1 else 0
         assert calls == {"sparse_attn_decode": cfg.n_layers * per_layer, "indexer_score_topk": csa * per_layer,
-                         "indexer_store_keys": csa * per_layer, "rms_norm_rope_store": compressed * per_layer,
+                         "indexer_store_keys": csa * per_layer, "rms_norm_rope_store": compressed * per_layer + window,
                          "compressor_decode": (compressed + csa) * per_layer}, spare
 
 
@@ -185,3 +187,37 @@ def test_mtp_block_from_any_position_gives_its_forward_over_the_sequence():
         last = hs[:, 2:]
     got = torch.cat(got, dim=1)
     torch.testing.assert_close(got, want[:, PROMPT - 1:PROMPT - 1 + got.shape[1]], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("T", [2, 4, 7])
+def test_entry_write_of_t_tokens_is_the_token_after_token_write(T, monkeypatch):
+    """Attention._write_entry over T tokens of each sequence (one index_put) leaves the cache the T writes token
+    after token leave, with ragged positions, windows closing mid-pass and positions past the cache's last slot
+    (clamped: several tokens of a sequence name it, an earlier one closing it); every duplicate index of the one
+    write carries the same value, so the result does not depend on the order a device applies them in."""
+    from types import SimpleNamespace
+
+    from dsv4_model.model.attention import Attention
+
+    g = torch.Generator().manual_seed(T)
+    layer, offset, n, seqs = SimpleNamespace(ratio=4), 3, 5, 3
+    for start in ([0, 5, 9], [14, 17, 18], [19, 22, 30]):  # the last rows run past slot n - 1 = 4
+        positions = (torch.tensor(start).unsqueeze(0) + torch.arange(T).unsqueeze(1)).flatten()
+        entry = torch.randn(T * seqs, 8, generator=g)
+        complete = (positions + 1) % 4 == 0
+        cache = torch.randn(seqs, offset + n, 8, generator=g)
+        want = cache.clone()
+        for t in range(T):
+            r = slice(t * seqs, (t + 1) * seqs)
+            Attention._write_entry(layer, want, offset, positions[r], entry[r], complete[r])
+        puts, real = [], torch.Tensor.index_put_
+        monkeypatch.setattr(torch.Tensor, "index_put_", lambda self, idx, v: puts.append((idx, v)) or real(self, idx, v))
+        Attention._write_entry(layer, cache, offset, positions, entry, complete, seqs)
+        monkeypatch.undo()
+        assert torch.equal(cache, want), start
+        (rows, slots), values = puts[0]
+        assert len(puts) == 1 and len(set(zip(rows.tolist(), slots.tolist()))) < T * seqs  # duplicates exist
+        for i in range(T * seqs):
+            for j in range(T * seqs):
+                if rows[i] == rows[j] and slots[i] == slots[j]:
+                    assert torch.equal(values[i], values[j]), (start, i, j)

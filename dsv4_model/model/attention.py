@@ -152,12 +152,13 @@ class Attention(nn.Module):
 
     # ------------------------------------------------------------------ shared pieces
     def _qkv(self, x: torch.Tensor, cs: torch.Tensor, decode: bool = False,
-             positions: torch.Tensor | None = None):
+             positions: torch.Tensor | None = None, seqs: int = 0):
         """x [..., dim] -> (qr [..., q_lora], q [..., H, D], kv [..., D], iproj); cs: rope rows for x's positions.
         decode (x [B, dim], one token per row): the norms and RoPE as dsv4 kernels where supports says so, and
         iproj the indexer's wq_b(qr), projected beside wq_b (in prefill, and without an indexer, None: the indexer
         projects qr itself). positions (decode): kv may go straight into the window of kv_cache at positions %
-        window (then None)."""
+        window (then None); seqs: rows are tokens of that many sequences (row r writes sequence r % seqs's ring;
+        0: one token per row)."""
         qa, kva = project(x, self.wq_a, self.wkv)
         if decode and self.use_q_norm_op:  # a dsv4 kernel (PDL), not Inductor's reduction
             cs0 = qa.new_empty((qa.shape[0], 0, 2), dtype=torch.float32)
@@ -176,7 +177,7 @@ class Attention(nn.Module):
             if positions is not None and self.use_store_op:
                 ops.rms_norm_rope_store(kva, weight=self.kv_norm.weight, cs=cs, eps=self.kv_norm.eps,
                                         rope_dim=self.rope_dim, fp8_nope=self.simulate_quant, positions=positions,
-                                        ratio=0, offset=0, slots=self.ring, cache=self.kv_cache)
+                                        ratio=0, offset=0, slots=self.ring, cache=self.kv_cache, kv_batch=seqs)
                 return qr, q, None, iproj
             kv = ops.rms_norm_rope(kva.unsqueeze(1), weight=self.kv_norm.weight, cs=cs, eps=self.kv_norm.eps,
                                    rope_dim=self.rope_dim, fp8_nope=self.simulate_quant).squeeze(1)
@@ -461,8 +462,10 @@ class Attention(nn.Module):
         T = len(steps)
         B = x.shape[0] // T
         cs = torch.cat([st.cs(self.rope_kind) for st in steps])
-        p = self._decode_projections(x, cs)
-        if T == 1 or T - 1 > self.ring - self.window:
+        together = 1 < T <= self.ring - self.window + 1
+        # together, the window's kv goes into the ring inside the norm's op (one launch, as a decode step's)
+        p = self._decode_projections(x, cs, *((steps.stacked.positions, B) if together else ()))
+        if not together:
             outs, rotated = [], False
             for t, st in enumerate(steps):
                 o, rotated = self._decode_attend(p.rows(t * B, (t + 1) * B), st)
@@ -474,10 +477,11 @@ class Attention(nn.Module):
         o, rotated = self._decode_attend(p, steps.stacked, seqs=B, stored=True)
         return self._out(o, cs, rotated=rotated)
 
-    def _decode_projections(self, x: torch.Tensor, cs: torch.Tensor,
-                            positions: torch.Tensor | None = None) -> "DecodeProjections":
-        """Every projection of decode tokens x [N, dim] (_qkv's, then _fp32_projections'); positions: as _qkv's."""
-        qr, q, kv, iproj = self._qkv(x, cs, decode=True, positions=positions)
+    def _decode_projections(self, x: torch.Tensor, cs: torch.Tensor, positions: torch.Tensor | None = None,
+                            seqs: int = 0) -> "DecodeProjections":
+        """Every projection of decode tokens x [N, dim] (_qkv's, then _fp32_projections'); positions, seqs: as
+        _qkv's."""
+        qr, q, kv, iproj = self._qkv(x, cs, decode=True, positions=positions, seqs=seqs)
         return DecodeProjections(x, cs, qr, q, kv, iproj, *self._fp32_projections(x))
 
     def _decode_attend(self, p: "DecodeProjections", step: DecodeStep, seqs: int | None = None,
@@ -649,15 +653,19 @@ class Attention(nn.Module):
     def _write_entry(self, cache: torch.Tensor, offset: int, positions: torch.Tensor, entry: torch.Tensor,
                      complete: torch.Tensor, seqs: int = 0) -> None:
         """Write entry positions//m where the window just closed; rewrite the old value elsewhere. seqs: the rows
-        are tokens of that many sequences, written token after token (two tokens of a row can name one slot, the
-        earlier rewriting its old value)."""
-        if seqs:
-            for r in range(0, entry.shape[0], seqs):
-                self._write_entry(cache, offset, positions[r:r + seqs], entry[r:r + seqs], complete[r:r + seqs])
-            return
-        B = entry.shape[0]
+        are tokens of that many sequences, T = rows / seqs each, in one write as if token after token: tokens of a
+        sequence naming one slot all write what the last of them that closes it writes (else the old value), so
+        the write's duplicate indices carry equal values."""
         n = cache.shape[1] - offset
-        rows = torch.arange(B, device=entry.device)
-        slot = offset + (positions // self.ratio).clamp(max=n - 1)
-        old = cache[rows, slot]
-        cache.index_put_((rows, slot), torch.where(complete.unsqueeze(1), entry.to(cache.dtype), old))
+        slot = (positions // self.ratio).clamp(max=n - 1)
+        rows = torch.arange(entry.shape[0], device=entry.device)
+        if seqs:
+            T = entry.shape[0] // seqs
+            st, ct = slot.view(T, seqs), complete.view(T, seqs)
+            closes = (st.unsqueeze(1) == st.unsqueeze(0)) & ct.unsqueeze(0)  # [t, t', b]: t' closes t's slot
+            last = (closes * torch.arange(1, T + 1, device=entry.device).view(1, T, 1)).argmax(dim=1)  # [T, seqs]
+            rows = rows % seqs
+            entry = entry[(last * seqs + rows.view(T, seqs)).flatten()]
+            complete = closes.any(dim=1).flatten()
+        old = cache[rows, offset + slot]
+        cache.index_put_((rows, offset + slot), torch.where(complete.unsqueeze(1), entry.to(cache.dtype), old))
