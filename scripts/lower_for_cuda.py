@@ -10,8 +10,12 @@ no-op CUDA device guard is compiled once (a few seconds). To check another torch
 build runs here without a GPU), run it from that torch's environment with --schemas-only: the dsv4 schemas are then
 defined from registration.cpp instead of loading the library built for this machine's torch.
 
-  python scripts/lower_for_cuda.py [--model DIR] [--dtype bfloat16] [--prefill B,S [--chunk] | --verify T |
-                                   --speculate K] [--no-register] [--schemas-only]
+  python scripts/lower_for_cuda.py [--model DIR | --preset flash2 [--experts N]] [--dtype bfloat16]
+                                   [--prefill B,S [--chunk] | --verify T | --speculate K] [--no-register]
+                                   [--schemas-only]
+
+--preset NAME: a bench preset at V4-Flash widths (flash1, flash2, flash43, ...) with weights of no storage, no
+checkpoint needed; two presets' difference is one layer's kernels (bench_layer.py's method, without a GPU).
 
 --prefill B,S --chunk: the scheduler's compiled prefill chunk instead (dsv4_model.runtime.compiled_prefill: tensor
 starts, span --max-seq-len; what Engine(compile_prefill=True) compiles per bucket of B rows x S tokens).
@@ -113,6 +117,25 @@ def fake_cuda_model(model: torch.nn.Module, fake) -> None:
                         d[name] = torch.nn.Parameter(e, requires_grad=False) if name in mod._parameters else e
 
 
+def preset_model(name: str, experts: int, rows: int, max_seq_len: int, spare: int, mtp: bool) -> torch.nn.Module:
+    """A bench preset (bench/common.py: flash2, flash43, ...) as an NVFP4 model whose weights stay on the meta
+    device (fake_cuda_model gives them shapes on the fake GPU; nothing is allocated); mtp: with an MTP block."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from common import preset, with_drafter
+
+    from dsv4_model.model.transformer import Transformer
+    from dsv4_model.quant.quantize_model import convert_structure_
+
+    cfg = with_drafter(preset(name, experts=experts), "mtp" if mtp else None)
+    model = Transformer(cfg, max_batch_size=rows, max_seq_len=max_seq_len, dtype=torch.bfloat16, device="meta",
+                        spare_window_slots=spare)
+    for unit in convert_structure_(model, "none"):
+        unit.old = None
+    model.narrow_weights_(lossless=True)
+    model.setup_runtime("cpu")
+    return model.eval()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=os.path.join(ROOT, "dsv4_model", "assets", "default"))
@@ -128,6 +151,10 @@ def main() -> int:
                    "(Transformer.decode_tokens, T - 1 spare window slots) instead of the decode step")
     p.add_argument("--speculate", type=int, default=0, metavar="K", help="lower a whole greedy speculative step "
                    "with K MTP drafts (speculative.verify_step) instead of the decode step")
+    p.add_argument("--preset", help="a bench preset (flash2, flash43, ...: bench/common.py) with weights of no "
+                   "storage instead of --model (V4-Flash widths without a checkpoint)")
+    p.add_argument("--experts", type=int, default=16, help="with --preset: its routed experts (the lowering does "
+                   "not depend on their count)")
     p.add_argument("--timeout", type=float, default=600, help="dump the stacks and exit after this many seconds")
     args = p.parse_args()
     faulthandler.dump_traceback_later(args.timeout, exit=True)
@@ -147,10 +174,13 @@ def main() -> int:
         p.error("--verify, --speculate and --prefill lower different entries: give one")
     if args.speculate:
         args.verify = args.speculate + 1  # the model's spare slots, the verified tokens
-    eng = Engine.from_pretrained(args.model, device="cpu", dtype=getattr(torch, args.dtype), max_batch_size=B,
-                                 max_seq_len=args.max_seq_len, quant="nvfp4", progress=False,
-                                 spare_window_slots=max(args.verify - 1, 0))
-    model = eng.model
+    spare = max(args.verify - 1, 0)
+    if args.preset:
+        model = preset_model(args.preset, args.experts, B, args.max_seq_len, spare, args.speculate > 0)
+    else:
+        model = Engine.from_pretrained(args.model, device="cpu", dtype=getattr(torch, args.dtype), max_batch_size=B,
+                                       max_seq_len=args.max_seq_len, quant="nvfp4", progress=False,
+                                       spare_window_slots=spare).model
     for ix in (m for m in model.modules() if type(m).__name__ == "Indexer"):
         # Indexer.packed_decode's answer on CUDA (the model's buffers are still on the CPU here)
         ix.packed = supports.indexer_score_topk(torch.device("cuda"), ix.head_dim, ix.n_heads,
@@ -235,7 +265,8 @@ def main() -> int:
         code = getattr(code, "value", code)
         kernels = str(code).count("async_compile.triton(")
         launches = len(re.findall(r"\.run\(", str(code)))
-        op_calls = sum(1 for ln in str(code).splitlines() if "torch.ops.dsv4." in ln and not ln.lstrip().startswith("#"))
+        # a call's own line (not the comments, not the size / alignment asserts on its outputs)
+        op_calls = len(re.findall(r"^\s*(?:[\w, ]+=\s*)?torch\.ops\.dsv4\.\w+\.\w+\(", str(code), re.M))
         print(f"scheduling + Triton codegen: {time.perf_counter() - t0:.1f} s; the step launches {launches} "
               f"Triton kernels ({kernels} distinct) and calls {op_calls} dsv4 ops", flush=True)
         raise Done
