@@ -95,6 +95,11 @@ def test_dspark_refusals(ckpt):
         generate(eng, [PROMPT], max_new_tokens=4, speculate=2, speculate_method="eagle")
     with pytest.raises(ValueError, match="spare_window_slots >= 3"):
         generate(eng, [PROMPT], max_new_tokens=4, speculate=3)
+    from dsv4_model.runtime.requests import Request
+    from dsv4_model.runtime.speculative_scheduler import SpeculativeScheduler
+
+    with pytest.raises(ValueError, match="prompt_logprobs: not with DSpark"):
+        SpeculativeScheduler(eng, 2, method="dspark", modes=("greedy",)).submit(Request(PROMPT, prompt_logprobs=1))
 
 
 def _cli(*argv):

@@ -289,6 +289,56 @@ def test_logprobs_are_the_models(engine32, prompt_ids):
         s.submit(Request(prompt_ids[0], logprobs=21))
 
 
+def test_prompt_logprobs_are_the_models(engine32, prompt_ids, monkeypatch):
+    """prompt_logprobs=k: each prompt token's log-probability after the tokens before it, and the k most likely
+    there, equal to a whole-prompt prefill's logits (all_logits) whatever the chunking, next to a request that
+    generates; max_tokens=0 scores and generates nothing; a scored prompt never continues a kept row (it needs every
+    position); the plans carry the scoring over the torchrun wire (encode -> decode); the refusals."""
+    from dsv4_model.runtime.step_plan import StepPlan
+
+    eng, k = engine32, 3
+    real, scored_plans = StepPlan.run, []
+
+    def via_wire(plan, e, runner):
+        back = StepPlan.decode(plan.encode())
+        scored_plans.append(back.score is not None)
+        out = real(back, e, runner)
+        plan.prefill_logits = getattr(back, "prefill_logits", None)
+        plan.scores = getattr(back, "scores", None)
+        return out
+
+    monkeypatch.setattr(StepPlan, "run", via_wire)
+    prompt = prompt_ids[1] + prompt_ids[3][1:]
+    s = Scheduler(eng, max_prefill_tokens=7)
+    first = s.submit(Request(prompt, SamplingParams(), 4, ignore_eos=True))
+    s.run_until_idle()
+    # the first request's whole sequence as this prompt: a row would continue it, a scored prompt must not
+    scored = s.submit(Request(prompt + first.token_ids, SamplingParams(), 5, prompt_logprobs=k, ignore_eos=True))
+    other = s.submit(Request(prompt_ids[0], SamplingParams(), 12, ignore_eos=True))
+    only = s.submit(Request(prompt, SamplingParams(), 0, prompt_logprobs=0))
+    s.run_until_idle()
+    assert any(scored_plans) and s.stats.reuse_hits == 0
+    assert only.finish_reason == "length" and only.token_ids == [] and len(only.prompt_token_logprobs) == len(prompt) - 1
+    alone = Scheduler(eng)
+    ref = alone.submit(Request(prompt + first.token_ids, SamplingParams(), 5, ignore_eos=True))
+    ref2 = alone.submit(Request(prompt_ids[0], SamplingParams(), 12, ignore_eos=True))
+    alone.run_until_idle()
+    assert scored.token_ids == ref.token_ids and other.token_ids == ref2.token_ids and scored.token_logprobs == []
+    for req in (scored, only):
+        eng.reset()
+        want = torch.log_softmax(eng.prefill(torch.tensor([req.prompt]), all_logits=True)[0].float(), -1)
+        assert len(req.prompt_token_logprobs) == len(req.prompt) - 1
+        for t, (lp, top) in enumerate(req.prompt_token_logprobs):
+            assert abs(lp - float(want[t, req.prompt[t + 1]])) < 1e-5, t
+            vals, ids = want[t].topk(req.prompt_logprobs)
+            assert [i for i, _ in top] == ids.tolist(), t
+            assert all(abs(a - b) < 1e-5 for (_, a), b in zip(top, vals.tolist()))
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        s.submit(Request(prompt, prompt_logprobs=21))
+    with pytest.raises(ValueError, match="max_tokens"):
+        s.submit(Request(prompt, max_tokens=0))
+
+
 def test_riding_rows_at_a_window_close_keep_their_state(engine32):
     """A prompt prefilled one token per iteration (so its row rides along in decode steps at every position,
     window-closing ones included) while a higher row generates: its tokens equal its alone tokens (the step must

@@ -282,3 +282,36 @@ def test_logprobs(served, client):
         == [e.logprob for e in content]
     with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], top_logprobs=2)
+
+
+def test_echo_scores_the_prompt(served, client):
+    """echo with logprobs (how lm-evaluation-harness's local-completions scores a continuation): the prompt comes
+    back before the completion with its tokens' log-probabilities (the first null, as OpenAI gives it), equal to a
+    whole-prompt prefill's logits; max_tokens=0 scores without generating; streamed as not; max_tokens=0 without
+    echo and logprobs is a 400."""
+    _, ref, tok = served
+    ids = tok.encode(PROMPTS[0])
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=0, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == PROMPTS[0] and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 0 and len(lp.tokens) == len(ids) == r.usage.prompt_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    engine = _engine(1)
+    want = torch.log_softmax(engine.prefill(torch.tensor([ids]), all_logits=True)[0].float(), -1)
+    for t in range(1, len(ids)):
+        assert abs(lp.token_logprobs[t] - float(want[t - 1, ids[t]])) < 0.05, t  # bf16, chunked vs whole prefill
+        assert len(lp.top_logprobs[t]) == 2 and max(lp.top_logprobs[t].values()) >= lp.token_logprobs[t] - 1e-6
+    g = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=N, temperature=0, echo=True, logprobs=1)
+    glp = g.choices[0].logprobs
+    assert g.choices[0].text == PROMPTS[0] + ref[PROMPTS[0]] and len(glp.tokens) == len(ids) + N
+    assert glp.token_logprobs[:len(ids)] == lp.token_logprobs
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=N, temperature=0, echo=True,
+                                            logprobs=1, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == g.choices[0].text
+    assert [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs] \
+        == glp.token_logprobs
+    plain = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=3, temperature=0, echo=True)
+    assert plain.choices[0].text == PROMPTS[0] + ref[PROMPTS[0]][:len(plain.choices[0].text) - len(PROMPTS[0])]
+    assert plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=0, echo=True)

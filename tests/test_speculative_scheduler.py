@@ -173,7 +173,8 @@ def test_logprobs_are_the_main_models(engine, prompt_ids):
     """logprobs=k with speculation: each kept token's log-probability and the k most likely are the main model's
     (the verification's logits, which decided it), equal to the plain engine's teacher-forced logits; for the
     first token, accepted drafts and correction / bonus tokens alike, greedy and sampled rows in one batch,
-    staggered; tokens equal a run without logprobs."""
+    staggered; tokens equal a run without logprobs; a scored prompt (prompt_logprobs) beside them, its chunks
+    filling the MTP block's cache too."""
     k = 3
     s = SpeculativeScheduler(engine, K, max_prefill_tokens=8)
     reqs = []
@@ -182,7 +183,13 @@ def test_logprobs_are_the_main_models(engine, prompt_ids):
                                      ignore_eos=True)))
         s.step()
     quiet = s.submit(Request(prompt_ids[3], _params(3), 20, ignore_eos=True))
+    scored = s.submit(Request(prompt_ids[4], _params(0), 6, prompt_logprobs=1, ignore_eos=True))
     s.run_until_idle()
+    engine.reset()
+    want = torch.log_softmax(engine.prefill(torch.tensor([scored.prompt]), all_logits=True)[0].float(), -1)
+    assert len(scored.prompt_token_logprobs) == len(scored.prompt) - 1
+    assert all(abs(lp - float(want[t, scored.prompt[t + 1]])) < 1e-4 and top[0][0] == int(want[t].argmax())
+               for t, (lp, top) in enumerate(scored.prompt_token_logprobs))
     assert s.speculation.accepted[0] > 0  # some tokens came from accepted drafts
     assert quiet.token_logprobs == []
     ref = SpeculativeScheduler(engine, K, max_prefill_tokens=8)

@@ -123,6 +123,26 @@ class Engine(EngineSession):
         last = h[torch.arange(h.shape[0], device=dev), (lengths - 1).clamp(min=0)]
         return self.model._logits(last), last
 
+    def prefill_scored(self, tokens: torch.Tensor, lengths: torch.Tensor, start: torch.Tensor, score,
+                       mtp_next: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """prefill_at's chunk (eager; the MTP block's cache filled too where mtp_next is given) that also scores
+        the prompt. score = (rows: the chunk rows to score, next_ids [B, S], next_lengths [B] (host), k): for each
+        scored row b and t < next_lengths[b], the log-probability of next_ids[b, t] from the logits after position
+        t, and the k most likely there. Returns (fp32 logits [B, V] at each row's last token, the final streams
+        there [B, hc, dim], [(chosen [m], top values [m, k], top ids [m, k]) per scored row], device tensors)."""
+        from dsv4_model.model import mtp
+
+        dev = self.device
+        tokens, lengths, start = tokens.to(dev), lengths.to(dev), start.to(dev)
+        h = self.model.streams(tokens, lengths, start=start)
+        if mtp_next is not None:
+            mtp.prefill(self.model, h, mtp_next[0].to(dev), mtp_next[1].to(dev), start=start)
+        last = h[torch.arange(h.shape[0], device=dev), (lengths - 1).clamp(min=0)]
+        rows, next_ids, next_lengths, k = score
+        scores = [score_positions(self.model, h[b, :n], next_ids[b, :n].to(dev), k)
+                  for b, n in zip(rows, next_lengths[rows].tolist())]
+        return self.model._logits(last), last, scores
+
     def compiled_prefill(self):
         """The CompiledPrefill prefill_at runs its chunks through (built on first use), or None when
         compile_prefill is off. The MTP and DSpark variants of prefill_at stay eager."""
@@ -191,3 +211,22 @@ def _checked_compile_prefill(value):
     if not isinstance(value, bool):
         raise TypeError(f"compile_prefill must be a bool, got {value!r}")
     return value
+
+
+SCORE_POSITIONS = 256  # positions per head call when scoring a prompt: [256, V] fp32 logits at a time
+
+
+def score_positions(model, h: torch.Tensor, ids: torch.Tensor, k: int):
+    """Final streams h [n, hc, dim] at n positions and the token after each, ids [n] -> (each one's
+    log-probability [n], the k most likely values and ids [n, k]), SCORE_POSITIONS positions at a time (a
+    prompt's logits at once would be [n, V])."""
+    chosen, vals, idx = [], [], []
+    for i in range(0, h.shape[0], SCORE_POSITIONS):
+        lp = torch.log_softmax(model._logits(h[i:i + SCORE_POSITIONS]).float(), dim=-1)
+        chosen.append(lp.gather(1, ids[i:i + SCORE_POSITIONS].view(-1, 1)).squeeze(1))
+        top = lp.topk(k, dim=-1)
+        vals.append(top.values)
+        idx.append(top.indices)
+    empty = h.new_zeros(0, k, dtype=torch.float32)
+    return (torch.cat(chosen) if chosen else h.new_zeros(0, dtype=torch.float32),
+            torch.cat(vals) if vals else empty, torch.cat(idx) if idx else empty.long())

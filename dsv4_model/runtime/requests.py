@@ -52,6 +52,10 @@ class Request:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # k >= 0: each token's log-probability and the k most likely (None: off)
+    # k >= 0: each prompt token's (the first excepted) log-probability after the tokens before it and the k most
+    # likely there (None: off; the prompt is then prefilled whole, never continued from a kept row); with it
+    # max_tokens may be 0 (score the prompt, generate nothing)
+    prompt_logprobs: int | None = None
     on_token: TokenCallback | None = None
     on_finish: Callable[["Request"], None] | None = None
     id: int = field(default_factory=lambda: next(_ids))
@@ -66,6 +70,8 @@ class Request:
     # with logprobs: per kept token, (its log-probability, [(id, log-probability)] of the `logprobs` most likely),
     # from the model's distribution before temperature / top-k / top-p
     token_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # with prompt_logprobs: per prompt token from the second, as token_logprobs' entries (the model's distribution)
+    prompt_token_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
     def __post_init__(self):
         self.prompt = [int(t) for t in self.prompt]

@@ -86,9 +86,11 @@ class _Flight:
     # [m, K]); a speculative step's row has one entry per verified position
     lp_index: dict = field(default_factory=dict)
     lp_host: tuple | None = None
+    # prompt logprobs of this iteration's chunk: (request, (chosen [m], top values [m, k], top ids [m, k]) on the host)
+    prompt_lp: list = field(default_factory=list)
 
     def empty(self) -> bool:
-        return not self.first and not self.decode
+        return not self.first and not self.decode and not self.prompt_lp
 
 
 @dataclass
@@ -172,7 +174,11 @@ class Scheduler:
         bad = [t for t in req.prompt if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt: token id {bad[0]} outside [0, vocab_size={vocab})")
-        check_positive_int(req.max_tokens, "max_tokens")
+        if req.prompt_logprobs is not None and not (isinstance(req.prompt_logprobs, int)
+                                                    and 0 <= req.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs: must be an int in [0, {MAX_LOGPROBS}], got {req.prompt_logprobs!r}")
+        if not (req.prompt_logprobs is not None and req.max_tokens == 0):  # scoring a prompt may generate nothing
+            check_positive_int(req.max_tokens, "max_tokens")
         req.params.validate()
         if any(not isinstance(s, str) or not s for s in req.stop):
             raise ValueError("stop: every stop string must be a non-empty string")
@@ -264,7 +270,8 @@ class Scheduler:
             with self._lock:
                 if not self._waiting:
                     return
-                row, start = self._place(self._waiting[0].prompt)
+                first = self._waiting[0]
+                row, start = self._place(first.prompt, reuse=first.prompt_logprobs is None)
                 if row is None:
                     return
                 req = self._waiting.popleft()
@@ -281,16 +288,17 @@ class Scheduler:
             req.timings.admitted = now
             self._admits.append((row.index, req.params))
 
-    def _place(self, prompt: list[int]) -> tuple[_Row | None, int]:
+    def _place(self, prompt: list[int], reuse: bool = True) -> tuple[_Row | None, int]:
         """(row, first position to prefill) for a prompt: a free row whose sequence it extends, else a free row
         inside the decode bucket the live rows need (one the step covers already, or the bucket of one more live
         row): the lowest empty one, else the least recently used (its kept sequence is evicted). A warm row higher
         up is not taken: a request there would make every step run a larger bucket (after a burst of requests all
-        rows are warm, and a lone request on row 31 would step bucket 32)."""
+        rows are warm, and a lone request on row 31 would step bucket 32). reuse=False: no kept sequence is continued
+        (a scored prompt needs every position's logits)."""
         free = [r for r in self.rows if r.req is None]
         if not free:
             return None, 0
-        if self.reuse:
+        if self.reuse and reuse:
             best, best_len = None, 0
             for r in free:
                 n = self._reusable(r, prompt)
@@ -351,6 +359,9 @@ class Scheduler:
                 broadcast_plan(plan, self.group, self._wire)
             flight.first_ids, flight.decode_ids = plan.run(self.engine, self.runner)
             self._logprobs(plan, flight)
+            if flight.prompt_lp:
+                flight.prompt_lp = [(req, tuple(t.to("cpu", non_blocking=self._on_cuda) for t in sc))
+                                    for req, sc in zip(flight.prompt_lp, plan.scores)]
         host = self._ids_host[slot]
         nf = len(flight.first)
         if nf:
@@ -444,6 +455,17 @@ class Scheduler:
             row.seq.extend(row.req.prompt[s:s + n])
             row.filled += n
         plan.prefill = (tokens, lengths, start)
+        scored = [(row, n) for row, n in parts if row.req.prompt_logprobs is not None]
+        if scored:  # the token after each scored position: the prompt's next (none after its last)
+            nxt = torch.zeros_like(tokens)
+            nlen = torch.zeros_like(lengths)
+            for row, n in scored:
+                s, i = row.filled - n, slot[row.index]
+                follow = row.req.prompt[s + 1:s + n + 1]
+                nxt[i, :len(follow)] = torch.tensor(follow, dtype=torch.long)
+                nlen[i] = len(follow)
+            plan.score = ([slot[r.index] for r, _ in scored], nxt, nlen, max(r.req.prompt_logprobs for r, _ in scored))
+            flight.prompt_lp = [r.req for r, _ in scored]
         self.stats.prefill_chunks += 1
         self.stats.prefill_tokens += sum(n for _, n in parts)
         done = [row for row, _ in parts if row.filled == len(row.req.prompt)]
@@ -516,6 +538,10 @@ class Scheduler:
         if flight.event is not None:
             flight.event.synchronize()
         now = time.perf_counter()
+        for req, (chosen, vals, ids) in flight.prompt_lp:
+            k = req.prompt_logprobs
+            req.prompt_token_logprobs.extend(
+                (c, list(zip(i[:k], v[:k]))) for c, v, i in zip(chosen.tolist(), vals.tolist(), ids.tolist()))
         for (i, req), t in zip(flight.first, flight.first_ids.tolist()):
             req.timings.first_token = now
             self._take(self.rows[i], req, t, now, self._logprob(flight, "first", req))
@@ -549,6 +575,9 @@ class Scheduler:
         if row.owner == req.id:
             row.seq.append(t)
         if row.req is not req or req.finish_reason is not None:
+            return
+        if req.max_tokens == 0:  # a scored prompt: nothing to generate
+            self._free(row, "length", now)
             return
         if t in req.stop_ids or (t == self.eos and not req.ignore_eos):
             self._free(row, "stop", now)

@@ -69,6 +69,8 @@ class SpeculativeScheduler(Scheduler):
 
     def _check(self, req: Request) -> None:
         super()._check(req)
+        if req.prompt_logprobs is not None and self.method == "dspark":  # its chunks commit taps, not streams
+            raise ValueError("prompt_logprobs: not with DSpark speculation")
         if len(req.prompt) > self.limit:
             raise ValueError(f"prompt: {len(req.prompt)} tokens leave no room for speculative steps (at most "
                              f"max_seq_len - 2 * speculate = {self.limit})")

@@ -46,6 +46,9 @@ class StepPlan:
     first_hold: torch.Tensor | None = None
     first_state: torch.Tensor | None = None
     state: torch.Tensor | None = None
+    # prompt log-probabilities over the chunk: (chunk rows scored, next ids [B, S], next lengths [B], k), run
+    # through Engine.prefill_scored (every rank: the same path); the scores stay on the plan (`scores`)
+    score: tuple[list[int], torch.Tensor, torch.Tensor, int] | None = None
 
     def run(self, engine, runner) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run the plan on this rank -> (first ids [len(first_rows)], decode ids [decode_rows]), device tensors. The
@@ -60,7 +63,11 @@ class StepPlan:
             if self.swaps:  # the chunk's rows down to rows [:B], and back after it
                 engine.swap_rows(self.swaps)
             drafting = self.mtp_next is not None or self.dspark
-            if drafting:
+            streams = None
+            if self.score is not None:  # (not with DSpark: the scheduler refuses prompt logprobs there)
+                self.prefill_logits, streams, self.scores = engine.prefill_scored(*self.prefill, self.score,
+                                                                                 mtp_next=self.mtp_next)
+            elif drafting:
                 self.prefill_logits, streams = engine.prefill_at(*self.prefill, mtp_next=self.mtp_next,
                                                                  dspark=self.dspark)
             else:
@@ -86,9 +93,10 @@ class StepPlan:
     # ------------------------------------------------------------------ wire format
     def encode(self) -> torch.Tensor:
         """[stop, n_admit, B, S, n_first, decode_rows, n_positions, n_swaps, n_protect, mode, draft_in (1 MTP,
-        2 DSpark), n_first_ctx, has_state] + admits (row, temperature bits, top_k, top_p bits, seed) + first rows +
-        first slots + swap pairs + protect + first_last + first_hold + first_state + lengths, starts, tokens + MTP
-        next lengths, next ids + positions + state."""
+        2 DSpark), n_first_ctx, has_state, n_score, score_k] + admits (row, temperature bits, top_k, top_p bits,
+        seed) + first rows + first slots + swap pairs + protect + first_last + first_hold + first_state + scored rows
+        + lengths, starts, tokens + MTP next lengths, next ids + scored next lengths, next ids + positions +
+        state."""
         from dsv4_model.runtime.speculative import SAMPLING_MODES
 
         B, S = (0, 0) if self.prefill is None else tuple(self.prefill[0].shape)
@@ -96,20 +104,25 @@ class StepPlan:
         mode = 0 if self.mode is None else 1 + SAMPLING_MODES.index(self.mode)
         nctx = 0 if self.first_hold is None else self.first_hold.shape[0]
         has_state = int(self.state is not None and npos > 0)
+        score = self.score if self.score is not None and B else None
         head = [int(self.stop), len(self.admits), B, S, len(self.first_rows), self.decode_rows, npos, len(self.swaps),
-                len(self.protect), mode, 2 if self.dspark else int(self.mtp_next is not None), nctx, has_state]
+                len(self.protect), mode, 2 if self.dspark else int(self.mtp_next is not None), nctx, has_state,
+                -1 if score is None else len(score[0]), 0 if score is None else score[3]]
         adm = [v for row, p in self.admits
                for v in (row, _f2i(p.temperature), p.top_k, _f2i(p.top_p), seed_key(p.seed))]
         swaps = [v for pair in self.swaps for v in pair]
         last = self.first_last if self.mtp_next is not None or self.dspark else []
         ctx = [] if not nctx else self.first_hold.tolist() + self.first_state.tolist()
-        parts = [torch.tensor(head + adm + self.first_rows + self.first_slots + swaps + self.protect + last + ctx,
-                              dtype=torch.long)]
+        scored = [] if score is None else list(score[0])
+        parts = [torch.tensor(head + adm + self.first_rows + self.first_slots + swaps + self.protect + last + ctx
+                              + scored, dtype=torch.long)]
         if self.prefill is not None:
             tokens, lengths, start = self.prefill
             parts += [lengths.long(), start.long(), tokens.long().reshape(-1)]
             if self.mtp_next is not None:
                 parts += [self.mtp_next[1].long(), self.mtp_next[0].long().reshape(-1)]
+            if score is not None:
+                parts += [score[2].long(), score[1].long().reshape(-1)]
         if npos:
             parts.append(self.positions.long())
             if has_state:
@@ -121,8 +134,8 @@ class StepPlan:
         from dsv4_model.runtime.speculative import SAMPLING_MODES
 
         v = t.tolist()
-        stop, na, B, S, nf, dr, npos, nsw, npr, mode, draft_in, nctx, has_state = v[:13]
-        i = 13
+        stop, na, B, S, nf, dr, npos, nsw, npr, mode, draft_in, nctx, has_state, nscore, score_k = v[:15]
+        i = 15
         admits = []
         for _ in range(na):
             row, temp, top_k, top_p, seed = v[i:i + 5]
@@ -143,6 +156,8 @@ class StepPlan:
         if nctx:
             plan.first_hold, plan.first_state = t[i:i + nctx], t[i + nctx:i + 2 * nctx]
             i += 2 * nctx
+        scored = v[i:i + max(nscore, 0)]
+        i += max(nscore, 0)
         if B:
             lengths, start = t[i:i + B], t[i + B:i + 2 * B]
             tokens = t[i + 2 * B:i + 2 * B + B * S].view(B, S)
@@ -150,6 +165,9 @@ class StepPlan:
             i += 2 * B + B * S
             if draft_in == 1:
                 plan.mtp_next = (t[i + B:i + B + B * S].view(B, S), t[i:i + B])
+                i += B + B * S
+            if nscore >= 0:
+                plan.score = (scored, t[i + B:i + B + B * S].view(B, S), t[i:i + B], score_k)
                 i += B + B * S
         if npos:
             plan.positions = t[i:i + npos]

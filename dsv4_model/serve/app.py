@@ -137,12 +137,13 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
         if len(ids) > st.max_seq_len:
             raise APIError(400, f"{where}: {len(ids)} tokens exceed the context of {st.max_seq_len}", "prompt")
 
-    def submit(ids_per_prompt: list[list[int]], body, max_tokens: int, stream: Stream) -> None:
+    def submit(ids_per_prompt: list[list[int]], body, max_tokens: int, stream: Stream,
+               prompt_logprobs: int | None = None) -> None:
         reqs = []
         for p, ids in enumerate(ids_per_prompt):
             for k in range(body.n):
                 r = Request(ids, params=body.sampling(k), max_tokens=max_tokens, stop=tuple(body.stop or ()),
-                            ignore_eos=body.ignore_eos, logprobs=body.logprob_k())
+                            ignore_eos=body.ignore_eos, logprobs=body.logprob_k(), prompt_logprobs=prompt_logprobs)
                 reqs.append(stream.bind(r, p * body.n + k))
         st.thread.submit_all(reqs)
 
@@ -151,37 +152,61 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
         body.check_unsupported()
         check_model(body.model)
         rid = request_id(request, "cmpl")
-        ids = []
+        ids, prompt_texts = [], []
         for i, p in enumerate(body.prompts()):
             if isinstance(p, str):
+                prompt_texts.append(p)
                 p = st.tokenizer.encode(p)
             elif not isinstance(p, list) or not all(isinstance(t, int) for t in p):
                 raise APIError(400, f"prompt[{i}]: must be a string or a list of token ids", "prompt")
+            else:
+                prompt_texts.append(st.tokenizer.decode(p))
             check_prompt(p, f"prompt[{i}]")
             ids.append(p)
         stream = Stream(asyncio.get_running_loop(), {}, st.thread.sink)
-        submit(ids, body, body.max_tokens or 16, stream)
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        submit(ids, body, max_tokens, stream, body.logprob_k() if body.echo else None)
         texts = [""] * len(stream.requests)
+        echoed = [not body.echo] * len(stream.requests)
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": cfg.model_name}
 
+        def echo(i: int) -> list[dict]:
+            """echo: choice i's prompt (and its tokens' logprobs) before its first token or its end (the prompt's
+            scores are read before its first token)."""
+            if echoed[i]:
+                return []
+            echoed[i] = True
+            r, text = stream.requests[i], prompt_texts[i // body.n]
+            texts[i] += text
+            lp = None if r.prompt_logprobs is None else \
+                prompt_logprobs(st.tokenizer, r.prompt, r.prompt_token_logprobs)
+            return [{"index": i, "text": text, "logprobs": lp, "finish_reason": None}]
+
         def on_event(ev: Event):
+            head = echo(ev.choice)
             if ev.done:
                 reason = finish_reason(stream.requests[ev.choice].finish_reason)
-                return [{"index": ev.choice, "text": "", "logprobs": None, "finish_reason": reason}]
+                return head + [{"index": ev.choice, "text": "", "logprobs": None, "finish_reason": reason}]
             lp = None if ev.logprob is None else \
                 completion_logprobs(st.tokenizer, [ev.token_id], [ev.logprob], len(texts[ev.choice]))
             texts[ev.choice] += ev.text
-            return [{"index": ev.choice, "text": ev.text, "logprobs": lp, "finish_reason": None}] \
-                if ev.text or lp else []
+            return head + ([{"index": ev.choice, "text": ev.text, "logprobs": lp, "finish_reason": None}]
+                           if ev.text or lp else [])
 
         if body.stream:
             return _sse(stream, base, on_event, body.include_usage, rid, [])
         if not await _collect(stream, request, on_event):
             return Response(status_code=499)
+        def choice_logprobs(i: int, r: Request) -> dict | None:
+            start = len(prompt_texts[i // body.n]) if body.echo else 0
+            lp = None if r.logprobs is None else completion_logprobs(st.tokenizer, r.token_ids, r.token_logprobs,
+                                                                     start)
+            if body.echo and r.prompt_logprobs is not None:
+                lp = _merge_logprobs(prompt_logprobs(st.tokenizer, r.prompt, r.prompt_token_logprobs), lp)
+            return lp
+
         choices = [{"index": i, "text": t, "finish_reason": finish_reason(r.finish_reason),
-                    "logprobs": None if r.logprobs is None else
-                    completion_logprobs(st.tokenizer, r.token_ids, r.token_logprobs, 0)}
-                   for i, (t, r) in enumerate(zip(texts, stream.requests))]
+                    "logprobs": choice_logprobs(i, r)} for i, (t, r) in enumerate(zip(texts, stream.requests))]
         _log_done(rid, stream)
         return JSONResponse({**base, "choices": choices, "usage": _usage(stream)}, headers={"X-Request-Id": rid})
 
@@ -316,6 +341,14 @@ def completion_logprobs(tok, ids: list[int], entries: list, offset: int) -> dict
         out["text_offset"].append(offset)
         offset += len(s)
     return out
+
+
+def prompt_logprobs(tok, ids: list[int], entries: list) -> dict:
+    """/v1/completions' logprobs object for an echoed prompt `ids` (entries: its tokens' from the second; the first
+    has none, null as OpenAI gives it), its text from offset 0."""
+    out = completion_logprobs(tok, ids[1:], entries, len(tok.decode(ids[:1])))
+    return {"tokens": [tok.decode(ids[:1])] + out["tokens"], "token_logprobs": [None] + out["token_logprobs"],
+            "top_logprobs": [None] + out["top_logprobs"], "text_offset": [0] + out["text_offset"]}
 
 
 def chat_logprobs(tok, ids: list[int], entries: list) -> dict:
