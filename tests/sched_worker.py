@@ -1,5 +1,6 @@
 """torchrun worker of tests/test_torchrun.py: rank 0 runs a Scheduler over staggered requests (greedy and sampled,
-more than rows, one cancelled) while the other ranks follow its broadcast plans; rank 0 saves each request's ids."""
+more than rows, one cancelled, one scoring its prompt) while the other ranks follow its broadcast plans; rank 0 saves
+each request's ids, finish reason and prompt log-probabilities."""
 import sys
 
 import torch
@@ -27,19 +28,21 @@ def engine(path, shard=None) -> Engine:
                                   progress=False, expert_shard=shard)
 
 
-def run(eng: Engine, distributed: bool = False) -> list[tuple[list[int], str]]:
-    """Rank 0's side: the requests, staggered; request 4 is cancelled after its 5th token."""
+def run(eng: Engine, distributed: bool = False) -> list[tuple[list[int], str, list[float]]]:
+    """Rank 0's side: the requests, staggered; request 4 is cancelled after its 5th token; request 2 scores its
+    prompt (prompt_logprobs: its chunks take the scored prefill on every rank)."""
     s = Scheduler(eng, max_prefill_tokens=CHUNK, distributed=distributed)
     reqs = []
     for i, p in enumerate(PROMPTS):
-        reqs.append(s.submit(Request(p, params(i), 24 + 2 * i, ignore_eos=True)))
+        scored = 1 if i == 2 else None
+        reqs.append(s.submit(Request(p, params(i), 24 + 2 * i, ignore_eos=True, prompt_logprobs=scored)))
         s.step()
     while not s.idle():
         if len(reqs[4].token_ids) >= 5:
             reqs[4].cancel()
         s.step()
     s.close()
-    return [(r.token_ids, r.finish_reason) for r in reqs]
+    return [(r.token_ids, r.finish_reason, [lp for lp, _ in r.prompt_token_logprobs]) for r in reqs]
 
 
 def main(out: str, path: str) -> None:

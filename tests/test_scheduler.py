@@ -318,7 +318,8 @@ def test_prompt_logprobs_are_the_models(engine32, prompt_ids, monkeypatch):
     only = s.submit(Request(prompt, SamplingParams(), 0, prompt_logprobs=0))
     s.run_until_idle()
     assert any(scored_plans) and s.stats.reuse_hits == 0
-    assert only.finish_reason == "length" and only.token_ids == [] and len(only.prompt_token_logprobs) == len(prompt) - 1
+    assert only.finish_reason == "length" and only.token_ids == []
+    assert len(only.prompt_token_logprobs) == len(prompt) - 1
     alone = Scheduler(eng)
     ref = alone.submit(Request(prompt + first.token_ids, SamplingParams(), 5, ignore_eos=True))
     ref2 = alone.submit(Request(prompt_ids[0], SamplingParams(), 12, ignore_eos=True))
@@ -337,6 +338,24 @@ def test_prompt_logprobs_are_the_models(engine32, prompt_ids, monkeypatch):
         s.submit(Request(prompt, prompt_logprobs=21))
     with pytest.raises(ValueError, match="max_tokens"):
         s.submit(Request(prompt, max_tokens=0))
+
+
+def test_a_stop_tokens_logprob_is_kept(engine32, prompt_ids):
+    """A request asking for logprobs that a stop id ends (its first token, or a later one) keeps that token's
+    entry last in token_logprobs (stop_token names it; token_ids leave it out), as a scorer expects one entry per
+    generated token; without logprobs nothing is kept."""
+    s = Scheduler(engine32, max_prefill_tokens=16)
+    ref = s.submit(Request(prompt_ids[2], SamplingParams(), 8, logprobs=2, ignore_eos=True))
+    s.run_until_idle()
+    for at in (0, 5):
+        t = ref.token_ids[at]
+        r = s.submit(Request(prompt_ids[2], SamplingParams(), 8, logprobs=2, stop_ids={t}, ignore_eos=True))
+        quiet = s.submit(Request(prompt_ids[2], SamplingParams(), 8, stop_ids={t}, ignore_eos=True))
+        s.run_until_idle()
+        j = ref.token_ids.index(t)
+        assert r.finish_reason == "stop" and r.token_ids == ref.token_ids[:j] and r.stop_token == t
+        assert len(r.token_logprobs) == j + 1 and abs(r.token_logprobs[j][0] - ref.token_logprobs[j][0]) < 1e-5
+        assert quiet.stop_token is None and quiet.token_logprobs == []
 
 
 def test_riding_rows_at_a_window_close_keep_their_state(engine32):

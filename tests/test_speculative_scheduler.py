@@ -106,6 +106,11 @@ def test_stop_strings_and_stop_ids(engine, prompt_ids, alone):
     s.run_until_idle()
     j = ref.index(ref[9])
     assert by_id.token_ids == ref[:j] and by_id.finish_reason == "stop"
+    scored = s.submit(Request(prompt_ids[0], _params(0), MAX_TOKENS[0], stop_ids=frozenset({ref[9]}), logprobs=1,
+                              ignore_eos=True))
+    s.run_until_idle()  # the stop token's entry kept last (a scorer's one entry per generated token)
+    assert scored.token_ids == ref[:j] and scored.stop_token == ref[9] and len(scored.token_logprobs) == j + 1
+    assert scored.token_logprobs[j][1][0][0] == ref[9]  # greedy: the stop token was the most likely
     word = text[-6:].strip() or text[-8:]
     by_str = s.submit(Request(prompt_ids[0], _params(0), MAX_TOKENS[0], stop=(word,), ignore_eos=True))
     s.run_until_idle()

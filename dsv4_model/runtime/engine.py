@@ -123,6 +123,7 @@ class Engine(EngineSession):
         last = h[torch.arange(h.shape[0], device=dev), (lengths - 1).clamp(min=0)]
         return self.model._logits(last), last
 
+    @torch.no_grad()
     def prefill_scored(self, tokens: torch.Tensor, lengths: torch.Tensor, start: torch.Tensor, score,
                        mtp_next: tuple[torch.Tensor, torch.Tensor] | None = None):
         """prefill_at's chunk (eager; the MTP block's cache filled too where mtp_next is given) that also scores

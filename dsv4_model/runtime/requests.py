@@ -72,6 +72,9 @@ class Request:
     token_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     # with prompt_logprobs: per prompt token from the second, as token_logprobs' entries (the model's distribution)
     prompt_token_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # with logprobs, a request that a stop id or EOS ended: that token (not in token_ids); its entry is the last of
+    # token_logprobs (a scorer reading "the generated token's" log-probability finds it there, as from vLLM)
+    stop_token: int | None = None
 
     def __post_init__(self):
         self.prompt = [int(t) for t in self.prompt]

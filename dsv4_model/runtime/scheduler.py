@@ -174,6 +174,8 @@ class Scheduler:
         bad = [t for t in req.prompt if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt: token id {bad[0]} outside [0, vocab_size={vocab})")
+        if req.prompt_logprobs is not None and not hasattr(self.engine, "prefill_scored"):
+            raise ValueError("prompt_logprobs: this engine (an exported package) has no scored prefill")
         if req.prompt_logprobs is not None and not (isinstance(req.prompt_logprobs, int)
                                                     and 0 <= req.prompt_logprobs <= MAX_LOGPROBS):
             raise ValueError(f"prompt_logprobs: must be an int in [0, {MAX_LOGPROBS}], got {req.prompt_logprobs!r}")
@@ -559,7 +561,7 @@ class Scheduler:
             if row.req is not req or req.finish_reason is not None:
                 continue
             if t in req.stop_ids or (t == eos and not req.ignore_eos):
-                self._free(row, "stop", now)
+                self._stopped(row, req, t, now, self._logprob(flight, "decode", req) if flight.lp_index else None)
                 continue
             if req._plain:  # no text, no callback: the ids and times alone
                 req.token_ids.append(t)
@@ -569,6 +571,13 @@ class Scheduler:
                 continue
             if len(req.token_ids) >= row.cap:
                 self._free(row, "length" if len(req.token_ids) >= req.max_tokens else "max_seq_len", now)
+
+    def _stopped(self, row: _Row, req: Request, t: int, now: float, logprob=None) -> None:
+        """req ends on stop id / EOS t (not kept); its logprob entry, where it asked for them, is kept."""
+        if logprob is not None:
+            req.stop_token = t
+            req.token_logprobs.append(logprob)
+        self._free(row, "stop", now)
 
     def _take(self, row: _Row, req: Request, t: int, now: float, logprob=None) -> None:
         """Token t sampled for request req in `row` (its first, from the prefill logits)."""
@@ -580,7 +589,7 @@ class Scheduler:
             self._free(row, "length", now)
             return
         if t in req.stop_ids or (t == self.eos and not req.ignore_eos):
-            self._free(row, "stop", now)
+            self._stopped(row, req, t, now, logprob)
         elif req.add_token(t, now, logprob):
             self._free(row, "stop", now)
         elif len(req.token_ids) >= row.cap:

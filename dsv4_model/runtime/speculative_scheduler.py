@@ -171,8 +171,11 @@ class SpeculativeScheduler(Scheduler):
             for j, t in enumerate(by_row[i][:n + 1]):
                 row.seq.append(t)
                 row.filled = len(row.seq) - 1  # where the latest token goes (the next step feeds it)
-                if t in req.stop_ids or (t == eos and not req.ignore_eos) or \
-                        req.add_token(t, now, self._logprob(flight, "decode", req, j)):
+                logprob = self._logprob(flight, "decode", req, j)
+                if t in req.stop_ids or (t == eos and not req.ignore_eos):
+                    self._stopped(row, req, t, now, logprob)
+                    break
+                if req.add_token(t, now, logprob):
                     self._free(row, "stop", now)
                     break
                 if len(req.token_ids) >= row.cap:

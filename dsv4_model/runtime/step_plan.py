@@ -216,6 +216,8 @@ def follow(engine, rows: int | None = None, group=None, speculate: int = 0, mode
             plan = broadcast_plan(None, group, _wire_device(runner))
             if plan.stop:
                 return n
+            if plan.score is not None:  # the same prefill path as rank 0's; the scores are rank 0's to read
+                plan.score = ([],) + plan.score[1:]
             plan.run(engine, runner)
             n += 1
 

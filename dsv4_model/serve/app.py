@@ -185,8 +185,11 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
         def on_event(ev: Event):
             head = echo(ev.choice)
             if ev.done:
-                reason = finish_reason(stream.requests[ev.choice].finish_reason)
-                return head + [{"index": ev.choice, "text": "", "logprobs": None, "finish_reason": reason}]
+                r = stream.requests[ev.choice]
+                lp = None if r.stop_token is None else \
+                    completion_logprobs(st.tokenizer, [r.stop_token], r.token_logprobs[-1:], len(texts[ev.choice]))
+                return head + [{"index": ev.choice, "text": "", "logprobs": lp,
+                                "finish_reason": finish_reason(r.finish_reason)}]
             lp = None if ev.logprob is None else \
                 completion_logprobs(st.tokenizer, [ev.token_id], [ev.logprob], len(texts[ev.choice]))
             texts[ev.choice] += ev.text
@@ -199,8 +202,8 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
             return Response(status_code=499)
         def choice_logprobs(i: int, r: Request) -> dict | None:
             start = len(prompt_texts[i // body.n]) if body.echo else 0
-            lp = None if r.logprobs is None else completion_logprobs(st.tokenizer, r.token_ids, r.token_logprobs,
-                                                                     start)
+            ids = r.token_ids + ([] if r.stop_token is None else [r.stop_token])  # the stop token's entry too
+            lp = None if r.logprobs is None else completion_logprobs(st.tokenizer, ids, r.token_logprobs, start)
             if body.echo and r.prompt_logprobs is not None:
                 lp = _merge_logprobs(prompt_logprobs(st.tokenizer, r.prompt, r.prompt_token_logprobs), lp)
             return lp
