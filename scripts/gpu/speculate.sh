@@ -44,3 +44,11 @@ if [ -n "$preset" ] && [ -n "${SPECULATE_CUT-0.5}" ]; then
   [ -n "$DRY" ] || grep -hsE "^ +[0-9]+ +eager|steady state|speculation:" "$LOGS/speculate_${preset}_dspark_cut.log" \
     "$LOGS/speculate_${preset}_dspark_5.log" | sed 's/^/  /' | tee -a "$SUMMARY"
 fi
+# SPECULATE_PROFILE (empty: skipped): NAME[:N] presets whose plain step and K = 1 pass bench/profile_step.py breaks
+# down by kernel (a random MTP block; SPECULATE_ARGS, e.g. "--draft-head nvfp4", passed on): issue #31's where.
+for spec in ${SPECULATE_PROFILE:-}; do
+  m=${spec%%:*}; ex=(); [[ $spec == *:* ]] && ex=(--experts "${spec#*:}")
+  step "profile_step_$m" 300 $PY bench/profile_step.py --model "$m" ${ex[@]+"${ex[@]}"} --speculate 1 --drafter mtp \
+    ${SPECULATE_ARGS:-}
+  [ -n "$DRY" ] || grep -hsA12 "^## " "$LOGS/profile_step_$m.log" | sed 's/^/  /' | tee -a "$SUMMARY"
+done
