@@ -518,10 +518,7 @@ class Attention(nn.Module):
         """CSA: the indexer's compressor advances (over T tokens per row: token after token), its entries stored
         where a window just closed (_store_index_entry)."""
         comp, (positions, seqs) = self.indexer.compressor, _rows_of(step, p.x.shape[0])
-        if seqs:
-            ientry, icomplete = comp.decode_tokens(p.x, step, self.rope_kind, p.iproj_c)
-        else:
-            ientry, icomplete = comp.decode(p.x, step, self.rope_kind, p.iproj_c)
+        ientry, icomplete = comp.decode(p.x, step, self.rope_kind, p.iproj_c)
         self._store_index_entry(ientry, icomplete, positions, self.indexer.packed_decode(), seqs)
 
     def _decode_index_select(self, p: "DecodeProjections", step: DecodeStep, seqs: int | None) -> "Selection":
@@ -566,10 +563,7 @@ class Attention(nn.Module):
             self.kv_cache.index_put_((rows % seqs if seqs else rows, positions % R), p.kv)
         if self.compressor is not None:
             store = (positions, self.kv_cache, R, seqs) if self.use_store_op else None
-            if seqs:
-                entry, complete = self.compressor.decode_tokens(p.x, step, self.rope_kind, p.cproj, store)
-            else:
-                entry, complete = self.compressor.decode(p.x, step, self.rope_kind, p.cproj, store)
+            entry, complete = self.compressor.decode(p.x, step, self.rope_kind, p.cproj, store)
             if entry is not None:
                 self._write_entry(self.kv_cache, R, positions, entry, complete, seqs)
 

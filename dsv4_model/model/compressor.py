@@ -204,30 +204,21 @@ class Compressor(nn.Module):
         self.kv_state[:B] = torch.where(ok, kv.gather(1, gi), old_kv)
         self.score_state[:B] = torch.where(ok, score.gather(1, gi), old_sc)
 
-    def decode(self, x: torch.Tensor, step: DecodeStep, rope_kind: str,
+    def decode(self, x: torch.Tensor, step: DecodeStep | TokenSteps, rope_kind: str,
                proj: tuple[torch.Tensor, torch.Tensor] | None = None, store=None):
-        """x [B, dim] = token at the step's positions[b]; rope_kind: the RoPE table of its layer. Updates state rows
-        [:B]; returns
-        (entry [B, Dc] for window positions//m, complete [B] bool: whether that window closed at this token). proj:
-        (wkv(x), wgate(x)) if already computed (Attention runs both compressors' projections in one launch).
-        store: (positions, cache, offset, seqs), where the fused op can write that cache: entry is None when it
-        was written into cache already (_finish)."""
+        """x [B, dim] = token at the step's positions[b], or T tokens per row (step: TokenSteps; x [T * B, dim], row
+        t * B + b at steps[t]: one op call advances each row's state token after token, then the T * B pooled windows
+        go through _finish at once, store's seqs = B); rope_kind: the RoPE table of its layer. Updates state rows
+        [:B]; returns (entries [rows, Dc] for window positions//m, complete [rows] bool: whether that window closed
+        at the row's token). proj: (wkv(x), wgate(x)) if already computed (Attention runs both compressors'
+        projections in one launch). store: (positions, cache, offset, seqs), where the fused op can write that
+        cache: entries are None when they were written into cache already (_finish)."""
         kv, score = project(x, self.wkv, self.wgate) if proj is None else proj
-        complete = (step.positions + 1) % self.ratio == 0
-        return self._finish(self._advance(kv, score, step.positions), step.cs(rope_kind, self.ratio), x.dtype,
+        one = step if isinstance(step, DecodeStep) else step.stacked
+        seqs = 0 if one is step else x.shape[0] // len(step)
+        complete = (one.positions + 1) % self.ratio == 0
+        return self._finish(self._advance(kv, score, one.positions, seqs), one.cs(rope_kind, self.ratio), x.dtype,
                             store), complete
-
-    def decode_tokens(self, x: torch.Tensor, steps: TokenSteps, rope_kind: str,
-                      proj: tuple[torch.Tensor, torch.Tensor] | None = None, store=None):
-        """decode of T tokens per row (x [T * B, dim], row t * B + b at steps[t]): one op call advances each row's
-        state token after token, then the T * B pooled windows go through _finish at once (store: decode's, with
-        seqs = B) -> (entries [T * B, Dc] or None, complete [T * B])."""
-        B = x.shape[0] // len(steps)
-        kv, score = project(x, self.wkv, self.wgate) if proj is None else proj
-        positions = steps.stacked.positions
-        cs = steps.stacked.cs(rope_kind, self.ratio)
-        return self._finish(self._advance(kv, score, positions, B), cs, x.dtype, store), \
-            (positions + 1) % self.ratio == 0
 
     def _advance(self, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor, seqs: int = 0) -> torch.Tensor:
         """Each row's token into the state; its window pooled -> [rows, hd] (a closed window's entry where

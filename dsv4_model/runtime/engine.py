@@ -106,8 +106,6 @@ class Engine(EngineSession):
         [B, hc, dim]) for the first drafts.
         dspark: also commit the chunk's positions to the DSpark module's rings (the streams entering its target
         layers) and return (logits, None)."""
-        from dsv4_model.model import mtp
-
         dev = self.device
         tokens, lengths, start = tokens.to(dev), lengths.to(dev), start.to(dev)
         if dspark:
@@ -118,10 +116,19 @@ class Engine(EngineSession):
             compiled = self.compiled_prefill()
             logits = None if compiled is None else compiled(tokens, lengths, start)
             return self.model.prefill(tokens, lengths, start=start) if logits is None else logits
-        h = self.model.streams(tokens, lengths, start=start)
-        mtp.prefill(self.model, h, mtp_next[0].to(dev), mtp_next[1].to(dev), start=start)
-        last = h[torch.arange(h.shape[0], device=dev), (lengths - 1).clamp(min=0)]
+        _, last = self._chunk_streams(tokens, lengths, start, mtp_next)
         return self.model._logits(last), last
+
+    def _chunk_streams(self, tokens: torch.Tensor, lengths: torch.Tensor, start: torch.Tensor,
+                       mtp_next: tuple[torch.Tensor, torch.Tensor] | None):
+        """A chunk's final streams [B, S, hc, dim] (the MTP block's cache filled too where mtp_next is given) and
+        each row's at its last token [B, hc, dim]; tokens / lengths / start on the device."""
+        from dsv4_model.model import mtp
+
+        h = self.model.streams(tokens, lengths, start=start)
+        if mtp_next is not None:
+            mtp.prefill(self.model, h, mtp_next[0].to(self.device), mtp_next[1].to(self.device), start=start)
+        return h, h[torch.arange(h.shape[0], device=h.device), (lengths - 1).clamp(min=0)]
 
     @torch.no_grad()
     def prefill_scored(self, tokens: torch.Tensor, lengths: torch.Tensor, start: torch.Tensor, score,
@@ -131,14 +138,8 @@ class Engine(EngineSession):
         scored row b and t < next_lengths[b], the log-probability of next_ids[b, t] from the logits after position
         t, and the k most likely there. Returns (fp32 logits [B, V] at each row's last token, the final streams
         there [B, hc, dim], [(chosen [m], top values [m, k], top ids [m, k]) per scored row], device tensors)."""
-        from dsv4_model.model import mtp
-
         dev = self.device
-        tokens, lengths, start = tokens.to(dev), lengths.to(dev), start.to(dev)
-        h = self.model.streams(tokens, lengths, start=start)
-        if mtp_next is not None:
-            mtp.prefill(self.model, h, mtp_next[0].to(dev), mtp_next[1].to(dev), start=start)
-        last = h[torch.arange(h.shape[0], device=dev), (lengths - 1).clamp(min=0)]
+        h, last = self._chunk_streams(tokens.to(dev), lengths.to(dev), start.to(dev), mtp_next)
         rows, next_ids, next_lengths, k = score
         scores = [score_positions(self.model, h[b, :n], next_ids[b, :n].to(dev), k)
                   for b, n in zip(rows, next_lengths[rows].tolist())]
