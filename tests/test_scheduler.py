@@ -334,8 +334,11 @@ def test_prompt_logprobs_are_the_models(engine32, prompt_ids, monkeypatch):
             vals, ids = want[t].topk(req.prompt_logprobs)
             assert [i for i, _ in top] == ids.tolist(), t
             assert all(abs(a - b) < 1e-5 for (_, a), b in zip(top, vals.tolist()))
-    with pytest.raises(ValueError, match="prompt_logprobs"):
-        s.submit(Request(prompt, prompt_logprobs=21))
+    for bad in (21, True):  # a bool is not a count
+        with pytest.raises(ValueError, match="prompt_logprobs"):
+            s.submit(Request(prompt, prompt_logprobs=bad))
+    with pytest.raises(ValueError, match="logprobs"):
+        s.submit(Request(prompt, logprobs=True))
     with pytest.raises(ValueError, match="max_tokens"):
         s.submit(Request(prompt, max_tokens=0))
 

@@ -148,6 +148,7 @@ def test_n_and_seed_and_stop(served, client):
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
     (dict(n=100), "n"), (dict(stop=[""]), "stop"), (dict(logprobs=21), "logprobs"), (dict(seed="x"), "seed"),
     (dict(prompt="word " * 300), "prompt"), (dict(prompt=[5, 99999]), "prompt"), (dict(prompt=[]), "prompt"),
+    (dict(prompt=[5, -1]), "prompt"), (dict(prompt=[5, 2**40], echo=True), "prompt"),  # before any decode
     (dict(model="other"), "model"),
 ])
 def test_invalid_fields_are_4xx(client, kw, param):
@@ -301,8 +302,9 @@ def test_echo_scores_the_prompt(served, client):
     want = torch.log_softmax(engine.prefill(torch.tensor([ids]), all_logits=True)[0].float(), -1)
     for t in range(1, len(ids)):
         assert abs(lp.token_logprobs[t] - float(want[t - 1, ids[t]])) < 0.05, t  # bf16, chunked vs whole prefill
-        assert sorted(lp.top_logprobs[t].values(), reverse=True) == pytest.approx(want[t - 1].topk(2).values.tolist(),
-                                                                             abs=0.05), t
+        top = lp.top_logprobs[t]  # the 2 most likely and the prompt's own token (OpenAI: up to k + 1)
+        assert sorted(top.values(), reverse=True)[:2] == pytest.approx(want[t - 1].topk(2).values.tolist(), abs=0.05), t
+        assert len(top) <= 3 and top[lp.tokens[t]] == lp.token_logprobs[t], t
     g = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=N, temperature=0, echo=True, logprobs=1)
     glp = g.choices[0].logprobs
     assert g.choices[0].text == PROMPTS[0] + ref[PROMPTS[0]] and len(glp.tokens) == len(ids) + N
@@ -315,8 +317,34 @@ def test_echo_scores_the_prompt(served, client):
     plain = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=3, temperature=0, echo=True)
     assert plain.choices[0].text == PROMPTS[0] + ref[PROMPTS[0]][:len(plain.choices[0].text) - len(PROMPTS[0])]
     assert plain.choices[0].logprobs is None
+    bare = client.completions.create(model="tiny", prompt=[ids, ids[:3]], max_tokens=0, echo=True)  # nothing runs
+    assert [c.text for c in bare.choices] == [PROMPTS[0], tok.decode(ids[:3])]
+    assert {c.finish_reason for c in bare.choices} == {"length"} and bare.usage.prompt_tokens == len(ids) + 3
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=0, echo=True, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPTS[0]
+    assert chunks[-1].usage.prompt_tokens == len(ids) and chunks[-1].usage.completion_tokens == 0
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
-        client.completions.create(model="tiny", prompt="x", max_tokens=0, echo=True)
+        client.completions.create(model="tiny", prompt="x", max_tokens=0)
+
+
+def test_echo_offsets_index_the_returned_text(served, client):
+    """text_offset for a prompt whose characters span several tokens (or share one): offsets rise with the
+    returned text, each token's at most the text's length, the completion's first at the prompt's end; streamed
+    as not."""
+    _, _, tok = served
+    prompt = "naïve café — 日本語のテキスト ✓"
+    ids = tok.encode(prompt)
+    assert len(ids) != len(prompt)  # the case: tokens and characters do not line up one to one
+    kw = dict(model="tiny", prompt=prompt, max_tokens=N, temperature=0, echo=True, logprobs=1)
+    r = client.completions.create(**kw)
+    text, off = r.choices[0].text, r.choices[0].logprobs.text_offset
+    assert text.startswith(prompt) and len(off) == len(ids) + N
+    assert off == sorted(off) and off[0] == 0 and off[-1] <= len(text)
+    assert max(off[:len(ids)]) <= len(prompt) and off[len(ids)] == len(prompt)
+    streamed = [o for c in client.completions.create(stream=True, **kw) if c.choices and c.choices[0].logprobs
+                for o in c.choices[0].logprobs.text_offset]
+    assert streamed == off
 
 
 def test_echo_scoring_keeps_a_stop_tokens_logprob(served):

@@ -123,6 +123,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.reuse = reuse
         self.max_seq_len = engine.max_seq_len
+        self.vocab_size = engine.vocab_size
         self.eos = int(engine.config.eos_token_id)
         self.tokenizer = tokenizer if tokenizer is not None else engine.get_tokenizer()
         self.runner = self._make_runner(engine)
@@ -166,7 +167,7 @@ class Scheduler:
         return req
 
     def _check(self, req: Request) -> None:
-        vocab = self.engine.vocab_size
+        vocab = self.vocab_size
         if not req.prompt:
             raise ValueError("prompt: needs at least one token")
         if len(req.prompt) > self.max_seq_len:
@@ -176,7 +177,8 @@ class Scheduler:
             raise ValueError(f"prompt: token id {bad[0]} outside [0, vocab_size={vocab})")
         if req.prompt_logprobs is not None and not hasattr(self.engine, "prefill_scored"):
             raise ValueError("prompt_logprobs: this engine (an exported package) has no scored prefill")
-        if req.prompt_logprobs is not None and not (isinstance(req.prompt_logprobs, int)
+        if req.prompt_logprobs is not None and not (isinstance(req.prompt_logprobs, int) and not
+                                                    isinstance(req.prompt_logprobs, bool)
                                                     and 0 <= req.prompt_logprobs <= MAX_LOGPROBS):
             raise ValueError(f"prompt_logprobs: must be an int in [0, {MAX_LOGPROBS}], got {req.prompt_logprobs!r}")
         if not (req.prompt_logprobs is not None and req.max_tokens == 0):  # scoring a prompt may generate nothing
@@ -184,7 +186,8 @@ class Scheduler:
         req.params.validate()
         if any(not isinstance(s, str) or not s for s in req.stop):
             raise ValueError("stop: every stop string must be a non-empty string")
-        if req.logprobs is not None and not (isinstance(req.logprobs, int) and 0 <= req.logprobs <= MAX_LOGPROBS):
+        if req.logprobs is not None and not (isinstance(req.logprobs, int) and not isinstance(req.logprobs, bool)
+                                             and 0 <= req.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs: must be an int in [0, {MAX_LOGPROBS}], got {req.logprobs!r}")
 
     def idle(self) -> bool:

@@ -21,6 +21,7 @@ from fastapi.sse import format_sse_event
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
+from dsv4_model.checkpoint.tokenizer import StreamDecoder
 from dsv4_model.runtime.requests import Request
 from dsv4_model.runtime.scheduler import Scheduler
 from dsv4_model.serve.bridge import Event, SchedulerThread, Stream
@@ -51,6 +52,7 @@ class _State:
         self.scheduler = scheduler
         self.tokenizer = scheduler.tokenizer
         self.max_seq_len = scheduler.max_seq_len
+        self.vocab_size = scheduler.vocab_size
         self.chat = ChatFormat(cfg.chat_format, self.tokenizer)
         self.specials = skipped_specials(self.tokenizer) if self.chat.name == "deepseek_v4" else {}
         self.thread = SchedulerThread(scheduler, cfg.max_waiting)
@@ -160,15 +162,24 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
             elif not isinstance(p, list) or not all(isinstance(t, int) for t in p):
                 raise APIError(400, f"prompt[{i}]: must be a string or a list of token ids", "prompt")
             else:
-                prompt_texts.append(st.tokenizer.decode(p))
+                bad = [t for t in p if not 0 <= t < st.vocab_size]
+                if bad:  # before any decode: a tokenizer may raise on such an id
+                    raise APIError(400, f"prompt[{i}]: token id {bad[0]} outside [0, {st.vocab_size})", "prompt")
+                prompt_texts.append(st.tokenizer.decode(p) if body.echo else "")
             check_prompt(p, f"prompt[{i}]")
             ids.append(p)
+        base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": cfg.model_name}
+        if body.max_tokens == 0 and body.logprob_k() is None:  # echo alone: the prompts back, nothing to run
+            choices = [{"index": i, "text": prompt_texts[i // body.n], "logprobs": None, "finish_reason": "length"}
+                       for i in range(len(ids) * body.n)]
+            p = sum(len(x) for x in ids)
+            return _answer_now(base, choices, {"prompt_tokens": p, "completion_tokens": 0, "total_tokens": p},
+                               body.stream, body.include_usage, rid)
         stream = Stream(asyncio.get_running_loop(), {}, st.thread.sink)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         submit(ids, body, max_tokens, stream, body.logprob_k() if body.echo else None)
         texts = [""] * len(stream.requests)
         echoed = [not body.echo] * len(stream.requests)
-        base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": cfg.model_name}
 
         def echo(i: int) -> list[dict]:
             """echo: choice i's prompt (and its tokens' logprobs) before its first token or its end (the prompt's
@@ -179,7 +190,7 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
             r, text = stream.requests[i], prompt_texts[i // body.n]
             texts[i] += text
             lp = None if r.prompt_logprobs is None else \
-                prompt_logprobs(st.tokenizer, r.prompt, r.prompt_token_logprobs)
+                prompt_logprobs(st.tokenizer, r.prompt, r.prompt_token_logprobs, len(text))
             return [{"index": i, "text": text, "logprobs": lp, "finish_reason": None}]
 
         def on_event(ev: Event):
@@ -205,7 +216,7 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
             ids = r.token_ids + ([] if r.stop_token is None else [r.stop_token])  # the stop token's entry too
             lp = None if r.logprobs is None else completion_logprobs(st.tokenizer, ids, r.token_logprobs, start)
             if body.echo and r.prompt_logprobs is not None:
-                lp = _merge_logprobs(prompt_logprobs(st.tokenizer, r.prompt, r.prompt_token_logprobs), lp)
+                lp = _merge_logprobs(prompt_logprobs(st.tokenizer, r.prompt, r.prompt_token_logprobs, start), lp)
             return lp
 
         choices = [{"index": i, "text": t, "finish_reason": finish_reason(r.finish_reason),
@@ -333,25 +344,37 @@ def _merge_logprobs(a: dict | None, b: dict | None) -> dict | None:
     return {k: a[k] + b[k] for k in a}
 
 
-def completion_logprobs(tok, ids: list[int], entries: list, offset: int) -> dict:
-    """/v1/completions' logprobs object for tokens `ids` whose text starts at `offset` of the completion."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+def text_offsets(tok, ids: list[int], start: int, end: int | None = None) -> list[int]:
+    """Where each token's text starts in the text the streaming detokenizer makes of `ids` (from `start`; a token
+    ending inside a character: where that character starts), so offsets rise as the returned text does; clamped to
+    `end` (an echoed prompt whose given text is shorter than its tokens' decode, e.g. a BOS token)."""
+    dec, out, at = StreamDecoder(tok), [], start
+    for t in ids:
+        out.append(at if end is None else min(at, end))
+        at += len(dec.push(t))
+    return out
+
+
+def completion_logprobs(tok, ids: list[int], entries: list, offset: int, end: int | None = None) -> dict:
+    """/v1/completions' logprobs object for tokens `ids` whose text starts at `offset` of the returned text. Each
+    top_logprobs entry holds the k most likely tokens and the chosen one (so up to k + 1, as OpenAI and vLLM give)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": text_offsets(tok, ids, offset, end)}
     for t, (lp, top) in zip(ids, entries):
         s = tok.decode([t])
         out["tokens"].append(s)
         out["token_logprobs"].append(lp)
-        out["top_logprobs"].append({tok.decode([a]): v for a, v in top})
-        out["text_offset"].append(offset)
-        offset += len(s)
+        alts = {tok.decode([a]): v for a, v in top}
+        alts.setdefault(s, lp)
+        out["top_logprobs"].append(alts)
     return out
 
 
-def prompt_logprobs(tok, ids: list[int], entries: list) -> dict:
-    """/v1/completions' logprobs object for an echoed prompt `ids` (entries: its tokens' from the second; the first
-    has none, null as OpenAI gives it), its text from offset 0."""
-    out = completion_logprobs(tok, ids[1:], entries, len(tok.decode(ids[:1])))
-    return {"tokens": [tok.decode(ids[:1])] + out["tokens"], "token_logprobs": [None] + out["token_logprobs"],
-            "top_logprobs": [None] + out["top_logprobs"], "text_offset": [0] + out["text_offset"]}
+def prompt_logprobs(tok, ids: list[int], entries: list, end: int) -> dict:
+    """/v1/completions' logprobs object for an echoed prompt `ids` whose returned text is `end` characters long
+    (entries: its tokens' from the second; the first has none, null as OpenAI gives it)."""
+    out = completion_logprobs(tok, ids, [(None, [])] + list(entries), 0, end)
+    out["top_logprobs"][0] = None
+    return out
 
 
 def chat_logprobs(tok, ids: list[int], entries: list) -> dict:
@@ -425,3 +448,18 @@ def _sse(stream: Stream, base: dict, on_event, include_usage: bool, rid: str, fi
             stream.cancel()  # the client went away (or nothing: every request has ended)
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"X-Request-Id": rid})
+
+
+def _answer_now(base: dict, choices: list[dict], usage: dict, stream: bool, include_usage: bool, rid: str):
+    """A reply that needs no model step (echo with max_tokens 0): one JSON body, or one SSE chunk and [DONE]."""
+    headers = {"X-Request-Id": rid}
+    if not stream:
+        return JSONResponse({**base, "choices": choices, "usage": usage}, headers=headers)
+
+    async def body():
+        yield format_sse_event(data_str=json.dumps({**base, "choices": choices}, ensure_ascii=False))
+        if include_usage:
+            yield format_sse_event(data_str=json.dumps({**base, "choices": [], "usage": usage}, ensure_ascii=False))
+        yield format_sse_event(data_str="[DONE]")
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)

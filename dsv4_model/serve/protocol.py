@@ -76,7 +76,7 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=0)  # 0: with echo and logprobs, score the prompt only
+    max_tokens: int | None = Field(None, ge=0)  # 0: with echo, the prompt back (with logprobs: scored)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -94,8 +94,8 @@ class CompletionRequest(_Sampling):
         super().check_unsupported()
         if self.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
-        if self.max_tokens == 0 and not (self.echo and self.logprob_k() is not None):
-            raise APIError(400, "max_tokens: 0 only with echo and logprobs (scoring the prompt)", "max_tokens")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens: 0 only with echo (the prompt back; with logprobs: scored)", "max_tokens")
         if self.best_of not in (None, 1, self.n):
             raise APIError(400, "best_of must equal n", "best_of")
 

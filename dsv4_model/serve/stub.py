@@ -22,6 +22,7 @@ class StubScheduler:
         self.script = script
         self.max_rows = max_rows
         self.max_seq_len = max_seq_len
+        self.vocab_size = tokenizer.vocab_size
         self.eos = tokenizer.eos_id
         self.stats = SchedulerStats()
         self._waiting: collections.deque[Request] = collections.deque()
