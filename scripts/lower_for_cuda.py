@@ -156,6 +156,7 @@ def main() -> int:
     p.add_argument("--experts", type=int, default=16, help="with --preset: its routed experts (the lowering does "
                    "not depend on their count)")
     p.add_argument("--timeout", type=float, default=600, help="dump the stacks and exit after this many seconds")
+    p.add_argument("--code", metavar="FILE", help="write the generated wrapper (kernels and the call order) to FILE")
     args = p.parse_args()
     faulthandler.dump_traceback_later(args.timeout, exit=True)
     sys.path.insert(0, ROOT)
@@ -264,6 +265,9 @@ def main() -> int:
         code = out[0] if isinstance(out, tuple) else out
         code = getattr(code, "value", code)
         kernels = str(code).count("async_compile.triton(")
+        if args.code:
+            with open(args.code, "w") as f:
+                f.write(str(code))
         launches = len(re.findall(r"\.run\(", str(code)))
         # a call's own line (not the comments, not the size / alignment asserts on its outputs)
         op_calls = len(re.findall(r"^\s*(?:[\w, ]+=\s*)?torch\.ops\.dsv4\.\w+\.\w+\(", str(code), re.M))

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dsv4_model.runtime.engine import Engine
+from dsv4_model.model.decode_options import DEFAULT as DEFAULT_OPTIONS
 from dsv4_model.model.transformer import Transformer
 from dsv4_model.quant.random_model import init_random_weights
 
@@ -195,3 +196,29 @@ def test_decode_writes_every_rope_slot_before_the_layers(monkeypatch):
     first_layer = events.index(("layer",))
     written = sorted(k for e in events[:first_layer] for k in e[1:])
     assert written == sorted(k for ms in m.step_scratch.rope_offsets.values() for k in ms), events
+
+
+def test_verification_steps_live_in_the_step_scratch():
+    """A verification's T tokens per row (T <= spare window slots + 1) keep their stacked positions and RoPE rows in
+    the step scratch, as a decode step does (a plain tensor reached every layer's ops as a fresh copy under
+    Inductor: 100 -> 34 Triton launches in flash43's K = 1 step); the MTP block's steps and a multi-token decode
+    past the scratch's rows keep tensors of their own; either way the same values."""
+    from dsv4_model.checkpoint.writer import TINY_CONFIG
+    from dsv4_model.model.config import ModelConfig
+
+    cfg = ModelConfig(**{**TINY_CONFIG, "n_mtp_layers": 0, "n_layers": 2, "compress_ratios": [4, 0]}).validate()
+    m = Transformer(cfg, max_batch_size=2, max_seq_len=64, dtype=torch.float32, device="cpu",
+                    spare_window_slots=2)
+    sc = m.step_scratch
+    assert sc.rows == 2 * 3
+    pos = torch.tensor([5, 9])
+    want_pos = torch.tensor([5, 9, 6, 10, 7, 11])
+    for T, scratch, inside in ((3, True, True), (3, False, False), (4, True, False)):
+        st = m._token_steps(pos, T, DEFAULT_OPTIONS, scratch=scratch).stacked
+        assert torch.equal(st.positions, torch.cat([pos + t for t in range(T)])), (T, scratch)
+        cs = st.cs("main")
+        assert torch.equal(cs, m.rope_main[st.positions]), (T, scratch)
+        in_buf = (st.positions.untyped_storage().data_ptr() == sc.positions.untyped_storage().data_ptr(),
+                  cs.untyped_storage().data_ptr() == sc.rope_main.untyped_storage().data_ptr())
+        assert in_buf == (inside, inside), (T, scratch)
+    assert torch.equal(sc.positions[0], want_pos)

@@ -461,7 +461,7 @@ class Attention(nn.Module):
         decode steps would."""
         T = len(steps)
         B = x.shape[0] // T
-        cs = torch.cat([st.cs(self.rope_kind) for st in steps])
+        cs = steps.stacked.cs(self.rope_kind)  # the T tokens' rows, gathered once per step (not per layer)
         together = 1 < T <= self.ring - self.window + 1
         # together, the window's kv goes into the ring inside the norm's op (one launch, as a decode step's)
         p = self._decode_projections(x, cs, *((steps.stacked.positions, B) if together else ()))

@@ -83,7 +83,8 @@ def decode_streams(model: Transformer, h: torch.Tensor, next_ids: torch.Tensor, 
     B, T = next_ids.shape
     ids = next_ids.t().reshape(-1)  # rows t * B + b, as Block.decode takes T tokens
     hs = h.transpose(0, 1).reshape(T * B, *h.shape[2:])
-    out, pending = block.decode(block._inputs(model, hs, ids), ids, model._token_steps(positions, T, options))
+    out, pending = block.decode(block._inputs(model, hs, ids), ids,
+                                model._token_steps(positions, T, options, scratch=False))
     out = hc_post(pending.out, out, pending.post, pending.comb)
     return out.view(T, B, *out.shape[1:]).transpose(0, 1)
 

@@ -19,7 +19,7 @@ from dsv4_ops import supports
 
 from dsv4_model.model.decode_options import DecodeOptions
 
-Slots = tuple[torch.Tensor, list]  # (scratch buffer [n, max_batch, ...], the key of each of its n slots)
+Slots = tuple[torch.Tensor, list]  # (scratch buffer [n, rows, ...], the key of each of its n slots)
 
 
 def in_slot(slots: Slots | None, key, value: torch.Tensor) -> torch.Tensor:
@@ -32,7 +32,7 @@ def in_slot(slots: Slots | None, key, value: torch.Tensor) -> torch.Tensor:
 
 
 class AttnRows(nn.Module):
-    """The scratch buffer of one attended-rows key (ring slots, ratio, entries): [1, max_batch, rows] int32."""
+    """The scratch buffer of one attended-rows key (ring slots, ratio, entries): [1, decode rows, rows] int32."""
 
     def __init__(self, key: tuple, max_batch: int, device=None):
         super().__init__()
@@ -44,23 +44,26 @@ class AttnRows(nn.Module):
 
 class StepScratch(nn.Module):
     """A decode step's scratch buffers (written by the step before its layers read them, not state carried
-    between steps): the RoPE rows of each table ([offsets, max_batch, rope_dim / 2, 2] fp32, one slot per window
-    offset m), the visible-entry counts ([ratios, max_batch] int64, one slot per ratio) and the attended rows of
-    each key (`attn`, one `AttnRows` per key, sorted)."""
+    between steps) for up to `rows` decode rows: the RoPE rows of each table ([offsets, rows, rope_dim / 2, 2]
+    fp32, one slot per window offset m), the visible-entry counts ([ratios, rows] int64, one slot per ratio) and
+    the attended rows of each key (`attn`, one `AttnRows` per key, sorted)."""
 
-    def __init__(self, max_batch: int, rope_dim: int, compress_ratios: list[int], attn_keys: list[tuple],
+    def __init__(self, rows: int, rope_dim: int, compress_ratios: list[int], attn_keys: list[tuple],
                  device=None):
         super().__init__()
+        self.rows = rows
         ratios = sorted({r for r in compress_ratios if r})
         self.rope_offsets = {"main": [1], "compress": [1] + ratios}
         self.vis_ratios = ratios
         f32 = dict(dtype=torch.float32, device=device)
-        self.register_buffer("rope_main", torch.zeros(1, max_batch, rope_dim // 2, 2, **f32), persistent=False)
-        self.register_buffer("rope_compress", torch.zeros(1 + len(ratios), max_batch, rope_dim // 2, 2, **f32),
+        self.register_buffer("rope_main", torch.zeros(1, rows, rope_dim // 2, 2, **f32), persistent=False)
+        self.register_buffer("rope_compress", torch.zeros(1 + len(ratios), rows, rope_dim // 2, 2, **f32),
                              persistent=False)
-        self.register_buffer("n_vis", torch.zeros(max(len(ratios), 1), max_batch, dtype=torch.long, device=device),
+        self.register_buffer("n_vis", torch.zeros(max(len(ratios), 1), rows, dtype=torch.long, device=device),
                              persistent=False)
-        self.attn = nn.ModuleList(AttnRows(key, max_batch, device) for key in attn_keys)
+        # a multi-token step's stacked positions (a decode step's are its input)
+        self.register_buffer("positions", torch.zeros(1, rows, dtype=torch.long, device=device), persistent=False)
+        self.attn = nn.ModuleList(AttnRows(key, rows, device) for key in attn_keys)
 
     @property
     def attn_keys(self) -> list[tuple]:
@@ -121,16 +124,25 @@ class DecodeStep:
 class TokenSteps(list):
     """The T DecodeSteps of a multi-token decode (Transformer.decode_tokens: rows t * B + b hold token t of row b,
     at positions + t), and `stacked`: one DecodeStep over all T * B rows at their own positions, where the layers
-    select and attend the T tokens in one call each (Attention.decode_tokens); built on first use, then shared."""
+    project, select and attend the T tokens in one call each (Attention.decode_tokens); built on first use, then
+    shared. scratch: a StepScratch of T * B rows or more for the stacked step's positions and values (as a decode
+    step's: computed once, read in place by every layer's ops); None: tensors of their own."""
 
-    def __init__(self, positions: torch.Tensor, T: int, options: DecodeOptions, tables: dict[str, torch.Tensor]):
+    def __init__(self, positions: torch.Tensor, T: int, options: DecodeOptions, tables: dict[str, torch.Tensor],
+                 scratch: StepScratch | None = None):
         super().__init__(DecodeStep(positions + t, options, tables, {}, None, {}) for t in range(T))
         self._tables = tables
+        self._scratch = scratch
         self._stacked: DecodeStep | None = None
 
     @property
     def stacked(self) -> DecodeStep:
         if self._stacked is None:
-            self._stacked = DecodeStep(torch.cat([st.positions for st in self]), self[0].options, self._tables, {},
-                                       None, {})
+            positions = torch.cat([st.positions for st in self])
+            sc = self._scratch
+            if sc is None:
+                self._stacked = DecodeStep(positions, self[0].options, self._tables, {}, None, {})
+            else:
+                positions = in_slot((sc.positions, [0]), 0, positions)
+                self._stacked = DecodeStep(positions, self[0].options, self._tables, *sc.slots())
         return self._stacked

@@ -282,7 +282,9 @@ class Transformer(nn.Module):
         # their top-k.
         attn_keys = sorted({(a.ring, a.ratio, a.n_entries) if a.indexer is None else (a.ring, 0, 0)
                             for a in self.modules() if isinstance(a, Attention)})
-        self.step_scratch = StepScratch(self.max_batch_size, c.rope_head_dim, c.compress_ratios, attn_keys, device)
+        # rows for a step of max_batch tokens, or of the T <= spare + 1 tokens per row a verification decodes at once
+        rows = self.max_batch_size * (1 + self.spare_window_slots)
+        self.step_scratch = StepScratch(rows, c.rope_head_dim, c.compress_ratios, attn_keys, device)
         for mod in self.modules():
             if isinstance(mod, Block):
                 mod.ask_supports()
@@ -476,8 +478,14 @@ class Transformer(nn.Module):
         h = self.embed(ids).unsqueeze(1).repeat(1, self.hc, 1)
         return self._decode_layers(h, ids, self._token_steps(positions, T, options), options)
 
-    def _token_steps(self, positions: torch.Tensor, T: int, options: DecodeOptions) -> TokenSteps:
-        return TokenSteps(positions, T, options, self._rope())
+    def _token_steps(self, positions: torch.Tensor, T: int, options: DecodeOptions,
+                     scratch: bool = True) -> TokenSteps:
+        """T tokens per row; their stacked step's shared values in the step scratch where its rows hold T * B
+        (a verification), else (or scratch=False) tensors of their own. One writer of the scratch per graph: the
+        MTP block's steps after a verification pass scratch=False (a slot written again after its readers would
+        reach each of them as a fresh copy, step_values)."""
+        fits = scratch and T * positions.shape[0] <= self.step_scratch.rows
+        return TokenSteps(positions, T, options, self._rope(), self.step_scratch if fits else None)
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         return self.prefill(tokens, lengths, all_logits=True)
