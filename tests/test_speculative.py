@@ -105,3 +105,20 @@ def test_the_built_in_model(k):
     got, stats = speculative_greedy(m, prompt, N, k, lengths)
     assert got == _greedy(m, prompt, lengths)
     assert stats.acceptance()[0] > 0.5 and stats.tokens_per_step > 1.5
+
+
+def test_wide_argmax_is_argmax():
+    """The verification's two-reduction argmax (model.layers.wide_argmax) gives torch.argmax's index: the first
+    maximum, ties within a piece and across pieces, NaN as the maximum, rows of -inf, widths it splits and not."""
+    from dsv4_model.model.layers import wide_argmax
+
+    g = torch.Generator().manual_seed(0)
+    for V in (129280, 4096, 1000, 32768 + 8):
+        x = torch.randn(3, 4, V, generator=g)
+        x[0, 0, 5] = x[0, 0, V - 3] = 100.0  # tie across pieces
+        x[0, 1, 7] = x[0, 1, 8] = 100.0  # tie inside one
+        x[1, 0] = 0.0
+        x[1, 1, V // 2] = x[1, 1, V - 1] = float("nan")
+        x[2, 2] = float("-inf")
+        assert torch.equal(wide_argmax(x), x.argmax(-1)), V
+        assert torch.equal(wide_argmax(x[0, 0]), x[0, 0].argmax(-1)), V

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4_model.model.config import ModelConfig
-from dsv4_model.model.layers import Linear, RMSNorm, apply_rope, hc_head, hc_post
+from dsv4_model.model.layers import Linear, RMSNorm, apply_rope, hc_head, hc_post, wide_argmax
 from dsv4_model.model.quant_sim import kv_fake_quant
 from dsv4_model.model.transformer import Block, Embedding, _param, draft_head
 
@@ -215,7 +215,7 @@ class DSpark(nn.Module):
         for i in range(self.block_size):
             e = mk.markov_w1(prev)
             row = logits[:, i] + mk.markov_w2(e)
-            prev = row.argmax(-1) if pick is None else pick(row, i)
+            prev = wide_argmax(row) if pick is None else pick(row, i)
             toks.append(prev)
             embs.append(e)
             rows.append(row)

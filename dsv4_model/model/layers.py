@@ -236,6 +236,20 @@ class RMSNorm(nn.Module):
         return (self.weight * xf).to(x.dtype)
 
 
+def wide_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) for rows as wide as a vocabulary, in two reductions: Inductor reduces each row of an argmax in
+    one program, so the verification's [2, 129280] argmax took ~30 µs on two SMs (H100, bench/RESULTS.md session
+    39); the maximum of 64 pieces per row, then across them, spreads over the GPU. The same index (the first
+    maximum: a piece's first, in the first piece that holds the row's maximum; NaN counts as the maximum)."""
+    V = x.shape[-1]
+    n = next((n for n in (64, 32, 16, 8) if V % n == 0 and V // n >= 512), 1)
+    if n == 1:
+        return x.argmax(-1)
+    best, at = x.unflatten(-1, (n, V // n)).max(-1)
+    piece = best.argmax(-1, keepdim=True)
+    return (piece * (V // n) + at.gather(-1, piece)).squeeze(-1)
+
+
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)

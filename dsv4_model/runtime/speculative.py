@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv4_model.model import mtp
+from dsv4_model.model.layers import wide_argmax
 from dsv4_ops import ops
 
 SAMPLING_MODES = ("greedy", "sample", "filter")  # argmax only | temperature | temperature + top-k / top-p
@@ -123,7 +124,7 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     fixed point): they can differ only for tokens within rounding of the boundary."""
     logits = torch.nan_to_num(logits.float(), nan=float("-inf"))
     greedy = temperature <= 0
-    one_hot = torch.zeros_like(logits).scatter_(1, logits.argmax(1, keepdim=True), 1.0)
+    one_hot = torch.zeros_like(logits).scatter_(1, wide_argmax(logits).unsqueeze(1), 1.0)
     if mode == "greedy":
         return one_hot
     x = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)
@@ -189,7 +190,7 @@ def draft_chain(model, logits: torch.Tensor, streams: torch.Tensor, pos: torch.T
     toks, qs = [], []
     for j in range(k):
         if s.mode == "greedy":
-            t = logits.argmax(-1)
+            t = wide_argmax(logits)
         else:
             q = s.probs(logits.unsqueeze(1))[:, 0]
             t = s.draw(q, j0 + j)
@@ -222,7 +223,7 @@ def accept(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, s
     rows = torch.arange(B, device=drafts.device)
     offered = None if limit is None else torch.arange(K, device=drafts.device) < limit.unsqueeze(1)
     if s.mode == "greedy":
-        g = logits.argmax(-1)  # [B, K + 1]: the main model's token after each verified position
+        g = wide_argmax(logits)  # [B, K + 1]: the main model's token after each verified position
         match = drafts == g[:, :K]
         n_acc = (match if offered is None else match & offered).int().cumprod(dim=1).sum(dim=1)
         if live is not None:
