@@ -207,3 +207,52 @@ def test_an_allocation_failure_is_one_line(capfd):
     assert err.count("\n") == 1 and err.startswith("error: out of memory: DefaultCPUAllocator: can't allocate")
     with pytest.raises(RuntimeError, match="not memory"):
         run_cli(lambda a: (_ for _ in ()).throw(RuntimeError("not memory")), types.SimpleNamespace(debug=False))
+
+
+SERVE_CASES = [
+    ("serve: a bad value", ["--port", "abc"], "argument --port: invalid int value"),
+    ("serve: an unknown flag", ["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    ("serve: --max-batch-size 0", ["--max-batch-size", "0"], "--max-batch-size must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("case", SERVE_CASES, ids=[c[0] for c in SERVE_CASES])
+def test_serve_bad_option_is_one_line_and_exit_2(case, capfd):
+    """serve's usage errors as generate's: one `error:` line, exit 2 (not argparse's usage block)."""
+    from dsv4_model.serve.cli import main
+
+    _, args, want = case
+    try:
+        rc = main(args)
+    except SystemExit as e:  # argparse's exit
+        rc = e.code
+    out, err = capfd.readouterr()
+    assert rc == 2 and out == "" and err.count("\n") == 1 and err.startswith("error: ") and want in err, err
+
+
+def test_serve_without_its_packages_says_so_before_loading(monkeypatch, capfd):
+    """A plain `pip install .` leaves out the server's packages: one line naming them and the extra, before any
+    weight is read."""
+    import importlib.util
+
+    from dsv4_model.serve import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    monkeypatch.setattr(cli, "build_engine", lambda args: pytest.fail("loaded a model"))
+    assert cli.main(["--device", "cpu"]) == 2
+    _, err = capfd.readouterr()
+    assert err.startswith("error: serve needs uvicorn: pip install 'dsv4[serve]'") and err.count("\n") == 1, err
+
+
+def test_serve_names_a_repo_id_as_given(tmp_path):
+    """The default served model name: a Hugging Face repo id as the user gave it (its snapshot directory is a
+    hash), a directory's name otherwise."""
+    from dsv4_model.serve.cli import served_name
+
+    snap = tmp_path / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    assert served_name("acme/tiny-v4", str(snap)) == "acme/tiny-v4"
+    assert served_name("acme/tiny-v4@main", str(snap)) == "acme/tiny-v4"
+    assert served_name(str(snap), str(snap)) == "0123abcd"
+    assert served_name(None, "/x/dsv4-default/") == "dsv4-default"

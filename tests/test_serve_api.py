@@ -138,6 +138,12 @@ def test_n_and_seed_and_stop(served, client):
     both = client.completions.create(n=2, seed=7, **kw)
     apart = [client.completions.create(seed=s, **kw).choices[0].text for s in (7, 8)]
     assert [c.text for c in both.choices] == apart  # choice i draws from seed + i
+    # usage counts each prompt once, whatever n (as OpenAI): two prompts, one of them given twice, n = 2
+    _, _, tok = served
+    ids = [tok.encode(p) for p in (PROMPTS[4], PROMPTS[1], PROMPTS[4])]
+    r = client.completions.create(model="tiny", prompt=[PROMPTS[4], PROMPTS[1], PROMPTS[4]], max_tokens=2, n=2,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens == sum(map(len, ids)) and r.usage.completion_tokens == 12
     word = ref[PROMPTS[0]][5:8]
     cut = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=N, temperature=0, stop=[word])
     assert cut.choices[0].text == ref[PROMPTS[0]][: ref[PROMPTS[0]].index(word)]
@@ -165,6 +171,12 @@ def test_chat_4xx(served, client):
                                        tools=[{"type": "function", "function": {"name": "f"}}])
     r = httpx.post(served[0].url + "/v1/chat/completions", content=b"{not json")
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(served[0].url + "/v1/chat/completions", content=b"{not json",
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] is None  # not the parser's character offset
+    assert r.json()["error"]["message"].startswith("invalid JSON body: JSON decode error")
+    r = httpx.post(served[0].url + "/v1/completions", json={"model": "tiny", "prompt": [5, 6, 99999]})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt: token id 99999 at position 2")
     r = httpx.post(served[0].url + "/v1/chat/completions", json={"model": "tiny"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 

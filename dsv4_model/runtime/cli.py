@@ -82,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action=_Version, help="print the dsv4 version and exit")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     g = sub.add_parser("generate", help="stream a completion of --prompt")
+    # listed here for --help; `python -m dsv4_model serve` goes to dsv4_model.serve.cli before this parser
+    sub.add_parser("serve", help="the OpenAI-compatible server (python -m dsv4_model serve --help)", add_help=False)
     g.add_argument("--model", help="checkpoint directory (hf / official / dsv4 layout), or a Hugging Face repo id "
                    "ORG/NAME[@REV] already in the local HF cache; default: the built-in model, also named dsv4-default")
     g.add_argument("--prompt", dest="prompts", action=_Prompts, const="text", metavar="TEXT",

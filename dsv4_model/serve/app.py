@@ -82,6 +82,8 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
         err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+        if err.get("type") == "json_invalid":  # its loc is a character offset, not a field
+            return await _api_error(request, APIError(400, f"invalid JSON body: {err.get('msg')}"))
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         param = loc[0] if loc else None
         return await _api_error(request, APIError(400, f"{'.'.join(loc) or 'body'}: {err.get('msg')}", param))
@@ -146,7 +148,7 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
             for k in range(body.n):
                 r = Request(ids, params=body.sampling(k), max_tokens=max_tokens, stop=tuple(body.stop or ()),
                             ignore_eos=body.ignore_eos, logprobs=body.logprob_k(), prompt_logprobs=prompt_logprobs)
-                reqs.append(stream.bind(r, p * body.n + k))
+                reqs.append(stream.bind(r, p * body.n + k, prompt=p))
         st.thread.submit_all(reqs)
 
     @app.post("/v1/completions", dependencies=[Depends(auth)])
@@ -155,18 +157,21 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
         check_model(body.model)
         rid = request_id(request, "cmpl")
         ids, prompt_texts = [], []
+        flat = isinstance(body.prompt, list) and bool(body.prompt) and isinstance(body.prompt[0], int)
         for i, p in enumerate(body.prompts()):
+            where = "prompt" if flat else f"prompt[{i}]"
             if isinstance(p, str):
                 prompt_texts.append(p)
                 p = st.tokenizer.encode(p)
             elif not isinstance(p, list) or not all(isinstance(t, int) for t in p):
                 raise APIError(400, f"prompt[{i}]: must be a string or a list of token ids", "prompt")
             else:
-                bad = [t for t in p if not 0 <= t < st.vocab_size]
+                bad = [(j, t) for j, t in enumerate(p) if not 0 <= t < st.vocab_size]
                 if bad:  # before any decode: a tokenizer may raise on such an id
-                    raise APIError(400, f"prompt[{i}]: token id {bad[0]} outside [0, {st.vocab_size})", "prompt")
+                    raise APIError(400, f"{where}: token id {bad[0][1]} at position {bad[0][0]} outside "
+                                        f"[0, {st.vocab_size})", "prompt")
                 prompt_texts.append(st.tokenizer.decode(p) if body.echo else "")
-            check_prompt(p, f"prompt[{i}]")
+            check_prompt(p, where)
             ids.append(p)
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": cfg.model_name}
         if body.max_tokens == 0 and body.logprob_k() is None:  # echo alone: the prompts back, nothing to run
@@ -295,8 +300,7 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
 
 
 def _usage(stream: Stream) -> dict:
-    prompts = {id(r.prompt): len(r.prompt) for r in stream.requests}  # a prompt counts once over its n choices
-    p, c = sum(prompts.values()), sum(len(r.token_ids) for r in stream.requests)
+    p, c = sum(stream.prompt_tokens.values()), sum(len(r.token_ids) for r in stream.requests)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 

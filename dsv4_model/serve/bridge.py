@@ -34,9 +34,12 @@ class Stream:
         self.sink = sink  # None: each event wakes the loop itself
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.requests: list[Request] = []
+        self.prompt_tokens: dict[int, int] = {}  # prompt index -> its tokens (n choices of a prompt count it once)
         self._special = special_text  # ids the detokenizer skips but the output parser must see
 
-    def bind(self, req: Request, choice: int) -> Request:
+    def bind(self, req: Request, choice: int, prompt: int = 0) -> Request:
+        """req as choice `choice` of the group, a choice of prompt `prompt` (usage counts each prompt once)."""
+        self.prompt_tokens[prompt] = len(req.prompt)
         put = self.queue.put_nowait
         special = self._special
         if self.sink is not None:

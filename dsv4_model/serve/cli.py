@@ -14,17 +14,27 @@ import threading
 SPECULATE_MODES = ("greedy", "filter")  # --speculate: steps prepared for greedy and for sampled requests
 
 
-def _parser() -> argparse.ArgumentParser:
-    from dsv4_model.runtime.cli import add_dspark_args
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written; an option's default after its help where it has one to say."""
 
-    p = argparse.ArgumentParser(prog="python -m dsv4_model serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in h:
+            h += " (default: %(default)s)"
+        return h
+
+
+def _parser() -> argparse.ArgumentParser:
+    from dsv4_model.runtime.cli import _Parser, add_dspark_args
+
+    p = _Parser(prog="python -m dsv4_model serve", description=__doc__, formatter_class=_Help)
     p.add_argument("--model", help="checkpoint directory or ORG/NAME[@REV] in the local HF cache; default: built-in")
-    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the directory name)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients use (default: --model as given for a repo id, else the directory name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (the line on stderr says which)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="activations and caches")
     p.add_argument("--quant", choices=("auto", "nvfp4", "none"), default="auto",
                    help="weights: as stored on CUDA, float on the CPU (auto), or forced")
     p.add_argument("--head-quant", choices=("none", "nvfp4"), default="none",
@@ -32,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
                         "token changes at ~5%% of the built-in model's positions; docs/nvfp4.md)")
     p.add_argument("--max-batch-size", type=int, default=8, help="requests generating at once (batch rows)")
     p.add_argument("--max-seq-len", type=int, default=4096, help="context per request: prompt + completion")
+    p.add_argument("--allow-beyond-max-position", action="store_true",
+                   help="let --max-seq-len exceed the model's max_position_embeddings (positions it was not "
+                        "trained for)")
     p.add_argument("--max-prefill-tokens", type=int, default=None, help="prompt tokens prefilled per iteration")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
     p.add_argument("--no-reuse", action="store_true", help="do not reuse a finished row's caches for its next turn")
@@ -52,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
                         "plain: messages' text joined by newlines (models without a chat format)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests may finish on SIGTERM")
     p.add_argument("--threads", type=int, default=None, help="CPU intra-op threads")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                   help="the server's and uvicorn's logging")
     return p
 
 
@@ -105,6 +119,7 @@ def build_engine(args):
                                     runner_options=RunnerOptions(compile=True if args.regional_compile else
                                                                  args.compile, regional=args.regional_compile),
                                     compile_prefill=args.compile_prefill, progress=False, head_quant=args.head_quant,
+                                    allow_beyond_max_position=args.allow_beyond_max_position,
                                     expert_shard=shard, **_drafters_to_load(args.speculate, args.drafter),
                                     **({"spare_window_slots": args.speculate} if args.speculate else {}))
     if args.speculate and args.draft_head != "stored":
@@ -134,10 +149,28 @@ def build_app(args, engine, path, shard=None):
                                          distributed=shard is not None, **kw)
     else:
         scheduler = Scheduler(engine, reuse=not args.no_reuse, distributed=shard is not None, **kw)
-    name = args.served_model_name or os.path.basename(os.path.normpath(str(getattr(engine, "path", path))))
+    name = args.served_model_name or served_name(args.model, str(getattr(engine, "path", path)))
     cfg = ServeConfig(model_name=name, max_waiting=args.max_waiting, api_key=args.api_key,
                       drain_timeout_s=args.drain_timeout, chat_format=args.chat_format, version=package_version())
     return create_app(scheduler, cfg)
+
+
+def served_name(model: str | None, path: str) -> str:
+    """The model id clients name by default: a Hugging Face repo id as given (ORG/NAME, its @REV dropped; the
+    loaded path is a snapshot hash), else the checkpoint directory's name, as vLLM and SGLang do."""
+    if model and not os.path.isdir(model):
+        return model.split("@", 1)[0]
+    return os.path.basename(os.path.normpath(path))
+
+
+def check_serving_packages() -> None:
+    """The server's packages, before any weight is read: one clear error where the install left them out."""
+    import importlib.util
+
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ImportError(f"serve needs {', '.join(missing)}: pip install 'dsv4[serve]' (from a source tree: "
+                          "pip install --no-build-isolation '.[serve]')")
 
 
 def _announce(server, host: str) -> None:
@@ -154,6 +187,7 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
         _check(args)
+        check_serving_packages()
         engine, path, shard = build_engine(args)
         if shard is not None and shard.rank:  # run rank 0's plans until its scheduler stops
             from dsv4_model.runtime.step_plan import follow
@@ -164,7 +198,7 @@ def main(argv=None) -> int:
                    method=_drafter(engine), dspark_cut=args.dspark_cut)
             return 0
         app = build_app(args, engine, path, shard)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     import uvicorn
