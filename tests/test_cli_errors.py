@@ -256,3 +256,21 @@ def test_serve_names_a_repo_id_as_given(tmp_path):
     assert served_name("acme/tiny-v4@main", str(snap)) == "acme/tiny-v4"
     assert served_name(str(snap), str(snap)) == "0123abcd"
     assert served_name(None, "/x/dsv4-default/") == "dsv4-default"
+
+
+def test_serve_on_a_taken_port_says_so_before_loading(monkeypatch, capfd):
+    """A port another process listens on: one error line before the model loads (uvicorn would find it after)."""
+    import socket
+
+    from dsv4_model.serve import cli
+
+    monkeypatch.setattr(cli, "build_engine", lambda args: pytest.fail("loaded a model"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["--device", "cpu", "--port", str(port)]) == 2
+    _, err = capfd.readouterr()
+    assert err.startswith(f"error: --host 127.0.0.1 --port {port}: cannot listen there") and err.count("\n") == 1, err
+    with pytest.raises(OSError, match="--host no-such-host.invalid"):
+        cli.check_port("no-such-host.invalid", 8000)

@@ -173,6 +173,26 @@ def check_serving_packages() -> None:
                           "pip install --no-build-isolation '.[serve]')")
 
 
+def check_port(host: str, port: int) -> None:
+    """--host / --port free to listen on, checked before the model loads (minutes for a large one) rather than
+    found by uvicorn after it; --port 0 takes any free port."""
+    import socket
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise OSError(f"--host {host}: {e.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise OSError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
+
+
 def _announce(server, host: str) -> None:
     """One stderr line with the bound port once uvicorn listens (--port 0 picks it)."""
     while not server.started:
@@ -188,6 +208,8 @@ def main(argv=None) -> int:
     try:
         _check(args)
         check_serving_packages()
+        if int(os.environ.get("RANK", "0")) == 0:  # the rank that serves HTTP (torchrun: rank 0)
+            check_port(args.host, args.port)
         engine, path, shard = build_engine(args)
         if shard is not None and shard.rank:  # run rank 0's plans until its scheduler stops
             from dsv4_model.runtime.step_plan import follow
