@@ -2,6 +2,7 @@
 uvicorn on 127.0.0.1 (a free port) in a thread of this process, serving the built-in model on the CPU. Greedy texts
 are checked against generate() on the same engine before the server took it."""
 import json
+import logging
 import threading
 import time
 
@@ -181,7 +182,8 @@ def test_chat_4xx(served, client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 
 
-def test_client_disconnect_cancels(served, client):
+def test_client_disconnect_cancels(served, client, caplog):
+    caplog.set_level(logging.INFO, logger="dsv4.serve")
     url = served[0].url
     before = _metric(url, "dsv4:request_success_total", 'finished_reason="cancelled"')
     s = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=200, temperature=0, stream=True,
@@ -197,6 +199,14 @@ def test_client_disconnect_cancels(served, client):
         assert time.monotonic() - t0 < 10, "a disconnected request was not cancelled"
         time.sleep(0.05)
     assert _metric(url, "dsv4:num_requests_running") == 0
+
+    def gone():  # the log line of each (written on the event loop, just after the cancellation)
+        return [r.getMessage() for r in caplog.records if "the client went away" in r.getMessage()]
+
+    while len(gone()) < 2:
+        assert time.monotonic() - t0 < 10, gone()
+        time.sleep(0.05)
+    assert len(gone()) == 2 and all(m.startswith("cmpl-") for m in gone()), gone()
 
 
 def test_metrics(served, client):

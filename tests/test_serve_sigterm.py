@@ -19,7 +19,9 @@ def test_sigterm_drains_and_exits_0():
                              "--drain-timeout", "20", "--log-level", "warning"],
                             cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:
-        url, _ = wait_listening(proc, 90)
+        seen = []
+        url, _ = wait_listening(proc, 90, seen)
+        assert any(ln.startswith("dsv4 serve: ") and " loaded in " in ln and " on cpu " in ln for ln in seen), seen
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
         s = c.completions.create(model="default", prompt="def f(x):", max_tokens=60, temperature=0, stream=True,
                                  extra_body={"ignore_eos": True})

@@ -215,6 +215,7 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
         if body.stream:
             return _sse(stream, base, on_event, body.include_usage, rid, [])
         if not await _collect(stream, request, on_event):
+            _log_gone(rid, stream)
             return Response(status_code=499)
         def choice_logprobs(i: int, r: Request) -> dict | None:
             start = len(prompt_texts[i // body.n]) if body.echo else 0
@@ -281,6 +282,7 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
                       "finish_reason": None} for i in range(len(stream.requests))]
             return _sse(stream, base, on_event, body.include_usage, rid, first)
         if not await _collect(stream, request, on_event):
+            _log_gone(rid, stream)
             return Response(status_code=499)
         choices = []
         for i, t in enumerate(totals):
@@ -302,6 +304,11 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
 def _usage(stream: Stream) -> dict:
     p, c = sum(stream.prompt_tokens.values()), sum(len(r.token_ids) for r in stream.requests)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _log_gone(rid: str, stream: Stream) -> None:
+    log.info("%s: the client went away; cancelled after %s", rid,
+             ", ".join(f"{len(r.token_ids)} tokens" for r in stream.requests))
 
 
 def _log_done(rid: str, stream: Stream) -> None:
@@ -449,6 +456,8 @@ def _sse(stream: Stream, base: dict, on_event, include_usage: bool, rid: str, fi
             yield format_sse_event(data_str="[DONE]")
             _log_done(rid, stream)
         finally:
+            if not all(r.done for r in stream.requests):
+                _log_gone(rid, stream)
             stream.cancel()  # the client went away (or nothing: every request has ended)
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"X-Request-Id": rid})

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 SPECULATE_MODES = ("greedy", "filter")  # --speculate: steps prepared for greedy and for sampled requests
 
@@ -210,7 +211,11 @@ def main(argv=None) -> int:
         check_serving_packages()
         if int(os.environ.get("RANK", "0")) == 0:  # the rank that serves HTTP (torchrun: rank 0)
             check_port(args.host, args.port)
+        t0 = time.perf_counter()
         engine, path, shard = build_engine(args)
+        print(f"dsv4 serve: {getattr(engine, 'path', path)} loaded in {time.perf_counter() - t0:.1f} s on "
+              f"{engine.device} (max batch {args.max_batch_size}, max seq len {args.max_seq_len})", file=sys.stderr,
+              flush=True)
         if shard is not None and shard.rank:  # run rank 0's plans until its scheduler stops
             from dsv4_model.runtime.step_plan import follow
 
