@@ -213,9 +213,10 @@ def main(argv=None) -> int:
             check_port(args.host, args.port)
         t0 = time.perf_counter()
         engine, path, shard = build_engine(args)
-        print(f"dsv4 serve: {getattr(engine, 'path', path)} loaded in {time.perf_counter() - t0:.1f} s on "
-              f"{engine.device} (max batch {args.max_batch_size}, max seq len {args.max_seq_len})", file=sys.stderr,
-              flush=True)
+        if shard is None or not shard.rank:
+            print(f"dsv4 serve: {getattr(engine, 'path', path)} loaded in {time.perf_counter() - t0:.1f} s on "
+                  f"{engine.device} (max batch {args.max_batch_size}, max seq len {args.max_seq_len})",
+                  file=sys.stderr, flush=True)
         if shard is not None and shard.rank:  # run rank 0's plans until its scheduler stops
             from dsv4_model.runtime.step_plan import follow
 
