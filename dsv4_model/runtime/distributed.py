@@ -3,6 +3,8 @@ experts (expert parallelism over every rank; dsv4_model.model.parallel), the res
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -12,6 +14,11 @@ from dsv4_model.model.parallel import ExpertShard
 def launched() -> bool:
     """Whether this process was started by torchrun (torch.distributed's elastic launcher)."""
     return dist.is_available() and dist.is_torchelastic_launched()
+
+
+def launch_rank() -> int:
+    """This process's rank in the torchrun launch (0 when not launched), known before the group is joined."""
+    return int(os.environ.get("RANK", "0")) if launched() else 0
 
 
 def init_expert_parallel(device: torch.device) -> tuple[torch.device, ExpertShard]:

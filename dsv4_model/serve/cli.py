@@ -209,14 +209,12 @@ def main(argv=None) -> int:
     try:
         _check(args)
         check_serving_packages()
-        if int(os.environ.get("RANK", "0")) == 0:  # the rank that serves HTTP (torchrun: rank 0)
+        from dsv4_model.runtime.distributed import launch_rank
+
+        if launch_rank() == 0:  # the rank that serves HTTP
             check_port(args.host, args.port)
         t0 = time.perf_counter()
         engine, path, shard = build_engine(args)
-        if shard is None or not shard.rank:
-            print(f"dsv4 serve: {getattr(engine, 'path', path)} loaded in {time.perf_counter() - t0:.1f} s on "
-                  f"{engine.device} (max batch {args.max_batch_size}, max seq len {args.max_seq_len})",
-                  file=sys.stderr, flush=True)
         if shard is not None and shard.rank:  # run rank 0's plans until its scheduler stops
             from dsv4_model.runtime.step_plan import follow
 
@@ -225,6 +223,9 @@ def main(argv=None) -> int:
             follow(engine, speculate=args.speculate, modes=SPECULATE_MODES if args.speculate else (),
                    method=_drafter(engine), dspark_cut=args.dspark_cut)
             return 0
+        print(f"dsv4 serve: {getattr(engine, 'path', path)} loaded in {time.perf_counter() - t0:.1f} s on "
+              f"{engine.device} (max batch {args.max_batch_size}, max seq len {args.max_seq_len})",
+              file=sys.stderr, flush=True)
         app = build_app(args, engine, path, shard)
     except (ValueError, OSError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
