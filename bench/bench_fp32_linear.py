@@ -2,7 +2,8 @@
 
 Shapes (V4-Flash, one CSA layer): the attention compressor's wkv + wgate (2 x 1024 x 4096) and the indexer
 compressor's (2 x 256 x 4096), fp32 weights, one launch vs four F.linear(x.float(), w); the mHC mixes (24 x 16384
-fp32, twice per layer); the router (256 x 4096 bf16, F.linear of the widened operands). M = 1 and 8 token rows.
+fp32, twice per layer); the router (256 x 4096 bf16, F.linear of the widened operands). M = 1, 2, 4 (verification
+steps) and 8 token rows.
 The head (V4-Flash 129280 x 4096, held in bf16) at M = 1, 8, 64, 512: fp32_linear of the bf16 weight vs the fp32
 head it replaced (F.linear(x.float(), w_fp32)) and vs a bf16-output cuBLAS matmul of the same bf16 weight.
 µs per call by CUDA-graph replay with the weights rotated through > L2 worth of copies (read from HBM), weight
@@ -44,7 +45,7 @@ def main() -> int:
         wbytes = sum(ns) * k * dt.itemsize
         copies = max(1, min(256, math.ceil(ROTATE_BYTES / wbytes)))
         ws = [[torch.randn(n, k, device="cuda", generator=gen).to(dt) for n in ns] for _ in range(copies)]
-        for m in (1, 8):
+        for m in (1, 2, 4, 8):
             x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
             reps = max(4, min(64, int(4e-3 / (wbytes / 2e12 + 5e-6))))
             ours = graph_us(lambda i: torch.ops.dsv4.fp32_linear(x, ws[i % copies]), reps, indexed=True)

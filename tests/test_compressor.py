@@ -52,11 +52,13 @@ def test_matches_reference_step_by_step(device, B, rows, m, hd, overlap, pdtype)
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("m,hd,overlap,spare", [(4, 128, True, 4), (4, 40, True, 0), (4, 40, False, 0),
-                                                 (16, 72, False, 2)])
+                                                 (16, 72, False, 2), (16, 72, False, 4), (128, 64, False, 4)])
 def test_kv_batch_advances_each_sequence_in_order(device, m, hd, overlap, spare):
     """kv_batch = S: T tokens of S sequences (token-major) in one call give what T calls of one token per sequence
     give, states and pooled bit for bit (windows close inside a call, twice at m = 4: two shifts of the shifted
-    state in one call; the state indexed by position with spare slots); the reference too; opcheck."""
+    state in one call; the state indexed by position with spare slots: spare >= T - 1 lets the CUDA kernel write
+    the T tokens first and pool their windows together, spare 2 < T - 1 keeps it token after token); the reference
+    too; opcheck."""
     gen = torch.Generator().manual_seed(m * 10 + spare + 7)
     S, T, C = 3, 5, (2 * hd if overlap else hd)
     R = (2 * m if overlap else m) + spare
@@ -80,6 +82,28 @@ def test_kv_batch_advances_each_sequence_in_order(device, m, hd, overlap, spare)
                                                           pos.to(device), *many, got, S))
     with pytest.raises(RuntimeError, match="kv_batch must be 0 or divide B = 15, got 2"):
         ops.compressor_decode(kv, score, ape, pos, *fresh_state(S, R, C, "cpu"), torch.empty(T * S, hd), 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kv_batch_positions_not_consecutive(device):
+    """A row whose T tokens are not at consecutive positions (here all at one position, as a padded row's may be)
+    advances token after token like T one-token calls, while the other rows' windows are pooled together."""
+    gen = torch.Generator().manual_seed(5)
+    m, hd, S, T = 4, 64, 3, 3
+    C, R = 2 * hd, 2 * m + 4
+    ape = torch.randn(m, C, generator=gen)
+    one, many = fresh_state(S, R, C, device), fresh_state(S, R, C, device)
+    for call in range(3):
+        pos = torch.tensor([[3 + call * T + t, 6, 9 + call * T + t] for t in range(T)]).flatten()
+        kv, score = torch.randn(T * S, C, generator=gen), torch.randn(T * S, C, generator=gen) * 3
+        want = torch.empty(T * S, hd, device=device)
+        for t in range(T):
+            r = slice(t * S, (t + 1) * S)
+            ops.compressor_decode(kv[r].to(device), score[r].to(device), ape.to(device), pos[r].to(device), *one,
+                                  want[r])
+        got = torch.full((T * S, hd), float("nan"), device=device)
+        ops.compressor_decode(kv.to(device), score.to(device), ape.to(device), pos.to(device), *many, got, S)
+        assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(many, one)), f"call {call}"
 
 
 @pytest.mark.parametrize("device", DEVICES)

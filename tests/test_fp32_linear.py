@@ -33,9 +33,11 @@ def case(lead, K, ns, wdt, xdt, gen):
 
 
 # (lead dims of x, K, N of each weight): V4-Flash compressor + indexer compressor (4 matrices), the mHC mixes
-# (24 rows x 16384), rows that do not fill a CTA, several token rows, a prefill-sized x (the fallback).
+# (24 rows x 16384), rows that do not fill a CTA, several token rows (1, 2, 3-4 and 5-8 take different kernels;
+# 2 and 4 are verification steps' rows), a prefill-sized x (the fallback).
 SHAPES = [((1,), 4096, (1024, 1024, 256, 256)), ((1,), 16384, (24,)), ((3,), 512, (5, 130, 1)),
-          ((2, 4), 256, (64, 64)), ((8,), 1024, (1100,)), ((33,), 256, (40, 7))]
+          ((2,), 4096, (1024, 1024, 256, 256)), ((2,), 16384, (24,)), ((4,), 4096, (1024, 256)),
+          ((4,), 16384, (24,)), ((2, 4), 256, (64, 64)), ((8,), 1024, (1100,)), ((33,), 256, (40, 7))]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -204,11 +204,17 @@ extern "C" cudaError_t dsv4_fp32_linear_launch(const void* x, int x_fp32, int M,
   if (ctas == 0) return cudaSuccess;
   // Few CTAs: wide ones, so that the whole weight is in flight at once.
   const int threads = ctas >= 2 * num_sms ? 256 : kMaxThreads;
-  const bool one = M == 1;
-  if (R == 4)
-    return one ? launch_rmt<4, 1, 2>(p, w_fp32, x_fp32, ctas, threads, stream)
-               : launch_rmt<4, 8, 2>(p, w_fp32, x_fp32, ctas, threads, stream);
+  // The accumulators hold MT >= M token rows: the smallest of 1, 2, 4, 8 (a verification step's 2-4 rows would
+  // otherwise carry 8 rows of registers and an unrolled loop sized for them).
+  if (R == 4) {
+    if (M == 1) return launch_rmt<4, 1, 2>(p, w_fp32, x_fp32, ctas, threads, stream);
+    if (M == 2) return launch_rmt<4, 2, 2>(p, w_fp32, x_fp32, ctas, threads, stream);
+    if (M <= 4) return launch_rmt<4, 4, 2>(p, w_fp32, x_fp32, ctas, threads, stream);
+    return launch_rmt<4, 8, 2>(p, w_fp32, x_fp32, ctas, threads, stream);
+  }
   // One row per CTA (the mHC mixes: 24 CTAs x 64 KB): 8 pieces per thread, the CTA's whole share in flight.
-  return one ? launch_rmt<1, 1, 8>(p, w_fp32, x_fp32, ctas, threads, stream)
-             : launch_rmt<1, 8, 4>(p, w_fp32, x_fp32, ctas, threads, stream);
+  if (M == 1) return launch_rmt<1, 1, 8>(p, w_fp32, x_fp32, ctas, threads, stream);
+  if (M == 2) return launch_rmt<1, 2, 8>(p, w_fp32, x_fp32, ctas, threads, stream);
+  if (M <= 4) return launch_rmt<1, 4, 4>(p, w_fp32, x_fp32, ctas, threads, stream);
+  return launch_rmt<1, 8, 4>(p, w_fp32, x_fp32, ctas, threads, stream);
 }
