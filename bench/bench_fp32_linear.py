@@ -4,8 +4,9 @@ Shapes (V4-Flash, one CSA layer): the attention compressor's wkv + wgate (2 x 10
 compressor's (2 x 256 x 4096), fp32 weights, one launch vs four F.linear(x.float(), w); the mHC mixes (24 x 16384
 fp32, twice per layer); the router (256 x 4096 bf16, F.linear of the widened operands). M = 1, 2, 4 (verification
 steps) and 8 token rows.
-The head (V4-Flash 129280 x 4096, held in bf16) at M = 1, 8, 64, 512: fp32_linear of the bf16 weight vs the fp32
-head it replaced (F.linear(x.float(), w_fp32)) and vs a bf16-output cuBLAS matmul of the same bf16 weight.
+The head (V4-Flash 129280 x 4096, held in bf16) at M = 1, 2, 4, 8, 64, 512: fp32_linear of the bf16 weight vs the
+fp32 head it replaced (F.linear(x.float(), w_fp32)), a bf16-output cuBLAS matmul of the same bf16 weight, and the
+GEMV kernel on the same head in 8 row blocks (M <= 8: what the op's cuBLAS threshold for large bf16 weights rests on).
 µs per call by CUDA-graph replay with the weights rotated through > L2 worth of copies (read from HBM), weight
 GB/s and fraction of 4.26 TB/s.
 
@@ -63,21 +64,25 @@ def main() -> int:
 
 def bench_head(gen, n=129280, k=4096):
     print(f"\nhead {n} x {k}: fp32 logits | fp32_linear (bf16 weight) | fp32 weight F.linear | bf16 matmul (bf16 "
-          f"out) | fp32_linear vs fp32 head | weight GB/s, HBM")
+          f"out) | the GEMV kernel (8 row blocks) | fp32_linear vs fp32 head | weight GB/s, HBM")
     w = torch.randn(n, k, device="cuda", generator=gen).mul(0.02).to(torch.bfloat16)
     w32 = w.float()
+    # The op sends a bf16 weight of >= 2^26 elements at 2+ rows to cuBLAS: the same head in 8 row blocks (each
+    # below that) times the GEMV kernel at every M, the figure that threshold rests on.
+    blocks = list(w.split((n + 7) // 8))
     for m in (1, 2, 4, 8, 64, 512):
         x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
         reps = 8
         ours = graph_us(lambda: torch.ops.dsv4.fp32_linear(x, [w]), reps)
         old = graph_us(lambda: F.linear(x.float(), w32), reps)
         bf = graph_us(lambda: torch.matmul(x, w.t()), reps)
+        gemv = graph_us(lambda: torch.ops.dsv4.fp32_linear(x, blocks), reps) if m <= 8 else float("nan")
         got, want = torch.ops.dsv4.fp32_linear(x, [w])[0], F.linear(x.float(), w32)
         err = float((got - want).abs().max() / want.abs().max())
         gbs = n * k * 2 / ours / 1e3
-        print(f"head M={m:4d} | {ours:8.1f} us | {old:8.1f} us | {bf:8.1f} us | {old / ours:5.2f}x | {gbs:6.0f} "
-              f"{gbs * 1e9 / HBM:5.0%}   (max rel diff {err:.1e})")
-    del w, w32
+        print(f"head M={m:4d} | {ours:8.1f} us | {old:8.1f} us | {bf:8.1f} us | {gemv:8.1f} us | {old / ours:5.2f}x "
+              f"| {gbs:6.0f} {gbs * 1e9 / HBM:5.0%}   (max rel diff {err:.1e})")
+    del w, w32, blocks
     torch.cuda.empty_cache()
 
 
