@@ -65,7 +65,8 @@ __global__ void __launch_bounds__(kCols* kWarps) compressor_decode_kernel(
         ring0[i] = int(((q0 % R) + R) % R);  // the ring row of j = 0; j < cm <= R adds at most one wrap
       }
       if (d < hd) {
-        for (int j = warp; j < cm; j += kWarps) {
+  #pragma unroll 4
+        for (int j = warp; j < cm; j += kWarps) {  // unrolled: 4 rows' loads of every token in flight at once
   #pragma unroll
           for (int i = 0; i < kTok; ++i) {
             if (i < nt) {
