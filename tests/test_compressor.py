@@ -56,9 +56,8 @@ def test_matches_reference_step_by_step(device, B, rows, m, hd, overlap, pdtype)
 def test_kv_batch_advances_each_sequence_in_order(device, m, hd, overlap, spare):
     """kv_batch = S: T tokens of S sequences (token-major) in one call give what T calls of one token per sequence
     give, states and pooled bit for bit (windows close inside a call, twice at m = 4: two shifts of the shifted
-    state in one call; the state indexed by position with spare slots: spare >= T - 1 lets the CUDA kernel write
-    the T tokens first and pool their windows together, spare 2 < T - 1 keeps it token after token); the reference
-    too; opcheck."""
+    state in one call; the state indexed by position with spare slots, fewer and more than T - 1 of them, HCA's
+    m = 128 among them); the reference too; opcheck."""
     gen = torch.Generator().manual_seed(m * 10 + spare + 7)
     S, T, C = 3, 5, (2 * hd if overlap else hd)
     R = (2 * m if overlap else m) + spare
@@ -87,7 +86,7 @@ def test_kv_batch_advances_each_sequence_in_order(device, m, hd, overlap, spare)
 @pytest.mark.parametrize("device", DEVICES)
 def test_kv_batch_positions_not_consecutive(device):
     """A row whose T tokens are not at consecutive positions (here all at one position, as a padded row's may be)
-    advances token after token like T one-token calls, while the other rows' windows are pooled together."""
+    advances token after token like T one-token calls, beside rows whose tokens are consecutive."""
     gen = torch.Generator().manual_seed(5)
     m, hd, S, T = 4, 64, 3, 3
     C, R = 2 * hd, 2 * m + 4

@@ -4,10 +4,7 @@
 // A CTA owns 32 columns d of one sequence b (and columns hd + d when windows overlap), so every state element is
 // written and read by one CTA: the slot write, the pooling and the shift are ordered by __syncthreads, and T
 // tokens of the sequence (rows t * S + b) advance it in order. Warp w pools state rows w, w + 8, ... with an online
-// softmax; the 8 partials merge in warp order. A state indexed by position with room for all T tokens ahead of the
-// oldest window read (R >= rows pooled + T - 1) and T consecutive positions (a verification step's tokens): the T
-// slot writes first, then the T windows pooled together (up to kTok at once, each in the same order and
-// arithmetic as one at a time: bit-equal), so T tokens cost about what one does instead of T dependent rounds.
+// softmax; the 8 partials merge in warp order.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -23,7 +20,7 @@ namespace {
 using dsv4_cuda::decode_pdl;
 using dsv4_cuda::launch_ex;
 
-constexpr int kCols = 32, kWarps = 8, kTok = 4;
+constexpr int kCols = 32, kWarps = 8;
 
 template <typename P, typename O>  // positions' and pooled's types
 __global__ void __launch_bounds__(kCols* kWarps) compressor_decode_kernel(
@@ -32,86 +29,14 @@ __global__ void __launch_bounds__(kCols* kWarps) compressor_decode_kernel(
     int R, int hd, int overlap, int by_pos, int seqs, int tokens, int pdl) {
   dsv4_cuda::grid_dep_wait();
   if (pdl) dsv4_cuda::grid_dep_launch();
-  __shared__ float part[3][kTok][kWarps][kCols];  // running max, sum, weighted sum of up to kTok tokens
+  __shared__ float part[3][kWarps][kCols];  // running max, sum, weighted sum
   const int b = blockIdx.y, d0 = blockIdx.x * kCols, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int d = d0 + lane;
-  const int cm = overlap ? 2 * m : m;  // the rows pooled
-  bool together = by_pos && tokens > 1 && R >= cm + tokens - 1;
-  const int64_t p0 = int64_t(positions[b]);
-  for (int t = 1; together && t < tokens; ++t) together = int64_t(positions[int64_t(t) * seqs + b]) == p0 + t;
-  if (together) {
-    // Later tokens' slots are ring rows no earlier token's window reads (R >= cm + T - 1): write all T first.
-    for (int t = 0; t < tokens; ++t) {
-      const int64_t n = int64_t(t) * seqs + b, p = p0 + t;
-      const int r = int(((p % m) + m) % m), slot = int(((p % R) + R) % R);
-      if (warp < 1 + overlap && d < hd) {
-        const int k = warp * hd + d;
-        kv_state[(int64_t(b) * R + slot) * C + k] = kv[n * C + k];
-        score_state[(int64_t(b) * R + slot) * C + k] = score[n * C + k] + ape[int64_t(r) * C + k];
-      }
-    }
-    __syncthreads();
-    const float* kb = kv_state + int64_t(b) * R * C;
-    const float* sb = score_state + int64_t(b) * R * C;
-    for (int t0 = 0; t0 < tokens; t0 += kTok) {
-      const int nt = min(kTok, tokens - t0);
-      float mx[kTok], sum[kTok], acc[kTok];
-      int first[kTok], ring0[kTok];  // token t0 + i pools positions p - cm + 1 + j: j < first are below 0 (unwritten)
-  #pragma unroll
-      for (int i = 0; i < kTok; ++i) {
-        mx[i] = -INFINITY, sum[i] = 0.0f, acc[i] = 0.0f;
-        const int64_t q0 = p0 + t0 + i - cm + 1;
-        first[i] = q0 < 0 ? int(-q0) : 0;
-        ring0[i] = int(((q0 % R) + R) % R);  // the ring row of j = 0; j < cm <= R adds at most one wrap
-      }
-      if (d < hd) {
-  #pragma unroll 4
-        for (int j = warp; j < cm; j += kWarps) {  // unrolled: 4 rows' loads of every token in flight at once
-  #pragma unroll
-          for (int i = 0; i < kTok; ++i) {
-            if (i < nt) {
-              const bool none = j < first[i];
-              const int row = ring0[i] + j >= R ? ring0[i] + j - R : ring0[i] + j;
-              const int64_t e = int64_t(none ? 0 : row) * C + (overlap && j >= m ? hd : 0) + d;
-              const float sc = none ? -INFINITY : sb[e], v = none ? 0.0f : kb[e];
-              const float nm = fmaxf(mx[i], sc);
-              const float a = mx[i] == nm ? 1.0f : expf(mx[i] - nm), w = sc == -INFINITY ? 0.0f : expf(sc - nm);
-              sum[i] = fmaf(sum[i], a, w);
-              acc[i] = fmaf(acc[i], a, v * w);
-              mx[i] = nm;
-            }
-          }
-        }
-      }
-  #pragma unroll
-      for (int i = 0; i < kTok; ++i) {
-        part[0][i][warp][lane] = mx[i];
-        part[1][i][warp][lane] = sum[i];
-        part[2][i][warp][lane] = acc[i];
-      }
-      __syncthreads();
-      if (warp < nt && d < hd) {  // warp i merges token t0 + i
-        float M = part[0][warp][0][lane];
-  #pragma unroll
-        for (int w = 1; w < kWarps; ++w) M = fmaxf(M, part[0][warp][w][lane]);
-        float S = 0.0f, A = 0.0f;
-  #pragma unroll
-        for (int w = 0; w < kWarps; ++w) {
-          const float mw = part[0][warp][w][lane];
-          const float f = mw == -INFINITY ? 0.0f : expf(mw - M);
-          S = fmaf(part[1][warp][w][lane], f, S);
-          A = fmaf(part[2][warp][w][lane], f, A);
-        }
-        dsv4_cuda::store_one(pooled + (int64_t(t0 + warp) * seqs + b) * hd + d, A / S);
-      }
-      __syncthreads();  // part is the next chunk's
-    }
-    return;
-  }
   for (int t = 0; t < tokens; ++t) {
     if (t) __syncthreads();  // the previous token's pooling and shift are done before this token's write
     const int64_t n = int64_t(t) * seqs + b;  // this token's row of kv / score / positions / pooled
     const int64_t p = int64_t(positions[n]);
+    const int cm = overlap ? 2 * m : m;  // the rows pooled
     // shifted: the token at row (m if overlap) + r; by position: at row p mod R
     const int r = int(((p % m) + m) % m), slot = by_pos ? int(((p % R) + R) % R) : (overlap ? m : 0) + r;
     float* kb = kv_state + int64_t(b) * R * C;
@@ -140,21 +65,21 @@ __global__ void __launch_bounds__(kCols* kWarps) compressor_decode_kernel(
         mx = nm;
       }
     }
-    part[0][0][warp][lane] = mx;
-    part[1][0][warp][lane] = sum;
-    part[2][0][warp][lane] = acc;
+    part[0][warp][lane] = mx;
+    part[1][warp][lane] = sum;
+    part[2][warp][lane] = acc;
     __syncthreads();
     if (warp == 0 && d < hd) {
-      float M = part[0][0][0][lane];
+      float M = part[0][0][lane];
   #pragma unroll
-      for (int w = 1; w < kWarps; ++w) M = fmaxf(M, part[0][0][w][lane]);
+      for (int w = 1; w < kWarps; ++w) M = fmaxf(M, part[0][w][lane]);
       float S = 0.0f, A = 0.0f;
   #pragma unroll
       for (int w = 0; w < kWarps; ++w) {
-        const float mw = part[0][0][w][lane];
+        const float mw = part[0][w][lane];
         const float f = mw == -INFINITY ? 0.0f : expf(mw - M);  // a warp with no rows
-        S = fmaf(part[1][0][w][lane], f, S);
-        A = fmaf(part[2][0][w][lane], f, A);
+        S = fmaf(part[1][w][lane], f, S);
+        A = fmaf(part[2][w][lane], f, A);
       }
       dsv4_cuda::store_one(pooled + n * hd + d, A / S);  // rounded to-nearest-even to O
     }
