@@ -2,12 +2,15 @@
 # tokens/s, tokens per step and acceptance per draft position, against the plain run (K = 0) of the same prompt.
 # SPECULATE_ARGS: more arguments of every speculative run (K > 0 here, and the preset passes below), e.g.
 # "--draft-head nvfp4".
+# The completion's text from a generate log: without the engine's [dsv4] lines, the loading progress bar (its rate
+# differs run to run) and Python warnings.
+completion() { grep -vsE '^\[dsv4\]|tensor/s\]|Warning|warnings\.warn' "$1"; }
 for k in ${SPECULATE_KS-0 1 2 3}; do
   extra=(); [ "$k" != 0 ] && extra=(${SPECULATE_ARGS:-})
   step "speculate_$k" 200 $PY -m dsv4_model generate --prompt "def fibonacci(n):" --max-new-tokens 128 --speculate $k \
     ${extra[@]+"${extra[@]}"}
   note "  $(grep -hsE 'done in|tokens/s|speculation:' "$LOGS/speculate_$k.log" | tr '\n' ' ')"
-  grep -vsE '^\[dsv4\]' "$LOGS/speculate_$k.log" | md5sum | sed "s/^/  text md5 K=$k: /" | tee -a "$SUMMARY"
+  completion "$LOGS/speculate_$k.log" | md5sum | sed "s/^/  text md5 K=$k: /" | tee -a "$SUMMARY"
 done
 # SPECULATE_DRAFTER_DIR (empty: skipped): the same prompt with a trained DSpark directory (--drafter DIR,
 # scripts/train_dspark.py's output) for each K in SPECULATE_DRAFTER_KS (1 3): its text must match K = 0's.
@@ -15,7 +18,7 @@ for k in ${SPECULATE_DRAFTER_DIR:+${SPECULATE_DRAFTER_KS:-1 3}}; do
   step "speculate_drafter_$k" 200 $PY -m dsv4_model generate --prompt "def fibonacci(n):" --max-new-tokens 128 \
     --speculate $k --drafter "$SPECULATE_DRAFTER_DIR"
   note "  $(grep -hsE 'done in|tokens/s|speculation:' "$LOGS/speculate_drafter_$k.log" | tr '\n' ' ')"
-  grep -vsE '^\[dsv4\]' "$LOGS/speculate_drafter_$k.log" | md5sum | sed "s/^/  text md5 drafter K=$k: /" | tee -a "$SUMMARY"
+  completion "$LOGS/speculate_drafter_$k.log" | md5sum | sed "s/^/  text md5 drafter K=$k: /" | tee -a "$SUMMARY"
 done
 # Then the cost of a speculative pass at V4-Flash widths: SPECULATE_PRESET (flash2; empty: skipped; NAME:N gives a
 # preset N routed experts, e.g. flash43:96 on an 80 GB card) with a random drafter of each of SPECULATE_DRAFTERS
