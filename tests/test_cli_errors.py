@@ -213,14 +213,21 @@ SERVE_CASES = [
     ("serve: a bad value", ["--port", "abc"], "argument --port: invalid int value"),
     ("serve: an unknown flag", ["--frobnicate"], "unrecognized arguments: --frobnicate"),
     ("serve: --max-batch-size 0", ["--max-batch-size", "0"], "--max-batch-size must be >= 1"),
+    ("serve: --threads -1", ["--threads", "-1"], "--threads must be >= 1, got -1"),
+    ("serve: --max-prefill-tokens 0", ["--max-prefill-tokens", "0"], "--max-prefill-tokens must be >= 1, got 0"),
+    ("serve: --chat-format deepseek_v4 without its tokens", ["--chat-format", "deepseek_v4"],
+     "--chat-format deepseek_v4: the tokenizer has no DeepSeek-V4 chat tokens"),
 ]
 
 
 @pytest.mark.parametrize("case", SERVE_CASES, ids=[c[0] for c in SERVE_CASES])
-def test_serve_bad_option_is_one_line_and_exit_2(case, capfd):
-    """serve's usage errors as generate's: one `error:` line, exit 2 (not argparse's usage block)."""
+def test_serve_bad_option_is_one_line_and_exit_2(case, capfd, monkeypatch):
+    """serve's usage errors as generate's: one `error:` line, exit 2 (not argparse's usage block), before any
+    weight is read (the built-in model's tokenizer is read for the chat format's check, its weights never)."""
+    from dsv4_model.serve import cli
     from dsv4_model.serve.cli import main
 
+    monkeypatch.setattr(cli, "build_engine", lambda args: pytest.fail("loaded the model before the error"))
     _, args, want = case
     try:
         rc = main(args)

@@ -111,6 +111,13 @@ def test_streaming_equals_non_streaming(served, client):
         assert text == whole.choices[0].message.content
         plain = client.completions.create(model="tiny", prompt=p + "\n", max_tokens=N, temperature=0)
         assert text == plain.choices[0].text
+        # OpenAI text parts (what many clients send) are the same message
+        cut = len(p) // 2
+        split = [{"role": "user", "content": [{"type": "text", "text": p[:cut]}, {"type": "text", "text": p[cut:]}]}]
+        joined = client.chat.completions.create(model="tiny", messages=split, max_tokens=N, temperature=0)
+        want = client.completions.create(model="tiny", prompt=p[:cut] + "\n" + p[cut:] + "\n", max_tokens=N,
+                                         temperature=0)
+        assert joined.choices[0].message.content == want.choices[0].text
 
 
 def test_concurrent_requests_each_get_their_solo_text(served, client):
@@ -156,7 +163,11 @@ def test_n_and_seed_and_stop(served, client):
     (dict(n=100), "n"), (dict(stop=[""]), "stop"), (dict(logprobs=21), "logprobs"), (dict(seed="x"), "seed"),
     (dict(prompt="word " * 300), "prompt"), (dict(prompt=[5, 99999]), "prompt"), (dict(prompt=[]), "prompt"),
     (dict(prompt=[5, -1]), "prompt"), (dict(prompt=[5, 2**40], echo=True), "prompt"),  # before any decode
-    (dict(model="other"), "model"),
+    (dict(model="other"), "model"), (dict(stop=["s"] * 17), "stop"),
+    # fields clients send that this sampler does not do: refused, not answered without them
+    (dict(extra_body={"logit_bias": {"5": -100}}), "logit_bias"),
+    (dict(extra_body={"repetition_penalty": 1.1}), "repetition_penalty"), (dict(extra_body={"min_p": 0.1}), "min_p"),
+    (dict(extra_body={"min_tokens": 2}), "min_tokens"), (dict(extra_body={"guided_choice": ["a"]}), "guided_choice"),
 ])
 def test_invalid_fields_are_4xx(client, kw, param):
     args = dict(model="tiny", prompt="x", max_tokens=4) | kw
@@ -164,6 +175,14 @@ def test_invalid_fields_are_4xx(client, kw, param):
         client.completions.create(**args)
     assert e.value.status_code == (404 if param == "model" else 400)
     assert e.value.body["param"] == param and e.value.body["message"]
+    assert "Value error" not in e.value.body["message"]  # pydantic's own prefix
+
+
+def test_neutral_values_of_refused_fields_are_accepted(client):
+    """The neutral value of each refused field (what vLLM clients send by default) changes nothing: answered."""
+    neutral = {"logit_bias": {}, "repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0}
+    r = client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body=neutral)
+    assert r.usage.completion_tokens >= 1
 
 
 def test_chat_4xx(served, client):
@@ -180,12 +199,19 @@ def test_chat_4xx(served, client):
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt: token id 99999 at position 2")
     r = httpx.post(served[0].url + "/v1/chat/completions", json={"model": "tiny"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    with pytest.raises(openai.BadRequestError, match="reasoning_effort must be one of") as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                       reasoning_effort="banana")
+    assert e.value.body["param"] == "reasoning_effort"
+    with pytest.raises(openai.BadRequestError, match="only text parts are supported"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
 
 
 def test_client_disconnect_cancels(served, client, caplog):
     caplog.set_level(logging.INFO, logger="dsv4.serve")
     url = served[0].url
-    before = _metric(url, "dsv4:request_success_total", 'finished_reason="cancelled"')
+    before = _metric(url, "dsv4:request_success_total", 'finished_reason="abort"')
     s = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=200, temperature=0, stream=True,
                                   extra_body={"ignore_eos": True})
     for _, _ in zip(range(3), s):
@@ -195,7 +221,7 @@ def test_client_disconnect_cancels(served, client, caplog):
         httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 200, "ignore_eos": True},
                    timeout=httpx.Timeout(0.5, connect=5))
     t0 = time.monotonic()
-    while _metric(url, "dsv4:request_success_total", 'finished_reason="cancelled"') < before + 2:
+    while _metric(url, "dsv4:request_success_total", 'finished_reason="abort"') < before + 2:
         assert time.monotonic() - t0 < 10, "a disconnected request was not cancelled"
         time.sleep(0.05)
     assert _metric(url, "dsv4:num_requests_running") == 0
@@ -226,6 +252,12 @@ def test_api_key_and_no_chat_format(small):
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
     assert httpx.get(small.url + "/health").status_code == 200  # outside /v1: open
+    # without the key nothing about the body or the route is told: 401 before the JSON is read, on any /v1 path
+    for path, body in (("/v1/completions", b"{bad"), ("/v1/nowhere", b"{}")):
+        r = httpx.post(small.url + path, content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.post(small.url + "/v1/nowhere", json={}, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     good = openai.OpenAI(base_url=small.url + "/v1", api_key=KEY, max_retries=0)
     with pytest.raises(openai.BadRequestError, match="no DeepSeek-V4 chat tokens"):
         good.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
@@ -244,8 +276,13 @@ def test_429_when_the_queue_is_full(small):
     while _metric(small.url, "dsv4:num_requests_waiting") < 1:
         assert time.monotonic() - t0 < 10
         time.sleep(0.02)
-    with pytest.raises(openai.RateLimitError):
+    with pytest.raises(openai.RateLimitError) as e:
         c.completions.create(**long)
+    assert e.value.response.headers["retry-after"] == "1"
+    # more completions than the queue ever holds: a 400 naming n (a retry would never succeed), not a 429
+    with pytest.raises(openai.BadRequestError, match="more than the server queues at once") as e:
+        c.completions.create(**{**long, "n": 2})
+    assert e.value.body["param"] == "n"
     running.close()  # frees the row: the waiting one runs
     t.join(60)
     assert waiting and waiting[0].usage.completion_tokens == 3

@@ -157,6 +157,44 @@ def test_thinking_off(served):
     r = c.chat.completions.create(model="v4", messages=[{"role": "user", "content": "hi"}],
                                   extra_body={"chat_template_kwargs": {"thinking": False}})
     assert prompts[-1] == f"{BOS}{USER}hi{ASSISTANT}{THINK_END}"
-    # chat mode: no reasoning is parsed, so the scripted "...</think>" text stays content up to the DSML block
-    assert getattr(r.choices[0].message, "reasoning_content", None) is None
-    assert r.choices[0].message.content == f"The user wants weather.{THINK_END}Checking now."
+    # chat mode: no reasoning is parsed, so the scripted "...</think>" text stays content; no tools were given, so
+    # the DSML block the model wrote is text too (OpenAI: no tool calls without tools)
+    m = r.choices[0].message
+    assert getattr(m, "reasoning_content", None) is None and not m.tool_calls
+    assert m.content == ANSWER and r.choices[0].finish_reason == "stop"
+
+
+def test_no_tool_calls_without_tools_or_with_tool_choice_none(served):
+    """tool_choice 'none' (tools listed) or no tools at all: the model's DSML comes back as content, streamed and
+    not, and finish_reason is 'stop'; the same output with tools given is a call (test_tool_call_answer)."""
+    srv, _, _ = served
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    msgs = [{"role": "user", "content": "hi"}]
+    for kw in ({"tools": TOOLS, "tool_choice": "none"}, {}):
+        r = c.chat.completions.create(model="v4", messages=msgs, **kw)
+        m = r.choices[0].message
+        assert not m.tool_calls and r.choices[0].finish_reason == "stop"
+        assert (m.reasoning_content, m.content) == ("The user wants weather.", ANSWER.split(THINK_END)[1])
+        content, reason = "", None
+        for ch in c.chat.completions.create(model="v4", messages=msgs, stream=True, **kw):
+            assert not ch.choices[0].delta.tool_calls
+            content += ch.choices[0].delta.content or ""
+            reason = ch.choices[0].finish_reason or reason
+        assert (content, reason) == (m.content, "stop")
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(served):
+    """parallel_tool_calls false: of the two calls the model writes, the answer carries the first (whole), streamed
+    and not."""
+    srv, _, _ = served
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    msgs = [{"role": "user", "content": "two cities"}]
+    r = c.chat.completions.create(model="v4", messages=msgs, tools=TOOLS, parallel_tool_calls=False)
+    calls = r.choices[0].message.tool_calls
+    assert [json.loads(t.function.arguments) for t in calls] == TWO_ARGS[:1]
+    assert r.choices[0].finish_reason == "tool_calls"
+    streamed = []
+    for ch in c.chat.completions.create(model="v4", messages=msgs, tools=TOOLS, parallel_tool_calls=False,
+                                        stream=True):
+        _accumulate(streamed, ch.choices[0].delta.tool_calls)
+    assert [(t["name"], t["arguments"]) for t in streamed] == [(t.function.name, t.function.arguments) for t in calls]

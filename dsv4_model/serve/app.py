@@ -14,7 +14,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from fastapi import Depends, FastAPI, Request as HTTPRequest
+from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.sse import format_sse_event
@@ -77,7 +77,7 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
         st.metrics.rejected.labels(str(e.status)).inc()
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
@@ -86,13 +86,13 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
             return await _api_error(request, APIError(400, f"invalid JSON body: {err.get('msg')}"))
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         param = loc[0] if loc else None
-        return await _api_error(request, APIError(400, f"{'.'.join(loc) or 'body'}: {err.get('msg')}", param))
+        msg = str(err.get("msg")).removeprefix("Value error, ")  # pydantic's wrapper of our validators' messages
+        return await _api_error(request, APIError(400, f"{'.'.join(loc) or 'body'}: {msg}", param))
 
     @app.exception_handler(HTTPException)
-    async def _http(request, e: HTTPException):
-        return JSONResponse(APIError(e.status_code, str(e.detail), kind="not_found_error"
-                                     if e.status_code == 404 else "invalid_request_error").body(),
-                            status_code=e.status_code)
+    async def _http(request, e: HTTPException):  # no such route (404) or method (405)
+        return await _api_error(request, APIError(e.status_code, str(e.detail), kind="not_found_error"
+                                                  if e.status_code == 404 else "invalid_request_error"))
 
     @app.exception_handler(Exception)
     async def _bug(request, e: Exception):  # a bug: still an OpenAI body, and the traceback in the log
@@ -100,12 +100,16 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
         return JSONResponse(APIError(500, f"internal error: {type(e).__name__}", kind="internal_error").body(),
                             status_code=500)
 
-    def auth(request: HTTPRequest) -> None:
-        if cfg.api_key is None:
-            return
-        got = request.headers.get("authorization", "")
-        if not secrets.compare_digest(got.encode(), f"Bearer {cfg.api_key}".encode()):
-            raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY)", kind="authentication_error")
+    def key_refused(headers: dict[bytes, bytes]) -> Response | None:
+        got = headers.get(b"authorization", b"")
+        if secrets.compare_digest(got, f"Bearer {cfg.api_key}".encode()):
+            return None
+        st.metrics.rejected.labels("401").inc()
+        e = APIError(401, "invalid or missing API key (Authorization: Bearer KEY)", kind="authentication_error")
+        return JSONResponse(e.body(), status_code=401)
+
+    if cfg.api_key is not None:
+        app.add_middleware(_KeyCheck, refused=key_refused)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != cfg.model_name:
@@ -126,7 +130,7 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
     async def metrics():
         return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(auth)])
+    @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": st.created,
                                             "owned_by": "dsv4", "max_model_len": st.max_seq_len}]}
@@ -151,7 +155,7 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
                 reqs.append(stream.bind(r, p * body.n + k, prompt=p))
         st.thread.submit_all(reqs)
 
-    @app.post("/v1/completions", dependencies=[Depends(auth)])
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: HTTPRequest):
         body.check_unsupported()
         check_model(body.model)
@@ -230,7 +234,7 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
         _log_done(rid, stream)
         return JSONResponse({**base, "choices": choices, "usage": _usage(stream)}, headers={"X-Request-Id": rid})
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
+    @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: HTTPRequest):
         body.check_unsupported()
         check_model(body.model)
@@ -240,7 +244,9 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
         stream = Stream(asyncio.get_running_loop(), st.specials, st.thread.sink)
         submit([prompt.ids], body, body.token_limit or st.max_seq_len, stream)
         thinking = prompt.parser is not None and prompt.parser.state == "reasoning"
-        parsers = [OutputParser(thinking) if prompt.parser is not None else None for _ in stream.requests]
+        parsers = [OutputParser(thinking, tools=body.tools_on) if prompt.parser is not None else None
+                   for _ in stream.requests]
+        one_call = body.parallel_tool_calls is False
         totals = [Delta() for _ in stream.requests]
         base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": cfg.model_name}
         call_ids: dict[tuple[int, int], str] = {}
@@ -270,6 +276,8 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
         def on_event(ev: Event):
             i, p = ev.choice, parsers[ev.choice]
             d = Delta(content=ev.text) if p is None else (p.finish() if ev.done else p.feed(ev.text))
+            if one_call:  # parallel_tool_calls false: the first call only
+                d.tool_calls = [c for c in d.tool_calls if c.index == 0]
             totals[i].add(d)
             lp = None if ev.logprob is None else chat_logprobs(st.tokenizer, [ev.token_id], [ev.logprob])
             out = [{"index": i, "delta": delta_json(i, d), "logprobs": lp, "finish_reason": None}] if d or lp else []
@@ -299,6 +307,22 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
                             headers={"X-Request-Id": rid})
 
     return app
+
+
+class _KeyCheck:
+    """--api-key: every /v1/ path (a route or not) answers 401 without the key, before its body is read (a
+    malformed body must not tell a caller without the key anything). Plain ASGI: Starlette's BaseHTTPMiddleware
+    would hide a streaming client's disconnect from the response (its requests would run on)."""
+
+    def __init__(self, app, refused):
+        self.app, self.refused = app, refused
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            answer = self.refused(dict(scope["headers"]))
+            if answer is not None:
+                return await answer(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 def _usage(stream: Stream) -> dict:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsv4_model.serve.chat_encoding import (ASSISTANT, BOS, DSML, THINK, THINK_END, USER, ChatError, encode_chat,
-                                            resolve_options)
+from dsv4_model.serve.chat_encoding import (ASSISTANT, BOS, DSML, THINK, THINK_END, USER, ChatError, _text,
+                                            encode_chat, resolve_options)
 from dsv4_model.serve.output_parser import OutputParser
 from dsv4_model.serve.protocol import APIError, ChatRequest
 
@@ -71,12 +71,13 @@ class ChatFormat:
     def _plain(self, req: ChatRequest) -> list[int]:
         if req.tools:
             raise ChatError("tools need --chat-format deepseek_v4 (this model has no tool format)", "tools")
+        # no thinking mode here: the switches are checked as the V4 format checks them, then have nothing to turn
+        resolve_options(req.thinking, req.reasoning_effort, drop_thinking=req.drop_thinking)
         parts = []
         for i, m in enumerate(req.messages):
-            c = m.get("content") if isinstance(m, dict) else None
-            if not isinstance(c, str):
-                raise ChatError(f"messages[{i}].content: the plain format takes string content", "messages")
-            parts.append(c + "\n")
+            if not isinstance(m, dict) or "content" not in m:
+                raise ChatError(f"messages[{i}]: needs content", "messages")
+            parts.append(_text(m["content"], f"messages[{i}]", sep="\n") + "\n")  # text parts, as V4's format
         if not parts:
             raise ChatError("messages: needs at least one message", "messages")
         return self.tokenizer.encode("".join(parts), add_bos=True)

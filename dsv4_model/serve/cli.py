@@ -72,9 +72,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check(args) -> None:
-    for name in ("max_batch_size", "max_seq_len", "max_waiting"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("max_batch_size", "max_seq_len", "max_waiting", "max_prefill_tokens", "threads"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    from dsv4_model.runtime.cli import usable_cores
+
+    if args.threads is not None and args.threads > usable_cores():
+        raise ValueError(f"--threads {args.threads}: this process may use {usable_cores()} cores (more threads than "
+                         "cores only contend)")
     if not 0 <= args.port < 65536:
         raise ValueError("--port must be in [0, 65535]")
     if args.drain_timeout < 0:
@@ -90,6 +96,21 @@ def _check(args) -> None:
     check_regional_args(args)
     if args.dspark_cut and not args.speculate:
         raise ValueError("--dspark-cut: the confidence cut is DSpark's speculation's: it needs --speculate K")
+
+
+def check_chat_format(args) -> None:
+    """--chat-format deepseek_v4 on a tokenizer without V4's chat tokens: said from the tokenizer alone, before any
+    weight is read (create_app's check would come after the load)."""
+    if args.chat_format != "deepseek_v4":
+        return
+    from dsv4_model.checkpoint.builtin import default_model_path
+    from dsv4_model.checkpoint.hub import resolve_checkpoint
+    from dsv4_model.checkpoint.loader import load_config
+    from dsv4_model.checkpoint.tokenizer import load_tokenizer
+    from dsv4_model.serve.chat_format import ChatFormat
+
+    path = resolve_checkpoint(args.model) if args.model else default_model_path()[0]
+    ChatFormat(args.chat_format, load_tokenizer(path, load_config(path)))
 
 
 def build_engine(args):
@@ -112,7 +133,7 @@ def build_engine(args):
     else:
         path, what = default_model_path()
         print(f"note: {what}", file=sys.stderr)
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     quant = args.quant if args.quant != "auto" else (None if device.type == "cuda" else "none")
     engine = Engine.from_pretrained(path, device=device, dtype=getattr(torch, args.dtype),
@@ -209,6 +230,7 @@ def main(argv=None) -> int:
     try:
         _check(args)
         check_serving_packages()
+        check_chat_format(args)
         from dsv4_model.runtime.distributed import launch_rank
 
         if launch_rank() == 0:  # the rank that serves HTTP

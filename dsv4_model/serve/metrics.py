@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dsv4_model.runtime.requests import Request
+from dsv4_model.serve.protocol import finish_reason
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
             80.0)
@@ -54,7 +55,7 @@ class Metrics:
             self.itl.observe(b - a)
         self.prompt_tokens.inc(len(req.prompt))
         self.generation_tokens.inc(len(req.token_ids))
-        self.finished.labels(req.finish_reason or "unknown").inc()
+        self.finished.labels(finish_reason(req.finish_reason)).inc()  # vLLM's labels: stop, length, abort
 
 
 def _speculation_gauges(r: CollectorRegistry, spec) -> None:

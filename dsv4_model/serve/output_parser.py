@@ -78,7 +78,9 @@ def _before_block(text: str) -> str:
 
 def _held(text: str, tags: tuple[str, ...]) -> int:
     """How much of `text` is certain: all but a tag's possible beginning and the newlines before it (the blank
-    line before a DSML block belongs to the block)."""
+    line before a DSML block belongs to the block); no tags: all of it."""
+    if not tags:
+        return len(text)
     n = len(text) - _partial_tag(text, tags)
     while n > 0 and text[n - 1] == "\n":
         n -= 1
@@ -144,13 +146,15 @@ def _scan_tag(text: str, head: str, attrs) -> tuple[list[str], int] | None | boo
 
 class OutputParser:
     """feed(text) -> Delta of what is certain so far; finish() -> the rest. thinking: the prompt ended with
-    `<think>`, so the output starts as reasoning.
+    `<think>`, so the output starts as reasoning. tools: read DSML blocks as tool calls (False: the request gave no
+    tools or tool_choice 'none', and whatever the model writes is reasoning / content text).
 
     States: reasoning, content, tools (in a DSML block, between invokes), invoke (in an invoke, between
     parameters), string / literal (in a string="true" / "false" parameter's value)."""
 
-    def __init__(self, thinking: bool):
+    def __init__(self, thinking: bool, tools: bool = True):
         self.state = "reasoning" if thinking else "content"
+        self.block_open = (TOOL_CALLS_OPEN,) if tools else ()  # the tags that open a block of calls
         self.buf = ""
         self.started = False  # reasoning emitted yet (a leading "<think>" echoed by the model is dropped)
         self.calls = 0  # calls opened; the one being read is calls - 1
@@ -190,7 +194,7 @@ class OutputParser:
             if self.buf.startswith(THINK):
                 self.buf = self.buf[len(THINK):]
             self.started = True
-        ends = [(i, tag) for tag in (THINK_END, TOOL_CALLS_OPEN) if (i := self.buf.find(tag)) >= 0]
+        ends = [(i, tag) for tag in (THINK_END, *self.block_open) if (i := self.buf.find(tag)) >= 0]
         if ends:
             i, tag = min(ends)
             if tag == THINK_END:
@@ -203,18 +207,18 @@ class OutputParser:
             return
         n = len(self.buf)
         if not final:
-            n = _held(self.buf, (THINK_END, TOOL_CALLS_OPEN))
+            n = _held(self.buf, (THINK_END, *self.block_open))
         out.reasoning += self.buf[:n]
         self.buf = self.buf[n:]
 
     def _content(self, out: Delta, final: bool) -> None:
-        i = self.buf.find(TOOL_CALLS_OPEN)
+        i = self.buf.find(TOOL_CALLS_OPEN) if self.block_open else -1
         if i >= 0:
             out.content += _before_block(self.buf[:i])  # the blank line before a block belongs to the block
             self.buf = self.buf[i + len(TOOL_CALLS_OPEN):]
             self._open_block()
             return
-        n = len(self.buf) if final else _held(self.buf, (TOOL_CALLS_OPEN,))
+        n = len(self.buf) if final else _held(self.buf, self.block_open)
         out.content += self.buf[:n]
         self.buf = self.buf[n:]
 

@@ -18,9 +18,11 @@ MAX_LOGPROBS = 20
 class APIError(Exception):
     """An OpenAI-style error: HTTP status, message, the field at fault."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.headers = headers  # of the response (429: Retry-After)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
@@ -48,13 +50,28 @@ class _Sampling(BaseModel):
     top_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # Known to clients (OpenAI's logit_bias; vLLM's sampling and guided-decoding extras) and not done by this
+    # sampler: a request that sets one to anything but its neutral value is refused rather than answered without it.
+    logit_bias: Any = None
+    repetition_penalty: Any = None
+    min_p: Any = None
+    min_tokens: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     @field_validator("stop")
     @classmethod
     def _stops(cls, v):
         stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > MAX_STOPS or any(not s for s in stops):
-            raise ValueError(f"stop: at most {MAX_STOPS} non-empty strings")
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} strings, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("an empty string stops nothing")
         return stops
 
     def check_unsupported(self) -> None:
@@ -62,6 +79,13 @@ class _Sampling(BaseModel):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise APIError(400, f"{name} is not supported (only 0)", name)
+        neutral = {"repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "min_tokens": (0,), "logit_bias": ({},),
+                   "allowed_token_ids": ([],), "bad_words": ([],)}
+        for name in ("logit_bias", "repetition_penalty", "min_p", "min_tokens", "allowed_token_ids", "bad_words",
+                     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+            v = getattr(self, name)
+            if v is not None and not any(v == n and type(v) is type(n) for n in neutral.get(name, ())):
+                raise APIError(400, f"{name} is not supported by this server", name)
 
     def sampling(self, choice: int) -> SamplingParams:
         """Choice i's parameters: a seeded request's choices draw from seed + i; unseeded ones from a fresh key."""
@@ -126,6 +150,7 @@ class ChatRequest(_Sampling):
     reasoning_effort: str | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
     response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call per answer (the first the model writes)
 
     def logprob_k(self) -> int | None:
         """logprobs: true gives each token's log-probability, top_logprobs (0..20) the most likely alternatives."""
@@ -157,6 +182,12 @@ class ChatRequest(_Sampling):
     @property
     def drop_thinking(self) -> bool | None:
         return None if self.chat_template_kwargs is None else self.chat_template_kwargs.drop_thinking
+
+    @property
+    def tools_on(self) -> bool:
+        """Whether the output is read for tool calls: tools given and tool_choice not 'none' (else DSML the
+        model writes stays text, as OpenAI promises no calls then)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @property
     def token_limit(self) -> int | None:
