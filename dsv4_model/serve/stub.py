@@ -34,6 +34,8 @@ class StubScheduler:
     def submit(self, req: Request) -> Request:
         if not req.prompt or len(req.prompt) > self.max_seq_len:
             raise ValueError("prompt: empty or longer than max_seq_len")
+        if req.logprobs is not None or req.prompt_logprobs is not None:  # no model: no distribution to read
+            raise ValueError("logprobs: the stub scheduler has no model to give log-probabilities")
         req.timings.submitted = time.perf_counter()
         req.start_text(self.tokenizer)
         with self._lock:
