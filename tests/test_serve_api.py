@@ -164,6 +164,7 @@ def test_n_and_seed_and_stop(served, client):
     (dict(prompt="word " * 300), "prompt"), (dict(prompt=[5, 99999]), "prompt"), (dict(prompt=[]), "prompt"),
     (dict(prompt=[5, -1]), "prompt"), (dict(prompt=[5, 2**40], echo=True), "prompt"),  # before any decode
     (dict(model="other"), "model"), (dict(stop=["s"] * 17), "stop"),
+    (dict(prompt="word " * 100, max_tokens=250), "max_tokens"),  # prompt + max_tokens past the context of 256
     # fields clients send that this sampler does not do: refused, not answered without them
     (dict(extra_body={"logit_bias": {"5": -100}}), "logit_bias"),
     (dict(extra_body={"repetition_penalty": 1.1}), "repetition_penalty"), (dict(extra_body={"min_p": 0.1}), "min_p"),
@@ -199,6 +200,9 @@ def test_chat_4xx(served, client):
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt: token id 99999 at position 2")
     r = httpx.post(served[0].url + "/v1/chat/completions", json={"model": "tiny"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    with pytest.raises(openai.BadRequestError, match="the context is 256 tokens") as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=256)
+    assert e.value.body["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError, match="reasoning_effort must be one of") as e:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
                                        reasoning_effort="banana")

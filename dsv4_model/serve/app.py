@@ -139,11 +139,17 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
         given = request.headers.get("x-request-id", "")
         return given if given.isprintable() and 0 < len(given) <= 128 else f"{prefix}-{secrets.token_hex(12)}"
 
-    def check_prompt(ids: list[int], where: str) -> None:
+    def check_prompt(ids: list[int], where: str, max_tokens: int | None = None) -> None:
+        """max_tokens: the request's own (None: not given, the default fits what is left). As vLLM and SGLang, a
+        prompt + max_tokens past the context is a 400 rather than a completion cut short."""
         if not ids:
             raise APIError(400, f"{where}: empty", "prompt")
         if len(ids) > st.max_seq_len:
             raise APIError(400, f"{where}: {len(ids)} tokens exceed the context of {st.max_seq_len}", "prompt")
+        if max_tokens is not None and len(ids) + max_tokens > st.max_seq_len:
+            raise APIError(400, f"the context is {st.max_seq_len} tokens and this request asks for "
+                                f"{len(ids) + max_tokens} ({len(ids)} in {where}, {max_tokens} in the completion): "
+                                "shorten the prompt or max_tokens", "max_tokens")
 
     def submit(ids_per_prompt: list[list[int]], body, max_tokens: int, stream: Stream,
                prompt_logprobs: int | None = None) -> None:
@@ -175,7 +181,7 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
                     raise APIError(400, f"{where}: token id {bad[0][1]} at position {bad[0][0]} outside "
                                         f"[0, {st.vocab_size})", "prompt")
                 prompt_texts.append(st.tokenizer.decode(p) if body.echo else "")
-            check_prompt(p, where)
+            check_prompt(p, where, body.max_tokens)
             ids.append(p)
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": cfg.model_name}
         if body.max_tokens == 0 and body.logprob_k() is None:  # echo alone: the prompts back, nothing to run
@@ -240,7 +246,7 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
         check_model(body.model)
         rid = request_id(request, "chatcmpl")
         prompt = st.chat.prompt(body)
-        check_prompt(prompt.ids, "messages")
+        check_prompt(prompt.ids, "messages", body.token_limit)
         stream = Stream(asyncio.get_running_loop(), st.specials, st.thread.sink)
         submit([prompt.ids], body, body.token_limit or st.max_seq_len, stream)
         thinking = prompt.parser is not None and prompt.parser.state == "reasoning"
