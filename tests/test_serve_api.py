@@ -380,9 +380,15 @@ def test_echo_scores_the_prompt(served, client):
     plain = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=3, temperature=0, echo=True)
     assert plain.choices[0].text == PROMPTS[0] + ref[PROMPTS[0]][:len(plain.choices[0].text) - len(PROMPTS[0])]
     assert plain.choices[0].logprobs is None
+    url = served[0].url
+    done0, prompt0 = _metric(url, "dsv4:request_success_total", 'finished_reason="length"'), \
+        _metric(url, "dsv4:prompt_tokens_total")
     bare = client.completions.create(model="tiny", prompt=[ids, ids[:3]], max_tokens=0, echo=True)  # nothing runs
     assert [c.text for c in bare.choices] == [PROMPTS[0], tok.decode(ids[:3])]
     assert {c.finish_reason for c in bare.choices} == {"length"} and bare.usage.prompt_tokens == len(ids) + 3
+    # still counted in /metrics, as requests the scheduler answers are
+    assert _metric(url, "dsv4:request_success_total", 'finished_reason="length"') == done0 + 2
+    assert _metric(url, "dsv4:prompt_tokens_total") == prompt0 + len(ids) + 3
     chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=0, echo=True, stream=True,
                                             stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPTS[0]

@@ -188,6 +188,8 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
             choices = [{"index": i, "text": prompt_texts[i // body.n], "logprobs": None, "finish_reason": "length"}
                        for i in range(len(ids) * body.n)]
             p = sum(len(x) for x in ids)
+            st.metrics.finished.labels("length").inc(len(choices))  # counted as the scheduler counts its requests
+            st.metrics.prompt_tokens.inc(p * body.n)
             return _answer_now(base, choices, {"prompt_tokens": p, "completion_tokens": 0, "total_tokens": p},
                                body.stream, body.include_usage, rid)
         stream = Stream(asyncio.get_running_loop(), {}, st.thread.sink)
