@@ -158,6 +158,27 @@ def test_n_and_seed_and_stop(served, client):
     assert cut.choices[0].finish_reason == "stop"
 
 
+def test_tokenize_and_detokenize(served, client):
+    """/tokenize (vLLM's route) gives the ids a request prefills: a prompt with BOS (or without), chat messages as
+    the chat format encodes them (plain here: text + newline after BOS); /detokenize the text back; 4xx bodies."""
+    srv, _, tok = served
+    url = srv.url
+    r = httpx.post(url + "/tokenize", json={"model": "tiny", "prompt": PROMPTS[0]}).json()
+    assert r["tokens"] == tok.encode(PROMPTS[0]) and r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
+    bare = httpx.post(url + "/tokenize", json={"prompt": PROMPTS[0], "add_special_tokens": False}).json()
+    assert bare["tokens"] == tok.encode(PROMPTS[0], add_bos=False)
+    chat = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": PROMPTS[1]}]}).json()
+    assert chat["tokens"] == tok.encode(PROMPTS[1] + "\n")
+    back = httpx.post(url + "/detokenize", json={"tokens": bare["tokens"]}).json()
+    assert back == {"prompt": PROMPTS[0]}
+    for path, body, param in (("/tokenize", {"prompt": "x", "messages": []}, "prompt"),
+                              ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "tools"),
+                              ("/detokenize", {"tokens": [1, 10**9]}, "tokens"), ("/tokenize", {"model": "no",
+                                                                                                "prompt": "x"}, "model")):
+        e = httpx.post(url + path, json=body)
+        assert e.status_code in (400, 404) and e.json()["error"]["param"] == param, e.text
+
+
 @pytest.mark.parametrize("kw,param", [
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
     (dict(n=100), "n"), (dict(stop=[""]), "stop"), (dict(logprobs=21), "logprobs"), (dict(seed="x"), "seed"),
@@ -257,7 +278,7 @@ def test_api_key_and_no_chat_format(small):
         bad.models.list()
     assert httpx.get(small.url + "/health").status_code == 200  # outside /v1: open
     # without the key nothing about the body or the route is told: 401 before the JSON is read, on any /v1 path
-    for path, body in (("/v1/completions", b"{bad"), ("/v1/nowhere", b"{}")):
+    for path, body in (("/v1/completions", b"{bad"), ("/v1/nowhere", b"{}"), ("/tokenize", b"{}")):
         r = httpx.post(small.url + path, content=body, headers={"Content-Type": "application/json"})
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     r = httpx.post(small.url + "/v1/nowhere", json={}, headers={"Authorization": f"Bearer {KEY}"})

@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.sse import format_sse_event
+from pydantic import ValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
@@ -28,7 +29,8 @@ from dsv4_model.serve.bridge import Event, SchedulerThread, Stream
 from dsv4_model.serve.chat_format import ChatFormat, skipped_specials
 from dsv4_model.serve.metrics import Metrics
 from dsv4_model.serve.output_parser import Delta, OutputParser
-from dsv4_model.serve.protocol import APIError, ChatRequest, CompletionRequest, finish_reason
+from dsv4_model.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                      finish_reason)
 
 log = logging.getLogger("dsv4.serve")
 
@@ -134,6 +136,35 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
     async def models():
         return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": st.created,
                                             "owned_by": "dsv4", "max_model_len": st.max_seq_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        """The ids a request would prefill, as vLLM's /tokenize gives them (count, max_model_len, tokens)."""
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            try:
+                chat = ChatRequest.model_validate(body.model_dump(exclude={"prompt", "add_special_tokens"}))
+            except ValidationError as e:
+                err = e.errors()[0]
+                loc = ".".join(str(x) for x in err["loc"])
+                raise APIError(400, f"{loc}: {str(err['msg']).removeprefix('Value error, ')}",
+                               str(err["loc"][0]) if err["loc"] else None) from None
+            chat.check_unsupported()
+            ids = st.chat.prompt(chat).ids
+        else:
+            ids = st.tokenizer.encode(body.prompt, add_bos=body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": st.max_seq_len, "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        bad = [(j, t) for j, t in enumerate(body.tokens) if not 0 <= t < st.vocab_size]
+        if bad:
+            raise APIError(400, f"tokens: id {bad[0][1]} at position {bad[0][0]} outside [0, {st.vocab_size})",
+                           "tokens")
+        return {"prompt": st.tokenizer.decode(body.tokens)}
 
     def request_id(request: HTTPRequest, prefix: str) -> str:
         given = request.headers.get("x-request-id", "")
@@ -318,7 +349,8 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
 
 
 class _KeyCheck:
-    """--api-key: every /v1/ path (a route or not) answers 401 without the key, before its body is read (a
+    """--api-key: every /v1/ path (a route or not) and /tokenize, /detokenize answer 401 without the key, before
+    the body is read (a
     malformed body must not tell a caller without the key anything). Plain ASGI: Starlette's BaseHTTPMiddleware
     would hide a streaming client's disconnect from the response (its requests would run on)."""
 
@@ -326,7 +358,7 @@ class _KeyCheck:
         self.app, self.refused = app, refused
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"].startswith(("/v1/", "/tokenize", "/detokenize")):
             answer = self.refused(dict(scope["headers"]))
             if answer is not None:
                 return await answer(scope, receive, send)

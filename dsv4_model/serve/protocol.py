@@ -194,6 +194,22 @@ class ChatRequest(_Sampling):
         return self.max_completion_tokens or self.max_tokens
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's route): `prompt` (text; BOS first unless add_special_tokens is false) or `messages`
+    (with the chat fields of /v1/chat/completions: the ids a chat request would prefill)."""
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
 def finish_reason(reason: str | None) -> str:
     """The scheduler's reasons in OpenAI's words ("abort": cancelled by a shutdown)."""
     return {"stop": "stop", "length": "length", "max_seq_len": "length"}.get(reason or "", "abort")
