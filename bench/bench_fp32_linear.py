@@ -6,7 +6,8 @@ fp32, twice per layer); the router (256 x 4096 bf16, F.linear of the widened ope
 steps) and 8 token rows.
 The head (V4-Flash 129280 x 4096, held in bf16) at M = 1, 2, 4, 8, 64, 512: fp32_linear of the bf16 weight vs the
 fp32 head it replaced (F.linear(x.float(), w_fp32)), a bf16-output cuBLAS matmul of the same bf16 weight, and the
-GEMV kernel on the same head in 8 row blocks (M <= 8: what the op's cuBLAS threshold for large bf16 weights rests on).
+GEMV kernel on the same head as 8 calls of a row block (M <= 8: what the op's cuBLAS threshold for large bf16
+weights rests on).
 µs per call by CUDA-graph replay with the weights rotated through > L2 worth of copies (read from HBM), weight
 GB/s and fraction of 4.26 TB/s.
 
@@ -67,16 +68,18 @@ def bench_head(gen, n=129280, k=4096):
           f"out) | the GEMV kernel (8 row blocks) | fp32_linear vs fp32 head | weight GB/s, HBM")
     w = torch.randn(n, k, device="cuda", generator=gen).mul(0.02).to(torch.bfloat16)
     w32 = w.float()
-    # The op sends a bf16 weight of >= 2^26 elements at 2+ rows to cuBLAS: the same head in 8 row blocks (each
-    # below that) times the GEMV kernel at every M, the figure that threshold rests on.
+    # The op sends a call of >= 2^26 bf16 weight elements at 2+ rows to cuBLAS: the same head as 8 calls of one
+    # row block each (each below that) times the GEMV kernel at every M, the figure that threshold rests on.
     blocks = list(w.split((n + 7) // 8))
+    assert all(b.numel() < 1 << 26 for b in blocks)
     for m in (1, 2, 4, 8, 64, 512):
         x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
         reps = 8
         ours = graph_us(lambda: torch.ops.dsv4.fp32_linear(x, [w]), reps)
         old = graph_us(lambda: F.linear(x.float(), w32), reps)
         bf = graph_us(lambda: torch.matmul(x, w.t()), reps)
-        gemv = graph_us(lambda: torch.ops.dsv4.fp32_linear(x, blocks), reps) if m <= 8 else float("nan")
+        gemv = graph_us(lambda: [torch.ops.dsv4.fp32_linear(x, [b]) for b in blocks], reps) if m <= 8 \
+            else float("nan")
         got, want = torch.ops.dsv4.fp32_linear(x, [w])[0], F.linear(x.float(), w32)
         err = float((got - want).abs().max() / want.abs().max())
         gbs = n * k * 2 / ours / 1e3

@@ -1,7 +1,7 @@
 """dsv4::fp32_linear (the fp32 projections: compressor wkv / wgate, mHC mixes; several weights per call) against
 the float64 reference (dsv4_ops/reference/), opcheck, torch.compile, and on CUDA every kernel variant (1 or 4
-rows per CTA, 1 or up to 8 token rows, bf16 / fp32 weights and x), the matmul fallbacks (a large bf16 weight at 2+
-rows included), a captured graph and no host sync.
+rows per CTA, accumulators for 1, 2, 4 or 8 token rows with M at and below each, bf16 / fp32 weights and x), the
+matmul fallbacks (a large bf16 weight at 2+ rows included), a captured graph and no host sync.
 
 Tolerance: the op sums fp32 products in fp32 in its own order; |out - ref64| <= 4e-6 * sum_k |x_k w_k| holds for
 that with a wide margin (K <= 16384), while a wrong row, matrix, token or dropped piece of K is off by O(1)
@@ -37,7 +37,8 @@ def case(lead, K, ns, wdt, xdt, gen):
 # 2 and 4 are verification steps' rows), a prefill-sized x (the fallback).
 SHAPES = [((1,), 4096, (1024, 1024, 256, 256)), ((1,), 16384, (24,)), ((3,), 512, (5, 130, 1)),
           ((2,), 4096, (1024, 1024, 256, 256)), ((2,), 16384, (24,)), ((4,), 4096, (1024, 256)),
-          ((4,), 16384, (24,)), ((2, 4), 256, (64, 64)), ((8,), 1024, (1100,)), ((33,), 256, (40, 7))]
+          ((4,), 16384, (24,)), ((3,), 4096, (1024, 1024, 256, 256)), ((6,), 4096, (1024, 256)), ((6,), 512, (5, 130)),
+          ((2, 4), 256, (64, 64)), ((8,), 1024, (1100,)), ((33,), 256, (40, 7))]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -190,6 +190,8 @@ def test_tokenize_and_detokenize(served, client):
     (dict(extra_body={"logit_bias": {"5": -100}}), "logit_bias"),
     (dict(extra_body={"repetition_penalty": 1.1}), "repetition_penalty"), (dict(extra_body={"min_p": 0.1}), "min_p"),
     (dict(extra_body={"min_tokens": 2}), "min_tokens"), (dict(extra_body={"guided_choice": ["a"]}), "guided_choice"),
+    (dict(extra_body={"stop_token_ids": [5]}), "stop_token_ids"),
+    (dict(extra_body={"response_format": {"type": "json_object"}}), "response_format"),
 ])
 def test_invalid_fields_are_4xx(client, kw, param):
     args = dict(model="tiny", prompt="x", max_tokens=4) | kw
@@ -202,7 +204,8 @@ def test_invalid_fields_are_4xx(client, kw, param):
 
 def test_neutral_values_of_refused_fields_are_accepted(client):
     """The neutral value of each refused field (what vLLM clients send by default) changes nothing: answered."""
-    neutral = {"logit_bias": {}, "repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0}
+    neutral = {"logit_bias": {}, "repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0, "stop_token_ids": [],
+               "skip_special_tokens": True, "include_stop_str_in_output": False}
     r = client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body=neutral)
     assert r.usage.completion_tokens >= 1
 
@@ -281,6 +284,8 @@ def test_api_key_and_no_chat_format(small):
     for path, body in (("/v1/completions", b"{bad"), ("/v1/nowhere", b"{}"), ("/tokenize", b"{}")):
         r = httpx.post(small.url + path, content=body, headers={"Content-Type": "application/json"})
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    two = [("Authorization", f"Bearer {KEY}"), ("Authorization", "Bearer wrong")]  # ambiguous: refused
+    assert httpx.get(small.url + "/v1/models", headers=two).status_code == 401
     r = httpx.post(small.url + "/v1/nowhere", json={}, headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     good = openai.OpenAI(base_url=small.url + "/v1", api_key=KEY, max_retries=0)

@@ -102,8 +102,8 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
         return JSONResponse(APIError(500, f"internal error: {type(e).__name__}", kind="internal_error").body(),
                             status_code=500)
 
-    def key_refused(headers: dict[bytes, bytes]) -> Response | None:
-        got = headers.get(b"authorization", b"")
+    def key_refused(got: bytes) -> Response | None:
+        """got: the Authorization header's value (b"": none, or several)."""
         if secrets.compare_digest(got, f"Bearer {cfg.api_key}".encode()):
             return None
         st.metrics.rejected.labels("401").inc()
@@ -184,6 +184,10 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
 
     def submit(ids_per_prompt: list[list[int]], body, max_tokens: int, stream: Stream,
                prompt_logprobs: int | None = None) -> None:
+        if len(ids_per_prompt) * body.n > cfg.max_waiting:  # could never be queued: a retry would get the same
+            raise APIError(400, f"this request asks for {len(ids_per_prompt) * body.n} completions (prompts x n), "
+                                f"more than the server queues at once (--max-waiting {cfg.max_waiting})",
+                           "n" if body.n > 1 else "prompt")
         reqs = []
         for p, ids in enumerate(ids_per_prompt):
             for k in range(body.n):
@@ -348,18 +352,22 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
     return app
 
 
+KEYED_ROOT_PATHS = ("/tokenize", "/detokenize")
+
+
 class _KeyCheck:
-    """--api-key: every /v1/ path (a route or not) and /tokenize, /detokenize answer 401 without the key, before
-    the body is read (a
-    malformed body must not tell a caller without the key anything). Plain ASGI: Starlette's BaseHTTPMiddleware
-    would hide a streaming client's disconnect from the response (its requests would run on)."""
+    """--api-key: every /v1/ path (a route or not) and /tokenize, /detokenize answer 401 without the key (one
+    Authorization header), before the body is read (a malformed body must not tell a caller without the key
+    anything). Plain ASGI: Starlette's BaseHTTPMiddleware would hide a streaming client's disconnect from the
+    response (its requests would run on)."""
 
     def __init__(self, app, refused):
         self.app, self.refused = app, refused
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith(("/v1/", "/tokenize", "/detokenize")):
-            answer = self.refused(dict(scope["headers"]))
+        if scope["type"] == "http" and (scope["path"].startswith("/v1/") or scope["path"] in KEYED_ROOT_PATHS):
+            keys = [v for k, v in scope["headers"] if k == b"authorization"]
+            answer = self.refused(keys[0] if len(keys) == 1 else b"")  # two Authorization headers: refused
             if answer is not None:
                 return await answer(scope, receive, send)
         await self.app(scope, receive, send)

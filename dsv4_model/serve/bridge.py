@@ -121,15 +121,12 @@ class SchedulerThread:
             return len(self._live) - waiting, waiting
 
     def submit_all(self, reqs: list[Request]) -> None:
-        """All of an HTTP request's choices or none (429 / 503 / 400: more choices than ever fit the queue, or the
-        scheduler's checks)."""
+        """All of an HTTP request's choices or none (429 / 503 / 400 from the scheduler's checks; a request of more
+        choices than the queue ever holds is the app's 400 before this)."""
         if self.draining:
             raise APIError(503, "the server is shutting down", kind="service_unavailable")
         if not self.alive:
             raise APIError(503, "the scheduler thread has stopped", kind="service_unavailable")
-        if len(reqs) > self.max_waiting:  # could never be queued: a retry would get the same answer
-            raise APIError(400, f"this request asks for {len(reqs)} completions (prompts x n), more than the "
-                                f"server queues at once (--max-waiting {self.max_waiting})", "n")
         with self._lock:
             waiting = sum(1 for r in self._live if r.timings.admitted is None)
             if waiting + len(reqs) > self.max_waiting:

@@ -77,7 +77,7 @@ class ChatFormat:
         for i, m in enumerate(req.messages):
             if not isinstance(m, dict) or "content" not in m:
                 raise ChatError(f"messages[{i}]: needs content", "messages")
-            parts.append(_text(m["content"], f"messages[{i}]", sep="\n") + "\n")  # text parts, as V4's format
+            parts.append(_text(m["content"], f"messages[{i}]", sep="\n") + "\n")  # text parts joined as vLLM joins them
         if not parts:
             raise ChatError("messages: needs at least one message", "messages")
         return self.tokenizer.encode("".join(parts), add_bos=True)

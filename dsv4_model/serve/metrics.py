@@ -55,7 +55,9 @@ class Metrics:
             self.itl.observe(b - a)
         self.prompt_tokens.inc(len(req.prompt))
         self.generation_tokens.inc(len(req.token_ids))
-        self.finished.labels(finish_reason(req.finish_reason)).inc()  # vLLM's labels: stop, length, abort
+        # vLLM's labels (stop, length, abort), and error where the scheduler failed the request
+        reason = req.finish_reason
+        self.finished.labels("error" if reason == "error" else finish_reason(reason)).inc()
 
 
 def _speculation_gauges(r: CollectorRegistry, spec) -> None:

@@ -3,8 +3,9 @@ body. A field the server cannot honour is a 400 naming it, never ignored silentl
 server does not know are ignored (clients send many)."""
 from __future__ import annotations
 
+import json
 import secrets
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -63,6 +64,10 @@ class _Sampling(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    stop_token_ids: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    truncate_prompt_tokens: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -79,13 +84,18 @@ class _Sampling(BaseModel):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise APIError(400, f"{name} is not supported (only 0)", name)
-        neutral = {"repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "min_tokens": (0,), "logit_bias": ({},),
-                   "allowed_token_ids": ([],), "bad_words": ([],)}
-        for name in ("logit_bias", "repetition_penalty", "min_p", "min_tokens", "allowed_token_ids", "bad_words",
-                     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+        for name, neutral in self.REFUSED.items():
             v = getattr(self, name)
-            if v is not None and not any(v == n and type(v) is type(n) for n in neutral.get(name, ())):
-                raise APIError(400, f"{name} is not supported by this server", name)
+            if v is not None and not any(v == n and type(v) is type(n) for n in neutral):
+                allowed = " or ".join(json.dumps(n) for n in neutral) or "unset"
+                raise APIError(400, f"{name} is not supported by this server (only {allowed})", name)
+
+    # The refused fields and the values that change nothing (none: only unset).
+    REFUSED: ClassVar[dict[str, tuple]] = {
+        "logit_bias": ({},), "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "min_tokens": (0,),
+        "allowed_token_ids": (), "bad_words": ([],), "guided_json": (), "guided_regex": (), "guided_choice": (),
+        "guided_grammar": (), "structured_outputs": (), "stop_token_ids": ([],), "include_stop_str_in_output": (False,),
+        "skip_special_tokens": (True,), "truncate_prompt_tokens": ()}
 
     def sampling(self, choice: int) -> SamplingParams:
         """Choice i's parameters: a seeded request's choices draw from seed + i; unseeded ones from a fresh key."""
@@ -104,6 +114,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    response_format: dict[str, Any] | None = None
 
     def logprob_k(self) -> int | None:
         """logprobs: an int k (0..20): each token's log-probability and the k most likely; None / false: off."""
@@ -122,6 +133,8 @@ class CompletionRequest(_Sampling):
             raise APIError(400, "max_tokens: 0 only with echo (the prompt back; with logprobs: scored)", "max_tokens")
         if self.best_of not in (None, 1, self.n):
             raise APIError(400, "best_of must equal n", "best_of")
+        if self.response_format not in (None, {"type": "text"}):
+            raise APIError(400, "response_format: only {'type': 'text'} is supported", "response_format")
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -151,6 +164,12 @@ class ChatRequest(_Sampling):
     chat_template_kwargs: ChatTemplateKwargs | None = None
     response_format: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call per answer (the first the model writes)
+    # vLLM's chat-template switches: the V4 encoder is fixed
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    chat_template: Any = None
+    REFUSED: ClassVar[dict[str, tuple]] = {**_Sampling.REFUSED, "add_generation_prompt": (True,),
+                                           "continue_final_message": (False,), "chat_template": ()}
 
     def logprob_k(self) -> int | None:
         """logprobs: true gives each token's log-probability, top_logprobs (0..20) the most likely alternatives."""

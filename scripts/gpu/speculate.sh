@@ -2,9 +2,9 @@
 # tokens/s, tokens per step and acceptance per draft position, against the plain run (K = 0) of the same prompt.
 # SPECULATE_ARGS: more arguments of every speculative run (K > 0 here, and the preset passes below), e.g.
 # "--draft-head nvfp4".
-# The completion's text from a generate log: without the engine's [dsv4] lines, the loading progress bar (its rate
-# differs run to run) and Python warnings.
-completion() { grep -vsE '^\[dsv4\]|tensor/s\]|Warning|warnings\.warn' "$1"; }
+# The completion's text from a generate log: without the engine's [dsv4] lines, the loaders' progress bars (their
+# rates differ run to run; tqdm writes them after a carriage return) and Python's warning lines.
+completion() { grep -vsE '^\[dsv4\]|^.?(loading|NVFP4) .*\||^\S+:[0-9]+: \w*Warning:|^\s+warnings\.warn\(' "$1"; }
 for k in ${SPECULATE_KS-0 1 2 3}; do
   extra=(); [ "$k" != 0 ] && extra=(${SPECULATE_ARGS:-})
   step "speculate_$k" 200 $PY -m dsv4_model generate --prompt "def fibonacci(n):" --max-new-tokens 128 --speculate $k \
