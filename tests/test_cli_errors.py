@@ -217,6 +217,8 @@ SERVE_CASES = [
     ("serve: --max-prefill-tokens 0", ["--max-prefill-tokens", "0"], "--max-prefill-tokens must be >= 1, got 0"),
     ("serve: --chat-format deepseek_v4 without its tokens", ["--chat-format", "deepseek_v4"],
      "--chat-format deepseek_v4: the tokenizer has no DeepSeek-V4 chat tokens"),
+    ("serve: --dspark-cut without a DSpark module", ["--speculate", "1", "--dspark-cut", "0.5"],
+     "--dspark-cut: the confidence cut is DSpark's"),
 ]
 
 

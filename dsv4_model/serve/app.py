@@ -99,6 +99,7 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
     @app.exception_handler(Exception)
     async def _bug(request, e: Exception):  # a bug: still an OpenAI body, and the traceback in the log
         log.exception("internal error on %s", request.url.path)
+        st.metrics.rejected.labels("500").inc()
         return JSONResponse(APIError(500, f"internal error: {type(e).__name__}", kind="internal_error").body(),
                             status_code=500)
 

@@ -46,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-beyond-max-position", action="store_true",
                    help="let --max-seq-len exceed the model's max_position_embeddings (positions it was not "
                         "trained for)")
-    p.add_argument("--max-prefill-tokens", type=int, default=None, help="prompt tokens prefilled per iteration")
+    p.add_argument("--max-prefill-tokens", type=int, default=None,
+                   help="prompt tokens prefilled per iteration (default: the scheduler's, 2048)")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
     p.add_argument("--no-reuse", action="store_true", help="do not reuse a finished row's caches for its next turn")
     p.add_argument("--speculate", type=int, default=0, metavar="K",
@@ -98,19 +99,25 @@ def _check(args) -> None:
         raise ValueError("--dspark-cut: the confidence cut is DSpark's speculation's: it needs --speculate K")
 
 
-def check_chat_format(args) -> None:
-    """--chat-format deepseek_v4 on a tokenizer without V4's chat tokens: said from the tokenizer alone, before any
-    weight is read (create_app's check would come after the load)."""
-    if args.chat_format != "deepseek_v4":
+def check_checkpoint_options(args) -> None:
+    """The options that depend on the checkpoint, from its config and tokenizer alone, before any weight is read
+    (build_app's checks would come after the load): --chat-format deepseek_v4 on a tokenizer without V4's chat
+    tokens; --speculate K past a DSpark block, --dspark-cut without a DSpark module (as generate checks them)."""
+    if args.chat_format != "deepseek_v4" and not (args.speculate and not args.drafter):
         return
     from dsv4_model.checkpoint.builtin import default_model_path
     from dsv4_model.checkpoint.hub import resolve_checkpoint
     from dsv4_model.checkpoint.loader import load_config
     from dsv4_model.checkpoint.tokenizer import load_tokenizer
+    from dsv4_model.runtime.cli import _check_speculate_method
     from dsv4_model.serve.chat_format import ChatFormat
 
     path = resolve_checkpoint(args.model) if args.model else default_model_path()[0]
-    ChatFormat(args.chat_format, load_tokenizer(path, load_config(path)))
+    config = load_config(path)
+    if args.chat_format == "deepseek_v4":
+        ChatFormat(args.chat_format, load_tokenizer(path, config))
+    if args.speculate and not args.drafter:  # serve drafts with the checkpoint's DSpark where it has one
+        _check_speculate_method(argparse.Namespace(**vars(args), speculate_method="auto"), config, path)
 
 
 def build_engine(args):
@@ -230,7 +237,7 @@ def main(argv=None) -> int:
     try:
         _check(args)
         check_serving_packages()
-        check_chat_format(args)
+        check_checkpoint_options(args)
         from dsv4_model.runtime.distributed import launch_rank
 
         if launch_rank() == 0:  # the rank that serves HTTP
