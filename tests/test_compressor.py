@@ -84,28 +84,6 @@ def test_kv_batch_advances_each_sequence_in_order(device, m, hd, overlap, spare)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_kv_batch_positions_not_consecutive(device):
-    """A row whose T tokens are not at consecutive positions (here all at one position, as a padded row's may be)
-    advances token after token like T one-token calls, beside rows whose tokens are consecutive."""
-    gen = torch.Generator().manual_seed(5)
-    m, hd, S, T = 4, 64, 3, 3
-    C, R = 2 * hd, 2 * m + 4
-    ape = torch.randn(m, C, generator=gen)
-    one, many = fresh_state(S, R, C, device), fresh_state(S, R, C, device)
-    for call in range(3):
-        pos = torch.tensor([[3 + call * T + t, 6, 9 + call * T + t] for t in range(T)]).flatten()
-        kv, score = torch.randn(T * S, C, generator=gen), torch.randn(T * S, C, generator=gen) * 3
-        want = torch.empty(T * S, hd, device=device)
-        for t in range(T):
-            r = slice(t * S, (t + 1) * S)
-            ops.compressor_decode(kv[r].to(device), score[r].to(device), ape.to(device), pos[r].to(device), *one,
-                                  want[r])
-        got = torch.full((T * S, hd), float("nan"), device=device)
-        ops.compressor_decode(kv.to(device), score.to(device), ape.to(device), pos.to(device), *many, got, S)
-        assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(many, one)), f"call {call}"
-
-
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("m,hd,overlap,spare", [(4, 128, True, 1), (4, 40, True, 3), (16, 72, False, 2),
                                                  (3, 64, False, 3)])
 def test_by_position_matches_reference_step_by_step(device, m, hd, overlap, spare):
