@@ -162,23 +162,26 @@ def test_pooled_in_a_narrow_dtype_is_the_fp32_pooling_rounded(device, dtype):
 
 
 def test_wrong_steps_are_far():
-    """The test above would see a missing shift, a wrong slot or a missing ape."""
+    """The test above would see a missing shift, a wrong slot or a missing ape: at every step that closes a window
+    (the only ones that pool; the others give 0), and a slot one off also closes the wrong windows."""
     gen = torch.Generator().manual_seed(5)
     m, hd, B = 4, 16, 1
     ape = torch.randn(m, 2 * hd, generator=gen)
     ks, ss = fresh_state(B, 2 * m, 2 * hd, "cpu")
     outs = []
-    for t in range(2 * m + 1):
+    for t in range(4 * m):
         kv, score = torch.randn(B, 2 * hd, generator=gen), torch.randn(B, 2 * hd, generator=gen)
         pooled = torch.empty(B, hd)
         before = ks.clone(), ss.clone()
         ops.compressor_decode(kv, score, ape, torch.tensor([t]), ks, ss, pooled)
         wrong_ape = ref.compressor_decode_ref(kv, score, ape * 0, torch.tensor([t]), *[s.clone() for s in before])
         wrong_slot = ref.compressor_decode_ref(kv, score, ape, torch.tensor([t + 1]), *[s.clone() for s in before])
-        outs.append((pooled, wrong_ape, wrong_slot))
-    # step 0 pools one written row (weight 1 whatever the scores): from step 1 on every mistake shows
-    assert all(float((p - a).abs().max()) > 1e-3 for p, a, _ in outs[1:])
-    assert all(float((p - s).abs().max()) > 1e-3 for p, _, s in outs[1:])
+        outs.append((t, pooled, wrong_ape, wrong_slot))
+    closing = [o for o in outs if (o[0] + 1) % m == 0]
+    assert len(closing) == 4 and all(float(p.abs().max()) > 1e-3 for _, p, _, _ in closing)
+    assert all(float(p.abs().max()) == 0.0 for t, p, _, _ in outs if (t + 1) % m)
+    assert all(float((p - a).abs().max()) > 1e-3 for _, p, a, _ in closing)
+    assert all(float((p - s).abs().max()) > 1e-3 for t, p, _, s in outs if (t + 1) % m == 0 or (t + 2) % m == 0)
 
 
 def test_bad_arguments():

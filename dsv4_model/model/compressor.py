@@ -221,9 +221,9 @@ class Compressor(nn.Module):
                             store), complete
 
     def _advance(self, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor, seqs: int = 0) -> torch.Tensor:
-        """Each row's token into the state; its window pooled -> [rows, hd] (a closed window's entry where
-        (positions + 1) % m == 0); seqs: the rows are tokens of that many sequences, each advancing its state in
-        order. The op rounds the pooling to x's dtype itself (_finish's .to(dtype) is then no kernel); a state of
+        """Each row's token into the state; its window pooled -> [rows, hd] where it closes ((positions + 1) % m ==
+        0: the entry; 0 where it stays open, nothing pooled); seqs: the rows are tokens of that many sequences, each
+        advancing its state in order. The op rounds the pooling to x's dtype itself (_finish's .to(dtype) is then no kernel); a state of
         c*m + spare rows (spare > 0) is indexed by position: the op pools a closed window in the same order and
         arithmetic as the shifted state, so a model with spare slots computes the plain model's entries."""
         pooled = torch.empty(kv.shape[0], self.head_dim, dtype=self.pooled_dtype, device=kv.device)

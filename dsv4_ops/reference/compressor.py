@@ -6,10 +6,11 @@ def compressor_decode_ref(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tens
                           kv_state: torch.Tensor, score_state: torch.Tensor, overlap: bool | None = None,
                           kv_batch: int = 0) -> torch.Tensor:
     """One decode step of dsv4_model.model.compressor.Compressor.decode's state update and pooling (as tensor ops):
-    writes the token into rows [:B] of the states in place and returns pooled fp32 [B, hd]. overlap: overlapping
-    windows (C = 2 hd; default: the state has 2m rows). States of more than c*m rows (c = 2 with overlap) are
-    indexed by position (token p in row p mod R, the window read by position, never shifted). kv_batch > 0: the B
-    rows are tokens of kv_batch sequences, token-major: kv_batch rows at a time, in order."""
+    writes the token into rows [:B] of the states in place and returns pooled fp32 [B, hd]: the window's pooling
+    where the row's token closes it ((pos + 1) % m == 0), 0 where it stays open (no entry is written). overlap:
+    overlapping windows (C = 2 hd; default: the state has 2m rows). States of more than c*m rows (c = 2 with
+    overlap) are indexed by position (token p in row p mod R, the window read by position, never shifted).
+    kv_batch > 0: the B rows are tokens of kv_batch sequences, token-major: kv_batch rows at a time, in order."""
     if kv_batch:
         return torch.cat([compressor_decode_ref(kv[r:r + kv_batch], score[r:r + kv_batch], ape,
                                                 positions[r:r + kv_batch], kv_state, score_state, overlap)
@@ -31,13 +32,14 @@ def compressor_decode_ref(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tens
         kv_w = kv_w.masked_fill((q < 0).unsqueeze(-1), 0.0)
     else:
         kv_w, sc_w = kv_state[:B], score_state[:B]
+    closes = ((pos + 1) % m == 0).view(B, 1)
     if not overlap:
-        return (kv_w * sc_w.softmax(dim=1)).sum(dim=1)
+        return torch.where(closes, (kv_w * sc_w.softmax(dim=1)).sum(dim=1), 0.0)
     kv_s = torch.cat([kv_w[:, :m, :hd], kv_w[:, m:, hd:]], dim=1)
     sc_s = torch.cat([sc_w[:, :m, :hd], sc_w[:, m:, hd:]], dim=1)
-    pooled = (kv_s * sc_s.softmax(dim=1)).sum(dim=1)
+    pooled = torch.where(closes, (kv_s * sc_s.softmax(dim=1)).sum(dim=1), 0.0)
     if not by_position:
-        closed = ((pos + 1) % m == 0).view(B, 1, 1)
+        closed = closes.view(B, 1, 1)
         kv_state[:B, :m] = torch.where(closed, kv_state[:B, m:], kv_state[:B, :m])
         score_state[:B, :m] = torch.where(closed, score_state[:B, m:], score_state[:B, :m])
     return pooled

@@ -1,7 +1,7 @@
 // CPU kernel of dsv4::compressor_decode (docs/ops.md "## Compressor decode"): per row, the token's projections
-// into its state slot, the gated pooling of the window (softmax over the window's rows per column, two passes, sums
-// in row order), then the overlap shift when the window closed (shifted layout; a state indexed by position is
-// read by position and never shifted).
+// into its state slot; where the token closes its window, the gated pooling of the window (softmax over the
+// window's rows per column, two passes, sums in row order; 0 while it is open) and the overlap shift (shifted
+// layout; a state indexed by position is read by position and never shifted).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -56,6 +56,10 @@ void compressor_decode_cpu(const at::Tensor& kv, const at::Tensor& score, const 
         kb[slot * C + k] = kp[n * C + k];
         sb[slot * C + k] = sp[n * C + k] + ap[r * C + k];
       }
+      if (((p + 1) % m + m) % m != 0) {  // the window stays open: its entry is never used, pooled 0
+        for (int64_t d = 0; d < hd; ++d) store(out, out_type, n * hd + d, 0.0f);
+        continue;
+      }
       for (int64_t d = 0; d < hd; ++d) {
         // pooled row j's element of column d: the first m rows' first half, the last m rows' second half (overlap);
         // row j is state row j (shifted) or the row of position p - cm + 1 + j (by position; a position below 0
@@ -78,7 +82,7 @@ void compressor_decode_cpu(const at::Tensor& kv, const at::Tensor& score, const 
         for (int64_t j = 0; j < cm; ++j) acc += at_(kb, j, 0.0f) * (std::exp(at_(sb, j, ninf) - mx) / sum);
         store(out, out_type, n * hd + d, acc);
       }
-      if (sh.overlap && !sh.by_position && ((p + 1) % m + m) % m == 0) {  // closed: its rows become the previous
+      if (sh.overlap && !sh.by_position) {  // closed: its rows become the previous
         std::memcpy(kb, kb + m * C, sizeof(float) * m * C);
         std::memcpy(sb, sb + m * C, sizeof(float) * m * C);
       }

@@ -3,8 +3,9 @@
 // kernels of the tensor-op form (state writes, the softmax pooling, the overlap shift, copies back).
 // A CTA owns 32 columns d of one sequence b (and columns hd + d when windows overlap), so every state element is
 // written and read by one CTA: the slot write, the pooling and the shift are ordered by __syncthreads, and T
-// tokens of the sequence (rows t * S + b) advance it in order. Warp w pools state rows w, w + 8, ... with an online
-// softmax; the 8 partials merge in warp order.
+// tokens of the sequence (rows t * S + b) advance it in order. Only a token that closes its window pools it (the
+// model writes an entry only there: m - 1 of every m tokens just write their slot, pooled 0). Warp w pools state
+// rows w, w + 8, ... with an online softmax; the 8 partials merge in warp order.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -46,6 +47,11 @@ __global__ void __launch_bounds__(kCols* kWarps) compressor_decode_kernel(
       kb[int64_t(slot) * C + k] = kv[n * C + k];
       sb[int64_t(slot) * C + k] = score[n * C + k] + ape[int64_t(r) * C + k];
     }
+    const bool closes = ((p + 1) % m + m) % m == 0;
+    if (!closes) {  // the window stays open: its entry is never used, pooled 0
+      if (warp == 0 && d < hd) dsv4_cuda::store_one(pooled + n * hd + d, 0.0f);
+      continue;  // (the shift happens only where a window closes; the next token's write waits at the barrier)
+    }
     __syncthreads();
     float mx = -INFINITY, sum = 0.0f, acc = 0.0f;
     if (d < hd) {
@@ -83,7 +89,7 @@ __global__ void __launch_bounds__(kCols* kWarps) compressor_decode_kernel(
       }
       dsv4_cuda::store_one(pooled + n * hd + d, A / S);  // rounded to-nearest-even to O
     }
-    if (overlap && !by_pos && ((p + 1) % m + m) % m == 0) {  // closed: its rows become the previous window
+    if (overlap && !by_pos) {  // closed: its rows become the previous window
       for (int e = threadIdx.x; e < m * 2 * kCols; e += blockDim.x) {
         const int j = e / (2 * kCols), c = e % (2 * kCols), dd = d0 + (c & (kCols - 1));
         if (dd >= hd) continue;
