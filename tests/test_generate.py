@@ -116,6 +116,16 @@ def test_api_arguments_are_checked_before_loading(tmp_path):
         Engine.from_pretrained(tmp_path / "m", device="cpu", max_seq_len=8192)
     with pytest.raises(ValueError, match="max_batch_size must be an int >= 1"):
         Engine.from_pretrained(tmp_path / "m", device="cpu", max_batch_size=0)
+    # what HF users pass, and options whose "no" would read as yes: one error naming the argument, no load
+    for kw, want in ((dict(dtype=torch.float16), "dtype must be torch.bfloat16 or torch.float32"),
+                     (dict(dtype="bfloat16"), "dtype must be"), (dict(compile="no"), "compile must be True"),
+                     (dict(simulate_quant="no"), "simulate_quant must be True or False"),
+                     (dict(graph_mode="bogus"), "graph_mode must be one of"),
+                     (dict(runner_options="x"), "runner_options must be a RunnerOptions")):
+        with pytest.raises((ValueError, TypeError), match=want):
+            Engine.from_pretrained(tmp_path / "m", device="cpu", **kw)
+    with pytest.raises(ValueError, match="path must be a checkpoint directory or a repo id"):
+        Engine.from_pretrained(None, device="cpu")
     eng = Engine.from_pretrained(tmp_path / "m", device="cpu", max_seq_len=8192, allow_beyond_max_position=True,
                                  progress=False)
     assert eng.max_seq_len == 8192
@@ -131,6 +141,12 @@ def test_bad_arguments():
         generate(eng, [[1]], top_p=0.0)
     with pytest.raises(ValueError):
         generate(eng, [[1], "text"])
+    for kw, want in ((dict(max_new_tokens="4"), "max_new_tokens must be an int >= 1"),
+                     (dict(seed=1.5), "seed must be an int"), (dict(top_k=True), "top_k must be an int")):
+        with pytest.raises(ValueError, match=want):
+            generate(eng, [[1]], **kw)
+    with pytest.raises(ValueError, match="token ids must be ints"):
+        generate(eng, [[0.0, 5.7]])
 
 
 # ------------------------------------------------------------------------------------------- real model

@@ -1,6 +1,7 @@
 """Continuous batching (dsv4_model.runtime.scheduler): requests joining and leaving a running batch get the tokens
 they get alone; cancellation, reuse of a finished row's caches, interleaved prefill chunks, stops."""
 import threading
+import time
 
 import pytest
 import torch
@@ -214,6 +215,9 @@ def test_stops(engine, prompt_ids, alone):
     assert by_text.finish_reason == "stop" and by_text.text == ref.text[: ref.text.index(word)]
     assert "".join(streamed) == by_text.text
     assert by_text.token_ids == ref.token_ids[: len(by_text.token_ids)]
+    # generate()'s stop as one string is that string (as vLLM's stop=), not its characters
+    got = generate(engine, [prompt_ids[0]], max_new_tokens=MAX_TOKENS[0], seed=100, stop=word)
+    assert got.texts[0] == by_text.text and got.finish_reasons[0] == "stop"
 
 
 def test_more_requests_than_rows_and_max_seq_len(prompt_ids):
@@ -241,7 +245,43 @@ def test_bad_requests_are_refused(engine):
         s.submit(Request([5], SamplingParams(temperature=-1.0)))
     with pytest.raises(ValueError, match="stop"):
         s.submit(Request([5], stop=("",)))
+    # inputs a caller may mean otherwise: refused where they are made, naming the field
+    with pytest.raises(ValueError, match="prompt: token ids .* got text"):
+        Request("123")
+    with pytest.raises(ValueError, match="prompt: token ids must be ints"):
+        Request([0.0, 5.7])
+    with pytest.raises(ValueError, match="params: a SamplingParams"):
+        Request([5], params={"temperature": 0})
+    with pytest.raises(ValueError, match="on_token: must be callable"):
+        Request([5], on_token=5)
+    assert Request([5], stop="ab").stop == ("ab",) and Request([5], stop_ids=7).stop_ids == {7}
     assert s.idle()
+
+
+def test_a_request_runs_once_and_stop_is_final(engine):
+    """Submitting a Request again (queued, or after it finished) is refused: one Request is one run (it would
+    otherwise hold two rows, or a row nothing frees). stop(): serve_forever ends what it still holds
+    ("cancelled"), so no caller waits forever, and later submits raise."""
+    s = Scheduler(engine)
+    r = s.submit(Request([0, 5, 6], SamplingParams(), 3, ignore_eos=True))
+    with pytest.raises(ValueError, match="already submitted"):
+        s.submit(r)
+    s.run_until_idle()
+    with pytest.raises(ValueError, match="already submitted"):
+        s.submit(r)
+    assert r.finish_reason == "length" and s.idle()
+    s = Scheduler(engine)
+    held = [s.submit(Request([0, 5 + i], SamplingParams(), 10 ** 6 if i == 0 else 40, ignore_eos=True))
+            for i in range(3)]
+    t = threading.Thread(target=s.serve_forever)
+    t.start()
+    while not held[0].token_ids:
+        time.sleep(0.01)
+    s.stop()
+    t.join(60)
+    assert all(h.done for h in held) and held[0].finish_reason == "cancelled"
+    with pytest.raises(RuntimeError, match="stopped"):
+        s.submit(Request([0, 5]))
 
 
 @pytest.mark.parametrize("layout", ["hf", "official", "dsv4"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from dsv4_model.checkpoint.builtin import DEFAULT_MODEL
@@ -9,7 +11,7 @@ from dsv4_model.model.checks import check_positive_int
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.transformer import Transformer
 from dsv4_model.runtime.prefill_chunks import prefill_in_chunks
-from dsv4_model.runtime.session import EngineSession, RunnerOptions
+from dsv4_model.runtime.session import EngineSession, RunnerOptions, checked_runner_options
 
 # positions per prefill forward by default: a longer prompt is prefilled in chunks of this many (bounded
 # activations; a V4-Flash chunk's are a few GB)
@@ -18,6 +20,9 @@ DEFAULT_PREFILL_CHUNK = 8192
 
 DRAFT_HEADS = ("stored", "nvfp4")
 HEAD_QUANTS = ("none", "nvfp4")
+
+ENGINE_DTYPES = (torch.bfloat16, torch.float32)
+
 
 class Engine(EngineSession):
     """Owns the per-row positions of a `Transformer` and validates requests before any compute.
@@ -73,6 +78,15 @@ class Engine(EngineSession):
         _checked_compile_prefill(compile_prefill)
         if head_quant not in HEAD_QUANTS:
             raise ValueError(f"head_quant must be one of {HEAD_QUANTS}, got {head_quant!r}")
+        if dtype not in ENGINE_DTYPES:  # the kernels' activations (fp16 is not one of them)
+            raise ValueError(f"dtype must be torch.bfloat16 or torch.float32, got {dtype!r}")
+        if not isinstance(simulate_quant, bool):
+            raise ValueError(f"simulate_quant must be True or False, got {simulate_quant!r}")
+        if runner_options is None:
+            runner_options = RunnerOptions(compile=compile, cuda_graphs=cuda_graphs, graph_mode=graph_mode)
+        checked_runner_options(runner_options)
+        if not isinstance(path, (str, os.PathLike)):
+            raise ValueError(f"path must be a checkpoint directory or a repo id (str), got {type(path).__name__}")
         path = resolve_checkpoint(path)
         model, config = load_model(path, device=device, dtype=dtype, max_batch_size=max_batch_size,
                                    max_seq_len=max_seq_len, simulate_quant=simulate_quant, quant=quant,
@@ -81,8 +95,6 @@ class Engine(EngineSession):
             from dsv4_model.quant.nvfp4_modules import quantize_head_
 
             quantize_head_(model.head)
-        if runner_options is None:
-            runner_options = RunnerOptions(compile=compile, cuda_graphs=cuda_graphs, graph_mode=graph_mode)
         engine = cls(model, config, device, runner_options=runner_options, prefill_chunk=prefill_chunk,
                      compile_prefill=compile_prefill)
         engine.path = path

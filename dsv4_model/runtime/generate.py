@@ -7,12 +7,15 @@ A row that stops keeps riding along in the batch (its results are discarded) unt
 """
 from __future__ import annotations
 
+import operator
+
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from dsv4_model.model.checks import check_positive_int
 from dsv4_model.runtime.compiled import DecodeRunner
 from dsv4_model.runtime.sampling import SamplingParams, seed_key
 from dsv4_model.checkpoint.tokenizer import StreamDecoder
@@ -129,18 +132,25 @@ def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0
     """
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_positive_int(max_new_tokens, "max_new_tokens")
+    for name, v in (("top_k", top_k), ("seed", seed)):  # never rounded: 1.5 is not a seed
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ValueError(f"{name} must be an int, got {v!r}")
     texts_in = all(isinstance(p, str) for p in prompts)
     if not texts_in and not all(isinstance(p, (list, tuple)) for p in prompts):
         raise ValueError("prompts must be all strings or all token-id lists")
     # id prompts get texts too: the caller may want the words without a second decode pass
     tok = tokenizer if tokenizer is not None else engine.get_tokenizer()
-    ids = [tok.encode(p, add_bos=add_bos) for p in prompts] if texts_in else [list(map(int, p)) for p in prompts]
+    try:  # ids of any int kind, never a float or a digit string
+        ids = [tok.encode(p, add_bos=add_bos) for p in prompts] if texts_in else \
+            [[operator.index(t) for t in p] for p in prompts]
+    except TypeError:
+        raise ValueError("prompts: token ids must be ints") from None
     if any(len(p) == 0 for p in ids):
         raise ValueError("every prompt needs at least one token")
-    stops = {int(engine.config.eos_token_id)} | {int(t) for t in (stop_token_ids or ())}
-    base = SamplingParams(float(temperature), int(top_k), float(top_p), int(seed)).validate()
+    extra = [stop_token_ids] if isinstance(stop_token_ids, int) else (stop_token_ids or ())
+    stops = {int(engine.config.eos_token_id)} | {operator.index(t) for t in extra}
+    base = SamplingParams(float(temperature), top_k, float(top_p), seed).validate()
     base = SamplingParams(base.temperature, base.top_k, base.top_p, seed_key(base.seed))  # int64: seed + i stays valid
     method = speculate_method_of(engine, speculate_method) if speculate else None
     if dspark_cut and method != "dspark":
@@ -157,7 +167,7 @@ def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0
     else:
         runner = engine.runner()
 
-    stop = tuple(stop or ())
+    stop = (stop,) if isinstance(stop, str) else tuple(stop or ())  # one string is one stop (as vLLM's stop=)
     if engine.can_prefill_at:
         return _generate_scheduled(engine, runner, ids, base, max_new_tokens, stops, stream, tok, stop, speculate,
                                    method, dspark_cut)

@@ -3,6 +3,7 @@ has produced so far (token ids, incremental text, finish reason, timings). Host-
 from __future__ import annotations
 
 import itertools
+import operator
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
@@ -77,9 +78,20 @@ class Request:
     stop_token: int | None = None
 
     def __post_init__(self):
-        self.prompt = [int(t) for t in self.prompt]
-        self.stop_ids = frozenset(int(t) for t in self.stop_ids)
-        self.stop = tuple(self.stop)
+        if isinstance(self.prompt, (str, bytes)):
+            raise ValueError("prompt: token ids (a list of ints), got text: encode it first (engine.get_tokenizer())")
+        try:  # operator.index: ints of any kind (numpy, torch scalars), never a float or a digit string
+            self.prompt = [operator.index(t) for t in self.prompt]
+        except TypeError:
+            raise ValueError(f"prompt: token ids must be ints, got {self.prompt[:4]!r}...") from None
+        ids = [self.stop_ids] if isinstance(self.stop_ids, int) else self.stop_ids
+        self.stop_ids = frozenset(operator.index(t) for t in ids)
+        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)  # one string: one stop
+        if not isinstance(self.params, SamplingParams):
+            raise ValueError(f"params: a SamplingParams, got {type(self.params).__name__}")
+        for name in ("on_token", "on_finish"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise ValueError(f"{name}: must be callable, got {type(getattr(self, name)).__name__}")
         self._cancel = threading.Event()
         self._on_cancel: Callable[[], None] | None = None  # the scheduler's wake-up
         self._done = threading.Event()

@@ -154,7 +154,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ callers
     def submit(self, req: Request) -> Request:
-        """Queue `req` (checked here: a bad request raises ValueError and is not queued)."""
+        """Queue `req` (checked here: a bad request raises ValueError and is not queued; a Request runs once)."""
+        if self._stopping:
+            raise RuntimeError("this scheduler is stopped (stop() is final): make a new one")
+        if req.timings.submitted:
+            raise ValueError("request: already submitted (a Request runs once: make a new one for another run)")
         self._check(req)
         req.timings.submitted = time.perf_counter()
         req.start_text(self.tokenizer)
@@ -218,20 +222,24 @@ class Scheduler:
                     broadcast_plan(StepPlan(), self.group, self._wire)
                     quiet_since = time.monotonic()
         except BaseException:
-            self._fail_all()
+            self._end_all("error")
             raise
         finally:
             self.close()
+        self._end_all("cancelled")  # stopped: what it still held ends, so no caller waits forever
 
-    def _fail_all(self) -> None:
-        """The loop died: every request it holds ends ("error"), so no caller waits forever."""
+    def _end_all(self, reason: str) -> None:
+        """Every request the scheduler holds ends with `reason` (the loop died: "error"; it was stopped:
+        "cancelled"), so no caller waits forever."""
         now = time.perf_counter()
         with self._lock:
             waiting, self._waiting = list(self._waiting), collections.deque()
         for req in waiting + [r.req for r in self.rows if r.req is not None]:
-            req.finish("error", now)
+            req.finish(reason, now)
 
     def stop(self) -> None:
+        """serve_forever returns after its current step, ending what it still holds ("cancelled"); final: later
+        submits raise."""
         with self._lock:
             self._stopping = True
             self._lock.notify()

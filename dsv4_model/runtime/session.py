@@ -24,6 +24,29 @@ class RunnerOptions:
     regional: bool = False
     log: Callable[[str], None] | None = None
 
+    def validate(self) -> "RunnerOptions":
+        """One clear error per bad field (checked when an Engine is made, before any weight is read): a "no" for
+        compile must not switch it on."""
+        for name in ("compile", "cuda_graphs"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"{name} must be True, False or None (auto), got {v!r}")
+        if not isinstance(self.regional, bool):
+            raise ValueError(f"regional must be True or False, got {self.regional!r}")
+        from dsv4_model.runtime.compiled import GRAPH_MODES
+
+        if self.graph_mode not in GRAPH_MODES:
+            raise ValueError(f"graph_mode must be one of {GRAPH_MODES}, got {self.graph_mode!r}")
+        if self.log is not None and not callable(self.log):
+            raise ValueError(f"log must be callable, got {type(self.log).__name__}")
+        return self
+
+
+def checked_runner_options(opts) -> RunnerOptions:
+    if not isinstance(opts, RunnerOptions):
+        raise TypeError(f"runner_options must be a RunnerOptions, got {type(opts).__name__}")
+    return opts.validate()
+
 
 class EngineSession:
     """Subclasses set model, config, device, max_batch_size, max_seq_len, vocab_size, runner_options and path,
@@ -99,10 +122,7 @@ class EngineSession:
         return self._runner
 
     def _checked_runner_options(self) -> RunnerOptions:
-        opts = self.runner_options
-        if not isinstance(opts, RunnerOptions):
-            raise TypeError(f"runner_options must be a RunnerOptions, got {type(opts).__name__}")
-        return opts
+        return checked_runner_options(self.runner_options)
 
     def get_tokenizer(self):
         if self.tokenizer is None:
