@@ -258,6 +258,26 @@ def test_bad_requests_are_refused(engine):
     assert s.idle()
 
 
+def test_a_raising_callback_ends_only_its_request(engine, prompt_ids, alone):
+    """A caller's on_token that raises ends its own request ("error", the exception kept) at the next step
+    boundary; the request beside it runs on to its alone tokens and the scheduler stays usable. generate()'s
+    stream that raises ends the call with that exception."""
+    s = Scheduler(engine)
+
+    def bad(req, t, text):
+        raise KeyError("client code")
+
+    broken = s.submit(Request(prompt_ids[0], _params(0), MAX_TOKENS[0], on_token=bad))
+    fine = s.submit(Request(prompt_ids[0], _params(0), MAX_TOKENS[0]))
+    s.run_until_idle()
+    assert broken.finish_reason == "error" and isinstance(broken.callback_error, KeyError) and broken.done
+    assert fine.token_ids == alone[0].token_ids and fine.finish_reason == alone[0].finish_reason
+    with pytest.raises(KeyError, match="client code"):
+        generate(engine, [prompt_ids[0], prompt_ids[1]], max_new_tokens=4, stream=lambda i, t, x: bad(None, t, x))
+    again = generate(engine, [prompt_ids[0]], max_new_tokens=MAX_TOKENS[0], seed=100)
+    assert again.token_ids[0] == alone[0].token_ids[: len(again.token_ids[0])]
+
+
 def test_a_request_runs_once_and_stop_is_final(engine):
     """Submitting a Request again (queued, or after it finished) is refused: one Request is one run (it would
     otherwise hold two rows, or a row nothing frees). stop(): serve_forever ends what it still holds

@@ -238,15 +238,27 @@ def _generate_scheduled(engine, runner, ids: list[list[int]], base: SamplingPara
         sched = Scheduler(engine, **options)
     t0 = time.perf_counter()
     reqs = []
+    def relay(i: int):
+        def on_token(req, t, text):
+            try:
+                stream(i, t, text)
+            except Exception:  # the caller's stream failed: the whole call ends (re-raised below)
+                for r in reqs:
+                    r.cancel()
+                raise
+        return on_token
+
     for i, p in enumerate(ids):
-        on_token = None if stream is None else (lambda req, t, text, i=i: stream(i, t, text))
         params = SamplingParams(base.temperature, base.top_k, base.top_p, base.seed + i)
         reqs.append(sched.submit(Request(p, params, max_new_tokens, stop_ids=frozenset(stops), stop=stop,
-                                         on_token=on_token)))
+                                         on_token=None if stream is None else relay(i))))
     try:
         sched.run_until_idle()
     finally:
         sched.close()
+    failed = next((r.callback_error for r in reqs if r.callback_error is not None), None)
+    if failed is not None:
+        raise failed
     t_end = time.perf_counter()
     firsts = [r.timings.first_token for r in reqs if r.timings.first_token is not None]
     t_first = min(firsts) if firsts else t_end

@@ -76,6 +76,9 @@ class Request:
     # with logprobs, a request that a stop id or EOS ended: that token (not in token_ids); its entry is the last of
     # token_logprobs (a scorer reading "the generated token's" log-probability finds it there, as from vLLM)
     stop_token: int | None = None
+    # the first exception an on_token / on_finish callback raised: it ends this request ("error") at the next step
+    # boundary, never the others in the batch
+    callback_error: Exception | None = None
 
     def __post_init__(self):
         if isinstance(self.prompt, (str, bytes)):
@@ -137,7 +140,7 @@ class Request:
             self.token_logprobs.append(logprob)
         if self._decoder is None:
             if self.on_token is not None:
-                self.on_token(self, token_id, None)
+                self._call(self.on_token, token_id, None)
             return False
         self.text += self._decoder.push(token_id)
         hit = self._cut_at_stop()
@@ -155,8 +158,16 @@ class Request:
         if self._decoder is not None:
             self._stream(None, final=True)
         if self.on_finish is not None:
-            self.on_finish(self)
+            self._call(self.on_finish)
         self._done.set()
+
+    def _call(self, fn, *args) -> None:
+        try:
+            fn(self, *args)
+        except Exception as e:  # the caller's code: its request ends, the scheduler and the batch go on
+            if self.callback_error is None:
+                self.callback_error = e
+            self.cancel()
 
     def _cut_at_stop(self) -> bool:
         if not self.stop:
@@ -181,4 +192,4 @@ class Request:
         delta = self.text[self._shown:end]
         self._shown = max(self._shown, end)
         if self.on_token is not None and (token_id is not None or delta):
-            self.on_token(self, token_id, delta)
+            self._call(self.on_token, token_id, delta)

@@ -93,6 +93,11 @@ class _Flight:
         return not self.first and not self.decode and not self.prompt_lp
 
 
+def _ended(req: Request) -> str:
+    """A cancelled request's finish reason: "error" where its own callback raised (Request.callback_error)."""
+    return "cancelled" if req.callback_error is None else "error"
+
+
 @dataclass
 class SchedulerStats:
     iterations: int = 0
@@ -273,10 +278,10 @@ class Scheduler:
             for r in gone:
                 self._waiting.remove(r)
         for r in gone:
-            r.finish("cancelled", now)
+            r.finish(_ended(r), now)
         for row in self.rows:
             if row.req is not None and row.req.cancelled:
-                self._free(row, "cancelled", now)
+                self._free(row, _ended(row.req), now)
 
     def _admit(self, now: float) -> None:
         while True:
