@@ -166,6 +166,13 @@ def _note(msg: str) -> None:
         print(f"[dsv4] {msg}", file=sys.stderr, flush=True)
 
 
+def check_threads_fit(threads: int) -> None:
+    """--threads (generate and serve) at most the cores this process may use."""
+    if threads > usable_cores():
+        raise ValueError(f"--threads {threads}: this process may use {usable_cores()} cores "
+                         "(more threads than cores only contend)")
+
+
 def _check_args(args) -> None:
     """Everything the arguments alone decide, before any file is read."""
     from dsv4_model.model.checks import check_positive_int, check_speculate
@@ -187,9 +194,7 @@ def _check_args(args) -> None:
         check_positive_int(args.max_seq_len, "--max-seq-len")
     if args.threads is not None:
         check_positive_int(args.threads, "--threads")
-        if args.threads > usable_cores():
-            raise ValueError(f"--threads {args.threads}: this process may use {usable_cores()} cores "
-                             "(more threads than cores only contend)")
+        check_threads_fit(args.threads)
     check_regional_args(args)
     if args.graph_mode is not None and args.cuda_graphs is False:
         raise ValueError("--graph-mode picks how CUDA graphs are captured: it contradicts --no-cuda-graphs")

@@ -8,7 +8,6 @@ A row that stops keeps riding along in the batch (its results are discarded) unt
 from __future__ import annotations
 
 import operator
-
 import time
 from dataclasses import dataclass, field
 from typing import Callable

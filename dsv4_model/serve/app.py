@@ -86,10 +86,7 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
         err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
         if err.get("type") == "json_invalid":  # its loc is a character offset, not a field
             return await _api_error(request, APIError(400, f"invalid JSON body: {err.get('msg')}"))
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        param = loc[0] if loc else None
-        msg = str(err.get("msg")).removeprefix("Value error, ")  # pydantic's wrapper of our validators' messages
-        return await _api_error(request, APIError(400, f"{'.'.join(loc) or 'body'}: {msg}", param))
+        return await _api_error(request, _invalid_field(err))
 
     @app.exception_handler(HTTPException)
     async def _http(request, e: HTTPException):  # no such route (404) or method (405)
@@ -148,10 +145,7 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
             try:
                 chat = ChatRequest.model_validate(body.model_dump(exclude={"prompt", "add_special_tokens"}))
             except ValidationError as e:
-                err = e.errors()[0]
-                loc = ".".join(str(x) for x in err["loc"])
-                raise APIError(400, f"{loc}: {str(err['msg']).removeprefix('Value error, ')}",
-                               str(err["loc"][0]) if err["loc"] else None) from None
+                raise _invalid_field(e.errors()[0]) from None
             chat.check_unsupported()
             ids = st.chat.prompt(chat).ids
         else:
@@ -351,6 +345,13 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
                             headers={"X-Request-Id": rid})
 
     return app
+
+
+def _invalid_field(err: dict) -> APIError:
+    """A pydantic error (the first of a body's) as a 400 naming its field."""
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    msg = str(err.get("msg")).removeprefix("Value error, ")  # pydantic's wrapper of our validators' messages
+    return APIError(400, f"{'.'.join(loc) or 'body'}: {msg}", loc[0] if loc else None)
 
 
 KEYED_ROOT_PATHS = ("/tokenize", "/detokenize")

@@ -77,11 +77,10 @@ def _check(args) -> None:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-    from dsv4_model.runtime.cli import usable_cores
+    from dsv4_model.runtime.cli import check_threads_fit
 
-    if args.threads is not None and args.threads > usable_cores():
-        raise ValueError(f"--threads {args.threads}: this process may use {usable_cores()} cores (more threads than "
-                         "cores only contend)")
+    if args.threads is not None:
+        check_threads_fit(args.threads)
     if not 0 <= args.port < 65536:
         raise ValueError("--port must be in [0, 65535]")
     if args.drain_timeout < 0:
