@@ -478,3 +478,20 @@ def test_generate_pads_the_bucket_past_its_rows(engine32):
     eng._runner_built_from = eng._checked_runner_options()
     assert eng.runner().bucket(3) == 4
     assert generate(eng, prompts, max_new_tokens=5).token_ids == want
+
+
+def test_one_scheduler_drives_an_engine_at_a_time(engine, prompt_ids, alone):
+    """A new Scheduler (generate() makes one per call) resets the engine's rows: it is refused while another one
+    holds requests, and the idle one it replaces refuses later submits instead of serving from reset rows."""
+    s = Scheduler(engine)
+    held = s.submit(Request(prompt_ids[0], _params(0), MAX_TOKENS[0]))
+    with pytest.raises(RuntimeError, match="another Scheduler"):
+        generate(engine, [prompt_ids[1]], max_new_tokens=2)
+    s.run_until_idle()
+    assert held.token_ids == alone[0].token_ids
+    t = Scheduler(engine)  # s is idle: t takes the engine over
+    with pytest.raises(RuntimeError, match="newer Scheduler"):
+        s.submit(Request(prompt_ids[0], _params(0), MAX_TOKENS[0]))
+    again = t.submit(Request(prompt_ids[0], _params(0), MAX_TOKENS[0]))
+    t.run_until_idle()
+    assert again.token_ids == alone[0].token_ids

@@ -23,6 +23,7 @@ import bisect
 import collections
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -97,6 +98,9 @@ def _ended(req: Request) -> str:
     """A cancelled request's finish reason: "error" where its own callback raised (Request.callback_error)."""
     return "cancelled" if req.callback_error is None else "error"
 
+SUPERSEDED = ("this scheduler's engine is driven by a newer Scheduler (made later, e.g. by generate()): submit to "
+              "that one")
+
 
 @dataclass
 class SchedulerStats:
@@ -124,6 +128,7 @@ class Scheduler:
     def __init__(self, engine, *, max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, reuse: bool = True,
                  rows: int | None = None, tokenizer=None, group=None, distributed: bool = False):
         check_positive_int(max_prefill_tokens, "max_prefill_tokens")
+        self._claim(engine)
         self.engine = engine
         self.max_prefill_tokens = max_prefill_tokens
         self.reuse = reuse
@@ -157,6 +162,20 @@ class Scheduler:
         self._stopping = False
         engine.reset()
 
+    def _claim(self, engine) -> None:
+        """One scheduler drives an engine's cache rows at a time: a new one (generate() makes one per call) resets
+        them, so it is refused while another still holds requests, and an idle one it replaces refuses submits."""
+        ref = getattr(engine, "_dsv4_scheduler", None)
+        prev = ref() if ref is not None else None
+        if prev is not None:
+            with prev._lock:  # (submit checks _superseded under it: nothing slips in between)
+                if not prev._stopping and not prev.idle():
+                    raise RuntimeError("engine: another Scheduler on this engine still holds requests (a server, "
+                                       "or a generate() on another thread): submit to that one, or stop() it first")
+                prev._superseded = True
+        self._superseded = False
+        engine._dsv4_scheduler = weakref.ref(self)
+
     # ------------------------------------------------------------------ callers
     def submit(self, req: Request) -> Request:
         """Queue `req` (checked here: a bad request raises ValueError and is not queued; a Request runs once)."""
@@ -165,12 +184,16 @@ class Scheduler:
         if req.timings.submitted:
             raise ValueError("request: already submitted (a Request runs once: make a new one for another run)")
         self._check(req)
+        if self._superseded:
+            raise RuntimeError(SUPERSEDED)
         req.timings.submitted = time.perf_counter()
         req.start_text(self.tokenizer)
         req._on_cancel = self._any_cancel.set
         if req.cancelled:  # cancelled before it got here: its cancel() had no scheduler to wake
             self._any_cancel.set()
         with self._lock:
+            if self._superseded:
+                raise RuntimeError(SUPERSEDED)
             self._waiting.append(req)
             self._lock.notify()
         return req
