@@ -110,7 +110,42 @@ IN_PROCESS = [
     ("--prompt-file that does not exist", ["--prompt-file", "/nonexistent/p.txt"],
      "--prompt-file /nonexistent/p.txt: cannot read"),
     ("--prompt - twice", ["--prompt", "-", "--prompt", "-"], "stdin holds one prompt"),
+    ("--model '' (an unset variable)", ["--model", ""], "--model: empty"),
+    ("--speculate-method without --speculate", ["--speculate-method", "dspark"], "it needs --speculate K"),
+    ("--act-quant nvfp4 --quant none", ["--act-quant", "nvfp4", "--quant", "none"], "it contradicts --quant none"),
+    ("a too-long --prompt-file is named", ["--prompt-file", os.path.join(ROOT, "README.md"), "--max-seq-len", "64"],
+     "README.md of "),
 ]
+
+
+@pytest.fixture(scope="module")
+def no_mtp_model(tmp_path_factory):
+    """A tiny checkpoint in the HF layout: transformers' names have no MTP module, so it carries none."""
+    from dsv4_model.checkpoint.writer import write_tiny_checkpoint
+
+    d = tmp_path_factory.mktemp("no_mtp")
+    write_tiny_checkpoint(d, "hf")
+    return str(d)
+
+
+@pytest.mark.parametrize("serve", [False, True], ids=["generate", "serve"])
+def test_speculate_without_an_mtp_block_is_refused_before_loading(no_mtp_model, serve, capfd, monkeypatch):
+    """--speculate with the MTP drafter on a checkpoint without an MTP block: decided from its config and tensor
+    names, not after the load (minutes on a real checkpoint)."""
+    from dsv4_model.runtime.engine import Engine
+
+    monkeypatch.setattr(Engine, "from_pretrained", lambda *a, **k: pytest.fail("loaded the model before the error"))
+    if serve:
+        from dsv4_model.serve.cli import main
+
+        rc = main(["--model", no_mtp_model, "--speculate", "2"])
+    else:
+        from dsv4_model.runtime.cli import main
+
+        rc = main(["generate", "--model", no_mtp_model, "--speculate", "2", "--prompt", "hi"])
+    out, err = capfd.readouterr()
+    assert rc == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("error: --speculate: ") and "has no MTP block to draft with" in err, err
 
 
 @pytest.mark.parametrize("case", IN_PROCESS, ids=[c[0] for c in IN_PROCESS])
@@ -283,3 +318,19 @@ def test_serve_on_a_taken_port_says_so_before_loading(monkeypatch, capfd):
     assert err.startswith(f"error: --host 127.0.0.1 --port {port}: cannot listen there") and err.count("\n") == 1, err
     with pytest.raises(OSError, match="--host no-such-host.invalid"):
         cli.check_port("no-such-host.invalid", 8000)
+
+
+def test_serve_default_context_stays_within_max_position_embeddings(tmp_path):
+    """serve's default --max-seq-len (4096) is cut to a model trained for fewer positions, as generate's default
+    is, rather than refused for a value the user never gave."""
+    from dsv4_model.serve.cli import default_max_seq_len
+
+    for f in os.listdir(DEFAULT_MODEL_DIR):
+        if f != "config.json":
+            os.symlink(os.path.join(DEFAULT_MODEL_DIR, f), tmp_path / f)
+    cfg = json.loads(open(os.path.join(DEFAULT_MODEL_DIR, "config.json")).read())
+    cfg["max_position_embeddings"] = 1024
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert default_max_seq_len(str(tmp_path), beyond=False) == 1024
+    assert default_max_seq_len(str(tmp_path), beyond=True) == 4096
+    assert default_max_seq_len(DEFAULT_MODEL_DIR, beyond=False) == 4096

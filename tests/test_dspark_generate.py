@@ -128,6 +128,8 @@ def test_cli_speculate_picks_dspark_and_matches_plain(ckpt):
     (["--dspark-cut", "0.5"], "the confidence cut is DSpark's: it needs --speculate K"),
     (["--speculate", "2", "--dspark-cut", "2"], "--dspark-cut must be a chance in [0, 1]"),
     (["--speculate", "2", "--speculate-method", "mtp", "--dspark-cut", "0.5"], "the confidence cut is DSpark's"),
+    (["--speculate", "2", "--speculate-method", "mtp"], "carries a DSpark module (mtp.* tensors, dspark_* config keys), "
+                                                         "not an MTP block"),
 ])
 def test_cli_dspark_refusals_are_one_line(ckpt, extra, msg):
     rc, out, err = _cli("--model", str(ckpt), "--prompt", "abc", "--max-new-tokens", "4", *extra)

@@ -95,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true",
                    help="print one JSON object per prompt on stdout (prompt, ids, text, finish_reason, timings), "
                         "nothing else; no streaming")
-    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens per completion at most (default 64)")
     g.add_argument("--n", type=int, default=1, metavar="N",
                    help="completions per prompt (completion j of prompt i samples with seed --seed + i * N + j)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
@@ -103,10 +103,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--max-batch-size", type=int, default=None, metavar="ROWS",
                    help="cache rows: completions generated at once (default: all); more completions flow through "
                         "the rows as they free up")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = off (default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 = off (default)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="sampling seed (default 0: a sampled run repeats itself; see --n for the seed of each "
+                        "completion)")
     g.add_argument("--speculate", type=int, default=0, metavar="K",
                    help="draft K tokens per step and verify them in one pass (0 = off; at most 8: "
                         "docs/speculation.md)")
@@ -128,7 +130,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--graph-mode", choices=("manual", "reduce-overhead"), default=None,
                    help="how the CUDA graphs are captured (default manual; CUDA graphs only)")
     g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    g.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    g.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="activations, caches and float weights (default bfloat16)")
     g.add_argument("--max-seq-len", type=int, default=None,
                    help="cache length (default: longest prompt + max-new-tokens, rounded up to 256, at most the "
                         "model's max_position_embeddings); a completion that reaches it is cut short (said on stderr)")
@@ -173,11 +176,18 @@ def check_threads_fit(threads: int) -> None:
                          "(more threads than cores only contend)")
 
 
+def check_model_arg(model: str | None) -> None:
+    """--model given but empty (an unset shell variable) is a mistake, not a request for the built-in model."""
+    if model is not None and not model.strip():
+        raise ValueError("--model: empty (leave --model out for the built-in model)")
+
+
 def _check_args(args) -> None:
     """Everything the arguments alone decide, before any file is read."""
     from dsv4_model.model.checks import check_positive_int, check_speculate
     from dsv4_model.runtime.sampling import SamplingParams
 
+    check_model_arg(args.model)
     if not args.prompts:
         raise ValueError("no prompt: give --prompt TEXT, --prompt - (stdin) or --prompt-file PATH")
     if sum(v == "-" for kind, v in args.prompts if kind == "text") > 1:
@@ -202,6 +212,8 @@ def _check_args(args) -> None:
         raise ValueError("--regional-compile captures manual CUDA graphs: it contradicts --graph-mode reduce-overhead")
     if args.prefill_chunk is not None:
         check_positive_int(args.prefill_chunk, "--prefill-chunk")
+    if args.act_quant == "nvfp4" and args.quant == "none":
+        raise ValueError("--act-quant nvfp4 quantizes activations for NVFP4 weights (W4A4): it contradicts --quant none")
     try:
         SamplingParams(args.temperature, args.top_k, args.top_p, args.seed).validate()
     except ValueError as e:
@@ -228,6 +240,14 @@ def _prompt_text(arg: str, i: int) -> str:
     return text
 
 
+def _prompt_arg(items, i: int) -> str:
+    """How the command line gave prompt i, for an error about it."""
+    kind, value = items[i]
+    if kind == "file":
+        return f"--prompt-file {value}"
+    return "--prompt - (stdin)" if value == "-" else ("--prompt" if len(items) == 1 else f"--prompt #{i + 1}")
+
+
 def _read_prompts(items) -> list[str]:
     """The prompts of --prompt TEXT / --prompt - (stdin) / --prompt-file PATH, in command-line order."""
     out = []
@@ -235,7 +255,7 @@ def _read_prompts(items) -> list[str]:
         if kind == "text" and value != "-":
             out.append(_prompt_text(value, i))
             continue
-        what = "--prompt - (stdin)" if kind == "text" else f"--prompt-file {value}"
+        what = _prompt_arg(items, i)
         try:
             raw = sys.stdin.buffer.read() if kind == "text" else Path(value).read_bytes()
         except OSError as e:
@@ -267,7 +287,8 @@ def _cache_len(args, config, prompt_ids) -> int:
             n = max(limit, max(config.compress_ratios))
     if longest > n:
         what = "--max-seq-len" if args.max_seq_len is not None else "the model's max_position_embeddings"
-        raise ValueError(f"--prompt of {longest} tokens does not fit {what} ({n} positions)")
+        at = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i])) // args.n
+        raise ValueError(f"{_prompt_arg(args.prompts, at)} of {longest} tokens does not fit {what} ({n} positions)")
     return n
 
 
@@ -314,6 +335,9 @@ def check_drafter_args(args) -> None:
     if getattr(args, "draft_head", "stored") != "stored" and not args.speculate:
         raise ValueError(f"--draft-head {args.draft_head}: the drafters' head is speculative decoding's: it needs "
                          "--speculate K")
+    if getattr(args, "speculate_method", "auto") != "auto" and not args.speculate:
+        raise ValueError(f"--speculate-method {args.speculate_method}: picks the drafter of speculative decoding: "
+                         "it needs --speculate K")
     if args.drafter and getattr(args, "speculate_method", "auto") == "mtp":
         raise ValueError("--drafter holds a DSpark module: it contradicts --speculate-method mtp")
 
@@ -336,6 +360,8 @@ def _check_speculate_method(args, config, path) -> None:
     if args.dspark_cut and (not args.speculate or method != "dspark"):
         raise ValueError("--dspark-cut: the confidence cut is DSpark's: it needs --speculate K on a checkpoint "
                          "with a DSpark module")
+    if args.speculate and method == "mtp" and not args.drafter:
+        check_mtp_block(config, path)
     if not args.speculate or method != "dspark":
         return
     if config.dspark is None:
@@ -344,6 +370,21 @@ def _check_speculate_method(args, config, path) -> None:
     if args.speculate > config.dspark.block_size:
         raise ValueError(f"--speculate {args.speculate}: DSpark drafts blocks of {config.dspark.block_size} tokens "
                          f"(--speculate 1..{config.dspark.block_size})")
+
+
+def check_mtp_block(config, path) -> None:
+    """MTP speculation needs an MTP block the checkpoint carries: decided from its config and tensor names (the
+    shard headers), not after minutes of loading."""
+    from dsv4_model.checkpoint.loader import list_tensors
+
+    if config.dspark is not None:
+        raise ValueError(f"--speculate-method mtp: {path} carries a DSpark module (mtp.* tensors, dspark_* config "
+                         "keys), not an MTP block: leave --speculate-method at auto or dspark (docs/dspark.md)")
+    has_mtp = any(k.startswith(("mtp.", "model.mtp.")) for k in list_tensors(Path(path)))
+    if not (config.n_mtp_layers and has_mtp):
+        why = "no mtp.* tensors" if config.n_mtp_layers else "num_nextn_predict_layers = 0 in its config"
+        raise ValueError(f"--speculate: {path} has no MTP block to draft with ({why}); a checkpoint with one, or a "
+                         "DSpark drafter (--drafter DIR), can speculate (docs/speculation.md)")
 
 
 def cmd_generate(args) -> int:
@@ -367,7 +408,7 @@ def cmd_generate(args) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # rank 0 streams the text
     _check_device_args(args, device)
     prompts = _read_prompts(args.prompts)
-    if args.model:
+    if args.model is not None:
         from dsv4_model.checkpoint.hub import resolve_checkpoint
 
         path = resolve_checkpoint(args.model, "--model")
@@ -377,7 +418,7 @@ def cmd_generate(args) -> int:
     if args.threads or device.type == "cpu":
         torch.set_num_threads(args.threads or default_threads())
     quant = args.quant if args.quant != "auto" else (None if device.type == "cuda" else "none")
-    if args.act_quant == "nvfp4" and quant == "none":
+    if args.act_quant == "nvfp4" and quant == "none":  # W4A4 needs NVFP4 weights: "auto" on the CPU gets them
         quant = "nvfp4"
     config = config_with_drafter(load_config(path), args)
     _check_speculate_method(args, config, path)

@@ -25,6 +25,9 @@ class _Help(argparse.RawDescriptionHelpFormatter):
         return h
 
 
+DEFAULT_MAX_SEQ_LEN = 4096
+
+
 def _parser() -> argparse.ArgumentParser:
     from dsv4_model.runtime.cli import _Parser, add_dspark_args
 
@@ -42,7 +45,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the head: as stored (none), or NVFP4 after loading (a quarter of its bytes per step; the greedy "
                         "token changes at ~5%% of the built-in model's positions; docs/nvfp4.md)")
     p.add_argument("--max-batch-size", type=int, default=8, help="requests generating at once (batch rows)")
-    p.add_argument("--max-seq-len", type=int, default=4096, help="context per request: prompt + completion")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="context per request: prompt + completion (default: 4096, at most the model's "
+                        "max_position_embeddings)")
     p.add_argument("--allow-beyond-max-position", action="store_true",
                    help="let --max-seq-len exceed the model's max_position_embeddings (positions it was not "
                         "trained for)")
@@ -73,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check(args) -> None:
+    from dsv4_model.runtime.cli import check_model_arg
+
+    check_model_arg(args.model)
     for name in ("max_batch_size", "max_seq_len", "max_waiting", "max_prefill_tokens", "threads"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -111,12 +119,21 @@ def check_checkpoint_options(args) -> None:
     from dsv4_model.runtime.cli import _check_speculate_method
     from dsv4_model.serve.chat_format import ChatFormat
 
-    path = resolve_checkpoint(args.model) if args.model else default_model_path()[0]
+    path = resolve_checkpoint(args.model, "--model") if args.model is not None else default_model_path()[0]
     config = load_config(path)
     if args.chat_format == "deepseek_v4":
         ChatFormat(args.chat_format, load_tokenizer(path, config))
     if args.speculate and not args.drafter:  # serve drafts with the checkpoint's DSpark where it has one
         _check_speculate_method(argparse.Namespace(**vars(args), speculate_method="auto"), config, path)
+
+
+def default_max_seq_len(path, beyond: bool) -> int:
+    """4096 positions per request, fewer where the model was trained for fewer."""
+    from dsv4_model.checkpoint.hub import resolve_checkpoint
+    from dsv4_model.checkpoint.loader import load_config
+
+    config = load_config(resolve_checkpoint(path, "--model"))
+    return DEFAULT_MAX_SEQ_LEN if beyond else min(DEFAULT_MAX_SEQ_LEN, config.max_position_embeddings)
 
 
 def build_engine(args):
@@ -134,11 +151,13 @@ def build_engine(args):
     shard = None
     if distributed.launched():  # expert parallelism: rank 0 serves HTTP and schedules, the others follow
         device, shard = distributed.init_expert_parallel(device)
-    if args.model:
+    if args.model is not None:
         path = args.model
     else:
         path, what = default_model_path()
         print(f"note: {what}", file=sys.stderr)
+    if args.max_seq_len is None:
+        args.max_seq_len = default_max_seq_len(path, args.allow_beyond_max_position)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     quant = args.quant if args.quant != "auto" else (None if device.type == "cuda" else "none")
