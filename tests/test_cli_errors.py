@@ -254,6 +254,9 @@ SERVE_CASES = [
      "--chat-format deepseek_v4: the tokenizer has no DeepSeek-V4 chat tokens"),
     ("serve: --dspark-cut without a DSpark module", ["--speculate", "1", "--dspark-cut", "0.5"],
      "--dspark-cut: the confidence cut is DSpark's"),
+    ("serve: --act-quant nvfp4 --quant none", ["--act-quant", "nvfp4", "--quant", "none"],
+     "it contradicts --quant none"),
+    ("serve: --model ''", ["--model", ""], "--model: empty"),
 ]
 
 

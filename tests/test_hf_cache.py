@@ -118,7 +118,7 @@ def test_a_repo_id_resolves_offline_from_the_cache(hub_env, reference, monkeypat
         resolve_checkpoint("testorg/tiny-v4")
 
 
-def test_unresolvable_references_name_the_argument_and_the_cache(hub_env):
+def test_unresolvable_references_name_the_argument_and_the_cache(hub_env, monkeypatch):
     cache = str(hub_env[0])
     cases = [("testorg/absent", f"--model testorg/absent: not a directory, and not in the Hugging Face cache at "
                                 f"{cache} (download it with `hf download testorg/absent`)"),
@@ -126,7 +126,10 @@ def test_unresolvable_references_name_the_argument_and_the_cache(hub_env):
                                     "cache (revision v9) at"),
              ("/no/such/dir", "--model /no/such/dir: no such checkpoint directory"),
              ("a/b/c", "--model a/b/c: no such checkpoint directory"),
-             ("../x", "--model ../x: no such checkpoint directory")]
+             ("../x", "--model ../x: no such checkpoint directory"),
+             # a relative path to a file looks like ORG/NAME: it is a file, not an uncached repo
+             ("tests/test_hf_cache.py", "--model tests/test_hf_cache.py: a file, not a checkpoint directory")]
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for ref, want in cases:
         with pytest.raises(CheckpointError) as e:
             resolve_checkpoint(ref, "--model")

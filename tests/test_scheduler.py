@@ -495,3 +495,20 @@ def test_one_scheduler_drives_an_engine_at_a_time(engine, prompt_ids, alone):
     again = t.submit(Request(prompt_ids[0], _params(0), MAX_TOKENS[0]))
     t.run_until_idle()
     assert again.token_ids == alone[0].token_ids
+
+
+def test_every_eos_id_of_the_config_ends_a_completion(engine, prompt_ids, alone, monkeypatch):
+    """A config listing several eos ids (HF's eos_token_id as a list: config.eos_token_ids) stops on each of them,
+    in the scheduler and in generate()."""
+    import dataclasses
+
+    ids = alone[0].token_ids  # greedy (an even index): the same tokens again
+    at = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])
+    cfg = engine.config
+    monkeypatch.setattr(engine, "config", dataclasses.replace(cfg, eos_token_ids=(cfg.eos_token_id, ids[at])))
+    s = Scheduler(engine)
+    r = s.submit(Request(prompt_ids[0], _params(0), MAX_TOKENS[0]))
+    s.run_until_idle()
+    assert r.token_ids == ids[:at] and r.finish_reason == "stop"  # (an eos is not part of the text)
+    out = generate(engine, [prompt_ids[0]], max_new_tokens=MAX_TOKENS[0], seed=100)
+    assert out.token_ids[0] == ids[:at] and out.finish_reasons[0] == "stop"

@@ -451,7 +451,7 @@ def test_echo_scoring_keeps_a_stop_tokens_logprob(served):
     sched = Scheduler(_engine(1))
     first = sched.submit(Request(ids, max_tokens=1, logprobs=1, ignore_eos=True))
     sched.run_until_idle()
-    sched.eos = first.token_ids[0]
+    sched.eos = frozenset({first.token_ids[0]})
     srv = ServerThread(create_app(sched, ServeConfig(model_name="tiny", max_waiting=4, chat_format="plain")))
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)

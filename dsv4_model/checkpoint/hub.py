@@ -48,6 +48,8 @@ def resolve_checkpoint(ref: str | os.PathLike, arg: str = "") -> Path:
         return path
     if os.fspath(ref) == DEFAULT_MODEL:
         return default_model_path()[0]
+    if path.exists():  # a file (e.g. a shard) is no checkpoint, whatever its name looks like
+        raise CheckpointError(f"{what}: a file, not a checkpoint directory (give the directory that holds config.json)")
     parsed = _repo_ref(os.fspath(ref))
     if parsed is None:
         raise CheckpointError(f"{what}: no such checkpoint directory")

@@ -52,8 +52,9 @@ class TensorInfo:
 def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{key: (dtype tag, shape)} from a safetensors file's JSON header, without touching tensor data. The header's
     data extents are checked against the file: every tensor's byte range lies inside it, holds exactly its dtype x
-    shape bytes, and the ranges cover the data section to its end (a truncated or padded shard fails here, before
-    any weight is read)."""
+    shape bytes, and the ranges, in offset order, follow each other from byte 0 to the data section's end without a
+    gap or an overlap, as safetensors requires (a truncated, padded or overlapping shard fails here, before any
+    weight is read)."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -68,12 +69,13 @@ def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         raise CheckpointError(f"{path}: cannot read safetensors header: {e}") from e
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: safetensors header is not a JSON object")
-    out, data_len, end_max = {}, size - 8 - n, 0
+    out, data_len, extents = {}, size - 8 - n, []
     for key, v in header.items():
         if key == "__metadata__":
             continue
         try:
             dtype, shape, (begin, end) = v["dtype"], tuple(int(d) for d in v["shape"]), v["data_offsets"]
+            begin, end = _offset(begin), _offset(end)
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{path}: tensor {key!r}: malformed header entry {v!r}") from e
         want = TensorInfo(key, path, dtype, shape).nbytes
@@ -85,12 +87,29 @@ def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         if end > data_len:
             raise CheckpointError(f"{path}: truncated: tensor {key!r} ends at byte {8 + n + end} of the file, which "
                                   f"has {size} bytes")
-        end_max = max(end_max, end)
+        extents.append((begin, end, key))
         out[key] = (dtype, shape)
-    if end_max != data_len:
-        raise CheckpointError(f"{path}: {data_len - end_max} bytes after the last tensor's data (the header does not "
+    pos, prev = 0, None
+    for begin, end, key in sorted(extents):
+        if begin > pos:
+            after = f"after tensor {prev[2]!r} ([{prev[0]}, {prev[1]}))" if prev else "at the start of the data"
+            raise CheckpointError(f"{path}: tensor {key!r} ([{begin}, {end})): a hole of {begin - pos} bytes {after} "
+                                  f"(safetensors needs the tensors' data back to back: a damaged shard)")
+        if begin < pos:
+            raise CheckpointError(f"{path}: tensor {key!r} ([{begin}, {end})) overlaps tensor {prev[2]!r} "
+                                  f"([{prev[0]}, {prev[1]})) (safetensors needs each tensor's bytes to be its own: a "
+                                  f"damaged shard)")
+        pos, prev = end, (begin, end, key)
+    if pos != data_len:
+        raise CheckpointError(f"{path}: {data_len - pos} bytes after the last tensor's data (the header does not "
                               f"describe the file: a damaged or partly overwritten shard)")
     return out
+
+
+def _offset(v) -> int:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise TypeError(f"data offset {v!r} is not an int")
+    return v
 
 
 def _inside(root: Path, name: str) -> Path | None:

@@ -48,8 +48,11 @@ from dsv4_model.checkpoint.tensor_checks import (
     FP8_TAGS, NVFP4_INPUT_SCALE, NVFP4_SCALE, NVFP4_SCALE2, PACKED_FP4_TAGS, check_source, dtype_ok,
     dtype_problem, fmt_shape, source_name,
 )
+from dsv4_model.checkpoint.tokenizer import TOKENIZER_NAME, load_tokenizer
 from dsv4_model.model.checks import check_max_seq_len, check_positive_int, parse_device
-from dsv4_model.checkpoint.names import FUSED_W13, hf_to_official_name, split_expert_name
+from dsv4_model.checkpoint.names import (
+    FUSED_W13, checkpoint_key, expert_name, hf_to_official_name, split_expert_name,
+)
 from dsv4_model.quant.nvfp4_convert import Mxfp4Tensor, Nvfp4Tensor
 from dsv4_model.quant.formats import FP4_BLOCK, FP8_BLOCK, dequant_fp8_blocks, dequant_mxfp4
 from dsv4_model.quant.quantize_model import (
@@ -127,11 +130,14 @@ def load_config(path: str | os.PathLike, layout: str | None = None):
     if version is not None and version != DSV4_FORMAT_VERSION:
         raise CheckpointError(f"{cfg_path}: field {DSV4_FORMAT_KEY!r} is {version!r}, this loader reads version {DSV4_FORMAT_VERSION}")
     try:
-        return ModelConfig.from_dict(raw)
+        config = ModelConfig.from_dict(raw)
+        if (Path(path) / TOKENIZER_NAME).is_file():  # a model with its tokenizer, not a random test one
+            config.check_eos_in_vocab()
     except CheckpointError:
         raise
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{cfg_path}: invalid config: {e}") from e
+    return config
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,13 +180,20 @@ def build_load_plan(tensors: dict[str, TensorInfo], expected: dict[str, tuple[tu
     scales: dict[str, TensorInfo] = {}
     nvfp4_scales: dict[str, dict[str, TensorInfo]] = {}
     weights: dict[str, TensorInfo] = {}
+    # scales whose weight is missing (and would be a model tensor): the weight is reported missing, not the scale
+    # as unexpected
+    orphans: dict[str, TensorInfo] = {}
     for name, info in official.items():
         base, _, leaf = name.rpartition(".")
         wname = base + ".weight"
+        split = split_expert_name(wname)
         if leaf == "scale" and wname in official:
             scales[wname] = info
         elif leaf in (NVFP4_SCALE, NVFP4_SCALE2, NVFP4_INPUT_SCALE) and wname in official:
             nvfp4_scales.setdefault(wname, {})[leaf] = info
+        elif (leaf in ("scale", NVFP4_SCALE, NVFP4_SCALE2, NVFP4_INPUT_SCALE) and name not in expected
+              and (split[0] if split else wname) in expected):
+            orphans.setdefault(wname, info)
         else:
             weights[name] = info
 
@@ -302,14 +315,20 @@ def build_load_plan(tensors: dict[str, TensorInfo], expected: dict[str, tuple[tu
             continue
         if _is_stacked(target, shape):
             missing = [i for i in range(shape[0]) if i not in slots and (target, i) not in rejected]
+            keys = _expert_keys(target, missing, layout)
             if missing and len(missing) == shape[0]:
                 problems.append(f"missing tensor: {target!r} (expected shape {fmt_shape(shape)}, dtype {dtype}; "
-                                f"neither the stacked tensor nor any per-expert tensor is in the checkpoint)")
+                                f"neither the stacked tensor nor any per-expert tensor ({keys}) is in the checkpoint)")
             elif missing:
-                problems.append(f"missing tensor: experts {_fmt_list(missing)} of {target!r} (each expected shape "
-                                f"{fmt_shape(shape[1:])}, dtype {dtype}) are not in the checkpoint")
+                problems.append(f"missing tensor: experts {_fmt_list(missing)} of {target!r} (checkpoint keys "
+                                f"{keys}; each expected shape {fmt_shape(shape[1:])}, dtype {dtype}) are not in the "
+                                "checkpoint")
         elif not slots:
-            problems.append(f"missing tensor: {target!r} (expected shape {fmt_shape(shape)}, dtype {dtype}) is not in the checkpoint")
+            key = checkpoint_key(target, layout)
+            where = f"{target!r}" if key == target else f"{target!r} (checkpoint key {key!r})"
+            orphan = orphans.get(target)
+            problems.append(f"missing tensor: {where} (expected shape {fmt_shape(shape)}, dtype {dtype}) is not in the "
+                            "checkpoint" + ("" if orphan is None else f", though its scale {orphan.key!r} is"))
 
     if problems:
         shown = problems[:_MAX_LISTED_PROBLEMS]
@@ -323,6 +342,14 @@ def build_load_plan(tensors: dict[str, TensorInfo], expected: dict[str, tuple[tu
 
 def _is_stacked(target: str, shape: tuple[int, ...]) -> bool:
     return len(shape) == 3 and target.rsplit(".", 1)[-1] in ("w1", "w2", "w3") and ".ffn.experts." in target + "."
+
+
+def _expert_keys(target: str, experts: list[int], layout: str) -> str:
+    """The per-expert checkpoint keys of stacked `target`'s `experts`, for messages: the first, the last."""
+    if not experts:
+        return ""
+    first, last = (checkpoint_key(expert_name(target, i), layout) for i in (experts[0], experts[-1]))
+    return repr(first) if first == last else f"{first!r} ... {last!r}"
 
 
 def _fmt_list(xs: list[int]) -> str:
@@ -608,6 +635,8 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     config = load_config(root, layout)
+    if (root / TOKENIZER_NAME).is_file():  # one that cannot serve this model fails here, not after the load
+        load_tokenizer(root, config)
     dspark_root, dspark_tensors, dspark_layout = root, tensors, layout
     if drafter is not None:
         from dsv4_model.checkpoint.drafter import with_drafter

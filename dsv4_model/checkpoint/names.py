@@ -106,6 +106,19 @@ def official_to_hf_name(name: str) -> str:
     return f"model.layers.{idx}.{rest}"
 
 
+def checkpoint_key(name: str, layout: str) -> str:
+    """The key a checkpoint of `layout` stores official (per-expert) tensor `name` under, for messages: HF's saved
+    name (`model.mtp.*` for a DSpark module, as a converter that keeps it writes), else `name` itself."""
+    if layout != "hf":
+        return name
+    if name.startswith("mtp."):
+        return "model." + name
+    try:
+        return official_to_hf_name(name)
+    except KeyError:
+        return name
+
+
 # ---------------------------------------------------------------------------------------------
 # Routed experts: checkpoint `P.ffn.experts.E.wK.weight` <-> model's stacked `P.ffn.experts.wK`.
 # ---------------------------------------------------------------------------------------------

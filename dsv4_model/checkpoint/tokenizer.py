@@ -1,13 +1,19 @@
 """Tokenizer of a checkpoint directory, plus incremental (streaming) detokenization.
 
 `load_tokenizer(path, config)` wraps `<path>/tokenizer.json` (HF `tokenizers`); a checkpoint without one
-(random tiny checkpoints) gets `ByteTokenizer`, a lossless byte-level fallback sized to the vocabulary.
-BOS/EOS ids come from the model config, so both kinds agree with the model about special tokens.
+(random tiny checkpoints: a vocabulary of at most BYTE_FALLBACK_MAX_VOCAB ids) gets `ByteTokenizer`, a byte-level
+fallback sized to the vocabulary. BOS/EOS ids come from the model config, so both kinds agree with the model about
+special tokens.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+TOKENIZER_NAME = "tokenizer.json"
+# A byte-level vocabulary is 256 byte ids plus a few specials (rounded up, as vocabularies are padded); a larger
+# one was trained with its own tokenizer, and byte ids would feed it text it never saw (meaningless output).
+BYTE_FALLBACK_MAX_VOCAB = 512
 
 
 class HFTokenizer:
@@ -21,6 +27,8 @@ class HFTokenizer:
         self._tok = Tokenizer.from_file(str(path))
         self.bos_id, self.eos_id = int(bos_id), int(eos_id)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # ids need not be dense: the largest one bounds what the model's embedding must hold
+        self.n_ids = max(self.vocab_size, max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1)
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_bos).ids
@@ -65,13 +73,36 @@ class ByteTokenizer:
 
 
 def load_tokenizer(path: str | os.PathLike | None, config) -> HFTokenizer | ByteTokenizer:
-    """The tokenizer for a checkpoint at `path` (None or no tokenizer.json: the byte-level fallback)."""
+    """The tokenizer for a checkpoint at `path` (None: the byte-level fallback; a directory without tokenizer.json:
+    the fallback too where the vocabulary is byte-sized, see BYTE_FALLBACK_MAX_VOCAB). Raises CheckpointError naming
+    tokenizer.json when it cannot be read, holds more ids than the model's vocabulary, or is missing for a model
+    whose vocabulary needs it."""
     bos, eos = int(getattr(config, "bos_token_id", 0)), int(getattr(config, "eos_token_id", 1))
+    vocab = int(config.vocab_size)
     if path is not None:
-        f = Path(path) / "tokenizer.json"
+        f = Path(path) / TOKENIZER_NAME
         if f.is_file():
-            return HFTokenizer(f, bos, eos)
-    return ByteTokenizer(config.vocab_size, bos, eos)
+            try:
+                tok = HFTokenizer(f, bos, eos)
+            except ImportError:
+                raise
+            except Exception as e:  # `tokenizers` raises a bare Exception for any bad file
+                raise _error(f"{f}: cannot read the tokenizer: {e}") from e
+            if tok.n_ids > vocab:
+                raise _error(f"{f}: the tokenizer has {tok.n_ids} token ids (added tokens included), more than the "
+                             f"model's vocab_size {vocab}: it is not this model's tokenizer")
+            return tok
+        if Path(path).is_dir() and vocab > BYTE_FALLBACK_MAX_VOCAB:
+            raise _error(f"{f}: missing: a model with vocab_size {vocab} needs its own tokenizer (the byte-level "
+                         f"fallback serves vocabularies of at most {BYTE_FALLBACK_MAX_VOCAB} ids); `hf download` of "
+                         "the model's repo brings tokenizer.json with the weights")
+    return ByteTokenizer(vocab, bos, eos)
+
+
+def _error(msg: str) -> Exception:
+    from dsv4_model.checkpoint.io import CheckpointError  # (io imports torch; the tokenizer alone does not)
+
+    return CheckpointError(msg)
 
 
 class StreamDecoder:

@@ -19,6 +19,8 @@ from dsv4_model.model.dspark_config import DSparkConfig, dspark_from_dict
 from dsv4_model.model.v41 import v41_refusal
 
 SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+# a config's `model_type` when it gives one (V4.1's is refused apart, in one line: model/v41.py)
+V4_MODEL_TYPES = ("deepseek_v4",)
 
 # transformers' layer-type labels; the compress ratio of each label comes from `compress_rates`.
 HF_SWA, HF_CSA, HF_HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -115,6 +117,8 @@ class ModelConfig:
     n_mtp_layers: int = 1
     bos_token_id: int = 0
     eos_token_id: int = 1
+    # every EOS id where config.json gives a list (HF allows one; the first is eos_token_id); empty: eos_token_id only
+    eos_token_ids: tuple[int, ...] = ()
     # the DSpark speculative module a 0731-style checkpoint carries under `mtp.*` (not built: docs/dspark.md)
     dspark: DSparkConfig | None = None
     # Informational (checkpoint storage formats); the pure-PyTorch model does not read them.
@@ -202,6 +206,17 @@ class ModelConfig:
             bad("rope_factor", "must be > 0 when YaRN is enabled (original_seq_len > 0)")
         if self.swiglu_limit < 0:
             bad("swiglu_limit", "must be >= 0 (0 disables the clamp)")
+        if not _is_int(self.bos_token_id) or not 0 <= self.bos_token_id < self.vocab_size:
+            bad("bos_token_id", f"must be a token id in [0, vocab_size={self.vocab_size})")
+        # (an eos past the vocabulary is allowed here: a random test model's way to never stop; see
+        # check_eos_in_vocab)
+        if not _is_int(self.eos_token_id) or self.eos_token_id < 0:
+            bad("eos_token_id", "must be a token id (an int >= 0)")
+        ids = self.eos_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+            bad("eos_token_ids", "must be a list of token ids (ints >= 0)")
+        if ids and ids[0] != self.eos_token_id:
+            bad("eos_token_ids", f"must start with eos_token_id={self.eos_token_id}")
         if self.dspark is not None:
             if not isinstance(self.dspark, DSparkConfig):
                 bad("dspark", "must be a DSparkConfig or None")
@@ -211,12 +226,27 @@ class ModelConfig:
             self.dspark.validate(self.n_layers, self.vocab_size)
         return self
 
+    def check_eos_in_vocab(self) -> "ModelConfig":
+        """Every EOS id lies in [0, vocab_size): an id the model can emit. Not part of validate(), where a random test
+        model may park eos past its vocabulary so that no row stops; the loader holds a checkpoint that ships its
+        tokenizer (a real model) to it."""
+        for i in (self.eos_token_id, *self.eos_token_ids):
+            if not 0 <= i < self.vocab_size:
+                name = "eos_token_id" if i == self.eos_token_id else "eos_token_ids"
+                raise ValueError(f"ModelConfig.{name}: must be a token id in [0, vocab_size={self.vocab_size}) "
+                                 f"(got {getattr(self, name)!r})")
+        return self
+
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
         """Official field names; a DSpark config as the release writes it (flat `dspark_*` keys, the stages'
         compress ratios after the main layers')."""
         d = dataclasses.asdict(self)
         del d["dspark"]
+        if self.eos_token_ids:
+            d["eos_token_ids"] = list(self.eos_token_ids)
+        else:
+            del d["eos_token_ids"]
         d["compress_ratios"] = list(d["compress_ratios"])
         if self.dspark is not None:
             d.update(self.dspark.config_keys())
@@ -243,6 +273,11 @@ class ModelConfig:
         refusal = v41_refusal(d)  # before the field checks: V4.1 nests its fields in text_config
         if refusal:
             raise ValueError(refusal)
+        model_type = d.get("model_type")
+        if model_type is not None and model_type not in V4_MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not a DeepSeek-V4 model (dsv4 runs model_type "
+                             f"{' / '.join(map(repr, V4_MODEL_TYPES))} checkpoints)")
+        _check_rope_objects(d)
         missing = missing_required_fields(d) if require else []
         if missing:
             keys = [f"{m!r}" + (f" (or {' / '.join(map(repr, REQUIRED_FIELDS[m][1:]))})"
@@ -312,7 +347,7 @@ class ModelConfig:
             "num_nextn_predict_layers": self.n_mtp_layers,
             "rms_norm_eps": self.norm_eps,
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if self.eos_token_ids else self.eos_token_id,
             "tie_word_embeddings": False,
             "hidden_act": "silu",
             "attention_bias": False,
@@ -326,8 +361,56 @@ class ModelConfig:
 _OFFICIAL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)} - {"dspark"}
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _split_eos(out: dict[str, Any]) -> None:
+    """HF's list form of eos_token_id -> eos_token_id (the first) + eos_token_ids (all, when more than one)."""
+    eos = out.get("eos_token_id")
+    if isinstance(eos, list):
+        if not eos:
+            raise ValueError("eos_token_id: an empty list (give a token id or a list of them)")
+        out["eos_token_id"] = eos[0]
+        out["eos_token_ids"] = tuple(eos) if len(eos) > 1 else ()
+    elif "eos_token_ids" in out:
+        if not isinstance(out["eos_token_ids"], list):
+            raise ValueError(f"eos_token_ids: must be a list of token ids, got {out['eos_token_ids']!r}")
+        out["eos_token_ids"] = tuple(out["eos_token_ids"])
+
+
+# rope_parameters / rope_scaling entries the config is read from, and the type each must have
+_ROPE_NUMBERS = ("rope_theta", "partial_rotary_factor", "factor", "original_max_position_embeddings", "beta_fast",
+                 "beta_slow")
+_ROPE_STRINGS = ("rope_type", "type")
+
+
+def _check_rope_objects(d: dict[str, Any]) -> None:
+    """rope_parameters (and its nested main / compress) and rope_scaling, where given, are objects whose read fields
+    have their types: a ValueError naming the key, not an AttributeError deep in _from_hf."""
+    def check(v, where: str) -> None:
+        if not isinstance(v, dict):
+            raise ValueError(f"{where}: must be an object (e.g. {{\"rope_type\": \"yarn\", \"factor\": 16, ...}}), "
+                             f"got {v!r}")
+        for k in _ROPE_NUMBERS:
+            if v.get(k) is not None and (not isinstance(v[k], (int, float)) or isinstance(v[k], bool)):
+                raise ValueError(f"{where}.{k}: must be a number, got {v[k]!r}")
+        for k in _ROPE_STRINGS:
+            if v.get(k) is not None and not isinstance(v[k], str):
+                raise ValueError(f"{where}.{k}: must be a string, got {v[k]!r}")
+
+    for key in ("rope_parameters", "rope_scaling"):
+        if d.get(key) is not None:
+            check(d[key], key)
+    rp = d.get("rope_parameters")
+    for part in ("main", "compress"):
+        if isinstance(rp, dict) and rp.get(part) is not None:
+            check(rp[part], f"rope_parameters.{part}")
+
+
 def _from_official(d: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in d.items() if k in _OFFICIAL_FIELDS}
+    _split_eos(out)
     n_layers = int(out.get("n_layers", ModelConfig.n_layers))
     ratios = [int(r) for r in out["compress_ratios"]] if "compress_ratios" in out else None
     _split_ratios(d, out, ratios, n_layers, int(out.get("n_mtp_layers", ModelConfig.n_mtp_layers)))
@@ -403,8 +486,7 @@ def _from_hf(d: dict[str, Any]) -> dict[str, Any]:
         "expert_dtype": _first(d, "expert_dtype"),
         "quantization_config": _first(d, "quantization_config"),
     }
-    if isinstance(out["eos_token_id"], list):
-        out["eos_token_id"] = out["eos_token_id"][0]
+    _split_eos(out)
 
     # rope dims: legacy qk_rope_head_dim > partial_rotary_factor (top-level or nested)
     rp = d.get("rope_parameters") or {}

@@ -147,8 +147,10 @@ def generate(engine, prompts, max_new_tokens: int = 32, temperature: float = 0.0
         raise ValueError("prompts: token ids must be ints") from None
     if any(len(p) == 0 for p in ids):
         raise ValueError("every prompt needs at least one token")
+    from dsv4_model.runtime.scheduler import eos_ids
+
     extra = [stop_token_ids] if isinstance(stop_token_ids, int) else (stop_token_ids or ())
-    stops = {int(engine.config.eos_token_id)} | {operator.index(t) for t in extra}
+    stops = set(eos_ids(engine.config)) | {operator.index(t) for t in extra}
     base = SamplingParams(float(temperature), top_k, float(top_p), seed).validate()
     base = SamplingParams(base.temperature, base.top_k, base.top_p, seed_key(base.seed))  # int64: seed + i stays valid
     method = speculate_method_of(engine, speculate_method) if speculate else None

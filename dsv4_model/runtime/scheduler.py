@@ -94,6 +94,11 @@ class _Flight:
         return not self.first and not self.decode and not self.prompt_lp
 
 
+def eos_ids(config) -> frozenset[int]:
+    """The ids that end a completion: eos_token_id and, where the config lists several, each of them."""
+    return frozenset({int(config.eos_token_id), *map(int, getattr(config, "eos_token_ids", ()))})
+
+
 def _ended(req: Request) -> str:
     """A cancelled request's finish reason: "error" where its own callback raised (Request.callback_error)."""
     return "cancelled" if req.callback_error is None else "error"
@@ -134,7 +139,7 @@ class Scheduler:
         self.reuse = reuse
         self.max_seq_len = engine.max_seq_len
         self.vocab_size = engine.vocab_size
-        self.eos = int(engine.config.eos_token_id)
+        self.eos = eos_ids(engine.config)  # (a config may list several: HF's eos_token_id as a list)
         self.tokenizer = tokenizer if tokenizer is not None else engine.get_tokenizer()
         self.runner = self._make_runner(engine)
         self.group, self.distributed = group, distributed or group is not None
@@ -599,7 +604,7 @@ class Scheduler:
                 row.seq.append(t)  # fed to the row's next step, if it runs one
             if row.req is not req or req.finish_reason is not None:
                 continue
-            if t in req.stop_ids or (t == eos and not req.ignore_eos):
+            if t in req.stop_ids or (t in eos and not req.ignore_eos):
                 self._stopped(row, req, t, now, self._logprob(flight, "decode", req) if flight.lp_index else None)
                 continue
             if req._plain:  # no text, no callback: the ids and times alone
@@ -627,7 +632,7 @@ class Scheduler:
         if req.max_tokens == 0:  # a scored prompt: nothing to generate
             self._free(row, "length", now)
             return
-        if t in req.stop_ids or (t == self.eos and not req.ignore_eos):
+        if t in req.stop_ids or (t in self.eos and not req.ignore_eos):
             self._stopped(row, req, t, now, logprob)
         elif req.add_token(t, now, logprob):
             self._free(row, "stop", now)

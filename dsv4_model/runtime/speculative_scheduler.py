@@ -172,7 +172,7 @@ class SpeculativeScheduler(Scheduler):
                 row.seq.append(t)
                 row.filled = len(row.seq) - 1  # where the latest token goes (the next step feeds it)
                 logprob = self._logprob(flight, "decode", req, j)
-                if t in req.stop_ids or (t == eos and not req.ignore_eos):
+                if t in req.stop_ids or (t in eos and not req.ignore_eos):
                     self._stopped(row, req, t, now, logprob)
                     break
                 if req.add_token(t, now, logprob):

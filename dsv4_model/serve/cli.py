@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--head-quant", choices=("none", "nvfp4"), default="none",
                    help="the head: as stored (none), or NVFP4 after loading (a quarter of its bytes per step; the greedy "
                         "token changes at ~5%% of the built-in model's positions; docs/nvfp4.md)")
+    p.add_argument("--act-quant", choices=("none", "nvfp4"), default=None,
+                   help="nvfp4 = W4A4 (activations quantized per token too); default: as stored, else none")
+    p.add_argument("--no-simulate-quant", action="store_true", help="skip the KV/indexer fake quantization")
     p.add_argument("--max-batch-size", type=int, default=8, help="requests generating at once (batch rows)")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="context per request: prompt + completion (default: 4096, at most the model's "
@@ -72,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
                         "plain: messages' text joined by newlines (models without a chat format)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests may finish on SIGTERM")
     p.add_argument("--threads", type=int, default=None, help="CPU intra-op threads")
+    p.add_argument("--debug", action="store_true", help="on a start-up error, show the traceback too")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="the server's and uvicorn's logging")
     return p
@@ -104,14 +108,14 @@ def _check(args) -> None:
     check_regional_args(args)
     if args.dspark_cut and not args.speculate:
         raise ValueError("--dspark-cut: the confidence cut is DSpark's speculation's: it needs --speculate K")
+    if args.act_quant == "nvfp4" and args.quant == "none":
+        raise ValueError("--act-quant nvfp4 quantizes activations for NVFP4 weights (W4A4): it contradicts --quant none")
 
 
 def check_checkpoint_options(args) -> None:
     """The options that depend on the checkpoint, from its config and tokenizer alone, before any weight is read
-    (build_app's checks would come after the load): --chat-format deepseek_v4 on a tokenizer without V4's chat
-    tokens; --speculate K past a DSpark block, --dspark-cut without a DSpark module (as generate checks them)."""
-    if args.chat_format != "deepseek_v4" and not (args.speculate and not args.drafter):
-        return
+    (build_app's checks would come after the load): the tokenizer itself; --chat-format deepseek_v4 on a tokenizer
+    without V4's chat tokens; --speculate K past a DSpark block, --dspark-cut without a DSpark module (as generate checks them)."""
     from dsv4_model.checkpoint.builtin import default_model_path
     from dsv4_model.checkpoint.hub import resolve_checkpoint
     from dsv4_model.checkpoint.loader import load_config
@@ -121,8 +125,9 @@ def check_checkpoint_options(args) -> None:
 
     path = resolve_checkpoint(args.model, "--model") if args.model is not None else default_model_path()[0]
     config = load_config(path)
+    tok = load_tokenizer(path, config)  # a missing / unreadable / foreign tokenizer.json: refused here
     if args.chat_format == "deepseek_v4":
-        ChatFormat(args.chat_format, load_tokenizer(path, config))
+        ChatFormat(args.chat_format, tok)
     if args.speculate and not args.drafter:  # serve drafts with the checkpoint's DSpark where it has one
         _check_speculate_method(argparse.Namespace(**vars(args), speculate_method="auto"), config, path)
 
@@ -161,7 +166,10 @@ def build_engine(args):
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     quant = args.quant if args.quant != "auto" else (None if device.type == "cuda" else "none")
+    if args.act_quant == "nvfp4" and quant == "none":  # W4A4 needs NVFP4 weights: "auto" on the CPU gets them
+        quant = "nvfp4"
     engine = Engine.from_pretrained(path, device=device, dtype=getattr(torch, args.dtype),
+                                    act_quant=args.act_quant, simulate_quant=not args.no_simulate_quant,
                                     max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, quant=quant,
                                     runner_options=RunnerOptions(compile=True if args.regional_compile else
                                                                  args.compile, regional=args.regional_compile),
@@ -275,6 +283,8 @@ def main(argv=None) -> int:
               file=sys.stderr, flush=True)
         app = build_app(args, engine, path, shard)
     except (ValueError, OSError, ImportError) as e:
+        if args.debug:
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 2
     import uvicorn
