@@ -107,6 +107,9 @@ def test_the_byte_fallback_stays_for_byte_sized_vocabularies_and_no_checkpoint(t
     assert isinstance(load_tokenizer(d, make_config(vocab_size=BYTE_FALLBACK_MAX_VOCAB)), ByteTokenizer)
     with pytest.raises(CheckpointError, match="tokenizer.json: missing"):
         load_tokenizer(d, big)
+    # the Python API's engine (token-id prompts on a random full-size checkpoint): the fallback, said once
+    with pytest.warns(UserWarning, match="tokenizer.json is missing: byte-level fallback"):
+        assert isinstance(load_tokenizer(d, big, require=False), ByteTokenizer)
     tok = load_tokenizer(DEFAULT_MODEL_DIR, load_config(DEFAULT_MODEL_DIR))  # the built-in model's own
     assert isinstance(tok, HFTokenizer) and tok.n_ids == 4096
 

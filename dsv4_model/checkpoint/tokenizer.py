@@ -72,11 +72,12 @@ class ByteTokenizer:
         return out.decode("utf-8", errors="replace")
 
 
-def load_tokenizer(path: str | os.PathLike | None, config) -> HFTokenizer | ByteTokenizer:
+def load_tokenizer(path: str | os.PathLike | None, config, *, require: bool = True) -> HFTokenizer | ByteTokenizer:
     """The tokenizer for a checkpoint at `path` (None: the byte-level fallback; a directory without tokenizer.json:
     the fallback too where the vocabulary is byte-sized, see BYTE_FALLBACK_MAX_VOCAB). Raises CheckpointError naming
-    tokenizer.json when it cannot be read, holds more ids than the model's vocabulary, or is missing for a model
-    whose vocabulary needs it."""
+    tokenizer.json when it cannot be read, holds more ids than the model's vocabulary, or (require) is missing for a
+    model whose vocabulary needs it; require=False: the fallback then, with a warning (a random full-size
+    checkpoint driven by token ids, whose texts mean nothing anyway)."""
     bos, eos = int(getattr(config, "bos_token_id", 0)), int(getattr(config, "eos_token_id", 1))
     vocab = int(config.vocab_size)
     if path is not None:
@@ -92,7 +93,12 @@ def load_tokenizer(path: str | os.PathLike | None, config) -> HFTokenizer | Byte
                 raise _error(f"{f}: the tokenizer has {tok.n_ids} token ids (added tokens included), more than the "
                              f"model's vocab_size {vocab}: it is not this model's tokenizer")
             return tok
-        if Path(path).is_dir() and vocab > BYTE_FALLBACK_MAX_VOCAB:
+        if Path(path).is_dir() and vocab > BYTE_FALLBACK_MAX_VOCAB and not require:
+            import warnings
+
+            warnings.warn(f"{f} is missing: byte-level fallback tokenizer for a model of vocab_size {vocab} (its "
+                          "texts mean nothing; give token ids, or put the model's tokenizer.json there)", stacklevel=2)
+        elif Path(path).is_dir() and vocab > BYTE_FALLBACK_MAX_VOCAB:
             raise _error(f"{f}: missing: a model with vocab_size {vocab} needs its own tokenizer (the byte-level "
                          f"fallback serves vocabularies of at most {BYTE_FALLBACK_MAX_VOCAB} ids); `hf download` of "
                          "the model's repo brings tokenizer.json with the weights")

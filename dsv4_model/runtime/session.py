@@ -128,7 +128,8 @@ class EngineSession:
         if self.tokenizer is None:
             from dsv4_model.checkpoint.tokenizer import load_tokenizer
 
-            self.tokenizer = load_tokenizer(self.path, self.config)
+            # (lenient: an engine on a random full-size checkpoint runs on token ids; the CLIs require the file)
+            self.tokenizer = load_tokenizer(self.path, self.config, require=False)
         return self.tokenizer
 
     def generate(self, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
