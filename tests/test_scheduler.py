@@ -481,20 +481,35 @@ def test_generate_pads_the_bucket_past_its_rows(engine32):
 
 
 def test_one_scheduler_drives_an_engine_at_a_time(engine, prompt_ids, alone):
-    """A new Scheduler (generate() makes one per call) resets the engine's rows: it is refused while another one
-    holds requests, and the idle one it replaces refuses later submits instead of serving from reset rows."""
+    """Schedulers share an engine's cache rows one at a time (generate() makes one per call, a server holds one):
+    one takes the engine from another only while that one holds no request, and a scheduler whose construction
+    fails leaves the engine to the next one that submits."""
     s = Scheduler(engine)
     held = s.submit(Request(prompt_ids[0], _params(0), MAX_TOKENS[0]))
-    with pytest.raises(RuntimeError, match="another Scheduler"):
+    with pytest.raises(RuntimeError, match="another Scheduler on this engine holds requests"):
         generate(engine, [prompt_ids[1]], max_new_tokens=2)
     s.run_until_idle()
     assert held.token_ids == alone[0].token_ids
-    t = Scheduler(engine)  # s is idle: t takes the engine over
-    with pytest.raises(RuntimeError, match="newer Scheduler"):
+    t = Scheduler(engine, max_prefill_tokens=24)  # s is idle: t takes the engine
+    r = t.submit(Request(prompt_ids[1], _params(1), MAX_TOKENS[1]))
+    with pytest.raises(RuntimeError, match="another Scheduler"):
         s.submit(Request(prompt_ids[0], _params(0), MAX_TOKENS[0]))
-    again = t.submit(Request(prompt_ids[0], _params(0), MAX_TOKENS[0]))
     t.run_until_idle()
-    assert again.token_ids == alone[0].token_ids
+    assert r.token_ids == alone[1].token_ids
+    # s takes it back (its kept row is forgotten: t wrote the caches) and gets the same tokens again
+    again = s.submit(Request(prompt_ids[0] + held.token_ids, _params(2), 5))
+    s.run_until_idle()
+    assert s.stats.reuse_hits == 0 and again.finish_reason == "length"
+    u = Scheduler(engine)
+    cold = u.submit(Request(prompt_ids[0] + held.token_ids, _params(2), 5))
+    u.run_until_idle()
+    assert again.token_ids == cold.token_ids
+    with pytest.raises(ValueError, match="rows"):
+        Scheduler(engine, rows=99)
+    ok = s.submit(Request(prompt_ids[0], _params(0), MAX_TOKENS[0]))  # the failed one holds nothing
+    s.run_until_idle()
+    assert ok.token_ids == alone[0].token_ids
+
 
 
 def test_every_eos_id_of_the_config_ends_a_completion(engine, prompt_ids, alone, monkeypatch):

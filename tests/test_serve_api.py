@@ -466,3 +466,20 @@ def test_echo_scoring_keeps_a_stop_tokens_logprob(served):
         assert [v for s in streamed for v in s.token_logprobs] == lp.token_logprobs
     finally:
         srv.stop()
+
+
+def test_an_in_process_generate_on_the_served_engine_leaves_the_server_working():
+    """generate() on the engine a server schedules, while the server is idle, takes the engine's rows for its call;
+    the server's next request takes them back (its kept rows forgotten) and gets the same text."""
+    engine = _engine(1)
+    srv = ServerThread(create_app(Scheduler(engine), ServeConfig(model_name="tiny", max_waiting=4,
+                                                                  chat_format="plain")))
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        kw = dict(model="tiny", prompt=PROMPTS[0], max_tokens=N, temperature=0)
+        first = client.completions.create(**kw).choices[0].text
+        tok = engine.get_tokenizer()
+        assert generate(engine, [tok.encode(PROMPTS[0])], max_new_tokens=N).texts[0] == first
+        assert client.completions.create(**kw).choices[0].text == first
+    finally:
+        srv.stop()

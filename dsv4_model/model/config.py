@@ -231,10 +231,10 @@ class ModelConfig:
         model may park eos past its vocabulary so that no row stops; the loader holds a checkpoint that ships its
         tokenizer (a real model) to it."""
         for i in (self.eos_token_id, *self.eos_token_ids):
-            if not 0 <= i < self.vocab_size:
-                name = "eos_token_id" if i == self.eos_token_id else "eos_token_ids"
-                raise ValueError(f"ModelConfig.{name}: must be a token id in [0, vocab_size={self.vocab_size}) "
-                                 f"(got {getattr(self, name)!r})")
+            if not 0 <= i < self.vocab_size:  # (named as config.json gives it: one id, or the list)
+                got = list(self.eos_token_ids) if self.eos_token_ids else self.eos_token_id
+                raise ValueError(f"eos_token_id: must be a token id in [0, vocab_size={self.vocab_size}) "
+                                 f"(got {got!r})")
         return self
 
     # ------------------------------------------------------------------ (de)serialisation
@@ -371,6 +371,8 @@ def _split_eos(out: dict[str, Any]) -> None:
     if isinstance(eos, list):
         if not eos:
             raise ValueError("eos_token_id: an empty list (give a token id or a list of them)")
+        if not all(_is_int(i) and i >= 0 for i in eos):
+            raise ValueError(f"eos_token_id: must be a token id or a list of them (ints >= 0), got {eos!r}")
         out["eos_token_id"] = eos[0]
         out["eos_token_ids"] = tuple(eos) if len(eos) > 1 else ()
     elif "eos_token_ids" in out:

@@ -418,7 +418,7 @@ def cmd_generate(args) -> int:
     if args.threads or device.type == "cpu":
         torch.set_num_threads(args.threads or default_threads())
     quant = args.quant if args.quant != "auto" else (None if device.type == "cuda" else "none")
-    if args.act_quant == "nvfp4" and quant == "none":  # W4A4 needs NVFP4 weights: "auto" on the CPU gets them
+    if args.act_quant == "nvfp4" and args.quant == "auto":  # W4A4 needs NVFP4 weights: auto gets them (CPU or GPU)
         quant = "nvfp4"
     config = config_with_drafter(load_config(path), args)
     _check_speculate_method(args, config, path)

@@ -103,8 +103,9 @@ def _ended(req: Request) -> str:
     """A cancelled request's finish reason: "error" where its own callback raised (Request.callback_error)."""
     return "cancelled" if req.callback_error is None else "error"
 
-SUPERSEDED = ("this scheduler's engine is driven by a newer Scheduler (made later, e.g. by generate()): submit to "
-              "that one")
+ENGINE_BUSY = ("engine: another Scheduler on this engine holds requests (a server, or a generate() on another "
+               "thread): submit to that one, or wait until it is idle")
+_CLAIMS = threading.Lock()  # an engine changes hands one scheduler at a time
 
 
 @dataclass
@@ -133,8 +134,23 @@ class Scheduler:
     def __init__(self, engine, *, max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, reuse: bool = True,
                  rows: int | None = None, tokenizer=None, group=None, distributed: bool = False):
         check_positive_int(max_prefill_tokens, "max_prefill_tokens")
-        self._claim(engine)
         self.engine = engine
+        self._lock = threading.Condition()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self.rows: list[_Row] = []
+        self._flight: _Flight | None = None
+        self._stopping = self._in_step = False
+        with _CLAIMS:
+            self._acquire()
+        try:
+            self._setup(engine, max_prefill_tokens, reuse, rows, tokenizer, group, distributed)
+        except BaseException:
+            with _CLAIMS:  # nobody drives the engine now: the next scheduler to submit takes it
+                if getattr(engine, "_dsv4_scheduler", lambda: None)() is self:
+                    engine._dsv4_scheduler = None
+            raise
+
+    def _setup(self, engine, max_prefill_tokens, reuse, rows, tokenizer, group, distributed) -> None:
         self.max_prefill_tokens = max_prefill_tokens
         self.reuse = reuse
         self.max_seq_len = engine.max_seq_len
@@ -153,9 +169,6 @@ class Scheduler:
         self._prefilling: list[_Row] = []  # rows in phase "prefill", in order of admission
         self._any_cancel = threading.Event()  # set by Request.cancel(): only then are the rows searched
         self.stats = SchedulerStats()
-        self._waiting: collections.deque[Request] = collections.deque()
-        self._lock = threading.Condition()
-        self._flight: _Flight | None = None
         self._on_cuda = self.runner.device.type == "cuda"
         self._pos_host = [torch.zeros(self.runner.max_rows, dtype=torch.long, pin_memory=self._on_cuda)
                           for _ in range(2)]
@@ -164,22 +177,26 @@ class Scheduler:
         self._ids_host = [torch.zeros(width * self.runner.max_rows, dtype=torch.long, pin_memory=self._on_cuda)
                           for _ in range(2)]
         self._slot = 0
-        self._stopping = False
         engine.reset()
 
-    def _claim(self, engine) -> None:
-        """One scheduler drives an engine's cache rows at a time: a new one (generate() makes one per call) resets
-        them, so it is refused while another still holds requests, and an idle one it replaces refuses submits."""
-        ref = getattr(engine, "_dsv4_scheduler", None)
-        prev = ref() if ref is not None else None
-        if prev is not None:
-            with prev._lock:  # (submit checks _superseded under it: nothing slips in between)
-                if not prev._stopping and not prev.idle():
-                    raise RuntimeError("engine: another Scheduler on this engine still holds requests (a server, "
-                                       "or a generate() on another thread): submit to that one, or stop() it first")
-                prev._superseded = True
-        self._superseded = False
-        engine._dsv4_scheduler = weakref.ref(self)
+    def _acquire(self) -> None:
+        """Make this scheduler the one that drives the engine's cache rows (under _CLAIMS). generate() makes a
+        scheduler per call, a server holds one: one of them may take the engine from another only while that one
+        holds no request and runs no step; what the taker kept in the caches for reuse is then forgotten (the
+        other wrote them)."""
+        ref = getattr(self.engine, "_dsv4_scheduler", None)
+        cur = ref() if ref is not None else None
+        if cur is self:
+            return
+        if cur is not None:
+            with cur._lock:
+                if cur._in_step or not cur.idle():
+                    raise RuntimeError(ENGINE_BUSY)
+        with self._lock:
+            for r in self.rows:
+                r.owner, r.seq, r.filled = None, [], 0
+        self.engine.reset()
+        self.engine._dsv4_scheduler = weakref.ref(self)
 
     # ------------------------------------------------------------------ callers
     def submit(self, req: Request) -> Request:
@@ -189,18 +206,20 @@ class Scheduler:
         if req.timings.submitted:
             raise ValueError("request: already submitted (a Request runs once: make a new one for another run)")
         self._check(req)
-        if self._superseded:
-            raise RuntimeError(SUPERSEDED)
         req.timings.submitted = time.perf_counter()
         req.start_text(self.tokenizer)
         req._on_cancel = self._any_cancel.set
         if req.cancelled:  # cancelled before it got here: its cancel() had no scheduler to wake
             self._any_cancel.set()
-        with self._lock:
-            if self._superseded:
-                raise RuntimeError(SUPERSEDED)
-            self._waiting.append(req)
-            self._lock.notify()
+        with _CLAIMS:  # owning the engine and queueing at once: no other scheduler takes it in between
+            try:
+                self._acquire()
+            except RuntimeError:
+                req.timings.submitted = None  # not queued: it may go to the scheduler that holds the engine
+                raise
+            with self._lock:
+                self._waiting.append(req)
+                self._lock.notify()
         return req
 
     def _check(self, req: Request) -> None:
@@ -285,6 +304,15 @@ class Scheduler:
 
     @torch.no_grad()
     def step(self) -> None:
+        with self._lock:
+            self._in_step = True  # (another scheduler may not take the engine mid-step: _acquire)
+        try:
+            self._step()
+        finally:
+            with self._lock:
+                self._in_step = False
+
+    def _step(self) -> None:
         now = time.perf_counter()
         self._end_cancelled(now)
         self._admit(now)
@@ -321,6 +349,7 @@ class Scheduler:
                 if row is None:
                     return
                 req = self._waiting.popleft()
+                row.req = req  # (under the lock: idle() never sees the request in neither place)
             if start == 0:
                 row.owner, row.seq, row.filled = req.id, [], 0
             else:

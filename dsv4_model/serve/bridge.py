@@ -138,11 +138,13 @@ class SchedulerThread:
             r.on_finish = self._finisher(r.on_finish)
             try:
                 self.scheduler.submit(r)
-            except ValueError as e:
+            except (ValueError, RuntimeError) as e:  # a bad request; the scheduler stopped or its engine busy
                 for s in reqs[:i]:
                     s.cancel()
                 with self._lock:
                     self._live.difference_update(reqs[i:])
+                if isinstance(e, RuntimeError):
+                    raise APIError(503, str(e), kind="service_unavailable") from None
                 raise APIError(400, str(e), "prompt" if str(e).startswith("prompt") else None) from None
 
     def _finisher(self, extra):

@@ -166,7 +166,7 @@ def build_engine(args):
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     quant = args.quant if args.quant != "auto" else (None if device.type == "cuda" else "none")
-    if args.act_quant == "nvfp4" and quant == "none":  # W4A4 needs NVFP4 weights: "auto" on the CPU gets them
+    if args.act_quant == "nvfp4" and args.quant == "auto":  # W4A4 needs NVFP4 weights: auto gets them (CPU or GPU)
         quant = "nvfp4"
     engine = Engine.from_pretrained(path, device=device, dtype=getattr(torch, args.dtype),
                                     act_quant=args.act_quant, simulate_quant=not args.no_simulate_quant,
