@@ -1,8 +1,10 @@
-"""torch.export / AOTInductor packaging of the dsv4 model, loadable from Python and C++.
+r"""torch.export / AOTInductor packaging of the dsv4 model, loadable from Python and C++.
 
     python -m dsv4_export build --model CKPT --out model.pt2     # export + compile (see dsv4_export/build.py)
     python -m dsv4_export run model.pt2 --prompt-ids 1 2 3        # load in this process and generate
-    dsv4_export/cpp/build.sh && dsv4_export/cpp/build/dsv4_run model.pt2 1 2 3   # the same without Python
+    bash dsv4_export/cpp/build.sh                                 # the same without Python (docs/export.md):
+    dsv4_export/cpp/build/dsv4_run --ops-lib "$(python -c 'import dsv4_ops; print(dsv4_ops.library_path())')" \
+        model.pt2 1 2 3
 
 Python API: ``build_package`` / ``build_from_checkpoint`` (dsv4_export/build.py), ``ExportedEngine``,
 ``get_metadata``, ``PackageMismatch`` (dsv4_export/load.py), ``configure_inductor`` (dsv4_export/toolchain.py).

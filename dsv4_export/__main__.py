@@ -92,7 +92,7 @@ def _build(a) -> int:
 
     import torch
 
-    from dsv4_export.build import build_from_checkpoint
+    from dsv4_export.build import build_from_checkpoint, plan_build
 
     from dsv4_model.runtime.compiled import batch_buckets
 
@@ -102,15 +102,19 @@ def _build(a) -> int:
     check_positive_int(a.max_seq_len, "--max-seq-len")
     if a.jobs is not None:
         check_positive_int(a.jobs, "--jobs")
+    decode_batches = a.decode_batches or batch_buckets(a.max_batch_size)
+    prefill_batches = a.prefill_batches or sorted({1, a.max_batch_size})
+    # --out and the buckets, named by their flags, before the checkpoint is read
+    plan_build(a.out, max_batch_size=a.max_batch_size, max_seq_len=a.max_seq_len, decode_batches=decode_batches,
+               prefill_batches=prefill_batches, prefill_lengths=a.prefill_lengths,
+               prefill_chunks=a.prefill_chunks or (), flags=True)
     device = str(parse_device(a.device or ("cuda" if torch.cuda.is_available() else "cpu")))
     t0 = time.time()
     signal.signal(signal.SIGTERM, _terminated)
     build_from_checkpoint(a.model, a.out, max_batch_size=a.max_batch_size, max_seq_len=a.max_seq_len, device=device,
                           dtype=getattr(torch, a.dtype), simulate_quant=not a.no_simulate_quant,
-                          quant=a.quant, act_quant=a.act_quant,
-                          decode_batches=a.decode_batches or batch_buckets(a.max_batch_size),
-                          prefill_batches=a.prefill_batches or sorted({1, a.max_batch_size}),
-                          prefill_lengths=a.prefill_lengths,
+                          quant=a.quant, act_quant=a.act_quant, decode_batches=decode_batches,
+                          prefill_batches=prefill_batches, prefill_lengths=a.prefill_lengths,
                           save_exported_programs=not a.no_exported_programs,
                           allow_beyond_max_position=a.allow_beyond_max_position, jobs=a.jobs,
                           prefill_chunks=a.prefill_chunks or (), head_quant=a.head_quant)
@@ -119,12 +123,14 @@ def _build(a) -> int:
 
 
 def _run(a) -> int:
-    from dsv4_model.model.checks import check_positive_int
+    from dsv4_model.model.checks import check_positive_int, parse_device
     from dsv4_model.runtime.sampling import SamplingParams
     from dsv4_export import metadata as md
     from dsv4_export.load import ExportedEngine
 
     check_positive_int(a.max_new_tokens, "--max-new-tokens")
+    if a.device is not None:
+        parse_device(a.device)  # one line, as build's --device, not a traceback from torch.device
     try:
         SamplingParams(a.temperature, a.top_k, a.top_p, a.seed).validate()
     except ValueError as e:

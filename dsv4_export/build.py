@@ -19,6 +19,7 @@ Caches are explicit inputs mutated in place (see entrypoints.py); the package ha
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -61,26 +62,77 @@ def default_prefill_lengths(max_seq_len: int) -> list[int]:
     return out + [max_seq_len]
 
 
+def _namer(flags: bool) -> Callable[[str], str]:
+    """How errors name an argument: the Python parameter, or the CLI's flag (decode_batches -> --decode-batches)."""
+    return (lambda n: "--" + n.replace("_", "-")) if flags else (lambda n: n)
+
+
 def plan_entries(decode_batches: Sequence[int], prefill_batches: Sequence[int], prefill_lengths: Sequence[int],
-                 max_batch_size: int, max_seq_len: int, prefill_chunks: Sequence[int] = ()) -> list[Entry]:
-    for b in [*decode_batches, *prefill_batches]:
-        if not 1 <= b <= max_batch_size:
-            raise ValueError(f"batch bucket {b} outside [1, max_batch_size={max_batch_size}]")
-    for s in [*prefill_lengths, *prefill_chunks]:
-        if not 1 <= s <= max_seq_len:
-            raise ValueError(f"prefill length {s} outside [1, max_seq_len={max_seq_len}]")
+                 max_batch_size: int, max_seq_len: int, prefill_chunks: Sequence[int] = (), *,
+                 flags: bool = False) -> list[Entry]:
+    """The entries of a package; a bad bucket is one ValueError naming its argument (``flags``: as the CLI's
+    flag)."""
+    arg = _namer(flags)
+    for what, values in (("decode_batches", decode_batches), ("prefill_batches", prefill_batches)):
+        for b in values:
+            if not 1 <= b <= max_batch_size:
+                raise ValueError(f"{arg(what)}: batch bucket {b} outside [1, {arg('max_batch_size')}="
+                                 f"{max_batch_size}]")
+    for what, values in (("prefill_lengths", prefill_lengths), ("prefill_chunks", prefill_chunks)):
+        for s in values:
+            if not 1 <= s <= max_seq_len:
+                raise ValueError(f"{arg(what)}: {'chunk ' if what == 'prefill_chunks' else ''}length {s} outside "
+                                 f"[1, {arg('max_seq_len')}={max_seq_len}]")
     if prefill_chunks and not prefill_batches:
-        raise ValueError("prefill chunks need prefill batch buckets")
+        raise ValueError(f"{arg('prefill_chunks')} need {arg('prefill_batches')} (prefill batch buckets)")
     if not decode_batches:
-        raise ValueError("need at least one decode batch bucket")
+        raise ValueError(f"{arg('decode_batches')}: need at least one decode batch bucket")
     if prefill_batches and not prefill_lengths:
-        raise ValueError("prefill batch buckets need at least one prefill length")
+        raise ValueError(f"{arg('prefill_batches')} need at least one of {arg('prefill_lengths')}")
     entries = [Entry(f"decode_b{b}", "decode", b) for b in sorted(set(decode_batches))]
     entries += [Entry(f"prefill_b{b}_s{s}", "prefill", b, s)
                 for b in sorted(set(prefill_batches)) for s in sorted(set(prefill_lengths))]
     entries += [Entry(f"prefill_chunk_b{b}_s{c}", "prefill_chunk", b, c)
                 for b in sorted(set(prefill_batches)) for c in sorted(set(prefill_chunks))]
     return entries
+
+
+def check_out(out: str, what: str = "out") -> None:
+    """The package path: ends in .pt2, is not a folder, and its folder (or the nearest existing one above it: the
+    build creates the rest) takes new files. Probed by creating a file there, as a root process may write where
+    the mode bits say no, and not in /proc."""
+    out = os.fspath(out)
+    if not out.endswith(".pt2") or os.path.basename(out) == ".pt2":
+        raise ValueError(f"{what} {out}: a package path must end in .pt2 (e.g. model.pt2)")
+    if os.path.isdir(out):
+        raise ValueError(f"{what} {out}: is a directory")
+    top = os.path.dirname(os.path.abspath(out))
+    while not os.path.lexists(top):
+        top = os.path.dirname(top)
+    if not os.path.isdir(top):
+        raise ValueError(f"{what} {out}: {top} is a file, not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".dsv4_export-probe-", dir=top)
+    except OSError as e:
+        raise ValueError(f"{what} {out}: directory {top} is not writable ({e.strerror})") from None
+    os.close(fd)
+    os.remove(probe)
+
+
+def plan_build(out: str, *, max_batch_size: int, max_seq_len: int, decode_batches: Sequence[int] | None = None,
+               prefill_batches: Sequence[int] | None = None, prefill_lengths: Sequence[int] | None = None,
+               prefill_chunks: Sequence[int] = (), flags: bool = False) -> list[Entry]:
+    """Every check of a build's arguments that needs no model (before the checkpoint is read), with
+    build_package's defaults; returns the entries."""
+    from dsv4_model.model.checks import check_positive_int
+
+    arg = _namer(flags)
+    check_out(out, arg("out"))
+    check_positive_int(max_batch_size, arg("max_batch_size"))
+    check_positive_int(max_seq_len, arg("max_seq_len"))
+    return plan_entries(decode_batches or [max_batch_size], [1] if prefill_batches is None else prefill_batches,
+                        prefill_lengths or default_prefill_lengths(max_seq_len), max_batch_size, max_seq_len,
+                        prefill_chunks or (), flags=flags)
 
 
 def entry_fn(entry: Entry, decode_fn: Callable, prefill_fn: Callable) -> Callable:
@@ -182,6 +234,70 @@ def eager_dsv4_ops(model: nn.Module, entry: Entry, device: str, fn: Callable) ->
     return rec.ops
 
 
+class _DropMessage:
+    """A logging filter that drops the records whose message contains ``text``."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def filter(self, record) -> bool:
+        return self.text not in record.getMessage()
+
+
+# The reductions whose ATen kernels the eager model's fp32 math runs and Inductor re-implements (eager_numerics).
+EAGER_KERNELS = ("mean.dim", "_softmax.default")
+
+
+@contextlib.contextmanager
+def eager_numerics(device: str):
+    """While a CPU entry is lowered: ``aten.mean`` and ``aten._softmax`` run ATen's kernels, not Inductor's own
+    reductions, and no constant is inlined into a kernel as a literal.
+
+    Why: with ``eager_rounding`` alone a CPU package's prefill was still up to ~6e-2 from eager in max logit on the
+    built-in model (its decode, whose norms and attention run in dsv4 ops, matched): Inductor sums the fp32 RMS
+    factors (``x.square().mean(-1)``) and the attention softmax in another order than ATen (and its exp differs in
+    the last bit), and inlining a small constant (<= 8 values: the package bakes the weights in) changed a row's
+    rounding here and there; the mHC's fp32 weights carry each ulp on. With this the prefill gives eager's logits
+    and caches bit for bit (same padded input; docs/export.md). CUDA packages keep Inductor's fused reductions. The
+    package calls the two kernels through AOTI's proxy executor (no C shim: Inductor's warning per call site is
+    dropped). Inductor's tables are process-wide: what was there is put back on the way out."""
+    if torch.device(device).type != "cpu":
+        yield
+        return
+    import logging
+
+    from torch._inductor import decomposition, lowering
+    from torch._inductor.graph import GraphLowering
+
+    ops = [getattr(getattr(torch.ops.aten, packet), overload)
+           for packet, overload in (name.split(".") for name in EAGER_KERNELS)]
+    saved = [(op, decomposition.decompositions.pop(op, None), lowering.lowerings.pop(op, None),
+              [st for st in (lowering.needs_realized_inputs, lowering.fallbacks) if op not in st]) for op in ops]
+    for op in ops:
+        lowering.make_fallback(op, warn=False)
+    inline = GraphLowering.__dict__.get("can_inline_constant")
+    GraphLowering.can_inline_constant = staticmethod(lambda t: False)
+    ir_log = logging.getLogger("torch._inductor.ir")
+    quiet = _DropMessage("is missing a c-shim implementation")
+    ir_log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        ir_log.removeFilter(quiet)
+        if inline is None:
+            del GraphLowering.can_inline_constant
+        else:
+            GraphLowering.can_inline_constant = inline
+        for op, decomp, lower, sets in saved:
+            lowering.lowerings.pop(op, None)
+            if lower is not None:
+                lowering.lowerings[op] = lower
+            if decomp is not None:
+                decomposition.decompositions[op] = decomp
+            for st in sets:  # make_fallback added it there
+                st.discard(op)
+
+
 def _aot_compile(ep: torch.export.ExportedProgram, args, kwargs, options: dict) -> list[str]:
     # What aoti_compile_and_package does for one model; done per entry so all land in one archive (the
     # multi-model recipe of its docstring: aot_compile(..., aot_inductor.package) + package_aoti).
@@ -231,7 +347,7 @@ def export_and_compile(model: nn.Module, names: Sequence[str], entries: Sequence
                    "aot_inductor.metadata": dict(meta, **{"dsv4.entry": name,
                                                           md.K_OPS_USED: json.dumps(in_graph[name], sort_keys=True)})}
         with progress(log, f"AOTInductor-compiling {name}") if verbose else nullcontext(), \
-                toolchain.cpu_isa_probe_skipped(device):
+                toolchain.cpu_isa_probe_skipped(device), eager_numerics(device):
             out[name] = (_aot_compile(ep, args, kwargs, options), in_graph[name])
     return out
 
@@ -291,17 +407,17 @@ def build_package(model: nn.Module, config: dict, out: str, *, max_batch_size: i
     by side (``compile_jobs``: by default one per 3 CPU cores where memory allows; 1 builds in this process).
     ``tokenizer_json``: the checkpoint's tokenizer.json, carried in the package (None: the byte-level fallback).
     Nothing is left under ``out``'s name unless the build completes: the ExportedPrograms are written to a
-    scratch folder beside it and moved in with the package; an error or Ctrl-C removes them.
+    scratch folder beside it and moved in with the package; an error or Ctrl-C removes them. ``out`` and the
+    buckets are checked before anything runs (``plan_build``: one ValueError naming the argument); folders missing
+    above ``out`` are created, and removed again if the build fails.
     """
     import dsv4_ops  # noqa: F401  (schemas + fakes must exist before tracing)
 
-    if not out.endswith(".pt2"):
-        raise ValueError(f"package path must end in .pt2: {out}")
+    entries = plan_build(out, max_batch_size=max_batch_size, max_seq_len=max_seq_len, decode_batches=decode_batches,
+                         prefill_batches=prefill_batches, prefill_lengths=prefill_lengths,
+                         prefill_chunks=prefill_chunks)
     model.eval()
     dtype = dtype if dtype is not None else getattr(model, "dtype", None)
-    entries = plan_entries(decode_batches or [max_batch_size], [1] if prefill_batches is None else prefill_batches,
-                           prefill_lengths or default_prefill_lengths(max_seq_len), max_batch_size, max_seq_len,
-                           prefill_chunks)
     # Eager probes run one decode bucket and the smallest bucket of each prefill kind (which buffers get written
     # and which dsv4 ops run do not depend on the bucket size; a large prefill bucket could be costly to run).
     probes = [entries[0]] + [min((e for e in entries if e.kind == k), key=lambda e: e.batch * e.seq_len)
@@ -344,12 +460,17 @@ def build_package(model: nn.Module, config: dict, out: str, *, max_batch_size: i
         md.K_TOKENIZER: md.TOKENIZER_FILE if tokenizer_json is not None else "bytes",
     })
     out_dir = os.path.dirname(os.path.abspath(out))
+    created = []  # the folders the build creates for out: removed again if it fails
+    d = out_dir
+    while not os.path.lexists(d):
+        created.append(d)
+        d = os.path.dirname(d)
     os.makedirs(out_dir, exist_ok=True)
     ep_stem = out[: -len(".pt2")] if save_exported_programs else None
-    jobs = compile_jobs(jobs, model, len(entries), device)
-    scratch = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=out_dir)  # same file system
-    moved: list[str] = []
+    scratch, moved, ok = None, [], False
     try:
+        jobs = compile_jobs(jobs, model, len(entries), device)
+        scratch = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=out_dir)  # same file system
         scratch_stem = os.path.join(scratch, "ep") if ep_stem is not None else None
         kwargs = dict(device=device, ep_stem=scratch_stem, verbose=verbose, decode_fn=decode_fn,
                       prefill_fn=prefill_fn)
@@ -368,13 +489,19 @@ def build_package(model: nn.Module, config: dict, out: str, *, max_batch_size: i
                 os.replace(f"{scratch_stem}.{e.name}.ep.pt2", moved[-1])
             _log(verbose, f"ExportedPrograms saved as {ep_stem}.<entry>.ep.pt2")
         write_package({e.name: done[e.name][0] for e in entries}, out, meta, tokenizer_json)  # last: the commit
-    except BaseException:  # Ctrl-C included: no ExportedProgram without its package
-        for f in moved:
-            if os.path.exists(f):
-                os.remove(f)
-        raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        ok = True
+    finally:  # an error or Ctrl-C / SIGTERM included: no ExportedProgram without its package, no folder made for it
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+        if not ok:
+            for f in moved:
+                if os.path.exists(f):
+                    os.remove(f)
+            for d in created:  # deepest first; only if still empty
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    break
     _log(verbose, f"package written: {out} ({os.path.getsize(out) / 2**20:.1f} MiB)")
     return out
 
@@ -415,6 +542,13 @@ def build_from_checkpoint(path: str, out: str, *, max_batch_size: int, max_seq_l
     head in NVFP4 before export (Engine.from_pretrained's option; recorded in the package's quant info)."""
     if head_quant not in ("none", "nvfp4"):
         raise ValueError(f"head_quant must be 'none' or 'nvfp4', got {head_quant!r}")
+    # the argument checks that need no weights, before the load (minutes for a large checkpoint)
+    plan_build(out, max_batch_size=max_batch_size, max_seq_len=max_seq_len, decode_batches=decode_batches,
+               prefill_batches=prefill_batches, prefill_lengths=prefill_lengths, prefill_chunks=prefill_chunks)
+    if jobs is not None:
+        from dsv4_model.model.checks import check_positive_int
+
+        check_positive_int(jobs, "jobs")
     from dsv4_model.checkpoint.hub import resolve_checkpoint
     from dsv4_model.checkpoint.loader import load_model
 
@@ -437,5 +571,5 @@ def build_from_checkpoint(path: str, out: str, *, max_batch_size: int, max_seq_l
                          tokenizer_json=tok if os.path.isfile(tok) else None)
 
 
-__all__ = ["Entry", "plan_entries", "export_entry", "export_and_compile", "write_package", "build_package", "build_from_checkpoint",
-           "CacheSpec"]
+__all__ = ["Entry", "plan_entries", "plan_build", "check_out", "export_entry", "export_and_compile", "write_package",
+           "build_package", "build_from_checkpoint", "CacheSpec"]

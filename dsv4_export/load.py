@@ -36,6 +36,43 @@ def get_metadata(path: str) -> dict[str, str]:
     return md.read_from_archive(path)
 
 
+def check_archive(path: str, entries: Sequence[str]) -> None:
+    """Reads the members the given entries load (and the package's own files) through zipfile, which checks each
+    one's CRC-32: a damaged package is one error naming the member, not a crash inside the AOTI loader. Members
+    of entries not loaded are skipped. Costs about what the load reads anyway (~0.8 s per GB with the file in the
+    page cache, CRC included)."""
+    import zipfile
+    import zlib
+
+    want = set(entries)
+    try:
+        with zipfile.ZipFile(path) as z:
+            for info in z.infolist():
+                parts = info.filename.split("/")
+                if "aotinductor" in parts[:-2] and parts[parts.index("aotinductor") + 1] not in want:
+                    continue
+                with z.open(info) as f:
+                    while f.read(1 << 24):
+                        pass
+    except (zipfile.BadZipFile, zlib.error, EOFError) as e:
+        raise PackageMismatch(f"{path}: damaged package ({e}): copy it again or rebuild it") from None
+
+
+def _config_dict(config) -> dict | None:
+    """The config= of ExportedEngine: a ModelConfig (to_dict()) or its dict, as JSON round-trips it (the metadata's
+    form: lists, not tuples)."""
+    if config is None:
+        return None
+    if hasattr(config, "to_dict"):
+        config = config.to_dict()
+    if not isinstance(config, dict):
+        raise ValueError(f"config must be a ModelConfig or a dict, got {type(config).__name__}")
+    try:
+        return json.loads(json.dumps(config))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config is not JSON-able: {e}") from None
+
+
 def _bucket(buckets: Sequence[int], n: int, what: str) -> int:
     if not buckets:
         raise ValueError(f"no {what} entry is loaded from this package")
@@ -82,7 +119,8 @@ class _PackageModel:
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, options=None) -> torch.Tensor:
         if options is not None and options != type(options)():
             raise ValueError("a package's decode step was built when it was exported: it takes no DecodeOptions")
-        return self._engine.decode_step(tokens, positions)
+        # the runner's ids come from its own sampler and its positions from the session's checked bookkeeping
+        return self._engine._decode_raw(tokens, positions)
 
 
 def _config_object(d: dict):
@@ -102,14 +140,21 @@ class ExportedEngine(EngineSession):
     ``prefill(input_ids [B, S], lengths=None) -> float32 logits [B, V]`` (last valid position of each row; runs
     the smallest prefill bucket >= (B, S), right-padded, else chunks through a prefill_chunk entry). ``decode(next_ids [B]) -> [B, V]`` continues each row
     at its own position. ``decode_step(tokens [B], positions [B])`` is the raw step (smallest decode bucket >= B;
-    padded rows run token 0 at position 0 in cache rows B.., which no live sequence uses).
+    padded rows run token 0 at position 0 in cache rows B.., which no live sequence uses). ``config``: a
+    ``ModelConfig`` or its dict (``to_dict()``); the package is refused unless it was built for that config.
     ``generate(prompts, ...)`` is ``dsv4_model.runtime.generate.generate`` on this engine: its DecodeRunner (sampling op,
-    per-bucket CUDA graphs when ``cuda_graph``; default on for CUDA packages) drives ``decode_step``.
+    per-bucket CUDA graphs when ``cuda_graph``; default on for CUDA packages) drives the decode entries (without
+    ``decode_step``'s checks: it feeds back its own samples).
     """
 
-    def __init__(self, path: str, *, device: str | None = None, config: dict | None = None,
+    def __init__(self, path: str, *, device: str | None = None, config=None,
                  cuda_graph: bool | None = None, run_single_threaded: bool | None = None,
                  entries: Sequence[str] | None = None):
+        from dsv4_model.model.checks import parse_device
+
+        if device is not None:
+            device = str(parse_device(device))
+        config = _config_dict(config)
         self.library_path = load_op_library()
         self.path = path
         self.metadata = get_metadata(path)
@@ -132,10 +177,12 @@ class ExportedEngine(EngineSession):
         from torch._inductor.package import load_package
 
         wanted = list(self.entries) if entries is None else list(entries)
-        self._models = {}
         for name in wanted:
             if name not in self.entries:
                 raise KeyError(f"no entry {name!r} in {path} (has {', '.join(self.entries)})")
+        check_archive(path, wanted)
+        self._models = {}
+        for name in wanted:
             with cpu_isa_probe_skipped(self.device):
                 self._models[name] = load_package(path, name, run_single_threaded=single,
                                                   device_index=-1 if self.device.index is None else self.device.index)
@@ -169,6 +216,43 @@ class ExportedEngine(EngineSession):
         return self._models[name].loader.boxed_run([*inputs, *self.caches])[0]
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One decode step of rows [:B]: tokens int64 [B], positions int64 [B] (tensors, or lists) -> fp32 logits
+        [B, V]. Dtypes, shapes and devices are checked on every call; the values (ids in [0, vocab_size), positions
+        in [0, max_seq_len)) only when they are on the CPU: checking CUDA tensors would make each step wait for the
+        GPU, so on CUDA out-of-range values are the caller's to prevent."""
+        tokens, positions = self._checked_step(tokens, positions)
+        return self._decode_raw(tokens, positions)
+
+    def _checked_step(self, tokens, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        got = {}
+        limits = {"tokens": (self.vocab_size, "token id", "vocab_size"),
+                  "positions": (self.max_seq_len, "position", "max_seq_len")}
+        for what, t in (("tokens", tokens), ("positions", positions)):
+            if not isinstance(t, torch.Tensor):
+                try:
+                    t = torch.as_tensor(t)
+                except (TypeError, ValueError, RuntimeError):
+                    raise ValueError(f"{what} must be an int64 tensor [B], got {type(t).__name__}") from None
+            if t.dtype != torch.int64:
+                raise ValueError(f"{what} must be an int64 tensor [B], got dtype "
+                                 f"{str(t.dtype).removeprefix('torch.')}")
+            if t.dim() != 1 or t.shape[0] < 1:
+                raise ValueError(f"{what} must be an int64 tensor [B], got shape {tuple(t.shape)}")
+            if t.device.type == "cpu":
+                lo, hi = (int(v) for v in t.aminmax())
+                limit, item, name = limits[what]
+                if lo < 0 or hi >= limit:
+                    raise ValueError(f"{what} contains {item} {lo if lo < 0 else hi} outside [0, {name}={limit})")
+                t = t.to(self.device)
+            elif t.device.type != self.device.type:
+                raise ValueError(f"{what} are on {t.device}, the package runs on {self.device}")
+            got[what] = t
+        if got["positions"].shape != got["tokens"].shape:
+            raise ValueError(f"positions must have the shape of tokens {tuple(got['tokens'].shape)}, got "
+                             f"{tuple(got['positions'].shape)}")
+        return got["tokens"], got["positions"]
+
+    def _decode_raw(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         b = tokens.shape[0]
         bb = _bucket(list(self._decode), b, "decode")
         if bb != b:
@@ -245,4 +329,4 @@ class ExportedEngine(EngineSession):
 
     # -- the engine interface (dsv4_model.runtime.session.EngineSession: prefill, decode, generate, state) ------
     _prefill_logits = prefill_step
-    _decode_logits = decode_step
+    _decode_logits = _decode_raw  # decode() has checked its ids; the positions are its own

@@ -9,9 +9,10 @@ HERE="$(cd "$(dirname "$0")" && pwd)"
 BUILD_DIR=${1:-$HERE/build}
 PY=${PYTHON:-python3}
 TORCH_PREFIX=$($PY -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+TORCH_VERSION=$($PY -c 'import torch; print(torch.__version__)')
 REPO="$(cd "$HERE/../.." && pwd)"
 CXX_BIN=${DSV4_CXX:-$(cd "$REPO" && $PY -m dsv4_export.toolchain)}
-ARGS=(-DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$TORCH_PREFIX")
+ARGS=(-DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" -DDSV4_TORCH_VERSION="$TORCH_VERSION")
 [ -n "$CXX_BIN" ] && ARGS+=(-DCMAKE_CXX_COMPILER="$CXX_BIN")
 # A CUDA torch makes find_package(Torch) enable CUDA: use the same host compiler and arch as the op library.
 if [ -x /usr/local/cuda/bin/nvcc ] && ! command -v nvcc >/dev/null 2>&1; then export PATH=/usr/local/cuda/bin:$PATH; fi
