@@ -64,4 +64,4 @@ def test_ctrl_c_during_export_build_leaves_no_partial_files(tmp_path):
     assert p.stdout.read() == b""  # progress (the compiler line too) is stderr's
     mark = max(i for i, ln in enumerate(lines) if "exporting prefill_b1_s16" in ln)
     assert lines[mark + 1:] == ["interrupted\n"], "".join(lines)
-    assert os.listdir(out_dir) == []  # no package, no *.ep.pt2, no scratch folder
+    assert not out_dir.exists()  # no package, no *.ep.pt2, no scratch folder: not even the folder build made
