@@ -375,12 +375,12 @@ def _check_speculate_method(args, config, path) -> None:
 def check_mtp_block(config, path) -> None:
     """MTP speculation needs an MTP block the checkpoint carries: decided from its config and tensor names (the
     shard headers), not after minutes of loading."""
-    from dsv4_model.checkpoint.loader import list_tensors
+    from dsv4_model.checkpoint.loader import _has_mtp, list_tensors
 
     if config.dspark is not None:
         raise ValueError(f"--speculate-method mtp: {path} carries a DSpark module (mtp.* tensors, dspark_* config "
                          "keys), not an MTP block: leave --speculate-method at auto or dspark (docs/dspark.md)")
-    has_mtp = any(k.startswith(("mtp.", "model.mtp.")) for k in list_tensors(Path(path)))
+    has_mtp = _has_mtp(list_tensors(Path(path)))  # the loader's own test
     if not (config.n_mtp_layers and has_mtp):
         why = "no mtp.* tensors" if config.n_mtp_layers else "num_nextn_predict_layers = 0 in its config"
         raise ValueError(f"--speculate: {path} has no MTP block to draft with ({why}); a checkpoint with one, or a "
