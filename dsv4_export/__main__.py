@@ -5,7 +5,7 @@
                            [--prefill-lengths 64,256] [--prefill-chunks 4096] [--quant nvfp4] [--act-quant nvfp4]
                            [--no-simulate-quant] [--no-exported-programs] [--jobs N] [--head-quant nvfp4]
     python -m dsv4_export run model.pt2 (--prompt TEXT | --prompt-ids 1 2 3) [--max-new-tokens 16] [--temperature 0]
-                           [--no-cuda-graph]
+                           [--no-cuda-graphs]
     python -m dsv4_export info model.pt2
 """
 from __future__ import annotations
@@ -74,7 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--top-p", type=float, default=1.0)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--device", default=None, help="default: the device the package was built for")
-    r.add_argument("--no-cuda-graph", action="store_true", help="do not replay decode in CUDA graphs")
+    # --no-cuda-graphs as in `python -m dsv4_model`; the singular kept for the scripts that used it
+    r.add_argument("--no-cuda-graphs", "--no-cuda-graph", dest="no_cuda_graph", action="store_true",
+                   help="do not replay decode in CUDA graphs")
 
     i = sub.add_parser("info", help="print a package's metadata (without loading it)")
     i.add_argument("package")

@@ -297,3 +297,30 @@ def test_a_missing_tensor_names_its_checkpoint_key(tmp_path, no_weight_reads, la
     msg = str(e.value)
     assert "(1 problem)" in msg and want in msg, msg
     assert "not a parameter" not in msg  # an orphaned scale is not reported as unexpected
+
+
+def test_the_two_config_files_of_an_official_checkpoint_are_compared(tmp_path):
+    """An official checkpoint carries inference/config.json (the one read) and an HF config.json: a shape field on
+    which they disagree is named in a warning; agreeing files (the writer's, a DSpark release's stage count
+    included) stay silent."""
+    d = tmp_path / "ck"
+    cfg = write_tiny_checkpoint(d, "official")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_config(d).dim == cfg.dim
+    hf = json.loads((d / "config.json").read_text())
+    hf["hidden_size"] = cfg.dim * 2
+    hf["num_experts_per_tok"] = cfg.n_activated_experts + 1
+    (d / "config.json").write_text(json.dumps(hf))
+    with pytest.warns(UserWarning) as rec:
+        got = load_config(d)
+    assert got.dim == cfg.dim  # the inference config still decides
+    (msg,) = [str(w.message) for w in rec]
+    assert "which the model is built from" in msg and str(d / "inference" / "config.json") in msg
+    assert f"dim {cfg.dim} there, {cfg.dim * 2} in config.json" in msg
+    assert f"n_activated_experts {cfg.n_activated_experts} there" in msg
+    hf["hidden_size"] = "wide"  # an unreadable HF file is not compared (the inference config is the one read)
+    (d / "config.json").write_text(json.dumps(hf))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config(d)

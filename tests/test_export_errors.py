@@ -155,3 +155,11 @@ def test_eager_numerics_while_a_cpu_entry_is_lowered():
         assert lowering.lowerings[mean] is before[0] and decomposition.decompositions[softmax] is before[1]
     assert (lowering.lowerings[mean], decomposition.decompositions[softmax]) == before
     assert not {mean, softmax} & set(lowering.fallbacks) and GraphLowering.can_inline_constant(small)
+
+
+def test_run_takes_the_engine_cli_spelling_of_no_cuda_graphs():
+    from dsv4_export.__main__ import _parser
+
+    for flag in ("--no-cuda-graphs", "--no-cuda-graph"):  # the engine CLI's spelling, and the one scripts used
+        assert _parser().parse_args(["run", "m.pt2", "--prompt-ids", "1", flag]).no_cuda_graph
+    assert not _parser().parse_args(["run", "m.pt2", "--prompt-ids", "1"]).no_cuda_graph

@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -105,6 +106,15 @@ def test_0731_configs_give_the_flash_main_model_and_the_dspark_fields():
     lt = {k: v for k, v in hf.items() if k != "compress_ratios"}
     cfg = ModelConfig.from_dict(lt)
     assert cfg.dspark.n_stages is None and len(cfg.compress_ratios) == 43 and cfg.n_mtp_layers == 0
+
+
+def test_0731_official_configs_agree_though_they_count_the_mtp_stages_differently(ckpts):
+    # config.json keeps V4-Flash's one MTP layer, inference/config.json counts the three DSpark stages: that is
+    # the release's own layout, not a disagreement to warn about
+    assert json.loads((ckpts["official"] / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_config(ckpts["official"]).dspark.n_stages == 3
 
 
 def test_plain_flash_config_still_has_its_mtp_block():

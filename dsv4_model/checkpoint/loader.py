@@ -120,7 +120,7 @@ def refuse_other_architectures(path: str | os.PathLike) -> None:
 
 def load_config(path: str | os.PathLike, layout: str | None = None):
     """`ModelConfig` of the checkpoint directory `path`."""
-    from dsv4_model.model.config import ModelConfig
+    from dsv4_model.model.config import REQUIRED_FIELDS, REQUIRED_INDEXER_FIELDS, ModelConfig
 
     refuse_other_architectures(path)
     layout = layout or detect_layout(path)
@@ -137,7 +137,35 @@ def load_config(path: str | os.PathLike, layout: str | None = None):
         raise
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{cfg_path}: invalid config: {e}") from e
+    if cfg_path.parent.name == "inference":
+        _warn_config_disagreement(config, cfg_path, Path(path) / "config.json")
     return config
+
+
+def _warn_config_disagreement(config, used: Path, other: Path) -> None:
+    """One warning naming each field where `other` (the top-level config.json beside inference/config.json) gives
+    a different value than the config the model is built from; silent when `other` is absent or unreadable."""
+    from dsv4_model.model.config import REQUIRED_FIELDS, REQUIRED_INDEXER_FIELDS, ModelConfig
+
+    if not other.is_file():
+        return
+    try:  # require=True: a field the other file leaves to its default is not compared against a real value
+        theirs = ModelConfig.from_dict(_read_json(other))
+    except (CheckpointError, KeyError, TypeError, ValueError):
+        return
+
+    def value(cfg, f):  # compress_ratios: the official list also covers the MTP layers, the HF one does not
+        v = getattr(cfg, f)
+        return list(v[: cfg.n_layers]) if f == "compress_ratios" else v
+
+    # the fields every checkpoint must give (they shape a tensor or the forward); n_mtp_layers is left out: a
+    # DSpark release counts its stages in one file and keeps V4-Flash's 1 in the other
+    fields = [*REQUIRED_FIELDS, *REQUIRED_INDEXER_FIELDS]
+    diffs = [f"{f} {value(config, f)!r} there, {value(theirs, f)!r} in config.json" for f in fields
+             if value(config, f) != value(theirs, f)]
+    if diffs:
+        warnings.warn(f"{other} disagrees with {used}, which the model is built from: {'; '.join(diffs)}",
+                      stacklevel=3)
 
 
 # ---------------------------------------------------------------------------------------------
