@@ -168,6 +168,8 @@ def test_the_cli_takes_a_repo_id(hub, reference):
     assert r.returncode == 0, r.stderr.decode()
     tok = load_tokenizer(DEFAULT_MODEL_DIR, load_config(DEFAULT_MODEL_DIR))
     assert r.stdout.decode() == PROMPT + tok.decode(reference) + "\n"
+    # the progress line names the repo, not the snapshot folder (a commit hash)
+    assert "loading testorg/tiny-v4" in r.stderr.decode() and f"loading {REV}" not in r.stderr.decode()
 
 
 @pytest.mark.parametrize("module,args", [("dsv4_model", ["--prompt", "x"]),

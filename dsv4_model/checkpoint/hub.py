@@ -39,6 +39,16 @@ def _repo_ref(ref: str) -> tuple[str, str | None] | None:
     return m.group(1), m.group(2)
 
 
+def display_name(path: str | os.PathLike) -> str:
+    """What progress lines call a checkpoint directory: `org/name` for a Hugging Face cache snapshot
+    (.../models--org--name/snapshots/COMMIT, whose own name is a commit hash), else the folder's name."""
+    p = Path(path)
+    repo = p.parent.parent.name
+    if p.parent.name == "snapshots" and repo.startswith("models--") and repo.count("--") >= 2:
+        return repo[len("models--"):].replace("--", "/", 1)
+    return p.name
+
+
 def resolve_checkpoint(ref: str | os.PathLike, arg: str = "") -> Path:
     """The checkpoint directory `ref` names (see the module docstring). `arg` names the argument in errors
     (e.g. "--model"); a miss is one CheckpointError line naming `ref` (and the cache it looked in)."""

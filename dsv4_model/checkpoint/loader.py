@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from dsv4_model.checkpoint.io import CheckpointError, TensorInfo, TensorReader, list_tensors, write_sharded
+from dsv4_model.checkpoint.hub import display_name
 from dsv4_model.checkpoint.memory_plan import GiB, check_fits, memory_plan, meta_dspark
 from dsv4_model.checkpoint.tensor_checks import (
     FP8_TAGS, NVFP4_INPUT_SCALE, NVFP4_SCALE, NVFP4_SCALE2, PACKED_FP4_TAGS, check_source, dtype_ok,
@@ -728,7 +729,7 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu", d
                   file=sys.stderr)
     model.to_empty(device=device)
     with torch.no_grad(), TensorReader("cpu") as reader:  # (TensorReader keeps only a few shards open)
-        _fill_(model, plan, units, reader, device, progress=progress, name=root.name)
+        _fill_(model, plan, units, reader, device, progress=progress, name=display_name(root))
         dspark = None if dspark_plan is None else _load_dspark(
             dspark_plan, config, n_stages, reader, device=device, dtype=dtype, max_batch_size=max_batch_size,
             simulate_quant=simulate_quant, quant=quant, act_quant=act_quant,
