@@ -264,10 +264,13 @@ def test_client_disconnect_cancels(served, client, caplog):
 
 
 def test_metrics(served, client):
-    url = served[0].url
+    srv, _, tok = served
+    url = srv.url
     gen0, ttft0 = _metric(url, "dsv4:generation_tokens_total"), _metric(url, "dsv4:time_to_first_token_seconds_count")
+    prompt0 = _metric(url, "dsv4:prompt_tokens_total")
     client.completions.create(model="tiny", prompt=PROMPTS[5], max_tokens=5, temperature=0, n=2)
     assert _metric(url, "dsv4:generation_tokens_total") == gen0 + 10
+    assert _metric(url, "dsv4:prompt_tokens_total") == prompt0 + len(tok.encode(PROMPTS[5]))  # once, as usage
     assert _metric(url, "dsv4:time_to_first_token_seconds_count") == ttft0 + 2
     text = httpx.get(url + "/metrics").text
     for name in ("dsv4:num_requests_waiting", "dsv4:inter_token_latency_seconds_bucket",
@@ -277,8 +280,11 @@ def test_metrics(served, client):
 
 def test_api_key_and_no_chat_format(small):
     bad = openai.OpenAI(base_url=small.url + "/v1", api_key="wrong", max_retries=0)
-    with pytest.raises(openai.AuthenticationError):
+    with pytest.raises(openai.AuthenticationError) as e:
         bad.models.list()
+    assert e.value.response.headers["www-authenticate"] == "Bearer"  # RFC 6750
+    for scheme in ("bearer", "BEARER"):  # the scheme is case-insensitive (RFC 9110)
+        assert httpx.get(small.url + "/v1/models", headers={"Authorization": f"{scheme} {KEY}"}).status_code == 200
     assert httpx.get(small.url + "/health").status_code == 200  # outside /v1: open
     # without the key nothing about the body or the route is told: 401 before the JSON is read, on any /v1 path
     for path, body in (("/v1/completions", b"{bad"), ("/v1/nowhere", b"{}"), ("/tokenize", b"{}")):
@@ -483,3 +489,56 @@ def test_an_in_process_generate_on_the_served_engine_leaves_the_server_working()
         assert client.completions.create(**kw).choices[0].text == first
     finally:
         srv.stop()
+
+
+def test_the_context_holds_prompt_and_completion(served, client):
+    """--max-seq-len (256 here) holds prompt and completion: a prompt of 256 tokens leaves no room for one
+    generated token, a 400 with or without max_tokens (naming the numbers); 255 get one token. The 400s name the
+    field at fault: prompt / messages, and max_tokens / max_completion_tokens for a completion past the context."""
+    srv, _, tok = served
+    full = [tok.bos_id] + [5] * 255
+    for kw in ({}, {"max_tokens": 1}):
+        with pytest.raises(openai.BadRequestError, match="prompt: 256 tokens, and the context holds 256 in all "
+                                                         r"\(prompt and completion\): at most 255") as e:
+            client.completions.create(model="tiny", prompt=full, temperature=0, **kw)
+        assert e.value.body["param"] == "prompt"
+    for kw in ({}, {"max_tokens": 1}):
+        r = client.completions.create(model="tiny", prompt=full[:255], temperature=0, **kw)
+        assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "length"
+    m = next(m for m in range(240, 260) if httpx.post(srv.url + "/tokenize", json={"messages": [
+        {"role": "user", "content": " a" * m}]}).json()["count"] == 256)
+    msgs = [{"role": "user", "content": " a" * m}]
+    with pytest.raises(openai.BadRequestError, match="messages: 256 tokens") as e:
+        client.chat.completions.create(model="tiny", messages=msgs)
+    assert e.value.body["param"] == "messages"
+    short = [{"role": "user", "content": " a" * (m - 10)}]
+    with pytest.raises(openai.BadRequestError, match="the context is 256 tokens") as e:
+        client.chat.completions.create(model="tiny", messages=short, max_completion_tokens=20)
+    assert e.value.body["param"] == "max_completion_tokens"
+
+
+@pytest.mark.parametrize("messages,match", [
+    ([{"role": "wizard", "content": "x"}], "role: must be system, developer, user"),
+    ([{"content": "x"}], "role: must be"),
+    ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], "the last message must be"),
+    ([{"role": "user", "content": "x"}, {"role": "developer", "content": "y"}], "the last message must be"),
+    ([{"role": "user", "content": 5}], "must be a string or a list of text parts"),
+])
+def test_plain_chat_checks_messages_as_v4_does(client, messages, match):
+    """The plain format refuses what the V4 format refuses (roles, order, content), though it writes no roles."""
+    with pytest.raises(openai.BadRequestError, match=match) as e:
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert e.value.body["param"] == "messages"
+
+
+def test_plain_chat_developer_and_special_stop(served, client):
+    """developer is OpenAI's system prompt: in the plain format, text as a system message's; a stop string holding
+    the tokenizer's special `<eos>` (left out of the text stops are matched against) is a 400 naming stop."""
+    url = served[0].url
+    ids = [httpx.post(url + "/tokenize", json={"messages": [{"role": role, "content": "Be brief."},
+                                                            {"role": "user", "content": "x"}]}).json()["tokens"]
+           for role in ("developer", "system")]
+    assert ids[0] == ids[1]
+    with pytest.raises(openai.BadRequestError, match="could never match") as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, stop=["<eos>"])
+    assert e.value.body["param"] == "stop"

@@ -22,15 +22,15 @@ from pydantic import ValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from dsv4_model.checkpoint.tokenizer import StreamDecoder
 from dsv4_model.runtime.requests import Request
 from dsv4_model.runtime.scheduler import Scheduler
 from dsv4_model.serve.bridge import Event, SchedulerThread, Stream
-from dsv4_model.serve.chat_format import ChatFormat, skipped_specials
+from dsv4_model.serve.chat_format import ChatFormat, dropped_specials, skipped_specials
+from dsv4_model.serve.logprobs import Entries, TokenBytes, chat_logprobs, completion_logprobs, prompt_logprobs
 from dsv4_model.serve.metrics import Metrics
-from dsv4_model.serve.output_parser import Delta, OutputParser
+from dsv4_model.serve.output_parser import Delta, OutputParser, WholeCalls
 from dsv4_model.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                      finish_reason)
+                                      check_text, finish_reason)
 
 log = logging.getLogger("dsv4.serve")
 
@@ -57,6 +57,8 @@ class _State:
         self.vocab_size = scheduler.vocab_size
         self.chat = ChatFormat(cfg.chat_format, self.tokenizer)
         self.specials = skipped_specials(self.tokenizer) if self.chat.name == "deepseek_v4" else {}
+        self.dropped = dropped_specials(self.tokenizer)  # texts a stop string can never match
+        self.token_bytes = TokenBytes(self.tokenizer)
         self.thread = SchedulerThread(scheduler, cfg.max_waiting)
         self.metrics = Metrics(self.thread.counts, scheduler.stats, getattr(scheduler, "speculation", None))
         self.thread._on_finish = self.metrics.on_finish
@@ -101,12 +103,14 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
                             status_code=500)
 
     def key_refused(got: bytes) -> Response | None:
-        """got: the Authorization header's value (b"": none, or several)."""
-        if secrets.compare_digest(got, f"Bearer {cfg.api_key}".encode()):
+        """got: the Authorization header's value (b"": none, or several). The scheme is case-insensitive (RFC 9110);
+        a 401 names it in WWW-Authenticate (RFC 6750)."""
+        scheme, _, key = got.partition(b" ")
+        if scheme.lower() == b"bearer" and secrets.compare_digest(key.strip(), cfg.api_key.encode()):
             return None
         st.metrics.rejected.labels("401").inc()
         e = APIError(401, "invalid or missing API key (Authorization: Bearer KEY)", kind="authentication_error")
-        return JSONResponse(e.body(), status_code=401)
+        return JSONResponse(e.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
     if cfg.api_key is not None:
         app.add_middleware(_KeyCheck, refused=key_refused)
@@ -130,10 +134,18 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
     async def metrics():
         return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card() -> dict:
+        return {"id": cfg.model_name, "object": "model", "created": st.created, "owned_by": "dsv4",
+                "max_model_len": st.max_seq_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": st.created,
-                                            "owned_by": "dsv4", "max_model_len": st.max_seq_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")  # a Hugging Face name holds a slash
+    async def model(model_id: str):
+        check_model(model_id)
+        return model_card()
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -149,6 +161,7 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
             chat.check_unsupported()
             ids = st.chat.prompt(chat).ids
         else:
+            check_text(body.prompt, "prompt")
             ids = st.tokenizer.encode(body.prompt, add_bos=body.add_special_tokens)
         return {"count": len(ids), "max_model_len": st.max_seq_len, "tokens": ids, "token_strs": None}
 
@@ -165,38 +178,62 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
         given = request.headers.get("x-request-id", "")
         return given if given.isprintable() and 0 < len(given) <= 128 else f"{prefix}-{secrets.token_hex(12)}"
 
-    def check_prompt(ids: list[int], where: str, max_tokens: int | None = None) -> None:
-        """max_tokens: the request's own (None: not given, the default fits what is left). As vLLM and SGLang, a
-        prompt + max_tokens past the context is a 400 rather than a completion cut short."""
+    def check_prompt(ids: list[int], where: str, param: str, max_tokens: int | None = None,
+                     limit: str = "max_tokens") -> int:
+        """The tokens the completion may have: what the context leaves (`--max-seq-len` holds prompt and completion,
+        as vLLM's max_model_len; the engine could sample one more, never written to its caches, and does not).
+        max_tokens: the request's own, from field `limit` (None: not given, the default fits what is left; 0: a
+        scored prompt, nothing generated). As vLLM and SGLang, a prompt + max_tokens past the context is a 400
+        rather than a completion cut short; so is a prompt that leaves no room for one token."""
         if not ids:
-            raise APIError(400, f"{where}: empty", "prompt")
-        if len(ids) > st.max_seq_len:
-            raise APIError(400, f"{where}: {len(ids)} tokens exceed the context of {st.max_seq_len}", "prompt")
-        if max_tokens is not None and len(ids) + max_tokens > st.max_seq_len:
+            raise APIError(400, f"{where}: empty", param)
+        room = st.max_seq_len - len(ids)
+        if room < (0 if max_tokens == 0 else 1):
+            raise APIError(400, f"{where}: {len(ids)} tokens, and the context holds {st.max_seq_len} in all (prompt "
+                                f"and completion): at most {st.max_seq_len - 1} leave room for a completion", param)
+        if max_tokens is not None and max_tokens > room:
             raise APIError(400, f"the context is {st.max_seq_len} tokens and this request asks for "
                                 f"{len(ids) + max_tokens} ({len(ids)} in {where}, {max_tokens} in the completion): "
-                                "shorten the prompt or max_tokens", "max_tokens")
+                                f"shorten the {param} or {limit}", limit)
+        return room
 
-    def submit(ids_per_prompt: list[list[int]], body, max_tokens: int, stream: Stream,
-               prompt_logprobs: int | None = None) -> None:
+    def check_stops(stops: list[str] | None) -> None:
+        """A stop string holding a special token's text would never match: decoding leaves that text out of the
+        completion the stops are matched against (and the output parser's `<think>` / `</think>` / DSML are read
+        from the ids, not that text)."""
+        for s in stops or ():
+            bad = next((t for t in st.dropped if t in s), None)
+            if bad is not None:
+                raise APIError(400, f"stop: {s!r} holds {bad!r}, a special token's text: decoding leaves special "
+                                    "tokens out of the text stop strings are matched against, so it could never "
+                                    "match", "stop")
+
+    def submit(ids_per_prompt: list[list[int]], body, max_tokens: list[int], stream: Stream,
+               prompt_logprobs: int | None = None, prompt_param: str = "prompt") -> None:
+        """max_tokens: per prompt. prompt_param: the field that holds the prompt (a 400 about it names it)."""
         if len(ids_per_prompt) * body.n > cfg.max_waiting:  # could never be queued: a retry would get the same
             raise APIError(400, f"this request asks for {len(ids_per_prompt) * body.n} completions (prompts x n), "
                                 f"more than the server queues at once (--max-waiting {cfg.max_waiting})",
-                           "n" if body.n > 1 else "prompt")
+                           "n" if body.n > 1 else prompt_param)
         reqs = []
         for p, ids in enumerate(ids_per_prompt):
             for k in range(body.n):
-                r = Request(ids, params=body.sampling(k), max_tokens=max_tokens, stop=tuple(body.stop or ()),
+                r = Request(ids, params=body.sampling(k), max_tokens=max_tokens[p], stop=tuple(body.stop or ()),
                             ignore_eos=body.ignore_eos, logprobs=body.logprob_k(), prompt_logprobs=prompt_logprobs)
                 reqs.append(stream.bind(r, p * body.n + k, prompt=p))
-        st.thread.submit_all(reqs)
+        try:
+            st.thread.submit_all(reqs, frozenset(j for j in range(len(reqs)) if j % body.n))
+        except APIError as e:  # the scheduler's refusal of a prompt
+            e.param = prompt_param if e.param == "prompt" else e.param
+            raise
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: HTTPRequest):
         body.check_unsupported()
         check_model(body.model)
+        check_stops(body.stop)
         rid = request_id(request, "cmpl")
-        ids, prompt_texts = [], []
+        ids, prompt_texts, rooms = [], [], []
         flat = isinstance(body.prompt, list) and bool(body.prompt) and isinstance(body.prompt[0], int)
         for i, p in enumerate(body.prompts()):
             where = "prompt" if flat else f"prompt[{i}]"
@@ -211,7 +248,7 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
                     raise APIError(400, f"{where}: token id {bad[0][1]} at position {bad[0][0]} outside "
                                         f"[0, {st.vocab_size})", "prompt")
                 prompt_texts.append(st.tokenizer.decode(p) if body.echo else "")
-            check_prompt(p, where, body.max_tokens)
+            rooms.append(check_prompt(p, where, "prompt", body.max_tokens))
             ids.append(p)
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": cfg.model_name}
         if body.max_tokens == 0 and body.logprob_k() is None:  # echo alone: the prompts back, nothing to run
@@ -219,14 +256,17 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
                        for i in range(len(ids) * body.n)]
             p = sum(len(x) for x in ids)
             st.metrics.finished.labels("length").inc(len(choices))  # counted as the scheduler counts its requests
-            st.metrics.prompt_tokens.inc(p * body.n)
+            st.metrics.prompt_tokens.inc(p)  # each prompt once, whatever n (as usage)
             return _answer_now(base, choices, {"prompt_tokens": p, "completion_tokens": 0, "total_tokens": p},
                                body.stream, body.include_usage, rid)
         stream = Stream(asyncio.get_running_loop(), {}, st.thread.sink)
-        max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        submit(ids, body, max_tokens, stream, body.logprob_k() if body.echo else None)
+        limits = [min(16, room) if body.max_tokens is None else body.max_tokens for room in rooms]
+        submit(ids, body, limits, stream, body.logprob_k() if body.echo else None)
         texts = [""] * len(stream.requests)
         echoed = [not body.echo] * len(stream.requests)
+        starts = [len(prompt_texts[i // body.n]) if body.echo else 0 for i in range(len(stream.requests))]
+        entries = None if body.logprob_k() is None else [Entries(st.tokenizer, a) for a in starts]
+        lps: list[dict | None] = [None] * len(stream.requests)  # the whole response's, piece by piece
 
         def echo(i: int) -> list[dict]:
             """echo: choice i's prompt (and its tokens' logprobs) before its first token or its end (the prompt's
@@ -240,35 +280,44 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
                 prompt_logprobs(st.tokenizer, r.prompt, r.prompt_token_logprobs, len(text))
             return [{"index": i, "text": text, "logprobs": lp, "finish_reason": None}]
 
+        def released(ev: Event) -> dict | None:
+            """The logprob entries out with ev: those of the tokens whose text is returned by now (at the end, a
+            stop string's tokens stay out; an EOS / stop id's entry comes last, its text not in the completion)."""
+            if entries is None:
+                return None
+            i, e = ev.choice, entries[ev.choice]
+            if ev.logprob is not None:
+                e.push(ev.token_id, ev.logprob)
+            if not ev.done:
+                return _or_none(completion_logprobs(st.tokenizer, *e.take(len(texts[i]))))
+            r = stream.requests[i]
+            got = e.finish(len(texts[i]), _stopped_by_string(st.tokenizer, r))
+            if r.stop_token is not None:
+                got = (got[0] + [r.stop_token], got[1] + r.token_logprobs[-1:], got[2] + [len(texts[i])])
+            return _or_none(completion_logprobs(st.tokenizer, *got))
+
         def on_event(ev: Event):
-            head = echo(ev.choice)
+            i = ev.choice
+            out = echo(i)
+            texts[i] += ev.text
+            lp = released(ev)
             if ev.done:
-                r = stream.requests[ev.choice]
-                lp = None if r.stop_token is None else \
-                    completion_logprobs(st.tokenizer, [r.stop_token], r.token_logprobs[-1:], len(texts[ev.choice]))
-                return head + [{"index": ev.choice, "text": "", "logprobs": lp,
-                                "finish_reason": finish_reason(r.finish_reason)}]
-            lp = None if ev.logprob is None else \
-                completion_logprobs(st.tokenizer, [ev.token_id], [ev.logprob], len(texts[ev.choice]))
-            texts[ev.choice] += ev.text
-            return head + ([{"index": ev.choice, "text": ev.text, "logprobs": lp, "finish_reason": None}]
-                           if ev.text or lp else [])
+                r = stream.requests[i]
+                out.append({"index": i, "text": "", "logprobs": lp, "finish_reason": finish_reason(r.finish_reason)})
+            elif ev.text or lp:
+                out.append({"index": i, "text": ev.text, "logprobs": lp, "finish_reason": None})
+            for c in out:
+                lps[i] = _merge_logprobs(lps[i], c["logprobs"])
+            return out
 
         if body.stream:
             return _sse(stream, base, on_event, body.include_usage, rid, [])
         if not await _collect(stream, request, on_event):
             _log_gone(rid, stream)
             return Response(status_code=499)
-        def choice_logprobs(i: int, r: Request) -> dict | None:
-            start = len(prompt_texts[i // body.n]) if body.echo else 0
-            ids = r.token_ids + ([] if r.stop_token is None else [r.stop_token])  # the stop token's entry too
-            lp = None if r.logprobs is None else completion_logprobs(st.tokenizer, ids, r.token_logprobs, start)
-            if body.echo and r.prompt_logprobs is not None:
-                lp = _merge_logprobs(prompt_logprobs(st.tokenizer, r.prompt, r.prompt_token_logprobs, start), lp)
-            return lp
-
-        choices = [{"index": i, "text": t, "finish_reason": finish_reason(r.finish_reason),
-                    "logprobs": choice_logprobs(i, r)} for i, (t, r) in enumerate(zip(texts, stream.requests))]
+        empty = None if entries is None else completion_logprobs(st.tokenizer, [], [], [])
+        choices = [{"index": i, "text": t, "finish_reason": finish_reason(r.finish_reason), "logprobs": lps[i] or empty}
+                   for i, (t, r) in enumerate(zip(texts, stream.requests))]
         _log_done(rid, stream)
         return JSONResponse({**base, "choices": choices, "usage": _usage(stream)}, headers={"X-Request-Id": rid})
 
@@ -276,16 +325,23 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
     async def chat(body: ChatRequest, request: HTTPRequest):
         body.check_unsupported()
         check_model(body.model)
+        check_stops(body.stop)
         rid = request_id(request, "chatcmpl")
         prompt = st.chat.prompt(body)
-        check_prompt(prompt.ids, "messages", body.token_limit)
+        room = check_prompt(prompt.ids, "messages", "messages", body.token_limit, body.token_limit_field)
         stream = Stream(asyncio.get_running_loop(), st.specials, st.thread.sink)
-        submit([prompt.ids], body, body.token_limit or st.max_seq_len, stream)
+        submit([prompt.ids], body, [body.token_limit or room], stream, prompt_param="messages")
         thinking = prompt.parser is not None and prompt.parser.state == "reasoning"
-        parsers = [OutputParser(thinking, tools=body.tools_on) if prompt.parser is not None else None
+        # calls come out whole (WholeCalls): one the output cuts off is no call
+        parsers = [WholeCalls(OutputParser(thinking, tools=body.tools_on)) if prompt.parser is not None else None
                    for _ in stream.requests]
         one_call = body.parallel_tool_calls is False
-        totals = [Delta() for _ in stream.requests]
+        n = len(stream.requests)
+        totals = [Delta() for _ in range(n)]
+        entries = None if body.logprob_k() is None else [Entries(st.tokenizer) for _ in range(n)]
+        lps: list[dict | None] = [None] * n  # the whole response's, piece by piece
+        shown = [0] * n  # characters of the completion's text returned (the special tokens' put back not counted)
+        cut = [False] * n  # a stop string ended it
         base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": cfg.model_name}
         call_ids: dict[tuple[int, int], str] = {}
 
@@ -308,16 +364,33 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
                     "function": {"name": c.name, "arguments": c.arguments}}
 
         def reason_of(i: int) -> str:
+            """tool_calls: the model ended its answer (EOS) after whole calls; cut short (max_tokens, the context, a
+            stop string), the reason it was cut, whatever calls came before."""
             r = finish_reason(stream.requests[i].finish_reason)
-            return "tool_calls" if r == "stop" and totals[i].tool_calls else r
+            return "tool_calls" if r == "stop" and not cut[i] and totals[i].tool_calls else r
+
+        def released(ev: Event) -> dict | None:
+            """The logprob entries out with ev: those of the tokens whose text is returned by now (at the end, a
+            stop string's tokens stay out)."""
+            if entries is None:
+                return None
+            i, e = ev.choice, entries[ev.choice]
+            if ev.logprob is not None:
+                e.push(ev.token_id, ev.logprob)
+            ids, got, _ = e.finish(shown[i], cut[i]) if ev.done else e.take(shown[i])
+            return chat_logprobs(st.tokenizer, st.token_bytes, ids, got) if ids else None
 
         def on_event(ev: Event):
             i, p = ev.choice, parsers[ev.choice]
+            shown[i] += len(ev.text) - len(st.specials.get(ev.token_id, ""))
+            if ev.done:
+                cut[i] = _stopped_by_string(st.tokenizer, stream.requests[i])
             d = Delta(content=ev.text) if p is None else (p.finish() if ev.done else p.feed(ev.text))
             if one_call:  # parallel_tool_calls false: the first call only
                 d.tool_calls = [c for c in d.tool_calls if c.index == 0]
             totals[i].add(d)
-            lp = None if ev.logprob is None else chat_logprobs(st.tokenizer, [ev.token_id], [ev.logprob])
+            lp = released(ev)
+            lps[i] = _merge_logprobs(lps[i], lp)
             out = [{"index": i, "delta": delta_json(i, d), "logprobs": lp, "finish_reason": None}] if d or lp else []
             if ev.done:
                 out.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": reason_of(i)})
@@ -325,7 +398,7 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
 
         if body.stream:
             first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None} for i in range(len(stream.requests))]
+                      "finish_reason": None} for i in range(n)]
             return _sse(stream, base, on_event, body.include_usage, rid, first)
         if not await _collect(stream, request, on_event):
             _log_gone(rid, stream)
@@ -337,8 +410,7 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
                 msg["reasoning_content"] = t.reasoning
             if t.tool_calls:
                 msg["tool_calls"] = delta_json(i, Delta(tool_calls=t.tool_calls))["tool_calls"]
-            r = stream.requests[i]
-            lp = None if r.logprobs is None else chat_logprobs(st.tokenizer, r.token_ids, r.token_logprobs)
+            lp = lps[i] or (None if entries is None else {"content": []})
             choices.append({"index": i, "message": msg, "logprobs": lp, "finish_reason": reason_of(i)})
         _log_done(rid, stream)
         return JSONResponse({**base, "object": "chat.completion", "choices": choices, "usage": _usage(stream)},
@@ -429,47 +501,14 @@ def _merge_logprobs(a: dict | None, b: dict | None) -> dict | None:
     return {k: a[k] + b[k] for k in a}
 
 
-def text_offsets(tok, ids: list[int], start: int, end: int | None = None) -> list[int]:
-    """Where each token's text starts in the text the streaming detokenizer makes of `ids` (from `start`; a token
-    ending inside a character: where that character starts), so offsets rise as the returned text does; clamped to
-    `end` (an echoed prompt whose given text is shorter than its tokens' decode, e.g. a BOS token)."""
-    dec, out, at = StreamDecoder(tok), [], start
-    for t in ids:
-        out.append(at if end is None else min(at, end))
-        at += len(dec.push(t))
-    return out
+def _or_none(lp: dict) -> dict | None:
+    return lp if lp["tokens"] else None
 
 
-def completion_logprobs(tok, ids: list[int], entries: list, offset: int, end: int | None = None) -> dict:
-    """/v1/completions' logprobs object for tokens `ids` whose text starts at `offset` of the returned text. Each
-    top_logprobs entry holds the k most likely tokens and the chosen one (so up to k + 1, as OpenAI and vLLM give)."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": text_offsets(tok, ids, offset, end)}
-    for t, (lp, top) in zip(ids, entries):
-        s = tok.decode([t])
-        out["tokens"].append(s)
-        out["token_logprobs"].append(lp)
-        alts = {tok.decode([a]): v for a, v in top}
-        alts.setdefault(s, lp)
-        out["top_logprobs"].append(alts)
-    return out
-
-
-def prompt_logprobs(tok, ids: list[int], entries: list, end: int) -> dict:
-    """/v1/completions' logprobs object for an echoed prompt `ids` whose returned text is `end` characters long
-    (entries: its tokens' from the second; the first has none, null as OpenAI gives it)."""
-    out = completion_logprobs(tok, ids, [(None, [])] + list(entries), 0, end)
-    out["top_logprobs"][0] = None
-    return out
-
-
-def chat_logprobs(tok, ids: list[int], entries: list) -> dict:
-    """/v1/chat/completions' logprobs object ({"content": [...]}) for tokens `ids`."""
-    def one(t: int, lp: float) -> dict:
-        s = tok.decode([t])
-        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
-
-    return {"content": [{**one(t, lp), "top_logprobs": [one(a, v) for a, v in top]} for t, (lp, top) in
-                        zip(ids, entries)]}
+def _stopped_by_string(tok, r: Request) -> bool:
+    """Whether a stop string ended r (the scheduler's "stop" is also EOS's and a stop id's): its text was cut
+    where a stop string begins, so the whole decode holds one."""
+    return r.finish_reason == "stop" and bool(r.stop) and any(s in tok.decode(r.token_ids) for s in r.stop)
 
 
 def _merge(choices: list[dict]) -> list[dict]:

@@ -120,9 +120,10 @@ class SchedulerThread:
             waiting = sum(1 for r in self._live if r.timings.admitted is None)
             return len(self._live) - waiting, waiting
 
-    def submit_all(self, reqs: list[Request]) -> None:
+    def submit_all(self, reqs: list[Request], repeats: frozenset[int] = frozenset()) -> None:
         """All of an HTTP request's choices or none (429 / 503 / 400 from the scheduler's checks; a request of more
-        choices than the queue ever holds is the app's 400 before this)."""
+        choices than the queue ever holds is the app's 400 before this). repeats: positions in reqs of choices
+        whose prompt an earlier one carries (n > 1): the metrics count a prompt once."""
         if self.draining:
             raise APIError(503, "the server is shutting down", kind="service_unavailable")
         if not self.alive:
@@ -135,7 +136,7 @@ class SchedulerThread:
             for r in reqs:
                 self._live.add(r)
         for i, r in enumerate(reqs):
-            r.on_finish = self._finisher(r.on_finish)
+            r.on_finish = self._finisher(r.on_finish, i not in repeats)
             try:
                 self.scheduler.submit(r)
             except (ValueError, RuntimeError) as e:  # a bad request; the scheduler stopped or its engine busy
@@ -147,12 +148,12 @@ class SchedulerThread:
                     raise APIError(503, str(e), kind="service_unavailable") from None
                 raise APIError(400, str(e), "prompt" if str(e).startswith("prompt") else None) from None
 
-    def _finisher(self, extra):
+    def _finisher(self, extra, count_prompt: bool):
         def on_finish(r: Request):
             with self._lock:
                 self._live.discard(r)
             if self._on_finish is not None:
-                self._on_finish(r)
+                self._on_finish(r, count_prompt)
             if extra is not None:
                 extra(r)
         return on_finish

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsv4_model.serve.chat_encoding import (ASSISTANT, BOS, DSML, THINK, THINK_END, USER, ChatError, _text,
+from dsv4_model.serve.chat_encoding import (ASSISTANT, BOS, DSML, THINK, THINK_END, USER, ChatError, _fold, _text,
                                             encode_chat, resolve_options)
 from dsv4_model.serve.output_parser import OutputParser
 from dsv4_model.serve.protocol import APIError, ChatRequest
@@ -37,6 +37,30 @@ def skipped_specials(tokenizer) -> dict[int, str]:
     return out
 
 
+def dropped_specials(tokenizer) -> list[str]:
+    """The texts of the tokens that decoding drops (special tokens): the text stop strings are matched against
+    never holds them."""
+    tok = getattr(tokenizer, "_tok", None)
+    if tok is None:
+        return []
+    return [t.content for i, t in tok.get_added_tokens_decoder().items() if t.content and tokenizer.decode([i]) == ""]
+
+
+def api_messages(messages) -> list:
+    """OpenAI's messages as the encoder reads them. `developer` is OpenAI's name for the system prompt (the
+    instructions the model follows; the SDK and agent frameworks send it in place of `system`): it becomes `system`.
+    The encoder's own `developer` role is a user turn that thinking mode drops before the last user turn, so the
+    instructions would vanish. The conversation must end on the user or a tool (the generation header's place)."""
+    if not isinstance(messages, list):
+        return messages
+    out = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m for m in messages]
+    last = messages[-1] if messages else None
+    if isinstance(last, dict) and last.get("role") in ("system", "developer", "assistant", "latest_reminder"):
+        raise ChatError(f"messages: the last message must be from the user or a tool, got {last['role']!r}",
+                        "messages")
+    return out
+
+
 @dataclass
 class ChatPrompt:
     ids: list[int]
@@ -59,25 +83,22 @@ class ChatFormat:
             raise APIError(400, "this model's tokenizer has no DeepSeek-V4 chat tokens, so it has no chat format: "
                            "use /v1/completions, or start the server with --chat-format plain", "messages")
         try:
+            messages = api_messages(req.messages)
             if self.name == "plain":
-                return ChatPrompt(self._plain(req), None)
+                return ChatPrompt(self._plain(req, messages), None)
             opts = resolve_options(req.thinking, req.reasoning_effort, drop_thinking=req.drop_thinking)
             tools = None if req.tool_choice == "none" else req.tools
-            text = encode_chat(req.messages, tools, opts)
+            text = encode_chat(messages, tools, opts)
         except ChatError as e:
             raise APIError(400, str(e), e.param) from None
         return ChatPrompt(self.tokenizer.encode(text, add_bos=False), OutputParser(opts.thinking))
 
-    def _plain(self, req: ChatRequest) -> list[int]:
+    def _plain(self, req: ChatRequest, messages: list) -> list[int]:
         if req.tools:
             raise ChatError("tools need --chat-format deepseek_v4 (this model has no tool format)", "tools")
         # no thinking mode here: the switches are checked as the V4 format checks them, then have nothing to turn
         resolve_options(req.thinking, req.reasoning_effort, drop_thinking=req.drop_thinking)
-        parts = []
-        for i, m in enumerate(req.messages):
-            if not isinstance(m, dict) or "content" not in m:
-                raise ChatError(f"messages[{i}]: needs content", "messages")
-            parts.append(_text(m["content"], f"messages[{i}]", sep="\n") + "\n")  # text parts joined as vLLM joins them
-        if not parts:
-            raise ChatError("messages: needs at least one message", "messages")
-        return self.tokenizer.encode("".join(parts), add_bos=True)
+        _fold(messages)  # the messages checked as the V4 format checks them (roles, content, order)
+        # text parts joined as vLLM joins them
+        text = "".join(_text(m.get("content"), f"messages[{i}]", sep="\n") + "\n" for i, m in enumerate(messages))
+        return self.tokenizer.encode(text, add_bos=True)

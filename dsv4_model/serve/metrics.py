@@ -41,8 +41,9 @@ class Metrics:
         if speculation is not None:
             _speculation_gauges(r, speculation)
 
-    def on_finish(self, req: Request) -> None:
-        """Called on the scheduler thread as each request ends."""
+    def on_finish(self, req: Request, count_prompt: bool = True) -> None:
+        """Called on the scheduler thread as each request ends (count_prompt false: another choice of the same
+        prompt counts its tokens, so n > 1 counts them once, as usage does)."""
         t = req.timings
         if t.ttft_s is not None:
             self.ttft.observe(t.ttft_s)
@@ -53,7 +54,8 @@ class Metrics:
         times = req.token_times
         for a, b in zip(times, times[1:]):
             self.itl.observe(b - a)
-        self.prompt_tokens.inc(len(req.prompt))
+        if count_prompt:
+            self.prompt_tokens.inc(len(req.prompt))
         self.generation_tokens.inc(len(req.token_ids))
         # vLLM's labels (stop, length, abort), and error where the scheduler failed the request
         reason = req.finish_reason

@@ -13,7 +13,8 @@ content, arguments are `{"k": v, ...}` with string values JSON-quoted and string
 them (tests/test_output_parser.py holds its results). Text the parser cannot read as DSML goes to content as it is,
 never dropped: a block that does not start with an invoke from its opening tag on, an invoke that stops being DSML
 (also one repeating a parameter name) from that point on, its call closed (`}`) where it stopped. An invoke cut off
-by the end of the output (max_tokens) stays as far as it came: its arguments unfinished, as OpenAI's are."""
+by the end of the output (max_tokens) stays as far as it came: its arguments unfinished; a block's opening tag cut
+off is not text. The server reads the parser through WholeCalls, which lets a call out only once it is closed."""
 from __future__ import annotations
 
 import json
@@ -74,6 +75,15 @@ def _before_block(text: str) -> str:
         if text.endswith("\n"):
             text = text[:-1]
     return text
+
+
+def _uncut(text: str, tags: tuple[str, ...]) -> int:
+    """At the end of the output: how much of `text` is text, less a block's opening tag cut off there (one that
+    got as far as DSML is markup) and the blank line before it."""
+    n = _partial_tag(text, tags)
+    if n == 0 or DSML not in text[-n:]:
+        return len(text)
+    return len(_before_block(text[:-n]))
 
 
 def _held(text: str, tags: tuple[str, ...]) -> int:
@@ -158,6 +168,7 @@ class OutputParser:
         self.buf = ""
         self.started = False  # reasoning emitted yet (a leading "<think>" echoed by the model is dropped)
         self.calls = 0  # calls opened; the one being read is calls - 1
+        self.closed = 0  # calls whose arguments are complete (`}` written)
         self.block_calls = 0  # calls opened in the current DSML block
         self.keys: set[str] = set()  # parameter names of the call being read
         self.scanned = 0  # literal state: how much of buf is known to hold no closing tag
@@ -205,9 +216,8 @@ class OutputParser:
                 self._open_block()
             self.buf = self.buf[i + len(tag):]
             return
-        n = len(self.buf)
-        if not final:
-            n = _held(self.buf, (THINK_END, *self.block_open))
+        tags = (THINK_END, *self.block_open)
+        n = _uncut(self.buf, tags) if final else _held(self.buf, tags)
         out.reasoning += self.buf[:n]
         self.buf = self.buf[n:]
 
@@ -218,7 +228,7 @@ class OutputParser:
             self.buf = self.buf[i + len(TOOL_CALLS_OPEN):]
             self._open_block()
             return
-        n = len(self.buf) if final else _held(self.buf, self.block_open)
+        n = _uncut(self.buf, self.block_open) if final else _held(self.buf, self.block_open)
         out.content += self.buf[:n]
         self.buf = self.buf[n:]
 
@@ -255,6 +265,7 @@ class OutputParser:
         rest = self.buf.lstrip()
         if rest.startswith(INVOKE_CLOSE):
             self._args(out, "}")
+            self.closed = self.calls
             self.buf = rest[len(INVOKE_CLOSE):]
             self.state = "tools"
             return
@@ -272,6 +283,7 @@ class OutputParser:
             return
         # not DSML from here: the call ends where it stopped, the rest is text
         self._args(out, "}")
+        self.closed = self.calls
         self.buf = rest
         self.state = "content"
 
@@ -301,3 +313,27 @@ class OutputParser:
             self.buf = ""
         else:
             self.scanned = len(self.buf)
+
+
+class WholeCalls:
+    """An OutputParser whose tool calls come out whole: a call's pieces are held until its arguments are complete
+    (its invoke closed), and a call the output cut off (max_tokens, a stop string, EOS inside it) never comes out:
+    its arguments would be unfinished JSON a client would run or fail on. Streamed or not, the same calls."""
+
+    def __init__(self, parser: OutputParser):
+        self.parser = parser
+        self.held: list[ToolCall] = []  # pieces of calls not closed yet, joined per call
+
+    def feed(self, text: str) -> Delta:
+        return self._gate(self.parser.feed(text), final=False)
+
+    def finish(self) -> Delta:
+        return self._gate(self.parser.finish(), final=True)
+
+    def _gate(self, d: Delta, final: bool) -> Delta:
+        held = Delta(tool_calls=self.held)
+        held.add(Delta(tool_calls=d.tool_calls))
+        done = self.parser.closed
+        d.tool_calls = [c for c in held.tool_calls if c.index < done]
+        self.held = [] if final else [c for c in held.tool_calls if c.index >= done]  # final: cut off, dropped
+        return d

@@ -81,6 +81,8 @@ class _Sampling(BaseModel):
 
     def check_unsupported(self) -> None:
         self.logprob_k()  # its 400s
+        if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM: options of a stream
+            raise APIError(400, "stream_options: only with stream: true", "stream_options")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise APIError(400, f"{name} is not supported (only 0)", name)
@@ -135,6 +137,7 @@ class CompletionRequest(_Sampling):
             raise APIError(400, "best_of must equal n", "best_of")
         if self.response_format not in (None, {"type": "text"}):
             raise APIError(400, "response_format: only {'type': 'text'} is supported", "response_format")
+        check_text(self.prompt, "prompt")
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -164,6 +167,9 @@ class ChatRequest(_Sampling):
     chat_template_kwargs: ChatTemplateKwargs | None = None
     response_format: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call per answer (the first the model writes)
+    # OpenAI's deprecated spellings of tools / tool_choice: refused (ignored, the model would answer without them)
+    functions: Any = None
+    function_call: Any = None
     # vLLM's chat-template switches: the V4 encoder is fixed
     add_generation_prompt: Any = None
     continue_final_message: Any = None
@@ -186,10 +192,15 @@ class ChatRequest(_Sampling):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
+        for old, new in (("functions", "tools"), ("function_call", "tool_choice")):
+            if getattr(self, old) is not None:
+                raise APIError(400, f"{old} is OpenAI's deprecated form of {new} and is not supported: use {new}", old)
         if self.tool_choice not in (None, "auto", "none"):
             raise APIError(400, "tool_choice: only 'auto' and 'none' are supported", "tool_choice")
         if self.response_format not in (None, {"type": "text"}):
             raise APIError(400, "response_format: only {'type': 'text'} is supported", "response_format")
+        check_text(self.messages, "messages")
+        check_text(self.tools, "tools")
 
     @property
     def thinking(self) -> bool | None:
@@ -212,6 +223,11 @@ class ChatRequest(_Sampling):
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    @property
+    def token_limit_field(self) -> str:
+        """The field token_limit comes from (the one a 400 about it names)."""
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
 
 class TokenizeRequest(BaseModel):
     """POST /tokenize (vLLM's route): `prompt` (text; BOS first unless add_special_tokens is false) or `messages`
@@ -227,6 +243,24 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model: str | None = None
     tokens: list[int]
+
+
+def check_text(value: Any, where: str) -> None:
+    """A 400 naming the string (its path in `where`) that holds a lone UTF-16 surrogate: JSON's "\\ud800" parses
+    to a str that is not Unicode text, which the tokenizer (and any UTF-8 encoder) refuses."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(400, f"{where}: a lone UTF-16 surrogate ({value[e.start]!r} at character {e.start}) is "
+                                "not text: send valid Unicode", where.split(".")[0].split("[")[0]) from None
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_text(v, f"{where}[{i}]")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_text(k, where)
+            check_text(v, f"{where}.{k}")
 
 
 def finish_reason(reason: str | None) -> str:

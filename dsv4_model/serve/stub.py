@@ -14,12 +14,15 @@ from dsv4_model.runtime.scheduler import SchedulerStats
 
 
 class StubScheduler:
-    """script(req) -> the token ids the request "generates" (cycled up to max_tokens; eos ends it)."""
+    """script(req) -> the token ids the request "generates" (cycled up to max_tokens; eos ends it).
+    logprobs(req, token_id) -> (its log-probability, [(id, log-probability)] most likely first): scripted entries
+    for requests that ask for them (None: such requests are refused; there is no model)."""
 
     def __init__(self, tokenizer, script: Callable[[Request], list[int]], *, max_rows: int = 64,
-                 max_seq_len: int = 4096):
+                 max_seq_len: int = 4096, logprobs: Callable[[Request, int], tuple] | None = None):
         self.tokenizer = tokenizer
         self.script = script
+        self.logprobs = logprobs
         self.max_rows = max_rows
         self.max_seq_len = max_seq_len
         self.vocab_size = tokenizer.vocab_size
@@ -34,7 +37,7 @@ class StubScheduler:
     def submit(self, req: Request) -> Request:
         if not req.prompt or len(req.prompt) > self.max_seq_len:
             raise ValueError("prompt: empty or longer than max_seq_len")
-        if req.logprobs is not None or req.prompt_logprobs is not None:  # no model: no distribution to read
+        if (req.logprobs is not None and self.logprobs is None) or req.prompt_logprobs is not None:
             raise ValueError("logprobs: the stub scheduler has no model to give log-probabilities")
         req.timings.submitted = time.perf_counter()
         req.start_text(self.tokenizer)
@@ -72,9 +75,13 @@ class StubScheduler:
             t = ids[n % len(ids)]
             if req.timings.first_token is None:
                 req.timings.first_token = now
+            lp = None if req.logprobs is None else self._entry(req, t)
             if t == self.eos and not req.ignore_eos:
+                if lp is not None:  # kept last, as the scheduler keeps a stop token's
+                    req.stop_token = t
+                    req.token_logprobs.append(lp)
                 req.finish("stop", now)
-            elif req.add_token(t, now):
+            elif req.add_token(t, now, lp):
                 req.finish("stop", now)
             elif n + 1 >= req.max_tokens:
                 req.finish("length", now)
@@ -83,3 +90,7 @@ class StubScheduler:
         self._running = still
         if self.on_step is not None:
             self.on_step()
+
+    def _entry(self, req: Request, t: int) -> tuple:
+        lp, top = self.logprobs(req, t)
+        return lp, list(top)[:req.logprobs]
