@@ -512,6 +512,40 @@ def test_one_scheduler_drives_an_engine_at_a_time(engine, prompt_ids, alone):
 
 
 
+def test_a_draining_owner_is_waited_for_not_refused(engine, prompt_ids, alone):
+    """A server's last request ends inside a step (its client already has the answer) while that step, and the
+    read of the step launched behind it, are still to finish: a generate() then waits for them instead of finding
+    the engine busy; an owner that still holds a request is refused at once."""
+    import threading
+
+    s = Scheduler(engine)
+    done = threading.Event()
+
+    def finished(_):  # the client is answered here, and the rest of the step takes a while
+        done.set()
+        time.sleep(0.3)
+
+    r = s.submit(Request(prompt_ids[0], _params(0), MAX_TOKENS[0], on_finish=finished))
+
+    def drive():  # the server's thread: steps until idle, slowly, as a large model would
+        while not s.idle():
+            s.step()
+            time.sleep(0.05)
+
+    th = threading.Thread(target=drive)
+    th.start()
+    assert done.wait(60)
+    got = generate(engine, [prompt_ids[1]], max_new_tokens=2)  # no RuntimeError: s drained first
+    th.join()
+    assert r.token_ids == alone[0].token_ids and len(got.token_ids[0]) == 2
+    s.submit(Request(prompt_ids[0], _params(0), MAX_TOKENS[0]))
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="another Scheduler on this engine holds requests"):
+        generate(engine, [prompt_ids[1]], max_new_tokens=2)
+    assert time.perf_counter() - t0 < 1.0  # refused without the drain wait
+    s.run_until_idle()
+
+
 def test_every_eos_id_of_the_config_ends_a_completion(engine, prompt_ids, alone, monkeypatch):
     """A config listing several eos ids (HF's eos_token_id as a list: config.eos_token_ids) stops on each of them,
     in the scheduler and in generate()."""

@@ -106,6 +106,7 @@ def _ended(req: Request) -> str:
 ENGINE_BUSY = ("engine: another Scheduler on this engine holds requests (a server, or a generate() on another "
                "thread): submit to that one, or wait until it is idle")
 _CLAIMS = threading.Lock()  # an engine changes hands one scheduler at a time
+DRAIN_WAIT_S = 10.0  # how long a taker waits for an owner without requests to finish its step (one step's time)
 
 
 @dataclass
@@ -190,6 +191,10 @@ class Scheduler:
             return
         if cur is not None:
             with cur._lock:
+                # Its last request ended inside a step (its caller has the answer), the step itself and the read
+                # of the step launched behind it have not: that is a scheduler draining, not a busy one.
+                cur._lock.wait_for(lambda: not (cur._in_step or cur._flight is not None) or cur._holds_requests(),
+                                   timeout=DRAIN_WAIT_S)
                 if cur._in_step or not cur.idle():
                     raise RuntimeError(ENGINE_BUSY)
         with self._lock:
@@ -245,6 +250,9 @@ class Scheduler:
         if req.logprobs is not None and not (isinstance(req.logprobs, int) and not isinstance(req.logprobs, bool)
                                              and 0 <= req.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs: must be an int in [0, {MAX_LOGPROBS}], got {req.logprobs!r}")
+
+    def _holds_requests(self) -> bool:
+        return bool(self._waiting) or any(r.req is not None for r in self.rows)
 
     def idle(self) -> bool:
         with self._lock:
@@ -311,6 +319,7 @@ class Scheduler:
         finally:
             with self._lock:
                 self._in_step = False
+                self._lock.notify_all()  # (a scheduler in _acquire waits for this one's step to end)
 
     def _step(self) -> None:
         now = time.perf_counter()
