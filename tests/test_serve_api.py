@@ -540,5 +540,8 @@ def test_plain_chat_developer_and_special_stop(served, client):
            for role in ("developer", "system")]
     assert ids[0] == ids[1]
     with pytest.raises(openai.BadRequestError, match="could never match") as e:
-        client.completions.create(model="tiny", prompt="x", max_tokens=2, stop=["<eos>"])
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, stop=["a<eos>"])
     assert e.value.body["param"] == "stop"
+    # alone, the EOS text (lm-evaluation-harness adds it to every request's stops) is a stop id: no change
+    kw = dict(model="tiny", prompt=PROMPTS[0], max_tokens=N, temperature=0)
+    assert client.completions.create(**kw, stop=["<eos>"]).choices[0].text == client.completions.create(**kw).choices[0].text

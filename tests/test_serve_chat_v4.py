@@ -361,17 +361,25 @@ def test_logprobs_end_where_a_stop_string_cuts_the_text(served):
     assert [t for s in streamed for t in s.tokens] == lp.tokens
 
 
-def test_stop_holding_a_special_tokens_text_is_refused(served):
-    """`</think>` is a special token here: decoding leaves it out of the text stop strings are matched against,
-    so such a stop could never match: a 400 naming stop, for chat and completions."""
+def test_a_special_tokens_text_as_stop(served):
+    """`</think>` is a special token here: decoding leaves it out of the text stop strings are matched against.
+    Given alone it ends the completion as a stop id (as lm-evaluation-harness's EOS stop, as vLLM honours it):
+    the completion is the text before it, finish_reason stop; inside a longer stop string it could never match:
+    a 400 naming stop, for chat and completions."""
     srv, *_ = served
     c = _client(srv)
     for call in (lambda: c.chat.completions.create(model="v4", messages=[{"role": "user", "content": "hi"}],
                                                     stop=["x", f"done{THINK_END}"]),
-                 lambda: c.completions.create(model="v4", prompt="hi", stop=THINK_END)):
+                 lambda: c.completions.create(model="v4", prompt="hi", stop=f"{THINK_END}x")):
         with pytest.raises(openai.BadRequestError, match="could never match") as e:
             call()
         assert e.value.body["param"] == "stop"
+    r = c.completions.create(model="v4", prompt="plain", stop=[THINK_END, EOS], max_tokens=64, temperature=0)
+    assert r.choices[0].text == PLAIN[:PLAIN.index(THINK_END)] and r.choices[0].finish_reason == "stop"
+    m = c.chat.completions.create(model="v4", messages=[{"role": "user", "content": "plain"}], stop=THINK_END,
+                                  max_tokens=64, temperature=0)
+    assert m.choices[0].message.reasoning_content == PLAIN[:PLAIN.index(THINK_END)]
+    assert not m.choices[0].message.content and m.choices[0].finish_reason == "stop"
 
 
 def _rejected(url: str, status: str) -> float:

@@ -76,6 +76,7 @@ class Request:
     # with logprobs, a request that a stop id or EOS ended: that token (not in token_ids); its entry is the last of
     # token_logprobs (a scorer reading "the generated token's" log-probability finds it there, as from vLLM)
     stop_token: int | None = None
+    stop_string_hit: bool = False  # a stop string was found (the text is cut where it begins)
     # the first exception an on_token / on_finish callback raised: it ends this request ("error") at the next step
     # boundary, never the others in the batch
     callback_error: Exception | None = None
@@ -178,6 +179,7 @@ class Request:
         if not hits:
             return False
         self.text = self.text[: min(hits)]
+        self.stop_string_hit = True
         return True
 
     def _held_back(self) -> int:

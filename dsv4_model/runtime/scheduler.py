@@ -141,6 +141,8 @@ class Scheduler:
         self.rows: list[_Row] = []
         self._flight: _Flight | None = None
         self._stopping = self._in_step = False
+        self._step_thread: int | None = None
+        self._await_owner_drain()
         with _CLAIMS:
             self._acquire()
         try:
@@ -191,11 +193,7 @@ class Scheduler:
             return
         if cur is not None:
             with cur._lock:
-                # Its last request ended inside a step (its caller has the answer), the step itself and the read
-                # of the step launched behind it have not: that is a scheduler draining, not a busy one.
-                cur._lock.wait_for(lambda: not (cur._in_step or cur._flight is not None) or cur._holds_requests(),
-                                   timeout=DRAIN_WAIT_S)
-                if cur._in_step or not cur.idle():
+                if cur._in_step or cur._holds_requests() or not cur._drained():
                     raise RuntimeError(ENGINE_BUSY)
         with self._lock:
             for r in self.rows:
@@ -216,6 +214,7 @@ class Scheduler:
         req._on_cancel = self._any_cancel.set
         if req.cancelled:  # cancelled before it got here: its cancel() had no scheduler to wake
             self._any_cancel.set()
+        self._await_owner_drain()
         with _CLAIMS:  # owning the engine and queueing at once: no other scheduler takes it in between
             try:
                 self._acquire()
@@ -250,6 +249,24 @@ class Scheduler:
         if req.logprobs is not None and not (isinstance(req.logprobs, int) and not isinstance(req.logprobs, bool)
                                              and 0 <= req.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs: must be an int in [0, {MAX_LOGPROBS}], got {req.logprobs!r}")
+
+    def _await_owner_drain(self) -> None:
+        """Before _acquire (without _CLAIMS held, so no other submit waits on this one): the engine's scheduler
+        whose last request ended inside a step (its caller has the answer) while the step, and the read of the
+        step launched behind it, have not is draining, not busy: wait for that, at most DRAIN_WAIT_S (one step's
+        time). Not from the owner's own step (a callback of its request): that step waits on this call."""
+        ref = getattr(self.engine, "_dsv4_scheduler", None)
+        cur = ref() if ref is not None else None
+        if cur is None or cur is self or cur._step_thread == threading.get_ident():
+            return
+        with cur._lock:
+            cur._lock.wait_for(lambda: cur._holds_requests() or (not cur._in_step and cur._drained()),
+                               timeout=DRAIN_WAIT_S)
+
+    def _drained(self) -> bool:
+        """No step's results left to read: none launched, or this scheduler is stopped (it never reads again; the
+        next scheduler starts from reset caches)."""
+        return self._flight is None or self._stopping
 
     def _holds_requests(self) -> bool:
         return bool(self._waiting) or any(r.req is not None for r in self.rows)
@@ -314,11 +331,13 @@ class Scheduler:
     def step(self) -> None:
         with self._lock:
             self._in_step = True  # (another scheduler may not take the engine mid-step: _acquire)
+            self._step_thread = threading.get_ident()
         try:
             self._step()
         finally:
             with self._lock:
                 self._in_step = False
+                self._step_thread = None
                 self._lock.notify_all()  # (a scheduler in _acquire waits for this one's step to end)
 
     def _step(self) -> None:

@@ -197,20 +197,28 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
                                 f"shorten the {param} or {limit}", limit)
         return room
 
-    def check_stops(stops: list[str] | None) -> None:
-        """A stop string holding a special token's text would never match: decoding leaves that text out of the
-        completion the stops are matched against (and the output parser's `<think>` / `</think>` / DSML are read
-        from the ids, not that text)."""
+    def split_stops(stops: list[str] | None) -> tuple[tuple[str, ...], frozenset[int]]:
+        """The stop strings, and the ids of the special tokens given as stop strings. Decoding leaves special
+        tokens out of the text stop strings are matched against, so one given whole (lm-evaluation-harness adds
+        the EOS text to every request's stops; "</think>") ends the completion as a stop id, as vLLM and SGLang
+        honour it; special text inside a longer stop string could never match: a 400."""
+        strings, ids = [], set()
         for s in stops or ():
+            if s in st.dropped:
+                ids.add(st.dropped[s])
+                continue
             bad = next((t for t in st.dropped if t in s), None)
             if bad is not None:
-                raise APIError(400, f"stop: {s!r} holds {bad!r}, a special token's text: decoding leaves special "
-                                    "tokens out of the text stop strings are matched against, so it could never "
-                                    "match", "stop")
+                raise APIError(400, f"stop: {s!r} holds {bad!r}, a special token's text, inside a longer string: "
+                                    "decoding leaves special tokens out of the text stop strings are matched "
+                                    "against, so it could never match (give the token alone)", "stop")
+            strings.append(s)
+        return tuple(strings), frozenset(ids)
 
-    def submit(ids_per_prompt: list[list[int]], body, max_tokens: list[int], stream: Stream,
+    def submit(ids_per_prompt: list[list[int]], body, max_tokens: list[int], stream: Stream, stops,
                prompt_logprobs: int | None = None, prompt_param: str = "prompt") -> None:
-        """max_tokens: per prompt. prompt_param: the field that holds the prompt (a 400 about it names it)."""
+        """max_tokens: per prompt. stops: split_stops'. prompt_param: the field that holds the prompt (a 400 about
+        it names it)."""
         if len(ids_per_prompt) * body.n > cfg.max_waiting:  # could never be queued: a retry would get the same
             raise APIError(400, f"this request asks for {len(ids_per_prompt) * body.n} completions (prompts x n), "
                                 f"more than the server queues at once (--max-waiting {cfg.max_waiting})",
@@ -218,7 +226,7 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
         reqs = []
         for p, ids in enumerate(ids_per_prompt):
             for k in range(body.n):
-                r = Request(ids, params=body.sampling(k), max_tokens=max_tokens[p], stop=tuple(body.stop or ()),
+                r = Request(ids, params=body.sampling(k), max_tokens=max_tokens[p], stop=stops[0], stop_ids=stops[1],
                             ignore_eos=body.ignore_eos, logprobs=body.logprob_k(), prompt_logprobs=prompt_logprobs)
                 reqs.append(stream.bind(r, p * body.n + k, prompt=p))
         try:
@@ -231,7 +239,7 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
     async def completions(body: CompletionRequest, request: HTTPRequest):
         body.check_unsupported()
         check_model(body.model)
-        check_stops(body.stop)
+        stops = split_stops(body.stop)
         rid = request_id(request, "cmpl")
         ids, prompt_texts, rooms = [], [], []
         flat = isinstance(body.prompt, list) and bool(body.prompt) and isinstance(body.prompt[0], int)
@@ -261,7 +269,7 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
                                body.stream, body.include_usage, rid)
         stream = Stream(asyncio.get_running_loop(), {}, st.thread.sink)
         limits = [min(16, room) if body.max_tokens is None else body.max_tokens for room in rooms]
-        submit(ids, body, limits, stream, body.logprob_k() if body.echo else None)
+        submit(ids, body, limits, stream, stops, body.logprob_k() if body.echo else None)
         texts = [""] * len(stream.requests)
         echoed = [not body.echo] * len(stream.requests)
         starts = [len(prompt_texts[i // body.n]) if body.echo else 0 for i in range(len(stream.requests))]
@@ -291,7 +299,7 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
             if not ev.done:
                 return _or_none(completion_logprobs(st.tokenizer, *e.take(len(texts[i]))))
             r = stream.requests[i]
-            got = e.finish(len(texts[i]), _stopped_by_string(st.tokenizer, r))
+            got = e.finish(len(texts[i]), _stopped_by_string(r))
             if r.stop_token is not None:
                 got = (got[0] + [r.stop_token], got[1] + r.token_logprobs[-1:], got[2] + [len(texts[i])])
             return _or_none(completion_logprobs(st.tokenizer, *got))
@@ -306,8 +314,9 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
                 out.append({"index": i, "text": "", "logprobs": lp, "finish_reason": finish_reason(r.finish_reason)})
             elif ev.text or lp:
                 out.append({"index": i, "text": ev.text, "logprobs": lp, "finish_reason": None})
-            for c in out:
-                lps[i] = _merge_logprobs(lps[i], c["logprobs"])
+            if not body.stream:  # the whole response's (a stream sends them piece by piece)
+                for c in out:
+                    lps[i] = _extend_logprobs(lps[i], c["logprobs"])
             return out
 
         if body.stream:
@@ -325,12 +334,12 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
     async def chat(body: ChatRequest, request: HTTPRequest):
         body.check_unsupported()
         check_model(body.model)
-        check_stops(body.stop)
+        stops = split_stops(body.stop)
         rid = request_id(request, "chatcmpl")
         prompt = st.chat.prompt(body)
         room = check_prompt(prompt.ids, "messages", "messages", body.token_limit, body.token_limit_field)
         stream = Stream(asyncio.get_running_loop(), st.specials, st.thread.sink)
-        submit([prompt.ids], body, [body.token_limit or room], stream, prompt_param="messages")
+        submit([prompt.ids], body, [body.token_limit or room], stream, stops, prompt_param="messages")
         thinking = prompt.parser is not None and prompt.parser.state == "reasoning"
         # calls come out whole (WholeCalls): one the output cuts off is no call
         parsers = [WholeCalls(OutputParser(thinking, tools=body.tools_on)) if prompt.parser is not None else None
@@ -384,13 +393,14 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
             i, p = ev.choice, parsers[ev.choice]
             shown[i] += len(ev.text) - len(st.specials.get(ev.token_id, ""))
             if ev.done:
-                cut[i] = _stopped_by_string(st.tokenizer, stream.requests[i])
+                cut[i] = _stopped_by_string(stream.requests[i])
             d = Delta(content=ev.text) if p is None else (p.finish() if ev.done else p.feed(ev.text))
             if one_call:  # parallel_tool_calls false: the first call only
                 d.tool_calls = [c for c in d.tool_calls if c.index == 0]
             totals[i].add(d)
             lp = released(ev)
-            lps[i] = _merge_logprobs(lps[i], lp)
+            if not body.stream:
+                lps[i] = _extend_logprobs(lps[i], lp)
             out = [{"index": i, "delta": delta_json(i, d), "logprobs": lp, "finish_reason": None}] if d or lp else []
             if ev.done:
                 out.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": reason_of(i)})
@@ -501,14 +511,24 @@ def _merge_logprobs(a: dict | None, b: dict | None) -> dict | None:
     return {k: a[k] + b[k] for k in a}
 
 
+def _extend_logprobs(acc: dict | None, piece: dict | None) -> dict | None:
+    """acc with piece's lists appended in place (a completion's logprobs grow token by token: no copy per token)."""
+    if piece is None:
+        return acc
+    if acc is None:
+        return {k: list(v) for k, v in piece.items()}
+    for k, v in piece.items():
+        acc[k].extend(v)
+    return acc
+
+
 def _or_none(lp: dict) -> dict | None:
     return lp if lp["tokens"] else None
 
 
-def _stopped_by_string(tok, r: Request) -> bool:
-    """Whether a stop string ended r (the scheduler's "stop" is also EOS's and a stop id's): its text was cut
-    where a stop string begins, so the whole decode holds one."""
-    return r.finish_reason == "stop" and bool(r.stop) and any(s in tok.decode(r.token_ids) for s in r.stop)
+def _stopped_by_string(r: Request) -> bool:
+    """Whether a stop string ended r (the scheduler's "stop" is also EOS's and a stop id's)."""
+    return r.stop_string_hit
 
 
 def _merge(choices: list[dict]) -> list[dict]:

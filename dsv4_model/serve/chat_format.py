@@ -37,13 +37,14 @@ def skipped_specials(tokenizer) -> dict[int, str]:
     return out
 
 
-def dropped_specials(tokenizer) -> list[str]:
-    """The texts of the tokens that decoding drops (special tokens): the text stop strings are matched against
+def dropped_specials(tokenizer) -> dict[str, int]:
+    """{text: id} of the tokens that decoding drops (special tokens): the text stop strings are matched against
     never holds them."""
     tok = getattr(tokenizer, "_tok", None)
     if tok is None:
-        return []
-    return [t.content for i, t in tok.get_added_tokens_decoder().items() if t.content and tokenizer.decode([i]) == ""]
+        return {}
+    return {t.content: i for i, t in tok.get_added_tokens_decoder().items()
+            if t.content and tokenizer.decode([i]) == ""}
 
 
 def api_messages(messages) -> list:

@@ -76,7 +76,7 @@ class StubScheduler:
             if req.timings.first_token is None:
                 req.timings.first_token = now
             lp = None if req.logprobs is None else self._entry(req, t)
-            if t == self.eos and not req.ignore_eos:
+            if t in req.stop_ids or (t == self.eos and not req.ignore_eos):  # as the scheduler stops
                 if lp is not None:  # kept last, as the scheduler keeps a stop token's
                     req.stop_token = t
                     req.token_logprobs.append(lp)
