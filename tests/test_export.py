@@ -131,9 +131,10 @@ def _run_fresh(pkg, tmp_path, ids, lens, fed):
 
 # Logits of the package vs the eager engine: Inductor fuses and reorders the float ops around the dsv4 kernels,
 # and the NVFP4 linears round their activations to bf16, so an activation can land one bf16 ulp apart (this fp32
-# model's CPU decode steps: fp32 ulps). A CPU prefill measured bit for bit alone, 4.2e-3 apart inside the whole
-# suite (docs/export.md): the tolerance holds both.
-TOL = {"cpu": 1e-2, "cuda": 2e-2}  # cpu: 5.9e-3 measured at a decode step inside the whole suite (session 41)
+# model's CPU decode steps: fp32 ulps, 2.4e-7 measured; another CPU may vectorize otherwise). A CPU prefill is bit
+# for bit (_check_against_eager), after other compiles in this process too (build.eager_numerics rebuilds
+# Inductor's cached decomposition table).
+TOL = {"cpu": 1e-4, "cuda": 2e-2}
 CHUNKED_TOL = 5e-3  # a prompt in chunks vs eager's one pass: other sums over the same positions
 
 
@@ -146,6 +147,8 @@ def _decidable(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _check_against_eager(pkg, got):
     ids, lens, ref_logits, fed = _eager_reference(pkg)
     assert len(got["logits"]) == STEPS + 1
+    if pkg.device == "cpu":  # ATen's mean / softmax, no inlined constants (build.eager_numerics)
+        assert torch.equal(got["logits"][0], ref_logits[0]), float((got["logits"][0] - ref_logits[0]).abs().max())
     for step, (a, b) in enumerate(zip(got["logits"], ref_logits)):
         tol = TOL[pkg.device]
         torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m: f"step {step}: {m}")

@@ -157,6 +157,23 @@ def test_eager_numerics_while_a_cpu_entry_is_lowered():
     assert not {mean, softmax} & set(lowering.fallbacks) and GraphLowering.can_inline_constant(small)
 
 
+def test_eager_numerics_sees_past_the_decomposition_table_inductor_cached():
+    """Inductor lowers with a cached copy of its decomposition table, made by the process's first compile: one
+    made before eager_numerics must not decompose the softmax inside it (a CPU package built after any compile
+    in the process was ~4e-3 from eager), and one made inside must not keep it out of later compiles."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor import decomposition
+
+    from dsv4_export.build import eager_numerics
+
+    softmax = torch.ops.aten._softmax.default
+    with inductor_config.patch(fallback_random=False, fallback_embedding_bag_byte_unpack=False):
+        assert softmax in decomposition.select_decomp_table()  # the cached copy, as after a compile
+        with eager_numerics("cpu"):
+            assert softmax not in decomposition.select_decomp_table()
+        assert softmax in decomposition.select_decomp_table()
+
+
 def test_run_takes_the_engine_cli_spelling_of_no_cuda_graphs():
     from dsv4_export.__main__ import _parser
 
