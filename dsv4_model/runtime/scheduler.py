@@ -338,7 +338,7 @@ class Scheduler:
             with self._lock:
                 self._in_step = False
                 self._step_thread = None
-                self._lock.notify_all()  # (a scheduler in _acquire waits for this one's step to end)
+                self._lock.notify_all()  # (a scheduler in _await_owner_drain waits for this step to end)
 
     def _step(self) -> None:
         now = time.perf_counter()
