@@ -299,7 +299,7 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
             if not ev.done:
                 return _or_none(completion_logprobs(st.tokenizer, *e.take(len(texts[i]))))
             r = stream.requests[i]
-            got = e.finish(len(texts[i]), _stopped_by_string(r))
+            got = e.finish(len(texts[i]), r.stop_string_hit)
             if r.stop_token is not None:
                 got = (got[0] + [r.stop_token], got[1] + r.token_logprobs[-1:], got[2] + [len(texts[i])])
             return _or_none(completion_logprobs(st.tokenizer, *got))
@@ -393,7 +393,7 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
             i, p = ev.choice, parsers[ev.choice]
             shown[i] += len(ev.text) - len(st.specials.get(ev.token_id, ""))
             if ev.done:
-                cut[i] = _stopped_by_string(stream.requests[i])
+                cut[i] = stream.requests[i].stop_string_hit
             d = Delta(content=ev.text) if p is None else (p.finish() if ev.done else p.feed(ev.text))
             if one_call:  # parallel_tool_calls false: the first call only
                 d.tool_calls = [c for c in d.tool_calls if c.index == 0]
@@ -524,11 +524,6 @@ def _extend_logprobs(acc: dict | None, piece: dict | None) -> dict | None:
 
 def _or_none(lp: dict) -> dict | None:
     return lp if lp["tokens"] else None
-
-
-def _stopped_by_string(r: Request) -> bool:
-    """Whether a stop string ended r (the scheduler's "stop" is also EOS's and a stop id's)."""
-    return r.stop_string_hit
 
 
 def _merge(choices: list[dict]) -> list[dict]:
