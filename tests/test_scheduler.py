@@ -302,6 +302,55 @@ def test_a_request_runs_once_and_stop_is_final(engine):
     assert all(h.done for h in held) and held[0].finish_reason == "cancelled"
     with pytest.raises(RuntimeError, match="stopped"):
         s.submit(Request([0, 5]))
+    # its rows are freed: the engine goes to the next scheduler at once while the stopped one is still alive
+    assert all(row.req is None for row in s.rows)
+    assert generate(engine, [[0, 5, 6]], max_new_tokens=2).token_ids[0]
+
+
+def test_a_failing_step_ends_every_request_and_gives_the_engine_up(engine, prompt_ids, alone, monkeypatch):
+    """A step that raises (Ctrl-C, out of memory) under run_until_idle() (generate()'s loop): every request it held
+    ends with "error" (a waiter returns), the scheduler is stopped, and the engine goes to the next scheduler at
+    once, even while the failed one is still referenced (a kept exception); the next run gets its alone tokens."""
+    s = Scheduler(engine, max_prefill_tokens=8)
+    real, calls = engine.prefill_at, []
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(engine, "prefill_at", flaky)
+    reqs = [s.submit(Request(ids, _params(i), MAX_TOKENS[i])) for i, ids in enumerate(prompt_ids[:3])]
+    with pytest.raises(KeyboardInterrupt):
+        s.run_until_idle()
+    assert all(r.wait(0) and r.finish_reason == "error" for r in reqs)
+    with pytest.raises(RuntimeError, match="stopped"):
+        s.submit(Request([0, 5]))
+    monkeypatch.setattr(engine, "prefill_at", real)
+    got = generate(engine, [prompt_ids[0]], max_new_tokens=MAX_TOKENS[0])  # greedy, as _params(0)
+    assert got.token_ids[0] == alone[0].token_ids
+
+
+def test_a_failing_step_under_serve_forever_reaches_the_callers(engine, prompt_ids):
+    """The loop dies on a step's exception: its requests end with "error" and on_step runs once more, so a server
+    delivers those ends (its events are flushed by on_step; no further step would)."""
+    s = Scheduler(engine, max_prefill_tokens=8)
+    flushed = []
+    s.on_step = lambda: flushed.append([r.finish_reason for r in reqs])
+    real = engine.prefill_at
+
+    def failing(*a, **k):
+        raise RuntimeError("CUDA out of memory (stand-in)")
+
+    engine.prefill_at = failing
+    try:
+        reqs = [s.submit(Request(ids, _params(i), MAX_TOKENS[i])) for i, ids in enumerate(prompt_ids[:2])]
+        with pytest.raises(RuntimeError, match="out of memory"):
+            s.serve_forever()
+    finally:
+        engine.prefill_at = real
+    assert flushed and flushed[-1] == ["error", "error"]
 
 
 @pytest.mark.parametrize("layout", ["hf", "official", "dsv4"])

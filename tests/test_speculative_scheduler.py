@@ -134,6 +134,39 @@ def test_second_turn_reuses_the_row(engine, prompt_ids):
     assert again.token_ids == ref.token_ids
 
 
+def test_a_request_ended_inside_its_accepted_run_leaves_no_row_to_continue(engine, prompt_ids):
+    """A request that ends inside a step's accepted run (max_tokens here) leaves positions past its last token
+    written on the device (the run's later drafts, the step launched behind it) that the host never saw: a second
+    turn on its sequence gets a cold run's tokens (a continued row read shifted compressor state)."""
+    tok = engine.get_tokenizer()
+    s = SpeculativeScheduler(engine, K, max_prefill_tokens=64)
+    first = s.submit(Request(prompt_ids[2], SamplingParams(), 7, ignore_eos=True))  # ends inside a run of 3
+    s.run_until_idle()
+    turn2 = prompt_ids[2] + first.token_ids + tok.encode("\n\nx = 1", add_bos=False)
+    again = s.submit(Request(turn2, SamplingParams(), 12, ignore_eos=True))
+    s.run_until_idle()
+    cold = SpeculativeScheduler(engine, K, max_prefill_tokens=64, reuse=False)
+    ref = cold.submit(Request(turn2, SamplingParams(), 12, ignore_eos=True))
+    cold.run_until_idle()
+    assert again.token_ids == ref.token_ids
+
+
+def test_a_row_taken_over_counts_only_its_own_steps(engine, prompt_ids):
+    """A request that takes the row of a cancelled one while that one's step is unread: the old step's read does
+    not count against the newcomer (it would launch steps past its max_tokens, their tokens dropped)."""
+    s = SpeculativeScheduler(engine, K, modes=("greedy",))
+    x = s.submit(Request(prompt_ids[1], SamplingParams(), 50, ignore_eos=True))
+    while len(x.token_ids) < 3:
+        s.step()
+    x.cancel()
+    y = s.submit(Request(prompt_ids[3], SamplingParams(), 1, ignore_eos=True))  # the lowest free row: x's
+    before = s.stats.decode_steps
+    while not s.idle():
+        s.step()
+        assert all(r.pending >= 0 for r in s.rows)
+    assert y.finish_reason == "length" and s.stats.decode_steps == before  # its one token comes from the prefill
+
+
 def test_cancel_changes_no_one_else(engine, prompt_ids, alone):
     s = SpeculativeScheduler(engine, K, max_prefill_tokens=8)
     reqs = [s.submit(Request(ids, _params(i), MAX_TOKENS[i], ignore_eos=True)) for i, ids in enumerate(prompt_ids)]

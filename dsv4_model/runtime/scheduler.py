@@ -222,6 +222,9 @@ class Scheduler:
                 req.timings.submitted = None  # not queued: it may go to the scheduler that holds the engine
                 raise
             with self._lock:
+                if self._stopping:  # stopped since the check above: its loop would never run this request
+                    req.timings.submitted = None
+                    raise RuntimeError("this scheduler is stopped (stop() is final): make a new one")
                 self._waiting.append(req)
                 self._lock.notify()
         return req
@@ -278,8 +281,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the loop
     def run_until_idle(self) -> None:
-        while not self.idle():
-            self.step()
+        """Step until nothing is left. A step that raises (Ctrl-C, out of memory) ends every request this
+        scheduler holds with "error" (no caller waits forever) and stops it; the exception propagates."""
+        try:
+            while not self.idle():
+                self.step()
+        except BaseException:
+            self._end_all("error")
+            raise
 
     def serve_forever(self, poll_s: float = 0.05, heartbeat_s: float = 5.0) -> None:
         """Step while there is work, sleep on the queue while there is none, until stop(). Under torchrun an idle
@@ -306,13 +315,23 @@ class Scheduler:
         self._end_all("cancelled")  # stopped: what it still held ends, so no caller waits forever
 
     def _end_all(self, reason: str) -> None:
-        """Every request the scheduler holds ends with `reason` (the loop died: "error"; it was stopped:
-        "cancelled"), so no caller waits forever."""
+        """The scheduler's end (the loop died: "error"; it was stopped: "cancelled"): every request it holds ends
+        with `reason` and its row is freed, so no caller waits forever and another scheduler may take the engine;
+        the callers hear it now (on_step: the loop runs no more steps to deliver it); later submits raise. The
+        caches keep nothing for reuse (a step may have failed half way, or be launched and never read)."""
         now = time.perf_counter()
         with self._lock:
+            self._stopping = True
             waiting, self._waiting = list(self._waiting), collections.deque()
-        for req in waiting + [r.req for r in self.rows if r.req is not None]:
+        for req in waiting:
             req.finish(reason, now)
+        for row in self.rows:
+            if row.req is not None:
+                self._free(row, reason, now)
+            row.owner = None
+        self._flight = None
+        if self.on_step is not None:
+            self.on_step()
 
     def stop(self) -> None:
         """serve_forever returns after its current step, ending what it still holds ("cancelled"); final: later

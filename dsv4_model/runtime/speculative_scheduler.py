@@ -144,8 +144,17 @@ class SpeculativeScheduler(Scheduler):
         return plan.decode_logits[i], flight.decode_ids[i, :self.k + 1]
 
     def _take(self, row: _Row, req: Request, t: int, now: float, logprob=None) -> None:
-        row.pending -= 1
+        if row.req is req:  # (a row taken over since: the newcomer's count started at 0)
+            row.pending -= 1
         super()._take(row, req, t, now, logprob)
+
+    def _free(self, row: _Row, reason: str, now: float) -> None:
+        # A step of the request still unread has written positions the host does not know yet (the host learns a
+        # row's position from the read), and the steps the row rides along in from now write over them: what the
+        # row holds is no sequence to continue.
+        if row.pending > 0:
+            row.owner = None
+        super()._free(row, reason, now)
 
     def _read_decode(self, flight: _Flight, now: float) -> None:
         """Each row's [width]: its emitted tokens [:n + 1], then n (-1: the row had no room and rode at 0), then
@@ -158,9 +167,9 @@ class SpeculativeScheduler(Scheduler):
         counted, judged = [], []
         for i, req in flight.decode:
             row = rows[i]
-            row.pending -= 1
             if row.req is not req or req.finish_reason is not None:
                 continue
+            row.pending -= 1
             n = by_row[i][k + 1]
             if n < 0:
                 row.owner = None
@@ -174,11 +183,13 @@ class SpeculativeScheduler(Scheduler):
                 logprob = self._logprob(flight, "decode", req, j)
                 if t in req.stop_ids or (t in eos and not req.ignore_eos):
                     self._stopped(row, req, t, now, logprob)
-                    break
-                if req.add_token(t, now, logprob):
+                elif req.add_token(t, now, logprob):
                     self._free(row, "stop", now)
-                    break
-                if len(req.token_ids) >= row.cap:
+                elif len(req.token_ids) >= row.cap:
                     self._free(row, "length" if len(req.token_ids) >= req.max_tokens else "max_seq_len", now)
-                    break
+                else:
+                    continue
+                if j < n:  # ended inside the accepted run: the device fed tokens past seq's end
+                    row.owner = None
+                break
         self.speculation.count(counted, judged if self.runner.confidence is not None else None)
