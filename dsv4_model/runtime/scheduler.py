@@ -665,7 +665,8 @@ class Scheduler:
             req.prompt_token_logprobs.extend(
                 (c, list(zip(i[:k], v[:k]))) for c, v, i in zip(chosen.tolist(), vals.tolist(), ids.tolist()))
         for (i, req), t in zip(flight.first, flight.first_ids.tolist()):
-            req.timings.first_token = now
+            if req.finish_reason is None:  # (one cancelled meanwhile was counted without it)
+                req.timings.first_token = now
             self._take(self.rows[i], req, t, now, self._logprob(flight, "first", req))
         if flight.decode:
             self._read_decode(flight, now)
