@@ -67,12 +67,16 @@ def _build(tmp_path_factory, device, jobs=None, chunks=()):
 
 @pytest.fixture(scope="module")
 def cpu_pkg(tmp_path_factory):
-    return _build(tmp_path_factory, "cpu", jobs=1, chunks=[CHUNK])
+    # built in two worker processes (a build's path on a machine of 6+ cores; each worker runs the in-process
+    # build's loop, export_and_compile, on its share of the entries): the calls are recorded
+    import dsv4_export.workers as workers
 
-
-@pytest.fixture(scope="module")
-def cpu_pkg_workers(tmp_path_factory):
-    return _build(tmp_path_factory, "cpu", jobs=2, chunks=[CHUNK])
+    real, jobs = workers.export_and_compile_in_workers, []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(workers, "export_and_compile_in_workers", lambda *a, **k: jobs.append(k["jobs"]) or real(*a, **k))
+        pkg = _build(tmp_path_factory, "cpu", jobs=2, chunks=[CHUNK])
+    pkg.worker_jobs = jobs
+    return pkg
 
 
 @pytest.fixture(scope="module")
@@ -287,18 +291,14 @@ def test_compile_jobs_rule(monkeypatch):
         b.compile_jobs(0, model, 2, "cpu")
 
 
-def test_package_built_in_worker_processes(cpu_pkg, cpu_pkg_workers, tmp_path_factory):
+def test_package_built_in_worker_processes(cpu_pkg):
     # Decode, prefill and the prefill chunk exported + compiled in two worker processes (the model pickled to
-    # them): the same package as one built in this process, and it runs like the eager engine.
-    ids, lens, _, fed = _eager_reference(cpu_pkg_workers)
-    _check_against_eager(cpu_pkg_workers, _run_fresh(cpu_pkg_workers, tmp_path_factory.mktemp("fresh_workers"),
-                                                     ids, lens, fed))
-    serial, workers = md.read_from_archive(cpu_pkg.path), md.read_from_archive(cpu_pkg_workers.path)
-    for k in (md.K_ENTRIES, md.K_CACHES, md.K_OPS_USED, md.K_CONFIG, md.K_CPP_DECODE, md.K_CPP_PREFILL,
-              md.K_CPP_PREFILL_CHUNK):
-        assert serial[k] == workers[k], k
-    stem = cpu_pkg_workers.path[: -len(".pt2")]
-    for entry in json.loads(workers[md.K_ENTRIES]):
+    # them), each entry's ExportedProgram saved beside the package; the tests above run what they built.
+    assert cpu_pkg.worker_jobs == [2]
+    stem = cpu_pkg.path[: -len(".pt2")]
+    entries = json.loads(md.read_from_archive(cpu_pkg.path)[md.K_ENTRIES])
+    assert len(entries) == 3
+    for entry in entries:
         assert os.path.isfile(f"{stem}.{entry}.ep.pt2"), entry
 
 

@@ -1,6 +1,6 @@
 """`torchrun --nproc-per-node 2` on the CPU (gloo): expert parallelism end to end. A tiny checkpoint in each layout
-gives the single-process logits (<= 1e-5, fp32) at prefill and over 100 decode steps, eager and with the decode
-step compiled whole; the CLI prints the single-process greedy text (rank 0 only)."""
+gives the single-process logits (<= 1e-5, fp32) at prefill and over 100 decode steps, eager (and, the first layout,
+with the decode step compiled whole); the CLI prints the single-process greedy text (rank 0 only)."""
 import os
 import subprocess
 import sys
@@ -42,7 +42,7 @@ def test_expert_parallel_logits_equal_one_process(ckpts, tmp_path):
     for p in paths:
         torch.set_num_threads(1)
         ref = ep_worker.logits(ep_worker.load(p), STEPS, compiled=False)
-        for compiled in (False, True):
+        for compiled in (False, True) if p == paths[0] else (False,):
             torch.testing.assert_close(got[(p, compiled)], ref, atol=1e-5, rtol=1e-5,
                                        msg=lambda m: f"{Path(p).name} compiled={compiled}: {m}")
 
