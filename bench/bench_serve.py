@@ -144,8 +144,11 @@ def preset_server(args) -> None:
     from dsv4_model.serve.app import ServeConfig, create_app
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    say(f"building {args.preset_server} on {device}; then every batch bucket up to {args.max_batch_size} is "
+        "compiled + captured before the server listens")
     engine = preset_engine(args.preset_server, experts=args.experts, rows=args.max_batch_size,
-                           max_seq_len=args.max_seq_len, device=device)
+                           max_seq_len=args.max_seq_len, device=device, regional=args.regional_compile, log=say)
     engine.compile_prefill = args.compile_prefill
     cfg = engine.config
     tok = WordTokenizer(cfg.vocab_size, int(cfg.bos_token_id), int(cfg.eos_token_id))
@@ -177,6 +180,8 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=int, default=None, help="--preset-server: routed experts (default: all)")
     p.add_argument("--max-batch-size", type=int, default=64, help="--preset-server: batch rows")
     p.add_argument("--max-seq-len", type=int, default=1024, help="--preset-server: context per row")
+    p.add_argument("--regional-compile", action="store_true",
+                   help="--preset-server: compile one decoder layer at a time (serve --regional-compile)")
     p.add_argument("--compile-prefill", action="store_true",
                    help="--preset-server: prefill chunks through compiled graphs (serve --compile-prefill)")
     args = p.parse_args(argv)

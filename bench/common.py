@@ -166,10 +166,11 @@ def cuda_missing(bench: str, hint: str = "") -> bool:
 
 # ------------------------------------------------------------------------------------------ model set-up
 def preset_engine(name: str, *, experts: int | None, rows: int, max_seq_len: int, device: torch.device,
-                  spare_window_slots: int = 0, drafter: str | None = None):
+                  spare_window_slots: int = 0, drafter: str | None = None, regional: bool = False, log=None):
     """An Engine on a random NVFP4 model of preset `name` built on `device`, compiled + captured on CUDA (the
     served benchmarks' model when no checkpoint of that size is on disk); spare_window_slots: K for speculation;
-    drafter: a random MTP block or DSpark module with it (`with_drafter`)."""
+    drafter: a random MTP block or DSpark module with it (`with_drafter`); regional: one decoder layer compiled
+    at a time (RunnerOptions); log: the runner's progress lines."""
     from dsv4_model.model.dspark import attach
     from dsv4_model.quant.random_model import random_nvfp4_dspark, random_nvfp4_model
     from dsv4_model.runtime.engine import Engine
@@ -181,7 +182,8 @@ def preset_engine(name: str, *, experts: int | None, rows: int, max_seq_len: int
                                spare_window_slots=spare_window_slots)
     if cfg.dspark is not None:
         attach(model, random_nvfp4_dspark(cfg, device=device, max_batch_size=rows))
-    return Engine(model, cfg, device, runner_options=RunnerOptions(compile=cuda, cuda_graphs=cuda))
+    return Engine(model, cfg, device, runner_options=RunnerOptions(compile=cuda, cuda_graphs=cuda,
+                                                                   regional=regional and cuda, log=log))
 
 
 def build_models(cfg: ModelConfig, max_batch: int, max_seq: int, with_hf: bool = True):

@@ -13,7 +13,7 @@
 #   SANITIZER_JOBS (8), SANITIZER_TIMEOUT (300 s)   parallel sanitizer runs and each one's limit
 #   SPECULATE_KS ("0 1 2 3"), SPECULATE_PRESET / _DRAFTERS / _PRESET_KS / _PROFILE, PROFILE_ARGS, AB_BASE_TGZ, AB_ROUNDS (2)
 #                         see the part's file
-#   SERVE_CONCURRENCY ("1 8 32"), SERVE_PRESETS, SERVE_ARGS (more --preset-server arguments), SERVE_PORT, CONTINUOUS_MODELS, CONTINUOUS_C, CONTINUOUS_ARGS,
+#   SERVE_CONCURRENCY ("1 8 32"), SERVE_PRESETS, SERVE_ARGS (more --preset-server arguments), SERVE_PORT, SERVE_UP_SECONDS, CONTINUOUS_MODELS, CONTINUOUS_C, CONTINUOUS_ARGS,
 #   CONTINUOUS_PREFILL_C   see scripts/gpu/serve.sh, continuous.sh
 #   OUT (out), PYTHON (python3)
 set -uo pipefail

@@ -3,6 +3,8 @@
 # flash43:160") random NVFP4 models served by `bench_serve.py --preset-server`, :N their routed experts (43 layers
 # with all 256 do not fit one H200). The static batch to compare with: the `continuous` part. The GPU machine has
 # no package index: wheels carried in .wheels/ (made by scripts/gpu_wheels.sh) are installed first.
+# SERVE_UP_SECONDS (300): how long a server may take to listen (a preset server compiles + captures every bucket
+# first: 43 layers want SERVE_ARGS=--regional-compile, or more time).
 if [ -d .wheels ] && [ -z "$DRY" ]; then
   $PY -m pip install -q --no-index --find-links .wheels fastapi uvicorn prometheus_client httpx openai \
     > "$LOGS/wheels.log" 2>&1 || note "[serve] wheels from .wheels/ did not install (see wheels.log)"
@@ -19,8 +21,9 @@ serve_bench() {  # serve_bench NAME SERVER-CMD...: start the server, bench each 
         wait $pid; note "[serve_$name] server exited ($?) before it was up: $(tail -n 1 "$LOGS/serve_${name}_server.log")"
         return 0
       fi
-      if [ $(( $(date +%s) - t0 )) -ge 300 ]; then
-        kill -KILL $pid; note "[serve_$name] server not up after 300 s (killed)"; return 0
+      if [ $(( $(date +%s) - t0 )) -ge "${SERVE_UP_SECONDS:-300}" ]; then
+        kill -KILL $pid; note "[serve_$name] server not up after ${SERVE_UP_SECONDS:-300} s (killed): $(tail -n 1 "$LOGS/serve_${name}_server.log")"
+        return 0
       fi
       sleep 1
     done
