@@ -220,6 +220,24 @@ def test_stops(engine, prompt_ids, alone):
     assert got.texts[0] == by_text.text and got.finish_reasons[0] == "stop"
 
 
+def test_a_stop_string_completed_by_the_held_back_end_is_a_stop():
+    """A request's last token ends inside a UTF-8 character, so its text is held back; finishing at max_tokens
+    flushes it, and where that completes a stop string the text is cut there and the request ends "stop" (as a
+    stop string seen a token earlier would), not "length"."""
+    class Bytes:  # a byte-level tokenizer: token 1 is "b" and the first byte of a 3-byte character
+        pieces = {0: b"a", 1: b"b\xe2"}
+
+        def decode(self, ids):
+            return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+    shown = []
+    r = Request([0], SamplingParams(), 2, stop=("ab",), on_token=lambda req, t, x: shown.append(x))
+    r.start_text(Bytes())
+    assert not r.add_token(0, 0.0) and not r.add_token(1, 0.0)  # nothing complete to match yet
+    r.finish("length", 0.0)
+    assert (r.finish_reason, r.text, r.stop_string_hit) == ("stop", "", True) and "".join(x or "" for x in shown) == ""
+
+
 def test_more_requests_than_rows_and_max_seq_len(prompt_ids):
     eng = Engine.from_pretrained(DEFAULT_MODEL_DIR, device="cpu", dtype=torch.bfloat16, max_batch_size=2,
                                  max_seq_len=64, quant="none", progress=False)
@@ -272,6 +290,10 @@ def test_a_raising_callback_ends_only_its_request(engine, prompt_ids, alone):
     s.run_until_idle()
     assert broken.finish_reason == "error" and isinstance(broken.callback_error, KeyError) and broken.done
     assert fine.token_ids == alone[0].token_ids and fine.finish_reason == alone[0].finish_reason
+    # raising on its last token (its cap reached in the same read): "error" too, not "length"
+    last = s.submit(Request(prompt_ids[0], _params(0), 1, on_token=bad))
+    s.run_until_idle()
+    assert last.finish_reason == "error" and len(last.token_ids) == 1
     with pytest.raises(KeyError, match="client code"):
         generate(engine, [prompt_ids[0], prompt_ids[1]], max_new_tokens=4, stream=lambda i, t, x: bad(None, t, x))
     again = generate(engine, [prompt_ids[0]], max_new_tokens=MAX_TOKENS[0], seed=100)

@@ -151,11 +151,14 @@ class Request:
     def finish(self, reason: str, now: float) -> None:
         if self.finish_reason is not None:
             return
-        self.finish_reason = reason
-        self.timings.finished = now
+        if self.callback_error is not None:  # its own callback raised (and cancelled it): whatever ended it next
+            reason = "error"
         if self._decoder is not None and reason != "stop":
             self.text += self._decoder.flush()
-            self._cut_at_stop()
+            if self._cut_at_stop() and reason in ("length", "max_seq_len"):
+                reason = "stop"  # the held-back end completed a stop string: the text ends as a stop's does
+        self.finish_reason = reason
+        self.timings.finished = now
         if self._decoder is not None:
             self._stream(None, final=True)
         if self.on_finish is not None:
