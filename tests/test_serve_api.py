@@ -185,6 +185,7 @@ def test_tokenize_and_detokenize(served, client):
     (dict(prompt="word " * 300), "prompt"), (dict(prompt=[5, 99999]), "prompt"), (dict(prompt=[]), "prompt"),
     (dict(prompt=[5, -1]), "prompt"), (dict(prompt=[5, 2**40], echo=True), "prompt"),  # before any decode
     (dict(model="other"), "model"), (dict(stop=["s"] * 17), "stop"),
+    (dict(extra_body={"top_k": 10**20}), "top_k"),  # past int64 (the sampler's tensor): once, it stopped the loop
     (dict(prompt="word " * 100, max_tokens=250), "max_tokens"),  # prompt + max_tokens past the context of 256
     # fields clients send that this sampler does not do: refused, not answered without them
     (dict(extra_body={"logit_bias": {"5": -100}}), "logit_bias"),

@@ -7,6 +7,7 @@ because `offset` is incremented on the device, never because a Python value chan
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -24,18 +25,26 @@ class SamplingParams:
     seed: int = 0
 
     def validate(self) -> "SamplingParams":
-        if not 0 <= self.temperature < math.inf:  # nan and inf too: they would sample from nan probabilities
-            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        # the sampler's tensors: temperature / top_p float32, top_k int64 (a larger value would not fit)
+        if not _real(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:  # nan / inf: nan probabilities
+            raise ValueError(f"temperature must be >= 0 and finite (at most {FLOAT32_MAX:.4g}: float32), "
+                             f"got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or not 0 <= self.top_k <= INT64_MAX:
+            raise ValueError(f"top_k must be >= 0 (0 = off), an int of at most 2**63 - 1, got {self.top_k!r}")
+        if not _real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must be an int in [-2**63, 2**64 - 1] (a 64-bit key), got {self.seed!r}")
         return self
 
 
 SEED_MIN, SEED_MAX = -2**63, 2**64 - 1
+INT64_MAX = 2**63 - 1
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 def seed_key(seed: int) -> int:

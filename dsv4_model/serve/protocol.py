@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from dsv4_model.runtime.sampling import SEED_MAX, SEED_MIN, SamplingParams
+from dsv4_model.runtime.sampling import INT64_MAX, SEED_MAX, SEED_MIN, SamplingParams
 
 MAX_N = 16
 MAX_STOPS = 16
@@ -40,7 +40,7 @@ class _Sampling(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # 0 or -1: off (vLLM's spelling is -1)
+    top_k: int = Field(0, ge=-1, le=INT64_MAX)  # 0 or -1: off (vLLM's spelling is -1)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=MAX_N)
