@@ -7,6 +7,6 @@ cd "$(dirname "$0")/.."
 [ -n "${DSV4_SKIP_SETUP:-}" ] || bash scripts/setup.sh >&2  # set-up chatter stays out of the completion on stdout
 prompt=(--prompt "def fibonacci(n):")
 for arg in "$@"; do
-  case "$arg" in --prompt|--prompt=*|--prompt-file|--prompt-file=*) prompt=() ;; esac
+  case "$arg" in --pro*) prompt=() ;; esac  # --prompt, --prompt-file and what argparse takes for them (--prompt-f)
 done
 exec ${PYTHON:-python3} -m dsv4_model generate ${prompt[@]+"${prompt[@]}"} --max-new-tokens 64 "$@"

@@ -205,7 +205,7 @@ def _hf_config() -> dict:
 @pytest.mark.parametrize("change, named", [
     ({"rope_parameters": "yarn"}, "rope_parameters: must be an object"),
     ({"rope_parameters": {"main": {"rope_theta": 1e4}, "compress": "yarn"}}, "rope_parameters.compress: must be an object"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": "16"}}, "rope_parameters.factor: must be a number, got '16'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": "16"}}, "rope_parameters.factor: must be a finite number, got '16'"),
     ({"rope_parameters": None, "rope_scaling": ["yarn"]}, "rope_scaling: must be an object"),
     ({"bos_token_id": 96}, "ModelConfig.bos_token_id: must be a token id in [0, vocab_size=96) (got 96)"),
     ({"bos_token_id": -1}, "ModelConfig.bos_token_id: must be a token id in [0, vocab_size=96)"),

@@ -60,6 +60,9 @@ def test_run_sh_prompt_replaces_the_default():
     r = _cli(cmd=[*run, "--prompt", "abc", "--max-new-tokens", "2", "--json", "--no-compile"],
              env={"DSV4_SKIP_SETUP": "1", "PYTHON": sys.executable})
     assert [o["prompt"] for o in _objects(r)] == ["abc"]
+    r = _cli(cmd=[*run, "--prompt-f", "/dev/stdin", "--max-new-tokens", "2", "--json", "--no-compile"],
+             env={"DSV4_SKIP_SETUP": "1", "PYTHON": sys.executable}, stdin=b"xyz")  # argparse's abbreviation
+    assert [o["prompt"] for o in _objects(r)] == ["xyz"]
     r = _cli(cmd=[*run, "--max-new-tokens", "2", "--json", "--no-compile"],
              env={"DSV4_SKIP_SETUP": "1", "PYTHON": sys.executable})
     assert [o["prompt"] for o in _objects(r)] == ["def fibonacci(n):"]
@@ -124,3 +127,12 @@ def test_default_threads_leave_the_loaded_cores(monkeypatch):
     monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's ranks on this host share the cores
     assert cli.default_threads() == 2
+
+
+def test_prompt_from_a_closed_stdin_is_one_line():
+    r = subprocess.run([sys.executable, "-m", "dsv4_model", "generate", "--prompt", "-", "--device", "cpu"], cwd=ROOT,
+                       stdin=subprocess.DEVNULL, capture_output=True, timeout=300,
+                       preexec_fn=lambda: os.close(0))  # no fd 0 at all: sys.stdin is None
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.decode().strip().splitlines()[-1] == "error: --prompt - (stdin): this process has no stdin (it was closed)"
+

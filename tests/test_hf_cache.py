@@ -221,3 +221,14 @@ def test_a_symlinked_shard_is_followed_in_a_plain_folder_but_not_out_of_a_hub_re
     os.symlink(DEFAULT_MODEL_DIR / FILES[4], snap / FILES[4])
     with pytest.raises(CheckpointError, match=f"{FILES[4]}: resolves to .* outside its Hugging Face cache folder"):
         list_tensors(snap)
+
+
+def test_a_cache_whose_blobs_folder_lives_on_another_disk_loads(tmp_path):
+    """A hub repo folder whose blobs/ is a symlink to another disk (a cache moved to make room): huggingface_hub
+    reads it, and so does the loader (its snapshot links resolve into the blobs' real folder)."""
+    snap = write_hub_repo(tmp_path / "hub", "testorg/moved", {n: DEFAULT_MODEL_DIR / n for n in FILES[2:]})
+    repo = snap.parent.parent
+    shutil.move(str(repo / "blobs"), str(tmp_path / "other_disk_blobs"))
+    os.symlink(tmp_path / "other_disk_blobs", repo / "blobs")
+    assert len(list_tensors(snap)) == len(list_tensors(DEFAULT_MODEL_DIR))
+

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -30,6 +30,15 @@ ST_DTYPES: dict[str, torch.dtype] = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+# every dtype tag the safetensors library (0.8) accepts in a header -> its size in bits; a header with any other tag
+# (even on a tensor the loader skips) is refused by the library as a whole, so read_header refuses it too
+ST_BITS: dict[str, int] = {
+    "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
+    "C64": 64, "F64": 64, "I64": 64, "U64": 64,
+}
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's limit on the JSON header
+_USIZE_END = 1 << 64  # shapes, offsets and sizes are usize in the library
 FLOAT_TAGS = frozenset({"F64", "F32", "F16", "BF16"})
 INT_TAGS = frozenset({"I64", "I32", "I16", "I8", "U8"})
 
@@ -54,7 +63,10 @@ def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     data extents are checked against the file: every tensor's byte range lies inside it, holds exactly its dtype x
     shape bytes, and the ranges, in offset order, follow each other from byte 0 to the data section's end without a
     gap or an overlap, as safetensors requires (a truncated, padded or overlapping shard fails here, before any
-    weight is read)."""
+    weight is read). The header itself is checked as strictly as the safetensors library parses it: UTF-8 JSON,
+    `__metadata__` an object of strings, every tensor an object with a known `dtype` tag, a `shape` list of
+    non-negative integers and two integer `data_offsets` (anything the library would refuse fails here, not at the
+    first tensor read)."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -64,22 +76,28 @@ def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
             (n,) = struct.unpack("<Q", raw)
             if n > size - 8:
                 raise CheckpointError(f"{path}: safetensors header length {n} exceeds the file size {size}")
-            header = json.loads(f.read(n))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            if n > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{path}: safetensors header length {n} exceeds the format's limit of "
+                                      f"{MAX_HEADER_BYTES} bytes")
+            header = json.loads(f.read(n).decode("utf-8"), parse_constant=_no_constant)
+    except CheckpointError:
+        raise
+    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError, NaN / Infinity
         raise CheckpointError(f"{path}: cannot read safetensors header: {e}") from e
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: safetensors header is not a JSON object")
     out, data_len, extents = {}, size - 8 - n, []
     for key, v in header.items():
         if key == "__metadata__":
+            _check_metadata(path, v)
             continue
-        try:
-            dtype, shape, (begin, end) = v["dtype"], tuple(int(d) for d in v["shape"]), v["data_offsets"]
-            begin, end = _offset(begin), _offset(end)
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{path}: tensor {key!r}: malformed header entry {v!r}") from e
-        want = TensorInfo(key, path, dtype, shape).nbytes
-        if dtype in ST_DTYPES and end - begin != want:
+        dtype, shape, (begin, end) = _entry(path, key, v)
+        bits = _nbits(path, key, dtype, shape)
+        if bits % 8:
+            raise CheckpointError(f"{path}: tensor {key!r} ({dtype} {list(shape)}) is {bits} bits, not a whole number "
+                                  f"of bytes (safetensors refuses it)")
+        want = bits // 8
+        if end - begin != want:
             raise CheckpointError(f"{path}: tensor {key!r} ({dtype} {list(shape)}) needs {want} bytes, its header "
                                   f"gives {end - begin} ([{begin}, {end}))")
         if not 0 <= begin <= end:
@@ -106,10 +124,63 @@ def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
-def _offset(v) -> int:
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise TypeError(f"data offset {v!r} is not an int")
-    return v
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON (safetensors refuses it)")
+
+
+def _short(v, limit: int = 80) -> str:
+    r = repr(v)
+    return r if len(r) <= limit else r[:limit - 3] + "..."
+
+
+def _is_usize(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < _USIZE_END
+
+
+def _check_metadata(path: Path, meta) -> None:
+    """`__metadata__`: absent, null or an object mapping strings to strings, as the safetensors library requires."""
+    if meta is None:
+        return
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: malformed header: __metadata__ is {_short(meta)}, not an object of strings")
+    for k, val in meta.items():
+        if not isinstance(val, str):
+            raise CheckpointError(f"{path}: malformed header: __metadata__ entry {k!r} is {_short(val)}, not a "
+                                  f"string (safetensors needs string -> string metadata)")
+
+
+def _entry(path: Path, key: str, v) -> tuple[str, tuple[int, ...], tuple[int, int]]:
+    """(dtype tag, shape, (begin, end)) of one tensor's header entry, each checked as the safetensors library
+    parses it; a CheckpointError naming the file, the tensor and the bad field otherwise."""
+    bad = f"{path}: tensor {key!r}: malformed header entry"
+    if not isinstance(v, dict):
+        raise CheckpointError(f"{bad} {_short(v)} (not an object)")
+    for field in ("dtype", "shape", "data_offsets"):
+        if field not in v:
+            raise CheckpointError(f"{bad} {_short(v)} (no {field!r})")
+    dtype, shape, offsets = v["dtype"], v["shape"], v["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in ST_BITS:
+        raise CheckpointError(f"{bad}: unknown dtype {_short(dtype)} (safetensors knows {', '.join(ST_BITS)})")
+    if not isinstance(shape, list) or not all(_is_usize(d) for d in shape):
+        raise CheckpointError(f"{bad}: shape {_short(shape)} is not a list of non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_usize(o) for o in offsets):
+        raise CheckpointError(f"{bad}: data_offsets {_short(offsets)} is not two non-negative integers")
+    return dtype, tuple(shape), (offsets[0], offsets[1])
+
+
+def _nbits(path: Path, key: str, dtype: str, shape: tuple[int, ...]) -> int:
+    """Size of the tensor in bits, refusing a shape whose element or bit count overflows 64 bits (as the library
+    does, even when a later dimension is 0)."""
+    n = 1
+    for d in shape:
+        n *= d
+        if n >= _USIZE_END:
+            break
+    else:
+        n *= ST_BITS[dtype]
+        if n < _USIZE_END:
+            return n
+    raise CheckpointError(f"{path}: tensor {key!r} ({dtype} {list(shape)}): its size overflows 64 bits")
 
 
 def _inside(root: Path, name: str) -> Path | None:
@@ -134,9 +205,10 @@ def _check_link(root: Path, path: Path) -> None:
     repo = _hf_repo_dir(root)
     if repo is None:
         return
-    target, repo = path.resolve(), repo.resolve()
-    if repo not in target.parents:
-        raise CheckpointError(f"{path}: resolves to {target}, outside its Hugging Face cache folder {repo}")
+    target = path.resolve()
+    homes = {repo.resolve(), (repo / "blobs").resolve()}  # blobs/ may itself be a link to another disk
+    if not any(h in target.parents for h in homes):
+        raise CheckpointError(f"{path}: resolves to {target}, outside its Hugging Face cache folder {repo.resolve()}")
 
 
 def list_tensors(ckpt_dir: str | os.PathLike) -> dict[str, TensorInfo]:
@@ -195,12 +267,19 @@ class TensorReader:
             while len(self._handles) >= self.max_open:
                 self._handles.pop(next(iter(self._handles)))
             dev = "cpu" if self.device.type == "cpu" else str(self.device)
-            h = safe_open(str(path), framework="pt", device=dev)
+            try:
+                h = safe_open(str(path), framework="pt", device=dev)
+            except (SafetensorError, OSError) as e:  # read_header should have refused it: a last line of defence
+                raise CheckpointError(f"{path}: cannot open as safetensors: {e}") from e
         self._handles[path] = h
         return h
 
     def read(self, info: TensorInfo) -> torch.Tensor:
-        return self._handle(info.file).get_tensor(info.key)
+        h = self._handle(info.file)
+        try:
+            return h.get_tensor(info.key)
+        except SafetensorError as e:
+            raise CheckpointError(f"{info.file}: tensor {info.key!r}: cannot read: {e}") from e
 
     def close(self) -> None:
         self._handles.clear()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,9 +72,11 @@ def missing_required_fields(d: dict[str, Any]) -> list[str]:
     missing = [name for name, keys in REQUIRED_FIELDS.items() if not any(_has_key(d, k) for k in keys)]
     if "compress_ratios" not in missing:
         ratios = d.get("compress_ratios")
-        rates = d.get("compress_rates") or {}
+        rates = d.get("compress_rates")
+        rates = rates if isinstance(rates, dict) else {}
+        types = d.get("layer_types")
         csa = (4 in ratios if isinstance(ratios, list) else
-               HF_CSA in (d.get("layer_types") or []) and rates.get(HF_CSA, 4) == 4)
+               isinstance(types, list) and HF_CSA in types and rates.get(HF_CSA, 4) == 4)
         if csa:
             missing += [name for name in REQUIRED_INDEXER_FIELDS if d.get(name) is None]
     return missing
@@ -200,9 +204,12 @@ class ModelConfig:
                 # tokens of a not-yet-pooled window are only visible through the sliding window
                 bad("compress_ratios", f"ratios must be <= window_size={self.window_size}")
         for name in ("hc_eps", "norm_eps", "rope_theta", "compress_rope_theta", "route_scale"):
-            if not float(getattr(self, name)) > 0:
-                bad(name, "must be > 0")
-        if self.original_seq_len > 0 and not float(self.rope_factor) > 0:
+            if not _is_real(getattr(self, name)) or not getattr(self, name) > 0:
+                bad(name, "must be a finite number > 0")
+        for name in ("rope_factor", "beta_fast", "beta_slow", "swiglu_limit"):
+            if not _is_real(getattr(self, name)):
+                bad(name, "must be a finite number")
+        if self.original_seq_len > 0 and not self.rope_factor > 0:
             bad("rope_factor", "must be > 0 when YaRN is enabled (original_seq_len > 0)")
         if self.swiglu_limit < 0:
             bad("swiglu_limit", "must be >= 0 (0 disables the clamp)")
@@ -365,6 +372,63 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_real(v) -> bool:
+    """A finite number (an int or a float; not a bool, not a string, not inf / nan)."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# Config values are type-checked where they are read, so that a bad one is one ValueError naming its key (as the
+# config gives it) and value, not a traceback later, a message without the key, or a silent int() truncation
+# (5.9 -> 5, "5" -> 5). Integers must be JSON integers (4.0 is refused, like "4"); reals may be either.
+def _int_value(key: str, v):
+    if not _is_int(v):
+        raise ValueError(f"{key}: must be an integer, got {v!r}")
+    return v
+
+
+def _real_value(key: str, v):
+    if not _is_real(v):
+        raise ValueError(f"{key}: must be a finite number, got {v!r}")
+    return v
+
+
+def _int_list(key: str, v) -> list[int]:
+    if not isinstance(v, (list, tuple)) or not all(_is_int(i) for i in v):
+        raise ValueError(f"{key}: must be a list of integers, got {v!r}")
+    return list(v)
+
+
+def _str_list(key: str, v) -> list[str]:
+    if not isinstance(v, list) or not all(isinstance(i, str) for i in v):
+        raise ValueError(f"{key}: must be a list of strings, got {v!r}")
+    return list(v)
+
+
+def _int_field(d: dict[str, Any], *keys: str, default=None):
+    """The first of `keys` that `d` gives (not null), checked to be an integer; else `default`."""
+    for k in keys:
+        if d.get(k) is not None:
+            return _int_value(k, d[k])
+    return default
+
+
+def _real_field(d: dict[str, Any], *keys: str, default=None):
+    """The first of `keys` that `d` gives (not null), checked to be a finite number; else `default`."""
+    for k in keys:
+        if d.get(k) is not None:
+            return _real_value(k, d[k])
+    return default
+
+
+# ModelConfig fields (official names) by the type their config value must have
+_INT_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "rope_head_dim", "q_lora_rank", "o_groups",
+               "o_lora_rank", "window_size", "index_n_heads", "index_head_dim", "index_topk", "moe_inter_dim",
+               "n_routed_experts", "n_shared_experts", "n_activated_experts", "n_hash_layers", "hc_mult",
+               "hc_sinkhorn_iters", "original_seq_len", "max_position_embeddings", "n_mtp_layers", "bos_token_id")
+_REAL_FIELDS = ("route_scale", "swiglu_limit", "hc_eps", "norm_eps", "rope_theta", "compress_rope_theta",
+                "rope_factor", "beta_fast", "beta_slow")
+
+
 def _split_eos(out: dict[str, Any]) -> None:
     """HF's list form of eos_token_id -> eos_token_id (the first) + eos_token_ids (all, when more than one)."""
     eos = out.get("eos_token_id")
@@ -382,8 +446,8 @@ def _split_eos(out: dict[str, Any]) -> None:
 
 
 # rope_parameters / rope_scaling entries the config is read from, and the type each must have
-_ROPE_NUMBERS = ("rope_theta", "partial_rotary_factor", "factor", "original_max_position_embeddings", "beta_fast",
-                 "beta_slow")
+_ROPE_NUMBERS = ("rope_theta", "partial_rotary_factor", "factor", "beta_fast", "beta_slow")
+_ROPE_INTS = ("original_max_position_embeddings",)
 _ROPE_STRINGS = ("rope_type", "type")
 
 
@@ -395,8 +459,11 @@ def _check_rope_objects(d: dict[str, Any]) -> None:
             raise ValueError(f"{where}: must be an object (e.g. {{\"rope_type\": \"yarn\", \"factor\": 16, ...}}), "
                              f"got {v!r}")
         for k in _ROPE_NUMBERS:
-            if v.get(k) is not None and (not isinstance(v[k], (int, float)) or isinstance(v[k], bool)):
-                raise ValueError(f"{where}.{k}: must be a number, got {v[k]!r}")
+            if v.get(k) is not None:
+                _real_value(f"{where}.{k}", v[k])
+        for k in _ROPE_INTS:
+            if v.get(k) is not None:
+                _int_value(f"{where}.{k}", v[k])
         for k in _ROPE_STRINGS:
             if v.get(k) is not None and not isinstance(v[k], str):
                 raise ValueError(f"{where}.{k}: must be a string, got {v[k]!r}")
@@ -412,10 +479,16 @@ def _check_rope_objects(d: dict[str, Any]) -> None:
 
 def _from_official(d: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in d.items() if k in _OFFICIAL_FIELDS}
+    for k in _INT_FIELDS:
+        if k in out:
+            _int_value(k, out[k])
+    for k in _REAL_FIELDS:
+        if k in out:
+            _real_value(k, out[k])
     _split_eos(out)
-    n_layers = int(out.get("n_layers", ModelConfig.n_layers))
-    ratios = [int(r) for r in out["compress_ratios"]] if "compress_ratios" in out else None
-    _split_ratios(d, out, ratios, n_layers, int(out.get("n_mtp_layers", ModelConfig.n_mtp_layers)))
+    n_layers = out.get("n_layers", ModelConfig.n_layers)
+    ratios = _int_list("compress_ratios", out["compress_ratios"]) if "compress_ratios" in out else None
+    _split_ratios(d, out, ratios, n_layers, out.get("n_mtp_layers", ModelConfig.n_mtp_layers))
     return out
 
 
@@ -451,39 +524,39 @@ def _first(d: dict[str, Any], *keys, default=None):
 
 def _from_hf(d: dict[str, Any]) -> dict[str, Any]:
     base = ModelConfig()
-    n_layers = int(_first(d, "num_hidden_layers", "n_layers", default=base.n_layers))
-    n_mtp = int(_first(d, "num_nextn_predict_layers", "n_mtp_layers", default=base.n_mtp_layers))
-    head_dim = int(_first(d, "head_dim", default=base.head_dim))
+    n_layers = _int_field(d, "num_hidden_layers", "n_layers", default=base.n_layers)
+    n_mtp = _int_field(d, "num_nextn_predict_layers", "n_mtp_layers", default=base.n_mtp_layers)
+    head_dim = _int_field(d, "head_dim", default=base.head_dim)
     out: dict[str, Any] = {
-        "vocab_size": _first(d, "vocab_size", default=base.vocab_size),
-        "dim": _first(d, "hidden_size", "dim", default=base.dim),
+        "vocab_size": _int_field(d, "vocab_size", default=base.vocab_size),
+        "dim": _int_field(d, "hidden_size", "dim", default=base.dim),
         "n_layers": n_layers,
-        "n_heads": _first(d, "num_attention_heads", "n_heads", default=base.n_heads),
+        "n_heads": _int_field(d, "num_attention_heads", "n_heads", default=base.n_heads),
         "head_dim": head_dim,
-        "q_lora_rank": _first(d, "q_lora_rank", default=base.q_lora_rank),
-        "o_groups": _first(d, "o_groups", default=base.o_groups),
-        "o_lora_rank": _first(d, "o_lora_rank", default=base.o_lora_rank),
-        "window_size": _first(d, "sliding_window", "window_size", default=base.window_size),
-        "index_n_heads": _first(d, "index_n_heads", default=base.index_n_heads),
-        "index_head_dim": _first(d, "index_head_dim", default=base.index_head_dim),
-        "index_topk": _first(d, "index_topk", default=base.index_topk),
-        "moe_inter_dim": _first(d, "moe_intermediate_size", "moe_inter_dim", default=base.moe_inter_dim),
-        "n_routed_experts": _first(d, "n_routed_experts", "num_local_experts", default=base.n_routed_experts),
-        "n_shared_experts": _first(d, "n_shared_experts", default=base.n_shared_experts),
-        "n_activated_experts": _first(d, "num_experts_per_tok", "n_activated_experts",
-                                      default=base.n_activated_experts),
+        "q_lora_rank": _int_field(d, "q_lora_rank", default=base.q_lora_rank),
+        "o_groups": _int_field(d, "o_groups", default=base.o_groups),
+        "o_lora_rank": _int_field(d, "o_lora_rank", default=base.o_lora_rank),
+        "window_size": _int_field(d, "sliding_window", "window_size", default=base.window_size),
+        "index_n_heads": _int_field(d, "index_n_heads", default=base.index_n_heads),
+        "index_head_dim": _int_field(d, "index_head_dim", default=base.index_head_dim),
+        "index_topk": _int_field(d, "index_topk", default=base.index_topk),
+        "moe_inter_dim": _int_field(d, "moe_intermediate_size", "moe_inter_dim", default=base.moe_inter_dim),
+        "n_routed_experts": _int_field(d, "n_routed_experts", "num_local_experts", default=base.n_routed_experts),
+        "n_shared_experts": _int_field(d, "n_shared_experts", default=base.n_shared_experts),
+        "n_activated_experts": _int_field(d, "num_experts_per_tok", "n_activated_experts",
+                                          default=base.n_activated_experts),
         "score_func": _first(d, "scoring_func", "score_func", default=base.score_func),
-        "route_scale": _first(d, "routed_scaling_factor", "route_scale", default=base.route_scale),
-        "swiglu_limit": _first(d, "swiglu_limit", default=base.swiglu_limit),
-        "hc_mult": _first(d, "hc_mult", default=base.hc_mult),
-        "hc_sinkhorn_iters": _first(d, "hc_sinkhorn_iters", default=base.hc_sinkhorn_iters),
-        "hc_eps": _first(d, "hc_eps", default=base.hc_eps),
-        "norm_eps": _first(d, "rms_norm_eps", "norm_eps", default=base.norm_eps),
-        "rope_theta": _first(d, "rope_theta", default=base.rope_theta),
-        "compress_rope_theta": _first(d, "compress_rope_theta", default=base.compress_rope_theta),
-        "max_position_embeddings": _first(d, "max_position_embeddings", default=base.max_position_embeddings),
+        "route_scale": _real_field(d, "routed_scaling_factor", "route_scale", default=base.route_scale),
+        "swiglu_limit": _real_field(d, "swiglu_limit", default=base.swiglu_limit),
+        "hc_mult": _int_field(d, "hc_mult", default=base.hc_mult),
+        "hc_sinkhorn_iters": _int_field(d, "hc_sinkhorn_iters", default=base.hc_sinkhorn_iters),
+        "hc_eps": _real_field(d, "hc_eps", default=base.hc_eps),
+        "norm_eps": _real_field(d, "rms_norm_eps", "norm_eps", default=base.norm_eps),
+        "rope_theta": _real_field(d, "rope_theta", default=base.rope_theta),
+        "compress_rope_theta": _real_field(d, "compress_rope_theta", default=base.compress_rope_theta),
+        "max_position_embeddings": _int_field(d, "max_position_embeddings", default=base.max_position_embeddings),
         "n_mtp_layers": n_mtp,
-        "bos_token_id": _first(d, "bos_token_id", default=base.bos_token_id),
+        "bos_token_id": _int_field(d, "bos_token_id", default=base.bos_token_id),
         "eos_token_id": _first(d, "eos_token_id", default=base.eos_token_id),
         "expert_dtype": _first(d, "expert_dtype"),
         "quantization_config": _first(d, "quantization_config"),
@@ -492,13 +565,20 @@ def _from_hf(d: dict[str, Any]) -> dict[str, Any]:
 
     # rope dims: legacy qk_rope_head_dim > partial_rotary_factor (top-level or nested)
     rp = d.get("rope_parameters") or {}
-    rope_dim = d.get("qk_rope_head_dim", d.get("rope_head_dim"))
+    rope_dim = _int_field(d, "qk_rope_head_dim", "rope_head_dim")
     if rope_dim is None:
-        prf = d.get("partial_rotary_factor")
+        prf_key = "partial_rotary_factor"
+        prf = _real_field(d, prf_key)
         if prf is None and isinstance(rp.get("main"), dict):
-            prf = rp["main"].get("partial_rotary_factor")
-        rope_dim = round(head_dim * prf) if prf is not None else base.rope_head_dim
-    out["rope_head_dim"] = int(rope_dim)
+            prf_key = "rope_parameters.main.partial_rotary_factor"
+            prf = _real_field(rp["main"], "partial_rotary_factor")
+        rope_dim = base.rope_head_dim
+        if prf is not None:
+            rope_dim = round(head_dim * prf)
+            if abs(head_dim * prf - rope_dim) > 1e-6:  # not a whole number of dims: refused, not rounded
+                raise ValueError(f"{prf_key}: times head_dim={head_dim} must give a whole number of rotary dims, "
+                                 f"got {prf!r}")
+    out["rope_head_dim"] = rope_dim
 
     # YaRN on compressed layers: nested rope_parameters["compress"] > flat rope_parameters > legacy rope_scaling
     yarn = None
@@ -514,8 +594,9 @@ def _from_hf(d: dict[str, Any]) -> dict[str, Any]:
         yarn = d["rope_scaling"]
     rtype = (yarn or {}).get("rope_type", (yarn or {}).get("type", "default"))
     if rtype == "yarn":
-        out["rope_factor"] = yarn.get("factor", base.rope_factor)
-        out["original_seq_len"] = int(yarn.get("original_max_position_embeddings", base.original_seq_len))
+        # (types checked by _check_rope_objects; a null entry takes the default)
+        out["rope_factor"] = _first(yarn, "factor", default=base.rope_factor)
+        out["original_seq_len"] = _first(yarn, "original_max_position_embeddings", default=base.original_seq_len)
         out["beta_fast"] = yarn.get("beta_fast", base.beta_fast) or base.beta_fast
         out["beta_slow"] = yarn.get("beta_slow", base.beta_slow) or base.beta_slow
     else:
@@ -523,16 +604,18 @@ def _from_hf(d: dict[str, Any]) -> dict[str, Any]:
 
     # attention schedule: legacy per-layer compress_ratios > layer_types + compress_rates
     if d.get("compress_ratios") is not None:
-        ratios = [int(r) for r in d["compress_ratios"]]
+        ratios = _int_list("compress_ratios", d["compress_ratios"])
     elif d.get("layer_types") is not None:
-        rates = dict(d.get("compress_rates") or {HF_CSA: 4, HF_HCA: 128})
-        if d.get("compress_rate_csa") is not None:
-            rates[HF_CSA] = d["compress_rate_csa"]
-        if d.get("compress_rate_hca") is not None:
-            rates[HF_HCA] = d["compress_rate_hca"]
+        given = d.get("compress_rates")
+        if given is not None and not isinstance(given, dict):
+            raise ValueError(f"compress_rates: must be an object (layer type -> compress rate), got {given!r}")
+        rates = {t: _int_value(f"compress_rates.{t}", r) for t, r in (given or {HF_CSA: 4, HF_HCA: 128}).items()}
+        for key, t in (("compress_rate_csa", HF_CSA), ("compress_rate_hca", HF_HCA)):
+            if d.get(key) is not None:
+                rates[t] = _int_value(key, d[key])
         rates[HF_SWA] = 0
         try:
-            ratios = [int(rates[t]) for t in d["layer_types"][:n_layers]]
+            ratios = [rates[t] for t in _str_list("layer_types", d["layer_types"])[:n_layers]]
         except KeyError as e:
             raise ValueError(f"ModelConfig.compress_ratios: unknown layer type {e} in layer_types") from None
     else:
@@ -543,9 +626,9 @@ def _from_hf(d: dict[str, Any]) -> dict[str, Any]:
 
     # hash layers: legacy num_hash_layers > leading "hash_moe" entries of mlp_layer_types
     if d.get("num_hash_layers") is not None or d.get("n_hash_layers") is not None:
-        out["n_hash_layers"] = int(_first(d, "num_hash_layers", "n_hash_layers"))
+        out["n_hash_layers"] = _int_field(d, "num_hash_layers", "n_hash_layers")
     elif d.get("mlp_layer_types") is not None:
-        types = list(d["mlp_layer_types"])
+        types = _str_list("mlp_layer_types", d["mlp_layer_types"])
         n_hash = 0
         while n_hash < len(types) and types[n_hash] == "hash_moe":
             n_hash += 1

@@ -256,6 +256,8 @@ def _read_prompts(items) -> list[str]:
             out.append(_prompt_text(value, i))
             continue
         what = _prompt_arg(items, i)
+        if kind == "text" and sys.stdin is None:
+            raise ValueError(f"{what}: this process has no stdin (it was closed)")
         try:
             raw = sys.stdin.buffer.read() if kind == "text" else Path(value).read_bytes()
         except OSError as e:
