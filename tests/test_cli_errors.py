@@ -93,6 +93,8 @@ IN_PROCESS = [
     ("--temperature inf", ["--temperature", "inf"], "--temperature must be >= 0 and finite (at most 3.403e+38: float32), got inf"),
     ("--temperature nan", ["--temperature", "nan"], "--temperature must be >= 0 and finite (at most 3.403e+38: float32), got nan"),
     ("--temperature past float32", ["--temperature", "1e39"], "--temperature must be >= 0 and finite (at most 3.403e+38"),
+    ("--max-seq-len past int32 with --allow-beyond-max-position",
+     ["--max-seq-len", str(10**30), "--allow-beyond-max-position"], "max_seq_len must be at most 2147483647"),
     ("--top-k past int64", ["--top-k", str(10**20)], "--top-k must be >= 0 (0 = off), an int of at most 2**63 - 1"),
     ("--seed 2**64 (past uint64)", ["--seed", str(2**64)], "--seed must be an int in [-2**63, 2**64 - 1]"),
     ("--seed -2**63 - 1 (past int64)", ["--seed", str(-2**63 - 1)], "--seed must be an int in [-2**63, 2**64 - 1]"),

@@ -42,3 +42,24 @@ def test_sigterm_drains_and_exits_0():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_ctrl_c_while_it_starts_is_one_line():
+    """SIGINT as the model is loaded (the app and its scheduler being built): "interrupted" and 130, no traceback
+    (uvicorn, if it got to run, takes SIGINT as a shutdown: 0)."""
+    proc = subprocess.Popen([sys.executable, "-m", "dsv4_model", "serve", "--port", "0", "--device", "cpu",
+                             "--max-batch-size", "2", "--max-seq-len", "256", "--threads", "1",
+                             "--log-level", "warning"], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:
+            if " loaded in " in line:
+                proc.send_signal(signal.SIGINT)
+                break
+        rest = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+    assert "Traceback" not in rest, rest
+    assert proc.returncode in (130, 0), rest
+    if proc.returncode == 130:
+        assert rest.strip().splitlines()[-1] == "interrupted"
+

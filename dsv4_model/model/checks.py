@@ -21,12 +21,18 @@ def parse_device(device) -> torch.device:
     return d
 
 
+MAX_POSITIONS = 2**31 - 1
+
+
 def check_max_seq_len(max_seq_len, config, allow_beyond_max_position: bool = False) -> None:
     """max_seq_len (the cache length) must lie in [largest compress ratio, config.max_position_embeddings]; the
     upper bound only unless allow_beyond_max_position (positions the model was not trained for)."""
     low = max(1, max(config.compress_ratios))
     if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < low:
         raise ValueError(f"max_seq_len must be an int >= {low} (the largest compress ratio), got {max_seq_len!r}")
+    if max_seq_len > MAX_POSITIONS:
+        raise ValueError(f"max_seq_len must be at most {MAX_POSITIONS} (positions are int32 in the kernels), "
+                         f"got {max_seq_len}")
     if max_seq_len > config.max_position_embeddings and not allow_beyond_max_position:
         raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings="
                          f"{config.max_position_embeddings} (allow_beyond_max_position=True, or "

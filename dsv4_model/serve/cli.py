@@ -287,6 +287,12 @@ def main(argv=None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while it loads / compiles: one line and 130, as generate's
+        if args.debug:
+            raise
+        from dsv4_model.runtime.cli import _interrupted
+
+        return _interrupted()
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
