@@ -87,6 +87,16 @@ def test_dspark_sampling_follows_the_plain_distribution(tmp_path, top_k=5, top_p
     assert 0 < spec.offered[0] < spec.row_steps, (spec.offered, spec.row_steps)  # some blocks cut at once
 
 
+def test_a_dspark_config_without_its_tensors_is_named_by_the_flag(tmp_path):
+    """--speculate on a checkpoint whose config describes DSpark but whose shards lack its mtp.* tensors: one line
+    naming --speculate, from the config and the headers (no weight read)."""
+    cfg = _dspark_cfg()
+    weights = {k: v for k, v in canonical_weights(cfg, seed=5).items() if not k.startswith("mtp.")}
+    path = write_checkpoint(weights, cfg, tmp_path / "no_dspark", "official")
+    rc, out, err = _cli("--model", str(path), "--prompt", "hi", "--speculate", "2")
+    assert rc == 2 and err.strip().splitlines()[-1].startswith("error: --speculate: ") and "no mtp.*" in err, err
+
+
 def test_dspark_refusals(ckpt):
     eng = _engine(ckpt, spare_window_slots=2)
     with pytest.raises(ValueError, match="carries a DSpark module instead"):

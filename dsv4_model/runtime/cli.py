@@ -372,6 +372,11 @@ def _check_speculate_method(args, config, path) -> None:
     if args.speculate > config.dspark.block_size:
         raise ValueError(f"--speculate {args.speculate}: DSpark drafts blocks of {config.dspark.block_size} tokens "
                          f"(--speculate 1..{config.dspark.block_size})")
+    from dsv4_model.checkpoint.loader import _has_mtp, list_tensors
+
+    if not args.drafter and not _has_mtp(list_tensors(Path(path))):
+        raise ValueError(f"--speculate: {path}'s config describes a DSpark module (dspark_* keys), but it has none of "
+                         "its tensors (no mtp.*): a download that left them out? (docs/dspark.md)")
 
 
 def check_mtp_block(config, path) -> None:
