@@ -151,3 +151,21 @@ def test_validate_refuses_a_mistyped_real(name, value):
     """A config built in code (not read from a file) gets the same check from validate()."""
     with pytest.raises(ValueError, match=re.escape(f"ModelConfig.{name}: must be a finite number")):
         ModelConfig(**{name: value}).validate()
+
+
+@pytest.mark.parametrize("alias, key, value", [
+    ("n_layers", "num_hidden_layers", None), ("dim", "hidden_size", None), ("norm_eps", "rms_norm_eps", None),
+    ("num_local_experts", "n_routed_experts", None), ("score_func", "scoring_func", "softmax"),
+])
+def test_hf_config_two_names_of_a_field_must_agree(tiny, tmp_path, alias, key, value):
+    """An HF config giving a field under two of the names the reader accepts (its own and the official one) with
+    different values is refused naming both; the same value under both still loads."""
+    base = json.loads((tiny["hf"] / "config.json").read_text())
+    same = base[key]
+    path = _edited(tiny, tmp_path / "same", "hf", _set(alias, same))
+    assert getattr(load_config(path, "hf"), {"num_local_experts": "n_routed_experts"}.get(alias, alias)) == same
+    other = value if value is not None else (same * 2 if isinstance(same, int) else same * 10)
+    with pytest.raises(CheckpointError) as e:
+        load_config(_edited(tiny, tmp_path / "differ", "hf", _set(alias, other)), "hf")
+    msg = str(e.value)
+    assert f"{key} and {alias}: two names of one field" in msg and repr(same) in msg and repr(other) in msg, msg

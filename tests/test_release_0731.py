@@ -117,6 +117,26 @@ def test_0731_official_configs_agree_though_they_count_the_mtp_stages_differentl
         assert load_config(ckpts["official"]).dspark.n_stages == 3
 
 
+def test_0731_official_configs_disagreeing_on_a_dspark_key_are_named(ckpts, tmp_path):
+    """The drafter's keys are compared too: a config.json whose dspark_block_size / dspark_target_layer_ids differ
+    from inference/config.json's (the one read) is named in the warning, the inference file still decides."""
+    import shutil
+
+    d = tmp_path / "official"
+    shutil.copytree(ckpts["official"], d)
+    hf = json.loads((d / "config.json").read_text())
+    want = load_config(ckpts["official"]).dspark
+    hf["dspark_block_size"] = want.block_size + 2
+    hf["dspark_target_layer_ids"] = list(want.target_layer_ids[:-1]) + [0]
+    (d / "config.json").write_text(json.dumps(hf))
+    with pytest.warns(UserWarning) as rec:
+        got = load_config(d)
+    assert got.dspark == want
+    (msg,) = [str(w.message) for w in rec]
+    assert f"dspark_block_size {want.block_size} there, {want.block_size + 2} in config.json" in msg, msg
+    assert f"dspark_target_layer_ids {want.target_layer_ids!r} there" in msg, msg
+
+
 def test_plain_flash_config_still_has_its_mtp_block():
     cfg = ModelConfig.from_dict({k: v for k, v in _official_0731().items() if not k.startswith("dspark_")}
                                 | {"n_mtp_layers": 1})

@@ -147,6 +147,7 @@ def _warn_config_disagreement(config, used: Path, other: Path) -> None:
     """One warning naming each field where `other` (the top-level config.json beside inference/config.json) gives
     a different value than the config the model is built from; silent when `other` is absent or unreadable."""
     from dsv4_model.model.config import REQUIRED_FIELDS, REQUIRED_INDEXER_FIELDS, ModelConfig
+    from dsv4_model.model.dspark_config import DSPARK_KEYS
 
     if not other.is_file():
         return
@@ -164,6 +165,11 @@ def _warn_config_disagreement(config, used: Path, other: Path) -> None:
     fields = [*REQUIRED_FIELDS, *REQUIRED_INDEXER_FIELDS]
     diffs = [f"{f} {value(config, f)!r} there, {value(theirs, f)!r} in config.json" for f in fields
              if value(config, f) != value(theirs, f)]
+    if config.dspark is not None and theirs.dspark is not None:  # the drafter's keys, where both files give them
+        for key, f in DSPARK_KEYS.items():
+            a, b = getattr(config.dspark, f), getattr(theirs.dspark, f)
+            if a != b:
+                diffs.append(f"{key} {a!r} there, {b!r} in config.json")
     if diffs:
         warnings.warn(f"{other} disagrees with {used}, which the model is built from: {'; '.join(diffs)}",
                       stacklevel=3)

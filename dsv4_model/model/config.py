@@ -404,20 +404,28 @@ def _str_list(key: str, v) -> list[str]:
     return list(v)
 
 
+def _given(d: dict[str, Any], keys: tuple[str, ...]) -> tuple[str, Any] | None:
+    """(key, value) of the first of `keys` (aliases of one field) that `d` gives (not null); None if none does. Two
+    aliases given with different values are a ValueError naming both: which one a reader takes is not the
+    config's author's to guess."""
+    given = [(k, d[k]) for k in keys if d.get(k) is not None]
+    for k, v in given[1:]:
+        if v != given[0][1]:
+            raise ValueError(f"{given[0][0]} and {k}: two names of one field with different values "
+                             f"({given[0][1]!r} and {v!r}); give one")
+    return given[0] if given else None
+
+
 def _int_field(d: dict[str, Any], *keys: str, default=None):
     """The first of `keys` that `d` gives (not null), checked to be an integer; else `default`."""
-    for k in keys:
-        if d.get(k) is not None:
-            return _int_value(k, d[k])
-    return default
+    kv = _given(d, keys)
+    return default if kv is None else _int_value(*kv)
 
 
 def _real_field(d: dict[str, Any], *keys: str, default=None):
     """The first of `keys` that `d` gives (not null), checked to be a finite number; else `default`."""
-    for k in keys:
-        if d.get(k) is not None:
-            return _real_value(k, d[k])
-    return default
+    kv = _given(d, keys)
+    return default if kv is None else _real_value(*kv)
 
 
 # ModelConfig fields (official names) by the type their config value must have
@@ -516,10 +524,8 @@ def _pad_mtp(ratios: list[int], n_layers: int, n_mtp: int) -> list[int]:
 
 
 def _first(d: dict[str, Any], *keys, default=None):
-    for k in keys:
-        if k in d and d[k] is not None:
-            return d[k]
-    return default
+    kv = _given(d, keys)
+    return default if kv is None else kv[1]
 
 
 def _from_hf(d: dict[str, Any]) -> dict[str, Any]:
