@@ -55,6 +55,32 @@ def test_weights_have_the_intended_scale_and_the_seed_decides_them():
         assert abs(float(w.pow(2).mean().sqrt()) * math.sqrt(k) - 1) < 0.15, name
 
 
+def test_an_expert_parallel_build_holds_the_single_process_models_slice():
+    """Each rank of an expert-parallel build (ExpertShard rank r of 2) holds exactly experts [r E/2, (r+1) E/2) of
+    the one-process build with the same seed, code for code, and every other weight equal: a 2-GPU run and a
+    1-GPU run of the same preset are the same model (issue #32's cross-GPU check). Experts differ from each other
+    and from one MoE layer to the next."""
+    from dsv4_model.model.parallel import ExpertShard
+
+    cfg = _cfg()
+    full = random_nvfp4_model(cfg, device="cpu", max_seq_len=64, seed=4).state_dict()
+    E, half = cfg.n_routed_experts, cfg.n_routed_experts // 2
+    routed = ("w13_packed", "w13_scale", "w13_global_scale", "w2_packed", "w2_scale", "w2_global_scale")
+    for rank in range(2):
+        part = random_nvfp4_model(cfg, device="cpu", max_seq_len=64, seed=4,
+                                  expert_shard=ExpertShard(rank, 2)).state_dict()
+        assert part.keys() == full.keys()
+        for k, v in part.items():
+            want = full[k]
+            if k.rsplit(".", 1)[-1] in routed and ".ffn.nvfp4." in k:
+                assert want.shape[0] == E and v.shape[0] == half, k
+                want = want[rank * half:(rank + 1) * half]
+            assert torch.equal(v, want), k
+    w = full["layers.0.ffn.nvfp4.w13_packed"]
+    assert not torch.equal(w[0], w[1])
+    assert not torch.equal(w, full["layers.1.ffn.nvfp4.w13_packed"])
+
+
 @pytest.mark.parametrize("n", [100, 48])
 def test_row_blocks_give_the_whole_matrix_layout(monkeypatch, n):
     # Filled 16 rows at a time (the last tile partial for n = 100): the kernel-layout bytes are what repacking

@@ -123,3 +123,26 @@ def test_scheduler_under_torchrun_rank0_decides(ckpts, tmp_path):
     assert [g[:2] for g in got] == [w[:2] for w in want]
     assert want[4][1] == "cancelled" and all(w[1] == "length" for w in want[:4])
     assert len(want[2][2]) == len(sched_worker.PROMPTS[2]) - 1 and want[2][2] == pytest.approx(got[2][2], abs=1e-4)
+
+
+def test_parallel_greedy_check_agrees_across_ranks_and_names_a_difference(tmp_path):
+    """bench/parallel_greedy.py (issue #32's 1-GPU vs N-GPU check, here on gloo): the random preset built with one
+    process and with two expert-parallel ranks gives the same tokens and logits bit for bit; a run whose tokens
+    differ is named with the step and rows where they part, and fails."""
+    script = str(ROOT / "bench" / "parallel_greedy.py")
+    small = ["--preset", "tiny", "--experts", "8", "--steps", "10", "--prompt-len", "20", "--device", "cpu"]
+    one = subprocess.run([sys.executable, script, *small, "--out", str(tmp_path / "one.pt")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _torchrun(script, *small, "--out", str(tmp_path / "two.pt"))
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout.count("world 2, tokens") == 1  # rank 0 alone prints and saves
+    cmp = subprocess.run([sys.executable, script, "--compare", str(tmp_path / "one.pt"), str(tmp_path / "two.pt")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert cmp.returncode == 0 and "tokens equal: yes" in cmp.stdout and "(bit for bit)" in cmp.stdout, cmp.stdout
+    res = torch.load(tmp_path / "two.pt")
+    res["tokens"][1, 3] += 1
+    torch.save(res, tmp_path / "bad.pt")
+    cmp = subprocess.run([sys.executable, script, "--compare", str(tmp_path / "one.pt"), str(tmp_path / "bad.pt")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert cmp.returncode == 1 and "tokens equal: NO (first difference at step 3: rows [1])" in cmp.stdout, cmp.stdout

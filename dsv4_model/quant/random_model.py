@@ -97,16 +97,19 @@ def bf16_released_values_(model: nn.Module) -> None:
 
 
 def _random_nvfp4_(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, k: int,
-                   g: torch.Generator) -> None:
+                   g: torch.Generator, slice_seed=None) -> None:
     """Fill kernel-layout buffers [..., N, Kp/2] / [..., N, Kp/16] with random codes, block scales 1 and the
     global scale for rms 1 / sqrt(k). One leading slice and ~BLOCK_ELEMS weights at a time, so the repack's
     intermediates stay small (a whole 4096 x 8192 matrix's reach 1.2 GB); a block of whole 16-row tiles of the
-    kernel layout repacks on its own."""
+    kernel layout repacks on its own. slice_seed(i): g is reseeded with it before leading slice i (routed
+    experts: each expert's codes from its own seed)."""
     lead = packed.shape[:-2]
     flat_p, flat_s = packed.view(-1, *packed.shape[-2:]), scale.view(-1, *scale.shape[-2:])
     n = packed.shape[-2]
     rows = max(TILE, BLOCK_ELEMS // k // TILE * TILE)
     for i in range(flat_p.shape[0]):
+        if slice_seed is not None:
+            g.manual_seed(slice_seed(i))
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
             codes = torch.randint(0, 256, (r1 - r0, k // 2), dtype=torch.uint8, device=packed.device, generator=g)
@@ -119,22 +122,36 @@ def _random_nvfp4_(packed: torch.Tensor, scale: torch.Tensor, global_scale: torc
 
 @torch.no_grad()
 def randomize_nvfp4_(model: nn.Module, seed: int, routed_seed: int | None = None) -> None:
-    """Random codes in every NVFP4 module of `model` (see `_random_nvfp4_`). The routed experts draw from their own
-    generator (`routed_seed`, default seed + 1), so under expert parallelism, where each rank holds other experts,
-    every replicated weight still gets the same codes on every rank."""
+    """Random codes in every NVFP4 module of `model` (see `_random_nvfp4_`). Each routed expert draws from a
+    generator seeded by (`routed_seed` (default seed + 1), its MoE's place in the model, its global index, the
+    projection), so a rank of an expert-parallel build holds exactly its slice of the single-process model's
+    experts, and every replicated weight gets the same codes on every rank."""
+    from dsv4_model.model.moe import MoE
+
     device = next(model.parameters()).device
     g = torch.Generator(device=device).manual_seed(seed)
-    g_routed = torch.Generator(device=device).manual_seed(seed + 1 if routed_seed is None else routed_seed)
+    g_routed = torch.Generator(device=device)
+    base = seed + 1 if routed_seed is None else routed_seed
+    first = {id(m.nvfp4): m.expert_start for m in model.modules() if isinstance(m, MoE) and hasattr(m, "nvfp4")}
+    ordinal = 0
     for mod in model.modules():
         if is_nvfp4(mod):
             _random_nvfp4_(mod.weight_packed, mod.weight_scale, mod.weight_global_scale, mod.in_features, g)
         elif isinstance(mod, Nvfp4MoE):
-            parts = [("w13", mod.dim, g_routed), ("w2", mod.inter, g_routed)]
-            if mod.shared_inter:
-                parts += [("shared_w13", mod.dim, g), ("shared_w2", mod.shared_inter, g)]
-            for p, k, gen in parts:
+            start, ordinal = first.get(id(mod), 0), ordinal + 1
+            for j, (p, k) in enumerate((("w13", mod.dim), ("w2", mod.inter))):
                 _random_nvfp4_(getattr(mod, f"{p}_packed"), getattr(mod, f"{p}_scale"),
-                               getattr(mod, f"{p}_global_scale"), k, gen)
+                               getattr(mod, f"{p}_global_scale"), k, g_routed,
+                               slice_seed=lambda e, j=j, o=ordinal: _expert_seed(base, o, start + e, j))
+            if mod.shared_inter:
+                for p, k in (("shared_w13", mod.dim), ("shared_w2", mod.shared_inter)):
+                    _random_nvfp4_(getattr(mod, f"{p}_packed"), getattr(mod, f"{p}_scale"),
+                                   getattr(mod, f"{p}_global_scale"), k, g)
+
+
+def _expert_seed(base: int, moe: int, expert: int, proj: int) -> int:
+    """A routed expert's seed: distinct for every (base, MoE, expert, projection) a model has."""
+    return (((base * 4099 + moe) * 65537 + expert) * 2 + proj) % (2**63)
 
 
 def random_nvfp4_model(cfg: ModelConfig, *, device, max_batch_size: int = 1, max_seq_len: int = 4096,
@@ -142,23 +159,22 @@ def random_nvfp4_model(cfg: ModelConfig, *, device, max_batch_size: int = 1, max
                        expert_shard=None, spare_window_slots: int = 0) -> Transformer:
     """A `Transformer` of `cfg` with random NVFP4 weights (what `quantize_model_` converts) and random floats,
     built on `device` without a float copy of any converted weight; ready to prefill / decode. expert_shard (a
-    `dsv4_model.model.parallel.ExpertShard`): only this rank's routed experts are built (their own random codes),
-    every other weight the same on every rank. spare_window_slots: as Transformer's (speculative decoding)."""
+    `dsv4_model.model.parallel.ExpertShard`): only this rank's routed experts are built (the single-process model's
+    slice of them, code for code), every other weight the same on every rank. spare_window_slots: as
+    Transformer's (speculative decoding)."""
     device = torch.device(device)
     model = Transformer(cfg, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype, device="meta",
                         spare_window_slots=spare_window_slots)
     for unit in convert_structure_(model, act_quant):
         unit.old = None  # the meta float weights: never materialized
-    rank = 0
     if expert_shard is not None:
         model.shard_experts_(expert_shard)
-        rank = expert_shard.rank
     # the weights the loader holds in bf16 (head, compressors) made bf16 on meta: a full-width fp32 head and its
     # narrowing would add ~4 GB to the build's peak (V4-Flash's 129280 x 4096)
     model.narrow_weights_(lossless=True)
     model.to_empty(device=device)
     randomize_floats_(model, seed, cfg.n_routed_experts)
-    randomize_nvfp4_(model, seed + 1, routed_seed=seed + 2 + rank)
+    randomize_nvfp4_(model, seed + 1, routed_seed=seed + 2)
     model.setup_runtime(device)
     model.reset_caches()
     return model.eval()
@@ -176,12 +192,10 @@ def random_nvfp4_dspark(cfg: ModelConfig, *, device, max_batch_size: int = 1, dt
     module = DSpark(cfg, dtype=dtype, max_batch_size=max_batch_size, device="meta")
     for unit in convert_structure_(module, act_quant):
         unit.old = None
-    rank = 0
     if expert_shard is not None:
         module.shard_experts_(expert_shard)
-        rank = expert_shard.rank
     module.to_empty(device=device)
     randomize_floats_(module, seed, cfg.n_routed_experts)
-    randomize_nvfp4_(module, seed + 1, routed_seed=seed + 2 + rank)
+    randomize_nvfp4_(module, seed + 1, routed_seed=seed + 2)
     module.setup_runtime(device)
     return module.eval()

@@ -47,5 +47,5 @@ for tool in memcheck racecheck; do
 done
 wait
 for log in "$LOGS"/san_racecheck_*.log; do
-  [ -f "$log" ] && note "[$(basename "$log" .log)] races in project kernels: $(own_races "$log")"
+  if [ -f "$log" ]; then note "[$(basename "$log" .log)] races in project kernels: $(own_races "$log")"; fi
 done
