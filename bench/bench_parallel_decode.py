@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import FULL_MODELS as PRESETS  # noqa: E402
 from common import SGLANG_4XH200_FLASH_TPOT_MS as SGLANG  # noqa: E402
-from common import floor_seconds  # noqa: E402
+from common import HBM_BYTES_PER_S, floor_seconds  # noqa: E402
 from dsv4_model.checkpoint.memory_plan import GiB, memory_plan  # noqa: E402
 from dsv4_ops.overrides import parse as parse_overrides, set_overrides  # noqa: E402
 from dsv4_model.model.config import ModelConfig  # noqa: E402
@@ -67,6 +67,8 @@ def config(args, device: torch.device, world: int) -> ModelConfig:
     if device.type != "cuda":
         raise SystemExit("--experts fit needs a CUDA device (it sizes the model to the free memory)")
     free = torch.cuda.mem_get_info(device)[0] - int(args.reserve_gib * GiB)
+    if world > 1:  # every rank must build the same model: the fullest GPU decides
+        free = int(all_ranks(free, device, "min"))
     batches = [int(b) for b in args.batches.split(",")]
     e = fitting_experts(cfg, batch=max(batches), context=args.context, world=world, free_bytes=free)
     return cfg.sliced(n_routed_experts=e)
@@ -105,7 +107,13 @@ def main(argv=None) -> int:
         torch.cuda.synchronize(device)
     build_s = time.perf_counter() - t0
     runner = DecodeRunner(model, compile=cuda, cuda_graphs=cuda, regional=args.regional)
-    rows = []
+    if rank == 0:
+        mode = ("regional compile" if args.regional else "compiled") + " + CUDA graph" if cuda else "eager (CPU)"
+        print(f"{args.preset}: {cfg.n_layers} layers, {cfg.n_routed_experts} experts over {world} rank(s), context "
+              f"{args.context}, NVFP4 W4A16, {mode} on {device_name(device)}; build {build_s:.1f} s", flush=True)
+        print(f"{'batch':>5} {'ms/token':>9} {'tokens/s':>10} {'floor ms':>9} {'% of floor':>10} "
+              f"{'vs SGLang 4xH200 (B=1)':>24} {'compile+capture s':>18} {'exchange ms':>11} {'ranks agree':>11}",
+              flush=True)
     for B in batches:
         t0 = time.perf_counter()
         runner.prepare(B)
@@ -118,32 +126,99 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(args.steps):
-            runner.step()
+            logits, _ = runner.step()
         if cuda:
             torch.cuda.synchronize()
         ms = 1e3 * (time.perf_counter() - t0) / args.steps
-        if shard is not None:  # the slowest rank sets the pace
-            t = torch.tensor([ms], device=device)
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-            ms = float(t)
-        rows.append((B, ms, 1e3 * floor_seconds(model.state_dict().items(), cfg, B, world), setup_s))
-    mem = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
-    if rank == 0:
-        mode = ("regional compile" if args.regional else "compiled") + " + CUDA graph" if cuda else "eager (CPU)"
-        print(f"{args.preset}: {cfg.n_layers} layers, {cfg.n_routed_experts} experts over {world} rank(s), context "
-              f"{args.context}, NVFP4 W4A16, {mode} on {device.type}; build "
-              f"{build_s:.1f} s; peak memory {mem:.1f} GiB per GPU")
-        print(f"{'batch':>5} {'ms/token':>9} {'tokens/s':>10} {'floor ms':>9} {'% of floor':>10} "
-              f"{'vs SGLang 4xH200 (B=1)':>24} {'compile+capture s':>18}")
-        for B, ms, fl, setup in rows:
+        agree, comm = "-", "-"
+        if shard is not None:
+            ms = all_ranks(ms, device, "max")  # the slowest rank sets the pace
+            total = float(logits.float().sum())  # every rank should hold the same logits (the same kernels)
+            agree = "yes" if all_ranks(total, device, "max") == all_ranks(total, device, "min") else "NO"
+            if cuda:
+                try:
+                    comm = f"{exchange_ms(shard, cfg, B, device):.3f}"
+                except RuntimeError as e:  # (a side figure: the decode figures stand without it)
+                    comm = "failed"
+                    if rank == 0:
+                        print(f"exchange timing failed: {e}", flush=True)
+        fl = 1e3 * floor_seconds(model.state_dict().items(), cfg, B, world)
+        if rank == 0:
             peer = f"{SGLANG.value / ms:.2f}x" if B == 1 else "-"
-            print(f"{B:5d} {ms:9.3f} {1e3 * B / ms:10.1f} {fl:9.3f} {100 * fl / ms:9.1f}% {peer:>24} {setup:18.1f}")
-        print(f"SGLang 4xH200: {SGLANG.cite()}")
+            print(f"{B:5d} {ms:9.3f} {1e3 * B / ms:10.1f} {fl:9.3f} {100 * fl / ms:9.1f}% {peer:>24} {setup_s:18.1f} "
+                  f"{comm:>11} {agree:>11}", flush=True)
+    if cuda:
+        mem = torch.cuda.max_memory_allocated(device) / 2**30
+        mem = all_ranks(mem, device, "max") if shard is not None else mem
+    if rank == 0:
+        if cuda:
+            print(f"peak memory {mem:.1f} GiB on the fullest GPU (PyTorch's allocator; NCCL's buffers not counted)")
+        if shard is not None and cuda:
+            print(f"exchange ms: the step's {cfg.n_layers} MoE all_reduces alone ([B (k + 1), dim] bf16 rows each), "
+                  "captured in one CUDA graph; the byte floor counts no communication")
+        print(f"floor: the weights a step reads / {HBM_BYTES_PER_S / 1e12:.2f} TB/s (the H200's measured copy "
+              "bandwidth, on any card)")
+        print(f"SGLang 4xH200: {SGLANG.cite()}", flush=True)
     distributed.shutdown()
     return 0
 
 
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def all_ranks(value: float, device: torch.device, op: str) -> float:
+    """value reduced over the ranks (op "max" or "min")."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.MIN)
+    return float(t)
+
+
+def exchange_ms(shard, cfg: ModelConfig, batch: int, device: torch.device, reps: int = 20) -> float:
+    """ms of one step's MoE exchanges alone: n_layers all_reduces of the rows NVFP4 experts exchange ([B (k + 1),
+    dim] bf16), one after another in one CUDA graph, as the decode step captures them."""
+    x = torch.zeros(batch * (cfg.n_activated_experts + 1), cfg.dim, dtype=torch.bfloat16, device=device)
+
+    def body():
+        y = x
+        for _ in range(cfg.n_layers):
+            y = shard.all_reduce(y)
+        return y.wait() if hasattr(y, "wait") else y
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # NCCL's first use of this size outside the capture
+        body()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        graph.replay()
+    torch.cuda.synchronize(device)
+    return all_ranks(1e3 * (time.perf_counter() - t0) / reps, device, "max")
+
+
+def _main_or_exit() -> int:
+    """main(); under torchrun an exception is printed and the rank ends at once (os._exit): a rank that returned
+    through the interpreter's teardown could wait on the NCCL communicator its CUDA graphs hold."""
+    try:
+        return main()
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        if not distributed.launched():
+            raise
+        import traceback
+
+        traceback.print_exc()
+        return 1
+
+
 if __name__ == "__main__":
-    code = main()
+    code = _main_or_exit()
     distributed.exit_rank(code)
     sys.exit(code)

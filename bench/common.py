@@ -20,7 +20,7 @@ import torch
 from dsv4_model.checkpoint.writer import TINY_CONFIG, make_config
 from dsv4_model.model.config import ModelConfig
 
-HBM_BYTES_PER_S = 4.26e12  # H200 HBM3e, NVIDIA's published peak: the byte floors' denominator
+HBM_BYTES_PER_S = 4.26e12  # the H200's measured HBM copy bandwidth (NVIDIA publishes 4.8 TB/s): the floors' denominator
 
 
 # ------------------------------------------------------------------------------------------ model configs

@@ -107,6 +107,26 @@ def test_the_parallel_decode_bench_runs_under_torchrun():
     assert "over 2 rank(s)" in run.stdout
     table = [ln.split() for ln in run.stdout.splitlines() if ln.strip()[:1].isdigit() and "layers" not in ln]
     assert [int(r[0]) for r in table] == [1, 2] and all(float(r[1]) > 0 for r in table)
+    assert all(r[-1] == "yes" for r in table)  # the ranks hold the same logits
+
+
+def test_expert_parallel_ranks_pick_kernels_without_timing_them(tmp_path):
+    """Under expert parallelism Inductor's deterministic mode is on (each rank timing its own reduction configs
+    could keep different ones: last-bit differences in the replicated activations, then different experts picked
+    on different ranks at a near-tie); a group of one leaves Inductor as it is."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("import torch, torch._inductor.config as c\n"
+                     "from dsv4_model.runtime import distributed as d\n"
+                     "before = c.deterministic\n"
+                     "_, shard = d.init_expert_parallel(torch.device('cpu'))\n"
+                     "print('rank', shard.rank, 'of', shard.world, 'deterministic', before, c.deterministic, flush=True)\n"
+                     "d.shutdown()\n"
+                     "d.exit_rank(0)\n")
+    for ranks in (2, 1):
+        run = _torchrun(str(probe), ranks=ranks, timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+        want = [f"rank {r} of {ranks} deterministic False {ranks > 1}" for r in range(ranks)]
+        assert sorted(ln for ln in run.stdout.splitlines() if ln.startswith("rank")) == want, run.stdout
 
 
 def test_scheduler_under_torchrun_rank0_decides(ckpts, tmp_path):

@@ -32,11 +32,28 @@ def init_expert_parallel(device: torch.device) -> tuple[torch.device, ExpertShar
             dist.init_process_group("nccl", device_id=device)
         else:
             dist.init_process_group("gloo")
-    return device, ExpertShard.of_group()
+    shard = ExpertShard.of_group()
+    if shard.world > 1:
+        _same_kernels_on_every_rank()
+    return device, shard
+
+
+def _same_kernels_on_every_rank() -> None:
+    """Inductor times several configs of a reduction on the device and keeps the fastest: each rank timing its own
+    could keep a different one, so the replicated activations would differ in their last bits, a near-tie in the
+    router's top-k could then pick different experts on different ranks, and the rows the ranks exchange would no
+    longer add up to one token's output. Its deterministic mode picks configs without timing them."""
+    import torch._inductor.config as inductor_config
+
+    if hasattr(inductor_config, "deterministic"):
+        inductor_config.deterministic = True
 
 
 def shutdown() -> None:
-    if dist.is_available() and dist.is_initialized():
+    """Leave the process group. NCCL's is left to the process's exit (exit_rank): a CUDA graph that captured its
+    collectives keeps the communicator in use, and NCCL (2.26 on) waits in destroy until every such graph is
+    freed, which the runners' graphs, alive until the process ends, never are."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() != "nccl":
         dist.destroy_process_group()
 
 
