@@ -45,9 +45,17 @@ def run(eng: Engine, distributed: bool = False) -> list[tuple[list[int], str, li
     return [(r.token_ids, r.finish_reason, [lp for lp, _ in r.prompt_token_logprobs]) for r in reqs]
 
 
-def main(out: str, path: str) -> None:
+def main(out: str, path: str, wire: str = "group") -> None:
+    """wire "separate": the plans travel through a gloo group of their own, as they do over NCCL
+    (step_plan.plan_group), rather than through the gloo group itself."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    if wire == "separate":
+        import dsv4_model.runtime.scheduler as sched_mod
+        import dsv4_model.runtime.step_plan as plan_mod
+
+        made = plan_mod.plan_group
+        plan_mod.plan_group = sched_mod.plan_group = lambda group=None, separate=None: made(group, separate=True)
     shard = ExpertShard.of_group()
     eng = engine(path, shard)
     if shard.rank == 0:
@@ -59,4 +67,4 @@ def main(out: str, path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

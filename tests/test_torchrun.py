@@ -129,13 +129,15 @@ def test_expert_parallel_ranks_pick_kernels_without_timing_them(tmp_path):
         assert sorted(ln for ln in run.stdout.splitlines() if ln.startswith("rank")) == want, run.stdout
 
 
-def test_scheduler_under_torchrun_rank0_decides(ckpts, tmp_path):
+@pytest.mark.parametrize("wire", ["group", "separate"])
+def test_scheduler_under_torchrun_rank0_decides(ckpts, tmp_path, wire):
     """Rank 0's Scheduler broadcasts each iteration's plan; rank 1 runs it (step_plan.follow): staggered requests,
-    more than rows, one cancelled, give the single process's tokens; a scored prompt its log-probabilities."""
+    more than rows, one cancelled, give the single process's tokens; a scored prompt its log-probabilities. The
+    plans travel through the gloo group itself, or through a gloo group of their own (as over NCCL)."""
     import sched_worker
 
     path = str(ckpts / "hf")
-    run = _torchrun(str(HERE / "sched_worker.py"), str(tmp_path / "out.pt"), path)
+    run = _torchrun(str(HERE / "sched_worker.py"), str(tmp_path / "out.pt"), path, wire)
     assert run.returncode == 0, run.stderr[-3000:]
     got = torch.load(tmp_path / "out.pt")
     torch.set_num_threads(1)

@@ -30,7 +30,7 @@ import torch
 
 from dsv4_model.model.checks import check_positive_int
 from dsv4_model.runtime.requests import Request
-from dsv4_model.runtime.step_plan import StepPlan, broadcast_plan
+from dsv4_model.runtime.step_plan import StepPlan, broadcast_plan, plan_group
 
 DEFAULT_MAX_PREFILL_TOKENS = 2048
 MAX_LOGPROBS = 20  # top alternatives per token at most (OpenAI's chat API allows 20)
@@ -160,8 +160,10 @@ class Scheduler:
         self.vocab_size = engine.vocab_size
         self.eos = eos_ids(engine.config)  # (a config may list several: HF's eos_token_id as a list)
         self.tokenizer = tokenizer if tokenizer is not None else engine.get_tokenizer()
-        self.runner = self._make_runner(engine)
         self.group, self.distributed = group, distributed or group is not None
+        # (before the runner's first collective: the followers make it at the same point, step_plan.follow)
+        self._wire = plan_group(group) if self.distributed else None
+        self.runner = self._make_runner(engine)
         self.rows = [_Row(i) for i in range(self._prepare(rows))]
         self._admits: list[tuple[int, object]] = []  # sampler rows to set in the next plan
         self.on_step = None  # called on the scheduler's thread after each step (a server delivers its events then)
@@ -305,7 +307,7 @@ class Scheduler:
                     if not self._waiting and not self._stopping:
                         self._lock.wait(poll_s)
                 if self.distributed and time.monotonic() - quiet_since > heartbeat_s:
-                    broadcast_plan(StepPlan(), self.group, self._wire)
+                    broadcast_plan(StepPlan(), self._wire)
                     quiet_since = time.monotonic()
         except BaseException:
             self._end_all("error")
@@ -344,7 +346,7 @@ class Scheduler:
         """Under torchrun: tell the following ranks to return (after the last step; once)."""
         if self.distributed and not self._closed:
             self._closed = True
-            broadcast_plan(StepPlan(stop=True), self.group, self._wire)
+            broadcast_plan(StepPlan(stop=True), self._wire)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -478,7 +480,7 @@ class Scheduler:
         self._plan_decode(plan, flight, slot)
         if plan.admits or plan.prefill is not None or plan.decode_rows:
             if self.distributed:
-                broadcast_plan(plan, self.group, self._wire)
+                broadcast_plan(plan, self._wire)
             flight.first_ids, flight.decode_ids = plan.run(self.engine, self.runner)
             self._logprobs(plan, flight)
             if flight.prompt_lp:
@@ -543,12 +545,6 @@ class Scheduler:
             return chosen, []
         vals, idx = flight.lp_host[1][n, :req.logprobs].tolist(), flight.lp_host[2][n, :req.logprobs].tolist()
         return chosen, list(zip(idx, vals))
-
-    @property
-    def _wire(self) -> torch.device:
-        import torch.distributed as dist
-
-        return self.runner.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
 
     def _plan_prefill(self, plan: StepPlan, flight: _Flight) -> None:
         budget = self.max_prefill_tokens

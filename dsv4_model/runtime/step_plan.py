@@ -177,20 +177,42 @@ class StepPlan:
         return plan
 
 
-def broadcast_plan(plan: StepPlan | None, group=None, device: torch.device | str = "cpu") -> StepPlan:
-    """Rank 0 sends `plan`; every other rank receives it (pass None). Two broadcasts: the body's length, the body
-    (on `device`: NCCL needs CUDA tensors)."""
+_PLAN_GROUPS: dict = {}
+
+
+def plan_group(group=None, *, separate: bool | None = None):
+    """The group rank 0's plans travel through: `group` itself (None: the default group) when it is gloo's, else a
+    gloo group of the same ranks, made once by every rank at the same point (the scheduler's set-up on rank 0,
+    `follow` on the others, both before their first collective). Over NCCL a follower's broadcast would queue on
+    its GPU behind the step still running there and reading the plan on the host would wait for that step; through
+    gloo it receives plan n + 1 while its GPU runs step n. separate=True: the gloo group even over gloo (tests)."""
+    import torch.distributed as dist
+
+    if separate is None:
+        separate = dist.get_backend(group) != "gloo"
+    if not separate:
+        return group
+    key = None if group is None else id(group)
+    if key not in _PLAN_GROUPS:
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        _PLAN_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
+    return _PLAN_GROUPS[key]
+
+
+def broadcast_plan(plan: StepPlan | None, group=None) -> StepPlan:
+    """Rank 0 of `group` (a gloo group: `plan_group`) sends `plan`; every other rank receives it (pass None). Two
+    broadcasts of host tensors: the body's length, the body."""
     import torch.distributed as dist
 
     src = dist.get_global_rank(group, 0) if group is not None else 0
     sending = dist.get_rank(group) == 0
-    body = plan.encode().to(device) if sending else None
-    n = torch.tensor([body.numel() if sending else 0], dtype=torch.long, device=device)
+    body = plan.encode() if sending else None
+    n = torch.tensor([body.numel() if sending else 0], dtype=torch.long)
     dist.broadcast(n, src, group=group)
     if not sending:
-        body = torch.empty(int(n.item()), dtype=torch.long, device=device)
+        body = torch.empty(int(n.item()), dtype=torch.long)
     dist.broadcast(body, src, group=group)
-    return plan if sending else StepPlan.decode(body.cpu())
+    return plan if sending else StepPlan.decode(body)
 
 
 def follow(engine, rows: int | None = None, group=None, speculate: int = 0, modes: tuple[str, ...] = (),
@@ -200,6 +222,7 @@ def follow(engine, rows: int | None = None, group=None, speculate: int = 0, mode
     modes / method / dspark_cut: those of rank 0's SpeculativeScheduler. Returns the plans run."""
     from dsv4_model.runtime.scheduler import prepare_buckets
 
+    wire = plan_group(group)  # (before any collective: rank 0's scheduler makes it at the same point)
     if speculate:
         from dsv4_model.runtime.speculative_scheduler import prepare_modes
 
@@ -213,16 +236,10 @@ def follow(engine, rows: int | None = None, group=None, speculate: int = 0, mode
     n = 0
     with torch.no_grad():
         while True:
-            plan = broadcast_plan(None, group, _wire_device(runner))
+            plan = broadcast_plan(None, wire)
             if plan.stop:
                 return n
             if plan.score is not None:  # the same prefill path as rank 0's; the scores are rank 0's to read
                 plan.score = ([],) + plan.score[1:]
             plan.run(engine, runner)
             n += 1
-
-
-def _wire_device(runner) -> torch.device:
-    import torch.distributed as dist
-
-    return runner.device if dist.get_backend() == "nccl" else torch.device("cpu")
