@@ -4,6 +4,7 @@ the same model in one run, each over --steps steps of a static batch of --batch 
 
     python bench/profile_step.py --model flash2 --speculate 1 --drafter mtp --draft-head nvfp4
     python bench/profile_step.py --model flash43 --experts 64 --speculate 1 --drafter mtp --draft-head nvfp4
+    python bench/profile_step.py --model flash43 --experts 64 --speculate 1 --drafter dspark --draft-head nvfp4
     python bench/profile_step.py --device cpu --steps 2 --speculate 1      # the built-in model: a dry run
 
 Per step: the wall time by CUDA-graph replay (what decode runs), then torch.profiler's kernel time by name over the
@@ -80,6 +81,21 @@ def timed(step, steps: int, device: torch.device) -> float:
     return 1e3 * (time.perf_counter() - t0) / steps
 
 
+def dspark_rows(engine, k: int, prompts: torch.Tensor, seq: int):
+    """A DSpark runner whose rows decode: the scheduler admits the prompts (its prefill commits DSpark's rings and
+    drafts each row's first block), steps until every row has emitted, and hands over its runner, whose step()
+    continues the rows on the device (the scheduler is not used after)."""
+    from dsv4_model.runtime.requests import Request
+    from dsv4_model.runtime.speculative_scheduler import SpeculativeScheduler
+
+    B, S = prompts.shape
+    sched = SpeculativeScheduler(engine, k, method="dspark", modes=("greedy",), rows=B, reuse=False, tokenizer=None)
+    reqs = [sched.submit(Request(p.tolist(), SamplingParams(), max_tokens=seq - S, ignore_eos=True)) for p in prompts]
+    while not all(len(r.token_ids) >= 2 for r in reqs):
+        sched.step()
+    return sched.runner
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
@@ -88,7 +104,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--speculate", type=int, default=0, metavar="K")
-    ap.add_argument("--drafter", choices=("mtp",), default=None, help="a preset's random MTP block")
+    ap.add_argument("--drafter", choices=("mtp", "dspark"), default=None,
+                    help="a preset's random MTP block or DSpark module (the built-in model: its MTP block)")
     ap.add_argument("--draft-head", choices=("stored", "nvfp4"), default="stored")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -123,13 +140,16 @@ def main(argv=None) -> int:
     report("plain step", wall, *plain, args.top)
     if not K:
         return 0
-    spec = engine.speculative_runner(K)
-    spec.prepare(B, "greedy")
-    engine.reset()
-    logits, last = engine.prefill(prompts, speculate=True)
-    spec.begin([args.prompt_len] * B, params)
-    spec.sample_first(logits)
-    spec.start(last)
+    if args.drafter == "dspark":
+        spec = dspark_rows(engine, K, prompts, seq)
+    else:
+        spec = engine.speculative_runner(K)
+        spec.prepare(B, "greedy")
+        engine.reset()
+        logits, last = engine.prefill(prompts, speculate=True)
+        spec.begin([args.prompt_len] * B, params)
+        spec.sample_first(logits)
+        spec.start(last)
     wall_s = timed(spec.step, args.steps, device)
     table = kernel_table(lambda: spec.step(replay=False), args.steps, device)
     report(f"speculative pass, K = {K} ({wall_s / wall:.3f}x the plain step)", wall_s, *table, args.top)

@@ -36,3 +36,15 @@ def test_multigpu_part_compares_one_gpu_with_all_and_runs_the_full_model():
     assert re.search(r"\[multigpu_compare\].*--compare .*greedy_1\.pt .*greedy_2\.pt", out)
     assert re.search(r"\[multigpu_decode_4k\].*bench_parallel_decode\.py --layers 43 .*--batches 1,8,64", out)
     assert re.search(r"\[multigpu_decode_128k\].*--context 131072 --batches 1 --regional", out)
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "dspark"])
+def test_profile_step_dry_run_on_the_cpu(drafter, tmp_path):
+    """bench/profile_step.py (the speculate part's SPECULATE_PROFILE) on a tiny preset: the plain step's and the
+    K = 1 pass's tables and the difference come out for either drafter (DSpark's rows set up by its scheduler)."""
+    run = subprocess.run([os.sys.executable, "bench/profile_step.py", "--device", "cpu", "--model", "micro",
+                          "--speculate", "1", "--drafter", drafter, "--steps", "1", "--prompt-len", "24", "--top", "3"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for head in ("## plain step:", "## speculative pass, K = 1 (", "## what the pass adds, by kernel"):
+        assert head in run.stdout, run.stdout[-2000:]

@@ -48,10 +48,13 @@ if [ -n "$preset" ] && [ -n "${SPECULATE_CUT-0.5}" ]; then
     "$LOGS/speculate_${preset}_dspark_5.log" | sed 's/^/  /' | tee -a "$SUMMARY"
 fi
 # SPECULATE_PROFILE (empty: skipped): NAME[:N] presets whose plain step and K = 1 pass bench/profile_step.py breaks
-# down by kernel (a random MTP block; SPECULATE_ARGS, e.g. "--draft-head nvfp4", passed on): issue #31's where.
+# down by kernel, with each of SPECULATE_PROFILE_DRAFTERS (default mtp; dspark too) as a random drafter
+# (SPECULATE_ARGS, e.g. "--draft-head nvfp4", passed on): issues #31 / #51's where.
 for spec in ${SPECULATE_PROFILE:-}; do
   m=${spec%%:*}; ex=(); [[ $spec == *:* ]] && ex=(--experts "${spec#*:}")
-  step "profile_step_$m" 300 $PY bench/profile_step.py --model "$m" ${ex[@]+"${ex[@]}"} --speculate 1 --drafter mtp \
-    ${SPECULATE_ARGS:-}
-  [ -n "$DRY" ] || grep -hsA12 "^## " "$LOGS/profile_step_$m.log" | sed 's/^/  /' | tee -a "$SUMMARY"
+  for d in ${SPECULATE_PROFILE_DRAFTERS:-mtp}; do
+    step "profile_step_${m}_$d" 300 $PY bench/profile_step.py --model "$m" ${ex[@]+"${ex[@]}"} --speculate 1 \
+      --drafter "$d" ${SPECULATE_ARGS:-}
+    [ -n "$DRY" ] || grep -hsA12 "^## " "$LOGS/profile_step_${m}_$d.log" | sed 's/^/  /' | tee -a "$SUMMARY"
+  done
 done
