@@ -136,12 +136,7 @@ def main(argv=None) -> int:
             total = float(logits.float().sum())  # every rank should hold the same logits (the same kernels)
             agree = "yes" if all_ranks(total, device, "max") == all_ranks(total, device, "min") else "NO"
             if cuda:
-                try:
-                    comm = f"{exchange_ms(shard, cfg, B, device):.3f}"
-                except RuntimeError as e:  # (a side figure: the decode figures stand without it)
-                    comm = "failed"
-                    if rank == 0:
-                        print(f"exchange timing failed: {e}", flush=True)
+                comm = exchange_column(shard, cfg, B, device, rank)
         fl = 1e3 * floor_seconds(model.state_dict().items(), cfg, B, world)
         if rank == 0:
             peer = f"{SGLANG.value / ms:.2f}x" if B == 1 else "-"
@@ -155,7 +150,9 @@ def main(argv=None) -> int:
             print(f"peak memory {mem:.1f} GiB on the fullest GPU (PyTorch's allocator; NCCL's buffers not counted)")
         if shard is not None and cuda:
             print(f"exchange ms: the step's {cfg.n_layers} MoE all_reduces alone ([B (k + 1), dim] bf16 rows each), "
-                  "captured in one CUDA graph; the byte floor counts no communication")
+                  "captured in one CUDA graph; the byte floor counts no communication. Over several ranks Inductor "
+                  "picks its reduction configs without timing them (runtime/distributed.py): its kernels may differ "
+                  "from a one-GPU run's")
         print(f"floor: the weights a step reads / {HBM_BYTES_PER_S / 1e12:.2f} TB/s (the H200's measured copy "
               "bandwidth, on any card)")
         print(f"SGLang 4xH200: {SGLANG.cite()}", flush=True)
@@ -174,14 +171,12 @@ def all_ranks(value: float, device: torch.device, op: str) -> float:
     return float(t)
 
 
-def exchange_ms(shard, cfg: ModelConfig, batch: int, device: torch.device, reps: int = 20) -> float:
-    """ms of one step's MoE exchanges alone: n_layers all_reduces of the rows NVFP4 experts exchange ([B (k + 1),
+def exchange_graph(shard, n_layers: int, x: torch.Tensor, device: torch.device) -> torch.cuda.CUDAGraph:
+    """One step's MoE exchanges alone: n_layers all_reduces of x (the rows NVFP4 experts exchange, [B (k + 1),
     dim] bf16), one after another in one CUDA graph, as the decode step captures them."""
-    x = torch.zeros(batch * (cfg.n_activated_experts + 1), cfg.dim, dtype=torch.bfloat16, device=device)
-
     def body():
         y = x
-        for _ in range(cfg.n_layers):
+        for _ in range(n_layers):
             y = shard.all_reduce(y)
         return y.wait() if hasattr(y, "wait") else y
 
@@ -193,6 +188,11 @@ def exchange_ms(shard, cfg: ModelConfig, batch: int, device: torch.device, reps:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         body()
+    return graph
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, device: torch.device, reps: int = 20) -> float:
+    """ms per replay of graph, the slowest rank's."""
     graph.replay()
     torch.cuda.synchronize(device)
     t0 = time.perf_counter()
@@ -202,13 +202,32 @@ def exchange_ms(shard, cfg: ModelConfig, batch: int, device: torch.device, reps:
     return all_ranks(1e3 * (time.perf_counter() - t0) / reps, device, "max")
 
 
+def exchange_column(shard, cfg: ModelConfig, batch: int, device: torch.device, rank: int) -> str:
+    """The step's exchanges timed alone (exchange_graph, replay_ms) as the table shows them; a rank that fails to
+    capture them says so to the others first (one left waiting in a collective would hang the run), and the decode
+    figures stand without them."""
+    try:
+        x = torch.zeros(batch * (cfg.n_activated_experts + 1), cfg.dim, dtype=torch.bfloat16, device=device)
+        graph = exchange_graph(shard, cfg.n_layers, x, device)
+        ok = 1.0
+    except RuntimeError as e:
+        print(f"[rank {rank}] exchange graph failed: {e}", file=sys.stderr, flush=True)
+        ok = 0.0
+    if all_ranks(ok, device, "min") < 1:
+        return "failed"
+    return f"{replay_ms(graph, device):.3f}"
+
+
 def _main_or_exit() -> int:
     """main(); under torchrun an exception is printed and the rank ends at once (os._exit): a rank that returned
     through the interpreter's teardown could wait on the NCCL communicator its CUDA graphs hold."""
     try:
         return main()
     except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 1
+        if isinstance(e.code, int) or e.code is None:
+            return e.code or 0
+        print(e.code, file=sys.stderr, flush=True)  # (a message: say it, as sys.exit would)
+        return 1
     except BaseException:
         if not distributed.launched():
             raise

@@ -37,6 +37,7 @@ def run(args) -> dict:
     shard = None
     if distributed.launched():
         device, shard = distributed.init_expert_parallel(device)
+    distributed.untimed_kernels()  # one GPU too: the same kernel choices as the expert-parallel run's
     cuda = device.type == "cuda"
     cfg = PRESETS[args.preset]().sliced(args.layers, n_routed_experts=args.experts, n_mtp_layers=0)
     max_seq = args.prompt_len + args.steps + 8

@@ -137,3 +137,26 @@ def test_main_hidden_is_the_target_inputs_mean_over_hc():
     mh = main_hidden_of(taps)
     assert mh.shape == (2, 3, 24)
     assert torch.allclose(mh[..., 8:16], taps[1].mean(-2))
+
+
+@pytest.mark.parametrize("simulate_quant", [False, True])
+def test_keeping_the_first_k_drafts_gives_the_whole_blocks_first_k(parts, simulate_quant):
+    """draft(keep=k) (what a step that verifies k drafts asks for: the last stage's MoE, the head and the Markov
+    chain skip the positions past k; the attention still reads the whole non-causal block) gives the whole
+    block's first k tokens, logits and confidences; and greedy or picked, the same picks."""
+    cfg, model = parts
+    d = _dspark(cfg, simulate_quant)
+    g = torch.Generator().manual_seed(5)
+    d.commit(torch.randn(2, 12, 3 * cfg.dim, generator=g), torch.zeros(2, dtype=torch.long),
+             torch.tensor([12, 7]), model.rope_main)
+    anchor, last = torch.tensor([4, 60]), torch.tensor([11, 6])
+    whole = d.draft(model, anchor, last)
+    assert len(set(whole.tokens.flatten().tolist())) > 2
+    for k in range(1, d.block_size + 1):
+        got = d.draft(model, anchor, last, keep=k)
+        assert got.tokens.shape == (2, k) and got.logits.shape[:2] == (2, k)
+        _close(got.logits, whole.logits[:, :k], f"keep {k} logits")
+        _close(got.confidence, whole.confidence[:, :k], f"keep {k} confidence")
+        assert torch.equal(got.tokens, whole.tokens[:, :k]), k
+    with pytest.raises(ValueError, match="keep: 1 .. block_size=5 drafts, got 6"):
+        d.draft(model, anchor, last, keep=6)

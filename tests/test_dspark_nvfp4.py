@@ -113,6 +113,20 @@ def test_nvfp4_draft_matches_its_dequantized_twin(ckpts):
     assert max(off(got, _draft(q, twin))) > 0.1
 
 
+def test_nvfp4_draft_keeping_its_first_drafts(ckpts):
+    """The NVFP4 module's draft(keep=k): the whole block's first k drafts (its last stage's NVFP4 MoE over k
+    positions instead of the block's)."""
+    q = _load(ckpts["official"], quant="nvfp4", simulate_quant=False, max_batch_size=2)
+    ids, lengths = torch.tensor([PROMPT, PROMPT[::-1]]), torch.tensor([12, 9])
+    anchor = prefill_taps(q, q.dspark, ids, lengths).argmax(-1)
+    whole = q.dspark.draft(q, anchor, lengths - 1)
+    for k in (1, 3):
+        got = q.dspark.draft(q, anchor, lengths - 1, keep=k)
+        assert torch.equal(got.tokens, whole.tokens[:, :k])
+        torch.testing.assert_close(got.logits, whole.logits[:, :k], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.confidence, whole.confidence[:, :k], atol=1e-5, rtol=1e-5)
+
+
 # ----------------------------------------------------------------------------------------------- speculation
 PROMPTS = [PROMPT, PROMPT[:5], [3, 14, 15, 92, 65, 35, 89, 79]]
 
@@ -152,8 +166,8 @@ def test_nvfp4_dspark_every_acceptance_count(ckpts, plain, monkeypatch):
     dspark, K, seq = eng.model.dspark, 3, PROMPTS[0] + plain[0]
     real, calls = dspark.draft, []
 
-    def oracle(model, anchor, last, stage_out=None, pick=None):
-        out = real(model, anchor, last, stage_out, pick)
+    def oracle(model, anchor, last, stage_out=None, pick=None, keep=None):
+        out = real(model, anchor, last, stage_out, pick, keep=keep)
         j, toks = len(calls) % (K + 1), out.tokens.clone()
         for b in range(toks.shape[0]):
             p = int(last[b]) + 2

@@ -58,10 +58,10 @@ def test_every_acceptance_count_gives_plain_greedy_tokens(spec_model, plain, mon
     real = dspark.draft
     calls = []
 
-    def oracle(model, anchor, last, stage_out=None):
-        out = real(model, anchor, last, stage_out)  # the module still runs (its rings are read)
+    def oracle(model, anchor, last, stage_out=None, keep=None):
+        out = real(model, anchor, last, stage_out, keep=keep)  # the module still runs (its rings are read)
         p, j = int(last[0]) + 2, len(calls) % (K + 1)
-        want = torch.tensor([seq[p:p + K]])
+        want = torch.tensor([seq[p:p + out.tokens.shape[1]]])
         if j < K:
             want[0, j] = (want[0, j] + 1) % spec_model.config.vocab_size
         calls.append(j)

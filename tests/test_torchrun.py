@@ -132,6 +132,7 @@ def test_expert_parallel_ranks_pick_kernels_without_timing_them(tmp_path):
         assert got == [f"rank {r} of {ranks} deterministic False {ranks > 1}" for r in range(ranks)], got
 
 
+@pytest.mark.parametrize("wire", ["group", "separate"])
 def test_scheduler_under_torchrun_rank0_decides(ckpts, tmp_path, wire):
     """Rank 0's Scheduler broadcasts each iteration's plan; rank 1 runs it (step_plan.follow): staggered requests,
     more than rows, one cancelled, give the single process's tokens; a scored prompt its log-probabilities. The
@@ -170,3 +171,9 @@ def test_parallel_greedy_check_agrees_across_ranks_and_names_a_difference(tmp_pa
     cmp = subprocess.run([sys.executable, script, "--compare", str(tmp_path / "one.pt"), str(tmp_path / "bad.pt")],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert cmp.returncode == 1 and "tokens equal: NO (first difference at step 3: rows [1])" in cmp.stdout, cmp.stdout
+
+
+def test_the_parallel_decode_bench_says_why_it_stops():
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_parallel_decode.py"), "--preset", "tiny",
+                          "--device", "cpu", "--experts", "fit"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1 and "--experts fit needs a CUDA device" in run.stderr, run.stderr[-2000:]

@@ -179,40 +179,49 @@ class DSpark(nn.Module):
         return a._out(a._attend(q, keys, mask.unsqueeze(1).expand(-1, T, -1)), cs)
 
     def _stage(self, st: DSparkStage, h: torch.Tensor, ids: torch.Tensor, cs: torch.Tensor,
-               last: torch.Tensor) -> torch.Tensor:
+               last: torch.Tensor, keep: int | None = None) -> torch.Tensor:
+        """One stage over the block's streams h [B, T, hc, dim]; keep: only the first `keep` positions leave it (the
+        attention still reads every position's keys: the block is non-causal), so the MoE runs on those alone."""
         x, post, comb = st._pre(h, st.hc_attn)
         h = hc_post(self._attention(st, st.attn_norm(x), cs, last), h, post, comb)
+        if keep is not None:
+            h, ids = h[:, :keep], ids[:, :keep]
         x, post, comb = st._pre(h, st.hc_ffn)
         return hc_post(st.ffn(st.ffn_norm(x), ids, static=True), h, post, comb)
 
     @torch.no_grad()
     def draft(self, model, anchor: torch.Tensor, last: torch.Tensor,
-              stage_out: list | None = None, pick=None) -> DSparkDraft:
+              stage_out: list | None = None, pick=None, keep: int | None = None) -> DSparkDraft:
         """A block of block_size drafts per row: anchor [B] (the token at position last + 1), last [B] (the last
         position committed to the rings). model: the main Transformer (embedding, head, RoPE). stage_out: a list
-        that receives each stage's output streams [B, T, hc, dim] (tests). pick: as head's."""
+        that receives each stage's output streams [B, T, hc, dim] (tests). pick: as head's. keep: the first `keep`
+        drafts only (the ones a step verifies: the same values as the whole block's first ones), so the last
+        stage's MoE, the head and the Markov chain skip the positions past them."""
         B, T = anchor.shape[0], self.block_size
+        if keep is not None and not 1 <= keep <= T:
+            raise ValueError(f"keep: 1 .. block_size={T} drafts, got {keep}")
         ids = torch.full((B, T), self.noise_token_id, dtype=torch.long, device=anchor.device)
         ids[:, 0] = anchor
         rope = model.rope_main
         cs = rope[(last.unsqueeze(1) + 1 + torch.arange(T, device=anchor.device)).clamp(max=rope.shape[0] - 1)]
         h = model.embed(ids).to(self.dtype).unsqueeze(2).repeat(1, 1, self.hc, 1)
-        for st in self.mtp:
-            h = self._stage(st, h, ids, cs, last)
+        for i, st in enumerate(self.mtp):
+            h = self._stage(st, h, ids, cs, last, keep if i == len(self.mtp) - 1 else None)
             if stage_out is not None:
                 stage_out.append(h)
         return self.head(model, h, anchor, pick)
 
     def head(self, model, h: torch.Tensor, anchor: torch.Tensor, pick=None) -> DSparkDraft:
-        """The last stage's streams h [B, T, hc, dim] -> DSparkDraft, picked left to right (each position's Markov
-        bias reads the token picked before it): pick(logits [B, V], i) -> tokens [B] (default: greedy)."""
+        """The last stage's streams h [B, T, hc, dim] (T: the block, or its first drafts) -> DSparkDraft, picked left
+        to right (each position's Markov bias reads the token picked before it): pick(logits [B, V], i) -> tokens
+        [B] (default: greedy)."""
         last = self.mtp[-1]
         c = self.config
         y = hc_head(h, last.hc_head_fn, last.hc_head_scale, last.hc_head_base, c.hc_eps, c.norm_eps)
         logits = draft_head(model)(last.norm(y))  # the shared head (or the drafters' own): fp32 logits
         mk = last.markov_head
         prev, toks, embs, rows = anchor, [], [], []
-        for i in range(self.block_size):
+        for i in range(h.shape[1]):  # (block_size, or the drafts kept)
             e = mk.markov_w1(prev)
             row = logits[:, i] + mk.markov_w2(e)
             prev = wide_argmax(row) if pick is None else pick(row, i)

@@ -34,15 +34,16 @@ def init_expert_parallel(device: torch.device) -> tuple[torch.device, ExpertShar
             dist.init_process_group("gloo")
     shard = ExpertShard.of_group()
     if shard.world > 1:
-        _same_kernels_on_every_rank()
+        untimed_kernels()
     return device, shard
 
 
-def _same_kernels_on_every_rank() -> None:
+def untimed_kernels() -> None:
     """Inductor times several configs of a reduction on the device and keeps the fastest: each rank timing its own
     could keep a different one, so the replicated activations would differ in their last bits, a near-tie in the
     router's top-k could then pick different experts on different ranks, and the rows the ranks exchange would no
-    longer add up to one token's output. Its deterministic mode picks configs without timing them."""
+    longer add up to one token's output. Its deterministic mode picks configs without timing them (on under
+    expert parallelism; a one-process run that is compared with one turns it on too)."""
     import torch._inductor.config as inductor_config
 
     if hasattr(inductor_config, "deterministic"):
@@ -54,6 +55,9 @@ def shutdown() -> None:
     collectives keeps the communicator in use, and NCCL (2.26 on) waits in destroy until every such graph is
     freed, which the runners' graphs, alive until the process ends, never are."""
     if dist.is_available() and dist.is_initialized() and dist.get_backend() != "nccl":
+        from dsv4_model.runtime.step_plan import forget_plan_groups
+
+        forget_plan_groups()
         dist.destroy_process_group()
 
 

@@ -86,10 +86,11 @@ def draft_block(model, dspark: DSpark, anchor: torch.Tensor, last: torch.Tensor,
     """The first k drafts of a DSpark block from anchor [B] after position last [B] -> (drafts [B, k], their
     distributions [B, k, V] or None in greedy mode, the confidence head's predicted chance of each draft's
     acceptance [B, k] fp32). Sampled: position i drawn from its Markov-biased logits with the sampler's parameters
-    at draw j0 + i (every position of the block: the Markov bias of the next reads it)."""
+    at draw j0 + i (each kept position: the Markov bias of the next reads it). The positions past k are not drafted
+    (DSpark.draft's keep): their drafts would not be verified."""
     if s.mode == "greedy":
-        block = dspark.draft(model, anchor, last)
-        return block.tokens[:, :k], None, block.confidence[:, :k].float().sigmoid()
+        block = dspark.draft(model, anchor, last, keep=k)
+        return block.tokens, None, block.confidence.float().sigmoid()
     qs = []
 
     def pick(logits: torch.Tensor, i: int) -> torch.Tensor:
@@ -98,8 +99,8 @@ def draft_block(model, dspark: DSpark, anchor: torch.Tensor, last: torch.Tensor,
             qs.append(q)
         return s.draw(q, j0 + i)
 
-    block = dspark.draft(model, anchor, last, pick=pick)
-    return block.tokens[:, :k], torch.stack(qs, dim=1), block.confidence[:, :k].float().sigmoid()
+    block = dspark.draft(model, anchor, last, pick=pick, keep=k)
+    return block.tokens, torch.stack(qs, dim=1), block.confidence.float().sigmoid()
 
 
 def dspark_step(model, dspark: DSpark, y: torch.Tensor, drafts: torch.Tensor, pos: torch.Tensor,

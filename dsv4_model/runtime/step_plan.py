@@ -192,11 +192,15 @@ def plan_group(group=None, *, separate: bool | None = None):
         separate = dist.get_backend(group) != "gloo"
     if not separate:
         return group
-    key = None if group is None else id(group)
-    if key not in _PLAN_GROUPS:
-        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-        _PLAN_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
+    key = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    if key not in _PLAN_GROUPS:  # (by its ranks: None and the world group are one group, and ids get reused)
+        _PLAN_GROUPS[key] = dist.new_group(ranks=list(key), backend="gloo")
     return _PLAN_GROUPS[key]
+
+
+def forget_plan_groups() -> None:
+    """Drop the plan groups made so far (the process group they belong to is being destroyed)."""
+    _PLAN_GROUPS.clear()
 
 
 def broadcast_plan(plan: StepPlan | None, group=None) -> StepPlan:
