@@ -11,7 +11,8 @@ build runs here without a GPU), run it from that torch's environment with --sche
 defined from registration.cpp instead of loading the library built for this machine's torch.
 
   python scripts/lower_for_cuda.py [--model DIR | --preset flash2 [--experts N]] [--dtype bfloat16]
-                                   [--prefill B,S [--chunk] | --verify T | --speculate K] [--no-register]
+                                   [--prefill B,S [--chunk] | --verify T | --speculate K [--drafter dspark]]
+                                   [--no-register]
                                    [--schemas-only]
 
 --preset NAME: a bench preset at V4-Flash widths (flash1, flash2, flash43, ...) with weights of no storage, no
@@ -22,7 +23,8 @@ starts, span --max-seq-len; what Engine(compile_prefill=True) compiles per bucke
 --verify T: a speculative step's verification instead (Transformer.decode_tokens of T tokens per row on a model with
 T - 1 spare window slots, as --speculate T - 1 builds it): the kernels and dsv4 op calls of that pass.
 --speculate K: a whole greedy speculative step with the MTP block (speculative.verify_step: the verification of
-K + 1 tokens, the acceptance, the block over the K + 1 positions, K chained drafts), what the runner captures.
+K + 1 tokens, the acceptance, the block over the K + 1 positions, K chained drafts), what the runner captures;
+with --preset and --drafter dspark a DSpark step instead (dspark_speculative.dspark_step).
 """
 from __future__ import annotations
 
@@ -108,8 +110,9 @@ def pretend_cuda() -> None:
 
 
 def fake_cuda_model(model: torch.nn.Module, fake) -> None:
+    dspark = getattr(model, "dspark", None)  # (attached, not a submodule)
     with fake:
-        for mod in model.modules():
+        for mod in [*model.modules(), *(dspark.modules() if dspark is not None else ())]:
             for d in (mod._parameters, mod._buffers):
                 for name, t in list(d.items()):
                     if t is not None:
@@ -117,22 +120,31 @@ def fake_cuda_model(model: torch.nn.Module, fake) -> None:
                         d[name] = torch.nn.Parameter(e, requires_grad=False) if name in mod._parameters else e
 
 
-def preset_model(name: str, experts: int, rows: int, max_seq_len: int, spare: int, mtp: bool) -> torch.nn.Module:
+def preset_model(name: str, experts: int, rows: int, max_seq_len: int, spare: int,
+                 drafter: str | None) -> torch.nn.Module:
     """A bench preset (bench/common.py: flash2, flash43, ...) as an NVFP4 model whose weights stay on the meta
-    device (fake_cuda_model gives them shapes on the fake GPU; nothing is allocated); mtp: with an MTP block."""
+    device (fake_cuda_model gives them shapes on the fake GPU; nothing is allocated); drafter: with an MTP block
+    ("mtp") or a DSpark module ("dspark", attached as model.dspark)."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from common import preset, with_drafter
 
+    from dsv4_model.model.dspark import DSpark, attach
     from dsv4_model.model.transformer import Transformer
     from dsv4_model.quant.quantize_model import convert_structure_
 
-    cfg = with_drafter(preset(name, experts=experts), "mtp" if mtp else None)
+    cfg = with_drafter(preset(name, experts=experts), drafter)
     model = Transformer(cfg, max_batch_size=rows, max_seq_len=max_seq_len, dtype=torch.bfloat16, device="meta",
                         spare_window_slots=spare)
     for unit in convert_structure_(model, "none"):
         unit.old = None
     model.narrow_weights_(lossless=True)
     model.setup_runtime("cpu")
+    if drafter == "dspark":
+        dspark = DSpark(cfg, dtype=torch.bfloat16, max_batch_size=rows, device="meta")
+        for unit in convert_structure_(dspark, "none"):
+            unit.old = None
+        dspark.setup_runtime("cpu")
+        attach(model, dspark.eval())
     return model.eval()
 
 
@@ -151,6 +163,9 @@ def main() -> int:
                    "(Transformer.decode_tokens, T - 1 spare window slots) instead of the decode step")
     p.add_argument("--speculate", type=int, default=0, metavar="K", help="lower a whole greedy speculative step "
                    "with K MTP drafts (speculative.verify_step) instead of the decode step")
+    p.add_argument("--drafter", choices=("mtp", "dspark"), default="mtp",
+                   help="with --speculate and --preset: the step's drafter (a DSpark step: verification, acceptance, "
+                        "the rings' commit, the next block's first K drafts)")
     p.add_argument("--preset", help="a bench preset (flash2, flash43, ...: bench/common.py) with weights of no "
                    "storage instead of --model (V4-Flash widths without a checkpoint)")
     p.add_argument("--experts", type=int, default=16, help="with --preset: its routed experts (the lowering does "
@@ -177,7 +192,8 @@ def main() -> int:
         args.verify = args.speculate + 1  # the model's spare slots, the verified tokens
     spare = max(args.verify - 1, 0)
     if args.preset:
-        model = preset_model(args.preset, args.experts, B, args.max_seq_len, spare, args.speculate > 0)
+        model = preset_model(args.preset, args.experts, B, args.max_seq_len, spare,
+                             args.drafter if args.speculate else None)
     else:
         model = Engine.from_pretrained(args.model, device="cpu", dtype=getattr(torch, args.dtype), max_batch_size=B,
                                        max_seq_len=args.max_seq_len, quant="nvfp4", progress=False,
@@ -202,10 +218,15 @@ def main() -> int:
         def __init__(self):
             super().__init__()
             self.m = model
+            if getattr(model, "dspark", None) is not None:  # (attached, not a submodule: export must see its weights)
+                self.d = model.dspark
 
         def forward(self, tokens, positions, *starts):
             if starts:
                 return _chunk(self.m, tokens, positions, starts[0], self.m.max_seq_len)
+            if args.speculate and args.drafter == "dspark":
+                out = dspark_step(self.m, self.m.dspark, tokens[:, 0], tokens[:, 1:], positions, DEFAULT_OPTIONS)
+                return tuple(t for t in out if t is not None)
             if args.speculate:
                 s = Sampler("greedy", *([None] * 5))
                 out = verify_step(self.m, tokens[:, 0], tokens[:, 1:], None, positions, s, DEFAULT_OPTIONS)
@@ -216,6 +237,7 @@ def main() -> int:
 
     from dsv4_model.model.decode_options import DEFAULT as DEFAULT_OPTIONS
     from dsv4_model.runtime.compiled_prefill import _chunk
+    from dsv4_model.runtime.dspark_speculative import dspark_step
     from dsv4_model.runtime.speculative import Sampler, verify_step
 
     inputs = (tokens, positions, starts) if S and args.chunk else (tokens, positions)
