@@ -104,3 +104,44 @@ def test_dspark_drafts_from_the_nvfp4_drafters_head_give_plain_greedy_tokens(ckp
     toks, stats = dspark_greedy(model, torch.tensor([PROMPT]), N)
     assert toks[0] == plain[:N]
     assert head.calls >= stats.steps > 0  # every block drafted through it
+
+
+def test_the_nvfp4_drafters_head_gives_dspark_an_nvfp4_markov_bias(tmp_path):
+    """Engine.set_draft_head("nvfp4") also gives DSpark's Markov head an NVFP4 copy of its fp32 markov_w2 (read
+    once per drafted position): the drafts read it (its products are the dequantized weight's), greedy output is
+    still plain greedy's, and "stored" gives the projection back."""
+    import dataclasses
+
+    from dsv4_model.model.dspark import attach_draft_markov, draft_markov
+    from dsv4_model.quant.nvfp4_modules import dequantized_weight, is_nvfp4
+    from dsv4_model.runtime.engine import Engine
+
+    base = _dspark_cfg()
+    cfg = dataclasses.replace(base, dspark=dataclasses.replace(base.dspark, markov_rank=16))  # whole NVFP4 blocks
+    path = write_checkpoint(canonical_weights(cfg, seed=5), cfg, tmp_path / "r16", "official")
+    eng = Engine.from_pretrained(path, device="cpu", dtype=torch.float32, max_batch_size=1, max_seq_len=256,
+                                 progress=False, compile=False, spare_window_slots=5)
+    m = eng.model
+    mk = m.dspark.mtp[-1].markov_head
+    want, _ = dspark_greedy(m, torch.tensor([PROMPT]), 60)
+    eng.set_draft_head("nvfp4")
+    w2 = draft_markov(mk)
+    assert is_nvfp4(w2) and w2 is not mk.markov_w2 and "draft_w2" not in dict(mk.named_modules())
+    e = torch.randn(3, 16, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(w2(e), e.to(torch.bfloat16).float() @ dequantized_weight(w2).T, atol=1e-5, rtol=1e-5)
+
+    class Counted(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.calls = inner, 0
+
+        def forward(self, x):
+            self.calls += 1
+            return self.inner(x)
+
+    counted = Counted(w2)
+    attach_draft_markov(mk, counted)
+    got, stats = dspark_greedy(m, torch.tensor([PROMPT]), 60)
+    assert got == want and counted.calls >= stats.steps > 0
+    eng.set_draft_head("stored")
+    assert draft_markov(mk) is mk.markov_w2

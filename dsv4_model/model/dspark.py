@@ -220,10 +220,11 @@ class DSpark(nn.Module):
         y = hc_head(h, last.hc_head_fn, last.hc_head_scale, last.hc_head_base, c.hc_eps, c.norm_eps)
         logits = draft_head(model)(last.norm(y))  # the shared head (or the drafters' own): fp32 logits
         mk = last.markov_head
+        w2 = draft_markov(mk)
         prev, toks, embs, rows = anchor, [], [], []
         for i in range(h.shape[1]):  # (block_size, or the drafts kept)
             e = mk.markov_w1(prev)
-            row = logits[:, i] + mk.markov_w2(e)
+            row = logits[:, i] + w2(e)
             prev = wide_argmax(row) if pick is None else pick(row, i)
             toks.append(prev)
             embs.append(e)
@@ -250,6 +251,19 @@ class DSpark(nn.Module):
                 v = torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1])
             p.copy_(v.to(p.dtype))
         return self
+
+
+def draft_markov(mk: nn.Module) -> nn.Module:
+    """The Markov head's rank -> vocabulary projection the drafts read: markov_w2 as stored (fp32 in the release:
+    129280 x 256 = 132 MB, read once per drafted position), or the copy attach_draft_markov gave it (NVFP4 with
+    the drafters' NVFP4 head: Engine.set_draft_head)."""
+    return mk.__dict__.get("draft_w2") or mk.markov_w2
+
+
+def attach_draft_markov(mk: nn.Module, w2: nn.Module | None) -> None:
+    """Give the Markov head a drafting copy of markov_w2 (None: its own); a plain attribute, not a submodule (the
+    module's state dict stays the checkpoint's)."""
+    object.__setattr__(mk, "draft_w2", w2)
 
 
 def main_hidden_of(taps: list[torch.Tensor]) -> torch.Tensor:

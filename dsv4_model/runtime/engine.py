@@ -195,8 +195,8 @@ class Engine(EngineSession):
     def set_draft_head(self, kind: str) -> None:
         """The head the drafters (MTP block, DSpark) read: "stored" (the model's) or "nvfp4" (an NVFP4 copy of it,
         built here: a quarter of the head's bytes per speculative step, at some acceptance; greedy output and the
-        sampled distribution are unchanged, since verification reads the stored head). Speculative runners built
-        before are rebuilt on next use."""
+        sampled distribution are unchanged, since verification reads the stored head; DSpark's Markov bias
+        projection gets an NVFP4 copy too). Speculative runners built before are rebuilt on next use."""
         from dsv4_model.model.transformer import attach_draft_head
         from dsv4_model.quant.nvfp4_modules import is_nvfp4, nvfp4_draft_head
 
@@ -206,6 +206,13 @@ class Engine(EngineSession):
             return
         copy = kind == "nvfp4" and not is_nvfp4(self.model.head)  # an NVFP4 head (head_quant) drafts as it is
         attach_draft_head(self.model, nvfp4_draft_head(self.model.head) if copy else None)
+        dspark = getattr(self.model, "dspark", None)
+        if dspark is not None:  # DSpark's Markov bias likewise: its fp32 rank -> vocabulary projection in NVFP4
+            from dsv4_model.model.dspark import attach_draft_markov
+
+            mk = dspark.mtp[-1].markov_head
+            fits = mk.markov_w2.in_features % 16 == 0  # (whole NVFP4 blocks; tiny test ranks may not be)
+            attach_draft_markov(mk, nvfp4_draft_head(mk.markov_w2) if kind == "nvfp4" and fits else None)
         self.draft_head = kind
 
     def _drafting_runner(self, cls, k: int, **kw):
