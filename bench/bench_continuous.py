@@ -100,6 +100,7 @@ def run_continuous(engine: Engine, C: int, args, gen: torch.Generator) -> dict:
         last.update(t=t, chunks=st.prefill_chunks, rows=n, clean=clean, steps=st.decode_steps)
 
     sched.on_step = on_step
+    timer = StepTimer(sched.runner, engine.device)
     sync(engine.device)
     t0 = time.perf_counter()
     for r in reqs:
@@ -107,6 +108,7 @@ def run_continuous(engine: Engine, C: int, args, gen: torch.Generator) -> dict:
     sched.run_until_idle()
     sync(engine.device)
     wall = time.perf_counter() - t0
+    timer.remove()
     bad = [r.finish_reason for r in reqs if r.finish_reason != "length" or len(r.token_ids) != args.max_tokens]
     if bad:
         raise RuntimeError(f"requests ended early: {bad[:4]}")
@@ -119,8 +121,40 @@ def run_continuous(engine: Engine, C: int, args, gen: torch.Generator) -> dict:
             "decode_steps": sched.stats.decode_steps,
             "steady_ms_per_step": 1e3 * steady["s"] / steady["steps"] if steady["steps"] else float("nan"),
             "steady_rows_per_step": steady["rows"] / steady["steps"] if steady["steps"] else float("nan"),
-            "steady_steps": steady["steps"],
+            "steady_steps": steady["steps"], "device_ms_per_step": timer.ms(),
             "speculation": sched.speculation if args.speculate else None}
+
+
+class StepTimer:
+    """The device time of each decode step the runner launches (CUDA events around runner.launch: the graph's
+    replay and the copies it makes), read once at the end: a step slower on the device tells apart from host gaps
+    between steps. None off CUDA."""
+
+    def __init__(self, runner, device: torch.device):
+        self.runner, self.pairs = runner, []
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            launch = runner.launch
+
+            def timed(*a, **k):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = launch(*a, **k)
+                end.record()
+                self.pairs.append((start, end))
+                return out
+
+            runner.launch = timed
+
+    def remove(self) -> None:
+        self.runner.__dict__.pop("launch", None)
+
+    def ms(self) -> float | None:
+        """Median device ms of the steps launched (the prefill chunks' iterations included: median)."""
+        if not self.cuda or not self.pairs:
+            return None
+        times = sorted(a.elapsed_time(b) for a, b in self.pairs)
+        return times[len(times) // 2]
 
 
 def print_speculation(spec) -> None:
@@ -139,7 +173,8 @@ def print_speculation(spec) -> None:
               + f" (no cut: {spec.tokens_per_step:.2f} / {spec.k})", flush=True)
 
 
-def run_static(engine: Engine, C: int, args, gen: torch.Generator, staggered: bool = False) -> float:
+def run_static(engine: Engine, C: int, args, gen: torch.Generator, staggered: bool = False,
+               device_ms: list | None = None) -> float:
     """ms per decode step of a static batch of C rows after a prefill of C random prompts of --prompt-len (rows that
     differ: identical rows would route every row to the same experts and read a batch of one's weights). staggered:
     row r's prompt is --prompt-len + (17 r mod --max-tokens) long, so the rows sit at positions spread over the
@@ -156,12 +191,21 @@ def run_static(engine: Engine, C: int, args, gen: torch.Generator, staggered: bo
     for _ in range(3):
         runner.step()
     sync(engine.device)
+    cuda = engine.device.type == "cuda"
+    start, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else (None, None)
     t0 = time.perf_counter()
+    if cuda:
+        start.record()
     for _ in range(args.max_tokens):
         runner.step()
+    if cuda:
+        end.record()
     sync(engine.device)
+    wall_ms = 1e3 * (time.perf_counter() - t0) / args.max_tokens
+    if device_ms is not None and cuda:
+        device_ms.append(start.elapsed_time(end) / args.max_tokens)
     engine.reset()
-    return 1e3 * (time.perf_counter() - t0) / args.max_tokens
+    return wall_ms
 
 
 def main(argv=None) -> int:
@@ -205,7 +249,8 @@ def main(argv=None) -> int:
             run_continuous(engine, C, args, gen)  # warm: compile / capture, first-touch allocations
             warm, graphs = time.perf_counter() - t0, prefill_graphs(engine)
             cont = run_continuous(engine, C, args, gen)
-            ms = run_static(engine, C, args, gen)
+            static_dev: list[float] = []
+            ms = run_static(engine, C, args, gen, device_ms=static_dev)
             ms_st = run_static(engine, C, args, gen, staggered=True)
             static = 1e3 * C / ms
             print(f"{C:3d} {mode:>8} {cont['tokens_per_s']:9.1f} {cont['steady_tokens_per_s']:12.1f} {static:12.1f} "
@@ -223,6 +268,9 @@ def main(argv=None) -> int:
                 print(f"    steady state: {step_ms:.3f} ms per step ({step_ms / ms:.3f}x the static batch's), "
                       f"{cont['steady_rows_per_step']:.2f} of {C} rows emit per step; "
                       f"{cont['steady_steps']} of {cont['decode_steps']} decode steps counted", flush=True)
+                if cont["device_ms_per_step"] is not None and static_dev:
+                    print(f"    device time per decode step (CUDA events, median): {cont['device_ms_per_step']:.3f} "
+                          f"ms under the scheduler, {static_dev[0]:.3f} ms in the static batch", flush=True)
             if mode == "compiled":  # buckets first met in the timed run would have compiled inside it
                 print(f"    compiled prefill: {graphs} bucket graphs so far (warm-up run {warm:.1f} s); "
                       f"{prefill_graphs(engine) - graphs} more compiled in the timed run", flush=True)
