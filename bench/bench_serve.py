@@ -98,8 +98,6 @@ async def run(args) -> dict:
 
 def stub_server(args) -> None:
     """Our app on a StubScheduler: tokens come at once, so the client sees the front end's cost alone."""
-    import uvicorn
-
     from dsv4_model.checkpoint.builtin import default_model_path
     from dsv4_model.checkpoint.tokenizer import load_tokenizer
     from dsv4_model.checkpoint.loader import load_config
@@ -111,7 +109,7 @@ def stub_server(args) -> None:
     text = tok.encode("    return self.value + other.value  # a line of code\n", add_bos=False)
     app = create_app(StubScheduler(tok, lambda req: text, max_rows=256),
                      ServeConfig(model_name=args.model, max_waiting=4096, chat_format="plain"))
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+    _run(app, args.port)
 
 
 class WordTokenizer:
@@ -138,7 +136,6 @@ def preset_server(args) -> None:
     """Our app and scheduler on a random NVFP4 model of a bench/common.py preset (flash2, flash43, ...), built on
     the GPU: the served figures of models too large for a checkpoint on disk."""
     import torch
-    import uvicorn
 
     from dsv4_model.runtime.scheduler import Scheduler
     from dsv4_model.serve.app import ServeConfig, create_app
@@ -156,7 +153,20 @@ def preset_server(args) -> None:
                      ServeConfig(model_name=args.model, max_waiting=4096, chat_format="plain"))
     print(f"serving {args.preset_server} ({cfg.n_layers} layers, {cfg.n_routed_experts} experts) on {device}",
           file=sys.stderr, flush=True)
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+    _run(app, args.port)
+
+
+def _run(app, port: int) -> None:
+    """uvicorn on loopback; SIGTERM / SIGINT: its graceful shutdown, then exit 0 (uvicorn re-raises the signal it
+    caught to the handler it found: a no-op one, as `python -m dsv4_model serve` installs)."""
+    import signal
+
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run()
 
 
 def main(argv=None) -> int:

@@ -63,3 +63,34 @@ def test_ctrl_c_while_it_starts_is_one_line():
     if proc.returncode == 130:
         assert rest.strip().splitlines()[-1] == "interrupted"
 
+
+
+def test_the_bench_servers_exit_0_on_sigterm():
+    """bench/bench_serve.py's own servers (the stub here; the preset server runs the same way on the GPU machine,
+    where scripts/gpu/serve.sh stops it with SIGTERM): uvicorn's graceful shutdown, then 0, not the re-raised
+    signal's 143."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "bench/bench_serve.py", "--stub-server", "--port", str(port)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stderr.read()[-2000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the stub server did not listen within 90 s"
+            time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
