@@ -36,6 +36,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from common import DRAFTERS, percentile, preset_engine  # noqa: E402
+from timing import event_timed  # noqa: E402
 from dsv4_model.runtime.engine import Engine  # noqa: E402
 from dsv4_model.runtime.requests import Request  # noqa: E402
 from dsv4_model.runtime.sampling import SamplingParams  # noqa: E402
@@ -134,17 +135,7 @@ class StepTimer:
         self.runner, self.pairs = runner, []
         self.cuda = device.type == "cuda"
         if self.cuda:
-            launch = runner.launch
-
-            def timed(*a, **k):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                out = launch(*a, **k)
-                end.record()
-                self.pairs.append((start, end))
-                return out
-
-            runner.launch = timed
+            runner.launch = event_timed(runner.launch, self.pairs)
 
     def remove(self) -> None:
         self.runner.__dict__.pop("launch", None)

@@ -218,26 +218,5 @@ def exchange_column(shard, cfg: ModelConfig, batch: int, device: torch.device, r
     return f"{replay_ms(graph, device):.3f}"
 
 
-def _main_or_exit() -> int:
-    """main(); under torchrun an exception is printed and the rank ends at once (os._exit): a rank that returned
-    through the interpreter's teardown could wait on the NCCL communicator its CUDA graphs hold."""
-    try:
-        return main()
-    except SystemExit as e:
-        if isinstance(e.code, int) or e.code is None:
-            return e.code or 0
-        print(e.code, file=sys.stderr, flush=True)  # (a message: say it, as sys.exit would)
-        return 1
-    except BaseException:
-        if not distributed.launched():
-            raise
-        import traceback
-
-        traceback.print_exc()
-        return 1
-
-
 if __name__ == "__main__":
-    code = _main_or_exit()
-    distributed.exit_rank(code)
-    sys.exit(code)
+    distributed.run_main(main)

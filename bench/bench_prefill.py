@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import dsv4_ops  # noqa: E402,F401
 from dsv4_ops.overrides import kernel_overrides  # noqa: E402
 from common import build_models, cuda_missing, flash, flash_plan, print_header  # noqa: E402
+from timing import event_timed  # noqa: E402
 from dsv4_model.model import attention as attention_mod  # noqa: E402
 from dsv4_model.model.config import ModelConfig  # noqa: E402
 from dsv4_model.model.indexer import Indexer  # noqa: E402
@@ -66,20 +67,10 @@ class IndexerTimer:
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._scores, self._topk = Indexer.scores, attention_mod.topk_indices
 
-    def _wrap(self, fn):
-        def timed(*a, **k):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            out = fn(*a, **k)
-            e.record()
-            self.events.append((s, e))
-            return out
-        return timed
-
     def __enter__(self):
         self.events.clear()
-        Indexer.scores = self._wrap(self._scores)
-        attention_mod.topk_indices = self._wrap(self._topk)
+        Indexer.scores = event_timed(self._scores, self.events)
+        attention_mod.topk_indices = event_timed(self._topk, self.events)
         return self
 
     def __exit__(self, *exc):

@@ -116,6 +116,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    distributed.exit_rank(code)
-    sys.exit(code)
+    distributed.run_main(main)

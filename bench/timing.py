@@ -37,6 +37,19 @@ def graph_us(fn, reps, tries=3, indexed=False):
     return best
 
 
+def event_timed(fn, events: list):
+    """fn wrapped so that each call's device time is bracketed by two CUDA events, appended to `events` as a
+    (start, end) pair (read them after a sync: start.elapsed_time(end) ms)."""
+    def timed(*a, **k):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn(*a, **k)
+        end.record()
+        events.append((start, end))
+        return out
+    return timed
+
+
 def cuda_generator(bench: str):
     """A seeded CUDA generator after printing the device line, or None (with a skip line) without a GPU."""
     if not torch.cuda.is_available():

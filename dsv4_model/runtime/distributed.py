@@ -73,3 +73,28 @@ def exit_rank(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def run_main(main) -> None:
+    """A script's entry point under torchrun or not: main() -> exit code, then the process ends (exit_rank under
+    torchrun: a rank that returned through the interpreter's teardown could wait on the NCCL communicator its CUDA
+    graphs hold). An exception under torchrun is printed and ends the rank with 1; a SystemExit's message is
+    printed as sys.exit prints it."""
+    import sys
+
+    try:
+        code = main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr, flush=True)
+    except BaseException:
+        if not launched():
+            raise
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    exit_rank(code)
+    sys.exit(code)
+
