@@ -83,20 +83,23 @@ def test_mtp_speculation_on_a_dspark_model_names_dspark(spec_model):
         check_model(spec_model, 2)
 
 
+class Counted(torch.nn.Module):
+    """A module's stand-in that counts the calls reaching it (a drafting copy is read, not just built)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.calls = inner, 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.inner(x)
+
+
 def test_dspark_drafts_from_the_nvfp4_drafters_head_give_plain_greedy_tokens(ckpt, plain):
     """DSpark reads the drafters' head (transformer.draft_head) for its block's logits: with the NVFP4 copy the
     greedy tokens are still plain greedy decoding's (verification reads the stored head)."""
     from dsv4_model.model.transformer import attach_draft_head
     from dsv4_model.quant.nvfp4_modules import nvfp4_draft_head
-
-    class Counted(torch.nn.Module):  # the copy, counting the calls that reach it
-        def __init__(self, inner):
-            super().__init__()
-            self.inner, self.calls = inner, 0
-
-        def forward(self, x):
-            self.calls += 1
-            return self.inner(x)
 
     model = _load(ckpt, spare_window_slots=5)
     head = Counted(nvfp4_draft_head(model.head))
@@ -129,15 +132,6 @@ def test_the_nvfp4_drafters_head_gives_dspark_an_nvfp4_markov_bias(tmp_path):
     assert is_nvfp4(w2) and w2 is not mk.markov_w2 and "draft_w2" not in dict(mk.named_modules())
     e = torch.randn(3, 16, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(w2(e), e.to(torch.bfloat16).float() @ dequantized_weight(w2).T, atol=1e-5, rtol=1e-5)
-
-    class Counted(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner, self.calls = inner, 0
-
-        def forward(self, x):
-            self.calls += 1
-            return self.inner(x)
 
     counted = Counted(w2)
     attach_draft_markov(mk, counted)
