@@ -139,3 +139,17 @@ def test_the_nvfp4_drafters_head_gives_dspark_an_nvfp4_markov_bias(tmp_path):
     assert got == want and counted.calls >= stats.steps > 0
     eng.set_draft_head("stored")
     assert draft_markov(mk) is mk.markov_w2
+
+
+def test_row_swaps_move_the_dspark_rings_with_the_caches(ckpt):
+    """The scheduler swaps a prefill chunk's rows down to rows [:k] and back (Engine.swap_rows): DSpark's rings
+    (attached, not a submodule) move with the main caches, or the chunk's prompt lands in another row's rings."""
+    model = load_model(ckpt, dtype=torch.float32, max_seq_len=64, max_batch_size=3, progress=False)[0]
+    rings = [st.attn.kv_cache for st in model.dspark.mtp]
+    main = next(b for n, b in model.named_buffers() if n.endswith("kv_cache"))
+    for r in (*rings, main):
+        for row in range(3):
+            r[row].fill_(float(row + 1))
+    model.swap_rows_([2], [0])
+    for r in (*rings, main):
+        assert [float(r[row].flatten()[0]) for row in range(3)] == [3.0, 2.0, 1.0]

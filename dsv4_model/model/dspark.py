@@ -257,7 +257,8 @@ def draft_markov(mk: nn.Module) -> nn.Module:
     """The Markov head's rank -> vocabulary projection the drafts read: markov_w2 as stored (fp32 in the release:
     129280 x 256 = 132 MB, read once per drafted position), or the copy attach_draft_markov gave it (NVFP4 with
     the drafters' NVFP4 head: Engine.set_draft_head)."""
-    return mk.__dict__.get("draft_w2") or mk.markov_w2
+    w2 = mk.__dict__.get("draft_w2")
+    return w2 if w2 is not None else mk.markov_w2
 
 
 def attach_draft_markov(mk: nn.Module, w2: nn.Module | None) -> None:

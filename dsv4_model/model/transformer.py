@@ -322,11 +322,14 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def swap_rows_(self, a: list[int], b: list[int]) -> None:
-        """Exchange cache rows a[i] and b[i] in every cache and state buffer (the scheduler brings the rows of a
-        prefill chunk down to rows [:k] and back, so the chunk computes k rows, not every row below the highest)."""
+        """Exchange cache rows a[i] and b[i] in every cache and state buffer, an attached DSpark module's rings too
+        (the scheduler brings the rows of a prefill chunk down to rows [:k] and back, so the chunk computes k rows,
+        not every row below the highest)."""
         ia = torch.tensor(a, dtype=torch.long, device=self.device)
         ib = torch.tensor(b, dtype=torch.long, device=self.device)
-        for name, buf in self.named_buffers():
+        dspark = getattr(self, "dspark", None)  # (attached, not a submodule)
+        bufs = [*self.named_buffers(), *(dspark.named_buffers() if dspark is not None else ())]
+        for name, buf in bufs:
             if name.endswith(self.CACHE_SUFFIXES):
                 held = buf.index_select(0, ia)
                 buf.index_copy_(0, ia, buf.index_select(0, ib))

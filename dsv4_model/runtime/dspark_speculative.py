@@ -95,8 +95,7 @@ def draft_block(model, dspark: DSpark, anchor: torch.Tensor, last: torch.Tensor,
 
     def pick(logits: torch.Tensor, i: int) -> torch.Tensor:
         q = s.probs(logits.unsqueeze(1))[:, 0]
-        if i < k:
-            qs.append(q)
+        qs.append(q)
         return s.draw(q, j0 + i)
 
     block = dspark.draft(model, anchor, last, pick=pick, keep=k)
@@ -110,7 +109,7 @@ def dspark_step(model, dspark: DSpark, y: torch.Tensor, drafts: torch.Tensor, po
     sampling). Returns (emitted [B, K + 1], valid up to n_acc + 1; n_acc [B]; the next K drafts, drafted from the
     last emitted token, their q and their confidence (draft_block's); the main model's logits [B, K + 1, V] each
     emitted token was decided from). s: the sampler (default greedy; draws 0 .. K - 1 accept, K corrects,
-    K + 1 .. K + block_size draft). live [B] (1 / 0): rows with 0 accept nothing (a row riding along commits only
+    K + 1 .. 2K draft). live [B] (1 / 0): rows with 0 accept nothing (a row riding along commits only
     its own position, which it rewrites first). limit [B] (None: K): each row's block cut after its first
     limit[b] drafts (`accept`): the positions past it read no routed expert (`verify_taps`)."""
     K = drafts.shape[1]
