@@ -153,3 +153,33 @@ def test_row_swaps_move_the_dspark_rings_with_the_caches(ckpt):
     model.swap_rows_([2], [0])
     for r in (*rings, main):
         assert [float(r[row].flatten()[0]) for row in range(3)] == [3.0, 2.0, 1.0]
+
+
+def test_a_dspark_step_needs_k_positions_of_room_not_2k(ckpt):
+    """A DSpark step writes the verified K + 1 positions only (drafting reads the rings): its runner's reach is K
+    (MTP's 2K: its chained drafts write too), so a prompt of max_seq_len - K tokens is taken, and a row decodes
+    the plain greedy tokens until K positions before max_seq_len."""
+    from dsv4_model.runtime.engine import Engine
+    from dsv4_model.runtime.requests import Request
+    from dsv4_model.runtime.sampling import SamplingParams
+    from dsv4_model.runtime.scheduler import Scheduler
+    from dsv4_model.runtime.speculative_scheduler import SpeculativeScheduler
+
+    K, seq = 2, 64
+    eng = Engine.from_pretrained(ckpt, device="cpu", dtype=torch.float32, max_batch_size=1, max_seq_len=seq,
+                                 progress=False, compile=False, spare_window_slots=K)
+    s = SpeculativeScheduler(eng, K, method="dspark", modes=("greedy",))
+    assert s.runner.reach == K and s.limit == seq - K
+    prompt = list(PROMPT) + list(range(3, 3 + 40 - len(PROMPT)))
+    r = s.submit(Request(prompt, SamplingParams(), 100, ignore_eos=True))
+    s.run_until_idle()
+    plain = Scheduler(eng)
+    ref = plain.submit(Request(prompt, SamplingParams(), 100, ignore_eos=True))
+    plain.run_until_idle()
+    assert r.finish_reason == "max_seq_len" and ref.finish_reason == "max_seq_len"
+    assert r.token_ids == ref.token_ids[:len(r.token_ids)] and len(r.token_ids) >= seq - K - 40 - K
+    s = SpeculativeScheduler(eng, K, method="dspark", modes=("greedy",))
+    s.submit(Request(list(range(1, seq - K + 1)), SamplingParams(), 1, ignore_eos=True)).cancel()
+    with pytest.raises(ValueError, match=f"no room for speculative steps \\(at most max_seq_len - {K} = {seq - K}"):
+        s.submit(Request(list(range(1, seq - K + 2)), SamplingParams(), 1))
+    s.run_until_idle()

@@ -21,6 +21,8 @@ from dsv4_model.runtime.speculative_runner import DraftingRunner
 
 
 class DSparkRunner(DraftingRunner):
+    reach_per_draft = 1  # a step writes the verified k + 1 positions only (drafting reads the rings, writes nothing)
+
     def __init__(self, model, k: int, cut: float = 0.0, **options):
         if not isinstance(cut, (int, float)) or isinstance(cut, bool) or not 0.0 <= cut <= 1.0:
             raise ValueError(f"cut must be a predicted chance in [0, 1] (0: off), got {cut!r}")

@@ -229,10 +229,11 @@ def _generate_scheduled(engine, runner, ids: list[list[int]], base: SamplingPara
     if speculate:
         from dsv4_model.runtime.speculative_scheduler import SpeculativeScheduler
 
+        reach = speculate * (1 if method == "dspark" else 2)  # (the runner's reach: DSpark's drafting writes nothing)
         for p in ids:  # (the scheduler checks too; this names generate()'s argument and the room a step needs)
-            if len(p) > engine.max_seq_len - 2 * speculate:
+            if len(p) > engine.max_seq_len - reach:
                 raise ValueError(f"prompt of {len(p)} tokens leaves no room for speculate={speculate} (at most "
-                                 f"max_seq_len - 2 * speculate = {engine.max_seq_len - 2 * speculate})")
+                                 f"max_seq_len - {reach} = {engine.max_seq_len - reach})")
         sched = SpeculativeScheduler(engine, speculate, method=method, modes=(sampling_mode([base]),),
                                      dspark_cut=dspark_cut, **options)
     else:

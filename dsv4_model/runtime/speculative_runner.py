@@ -22,6 +22,8 @@ class DraftingRunner(DecodeRunner):
     step's [rows, k + 2] output (DSpark's adds the drafts' confidence: `width`)."""
 
     draws_per_step: int  # the Philox draws a step makes per row (a subclass's): step j's are offsets j * this + i
+    reach_per_draft = 2  # a step from position p writes below p + reach_per_draft * k (MTP: the verified k + 1
+    # positions, then the chained drafts' own; a subclass whose drafting writes nothing needs less)
     confidence: torch.Tensor | None = None  # the drafts' predicted chance of acceptance [R, k] (a drafter that has one)
 
     def __init__(self, model, k: int, **options):
@@ -95,10 +97,14 @@ class DraftingRunner(DecodeRunner):
         riding along would otherwise run ahead by up to k + 1 per step and end the others' room early)."""
         self.live[row] = 0
 
+    @property
+    def reach(self) -> int:
+        """Positions past a row's that a step may write (MTP: 2k, the verified k + 1 and the chained drafts')."""
+        return self.reach_per_draft * self.k
+
     def can_step(self) -> bool:
-        """Whether a step fits the caches: it writes positions up to its last token's + 2k (the verified K + 1,
-        the chained drafts' positions)."""
-        return self._next_pos + 2 * self.k < self.model.max_seq_len
+        """Whether a step fits the caches: it writes positions below its last token's + reach."""
+        return self._next_pos + self.reach < self.model.max_seq_len
 
     def settle(self, max_position: int, in_flight: int) -> None:
         """The largest row position read back, and the steps launched after the read: the next step's bound."""
@@ -111,7 +117,7 @@ class DraftingRunner(DecodeRunner):
         drafter predicts it). A static buffer in graph modes."""
         if not self.can_step():
             raise ValueError(f"speculative step from position {self._next_pos}: the caches hold max_seq_len="
-                             f"{self.model.max_seq_len} positions and a step may write {2 * self.k} past it")
+                             f"{self.model.max_seq_len} positions and a step may write {self.reach} past it")
         self._next_pos += self.k + 1
         out, logits = self._run(replay)
         self.last_logits = logits[: self.rows]
@@ -125,11 +131,11 @@ class DraftingRunner(DecodeRunner):
 
     def _ride(self, n: int, hold: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [:n]' positions for a pass inside a running batch -> (positions, room) on the device: state (host)
-        1 or 2: the row's own, 0: hold (host); a position without room for a step's writes (2k ahead) becomes 0
+        1 or 2: the row's own, 0: hold (host); a position without room for a step's writes (reach ahead) becomes 0
         (room False: what that row holds is lost, and the scheduler stops reusing it)."""
         st = state[:n].to(self.device, non_blocking=True)
         pos = torch.where(st > 0, self.positions[:n], hold[:n].to(self.device, non_blocking=True))
-        room = pos + 2 * self.k < self.model.max_seq_len
+        room = pos + self.reach < self.model.max_seq_len
         return torch.where(room, pos, 0), room
 
     @torch.no_grad()

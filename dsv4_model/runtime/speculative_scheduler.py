@@ -9,8 +9,8 @@ What changes against the plain scheduler (docs/speculation.md, "Speculative step
   read; the step keeps generating rows at their own positions and puts every other row at the host's (`state`);
 - a row that rides along accepts nothing: it writes its position's K + 1 slots ahead, as a step that rejects every
   draft, which the row's own next chunk or step rewrites first (the model's rings have K spare slots);
-- a step writes up to 2K positions past a row's: prompts leave that room (refused above max_seq_len - 2K), and a
-  row that reaches it ends with "max_seq_len".
+- a step writes up to the runner's reach past a row's position (MTP: 2K, its chained drafts write too; DSpark: K):
+  prompts leave that room (refused above max_seq_len - reach), and a row that reaches it ends with "max_seq_len".
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class SpeculativeScheduler(Scheduler):
         self.modes = tuple(m for m in SAMPLING_MODES if m in modes)
         self.speculation = SpeculationStats(k)
         super().__init__(engine, **options)
-        self.limit = self.max_seq_len - 2 * k  # a step at position p writes up to p + 2k - 1
+        self.limit = self.max_seq_len - self.runner.reach  # a step at position p writes below p + reach
         R = self.runner.max_rows
         self._hold_host = [torch.zeros(R, dtype=torch.long, pin_memory=self._on_cuda) for _ in range(2)]
         self._state_host = [torch.zeros(R, dtype=torch.long, pin_memory=self._on_cuda) for _ in range(2)]
@@ -73,7 +73,8 @@ class SpeculativeScheduler(Scheduler):
             raise ValueError("prompt_logprobs: not with DSpark speculation")
         if len(req.prompt) > self.limit:
             raise ValueError(f"prompt: {len(req.prompt)} tokens leave no room for speculative steps (at most "
-                             f"max_seq_len - 2 * speculate = {self.limit})")
+                             f"max_seq_len - {self.runner.reach} = {self.limit}: a step writes {self.runner.reach} "
+                             f"positions past a row's)")
         need = sampling_mode([req.params])
         if SAMPLING_MODES.index(need) > SAMPLING_MODES.index(self.modes[-1]):
             raise ValueError(f"sampling: this server's speculative steps are prepared for {self.modes} only, and "
