@@ -97,4 +97,3 @@ def run_main(main) -> None:
         code = 1
     exit_rank(code)
     sys.exit(code)
-
