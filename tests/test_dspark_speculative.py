@@ -162,8 +162,8 @@ def test_a_dspark_step_needs_k_positions_of_room_not_2k(ckpt):
     from dsv4_model.runtime.engine import Engine
     from dsv4_model.runtime.requests import Request
     from dsv4_model.runtime.sampling import SamplingParams
-    from dsv4_model.runtime.scheduler import Scheduler
     from dsv4_model.runtime.speculative_scheduler import SpeculativeScheduler
+    from tests.helpers.to_the_end import to_the_end
 
     K, seq = 2, 64
     eng = Engine.from_pretrained(ckpt, device="cpu", dtype=torch.float32, max_batch_size=1, max_seq_len=seq,
@@ -171,11 +171,7 @@ def test_a_dspark_step_needs_k_positions_of_room_not_2k(ckpt):
     s = SpeculativeScheduler(eng, K, method="dspark", modes=("greedy",))
     assert s.runner.reach == K and s.limit == seq - K
     prompt = list(PROMPT) + list(range(3, 3 + 40 - len(PROMPT)))
-    r = s.submit(Request(prompt, SamplingParams(), 100, ignore_eos=True))
-    s.run_until_idle()
-    plain = Scheduler(eng)
-    ref = plain.submit(Request(prompt, SamplingParams(), 100, ignore_eos=True))
-    plain.run_until_idle()
+    r, ref = to_the_end(s, eng, prompt)
     assert r.finish_reason == "max_seq_len" and ref.finish_reason == "max_seq_len"
     assert r.token_ids == ref.token_ids[:len(r.token_ids)] and len(r.token_ids) >= seq - K - 40 - K
     s = SpeculativeScheduler(eng, K, method="dspark", modes=("greedy",))

@@ -15,6 +15,7 @@ from dsv4_model.runtime.scheduler import Scheduler
 from dsv4_model.runtime.session import RunnerOptions
 from dsv4_model.runtime.speculative_scheduler import SpeculativeScheduler
 from tests.helpers.speculative_static import static_speculative
+from tests.helpers.to_the_end import to_the_end
 
 K = 2
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser()\n",
@@ -185,11 +186,7 @@ def test_max_seq_len_leaves_room_for_a_step():
     eng = _engine(rows=2, seq=64)
     prompt = list(range(5, 45))
     s = SpeculativeScheduler(eng, K)
-    r = s.submit(Request(prompt, SamplingParams(), 100, ignore_eos=True))
-    s.run_until_idle()
-    plain = Scheduler(eng)
-    ref = plain.submit(Request(prompt, SamplingParams(), 100, ignore_eos=True))
-    plain.run_until_idle()
+    r, ref = to_the_end(s, eng, prompt)
     assert r.finish_reason == "max_seq_len" and ref.finish_reason == "max_seq_len"
     assert r.token_ids == ref.token_ids[:len(r.token_ids)] and 64 - 2 * K - 40 <= len(r.token_ids)
     with pytest.raises(ValueError, match="no room for speculative steps"):
