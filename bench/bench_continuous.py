@@ -87,6 +87,11 @@ def run_continuous(engine: Engine, C: int, args, gen: torch.Generator) -> dict:
     # step: one token per generating row; a speculative one: the tokens read back)
     steady = {"rows": 0, "s": 0.0, "steps": 0}
     last = {"t": None, "chunks": 0, "rows": 0, "clean": False, "steps": 0}
+    timer = StepTimer(sched.runner, engine.device)
+    # host seconds of this iteration's planning + launch, and of reading the previous one's ids (the wait included)
+    host = {"launch": 0.0, "read": 0.0, "steady_launch": 0.0, "steady_read": 0.0}
+    for name in ("launch", "read"):
+        setattr(sched, f"_{name}", host_timed(getattr(sched, f"_{name}"), host, name))
 
     def tokens() -> int:
         return sched.speculation.emitted if args.speculate else sched.stats.decode_rows
@@ -98,10 +103,13 @@ def run_continuous(engine: Engine, C: int, args, gen: torch.Generator) -> dict:
             steady["rows"] += n - last["rows"]
             steady["s"] += t - last["t"]
             steady["steps"] += st.decode_steps - last["steps"]
+            timer.mark_steady()
+            host["steady_launch"] += host["launch"]
+            host["steady_read"] += host["read"]
+        host["launch"] = host["read"] = 0.0
         last.update(t=t, chunks=st.prefill_chunks, rows=n, clean=clean, steps=st.decode_steps)
 
     sched.on_step = on_step
-    timer = StepTimer(sched.runner, engine.device)
     sync(engine.device)
     t0 = time.perf_counter()
     for r in reqs:
@@ -122,8 +130,21 @@ def run_continuous(engine: Engine, C: int, args, gen: torch.Generator) -> dict:
             "decode_steps": sched.stats.decode_steps,
             "steady_ms_per_step": 1e3 * steady["s"] / steady["steps"] if steady["steps"] else float("nan"),
             "steady_rows_per_step": steady["rows"] / steady["steps"] if steady["steps"] else float("nan"),
-            "steady_steps": steady["steps"], "device_ms_per_step": timer.ms(),
+            "steady_steps": steady["steps"], "device": timer.summary(),
+            "steady_host_ms": {k: 1e3 * host[f"steady_{k}"] / steady["steps"] if steady["steps"] else float("nan")
+                               for k in ("launch", "read")},
             "speculation": sched.speculation if args.speculate else None}
+
+
+def host_timed(fn, acc: dict, key: str):
+    """fn wrapped so that each call's host seconds add to acc[key]."""
+    def timed(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            acc[key] += time.perf_counter() - t
+    return timed
 
 
 class StepTimer:
@@ -132,20 +153,32 @@ class StepTimer:
     between steps. None off CUDA."""
 
     def __init__(self, runner, device: torch.device):
-        self.runner, self.pairs = runner, []
+        self.runner, self.pairs, self.steady = runner, [], []
         self.cuda = device.type == "cuda"
         if self.cuda:
             runner.launch = event_timed(runner.launch, self.pairs)
 
+    def mark_steady(self) -> None:
+        """The latest launch belongs to a steady (decode-only) iteration."""
+        if self.pairs:
+            self.steady.append(len(self.pairs) - 1)
+
     def remove(self) -> None:
         self.runner.__dict__.pop("launch", None)
 
-    def ms(self) -> float | None:
-        """Median device ms of the steps launched (the prefill chunks' iterations included: median)."""
+    def summary(self) -> dict | None:
+        """median ms of every launch (prefill iterations' included); over the steady iterations' launches: mean ms
+        and the mean ms the stream spent from the previous launch's end to this one's start (GPU idle waiting for
+        the host, or work outside the launches: a prefill chunk, row swaps, compressor states saved / restored)."""
         if not self.cuda or not self.pairs:
             return None
         times = sorted(a.elapsed_time(b) for a, b in self.pairs)
-        return times[len(times) // 2]
+        steady = [i for i in self.steady if i > 0]
+        mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+        return {"median_ms": times[len(times) // 2],
+                "steady_mean_ms": mean([self.pairs[i][0].elapsed_time(self.pairs[i][1]) for i in steady]),
+                "steady_gap_ms": mean([self.pairs[i - 1][1].elapsed_time(self.pairs[i][0]) for i in steady]),
+                "steady_launches": len(steady)}
 
 
 def print_speculation(spec) -> None:
@@ -259,9 +292,15 @@ def main(argv=None) -> int:
                 print(f"    steady state: {step_ms:.3f} ms per step ({step_ms / ms:.3f}x the static batch's), "
                       f"{cont['steady_rows_per_step']:.2f} of {C} rows emit per step; "
                       f"{cont['steady_steps']} of {cont['decode_steps']} decode steps counted", flush=True)
-                if cont["device_ms_per_step"] is not None and static_dev:
-                    print(f"    device time per decode step (CUDA events, median): {cont['device_ms_per_step']:.3f} "
-                          f"ms under the scheduler, {static_dev[0]:.3f} ms in the static batch", flush=True)
+                dev = cont["device"]
+                if dev is not None and static_dev:
+                    print(f"    device time per decode step (CUDA events): median {dev['median_ms']:.3f} ms under "
+                          f"the scheduler, {static_dev[0]:.3f} ms in the static batch; steady launches "
+                          f"({dev['steady_launches']}): mean {dev['steady_mean_ms']:.3f} ms, stream gap before each "
+                          f"{dev['steady_gap_ms']:.3f} ms", flush=True)
+                hm = cont["steady_host_ms"]
+                print(f"    host per steady iteration: plan + launch {hm['launch']:.3f} ms, reading the previous "
+                      f"step's ids {hm['read']:.3f} ms (its wait for the device included)", flush=True)
             if mode == "compiled":  # buckets first met in the timed run would have compiled inside it
                 print(f"    compiled prefill: {graphs} bucket graphs so far (warm-up run {warm:.1f} s); "
                       f"{prefill_graphs(engine) - graphs} more compiled in the timed run", flush=True)

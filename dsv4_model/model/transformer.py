@@ -39,6 +39,7 @@ from dsv4_model.model.compressor import Compressor
 from dsv4_model.model.indexer import Indexer
 from dsv4_model.model.decode_options import DEFAULT as DEFAULT_OPTIONS, DecodeOptions
 from dsv4_model.model.step_values import DecodeStep, StepScratch, TokenSteps
+from dsv4_model.model.to_device import device_longs, to_device
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.layers import (Linear, RMSNorm, hc_head, hc_post, hc_pre, narrow_if_lossless_, rope_inv_freq,
                                      rope_table)
@@ -325,8 +326,8 @@ class Transformer(nn.Module):
         """Exchange cache rows a[i] and b[i] in every cache and state buffer, an attached DSpark module's rings too
         (the scheduler brings the rows of a prefill chunk down to rows [:k] and back, so the chunk computes k rows,
         not every row below the highest)."""
-        ia = torch.tensor(a, dtype=torch.long, device=self.device)
-        ib = torch.tensor(b, dtype=torch.long, device=self.device)
+        ia = device_longs(a, self.device)
+        ib = device_longs(b, self.device)
         dspark = getattr(self, "dspark", None)  # (attached, not a submodule)
         bufs = [*self.named_buffers(), *(dspark.named_buffers() if dspark is not None else ())]
         for name, buf in bufs:
@@ -341,13 +342,13 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def save_compressor_rows(self, rows: list[int]) -> list[torch.Tensor]:
         """Copies of every compressor state's rows `rows` (restore_compressor_rows puts them back)."""
-        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        idx = device_longs(rows, self.device)
         return [buf.index_select(0, idx) for name, buf in self.named_buffers()
                 if name.endswith(("kv_state", "score_state"))]
 
     @torch.no_grad()
     def restore_compressor_rows(self, rows: list[int], saved: list[torch.Tensor]) -> None:
-        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        idx = device_longs(rows, self.device)
         bufs = [buf for name, buf in self.named_buffers() if name.endswith(("kv_state", "score_state"))]
         for buf, held in zip(bufs, saved, strict=True):
             buf.index_copy_(0, idx, held)
@@ -386,10 +387,10 @@ class Transformer(nn.Module):
         with data-dependent shapes. layer_call(layer, h, ids, lengths, rope, at, static_moe): runs one layer's
         prefill (a compiled region; default: layer.prefill)."""
         B, S = tokens.shape
-        tokens = tokens.to(self.device)
+        tokens = to_device(tokens, self.device)
         if lengths is None:
             lengths = torch.full((B,), S, dtype=torch.long, device=self.device)
-        lengths = lengths.to(device=self.device, dtype=torch.long)
+        lengths = to_device(lengths.long(), self.device)
         h = self.streams(tokens, lengths, static_moe, start, span, layer_call=layer_call)
         if all_logits:
             return self._logits(h)
@@ -423,7 +424,7 @@ class Transformer(nn.Module):
             if start.shape != (B,) or start.dtype != torch.long:
                 raise ValueError(f"prefill start must be an int or int64 [{B}], got {start.dtype} "
                                  f"{tuple(start.shape)}")
-            starts, span = start.to(self.device), self.max_seq_len if span is None else span
+            starts, span = to_device(start, self.device), self.max_seq_len if span is None else span
         elif isinstance(start, int) and not isinstance(start, bool) and start >= 0:
             starts, fresh, bound = torch.full((B,), start, dtype=torch.long, device=self.device), start == 0, start
             span = start + S if span is None else span

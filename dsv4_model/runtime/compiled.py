@@ -29,6 +29,7 @@ import torch
 from dsv4_ops import ops
 
 from dsv4_model.model.decode_options import DecodeOptions
+from dsv4_model.model.to_device import device_longs
 from dsv4_model.runtime.sampling import SamplerBuffers, SamplingParams
 
 GRAPH_MODES = ("manual", "reduce-overhead")
@@ -293,8 +294,8 @@ class DecodeRunner:
         """The first token of each of `rows` from prefill logits (row r's at logits[r], or at logits[logit_rows[i]]),
         drawn with that row's sampler row at offset 0, as sample_first draws it; it becomes the row's next input.
         Returns the ids [len(rows)]."""
-        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
-        at = idx if logit_rows is None else torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        idx = device_longs(rows, self.device)
+        at = idx if logit_rows is None else device_longs(logit_rows, self.device)
         s = self.sampler
         s.offset.index_fill_(0, idx, 0)
         nxt = ops.sample(logits.index_select(0, at).float(), temperature=s.temperature[idx], top_k=s.top_k[idx],

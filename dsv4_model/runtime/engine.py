@@ -9,6 +9,7 @@ import torch
 from dsv4_model.checkpoint.builtin import DEFAULT_MODEL
 from dsv4_model.model.checks import check_positive_int
 from dsv4_model.model.config import ModelConfig
+from dsv4_model.model.to_device import to_device
 from dsv4_model.model.transformer import Transformer
 from dsv4_model.runtime.prefill_chunks import prefill_in_chunks
 from dsv4_model.runtime.session import EngineSession, RunnerOptions, checked_runner_options
@@ -139,7 +140,8 @@ class Engine(EngineSession):
 
         h = self.model.streams(tokens, lengths, start=start)
         if mtp_next is not None:
-            mtp.prefill(self.model, h, mtp_next[0].to(self.device), mtp_next[1].to(self.device), start=start)
+            mtp.prefill(self.model, h, to_device(mtp_next[0], self.device), to_device(mtp_next[1], self.device),
+                        start=start)
         return h, h[torch.arange(h.shape[0], device=h.device), (lengths - 1).clamp(min=0)]
 
     @torch.no_grad()

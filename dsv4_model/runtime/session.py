@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from dsv4_model.model.checks import decode_request, prefill_request
+from dsv4_model.model.to_device import device_longs, to_device
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,8 @@ class EngineSession:
         """input_ids [B, S] (right-padded rows of `lengths`) -> fp32 logits [B, V] at each row's last token."""
         tokens, lens = prefill_request(input_ids, lengths, max_batch_size=self.max_batch_size,
                                        max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
-        len_dev = torch.tensor(lens, dtype=torch.long, device=self.device)
-        logits = self._prefill_logits(tokens.to(self.device), len_dev, **kwargs)
+        len_dev = device_longs(lens, self.device)
+        logits = self._prefill_logits(to_device(tokens, self.device), len_dev, **kwargs)
         self._lens = lens
         self.positions.zero_()
         self.positions[:len(lens)] = len_dev

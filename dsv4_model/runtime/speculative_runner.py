@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from dsv4_model.model.to_device import device_longs
 from dsv4_model.runtime.compiled import DecodeRunner
 from dsv4_model.runtime.speculative import (SAMPLING_MODES, Sampler, check_model, first_drafts, sampling_mode,
                                             verify_step)
@@ -165,8 +166,8 @@ class DraftingRunner(DecodeRunner):
         ([len(rows), hc, dim]; what the MTP block reads, None for DSpark). The drafter runs over rows
         [:max(rows) + 1]: the others ride along (hold / state as launch's) and keep their drafts."""
         n = max(rows) + 1
-        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
-        at = torch.tensor(last, dtype=torch.long, device=self.device)
+        idx = device_longs(rows, self.device)
+        at = device_longs(last, self.device)
         pos = self._ride(n, hold, state)[0].index_copy(0, idx, at)
         drafts, q, confidence = self._first_drafts(idx, streams, pos, self._sampler(*self.sampler.rows(n)))
         self.drafts.index_copy_(0, idx, drafts.index_select(0, idx))
