@@ -16,6 +16,7 @@ from dsv4_export import metadata as md
 from dsv4_export.entrypoints import CacheSpec
 from dsv4_export.metadata import PackageMismatch
 from dsv4_export.toolchain import cpu_isa_probe_skipped
+from dsv4_model.model.to_device import device_longs, to_device
 from dsv4_model.runtime.prefill_chunks import padded_chunks
 from dsv4_model.runtime.session import EngineSession, RunnerOptions
 
@@ -298,7 +299,7 @@ class ExportedEngine(EngineSession):
             raise ValueError(f"no prefill_chunk entry holds {b} rows (package has {sorted(self._prefill_chunk)})")
         bb, c = min(fits, key=lambda k: (k[0], -k[1]))
         dev = self.device
-        lengths, start = lengths.to(dev), start.to(dev)
+        lengths, start = to_device(lengths, dev), to_device(start, dev)
         # rows past B: no tokens, at position 1 (a row of length 0 at position 0 would restart its compressor
         # state, and rows past B may hold sequences)
         starts = torch.ones(bb, dtype=torch.long, device=dev)
@@ -306,7 +307,7 @@ class ExportedEngine(EngineSession):
         out = None
         for s in range(0, S, c):
             part = torch.zeros(bb, c, dtype=torch.long, device=dev)
-            part[:b, :min(c, S - s)] = tokens[:, s:s + c].to(dev)
+            part[:b, :min(c, S - s)] = to_device(tokens[:, s:s + c], dev)
             n = torch.zeros(bb, dtype=torch.long, device=dev)
             n[:b] = (lengths - s).clamp(0, c)
             logits = self._run(self._prefill_chunk[(bb, c)], part, n, starts + s)[:b]
@@ -316,7 +317,7 @@ class ExportedEngine(EngineSession):
 
     def protect_rows(self, rows: list[int]):
         """Their compressor states, to put back after a decode step they ride along in (restore())."""
-        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        idx = device_longs(rows, self.device)
         states = [c for spec, c in zip(self.cache_specs, self.caches) if spec.name.endswith(("kv_state",
                                                                                           "score_state"))]
         saved = [c.index_select(0, idx) for c in states]

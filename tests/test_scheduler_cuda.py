@@ -1,6 +1,8 @@
-"""The scheduler on a GPU: the host plans iteration i + 1 while the device runs iteration i, so nothing in a
-decode-only iteration may wait for the stream (rows riding along whose compressor states are saved and restored
-included); and the host -> device helpers it relies on make no sync."""
+"""The scheduler on a GPU: the host plans iteration i + 1 while the device runs iteration i, so nothing in an
+iteration may wait for the stream (decode steps with rows riding along whose compressor states are saved and
+restored, admissions, prompt chunks, first tokens); and the host -> device helpers it relies on make no sync."""
+import contextlib
+
 import pytest
 import torch
 
@@ -58,3 +60,31 @@ def test_decode_iterations_make_no_sync_with_riding_rows():
     assert protected, "no iteration protected a riding row's compressor state"
     assert [len(r.token_ids) for r in short] == [2] * 4 and len(long.token_ids) == 40
     assert long.finish_reason == "length"
+
+
+def test_admissions_and_prefill_chunks_make_no_sync():
+    """With NVFP4 experts (whose prefill routes on the device; the bf16 experts' eager loop reads routing counts
+    on the host) every iteration is sync-free: admissions (sampler rows), prompt chunks interleaved with decode
+    steps, first tokens, rows ending and new ones taking their place. The same arrivals give the same tokens as
+    the run before, which made its copies the blocking way (a staged copy read too late would differ)."""
+    eng = Engine.from_pretrained(DEFAULT_MODEL_DIR, device="cuda", max_batch_size=4, max_seq_len=256, quant="nvfp4",
+                                 progress=False)
+    ids = eng.get_tokenizer().encode((DEFAULT_MODEL_DIR / "heldout_sample.txt").read_text())
+    specs = [(ids[0:40], SamplingParams(), 30), (ids[200:237], SamplingParams(0.8, 20, 0.9, 7), 12),
+             (ids[400:405], SamplingParams(seed=3), 25), (ids[600:650], SamplingParams(0.7, 0, 1.0, 11), 9),
+             (ids[800:833], SamplingParams(), 20)]
+
+    def run(sched, reqs, check_sync):
+        out = [sched.submit(Request(p, sp, n, ignore_eos=True)) for p, sp, n in reqs[:1]]
+        sched.step()  # the first request's first chunk: the others arrive while it runs
+        with _NoSync() if check_sync else contextlib.nullcontext():
+            out += [sched.submit(Request(p, sp, n, ignore_eos=True)) for p, sp, n in reqs[1:]]
+            sched.run_until_idle()
+        return out
+
+    s = Scheduler(eng, max_prefill_tokens=16, reuse=False)
+    ref = run(s, specs, False)  # also the first use of every path (pinned staging sizes, cuBLAS workspaces)
+    got = run(s, specs, True)
+    assert s.stats.prefill_chunks > 2 * len(specs)  # prompts of up to 50 tokens in 16-token chunks, twice
+    assert [len(r.token_ids) for r in got] == [n for _, _, n in specs]
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]

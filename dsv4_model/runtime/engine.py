@@ -120,7 +120,7 @@ class Engine(EngineSession):
         dspark: also commit the chunk's positions to the DSpark module's rings (the streams entering its target
         layers) and return (logits, None)."""
         dev = self.device
-        tokens, lengths, start = tokens.to(dev), lengths.to(dev), start.to(dev)
+        tokens, lengths, start = to_device(tokens, dev), to_device(lengths, dev), to_device(start, dev)
         if dspark:
             from dsv4_model.runtime.dspark_speculative import prefill_taps
 
@@ -153,9 +153,10 @@ class Engine(EngineSession):
         t, and the k most likely there. Returns (fp32 logits [B, V] at each row's last token, the final streams
         there [B, hc, dim], [(chosen [m], top values [m, k], top ids [m, k]) per scored row], device tensors)."""
         dev = self.device
-        h, last = self._chunk_streams(tokens.to(dev), lengths.to(dev), start.to(dev), mtp_next)
+        h, last = self._chunk_streams(to_device(tokens, dev), to_device(lengths, dev), to_device(start, dev),
+                                      mtp_next)
         rows, next_ids, next_lengths, k = score
-        scores = [score_positions(self.model, h[b, :n], next_ids[b, :n].to(dev), k)
+        scores = [score_positions(self.model, h[b, :n], to_device(next_ids[b, :n], dev), k)
                   for b, n in zip(rows, next_lengths[rows].tolist())]
         return self.model._logits(last), last, scores
 

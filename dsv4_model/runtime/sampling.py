@@ -81,11 +81,13 @@ class SamplerBuffers:
 
     def set_row(self, row: int, params: SamplingParams) -> None:
         """Row `row` gets params and offset 0 (a request admitted into a running batch); the others keep theirs."""
-        self.temperature[row] = float(params.temperature)
-        self.top_k[row] = int(params.top_k)
-        self.top_p[row] = float(params.top_p)
-        self.seed[row] = seed_key(params.seed)
-        self.offset[row] = 0
+        # fill_ of a Python scalar is a kernel argument; `t[row] = scalar` on a GPU copies a host 0-d tensor and
+        # waits for the stream (this runs while the previous iteration's step is in flight)
+        self.temperature[row].fill_(float(params.temperature))
+        self.top_k[row].fill_(int(params.top_k))
+        self.top_p[row].fill_(float(params.top_p))
+        self.seed[row].fill_(seed_key(params.seed))
+        self.offset[row].fill_(0)
 
     def rows(self, n: int) -> tuple[torch.Tensor, ...]:
         """(temperature, top_k, top_p, seed, offset) views of rows [:n]."""

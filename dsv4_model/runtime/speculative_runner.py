@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4_model.model.to_device import device_longs
+from dsv4_model.model.to_device import device_longs, to_device
 from dsv4_model.runtime.compiled import DecodeRunner
 from dsv4_model.runtime.speculative import (SAMPLING_MODES, Sampler, check_model, first_drafts, sampling_mode,
                                             verify_step)
@@ -134,8 +134,8 @@ class DraftingRunner(DecodeRunner):
         """Rows [:n]' positions for a pass inside a running batch -> (positions, room) on the device: state (host)
         1 or 2: the row's own, 0: hold (host); a position without room for a step's writes (reach ahead) becomes 0
         (room False: what that row holds is lost, and the scheduler stops reusing it)."""
-        st = state[:n].to(self.device, non_blocking=True)
-        pos = torch.where(st > 0, self.positions[:n], hold[:n].to(self.device, non_blocking=True))
+        st = to_device(state[:n], self.device)
+        pos = torch.where(st > 0, self.positions[:n], to_device(hold[:n], self.device))
         room = pos + self.reach < self.model.max_seq_len
         return torch.where(room, pos, 0), room
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dsv4_model.model.to_device import device_longs
 from dsv4_model.runtime.sampling import SamplingParams, seed_key
 
 
@@ -77,8 +78,9 @@ class StepPlan:
             if self.first_rows:
                 first = runner.sample_rows(self.prefill_logits, self.first_rows, self.first_slots)
                 if drafting:
-                    runner.start_rows(self.first_rows, None if streams is None else streams[self.first_slots],
-                                      self.first_last, self.first_hold, self.first_state)
+                    at = None if streams is None else streams.index_select(
+                        0, device_longs(self.first_slots, streams.device))  # (a list index would sync)
+                    runner.start_rows(self.first_rows, at, self.first_last, self.first_hold, self.first_state)
         if self.decode_rows:
             restore = engine.protect_rows(self.protect) if self.protect else None
             if self.state is None:
@@ -203,9 +205,10 @@ def forget_plan_groups() -> None:
     _PLAN_GROUPS.clear()
 
 
-def broadcast_plan(plan: StepPlan | None, group=None) -> StepPlan:
+def broadcast_plan(plan: StepPlan | None, group=None, pin: bool = False) -> StepPlan:
     """Rank 0 of `group` (a gloo group: `plan_group`) sends `plan`; every other rank receives it (pass None). Two
-    broadcasts of host tensors: the body's length, the body."""
+    broadcasts of host tensors: the body's length, the body (received into pinned memory with pin: the plan's
+    positions and tokens then reach the GPU without a stream sync)."""
     import torch.distributed as dist
 
     src = dist.get_global_rank(group, 0) if group is not None else 0
@@ -214,7 +217,7 @@ def broadcast_plan(plan: StepPlan | None, group=None) -> StepPlan:
     n = torch.tensor([body.numel() if sending else 0], dtype=torch.long)
     dist.broadcast(n, src, group=group)
     if not sending:
-        body = torch.empty(int(n.item()), dtype=torch.long)
+        body = torch.empty(int(n.item()), dtype=torch.long, pin_memory=pin)
     dist.broadcast(body, src, group=group)
     return plan if sending else StepPlan.decode(body)
 
@@ -240,7 +243,7 @@ def follow(engine, rows: int | None = None, group=None, speculate: int = 0, mode
     n = 0
     with torch.no_grad():
         while True:
-            plan = broadcast_plan(None, wire)
+            plan = broadcast_plan(None, wire, pin=engine.device.type == "cuda")
             if plan.stop:
                 return n
             if plan.score is not None:  # the same prefill path as rank 0's; the scores are rank 0's to read
