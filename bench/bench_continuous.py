@@ -99,11 +99,12 @@ def run_continuous(engine: Engine, C: int, args, gen: torch.Generator) -> dict:
     def on_step():
         t, st, n = time.perf_counter(), sched.stats, tokens()
         clean = st.prefill_chunks == last["chunks"]
-        if clean and last["clean"] and last["t"] is not None and n > last["rows"]:
+        counted = clean and last["clean"] and last["t"] is not None and n > last["rows"]
+        timer.iteration(counted)
+        if counted:
             steady["rows"] += n - last["rows"]
             steady["s"] += t - last["t"]
             steady["steps"] += st.decode_steps - last["steps"]
-            timer.mark_steady()
             host["steady_launch"] += host["launch"]
             host["steady_read"] += host["read"]
         host["launch"] = host["read"] = 0.0
@@ -153,15 +154,17 @@ class StepTimer:
     between steps. None off CUDA."""
 
     def __init__(self, runner, device: torch.device):
-        self.runner, self.pairs, self.steady = runner, [], []
+        self.runner, self.pairs, self.steady, self.seen = runner, [], [], 0
         self.cuda = device.type == "cuda"
         if self.cuda:
             runner.launch = event_timed(runner.launch, self.pairs)
 
-    def mark_steady(self) -> None:
-        """The latest launch belongs to a steady (decode-only) iteration."""
-        if self.pairs:
+    def iteration(self, steady: bool) -> None:
+        """An iteration ended: its launch (if it made one: a speculative run's last read launches nothing) is a
+        steady one's where `steady`."""
+        if steady and len(self.pairs) > self.seen:
             self.steady.append(len(self.pairs) - 1)
+        self.seen = len(self.pairs)
 
     def remove(self) -> None:
         self.runner.__dict__.pop("launch", None)

@@ -14,14 +14,17 @@ import torch
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """t on `device`; a host tensor going to a GPU is copied without a sync: a pageable one through a pinned
-    staging copy (t may change afterwards), a pinned one directly (as any non-blocking copy, it must keep its
+    """t on `device`; a host tensor going to a GPU is copied without a sync: a pageable or strided one through a
+    contiguous pinned staging copy (t may change afterwards; a strided pinned source would make the copy stage
+    through pageable memory again), a contiguous pinned one directly (as any non-blocking copy, it must keep its
     values until the stream has run the copy: the scheduler's pinned double buffers are rewritten two iterations
     later, after that iteration's event)."""
     device = torch.device(device)
     if device.type != "cuda" or t.device.type != "cpu" or torch.compiler.is_compiling():
         return t.to(device)
-    return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
+    if not (t.is_pinned() and t.is_contiguous()):
+        t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+    return t.to(device, non_blocking=True)
 
 
 def device_longs(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
