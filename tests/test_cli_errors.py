@@ -261,6 +261,7 @@ SERVE_CASES = [
     ("serve: --act-quant nvfp4 --quant none", ["--act-quant", "nvfp4", "--quant", "none"],
      "it contradicts --quant none"),
     ("serve: --model ''", ["--model", ""], "--model: empty"),
+    ("serve: --served-model-name ''", ["--served-model-name", " "], "--served-model-name: empty"),
 ]
 
 
@@ -323,8 +324,13 @@ def test_serve_on_a_taken_port_says_so_before_loading(monkeypatch, capfd):
         assert cli.main(["--device", "cpu", "--port", str(port)]) == 2
     _, err = capfd.readouterr()
     assert err.startswith(f"error: --host 127.0.0.1 --port {port}: cannot listen there") and err.count("\n") == 1, err
-    with pytest.raises(OSError, match="--host no-such-host.invalid"):
-        cli.check_port("no-such-host.invalid", 8000)
+    for port in (8000, 0):  # --port 0 (any free port) still checks the host
+        with pytest.raises(OSError, match="--host no-such-host.invalid"):
+            cli.check_port("no-such-host.invalid", port)
+    assert cli.main(["--device", "cpu", "--host", "no-such-host.invalid", "--port", "0"]) == 2
+    _, err = capfd.readouterr()
+    assert err.startswith("error: --host no-such-host.invalid") and err.count("\n") == 1, err
+    cli.check_port("127.0.0.1", 0)
 
 
 def test_serve_default_context_stays_within_max_position_embeddings(tmp_path):

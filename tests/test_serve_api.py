@@ -203,6 +203,37 @@ def test_invalid_fields_are_4xx(client, kw, param):
     assert "Value error" not in e.value.body["message"]  # pydantic's own prefix
 
 
+def test_null_is_the_default_and_types_are_strict(served, client):
+    """null for a field with a default is that default (OpenAI types them "number or null"; client libraries send
+    unset fields as null): the same seeded completion as without them. A bool is not a token id, "yes" not true, and
+    a prompt of another type is refused naming what the field takes."""
+    url = served[0].url
+    base = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 4, "seed": 7}
+    nulls = {k: None for k in ("temperature", "top_p", "top_k", "n", "stream", "echo", "ignore_eos",
+                               "presence_penalty", "frequency_penalty", "stop", "logprobs", "stream_options")}
+    a = httpx.post(url + "/v1/completions", json=base, timeout=60)
+    b = httpx.post(url + "/v1/completions", json=base | nulls, timeout=60)
+    assert a.status_code == b.status_code == 200
+    assert b.json()["choices"][0]["text"] == a.json()["choices"][0]["text"] and len(b.json()["choices"]) == 1
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    r = httpx.post(url + "/v1/chat/completions", json=chat | {"temperature": None, "n": None, "top_p": None,
+                                                              "max_completion_tokens": None}, timeout=60)
+    assert r.status_code == 200, r.text
+    for body, param, says in [
+            ({"prompt": [True, False]}, "prompt", "a list of token ids"), ({"prompt": 123}, "prompt", "a string"),
+            ({"prompt": [1.5]}, "prompt", "a list of token ids"), ({"prompt": "x", "stream": "yes"}, "stream", ""),
+            ({"prompt": "x", "echo": 1}, "echo", ""), ({"prompt": None}, "prompt", "a string")]:
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "max_tokens": 2} | body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+        assert says in r.json()["error"]["message"] and ".str:" not in r.json()["error"]["message"]
+    for msgs in ([{"role": "user"}], [{"role": "system", "content": None}, {"role": "user", "content": "x"}]):
+        r = httpx.post(url + "/v1/chat/completions", json=chat | {"messages": msgs}, timeout=60)
+        assert r.status_code == 400 and "needs content" in r.json()["error"]["message"], r.text
+    r = httpx.post(url + "/v1/chat/completions",
+                   json=chat | {"chat_template_kwargs": {"thinking": "yes"}}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+
+
 def test_neutral_values_of_refused_fields_are_accepted(client):
     """The neutral value of each refused field (what vLLM clients send by default) changes nothing: answered."""
     neutral = {"logit_bias": {}, "repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0, "stop_token_ids": [],

@@ -429,9 +429,17 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
     return app
 
 
+# What a field of several accepted types takes: pydantic reports a mismatch against one of the types by its name
+# ("prompt.str: Input should be a valid string"), which tells a client neither what went wrong nor what else works.
+UNION_FIELDS = {"prompt": "a string, a list of strings, a list of token ids (ints) or a list of such lists",
+                "stop": "a string or a list of strings", "tool_choice": "a string or an object"}
+
+
 def _invalid_field(err: dict) -> APIError:
     """A pydantic error (the first of a body's) as a 400 naming its field."""
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    if len(loc) > 1 and loc[0] in UNION_FIELDS and not loc[1].isdigit():  # loc[1]: the union member's name
+        return APIError(400, f"{loc[0]}: must be {UNION_FIELDS[loc[0]]}", loc[0])
     msg = str(err.get("msg")).removeprefix("Value error, ")  # pydantic's wrapper of our validators' messages
     return APIError(400, f"{'.'.join(loc) or 'body'}: {msg}", loc[0] if loc else None)
 

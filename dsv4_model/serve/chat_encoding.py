@@ -218,6 +218,8 @@ def _fold(messages: list[dict]) -> list[_Turn]:
         if not isinstance(m, dict):
             raise ChatError(f"{where}: must be an object", "messages")
         role = m.get("role")
+        if role in ("user", "system", "tool") and m.get("content") is None:  # (as OpenAI: only an assistant
+            raise ChatError(f"{where}.content: a {role} message needs content", "messages")  # turn may omit it)
         if role == "tool":  # the encoder joins a result's text parts by a blank line
             k = order.get(m.get("tool_call_id") or "", 0)
             parts.append((k, f"<tool_result>{_text(m.get('content'), where, sep=chr(10) * 2)}</tool_result>"))

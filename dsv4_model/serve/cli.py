@@ -95,6 +95,8 @@ def _check(args) -> None:
         check_threads_fit(args.threads)
     if not 0 <= args.port < 65536:
         raise ValueError("--port must be in [0, 65535]")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ValueError("--served-model-name: empty (leave it out for the checkpoint's name)")
     if args.drain_timeout < 0:
         raise ValueError("--drain-timeout must be >= 0")
     if args.speculate:
@@ -230,11 +232,9 @@ def check_serving_packages() -> None:
 
 def check_port(host: str, port: int) -> None:
     """--host / --port free to listen on, checked before the model loads (minutes for a large one) rather than
-    found by uvicorn after it; --port 0 takes any free port."""
+    found by uvicorn after it; --port 0 takes any free port (the host is still checked: binding port 0 is)."""
     import socket
 
-    if port == 0:
-        return
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:

@@ -7,7 +7,7 @@ import json
 import secrets
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from dsv4_model.runtime.sampling import INT64_MAX, SEED_MAX, SEED_MIN, SamplingParams
 
@@ -30,11 +30,22 @@ class APIError(Exception):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data):
+        """null for a field that has a default means the default: OpenAI types these "number or null" and client
+        libraries send unset fields as null (a required field's null stays, and is refused)."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None}
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -44,9 +55,9 @@ class _Sampling(BaseModel):
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=MAX_N)
-    stream: bool = False
+    stream: StrictBool = False  # (strict: "yes" or 1 is a 400, not true)
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     logprobs: Any = None
     top_logprobs: int | None = None
     presence_penalty: float = 0.0
@@ -111,9 +122,9 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # (strict: true is not token id 1)
     max_tokens: int | None = Field(None, ge=0)  # 0: with echo, the prompt back (with logprobs: scored)
-    echo: bool = False
+    echo: StrictBool = False
     suffix: str | None = None
     best_of: int | None = None
     response_format: dict[str, Any] | None = None
@@ -153,9 +164,9 @@ class CompletionRequest(_Sampling):
 class ChatTemplateKwargs(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    thinking: bool | None = None
-    enable_thinking: bool | None = None
-    drop_thinking: bool | None = None  # the encoder's drop_thinking (earlier turns' reasoning left out)
+    thinking: StrictBool | None = None
+    enable_thinking: StrictBool | None = None
+    drop_thinking: StrictBool | None = None  # the encoder's drop_thinking (earlier turns' reasoning left out)
 
 
 class ChatRequest(_Sampling):
@@ -237,12 +248,12 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: StrictBool = True
 
 
 class DetokenizeRequest(BaseModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 def check_text(value: Any, where: str) -> None:
