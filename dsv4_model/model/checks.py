@@ -24,17 +24,19 @@ def parse_device(device) -> torch.device:
 MAX_POSITIONS = 2**31 - 1
 
 
-def check_max_seq_len(max_seq_len, config, allow_beyond_max_position: bool = False) -> None:
+def check_max_seq_len(max_seq_len, config, allow_beyond_max_position: bool = False,
+                      name: str = "max_seq_len") -> None:
     """max_seq_len (the cache length) must lie in [largest compress ratio, config.max_position_embeddings]; the
-    upper bound only unless allow_beyond_max_position (positions the model was not trained for)."""
+    upper bound only unless allow_beyond_max_position (positions the model was not trained for). name: what the
+    errors call it (the CLI's flag)."""
     low = max(1, max(config.compress_ratios))
     if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < low:
-        raise ValueError(f"max_seq_len must be an int >= {low} (the largest compress ratio), got {max_seq_len!r}")
+        raise ValueError(f"{name} must be an int >= {low} (the largest compress ratio), got {max_seq_len!r}")
     if max_seq_len > MAX_POSITIONS:
-        raise ValueError(f"max_seq_len must be at most {MAX_POSITIONS} (positions are int32 in the kernels), "
+        raise ValueError(f"{name} must be at most {MAX_POSITIONS} (positions are int32 in the kernels), "
                          f"got {max_seq_len}")
     if max_seq_len > config.max_position_embeddings and not allow_beyond_max_position:
-        raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings="
+        raise ValueError(f"{name}={max_seq_len} exceeds the model's max_position_embeddings="
                          f"{config.max_position_embeddings} (allow_beyond_max_position=True, or "
                          "--allow-beyond-max-position, runs past it anyway)")
 

@@ -280,7 +280,7 @@ def _cache_len(args, config, prompt_ids) -> int:
     longest = max(len(p) for p in prompt_ids)
     limit = None if args.allow_beyond_max_position else config.max_position_embeddings
     if args.max_seq_len is not None:
-        check_max_seq_len(args.max_seq_len, config, args.allow_beyond_max_position)
+        check_max_seq_len(args.max_seq_len, config, args.allow_beyond_max_position, "--max-seq-len")
         n = args.max_seq_len
     else:
         # a speculative step may write 2K positions past its row's
