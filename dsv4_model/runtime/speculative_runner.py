@@ -130,14 +130,15 @@ class DraftingRunner(DecodeRunner):
         """The sampling mode of the steps from now on (its buckets prepared: prepare(rows, mode))."""
         self._set_mode(mode)
 
-    def _ride(self, n: int, hold: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows [:n]' positions for a pass inside a running batch -> (positions, room) on the device: state (host)
-        1 or 2: the row's own, 0: hold (host); a position without room for a step's writes (reach ahead) becomes 0
-        (room False: what that row holds is lost, and the scheduler stops reusing it)."""
+    def _ride(self, n: int, hold: torch.Tensor,
+              state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows [:n]' positions for a pass inside a running batch -> (positions, room, state) on the device: state
+        (host) 1 or 2: the row's own, 0: hold (host); a position without room for a step's writes (reach ahead)
+        becomes 0 (room False: what that row holds is lost, and the scheduler stops reusing it)."""
         st = to_device(state[:n], self.device)
         pos = torch.where(st > 0, self.positions[:n], to_device(hold[:n], self.device))
         room = pos + self.reach < self.model.max_seq_len
-        return torch.where(room, pos, 0), room
+        return torch.where(room, pos, 0), room, st
 
     @torch.no_grad()
     def launch(self, rows: int, hold: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
@@ -149,9 +150,9 @@ class DraftingRunner(DecodeRunner):
         if (self.compile or self.cuda_graphs) and self._key(n) not in self._ready:
             raise RuntimeError(f"step {self._key(n)} is not prepared: prepare it before any row holds a sequence")
         self.padded, self.rows = n, n
-        pos, room = self._ride(n, hold, state)
+        pos, room, st = self._ride(n, hold, state)
         self.positions[:n].copy_(pos)
-        self.live[:n].copy_(((state[:n].to(self.device, non_blocking=True) == 2) & room).long())
+        self.live[:n].copy_(((st == 2) & room).long())
         out, self.last_logits = self._run()
         k = self.k
         count = torch.where(room, out[:, k + 1], -1).unsqueeze(1)
