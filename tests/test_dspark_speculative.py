@@ -179,3 +179,17 @@ def test_a_dspark_step_needs_k_positions_of_room_not_2k(ckpt):
     with pytest.raises(ValueError, match=f"no room for speculative steps \\(at most max_seq_len - {K} = {seq - K}"):
         s.submit(Request(list(range(1, seq - K + 2)), SamplingParams(), 1))
     s.run_until_idle()
+
+
+def test_row_copies_carry_the_dspark_rings(ckpt):
+    """A prefix snapshot is a row copy (Engine.copy_rows): DSpark's rings are copied with the main caches, and
+    no other row changes."""
+    model = load_model(ckpt, dtype=torch.float32, max_seq_len=64, max_batch_size=3, progress=False)[0]
+    rings = [st.attn.kv_cache for st in model.dspark.mtp]
+    main = next(b for n, b in model.named_buffers() if n.endswith("kv_cache"))
+    for r in (*rings, main):
+        for row in range(3):
+            r[row].fill_(float(row + 1))
+    model.copy_rows_([2], [0])
+    for r in (*rings, main):
+        assert [float(r[row].flatten()[0]) for row in range(3)] == [3.0, 2.0, 3.0]

@@ -651,3 +651,75 @@ def test_every_eos_id_of_the_config_ends_a_completion(engine, prompt_ids, alone,
     assert r.token_ids == ids[:at] and r.finish_reason == "stop"  # (an eos is not part of the text)
     out = generate(engine, [prompt_ids[0]], max_new_tokens=MAX_TOKENS[0], seed=100)
     assert out.token_ids[0] == ids[:at] and out.finish_reasons[0] == "stop"
+
+
+def _held_text(engine, a: int, n: int) -> list[int]:
+    return engine.get_tokenizer().encode((DEFAULT_MODEL_DIR / "heldout_sample.txt").read_text())[a:a + n]
+
+
+def test_a_prefix_snapshot_serves_later_prompts(engine32, monkeypatch):
+    """A request that asks for a snapshot at position 70 (a shared "system prompt"; past a window of 64 and
+    compression boundaries) leaves its state there in a free row; later prompts that start with those 70 tokens
+    continue from a copy of it (the snapshot stays for the next), prefill only their own tokens and get a cold
+    run's tokens, greedy and sampled. A prompt that does not share the prefix does not use it. The plans run as
+    decoded from the torchrun wire (the row copies travel in them)."""
+    from dsv4_model.runtime.step_plan import StepPlan
+
+    real, copied = StepPlan.run, []
+
+    def via_wire(plan, e, runner):
+        back = StepPlan.decode(plan.encode())
+        assert (back.copies, back.keeps) == (plan.copies, plan.keeps)
+        copied.extend(back.copies + back.keeps)
+        out = real(back, e, runner)
+        plan.prefill_logits = getattr(back, "prefill_logits", None)
+        return out
+
+    monkeypatch.setattr(StepPlan, "run", via_wire)
+    eng = engine32
+    system = _held_text(eng, 0, 70)
+    prompts = [system + _held_text(eng, 100, 20), system + _held_text(eng, 200, 30), system + _held_text(eng, 300, 9),
+               _held_text(eng, 1, 69) + _held_text(eng, 400, 10)]
+    params = [SamplingParams(), SamplingParams(), SamplingParams(temperature=0.8, top_k=20, seed=3), SamplingParams()]
+    s = Scheduler(eng, max_prefill_tokens=32, snapshot_min_tokens=16)
+    got = []
+    for p, sp in zip(prompts, params):
+        before = s.stats.prefill_tokens
+        got.append(s.submit(Request(p, sp, 20, ignore_eos=True, snapshot_at=(70,) if p[:70] == system else ())))
+        s.run_until_idle()
+        assert s.stats.prefill_tokens - before == len(p) - got[-1].reused_tokens
+    assert s.stats.snapshots == 1 and s.stats.snapshot_hits == 2
+    assert [r.reused_tokens for r in got] == [0, 70, 70, 0]
+    kept = [r for r in s.rows if r.shared and r.owner is not None]
+    assert len(kept) == 1 and kept[0].seq == system and kept[0].filled == 70 and len(copied) == 3
+    cold = Scheduler(eng, max_prefill_tokens=32, reuse=False)
+    refs = [cold.submit(Request(p, sp, 20, ignore_eos=True)) for p, sp in zip(prompts, params)]
+    cold.run_until_idle()
+    assert [r.token_ids for r in got] == [r.token_ids for r in refs]
+
+
+def test_snapshots_need_a_free_row_and_are_kept_once(engine):
+    """Snapshots take free rows only (every row busy: none kept, the prompt runs as without); requests sharing a
+    prefix keep one snapshot of it; a snapshot shorter than snapshot_min_tokens, or one beyond what the scheduler
+    keeps, is not made; a bad snapshot_at is refused."""
+    system = _held_text(engine, 0, 40)
+    rows = len(Scheduler(engine).rows)
+    full = Scheduler(engine, max_prefill_tokens=256, snapshot_min_tokens=8)  # every prompt in the first chunk
+    reqs = [full.submit(Request(system + [5 + i] * 6, SamplingParams(), 4, snapshot_at=(40,))) for i in range(rows)]
+    full.run_until_idle()
+    assert full.stats.snapshots == 0 and all(r.finish_reason == "length" for r in reqs)
+    two = Scheduler(engine, max_prefill_tokens=16, snapshot_min_tokens=8)
+    for i in range(2):
+        two.submit(Request(system + [5 + i] * 6, SamplingParams(), 4, snapshot_at=(40,)))
+    two.run_until_idle()
+    assert two.stats.snapshots == 1
+    short = Scheduler(engine, max_prefill_tokens=16, snapshot_min_tokens=41)
+    short.submit(Request(system + [5] * 6, SamplingParams(), 4, snapshot_at=(40,)))
+    short.run_until_idle()
+    off = Scheduler(engine, max_prefill_tokens=16, snapshots=False)
+    off.submit(Request(system + [5] * 6, SamplingParams(), 4, snapshot_at=(40,)))
+    off.run_until_idle()
+    assert short.stats.snapshots == 0 and off.stats.snapshots == 0
+    for bad in ((0,), (46,), (True,), 40, (4.0,)):
+        with pytest.raises(ValueError, match="snapshot_at"):
+            off.submit(Request(system + [5] * 6, SamplingParams(), 4, snapshot_at=bad))

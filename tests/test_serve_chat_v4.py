@@ -437,3 +437,52 @@ def test_models_retrieve(served):
     with pytest.raises(openai.NotFoundError) as e:
         c.models.retrieve("gpt-4")
     assert e.value.body["type"] == "not_found_error" and e.value.body["param"] == "model"
+
+
+def test_chat_prompts_mark_the_prefixes_the_next_ones_repeat():
+    """ChatFormat's snapshot positions, checked against the prompts that follow: the system part's end is where
+    another conversation with the same system prompt diverges (tokens equal before it); in thinking mode the
+    position before the final `<think>` is where the next turn (earlier reasoning dropped, its header rewritten
+    `</think>`) diverges from this prompt; with tools (reasoning kept) or thinking off no such position, since the
+    next turn extends the whole sequence. The server hands them to the scheduler (Request.snapshot_at)."""
+    from dsv4_model.serve.chat_format import ChatFormat
+    from dsv4_model.serve.protocol import ChatRequest
+
+    tok = v4_tokenizer()
+    fmt = ChatFormat("deepseek_v4", tok)
+    system = {"role": "system", "content": "You are a careful assistant. " * 8}
+
+    def prompt(msgs, **kw):
+        return fmt.prompt(ChatRequest(model="v4", messages=msgs, **kw))
+
+    def diverge(a, b):
+        return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+
+    turn1 = [system, {"role": "user", "content": "Name a prime."}]
+    p1 = prompt(turn1)
+    turn2 = turn1 + [{"role": "assistant", "reasoning_content": "Two is prime.", "content": "2"},
+                     {"role": "user", "content": "Another?"}]
+    p2 = prompt(turn2)
+    other = prompt([system, {"role": "user", "content": "Which colour?"}])
+    sys_end = diverge(p1.ids, other.ids) - 1  # both continue with <｜User｜>
+    assert p1.ids[sys_end] == tok._tok.token_to_id(USER)
+    assert p1.snapshot_at == (sys_end, len(p1.ids) - 1) and diverge(p1.ids, p2.ids) == len(p1.ids) - 1
+    assert p2.snapshot_at == (sys_end, len(p2.ids) - 1) and p2.ids[:sys_end] == p1.ids[:sys_end]
+    off = prompt(turn1, chat_template_kwargs={"thinking": False})
+    off_other = prompt([system, {"role": "user", "content": "Which colour?"}], chat_template_kwargs={"thinking": False})
+    assert off.snapshot_at == (diverge(off.ids, off_other.ids) - 1,)
+    with_tools = prompt(turn1, tools=TOOLS)
+    other_tools = prompt([system, {"role": "user", "content": "Which colour?"}], tools=TOOLS)
+    assert with_tools.snapshot_at == (diverge(with_tools.ids, other_tools.ids) - 1,)
+    assert prompt(turn1[1:]).snapshot_at[-1] == len(prompt(turn1[1:]).ids) - 1
+
+    seen = []
+    stub = StubScheduler(tok, lambda req: seen.append(req.snapshot_at) or [tok.eos_id])
+    srv = ServerThread(create_app(stub, ServeConfig(model_name="v4")))
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        c.chat.completions.create(model="v4", messages=turn2)
+        c.completions.create(model="v4", prompt="Name a prime.")
+    finally:
+        srv.stop()
+    assert seen == [p2.snapshot_at, ()]

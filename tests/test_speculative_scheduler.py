@@ -364,3 +364,23 @@ def test_plans_run_after_the_wire(engine, prompt_ids, alone, monkeypatch):
     got = _run(SpeculativeScheduler(engine, K, max_prefill_tokens=8), prompt_ids, 2)
     assert [r.token_ids for r in got] == [r.token_ids for r in alone]
     assert kinds == {"mtp_next", "first_hold", "state", "mode"}
+
+
+def test_prefix_snapshots_under_speculation(engine, prompt_ids):
+    """Speculative rows continue from a copy of a prefix snapshot (the MTP block's caches copied with the main
+    model's): later prompts sharing the prefix prefill only their own tokens and get a cold run's tokens, greedy
+    and sampled (the drafts, which decide the sampled tokens' draws, equal too)."""
+    tok = engine.get_tokenizer()
+    system = tok.encode((DEFAULT_MODEL_DIR / "heldout_sample.txt").read_text())[:70]
+    prompts = [system + p[1:] for p in prompt_ids[:3]]
+    s = SpeculativeScheduler(engine, K, max_prefill_tokens=16, snapshot_min_tokens=16)
+    got = []
+    for i, p in enumerate(prompts):
+        got.append(s.submit(Request(p, _params(i), 20, ignore_eos=True, snapshot_at=(70,))))
+        s.run_until_idle()
+    # (taken at 69: the MTP block's state at position 69 reads token 70, which the prompts do not share)
+    assert s.stats.snapshots == 1 and [r.reused_tokens for r in got] == [0, 69, 69]
+    cold = SpeculativeScheduler(engine, K, max_prefill_tokens=16, reuse=False)
+    refs = [cold.submit(Request(p, _params(i), 20, ignore_eos=True)) for i, p in enumerate(prompts)]
+    cold.run_until_idle()
+    assert [r.token_ids for r in got] == [r.token_ids for r in refs]

@@ -135,8 +135,9 @@ def test_expert_parallel_ranks_pick_kernels_without_timing_them(tmp_path):
 @pytest.mark.parametrize("wire", ["group", "separate"])
 def test_scheduler_under_torchrun_rank0_decides(ckpts, tmp_path, wire):
     """Rank 0's Scheduler broadcasts each iteration's plan; rank 1 runs it (step_plan.follow): staggered requests,
-    more than rows, one cancelled, give the single process's tokens; a scored prompt its log-probabilities. The
-    plans travel through the gloo group itself, or through a gloo group of their own (as over NCCL)."""
+    more than rows, one cancelled, give the single process's tokens; a scored prompt its log-probabilities; a prompt
+    continuing from a prefix snapshot (the row copies in the plans) the same. The plans travel through the gloo
+    group itself, or through a gloo group of their own (as over NCCL)."""
     import sched_worker
 
     path = str(ckpts / "hf")
@@ -146,7 +147,8 @@ def test_scheduler_under_torchrun_rank0_decides(ckpts, tmp_path, wire):
     torch.set_num_threads(1)
     want = sched_worker.run(sched_worker.engine(path))
     assert [g[:2] for g in got] == [w[:2] for w in want]
-    assert want[4][1] == "cancelled" and all(w[1] == "length" for w in want[:4])
+    assert want[4][1] == "cancelled" and all(w[1] == "length" for w in want[:4] + want[5:])
+    assert [w[3] for w in want[5:]] == [0, len(sched_worker.SHARED)] == [g[3] for g in got[5:]]
     assert len(want[2][2]) == len(sched_worker.PROMPTS[2]) - 1 and want[2][2] == pytest.approx(got[2][2], abs=1e-4)
 
 

@@ -336,6 +336,19 @@ class Transformer(nn.Module):
                 buf.index_copy_(0, ia, buf.index_select(0, ib))
                 buf.index_copy_(0, ib, held)
 
+    @torch.no_grad()
+    def copy_rows_(self, src: list[int], dst: list[int]) -> None:
+        """Cache row src[i] -> row dst[i] in every cache and state buffer (an attached DSpark module's too): the
+        scheduler keeps a prompt's state at a prefix in a free row, and later prompts that share the prefix
+        continue from a copy of it."""
+        isrc = device_longs(src, self.device)
+        idst = device_longs(dst, self.device)
+        dspark = getattr(self, "dspark", None)
+        bufs = [*self.named_buffers(), *(dspark.named_buffers() if dspark is not None else ())]
+        for name, buf in bufs:
+            if name.endswith(self.CACHE_SUFFIXES):
+                buf.index_copy_(0, idst, buf.index_select(0, isrc))
+
     def compressor_ratios(self) -> set[int]:
         return {mod.ratio for mod in self.modules() if isinstance(mod, Compressor)}
 

@@ -181,6 +181,10 @@ class Engine(EngineSession):
         """Exchange the caches of each pair of rows (the scheduler's prefill placement)."""
         self.model.swap_rows_([a for a, _ in pairs], [b for _, b in pairs])
 
+    def copy_rows(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy the caches of row a into row b for each pair (the scheduler's prefix snapshots)."""
+        self.model.copy_rows_([a for a, _ in pairs], [b for _, b in pairs])
+
     def speculative_runner(self, k: int):
         """The SpeculativeRunner generate(..., speculate=k) steps (MTP drafts), built on first use per k from
         `runner_options` (rebuilt when they change)."""

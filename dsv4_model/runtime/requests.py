@@ -57,6 +57,10 @@ class Request:
     # likely there (None: off; the prompt is then prefilled whole, never continued from a kept row); with it
     # max_tokens may be 0 (score the prompt, generate nothing)
     prompt_logprobs: int | None = None
+    # prompt positions (0 < p < len(prompt)) whose state the scheduler keeps in a free row, where it has one: a later
+    # prompt that starts with prompt[:p] continues from a copy of it (a shared system prompt; the part of a thinking-
+    # mode chat prompt the next turn repeats). Each costs the prompt one prefill chunk boundary there.
+    snapshot_at: tuple[int, ...] = ()
     on_token: TokenCallback | None = None
     on_finish: Callable[["Request"], None] | None = None
     id: int = field(default_factory=lambda: next(_ids))
@@ -67,7 +71,7 @@ class Request:
     finish_reason: str | None = None
     timings: Timings = field(default_factory=Timings)
     token_times: list[float] = field(default_factory=list)
-    reused_tokens: int = 0  # prompt tokens whose caches a finished request's row already held
+    reused_tokens: int = 0  # prompt tokens whose caches a kept row (a finished sequence, a prefix snapshot) held
     # with logprobs: per kept token, (its log-probability, [(id, log-probability)] of the `logprobs` most likely),
     # from the model's distribution before temperature / top-k / top-p
     token_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)

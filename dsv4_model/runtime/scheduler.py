@@ -3,10 +3,11 @@
 The cache rows are slots. Each iteration (`Scheduler.step`):
   1. cancelled requests end and free their rows;
   2. waiting requests take free rows (a row whose cached sequence the prompt extends is reused: only the new
-     tokens are prefilled);
+     tokens are prefilled; a prefix snapshot the prompt extends is copied into the row taken);
   3. one prefill chunk runs for rows still reading their prompt (each row's chunks are `max_prefill_tokens` long
-     from its own start, several rows per chunk while the budget lasts), and the rows that finish their prompt
-     sample their first token;
+     from its own start, several rows per chunk while the budget lasts; a chunk ends at a snapshot position the
+     request asked for, and the row's state there is copied into a free row), and the rows that finish their
+     prompt sample their first token;
   4. one decode step runs for the rows that are generating, in the smallest bucket holding the highest of them;
   5. the host reads the previous iteration's ids (one device -> host copy per iteration), emits tokens and ends
      requests, while the device runs this iteration's work.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import itertools
 import threading
 import time
 import weakref
@@ -33,6 +35,8 @@ from dsv4_model.runtime.requests import Request
 from dsv4_model.runtime.step_plan import StepPlan, broadcast_plan, plan_group
 
 DEFAULT_MAX_PREFILL_TOKENS = 2048
+# a shorter prefix is not worth a snapshot: its prefill costs about what an extra chunk boundary does
+DEFAULT_SNAPSHOT_MIN_TOKENS = 256
 MAX_LOGPROBS = 20  # top alternatives per token at most (OpenAI's chat API allows 20)
 
 
@@ -51,7 +55,10 @@ def prepare_buckets(runner, rows: int | None) -> int:
 class _Row:
     """One cache row. `seq` holds the tokens at positions [0, filled) once every fed id has been read back (and
     the latest sampled one after them); `owner` is the request whose sequence that is, kept after it ends so a
-    later prompt that extends it can reuse the caches."""
+    later prompt that extends it can reuse the caches. A free row that is `shared` holds a prefix snapshot (its
+    owner a negative id; `seq` the tokens a prompt must start with to use it: `filled` of them, one more where
+    the drafter's state at the last position reads the token after it): admissions copy it rather than take it,
+    while another free row is left."""
 
     index: int
     req: Request | None = None
@@ -63,6 +70,7 @@ class _Row:
     cap: int = 0  # tokens `req` may produce: max_tokens, or fewer where max_seq_len ends it
     pending: int = 0  # speculative steps: launches of `req` not read yet (each gives it one token or more)
     last_used: float = 0.0
+    shared: bool = False
 
     def harmless_position(self, limit: int) -> int:
         """Where the row rides along in a step it is not generating in: its sequence's end, or 0 from `limit` on
@@ -117,6 +125,8 @@ class SchedulerStats:
     prefill_tokens: int = 0
     reuse_hits: int = 0
     reused_tokens: int = 0
+    snapshots: int = 0  # prefix snapshots kept
+    snapshot_hits: int = 0  # admissions that continued from a copy of one (also counted in reuse_hits)
     decode_rows: int = 0  # sum over decode steps of the rows generating
     decode_bucket_rows: int = 0  # sum over decode steps of the bucket's rows
 
@@ -126,15 +136,21 @@ class Scheduler:
 
     submit() from any thread; step() / run_until_idle() / serve_forever() on one thread. max_prefill_tokens: prompt
     tokens per iteration (a long prompt delays the generating rows by at most one chunk per token they emit).
-    reuse: keep finished rows' sequences for prompts that extend them (evicted least recently used). rows: use cache
+    reuse: keep finished rows' sequences for prompts that extend them (evicted least recently used). snapshots: keep
+    the prefix states requests ask for (Request.snapshot_at, at least snapshot_min_tokens long) in free rows, for
+    later prompts that share them (with reuse, on an engine that copies cache rows). rows: use cache
     rows [:rows] only (default all; the buckets compiled / captured are those up to rows'). tokenizer: the requests'
     text (default the engine's). group: under torchrun, the process group whose rank 0 runs this scheduler while the
     other ranks run `step_plan.follow(engine, rows, group)`: each iteration's plan is broadcast (close() ends them).
     """
 
     def __init__(self, engine, *, max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, reuse: bool = True,
+                 snapshots: bool = True, snapshot_min_tokens: int = DEFAULT_SNAPSHOT_MIN_TOKENS,
                  rows: int | None = None, tokenizer=None, group=None, distributed: bool = False):
         check_positive_int(max_prefill_tokens, "max_prefill_tokens")
+        check_positive_int(snapshot_min_tokens, "snapshot_min_tokens")
+        self.snapshots = snapshots and reuse and hasattr(engine, "copy_rows")
+        self.snapshot_min_tokens = snapshot_min_tokens
         self.engine = engine
         self._lock = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
@@ -166,6 +182,8 @@ class Scheduler:
         self.runner = self._make_runner(engine)
         self.rows = [_Row(i) for i in range(self._prepare(rows))]
         self._admits: list[tuple[int, object]] = []  # sampler rows to set in the next plan
+        self._copies: list[tuple[int, int]] = []  # (snapshot row, admitted row) to copy in the next plan
+        self._snapshot_ids = itertools.count(-1, -1)
         self.on_step = None  # called on the scheduler's thread after each step (a server delivers its events then)
         self._closed = False
         model = getattr(engine, "model", None)
@@ -249,6 +267,10 @@ class Scheduler:
         if not (req.prompt_logprobs is not None and req.max_tokens == 0):  # scoring a prompt may generate nothing
             check_positive_int(req.max_tokens, "max_tokens")
         req.params.validate()
+        if not isinstance(req.snapshot_at, (tuple, list)) or any(
+                isinstance(p, bool) or not isinstance(p, int) or not 0 < p < len(req.prompt) for p in req.snapshot_at):
+            raise ValueError(f"snapshot_at: must be prompt positions p with 0 < p < len(prompt)={len(req.prompt)}, "
+                             f"got {req.snapshot_at!r}")
         if any(not isinstance(s, str) or not s for s in req.stop):
             raise ValueError("stop: every stop string must be a non-empty string")
         if req.logprobs is not None and not (isinstance(req.logprobs, int) and not isinstance(req.logprobs, bool)
@@ -394,7 +416,7 @@ class Scheduler:
                 if not self._waiting:
                     return
                 first = self._waiting[0]
-                row, start = self._place(first.prompt, reuse=first.prompt_logprobs is None)
+                row, start, src = self._place(first.prompt, reuse=first.prompt_logprobs is None)
                 if row is None:
                     return
                 req = self._waiting.popleft()
@@ -405,31 +427,45 @@ class Scheduler:
                 self.stats.reuse_hits += 1
                 self.stats.reused_tokens += start
                 req.reused_tokens = start
-                row.owner, row.seq, row.filled = req.id, row.seq[:start], start
+                held = row if src is None else src
+                row.owner, row.seq, row.filled = req.id, held.seq[:start], start
+                if src is not None:  # the snapshot stays for others; the row continues from a copy of it
+                    self._copies.append((src.index, row.index))
+                    src.last_used = now
+                    self.stats.snapshot_hits += 1
             row.req, row.phase, row.produced, row.pending, row.last_used = req, "prefill", 0, 0, now
+            row.shared = False
             self._prefilling.append(row)
             row.cap = min(req.max_tokens, 1 + self.max_seq_len - len(req.prompt))
             req.timings.admitted = now
             self._admits.append((row.index, req.params))
 
-    def _place(self, prompt: list[int], reuse: bool = True) -> tuple[_Row | None, int]:
-        """(row, first position to prefill) for a prompt: a free row whose sequence it extends, else a free row
-        inside the decode bucket the live rows need (one the step covers already, or the bucket of one more live
-        row): the lowest empty one, else the least recently used (its kept sequence is evicted). A warm row higher
-        up is not taken: a request there would make every step run a larger bucket (after a burst of requests all
-        rows are warm, and a lone request on row 31 would step bucket 32). reuse=False: no kept sequence is continued
-        (a scored prompt needs every position's logits)."""
+    def _place(self, prompt: list[int], reuse: bool = True) -> tuple[_Row | None, int, _Row | None]:
+        """(row, first position to prefill, snapshot row to copy into it or None) for a prompt: a free row whose
+        sequence it extends (the longest; a prefix snapshot is copied into another free row, or taken where it is
+        the last one free), else a fresh row (`_fresh`). reuse=False: no kept sequence is continued (a scored prompt
+        needs every position's logits)."""
         free = [r for r in self.rows if r.req is None]
         if not free:
-            return None, 0
+            return None, 0, None
         if self.reuse and reuse:
             best, best_len = None, 0
             for r in free:
                 n = self._reusable(r, prompt)
-                if n > best_len:
+                if n > best_len or (n and n == best_len and best.shared and not r.shared):
                     best, best_len = r, n
             if best is not None:
-                return best, best_len
+                if best.shared and len(free) > 1:
+                    return self._fresh([r for r in free if r is not best]), best_len, best
+                return best, best_len, None
+        return self._fresh(free), 0, None
+
+    def _fresh(self, free: list[_Row]) -> _Row:
+        """A row for a prompt prefilled from its start (or a snapshot's copy): a free row inside the decode bucket
+        the live rows need (one the step covers already, or the bucket of one more live row): the lowest empty
+        one, else the least recently used (what it kept is evicted). A warm row higher up is not taken: a request
+        there would make every step run a larger bucket (after a burst of requests all rows are warm, and a lone
+        request on row 31 would step bucket 32)."""
         busy = [r.index for r in self.rows if r.req is not None]
         limit = self.runner.bucket(len(busy) + 1)
         if busy:
@@ -437,16 +473,19 @@ class Scheduler:
         within = [r for r in free if r.index < limit] or free[:1]
         empty = [r for r in within if r.owner is None]
         if empty:
-            return empty[0], 0
-        return min(within, key=lambda r: r.last_used), 0
+            return empty[0]
+        return min(within, key=lambda r: r.last_used)
 
     def _reusable(self, row: _Row, prompt: list[int]) -> int:
         """Prompt positions row's caches already hold: the whole written sequence when the prompt extends it, else 0
         (a shorter shared prefix is no use: positions written after it have overwritten the window ring and
-        compressor state it needs)."""
+        compressor state it needs; a prefix snapshot keeps a row's state at a chosen position for that)."""
         n = row.filled
         if row.owner is None or n == 0 or len(row.seq) < n or n >= self.max_seq_len:
             return 0
+        if row.shared:  # a snapshot: the prompt starts with its key and goes on past it
+            key = row.seq
+            return n if len(prompt) > max(n, len(key) - 1) and prompt[:len(key)] == key else 0
         common = 0
         for a, b in zip(prompt, row.seq[:n]):
             if a != b:
@@ -474,8 +513,8 @@ class Scheduler:
         flight = _Flight()
         slot = self._slot
         self._slot ^= 1
-        plan = StepPlan(self._admits)
-        self._admits = []
+        plan = StepPlan(self._admits, copies=self._copies)
+        self._admits, self._copies = [], []
         self._plan_prefill(plan, flight)
         self._plan_decode(plan, flight, slot)
         if plan.admits or plan.prefill is not None or plan.decode_rows:
@@ -549,16 +588,27 @@ class Scheduler:
     def _plan_prefill(self, plan: StepPlan, flight: _Flight) -> None:
         budget = self.max_prefill_tokens
         parts: list[tuple[_Row, int]] = []
+        keeps: list[tuple[_Row, _Row]] = []  # (a chunk's row, the free row its state is copied into after it)
         for row in self._prefilling:
             n = min(len(row.req.prompt) - row.filled, self.max_prefill_tokens)
+            mark = self._snapshot_mark(row, n)
+            dst = None if mark is None else self._snapshot_row([d for _, d in keeps])
+            if dst is not None:  # the chunk ends where the snapshot is taken
+                n = mark - self.snapshot_lag - row.filled
             if parts and n > budget:
                 break
             parts.append((row, n))
+            if dst is not None:
+                dst.owner, dst.seq, dst.filled = next(self._snapshot_ids), row.req.prompt[:mark], row.filled + n
+                dst.shared, dst.pending, dst.last_used = True, 0, time.perf_counter()
+                keeps.append((row, dst))
             budget -= n
             if budget <= 0:
                 break
         if not parts:
             return
+        plan.keeps = [(row.index, dst.index) for row, dst in keeps]
+        self.stats.snapshots += len(keeps)
         slot = self._place_chunk(plan, [r.index for r, _ in parts])
         B = max(slot.values()) + 1
         S = max(n for _, n in parts)
@@ -596,6 +646,32 @@ class Scheduler:
                 r.phase, r.produced = "decode", 1
                 self._prefilling.remove(r)
                 bisect.insort(self._decoding, r, key=lambda x: x.index)
+
+    # a snapshot for prompts sharing m tokens is taken at m - snapshot_lag: the MTP block's state at a position
+    # reads the token after it (a subclass's)
+    snapshot_lag = 0
+
+    def _snapshot_mark(self, row: _Row, n: int) -> int | None:
+        """The first prefix length m its request asked a snapshot for whose position (m - snapshot_lag) the row's
+        next n prompt tokens reach (at least snapshot_min_tokens; none of prompt[:m] kept yet), or None."""
+        if not self.snapshots or not row.req.snapshot_at:
+            return None
+        prompt, lag = row.req.prompt, self.snapshot_lag
+        for m in sorted(row.req.snapshot_at):
+            if row.filled < m - lag <= row.filled + n and m - lag >= self.snapshot_min_tokens and not any(
+                    r.shared and r.owner is not None and r.seq == prompt[:m] for r in self.rows):
+                return m
+        return None
+
+    def _snapshot_row(self, taken: list[_Row]) -> _Row | None:
+        """A free row to keep a snapshot in (not one `taken` by this chunk's): the highest empty one (low rows stay
+        for requests: smaller buckets), else the least recently used free row (what it kept is evicted); None when
+        no row is free."""
+        free = [r for r in self.rows if r.req is None and all(r is not t for t in taken)]
+        empty = [r for r in free if r.owner is None]
+        if empty:
+            return empty[-1]
+        return min(free, key=lambda r: r.last_used) if free else None
 
     def _make_runner(self, engine):
         return engine.runner()

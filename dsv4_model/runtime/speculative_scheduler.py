@@ -47,6 +47,9 @@ class SpeculativeScheduler(Scheduler):
         if not modes or any(m not in SAMPLING_MODES for m in modes):
             raise ValueError(f"modes must be a non-empty tuple of {SAMPLING_MODES}, got {modes!r}")
         self.k, self.method = k, method
+        # the MTP block's state at position t reads token t + 1: a snapshot for prompts sharing m tokens is taken at
+        # m - 1, where it holds nothing of token m (DSpark's rings hold each position's own streams)
+        self.snapshot_lag = int(method == "mtp")
         self.modes = tuple(m for m in SAMPLING_MODES if m in modes)
         self.speculation = SpeculationStats(k)
         super().__init__(engine, **options)

@@ -1,4 +1,5 @@
-"""What one scheduler iteration runs on the device, as data: the rows admitted (their sampling parameters), one
+"""What one scheduler iteration runs on the device, as data: the rows admitted (their sampling parameters), the
+cache rows copied (prefix snapshots: into an admitted row before the chunk, out of a chunk's row after it), one
 prefill chunk, the rows that sample their first token from it, and one decode step (rows and positions).
 
 The scheduler decides a plan on the host, then runs it. Under torchrun (expert parallelism) rank 0 decides and
@@ -32,6 +33,8 @@ class StepPlan:
     first_rows: list[int] = field(default_factory=list)
     first_slots: list[int] = field(default_factory=list)  # each first row's row of the prefill logits
     swaps: list[tuple[int, int]] = field(default_factory=list)  # cache rows exchanged around the prefill
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) cache rows copied before the prefill
+    keeps: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) cache rows copied after the prefill
     decode_rows: int = 0  # the step runs rows [:decode_rows] (padded to their bucket)
     protect: list[int] = field(default_factory=list)  # riding rows whose compressor states the step must not keep
     positions: torch.Tensor | None = None  # host [bucket]
@@ -57,6 +60,8 @@ class StepPlan:
         the next step overwrites them."""
         for row, params in self.admits:
             runner.sampler.set_row(row, params)
+        if self.copies:  # admitted rows continue from a prefix snapshot
+            engine.copy_rows(self.copies)
         if self.mode is not None:
             runner.set_mode(self.mode)
         first = ids = None
@@ -75,6 +80,8 @@ class StepPlan:
                 self.prefill_logits = engine.prefill_at(*self.prefill)
             if self.swaps:
                 engine.swap_rows(self.swaps)
+            if self.keeps:  # the state of a prompt's prefix where the chunk ended, kept in a free row
+                engine.copy_rows(self.keeps)
             if self.first_rows:
                 first = runner.sample_rows(self.prefill_logits, self.first_rows, self.first_slots)
                 if drafting:
@@ -95,8 +102,9 @@ class StepPlan:
     # ------------------------------------------------------------------ wire format
     def encode(self) -> torch.Tensor:
         """[stop, n_admit, B, S, n_first, decode_rows, n_positions, n_swaps, n_protect, mode, draft_in (1 MTP,
-        2 DSpark), n_first_ctx, has_state, n_score, score_k] + admits (row, temperature bits, top_k, top_p bits,
-        seed) + first rows + first slots + swap pairs + protect + first_last + first_hold + first_state + scored rows
+        2 DSpark), n_first_ctx, has_state, n_score, score_k, n_copies, n_keeps] + admits (row, temperature bits,
+        top_k, top_p bits, seed) + first rows + first slots + swap pairs + copy pairs + keep pairs + protect +
+        first_last + first_hold + first_state + scored rows
         + lengths, starts, tokens + MTP next lengths, next ids + scored next lengths, next ids + positions +
         state."""
         from dsv4_model.runtime.speculative import SAMPLING_MODES
@@ -109,10 +117,11 @@ class StepPlan:
         score = self.score if self.score is not None and B else None
         head = [int(self.stop), len(self.admits), B, S, len(self.first_rows), self.decode_rows, npos, len(self.swaps),
                 len(self.protect), mode, 2 if self.dspark else int(self.mtp_next is not None), nctx, has_state,
-                -1 if score is None else len(score[0]), 0 if score is None else score[3]]
+                -1 if score is None else len(score[0]), 0 if score is None else score[3], len(self.copies),
+                len(self.keeps)]
         adm = [v for row, p in self.admits
                for v in (row, _f2i(p.temperature), p.top_k, _f2i(p.top_p), seed_key(p.seed))]
-        swaps = [v for pair in self.swaps for v in pair]
+        swaps = [v for pair in self.swaps + self.copies + self.keeps for v in pair]
         last = self.first_last if self.mtp_next is not None or self.dspark else []
         ctx = [] if not nctx else self.first_hold.tolist() + self.first_state.tolist()
         scored = [] if score is None else list(score[0])
@@ -136,8 +145,8 @@ class StepPlan:
         from dsv4_model.runtime.speculative import SAMPLING_MODES
 
         v = t.tolist()
-        stop, na, B, S, nf, dr, npos, nsw, npr, mode, draft_in, nctx, has_state, nscore, score_k = v[:15]
-        i = 15
+        stop, na, B, S, nf, dr, npos, nsw, npr, mode, draft_in, nctx, has_state, nscore, score_k, ncp, nkp = v[:17]
+        i = 17
         admits = []
         for _ in range(na):
             row, temp, top_k, top_p, seed = v[i:i + 5]
@@ -145,11 +154,12 @@ class StepPlan:
             i += 5
         first, slots = v[i:i + nf], v[i + nf:i + 2 * nf]
         i += 2 * nf
-        swaps = [(v[i + 2 * j], v[i + 2 * j + 1]) for j in range(nsw)]
-        i += 2 * nsw
+        pairs = [(v[i + 2 * j], v[i + 2 * j + 1]) for j in range(nsw + ncp + nkp)]
+        swaps, copies, keeps = pairs[:nsw], pairs[nsw:nsw + ncp], pairs[nsw + ncp:]
+        i += 2 * len(pairs)
         protect = v[i:i + npr]
         i += npr
-        plan = cls(admits, None, first, slots, swaps, dr, protect, None, bool(stop))
+        plan = cls(admits, None, first, slots, swaps, copies, keeps, dr, protect, None, bool(stop))
         plan.mode = SAMPLING_MODES[mode - 1] if mode else None
         plan.dspark = draft_in == 2  # (the chunk's drafting inputs: 1 the MTP block's, 2 DSpark's taps)
         if draft_in:

@@ -216,9 +216,9 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
         return tuple(strings), frozenset(ids)
 
     def submit(ids_per_prompt: list[list[int]], body, max_tokens: list[int], stream: Stream, stops,
-               prompt_logprobs: int | None = None, prompt_param: str = "prompt") -> None:
+               prompt_logprobs: int | None = None, prompt_param: str = "prompt", snapshot_at: tuple = ()) -> None:
         """max_tokens: per prompt. stops: split_stops'. prompt_param: the field that holds the prompt (a 400 about
-        it names it)."""
+        it names it). snapshot_at: prefix positions worth a snapshot (Request.snapshot_at; one prompt)."""
         if len(ids_per_prompt) * body.n > cfg.max_waiting:  # could never be queued: a retry would get the same
             raise APIError(400, f"this request asks for {len(ids_per_prompt) * body.n} completions (prompts x n), "
                                 f"more than the server queues at once (--max-waiting {cfg.max_waiting})",
@@ -227,7 +227,8 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
         for p, ids in enumerate(ids_per_prompt):
             for k in range(body.n):
                 r = Request(ids, params=body.sampling(k), max_tokens=max_tokens[p], stop=stops[0], stop_ids=stops[1],
-                            ignore_eos=body.ignore_eos, logprobs=body.logprob_k(), prompt_logprobs=prompt_logprobs)
+                            ignore_eos=body.ignore_eos, logprobs=body.logprob_k(), prompt_logprobs=prompt_logprobs,
+                            snapshot_at=snapshot_at)
                 reqs.append(stream.bind(r, p * body.n + k, prompt=p))
         try:
             st.thread.submit_all(reqs, frozenset(j for j in range(len(reqs)) if j % body.n))
@@ -339,7 +340,8 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
         prompt = st.chat.prompt(body)
         room = check_prompt(prompt.ids, "messages", "messages", body.token_limit, body.token_limit_field)
         stream = Stream(asyncio.get_running_loop(), st.specials, st.thread.sink)
-        submit([prompt.ids], body, [body.token_limit or room], stream, stops, prompt_param="messages")
+        submit([prompt.ids], body, [body.token_limit or room], stream, stops, prompt_param="messages",
+               snapshot_at=prompt.snapshot_at)
         thinking = prompt.parser is not None and prompt.parser.state == "reasoning"
         # calls come out whole (WholeCalls): one the output cuts off is no call
         parsers = [WholeCalls(OutputParser(thinking, tools=body.tools_on)) if prompt.parser is not None else None

@@ -66,6 +66,7 @@ def api_messages(messages) -> list:
 class ChatPrompt:
     ids: list[int]
     parser: OutputParser | None  # None: plain text, all content
+    snapshot_at: tuple[int, ...] = ()  # prefixes later prompts are likely to share (Request.snapshot_at)
 
 
 class ChatFormat:
@@ -78,6 +79,7 @@ class ChatFormat:
             raise ValueError("--chat-format deepseek_v4: the tokenizer has no DeepSeek-V4 chat tokens "
                              f"({USER}, {ASSISTANT}, {THINK}, ...)")
         self.name = ("deepseek_v4" if v4 else "none") if name == "auto" else name
+        self._think = token_id(tokenizer, THINK)
 
     def prompt(self, req: ChatRequest) -> ChatPrompt:
         if self.name == "none":
@@ -92,7 +94,23 @@ class ChatFormat:
             text = encode_chat(messages, tools, opts)
         except ChatError as e:
             raise APIError(400, str(e), e.param) from None
-        return ChatPrompt(self.tokenizer.encode(text, add_bos=False), OutputParser(opts.thinking))
+        ids = self.tokenizer.encode(text, add_bos=False)
+        return ChatPrompt(ids, OutputParser(opts.thinking), self._shared_prefixes(text, ids, opts, bool(tools)))
+
+    def _shared_prefixes(self, text: str, ids: list[int], opts, tools: bool) -> tuple[int, ...]:
+        """Where later prompts will likely repeat this one: the system part's end (BOS, the effort text, system
+        messages and tools: other conversations with the same system prompt), and in thinking mode with earlier
+        reasoning dropped, the position before the final `<think>` (the next turn rewrites that header as
+        `</think>`, so it extends this prompt but not what the row holds after it)."""
+        out = []
+        cut = text.find(USER)
+        if cut > 0:
+            head = self.tokenizer.encode(text[:cut], add_bos=False)
+            if 0 < len(head) < len(ids) and ids[:len(head)] == head:  # (the cut is a token boundary)
+                out.append(len(head))
+        if opts.thinking and opts.drop_thinking and not tools and len(ids) > 1 and ids[-1] == self._think:
+            out.append(len(ids) - 1)
+        return tuple(sorted(set(out)))
 
     def _plain(self, req: ChatRequest, messages: list) -> list[int]:
         if req.tools:

@@ -57,7 +57,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prefill-tokens", type=int, default=None,
                    help="prompt tokens prefilled per iteration (default: the scheduler's, 2048)")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
-    p.add_argument("--no-reuse", action="store_true", help="do not reuse a finished row's caches for its next turn")
+    p.add_argument("--no-reuse", action="store_true",
+                   help="do not reuse a finished row's caches for its next turn, nor keep prefix snapshots")
+    p.add_argument("--snapshot-min-tokens", type=int, default=None, metavar="N",
+                   help="keep a chat prompt's state at its system part's end and (thinking mode) before its "
+                        "generation header in a free row when that prefix is at least N tokens, for later prompts "
+                        "that share it (0: never; default: the scheduler's, 256)")
     p.add_argument("--speculate", type=int, default=0, metavar="K",
                    help="K drafts verified per decode step inside the scheduler (MTP, or DSpark if present; 0: off)")
     add_dspark_args(p)
@@ -99,6 +104,8 @@ def _check(args) -> None:
         raise ValueError("--served-model-name: empty (leave it out for the checkpoint's name)")
     if args.drain_timeout < 0:
         raise ValueError("--drain-timeout must be >= 0")
+    if args.snapshot_min_tokens is not None and args.snapshot_min_tokens < 0:
+        raise ValueError(f"--snapshot-min-tokens must be >= 0, got {args.snapshot_min_tokens}")
     if args.speculate:
         from dsv4_model.model.checks import check_speculate
 
@@ -195,6 +202,9 @@ def build_app(args, engine, path, shard=None):
     from dsv4_model.serve.app import ServeConfig, create_app
 
     kw = {} if args.max_prefill_tokens is None else {"max_prefill_tokens": args.max_prefill_tokens}
+    kw["reuse"] = not args.no_reuse
+    if args.snapshot_min_tokens is not None:
+        kw.update(snapshots=args.snapshot_min_tokens > 0, snapshot_min_tokens=max(args.snapshot_min_tokens, 1))
     if getattr(args, "speculate", 0):
         from dsv4_model.runtime.speculative_scheduler import SpeculativeScheduler
 
@@ -202,10 +212,9 @@ def build_app(args, engine, path, shard=None):
         if args.dspark_cut and method != "dspark":
             raise ValueError("--dspark-cut: the confidence cut is DSpark's, and this checkpoint has no DSpark module")
         scheduler = SpeculativeScheduler(engine, args.speculate, method=method, modes=SPECULATE_MODES,
-                                         dspark_cut=args.dspark_cut, reuse=not args.no_reuse,
-                                         distributed=shard is not None, **kw)
+                                         dspark_cut=args.dspark_cut, distributed=shard is not None, **kw)
     else:
-        scheduler = Scheduler(engine, reuse=not args.no_reuse, distributed=shard is not None, **kw)
+        scheduler = Scheduler(engine, distributed=shard is not None, **kw)
     name = args.served_model_name or served_name(args.model, str(getattr(engine, "path", path)))
     cfg = ServeConfig(model_name=name, max_waiting=args.max_waiting, api_key=args.api_key,
                       drain_timeout_s=args.drain_timeout, chat_format=args.chat_format, version=package_version())

@@ -20,10 +20,14 @@ class Metrics:
             lambda: counts()[0])
         Gauge("dsv4:num_requests_waiting", "Requests queued for a row", registry=r).set_function(
             lambda: counts()[1])
-        Gauge("dsv4:prefix_cache_hits", "Requests that reused a finished row's caches (cumulative)",
-              registry=r).set_function(lambda: scheduler_stats.reuse_hits)
+        Gauge("dsv4:prefix_cache_hits",
+              "Requests that reused kept caches: a finished row's, a prefix snapshot's (cumulative)", registry=r).set_function(lambda: scheduler_stats.reuse_hits)
         Gauge("dsv4:prefix_cache_reused_tokens", "Prompt tokens not prefilled thanks to reuse (cumulative)",
               registry=r).set_function(lambda: scheduler_stats.reused_tokens)
+        Gauge("dsv4:prefix_snapshots", "Prefix snapshots kept in free rows (cumulative)",
+              registry=r).set_function(lambda: scheduler_stats.snapshots)
+        Gauge("dsv4:prefix_snapshot_hits", "Requests that continued from a copy of a prefix snapshot (cumulative; "
+              "also in prefix_cache_hits)", registry=r).set_function(lambda: scheduler_stats.snapshot_hits)
         self.ttft = Histogram("dsv4:time_to_first_token_seconds", "Submission to first token", buckets=_LATENCY,
                               registry=r)
         self.itl = Histogram("dsv4:inter_token_latency_seconds", "Between consecutive tokens of a request",
