@@ -21,7 +21,8 @@ class Metrics:
         Gauge("dsv4:num_requests_waiting", "Requests queued for a row", registry=r).set_function(
             lambda: counts()[1])
         Gauge("dsv4:prefix_cache_hits",
-              "Requests that reused kept caches: a finished row's, a prefix snapshot's (cumulative)", registry=r).set_function(lambda: scheduler_stats.reuse_hits)
+              "Requests that reused kept caches: a finished row's, a prefix snapshot's (cumulative)",
+              registry=r).set_function(lambda: scheduler_stats.reuse_hits)
         Gauge("dsv4:prefix_cache_reused_tokens", "Prompt tokens not prefilled thanks to reuse (cumulative)",
               registry=r).set_function(lambda: scheduler_stats.reused_tokens)
         Gauge("dsv4:prefix_snapshots", "Prefix snapshots kept in free rows (cumulative)",
