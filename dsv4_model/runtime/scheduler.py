@@ -486,14 +486,10 @@ class Scheduler:
         if row.shared:  # a snapshot: the prompt starts with its key and goes on past it
             key = row.seq
             return n if len(prompt) > max(n, len(key) - 1) and prompt[:len(key)] == key else 0
-        common = 0
-        for a, b in zip(prompt, row.seq[:n]):
-            if a != b:
-                break
-            common += 1
         # the whole sequence, and at least one new token (its logits): continuing from an earlier position would
-        # read window-ring slots and compressor state rows that later positions have overwritten
-        return n if common >= n and len(prompt) > n else 0
+        # read window-ring slots and compressor state rows that later positions have overwritten. (List slices
+        # compare in C: a per-token Python loop over every free row's sequence costs ms per admission.)
+        return n if len(prompt) > n and prompt[:n] == row.seq[:n] else 0
 
     def _free(self, row: _Row, reason: str, now: float) -> None:
         req = row.req
