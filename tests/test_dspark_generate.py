@@ -247,3 +247,30 @@ def test_the_confidence_cut_is_refused_without_dspark(ckpt):
         generate(eng, [PROMPT], max_new_tokens=4, dspark_cut=0.5)
     with pytest.raises(ValueError, match="cut must be a predicted chance in"):
         generate(eng, [PROMPT], max_new_tokens=4, speculate=2, dspark_cut=1.5)
+
+
+def test_prefix_snapshots_with_dspark(ckpt):
+    """DSpark speculation continuing from a prefix snapshot (its rings copied with the caches; taken at the prefix's
+    end: a ring entry holds its own position's streams): prompts sharing the prefix get a cold run's tokens, greedy
+    and sampled (the drafts, which decide the sampled tokens' draws, equal too)."""
+    from dsv4_model.runtime.requests import Request
+    from dsv4_model.runtime.sampling import SamplingParams
+    from dsv4_model.runtime.speculative_scheduler import SpeculativeScheduler
+
+    shared = (PROMPT * 3)[:24]
+    prompts = [shared + [3, 14, 15], shared + [92, 65], shared + [35, 89, 79, 3]]
+    params = [SamplingParams(), SamplingParams(temperature=0.9, top_k=12, seed=4), SamplingParams(temperature=0.7,
+                                                                                                   seed=5)]
+    eng = _engine(ckpt, spare_window_slots=2)
+    s = SpeculativeScheduler(eng, 2, method="dspark", max_prefill_tokens=5, snapshot_min_tokens=8)
+    got = []
+    for p, sp in zip(prompts, params):
+        got.append(s.submit(Request(p, sp, 30, ignore_eos=True, snapshot_at=(len(shared),))))
+        s.run_until_idle()
+    assert s.stats.snapshots == 1 and [r.reused_tokens for r in got] == [0, len(shared), len(shared)]
+    cold = SpeculativeScheduler(eng, 2, method="dspark", max_prefill_tokens=5, reuse=False)
+    refs = []
+    for p, sp in zip(prompts, params):
+        refs.append(cold.submit(Request(p, sp, 30, ignore_eos=True)))
+        cold.run_until_idle()
+    assert [r.token_ids for r in got] == [r.token_ids for r in refs]
