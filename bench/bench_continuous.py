@@ -23,7 +23,9 @@ Without it the prefill is eager, as in earlier figures.
 (flash2, flash43 = V4-Flash's 43 layers, micro...), built straight on the device. --speculate K: the scheduler's
 steps speculative (greedy, K drafts from the model's MTP block or DSpark module: the built-in model or a
 checkpoint; a preset with --drafter mtp|dspark gets a random one, whose drafts are rarely accepted: the pass's cost,
-printed as ms per pass against the static batch's plain step), against the same plain static batch.
+printed as ms per pass against the static batch's plain step), against the same plain static batch. A list
+(--speculate 1,3,5) runs each K on the one engine (built with room for the largest): one build and one static batch
+per C for all of them.
 """
 from __future__ import annotations
 
@@ -51,13 +53,13 @@ from dsv4_model.runtime.speculative_scheduler import SpeculativeScheduler  # noq
 def build_engine(args, rows: int, max_seq_len: int, device: torch.device) -> Engine:
     if args.model != "default" and not os.path.isdir(args.model):
         return preset_engine(args.model, experts=args.experts, rows=rows, max_seq_len=max_seq_len, device=device,
-                             spare_window_slots=args.speculate, drafter=args.drafter)
+                             spare_window_slots=max(args.ks), drafter=args.drafter)
     if args.drafter:
         raise SystemExit("--drafter: a preset's random drafter; a checkpoint speculates with its own")
     cuda = device.type == "cuda"
     kw = {} if args.model == "default" else {"path": args.model}
-    if args.speculate:
-        kw["spare_window_slots"] = args.speculate
+    if max(args.ks):
+        kw["spare_window_slots"] = max(args.ks)
     return Engine.from_pretrained(**kw, device=str(device), max_batch_size=rows, max_seq_len=max_seq_len,
                                   runner_options=RunnerOptions(compile=cuda, cuda_graphs=cuda), progress=False)
 
@@ -73,11 +75,12 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_continuous(engine: Engine, C: int, args, gen: torch.Generator) -> dict:
+def run_continuous(engine: Engine, C: int, args, gen: torch.Generator, k: int = 0) -> dict:
+    """k: drafts per speculative step (0: plain steps)."""
     opts = dict(rows=C, max_prefill_tokens=args.max_prefill_tokens, reuse=False, tokenizer=None)
-    if args.speculate:  # greedy speculative steps (the checkpoint's drafter: MTP, or DSpark where it has one)
+    if k:  # greedy speculative steps (the checkpoint's drafter: MTP, or DSpark where it has one)
         method = "dspark" if getattr(engine.model, "dspark", None) is not None else "mtp"
-        sched = SpeculativeScheduler(engine, args.speculate, method=method, modes=("greedy",),
+        sched = SpeculativeScheduler(engine, k, method=method, modes=("greedy",),
                                      dspark_cut=args.dspark_cut, **opts)
         sched.speculation.judged = []  # every pass kept: what a confidence cut would have given (DSpark)
     else:
@@ -98,7 +101,7 @@ def run_continuous(engine: Engine, C: int, args, gen: torch.Generator) -> dict:
         setattr(sched, f"_{name}", host_timed(getattr(sched, f"_{name}"), host, name))
 
     def tokens() -> int:
-        return sched.speculation.emitted if args.speculate else sched.stats.decode_rows
+        return sched.speculation.emitted if k else sched.stats.decode_rows
 
     def on_step():
         t, st, n = time.perf_counter(), sched.stats, tokens()
@@ -109,7 +112,7 @@ def run_continuous(engine: Engine, C: int, args, gen: torch.Generator) -> dict:
             steady["rows"] += n - last["rows"]
             steady["s"] += t - last["t"]
             steady["steps"] += st.decode_steps - last["steps"]
-            if not args.speculate and n - last["rows"] == C and st.decode_steps - last["steps"] == 1:
+            if not k and n - last["rows"] == C and st.decode_steps - last["steps"] == 1:
                 full["s"] += t - last["t"]
                 full["steps"] += 1
             host["steady_launch"] += host["launch"]
@@ -143,7 +146,7 @@ def run_continuous(engine: Engine, C: int, args, gen: torch.Generator) -> dict:
             "steady_steps": steady["steps"], "device": timer.summary(),
             "steady_host_ms": {k: 1e3 * host[f"steady_{k}"] / steady["steps"] if steady["steps"] else float("nan")
                                for k in ("launch", "read")},
-            "speculation": sched.speculation if args.speculate else None}
+            "speculation": sched.speculation if k else None}
 
 
 def host_timed(fn, acc: dict, key: str):
@@ -258,19 +261,26 @@ def main(argv=None) -> int:
                     help="a preset's random drafter for --speculate (bench/common.py with_drafter): the step's cost")
     ap.add_argument("--dspark-cut", type=float, default=0.0, metavar="P",
                     help="DSpark's confidence cut with --speculate (docs/dspark.md; 0: off)")
-    ap.add_argument("--speculate", type=int, default=0, metavar="K",
-                    help="the scheduler's steps speculative with K drafts (against the plain static batch)")
+    ap.add_argument("--speculate", default="0", metavar="K[,K...]",
+                    help="the scheduler's steps speculative with K drafts (against the plain static batch); a list "
+                         "runs each K on one engine")
     ap.add_argument("--draft-head", choices=("stored", "nvfp4"), default="stored",
                     help="with --speculate: the head the drafts read (Engine.set_draft_head)")
     ap.add_argument("--compiled-prefill", action="store_true",
                     help="also run the scheduler with compiled prefill chunks (eager and compiled TTFT per C)")
     args = ap.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
+    try:
+        args.ks = [int(k) for k in args.speculate.split(",")]
+    except ValueError:
+        raise SystemExit(f"--speculate: K or a comma-separated list of K, got {args.speculate!r}") from None
+    if any(k < 0 for k in args.ks):
+        raise SystemExit(f"--speculate: each K must be >= 0, got {args.speculate!r}")
     device = torch.device(args.device)
     t0 = time.perf_counter()
     # (room for the staggered static batch: prompts up to --max-tokens longer, then --max-tokens + 3 steps)
-    engine = build_engine(args, max(levels), args.prompt_len + 2 * args.max_tokens + 8 + 2 * args.speculate, device)
-    if args.speculate and args.draft_head != "stored":
+    engine = build_engine(args, max(levels), args.prompt_len + 2 * args.max_tokens + 8 + 2 * max(args.ks), device)
+    if max(args.ks) and args.draft_head != "stored":
         engine.set_draft_head(args.draft_head)
     print(f"{args.model}: {engine.config.n_layers} layers on {device} (built in {time.perf_counter() - t0:.1f} s); "
           f"prompts {args.prompt_len} tokens, {args.max_tokens} out, {args.requests_per_row} requests per row",
@@ -279,22 +289,23 @@ def main(argv=None) -> int:
     print(f"{'C':>3} {'prefill':>8} {'tok/s':>9} {'steady tok/s':>12} {'static tok/s':>12} {'steady/static':>13} "
           f"{'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'static ms/step':>14}", flush=True)
     for C in levels:
-        for mode in ("eager", "compiled") if args.compiled_prefill else ("eager",):
+        static_dev: list[float] = []
+        ms = run_static(engine, C, args, gen, device_ms=static_dev)
+        ms_st = run_static(engine, C, args, gen, staggered=True)
+        static = 1e3 * C / ms
+        modes = ("eager", "compiled") if args.compiled_prefill else ("eager",)
+        for k, mode in [(k, m) for k in args.ks for m in modes]:
             engine.compile_prefill = mode == "compiled"
             t0 = time.perf_counter()
-            run_continuous(engine, C, args, gen)  # warm: compile / capture, first-touch allocations
+            run_continuous(engine, C, args, gen, k)  # warm: compile / capture, first-touch allocations
             warm, graphs = time.perf_counter() - t0, prefill_graphs(engine)
-            cont = run_continuous(engine, C, args, gen)
-            static_dev: list[float] = []
-            ms = run_static(engine, C, args, gen, device_ms=static_dev)
-            ms_st = run_static(engine, C, args, gen, staggered=True)
-            static = 1e3 * C / ms
+            cont = run_continuous(engine, C, args, gen, k)
             print(f"{C:3d} {mode:>8} {cont['tokens_per_s']:9.1f} {cont['steady_tokens_per_s']:12.1f} {static:12.1f} "
                   f"{cont['steady_tokens_per_s'] / static:13.3f} "
                   f"{cont['ttft_p50_ms']:7.1f}/{cont['ttft_p99_ms']:<8.1f} {cont['tpot_p50_ms']:7.2f}/"
                   f"{cont['tpot_p99_ms']:<8.2f} {ms:14.3f}", flush=True)
             if cont["speculation"] is not None:
-                print(f"    steady state: {cont['steady_ms_per_step']:.3f} ms per speculative pass "
+                print(f"    steady state (K = {k}): {cont['steady_ms_per_step']:.3f} ms per speculative pass "
                       f"({cont['steady_ms_per_step'] / ms:.3f}x the static batch's plain step)", flush=True)
                 print_speculation(cont["speculation"])
             else:  # where a shortfall comes from: a slower step, or rows without a token in it

@@ -22,19 +22,19 @@ for k in ${SPECULATE_DRAFTER_DIR:+${SPECULATE_DRAFTER_KS:-1 3}}; do
 done
 # Then the cost of a speculative pass at V4-Flash widths: SPECULATE_PRESET (flash2; empty: skipped; NAME:N gives a
 # preset N routed experts, e.g. flash43:96 on an 80 GB card) with a random drafter of each of SPECULATE_DRAFTERS
-# (mtp dspark: bench/common.py with_drafter), K in SPECULATE_PRESET_KS (3), at SPECULATE_PRESET_C (1,8) through the
-# scheduler: ms per pass against the plain static batch's step (the 1.15x goal).
+# (mtp dspark: bench/common.py with_drafter), each K in SPECULATE_PRESET_KS (3) in one process per drafter (one build,
+# one static batch), at SPECULATE_PRESET_C (1,8) through the scheduler: ms per pass against the plain static batch's
+# step (the 1.15x goal).
 preset_spec=${SPECULATE_PRESET-flash2}
 preset=${preset_spec%%:*}; preset_experts=(); [[ $preset_spec == *:* ]] && preset_experts=(--experts "${preset_spec#*:}")
 if [ -n "$preset" ]; then
+  ks=$(echo ${SPECULATE_PRESET_KS:-3} | tr ' ' ','); nk=$(echo ${SPECULATE_PRESET_KS:-3} | wc -w)
   for d in ${SPECULATE_DRAFTERS:-mtp dspark}; do
-    for k in ${SPECULATE_PRESET_KS:-3}; do
-      step "speculate_${preset}_${d}_$k" 400 $PY bench/bench_continuous.py --model "$preset" \
-        ${preset_experts[@]+"${preset_experts[@]}"} --concurrency "${SPECULATE_PRESET_C:-1,8}" \
-        --prompt-len 128 --max-tokens 64 --requests-per-row 2 --speculate "$k" --drafter "$d" ${SPECULATE_ARGS:-}
-      [ -n "$DRY" ] || grep -hsE "^ +[0-9]+ +eager|steady state" "$LOGS/speculate_${preset}_${d}_$k.log" | sed 's/^/  /' \
-        | tee -a "$SUMMARY"
-    done
+    step "speculate_${preset}_${d}_${ks//,/_}" $(( 200 + 200 * nk )) $PY bench/bench_continuous.py --model "$preset" \
+      ${preset_experts[@]+"${preset_experts[@]}"} --concurrency "${SPECULATE_PRESET_C:-1,8}" \
+      --prompt-len 128 --max-tokens 64 --requests-per-row 2 --speculate "$ks" --drafter "$d" ${SPECULATE_ARGS:-}
+    [ -n "$DRY" ] || grep -hsE "^ +[0-9]+ +eager|steady state" "$LOGS/speculate_${preset}_${d}_${ks//,/_}.log" \
+      | sed 's/^/  /' | tee -a "$SUMMARY"
   done
 fi
 # The confidence cut's saving: flash2's random DSpark at K = 5 with blocks cut before a draft predicted below
