@@ -705,7 +705,8 @@ def test_snapshots_need_a_free_row_and_are_kept_once(engine):
     system = _held_text(engine, 0, 40)
     rows = len(Scheduler(engine).rows)
     full = Scheduler(engine, max_prefill_tokens=256, snapshot_min_tokens=8)  # every prompt in the first chunk
-    reqs = [full.submit(Request(system + [5 + i] * 6, SamplingParams(), 4, snapshot_at=(40,))) for i in range(rows)]
+    reqs = [full.submit(Request(_held_text(engine, 50 * i, 46), SamplingParams(), 4, snapshot_at=(40,)))
+            for i in range(rows)]  # (prefixes that differ: none waits for another's snapshot)
     full.run_until_idle()
     assert full.stats.snapshots == 0 and all(r.finish_reason == "length" for r in reqs)
     two = Scheduler(engine, max_prefill_tokens=16, snapshot_min_tokens=8)
@@ -723,3 +724,37 @@ def test_snapshots_need_a_free_row_and_are_kept_once(engine):
     for bad in ((0,), (46,), (True,), 40, (4.0,)):
         with pytest.raises(ValueError, match="snapshot_at"):
             off.submit(Request(system + [5] * 6, SamplingParams(), 4, snapshot_at=bad))
+
+
+def test_samples_of_one_prompt_share_its_prefill(engine32):
+    """n samples of a prompt submitted together, each asking for a snapshot before the last token: the first
+    prefills it, the others wait for its snapshot (requests behind them are admitted meanwhile) and continue from
+    copies, prefilling one token each; every sample gets its own cold run's tokens."""
+    eng = engine32
+    prompt = _held_text(eng, 0, 60)
+    params = [SamplingParams(temperature=0.9, top_k=30, seed=s) for s in (1, 2)]
+    s = Scheduler(eng, max_prefill_tokens=16, snapshot_min_tokens=16)
+    got = [s.submit(Request(prompt, p, 12, ignore_eos=True, snapshot_at=(59,))) for p in params]
+    s.run_until_idle()
+    assert s.stats.snapshots == 1 and [r.reused_tokens for r in got] == [0, 59]
+    assert s.stats.prefill_tokens == len(prompt) + 1
+    cold = Scheduler(eng, max_prefill_tokens=16, reuse=False)
+    refs = [cold.submit(Request(prompt, p, 12, ignore_eos=True)) for p in params]
+    cold.run_until_idle()
+    assert [r.token_ids for r in got] == [r.token_ids for r in refs] and got[0].token_ids != got[1].token_ids
+
+
+def test_a_request_waiting_for_a_snapshot_lets_others_pass(engine):
+    """While a request waits for a snapshot another row is about to keep, a different prompt behind it is admitted
+    (it takes the free row); with no row free at the mark no snapshot is kept and the waiting one goes on as usual."""
+    system = _held_text(engine, 0, 40)
+    s = Scheduler(engine, max_prefill_tokens=8, snapshot_min_tokens=8)
+    a = s.submit(Request(system + [5, 6], SamplingParams(), 6, snapshot_at=(40,)))
+    s.step()  # a admitted, its first chunk planned
+    b = s.submit(Request(system + [7, 8], SamplingParams(), 6, snapshot_at=(40,)))
+    c = s.submit(Request(_held_text(engine, 300, 12), SamplingParams(), 6))
+    s.step()
+    assert b.timings.admitted is None and c.timings.admitted is not None
+    s.run_until_idle()
+    assert b.reused_tokens == 40 and s.stats.snapshot_hits == 1
+    assert all(r.finish_reason == "length" for r in (a, b, c))

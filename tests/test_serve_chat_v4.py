@@ -444,7 +444,8 @@ def test_chat_prompts_mark_the_prefixes_the_next_ones_repeat():
     another conversation with the same system prompt diverges (tokens equal before it); in thinking mode the
     position before the final `<think>` is where the next turn (earlier reasoning dropped, its header rewritten
     `</think>`) diverges from this prompt; with tools (reasoning kept) or thinking off no such position, since the
-    next turn extends the whole sequence. The server hands them to the scheduler (Request.snapshot_at)."""
+    next turn extends the whole sequence. The server hands them to the scheduler (Request.snapshot_at), and with
+    n > 1 the position before each prompt's last token (its samples share one prefill)."""
     from dsv4_model.serve.chat_format import ChatFormat
     from dsv4_model.serve.protocol import ChatRequest
 
@@ -483,6 +484,8 @@ def test_chat_prompts_mark_the_prefixes_the_next_ones_repeat():
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
         c.chat.completions.create(model="v4", messages=turn2)
         c.completions.create(model="v4", prompt="Name a prime.")
+        c.completions.create(model="v4", prompt="Name a prime.", n=2)  # the samples share one prefill
     finally:
         srv.stop()
-    assert seen == [p2.snapshot_at, ()]
+    last = len(tok.encode("Name a prime.", add_bos=True)) - 1
+    assert seen == [p2.snapshot_at, (), (last,), (last,)]

@@ -102,6 +102,14 @@ class _Flight:
         return not self.first and not self.decode and not self.prompt_lp
 
 
+def _prefix_keys(req: Request) -> dict[int, int]:
+    """{m: hash of prompt[:m]} for the request's snapshot positions (made once, kept on the request)."""
+    keys = getattr(req, "_prefix_keys", None)
+    if keys is None:
+        keys = req._prefix_keys = {m: hash(tuple(req.prompt[:m])) for m in req.snapshot_at}
+    return keys
+
+
 def eos_ids(config) -> frozenset[int]:
     """The ids that end a completion: eos_token_id and, where the config lists several, each of them."""
     return frozenset({int(config.eos_token_id), *map(int, getattr(config, "eos_token_ids", ()))})
@@ -411,15 +419,23 @@ class Scheduler:
                 self._free(row, _ended(row.req), now)
 
     def _admit(self, now: float) -> None:
+        """Waiting requests into free rows, in order; one whose prefix snapshot another row's prefill is about to
+        keep waits for it (n samples of a prompt, conversations sharing a system prompt: the prefix is prefilled
+        once) while those behind it go on."""
+        deferred = 0
         while True:
             with self._lock:
-                if not self._waiting:
+                if len(self._waiting) <= deferred:
                     return
-                first = self._waiting[0]
+                first = self._waiting[deferred]
+                if self._awaits_snapshot(first):
+                    deferred += 1
+                    continue
                 row, start, src = self._place(first.prompt, reuse=first.prompt_logprobs is None)
                 if row is None:
                     return
-                req = self._waiting.popleft()
+                req = first
+                del self._waiting[deferred]
                 row.req = req  # (under the lock: idle() never sees the request in neither place)
             if start == 0:
                 row.owner, row.seq, row.filled = req.id, [], 0
@@ -439,6 +455,22 @@ class Scheduler:
             row.cap = min(req.max_tokens, 1 + self.max_seq_len - len(req.prompt))
             req.timings.admitted = now
             self._admits.append((row.index, req.params))
+
+    def _awaits_snapshot(self, req: Request) -> bool:
+        """Whether a free row exists and a row still prefilling will keep a snapshot of a prefix req asked for too
+        (same position, same tokens) before req could use one: then req waits for it rather than prefill it again.
+        (Prefixes compare by hashes made once per request: this runs for waiting requests every iteration.)"""
+        if not self.snapshots or not req.snapshot_at or req.prompt_logprobs is not None or not self._prefilling:
+            return False
+        mine = _prefix_keys(req)
+        lag = self.snapshot_lag
+        for row in self._prefilling:
+            for m, key in _prefix_keys(row.req).items():
+                if row.filled < m - lag and m - lag >= self.snapshot_min_tokens and mine.get(m) == key \
+                        and req.prompt[:m] == row.req.prompt[:m]:
+                    kept = any(r.shared and r.owner is not None and r.seq == req.prompt[:m] for r in self.rows)
+                    return not kept and any(r.req is None for r in self.rows)
+        return False
 
     def _place(self, prompt: list[int], reuse: bool = True) -> tuple[_Row | None, int, _Row | None]:
         """(row, first position to prefill, snapshot row to copy into it or None) for a prompt: a free row whose

@@ -218,17 +218,19 @@ def create_app(scheduler: Scheduler, cfg: ServeConfig = ServeConfig()) -> FastAP
     def submit(ids_per_prompt: list[list[int]], body, max_tokens: list[int], stream: Stream, stops,
                prompt_logprobs: int | None = None, prompt_param: str = "prompt", snapshot_at: tuple = ()) -> None:
         """max_tokens: per prompt. stops: split_stops'. prompt_param: the field that holds the prompt (a 400 about
-        it names it). snapshot_at: prefix positions worth a snapshot (Request.snapshot_at; one prompt)."""
+        it names it). snapshot_at: prefix positions worth a snapshot (Request.snapshot_at; one prompt). With n > 1 the
+        position before a prompt's last token is one too: its samples continue from one prefill of the rest."""
         if len(ids_per_prompt) * body.n > cfg.max_waiting:  # could never be queued: a retry would get the same
             raise APIError(400, f"this request asks for {len(ids_per_prompt) * body.n} completions (prompts x n), "
                                 f"more than the server queues at once (--max-waiting {cfg.max_waiting})",
                            "n" if body.n > 1 else prompt_param)
         reqs = []
         for p, ids in enumerate(ids_per_prompt):
+            marks = tuple(sorted({*snapshot_at, len(ids) - 1})) if body.n > 1 and len(ids) > 1 else snapshot_at
             for k in range(body.n):
                 r = Request(ids, params=body.sampling(k), max_tokens=max_tokens[p], stop=stops[0], stop_ids=stops[1],
                             ignore_eos=body.ignore_eos, logprobs=body.logprob_k(), prompt_logprobs=prompt_logprobs,
-                            snapshot_at=snapshot_at)
+                            snapshot_at=marks)
                 reqs.append(stream.bind(r, p * body.n + k, prompt=p))
         try:
             st.thread.submit_all(reqs, frozenset(j for j in range(len(reqs)) if j % body.n))
