@@ -577,3 +577,29 @@ def test_plain_chat_developer_and_special_stop(served, client):
     # alone, the EOS text (lm-evaluation-harness adds it to every request's stops) is a stop id: no change
     kw = dict(model="tiny", prompt=PROMPTS[0], max_tokens=N, temperature=0)
     assert client.completions.create(**kw, stop=["<eos>"]).choices[0].text == client.completions.create(**kw).choices[0].text
+
+
+def test_n_samples_share_one_prefill_over_http():
+    """n = 2 over HTTP: the prompt is marked before its last token, the second sample waits for the first's
+    snapshot and continues from a copy (/metrics counts it), and each choice's text is that of its seed alone
+    (fp32: the chunking differs from a cold run's)."""
+    engine = Engine.from_pretrained(DEFAULT_MODEL_DIR, device="cpu", dtype=torch.float32, max_batch_size=4,
+                                    max_seq_len=256, quant="none", progress=False)
+    prompt = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser()\n"
+    srv = ServerThread(create_app(Scheduler(engine, max_prefill_tokens=16, snapshot_min_tokens=8),
+                                  ServeConfig(model_name="tiny", max_waiting=8)))
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        kw = dict(model="tiny", prompt=prompt, max_tokens=N, temperature=0.9, extra_body={"ignore_eos": True})
+        both = c.completions.create(n=2, seed=7, **kw)
+        assert _metric(srv.url, "dsv4:prefix_snapshots") == 1 and _metric(srv.url, "dsv4:prefix_snapshot_hits") == 1
+    finally:
+        srv.stop()
+    cold = ServerThread(create_app(Scheduler(engine, max_prefill_tokens=16, reuse=False),
+                                   ServeConfig(model_name="tiny", max_waiting=8)))
+    try:
+        c = openai.OpenAI(base_url=cold.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        apart = [c.completions.create(seed=s, **kw).choices[0].text for s in (7, 8)]
+    finally:
+        cold.stop()
+    assert [ch.text for ch in both.choices] == apart and apart[0] != apart[1]
