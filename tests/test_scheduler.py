@@ -758,3 +758,25 @@ def test_a_request_waiting_for_a_snapshot_lets_others_pass(engine):
     s.run_until_idle()
     assert b.reused_tokens == 40 and s.stats.snapshot_hits == 1
     assert all(r.finish_reason == "length" for r in (a, b, c))
+
+
+def test_a_snapshot_inside_the_bucket_moves_up_rather_than_push_its_user_out(engine):
+    """Row 0 generating (the bucket for one more live row: 2), a snapshot in row 1, rows 2-3 warm: a prompt that
+    extends the snapshot takes row 1 (a copy into row 2 would make every step run bucket 4) and the snapshot is
+    copied up into row 2 first (the plan's copies), its bookkeeping with it; the hit is counted."""
+    s = Scheduler(engine, max_prefill_tokens=16, snapshot_min_tokens=8)
+    live = s.submit(Request(_held_text(engine, 500, 12), SamplingParams(), 40, ignore_eos=True))
+    s.step()
+    system = _held_text(engine, 0, 30)
+    r1, r2, r3 = s.rows[1:]
+    r1.owner, r1.seq, r1.filled, r1.shared, r1.last_used = -7, list(system), 30, True, 5.0
+    for r, t in ((r2, 3.0), (r3, 4.0)):
+        r.owner, r.seq, r.filled, r.last_used = 900 + r.index, _held_text(engine, 100 * r.index, 20), 20, t
+    req = s.submit(Request(system + [9, 10, 11], SamplingParams(), 4))
+    s._admit(time.perf_counter())
+    assert s.rows[0].req is live and r1.req is req and s._copies == [(1, 2)]
+    assert r2.shared and r2.owner == -7 and r2.seq == system and r2.filled == 30 and r2.req is None
+    assert r1.seq == system and r1.filled == 30 and not r1.shared and req.reused_tokens == 30
+    assert s.stats.snapshot_hits == 1
+    s.run_until_idle()
+    assert req.finish_reason == "length" and live.finish_reason == "length"

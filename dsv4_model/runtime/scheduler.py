@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
+import numbers
 import threading
 import time
 import weakref
@@ -276,9 +277,11 @@ class Scheduler:
             check_positive_int(req.max_tokens, "max_tokens")
         req.params.validate()
         if not isinstance(req.snapshot_at, (tuple, list)) or any(
-                isinstance(p, bool) or not isinstance(p, int) or not 0 < p < len(req.prompt) for p in req.snapshot_at):
+                isinstance(p, bool) or not isinstance(p, numbers.Integral) or not 0 < p < len(req.prompt)
+                for p in req.snapshot_at):
             raise ValueError(f"snapshot_at: must be prompt positions p with 0 < p < len(prompt)={len(req.prompt)}, "
                              f"got {req.snapshot_at!r}")
+        req.snapshot_at = tuple(int(p) for p in req.snapshot_at)
         if any(not isinstance(s, str) or not s for s in req.stop):
             raise ValueError("stop: every stop string must be a non-empty string")
         if req.logprobs is not None and not (isinstance(req.logprobs, int) and not isinstance(req.logprobs, bool)
@@ -431,7 +434,7 @@ class Scheduler:
                 if self._awaits_snapshot(first):
                     deferred += 1
                     continue
-                row, start, src = self._place(first.prompt, reuse=first.prompt_logprobs is None)
+                row, start, copy = self._place(first.prompt, reuse=first.prompt_logprobs is None)
                 if row is None:
                     return
                 req = first
@@ -443,12 +446,16 @@ class Scheduler:
                 self.stats.reuse_hits += 1
                 self.stats.reused_tokens += start
                 req.reused_tokens = start
-                held = row if src is None else src
-                row.owner, row.seq, row.filled = req.id, held.seq[:start], start
-                if src is not None:  # the snapshot stays for others; the row continues from a copy of it
-                    self._copies.append((src.index, row.index))
-                    src.last_used = now
-                    self.stats.snapshot_hits += 1
+                src = row if copy is None or copy[0] is row else copy[0]  # whose caches the request continues
+                self.stats.snapshot_hits += src.shared
+                if copy is not None:  # the snapshot stays for others
+                    self._copies.append((copy[0].index, copy[1].index))
+                    if copy[0] is row:  # the request takes its row; the snapshot moves up, out of the bucket
+                        kept = copy[1]
+                        kept.owner, kept.seq, kept.filled = row.owner, list(row.seq), row.filled
+                        kept.shared, kept.pending = True, 0
+                    copy[1].last_used = copy[0].last_used = now
+                row.owner, row.seq, row.filled = req.id, src.seq[:start], start
             row.req, row.phase, row.produced, row.pending, row.last_used = req, "prefill", 0, 0, now
             row.shared = False
             self._prefilling.append(row)
@@ -472,11 +479,13 @@ class Scheduler:
                     return not kept and any(r.req is None for r in self.rows)
         return False
 
-    def _place(self, prompt: list[int], reuse: bool = True) -> tuple[_Row | None, int, _Row | None]:
-        """(row, first position to prefill, snapshot row to copy into it or None) for a prompt: a free row whose
-        sequence it extends (the longest; a prefix snapshot is copied into another free row, or taken where it is
-        the last one free), else a fresh row (`_fresh`). reuse=False: no kept sequence is continued (a scored prompt
-        needs every position's logits)."""
+    def _place(self, prompt: list[int], reuse: bool = True) -> tuple[_Row | None, int, tuple[_Row, _Row] | None]:
+        """(row, first position to prefill, (src, dst) rows to copy first or None) for a prompt: a free row whose
+        sequence it extends (the longest), else a fresh row (`_fresh`). A prefix snapshot stays: it is copied into
+        a fresh row (src = the snapshot, dst = row), or, where that row would lie outside the decode bucket the
+        live rows need and the snapshot inside it, the prompt takes the snapshot's row and the snapshot is copied
+        up into the other (src = row); where it is the last free row it is taken. reuse=False: no kept sequence is
+        continued (a scored prompt needs every position's logits)."""
         free = [r for r in self.rows if r.req is None]
         if not free:
             return None, 0, None
@@ -488,9 +497,19 @@ class Scheduler:
                     best, best_len = r, n
             if best is not None:
                 if best.shared and len(free) > 1:
-                    return self._fresh([r for r in free if r is not best]), best_len, best
+                    dst = self._fresh([r for r in free if r is not best])
+                    if dst.index >= self._limit() > best.index:
+                        return best, best_len, (best, dst)
+                    return dst, best_len, (best, dst)
                 return best, best_len, None
         return self._fresh(free), 0, None
+
+    def _limit(self) -> int:
+        """Rows below this are inside the decode bucket the live rows need with one more: the bucket of one more
+        live row, or the one the highest live row's steps run already."""
+        busy = [r.index for r in self.rows if r.req is not None]
+        limit = self.runner.bucket(len(busy) + 1)
+        return max(limit, self.runner.bucket(max(busy) + 1)) if busy else limit
 
     def _fresh(self, free: list[_Row]) -> _Row:
         """A row for a prompt prefilled from its start (or a snapshot's copy): a free row inside the decode bucket
@@ -498,10 +517,7 @@ class Scheduler:
         one, else the least recently used (what it kept is evicted). A warm row higher up is not taken: a request
         there would make every step run a larger bucket (after a burst of requests all rows are warm, and a lone
         request on row 31 would step bucket 32)."""
-        busy = [r.index for r in self.rows if r.req is not None]
-        limit = self.runner.bucket(len(busy) + 1)
-        if busy:
-            limit = max(limit, self.runner.bucket(max(busy) + 1))
+        limit = self._limit()
         within = [r for r in free if r.index < limit] or free[:1]
         empty = [r for r in within if r.owner is None]
         if empty:
@@ -693,13 +709,16 @@ class Scheduler:
 
     def _snapshot_row(self, taken: list[_Row]) -> _Row | None:
         """A free row to keep a snapshot in (not one `taken` by this chunk's): the highest empty one (low rows stay
-        for requests: smaller buckets), else the least recently used free row (what it kept is evicted); None when
-        no row is free."""
+        for requests: smaller buckets), else the least recently used free row above the decode bucket, else below
+        it (what it kept is evicted); None when no row is free."""
         free = [r for r in self.rows if r.req is None and all(r is not t for t in taken)]
+        if not free:
+            return None
         empty = [r for r in free if r.owner is None]
         if empty:
             return empty[-1]
-        return min(free, key=lambda r: r.last_used) if free else None
+        limit = self._limit()
+        return min([r for r in free if r.index >= limit] or free, key=lambda r: r.last_used)
 
     def _make_runner(self, engine):
         return engine.runner()

@@ -60,9 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-reuse", action="store_true",
                    help="do not reuse a finished row's caches for its next turn, nor keep prefix snapshots")
     p.add_argument("--snapshot-min-tokens", type=int, default=None, metavar="N",
-                   help="keep a chat prompt's state at its system part's end and (thinking mode) before its "
-                        "generation header in a free row when that prefix is at least N tokens, for later prompts "
-                        "that share it (0: never; default: the scheduler's, 256)")
+                   help="keep a chat prompt's state at its system part's end and (thinking mode) before its final "
+                        "<think> in a free row when that prefix is at least N tokens, for later prompts that share "
+                        "it (0: never; default: the scheduler's, 256)")
     p.add_argument("--speculate", type=int, default=0, metavar="K",
                    help="K drafts verified per decode step inside the scheduler (MTP, or DSpark if present; 0: off)")
     add_dspark_args(p)
