@@ -141,18 +141,20 @@ def test_the_nvfp4_drafters_head_gives_dspark_an_nvfp4_markov_bias(tmp_path):
     assert draft_markov(mk) is mk.markov_w2
 
 
-def test_row_swaps_move_the_dspark_rings_with_the_caches(ckpt):
-    """The scheduler swaps a prefill chunk's rows down to rows [:k] and back (Engine.swap_rows): DSpark's rings
-    (attached, not a submodule) move with the main caches, or the chunk's prompt lands in another row's rings."""
+@pytest.mark.parametrize("op, want", [("swap_rows_", [3.0, 2.0, 1.0]), ("copy_rows_", [3.0, 2.0, 3.0])])
+def test_row_swaps_and_copies_carry_the_dspark_rings(ckpt, op, want):
+    """The scheduler swaps a prefill chunk's rows down to rows [:k] and back (Engine.swap_rows), and copies a row
+    into another for a prefix snapshot (Engine.copy_rows): DSpark's rings (attached, not a submodule) move with
+    the main caches, or the chunk's prompt lands in another row's rings; no other row changes."""
     model = load_model(ckpt, dtype=torch.float32, max_seq_len=64, max_batch_size=3, progress=False)[0]
     rings = [st.attn.kv_cache for st in model.dspark.mtp]
     main = next(b for n, b in model.named_buffers() if n.endswith("kv_cache"))
     for r in (*rings, main):
         for row in range(3):
             r[row].fill_(float(row + 1))
-    model.swap_rows_([2], [0])
+    getattr(model, op)([2], [0])
     for r in (*rings, main):
-        assert [float(r[row].flatten()[0]) for row in range(3)] == [3.0, 2.0, 1.0]
+        assert [float(r[row].flatten()[0]) for row in range(3)] == want
 
 
 def test_a_dspark_step_needs_k_positions_of_room_not_2k(ckpt):
@@ -179,17 +181,3 @@ def test_a_dspark_step_needs_k_positions_of_room_not_2k(ckpt):
     with pytest.raises(ValueError, match=f"no room for speculative steps \\(at most max_seq_len - {K} = {seq - K}"):
         s.submit(Request(list(range(1, seq - K + 2)), SamplingParams(), 1))
     s.run_until_idle()
-
-
-def test_row_copies_carry_the_dspark_rings(ckpt):
-    """A prefix snapshot is a row copy (Engine.copy_rows): DSpark's rings are copied with the main caches, and
-    no other row changes."""
-    model = load_model(ckpt, dtype=torch.float32, max_seq_len=64, max_batch_size=3, progress=False)[0]
-    rings = [st.attn.kv_cache for st in model.dspark.mtp]
-    main = next(b for n, b in model.named_buffers() if n.endswith("kv_cache"))
-    for r in (*rings, main):
-        for row in range(3):
-            r[row].fill_(float(row + 1))
-    model.copy_rows_([2], [0])
-    for r in (*rings, main):
-        assert [float(r[row].flatten()[0]) for row in range(3)] == [3.0, 2.0, 3.0]
