@@ -262,6 +262,7 @@ SERVE_CASES = [
      "it contradicts --quant none"),
     ("serve: --model ''", ["--model", ""], "--model: empty"),
     ("serve: --served-model-name ''", ["--served-model-name", " "], "--served-model-name: empty"),
+    ("serve: --snapshot-min-tokens -1", ["--snapshot-min-tokens", "-1"], "--snapshot-min-tokens must be >= 0, got -1"),
 ]
 
 
