@@ -170,6 +170,13 @@ class Block(nn.Module):
         return h, Pending(self.ffn(x, ids, static=True, routed=routed), post, comb)
 
 
+def copy_rows_of_(buffers: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Rows src[i] -> dst[i] (device index tensors) of each buffer (every source read before its buffer is
+    written: one gather, one scatter)."""
+    for buf in buffers:
+        buf.index_copy_(0, dst, buf.index_select(0, src))
+
+
 def _param(*shape) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=torch.float32), requires_grad=False)
 
@@ -321,33 +328,29 @@ class Transformer(nn.Module):
 
     CACHE_SUFFIXES = ("kv_cache", "k_codes", "k_scales", "kv_state", "score_state")
 
+    def row_state_buffers(self) -> list[torch.Tensor]:
+        """Every buffer that holds a cache row's state: the caches and compressor states, an attached DSpark module's
+        rings too (attached, not a submodule)."""
+        dspark = getattr(self, "dspark", None)
+        bufs = [*self.named_buffers(), *(dspark.named_buffers() if dspark is not None else ())]
+        return [buf for name, buf in bufs if name.endswith(self.CACHE_SUFFIXES)]
+
     @torch.no_grad()
     def swap_rows_(self, a: list[int], b: list[int]) -> None:
-        """Exchange cache rows a[i] and b[i] in every cache and state buffer, an attached DSpark module's rings too
-        (the scheduler brings the rows of a prefill chunk down to rows [:k] and back, so the chunk computes k rows,
-        not every row below the highest)."""
+        """Exchange cache rows a[i] and b[i] in every row-state buffer (the scheduler brings the rows of a prefill
+        chunk down to rows [:k] and back, so the chunk computes k rows, not every row below the highest)."""
         ia = device_longs(a, self.device)
         ib = device_longs(b, self.device)
-        dspark = getattr(self, "dspark", None)  # (attached, not a submodule)
-        bufs = [*self.named_buffers(), *(dspark.named_buffers() if dspark is not None else ())]
-        for name, buf in bufs:
-            if name.endswith(self.CACHE_SUFFIXES):
-                held = buf.index_select(0, ia)
-                buf.index_copy_(0, ia, buf.index_select(0, ib))
-                buf.index_copy_(0, ib, held)
+        for buf in self.row_state_buffers():
+            held = buf.index_select(0, ia)
+            buf.index_copy_(0, ia, buf.index_select(0, ib))
+            buf.index_copy_(0, ib, held)
 
     @torch.no_grad()
     def copy_rows_(self, src: list[int], dst: list[int]) -> None:
-        """Cache row src[i] -> row dst[i] in every cache and state buffer (an attached DSpark module's too): the
-        scheduler keeps a prompt's state at a prefix in a free row, and later prompts that share the prefix
-        continue from a copy of it."""
-        isrc = device_longs(src, self.device)
-        idst = device_longs(dst, self.device)
-        dspark = getattr(self, "dspark", None)
-        bufs = [*self.named_buffers(), *(dspark.named_buffers() if dspark is not None else ())]
-        for name, buf in bufs:
-            if name.endswith(self.CACHE_SUFFIXES):
-                buf.index_copy_(0, idst, buf.index_select(0, isrc))
+        """Cache row src[i] -> row dst[i] in every row-state buffer: the scheduler keeps a prompt's state at a
+        prefix in a free row, and later prompts that share the prefix continue from a copy of it."""
+        copy_rows_of_(self.row_state_buffers(), device_longs(src, self.device), device_longs(dst, self.device))
 
     def compressor_ratios(self) -> set[int]:
         return {mod.ratio for mod in self.modules() if isinstance(mod, Compressor)}

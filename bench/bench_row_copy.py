@@ -1,0 +1,85 @@
+"""What a prefix snapshot costs on the device: one cache row copied into another (Engine.copy_rows: every cache
+and compressor state buffer of the row, gathered and scattered), at a preset's widths and several max_seq_len.
+
+    python bench/bench_row_copy.py                                     # flash43 (V4-Flash's 43 layers), 4K / 64K
+    python bench/bench_row_copy.py --model micro --max-seq-len 512 --device cpu
+
+Only the row-state buffers are allocated (shapes from the model built on the meta device; no weights), so a
+64K-context row of 43 layers fits anywhere. Printed per max_seq_len: the row's bytes, ms per copy (median of
+--reps, CUDA events on the GPU), the peer from the same run (one device copy of a flat buffer of the same bytes:
+what the copy could cost at best), the ratio, and the fraction of the floor (the row's bytes read and written once
+at bench/common.py's HBM_BYTES_PER_S). The scheduler weighs this against prefilling the prefix (bench_prefill.py).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+from common import HBM_BYTES_PER_S, preset  # noqa: E402
+from dsv4_model.model.transformer import Transformer, copy_rows_of_  # noqa: E402
+
+
+def row_buffers(name: str, experts: int | None, max_seq_len: int, device: torch.device) -> list[torch.Tensor]:
+    """Zeroed buffers shaped as a 2-row engine's row-state buffers of preset `name`."""
+    meta = Transformer(preset(name, experts=experts), max_batch_size=2, max_seq_len=max_seq_len,
+                       dtype=torch.bfloat16, device="meta", simulate_quant=True, allow_beyond_max_position=True)
+    meta.setup_runtime(torch.device("meta"))  # (the caches are made here)
+    return [torch.zeros(b.shape, dtype=b.dtype, device=device) for b in meta.row_state_buffers()]
+
+
+def timed_ms(fn, reps: int, device: torch.device) -> float:
+    """Median ms of fn() over reps runs (after two warm-up runs)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+    return sorted(times)[len(times) // 2]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="flash43", help="a bench/common.py preset (flash43, flash2, micro, ...)")
+    ap.add_argument("--experts", type=int, default=8, help="routed experts (no effect on the caches; fewer: faster)")
+    ap.add_argument("--max-seq-len", default="4096,65536")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    print(f"{args.model}: one row copied into another (Engine.copy_rows) on {device}", flush=True)
+    print(f"{'max_seq_len':>11} {'row MiB':>8} {'copy ms':>8} {'peer ms':>8} {'copy/peer':>9} {'of floor':>8}",
+          flush=True)
+    for S in (int(s) for s in args.max_seq_len.split(",")):
+        bufs = row_buffers(args.model, args.experts, S, device)
+        nbytes = sum(b[0].numel() * b.element_size() for b in bufs)
+        src, dst = torch.tensor([0], device=device), torch.tensor([1], device=device)
+        copy_ms = timed_ms(lambda: copy_rows_of_(bufs, src, dst), args.reps, device)
+        flat = torch.zeros(2, nbytes, dtype=torch.uint8, device=device)
+        peer_ms = timed_ms(lambda: flat[1].copy_(flat[0]), args.reps, device)
+        floor_ms = 1e3 * 2 * nbytes / HBM_BYTES_PER_S
+        print(f"{S:11d} {nbytes / 2**20:8.1f} {copy_ms:8.3f} {peer_ms:8.3f} {copy_ms / peer_ms:9.2f} "
+              f"{floor_ms / copy_ms:8.1%}", flush=True)
+        del bufs, flat
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
