@@ -780,3 +780,33 @@ def test_a_snapshot_inside_the_bucket_moves_up_rather_than_push_its_user_out(eng
     assert s.stats.snapshot_hits == 1
     s.run_until_idle()
     assert req.finish_reason == "length" and live.finish_reason == "length"
+
+
+def test_a_prefix_two_prompts_shared_serves_the_third(engine32):
+    """Prompts that mark nothing (raw completions sharing a 70-token document): the second, sharing 70 tokens with
+    the first's kept row, asks for a snapshot there itself; the third continues from a copy of it and gets a cold
+    run's tokens. A third prompt sent while the second still prefills waits for that snapshot."""
+    eng = engine32
+    doc = _held_text(eng, 0, 70)
+    prompts = [doc + _held_text(eng, 100 + 40 * i, 12) for i in range(4)]
+    s = Scheduler(eng, max_prefill_tokens=16, snapshot_min_tokens=16)
+    got = []
+    for p in prompts[:3]:
+        got.append(s.submit(Request(p, SamplingParams(), 10, ignore_eos=True)))
+        s.run_until_idle()
+    assert [r.reused_tokens for r in got] == [0, 0, 70] and got[1].snapshot_at == (70,) and s.stats.snapshots == 1
+    cold = Scheduler(eng, max_prefill_tokens=16, reuse=False)
+    refs = [cold.submit(Request(p, SamplingParams(), 10, ignore_eos=True)) for p in prompts[:3]]
+    cold.run_until_idle()
+    assert [r.token_ids for r in got] == [r.token_ids for r in refs]
+    # the same flow with the third sent at once: it waits for the second's snapshot
+    s = Scheduler(eng, max_prefill_tokens=16, snapshot_min_tokens=16)
+    s.submit(Request(prompts[0], SamplingParams(), 2, ignore_eos=True))
+    s.run_until_idle()
+    second = s.submit(Request(prompts[1], SamplingParams(), 2, ignore_eos=True))
+    s.step()
+    third = s.submit(Request(prompts[3], SamplingParams(), 2, ignore_eos=True))
+    s.step()
+    assert third.timings.admitted is None
+    s.run_until_idle()
+    assert third.reused_tokens == 70 and second.reused_tokens == 0

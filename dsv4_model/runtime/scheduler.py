@@ -103,12 +103,27 @@ class _Flight:
         return not self.first and not self.decode and not self.prompt_lp
 
 
-def _prefix_keys(req: Request) -> dict[int, int]:
-    """{m: hash of prompt[:m]} for the request's snapshot positions (made once, kept on the request)."""
-    keys = getattr(req, "_prefix_keys", None)
-    if keys is None:
-        keys = req._prefix_keys = {m: hash(tuple(req.prompt[:m])) for m in req.snapshot_at}
-    return keys
+def _prefix_key(req: Request, m: int) -> int:
+    """A hash of req.prompt[:m], made once per (request, m) and kept on the request."""
+    keys = req.__dict__.setdefault("_prefix_keys", {})
+    if m not in keys:
+        keys[m] = hash(tuple(req.prompt[:m]))
+    return keys[m]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """len of the longest common prefix of two id lists (slices compare in C: a bisection, not a Python loop)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def eos_ids(config) -> frozenset[int]:
@@ -440,6 +455,8 @@ class Scheduler:
                 req = first
                 del self._waiting[deferred]
                 row.req = req  # (under the lock: idle() never sees the request in neither place)
+            if self.snapshots and req.prompt_logprobs is None:
+                self._learn_prefix(req, row, start)  # (before the row's kept sequence is replaced)
             if start == 0:
                 row.owner, row.seq, row.filled = req.id, [], 0
             else:
@@ -464,20 +481,38 @@ class Scheduler:
             self._admits.append((row.index, req.params))
 
     def _awaits_snapshot(self, req: Request) -> bool:
-        """Whether a free row exists and a row still prefilling will keep a snapshot of a prefix req asked for too
-        (same position, same tokens) before req could use one: then req waits for it rather than prefill it again.
-        (Prefixes compare by hashes made once per request: this runs for waiting requests every iteration.)"""
-        if not self.snapshots or not req.snapshot_at or req.prompt_logprobs is not None or not self._prefilling:
+        """Whether a free row exists and a row still prefilling will keep a snapshot of a prefix of req's prompt
+        before req could use one: then req waits for it rather than prefill it again. (Prefixes compare by hashes
+        made once per request and position: this runs for waiting requests every iteration.)"""
+        if not self.snapshots or req.prompt_logprobs is not None or not self._prefilling:
             return False
-        mine = _prefix_keys(req)
         lag = self.snapshot_lag
         for row in self._prefilling:
-            for m, key in _prefix_keys(row.req).items():
-                if row.filled < m - lag and m - lag >= self.snapshot_min_tokens and mine.get(m) == key \
-                        and req.prompt[:m] == row.req.prompt[:m]:
+            for m in row.req.snapshot_at:
+                if row.filled < m - lag and m - lag >= self.snapshot_min_tokens and len(req.prompt) >= m \
+                        and _prefix_key(req, m) == _prefix_key(row.req, m) and req.prompt[:m] == row.req.prompt[:m]:
                     kept = any(r.shared and r.owner is not None and r.seq == req.prompt[:m] for r in self.rows)
                     return not kept and any(r.req is None for r in self.rows)
         return False
+
+    def _learn_prefix(self, req: Request, row: _Row, start: int) -> None:
+        """A prompt that shares a prefix of at least snapshot_min_tokens beyond what it continues from with another
+        row's sequence (kept, or a request's prompt) asks for a snapshot there: a third prompt that shares it then
+        continues from a copy (prefixes the requests did not mark: raw completions, a shared document, a prompt
+        sent again)."""
+        prompt, floor, lag = req.prompt, start + self.snapshot_min_tokens, self.snapshot_lag
+        if len(prompt) <= floor + lag:
+            return
+        best = 0
+        for r in self.rows:
+            if r.owner is None:
+                continue
+            seq = r.seq if r.req is None or r is row else r.req.prompt  # (row: what it kept until now)
+            if len(seq) > floor and prompt[:floor] == seq[:floor]:
+                best = max(best, common_prefix(prompt, seq))
+        m = min(best, len(prompt) - 1)
+        if m - lag >= max(floor, self.snapshot_min_tokens) and m not in req.snapshot_at:
+            req.snapshot_at = tuple(sorted({*req.snapshot_at, m}))
 
     def _place(self, prompt: list[int], reuse: bool = True) -> tuple[_Row | None, int, tuple[_Row, _Row] | None]:
         """(row, first position to prefill, (src, dst) rows to copy first or None) for a prompt: a free row whose
