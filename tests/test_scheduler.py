@@ -794,7 +794,8 @@ def test_a_prefix_two_prompts_shared_serves_the_third(engine32):
     for p in prompts[:3]:
         got.append(s.submit(Request(p, SamplingParams(), 10, ignore_eos=True)))
         s.run_until_idle()
-    assert [r.reused_tokens for r in got] == [0, 0, 70] and got[1].snapshot_at == (70,) and s.stats.snapshots == 1
+    assert [r.reused_tokens for r in got] == [0, 0, 70] and got[1].learned_snapshot_at == (70,)
+    assert s.stats.snapshots == 1 and got[1].snapshot_at == ()
     cold = Scheduler(eng, max_prefill_tokens=16, reuse=False)
     refs = [cold.submit(Request(p, SamplingParams(), 10, ignore_eos=True)) for p in prompts[:3]]
     cold.run_until_idle()
@@ -810,3 +811,39 @@ def test_a_prefix_two_prompts_shared_serves_the_third(engine32):
     assert third.timings.admitted is None
     s.run_until_idle()
     assert third.reused_tokens == 70 and second.reused_tokens == 0
+
+
+def test_copies_of_one_plan_that_chain_read_what_they_mean():
+    """Two prompts extending a snapshot in row 1 (inside the bucket) admitted in one iteration: the first takes
+    row 1 and the snapshot moves up to row 2, the second takes row 2 and it moves again to row 3. A plan's copies
+    read every source before writing, so the second move must read row 1 (where the snapshot was), not row 2: a
+    later prompt continuing from row 3 gets a cold run's tokens."""
+    eng = Engine.from_pretrained(DEFAULT_MODEL_DIR, device="cpu", dtype=torch.float32, max_batch_size=4,
+                                 max_seq_len=256, quant="none", progress=False)
+    system = _held_text(eng, 0, 40)
+    s = Scheduler(eng, max_prefill_tokens=16, snapshot_min_tokens=8)
+    live = s.submit(Request(_held_text(eng, 500, 12), SamplingParams(), 100, ignore_eos=True))  # row 0
+    s.step()
+    first = s.submit(Request(system + _held_text(eng, 100, 6), SamplingParams(), 2, snapshot_at=(40,)))
+    while first.finish_reason is None:
+        s.step()
+    snap = next(r for r in s.rows if r.shared)
+    if snap.index != 1:  # the snapshot into row 1 (content and bookkeeping), as an LRU pick would put it
+        eng.copy_rows([(snap.index, 1)])
+        r1 = s.rows[1]
+        r1.owner, r1.seq, r1.filled, r1.shared, r1.key = snap.owner, list(snap.seq), snap.filled, True, snap.key
+        snap.owner, snap.seq, snap.filled, snap.shared = None, [], 0, False
+    a = s.submit(Request(system + _held_text(eng, 200, 6), SamplingParams(), 3))
+    b = s.submit(Request(system + _held_text(eng, 300, 6), SamplingParams(), 3))
+    s.step()
+    assert a.reused_tokens == b.reused_tokens == 40 and s.rows[3].shared
+    while a.finish_reason is None or b.finish_reason is None:
+        s.step()
+    live.cancel()
+    s.run_until_idle()
+    c = s.submit(Request(system + _held_text(eng, 400, 6), SamplingParams(), 12, ignore_eos=True))
+    s.run_until_idle()
+    cold = Scheduler(eng, max_prefill_tokens=16, reuse=False)
+    ref = cold.submit(Request(c.prompt, SamplingParams(), 12, ignore_eos=True))
+    cold.run_until_idle()
+    assert c.reused_tokens == 40 and c.token_ids == ref.token_ids

@@ -72,6 +72,8 @@ class Request:
     timings: Timings = field(default_factory=Timings)
     token_times: list[float] = field(default_factory=list)
     reused_tokens: int = 0  # prompt tokens whose caches a kept row (a finished sequence, a prefix snapshot) held
+    # snapshot positions the scheduler added: the end of a prefix this prompt shares with another row's sequence
+    learned_snapshot_at: tuple[int, ...] = ()
     # with logprobs: per kept token, (its log-probability, [(id, log-probability)] of the `logprobs` most likely),
     # from the model's distribution before temperature / top-k / top-p
     token_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)

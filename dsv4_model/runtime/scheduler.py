@@ -72,6 +72,7 @@ class _Row:
     pending: int = 0  # speculative steps: launches of `req` not read yet (each gives it one token or more)
     last_used: float = 0.0
     shared: bool = False
+    key: int = 0  # a snapshot's: hash of seq (compared with _prefix_key before the tokens are)
 
     def harmless_position(self, limit: int) -> int:
         """Where the row rides along in a step it is not generating in: its sequence's end, or 0 from `limit` on
@@ -101,6 +102,11 @@ class _Flight:
 
     def empty(self) -> bool:
         return not self.first and not self.decode and not self.prompt_lp
+
+
+def _marks(req: Request) -> tuple[int, ...]:
+    """The prompt positions a request's snapshots are wanted at: asked for, and learned (Request fields)."""
+    return req.snapshot_at + req.learned_snapshot_at if req.learned_snapshot_at else req.snapshot_at
 
 
 def _prefix_key(req: Request, m: int) -> int:
@@ -466,11 +472,11 @@ class Scheduler:
                 src = row if copy is None or copy[0] is row else copy[0]  # whose caches the request continues
                 self.stats.snapshot_hits += src.shared
                 if copy is not None:  # the snapshot stays for others
-                    self._copies.append((copy[0].index, copy[1].index))
+                    self._plan_copy(copy[0].index, copy[1].index)
                     if copy[0] is row:  # the request takes its row; the snapshot moves up, out of the bucket
                         kept = copy[1]
                         kept.owner, kept.seq, kept.filled = row.owner, list(row.seq), row.filled
-                        kept.shared, kept.pending = True, 0
+                        kept.shared, kept.pending, kept.key = True, 0, row.key
                     copy[1].last_used = copy[0].last_used = now
                 row.owner, row.seq, row.filled = req.id, src.seq[:start], start
             row.req, row.phase, row.produced, row.pending, row.last_used = req, "prefill", 0, 0, now
@@ -480,19 +486,30 @@ class Scheduler:
             req.timings.admitted = now
             self._admits.append((row.index, req.params))
 
+    def _plan_copy(self, src: int, dst: int) -> None:
+        """Copy row src into row dst before the next prefill. A plan's copies read every source before writing
+        (one gather, one scatter: Transformer.copy_rows_), so a source an earlier copy of this plan wrote is read
+        where that copy read it, and a later copy into the same row replaces the earlier one."""
+        origin = dict((d, s) for s, d in self._copies)
+        self._copies = [(s, d) for s, d in self._copies if d != dst] + [(origin.get(src, src), dst)]
+
     def _awaits_snapshot(self, req: Request) -> bool:
-        """Whether a free row exists and a row still prefilling will keep a snapshot of a prefix of req's prompt
-        before req could use one: then req waits for it rather than prefill it again. (Prefixes compare by hashes
-        made once per request and position: this runs for waiting requests every iteration.)"""
-        if not self.snapshots or req.prompt_logprobs is not None or not self._prefilling:
+        """Whether a free row exists and a row still prefilling will keep a snapshot of a longer prefix of req's
+        prompt than a kept snapshot gives it: then req waits for it rather than prefill it again. A scheduling
+        hint: prefixes compare by hashes (made once per request and position; this runs for waiting requests every
+        iteration), a collision costs a wait, never tokens (_reusable compares the tokens)."""
+        if not self.snapshots or req.prompt_logprobs is not None or not self._prefilling \
+                or all(r.req is not None for r in self.rows):
             return False
-        lag = self.snapshot_lag
+        lag, prompt = self.snapshot_lag, req.prompt
+        have = max((r.filled for r in self.rows if r.shared and r.owner is not None and r.req is None
+                    and len(prompt) > max(r.filled, len(r.seq) - 1) and _prefix_key(req, len(r.seq)) == r.key),
+                   default=0)
         for row in self._prefilling:
-            for m in row.req.snapshot_at:
-                if row.filled < m - lag and m - lag >= self.snapshot_min_tokens and len(req.prompt) >= m \
-                        and _prefix_key(req, m) == _prefix_key(row.req, m) and req.prompt[:m] == row.req.prompt[:m]:
-                    kept = any(r.shared and r.owner is not None and r.seq == req.prompt[:m] for r in self.rows)
-                    return not kept and any(r.req is None for r in self.rows)
+            for m in _marks(row.req):
+                if have < m - lag and row.filled < m - lag and m - lag >= self.snapshot_min_tokens \
+                        and len(prompt) > max(m - lag, m - 1) and _prefix_key(req, m) == _prefix_key(row.req, m):
+                    return True
         return False
 
     def _learn_prefix(self, req: Request, row: _Row, start: int) -> None:
@@ -508,11 +525,12 @@ class Scheduler:
             if r.owner is None:
                 continue
             seq = r.seq if r.req is None or r is row else r.req.prompt  # (row: what it kept until now)
-            if len(seq) > floor and prompt[:floor] == seq[:floor]:
-                best = max(best, common_prefix(prompt, seq))
+            k = max(best, floor - 1)  # the position it must share to beat best and reach floor: probed first
+            if len(seq) > k and k < len(prompt) and seq[k] == prompt[k] and seq[:k] == prompt[:k]:
+                best = common_prefix(prompt, seq)
         m = min(best, len(prompt) - 1)
-        if m - lag >= max(floor, self.snapshot_min_tokens) and m not in req.snapshot_at:
-            req.snapshot_at = tuple(sorted({*req.snapshot_at, m}))
+        if m - lag >= max(floor, self.snapshot_min_tokens) and m not in _marks(req):
+            req.learned_snapshot_at = tuple(sorted({*req.learned_snapshot_at, m}))
 
     def _place(self, prompt: list[int], reuse: bool = True) -> tuple[_Row | None, int, tuple[_Row, _Row] | None]:
         """(row, first position to prefill, (src, dst) rows to copy first or None) for a prompt: a free row whose
@@ -680,6 +698,7 @@ class Scheduler:
             if dst is not None:
                 dst.owner, dst.seq, dst.filled = next(self._snapshot_ids), row.req.prompt[:mark], row.filled + n
                 dst.shared, dst.pending, dst.last_used = True, 0, time.perf_counter()
+                dst.key = _prefix_key(row.req, mark)
                 keeps.append((row, dst))
             budget -= n
             if budget <= 0:
@@ -733,10 +752,11 @@ class Scheduler:
     def _snapshot_mark(self, row: _Row, n: int) -> int | None:
         """The first prefix length m its request asked a snapshot for whose position (m - snapshot_lag) the row's
         next n prompt tokens reach (at least snapshot_min_tokens; none of prompt[:m] kept yet), or None."""
-        if not self.snapshots or not row.req.snapshot_at:
+        marks = _marks(row.req)
+        if not self.snapshots or not marks:
             return None
         prompt, lag = row.req.prompt, self.snapshot_lag
-        for m in sorted(row.req.snapshot_at):
+        for m in sorted(marks):
             if row.filled < m - lag <= row.filled + n and m - lag >= self.snapshot_min_tokens and not any(
                     r.shared and r.owner is not None and r.seq == prompt[:m] for r in self.rows):
                 return m
