@@ -758,7 +758,8 @@ class Scheduler:
         prompt, lag = row.req.prompt, self.snapshot_lag
         for m in sorted(marks):
             if row.filled < m - lag <= row.filled + n and m - lag >= self.snapshot_min_tokens and not any(
-                    r.shared and r.owner is not None and r.seq == prompt[:m] for r in self.rows):
+                    r.shared and r.owner is not None and len(r.seq) == m and r.key == _prefix_key(row.req, m)
+                    and r.seq == prompt[:m] for r in self.rows):
                 return m
         return None
 
