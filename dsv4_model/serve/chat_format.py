@@ -79,7 +79,7 @@ class ChatFormat:
             raise ValueError("--chat-format deepseek_v4: the tokenizer has no DeepSeek-V4 chat tokens "
                              f"({USER}, {ASSISTANT}, {THINK}, ...)")
         self.name = ("deepseek_v4" if v4 else "none") if name == "auto" else name
-        self._think = token_id(tokenizer, THINK)
+        self._think, self._user = token_id(tokenizer, THINK), token_id(tokenizer, USER)
 
     def prompt(self, req: ChatRequest) -> ChatPrompt:
         if self.name == "none":
@@ -95,19 +95,17 @@ class ChatFormat:
         except ChatError as e:
             raise APIError(400, str(e), e.param) from None
         ids = self.tokenizer.encode(text, add_bos=False)
-        return ChatPrompt(ids, OutputParser(opts.thinking), self._shared_prefixes(text, ids, opts, bool(tools)))
+        return ChatPrompt(ids, OutputParser(opts.thinking), self._shared_prefixes(ids, opts, bool(tools)))
 
-    def _shared_prefixes(self, text: str, ids: list[int], opts, tools: bool) -> tuple[int, ...]:
+    def _shared_prefixes(self, ids: list[int], opts, tools: bool) -> tuple[int, ...]:
         """Where later prompts will likely repeat this one: the system part's end (BOS, the effort text, system
         messages and tools: other conversations with the same system prompt), and in thinking mode with earlier
         reasoning dropped, the position before the final `<think>` (the next turn rewrites that header as
-        `</think>`, so it extends this prompt but not what the row holds after it)."""
+        `</think>`, so it extends this prompt but not what the row holds after it). The system part ends at the
+        first `<｜User｜>`, a special token: the tokenizer splits the text there, so no re-tokenizing is needed."""
         out = []
-        cut = text.find(USER)
-        if cut > 0:
-            head = self.tokenizer.encode(text[:cut], add_bos=False)
-            if 0 < len(head) < len(ids) and ids[:len(head)] == head:  # (the cut is a token boundary)
-                out.append(len(head))
+        if self._user in ids and ids.index(self._user) > 0:  # (a mark must lie inside the prompt)
+            out.append(ids.index(self._user))
         if opts.thinking and opts.drop_thinking and not tools and len(ids) > 1 and ids[-1] == self._think:
             out.append(len(ids) - 1)
         return tuple(sorted(set(out)))
