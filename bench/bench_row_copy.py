@@ -1,5 +1,5 @@
-"""What a prefix snapshot costs on the device: one cache row copied into another (Engine.copy_rows: every cache
-and compressor state buffer of the row, gathered and scattered), at a preset's widths and several max_seq_len.
+"""What a prefix snapshot costs on the device: one cache row copied into another (Engine.copy_rows: the row of every
+cache and compressor state buffer, dsv4_model/model/row_copy.py), at a preset's widths and several max_seq_len.
 
     python bench/bench_row_copy.py                                     # flash43 (V4-Flash's 43 layers), 4K / 64K
     python bench/bench_row_copy.py --model micro --max-seq-len 512 --device cpu
@@ -8,7 +8,8 @@ Only the row-state buffers are allocated (shapes from the model built on the met
 64K-context row of 43 layers fits anywhere. Printed per max_seq_len: the row's bytes, ms per copy (median of
 --reps, CUDA events on the GPU), the peer from the same run (one device copy of a flat buffer of the same bytes:
 what the copy could cost at best), the ratio, and the fraction of the floor (the row's bytes read and written once
-at bench/common.py's HBM_BYTES_PER_S). The scheduler weighs this against prefilling the prefix (bench_prefill.py).
+at bench/common.py's HBM_BYTES_PER_S), and what exchanging the two rows costs (Engine.swap_rows: a prefill
+chunk's placement). The scheduler weighs this against prefilling the prefix (bench_prefill.py).
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from common import HBM_BYTES_PER_S, preset  # noqa: E402
-from dsv4_model.model.transformer import Transformer, copy_rows_of_  # noqa: E402
+from dsv4_model.model.row_copy import copy_rows_of_, swap_rows_of_  # noqa: E402
+from dsv4_model.model.transformer import Transformer  # noqa: E402
 
 
 def row_buffers(name: str, experts: int | None, max_seq_len: int, device: torch.device) -> list[torch.Tensor]:
@@ -65,18 +67,18 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     print(f"{args.model}: one row copied into another (Engine.copy_rows) on {device}", flush=True)
-    print(f"{'max_seq_len':>11} {'row MiB':>8} {'copy ms':>8} {'peer ms':>8} {'copy/peer':>9} {'of floor':>8}",
+    print(f"{'max_seq_len':>11} {'row MiB':>8} {'copy ms':>8} {'peer ms':>8} {'copy/peer':>9} {'of floor':>8} {'swap ms':>8}",
           flush=True)
     for S in (int(s) for s in args.max_seq_len.split(",")):
         bufs = row_buffers(args.model, args.experts, S, device)
         nbytes = sum(b[0].numel() * b.element_size() for b in bufs)
-        src, dst = torch.tensor([0], device=device), torch.tensor([1], device=device)
-        copy_ms = timed_ms(lambda: copy_rows_of_(bufs, src, dst), args.reps, device)
+        copy_ms = timed_ms(lambda: copy_rows_of_(bufs, [0], [1]), args.reps, device)
+        swap_ms = timed_ms(lambda: swap_rows_of_(bufs, [0], [1]), args.reps, device)
         flat = torch.zeros(2, nbytes, dtype=torch.uint8, device=device)
         peer_ms = timed_ms(lambda: flat[1].copy_(flat[0]), args.reps, device)
         floor_ms = 1e3 * 2 * nbytes / HBM_BYTES_PER_S
         print(f"{S:11d} {nbytes / 2**20:8.1f} {copy_ms:8.3f} {peer_ms:8.3f} {copy_ms / peer_ms:9.2f} "
-              f"{floor_ms / copy_ms:8.1%}", flush=True)
+              f"{floor_ms / copy_ms:8.1%} {swap_ms:8.3f}", flush=True)
         del bufs, flat
     return 0
 

@@ -39,11 +39,12 @@ from dsv4_model.model.compressor import Compressor
 from dsv4_model.model.indexer import Indexer
 from dsv4_model.model.decode_options import DEFAULT as DEFAULT_OPTIONS, DecodeOptions
 from dsv4_model.model.step_values import DecodeStep, StepScratch, TokenSteps
-from dsv4_model.model.to_device import device_longs, to_device
+from dsv4_model.model.to_device import to_device
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.layers import (Linear, RMSNorm, hc_head, hc_post, hc_pre, narrow_if_lossless_, rope_inv_freq,
                                      rope_table)
 from dsv4_model.model.moe import MoE
+from dsv4_model.model.row_copy import copy_rows_of_, restore_rows_, save_rows, swap_rows_of_
 
 
 class Embedding(nn.Module):
@@ -168,13 +169,6 @@ class Block(nn.Module):
             if rows is not None:
                 return h, Pending(rows[0], post, comb, rows[1], rows[2])
         return h, Pending(self.ffn(x, ids, static=True, routed=routed), post, comb)
-
-
-def copy_rows_of_(buffers: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Rows src[i] -> dst[i] (device index tensors) of each buffer (every source read before its buffer is
-    written: one gather, one scatter)."""
-    for buf in buffers:
-        buf.index_copy_(0, dst, buf.index_select(0, src))
 
 
 def _param(*shape) -> nn.Parameter:
@@ -339,18 +333,13 @@ class Transformer(nn.Module):
     def swap_rows_(self, a: list[int], b: list[int]) -> None:
         """Exchange cache rows a[i] and b[i] in every row-state buffer (the scheduler brings the rows of a prefill
         chunk down to rows [:k] and back, so the chunk computes k rows, not every row below the highest)."""
-        ia = device_longs(a, self.device)
-        ib = device_longs(b, self.device)
-        for buf in self.row_state_buffers():
-            held = buf.index_select(0, ia)
-            buf.index_copy_(0, ia, buf.index_select(0, ib))
-            buf.index_copy_(0, ib, held)
+        swap_rows_of_(self.row_state_buffers(), a, b)
 
     @torch.no_grad()
     def copy_rows_(self, src: list[int], dst: list[int]) -> None:
         """Cache row src[i] -> row dst[i] in every row-state buffer: the scheduler keeps a prompt's state at a
         prefix in a free row, and later prompts that share the prefix continue from a copy of it."""
-        copy_rows_of_(self.row_state_buffers(), device_longs(src, self.device), device_longs(dst, self.device))
+        copy_rows_of_(self.row_state_buffers(), src, dst)
 
     def compressor_ratios(self) -> set[int]:
         return {mod.ratio for mod in self.modules() if isinstance(mod, Compressor)}
@@ -358,16 +347,14 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def save_compressor_rows(self, rows: list[int]) -> list[torch.Tensor]:
         """Copies of every compressor state's rows `rows` (restore_compressor_rows puts them back)."""
-        idx = device_longs(rows, self.device)
-        return [buf.index_select(0, idx) for name, buf in self.named_buffers()
-                if name.endswith(("kv_state", "score_state"))]
+        return save_rows(self._compressor_states(), rows)
 
     @torch.no_grad()
     def restore_compressor_rows(self, rows: list[int], saved: list[torch.Tensor]) -> None:
-        idx = device_longs(rows, self.device)
-        bufs = [buf for name, buf in self.named_buffers() if name.endswith(("kv_state", "score_state"))]
-        for buf, held in zip(bufs, saved, strict=True):
-            buf.index_copy_(0, idx, held)
+        restore_rows_(self._compressor_states(), rows, saved)
+
+    def _compressor_states(self) -> list[torch.Tensor]:
+        return [buf for name, buf in self.named_buffers() if name.endswith(("kv_state", "score_state"))]
 
     def cache_nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for n, b in self.named_buffers() if n.endswith(self.CACHE_SUFFIXES))

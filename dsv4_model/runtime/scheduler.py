@@ -487,8 +487,8 @@ class Scheduler:
             self._admits.append((row.index, req.params))
 
     def _plan_copy(self, src: int, dst: int) -> None:
-        """Copy row src into row dst before the next prefill. A plan's copies read every source before writing
-        (one gather, one scatter: Transformer.copy_rows_), so a source an earlier copy of this plan wrote is read
+        """Copy row src into row dst before the next prefill. A plan's copies read every source before writing any
+        row (Transformer.copy_rows_), so a source an earlier copy of this plan wrote is read
         where that copy read it, and a later copy into the same row replaces the earlier one."""
         origin = dict((d, s) for s, d in self._copies)
         self._copies = [(s, d) for s, d in self._copies if d != dst] + [(origin.get(src, src), dst)]
