@@ -56,3 +56,18 @@ def test_saved_rows_come_back():
 def test_mismatched_moves_are_refused(call):
     with pytest.raises(ValueError, match="row"):
         call(_buffers())
+
+
+@pytest.mark.cuda
+def test_cuda_moves_give_the_cpu_rows():
+    """On the GPU the multi-tensor copies (fused per dtype there) move the same rows as on the CPU."""
+    cpu = _buffers()
+    gpu = [b.cuda() for b in _buffers()]
+    for bufs in (cpu, gpu):
+        copy_rows_of_(bufs, [0, 1], [1, 2])
+        swap_rows_of_(bufs, [3], [0])
+        held = save_rows(bufs, [4])
+        bufs[0][4].fill_(0)
+        restore_rows_(bufs, [4], held)
+    for a, b in zip(_bits(cpu), _bits(gpu), strict=True):
+        assert torch.equal(a, b.cpu())

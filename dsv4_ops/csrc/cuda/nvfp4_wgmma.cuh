@@ -42,63 +42,70 @@ using dsv4_cuda::wgmma_wait;
 // Descriptor of the K-major activation operand (8-row groups 1 KB apart).
 __device__ __forceinline__ uint64_t b_desc(uint32_t saddr) { return dsv4_cuda::smem_desc(saddr, 16, 1024); }
 
-// The CTA's K loop over n_local chunks: load_stage(stage pointer) issues one chunk's cp.async copies (weights at
-// kXStage, scale bytes at kXStage + kWStage, activations at 0 in the swizzled atoms, this thread's share). A chunk
-// is, per 64-row block of the warpgroup, two wgmma groups of 4 k-steps (order: half 0 of every block, then half
-// 1); a pending wgmma's A registers must not be written (PTX ISA, wgmma.wait_group), so A fragments live in two
-// slots used by alternate groups, and a group's slot is written only once the group before its predecessor has
-// retired (wait_group 1): each group is decoded while the previous one runs, and one stage is kept for the chunk
-// in flight. acc: this thread's accumulators, block b at acc[b * TM / 2 ..] (rows r0 + 128 b / + 8; D fragment:
-// accumulator 4i + e = row + 8 (e >> 1), token 8i + 2 tq + (e & 1)). Returns with every copy and wgmma done and the
-// CTA synchronized (the ring is free).
+// One 128-k chunk of the CTA's tile in the stage at xs (generic pointer) / xs_s (shared-window address): decode
+// its weights (this warp's 16 rows g, g + 8 of each 64-row block: r0 = 16 warp + g) into wgmma's A registers and
+// issue the wgmmas. Per 64-row block of the warpgroup, two wgmma groups of 4 k-steps (order: half 0 of every
+// block, then half 1); a pending wgmma's A registers must not be written (PTX ISA, wgmma.wait_group), so A
+// fragments live in two slots used by alternate groups, and a group's slot is written only once the group before
+// its predecessor has retired (wait_group 1): each group is decoded while the previous one runs. On return every
+// group of the previous chunk has retired (a chunk has >= 2 groups) and this chunk's last group may still run.
+// acc: this thread's accumulators, block b at acc[b * TM / 2 ..] (rows r0 + 128 b / + 8; D fragment: accumulator
+// 4i + e = row + 8 (e >> 1), token 8i + 2 tq + (e & 1)).
+template <int TM, int TN>
+__device__ __forceinline__ void wgmma_chunk(const uint8_t* xs, uint32_t xs_s, int r0, int tq,
+                                            float (&acc)[WgCfg<TM, TN>::kAcc]) {
+  using Cfg = WgCfg<TM, TN>;
+  constexpr int B = Cfg::kBlocks;
+  const uint32_t w_ld = uint32_t(Cfg::kXStage + r0 * 64 + tq * 16);
+  const uint32_t s_ld = uint32_t(Cfg::kXStage + Cfg::kWStage + r0 * 8);
+  uint4 wa[B], wb[B];
+  RowScales sa[B], sb[B];
+#pragma unroll
+  for (int b = 0; b < B; ++b) {  // block b: rows r0 + 128 b (wa, sa) and + 8 (wb, sb)
+    wa[b] = *reinterpret_cast<const uint4*>(xs + w_ld + b * 128 * 64);
+    wb[b] = *reinterpret_cast<const uint4*>(xs + w_ld + b * 128 * 64 + 8 * 64);
+    sa[b] = row_scales(*reinterpret_cast<const uint2*>(xs + s_ld + b * 128 * 8));
+    sb[b] = row_scales(*reinterpret_cast<const uint2*>(xs + s_ld + b * 128 * 8 + 8 * 8));
+  }
+  uint32_t a[2][4][4];  // [slot][k-step of the half]
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      const int slot = (h * B + b) & 1;
+      uint32_t ra[2][4], rb[2][4];
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        const int j = 2 * h + jj;
+        decode_word(j == 0 ? wa[b].x : j == 1 ? wa[b].y : j == 2 ? wa[b].z : wa[b].w, ra[jj]);
+        decode_word(j == 0 ? wb[b].x : j == 1 ? wb[b].y : j == 2 ? wb[b].z : wb[b].w, rb[jj]);
+      }
+      wgmma_wait<1>();  // the group that last read this slot (two groups back) is done
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        const int j = 2 * h + jj;
+        a_fragment_rs(ra[jj], rb[jj], sa[b], sb[b], 2 * j, a[slot][2 * jj]);
+        a_fragment_rs(ra[jj], rb[jj], sa[b], sb[b], 2 * j + 1, a[slot][2 * jj + 1]);
+      }
+      wgmma_fence();
+      float(&d)[TM / 2] = *reinterpret_cast<float(*)[TM / 2]>(acc + b * (TM / 2));
+#pragma unroll
+      for (int s = 4 * h; s < 4 * h + 4; ++s)
+        wgmma_rs<TM>(d, a[slot][s & 3], b_desc(xs_s + uint32_t((s >> 2) * (TM * 128) + (s & 3) * 32)));
+      wgmma_commit();
+    }
+  }
+}
+
+// The CTA's K loop over n_local chunks, loaded by every thread with cp.async: load_stage(stage pointer) issues one
+// chunk's copies (weights at kXStage, scale bytes at kXStage + kWStage, activations at 0 in the swizzled atoms,
+// this thread's share), two chunks ahead, one stage kept for the chunk in flight. Returns with every copy and
+// wgmma done and the CTA synchronized (the ring is free).
 template <int TM, int TN, typename LoadStage>
 __device__ __forceinline__ void wgmma_k_loop(uint8_t* smem, uint32_t smem_s, int n_local, int r0, int tq,
                                              LoadStage&& load_stage, float (&acc)[WgCfg<TM, TN>::kAcc]) {
   using Cfg = WgCfg<TM, TN>;
-  constexpr int S = kWgStages, B = Cfg::kBlocks;
-  const uint32_t w_ld = uint32_t(Cfg::kXStage + r0 * 64 + tq * 16);
-  const uint32_t s_ld = uint32_t(Cfg::kXStage + Cfg::kWStage + r0 * 8);
-  auto compute = [&](int st) {  // decode the chunk in stage st (8 k-steps' A fragments per block), issue its wgmmas
-    const uint8_t* xs = smem + st * Cfg::kStageBytes;
-    const uint32_t xs_s = smem_s + uint32_t(st * Cfg::kStageBytes);
-    uint4 wa[B], wb[B];
-    RowScales sa[B], sb[B];
-#pragma unroll
-    for (int b = 0; b < B; ++b) {  // block b: rows r0 + 128 b (wa, sa) and + 8 (wb, sb)
-      wa[b] = *reinterpret_cast<const uint4*>(xs + w_ld + b * 128 * 64);
-      wb[b] = *reinterpret_cast<const uint4*>(xs + w_ld + b * 128 * 64 + 8 * 64);
-      sa[b] = row_scales(*reinterpret_cast<const uint2*>(xs + s_ld + b * 128 * 8));
-      sb[b] = row_scales(*reinterpret_cast<const uint2*>(xs + s_ld + b * 128 * 8 + 8 * 8));
-    }
-    uint32_t a[2][4][4];  // [slot][k-step of the half]
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int b = 0; b < B; ++b) {
-        const int slot = (h * B + b) & 1;
-        uint32_t ra[2][4], rb[2][4];
-#pragma unroll
-        for (int jj = 0; jj < 2; ++jj) {
-          const int j = 2 * h + jj;
-          decode_word(j == 0 ? wa[b].x : j == 1 ? wa[b].y : j == 2 ? wa[b].z : wa[b].w, ra[jj]);
-          decode_word(j == 0 ? wb[b].x : j == 1 ? wb[b].y : j == 2 ? wb[b].z : wb[b].w, rb[jj]);
-        }
-        wgmma_wait<1>();  // the group that last read this slot (two groups back) is done
-#pragma unroll
-        for (int jj = 0; jj < 2; ++jj) {
-          const int j = 2 * h + jj;
-          a_fragment_rs(ra[jj], rb[jj], sa[b], sb[b], 2 * j, a[slot][2 * jj]);
-          a_fragment_rs(ra[jj], rb[jj], sa[b], sb[b], 2 * j + 1, a[slot][2 * jj + 1]);
-        }
-        wgmma_fence();
-        float(&d)[TM / 2] = *reinterpret_cast<float(*)[TM / 2]>(acc + b * (TM / 2));
-#pragma unroll
-        for (int s = 4 * h; s < 4 * h + 4; ++s)
-          wgmma_rs<TM>(d, a[slot][s & 3], b_desc(xs_s + uint32_t((s >> 2) * (TM * 128) + (s & 3) * 32)));
-        wgmma_commit();
-      }
-    }
-  };
+  constexpr int S = kWgStages;
 #pragma unroll
   for (int st = 0; st < S - 2; ++st) {
     if (st < n_local) load_stage(smem + st * Cfg::kStageBytes);
@@ -111,7 +118,8 @@ __device__ __forceinline__ void wgmma_k_loop(uint8_t* smem, uint32_t smem_s, int
     cp_async_wait<S - 2>();  // this thread's pieces of chunk i landed
     fence_proxy_async();
     __syncthreads();  // and every thread's
-    compute(i % S);  // on return: every group of chunk i - 1 retired (by the waits of chunk i's groups)
+    const int st = i % S;
+    wgmma_chunk<TM, TN>(smem + st * Cfg::kStageBytes, smem_s + uint32_t(st * Cfg::kStageBytes), r0, tq, acc);
   }
   wgmma_wait<0>();
   fence_operands(acc);
