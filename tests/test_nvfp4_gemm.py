@@ -635,11 +635,14 @@ def test_linear_cuda_wgmma_tma_gives_the_cp_async_bits(wide, n, k):
         x, w, ref32, bound = linear_case(n, k, m, gen, "cuda")
         with kernel_choice(base):
             want = ops.nvfp4_linear(x, *w)
-        with kernel_choice(tma), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with kernel_choice(tma):
             got = ops.nvfp4_linear(x, *w)
-            torch.cuda.synchronize()
-        ran = [e.name for e in prof.events() if "wgmma" in e.name]
-        assert any("wgmma_tma_kernel" in name for name in ran), f"{tma} {m}x{n}x{k} ran {ran}"
+        if m in (9, 200, 1030):  # (a profiler session per check: a few suffice)
+            with kernel_choice(tma), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                ops.nvfp4_linear(x, *w)
+                torch.cuda.synchronize()
+            ran = [e.name for e in prof.events() if "wgmma" in e.name]
+            assert any("wgmma_tma_kernel" in name for name in ran), f"{tma} {m}x{n}x{k} ran {ran}"
         assert torch.equal(got, want), f"{tma} {m}x{n}x{k}: other bits than {base}"
         assert_bf16_close(got, ref32, bound, f"cuda {tma} linear {m}x{n}x{k}")
     xq, w, ref32, bound = w4a4_case(n, k, (100,), gen, "cuda")

@@ -223,11 +223,16 @@ cudaError_t run_wgmma_tma(const TiledParams& p, int sms, cudaStream_t stream) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmem);
     if (err != cudaSuccess) return err;
   }
+  // (the split plan below queries the cp.async kernel's clusters: their shared memory too)
+  const cudaError_t err = cudaFuncSetAttribute(nvfp4_wgmma_kernel<TM, TN, true>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmem);
+  if (err != cudaSuccess) return err;
   const int nchunks = (p.K + 127) / 128;
   const unsigned nt = unsigned((p.N + TN - 1) / TN), mt = unsigned((p.M + TM - 1) / TM);
   int splits = 1, per = nchunks;
-  plan_split<nvfp4_wgmma_tma_kernel<TM, TN, true>, Cfg::kSmem>(int64_t(nt) * mt, nchunks, sms * Cfg::kOcc, stream,
-                                                                 splits, per);
+  // the cp.async kernel's plan (its clusters' occupancy): the same K split, so the same sums in the same order
+  plan_split<nvfp4_wgmma_kernel<TM, TN, true>, Cfg::kSmem>(int64_t(nt) * mt, nchunks, sms * Cfg::kOcc, stream,
+                                                             splits, per);
   if (splits == 1) {
     nvfp4_wgmma_tma_kernel<TM, TN, false><<<dim3(nt, mt, 1), kThreads, Cfg::kSmem, stream>>>(xmap, p, per);
     return cudaGetLastError();

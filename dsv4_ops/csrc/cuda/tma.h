@@ -68,9 +68,13 @@ inline bool encode_bf16_rows(CUtensorMap* map, const void* base, int64_t rows, i
   static const Encode encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult got{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &got) !=
-            cudaSuccess ||
-        got != cudaDriverEntryPointSuccess) {
+#if CUDART_VERSION >= 12050
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                                             &got);
+#else
+    const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &got);
+#endif
+    if (err != cudaSuccess || got != cudaDriverEntryPointSuccess) {
       cudaGetLastError();
       return Encode(nullptr);
     }
