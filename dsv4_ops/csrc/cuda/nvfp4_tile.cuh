@@ -115,7 +115,8 @@ __host__ __device__ constexpr int out_stride() {
 }
 
 // The staged tile cs[token][feature] (row stride out_stride<TN>, unscaled; this CTA's K range) -> y: every rank of
-// a CLUSTER (gridDim.z CTAs along z) sums 1/S of the tile over all S partials.
+// a CLUSTER (gridDim.z CTAs along z) sums 1/S of the tile over all S partials. Threads past kThreads (a producer
+// warp) only take the barriers.
 template <int TM, bool CLUSTER, int TN = kTileN>
 __device__ __forceinline__ void store_tile(const TiledParams& p, float* cs, int m_base, int n_base) {
   const int tid = threadIdx.x;
@@ -127,7 +128,7 @@ __device__ __forceinline__ void store_tile(const TiledParams& p, float* cs, int 
     cg::cluster_group cl = cg::this_cluster();
     cl.sync();  // every partial staged
     const int S = int(gridDim.z), r = int(blockIdx.z);
-    for (int id = r * kThreads + tid; id < kItems; id += S * kThreads) {
+    for (int id = r * kThreads + tid; tid < kThreads && id < kItems; id += S * kThreads) {
       const int tl = id / kRowItems, fl = (id % kRowItems) * 4;
       const int m = m_base + tl, n = n_base + fl;
       if (m >= p.M || n >= p.N) continue;
@@ -144,7 +145,7 @@ __device__ __forceinline__ void store_tile(const TiledParams& p, float* cs, int 
     cl.sync();  // no CTA leaves while another still reads its shared memory
   } else {
     __syncthreads();
-    for (int id = tid; id < kItems; id += kThreads) {
+    for (int id = tid; tid < kThreads && id < kItems; id += kThreads) {
       const int tl = id / kRowItems, fl = (id % kRowItems) * 4;
       const int m = m_base + tl, n = n_base + fl;
       if (m >= p.M || n >= p.N) continue;

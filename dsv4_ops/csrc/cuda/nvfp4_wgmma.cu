@@ -9,6 +9,7 @@
 //     tiles of TM, gathering their activation rows into the ring (routed: by assignment), with skinny's epilogue
 //     (SwiGLU x routing weight for up, rows for the combine for down). No K split: the slots fill the SMs.
 #include "nvfp4_wgmma.cuh"
+#include "tma.h"
 
 namespace {
 
@@ -48,6 +49,95 @@ __global__ void __launch_bounds__(kThreads, WgCfg<TM, TN>::kOcc) nvfp4_wgmma_ker
       for (int e = 0; e < 4; ++e)
         cs[(8 * i + 2 * tq + (e & 1)) * kStride + 128 * b + r0 + 8 * (e >> 1)] = acc[b * (TM / 2) + 4 * i + e];
   store_tile<TM, CLUSTER, TN>(p, cs, m_base, n_base);
+}
+
+// The dense kernel with its ring filled by bulk copies instead of every thread's cp.async (one matrix, N % 16 == 0:
+// launch_wgmma_tma's conditions), warp-specialized: a ninth warp only loads. Per chunk it announces the stage's
+// bytes on the stage's full barrier and its lanes issue the two activation boxes (the tensor map: 128-byte swizzled
+// atoms, rows past M and k past K as zeros) and the 16-row weight / scale blocks (1,024 / 128 contiguous bytes each
+// in the kernel layout; rows past N are not loaded and only feed outputs never stored); before refilling a stage it
+// waits on the stage's empty barrier, where each consumer warp arrives once its wgmmas reading the stage retired.
+// The 8 consumer warps never wait on a load they did not need and there is no CTA-wide barrier in the loop (the
+// single-thread producer inside warp 0 of the first version stalled its warpgroup: 2x slower, bench/RESULTS.md).
+// The same wgmmas in the same order and the cp.async kernel's K split: the same bits.
+constexpr int kTmaThreads = kThreads + 32;
+
+template <int TM, int TN, bool CLUSTER>
+__global__ void __launch_bounds__(kTmaThreads, WgCfg<TM, TN>::kOcc)
+    nvfp4_wgmma_tma_kernel(const __grid_constant__ CUtensorMap xmap, const TiledParams p, int per) {
+  using Cfg = WgCfg<TM, TN>;
+  constexpr int S = kWgStages;
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t bars[2 * S];  // full[0, S): a chunk landed; empty[S, 2S): its stage was read
+  const AlignedSmem sm = aligned_smem(smem_raw);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
+  const int n_base = blockIdx.x * TN, m_base = int(blockIdx.y) * TM;
+  const int kp = (p.K + 127) & ~127, nchunks = kp >> 7;
+  const int c_begin = min(int(blockIdx.z) * per, nchunks), n_local = min(c_begin + per, nchunks) - c_begin;
+  const uint32_t full0 = dsv4_cuda::smem_addr(&bars[0]), empty0 = dsv4_cuda::smem_addr(&bars[S]);
+  if (tid == 0) {
+    for (int st = 0; st < S; ++st) {
+      dsv4_cuda::mbar_init(full0 + 8 * st, 1);
+      dsv4_cuda::mbar_init(empty0 + 8 * st, kThreads / 32);
+    }
+    dsv4_cuda::fence_mbar_init();
+  }
+  __syncthreads();
+
+  float acc[Cfg::kAcc];
+  const int r0 = warp * 16 + g;
+  if (warp == kThreads / 32) {  // the producer warp
+    const int tiles = min(TN / 16, (p.N - n_base) / 16);  // this CTA's 16-row weight blocks
+    const size_t kp2 = size_t(kp) / 2, kp16 = size_t(kp) / 16;
+    for (int j = 0; j < n_local; ++j) {
+      const int st = j % S, c = c_begin + j;
+      if (j >= S) dsv4_cuda::mbar_wait(empty0 + 8 * st, uint32_t(j / S - 1) & 1u);  // chunk j - S was read
+      const uint32_t bar = full0 + 8 * st, xs = sm.s + uint32_t(st * Cfg::kStageBytes);
+      if (lane == 0) dsv4_cuda::mbar_expect_tx(bar, uint32_t(Cfg::kXStage + tiles * (1024 + 128)));
+      __syncwarp();
+      for (int q = lane; q < 2 + 2 * tiles; q += 32) {  // one copy per lane: 2 boxes, the weight, the scale blocks
+        if (q < 2) {
+          dsv4_cuda::tma_load_2d(xs + q * (TM * 128), &xmap, c * 128 + 64 * q, m_base, bar);
+        } else if (q < 2 + tiles) {
+          const size_t row0 = size_t(n_base + 16 * (q - 2));
+          dsv4_cuda::bulk_load(xs + Cfg::kXStage + (q - 2) * 1024, p.w + row0 * kp2 + size_t(c) * 1024, 1024, bar);
+        } else {
+          const int t = q - 2 - tiles;
+          const size_t row0 = size_t(n_base + 16 * t);
+          dsv4_cuda::bulk_load(xs + Cfg::kXStage + Cfg::kWStage + t * 128, p.s + row0 * kp16 + size_t(c) * 128,
+                               128, bar);
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < Cfg::kAcc; ++i) acc[i] = 0.f;
+    for (int i = 0; i < n_local; ++i) {
+      const int st = i % S;
+      dsv4_cuda::mbar_wait(full0 + 8 * st, uint32_t(i / S) & 1u);
+      wgmma_chunk<TM, TN>(sm.p + st * Cfg::kStageBytes, sm.s + uint32_t(st * Cfg::kStageBytes), r0, tq, acc);
+      if (i > 0) {  // chunk i - 1's wgmmas retired (wgmma_chunk): its stage is free
+        __syncwarp();
+        if (lane == 0) dsv4_cuda::mbar_arrive(empty0 + 8 * ((i - 1) % S));
+      }
+    }
+    wgmma_wait<0>();
+    fence_operands(acc);
+  }
+  __syncthreads();  // every wgmma is done and every copy landed: the ring takes the epilogue's staging
+
+  float* cs = reinterpret_cast<float*>(sm.p);
+  constexpr int kStride = out_stride<TN>();
+  if (warp < kThreads / 32) {
+#pragma unroll
+    for (int b = 0; b < Cfg::kBlocks; ++b)
+#pragma unroll
+      for (int i = 0; i < TM / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          cs[(8 * i + 2 * tq + (e & 1)) * kStride + 128 * b + r0 + 8 * (e >> 1)] = acc[b * (TM / 2) + 4 * i + e];
+  }
+  store_tile<TM, CLUSTER, TN>(p, cs, m_base, n_base);  // (its loops take threads < kThreads)
 }
 
 // MoE up / down: blockIdx.y = slot (resolve_task), blockIdx.x = TN rows of the task's matrix.
@@ -133,6 +223,34 @@ cudaError_t run_wgmma(const TiledParams& p, int sms, cudaStream_t stream) {
   return cudaLaunchKernelEx(&l.cfg, nvfp4_wgmma_kernel<TM, TN, true>, p, per);
 }
 
+template <int TM, int TN>
+cudaError_t run_wgmma_tma(const TiledParams& p, int sms, cudaStream_t stream) {
+  using Cfg = WgCfg<TM, TN>;
+  CUtensorMap xmap;
+  if (!dsv4_cuda::encode_bf16_rows(&xmap, p.x, p.M, p.K, p.ldx, 64, TM)) return cudaErrorNotSupported;
+  for (const auto kernel : {nvfp4_wgmma_tma_kernel<TM, TN, false>, nvfp4_wgmma_tma_kernel<TM, TN, true>}) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmem);
+    if (err != cudaSuccess) return err;
+  }
+  // (the split plan below queries the cp.async kernel's clusters: their shared memory too)
+  const cudaError_t err = cudaFuncSetAttribute(nvfp4_wgmma_kernel<TM, TN, true>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmem);
+  if (err != cudaSuccess) return err;
+  const int nchunks = (p.K + 127) / 128;
+  const unsigned nt = unsigned((p.N + TN - 1) / TN), mt = unsigned((p.M + TM - 1) / TM);
+  int splits = 1, per = nchunks;
+  // the cp.async kernel's plan (its clusters' occupancy): the same K split, so the same sums in the same order
+  plan_split<nvfp4_wgmma_kernel<TM, TN, true>, Cfg::kSmem>(int64_t(nt) * mt, nchunks, sms * Cfg::kOcc, stream,
+                                                             splits, per);
+  if (splits == 1) {
+    nvfp4_wgmma_tma_kernel<TM, TN, false><<<dim3(nt, mt, 1), kTmaThreads, Cfg::kSmem, stream>>>(xmap, p, per);
+    return cudaGetLastError();
+  }
+  ClusterLaunch l(dim3(nt, mt, unsigned(splits)), Cfg::kSmem, stream);
+  l.cfg.blockDim = dim3(kTmaThreads);
+  return cudaLaunchKernelEx(&l.cfg, nvfp4_wgmma_tma_kernel<TM, TN, true>, xmap, p, per);
+}
+
 template <int MODE, int TM, int TN>
 cudaError_t run_moe_wgmma(const SkinnyParams& p, dim3 grid, cudaStream_t stream) {
   const auto kernel = nvfp4_moe_wgmma_kernel<MODE, TM, TN>;
@@ -159,6 +277,22 @@ cudaError_t launch_wgmma(const TiledParams& p, bool wide, int sms, cudaStream_t 
     case 32: return run_wgmma<32, kTileN>(p, sms, stream);
     case 64: return run_wgmma<64, kTileN>(p, sms, stream);
     default: return run_wgmma<128, kTileN>(p, sms, stream);
+  }
+}
+
+cudaError_t launch_wgmma_tma(const TiledParams& p, bool wide, int sms, cudaStream_t stream) {
+  const bool aligned = ((reinterpret_cast<uintptr_t>(p.w) | reinterpret_cast<uintptr_t>(p.s)) & 15) == 0;
+  if (p.G != 1 || p.N % 16 != 0 || !aligned) return cudaErrorNotSupported;
+  if (wide) {
+    const int tm = wgmma_tile_tokens(p.M);
+    return tm <= 32 ? run_wgmma_tma<32, 256>(p, sms, stream)
+                    : tm == 64 ? run_wgmma_tma<64, 256>(p, sms, stream) : run_wgmma_tma<128, 256>(p, sms, stream);
+  }
+  switch (wgmma_tile_tokens(p.M)) {
+    case 16: return run_wgmma_tma<16, kTileN>(p, sms, stream);
+    case 32: return run_wgmma_tma<32, kTileN>(p, sms, stream);
+    case 64: return run_wgmma_tma<64, kTileN>(p, sms, stream);
+    default: return run_wgmma_tma<128, kTileN>(p, sms, stream);
   }
 }
 
