@@ -8,6 +8,8 @@
 //     chunks, then active experts), blockIdx.x = 128 of the projection's rows; the CTA walks its task's tokens in
 //     tiles of TM, gathering their activation rows into the ring (routed: by assignment), with skinny's epilogue
 //     (SwiGLU x routing weight for up, rows for the combine for down). No K split: the slots fill the SMs.
+#include <type_traits>
+
 #include "nvfp4_wgmma.cuh"
 #include "tma.h"
 
@@ -260,6 +262,23 @@ cudaError_t run_moe_wgmma(const SkinnyParams& p, dim3 grid, cudaStream_t stream)
   return launch_ex(p.pdl != 0, kernel, grid, dim3(kThreads), size_t(smem), stream, p);
 }
 
+// run(TM, TN) (std::integral_constant arguments) for the dense kernels' tile of M tokens: 16-128 tokens x 128
+// features, or the wide tile's 32-128 x 256.
+template <int V>
+using Int = std::integral_constant<int, V>;
+template <typename Run>
+cudaError_t by_dense_tile(int64_t M, bool wide, Run&& run) {
+  const int tm = wgmma_tile_tokens(M);
+  if (wide)
+    return tm <= 32 ? run(Int<32>{}, Int<256>{}) : tm == 64 ? run(Int<64>{}, Int<256>{}) : run(Int<128>{}, Int<256>{});
+  switch (tm) {
+    case 16: return run(Int<16>{}, Int<kTileN>{});
+    case 32: return run(Int<32>{}, Int<kTileN>{});
+    case 64: return run(Int<64>{}, Int<kTileN>{});
+    default: return run(Int<128>{}, Int<kTileN>{});
+  }
+}
+
 }  // namespace
 
 namespace dsv4_nvfp4 {
@@ -267,33 +286,13 @@ namespace dsv4_nvfp4 {
 int wgmma_tile_tokens(int64_t tokens) { return tokens <= 16 ? 16 : tokens <= 32 ? 32 : tokens <= 64 ? 64 : 128; }
 
 cudaError_t launch_wgmma(const TiledParams& p, bool wide, int sms, cudaStream_t stream) {
-  if (wide) {
-    const int tm = wgmma_tile_tokens(p.M);
-    return tm <= 32 ? run_wgmma<32, 256>(p, sms, stream)
-                    : tm == 64 ? run_wgmma<64, 256>(p, sms, stream) : run_wgmma<128, 256>(p, sms, stream);
-  }
-  switch (wgmma_tile_tokens(p.M)) {
-    case 16: return run_wgmma<16, kTileN>(p, sms, stream);
-    case 32: return run_wgmma<32, kTileN>(p, sms, stream);
-    case 64: return run_wgmma<64, kTileN>(p, sms, stream);
-    default: return run_wgmma<128, kTileN>(p, sms, stream);
-  }
+  return by_dense_tile(p.M, wide, [&](auto tm, auto tn) { return run_wgmma<tm(), tn()>(p, sms, stream); });
 }
 
 cudaError_t launch_wgmma_tma(const TiledParams& p, bool wide, int sms, cudaStream_t stream) {
   const bool aligned = ((reinterpret_cast<uintptr_t>(p.w) | reinterpret_cast<uintptr_t>(p.s)) & 15) == 0;
   if (p.G != 1 || p.N % 16 != 0 || !aligned) return cudaErrorNotSupported;
-  if (wide) {
-    const int tm = wgmma_tile_tokens(p.M);
-    return tm <= 32 ? run_wgmma_tma<32, 256>(p, sms, stream)
-                    : tm == 64 ? run_wgmma_tma<64, 256>(p, sms, stream) : run_wgmma_tma<128, 256>(p, sms, stream);
-  }
-  switch (wgmma_tile_tokens(p.M)) {
-    case 16: return run_wgmma_tma<16, kTileN>(p, sms, stream);
-    case 32: return run_wgmma_tma<32, kTileN>(p, sms, stream);
-    case 64: return run_wgmma_tma<64, kTileN>(p, sms, stream);
-    default: return run_wgmma_tma<128, kTileN>(p, sms, stream);
-  }
+  return by_dense_tile(p.M, wide, [&](auto tm, auto tn) { return run_wgmma_tma<tm(), tn()>(p, sms, stream); });
 }
 
 template <int MODE>
