@@ -40,16 +40,8 @@ __global__ void __launch_bounds__(kThreads, WgCfg<TM, TN>::kOcc) nvfp4_wgmma_ker
   for (int i = 0; i < Cfg::kAcc; ++i) acc[i] = 0.f;
   wgmma_k_loop<TM, TN>(sm.p, sm.s, n_local, r0, tq, load_stage, acc);
 
-  // The CTA's (partial) tile, unscaled: cs[token][feature].
   float* cs = reinterpret_cast<float*>(sm.p);
-  constexpr int kStride = out_stride<TN>();
-#pragma unroll
-  for (int b = 0; b < Cfg::kBlocks; ++b)
-#pragma unroll
-    for (int i = 0; i < TM / 8; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        cs[(8 * i + 2 * tq + (e & 1)) * kStride + 128 * b + r0 + 8 * (e >> 1)] = acc[b * (TM / 2) + 4 * i + e];
+  stage_tile<TM, TN>(cs, acc, r0, tq);
   store_tile<TM, CLUSTER, TN>(p, cs, m_base, n_base);
 }
 
@@ -129,16 +121,7 @@ __global__ void __launch_bounds__(kTmaThreads, WgCfg<TM, TN>::kOcc)
   __syncthreads();  // every wgmma is done and every copy landed: the ring takes the epilogue's staging
 
   float* cs = reinterpret_cast<float*>(sm.p);
-  constexpr int kStride = out_stride<TN>();
-  if (warp < kThreads / 32) {
-#pragma unroll
-    for (int b = 0; b < Cfg::kBlocks; ++b)
-#pragma unroll
-      for (int i = 0; i < TM / 8; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          cs[(8 * i + 2 * tq + (e & 1)) * kStride + 128 * b + r0 + 8 * (e >> 1)] = acc[b * (TM / 2) + 4 * i + e];
-  }
+  if (warp < kThreads / 32) stage_tile<TM, TN>(cs, acc, r0, tq);
   store_tile<TM, CLUSTER, TN>(p, cs, m_base, n_base);  // (its loops take threads < kThreads)
 }
 
