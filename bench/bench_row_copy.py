@@ -4,12 +4,13 @@ cache and compressor state buffer, dsv4_model/model/row_copy.py), at a preset's 
     python bench/bench_row_copy.py                                     # flash43 (V4-Flash's 43 layers), 4K / 64K
     python bench/bench_row_copy.py --model micro --max-seq-len 512 --device cpu
 
-Only the row-state buffers are allocated (shapes from the model built on the meta device; no weights), so a
-64K-context row of 43 layers fits anywhere. Printed per max_seq_len: the row's bytes, ms per copy (median of
---reps, CUDA events on the GPU), the peer from the same run (one device copy of a flat buffer of the same bytes:
-what the copy could cost at best), the ratio, and the fraction of the floor (the row's bytes read and written once
-at bench/common.py's HBM_BYTES_PER_S), and what exchanging the two rows costs (Engine.swap_rows: a prefill
-chunk's placement). The scheduler weighs this against prefilling the prefix (bench_prefill.py).
+Only the row-state buffers are allocated (the model's weights stay on the meta device), so a 64K-context row of 43
+layers fits anywhere; the moves run through the model (Transformer.copy_rows_ / swap_rows_) as the engine's do.
+Printed per max_seq_len: the row's bytes, ms per copy (median of --reps, CUDA events on the GPU), the peer from the
+same run (one device copy of a flat buffer of the same bytes: what the copy could cost at best), the ratio, the
+fraction of the floor (the row's bytes read and written once at bench/common.py's HBM_BYTES_PER_S), and what
+exchanging the two rows costs (Engine.swap_rows: a prefill chunk's placement). The scheduler weighs this against
+prefilling the prefix (bench_prefill.py).
 """
 from __future__ import annotations
 
@@ -25,16 +26,16 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from common import HBM_BYTES_PER_S, preset  # noqa: E402
-from dsv4_model.model.row_copy import copy_rows_of_, swap_rows_of_  # noqa: E402
 from dsv4_model.model.transformer import Transformer  # noqa: E402
 
 
-def row_buffers(name: str, experts: int | None, max_seq_len: int, device: torch.device) -> list[torch.Tensor]:
-    """Zeroed buffers shaped as a 2-row engine's row-state buffers of preset `name`."""
-    meta = Transformer(preset(name, experts=experts), max_batch_size=2, max_seq_len=max_seq_len,
-                       dtype=torch.bfloat16, device="meta", simulate_quant=True, allow_beyond_max_position=True)
-    meta.setup_runtime(torch.device("meta"))  # (the caches are made here)
-    return [torch.zeros(b.shape, dtype=b.dtype, device=device) for b in meta.row_state_buffers()]
+def row_model(name: str, experts: int | None, max_seq_len: int, device: torch.device) -> Transformer:
+    """A 2-row model of preset `name` with its caches and state buffers on `device` and its weights on the meta
+    device (never read here)."""
+    model = Transformer(preset(name, experts=experts), max_batch_size=2, max_seq_len=max_seq_len,
+                        dtype=torch.bfloat16, device="meta", simulate_quant=True, allow_beyond_max_position=True)
+    model.setup_runtime(device)  # (the caches are made here)
+    return model
 
 
 def timed_ms(fn, reps: int, device: torch.device) -> float:
@@ -70,16 +71,16 @@ def main(argv=None) -> int:
     print(f"{'max_seq_len':>11} {'row MiB':>8} {'copy ms':>8} {'peer ms':>8} {'copy/peer':>9} {'of floor':>8} {'swap ms':>8}",
           flush=True)
     for S in (int(s) for s in args.max_seq_len.split(",")):
-        bufs = row_buffers(args.model, args.experts, S, device)
-        nbytes = sum(b[0].numel() * b.element_size() for b in bufs)
-        copy_ms = timed_ms(lambda: copy_rows_of_(bufs, [0], [1]), args.reps, device)
-        swap_ms = timed_ms(lambda: swap_rows_of_(bufs, [0], [1]), args.reps, device)
+        model = row_model(args.model, args.experts, S, device)
+        nbytes = sum(b[0].numel() * b.element_size() for b in model.row_state_buffers())
+        copy_ms = timed_ms(lambda: model.copy_rows_([0], [1]), args.reps, device)
+        swap_ms = timed_ms(lambda: model.swap_rows_([0], [1]), args.reps, device)
         flat = torch.zeros(2, nbytes, dtype=torch.uint8, device=device)
         peer_ms = timed_ms(lambda: flat[1].copy_(flat[0]), args.reps, device)
         floor_ms = 1e3 * 2 * nbytes / HBM_BYTES_PER_S
         print(f"{S:11d} {nbytes / 2**20:8.1f} {copy_ms:8.3f} {peer_ms:8.3f} {copy_ms / peer_ms:9.2f} "
               f"{floor_ms / copy_ms:8.1%} {swap_ms:8.3f}", flush=True)
-        del bufs, flat
+        del model, flat
     return 0
 
 

@@ -3,7 +3,7 @@ scatter they replace, on buffers of every dtype the caches hold."""
 import pytest
 import torch
 
-from dsv4_model.model.row_copy import copy_rows_of_, restore_rows_, save_rows, swap_rows_of_
+from dsv4_model.model.row_copy import RowMoves
 
 
 def _buffers(rows=5, seed=0):
@@ -18,44 +18,88 @@ def _bits(bufs):
     return [b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b for b in bufs]
 
 
+def _gather_scatter(bufs, src, dst):
+    s, d = torch.tensor(src), torch.tensor(dst)
+    for b in bufs:
+        b.view(torch.uint8).index_copy_(0, d, b.view(torch.uint8).index_select(0, s))
+
+
 @pytest.mark.parametrize("src, dst", [([0], [1]), ([3, 1], [0, 4]), ([0, 1], [1, 2]), ([2, 0], [0, 2]), ([], [])])
 def test_copies_read_every_source_before_writing(src, dst):
     """Chained plans ([0, 1] -> [1, 2]: row 2 gets row 1 as it was) and exchanges ([2, 0] -> [0, 2]) as the gather
-    + scatter gives them; only destination rows change."""
-    got, want = _buffers(), _buffers()
-    copy_rows_of_(got, src, dst)
-    if src:
-        s, d = torch.tensor(src), torch.tensor(dst)
-        for b in want:
-            b.view(torch.uint8).index_copy_(0, d, b.view(torch.uint8).index_select(0, s))
-    for a, b in zip(_bits(got), _bits(want), strict=True):
-        assert torch.equal(a, b)
+    + scatter gives them; only destination rows change. Twice on one RowMoves: its cached views stay right."""
+    got, want, moves = _buffers(), _buffers(), RowMoves()
+    for _ in range(2):
+        moves.copy(got, src, dst)
+        if src:
+            _gather_scatter(want, src, dst)
+        for a, b in zip(_bits(got), _bits(want), strict=True):
+            assert torch.equal(a, b)
 
 
 def test_swaps_exchange_rows_and_leave_the_others():
     got, orig = _buffers(), _buffers()
-    swap_rows_of_(got, [3, 0], [1, 4])
+    RowMoves().swap(got, [3, 0], [1, 4])
     perm = [4, 3, 2, 1, 0]  # row r of got is row perm[r] of orig
     for a, b in zip(_bits(got), _bits(orig), strict=True):
         assert torch.equal(a, b[perm])
 
 
 def test_saved_rows_come_back():
-    bufs, orig = _buffers(), _buffers()
-    held = save_rows(bufs, [2, 4])
+    bufs, orig, moves = _buffers(), _buffers(), RowMoves()
+    held = moves.save(bufs, [2, 4])
     for b in bufs:
         b.view(torch.uint8).fill_(0)
-    restore_rows_(bufs, [2, 4], held)
+    moves.restore(bufs, [2, 4], held)
     for a, b in zip(_bits(bufs), _bits(orig), strict=True):
         assert torch.equal(a[[2, 4]], b[[2, 4]]) and not a[[0, 1, 3]].view(torch.uint8).any()
 
 
-@pytest.mark.parametrize("call", [lambda b: copy_rows_of_(b, [0, 1], [2]), lambda b: copy_rows_of_(b, [0, 1], [2, 2]),
-                                  lambda b: swap_rows_of_(b, [0, 1], [1, 2]),
-                                  lambda b: restore_rows_(b, [0], save_rows(b[:2], [0]))])
+def test_a_new_buffer_list_is_never_moved_through_old_views():
+    """Reallocated buffers (setup_runtime, a move to another device) are other tensors: the views cached for the
+    old list must not be used for them."""
+    moves, old, new, want = RowMoves(), _buffers(), _buffers(seed=1), _buffers(seed=1)
+    moves.copy(old, [0], [1])
+    kept = [b.clone() for b in old]
+    moves.copy(new, [2], [3])
+    _gather_scatter(want, [2], [3])
+    for a, b in zip(_bits(new), _bits(want), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(_bits(old), _bits(kept), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("call", [lambda m, b: m.copy(b, [0, 1], [2]), lambda m, b: m.copy(b, [0, 1], [2, 2]),
+                                  lambda m, b: m.swap(b, [0, 1], [1, 2]),
+                                  lambda m, b: m.restore(b, [0], m.save(b, [0, 1]))])
 def test_mismatched_moves_are_refused(call):
-    with pytest.raises(ValueError, match="row"):
-        call(_buffers())
+    with pytest.raises(ValueError, match="row|restore"):
+        call(RowMoves(), _buffers())
+
+
+def test_a_model_moves_the_rows_of_its_current_caches():
+    """Transformer.copy_rows_ after setup_runtime reallocated the caches moves the new ones (the buffer places are
+    found once per setup_runtime); the compressor states' save / restore round trip."""
+    from dsv4_model.checkpoint.writer import TINY_CONFIG
+    from dsv4_model.model.config import ModelConfig
+    from dsv4_model.model.transformer import Transformer
+
+    model = Transformer(ModelConfig(**TINY_CONFIG).validate(), max_batch_size=3, max_seq_len=64, dtype=torch.float32)
+    for _ in range(2):
+        bufs = model.row_state_buffers()
+        for b in bufs:
+            for r in range(3):
+                b[r].fill_(float(r + 1))
+        model.copy_rows_([2], [0])
+        assert all(float(b[0].flatten()[0]) == 3.0 and float(b[1].flatten()[0]) == 2.0 for b in bufs)
+        saved = model.save_compressor_rows([1])
+        states = [b for n, b in model.named_buffers() if n.endswith(("kv_state", "score_state"))]
+        for b in states:
+            b[1].fill_(9.0)
+        model.restore_compressor_rows([1], saved)
+        assert states and all(float(b[1].flatten()[0]) == 2.0 for b in states)
+        model.setup_runtime()
+        assert all(a is not b for a, b in zip(bufs, model.row_state_buffers()))
 
 
 @pytest.mark.cuda
@@ -64,10 +108,11 @@ def test_cuda_moves_give_the_cpu_rows():
     cpu = _buffers()
     gpu = [b.cuda() for b in _buffers()]
     for bufs in (cpu, gpu):
-        copy_rows_of_(bufs, [0, 1], [1, 2])
-        swap_rows_of_(bufs, [3], [0])
-        held = save_rows(bufs, [4])
+        moves = RowMoves()
+        moves.copy(bufs, [0, 1], [1, 2])
+        moves.swap(bufs, [3], [0])
+        held = moves.save(bufs, [4])
         bufs[0][4].fill_(0)
-        restore_rows_(bufs, [4], held)
+        moves.restore(bufs, [4], held)
     for a, b in zip(_bits(cpu), _bits(gpu), strict=True):
         assert torch.equal(a, b.cpu())

@@ -134,6 +134,7 @@ class DSpark(nn.Module):
     def setup_runtime(self, device=None) -> None:
         """(Re)allocate each stage's window ring [max_batch, W, head_dim] (zeros)."""
         device = torch.device(device) if device is not None else self.device
+        self.__dict__["_runtime_epoch"] = self.__dict__.get("_runtime_epoch", 0) + 1  # (Transformer._buffers_named)
         for st in self.mtp:
             st.attn.alloc_runtime(device, self.dtype)
 

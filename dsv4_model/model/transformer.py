@@ -44,7 +44,7 @@ from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.layers import (Linear, RMSNorm, hc_head, hc_post, hc_pre, narrow_if_lossless_, rope_inv_freq,
                                      rope_table)
 from dsv4_model.model.moe import MoE
-from dsv4_model.model.row_copy import copy_rows_of_, restore_rows_, save_rows, swap_rows_of_
+from dsv4_model.model.row_copy import RowMoves
 
 
 class Embedding(nn.Module):
@@ -271,6 +271,7 @@ class Transformer(nn.Module):
         """(Re)build the non-persistent buffers (RoPE tables, caches) on `device` (default: the params' device).
         Call after `to_empty(device=...)` + loading weights, or after moving the model."""
         device = torch.device(device) if device is not None else self.device
+        self.__dict__["_runtime_epoch"] = self.__dict__.get("_runtime_epoch", 0) + 1  # (new buffers: _buffers_named)
         c = self.config
         main = rope_inv_freq(c.rope_head_dim, c.rope_theta)
         comp = rope_inv_freq(c.rope_head_dim, c.compress_rope_theta, c.original_seq_len, c.rope_factor,
@@ -325,36 +326,53 @@ class Transformer(nn.Module):
     def row_state_buffers(self) -> list[torch.Tensor]:
         """Every buffer that holds a cache row's state: the caches and compressor states, an attached DSpark module's
         rings too (attached, not a submodule)."""
+        return self._buffers_named(self.CACHE_SUFFIXES)
+
+    def _buffers_named(self, suffixes: tuple[str, ...]) -> list[torch.Tensor]:
+        """The buffers (this model's and an attached DSpark module's) whose names end with one of `suffixes`. Where
+        they live is found once per setup_runtime and attached DSpark module (a module walk costs ~1 ms at 43
+        layers; the scheduler moves rows several times per step); the tensors are read from there on every call."""
         dspark = getattr(self, "dspark", None)
-        bufs = [*self.named_buffers(), *(dspark.named_buffers() if dspark is not None else ())]
-        return [buf for name, buf in bufs if name.endswith(self.CACHE_SUFFIXES)]
+        key = (id(dspark), self.__dict__.get("_runtime_epoch", 0), getattr(dspark, "_runtime_epoch", 0))
+        held = self.__dict__.setdefault("_buffer_slots", {}).get(suffixes)
+        if held is None or held[0] != key:
+            seen, slots = set(), []
+            for mod in (*self.modules(), *(dspark.modules() if dspark is not None else ())):
+                for name, buf in mod._buffers.items():
+                    if buf is not None and name.endswith(suffixes) and id(buf) not in seen:
+                        seen.add(id(buf))
+                        slots.append((mod, name))
+            held = self.__dict__["_buffer_slots"][suffixes] = (key, slots)
+        return [mod._buffers[name] for mod, name in held[1]]
+
+    def _row_moves(self, what: str) -> RowMoves:
+        return self.__dict__.setdefault(f"_row_moves_{what}", RowMoves())
 
     @torch.no_grad()
     def swap_rows_(self, a: list[int], b: list[int]) -> None:
         """Exchange cache rows a[i] and b[i] in every row-state buffer (the scheduler brings the rows of a prefill
         chunk down to rows [:k] and back, so the chunk computes k rows, not every row below the highest)."""
-        swap_rows_of_(self.row_state_buffers(), a, b)
+        self._row_moves("rows").swap(self.row_state_buffers(), a, b)
 
     @torch.no_grad()
     def copy_rows_(self, src: list[int], dst: list[int]) -> None:
         """Cache row src[i] -> row dst[i] in every row-state buffer: the scheduler keeps a prompt's state at a
         prefix in a free row, and later prompts that share the prefix continue from a copy of it."""
-        copy_rows_of_(self.row_state_buffers(), src, dst)
+        self._row_moves("rows").copy(self.row_state_buffers(), src, dst)
 
     def compressor_ratios(self) -> set[int]:
         return {mod.ratio for mod in self.modules() if isinstance(mod, Compressor)}
 
+    _COMPRESSOR_STATES = ("kv_state", "score_state")
+
     @torch.no_grad()
     def save_compressor_rows(self, rows: list[int]) -> list[torch.Tensor]:
         """Copies of every compressor state's rows `rows` (restore_compressor_rows puts them back)."""
-        return save_rows(self._compressor_states(), rows)
+        return self._row_moves("states").save(self._buffers_named(self._COMPRESSOR_STATES), rows)
 
     @torch.no_grad()
     def restore_compressor_rows(self, rows: list[int], saved: list[torch.Tensor]) -> None:
-        restore_rows_(self._compressor_states(), rows, saved)
-
-    def _compressor_states(self) -> list[torch.Tensor]:
-        return [buf for name, buf in self.named_buffers() if name.endswith(("kv_state", "score_state"))]
+        self._row_moves("states").restore(self._buffers_named(self._COMPRESSOR_STATES), rows, saved)
 
     def cache_nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for n, b in self.named_buffers() if n.endswith(self.CACHE_SUFFIXES))
