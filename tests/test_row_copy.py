@@ -70,11 +70,20 @@ def test_a_new_buffer_list_is_never_moved_through_old_views():
 
 
 @pytest.mark.parametrize("call", [lambda m, b: m.copy(b, [0, 1], [2]), lambda m, b: m.copy(b, [0, 1], [2, 2]),
-                                  lambda m, b: m.swap(b, [0, 1], [1, 2]),
+                                  lambda m, b: m.swap(b, [0, 1], [1, 2]), lambda m, b: m.swap(b, [0, 0], [1, 2]),
                                   lambda m, b: m.restore(b, [0], m.save(b, [0, 1]))])
 def test_mismatched_moves_are_refused(call):
     with pytest.raises(ValueError, match="row|restore"):
         call(RowMoves(), _buffers())
+
+
+def test_moves_of_no_rows_do_nothing():
+    bufs, orig, moves = _buffers(), _buffers(), RowMoves()
+    moves.copy(bufs, [], [])
+    moves.swap(bufs, [], [])
+    moves.restore(bufs, [], moves.save(bufs, []))
+    for a, b in zip(_bits(bufs), _bits(orig), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_a_model_moves_the_rows_of_its_current_caches():

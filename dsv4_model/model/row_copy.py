@@ -76,8 +76,10 @@ class RowMoves:
     def swap(self, buffers: list[torch.Tensor], a: list[int], b: list[int]) -> None:
         """Exchange rows a[i] and b[i] of each buffer (the rows of a and b disjoint)."""
         _check(a, b)
-        if set(a) & set(b):
-            raise ValueError(f"row swaps: rows {a} and {b} must not overlap")
+        if len(set(a)) != len(a) or set(a) & set(b):
+            raise ValueError(f"row swaps: rows {a} and {b} must be distinct and not overlap")
+        if not a:
+            return
         self._sync(buffers)
         ra, rb = self._rows(a), self._rows(b)
         for gi in range(len(self._groups)):
@@ -89,6 +91,8 @@ class RowMoves:
     @torch.no_grad()
     def save(self, buffers: list[torch.Tensor], rows: list[int]) -> list[torch.Tensor]:
         """Copies of rows `rows` of each buffer, one tensor per dtype group (restore puts them back)."""
+        if not rows:
+            return []
         self._sync(buffers)
         views, saved = self._rows(rows), []
         for gi in range(len(self._groups)):
@@ -100,6 +104,8 @@ class RowMoves:
     @torch.no_grad()
     def restore(self, buffers: list[torch.Tensor], rows: list[int], saved: list[torch.Tensor]) -> None:
         """Rows `rows` of each buffer back to what save(buffers, rows) returned."""
+        if not rows and not saved:
+            return
         self._sync(buffers)
         if len(saved) != len(self._groups):
             raise ValueError(f"restore: {len(saved)} saved groups for {len(self._groups)} buffer dtypes")

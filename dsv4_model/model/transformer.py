@@ -271,7 +271,7 @@ class Transformer(nn.Module):
         """(Re)build the non-persistent buffers (RoPE tables, caches) on `device` (default: the params' device).
         Call after `to_empty(device=...)` + loading weights, or after moving the model."""
         device = torch.device(device) if device is not None else self.device
-        self.__dict__["_runtime_epoch"] = self.__dict__.get("_runtime_epoch", 0) + 1  # (new buffers: _buffers_named)
+        self._drop_row_caches()  # (new buffers)
         c = self.config
         main = rope_inv_freq(c.rope_head_dim, c.rope_theta)
         comp = rope_inv_freq(c.rope_head_dim, c.compress_rope_theta, c.original_seq_len, c.rope_factor,
@@ -333,20 +333,31 @@ class Transformer(nn.Module):
         they live is found once per setup_runtime and attached DSpark module (a module walk costs ~1 ms at 43
         layers; the scheduler moves rows several times per step); the tensors are read from there on every call."""
         dspark = getattr(self, "dspark", None)
-        key = (id(dspark), self.__dict__.get("_runtime_epoch", 0), getattr(dspark, "_runtime_epoch", 0))
+        epoch = getattr(dspark, "_runtime_epoch", 0)
         held = self.__dict__.setdefault("_buffer_slots", {}).get(suffixes)
-        if held is None or held[0] != key:
+        if held is None or held[0] is not dspark or held[1] != epoch:
             seen, slots = set(), []
             for mod in (*self.modules(), *(dspark.modules() if dspark is not None else ())):
                 for name, buf in mod._buffers.items():
                     if buf is not None and name.endswith(suffixes) and id(buf) not in seen:
                         seen.add(id(buf))
                         slots.append((mod, name))
-            held = self.__dict__["_buffer_slots"][suffixes] = (key, slots)
-        return [mod._buffers[name] for mod, name in held[1]]
+            held = self.__dict__["_buffer_slots"][suffixes] = (dspark, epoch, slots)
+        bufs = (mod._buffers.get(name) for mod, name in held[2])
+        return [buf for buf in bufs if buf is not None]
 
     def _row_moves(self, what: str) -> RowMoves:
         return self.__dict__.setdefault(f"_row_moves_{what}", RowMoves())
+
+    def _drop_row_caches(self) -> None:
+        """Forget where the row-state buffers live and the row views made of them (they hold the old tensors):
+        setup_runtime and moves (.to(), to_empty) make new ones."""
+        for name in ("_buffer_slots", "_row_moves_rows", "_row_moves_states"):
+            self.__dict__.pop(name, None)
+
+    def _apply(self, fn, recurse=True):
+        self._drop_row_caches()
+        return super()._apply(fn, recurse)
 
     @torch.no_grad()
     def swap_rows_(self, a: list[int], b: list[int]) -> None:
