@@ -87,6 +87,15 @@ struct StageCopies {
   }
 };
 
+// The kThreads consumer threads of a CTA that also holds a loader warpgroup: named barrier 1.
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory"); }
+// What a loader warpgroup does for the two cluster syncs of its consumers' store_tile<..., CLUSTER>.
+__device__ __forceinline__ void store_tile_cluster_barriers() {
+  cg::cluster_group cl = cg::this_cluster();
+  cl.sync();
+  cl.sync();
+}
+
 // Stores v[0..3] (features n .. n + 3 of token row m) with the global scale applied.
 __device__ __forceinline__ void store4(const TiledParams& p, int m, int n, float4 v, float alpha) {
   v.x *= alpha;
@@ -115,9 +124,10 @@ __host__ __device__ constexpr int out_stride() {
 }
 
 // The staged tile cs[token][feature] (row stride out_stride<TN>, unscaled; this CTA's K range) -> y: every rank of
-// a CLUSTER (gridDim.z CTAs along z) sums 1/S of the tile over all S partials. Threads past kThreads (a producer
-// warp) only take the barriers.
-template <int TM, bool CLUSTER, int TN = kTileN>
+// a CLUSTER (gridDim.z CTAs along z) sums 1/S of the tile over all S partials. CONSUMERS: called by the kThreads
+// consumer threads of a CTA with a loader warpgroup (which syncs the cluster with store_tile_cluster_barriers and
+// takes no part otherwise): their CTA-level sync is a named barrier.
+template <int TM, bool CLUSTER, int TN = kTileN, bool CONSUMERS = false>
 __device__ __forceinline__ void store_tile(const TiledParams& p, float* cs, int m_base, int n_base) {
   const int tid = threadIdx.x;
   float alpha = __ldg(p.gs) * kUnbias;
@@ -128,7 +138,7 @@ __device__ __forceinline__ void store_tile(const TiledParams& p, float* cs, int 
     cg::cluster_group cl = cg::this_cluster();
     cl.sync();  // every partial staged
     const int S = int(gridDim.z), r = int(blockIdx.z);
-    for (int id = r * kThreads + tid; tid < kThreads && id < kItems; id += S * kThreads) {
+    for (int id = r * kThreads + tid; id < kItems; id += S * kThreads) {
       const int tl = id / kRowItems, fl = (id % kRowItems) * 4;
       const int m = m_base + tl, n = n_base + fl;
       if (m >= p.M || n >= p.N) continue;
@@ -144,8 +154,11 @@ __device__ __forceinline__ void store_tile(const TiledParams& p, float* cs, int 
     }
     cl.sync();  // no CTA leaves while another still reads its shared memory
   } else {
-    __syncthreads();
-    for (int id = tid; tid < kThreads && id < kItems; id += kThreads) {
+    if constexpr (CONSUMERS)
+      consumers_sync();
+    else
+      __syncthreads();
+    for (int id = tid; id < kItems; id += kThreads) {
       const int tl = id / kRowItems, fl = (id % kRowItems) * 4;
       const int m = m_base + tl, n = n_base + fl;
       if (m >= p.M || n >= p.N) continue;

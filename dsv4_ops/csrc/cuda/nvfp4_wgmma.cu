@@ -46,21 +46,48 @@ __global__ void __launch_bounds__(kThreads, WgCfg<TM, TN>::kOcc) nvfp4_wgmma_ker
 }
 
 // The dense kernel with its ring filled by bulk copies instead of every thread's cp.async (one matrix, N % 16 == 0:
-// launch_wgmma_tma's conditions), warp-specialized: a ninth warp only loads. Per chunk it announces the stage's
-// bytes on the stage's full barrier and its lanes issue the two activation boxes (the tensor map: 128-byte swizzled
-// atoms, rows past M and k past K as zeros) and the 16-row weight / scale blocks (1,024 / 128 contiguous bytes each
-// in the kernel layout; rows past N are not loaded and only feed outputs never stored); before refilling a stage it
-// waits on the stage's empty barrier, where each consumer warp arrives once its wgmmas reading the stage retired.
-// The 8 consumer warps never wait on a load they did not need and there is no CTA-wide barrier in the loop (the
-// single-thread producer inside warp 0 of the first version stalled its warpgroup: 2x slower, bench/RESULTS.md).
-// The same wgmmas in the same order and the cp.async kernel's K split: the same bits.
-constexpr int kTmaThreads = kThreads + 32;
+// launch_wgmma_tma's conditions), warp-specialized: a third warpgroup loads (its first warp issues; setmaxnreg
+// hands its registers to the two consumer warpgroups: the wide tile's consumers need ~221, and with 384 threads
+// the launch gives each thread 168). Per chunk the loader announces the stage's bytes on the stage's full barrier and its
+// lanes issue the two activation boxes (the tensor map: 128-byte swizzled atoms, rows past M and k past K as
+// zeros) and the 16-row weight / scale blocks (1,024 / 128 contiguous bytes each in the kernel layout; rows past N
+// are not loaded and only feed outputs never stored); before refilling a stage it waits on the stage's empty
+// barrier, where each consumer warp arrives once its wgmmas reading the stage retired. The consumers never wait on
+// a load they did not need, there is no CTA-wide barrier in the loop, and the epilogue stays in the consumers'
+// branch (code after the branches would run under the loader's register count). The first version (thread 0 of
+// warp 0 loading) stalled its warpgroup: 2x slower (bench/RESULTS.md). The same wgmmas in the same order and the
+// cp.async kernel's K split: the same bits.
+constexpr int kTmaThreads = kThreads + 128;
+
+// CTAs per SM: the cp.async kernel's, but one for the 256-feature tiles (their consumers need more registers
+// than two CTAs leave them).
+template <int TM, int TN>
+__host__ __device__ constexpr int tma_occ() {
+  return WgCfg<TM, TN>::kOcc == 2 && TN == 128 ? 2 : 1;
+}
+
+// setmaxnreg: a warpgroup's registers per thread, the CTA's total conserved: 3 x the launch's 168 at 1 CTA per SM
+// = 56 + 2 x 224 (40 + 2 x 232 spilled 28 bytes in the clustered wide tiles), 3 x 80 at 2 >= 24 + 2 x 104.
+template <int OCC>
+__device__ __forceinline__ void loader_registers() {
+  if constexpr (OCC == 1)
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;" ::: "memory");
+  else
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
+}
+template <int OCC>
+__device__ __forceinline__ void consumer_registers() {
+  if constexpr (OCC == 1)
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;" ::: "memory");
+  else
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 104;" ::: "memory");
+}
 
 template <int TM, int TN, bool CLUSTER>
-__global__ void __launch_bounds__(kTmaThreads, WgCfg<TM, TN>::kOcc)
+__global__ void __launch_bounds__(kTmaThreads, (tma_occ<TM, TN>()))
     nvfp4_wgmma_tma_kernel(const __grid_constant__ CUtensorMap xmap, const TiledParams p, int per) {
   using Cfg = WgCfg<TM, TN>;
-  constexpr int S = kWgStages;
+  constexpr int S = kWgStages, kOcc = tma_occ<TM, TN>();
   extern __shared__ __align__(128) uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t bars[2 * S];  // full[0, S): a chunk landed; empty[S, 2S): its stage was read
   const AlignedSmem sm = aligned_smem(smem_raw);
@@ -78,51 +105,56 @@ __global__ void __launch_bounds__(kTmaThreads, WgCfg<TM, TN>::kOcc)
   }
   __syncthreads();
 
-  float acc[Cfg::kAcc];
-  const int r0 = warp * 16 + g;
-  if (warp == kThreads / 32) {  // the producer warp
-    const int tiles = min(TN / 16, (p.N - n_base) / 16);  // this CTA's 16-row weight blocks
-    const size_t kp2 = size_t(kp) / 2, kp16 = size_t(kp) / 16;
-    for (int j = 0; j < n_local; ++j) {
-      const int st = j % S, c = c_begin + j;
-      if (j >= S) dsv4_cuda::mbar_wait(empty0 + 8 * st, uint32_t(j / S - 1) & 1u);  // chunk j - S was read
-      const uint32_t bar = full0 + 8 * st, xs = sm.s + uint32_t(st * Cfg::kStageBytes);
-      if (lane == 0) dsv4_cuda::mbar_expect_tx(bar, uint32_t(Cfg::kXStage + tiles * (1024 + 128)));
-      __syncwarp();
-      for (int q = lane; q < 2 + 2 * tiles; q += 32) {  // one copy per lane: 2 boxes, the weight, the scale blocks
-        if (q < 2) {
-          dsv4_cuda::tma_load_2d(xs + q * (TM * 128), &xmap, c * 128 + 64 * q, m_base, bar);
-        } else if (q < 2 + tiles) {
-          const size_t row0 = size_t(n_base + 16 * (q - 2));
-          dsv4_cuda::bulk_load(xs + Cfg::kXStage + (q - 2) * 1024, p.w + row0 * kp2 + size_t(c) * 1024, 1024, bar);
-        } else {
-          const int t = q - 2 - tiles;
-          const size_t row0 = size_t(n_base + 16 * t);
-          dsv4_cuda::bulk_load(xs + Cfg::kXStage + Cfg::kWStage + t * 128, p.s + row0 * kp16 + size_t(c) * 128,
-                               128, bar);
+  if (__shfl_sync(0xffffffffu, tid / 128, 0) == kThreads / 128) {  // the loader warpgroup (warp-uniform test)
+    loader_registers<kOcc>();
+    if (warp == kThreads / 32) {
+      const int tiles = min(TN / 16, (p.N - n_base) / 16);  // this CTA's 16-row weight blocks
+      const size_t kp2 = size_t(kp) / 2, kp16 = size_t(kp) / 16;
+      for (int j = 0; j < n_local; ++j) {
+        const int st = j % S, c = c_begin + j;
+        if (j >= S) dsv4_cuda::mbar_wait(empty0 + 8 * st, uint32_t(j / S - 1) & 1u);  // chunk j - S was read
+        const uint32_t bar = full0 + 8 * st, xs = sm.s + uint32_t(st * Cfg::kStageBytes);
+        if (lane == 0) dsv4_cuda::mbar_expect_tx(bar, uint32_t(Cfg::kXStage + tiles * (1024 + 128)));
+        __syncwarp();
+        for (int q = lane; q < 2 + 2 * tiles; q += 32) {  // a copy per lane: 2 boxes, the weight, the scale blocks
+          if (q < 2) {
+            dsv4_cuda::tma_load_2d(xs + q * (TM * 128), &xmap, c * 128 + 64 * q, m_base, bar);
+          } else if (q < 2 + tiles) {
+            const size_t row0 = size_t(n_base + 16 * (q - 2));
+            dsv4_cuda::bulk_load(xs + Cfg::kXStage + (q - 2) * 1024, p.w + row0 * kp2 + size_t(c) * 1024, 1024,
+                                 bar);
+          } else {
+            const int t = q - 2 - tiles;
+            const size_t row0 = size_t(n_base + 16 * t);
+            dsv4_cuda::bulk_load(xs + Cfg::kXStage + Cfg::kWStage + t * 128, p.s + row0 * kp16 + size_t(c) * 128,
+                                 128, bar);
+          }
         }
       }
     }
-  } else {
-#pragma unroll
-    for (int i = 0; i < Cfg::kAcc; ++i) acc[i] = 0.f;
-    for (int i = 0; i < n_local; ++i) {
-      const int st = i % S;
-      dsv4_cuda::mbar_wait(full0 + 8 * st, uint32_t(i / S) & 1u);
-      wgmma_chunk<TM, TN>(sm.p + st * Cfg::kStageBytes, sm.s + uint32_t(st * Cfg::kStageBytes), r0, tq, acc);
-      if (i > 0) {  // chunk i - 1's wgmmas retired (wgmma_chunk): its stage is free
-        __syncwarp();
-        if (lane == 0) dsv4_cuda::mbar_arrive(empty0 + 8 * ((i - 1) % S));
-      }
-    }
-    wgmma_wait<0>();
-    fence_operands(acc);
+    if constexpr (CLUSTER) store_tile_cluster_barriers();  // the consumers' epilogue syncs the cluster twice
+    return;
   }
-  __syncthreads();  // every wgmma is done and every copy landed: the ring takes the epilogue's staging
-
+  consumer_registers<kOcc>();
+  const int r0 = warp * 16 + g;
+  float acc[Cfg::kAcc];
+#pragma unroll
+  for (int i = 0; i < Cfg::kAcc; ++i) acc[i] = 0.f;
+  for (int i = 0; i < n_local; ++i) {
+    const int st = i % S;
+    dsv4_cuda::mbar_wait(full0 + 8 * st, uint32_t(i / S) & 1u);
+    wgmma_chunk<TM, TN>(sm.p + st * Cfg::kStageBytes, sm.s + uint32_t(st * Cfg::kStageBytes), r0, tq, acc);
+    if (i > 0) {  // chunk i - 1's wgmmas retired (wgmma_chunk): its stage is free
+      __syncwarp();
+      if (lane == 0) dsv4_cuda::mbar_arrive(empty0 + 8 * ((i - 1) % S));
+    }
+  }
+  wgmma_wait<0>();
+  fence_operands(acc);
+  consumers_sync();  // every consumer's wgmmas are done (and every copy landed): the ring takes the staging
   float* cs = reinterpret_cast<float*>(sm.p);
-  if (warp < kThreads / 32) stage_tile<TM, TN>(cs, acc, r0, tq);
-  store_tile<TM, CLUSTER, TN>(p, cs, m_base, n_base);  // (its loops take threads < kThreads)
+  stage_tile<TM, TN>(cs, acc, r0, tq);
+  store_tile<TM, CLUSTER, TN, true>(p, cs, m_base, n_base);
 }
 
 // MoE up / down: blockIdx.y = slot (resolve_task), blockIdx.x = TN rows of the task's matrix.
