@@ -67,7 +67,10 @@ __host__ __device__ constexpr int tma_occ() {
 }
 
 // setmaxnreg: a warpgroup's registers per thread, the CTA's total conserved: 3 x the launch's 168 at 1 CTA per SM
-// = 56 + 2 x 224 (40 + 2 x 232 spilled 28 bytes in the clustered wide tiles), 3 x 80 at 2 >= 24 + 2 x 104.
+// = 56 + 2 x 224 (40 + 2 x 232 spilled 28 bytes in the clustered wide tiles), 3 x 80 at 2 >= 24 + 2 x 104 (an inc
+// past the pool would spin forever).
+constexpr int launch_registers(int ctas) { return (65536 / (ctas * kTmaThreads)) & ~7; }
+static_assert(56 + 2 * 224 <= 3 * launch_registers(1) && 24 + 2 * 104 <= 3 * launch_registers(2), "register pool");
 template <int OCC>
 __device__ __forceinline__ void loader_registers() {
   if constexpr (OCC == 1)
@@ -243,6 +246,8 @@ cudaError_t run_wgmma(const TiledParams& p, int sms, cudaStream_t stream) {
 template <int TM, int TN>
 cudaError_t run_wgmma_tma(const TiledParams& p, int sms, cudaStream_t stream) {
   using Cfg = WgCfg<TM, TN>;
+  // Fewer CTAs per SM than the cp.async kernel's plan (below) fills: a second wave. That tile stays on cp.async.
+  if constexpr (tma_occ<TM, TN>() < Cfg::kOcc) return cudaErrorNotSupported;
   CUtensorMap xmap;
   if (!dsv4_cuda::encode_bf16_rows(&xmap, p.x, p.M, p.K, p.ldx, 64, TM)) return cudaErrorNotSupported;
   for (const auto kernel : {nvfp4_wgmma_tma_kernel<TM, TN, false>, nvfp4_wgmma_tma_kernel<TM, TN, true>}) {
