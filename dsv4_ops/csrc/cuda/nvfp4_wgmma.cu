@@ -71,19 +71,12 @@ __host__ __device__ constexpr int tma_occ() {
 // past the pool would spin forever).
 constexpr int launch_registers(int ctas) { return (65536 / (ctas * kTmaThreads)) & ~7; }
 static_assert(56 + 2 * 224 <= 3 * launch_registers(1) && 24 + 2 * 104 <= 3 * launch_registers(2), "register pool");
-template <int OCC>
-__device__ __forceinline__ void loader_registers() {
-  if constexpr (OCC == 1)
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;" ::: "memory");
+template <bool INC, int N>
+__device__ __forceinline__ void set_max_registers() {
+  if constexpr (INC)
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N) : "memory");
   else
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
-}
-template <int OCC>
-__device__ __forceinline__ void consumer_registers() {
-  if constexpr (OCC == 1)
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;" ::: "memory");
-  else
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 104;" ::: "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N) : "memory");
 }
 
 template <int TM, int TN, bool CLUSTER>
@@ -109,7 +102,7 @@ __global__ void __launch_bounds__(kTmaThreads, (tma_occ<TM, TN>()))
   __syncthreads();
 
   if (__shfl_sync(0xffffffffu, tid / 128, 0) == kThreads / 128) {  // the loader warpgroup (warp-uniform test)
-    loader_registers<kOcc>();
+    set_max_registers<false, kOcc == 1 ? 56 : 24>();
     if (warp == kThreads / 32) {
       const int tiles = min(TN / 16, (p.N - n_base) / 16);  // this CTA's 16-row weight blocks
       const size_t kp2 = size_t(kp) / 2, kp16 = size_t(kp) / 16;
@@ -138,7 +131,7 @@ __global__ void __launch_bounds__(kTmaThreads, (tma_occ<TM, TN>()))
     if constexpr (CLUSTER) store_tile_cluster_barriers();  // the consumers' epilogue syncs the cluster twice
     return;
   }
-  consumer_registers<kOcc>();
+  set_max_registers<true, kOcc == 1 ? 224 : 104>();
   const int r0 = warp * 16 + g;
   float acc[Cfg::kAcc];
 #pragma unroll
