@@ -8,9 +8,10 @@ Only the row-state buffers are allocated (the model's weights stay on the meta d
 layers fits anywhere; the moves run through the model (Transformer.copy_rows_ / swap_rows_) as the engine's do.
 Printed per max_seq_len: the row's bytes, ms per copy (median of --reps, CUDA events on the GPU), the peer from the
 same run (one device copy of a flat buffer of the same bytes: what the copy could cost at best), the ratio, the
-fraction of the floor (the row's bytes read and written once at bench/common.py's HBM_BYTES_PER_S), and what
-exchanging the two rows costs (Engine.swap_rows: a prefill chunk's placement). The scheduler weighs this against
-prefilling the prefix (bench_prefill.py).
+fraction of the floor (the row's bytes read and written once at bench/common.py's HBM_BYTES_PER_S), what
+exchanging the two rows costs (Engine.swap_rows: a prefill chunk's placement) and what protecting a row's compressor
+states costs (Engine.protect_rows: saved before a decode step a prefilling row rides along in, put back after). The
+scheduler weighs a copy against prefilling the prefix (bench_prefill.py).
 """
 from __future__ import annotations
 
@@ -68,18 +69,21 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     print(f"{args.model}: one row copied into another (Engine.copy_rows) on {device}", flush=True)
-    print(f"{'max_seq_len':>11} {'row MiB':>8} {'copy ms':>8} {'peer ms':>8} {'copy/peer':>9} {'of floor':>8} {'swap ms':>8}",
+    print(f"{'max_seq_len':>11} {'row MiB':>8} {'copy ms':>8} {'peer ms':>8} {'copy/peer':>9} {'of floor':>8} {'swap ms':>8} {'protect ms':>10}",
           flush=True)
     for S in (int(s) for s in args.max_seq_len.split(",")):
         model = row_model(args.model, args.experts, S, device)
         nbytes = sum(b[0].numel() * b.element_size() for b in model.row_state_buffers())
         copy_ms = timed_ms(lambda: model.copy_rows_([0], [1]), args.reps, device)
         swap_ms = timed_ms(lambda: model.swap_rows_([0], [1]), args.reps, device)
+        # a decode step's riding row: its compressor states saved before the step and put back after (protect_rows)
+        protect_ms = timed_ms(lambda: model.restore_compressor_rows([1], model.save_compressor_rows([1])), args.reps,
+                              device)
         flat = torch.zeros(2, nbytes, dtype=torch.uint8, device=device)
         peer_ms = timed_ms(lambda: flat[1].copy_(flat[0]), args.reps, device)
         floor_ms = 1e3 * 2 * nbytes / HBM_BYTES_PER_S
         print(f"{S:11d} {nbytes / 2**20:8.1f} {copy_ms:8.3f} {peer_ms:8.3f} {copy_ms / peer_ms:9.2f} "
-              f"{floor_ms / copy_ms:8.1%} {swap_ms:8.3f}", flush=True)
+              f"{floor_ms / copy_ms:8.1%} {swap_ms:8.3f} {protect_ms:10.3f}", flush=True)
         del model, flat
     return 0
 
