@@ -51,7 +51,7 @@ def main():
     wbs = [rand_kernel_weight((), N_B, G * N_A, gen) for _ in range(copies)]
     gsa = torch.full((G,), 0.01, device="cuda")
     gsb = torch.tensor(0.01, device="cuda")
-    sync = torch.zeros(dops.nvfp4_linear_chain_sync_numel([was[0][0], wbs[0][0]]), dtype=torch.int32, device="cuda")
+    sync = torch.zeros(dops.nvfp4_linear_chain_sync_numel([G * N_A]), dtype=torch.int32, device="cuda")
     bcopies = max(1, min(16, math.ceil(ROTATE_BYTES / ((G * N_A * K_A + N_B * G * N_A) * 2))))
     bfa = [torch.randn(G, N_A, K_A, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(bcopies)]
     bfb = [torch.randn(N_B, G * N_A, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(bcopies)]

@@ -48,10 +48,15 @@ def nvfp4_linear_multi(x: Tensor, *, w_packed: Sequence[Tensor], w_scale: Sequen
     return _ops.nvfp4_linear_multi(x, list(w_packed), list(w_scale), list(w_global_scale))
 
 
-def nvfp4_linear_chain_sync_numel(w_packed: Sequence[Tensor]) -> int:
-    """int32 counters nvfp4_linear_chain's `sync` needs for these stages: 2 + the intermediate outputs' 128-column
-    chunks."""
-    return 2 + sum((w.shape[0] * w.shape[1] if w.dim() == 3 else w.shape[0]) // 128 for w in list(w_packed)[:-1])
+def nvfp4_linear_chain_sync_numel(widths: Sequence[int]) -> int:
+    """int32 counters nvfp4_linear_chain's `sync` needs: 2 + the 128-column chunks of the intermediate outputs,
+    `widths` (each stage's output columns, G * N, but the last's)."""
+    return 2 + sum(int(w) // 128 for w in widths)
+
+
+def nvfp4_linear_chain_widths(w_packed: Sequence[Tensor]) -> list[int]:
+    """The intermediate widths (nvfp4_linear_chain_sync_numel's) of these stages' weights."""
+    return [w.shape[0] * w.shape[1] if w.dim() == 3 else w.shape[0] for w in list(w_packed)[:-1]]
 
 
 def nvfp4_linear_chain(x: Tensor, *, w_packed: Sequence[Tensor], w_scale: Sequence[Tensor],

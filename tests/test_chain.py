@@ -38,10 +38,15 @@ def per_op(x, kern):
     return h
 
 
+def new_sync(w_packed, device="cpu", extra=0):
+    n = dops.nvfp4_linear_chain_sync_numel(dops.nvfp4_linear_chain_widths(w_packed))
+    return torch.zeros(n + extra, dtype=torch.int32, device=device)
+
+
 def chain(x, kern, sync=None):
     w, s, g = (list(t) for t in zip(*kern))
     if sync is None:
-        sync = torch.zeros(dops.nvfp4_linear_chain_sync_numel(w), dtype=torch.int32, device=x.device)
+        sync = new_sync(w, x.device)
     return dops.nvfp4_linear_chain(x, w_packed=w, w_scale=s, w_global_scale=g, sync=sync)
 
 
@@ -92,28 +97,20 @@ def test_chain_cpu_is_the_per_op_calls_and_near_the_reference(name, lead):
     want = per_op(x, kern)
     assert out.shape == want.shape and torch.equal(out, want), f"{name} {lead}: not the per-op calls' bits"
     assert_near_reference(out, x, canon, f"{name} {lead}")
-    ref_out = ref.nvfp4_linear_chain_ref(x, canon)
-    assert ref_out.shape == out.shape
-
-
-def test_chain_leaves_sync_as_it_was_and_takes_a_longer_one():
-    gen = torch.Generator().manual_seed(3)
-    _, kern = make_stages(SHAPES["grouped_then_plain"], gen, "cpu")
-    x = rand_x((2, 4, 256), gen)
-    sync = torch.zeros(dops.nvfp4_linear_chain_sync_numel([w for w, _, _ in kern]) + 5, dtype=torch.int32)
-    assert torch.equal(chain(x, kern, sync), per_op(x, kern))
-    assert not bool(sync.any())
+    assert_near_reference(ref.nvfp4_linear_chain_ref(x, canon), x, canon, f"reference {name} {lead}")
 
 
 def test_chain_sync_numel_counts_the_intermediate_chunks():
     gen = torch.Generator().manual_seed(4)
     _, kern = make_stages(SHAPES["three_stages"], gen, "cpu")
     w = [t[0] for t in kern]
-    assert dops.nvfp4_linear_chain_sync_numel(w) == 2 + 256 // 128 + 256 // 128
+    assert dops.nvfp4_linear_chain_sync_numel(dops.nvfp4_linear_chain_widths(w)) == 2 + 256 // 128 + 256 // 128
     x = rand_x((1, 208), gen)
-    short = torch.zeros(dops.nvfp4_linear_chain_sync_numel(w) - 1, dtype=torch.int32)
-    with pytest.raises(RuntimeError, match=r"nvfp4_linear_chain: sync must be int32 \[>= 6\]"):
+    short = new_sync(w, extra=-1)
+    with pytest.raises(RuntimeError, match=r"nvfp4_linear_chain: sync must be contiguous int32 \[>= 6\]"):
         chain(x, kern, short)
+    with pytest.raises(RuntimeError, match=r"\(not contiguous\)"):
+        chain(x, kern, new_sync(w, extra=6)[::2])
 
 
 def test_chain_bad_args_name_the_argument():
@@ -123,7 +120,7 @@ def test_chain_bad_args_name_the_argument():
     with pytest.raises(RuntimeError, match=r"w_packed\[1\]'s K = 208 .* multiple of 128"):
         chain(x, kern, torch.zeros(8, dtype=torch.int32))
     _, kern = make_stages(((0, 128, 256), (0, 64, 128)), gen, "cpu")
-    with pytest.raises(RuntimeError, match=r"sync must be int32"):
+    with pytest.raises(RuntimeError, match=r"sync must be contiguous int32"):
         chain(x, kern, torch.zeros(8, dtype=torch.int64))
     w, s, g = (list(t) for t in zip(*kern))
     with pytest.raises(RuntimeError, match=r"out must be bf16 \[1, 64\]"):
@@ -131,6 +128,9 @@ def test_chain_bad_args_name_the_argument():
     with pytest.raises(RuntimeError, match=r"w_packed\[0\] must be \[N, Kp/2\] or \[G, N, Kp/2\]"):
         ops.nvfp4_linear_chain(x, [w[0][None, None]], s[:1], g[:1], torch.empty(1, 128, dtype=torch.bfloat16),
                                torch.zeros(8, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=r"w_packed\[0\] must hold at least one matrix"):
+        ops.nvfp4_linear_chain(x[:, None], [w[0][:0, None]], [s[0][:0, None]], [g[0].reshape(1)[:0]],
+                               torch.empty(1, 0, 128, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.int32))
     with pytest.raises(RuntimeError, match=r"lists of one length, 1 to 4"):
         ops.nvfp4_linear_chain(x, w, s[:1], g, torch.empty(1, 64, dtype=torch.bfloat16),
                                torch.zeros(8, dtype=torch.int32))
@@ -146,7 +146,7 @@ def opcheck_cases(device):
         x = rand_x((*lead, g0, k0) if g0 else (*lead, k0), gen, device)
         w, s, g = (list(t) for t in zip(*kern))
         out = per_op(x, kern)
-        sync = torch.zeros(dops.nvfp4_linear_chain_sync_numel(w), dtype=torch.int32, device=device)
+        sync = new_sync(w, device)
         cases.append((x, w, s, g, torch.empty_like(out), sync))
     return cases
 
@@ -159,7 +159,7 @@ def test_opcheck_cpu():
 def test_chain_compiles_fullgraph_to_the_eager_bits():
     gen = torch.Generator().manual_seed(8)
     _, kern = make_stages(SHAPES["grouped_then_plain"], gen, "cpu")
-    sync = torch.zeros(dops.nvfp4_linear_chain_sync_numel([w for w, _, _ in kern]), dtype=torch.int32)
+    sync = new_sync([w for w, _, _ in kern])
 
     def f(x):
         return chain(x, kern, sync) * 2
@@ -180,7 +180,7 @@ def test_chain_cuda_one_launch_gives_the_per_op_bits(name):
     canon, kern = make_stages(specs, gen, "cuda")
     g0, _, k0 = specs[0]
     w = [t[0] for t in kern]
-    sync = torch.zeros(dops.nvfp4_linear_chain_sync_numel(w), dtype=torch.int32, device="cuda")
+    sync = new_sync(w, "cuda")
     for m in (1, 2, 3, 8):
         x = rand_x((m, g0, k0) if g0 else (m, k0), gen, "cuda")
         want = per_op(x, kern)
@@ -196,6 +196,22 @@ def test_chain_cuda_one_launch_gives_the_per_op_bits(name):
                 torch.cuda.synchronize()
             ran = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
             assert any("nvfp4_chain_kernel" in n for n in ran) and not any("gemv" in n for n in ran), ran
+
+
+@pytest.mark.cuda
+@pytest.mark.kernels
+def test_chain_cuda_odd_operands():
+    """A longer sync (left zero), an output view that is not contiguous, an input that is not 16-byte aligned."""
+    gen = torch.Generator().manual_seed(13)
+    _, kern = make_stages(((4, 128, 256), (0, 96, 512)), gen, "cuda")
+    w, s, g = (list(t) for t in zip(*kern))
+    sync = new_sync(w, "cuda", extra=7)
+    base = rand_x((3 * 4 * 256 + 1,), gen, "cuda")
+    x = base[1:].view(3, 4, 256)  # 2-byte offset
+    want = per_op(x.clone(), kern)
+    out = torch.full((96, 3), 7.0, dtype=torch.bfloat16, device="cuda")
+    ops.nvfp4_linear_chain(x, w, s, g, out.t(), sync)
+    assert torch.equal(out.t(), want) and not bool(sync.any())
 
 
 @pytest.mark.cuda
@@ -216,7 +232,7 @@ def test_chain_cuda_graph_replays_to_the_same_bits():
     gen = torch.Generator().manual_seed(12)
     _, kern = make_stages(((8, 1024, 4096), (0, 4096, 8192)), gen, "cuda")
     x = rand_x((1, 8, 4096), gen, "cuda")
-    sync = torch.zeros(dops.nvfp4_linear_chain_sync_numel([t[0] for t in kern]), dtype=torch.int32, device="cuda")
+    sync = new_sync([t[0] for t in kern], "cuda")
     want = per_op(x, kern)
     chain(x, kern, sync)  # warm-up outside the capture (kernel attributes)
     stream = torch.cuda.Stream()

@@ -46,6 +46,7 @@ inline ChainDims check_chain(const at::Tensor& x, at::TensorList w, at::TensorLi
     TORCH_CHECK(w[i].dim() == 2 || w[i].dim() == 3, op, ": ", wn, " must be [N, Kp/2] or [G, N, Kp/2], got ",
                 w[i].sizes());
     const bool grouped = w[i].dim() == 3;
+    TORCH_CHECK(!grouped || w[i].size(0) > 0, op, ": ", wn, " must hold at least one matrix, got ", w[i].sizes());
     const int64_t G = grouped ? w[i].size(0) : 0, groups = grouped ? G : 1;
     int64_t K;
     if (i == 0) {
@@ -71,6 +72,8 @@ inline ChainDims check_chain(const at::Tensor& x, at::TensorList w, at::TensorLi
     } else {
       check_global_scale(gs[i], x, op, gn.c_str());
     }
+    TORCH_CHECK(groups * N < (int64_t(1) << 31) && groups * K < (int64_t(1) << 31), op, ": ", wn,
+                "'s sizes must fit in int32");
     d.st.push_back({G, N, K});
     prev_cols = groups * N;
   }
@@ -84,8 +87,10 @@ inline ChainDims check_chain(const at::Tensor& x, at::TensorList w, at::TensorLi
   TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.sizes() == at::IntArrayRef(d.out_shape), op,
               ": out must be bf16 ", at::IntArrayRef(d.out_shape), ", got ", out.scalar_type(), " ", out.sizes());
   check_same_device(out, x, op, "out");
-  TORCH_CHECK(sync.scalar_type() == at::kInt && sync.dim() == 1 && sync.numel() >= d.sync_numel, op,
-              ": sync must be int32 [>= ", d.sync_numel, "] (zeros), got ", sync.scalar_type(), " ", sync.sizes());
+  TORCH_CHECK(sync.scalar_type() == at::kInt && sync.dim() == 1 && sync.numel() >= d.sync_numel &&
+                  sync.is_contiguous(),
+              op, ": sync must be contiguous int32 [>= ", d.sync_numel, "] (zeros), got ", sync.scalar_type(), " ",
+              sync.sizes(), sync.is_contiguous() ? "" : " (not contiguous)");
   check_same_device(sync, x, op, "sync");
   return d;
 }

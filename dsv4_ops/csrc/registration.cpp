@@ -30,6 +30,7 @@ extern "C" __attribute__((visibility("default"))) int64_t dsv4_ops_kernel_limit(
   if (n == "indexer_cuda_max_heads") return kIndexerCudaMaxHeads;
   if (n == "indexer_cuda_max_topk") return kIndexerCudaMaxTopk;
   if (n == "norm_rope_cuda_max_dim") return kNormRopeCudaMaxDim;
+  if (n == "chain_max_rows") return kChainMaxRows;
   if (n == "hadamard_fp4_dim") return hadamard_fp4_dim_ok(value);
   if (n == "store_keys_dim") return store_keys_dim_ok(value);
   if (n == "attn_mma_dim") return attn_mma_dim_ok(value);

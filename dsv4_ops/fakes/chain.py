@@ -15,6 +15,7 @@ def _nvfp4_linear_chain_fake(x, w_packed, w_scale, w_global_scale, out, sync):
     for i, (w, s, g) in enumerate(zip(w_packed, w_scale, w_global_scale)):
         grouped = w.dim() == 3
         groups = w.shape[0] if grouped else 1
+        torch._check(groups > 0, lambda: f"{_OP}: w_packed[{i}] must hold at least one matrix")
         if i == 0:
             lead = x.shape[:-2] if grouped else x.shape[:-1]
             torch._check(not grouped or x.shape[-2] == groups, lambda: f"{_OP}: x.shape[-2] must be G")
@@ -31,8 +32,8 @@ def _nvfp4_linear_chain_fake(x, w_packed, w_scale, w_global_scale, out, sync):
         cols = groups * nn
     torch._check(out.dtype == torch.bfloat16 and tuple(out.shape) == tuple(shape),
                  lambda: f"{_OP}: out must be bf16 {tuple(shape)}, got {out.dtype} {tuple(out.shape)}")
-    torch._check(sync.dtype == torch.int32 and sync.dim() == 1 and sync.numel() >= sync_numel,
-                 lambda: f"{_OP}: sync must be int32 [>= {sync_numel}]")
+    torch._check(sync.dtype == torch.int32 and sync.dim() == 1 and sync.numel() >= sync_numel
+                 and sync.is_contiguous(), lambda: f"{_OP}: sync must be contiguous int32 [>= {sync_numel}]")
 
 
 torch.library.register_fake(_OP)(_nvfp4_linear_chain_fake)

@@ -13,6 +13,7 @@
 // the op's sync buffer is zero again for the next launch.
 #include "chain.h"
 #include "device_info.h"
+#include "kernel_limits.h"
 #include "nvfp4_kernels.cuh"
 
 namespace {
@@ -212,6 +213,7 @@ __global__ void __launch_bounds__(kThreads, kChainOcc) nvfp4_chain_kernel(const 
   if (threadIdx.x == 0) {
     __threadfence();
     if (atomicAdd(p.sync + 1, 1) == int(gridDim.x) - 1) {  // every other CTA has taken its last ticket
+      __threadfence();  // ... and made its last counter update: the zeros come after all of them
       for (int i = kSyncHead; i < p.nsync; ++i) p.sync[i] = 0;
       p.sync[0] = 0;
       p.sync[1] = 0;
@@ -239,7 +241,7 @@ cudaError_t launch_chain(const ChainParams& p, cudaStream_t stream) {
 }  // namespace
 
 extern "C" cudaError_t dsv4_nvfp4_chain_launch(const Nvfp4ChainArgs* a, cudaStream_t stream) {
-  if (a->nstages < 1 || a->nstages > kChainMaxStages || a->M < 1 || a->M > 8) return cudaErrorInvalidValue;
+  if (a->nstages < 1 || a->nstages > kChainMaxStages || a->M < 1 || a->M > dsv4_limits::kChainMaxRows) return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(a->x) % 16 != 0) return cudaErrorInvalidValue;
   ChainParams p{};
   p.nstages = a->nstages;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "chain_checks.h"
+#include "kernel_limits.h"
 #include "cuda/chain.h"
 #include "overrides.h"
 
@@ -36,9 +37,9 @@ void nvfp4_linear_chain_cuda(const at::Tensor& x, at::TensorList w, at::TensorLi
   const dsv4_chain::ChainDims d = dsv4_chain::check_chain(x, w, s, gs, out, sync, op);
   if (d.M == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
-  // The one launch keeps the gemv kernel's bits: only where nvfp4_linear would run it (<= 8 rows, no kernel
-  // forced by the nvfp4_gemm_kernel override).
-  const bool one_launch = d.M <= 8 && dsv4_overrides::get().nvfp4_gemm_kernel == 0;
+  // The one launch keeps the gemv kernel's bits: only where nvfp4_linear runs it (<= 8 rows, unless the
+  // nvfp4_gemm_kernel override forces skinny, its value 3: the one choice that takes these rows off the gemv).
+  const bool one_launch = d.M <= dsv4_limits::kChainMaxRows && dsv4_overrides::get().nvfp4_gemm_kernel != 3;
   if (!one_launch) {
     out.copy_(dsv4_chain::chain_per_op(x, w, s, gs, d).view(d.out_shape));
     return;
