@@ -56,7 +56,8 @@ def test_out_chain_gives_the_per_op_logits_on_an_nvfp4_model(monkeypatch):
     cfg = ModelConfig(**{**TINY_CONFIG, "n_mtp_layers": 0, "n_layers": 3, "compress_ratios": [0, 4, 16],
                          "o_lora_rank": 64}).validate()
     ids = torch.randint(0, cfg.vocab_size, (2, 13), generator=torch.Generator().manual_seed(4))
-    m = quantize_model_(init_random_weights(Transformer(cfg, max_batch_size=2, max_seq_len=40, dtype=torch.bfloat16), 6))
+    model = Transformer(cfg, max_batch_size=2, max_seq_len=40, dtype=torch.bfloat16)
+    m = quantize_model_(init_random_weights(model, 6))
     calls = []
     real = torch.ops.dsv4.nvfp4_linear_chain
     monkeypatch.setattr(torch.ops.dsv4, "nvfp4_linear_chain", lambda *a: calls.append(a[0].shape) or real(*a))
