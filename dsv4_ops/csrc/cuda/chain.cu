@@ -14,18 +14,13 @@
 #include "chain.h"
 #include "device_info.h"
 #include "kernel_limits.h"
-#include "nvfp4_kernels.cuh"
+#include "nvfp4_gemv_ring.cuh"
 
 namespace {
 
 // The gemv kernel's ring at 2 CTAs per SM (its GemvCfg<ROWS, 2>): the stage count changes no value.
 template <int ROWS>
-struct ChainCfg {
-  static constexpr int kStages = ROWS <= 2 ? 6 : 3;
-  static constexpr int kW = 1024, kS = 128, kX = ROWS * 256;
-  static constexpr int kStage = kW + kS + kX;
-  static constexpr int kSmem = kStage * kStages * kWarps;
-};
+using ChainCfg = GemvRing<ROWS, ROWS <= 2 ? 6 : 3>;
 constexpr int kChainOcc = 2;
 constexpr int kSyncHead = 2;  // sync[0]: the ticket, sync[1]: CTAs done; then the chunk counters
 
@@ -82,29 +77,15 @@ __device__ __forceinline__ void chain_task(const ChainParams& p, const ChainStag
   uint8_t* ring = smem + warp * (Cfg::kStage * S);
   const int rows = min(ROWS, p.M);
   const int pc = lane & 15;
-  uint32_t x_dst[ROWS / 2];
+  const RingLane<ROWS> rl = ring_lane<ROWS>(lane);
   const bf16* xrow[ROWS / 2];
 #pragma unroll
-  for (int i = 0; i < ROWS / 2; ++i) {
-    const int r = (lane >> 4) + 2 * i;
-    x_dst[i] = Cfg::kW + Cfg::kS + r * 256 + ((pc ^ (r & 7)) << 4);
-    xrow[i] = st.x + (size_t(min(r, rows - 1)) * size_t(st.G) + size_t(grp)) * size_t(st.K);
-  }
-  const int xr = (lane & 7) & (ROWS - 1), xm = lane >> 3;
-  uint32_t ldm[4];
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int piece = (2 * q + (xm >> 1)) * 2 + (xm & 1);
-    ldm[q] = Cfg::kW + Cfg::kS + xr * 256 + ((piece ^ xr) << 4);
-  }
+  for (int i = 0; i < ROWS / 2; ++i)
+    xrow[i] = st.x + (size_t(min((lane >> 4) + 2 * i, rows - 1)) * size_t(st.G) + size_t(grp)) * size_t(st.K);
   // The input chunk of chunk ci of this group: K % 128 == 0 past stage 0, so 8 full tiles of the previous stage.
   const int ready0 = grp * (kp >> 7);
   auto issue_w = [&](int ci, uint8_t* stg) {
-    if (ci < c_end) {
-      cp_async16(stg + lane * 16, wa_ptr + uint32_t(ci) * wstep, 16);
-      cp_async16(stg + 512 + lane * 16, wb_ptr + uint32_t(ci) * wstep, 16);
-      if (lane < 16) cp_async8(stg + Cfg::kW + lane * 8, s_ptr + uint32_t(ci) * sstep, 8);
-    }
+    if (ci < c_end) ring_copy_weights(stg, lane, wa_ptr, wb_ptr, s_ptr, uint32_t(ci), wstep, sstep);
   };
   auto issue_x = [&](int ci, uint8_t* stg) {
     if (ci < c_end) {
@@ -116,7 +97,7 @@ __device__ __forceinline__ void chain_task(const ChainParams& p, const ChainStag
 #pragma unroll
       for (int i = 0; i < ROWS / 2; ++i) {
         const bool ok = (lane >> 4) + 2 * i < rows && kx < st.K;
-        cp_async16(stg + x_dst[i], ok ? xrow[i] + kx : xrow[0], ok ? 16 : 0);
+        cp_async16(stg + rl.x_dst[i], ok ? xrow[i] + kx : xrow[0], ok ? 16 : 0);
       }
     }
   };
@@ -144,36 +125,14 @@ __device__ __forceinline__ void chain_task(const ChainParams& p, const ChainStag
       cp_async_commit();
       cp_async_wait<S - 1>();
       __syncwarp();
-      const uint8_t* sg = ring + j * Cfg::kStage;
-      const uint4 wa = *reinterpret_cast<const uint4*>(sg + lane * 16);
-      const uint4 wb = *reinterpret_cast<const uint4*>(sg + 512 + lane * 16);
-      const RowScales sa = row_scales(*reinterpret_cast<const uint2*>(sg + Cfg::kW + g * 8));
-      const RowScales sb = row_scales(*reinterpret_cast<const uint2*>(sg + Cfg::kW + (g + 8) * 8));
-      uint32_t b[4][4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) ldmatrix_x4(b[q], sg + ldm[q]);
-      chunk_mma(wa, wb, sa, sb, b, acc0, acc1);
+      ring_chunk_mma(ring + j * Cfg::kStage, lane, rl.ldm, acc0, acc1);
       __syncwarp();
     }
   }
   cp_async_wait<0>();
   __syncwarp();
   float acc[1][4];
-#pragma unroll
-  for (int r = 0; r < 4; ++r) acc[0][r] = acc0[r] + acc1[r];
-  if (st.kw > 1) {
-    if (kw != 0) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) red[warp][r][lane] = acc[0][r];
-    }
-    __syncthreads();
-    if (kw == 0) {
-      for (int w2 = 1; w2 < st.kw; ++w2) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) acc[0][r] += red[warp + w2][r][lane];
-      }
-    }
-  }
+  reduce_k_splits(acc0, acc1, acc[0], red, warp, kw, st.kw, lane);
   if (kw == 0 && tile_ok) {
     // the gemv's epilogue, as a one-group dense launch of this group's matrix sees it
     SkinnyParams ep{};
