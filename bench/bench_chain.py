@@ -20,6 +20,7 @@ _sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
 
 import dsv4_ops  # noqa: E402,F401
 from dsv4_ops import ops as dops  # noqa: E402
+from bench_nvfp4_gemm import nvfp4_bytes, rand_kernel_weight  # noqa: E402
 from timing import cuda_generator, graph_us  # noqa: E402
 
 ops = torch.ops.dsv4
@@ -27,18 +28,6 @@ HBM = 4.26e12
 ROTATE_BYTES = 256 << 20
 REPS = 200
 G, N_A, K_A, N_B = 8, 1024, 4096, 4096  # wo_a: 8 x (1024 x 4096); wo_b: 4096 x 8192
-
-
-def rand_kernel_weight(lead, n, k, gen):
-    """Random NVFP4 weight directly in the kernel layout (any bytes are valid codes; scale bytes in 2^-3..2^2)."""
-    kp = (k + 127) // 128 * 128
-    packed = torch.randint(0, 256, (*lead, n, kp // 2), device="cuda", dtype=torch.uint8, generator=gen)
-    scale = torch.randint(56, 96, (*lead, n, kp // 16), device="cuda", dtype=torch.uint8, generator=gen)
-    return packed, scale
-
-
-def nvfp4_bytes(n, k):
-    return n * k // 2 + n * k // 16
 
 
 def main():
