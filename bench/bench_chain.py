@@ -20,6 +20,7 @@ _sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
 
 import dsv4_ops  # noqa: E402,F401
 from dsv4_ops import ops as dops  # noqa: E402
+from dsv4_ops.overrides import kernel_overrides  # noqa: E402
 from bench_nvfp4_gemm import nvfp4_bytes, rand_kernel_weight  # noqa: E402
 from timing import cuda_generator, graph_us  # noqa: E402
 
@@ -71,6 +72,45 @@ def main():
         t_chain, t_op, t_peer = (graph_us(f, REPS, indexed=True) for f in (chain, per_op, peer))
         print(f"| {m} | {t_chain:.2f} | {t_op:.2f} | {t_peer:.2f} | {t_chain / t_op:.3f} | "
               f"{floor_us / t_chain:.0%} | {floor_us / t_op:.0%} |")
+    by_part(was, wbs, gsa, gsb, copies, gen)
+
+
+def by_part(was, wbs, gsa, gsb, copies, gen):
+    """M = 1: each matrix alone as a one-stage chain against its per-op call, and both chains without PDL: what the
+    persistent kernel costs without a dependency, and what programmatic dependent launch gives each form."""
+    x = torch.randn(1, G, K_A, device="cuda", generator=gen).to(torch.bfloat16)
+    z = torch.randn(1, G * N_A, device="cuda", generator=gen).to(torch.bfloat16)
+    one = torch.zeros(dops.nvfp4_linear_chain_sync_numel([]), dtype=torch.int32, device="cuda")
+    sync = torch.zeros(dops.nvfp4_linear_chain_sync_numel([G * N_A]), dtype=torch.int32, device="cuda")
+
+    def chain_a(i):
+        w = was[i % copies]
+        return dops.nvfp4_linear_chain(x, w_packed=[w[0]], w_scale=[w[1]], w_global_scale=[gsa], sync=one)
+
+    def chain_b(i):
+        w = wbs[i % copies]
+        return dops.nvfp4_linear_chain(z, w_packed=[w[0]], w_scale=[w[1]], w_global_scale=[gsb], sync=one)
+
+    def chain_ab(i):
+        wa, wb = was[i % copies], wbs[i % copies]
+        return dops.nvfp4_linear_chain(x, w_packed=[wa[0], wb[0]], w_scale=[wa[1], wb[1]],
+                                       w_global_scale=[gsa, gsb], sync=sync)
+
+    def per_op_ab(i):
+        wa, wb = was[i % copies], wbs[i % copies]
+        return ops.nvfp4_linear(ops.nvfp4_linear_grouped(x, wa[0], wa[1], gsa).flatten(-2), wb[0], wb[1], gsb)
+
+    rows = [("wo_a alone", chain_a, lambda i: ops.nvfp4_linear_grouped(x, was[i % copies][0], was[i % copies][1], gsa)),
+            ("wo_b alone", chain_b, lambda i: ops.nvfp4_linear(z, wbs[i % copies][0], wbs[i % copies][1], gsb)),
+            ("wo_a -> wo_b", chain_ab, per_op_ab)]
+    print("\n## M = 1 by part: one-stage chains against the per-op call; with and without PDL")
+    print("| part | chain us | per-op us | chain / per-op | chain no-PDL us | per-op no-PDL us |")
+    print("|---|---|---|---|---|---|")
+    for name, ch, op in rows:
+        t_ch, t_op = graph_us(ch, REPS, indexed=True), graph_us(op, REPS, indexed=True)
+        with kernel_overrides(pdl=False):
+            n_ch, n_op = graph_us(ch, REPS, indexed=True), graph_us(op, REPS, indexed=True)
+        print(f"| {name} | {t_ch:.2f} | {t_op:.2f} | {t_ch / t_op:.3f} | {n_ch:.2f} | {n_op:.2f} |")
 
 
 if __name__ == "__main__":
