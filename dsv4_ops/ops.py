@@ -49,9 +49,9 @@ def nvfp4_linear_multi(x: Tensor, *, w_packed: Sequence[Tensor], w_scale: Sequen
 
 
 def nvfp4_linear_chain_sync_numel(widths: Sequence[int]) -> int:
-    """int32 counters nvfp4_linear_chain's `sync` needs: 2 + the 128-column chunks of the intermediate outputs,
+    """int32 counters nvfp4_linear_chain's `sync` needs: 1 + the 128-column chunks of the intermediate outputs,
     `widths` (each stage's output columns, G * N, but the last's)."""
-    return 2 + sum(int(w) // 128 for w in widths)
+    return 1 + sum(int(w) // 128 for w in widths)
 
 
 def nvfp4_linear_chain_widths(w_packed: Sequence[Tensor]) -> list[int]:

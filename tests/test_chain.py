@@ -104,10 +104,10 @@ def test_chain_sync_numel_counts_the_intermediate_chunks():
     gen = torch.Generator().manual_seed(4)
     _, kern = make_stages(SHAPES["three_stages"], gen, "cpu")
     w = [t[0] for t in kern]
-    assert dops.nvfp4_linear_chain_sync_numel(dops.nvfp4_linear_chain_widths(w)) == 2 + 256 // 128 + 256 // 128
+    assert dops.nvfp4_linear_chain_sync_numel(dops.nvfp4_linear_chain_widths(w)) == 1 + 256 // 128 + 256 // 128
     x = rand_x((1, 208), gen)
     short = new_sync(w, extra=-1)
-    with pytest.raises(RuntimeError, match=r"nvfp4_linear_chain: sync must be contiguous int32 \[>= 6\]"):
+    with pytest.raises(RuntimeError, match=r"nvfp4_linear_chain: sync must be contiguous int32 \[>= 5\]"):
         chain(x, kern, short)
     with pytest.raises(RuntimeError, match=r"\(not contiguous\)"):
         chain(x, kern, new_sync(w, extra=6)[::2])

@@ -82,7 +82,7 @@ inline ChainDims check_chain(const at::Tensor& x, at::TensorList w, at::TensorLi
   d.out_shape = d.lead;
   if (d.st.back().G > 0) d.out_shape.push_back(d.st.back().G);
   d.out_shape.push_back(d.st.back().N);
-  d.sync_numel = 2;
+  d.sync_numel = 1;
   for (size_t i = 0; i + 1 < n; ++i) d.sync_numel += d.st[i].groups() * d.st[i].N / kChunk;
   TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.sizes() == at::IntArrayRef(d.out_shape), op,
               ": out must be bf16 ", at::IntArrayRef(d.out_shape), ", got ", out.scalar_type(), " ", out.sizes());

@@ -218,7 +218,7 @@ TORCH_LIBRARY(dsv4, m) {
   // Dependent decode linears in one launch (attention wo_a -> wo_b): out = L_n(... L_1(x)), each stage an
   // nvfp4_linear (w_packed [N, Kp/2], 0-d global scale) or nvfp4_linear_grouped ([G, N, Kp/2], [G]), stage i > 0
   // reading stage i - 1's output as [..., G_i, K_i] (K_i % 128 == 0); bf16 out of the last stage's shape. sync:
-  // int32 zeros (2 + the intermediate outputs' 128-column chunks, or more), zero again when the op returns. Equal
+  // int32 zeros (1 + the intermediate outputs' 128-column chunks, or more), zero again when the op returns. Equal
   // to the per-op calls. See docs/ops.md "## NVFP4 linear chain".
   m.def(
       "nvfp4_linear_chain(Tensor x, Tensor[] w_packed, Tensor[] w_scale, Tensor[] w_global_scale, Tensor(a!) out, "

@@ -11,7 +11,7 @@ def _nvfp4_linear_chain_fake(x, w_packed, w_scale, w_global_scale, out, sync):
     torch._check(1 <= n <= 4 and len(w_scale) == n and len(w_global_scale) == n,
                  lambda: f"{_OP}: w_packed, w_scale and w_global_scale must be lists of one length, 1 to 4")
     torch._check(x.dtype == torch.bfloat16, lambda: f"{_OP}: x must be bf16, got {x.dtype}")
-    cols, sync_numel, lead, shape = 0, 2, None, None
+    cols, sync_numel, lead, shape = 0, 1, None, None
     for i, (w, s, g) in enumerate(zip(w_packed, w_scale, w_global_scale)):
         grouped = w.dim() == 3
         groups = w.shape[0] if grouped else 1

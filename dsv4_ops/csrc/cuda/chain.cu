@@ -4,8 +4,8 @@
 //
 // Tasks: every CTA of the per-op gemv launches of the stages (nvfp4_gemv.cu), numbered stage by stage, each
 // with the gemv's own plan (plan_gemv: K-splits per tile, tiles per CTA), ring, reduction and epilogue, so the
-// chain returns the per-op path's bits. Resident CTAs take tasks in order from a ticket counter: a task waits
-// only on tasks of lower tickets, all taken by running CTAs, so no grid size or residency can deadlock it.
+// chain returns the per-op path's bits. The grid is what fits on the GPU at once; CTA b takes tasks b, b + grid,
+// ... in order, and a task waits only on lower-numbered ones, so the lowest unfinished task can always run.
 // Dependencies are per 128-column chunk of a stage's output: a finished task adds one per 16-column tile to its
 // chunks' counters (release), a warp of the next stage waits (acquire) for the 8 tiles of each input chunk just
 // before copying it, and copies its first weight chunks before any wait: the next matrix streams while the
@@ -22,7 +22,7 @@ namespace {
 template <int ROWS>
 using ChainCfg = GemvRing<ROWS, ROWS <= 2 ? 6 : 3>;
 constexpr int kChainOcc = 2;
-constexpr int kSyncHead = 2;  // sync[0]: the ticket, sync[1]: CTAs done; then the chunk counters
+constexpr int kSyncHead = 1;  // sync[0]: CTAs done; then the chunk counters
 
 struct ChainStage {
   const bf16* x;       // input: row pos, group grp at x + (pos * G + grp) * K
@@ -91,7 +91,7 @@ __device__ __forceinline__ void chain_task(const ChainParams& p, const ChainStag
     if (ci < c_end) {
       if (st.ready != nullptr) {
         const int* c = st.ready + ready0 + ci;
-        while (ld_acquire(c) < 8) __nanosleep(32);
+        for (unsigned ns = 64; ld_acquire(c) < 8; ns = min(2 * ns, 1024u)) __nanosleep(ns);
       }
       const int kx = ci * 128 + pc * 8;
 #pragma unroll
@@ -148,7 +148,6 @@ __device__ __forceinline__ void chain_task(const ChainParams& p, const ChainStag
   }
   __syncthreads();  // every store of the task (and every read of `red`) is done
   if (st.done != nullptr && int(threadIdx.x) < st.rt && tile0 + int(threadIdx.x) < ntiles) {
-    __threadfence();
     add_release(st.done + (grp * st.N + (tile0 + int(threadIdx.x)) * 16) / 128, 1);
   }
 }
@@ -157,25 +156,20 @@ template <int ROWS>
 __global__ void __launch_bounds__(kThreads, kChainOcc) nvfp4_chain_kernel(const ChainParams p) {
   extern __shared__ __align__(128) uint8_t csmem[];
   __shared__ float red[kWarps][4][32];
-  __shared__ int task;
   if (p.pdl) grid_dep_wait();  // the input, and the counters a previous chain zeroed
-  for (;;) {
-    if (threadIdx.x == 0) task = atomicAdd(p.sync, 1);
-    __syncthreads();
-    const int t = task;
-    __syncthreads();  // read by all before thread 0 takes the next ticket
-    if (t >= p.ntasks) break;
+  // Tasks round-robin, each CTA's in increasing order: the lowest unfinished task waits on finished ones only,
+  // and its CTA is at it, since the grid fits on the GPU at once (launch_chain): no task waits forever.
+  for (int t = int(blockIdx.x); t < p.ntasks; t += int(gridDim.x)) {
     int i = 0;
     while (i + 1 < p.nstages && t >= p.st[i + 1].task0) ++i;
     chain_task<ROWS>(p, p.st[i], t - p.st[i].task0, csmem, red);
   }
   if (threadIdx.x == 0) {
     __threadfence();
-    if (atomicAdd(p.sync + 1, 1) == int(gridDim.x) - 1) {  // every other CTA has taken its last ticket
-      __threadfence();  // ... and made its last counter update: the zeros come after all of them
-      for (int i = kSyncHead; i < p.nsync; ++i) p.sync[i] = 0;
+    if (atomicAdd(p.sync, 1) == int(gridDim.x) - 1) {  // every other CTA is done with its tasks
+      __threadfence();  // ... and its counter updates: the zeros come after all of them
+      for (int i = 1; i < p.nsync; ++i) p.sync[i] = 0;
       p.sync[0] = 0;
-      p.sync[1] = 0;
     }
   }
 }
@@ -192,7 +186,16 @@ cudaError_t launch_chain(const ChainParams& p, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
     smem_set[dev & 63] = true;
   }
-  const int grid = min(p.ntasks, kChainOcc * dsv4_cuda::sm_count());
+  static int fits[64] = {};  // CTAs per SM at once, per device (the occupancy calculator, host-side)
+  if (fits[dev & 63] == 0) {
+    int n = 0;
+    const cudaError_t err =
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, ChainCfg<ROWS>::kSmem);
+    if (err != cudaSuccess) return err;
+    if (n < 1) return cudaErrorInvalidConfiguration;
+    fits[dev & 63] = n < kChainOcc ? n : kChainOcc;
+  }
+  const int grid = min(p.ntasks, fits[dev & 63] * dsv4_cuda::sm_count());
   return launch_ex(p.pdl != 0, kernel, dim3(unsigned(grid)), dim3(kThreads), size_t(ChainCfg<ROWS>::kSmem), stream,
                    p);
 }
