@@ -81,13 +81,11 @@ def bench_linear(gen):
     print("\n## nvfp4_linear (W4A16) vs bf16 torch.matmul (cuBLAS), CUDA-graph replay, weights streamed from HBM")
     print("(M > 8: 'nvfp4 us' is the default path -- tiled mma kernel (K split over a cluster where tiles are few) "
           "for M < 32, wgmma kernel for 32 <= M <= 1024, dequantize + cuBLAS above; M > 64: 'tiled' / 'deq+cuBLAS' / 'wgmma' / 'wide' (wgmma, 256-row tiles) force each path; "
-          "'tma' / 'tma wide' the same two with their ring filled by bulk copies (TMA); "
-          "8 < M <= 64: 'skinny' / 'tiled' / 'wgmma' / 'wide' / 'tma' / 'tma wide' forced, each against the default's time; M <= 8: 'nvfp4 us' is the gemv kernel "
+          "8 < M <= 64: 'skinny' / 'tiled' / 'wgmma' / 'wide' forced, each against the default's time; M <= 8: 'nvfp4 us' is the gemv kernel "
           "(default, cp.async ring, programmatic dependent launch), 'no-PDL' the same without PDL, 'skinny' the "
           "M <= 64 kernel)")
     hdr = (f"{'proj':>13} {'N x K':>12} {'M':>5} | {'nvfp4 us':>9} {'bf16 us':>9} {'speedup':>7} | "
-           f"{'GB/s':>7} {'HBM':>5} | {'TF/s':>6} {'bf16 TF/s':>9} | {'tiled us':>8} {'deq+cuBLAS':>10} {'wgmma us':>8} {'':>11} {'wide us':>8}"
-           f" {'':>11} {'tma us':>8} {'':>11} {'tma wide':>8}")
+           f"{'GB/s':>7} {'HBM':>5} | {'TF/s':>6} {'bf16 TF/s':>9} | {'tiled us':>8} {'deq+cuBLAS':>10} {'wgmma us':>8} {'':>11} {'wide us':>8}")
     print(hdr)
     print("-" * len(hdr))
     rows = []
@@ -116,19 +114,20 @@ def bench_linear(gen):
                               for lab, t in (("no-PDL", ts[0]), ("skinny", ts[1])))
             if 8 < m <= 64:
                 ts = []
-                for choice in ("skinny", "tiled", "wgmma", "wgmma_wide", "wgmma_tma", "wgmma_tma_wide"):
+                for choice in ("skinny", "tiled", "wgmma", "wgmma_wide"):
                     with kernel_choice(choice):
                         ts.append(graph_us(lambda i: ops.nvfp4_linear(x, ws[i % copies][0], ws[i % copies][1], gs),
                                            reps))
                 alt = "".join(f" | {lab} {t:6.2f} us ({t / t_op:4.2f}x the default's time)"
-                              for lab, t in zip(("skinny", "tiled", "wgmma", "wide", "tma", "tma wide"), ts))
+                              for lab, t in zip(("skinny", "tiled", "wgmma", "wide"), ts))
             if m > 64:
                 ts = []
-                for choice in ("tiled", "cublas", "wgmma", "wgmma_wide", "wgmma_tma", "wgmma_tma_wide"):
+                for choice in ("tiled", "cublas", "wgmma", "wgmma_wide"):
                     with kernel_choice(choice):
                         ts.append(graph_us(lambda i: ops.nvfp4_linear(x, ws[i % copies][0], ws[i % copies][1], gs),
                                            reps))
-                alt = f" | {ts[0]:8.1f} {ts[1]:10.1f}" + "".join(f" {t:8.1f} ({t_peer / t:4.2f}x bf16)" for t in ts[2:])
+                alt = (f" | {ts[0]:8.1f} {ts[1]:10.1f} {ts[2]:8.1f} ({t_peer / ts[2]:4.2f}x bf16) {ts[3]:8.1f} "
+                       f"({t_peer / ts[3]:4.2f}x bf16)")
             gbs = wbytes / (t_op * 1e-6)
             print(f"{name:>13} {f'{n}x{k}':>12} {m:>5} | {t_op:9.2f} {t_peer:9.2f} {t_peer / t_op:6.2f}x | "
                   f"{gbs / 1e9:7.0f} {gbs / HBM:5.0%} | {flops / t_op * 1e-6:6.1f} {flops / t_peer * 1e-6:9.1f}"

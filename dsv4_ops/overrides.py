@@ -14,7 +14,7 @@ import dataclasses
 
 from dsv4_ops._loader import library_path
 
-GEMM_KERNELS = ("auto", "tiled", "cublas", "skinny", "wgmma", "wgmma_wide", "wgmma_tma", "wgmma_tma_wide")
+GEMM_KERNELS = ("auto", "tiled", "cublas", "skinny", "wgmma", "wgmma_wide")
 FUSED_PATHS = ("auto", "cluster", "grid")
 ATTN_KERNELS = ("auto", "simt", "mma_all_heads", "mma_16_heads", "wgmma")
 TOPK_KERNELS = ("auto", "cluster", "rows")

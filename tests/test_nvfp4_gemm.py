@@ -619,40 +619,6 @@ def test_linear_cuda_wgmma(choice, n, k):
         assert bool(((out32 - ref32).abs() <= 4e-5 * bound + 1e-30).all()), f"cuda {choice} w4a4 {m}x{n}x{k}"
 
 
-# The wgmma kernel with its ring filled by bulk copies (nvfp4_wgmma_tma_kernel: the activation boxes through a
-# tensor map, the weight / scale blocks as contiguous bytes) runs the cp.async kernel's wgmmas in the same order:
-# the same bits at every token tile, K split (cluster) and K tail (1296, 144: activations past K read as zeros);
-# N = 272 leaves 240 of a wide CTA's rows unloaded (they feed outputs never stored). The profiler checks the kernel
-# ran (where it does not apply the launch falls back to the cp.async ring, which would also give these bits).
-@pytest.mark.cuda
-@pytest.mark.kernels
-@pytest.mark.parametrize("wide", [False, True])
-@pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 1296), (32, 144), (32768, 1024), (4096, 8192), (272, 4096)])
-def test_linear_cuda_wgmma_tma_gives_the_cp_async_bits(wide, n, k):
-    base, tma = ("wgmma_wide", "wgmma_tma_wide") if wide else ("wgmma", "wgmma_tma")
-    gen = torch.Generator().manual_seed(7 * n + k)
-    for m in (9, 16, 33, 64, 100, 128, 200, 513, 1030):
-        x, w, ref32, bound = linear_case(n, k, m, gen, "cuda")
-        with kernel_choice(base):
-            want = ops.nvfp4_linear(x, *w)
-        with kernel_choice(tma):
-            got = ops.nvfp4_linear(x, *w)
-        # a profiler session per check: a few suffice (the wide tile at <= 32 tokens stays on cp.async: the two CTAs
-        # per SM its K split is planned for do not fit the TMA kernel's registers)
-        if m in ((200, 1030) if wide else (9, 200, 1030)):
-            with kernel_choice(tma), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                ops.nvfp4_linear(x, *w)
-                torch.cuda.synchronize()
-            ran = [e.name for e in prof.events() if "wgmma" in e.name]
-            assert any("wgmma_tma_kernel" in name for name in ran), f"{tma} {m}x{n}x{k} ran {ran}"
-        assert torch.equal(got, want), f"{tma} {m}x{n}x{k}: other bits than {base}"
-        assert_bf16_close(got, ref32, bound, f"cuda {tma} linear {m}x{n}x{k}")
-    xq, w, ref32, bound = w4a4_case(n, k, (100,), gen, "cuda")
-    with kernel_choice(tma):
-        out32 = ops.nvfp4_linear_w4a4(*xq, *w, torch.float32)
-    assert bool(((out32 - ref32).abs() <= 4e-5 * bound + 1e-30).all()), f"cuda {tma} w4a4 100x{n}x{k}"
-
-
 # (1024, 4096): 8 warps split K; (32768, 1024): more CTAs than fit at once; the small ones: N / K tails, CTAs
 # with no valid row tile, K shorter than the ring.
 @pytest.mark.cuda

@@ -7,8 +7,7 @@
 namespace dsv4_overrides {
 
 struct Overrides {
-  int nvfp4_gemm_kernel = 0;  // NVFP4 linear kernel: 0 auto, 1 tiled, 2 cublas, 3 skinny, 4 wgmma, 5 wgmma_wide,
-                              // 6 / 7 wgmma / wgmma_wide with the ring filled by bulk copies (TMA)
+  int nvfp4_gemm_kernel = 0;  // NVFP4 linear kernel: 0 auto, 1 tiled, 2 cublas, 3 skinny, 4 wgmma, 5 wgmma_wide
   int pdl = 1;                // programmatic dependent launch of the decode kernels and the NVFP4 chain
   int moe_local_route = 1;    // the MoE's up / down kernels route themselves at decode sizes
   int attn_kernel = 0;        // attention partial kernel: 0 auto, 1 the CUDA-core one also where the tensor-core one

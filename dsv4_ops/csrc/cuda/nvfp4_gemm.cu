@@ -258,11 +258,6 @@ extern "C" cudaError_t dsv4_nvfp4_linear_launch(const Nvfp4LinearArgs* a, cudaSt
     p.G = a->G > 1 ? int(a->G) : 1;
     p.ldx = int(p.G * a->K);
     p.ldy = int(p.G * a->N);
-    if (a->wgmma && a->wgmma_tma) {
-      const cudaError_t err = launch_wgmma_tma(p, a->wgmma == 2, dsv4_cuda::sm_count(), stream);
-      if (err != cudaErrorNotSupported) return err;
-      cudaGetLastError();  // not applicable (or the launch refused it): the cp.async ring below, no stale error
-    }
     return a->wgmma ? launch_wgmma(p, a->wgmma == 2, dsv4_cuda::sm_count(), stream)  // nvfp4_wgmma.cu
                     : launch_tiled(p, dsv4_cuda::sm_count(), stream);                 // nvfp4_tiled.cu
   }

@@ -30,8 +30,6 @@ struct Nvfp4LinearArgs {
   int pdl;                  // launch the gemv kernel with programmatic dependent launch
   int wgmma;                // 1: the wgmma kernel where the tiled one would run, and grouped at M > 8 (nvfp4_wgmma.cu);
                             // 2: the same with 256-row tiles (the wide tile)
-  int wgmma_tma;            // 1: the dense wgmma kernel's ring filled by bulk copies (nvfp4_wgmma_tma_kernel) where
-                            // it applies (one matrix, N % 16 == 0, aligned operands); else as wgmma says
 };
 
 // Canonical NVFP4 activations -> bf16 code * block scale (no global scale), exact.

@@ -12,9 +12,8 @@
 // M = 4096 (bench/RESULTS.md). It stays as the fallback where cublasLt is not built in, offers no algorithm,
 // fails, or cannot produce the output dtype (fp16 from bf16 operands); without aten::mm.dtype either, the wgmma
 // kernel runs. The MoE projections beyond gemv's reach (prefill) run on the wgmma MoE kernels.
-// The nvfp4_gemm_kernel override (overrides.h) forces one path: tiled | wgmma | wgmma_wide (256-row tiles) |
-// wgmma_tma | wgmma_tma_wide (the same, the dense ring filled by bulk copies) at every M > 8 (and the MoE on wgmma,
-// or on skinny with tiled), cublas at every M > 64; skinny keeps M <= 8
+// The nvfp4_gemm_kernel override (overrides.h) forces one path: tiled | wgmma | wgmma_wide (256-row tiles) at every
+// M > 8 (and the MoE on wgmma, or on skinny with tiled), cublas at every M > 64; skinny keeps M <= 8
 // and MoE decode on the skinny kernel (gemv is faster at M = 1: bench/RESULTS.md); the pdl override off turns off
 // programmatic dependent launch (the gemv kernels, the MoE chain).
 #include <ATen/ATen.h>
@@ -42,22 +41,16 @@ namespace {
 
 using namespace dsv4_nvfp4;
 
-enum class Choice { kAuto, kTiled, kCublas, kSkinny, kWgmma, kWgmmaWide, kWgmmaTma, kWgmmaTmaWide };
+enum class Choice { kAuto, kTiled, kCublas, kSkinny, kWgmma, kWgmmaWide };
 
 // The nvfp4_gemm_kernel override (overrides.h) forces one kernel path; 0 (auto) picks by shape.
 Choice kernel_choice() {
   const int v = dsv4_overrides::get().nvfp4_gemm_kernel;
-  return v >= 1 && v <= 7 ? static_cast<Choice>(v) : Choice::kAuto;
+  return v >= 1 && v <= 5 ? static_cast<Choice>(v) : Choice::kAuto;
 }
 
-// wgmma forced: the 128-row tile (kWgmma) or the 256-row one (kWgmmaWide; the MoE's too); the Tma forms fill the
-// dense kernel's ring with bulk copies (nvfp4_wgmma_tma_kernel; the MoE and grouped launches keep cp.async).
-bool forced_wgmma(Choice choice) {
-  return choice == Choice::kWgmma || choice == Choice::kWgmmaWide || choice == Choice::kWgmmaTma ||
-         choice == Choice::kWgmmaTmaWide;
-}
-bool wide_choice(Choice choice) { return choice == Choice::kWgmmaWide || choice == Choice::kWgmmaTmaWide; }
-bool tma_choice(Choice choice) { return choice == Choice::kWgmmaTma || choice == Choice::kWgmmaTmaWide; }
+// wgmma forced: the 128-row tile (kWgmma) or the 256-row one (kWgmmaWide; the MoE's too).
+bool forced_wgmma(Choice choice) { return choice == Choice::kWgmma || choice == Choice::kWgmmaWide; }
 
 // The auto rule's wide tile (256 features x 128 tokens): past 64 rows where its tiles alone nearly fill the GPU
 // (>= 3/4 of the SMs). Measured on an H100 (bench/RESULTS.md, session 33): wq_b M = 128 / 1024 20.6 -> 17.7 /
@@ -70,7 +63,7 @@ bool auto_wide(int64_t M, int64_t N, int64_t G) {
 }
 // The Nvfp4LinearArgs::wgmma value of a dense launch on wgmma: 2 for the wide tile (forced, or auto where it wins).
 int wgmma_arg(Choice choice, int64_t M, int64_t N, int64_t G) {
-  return wide_choice(choice) || (choice == Choice::kAuto && auto_wide(M, N, G)) ? 2 : 1;
+  return choice == Choice::kWgmmaWide || (choice == Choice::kAuto && auto_wide(M, N, G)) ? 2 : 1;
 }
 
 // The auto rule's bounds for the wgmma kernel (H200, bench/bench_nvfp4_gemm.py, every V4-Flash shape): below
@@ -282,7 +275,6 @@ at::Tensor linear_impl(const at::Tensor& x2, const at::Tensor& w, const at::Tens
   a.gemv = choice == Choice::kSkinny ? 0 : 1;
   a.pdl = use_pdl() ? 1 : 0;
   a.wgmma = forced_wgmma(choice) || auto_wgmma(choice, M) ? wgmma_arg(choice, M, N, 1) : 0;
-  a.wgmma_tma = tma_choice(choice) ? 1 : 0;
   check_launch(dsv4_nvfp4_linear_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
   return out;
 }
@@ -492,7 +484,7 @@ at::Tensor moe_impl(const at::Tensor& x, const at::Tensor& ids, const at::Tensor
   a.gemv = choice == Choice::kSkinny ? 0 : 1;
   // wgmma MoE kernels wherever skinny would run, unless a kernel is forced (tiled / skinny keep skinny): auto picks
   // their tile rows (3), wgmma / wgmma_wide force 128 / 256
-  a.wgmma = wide_choice(choice) ? 2 : forced_wgmma(choice) ? 1 : choice == Choice::kAuto ? 3 : 0;
+  a.wgmma = choice == Choice::kWgmmaWide ? 2 : choice == Choice::kWgmma ? 1 : choice == Choice::kAuto ? 3 : 0;
   a.skip_combine = rows ? 1 : 0;
   check_launch(dsv4_nvfp4_moe_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
   return y;

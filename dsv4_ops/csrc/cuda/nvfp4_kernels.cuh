@@ -105,9 +105,6 @@ template <int MODE, int ROWS>
 cudaError_t launch_gemv(const SkinnyParams& p, dim3 grid, cudaStream_t stream, int occ);
 cudaError_t launch_tiled(const TiledParams& p, int sms, cudaStream_t stream);
 cudaError_t launch_wgmma(const TiledParams& p, bool wide, int sms, cudaStream_t stream);  // wide: 256-row tiles
-// the same kernel with its ring filled by bulk copies (nvfp4_wgmma_tma_kernel); cudaErrorNotSupported, launching
-// nothing, where it does not apply (grouped, N % 16 != 0, unaligned operands, no tensor-map encoder)
-cudaError_t launch_wgmma_tma(const TiledParams& p, bool wide, int sms, cudaStream_t stream);
 // grid: ceil(rows / 128) (wide: / 256) x slots
 template <int MODE>
 cudaError_t launch_moe_wgmma(const SkinnyParams& p, int tm, bool wide, int rows, int slots, cudaStream_t stream);

@@ -87,15 +87,6 @@ struct StageCopies {
   }
 };
 
-// The kThreads consumer threads of a CTA that also holds a loader warpgroup: named barrier 1.
-__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory"); }
-// What a loader warpgroup does for the two cluster syncs of its consumers' store_tile<..., CLUSTER>.
-__device__ __forceinline__ void store_tile_cluster_barriers() {
-  cg::cluster_group cl = cg::this_cluster();
-  cl.sync();
-  cl.sync();
-}
-
 // Stores v[0..3] (features n .. n + 3 of token row m) with the global scale applied.
 __device__ __forceinline__ void store4(const TiledParams& p, int m, int n, float4 v, float alpha) {
   v.x *= alpha;
@@ -124,10 +115,8 @@ __host__ __device__ constexpr int out_stride() {
 }
 
 // The staged tile cs[token][feature] (row stride out_stride<TN>, unscaled; this CTA's K range) -> y: every rank of
-// a CLUSTER (gridDim.z CTAs along z) sums 1/S of the tile over all S partials. CONSUMERS: called by the kThreads
-// consumer threads of a CTA with a loader warpgroup (which syncs the cluster with store_tile_cluster_barriers and
-// takes no part otherwise): their CTA-level sync is a named barrier.
-template <int TM, bool CLUSTER, int TN = kTileN, bool CONSUMERS = false>
+// a CLUSTER (gridDim.z CTAs along z) sums 1/S of the tile over all S partials.
+template <int TM, bool CLUSTER, int TN = kTileN>
 __device__ __forceinline__ void store_tile(const TiledParams& p, float* cs, int m_base, int n_base) {
   const int tid = threadIdx.x;
   float alpha = __ldg(p.gs) * kUnbias;
@@ -154,10 +143,7 @@ __device__ __forceinline__ void store_tile(const TiledParams& p, float* cs, int 
     }
     cl.sync();  // no CTA leaves while another still reads its shared memory
   } else {
-    if constexpr (CONSUMERS)
-      consumers_sync();
-    else
-      __syncthreads();
+    __syncthreads();
     for (int id = tid; id < kItems; id += kThreads) {
       const int tl = id / kRowItems, fl = (id % kRowItems) * 4;
       const int m = m_base + tl, n = n_base + fl;

@@ -127,20 +127,6 @@ __device__ __forceinline__ void wgmma_k_loop(uint8_t* smem, uint32_t smem_s, int
   __syncthreads();
 }
 
-// The CTA's (partial) tile, unscaled, from this thread's accumulators (wgmma_chunk's D fragments) into the staging
-// cs[token][feature] (row stride out_stride<TN>) that store_tile reads.
-template <int TM, int TN>
-__device__ __forceinline__ void stage_tile(float* cs, const float (&acc)[WgCfg<TM, TN>::kAcc], int r0, int tq) {
-  constexpr int kStride = out_stride<TN>();
-#pragma unroll
-  for (int b = 0; b < WgCfg<TM, TN>::kBlocks; ++b)
-#pragma unroll
-    for (int i = 0; i < TM / 8; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        cs[(8 * i + 2 * tq + (e & 1)) * kStride + 128 * b + r0 + 8 * (e >> 1)] = acc[b * (TM / 2) + 4 * i + e];
-}
-
 // The CTA's dynamic shared memory, aligned to 1 KB (the swizzle atoms' period): generic pointer and shared-window
 // address (WgCfg::kSmem has the slack).
 struct AlignedSmem {
