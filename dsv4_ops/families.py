@@ -22,7 +22,6 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "norm_rope": ("rms_norm_rope", "rms_norm_rope_store"),
     "hadamard": ("hadamard_fp4",),
     "key_store": ("indexer_store_keys",),
-    "chain": ("nvfp4_linear_chain",),
 }
 
 OP_NAMES: tuple[str, ...] = tuple(op for ops in FAMILIES.values() for op in ops)

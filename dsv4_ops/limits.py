@@ -23,7 +23,6 @@ class KernelLimits:
     hadamard_fp4_dims: tuple[int, ...]  # dsv4::hadamard_fp4: d in
     store_keys_dims: tuple[int, ...]  # dsv4::indexer_store_keys: D in
     attn_mma_dims: tuple[int, ...]  # dsv4::sparse_attn_decode's tensor-core partial kernel: D in
-    chain_max_rows: int  # dsv4::nvfp4_linear_chain's one launch: rows <=
 
 
 def _read() -> KernelLimits:
@@ -45,7 +44,7 @@ def _read() -> KernelLimits:
         indexer_cuda_head_dim=value("indexer_cuda_head_dim"), indexer_cuda_max_heads=value("indexer_cuda_max_heads"),
         indexer_cuda_max_topk=value("indexer_cuda_max_topk"), norm_rope_cuda_max_dim=value("norm_rope_cuda_max_dim"),
         hadamard_fp4_dims=dims("hadamard_fp4_dim"), store_keys_dims=dims("store_keys_dim"),
-        attn_mma_dims=dims("attn_mma_dim"), chain_max_rows=value("chain_max_rows"))
+        attn_mma_dims=dims("attn_mma_dim"))
 
 
 LIMITS = _read()

@@ -48,29 +48,6 @@ def nvfp4_linear_multi(x: Tensor, *, w_packed: Sequence[Tensor], w_scale: Sequen
     return _ops.nvfp4_linear_multi(x, list(w_packed), list(w_scale), list(w_global_scale))
 
 
-def nvfp4_linear_chain_sync_numel(widths: Sequence[int]) -> int:
-    """int32 counters nvfp4_linear_chain's `sync` needs: 1 + the 128-column chunks of the intermediate outputs,
-    `widths` (each stage's output columns, G * N, but the last's)."""
-    return 1 + sum(int(w) // 128 for w in widths)
-
-
-def nvfp4_linear_chain_widths(w_packed: Sequence[Tensor]) -> list[int]:
-    """The intermediate widths (nvfp4_linear_chain_sync_numel's) of these stages' weights."""
-    return [w.shape[0] * w.shape[1] if w.dim() == 3 else w.shape[0] for w in list(w_packed)[:-1]]
-
-
-def nvfp4_linear_chain(x: Tensor, *, w_packed: Sequence[Tensor], w_scale: Sequence[Tensor],
-                       w_global_scale: Sequence[Tensor], sync: Tensor) -> Tensor:
-    """The stages (nvfp4_linear, or nvfp4_linear_grouped where w_packed[i] is 3-d) applied in order, in one launch
-    at decode sizes; `sync`: int32 zeros of nvfp4_linear_chain_sync_numel(w_packed) or more, owned by the caller
-    (the op leaves them zero; two chains in flight at once need two)."""
-    last = w_packed[-1]
-    lead = x.shape[:-2] if w_packed[0].dim() == 3 else x.shape[:-1]
-    out = x.new_empty((*lead, *last.shape[:-1]))
-    _ops.nvfp4_linear_chain(x, list(w_packed), list(w_scale), list(w_global_scale), out, sync)
-    return out
-
-
 def nvfp4_linear_w4a4(x_packed: Tensor, x_scale: Tensor, x_global_scale: Tensor, *, w_packed: Tensor,
                       w_scale: Tensor, w_global_scale: Tensor, out_dtype: torch.dtype) -> Tensor:
     return _ops.nvfp4_linear_w4a4(x_packed, x_scale, x_global_scale, w_packed, w_scale, w_global_scale, out_dtype)

@@ -78,19 +78,6 @@ def compressor_decode_pooled(dtype: torch.dtype) -> bool:
     return dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
-def nvfp4_linear_chain(rows: int, stages) -> bool:
-    """stages: (groups, N) per stage (groups 1: a plain linear). One launch at <= chain_max_rows rows (past them the
-    op calls the stages one by one and copies the result: the caller's own calls cost less), every stage after
-    the first reading whole 128-column chunks of the previous one's whole 16-row tiles (the op's check)."""
-    if rows > LIMITS.chain_max_rows:
-        return False
-    for (g0, n0), (g1, _) in zip(stages, stages[1:]):
-        cols = g0 * n0
-        if n0 % 16 or cols % g1 or (cols // g1) % 128:
-            return False
-    return True
-
-
 def sparse_attn_decode(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
     """The op reads kv in q's dtype."""
     return kv_dtype == q_dtype

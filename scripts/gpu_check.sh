@@ -4,7 +4,6 @@
 # Usage on the H200, from the repo root:
 #   bash scripts/gpu_check.sh [PART ...]    (default: mainjob tests sanitizer bench)
 # Parts: mainjob gate tests sanitizer bench soak profile switches pdl decode depth fulldepth ab speculate prefill serve continuous
-#   chain (dsv4::nvfp4_linear_chain: tests, op bench, a layer per op vs chained)
 #   multigpu (a machine of 2+ GPUs: issue #32)
 # Knobs (environment):
 #   GPU_CHECK_SECONDS     a total budget: steps get what is left and are skipped once it is spent
@@ -17,7 +16,6 @@
 #                         see the part's file
 #   SERVE_CONCURRENCY ("1 8 32"), SERVE_PRESETS, SERVE_ARGS (more --preset-server arguments), SERVE_PORT, SERVE_UP_SECONDS, CONTINUOUS_MODELS, CONTINUOUS_C, CONTINUOUS_ARGS,
 #   CONTINUOUS_PREFILL_C   see scripts/gpu/serve.sh, continuous.sh
-#   CHAIN_BATCHES, CHAIN_KINDS   see scripts/gpu/chain.sh
 #   OUT (out), PYTHON (python3)
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -9,7 +9,6 @@ from dsv4_model.checkpoint.writer import TINY_CONFIG
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.decode_options import DecodeOptions
 from dsv4_model.model.transformer import Transformer
-from dsv4_model.quant.quantize_model import quantize_model_
 from dsv4_model.quant.random_model import init_random_weights
 
 BOOL_OPTIONS = [f.name for f in dataclasses.fields(DecodeOptions) if f.type in (bool, "bool")]
@@ -22,7 +21,7 @@ def test_parse():
     for bad in ("hc_pre", "nope=0", "hc_pre=off", "norm_rope=0"):
         with pytest.raises(ValueError, match="decode option"):
             DecodeOptions.parse(bad)
-    assert BOOL_OPTIONS == ["hc_pre", "out_chain"]
+    assert BOOL_OPTIONS == ["hc_pre"]
 
 
 def _logits(opts, steps=6):
@@ -48,27 +47,3 @@ def test_every_override_gives_the_shipped_logits(shipped, off):
     else:
         opts = DecodeOptions(**{off: flipped[off]})
     torch.testing.assert_close(_logits(opts), shipped, rtol=1e-4, atol=1e-4)
-
-
-def test_out_chain_gives_the_per_op_logits_on_an_nvfp4_model(monkeypatch):
-    """out_chain: every attention's wo_a -> wo_b as one dsv4::nvfp4_linear_chain call (W4A16 NVFP4, bf16; o_lora_rank
-    64 so the grouped output fills whole 128-column chunks) at the per-op path's logits, bit for bit."""
-    cfg = ModelConfig(**{**TINY_CONFIG, "n_mtp_layers": 0, "n_layers": 3, "compress_ratios": [0, 4, 16],
-                         "o_lora_rank": 64}).validate()
-    ids = torch.randint(0, cfg.vocab_size, (2, 13), generator=torch.Generator().manual_seed(4))
-    model = Transformer(cfg, max_batch_size=2, max_seq_len=40, dtype=torch.bfloat16)
-    m = quantize_model_(init_random_weights(model, 6))
-    calls = []
-    real = torch.ops.dsv4.nvfp4_linear_chain
-    monkeypatch.setattr(torch.ops.dsv4, "nvfp4_linear_chain", lambda *a: calls.append(a[0].shape) or real(*a))
-
-    def run(opts):
-        m.prefill(ids)
-        return torch.stack([m.decode_step(ids[:, t], torch.full((2,), 13 + t), opts) for t in range(4)])
-
-    per_op = run(DecodeOptions(out_chain=False))
-    assert calls == []
-    chained = run(DecodeOptions(out_chain=True))
-    assert len(calls) == 4 * cfg.n_layers and all(s == (2, cfg.o_groups, cfg.n_heads * cfg.head_dim // cfg.o_groups)
-                                                   for s in calls)
-    assert torch.equal(chained, per_op)

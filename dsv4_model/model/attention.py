@@ -30,8 +30,7 @@ from dsv4_ops import ops, supports
 from dsv4_model.model.compressor import Compressor, scatter_entries
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.indexer import Indexer, topk_indices
-from dsv4_model.model.layers import (FloatWeight, GroupedLinear, Linear, RMSNorm, apply_rope, chain_is_w4a16,
-                                     project, run_chain,
+from dsv4_model.model.layers import (FloatWeight, GroupedLinear, Linear, RMSNorm, apply_rope, project,
                                      unweighted_rms_norm)
 from dsv4_model.model.quant_sim import fp4_pack_indexer_keys, kv_fake_quant
 from dsv4_model.model.step_values import DecodeStep, TokenSteps
@@ -150,10 +149,6 @@ class Attention(nn.Module):
         self.use_out_rope = supports.sparse_attn_decode_out_rope(self.rope_dim)
         self.use_attn_op = supports.sparse_attn_decode(dtype, self.kv_cache.dtype)  # else the tensor-op form
         self.attn_tensor_cores = supports.sparse_attn_decode_tensor_cores(dtype, self.head_dim)  # see _fused_attention
-        # dsv4::nvfp4_linear_chain's counters for wo_a -> wo_b (DecodeOptions.out_chain; zero between calls)
-        mid = self.wo_a.groups * self.wo_a.out_features
-        self.register_buffer("out_chain_sync", torch.zeros(ops.nvfp4_linear_chain_sync_numel([mid]),
-                                                           dtype=torch.int32, device=device), persistent=False)
 
     # ------------------------------------------------------------------ shared pieces
     def _qkv(self, x: torch.Tensor, cs: torch.Tensor, decode: bool = False,
@@ -230,22 +225,13 @@ class Attention(nn.Module):
             o = o + torch.einsum("bthk,btkd->bthd", p[..., J:-1], qkeys.float())
         return o.to(q.dtype)
 
-    def _out(self, o: torch.Tensor, cs: torch.Tensor, rotated: bool = False, chain: bool = False) -> torch.Tensor:
+    def _out(self, o: torch.Tensor, cs: torch.Tensor, rotated: bool = False) -> torch.Tensor:
         """o [..., H, D] -> inverse RoPE at the query position (unless already rotated) -> grouped low-rank
-        projection -> [..., dim]. chain (decode, DecodeOptions.out_chain): wo_a -> wo_b as one
-        dsv4::nvfp4_linear_chain launch where it takes them (the same values)."""
+        projection -> [..., dim]."""
         if not rotated:
             o = apply_rope(o, cs.unsqueeze(-3), self.rope_dim, inverse=True)
-        x = o.flatten(-2).unflatten(-1, (self.n_groups, -1))
-        if chain and self._out_chain_applies(x):
-            return run_chain(x, (self.wo_a, self.wo_b), self.out_chain_sync)
-        z = self.wo_a(x)
+        z = self.wo_a(o.flatten(-2).unflatten(-1, (self.n_groups, -1)))
         return self.wo_b(z.flatten(-2))
-
-    def _out_chain_applies(self, x: torch.Tensor) -> bool:
-        return (chain_is_w4a16(self.wo_a, self.wo_b) and x.dim() == 3 and hasattr(self, "out_chain_sync")
-                and supports.nvfp4_linear_chain(x.shape[0], [(self.wo_a.groups, self.wo_a.out_features),
-                                                             (1, self.wo_b.out_features)]))
 
     # ------------------------------------------------------------------ prefill (a chunk from any position)
     def prefill(self, x: torch.Tensor, lengths: torch.Tensor, rope: torch.Tensor, at: "PrefillAt") -> torch.Tensor:
@@ -462,7 +448,7 @@ class Attention(nn.Module):
         """x [B, dim] at the step's per-row positions -> [B, dim]. Updates caches rows [:B]."""
         cs = step.cs(self.rope_kind)
         o, rotated = self._decode_attend(self._decode_projections(x, cs, step.positions), step)
-        return self._out(o, cs, rotated=rotated, chain=step.options.out_chain)
+        return self._out(o, cs, rotated=rotated)
 
     def decode_tokens(self, x: torch.Tensor, steps: TokenSteps) -> torch.Tensor:
         """T tokens per row at once: x [T * B, dim] (row t * B + b: token t of sequence b, at steps[t]'s
@@ -484,12 +470,12 @@ class Attention(nn.Module):
             for t, st in enumerate(steps):
                 o, rotated = self._decode_attend(p.rows(t * B, (t + 1) * B), st)
                 outs.append(o)
-            return self._out(torch.cat(outs), cs, rotated=rotated, chain=steps[0].options.out_chain)
+            return self._out(torch.cat(outs), cs, rotated=rotated)
         if self.indexer is not None:
             self._decode_index_store(p, steps)
         self._decode_store(p, steps)
         o, rotated = self._decode_attend(p, steps.stacked, seqs=B, stored=True)
-        return self._out(o, cs, rotated=rotated, chain=steps[0].options.out_chain)
+        return self._out(o, cs, rotated=rotated)
 
     def _decode_projections(self, x: torch.Tensor, cs: torch.Tensor, positions: torch.Tensor | None = None,
                             seqs: int = 0) -> "DecodeProjections":

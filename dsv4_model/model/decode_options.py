@@ -20,9 +20,6 @@ class DecodeOptions:
     hc_pre: bool = True  # mHC at decode as dsv4::hc_pre / hc_post_pre (an NVFP4 MoE's rows folded into the latter)
     # dsv4::sparse_attn_decode where faster ("auto"), always ("fused"), never ("torch"): Attention.fused_attention
     attention: str = "auto"
-    # the attention's output projection (wo_a -> wo_b, W4A16 NVFP4) as one dsv4::nvfp4_linear_chain launch at
-    # decode sizes: the per-op bits (tests/test_chain.py), one persistent kernel instead of two gemv launches
-    out_chain: bool = False
 
     def __post_init__(self):
         if self.attention not in ATTENTION_MODES:

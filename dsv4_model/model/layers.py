@@ -179,22 +179,6 @@ def project(x: torch.Tensor, *projections: Projection, fp32: bool = False) -> tu
     return tuple(p(x) for p in projections)
 
 
-def chain_is_w4a16(*projections: Projection) -> bool:
-    """Whether every projection holds a W4A16 NVFP4 weight with a bf16 product: what dsv4::nvfp4_linear_chain
-    computes."""
-    return all(isinstance(p.form, Nvfp4Weight) and not p.form.w4a4 and not p.form.exact_out
-               and p.form.out_dtype == torch.bfloat16 for p in projections)
-
-
-def run_chain(x: torch.Tensor, projections: Sequence[Projection], sync: torch.Tensor) -> torch.Tensor:
-    """The projections applied in turn (a `GroupedLinear` reads [..., G, K], the next one its [..., G * R]) as one
-    dsv4::nvfp4_linear_chain call (chain_is_w4a16 must hold): the values of calling each; sync is the caller's
-    int32 zeros (ops.nvfp4_linear_chain_sync_numel)."""
-    return ops.nvfp4_linear_chain(x.to(torch.bfloat16), w_packed=[p.weight_packed for p in projections],
-                                  w_scale=[p.weight_scale for p in projections],
-                                  w_global_scale=[p.weight_global_scale for p in projections], sync=sync)
-
-
 def is_float_linear(p: nn.Module) -> bool:
     """Whether p is a Linear holding a float weight."""
     return isinstance(p, Linear) and isinstance(p.form, FloatWeight)

@@ -13,8 +13,6 @@ constexpr int64_t kIndexerCudaHeadDim = 128;
 constexpr int64_t kIndexerCudaMaxHeads = 64;
 constexpr int64_t kIndexerCudaMaxTopk = 4096;
 constexpr int64_t kNormRopeCudaMaxDim = 4096;  // one thread per 4 elements, <= 1024 threads
-// dsv4::nvfp4_linear_chain's one launch: the gemv kernel's rows (past them the stages run per op)
-constexpr int64_t kChainMaxRows = 8;
 constexpr int64_t kAttnMmaDimMultiple = 64;    // the tensor-core attention partial kernel: D % 64 == 0, D <= 512
 constexpr int64_t kAttnMmaMaxDim = 512;
 

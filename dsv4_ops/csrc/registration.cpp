@@ -30,7 +30,6 @@ extern "C" __attribute__((visibility("default"))) int64_t dsv4_ops_kernel_limit(
   if (n == "indexer_cuda_max_heads") return kIndexerCudaMaxHeads;
   if (n == "indexer_cuda_max_topk") return kIndexerCudaMaxTopk;
   if (n == "norm_rope_cuda_max_dim") return kNormRopeCudaMaxDim;
-  if (n == "chain_max_rows") return kChainMaxRows;
   if (n == "hadamard_fp4_dim") return hadamard_fp4_dim_ok(value);
   if (n == "store_keys_dim") return store_keys_dim_ok(value);
   if (n == "attn_mma_dim") return attn_mma_dim_ok(value);
@@ -213,16 +212,6 @@ TORCH_LIBRARY(dsv4, m) {
   m.def(
       "indexer_store_keys(Tensor keys, Tensor positions, int ratio, Tensor(a!) kv_cache, Tensor(b!) k_codes, "
       "Tensor(c!) k_scales, int kv_batch=0) -> ()");
-
-  // ---- NVFP4 linear chain ----
-  // Dependent decode linears in one launch (attention wo_a -> wo_b): out = L_n(... L_1(x)), each stage an
-  // nvfp4_linear (w_packed [N, Kp/2], 0-d global scale) or nvfp4_linear_grouped ([G, N, Kp/2], [G]), stage i > 0
-  // reading stage i - 1's output as [..., G_i, K_i] (K_i % 128 == 0); bf16 out of the last stage's shape. sync:
-  // int32 zeros (1 + the intermediate outputs' 128-column chunks, or more), zero again when the op returns. Equal
-  // to the per-op calls. See docs/ops.md "## NVFP4 linear chain".
-  m.def(
-      "nvfp4_linear_chain(Tensor x, Tensor[] w_packed, Tensor[] w_scale, Tensor[] w_global_scale, Tensor(a!) out, "
-      "Tensor(b!) sync) -> ()");
 
   // ---- decode state ----
 }

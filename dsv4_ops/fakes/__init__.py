@@ -14,4 +14,3 @@ from dsv4_ops.fakes import compressor  # noqa: F401
 from dsv4_ops.fakes import norm_rope  # noqa: F401
 from dsv4_ops.fakes import hadamard  # noqa: F401
 from dsv4_ops.fakes import key_store  # noqa: F401
-from dsv4_ops.fakes import chain  # noqa: F401

@@ -16,4 +16,3 @@ from dsv4_ops.reference.compressor import *  # noqa: F401,F403
 from dsv4_ops.reference.norm_rope import *  # noqa: F401,F403
 from dsv4_ops.reference.hadamard import *  # noqa: F401,F403
 from dsv4_ops.reference.key_store import *  # noqa: F401,F403
-from dsv4_ops.reference.chain import *  # noqa: F401,F403

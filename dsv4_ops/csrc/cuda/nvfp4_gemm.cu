@@ -195,15 +195,6 @@ void pick_split(int64_t ntiles, int64_t nchunks, int64_t slots, int& kw, int& rt
   }
 }
 
-// While T*k <= kLocalRouteMax the up / down kernels route themselves and the route kernel is not launched
-// (faster at T = 1 with and without the shared expert, 256 experts, top-6: bench/RESULTS.md).
-// The moe_local_route override off launches the route kernel at every size (read at each launch).
-bool moe_local_route() { return dsv4_overrides::get().moe_local_route != 0; }
-
-}  // namespace
-
-namespace dsv4_nvfp4 {
-
 // gemv split: the kw (K-splits per row tile; rt = 8 / kw tiles per CTA) with the fewest chunk-times, counting
 // waves of occ CTAs per SM and ~3 chunk-times of pipeline fill per wave (a fill of 4 picked splits the sweep
 // measured slower for the MoE up projection at T = 1 / 2; bench/RESULTS.md).
@@ -213,7 +204,7 @@ namespace dsv4_nvfp4 {
 int gemv_occ(int rows, int64_t chunks) { return rows == 2 && chunks >= 12288 ? 3 : 2; }
 
 void pick_gemv_split(int64_t ntiles, int64_t nchunks, int64_t slots, int& kw, int& rt, int occ) {
-  const int64_t cap = occ * int64_t(dsv4_cuda::sm_count());
+  const int64_t cap = occ * int64_t(sm_count());
   int64_t best = -1;
   for (int k = 1; k <= kWarps; k *= 2) {
     if (k > 1 && k / 2 >= nchunks) break;
@@ -236,7 +227,12 @@ void plan_gemv(int rows, int64_t ntiles, int64_t nchunks, int64_t slots, int& kw
   pick_gemv_split(ntiles, nchunks, slots, kw, rt, occ);
 }
 
-}  // namespace dsv4_nvfp4
+// While T*k <= kLocalRouteMax the up / down kernels route themselves and the route kernel is not launched
+// (faster at T = 1 with and without the shared expert, 256 experts, top-6: bench/RESULTS.md).
+// The moe_local_route override off launches the route kernel at every size (read at each launch).
+bool moe_local_route() { return dsv4_overrides::get().moe_local_route != 0; }
+
+}  // namespace
 
 extern "C" cudaError_t dsv4_nvfp4_linear_launch(const Nvfp4LinearArgs* a, cudaStream_t stream) {
   // grouped beyond gemv's rows with wgmma: one wgmma launch, every group's tiles in its grid

@@ -1,6 +1,6 @@
 // The decode gemv NVFP4 kernel (dense M <= 8 and the MoE projections while experts see few tokens;
 // nvfp4_gemm.cu's file comment) and its launcher.
-#include "nvfp4_gemv_ring.cuh"
+#include "nvfp4_kernels.cuh"
 
 namespace {
 
@@ -14,8 +14,15 @@ namespace {
 // griddepcontrol.wait, weights included: the op cannot know that its weights were not just written (a copy of a
 // misaligned view, a test's copy_). Dense CTAs only warm L2 with their weights before the wait. (Loading weights
 // into the ring before the wait measured faster per call: bench/RESULTS.md.)
-template <int ROWS, int OCC>  // the ring (nvfp4_gemv_ring.cuh): 6 stages for 2-row passes (4 at 3 CTAs per SM), 3 for 8
-using GemvCfg = GemvRing<ROWS, ROWS <= 2 ? (OCC == 3 ? 4 : 6) : 3>;
+template <int ROWS, int OCC>  // activation rows per pass (2 or 8); the mma's other columns repeat them and are dropped
+struct GemvCfg {
+  static constexpr int kStages = ROWS <= 2 ? (OCC == 3 ? 4 : 6) : 3;
+  static constexpr int kW = 1024;        // [2][32 lanes] x 16 B: rows g / g + 8 of the chunk, lane order
+  static constexpr int kS = 128;         // [16 rows] x 8 scale bytes
+  static constexpr int kX = ROWS * 256;  // [ROWS] x 128 bf16, 16-byte pieces XOR-swizzled by row (ldmatrix)
+  static constexpr int kStage = kW + kS + kX;
+  static constexpr int kSmem = kStage * kStages * kWarps;
+};
 
 template <int MODE, int ROWS, int OCC>
 __global__ void __launch_bounds__(kThreads, OCC) nvfp4_gemv_kernel(const SkinnyParams p) {
@@ -77,8 +84,23 @@ __global__ void __launch_bounds__(kThreads, OCC) nvfp4_gemv_kernel(const SkinnyP
     task.alpha = a;
   }
 
+  // This lane's copies go to fixed offsets of a stage: its 16 bytes of rows g / g + 8, the scale bytes of row
+  // `lane` (lanes < 16), and piece lane & 15 (8 bf16) of activation rows lane >> 4, + 2, ... (XOR-swizzled).
   const int pc = lane & 15;
-  const RingLane<ROWS> rl = ring_lane<ROWS>(lane);
+  uint32_t x_dst[ROWS / 2];
+#pragma unroll
+  for (int i = 0; i < ROWS / 2; ++i) {
+    const int r = (lane >> 4) + 2 * i;
+    x_dst[i] = Cfg::kW + Cfg::kS + r * 256 + ((pc ^ (r & 7)) << 4);
+  }
+  // ldmatrix: matrix m = lane >> 3 (k-step 2q + m / 2, half m & 1), token row lane & 7 (repeating the pass rows)
+  const int xr = (lane & 7) & (ROWS - 1), xm = lane >> 3;
+  uint32_t ldm[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int piece = (2 * q + (xm >> 1)) * 2 + (xm & 1);
+    ldm[q] = Cfg::kW + Cfg::kS + xr * 256 + ((piece ^ xr) << 4);
+  }
   for (int tt = 0; tt < task.cnt; tt += ROWS) {
     const int rows = min(ROWS, task.cnt - tt);
     const bf16* xrow[ROWS / 2];
@@ -88,12 +110,14 @@ __global__ void __launch_bounds__(kThreads, OCC) nvfp4_gemv_kernel(const SkinnyP
     // Chunk ci into stage stg: one cp.async group per chunk (empty past c_end).
     auto issue = [&](int ci, uint8_t* stg) {
       if (ci < c_end) {
-        ring_copy_weights(stg, lane, wa_ptr, wb_ptr, s_ptr, uint32_t(ci), wstep, sstep);
+        cp_async16(stg + lane * 16, wa_ptr + uint32_t(ci) * wstep, 16);
+        cp_async16(stg + 512 + lane * 16, wb_ptr + uint32_t(ci) * wstep, 16);
+        if (lane < 16) cp_async8(stg + Cfg::kW + lane * 8, s_ptr + uint32_t(ci) * sstep, 8);
         const int kx = ci * 128 + pc * 8;
 #pragma unroll
         for (int i = 0; i < ROWS / 2; ++i) {
           const bool ok = (lane >> 4) + 2 * i < rows && kx < task.K;
-          cp_async16(stg + rl.x_dst[i], ok ? xrow[i] + kx : xrow[0], ok ? 16 : 0);
+          cp_async16(stg + x_dst[i], ok ? xrow[i] + kx : xrow[0], ok ? 16 : 0);
         }
       }
       cp_async_commit();
@@ -111,15 +135,37 @@ __global__ void __launch_bounds__(kThreads, OCC) nvfp4_gemv_kernel(const SkinnyP
         issue(c + S - 1, ring + ((j + S - 1) % S) * Cfg::kStage);
         cp_async_wait<S - 1>();  // this thread's copies of chunk c have landed
         __syncwarp();            // ... and every lane's
-        ring_chunk_mma(ring + j * Cfg::kStage, lane, rl.ldm, acc0, acc1);
+        const uint8_t* st = ring + j * Cfg::kStage;
+        const uint4 wa = *reinterpret_cast<const uint4*>(st + lane * 16);
+        const uint4 wb = *reinterpret_cast<const uint4*>(st + 512 + lane * 16);
+        const RowScales sa = row_scales(*reinterpret_cast<const uint2*>(st + Cfg::kW + g * 8));
+        const RowScales sb = row_scales(*reinterpret_cast<const uint2*>(st + Cfg::kW + (g + 8) * 8));
+        uint32_t b[4][4];  // k-steps 2q, 2q + 1: {b0, b1, b0', b1'}
+#pragma unroll
+        for (int q = 0; q < 4; ++q) ldmatrix_x4(b[q], st + ldm[q]);
+        chunk_mma(wa, wb, sa, sb, b, acc0, acc1);
         __syncwarp();  // every lane's reads of this stage are done before it is refilled
       }
     }
     cp_async_wait<0>();  // no copy outlives the pass (the next pass refills from stage 0)
     __syncwarp();
-    if (p.pdl && tt + ROWS >= task.cnt) grid_dep_launch();
     float acc[1][4];
-    reduce_k_splits(acc0, acc1, acc[0], red, warp, kw, p.kw, lane);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) acc[0][r] = acc0[r] + acc1[r];
+    if (p.pdl && tt + ROWS >= task.cnt) grid_dep_launch();
+    if (p.kw > 1) {
+      if (kw != 0) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) red[warp][r][lane] = acc[0][r];
+      }
+      __syncthreads();
+      if (kw == 0) {
+        for (int w2 = 1; w2 < p.kw; ++w2) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) acc[0][r] += red[warp + w2][r][lane];
+        }
+      }
+    }
     if (kw == 0 && tile_ok) skinny_epilogue<MODE, 1>(p, task, acc, tile, tt, g, tq, ROWS);
     if (p.kw > 1) __syncthreads();  // `red` is reused by the next pass
   }

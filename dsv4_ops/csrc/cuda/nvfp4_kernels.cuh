@@ -109,10 +109,6 @@ cudaError_t launch_wgmma(const TiledParams& p, bool wide, int sms, cudaStream_t 
 template <int MODE>
 cudaError_t launch_moe_wgmma(const SkinnyParams& p, int tm, bool wide, int rows, int slots, cudaStream_t stream);
 int wgmma_tile_tokens(int64_t tokens);  // the wgmma kernels' token tile (16 / 32 / 64 / 128) for `tokens`
-// The gemv kernel's plan for `rows`-token passes (rows 2 or 8) over ntiles 16-row tiles x nchunks K chunks x slots:
-// CTAs per SM (occ), K-splits per row tile (kw), row tiles per CTA (rt); the split fixes the fp32 summation order
-// (nvfp4_gemm.cu; the chain kernel reuses it to keep the gemv's bits).
-void plan_gemv(int rows, int64_t ntiles, int64_t nchunks, int64_t slots, int& kw, int& rt, int& occ);
 
 }  // namespace dsv4_nvfp4
 
