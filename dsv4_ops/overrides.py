@@ -32,7 +32,8 @@ class KernelOverrides:
     nvfp4_fused_path: the per-tensor fused quantizers' scheme. topk_kernel: dsv4::indexer_topk's kernel, "cluster"
     (8 CTAs per row; auto below 64 rows) or "rows" (one CTA per row; auto from 64). moe_gemv_rows: token rows per
     pass of the MoE's gemv kernel, 0 (auto: 2 while T <= 8, else 8), 2 or 8 (2 gives each warp a deeper weight
-    ring)."""
+    ring). gemv_pdl: under pdl, the NVFP4 linear / MoE kernels launched with it too (off: those without it, the
+    other decode kernels keep it; an A/B of the gemv's own PDL)."""
     nvfp4_gemm_kernel: str = "auto"
     pdl: bool = True
     moe_local_route: bool = True
@@ -40,6 +41,7 @@ class KernelOverrides:
     nvfp4_fused_path: str = "auto"
     topk_kernel: str = "auto"
     moe_gemv_rows: int = 0
+    gemv_pdl: bool = True
 
     def _as_ints(self) -> dict[str, int]:
         for name, value, allowed in (("nvfp4_gemm_kernel", self.nvfp4_gemm_kernel, GEMM_KERNELS),
@@ -54,7 +56,8 @@ class KernelOverrides:
         return {"nvfp4_gemm_kernel": GEMM_KERNELS.index(self.nvfp4_gemm_kernel), "pdl": int(self.pdl),
                 "moe_local_route": int(self.moe_local_route), "attn_kernel": ATTN_KERNELS.index(self.attn_kernel),
                 "nvfp4_fused_path": FUSED_PATHS.index(self.nvfp4_fused_path),
-                "topk_kernel": TOPK_KERNELS.index(self.topk_kernel), "moe_gemv_rows": self.moe_gemv_rows}
+                "topk_kernel": TOPK_KERNELS.index(self.topk_kernel), "moe_gemv_rows": self.moe_gemv_rows,
+                "gemv_pdl": int(self.gemv_pdl)}
 
 
 def _lib():
@@ -84,7 +87,8 @@ def native() -> KernelOverrides:
                            moe_local_route=bool(got["moe_local_route"]),
                            attn_kernel=ATTN_KERNELS[got["attn_kernel"]],
                            nvfp4_fused_path=FUSED_PATHS[got["nvfp4_fused_path"]],
-                           topk_kernel=TOPK_KERNELS[got["topk_kernel"]], moe_gemv_rows=got["moe_gemv_rows"])
+                           topk_kernel=TOPK_KERNELS[got["topk_kernel"]], moe_gemv_rows=got["moe_gemv_rows"],
+                           gemv_pdl=bool(got["gemv_pdl"]))
 
 
 def set_overrides(overrides: KernelOverrides) -> None:

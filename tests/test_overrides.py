@@ -16,7 +16,7 @@ def test_defaults_are_what_the_library_starts_with():
 
 def test_scoped_overrides_reach_the_library_and_restore():
     forced = dict(nvfp4_gemm_kernel="skinny", pdl=False, moe_local_route=False, attn_kernel="simt",
-                  nvfp4_fused_path="grid", topk_kernel="rows", moe_gemv_rows=2)
+                  nvfp4_fused_path="grid", topk_kernel="rows", moe_gemv_rows=2, gemv_pdl=False)
     with pytest.raises(KeyError):
         with ov.kernel_overrides(**forced):
             assert ov.native() == ov.current() == ov.KernelOverrides(**forced)
@@ -38,6 +38,7 @@ def test_bad_values_are_refused_before_anything_changes():
     assert ov.native() == ov.KernelOverrides()
     assert ov.parse("attn_kernel=simt, pdl=0") == ov.KernelOverrides(attn_kernel="simt", pdl=False)
     assert ov.parse("moe_gemv_rows=8") == ov.KernelOverrides(moe_gemv_rows=8)
+    assert ov.parse("gemv_pdl=0") == ov.KernelOverrides(gemv_pdl=False)
     with pytest.raises(ValueError, match="moe_gemv_rows"):
         ov.set_overrides(ov.KernelOverrides(moe_gemv_rows=4))
     assert ov.parse("") == ov.KernelOverrides()

@@ -19,6 +19,7 @@ int* field(const char* name) {
   if (!std::strcmp(name, "nvfp4_fused_path")) return &o.nvfp4_fused_path;
   if (!std::strcmp(name, "topk_kernel")) return &o.topk_kernel;
   if (!std::strcmp(name, "moe_gemv_rows")) return &o.moe_gemv_rows;
+  if (!std::strcmp(name, "gemv_pdl")) return &o.gemv_pdl;
   return nullptr;
 }
 }  // namespace

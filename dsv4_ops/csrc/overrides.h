@@ -17,6 +17,8 @@ struct Overrides {
   int topk_kernel = 0;        // dsv4::indexer_topk: 0 auto (rows from 64 rows), 1 the 8-CTA cluster per row,
                               // 2 one CTA per row (indexer_topk_rows.cu)
   int moe_gemv_rows = 0;      // MoE on the gemv kernel: token rows per pass, 0 auto (2 while T <= 8, else 8), 2, 8
+  int gemv_pdl = 1;           // under pdl: the NVFP4 chain (gemv, the MoE kernels) with it too; 0 launches those
+                              // without it, the other decode kernels keep it
 };
 
 // The process's overrides (one instance inside libdsv4_ops.so).

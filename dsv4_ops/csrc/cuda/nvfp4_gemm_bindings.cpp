@@ -73,8 +73,9 @@ constexpr int64_t kWgmmaMinRows = 32, kWgmmaMaxRows = 1024;
 // path's rows).
 bool auto_wgmma(Choice choice, int64_t M) { return choice == Choice::kAuto && M >= kWgmmaMinRows; }
 
-// Programmatic dependent launch (gemv, the MoE chain) unless the pdl override is off.
-bool use_pdl() { return dsv4_overrides::get().pdl != 0; }
+// Programmatic dependent launch (gemv, the MoE chain) unless the pdl override is off, or gemv_pdl alone (an A/B:
+// back to back in a graph the gemv measured 1.4-1.5 us faster per call without it, bench/RESULTS.md session 48).
+bool use_pdl() { return dsv4_overrides::get().pdl != 0 && dsv4_overrides::get().gemv_pdl != 0; }
 
 using dsv4_cuda::mm_dtype_op;
 
