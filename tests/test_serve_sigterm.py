@@ -9,6 +9,7 @@ import httpx
 import openai
 
 from helpers.serve_proc import wait_listening
+from helpers.signals import default_sigint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,7 +50,8 @@ def test_ctrl_c_while_it_starts_is_one_line():
     (uvicorn, if it got to run, takes SIGINT as a shutdown: 0)."""
     proc = subprocess.Popen([sys.executable, "-m", "dsv4_model", "serve", "--port", "0", "--device", "cpu",
                              "--max-batch-size", "2", "--max-seq-len", "256", "--threads", "1",
-                             "--log-level", "warning"], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+                             "--log-level", "warning"], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_sigint)
     try:
         for line in proc.stderr:
             if " loaded in " in line:
