@@ -597,7 +597,7 @@ def test_linear_cuda_tiled_small_m(n, k):
 
 # The wgmma kernel (nvfp4_wgmma.cu) at every token tile (16 / 32 / 64 / 128, several tiles past 128), with the
 # cluster K split, N and K tails, N % 4 != 0, W4A16 and W4A4 (fp32 out): within the bound of the reference,
-# deterministic; the same for its wide tile (256 rows: two wgmma blocks per warpgroup, N tails inside a block and
+# deterministic, the same bits with one CTA barrier per chunk (wgmma_one_sync); the same for its wide tile (256 rows: two wgmma blocks per warpgroup, N tails inside a block and
 # a whole empty second block at N = 24 / 130).
 @pytest.mark.cuda
 @pytest.mark.kernels
@@ -612,6 +612,8 @@ def test_linear_cuda_wgmma(choice, n, k):
             again = ops.nvfp4_linear(x, *w)
         assert_bf16_close(out, ref32, bound, f"cuda {choice} linear {m}x{n}x{k}")
         assert torch.equal(again, out), f"{choice} linear {m}x{n}x{k} not deterministic"
+        with kernel_choice(choice), kernel_overrides(wgmma_one_sync=True):
+            assert torch.equal(ops.nvfp4_linear(x, *w), out), f"{choice} one-barrier loop {m}x{n}x{k}"
     for m in (12, 64, 130):
         xq, w, ref32, bound = w4a4_case(n, k, (m,), gen, "cuda")
         with kernel_choice(choice):

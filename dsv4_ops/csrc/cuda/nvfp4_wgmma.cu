@@ -9,12 +9,13 @@
 //     tiles of TM, gathering their activation rows into the ring (routed: by assignment), with skinny's epilogue
 //     (SwiGLU x routing weight for up, rows for the combine for down). No K split: the slots fill the SMs.
 #include "nvfp4_wgmma.cuh"
+#include "overrides.h"
 
 namespace {
 
 // blockIdx = (feature tile, group * token tiles + token tile, K split); `per` chunks of 128 K per split. CLUSTER:
 // gridDim.z > 1 CTAs of a tile form one cluster along z. TN: features per CTA (128, or the wide 256).
-template <int TM, int TN, bool CLUSTER>
+template <int TM, int TN, bool CLUSTER, bool ONE_SYNC>
 __global__ void __launch_bounds__(kThreads, WgCfg<TM, TN>::kOcc) nvfp4_wgmma_kernel(const TiledParams pg, int per) {
   using Cfg = WgCfg<TM, TN>;
   extern __shared__ __align__(128) uint8_t smem_raw[];
@@ -35,7 +36,7 @@ __global__ void __launch_bounds__(kThreads, WgCfg<TM, TN>::kOcc) nvfp4_wgmma_ker
   float acc[Cfg::kAcc];
 #pragma unroll
   for (int i = 0; i < Cfg::kAcc; ++i) acc[i] = 0.f;
-  wgmma_k_loop<TM, TN>(sm.p, sm.s, n_local, r0, tq, load_stage, acc);
+  wgmma_k_loop<TM, TN, ONE_SYNC>(sm.p, sm.s, n_local, r0, tq, load_stage, acc);
 
   // The CTA's (partial) tile, unscaled: cs[token][feature].
   float* cs = reinterpret_cast<float*>(sm.p);
@@ -113,24 +114,30 @@ __global__ void __launch_bounds__(kThreads, WgCfg<TM, TN>::kOcc) nvfp4_moe_wgmma
   }
 }
 
-template <int TM, int TN>
-cudaError_t run_wgmma(const TiledParams& p, int sms, cudaStream_t stream) {
+template <int TM, int TN, bool ONE_SYNC>
+cudaError_t run_wgmma_sync(const TiledParams& p, int sms, cudaStream_t stream) {
   using Cfg = WgCfg<TM, TN>;
-  for (const auto kernel : {nvfp4_wgmma_kernel<TM, TN, false>, nvfp4_wgmma_kernel<TM, TN, true>}) {
+  for (const auto kernel : {nvfp4_wgmma_kernel<TM, TN, false, ONE_SYNC>, nvfp4_wgmma_kernel<TM, TN, true, ONE_SYNC>}) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmem);
     if (err != cudaSuccess) return err;
   }
   const int nchunks = (p.K + 127) / 128;
   const unsigned nt = unsigned((p.N + TN - 1) / TN), mt = unsigned((p.M + TM - 1) / TM * p.G);
   int splits = 1, per = nchunks;
-  plan_split<nvfp4_wgmma_kernel<TM, TN, true>, Cfg::kSmem>(int64_t(nt) * mt, nchunks, sms * Cfg::kOcc, stream,
-                                                             splits, per);
+  plan_split<nvfp4_wgmma_kernel<TM, TN, true, ONE_SYNC>, Cfg::kSmem>(int64_t(nt) * mt, nchunks, sms * Cfg::kOcc,
+                                                                       stream, splits, per);
   if (splits == 1) {
-    nvfp4_wgmma_kernel<TM, TN, false><<<dim3(nt, mt, 1), kThreads, Cfg::kSmem, stream>>>(p, per);
+    nvfp4_wgmma_kernel<TM, TN, false, ONE_SYNC><<<dim3(nt, mt, 1), kThreads, Cfg::kSmem, stream>>>(p, per);
     return cudaGetLastError();
   }
   const ClusterLaunch l(dim3(nt, mt, unsigned(splits)), Cfg::kSmem, stream);
-  return cudaLaunchKernelEx(&l.cfg, nvfp4_wgmma_kernel<TM, TN, true>, p, per);
+  return cudaLaunchKernelEx(&l.cfg, nvfp4_wgmma_kernel<TM, TN, true, ONE_SYNC>, p, per);
+}
+
+template <int TM, int TN>
+cudaError_t run_wgmma(const TiledParams& p, int sms, cudaStream_t stream) {
+  return dsv4_overrides::get().wgmma_one_sync ? run_wgmma_sync<TM, TN, true>(p, sms, stream)
+                                              : run_wgmma_sync<TM, TN, false>(p, sms, stream);
 }
 
 template <int MODE, int TM, int TN>

@@ -101,7 +101,9 @@ __device__ __forceinline__ void wgmma_chunk(const uint8_t* xs, uint32_t xs_s, in
 // chunk's copies (weights at kXStage, scale bytes at kXStage + kWStage, activations at 0 in the swizzled atoms,
 // this thread's share), two chunks ahead, one stage kept for the chunk in flight. Returns with every copy and
 // wgmma done and the CTA synchronized (the ring is free).
-template <int TM, int TN, typename LoadStage>
+// ONE_SYNC: one CTA barrier per chunk instead of two (the refill of chunk i - 2's stage moves after the barrier
+// that publishes chunk i; the same chunks in flight).
+template <int TM, int TN, bool ONE_SYNC = false, typename LoadStage>
 __device__ __forceinline__ void wgmma_k_loop(uint8_t* smem, uint32_t smem_s, int n_local, int r0, int tq,
                                              LoadStage&& load_stage, float (&acc)[WgCfg<TM, TN>::kAcc]) {
   using Cfg = WgCfg<TM, TN>;
@@ -112,12 +114,20 @@ __device__ __forceinline__ void wgmma_k_loop(uint8_t* smem, uint32_t smem_s, int
     cp_async_commit();
   }
   for (int i = 0; i < n_local; ++i) {
-    __syncthreads();  // every warpgroup is past the wait below for chunk i - 2: its stage is free
-    if (i + S - 2 < n_local) load_stage(smem + ((i + S - 2) % S) * Cfg::kStageBytes);
-    cp_async_commit();
-    cp_async_wait<S - 2>();  // this thread's pieces of chunk i landed
-    fence_proxy_async();
-    __syncthreads();  // and every thread's
+    if constexpr (ONE_SYNC) {
+      cp_async_wait<S - 3>();  // chunks up to i + S - 3 are committed: this thread's pieces of chunk i landed
+      fence_proxy_async();
+      __syncthreads();  // every thread's too; and every warp returned from chunk i - 1, so chunk i - 2 retired
+      if (i + S - 2 < n_local) load_stage(smem + ((i + S - 2) % S) * Cfg::kStageBytes);
+      cp_async_commit();
+    } else {
+      __syncthreads();  // every warpgroup is past the wait below for chunk i - 2: its stage is free
+      if (i + S - 2 < n_local) load_stage(smem + ((i + S - 2) % S) * Cfg::kStageBytes);
+      cp_async_commit();
+      cp_async_wait<S - 2>();  // this thread's pieces of chunk i landed
+      fence_proxy_async();
+      __syncthreads();  // and every thread's
+    }
     const int st = i % S;
     wgmma_chunk<TM, TN>(smem + st * Cfg::kStageBytes, smem_s + uint32_t(st * Cfg::kStageBytes), r0, tq, acc);
   }
