@@ -34,7 +34,8 @@ class KernelOverrides:
     pass of the MoE's gemv kernel, 0 (auto: 2 while T <= 8, else 8), 2 or 8 (2 gives each warp a deeper weight
     ring). gemv_pdl: under pdl, the NVFP4 linear / MoE kernels launched with it too (off: those without it, the
     other decode kernels keep it; an A/B of the gemv's own PDL). wgmma_one_sync: the dense wgmma kernel's K loop with
-    one CTA barrier per chunk instead of two (an A/B; the same bits)."""
+    one CTA barrier per chunk instead of two (an A/B; the same bits). wgmma_tall: its 128-feature tile with 256 tokens
+    (M > 128; an A/B)."""
     nvfp4_gemm_kernel: str = "auto"
     pdl: bool = True
     moe_local_route: bool = True
@@ -44,6 +45,7 @@ class KernelOverrides:
     moe_gemv_rows: int = 0
     gemv_pdl: bool = True
     wgmma_one_sync: bool = False
+    wgmma_tall: bool = False
 
     def _as_ints(self) -> dict[str, int]:
         for name, value, allowed in (("nvfp4_gemm_kernel", self.nvfp4_gemm_kernel, GEMM_KERNELS),
@@ -59,7 +61,8 @@ class KernelOverrides:
                 "moe_local_route": int(self.moe_local_route), "attn_kernel": ATTN_KERNELS.index(self.attn_kernel),
                 "nvfp4_fused_path": FUSED_PATHS.index(self.nvfp4_fused_path),
                 "topk_kernel": TOPK_KERNELS.index(self.topk_kernel), "moe_gemv_rows": self.moe_gemv_rows,
-                "gemv_pdl": int(self.gemv_pdl), "wgmma_one_sync": int(self.wgmma_one_sync)}
+                "gemv_pdl": int(self.gemv_pdl), "wgmma_one_sync": int(self.wgmma_one_sync),
+                "wgmma_tall": int(self.wgmma_tall)}
 
 
 def _lib():
@@ -90,7 +93,8 @@ def native() -> KernelOverrides:
                            attn_kernel=ATTN_KERNELS[got["attn_kernel"]],
                            nvfp4_fused_path=FUSED_PATHS[got["nvfp4_fused_path"]],
                            topk_kernel=TOPK_KERNELS[got["topk_kernel"]], moe_gemv_rows=got["moe_gemv_rows"],
-                           gemv_pdl=bool(got["gemv_pdl"]), wgmma_one_sync=bool(got["wgmma_one_sync"]))
+                           gemv_pdl=bool(got["gemv_pdl"]), wgmma_one_sync=bool(got["wgmma_one_sync"]),
+                           wgmma_tall=bool(got["wgmma_tall"]))
 
 
 def set_overrides(overrides: KernelOverrides) -> None:

@@ -614,6 +614,11 @@ def test_linear_cuda_wgmma(choice, n, k):
         assert torch.equal(again, out), f"{choice} linear {m}x{n}x{k} not deterministic"
         with kernel_choice(choice), kernel_overrides(wgmma_one_sync=True):
             assert torch.equal(ops.nvfp4_linear(x, *w), out), f"{choice} one-barrier loop {m}x{n}x{k}"
+        if choice == "wgmma" and m > 128:  # the tall tile (256 tokens; its K split may differ: within the bound)
+            with kernel_choice(choice), kernel_overrides(wgmma_tall=True):
+                tall = ops.nvfp4_linear(x, *w)
+                assert torch.equal(ops.nvfp4_linear(x, *w), tall), f"tall tile {m}x{n}x{k} not deterministic"
+            assert_bf16_close(tall, ref32, bound, f"cuda wgmma tall tile {m}x{n}x{k}")
     for m in (12, 64, 130):
         xq, w, ref32, bound = w4a4_case(n, k, (m,), gen, "cuda")
         with kernel_choice(choice):

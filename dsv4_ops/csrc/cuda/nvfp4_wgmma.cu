@@ -165,7 +165,9 @@ cudaError_t launch_wgmma(const TiledParams& p, bool wide, int sms, cudaStream_t 
     case 16: return run_wgmma<16, kTileN>(p, sms, stream);
     case 32: return run_wgmma<32, kTileN>(p, sms, stream);
     case 64: return run_wgmma<64, kTileN>(p, sms, stream);
-    default: return run_wgmma<128, kTileN>(p, sms, stream);
+    default:  // the tall tile (256 tokens: half the weight decode per output) as an A/B
+      return dsv4_overrides::get().wgmma_tall && p.M > 128 ? run_wgmma<256, kTileN>(p, sms, stream)
+                                                            : run_wgmma<128, kTileN>(p, sms, stream);
   }
 }
 

@@ -11,6 +11,7 @@
 namespace {
 
 constexpr int kWgStages = 4;  // chunk i in the tensor cores, i + 1 decoded, i + 2 .. i + 3 loading
+constexpr int kSmemMax = 227 * 1024;
 
 // The wide tile (TN = 256) halves the activation bytes each output costs: every CTA reads its TM tokens' rows
 // once per TN features, and past a few hundred tokens those L2 reads, not the weights, bound the 128-row tile.
@@ -21,15 +22,17 @@ struct WgCfg {
   static constexpr int kWStage = TN * 64;      // packed weights, TN rows x one chunk
   static constexpr int kSStage = TN * 8;       // scale bytes
   static constexpr int kStageBytes = kXStage + kWStage + kSStage;
-  static constexpr int kSmem = kStageBytes * kWgStages + 1024;  // + the slack that aligns the ring to 1 KB
+  // 4 stages, or 3 where 4 do not fit (the tall tile: 256 tokens)
+  static constexpr int kStages = kStageBytes * kWgStages + 1024 <= kSmemMax ? kWgStages : kWgStages - 1;
+  static constexpr int kSmem = kStageBytes * kStages + 1024;  // + the slack that aligns the ring to 1 KB
   static constexpr int kOcc = TM * kBlocks >= 128 ? 1 : 2;      // CTAs per SM the launch bounds allow
   static constexpr int kXLoads = TM * 16 / kThreads;            // 16-byte activation pieces per thread per stage
   static constexpr int kAcc = TM / 2 * kBlocks;                 // fp32 accumulators per thread
   static_assert(TN == 128 || TN == 256, "tile rows");
   static_assert(kStageBytes % 1024 == 0, "every stage's atoms start 1 KB aligned (the swizzle's period)");
   static_assert(kXLoads >= 1, "tile shape");
-  static_assert(TM * out_stride<TN>() * 4 <= kStageBytes * kWgStages, "epilogue staging must fit in the ring");
-  static_assert(kSmem <= 227 * 1024, "shared memory per CTA");
+  static_assert(TM * out_stride<TN>() * 4 <= kStageBytes * kStages, "epilogue staging must fit in the ring");
+  static_assert(kSmem <= kSmemMax, "shared memory per CTA");
 };
 
 using dsv4_cuda::fence_operands;
@@ -107,7 +110,7 @@ template <int TM, int TN, bool ONE_SYNC = false, typename LoadStage>
 __device__ __forceinline__ void wgmma_k_loop(uint8_t* smem, uint32_t smem_s, int n_local, int r0, int tq,
                                              LoadStage&& load_stage, float (&acc)[WgCfg<TM, TN>::kAcc]) {
   using Cfg = WgCfg<TM, TN>;
-  constexpr int S = kWgStages;
+  constexpr int S = Cfg::kStages;
 #pragma unroll
   for (int st = 0; st < S - 2; ++st) {
     if (st < n_local) load_stage(smem + st * Cfg::kStageBytes);
