@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(kThreads, WgCfg<TM, TN>::kOcc) nvfp4_wgmma_ker
   const int c_begin = min(int(blockIdx.z) * per, nchunks), n_local = min(c_begin + per, nchunks) - c_begin;
 
   // This thread's copies of a stage (activation pieces in the 128-byte swizzle atoms wgmma reads).
-  StageCopies<Cfg::kXLoads, TN> copies(p, m_base, n_base, c_begin, x_piece_offset<TM>);
+  StageCopies<Cfg::kXLoads, TN, (TM > 128)> copies(p, m_base, n_base, c_begin, x_piece_offset<TM>);
   auto load_stage = [&](uint8_t* xs) { copies.issue(xs, Cfg::kXStage, Cfg::kWStage, p.K, p.x); };
 
   // This warp's 16 rows (g, g + 8) of each 128-row block: warpgroup warp >> 2 holds rows 64 (warp >> 2) .. + 63.
