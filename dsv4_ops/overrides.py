@@ -33,9 +33,9 @@ class KernelOverrides:
     (8 CTAs per row; auto below 64 rows) or "rows" (one CTA per row; auto from 64). moe_gemv_rows: token rows per
     pass of the MoE's gemv kernel, 0 (auto: 2 while T <= 8, else 8), 2 or 8 (2 gives each warp a deeper weight
     ring). gemv_pdl: under pdl, the NVFP4 linear / MoE kernels launched with it too (off: those without it, the
-    other decode kernels keep it; an A/B of the gemv's own PDL). wgmma_one_sync: the dense wgmma kernel's K loop with
-    one CTA barrier per chunk instead of two (an A/B; the same bits). wgmma_tall: its 128-feature tile with 256 tokens
-    (M > 128; an A/B)."""
+    other decode kernels keep it; an A/B of the gemv's own PDL). wgmma_one_sync: the wgmma kernels' K loop (dense,
+    MoE) with one CTA barrier per chunk instead of two (an A/B; the same bits). wgmma_tall: the dense wgmma kernel's
+    128-feature tile with 256 tokens (M > 128; an A/B)."""
     nvfp4_gemm_kernel: str = "auto"
     pdl: bool = True
     moe_local_route: bool = True

@@ -765,6 +765,8 @@ def test_moe_cuda_many_tokens_per_expert(T):
             again = ops.nvfp4_moe(x, ids, wts, *args, 10.0)
         assert_moe_close(out, expect, f"cuda {choice} moe many T={T}")
         assert torch.equal(again, out), f"cuda {choice} moe many T={T} not deterministic"
+        with kernel_choice(choice), kernel_overrides(wgmma_one_sync=True):
+            assert torch.equal(ops.nvfp4_moe(x, ids, wts, *args, 10.0), out), f"{choice} moe one-barrier loop T={T}"
 
 
 @pytest.mark.cuda

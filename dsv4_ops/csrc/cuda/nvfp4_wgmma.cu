@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(kThreads, WgCfg<TM, TN>::kOcc) nvfp4_wgmma_ker
 }
 
 // MoE up / down: blockIdx.y = slot (resolve_task), blockIdx.x = TN rows of the task's matrix.
-template <int MODE, int TM, int TN>
+template <int MODE, int TM, int TN, bool ONE_SYNC>
 __global__ void __launch_bounds__(kThreads, WgCfg<TM, TN>::kOcc) nvfp4_moe_wgmma_kernel(const SkinnyParams p) {
   using Cfg = WgCfg<TM, TN>;
   using Copies = StageCopies<Cfg::kXLoads, TN>;
@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(kThreads, WgCfg<TM, TN>::kOcc) nvfp4_moe_wgmma
     float acc[Cfg::kAcc];
 #pragma unroll
     for (int i = 0; i < Cfg::kAcc; ++i) acc[i] = 0.f;
-    wgmma_k_loop<TM, TN>(sm.p, sm.s, nchunks, warp * 16 + g, tq, load_stage, acc);
+    wgmma_k_loop<TM, TN, ONE_SYNC>(sm.p, sm.s, nchunks, warp * 16 + g, tq, load_stage, acc);
     // every weight load of this CTA is issued: let the next kernel's CTAs fill the SMs this wave frees
     if (p.pdl && tt + TM >= task.cnt) grid_dep_launch();
     // block b holds rows 128 b + 16 warp + g (+ 8): 16-row tile 8 b + warp of the CTA
@@ -142,7 +142,8 @@ cudaError_t run_wgmma(const TiledParams& p, int sms, cudaStream_t stream) {
 
 template <int MODE, int TM, int TN>
 cudaError_t run_moe_wgmma(const SkinnyParams& p, dim3 grid, cudaStream_t stream) {
-  const auto kernel = nvfp4_moe_wgmma_kernel<MODE, TM, TN>;
+  const auto kernel = dsv4_overrides::get().wgmma_one_sync ? nvfp4_moe_wgmma_kernel<MODE, TM, TN, true>
+                                                           : nvfp4_moe_wgmma_kernel<MODE, TM, TN, false>;
   constexpr int smem = WgCfg<TM, TN>::kSmem;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
