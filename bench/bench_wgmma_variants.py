@@ -3,7 +3,8 @@ M >= 128, the MoE >= 50% of the bf16 tensor-core rate at T >= 1024), each agains
 
 Variants (dsv4_ops.overrides, all measured on the same weights): the 128-feature tile ("wgmma") and the 256-feature
 one ("wide"), each with the K loop's two CTA barriers per chunk (the default) and one (wgmma_one_sync); the
-128-feature tile with 256 tokens ("tall", wgmma_tall; M > 128) both ways. The MoE (256 experts, top-6, d 4096,
+128-feature tile with 256 tokens ("tall", wgmma_tall; M > 128) both ways; the weight dequantized to bf16 + one
+cuBLAS GEMM (the default past M = 1024) with the word-per-thread dequantize and the tile-per-CTA one (dequant_tile). The MoE (256 experts, top-6, d 4096,
 I 2048, routed + shared) on its wgmma kernels with two and one barrier. TF/s = 2 M N K / time, and its fraction of
 the dense bf16 tensor-core peak (989 TF/s, H100 / H200 SXM). Timing as bench_nvfp4_gemm.py (CUDA-graph replay,
 weights rotated past L2).
@@ -32,6 +33,8 @@ VARIANTS = (  # (label, overrides)
     ("wide 1-sync", dict(nvfp4_gemm_kernel="wgmma_wide", wgmma_one_sync=True)),
     ("tall", dict(nvfp4_gemm_kernel="wgmma", wgmma_tall=True)),
     ("tall 1-sync", dict(nvfp4_gemm_kernel="wgmma", wgmma_tall=True, wgmma_one_sync=True)),
+    ("deq+cuBLAS", dict(nvfp4_gemm_kernel="cublas")),
+    ("deq tile+cuBLAS", dict(nvfp4_gemm_kernel="cublas", dequant_tile=True)),
 )
 
 

@@ -571,6 +571,9 @@ def test_linear_cuda_forced_kernels(choice, n, k):
         with kernel_choice(choice):
             out = ops.nvfp4_linear(x, *w)
         assert_bf16_close(out, ref32, bound, f"cuda {choice} linear {m}x{n}x{k}")
+        if choice == "cublas":  # the tile-per-CTA dequantize: the same bf16 weight, so the same cuBLAS output
+            with kernel_choice(choice), kernel_overrides(dequant_tile=True):
+                assert torch.equal(ops.nvfp4_linear(x, *w), out), f"dequant_tile {m}x{n}x{k}"
 
 
 # K split over a cluster where the tiles alone leave SMs idle: (520, 1296) N and K tails, 4 splits of 3 chunks
@@ -595,10 +598,11 @@ def test_linear_cuda_tiled_small_m(n, k):
         assert bool(((out32 - ref32).abs() <= 4e-5 * bound + 1e-30).all()), f"cuda tiled w4a4 {m}x{n}x{k}"
 
 
-# The wgmma kernel (nvfp4_wgmma.cu) at every token tile (16 / 32 / 64 / 128, several tiles past 128), with the
-# cluster K split, N and K tails, N % 4 != 0, W4A16 and W4A4 (fp32 out): within the bound of the reference,
-# deterministic, the same bits with one CTA barrier per chunk (wgmma_one_sync); the same for its wide tile (256 rows: two wgmma blocks per warpgroup, N tails inside a block and
-# a whole empty second block at N = 24 / 130).
+# The wgmma kernel (nvfp4_wgmma.cu) at every token tile (16 / 32 / 64 / 128, several tiles past 128; the tall
+# tile's 256), with the cluster K split, N and K tails, N % 4 != 0, W4A16 and W4A4 (fp32 out): within the bound of
+# the reference, deterministic, the same bits with one CTA barrier per chunk (wgmma_one_sync); the same for its
+# wide tile (256 rows: two wgmma blocks per warpgroup, N tails inside a block and a whole empty second block at
+# N = 24 / 130).
 @pytest.mark.cuda
 @pytest.mark.kernels
 @pytest.mark.parametrize("choice", ["wgmma", "wgmma_wide"])

@@ -20,6 +20,7 @@ struct Overrides {
   int gemv_pdl = 1;           // under pdl: the NVFP4 chain (gemv, the MoE kernels) with it too; 0 launches those
                               // without it, the other decode kernels keep it
   int wgmma_one_sync = 0;     // the wgmma kernels' K loop (dense, MoE) with one CTA barrier per chunk (an A/B)
+  int dequant_tile = 0;       // the M > 1024 path's weight dequantize a tile per CTA, 16-byte stores (an A/B)
   int wgmma_tall = 0;         // the dense wgmma kernel's 128-feature tile with 256 tokens where M > 128 (an A/B)
 };
 

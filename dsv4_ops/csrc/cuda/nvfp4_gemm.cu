@@ -177,6 +177,49 @@ __global__ void nvfp4_dequant_weight_kernel(const uint8_t* w, const uint8_t* s, 
   }
 }
 
+// The same values a tile at a time (the dequant_tile override; an A/B): a CTA per 16 rows x kDqChunks chunks,
+// thread (chunk, row, quarter t) decodes its 16 bytes of codes (32 values) into a shared-memory copy of the rows,
+// then the CTA writes each row out in 16-byte pieces. The kernel above issues a 4-byte store per value pair, each
+// warp instruction touching 8 rows: far more L2 transactions than bytes need (M = 4096: the dequantize costs ~2x
+// its HBM time, bench/RESULTS.md session 35).
+constexpr int kDqChunks = 4;
+constexpr int kDqRow = kDqChunks * 256 + 16;  // bytes per shared row; + 16 puts the 8 rows of a warp on distinct banks
+
+__global__ void __launch_bounds__(256) nvfp4_dequant_weight_tile_kernel(const uint8_t* w, const uint8_t* s,
+                                                                        int64_t N, int K, bf16* out) {
+  __shared__ __align__(16) uint8_t rows[16 * kDqRow];
+  const int kp = (K + 127) & ~127, nchunks = kp >> 7;
+  const int64_t n0 = int64_t(blockIdx.x) * 16;
+  const int c0 = int(blockIdx.y) * kDqChunks;
+  const int tid = int(threadIdx.x), t = tid & 3, r = (tid >> 2) & 15, cc = tid >> 6;
+  const int c = c0 + cc;
+  if (n0 + r < N && c < nchunks) {
+    const RowAddr a = row_addr(n0 + r, N, kp);
+    const uint4 code = *reinterpret_cast<const uint4*>(w + a.w + size_t(c) * a.wstep + t * 16);
+    const uint2 sb = *reinterpret_cast<const uint2*>(s + a.s + size_t(c) * a.sstep);
+    const uint32_t words[4] = {code.x, code.y, code.z, code.w};
+    uint8_t* dst = rows + r * kDqRow + cc * 256;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int st = 2 * j + (q >> 1), h = q & 1;
+        const float sc = scale_value(((st < 4 ? sb.x : sb.y) >> (8 * (st & 3))) & 0xFFu);
+        *reinterpret_cast<__nv_bfloat162*>(dst + (16 * st + 8 * h + 2 * t) * 2) = __floats2bfloat162_rn(
+            e2m1_value(word_code(words[j], q, 0)) * sc, e2m1_value(word_code(words[j], q, 1)) * sc);
+      }
+    }
+  }
+  __syncthreads();
+  for (int p = tid; p < 16 * kDqChunks * 16; p += 256) {  // 16 rows x (8 values = 16 B) pieces
+    const int rr = p / (kDqChunks * 16), pc = p % (kDqChunks * 16);
+    const int k = c0 * 128 + pc * 8;
+    if (n0 + rr < N && k < K)  // K % 16 == 0: a piece is all inside K or all past it
+      *reinterpret_cast<uint4*>(out + (n0 + rr) * K + k) =
+          *reinterpret_cast<const uint4*>(rows + rr * kDqRow + pc * 16);
+  }
+}
+
 // ------------------------------------------------------------------------------------------ host side
 int pick_nt(int64_t tokens) { return tokens <= 8 ? 1 : tokens <= 16 ? 2 : tokens <= 32 ? 4 : 8; }
 
@@ -302,6 +345,11 @@ extern "C" cudaError_t dsv4_nvfp4_dequant_weight_launch(const uint8_t* w, const 
                                                         void* out, cudaStream_t stream) {
   const int64_t total = N * ((K + 127) / 128 * 16);
   if (total == 0) return cudaSuccess;
+  if (dsv4_overrides::get().dequant_tile) {
+    const dim3 grid(unsigned((N + 15) / 16), unsigned(((K + 127) / 128 + kDqChunks - 1) / kDqChunks));
+    nvfp4_dequant_weight_tile_kernel<<<grid, 256, 0, stream>>>(w, s, N, int(K), reinterpret_cast<bf16*>(out));
+    return cudaGetLastError();
+  }
   nvfp4_dequant_weight_kernel<<<unsigned((total + 255) / 256), 256, 0, stream>>>(w, s, N, int(K),
                                                                                  reinterpret_cast<bf16*>(out));
   return cudaGetLastError();
