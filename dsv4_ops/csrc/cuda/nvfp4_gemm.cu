@@ -180,8 +180,8 @@ __global__ void nvfp4_dequant_weight_kernel(const uint8_t* w, const uint8_t* s, 
 // The same values a tile at a time (the dequant_tile override; an A/B): a CTA per 16 rows x kDqChunks chunks,
 // thread (chunk, row, quarter t) decodes its 16 bytes of codes (32 values) into a shared-memory copy of the rows,
 // then the CTA writes each row out in 16-byte pieces. The kernel above issues a 4-byte store per value pair, each
-// warp instruction touching 8 rows: far more L2 transactions than bytes need (M = 4096: the dequantize costs ~2x
-// its HBM time, bench/RESULTS.md session 35).
+// warp instruction touching 8 rows: far more L2 transactions than the bytes need (H200, wo_b at M = 4096: the path
+// took 52.6 us more than bf16 cuBLAS alone, where the dequantize's 86 MB need ~20 us; bench/RESULTS.md session 35).
 constexpr int kDqChunks = 4;
 constexpr int kDqRow = kDqChunks * 256 + 16;  // bytes per shared row; + 16 puts the 8 rows of a warp on distinct banks
 
