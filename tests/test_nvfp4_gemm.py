@@ -572,6 +572,9 @@ def test_linear_cuda_forced_kernels(choice, n, k):
             out = ops.nvfp4_linear(x, *w)
         assert_bf16_close(out, ref32, bound, f"cuda {choice} linear {m}x{n}x{k}")
         if choice == "cublas":  # the tile-per-CTA dequantize: the same bf16 weight, so the same cuBLAS output
+            # The op's bf16 weight buffer most likely reuses the block freed here (the caching allocator): a value
+            # the kernel failed to write stays NaN instead of the previous call's right one.
+            torch.full((n, k), float("nan"), device="cuda", dtype=torch.bfloat16)
             with kernel_choice(choice), kernel_overrides(dequant_tile=True):
                 assert torch.equal(ops.nvfp4_linear(x, *w), out), f"dequant_tile {m}x{n}x{k}"
 
@@ -622,6 +625,8 @@ def test_linear_cuda_wgmma(choice, n, k):
             with kernel_choice(choice), kernel_overrides(wgmma_tall=True):
                 tall = ops.nvfp4_linear(x, *w)
                 assert torch.equal(ops.nvfp4_linear(x, *w), tall), f"tall tile {m}x{n}x{k} not deterministic"
+                with kernel_overrides(wgmma_one_sync=True):  # its 3-stage ring with one barrier per chunk
+                    assert torch.equal(ops.nvfp4_linear(x, *w), tall), f"tall tile one-barrier {m}x{n}x{k}"
             assert_bf16_close(tall, ref32, bound, f"cuda wgmma tall tile {m}x{n}x{k}")
     for m in (12, 64, 130):
         xq, w, ref32, bound = w4a4_case(n, k, (m,), gen, "cuda")

@@ -184,6 +184,7 @@ __global__ void nvfp4_dequant_weight_kernel(const uint8_t* w, const uint8_t* s, 
 // took 52.6 us more than bf16 cuBLAS alone, where the dequantize's 86 MB need ~20 us; bench/RESULTS.md session 35).
 constexpr int kDqChunks = 4;
 constexpr int kDqRow = kDqChunks * 256 + 16;  // bytes per shared row; + 16 puts the 8 rows of a warp on distinct banks
+static_assert(kDqChunks * 16 * 4 == 256, "a thread per (chunk, row, 16 bytes of codes)");
 
 __global__ void __launch_bounds__(256) nvfp4_dequant_weight_tile_kernel(const uint8_t* w, const uint8_t* s,
                                                                         int64_t N, int K, bf16* out) {

@@ -10,7 +10,7 @@
 
 namespace {
 
-constexpr int kWgStages = 4;  // chunk i in the tensor cores, i + 1 decoded, i + 2 .. i + 3 loading
+constexpr int kWgStages = 4;  // chunk i in the tensor cores, i + 1 decoded, i + 2 .. i + 3 loading (3: the tall tile)
 constexpr int kSmemMax = 227 * 1024;
 
 // The wide tile (TN = 256) halves the activation bytes each output costs: every CTA reads its TM tokens' rows
@@ -102,10 +102,11 @@ __device__ __forceinline__ void wgmma_chunk(const uint8_t* xs, uint32_t xs_s, in
 
 // The CTA's K loop over n_local chunks, loaded by every thread with cp.async: load_stage(stage pointer) issues one
 // chunk's copies (weights at kXStage, scale bytes at kXStage + kWStage, activations at 0 in the swizzled atoms,
-// this thread's share), two chunks ahead, one stage kept for the chunk in flight. Returns with every copy and
-// wgmma done and the CTA synchronized (the ring is free).
-// ONE_SYNC: one CTA barrier per chunk instead of two (the refill of chunk i - 2's stage moves after the barrier
-// that publishes chunk i; the same chunks in flight).
+// this thread's share), S - 2 chunks ahead (S = WgCfg::kStages: 2 ahead, the tall tile 1), one stage kept for the
+// chunk in flight. Returns with every copy and wgmma done and the CTA synchronized (the ring is free).
+// ONE_SYNC: one CTA barrier per chunk instead of two: the refill of chunk i - 2's stage (chunk i + S - 2) moves after
+// the barrier that publishes chunk i, so it is issued after the wait for chunk i rather than before it (one chunk
+// less in flight during that wait).
 template <int TM, int TN, bool ONE_SYNC = false, typename LoadStage>
 __device__ __forceinline__ void wgmma_k_loop(uint8_t* smem, uint32_t smem_s, int n_local, int r0, int tq,
                                              LoadStage&& load_stage, float (&acc)[WgCfg<TM, TN>::kAcc]) {
