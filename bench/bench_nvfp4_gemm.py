@@ -77,6 +77,26 @@ def nvfp4_bytes(n, k):
     return n * k // 2 + n * k // 16
 
 
+def linear_at(m, n, k, ws, wb, gs, gen):
+    """M = m random rows for the N x K weights of rotated_weights: (flops, the op call cycling through ws, its
+    reps, bf16 cuBLAS's us on the same rows)."""
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    flops = 2.0 * m * n * k
+    t_peer = graph_us(lambda i: torch.matmul(x, wb[i % len(wb)].t()), reps_for(n * k * 2, flops, m * n * 2))
+    return (flops, lambda i: ops.nvfp4_linear(x, ws[i % len(ws)][0], ws[i % len(ws)][1], gs),
+            reps_for(nvfp4_bytes(n, k), flops, m * n * 2), t_peer)
+
+
+def rotated_weights(n, k, gen):
+    """Copies of one random N x K NVFP4 weight (codes, scales) and of a bf16 one, each set >= ROTATE_BYTES, so
+    that calls cycling through them stream every weight from HBM; and a global scale."""
+    copies = max(1, min(256, math.ceil(ROTATE_BYTES / nvfp4_bytes(n, k))))
+    bcopies = max(1, min(64, math.ceil(ROTATE_BYTES / (n * k * 2))))
+    ws = [rand_kernel_weight((), n, k, gen) for _ in range(copies)]
+    wb = [torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(bcopies)]
+    return ws, wb, torch.tensor(0.01, device="cuda")
+
+
 def bench_linear(gen):
     print("\n## nvfp4_linear (W4A16) vs bf16 torch.matmul (cuBLAS), CUDA-graph replay, weights streamed from HBM")
     print("(M > 8: 'nvfp4 us' is the default path -- tiled mma kernel (K split over a cluster where tiles are few) "
@@ -91,41 +111,31 @@ def bench_linear(gen):
     rows = []
     for name, n, k in SHAPES:
         wbytes = nvfp4_bytes(n, k)
-        copies = max(1, min(256, math.ceil(ROTATE_BYTES / wbytes)))
-        ws = [rand_kernel_weight((), n, k, gen) for _ in range(copies)]
-        gs = torch.tensor(0.01, device="cuda")
-        bcopies = max(1, min(64, math.ceil(ROTATE_BYTES / (n * k * 2))))
-        wb = [torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(bcopies)]
+        ws, wb, gs = rotated_weights(n, k, gen)
         for m in MS:
-            x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
-            flops = 2.0 * m * n * k
-            reps = reps_for(wbytes, flops, m * n * 2)
-            t_op = graph_us(lambda i: ops.nvfp4_linear(x, ws[i % copies][0], ws[i % copies][1], gs), reps)
-            reps_b = reps_for(n * k * 2, flops, m * n * 2)
-            t_peer = graph_us(lambda i: torch.matmul(x, wb[i % bcopies].t()), reps_b)
+            flops, op, reps, t_peer = linear_at(m, n, k, ws, wb, gs, gen)
+            t_op = graph_us(op, reps)
             alt = ""
             if m <= 8:  # the default gemv kernel without PDL, and the skinny kernel; same weights and reps
                 ts = []
                 with kernel_overrides(pdl=False):
-                    ts.append(graph_us(lambda i: ops.nvfp4_linear(x, ws[i % copies][0], ws[i % copies][1], gs), reps))
+                    ts.append(graph_us(op, reps))
                 with kernel_choice("skinny"):
-                    ts.append(graph_us(lambda i: ops.nvfp4_linear(x, ws[i % copies][0], ws[i % copies][1], gs), reps))
+                    ts.append(graph_us(op, reps))
                 alt = "".join(f" | {lab} {t:6.2f} us ({wbytes / (t * 1e-6) / HBM:4.0%})"
                               for lab, t in (("no-PDL", ts[0]), ("skinny", ts[1])))
             if 8 < m <= 64:
                 ts = []
                 for choice in ("skinny", "tiled", "wgmma", "wgmma_wide"):
                     with kernel_choice(choice):
-                        ts.append(graph_us(lambda i: ops.nvfp4_linear(x, ws[i % copies][0], ws[i % copies][1], gs),
-                                           reps))
+                        ts.append(graph_us(op, reps))
                 alt = "".join(f" | {lab} {t:6.2f} us ({t / t_op:4.2f}x the default's time)"
                               for lab, t in zip(("skinny", "tiled", "wgmma", "wide"), ts))
             if m > 64:
                 ts = []
                 for choice in ("tiled", "cublas", "wgmma", "wgmma_wide"):
                     with kernel_choice(choice):
-                        ts.append(graph_us(lambda i: ops.nvfp4_linear(x, ws[i % copies][0], ws[i % copies][1], gs),
-                                           reps))
+                        ts.append(graph_us(op, reps))
                 alt = (f" | {ts[0]:8.1f} {ts[1]:10.1f} {ts[2]:8.1f} ({t_peer / ts[2]:4.2f}x bf16) {ts[3]:8.1f} "
                        f"({t_peer / ts[3]:4.2f}x bf16)")
             gbs = wbytes / (t_op * 1e-6)

@@ -11,7 +11,6 @@ weights rotated past L2).
 
 Run: python bench/bench_wgmma_variants.py   (about a minute on an H200)
 """
-import math
 import os
 import sys
 
@@ -19,8 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from bench_nvfp4_gemm import (D, E, INTER, ROTATE_BYTES, SHAPES, TOPK, graph_us, nvfp4_bytes,  # noqa: E402
-                              rand_kernel_weight, reps_for)
+from bench_nvfp4_gemm import (D, E, INTER, SHAPES, TOPK, graph_us, linear_at, rand_kernel_weight,  # noqa: E402
+                              rotated_weights)
 from dsv4_ops.overrides import kernel_overrides  # noqa: E402
 
 ops = torch.ops.dsv4
@@ -49,20 +48,12 @@ def bench_linear(gen):
     for name, n, k in SHAPES:
         if name in ("wkv", "wq_a", "expert w1"):
             continue
-        wbytes = nvfp4_bytes(n, k)
-        copies = max(1, min(256, math.ceil(ROTATE_BYTES / wbytes)))
-        ws = [rand_kernel_weight((), n, k, gen) for _ in range(copies)]
-        gs = torch.tensor(0.01, device="cuda")
-        bcopies = max(1, min(64, math.ceil(ROTATE_BYTES / (n * k * 2))))
-        wb = [torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(bcopies)]
+        ws, wb, gs = rotated_weights(n, k, gen)
         for m in MS:
-            x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
-            flops = 2.0 * m * n * k
-            reps = reps_for(wbytes, flops, m * n * 2)
-            t_peer = graph_us(lambda i: torch.matmul(x, wb[i % bcopies].t()), reps_for(n * k * 2, flops, m * n * 2))
+            flops, op, reps, t_peer = linear_at(m, n, k, ws, wb, gs, gen)
             cells = []
             for label, ov in VARIANTS:
-                t = best_of(lambda i: ops.nvfp4_linear(x, ws[i % copies][0], ws[i % copies][1], gs), reps, ov)
+                t = best_of(op, reps, ov)
                 cells.append(f"{label} {t:7.1f} ({t_peer / t:4.2f}x, {flops / t * 1e-6 / PEAK * 1e12:3.0%})")
             print(f"{name:>6} {n}x{k} M={m:5} | cuBLAS {t_peer:7.1f} us ({flops / t_peer * 1e-6 / PEAK * 1e12:3.0%}) | "
                   + " | ".join(cells), flush=True)
