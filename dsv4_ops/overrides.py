@@ -33,10 +33,7 @@ class KernelOverrides:
     (8 CTAs per row; auto below 64 rows) or "rows" (one CTA per row; auto from 64). moe_gemv_rows: token rows per
     pass of the MoE's gemv kernel, 0 (auto: 2 while T <= 8, else 8), 2 or 8 (2 gives each warp a deeper weight
     ring). gemv_pdl: under pdl, the NVFP4 linear / MoE kernels launched with it too (off: those without it, the
-    other decode kernels keep it; an A/B of the gemv's own PDL). wgmma_one_sync: the wgmma kernels' K loop (dense,
-    MoE) with one CTA barrier per chunk instead of two (an A/B; the same bits). wgmma_tall: the dense wgmma kernel's
-    128-feature tile with 256 tokens (M > 128; an A/B). dequant_tile: the dequantize + cuBLAS path's weight
-    dequantize a 16-row tile per CTA with 16-byte stores (an A/B; the same values)."""
+    other decode kernels keep it; an A/B of the gemv's own PDL)."""
     nvfp4_gemm_kernel: str = "auto"
     pdl: bool = True
     moe_local_route: bool = True
@@ -45,9 +42,6 @@ class KernelOverrides:
     topk_kernel: str = "auto"
     moe_gemv_rows: int = 0
     gemv_pdl: bool = True
-    wgmma_one_sync: bool = False
-    wgmma_tall: bool = False
-    dequant_tile: bool = False
 
     def _as_ints(self) -> dict[str, int]:
         for name, value, allowed in (("nvfp4_gemm_kernel", self.nvfp4_gemm_kernel, GEMM_KERNELS),
@@ -63,8 +57,7 @@ class KernelOverrides:
                 "moe_local_route": int(self.moe_local_route), "attn_kernel": ATTN_KERNELS.index(self.attn_kernel),
                 "nvfp4_fused_path": FUSED_PATHS.index(self.nvfp4_fused_path),
                 "topk_kernel": TOPK_KERNELS.index(self.topk_kernel), "moe_gemv_rows": self.moe_gemv_rows,
-                "gemv_pdl": int(self.gemv_pdl), "wgmma_one_sync": int(self.wgmma_one_sync),
-                "wgmma_tall": int(self.wgmma_tall), "dequant_tile": int(self.dequant_tile)}
+                "gemv_pdl": int(self.gemv_pdl)}
 
 
 def _lib():
@@ -95,8 +88,7 @@ def native() -> KernelOverrides:
                            attn_kernel=ATTN_KERNELS[got["attn_kernel"]],
                            nvfp4_fused_path=FUSED_PATHS[got["nvfp4_fused_path"]],
                            topk_kernel=TOPK_KERNELS[got["topk_kernel"]], moe_gemv_rows=got["moe_gemv_rows"],
-                           gemv_pdl=bool(got["gemv_pdl"]), wgmma_one_sync=bool(got["wgmma_one_sync"]),
-                           wgmma_tall=bool(got["wgmma_tall"]), dequant_tile=bool(got["dequant_tile"]))
+                           gemv_pdl=bool(got["gemv_pdl"]))
 
 
 def set_overrides(overrides: KernelOverrides) -> None:

@@ -3,8 +3,7 @@
 # asked for, each a file scripts/gpu/PART.sh. $OUT gets summary.txt + logs.tgz (a device call returns few files).
 # Usage on the H200, from the repo root:
 #   bash scripts/gpu_check.sh [PART ...]    (default: mainjob tests sanitizer bench)
-# Parts: mainjob gate tests sanitizer bench soak profile switches pdl variants decode depth fulldepth ab speculate prefill serve
-#   continuous
+# Parts: mainjob gate tests sanitizer bench soak profile switches pdl decode depth fulldepth ab speculate prefill serve continuous
 #   multigpu (a machine of 2+ GPUs: issue #32)
 # Knobs (environment):
 #   GPU_CHECK_SECONDS     a total budget: steps get what is left and are skipped once it is spent

@@ -20,9 +20,6 @@ int* field(const char* name) {
   if (!std::strcmp(name, "topk_kernel")) return &o.topk_kernel;
   if (!std::strcmp(name, "moe_gemv_rows")) return &o.moe_gemv_rows;
   if (!std::strcmp(name, "gemv_pdl")) return &o.gemv_pdl;
-  if (!std::strcmp(name, "wgmma_one_sync")) return &o.wgmma_one_sync;
-  if (!std::strcmp(name, "wgmma_tall")) return &o.wgmma_tall;
-  if (!std::strcmp(name, "dequant_tile")) return &o.dequant_tile;
   return nullptr;
 }
 }  // namespace

@@ -19,9 +19,6 @@ struct Overrides {
   int moe_gemv_rows = 0;      // MoE on the gemv kernel: token rows per pass, 0 auto (2 while T <= 8, else 8), 2, 8
   int gemv_pdl = 1;           // under pdl: the NVFP4 chain (gemv, the MoE kernels) with it too; 0 launches those
                               // without it, the other decode kernels keep it
-  int wgmma_one_sync = 0;     // the wgmma kernels' K loop (dense, MoE) with one CTA barrier per chunk (an A/B)
-  int dequant_tile = 0;       // the M > 1024 path's weight dequantize a tile per CTA, 16-byte stores (an A/B)
-  int wgmma_tall = 0;         // the dense wgmma kernel's 128-feature tile with 256 tokens where M > 128 (an A/B)
 };
 
 // The process's overrides (one instance inside libdsv4_ops.so).

@@ -157,31 +157,10 @@ __global__ void nvfp4_dequant_act_kernel(const uint8_t* packed, const uint8_t* s
       __floats2bfloat162_rn(e2m1_value(b & 15u) * sc, e2m1_value(b >> 4) * sc);
 }
 
-// One thread per kernel-layout word: 8 codes -> bf16 e2m1 * scale at their k positions.
-__global__ void nvfp4_dequant_weight_kernel(const uint8_t* w, const uint8_t* s, int64_t N, int K, bf16* out) {
-  const int kp = (K + 127) & ~127, words = kp / 8;
-  const int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (id >= N * words) return;
-  const int64_t n = id / words;
-  const int wi = int(id % words), c = wi >> 4, t = (wi >> 2) & 3, j = wi & 3;
-  const RowAddr a = row_addr(n, N, kp);
-  const uint32_t word = *reinterpret_cast<const uint32_t*>(w + a.w + size_t(c) * a.wstep + size_t(wi & 15) * 4);
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int st = 2 * j + (q >> 1), h = q & 1;
-    const int k0 = c * 128 + 16 * st + 8 * h + 2 * t;
-    if (k0 >= K) continue;
-    const float sc = scale_value(s[a.s + size_t(c) * a.sstep + st]);
-    reinterpret_cast<__nv_bfloat162*>(out + n * K + k0)[0] =
-        __floats2bfloat162_rn(e2m1_value(word_code(word, q, 0)) * sc, e2m1_value(word_code(word, q, 1)) * sc);
-  }
-}
-
-// The same values a tile at a time (the dequant_tile override; an A/B): a CTA per 16 rows x kDqChunks chunks,
-// thread (chunk, row, quarter t) decodes its 16 bytes of codes (32 values) into a shared-memory copy of the rows,
-// then the CTA writes each row out in 16-byte pieces. The kernel above issues a 4-byte store per value pair, each
-// warp instruction touching 8 rows: far more L2 transactions than the bytes need (H200, wo_b at M = 4096: the path
-// took 52.6 us more than bf16 cuBLAS alone, where the dequantize's 86 MB need ~20 us; bench/RESULTS.md session 35).
+// The weight -> bf16 e2m1 * block scale, a tile at a time: a CTA per 16 rows x kDqChunks chunks, thread (chunk,
+// row, quarter t) decodes its 16 bytes of codes (32 values) into a shared-memory copy of the rows, then the CTA
+// writes each row out in 16-byte pieces. A thread per word with a 4-byte store per value pair (each warp instruction
+// touching 8 rows) made the M > 1024 path 5-20% slower (bench/RESULTS.md, session 50).
 constexpr int kDqChunks = 4;
 constexpr int kDqRow = kDqChunks * 256 + 16;  // bytes per shared row; + 16 puts the 8 rows of a warp on distinct banks
 static_assert(kDqChunks * 16 * 4 == 256, "a thread per (chunk, row, 16 bytes of codes)");
@@ -344,15 +323,9 @@ extern "C" cudaError_t dsv4_nvfp4_dequant_act_launch(const Nvfp4DequantActArgs* 
 
 extern "C" cudaError_t dsv4_nvfp4_dequant_weight_launch(const uint8_t* w, const uint8_t* s, int64_t N, int64_t K,
                                                         void* out, cudaStream_t stream) {
-  const int64_t total = N * ((K + 127) / 128 * 16);
-  if (total == 0) return cudaSuccess;
-  if (dsv4_overrides::get().dequant_tile) {
-    const dim3 grid(unsigned((N + 15) / 16), unsigned(((K + 127) / 128 + kDqChunks - 1) / kDqChunks));
-    nvfp4_dequant_weight_tile_kernel<<<grid, 256, 0, stream>>>(w, s, N, int(K), reinterpret_cast<bf16*>(out));
-    return cudaGetLastError();
-  }
-  nvfp4_dequant_weight_kernel<<<unsigned((total + 255) / 256), 256, 0, stream>>>(w, s, N, int(K),
-                                                                                 reinterpret_cast<bf16*>(out));
+  if (N == 0 || K == 0) return cudaSuccess;
+  const dim3 grid(unsigned((N + 15) / 16), unsigned(((K + 127) / 128 + kDqChunks - 1) / kDqChunks));
+  nvfp4_dequant_weight_tile_kernel<<<grid, 256, 0, stream>>>(w, s, N, int(K), reinterpret_cast<bf16*>(out));
   return cudaGetLastError();
 }
 

@@ -19,19 +19,13 @@ constexpr int kMaxSplit = 8;            // portable cluster size
 // where the kernel's layout x_offset(row, piece) puts them), TN / 64 x 16 B of packed weights and (threads < TN) the
 // 8 scale bytes of one 128-k chunk of TN feature rows; every source moves one chunk on after each stage issued.
 // Padding past K needs no guard in the mma loops: activations past K load as zeros (and padded codes are 0).
-// LINEAR: a dense tile's activation rows, whose pieces i sit 16 rows apart in x and in the stage: one source,
-// one destination and the count of valid rows replace the per-piece arrays (registers: the tall tile's 16 pieces).
-template <int XLoads, int TN = kTileN, bool LINEAR = false>
+template <int XLoads, int TN = kTileN>
 struct StageCopies {
   static constexpr int kWLoads = TN * 64 / 16 / kThreads;
-  static constexpr int kXArr = LINEAR ? 1 : XLoads;
   static_assert(kWLoads >= 1 && TN <= kThreads, "tile rows");
-  const bf16* x_src[kXArr];
-  uint32_t x_dst[kXArr];
-  bool x_row_ok[kXArr];
-  size_t x_rstep;     // LINEAR: 16 rows of x
-  uint32_t x_dstep;   // LINEAR: 16 rows of the stage
-  int x_rows;         // LINEAR: pieces i < x_rows are inside M
+  const bf16* x_src[XLoads];
+  uint32_t x_dst[XLoads];
+  bool x_row_ok[XLoads];
   const uint8_t* w_src[kWLoads];
   bool w_ok[kWLoads];
   uint32_t w_step[kWLoads];  // 1024 in a full 16-row tile, 64 in a row-major N % 16 tail
@@ -47,22 +41,12 @@ struct StageCopies {
                                          XOffset x_offset) {
     const int tid = threadIdx.x, kp = (p.K + 127) & ~127;
     const int x_k = (tid & 15) * 8;  // the k of this thread's activation pieces inside a chunk
-    if constexpr (LINEAR) {
-      static_assert(kThreads == 256, "pieces 16 rows apart");
-      const int r = tid >> 4;
-      x_src[0] = p.x + size_t(min(m_base + r, p.M - 1)) * p.ldx + size_t(c_begin) * 128 + x_k;
-      x_dst[0] = x_offset(r, tid & 15);
-      x_rstep = size_t(16) * p.ldx;
-      x_dstep = x_offset(r + 16, tid & 15) - x_dst[0];
-      x_rows = min(max((p.M - m_base - r + 15) / 16, 0), XLoads);
-    } else {
 #pragma unroll
-      for (int i = 0; i < XLoads; ++i) {
-        const int r = (tid + i * kThreads) >> 4;
-        x_row_ok[i] = m_base + r < p.M;
-        x_src[i] = p.x + size_t(min(m_base + r, p.M - 1)) * p.ldx + size_t(c_begin) * 128 + x_k;
-        x_dst[i] = x_offset(r, tid & 15);
-      }
+    for (int i = 0; i < XLoads; ++i) {
+      const int r = (tid + i * kThreads) >> 4;
+      x_row_ok[i] = m_base + r < p.M;
+      x_src[i] = p.x + size_t(min(m_base + r, p.M - 1)) * p.ldx + size_t(c_begin) * 128 + x_k;
+      x_dst[i] = x_offset(r, tid & 15);
     }
 #pragma unroll
     for (int i = 0; i < kWLoads; ++i) {
@@ -86,22 +70,11 @@ struct StageCopies {
     uint8_t* ws = xs + x_bytes;
     uint8_t* ss = ws + w_bytes;
     const bool k_ok = k_next < K;
-    if constexpr (LINEAR) {
-      const bf16* src = x_src[0];
 #pragma unroll
-      for (int i = 0; i < XLoads; ++i) {
-        const bool ok = i < x_rows && k_ok;
-        cp_async16(xs + x_dst[0] + i * x_dstep, ok ? src : any, ok ? 16 : 0);
-        src += x_rstep;
-      }
-      x_src[0] += 128;
-    } else {
-#pragma unroll
-      for (int i = 0; i < XLoads; ++i) {
-        const bool ok = x_row_ok[i] && k_ok;
-        cp_async16(xs + x_dst[i], ok ? x_src[i] : any, ok ? 16 : 0);
-        x_src[i] += 128;
-      }
+    for (int i = 0; i < XLoads; ++i) {
+      const bool ok = x_row_ok[i] && k_ok;
+      cp_async16(xs + x_dst[i], ok ? x_src[i] : any, ok ? 16 : 0);
+      x_src[i] += 128;
     }
 #pragma unroll
     for (int i = 0; i < kWLoads; ++i) {

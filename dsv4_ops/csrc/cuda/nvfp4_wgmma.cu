@@ -9,13 +9,12 @@
 //     tiles of TM, gathering their activation rows into the ring (routed: by assignment), with skinny's epilogue
 //     (SwiGLU x routing weight for up, rows for the combine for down). No K split: the slots fill the SMs.
 #include "nvfp4_wgmma.cuh"
-#include "overrides.h"
 
 namespace {
 
 // blockIdx = (feature tile, group * token tiles + token tile, K split); `per` chunks of 128 K per split. CLUSTER:
 // gridDim.z > 1 CTAs of a tile form one cluster along z. TN: features per CTA (128, or the wide 256).
-template <int TM, int TN, bool CLUSTER, bool ONE_SYNC>
+template <int TM, int TN, bool CLUSTER>
 __global__ void __launch_bounds__(kThreads, WgCfg<TM, TN>::kOcc) nvfp4_wgmma_kernel(const TiledParams pg, int per) {
   using Cfg = WgCfg<TM, TN>;
   extern __shared__ __align__(128) uint8_t smem_raw[];
@@ -28,7 +27,7 @@ __global__ void __launch_bounds__(kThreads, WgCfg<TM, TN>::kOcc) nvfp4_wgmma_ker
   const int c_begin = min(int(blockIdx.z) * per, nchunks), n_local = min(c_begin + per, nchunks) - c_begin;
 
   // This thread's copies of a stage (activation pieces in the 128-byte swizzle atoms wgmma reads).
-  StageCopies<Cfg::kXLoads, TN, (TM > 128)> copies(p, m_base, n_base, c_begin, x_piece_offset<TM>);
+  StageCopies<Cfg::kXLoads, TN> copies(p, m_base, n_base, c_begin, x_piece_offset<TM>);
   auto load_stage = [&](uint8_t* xs) { copies.issue(xs, Cfg::kXStage, Cfg::kWStage, p.K, p.x); };
 
   // This warp's 16 rows (g, g + 8) of each 128-row block: warpgroup warp >> 2 holds rows 64 (warp >> 2) .. + 63.
@@ -36,7 +35,7 @@ __global__ void __launch_bounds__(kThreads, WgCfg<TM, TN>::kOcc) nvfp4_wgmma_ker
   float acc[Cfg::kAcc];
 #pragma unroll
   for (int i = 0; i < Cfg::kAcc; ++i) acc[i] = 0.f;
-  wgmma_k_loop<TM, TN, ONE_SYNC>(sm.p, sm.s, n_local, r0, tq, load_stage, acc);
+  wgmma_k_loop<TM, TN>(sm.p, sm.s, n_local, r0, tq, load_stage, acc);
 
   // The CTA's (partial) tile, unscaled: cs[token][feature].
   float* cs = reinterpret_cast<float*>(sm.p);
@@ -52,7 +51,7 @@ __global__ void __launch_bounds__(kThreads, WgCfg<TM, TN>::kOcc) nvfp4_wgmma_ker
 }
 
 // MoE up / down: blockIdx.y = slot (resolve_task), blockIdx.x = TN rows of the task's matrix.
-template <int MODE, int TM, int TN, bool ONE_SYNC>
+template <int MODE, int TM, int TN>
 __global__ void __launch_bounds__(kThreads, WgCfg<TM, TN>::kOcc) nvfp4_moe_wgmma_kernel(const SkinnyParams p) {
   using Cfg = WgCfg<TM, TN>;
   using Copies = StageCopies<Cfg::kXLoads, TN>;
@@ -100,7 +99,7 @@ __global__ void __launch_bounds__(kThreads, WgCfg<TM, TN>::kOcc) nvfp4_moe_wgmma
     float acc[Cfg::kAcc];
 #pragma unroll
     for (int i = 0; i < Cfg::kAcc; ++i) acc[i] = 0.f;
-    wgmma_k_loop<TM, TN, ONE_SYNC>(sm.p, sm.s, nchunks, warp * 16 + g, tq, load_stage, acc);
+    wgmma_k_loop<TM, TN>(sm.p, sm.s, nchunks, warp * 16 + g, tq, load_stage, acc);
     // every weight load of this CTA is issued: let the next kernel's CTAs fill the SMs this wave frees
     if (p.pdl && tt + TM >= task.cnt) grid_dep_launch();
     // block b holds rows 128 b + 16 warp + g (+ 8): 16-row tile 8 b + warp of the CTA
@@ -114,36 +113,29 @@ __global__ void __launch_bounds__(kThreads, WgCfg<TM, TN>::kOcc) nvfp4_moe_wgmma
   }
 }
 
-template <int TM, int TN, bool ONE_SYNC>
-cudaError_t run_wgmma_sync(const TiledParams& p, int sms, cudaStream_t stream) {
+template <int TM, int TN>
+cudaError_t run_wgmma(const TiledParams& p, int sms, cudaStream_t stream) {
   using Cfg = WgCfg<TM, TN>;
-  for (const auto kernel : {nvfp4_wgmma_kernel<TM, TN, false, ONE_SYNC>, nvfp4_wgmma_kernel<TM, TN, true, ONE_SYNC>}) {
+  for (const auto kernel : {nvfp4_wgmma_kernel<TM, TN, false>, nvfp4_wgmma_kernel<TM, TN, true>}) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmem);
     if (err != cudaSuccess) return err;
   }
   const int nchunks = (p.K + 127) / 128;
   const unsigned nt = unsigned((p.N + TN - 1) / TN), mt = unsigned((p.M + TM - 1) / TM * p.G);
   int splits = 1, per = nchunks;
-  plan_split<nvfp4_wgmma_kernel<TM, TN, true, ONE_SYNC>, Cfg::kSmem>(int64_t(nt) * mt, nchunks, sms * Cfg::kOcc,
-                                                                       stream, splits, per);
+  plan_split<nvfp4_wgmma_kernel<TM, TN, true>, Cfg::kSmem>(int64_t(nt) * mt, nchunks, sms * Cfg::kOcc, stream,
+                                                             splits, per);
   if (splits == 1) {
-    nvfp4_wgmma_kernel<TM, TN, false, ONE_SYNC><<<dim3(nt, mt, 1), kThreads, Cfg::kSmem, stream>>>(p, per);
+    nvfp4_wgmma_kernel<TM, TN, false><<<dim3(nt, mt, 1), kThreads, Cfg::kSmem, stream>>>(p, per);
     return cudaGetLastError();
   }
   const ClusterLaunch l(dim3(nt, mt, unsigned(splits)), Cfg::kSmem, stream);
-  return cudaLaunchKernelEx(&l.cfg, nvfp4_wgmma_kernel<TM, TN, true, ONE_SYNC>, p, per);
-}
-
-template <int TM, int TN>
-cudaError_t run_wgmma(const TiledParams& p, int sms, cudaStream_t stream) {
-  return dsv4_overrides::get().wgmma_one_sync ? run_wgmma_sync<TM, TN, true>(p, sms, stream)
-                                              : run_wgmma_sync<TM, TN, false>(p, sms, stream);
+  return cudaLaunchKernelEx(&l.cfg, nvfp4_wgmma_kernel<TM, TN, true>, p, per);
 }
 
 template <int MODE, int TM, int TN>
 cudaError_t run_moe_wgmma(const SkinnyParams& p, dim3 grid, cudaStream_t stream) {
-  const auto kernel = dsv4_overrides::get().wgmma_one_sync ? nvfp4_moe_wgmma_kernel<MODE, TM, TN, true>
-                                                           : nvfp4_moe_wgmma_kernel<MODE, TM, TN, false>;
+  const auto kernel = nvfp4_moe_wgmma_kernel<MODE, TM, TN>;
   constexpr int smem = WgCfg<TM, TN>::kSmem;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
@@ -166,9 +158,7 @@ cudaError_t launch_wgmma(const TiledParams& p, bool wide, int sms, cudaStream_t 
     case 16: return run_wgmma<16, kTileN>(p, sms, stream);
     case 32: return run_wgmma<32, kTileN>(p, sms, stream);
     case 64: return run_wgmma<64, kTileN>(p, sms, stream);
-    default:  // the tall tile (256 tokens: half the weight decode per output) as an A/B
-      return dsv4_overrides::get().wgmma_tall && p.M > 128 ? run_wgmma<256, kTileN>(p, sms, stream)
-                                                            : run_wgmma<128, kTileN>(p, sms, stream);
+    default: return run_wgmma<128, kTileN>(p, sms, stream);
   }
 }
 

@@ -10,8 +10,7 @@
 
 namespace {
 
-constexpr int kWgStages = 4;  // chunk i in the tensor cores, i + 1 decoded, i + 2 .. i + 3 loading (3: the tall tile)
-constexpr int kSmemMax = 227 * 1024;
+constexpr int kWgStages = 4;  // chunk i in the tensor cores, i + 1 decoded, i + 2 .. i + 3 loading
 
 // The wide tile (TN = 256) halves the activation bytes each output costs: every CTA reads its TM tokens' rows
 // once per TN features, and past a few hundred tokens those L2 reads, not the weights, bound the 128-row tile.
@@ -22,17 +21,15 @@ struct WgCfg {
   static constexpr int kWStage = TN * 64;      // packed weights, TN rows x one chunk
   static constexpr int kSStage = TN * 8;       // scale bytes
   static constexpr int kStageBytes = kXStage + kWStage + kSStage;
-  // 4 stages, or 3 where 4 do not fit (the tall tile: 256 tokens)
-  static constexpr int kStages = kStageBytes * kWgStages + 1024 <= kSmemMax ? kWgStages : kWgStages - 1;
-  static constexpr int kSmem = kStageBytes * kStages + 1024;  // + the slack that aligns the ring to 1 KB
+  static constexpr int kSmem = kStageBytes * kWgStages + 1024;  // + the slack that aligns the ring to 1 KB
   static constexpr int kOcc = TM * kBlocks >= 128 ? 1 : 2;      // CTAs per SM the launch bounds allow
   static constexpr int kXLoads = TM * 16 / kThreads;            // 16-byte activation pieces per thread per stage
   static constexpr int kAcc = TM / 2 * kBlocks;                 // fp32 accumulators per thread
   static_assert(TN == 128 || TN == 256, "tile rows");
   static_assert(kStageBytes % 1024 == 0, "every stage's atoms start 1 KB aligned (the swizzle's period)");
   static_assert(kXLoads >= 1, "tile shape");
-  static_assert(TM * out_stride<TN>() * 4 <= kStageBytes * kStages, "epilogue staging must fit in the ring");
-  static_assert(kSmem <= kSmemMax, "shared memory per CTA");
+  static_assert(TM * out_stride<TN>() * 4 <= kStageBytes * kWgStages, "epilogue staging must fit in the ring");
+  static_assert(kSmem <= 227 * 1024, "shared memory per CTA");
 };
 
 using dsv4_cuda::fence_operands;
@@ -102,36 +99,26 @@ __device__ __forceinline__ void wgmma_chunk(const uint8_t* xs, uint32_t xs_s, in
 
 // The CTA's K loop over n_local chunks, loaded by every thread with cp.async: load_stage(stage pointer) issues one
 // chunk's copies (weights at kXStage, scale bytes at kXStage + kWStage, activations at 0 in the swizzled atoms,
-// this thread's share), S - 2 chunks ahead (S = WgCfg::kStages: 2 ahead, the tall tile 1), one stage kept for the
-// chunk in flight. Returns with every copy and wgmma done and the CTA synchronized (the ring is free).
-// ONE_SYNC: one CTA barrier per chunk instead of two: the refill of chunk i - 2's stage (chunk i + S - 2) moves after
-// the barrier that publishes chunk i, so it is issued after the wait for chunk i rather than before it (one chunk
-// less in flight during that wait).
-template <int TM, int TN, bool ONE_SYNC = false, typename LoadStage>
+// this thread's share), two chunks ahead, one stage kept for the chunk in flight. Returns with every copy and
+// wgmma done and the CTA synchronized (the ring is free). One CTA barrier per chunk: the refill of chunk i - 2's
+// stage is issued after the barrier that publishes chunk i (a second barrier before the refill measured 2-10% slower,
+// bench/RESULTS.md, session 50).
+template <int TM, int TN, typename LoadStage>
 __device__ __forceinline__ void wgmma_k_loop(uint8_t* smem, uint32_t smem_s, int n_local, int r0, int tq,
                                              LoadStage&& load_stage, float (&acc)[WgCfg<TM, TN>::kAcc]) {
   using Cfg = WgCfg<TM, TN>;
-  constexpr int S = Cfg::kStages;
+  constexpr int S = kWgStages;
 #pragma unroll
   for (int st = 0; st < S - 2; ++st) {
     if (st < n_local) load_stage(smem + st * Cfg::kStageBytes);
     cp_async_commit();
   }
   for (int i = 0; i < n_local; ++i) {
-    if constexpr (ONE_SYNC) {
-      cp_async_wait<S - 3>();  // chunks up to i + S - 3 are committed: this thread's pieces of chunk i landed
-      fence_proxy_async();
-      __syncthreads();  // every thread's too; and every warp returned from chunk i - 1, so chunk i - 2 retired
-      if (i + S - 2 < n_local) load_stage(smem + ((i + S - 2) % S) * Cfg::kStageBytes);
-      cp_async_commit();
-    } else {
-      __syncthreads();  // every warpgroup is past the wait below for chunk i - 2: its stage is free
-      if (i + S - 2 < n_local) load_stage(smem + ((i + S - 2) % S) * Cfg::kStageBytes);
-      cp_async_commit();
-      cp_async_wait<S - 2>();  // this thread's pieces of chunk i landed
-      fence_proxy_async();
-      __syncthreads();  // and every thread's
-    }
+    cp_async_wait<S - 3>();  // chunks up to i + S - 3 are committed: this thread's pieces of chunk i landed
+    fence_proxy_async();
+    __syncthreads();  // every thread's too; and every warp returned from chunk i - 1, so chunk i - 2 retired
+    if (i + S - 2 < n_local) load_stage(smem + ((i + S - 2) % S) * Cfg::kStageBytes);
+    cp_async_commit();
     const int st = i % S;
     wgmma_chunk<TM, TN>(smem + st * Cfg::kStageBytes, smem_s + uint32_t(st * Cfg::kStageBytes), r0, tq, acc);
   }

@@ -88,7 +88,6 @@ DSV4_WG_RS(16, DSV4_WG_D8, DSV4_WG_R8, "%8,%9,%10,%11", "%12")
 DSV4_WG_RS(32, DSV4_WG_D16, DSV4_WG_R16, "%16,%17,%18,%19", "%20")
 DSV4_WG_RS(64, DSV4_WG_D32, DSV4_WG_R32, "%32,%33,%34,%35", "%36")
 DSV4_WG_RS(128, DSV4_WG_D64, DSV4_WG_R64, "%64,%65,%66,%67", "%68")
-DSV4_WG_RS(256, DSV4_WG_D128, DSV4_WG_R128, "%128,%129,%130,%131", "%132")
 #undef DSV4_WG_RS
 
 // d[64 x N] += A (shared memory, descriptor a: 64 rows x 16 k, K-major) . B (descriptor b: K-major, or MN-major
