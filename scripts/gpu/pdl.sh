@@ -1,12 +1,15 @@
-# pdl: the pdl kernel override (on by default: the decode kernels outside the NVFP4 chain launched with programmatic
-# dependent launch). The layer first (what decides the default): with PDL, without it, and with only the NVFP4
-# kernels' PDL off (gemv_pdl=0), at batch 1 and 8; then the op tests and the compiled decode without PDL.
-for b in 1 8; do
-  for ov in "" pdl=0 gemv_pdl=0; do
-    name=pdl_layer_b${b}_${ov:-on}; name=${name//=/}
-    step "$name" 200 $PY bench/bench_layer.py ${ov:+--kernel-overrides $ov} --kinds csa,hca --steps 50 --experts 16 \
-      --batch "$b"
-    note "  $(grep -hsE '^(csa|hca) ' "$LOGS/$name.log" | tr -s ' ' | tr '\n' ';')"
+# pdl: the layer with the NVFP4 kernels' programmatic dependent launch on (the default) and off (gemv_pdl=0; the
+# other decode kernels keep PDL), at batch 1, 2, 4 and 8 (the 2-row gemv runs to M = 2, the 8-row one above),
+# PDL_ROUNDS times (1), interleaved; then the op tests and the compiled decode with PDL off everywhere (pdl=0).
+# Session 50 (H100): PDL on won at B = 1 (CSA 151.2 vs 159.2 us), gemv_pdl=0 at B = 8 (347.7 vs 356.6 us).
+for r in $(seq "${PDL_ROUNDS:-1}"); do
+  for b in 1 2 4 8; do
+    for ov in "" gemv_pdl=0; do
+      name=pdl_layer_r${r}_b${b}_${ov:-on}; name=${name//=/}
+      step "$name" 120 $PY bench/bench_layer.py ${ov:+--kernel-overrides $ov} --kinds csa,hca --steps 50 --experts 16 \
+        --batch "$b"
+      note "  $(grep -hsE '^(csa|hca) ' "$LOGS/$name.log" | tr -s ' ' | tr '\n' ';')"
+    done
   done
 done
 step pdl_op_tests 200 $PY -m pytest -q -m cuda -p no:cacheprovider --kernel-overrides pdl=0 \
