@@ -160,7 +160,7 @@ __global__ void nvfp4_dequant_act_kernel(const uint8_t* packed, const uint8_t* s
 // The weight -> bf16 e2m1 * block scale, a tile at a time: a CTA per 16 rows x kDqChunks chunks, thread (chunk,
 // row, quarter t) decodes its 16 bytes of codes (32 values) into a shared-memory copy of the rows, then the CTA
 // writes each row out in 16-byte pieces. A thread per word with a 4-byte store per value pair (each warp instruction
-// touching 8 rows) made the M > 1024 path 5-20% slower (bench/RESULTS.md, session 50).
+// touching 8 rows) made the path 3.5-4.5% slower at M = 4096, 10-12% at M = 1024 (bench/RESULTS.md, session 50).
 constexpr int kDqChunks = 4;
 constexpr int kDqRow = kDqChunks * 256 + 16;  // bytes per shared row; + 16 puts the 8 rows of a warp on distinct banks
 static_assert(kDqChunks * 16 * 4 == 256, "a thread per (chunk, row, 16 bytes of codes)");

@@ -101,7 +101,7 @@ __device__ __forceinline__ void wgmma_chunk(const uint8_t* xs, uint32_t xs_s, in
 // chunk's copies (weights at kXStage, scale bytes at kXStage + kWStage, activations at 0 in the swizzled atoms,
 // this thread's share), two chunks ahead, one stage kept for the chunk in flight. Returns with every copy and
 // wgmma done and the CTA synchronized (the ring is free). One CTA barrier per chunk: the refill of chunk i - 2's
-// stage is issued after the barrier that publishes chunk i (a second barrier before the refill measured 2-10% slower,
+// stage is issued after the barrier that publishes chunk i (a second barrier before the refill measured 1-10% slower,
 // bench/RESULTS.md, session 50).
 template <int TM, int TN, typename LoadStage>
 __device__ __forceinline__ void wgmma_k_loop(uint8_t* smem, uint32_t smem_s, int n_local, int r0, int tq,
