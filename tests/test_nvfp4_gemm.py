@@ -639,6 +639,8 @@ def test_linear_cuda_decode_kernels(n, k):
         out = ops.nvfp4_linear(x, *w)
         with kernel_overrides(pdl=False):
             assert torch.equal(ops.nvfp4_linear(x, *w), out), f"gemv without PDL {m}x{n}x{k}"
+        with kernel_overrides(gemv8_pdl=False):  # the 8-row gemv alone without it
+            assert torch.equal(ops.nvfp4_linear(x, *w), out), f"gemv8 without PDL {m}x{n}x{k}"
         assert_bf16_close(out, ref32, bound, f"cuda gemv linear {m}x{n}x{k}")
     for m in (1, 8):
         xq, w, ref32, bound = w4a4_case(n, k, (m,), gen, "cuda")

@@ -1,10 +1,12 @@
-# pdl: the layer with the NVFP4 kernels' programmatic dependent launch on (the default) and off (gemv_pdl=0; the
-# other decode kernels keep PDL), at batch 1, 2, 4 and 8 (the 2-row gemv runs to M = 2, the 8-row one above),
-# PDL_ROUNDS times (1), interleaved; then the op tests and the compiled decode with PDL off everywhere (pdl=0).
-# Session 50 (H100): PDL on won at B = 1 (CSA 151.2 vs 159.2 us), gemv_pdl=0 at B = 8 (347.7 vs 356.6 us).
+# pdl: the layer with the NVFP4 kernels' programmatic dependent launch on (the default), off (gemv_pdl=0; the other
+# decode kernels keep PDL), and off for the dense 8-row gemv alone (gemv8_pdl=0: a no-op at B <= 2, where the
+# 2-row gemv runs), at batch 1, 2, 4 and 8, PDL_ROUNDS times (1), interleaved; then the op tests and the compiled
+# decode with PDL off everywhere (pdl=0). Session 50 (H100): PDL on won at B = 1 (CSA 151.2 vs 159.2 us),
+# gemv_pdl=0 at B = 8 (347.7 vs 356.6 us).
 for r in $(seq "${PDL_ROUNDS:-1}"); do
   for b in 1 2 4 8; do
-    for ov in "" gemv_pdl=0; do
+    for ov in "" gemv_pdl=0 gemv8_pdl=0; do
+      [ "$b" -le 2 ] && [ "$ov" = gemv8_pdl=0 ] && continue
       name=pdl_layer_r${r}_b${b}_${ov:-on}; name=${name//=/}
       step "$name" 120 $PY bench/bench_layer.py ${ov:+--kernel-overrides $ov} --kinds csa,hca --steps 50 --experts 16 \
         --batch "$b"

@@ -76,6 +76,8 @@ bool auto_wgmma(Choice choice, int64_t M) { return choice == Choice::kAuto && M 
 // Programmatic dependent launch (gemv, the MoE chain) unless the pdl override is off, or gemv_pdl alone (an A/B:
 // back to back in a graph the gemv measured 1.4-1.5 us faster per call without it, bench/RESULTS.md session 48).
 bool use_pdl() { return dsv4_overrides::get().pdl != 0 && dsv4_overrides::get().gemv_pdl != 0; }
+// A dense linear of M rows: the 8-row gemv (3 <= M <= 8) only under gemv8_pdl too (an A/B at batch 4-8).
+bool use_pdl(int64_t M) { return use_pdl() && (M <= 2 || dsv4_overrides::get().gemv8_pdl != 0); }
 
 using dsv4_cuda::mm_dtype_op;
 
@@ -274,7 +276,7 @@ at::Tensor linear_impl(const at::Tensor& x2, const at::Tensor& w, const at::Tens
   a.N = N;
   a.K = K;
   a.gemv = choice == Choice::kSkinny ? 0 : 1;
-  a.pdl = use_pdl() ? 1 : 0;
+  a.pdl = use_pdl(M) ? 1 : 0;
   a.wgmma = forced_wgmma(choice) || auto_wgmma(choice, M) ? wgmma_arg(choice, M, N, 1) : 0;
   check_launch(dsv4_nvfp4_linear_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
   return out;
@@ -340,7 +342,7 @@ at::Tensor nvfp4_linear_grouped_cuda(const at::Tensor& x, const at::Tensor& w, c
   a.G = G;
   a.gemv = choice == Choice::kSkinny ? 0 : 1;
   a.wgmma = wgmma ? wgmma_arg(choice, M, N, G) : 0;
-  a.pdl = use_pdl() ? 1 : 0;
+  a.pdl = use_pdl(M) ? 1 : 0;
   check_launch(dsv4_nvfp4_linear_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
   return out.view(out_shape);
 }
@@ -391,7 +393,7 @@ std::vector<at::Tensor> nvfp4_linear_multi_cuda(const at::Tensor& x, at::TensorL
     a.seg_n[i] = ns[i];
   }
   a.gemv = kernel_choice() == Choice::kSkinny ? 0 : 1;
-  a.pdl = use_pdl() ? 1 : 0;
+  a.pdl = use_pdl(M) ? 1 : 0;
   check_launch(dsv4_nvfp4_linear_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
   for (int i = 0; i < n; ++i) outs[i] = shaped(outs[i], ns[i]);
   return outs;
