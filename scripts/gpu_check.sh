@@ -12,7 +12,7 @@
 #   TEST_FILES, BENCHES   space-separated paths for `tests` / `bench` (default: all)
 #   SANITIZE              a grep -E pattern on "TOOL SPEC": only the sanitizer runs it matches
 #   SANITIZER_JOBS (8), SANITIZER_TIMEOUT (300 s)   parallel sanitizer runs and each one's limit
-#   SPECULATE_KS ("0 1 2 3"), SPECULATE_PRESET / _DRAFTERS / _PRESET_KS / _PROFILE / _PROFILE_DRAFTERS, PROFILE_ARGS, AB_BASE_TGZ, AB_ROUNDS (2), PDL_ROUNDS (1)
+#   SPECULATE_KS ("0 1 2 3"), SPECULATE_PRESET / _DRAFTERS / _PRESET_KS / _PROFILE / _PROFILE_DRAFTERS, PROFILE_ARGS, AB_BASE_TGZ, AB_ROUNDS (2), PDL_ROUNDS (1), PDL_BATCHES, PDL_TESTS
 #                         see the part's file
 #   SERVE_CONCURRENCY ("1 8 32"), SERVE_PRESETS, SERVE_ARGS (more --preset-server arguments), SERVE_PORT, SERVE_UP_SECONDS, CONTINUOUS_MODELS, CONTINUOUS_C, CONTINUOUS_ARGS,
 #   CONTINUOUS_PREFILL_C   see scripts/gpu/serve.sh, continuous.sh

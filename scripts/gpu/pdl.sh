@@ -1,10 +1,11 @@
 # pdl: the layer with the NVFP4 kernels' programmatic dependent launch on (the default), off (gemv_pdl=0; the other
 # decode kernels keep PDL), and off for the dense 8-row gemv alone (gemv8_pdl=0: a no-op at B <= 2, where the
 # 2-row gemv runs), at batch 1, 2, 4 and 8, PDL_ROUNDS times (1), interleaved; then the op tests and the compiled
-# decode with PDL off everywhere (pdl=0). Session 50 (H100): PDL on won at B = 1 (CSA 151.2 vs 159.2 us),
+# decode with PDL off everywhere (pdl=0); PDL_BATCHES ("1 2 4 8") picks the batches, PDL_TESTS=0 leaves out the
+# op tests (not the decode gemv's own bit test). Session 50 (H100): PDL on won at B = 1 (CSA 151.2 vs 159.2 us),
 # gemv_pdl=0 at B = 8 (347.7 vs 356.6 us).
 for r in $(seq "${PDL_ROUNDS:-1}"); do
-  for b in 1 2 4 8; do
+  for b in ${PDL_BATCHES:-1 2 4 8}; do
     for ov in "" gemv_pdl=0 gemv8_pdl=0; do
       [ "$b" -le 2 ] && [ "$ov" = gemv8_pdl=0 ] && continue
       name=pdl_layer_r${r}_b${b}_${ov:-on}; name=${name//=/}
@@ -14,6 +15,8 @@ for r in $(seq "${PDL_ROUNDS:-1}"); do
     done
   done
 done
+step pdl_gemv_bits 120 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_nvfp4_gemm.py -k decode_kernels
+[ "${PDL_TESTS:-1}" = 0 ] && return 0
 step pdl_op_tests 200 $PY -m pytest -q -m cuda -p no:cacheprovider --kernel-overrides pdl=0 \
   tests/test_compressor.py \
   tests/test_norm_rope.py tests/test_hc_pre.py tests/test_hadamard.py tests/test_key_store.py \
