@@ -48,6 +48,12 @@ def nvfp4_linear_multi(x: Tensor, *, w_packed: Sequence[Tensor], w_scale: Sequen
     return _ops.nvfp4_linear_multi(x, list(w_packed), list(w_scale), list(w_global_scale))
 
 
+def nvfp4_fp32_linear_multi(x: Tensor, *, w_packed: Sequence[Tensor], w_scale: Sequence[Tensor],
+                            w_global_scale: Sequence[Tensor], fp32_weight: Sequence[Tensor]) -> list[Tensor]:
+    """nvfp4_linear_multi(x, ...)'s outputs, then fp32_linear(x, fp32_weight)'s."""
+    return _ops.nvfp4_fp32_linear_multi(x, list(w_packed), list(w_scale), list(w_global_scale), list(fp32_weight))
+
+
 def nvfp4_linear_w4a4(x_packed: Tensor, x_scale: Tensor, x_global_scale: Tensor, *, w_packed: Tensor,
                       w_scale: Tensor, w_global_scale: Tensor, out_dtype: torch.dtype) -> Tensor:
     return _ops.nvfp4_linear_w4a4(x_packed, x_scale, x_global_scale, w_packed, w_scale, w_global_scale, out_dtype)

@@ -1,4 +1,5 @@
-"""dsv4::nvfp4_linear / nvfp4_linear_grouped / nvfp4_linear_multi / nvfp4_linear_w4a4 / nvfp4_moe / nvfp4_moe_rows
+"""dsv4::nvfp4_linear / nvfp4_linear_grouped / nvfp4_linear_multi / nvfp4_fp32_linear_multi / nvfp4_linear_w4a4 /
+nvfp4_moe / nvfp4_moe_rows
 against the dequantize-then-matmul references (dsv4_ops/reference/), the kernel weight layout
 (dsv4_model/quant/nvfp4.py), and the NVFP4 modules.
 
@@ -392,6 +393,32 @@ def test_linear_multi_cpu():
         ops.nvfp4_linear_multi(x, wp, ws[:2], wg)
 
 
+def fp32_weights(ns, k, gen, device, dtypes=(torch.bfloat16,)):
+    """Float matrices [n, k] for nvfp4_fp32_linear_multi's fp32 projections, dtypes cycled over them."""
+    return [(torch.randn(n, k, generator=gen) / k**0.5).to(dtypes[i % len(dtypes)]).to(device)
+            for i, n in enumerate(ns)]
+
+
+def test_nvfp4_fp32_linear_multi_cpu():
+    """The NVFP4 outputs of nvfp4_linear_multi, then the fp32 ones of fp32_linear, bit for bit; every argument
+    checked (and named) before any output is computed."""
+    gen = torch.Generator().manual_seed(41)
+    x, (wp, ws, wg), _, _ = multi_case((64, 32), 272, (2, 3), gen, "cpu")
+    fw = fp32_weights((48, 16, 8), 272, gen, "cpu", (torch.bfloat16, torch.float32))
+    outs = ops.nvfp4_fp32_linear_multi(x, wp, ws, wg, fw)
+    expect = list(ops.nvfp4_linear_multi(x, wp, ws, wg)) + list(ops.fp32_linear(x, fw))
+    assert len(outs) == 5
+    for i, (o, e) in enumerate(zip(outs, expect)):
+        assert o.dtype == e.dtype and torch.equal(o, e), f"output {i}"
+    assert [o.dtype for o in outs] == [torch.bfloat16] * 2 + [torch.float32] * 3
+    with pytest.raises(RuntimeError, match=r"dsv4::nvfp4_fp32_linear_multi: fp32_weight\[1\] must be \[N, K = 272\]"):
+        ops.nvfp4_fp32_linear_multi(x, wp, ws, wg, [fw[0], fw[1][:, :16]])
+    with pytest.raises(RuntimeError, match="dsv4::nvfp4_fp32_linear_multi: fp32_weight must list 1 to 8"):
+        ops.nvfp4_fp32_linear_multi(x, wp, ws, wg, [])
+    with pytest.raises(RuntimeError, match=r"dsv4::nvfp4_fp32_linear_multi: w_scale\[0\]"):
+        ops.nvfp4_fp32_linear_multi(x, wp, [ws[1], ws[0]], wg, fw)
+
+
 def test_linear_grouped_bad_args_name_the_argument():
     gen = torch.Generator().manual_seed(3)
     x, (wk, sk, gs), _, _, _ = grouped_case(4, 32, 144, (2,), gen, "cpu")
@@ -410,8 +437,10 @@ def opcheck_args(device, gen):
     mx, ids, wts, w13, w2, shared = moe_case(4, 144, 32, 16, 5, 2, gen, device)
     gx, gw, _, _, _ = grouped_case(4, 32, 272, (3,), gen, device)
     mxx, mw, _, _ = multi_case((32, 16), 272, (3,), gen, device)
+    fw = fp32_weights((24, 8), 272, gen, device, (torch.bfloat16, torch.float32))
     return [
         (ops.nvfp4_linear_multi.default, (mxx, *mw)),
+        (ops.nvfp4_fp32_linear_multi.default, (mxx, *mw, fw)),
         (ops.nvfp4_linear.default, (x, *w)),
         (ops.nvfp4_linear.default, (x[0], *w)),
         (ops.nvfp4_linear.default, (x, *w, torch.float32)),
@@ -711,6 +740,63 @@ def test_linear_multi_cuda(ns, k):
             with kernel_choice("skinny"):
                 for i, (o, r, b) in enumerate(zip(ops.nvfp4_linear_multi(x, *w), refs, bounds)):
                     assert_bf16_close(o, r, b, f"cuda skinny multi {m} seg {i}")
+
+
+@pytest.mark.cuda
+@pytest.mark.kernels
+def test_nvfp4_fp32_linear_multi_cuda():
+    """V4-Flash's attention decode projections of x (wq_a + wkv NVFP4; the compressors' wkv / wgate and the
+    indexer's weights_proj in fp32 math) in one call: the bits of the two ops at every M, with the fp32 kernel
+    beside the gemv or after it, PDL on or off, weights of both float dtypes (two fp32 launches), x not 16-byte
+    aligned (copied first). Beside the gemv, what follows the op must still see both finished: the next kernels
+    (PDL) read the gemv's outputs at once, inside a CUDA graph whose x comes from a kernel just before the op;
+    the fp32 kernel is far shorter than the gemv there, so an early exit would show."""
+    gen = torch.Generator().manual_seed(43)
+    big = (1024, 1024, 256, 256, 64)
+    for m in (1, 2, 3, 8, 12):
+        x, w, _, _ = multi_case((1024, 512), 4096, (m,), gen, "cuda")
+        for dtypes in ((torch.bfloat16,), (torch.bfloat16, torch.float32)):
+            fw = fp32_weights(big, 4096, gen, "cuda", dtypes)
+            expect = list(ops.nvfp4_linear_multi(x, *w)) + list(ops.fp32_linear(x, fw))
+            for over in ({}, {"beside": False}, {"pdl": False}, {"gemv_pdl": False}):
+                with kernel_overrides(**over):
+                    outs = ops.nvfp4_fp32_linear_multi(x, *w, fw)
+                assert all(torch.equal(a, b) for a, b in zip(outs, expect)), f"M = {m} {dtypes} {over}"
+    raw = torch.empty(4096 + 8, dtype=torch.bfloat16, device="cuda")
+    xo = raw[1:4097].view(1, 4096)  # 2-byte aligned: both ops copy it
+    xo.copy_(rand_x((1, 4096), gen, "cuda"))
+    x, w, _, _ = multi_case((1024, 512), 4096, (1,), gen, "cuda")
+    fw = fp32_weights(big, 4096, gen, "cuda")
+    expect = list(ops.nvfp4_linear_multi(xo, *w)) + list(ops.fp32_linear(xo, fw))
+    assert all(torch.equal(a, b) for a, b in zip(ops.nvfp4_fp32_linear_multi(xo, *w, fw), expect))
+
+    # the graph: x0 -> x (a linear just before the op) -> the op -> two linears reading the gemv's outputs
+    p0 = rand_nvfp4((), 4096, 4096, gen, "cuda")
+    w0 = (*nv.repack_weight(p0[0], p0[1]), p0[2])
+    pq = rand_nvfp4((), 2048, 1024, gen, "cuda")
+    wq = (*nv.repack_weight(pq[0], pq[1]), pq[2])
+    tiny = fp32_weights((8,), 4096, gen, "cuda")
+    x0 = rand_x((1, 4096), gen, "cuda")
+
+    def step(fused):
+        xx = ops.nvfp4_linear(x0, *w0)
+        if fused:
+            outs = ops.nvfp4_fp32_linear_multi(xx, *w, tiny)
+        else:
+            outs = list(ops.nvfp4_linear_multi(xx, *w)) + list(ops.fp32_linear(xx, tiny))
+        return [*outs, ops.nvfp4_linear(outs[0], *wq), ops.nvfp4_linear(outs[1][:, :1024].contiguous(), *wq)]
+
+    torch.cuda.synchronize()
+    step(True)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static = step(True)
+    for _ in range(20):
+        x0.copy_(rand_x((1, 4096), gen, "cuda"))
+        g.replay()
+        torch.cuda.synchronize()
+        expect = step(False)
+        assert all(torch.equal(a, b) for a, b in zip(static, expect))
 
 
 @pytest.mark.cuda

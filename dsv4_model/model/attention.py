@@ -31,7 +31,7 @@ from dsv4_model.model.compressor import Compressor, scatter_entries
 from dsv4_model.model.config import ModelConfig
 from dsv4_model.model.indexer import Indexer, topk_indices
 from dsv4_model.model.layers import (FloatWeight, GroupedLinear, Linear, RMSNorm, apply_rope, project,
-                                     unweighted_rms_norm)
+                                     project_with_fp32, unweighted_rms_norm)
 from dsv4_model.model.quant_sim import fp4_pack_indexer_keys, kv_fake_quant
 from dsv4_model.model.step_values import DecodeStep, TokenSteps
 
@@ -152,14 +152,15 @@ class Attention(nn.Module):
 
     # ------------------------------------------------------------------ shared pieces
     def _qkv(self, x: torch.Tensor, cs: torch.Tensor, decode: bool = False,
-             positions: torch.Tensor | None = None, seqs: int = 0):
+             positions: torch.Tensor | None = None, seqs: int = 0,
+             qa_kva: tuple[torch.Tensor, torch.Tensor] | None = None):
         """x [..., dim] -> (qr [..., q_lora], q [..., H, D], kv [..., D], iproj); cs: rope rows for x's positions.
         decode (x [B, dim], one token per row): the norms and RoPE as dsv4 kernels where supports says so, and
         iproj the indexer's wq_b(qr), projected beside wq_b (in prefill, and without an indexer, None: the indexer
         projects qr itself). positions (decode): kv may go straight into the window of kv_cache at positions %
         window (then None); seqs: rows are tokens of that many sequences (row r writes sequence r % seqs's ring;
-        0: one token per row)."""
-        qa, kva = project(x, self.wq_a, self.wkv)
+        0: one token per row); qa_kva: (wq_a(x), wkv(x)) when computed already."""
+        qa, kva = project(x, self.wq_a, self.wkv) if qa_kva is None else qa_kva
         if decode and self.use_q_norm_op:  # a dsv4 kernel (PDL), not Inductor's reduction
             cs0 = qa.new_empty((qa.shape[0], 0, 2), dtype=torch.float32)
             qr = ops.rms_norm_rope(qa.unsqueeze(1), weight=self.q_norm.weight, cs=cs0, eps=self.q_norm.eps,
@@ -188,23 +189,28 @@ class Attention(nn.Module):
             kv = kv_fake_quant(kv, self.rope_dim)
         return qr, q, kv, iproj
 
-    def _fp32_projections(self, x: torch.Tensor):
-        """The fp32-math projections of x at decode, in one dsv4::fp32_linear call: ((wkv(x), wgate(x)) of the
-        compressor or None, the same of the indexer's compressor or None, the indexer's weights_proj(x) in fp32
-        (Indexer.select has its op round it to the weight's dtype, as the module returns it) or None)."""
+    def _fp32_modules(self) -> list[Linear]:
+        """The float Linears of the fp32-math projections of x at decode: the compressor's wkv, wgate, the same of
+        the indexer's compressor, the indexer's weights_proj (when its packed scorer takes the fp32 product);
+        each where present."""
         ix = self.indexer
         comp, icomp = self.compressor, (ix.compressor if ix is not None else None)
         wp = ix.weights_proj if ix is not None and ix.packed_decode() else None
         if wp is not None and not (type(wp) is Linear and isinstance(wp.form, FloatWeight)):
             wp = None
         mods = [lin for c in (comp, icomp) if c is not None for lin in (c.wkv, c.wgate)]
-        mods += [wp] if wp is not None else []
-        if not mods:
-            return None, None, None
-        outs = iter(project(x, *mods, fp32=True))
-        cproj = (next(outs), next(outs)) if comp is not None else None
-        iproj = (next(outs), next(outs)) if icomp is not None else None
-        return cproj, iproj, (next(outs) if wp is not None else None)
+        return mods + ([wp] if wp is not None else [])
+
+    def _fp32_projections(self, outs: tuple[torch.Tensor, ...]):
+        """_fp32_modules' products (fp32) as ((wkv(x), wgate(x)) of the compressor or None, the same of the
+        indexer's compressor or None, the indexer's weights_proj(x) in fp32 (Indexer.select has its op round it to
+        the weight's dtype, as the module returns it) or None)."""
+        ix = self.indexer
+        icomp = ix.compressor if ix is not None else None
+        it = iter(outs)
+        cproj = (next(it), next(it)) if self.compressor is not None else None
+        iproj = (next(it), next(it)) if icomp is not None else None
+        return cproj, iproj, next(it, None)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, qkeys: torch.Tensor | None = None,
                 qmask: torch.Tensor | None = None) -> torch.Tensor:
@@ -480,9 +486,10 @@ class Attention(nn.Module):
     def _decode_projections(self, x: torch.Tensor, cs: torch.Tensor, positions: torch.Tensor | None = None,
                             seqs: int = 0) -> "DecodeProjections":
         """Every projection of decode tokens x [N, dim] (_qkv's, then _fp32_projections'); positions, seqs: as
-        _qkv's."""
-        qr, q, kv, iproj = self._qkv(x, cs, decode=True, positions=positions, seqs=seqs)
-        return DecodeProjections(x, cs, qr, q, kv, iproj, *self._fp32_projections(x))
+        _qkv's. wq_a, wkv and the fp32-math projections of x go in one call (project_with_fp32)."""
+        qa_kva, f32 = project_with_fp32(x, (self.wq_a, self.wkv), self._fp32_modules())
+        qr, q, kv, iproj = self._qkv(x, cs, decode=True, positions=positions, seqs=seqs, qa_kva=qa_kva)
+        return DecodeProjections(x, cs, qr, q, kv, iproj, *self._fp32_projections(f32))
 
     def _decode_attend(self, p: "DecodeProjections", step: DecodeStep, seqs: int | None = None,
                        stored: bool = False) -> tuple[torch.Tensor, bool]:

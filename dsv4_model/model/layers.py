@@ -179,6 +179,26 @@ def project(x: torch.Tensor, *projections: Projection, fp32: bool = False) -> tu
     return tuple(p(x) for p in projections)
 
 
+def project_with_fp32(x: torch.Tensor, projections: Sequence[Projection],
+                      fp32_projections: Sequence[Projection]) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """(project(x, *projections), project(x, *fp32_projections, fp32=True)) of one bf16 x, in one
+    dsv4::nvfp4_fp32_linear_multi call where `projections` are W4A16 NVFP4 Linears (on CUDA under PDL its fp32
+    kernel runs beside the NVFP4 gemv instead of after it), else as those two calls; the same values either way."""
+    if not all(is_float_linear(p) for p in fp32_projections):
+        raise ValueError("project_with_fp32 takes float Linears as fp32_projections")
+    if not fp32_projections:
+        return project(x, *projections), ()
+    if not (x.dtype == torch.bfloat16 and projections
+            and all(isinstance(p, Linear) and p.form.joint is _w4a16_run for p in projections)):
+        return project(x, *projections), project(x, *fp32_projections, fp32=True)
+    outs = ops.nvfp4_fp32_linear_multi(x, w_packed=[p.weight_packed for p in projections],
+                                       w_scale=[p.weight_scale for p in projections],
+                                       w_global_scale=[p.weight_global_scale for p in projections],
+                                       fp32_weight=[p.weight for p in fp32_projections])
+    n = len(projections)
+    return tuple(o.to(p.form.out_dtype) for o, p in zip(outs[:n], projections)), tuple(outs[n:])
+
+
 def is_float_linear(p: nn.Module) -> bool:
     """Whether p is a Linear holding a float weight."""
     return isinstance(p, Linear) and isinstance(p.form, FloatWeight)

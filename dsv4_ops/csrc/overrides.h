@@ -22,6 +22,8 @@ struct Overrides {
   int gemv8_pdl = 1;          // under gemv_pdl: the dense 8-row gemv (3 <= M <= 8) with it too; 0 keeps it for the
                               // 2-row gemv (M <= 2) and the MoE only (an A/B: without PDL the layer at B = 8 measured
                               // 2.5-5.6% faster)
+  int beside = 1;             // under pdl: dsv4::nvfp4_fp32_linear_multi runs its fp32 kernel beside its gemv; 0 after
+                              // it, as two ops would (an A/B)
 };
 
 // The process's overrides (one instance inside libdsv4_ops.so).

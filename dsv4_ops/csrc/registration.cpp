@@ -88,6 +88,11 @@ TORCH_LIBRARY(dsv4, m) {
   // Several projections of the same input in one call (attention wq_a + wkv): out[i] = nvfp4_linear(x, W_i).
   m.def(
       "nvfp4_linear_multi(Tensor x, Tensor[] w_packed, Tensor[] w_scale, Tensor[] w_global_scale) -> Tensor[]");
+  // nvfp4_linear_multi's outputs, then fp32_linear(x, fp32_weight)'s, of one x (attention decode: wq_a + wkv and
+  // the compressors' / indexer's fp32-math projections). On CUDA under PDL the fp32 kernel runs beside the gemv.
+  m.def(
+      "nvfp4_fp32_linear_multi(Tensor x, Tensor[] w_packed, Tensor[] w_scale, Tensor[] w_global_scale, "
+      "Tensor[] fp32_weight) -> Tensor[]");
   m.def(
       "nvfp4_linear_w4a4(Tensor x_packed, Tensor x_scale, Tensor x_global_scale, Tensor w_packed, "
       "Tensor w_scale, Tensor w_global_scale, ScalarType out_dtype) -> Tensor");

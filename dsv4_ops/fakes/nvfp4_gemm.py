@@ -1,6 +1,8 @@
 """Fakes for the NVFP4 GEMM / MoE ops (dsv4::nvfp4_linear, nvfp4_linear_grouped, nvfp4_linear_multi,
-nvfp4_linear_w4a4, nvfp4_moe, nvfp4_moe_rows): shapes only."""
+nvfp4_fp32_linear_multi, nvfp4_linear_w4a4, nvfp4_moe, nvfp4_moe_rows): shapes only."""
 import torch
+
+from dsv4_ops.fakes.fp32_linear import fp32_linear_outputs
 
 _CHUNK = 128
 
@@ -45,8 +47,7 @@ def _linear_grouped_fake(x, w_packed, w_scale, w_global_scale):
     return x.new_empty((*x.shape[:-1], n))
 
 
-def _linear_multi_fake(x, w_packed, w_scale, w_global_scale):
-    op = "dsv4::nvfp4_linear_multi"
+def _linear_multi_fake(x, w_packed, w_scale, w_global_scale, op="dsv4::nvfp4_linear_multi"):
     torch._check(x.dtype == torch.bfloat16, lambda: f"{op}: x must be bf16, got {x.dtype}")
     torch._check(len(w_packed) > 0 and len(w_scale) == len(w_packed) == len(w_global_scale),
                  lambda: f"{op}: w_packed, w_scale, w_global_scale must be non-empty lists of one length")
@@ -56,6 +57,12 @@ def _linear_multi_fake(x, w_packed, w_scale, w_global_scale):
         _check_gs(op, g)
         outs.append(x.new_empty((*x.shape[:-1], n)))
     return outs
+
+
+def _nvfp4_fp32_linear_multi_fake(x, w_packed, w_scale, w_global_scale, fp32_weight):
+    op = "dsv4::nvfp4_fp32_linear_multi"
+    outs = _linear_multi_fake(x, w_packed, w_scale, w_global_scale, op)
+    return outs + fp32_linear_outputs(op, "fp32_weight", x, fp32_weight)
 
 
 def _linear_w4a4_fake(x_packed, x_scale, x_global_scale, w_packed, w_scale, w_global_scale, out_dtype):
@@ -123,6 +130,7 @@ def _moe_rows_fake(x, topk_ids, topk_weights, w13_packed, w13_scale, w13_global_
 
 for _name, _fn in (("nvfp4_linear", _linear_fake), ("nvfp4_linear_grouped", _linear_grouped_fake),
                    ("nvfp4_linear_multi", _linear_multi_fake),
+                   ("nvfp4_fp32_linear_multi", _nvfp4_fp32_linear_multi_fake),
                    ("nvfp4_linear_w4a4", _linear_w4a4_fake),
                    ("nvfp4_moe", _moe_fake), ("nvfp4_moe_rows", _moe_rows_fake)):
     torch.library.register_fake(f"dsv4::{_name}")(_fn)

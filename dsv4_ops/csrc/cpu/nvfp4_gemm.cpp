@@ -9,6 +9,7 @@
 #include <cmath>
 #include <vector>
 
+#include "fp32_linear_checks.h"
 #include "nvfp4_gemm_checks.h"
 #include "nvfp4_layout.h"
 #include "row_matmul.h"
@@ -112,6 +113,18 @@ std::vector<at::Tensor> nvfp4_linear_multi_cpu(const at::Tensor& x, at::TensorLi
   check_multi(x, w, s, gs, "dsv4::nvfp4_linear_multi");
   std::vector<at::Tensor> outs;
   for (size_t i = 0; i < w.size(); ++i) outs.push_back(nvfp4_linear_cpu(x, w[i], s[i], gs[i], std::nullopt));
+  return outs;
+}
+
+// The two ops in order: nvfp4_linear_multi's outputs, then fp32_linear's (every argument checked first).
+std::vector<at::Tensor> nvfp4_fp32_linear_multi_cpu(const at::Tensor& x, at::TensorList w, at::TensorList s,
+                                                    at::TensorList gs, at::TensorList fp32_weight) {
+  const char* op = "dsv4::nvfp4_fp32_linear_multi";
+  check_multi(x, w, s, gs, op);
+  dsv4_fp32_linear::check(x, fp32_weight, op, "fp32_weight");
+  std::vector<at::Tensor> outs;
+  for (size_t i = 0; i < w.size(); ++i) outs.push_back(nvfp4_linear_cpu(x, w[i], s[i], gs[i], std::nullopt));
+  for (at::Tensor& y : dsv4_fp32_linear::matmul_each(x, fp32_weight)) outs.push_back(std::move(y));
   return outs;
 }
 
@@ -252,6 +265,7 @@ TORCH_LIBRARY_IMPL(dsv4, CPU, m) {
   m.impl("nvfp4_linear", &nvfp4_linear_cpu);
   m.impl("nvfp4_linear_grouped", &nvfp4_linear_grouped_cpu);
   m.impl("nvfp4_linear_multi", &nvfp4_linear_multi_cpu);
+  m.impl("nvfp4_fp32_linear_multi", &nvfp4_fp32_linear_multi_cpu);
   m.impl("nvfp4_linear_w4a4", &nvfp4_linear_w4a4_cpu);
   m.impl("nvfp4_moe", &nvfp4_moe_cpu);
   m.impl("nvfp4_moe_rows", &nvfp4_moe_rows_cpu);

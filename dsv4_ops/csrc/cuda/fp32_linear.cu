@@ -90,10 +90,16 @@ __device__ __forceinline__ void load_x(const XT* p, float (&f)[V]) {
   }
 }
 
+// pdl: 0 launched without PDL; 1 with it (wait at the top, then let the successor launch); 2 beside the kernel
+// before it (kBeside: that kernel triggered this launch at its start and reads the same, final, inputs): no wait
+// before the work, the successor may launch at once, and the wait at the end, so that this grid completes only
+// after its predecessor has (the successor's wait then covers both).
+constexpr int kBeside = 2;
+
 // R rows per CTA, MT = token rows the accumulators hold (M <= MT), U pieces per row in flight per thread.
 template <int R, int MT, int U, typename WT, typename XT>
 __global__ void __launch_bounds__(kMaxThreads) fp32_linear_kernel(const Fp32LinearParams p, int pdl) {
-  dsv4_cuda::grid_dep_wait();
+  if (pdl != kBeside) dsv4_cuda::grid_dep_wait();
   if (pdl) dsv4_cuda::grid_dep_launch();
   constexpr int V = Piece<WT>::V;
   int seg = 0;
@@ -163,26 +169,31 @@ __global__ void __launch_bounds__(kMaxThreads) fp32_linear_kernel(const Fp32Line
       p.y[seg][size_t(m) * N + row0 + r] = s;
     }
   }
+  if (pdl == kBeside) dsv4_cuda::grid_dep_wait();
 }
 
 template <int R, int MT, int U>
-cudaError_t launch_rmt(const Fp32LinearParams& p, int w_fp32, int x_fp32, int ctas, int threads, cudaStream_t st) {
-  const bool pdl = decode_pdl();
+cudaError_t launch_rmt(const Fp32LinearParams& p, int w_fp32, int x_fp32, int ctas, int threads, int beside,
+                       cudaStream_t st) {
+  const bool pdl = beside || decode_pdl();
+  const int mode = beside ? kBeside : int(pdl);
   const dim3 grid(ctas), block(threads);
-  if (w_fp32 && x_fp32) launch_ex(pdl, fp32_linear_kernel<R, MT, U, float, float>, grid, block, 0, st, p, int(pdl));
-  else if (w_fp32) launch_ex(pdl, fp32_linear_kernel<R, MT, U, float, bf16>, grid, block, 0, st, p, int(pdl));
-  else if (x_fp32) launch_ex(pdl, fp32_linear_kernel<R, MT, U, bf16, float>, grid, block, 0, st, p, int(pdl));
-  else launch_ex(pdl, fp32_linear_kernel<R, MT, U, bf16, bf16>, grid, block, 0, st, p, int(pdl));
+  if (w_fp32 && x_fp32) launch_ex(pdl, fp32_linear_kernel<R, MT, U, float, float>, grid, block, 0, st, p, mode);
+  else if (w_fp32) launch_ex(pdl, fp32_linear_kernel<R, MT, U, float, bf16>, grid, block, 0, st, p, mode);
+  else if (x_fp32) launch_ex(pdl, fp32_linear_kernel<R, MT, U, bf16, float>, grid, block, 0, st, p, mode);
+  else launch_ex(pdl, fp32_linear_kernel<R, MT, U, bf16, bf16>, grid, block, 0, st, p, mode);
   return cudaGetLastError();
 }
 
 }  // namespace
 
 // x [M, K] (bf16 or fp32, 16-byte aligned rows), w[i] [n[i], K] (all bf16 or all fp32, 16-byte aligned rows),
-// y[i] fp32 [M, n[i]]. M in [1, 8], K a multiple of 8, nseg in [1, 8]. Returns the launch error.
+// y[i] fp32 [M, n[i]]. M in [1, 8], K a multiple of 8, nseg in [1, 8]. beside: the kernel enqueued just before
+// this one lets it launch at its start and reads only what it reads (dsv4::nvfp4_fp32_linear_multi's gemv): run
+// beside it (kBeside above). Returns the launch error.
 extern "C" cudaError_t dsv4_fp32_linear_launch(const void* x, int x_fp32, int M, int K, const void* const* w,
                                                int w_fp32, float* const* y, const int* n, int nseg,
-                                               int num_sms, cudaStream_t stream) {
+                                               int num_sms, int beside, cudaStream_t stream) {
   if (M < 1 || M > 8 || nseg < 1 || nseg > kMaxSeg) return cudaErrorInvalidValue;
   int rows = 0;
   for (int i = 0; i < nseg; ++i) rows += n[i];
@@ -207,14 +218,14 @@ extern "C" cudaError_t dsv4_fp32_linear_launch(const void* x, int x_fp32, int M,
   // The accumulators hold MT >= M token rows: the smallest of 1, 2, 4, 8 (a verification step's 2-4 rows would
   // otherwise carry 8 rows of registers and an unrolled loop sized for them).
   if (R == 4) {
-    if (M == 1) return launch_rmt<4, 1, 2>(p, w_fp32, x_fp32, ctas, threads, stream);
-    if (M == 2) return launch_rmt<4, 2, 2>(p, w_fp32, x_fp32, ctas, threads, stream);
-    if (M <= 4) return launch_rmt<4, 4, 2>(p, w_fp32, x_fp32, ctas, threads, stream);
-    return launch_rmt<4, 8, 2>(p, w_fp32, x_fp32, ctas, threads, stream);
+    if (M == 1) return launch_rmt<4, 1, 2>(p, w_fp32, x_fp32, ctas, threads, beside, stream);
+    if (M == 2) return launch_rmt<4, 2, 2>(p, w_fp32, x_fp32, ctas, threads, beside, stream);
+    if (M <= 4) return launch_rmt<4, 4, 2>(p, w_fp32, x_fp32, ctas, threads, beside, stream);
+    return launch_rmt<4, 8, 2>(p, w_fp32, x_fp32, ctas, threads, beside, stream);
   }
   // One row per CTA (the mHC mixes: 24 CTAs x 64 KB): 8 pieces per thread, the CTA's whole share in flight.
-  if (M == 1) return launch_rmt<1, 1, 8>(p, w_fp32, x_fp32, ctas, threads, stream);
-  if (M == 2) return launch_rmt<1, 2, 8>(p, w_fp32, x_fp32, ctas, threads, stream);
-  if (M <= 4) return launch_rmt<1, 4, 4>(p, w_fp32, x_fp32, ctas, threads, stream);
-  return launch_rmt<1, 8, 4>(p, w_fp32, x_fp32, ctas, threads, stream);
+  if (M == 1) return launch_rmt<1, 1, 8>(p, w_fp32, x_fp32, ctas, threads, beside, stream);
+  if (M == 2) return launch_rmt<1, 2, 8>(p, w_fp32, x_fp32, ctas, threads, beside, stream);
+  if (M <= 4) return launch_rmt<1, 4, 4>(p, w_fp32, x_fp32, ctas, threads, beside, stream);
+  return launch_rmt<1, 8, 4>(p, w_fp32, x_fp32, ctas, threads, beside, stream);
 }

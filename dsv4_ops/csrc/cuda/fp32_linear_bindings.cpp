@@ -14,6 +14,7 @@
 
 #include "cuda/launchers.h"
 #include "cuda/mm_dtype.h"
+#include "cuda/fp32_linear_cuda.h"
 #include "fp32_linear_checks.h"
 
 namespace {
@@ -22,8 +23,8 @@ bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_
 
 using dsv4_cuda::sm_count;
 
-std::vector<at::Tensor> matmul_each(const at::Tensor& x, const at::Tensor& x2, at::TensorList w,
-                                    const std::vector<int64_t>& ns) {
+std::vector<at::Tensor> matmul_fallback(const at::Tensor& x, const at::Tensor& x2, at::TensorList w,
+                                        const std::vector<int64_t>& ns) {
   const auto* mm = dsv4_cuda::mm_dtype_op();
   at::Tensor xf;  // x widened once, for the weights that need it
   std::vector<at::Tensor> out;
@@ -40,10 +41,14 @@ std::vector<at::Tensor> matmul_each(const at::Tensor& x, const at::Tensor& x2, a
   return out;
 }
 
-std::vector<at::Tensor> fp32_linear_cuda(const at::Tensor& x, at::TensorList w) {
+}  // namespace
+
+namespace dsv4_fp32_linear {
+
+std::vector<at::Tensor> cuda_impl(const at::Tensor& x, at::TensorList w, bool beside) {
   const char* op = "dsv4::fp32_linear";
   TORCH_CHECK(x.is_cuda(), op, ": x must be a CUDA tensor, got ", x.device());
-  const std::vector<int64_t> ns = dsv4_fp32_linear::check(x, w);
+  const std::vector<int64_t> ns = check(x, w);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t K = x.size(-1);
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
@@ -61,7 +66,7 @@ std::vector<at::Tensor> fp32_linear_cuda(const at::Tensor& x, at::TensorList w) 
     elems += ns[i] * K;
   }
   if (M >= 2 && all_bf16 && elems >= (int64_t(1) << 26)) gemv = false;
-  if (!gemv) return matmul_each(x, x2, w, ns);
+  if (!gemv) return matmul_fallback(x, x2, w, ns);  // stream-ordered: nothing runs beside a cuBLAS call
 
   std::vector<at::Tensor> outs;
   for (size_t i = 0; i < w.size(); ++i) {
@@ -84,11 +89,20 @@ std::vector<at::Tensor> fp32_linear_cuda(const at::Tensor& x, at::TensorList w) 
     }
     if (nseg == 0) continue;
     const cudaError_t err = dsv4_fp32_linear_launch(x2.data_ptr(), x2.scalar_type() == at::kFloat, int(M), int(K),
-                                                    wp, wt == at::kFloat, yp, n, nseg, sms,
+                                                    wp, wt == at::kFloat, yp, n, nseg, sms, int(beside),
                                                     c10::cuda::getCurrentCUDAStream().stream());
     TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+    beside = false;  // a second launch (the other weight dtype) follows the first one as usual
   }
   return outs;
+}
+
+}  // namespace dsv4_fp32_linear
+
+namespace {
+
+std::vector<at::Tensor> fp32_linear_cuda(const at::Tensor& x, at::TensorList w) {
+  return dsv4_fp32_linear::cuda_impl(x, w, false);
 }
 
 }  // namespace

@@ -37,7 +37,7 @@ extern "C" cudaError_t dsv4_compressor_decode_launch(const float* kv, const floa
 // fp32_linear.cu
 extern "C" cudaError_t dsv4_fp32_linear_launch(const void* x, int x_fp32, int M, int K, const void* const* w,
                                                int w_fp32, float* const* y, const int* n, int nseg,
-                                               int num_sms, cudaStream_t stream);
+                                               int num_sms, int beside, cudaStream_t stream);
 
 // hadamard.cu
 extern "C" int dsv4_hadamard_fp4_kernel_ok(int d);

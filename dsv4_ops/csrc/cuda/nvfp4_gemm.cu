@@ -303,6 +303,7 @@ extern "C" cudaError_t dsv4_nvfp4_linear_launch(const Nvfp4LinearArgs* a, cudaSt
   const int ny = a->nseg > 0 ? a->nseg : p.G;  // blockIdx.y: groups or segments
   if (a->gemv && a->M <= 8 && reinterpret_cast<uintptr_t>(a->x) % 16 == 0) {
     p.pdl = a->pdl;
+    p.trigger_now = a->trigger_now;
     int occ = 2;
     plan_gemv(a->M <= 2 ? 2 : 8, ntiles, nchunks, ny, p.kw, p.rt, occ);
     const dim3 grid(unsigned((ntiles + p.rt - 1) / p.rt), unsigned(ny));

@@ -28,6 +28,8 @@ struct Nvfp4LinearArgs {
   int gemv;                 // 1 (the default): gemv for M <= 8, tiled for one dense matrix at 8 < M <= 64;
                             // 0: skinny for every M <= 64
   int pdl;                  // launch the gemv kernel with programmatic dependent launch
+  int trigger_now;          // the dense gemv lets its successor launch at its start (the kernel launched beside it
+                            // by dsv4::nvfp4_fp32_linear_multi reads only what this one reads); else after its last pass
   int wgmma;                // 1: the wgmma kernel where the tiled one would run, and grouped at M > 8 (nvfp4_wgmma.cu);
                             // 2: the same with 256-row tiles (the wide tile)
 };

@@ -32,8 +32,10 @@
 #include <vector>
 
 #include "cuda/device_info.h"
+#include "cuda/fp32_linear_cuda.h"
 #include "cuda/mm_dtype.h"
 #include "cuda/nvfp4_gemm.h"
+#include "fp32_linear_checks.h"
 #include "nvfp4_gemm_checks.h"
 #include "overrides.h"
 
@@ -350,11 +352,10 @@ at::Tensor nvfp4_linear_grouped_cuda(const at::Tensor& x, const at::Tensor& w, c
 // One launch for up to kNvfp4MaxSegments matrices at decode sizes (M <= 8, or M <= 64 with a kernel forced: gemv /
 // skinny, segment = blockIdx.y); otherwise one nvfp4_linear per matrix (H100: at M = 16 / 24 wq_b + the indexer's
 // wq_b per matrix 17.0 / 20.0 us vs one skinny launch 38.5 / 56.0; wq_a + wkv 12.4 / 13.6 vs 11.7 / 15.2).
-std::vector<at::Tensor> nvfp4_linear_multi_cuda(const at::Tensor& x, at::TensorList w, at::TensorList s,
-                                                at::TensorList gs) {
-  const char* op = "dsv4::nvfp4_linear_multi";
-  check_cuda(x, op, "x");
-  const std::vector<int64_t> ns = check_multi(x, w, s, gs, op);
+// trigger_now: the single gemv launch lets its successor launch at its start (nvfp4_fp32_linear_multi's fp32 kernel
+// runs beside it); the other paths' kernels let it launch after their wait, as always.
+std::vector<at::Tensor> multi_impl(const at::Tensor& x, at::TensorList w, at::TensorList s, at::TensorList gs,
+                                   const std::vector<int64_t>& ns, bool trigger_now, const char* op) {
   const int64_t K = x.size(-1);
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor x2 = prep(x.reshape({-1, K}), 16);
@@ -394,8 +395,32 @@ std::vector<at::Tensor> nvfp4_linear_multi_cuda(const at::Tensor& x, at::TensorL
   }
   a.gemv = kernel_choice() == Choice::kSkinny ? 0 : 1;
   a.pdl = use_pdl(M) ? 1 : 0;
+  a.trigger_now = trigger_now ? 1 : 0;
   check_launch(dsv4_nvfp4_linear_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
   for (int i = 0; i < n; ++i) outs[i] = shaped(outs[i], ns[i]);
+  return outs;
+}
+
+std::vector<at::Tensor> nvfp4_linear_multi_cuda(const at::Tensor& x, at::TensorList w, at::TensorList s,
+                                                at::TensorList gs) {
+  const char* op = "dsv4::nvfp4_linear_multi";
+  check_cuda(x, op, "x");
+  return multi_impl(x, w, s, gs, check_multi(x, w, s, gs, op), false, op);
+}
+
+// nvfp4_linear_multi's outputs, then fp32_linear's, of one x. Every argument is checked before either launch.
+// Under PDL (and the beside override) the fp32 kernel runs beside the gemv instead of after it: the gemv lets it
+// launch as soon as x is final, it reads only x and its weights, and it waits for the gemv only before it exits
+// (fp32_linear.cu), so whatever follows the op still starts after both.
+std::vector<at::Tensor> nvfp4_fp32_linear_multi_cuda(const at::Tensor& x, at::TensorList w, at::TensorList s,
+                                                     at::TensorList gs, at::TensorList fp32_weight) {
+  const char* op = "dsv4::nvfp4_fp32_linear_multi";
+  check_cuda(x, op, "x");
+  const std::vector<int64_t> ns = check_multi(x, w, s, gs, op);
+  dsv4_fp32_linear::check(x, fp32_weight, op, "fp32_weight");
+  const bool beside = dsv4_overrides::get().pdl != 0 && dsv4_overrides::get().beside != 0;
+  std::vector<at::Tensor> outs = multi_impl(x, w, s, gs, ns, beside, op);
+  for (at::Tensor& y : dsv4_fp32_linear::cuda_impl(x, fp32_weight, beside)) outs.push_back(std::move(y));
   return outs;
 }
 
@@ -520,6 +545,7 @@ TORCH_LIBRARY_IMPL(dsv4, CUDA, m) {
   m.impl("nvfp4_linear", &nvfp4_linear_cuda);
   m.impl("nvfp4_linear_grouped", &nvfp4_linear_grouped_cuda);
   m.impl("nvfp4_linear_multi", &nvfp4_linear_multi_cuda);
+  m.impl("nvfp4_fp32_linear_multi", &nvfp4_fp32_linear_multi_cuda);
   m.impl("nvfp4_linear_w4a4", &nvfp4_linear_w4a4_cuda);
   m.impl("nvfp4_moe", &nvfp4_moe_cuda);
   m.impl("nvfp4_moe_rows", &nvfp4_moe_rows_cuda);

@@ -78,6 +78,9 @@ __global__ void __launch_bounds__(kThreads, OCC) nvfp4_gemv_kernel(const SkinnyP
     }
     grid_dep_wait();
   }
+  // Past its wait (or launched without PDL: its predecessors are done) this CTA's inputs are final, so a kernel
+  // that reads only those inputs may start now; exited CTAs count as triggered.
+  if (MODE == kDense && p.trigger_now) grid_dep_launch();
   if (MODE == kDense) {
     float a = __ldg(task.gsp) * kUnbias;
     if (p.gs_act != nullptr) a *= __ldg(p.gs_act);

@@ -64,6 +64,8 @@ struct SkinnyParams {
   float limit;
   int kw, rt;  // warps splitting K per row tile, row tiles per CTA (kw * rt = 8)
   int pdl;     // launched with programmatic dependent launch
+  int trigger_now;  // dense gemv: let the next kernel launch as soon as this CTA may read its inputs (a kernel that
+                    // runs beside it, dsv4::nvfp4_fp32_linear_multi), not after its last pass
 };
 
 
