@@ -179,8 +179,8 @@ def project(x: torch.Tensor, *projections: Projection, fp32: bool = False) -> tu
     return tuple(p(x) for p in projections)
 
 
-def project_with_fp32(x: torch.Tensor, projections: Sequence[Projection],
-                      fp32_projections: Sequence[Projection]) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+def project_with_fp32(x: torch.Tensor, projections: Sequence[Projection], fp32_projections: Sequence[Projection]
+                      ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """(project(x, *projections), project(x, *fp32_projections, fp32=True)) of one bf16 x, in one
     dsv4::nvfp4_fp32_linear_multi call where `projections` are W4A16 NVFP4 Linears (on CUDA under PDL its fp32
     kernel runs beside the NVFP4 gemv instead of after it), else as those two calls; the same values either way."""
