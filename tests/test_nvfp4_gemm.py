@@ -742,41 +742,62 @@ def test_linear_multi_cuda(ns, k):
                     assert_bf16_close(o, r, b, f"cuda skinny multi {m} seg {i}")
 
 
+def assert_same(outs, expect, what):
+    assert len(outs) == len(expect), f"{what}: {len(outs)} outputs, expected {len(expect)}"
+    for i, (a, b) in enumerate(zip(outs, expect)):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{what}: output {i}"
+
+
 @pytest.mark.cuda
 @pytest.mark.kernels
 def test_nvfp4_fp32_linear_multi_cuda():
     """V4-Flash's attention decode projections of x (wq_a + wkv NVFP4; the compressors' wkv / wgate and the
     indexer's weights_proj in fp32 math) in one call: the bits of the two ops at every M, with the fp32 kernel
-    beside the gemv or after it, PDL on or off, weights of both float dtypes (two fp32 launches), x not 16-byte
-    aligned (copied first). Beside the gemv, what follows the op must still see both finished: the next kernels
-    (PDL) read the gemv's outputs at once, inside a CUDA graph whose x comes from a kernel just before the op;
-    the fp32 kernel is far shorter than the gemv there, so an early exit would show."""
+    beside the gemv or after it, PDL on or off (for the gemv alone too), skinny forced, five NVFP4 matrices (one
+    launch each), weights of both float dtypes (two fp32 launches), x a strided view (copied first)."""
     gen = torch.Generator().manual_seed(43)
     big = (1024, 1024, 256, 256, 64)
+    overs = ({}, {"beside": False}, {"pdl": False}, {"gemv_pdl": False}, {"gemv8_pdl": False},
+             {"nvfp4_gemm_kernel": "skinny"})
     for m in (1, 2, 3, 8, 12):
         x, w, _, _ = multi_case((1024, 512), 4096, (m,), gen, "cuda")
         for dtypes in ((torch.bfloat16,), (torch.bfloat16, torch.float32)):
             fw = fp32_weights(big, 4096, gen, "cuda", dtypes)
             expect = list(ops.nvfp4_linear_multi(x, *w)) + list(ops.fp32_linear(x, fw))
-            for over in ({}, {"beside": False}, {"pdl": False}, {"gemv_pdl": False}):
+            for over in overs:
                 with kernel_overrides(**over):
-                    outs = ops.nvfp4_fp32_linear_multi(x, *w, fw)
-                assert all(torch.equal(a, b) for a, b in zip(outs, expect)), f"M = {m} {dtypes} {over}"
-    raw = torch.empty(4096 + 8, dtype=torch.bfloat16, device="cuda")
-    xo = raw[1:4097].view(1, 4096)  # 2-byte aligned: both ops copy it
-    xo.copy_(rand_x((1, 4096), gen, "cuda"))
+                    assert_same(ops.nvfp4_fp32_linear_multi(x, *w, fw), expect, f"M = {m} {dtypes} {over}")
+    x, w, _, _ = multi_case((64, 32, 48, 16, 80), 272, (2,), gen, "cuda")
+    fw = fp32_weights((24, 8), 272, gen, "cuda")
+    assert_same(ops.nvfp4_fp32_linear_multi(x, *w, fw),
+                list(ops.nvfp4_linear_multi(x, *w)) + list(ops.fp32_linear(x, fw)), "five matrices")
+    wide = rand_x((1, 8192), gen, "cuda")
+    xs = wide[:, ::2]  # not contiguous: both ops copy it
     x, w, _, _ = multi_case((1024, 512), 4096, (1,), gen, "cuda")
     fw = fp32_weights(big, 4096, gen, "cuda")
-    expect = list(ops.nvfp4_linear_multi(xo, *w)) + list(ops.fp32_linear(xo, fw))
-    assert all(torch.equal(a, b) for a, b in zip(ops.nvfp4_fp32_linear_multi(xo, *w, fw), expect))
+    assert_same(ops.nvfp4_fp32_linear_multi(xs, *w, fw),
+                list(ops.nvfp4_linear_multi(xs.contiguous(), *w)) + list(ops.fp32_linear(xs.contiguous(), fw)),
+                "strided x")
 
-    # the graph: x0 -> x (a linear just before the op) -> the op -> two linears reading the gemv's outputs
+
+@pytest.mark.cuda
+@pytest.mark.kernels
+@pytest.mark.parametrize("m", [1, 8])
+def test_nvfp4_fp32_linear_multi_cuda_graph_order(m):
+    """Beside the gemv, the fp32 kernel must neither read x early nor let what follows the op start before the
+    gemv is done. A CUDA graph: x from an NVFP4 linear just before the op, then linears (PDL) reading the gemv's
+    outputs at once; the fp32 projection is one tiny matrix, far shorter than the gemv. Every static output is
+    NaN before each replay, so a read before its write shows; 30 replays against the two ops run eagerly."""
+    gen = torch.Generator().manual_seed(44)
+    _, w, _, _ = multi_case((1024, 512), 4096, (m,), gen, "cuda")
     p0 = rand_nvfp4((), 4096, 4096, gen, "cuda")
     w0 = (*nv.repack_weight(p0[0], p0[1]), p0[2])
-    pq = rand_nvfp4((), 2048, 1024, gen, "cuda")
-    wq = (*nv.repack_weight(pq[0], pq[1]), pq[2])
+    pa = rand_nvfp4((), 2048, 1024, gen, "cuda")
+    wa = (*nv.repack_weight(pa[0], pa[1]), pa[2])
+    pb = rand_nvfp4((), 2048, 512, gen, "cuda")
+    wb = (*nv.repack_weight(pb[0], pb[1]), pb[2])
     tiny = fp32_weights((8,), 4096, gen, "cuda")
-    x0 = rand_x((1, 4096), gen, "cuda")
+    x0 = rand_x((m, 4096), gen, "cuda")
 
     def step(fused):
         xx = ops.nvfp4_linear(x0, *w0)
@@ -784,19 +805,20 @@ def test_nvfp4_fp32_linear_multi_cuda():
             outs = ops.nvfp4_fp32_linear_multi(xx, *w, tiny)
         else:
             outs = list(ops.nvfp4_linear_multi(xx, *w)) + list(ops.fp32_linear(xx, tiny))
-        return [*outs, ops.nvfp4_linear(outs[0], *wq), ops.nvfp4_linear(outs[1][:, :1024].contiguous(), *wq)]
+        return [*outs, ops.nvfp4_linear(outs[0], *wa), ops.nvfp4_linear(outs[1], *wb)]
 
     torch.cuda.synchronize()
     step(True)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         static = step(True)
-    for _ in range(20):
-        x0.copy_(rand_x((1, 4096), gen, "cuda"))
+    for _ in range(30):
+        x0.copy_(rand_x((m, 4096), gen, "cuda"))
+        for t in static:
+            t.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
-        expect = step(False)
-        assert all(torch.equal(a, b) for a, b in zip(static, expect))
+        assert_same(static, step(False), "graph replay")
 
 
 @pytest.mark.cuda

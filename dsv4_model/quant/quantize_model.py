@@ -4,7 +4,8 @@ each converted MoE swaps its experts backend for the NVFP4 one.
 
 Converted (the weight bytes that dominate decode):
 - attention: wq_a, wq_b, wkv, wo_b -> NVFP4 (W4A16 wq_a + wkv run as one dsv4::nvfp4_linear_multi
-  call, and at decode wq_b + the indexer's wq_b as another: `model.layers.project`); wo_a (a grouped einsum, G
+  call, at decode with the fp32-math projections of the same x as one dsv4::nvfp4_fp32_linear_multi, and at
+  decode wq_b + the indexer's wq_b as another: `model.layers.project`, `project_with_fp32`); wo_a (a grouped einsum, G
   groups of [R, H*D/G]) -> NVFP4 grouped, one dsv4::nvfp4_linear_grouped call, one global scale per group
   (official runs wo_a in bf16 because it has no grouped FP8 kernel; at 8192x4096 per layer it is as large as the
   activated experts, so it is worth 4 bits); indexer.wq_b -> NVFP4;

@@ -352,10 +352,14 @@ at::Tensor nvfp4_linear_grouped_cuda(const at::Tensor& x, const at::Tensor& w, c
 // One launch for up to kNvfp4MaxSegments matrices at decode sizes (M <= 8, or M <= 64 with a kernel forced: gemv /
 // skinny, segment = blockIdx.y); otherwise one nvfp4_linear per matrix (H100: at M = 16 / 24 wq_b + the indexer's
 // wq_b per matrix 17.0 / 20.0 us vs one skinny launch 38.5 / 56.0; wq_a + wkv 12.4 / 13.6 vs 11.7 / 15.2).
-// trigger_now: the single gemv launch lets its successor launch at its start (nvfp4_fp32_linear_multi's fp32 kernel
-// runs beside it); the other paths' kernels let it launch after their wait, as always.
+// trigger_now: where the gemv runs (one launch, M <= 8), it lets its successor launch at its start
+// (nvfp4_fp32_linear_multi's fp32 kernel runs beside it); the other paths' kernels let it launch after their wait,
+// as always. Returns whether such a gemv was enqueued (some N > 0) in *triggered, and in *hold the copies it reads
+// (x, weights): a kernel beside it must not get their memory from the allocator while it runs.
 std::vector<at::Tensor> multi_impl(const at::Tensor& x, at::TensorList w, at::TensorList s, at::TensorList gs,
-                                   const std::vector<int64_t>& ns, bool trigger_now, const char* op) {
+                                   const std::vector<int64_t>& ns, bool trigger_now, const char* op,
+                                   bool* triggered = nullptr, std::vector<at::Tensor>* hold = nullptr) {
+  if (triggered != nullptr) *triggered = false;
   const int64_t K = x.size(-1);
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor x2 = prep(x.reshape({-1, K}), 16);
@@ -397,6 +401,14 @@ std::vector<at::Tensor> multi_impl(const at::Tensor& x, at::TensorList w, at::Te
   a.pdl = use_pdl(M) ? 1 : 0;
   a.trigger_now = trigger_now ? 1 : 0;
   check_launch(dsv4_nvfp4_linear_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
+  bool any_rows = false;
+  for (int i = 0; i < n; ++i) any_rows = any_rows || ns[i] > 0;
+  // the launcher's gemv condition (dsv4_nvfp4_linear_launch; x2 is 16-byte aligned)
+  if (triggered != nullptr) *triggered = trigger_now && a.gemv == 1 && M >= 1 && M <= 8 && any_rows;
+  if (hold != nullptr) {
+    hold->push_back(x2);
+    hold->insert(hold->end(), keep.begin(), keep.end());
+  }
   for (int i = 0; i < n; ++i) outs[i] = shaped(outs[i], ns[i]);
   return outs;
 }
@@ -418,8 +430,10 @@ std::vector<at::Tensor> nvfp4_fp32_linear_multi_cuda(const at::Tensor& x, at::Te
   check_cuda(x, op, "x");
   const std::vector<int64_t> ns = check_multi(x, w, s, gs, op);
   dsv4_fp32_linear::check(x, fp32_weight, op, "fp32_weight");
-  const bool beside = dsv4_overrides::get().pdl != 0 && dsv4_overrides::get().beside != 0;
-  std::vector<at::Tensor> outs = multi_impl(x, w, s, gs, ns, beside, op);
+  const bool want = dsv4_overrides::get().pdl != 0 && dsv4_overrides::get().beside != 0;
+  bool beside = false;            // whether the gemv that lets the fp32 kernel launch early was enqueued
+  std::vector<at::Tensor> hold;   // what that gemv reads lives until the fp32 outputs are allocated
+  std::vector<at::Tensor> outs = multi_impl(x, w, s, gs, ns, want, op, &beside, &hold);
   for (at::Tensor& y : dsv4_fp32_linear::cuda_impl(x, fp32_weight, beside)) outs.push_back(std::move(y));
   return outs;
 }
