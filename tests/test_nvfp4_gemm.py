@@ -668,8 +668,8 @@ def test_linear_cuda_decode_kernels(n, k):
         out = ops.nvfp4_linear(x, *w)
         with kernel_overrides(pdl=False):
             assert torch.equal(ops.nvfp4_linear(x, *w), out), f"gemv without PDL {m}x{n}x{k}"
-        with kernel_overrides(gemv8_pdl=False):  # the 8-row gemv alone without it
-            assert torch.equal(ops.nvfp4_linear(x, *w), out), f"gemv8 without PDL {m}x{n}x{k}"
+        with kernel_overrides(gemv_pdl_rows=3 if m < 8 else 9):  # the default's other side of the row rule
+            assert torch.equal(ops.nvfp4_linear(x, *w), out), f"gemv, the other PDL rule {m}x{n}x{k}"
         assert_bf16_close(out, ref32, bound, f"cuda gemv linear {m}x{n}x{k}")
     for m in (1, 8):
         xq, w, ref32, bound = w4a4_case(n, k, (m,), gen, "cuda")
@@ -757,7 +757,7 @@ def test_nvfp4_fp32_linear_multi_cuda():
     launch each), weights of both float dtypes (two fp32 launches), x a strided view (copied first)."""
     gen = torch.Generator().manual_seed(43)
     big = (1024, 1024, 256, 256, 64)
-    overs = ({}, {"beside": False}, {"pdl": False}, {"gemv_pdl": False}, {"gemv8_pdl": False},
+    overs = ({}, {"beside": False}, {"pdl": False}, {"gemv_pdl": False}, {"gemv_pdl_rows": 2},
              {"nvfp4_gemm_kernel": "skinny"})
     for m in (1, 2, 3, 8, 12):
         x, w, _, _ = multi_case((1024, 512), 4096, (m,), gen, "cuda")

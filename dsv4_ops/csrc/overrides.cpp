@@ -20,7 +20,7 @@ int* field(const char* name) {
   if (!std::strcmp(name, "topk_kernel")) return &o.topk_kernel;
   if (!std::strcmp(name, "moe_gemv_rows")) return &o.moe_gemv_rows;
   if (!std::strcmp(name, "gemv_pdl")) return &o.gemv_pdl;
-  if (!std::strcmp(name, "gemv8_pdl")) return &o.gemv8_pdl;
+  if (!std::strcmp(name, "gemv_pdl_rows")) return &o.gemv_pdl_rows;
   if (!std::strcmp(name, "beside")) return &o.beside;
   return nullptr;
 }

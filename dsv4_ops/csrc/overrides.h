@@ -19,9 +19,8 @@ struct Overrides {
   int moe_gemv_rows = 0;      // MoE on the gemv kernel: token rows per pass, 0 auto (2 while T <= 8, else 8), 2, 8
   int gemv_pdl = 1;           // under pdl: the NVFP4 chain (gemv, the MoE kernels) with it too; 0 launches those
                               // without it, the other decode kernels keep it
-  int gemv8_pdl = 1;          // under gemv_pdl: the dense 8-row gemv (3 <= M <= 8) with it too; 0 keeps it for the
-                              // 2-row gemv (M <= 2) and the MoE only (an A/B: without PDL the layer at B = 8 measured
-                              // 2.5-5.6% faster)
+  int gemv_pdl_rows = 8;      // under gemv_pdl: only calls of fewer token rows (M, the MoE's T) launch with it (the
+                              // layer on an H100: B = 1 / 4 faster with it, B = 8 4-6% faster without, twice)
   int beside = 1;             // under pdl: dsv4::nvfp4_fp32_linear_multi runs its fp32 kernel beside its gemv; 0 after
                               // it, as two ops would (an A/B)
 };

@@ -1,13 +1,11 @@
-# pdl: the layer with the NVFP4 kernels' programmatic dependent launch on (the default), off (gemv_pdl=0; the other
-# decode kernels keep PDL), and off for the dense 8-row gemv alone (gemv8_pdl=0: a no-op at B <= 2, where the
-# 2-row gemv runs), at batch 1, 2, 4 and 8, PDL_ROUNDS times (1), interleaved; then the op tests and the compiled
-# decode with PDL off everywhere (pdl=0); PDL_BATCHES ("1 2 4 8") picks the batches, PDL_TESTS=0 leaves out the
-# op tests (not the decode gemv's own bit test). Session 50 (H100): PDL on won at B = 1 (CSA 151.2 vs 159.2 us),
-# gemv_pdl=0 at B = 8 (347.7 vs 356.6 us).
+# pdl: the layer with the NVFP4 kernels' programmatic dependent launch as shipped (below gemv_pdl_rows = 8 token
+# rows), never (gemv_pdl=0; the other decode kernels keep PDL) and at every size (gemv_pdl_rows=100000), at batch
+# 1, 2, 4, 8 and 16, PDL_ROUNDS times (1), interleaved; then the op tests and the compiled decode with PDL off
+# everywhere (pdl=0); PDL_BATCHES ("1 2 4 8 16") picks the batches, PDL_TESTS=0 leaves out the op tests (not the
+# decode gemv's own bit test). Sessions 50-51 (H100): PDL on won at B = 1 and 4, off at B = 8 (4-6%, twice).
 for r in $(seq "${PDL_ROUNDS:-1}"); do
-  for b in ${PDL_BATCHES:-1 2 4 8}; do
-    for ov in "" gemv_pdl=0 gemv8_pdl=0; do
-      [ "$b" -le 2 ] && [ "$ov" = gemv8_pdl=0 ] && continue
+  for b in ${PDL_BATCHES:-1 2 4 8 16}; do
+    for ov in "" gemv_pdl=0 gemv_pdl_rows=100000; do
       name=pdl_layer_r${r}_b${b}_${ov:-on}; name=${name//=/}
       step "$name" 120 $PY bench/bench_layer.py ${ov:+--kernel-overrides $ov} --kinds csa,hca --steps 50 --experts 16 \
         --batch "$b"

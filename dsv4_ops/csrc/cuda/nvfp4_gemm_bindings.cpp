@@ -78,8 +78,9 @@ bool auto_wgmma(Choice choice, int64_t M) { return choice == Choice::kAuto && M 
 // Programmatic dependent launch (gemv, the MoE chain) unless the pdl override is off, or gemv_pdl alone (an A/B:
 // back to back in a graph the gemv measured 1.4-1.5 us faster per call without it, bench/RESULTS.md session 48).
 bool use_pdl() { return dsv4_overrides::get().pdl != 0 && dsv4_overrides::get().gemv_pdl != 0; }
-// A dense linear of M rows: the 8-row gemv (3 <= M <= 8) only under gemv8_pdl too (an A/B at batch 4-8).
-bool use_pdl(int64_t M) { return use_pdl() && (M <= 2 || dsv4_overrides::get().gemv8_pdl != 0); }
+// A call of M token rows (the MoE's T): only below gemv_pdl_rows (8; on an H100 the layer was 4-6% faster at B = 8
+// without PDL on these kernels, 3-5% slower at B = 1 / 4: bench/RESULTS.md sessions 50-51).
+bool use_pdl(int64_t M) { return use_pdl() && M < dsv4_overrides::get().gemv_pdl_rows; }
 
 using dsv4_cuda::mm_dtype_op;
 
@@ -521,7 +522,7 @@ at::Tensor moe_impl(const at::Tensor& x, const at::Tensor& ids, const at::Tensor
   a.h = h.data_ptr();
   a.o = o.data_ptr();
   a.y = y.data_ptr();
-  a.pdl = use_pdl() ? 1 : 0;
+  a.pdl = use_pdl(m.T) ? 1 : 0;
   const Choice choice = kernel_choice();
   a.gemv = choice == Choice::kSkinny ? 0 : 1;
   // wgmma MoE kernels wherever skinny would run, unless a kernel is forced (tiled / skinny keep skinny): auto picks
