@@ -92,8 +92,8 @@ __device__ __forceinline__ void load_x(const XT* p, float (&f)[V]) {
 
 // pdl: 0 launched without PDL; 1 with it (wait at the top, then let the successor launch); 2 beside the kernel
 // before it (kBeside: that kernel triggered this launch at its start and reads the same, final, inputs): no wait
-// before the work, the successor may launch at once, and the wait at the end, so that this grid completes only
-// after its predecessor has (the successor's wait then covers both).
+// before the work, the successor may launch at once, and a wait at the end of the last CTA, so that this grid
+// completes only after its predecessor has (the successor's wait then covers both).
 constexpr int kBeside = 2;
 
 // R rows per CTA, MT = token rows the accumulators hold (M <= MT), U pieces per row in flight per thread.
@@ -169,7 +169,9 @@ __global__ void __launch_bounds__(kMaxThreads) fp32_linear_kernel(const Fp32Line
       p.y[seg][size_t(m) * N + row0 + r] = s;
     }
   }
-  if (pdl == kBeside) dsv4_cuda::grid_dep_wait();
+  // One CTA's wait suffices (the grid completes when its last CTA exits): the last one, which runs in the last
+  // wave, so the earlier waves leave the SMs to the next as soon as their work is done.
+  if (pdl == kBeside && blockIdx.x == gridDim.x - 1) dsv4_cuda::grid_dep_wait();
 }
 
 template <int R, int MT, int U>

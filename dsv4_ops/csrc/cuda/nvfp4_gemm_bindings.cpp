@@ -423,7 +423,7 @@ std::vector<at::Tensor> nvfp4_linear_multi_cuda(const at::Tensor& x, at::TensorL
 
 // nvfp4_linear_multi's outputs, then fp32_linear's, of one x. Every argument is checked before either launch.
 // Under PDL (and the beside override) the fp32 kernel runs beside the gemv instead of after it: the gemv lets it
-// launch as soon as x is final, it reads only x and its weights, and it waits for the gemv only before it exits
+// launch as soon as x is final, it reads only x and its weights, and its last CTA waits for the gemv before it exits
 // (fp32_linear.cu), so whatever follows the op still starts after both.
 std::vector<at::Tensor> nvfp4_fp32_linear_multi_cuda(const at::Tensor& x, at::TensorList w, at::TensorList s,
                                                      at::TensorList gs, at::TensorList fp32_weight) {

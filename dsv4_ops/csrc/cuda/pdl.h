@@ -21,7 +21,7 @@ __device__ __forceinline__ void grid_dep_launch() { asm volatile("griddepcontrol
 // (overrides.h: read at each launch, so at capture).
 // Each of them waits at its top, so the attribute never reorders memory accesses; the one exception is the
 // fp32 linear kernel that dsv4::nvfp4_fp32_linear_multi launches beside its gemv (fp32_linear.cu, kBeside: it
-// reads only what the gemv reads, final once the gemv lets it launch, and waits before it exits).
+// reads only what the gemv reads, final once the gemv lets it launch, and its last CTA waits before it exits).
 inline bool decode_pdl() { return dsv4_overrides::get().pdl != 0; }
 
 // The PDL launch attribute (launchers with other attributes, e.g. a cooperative grid, add it themselves).
