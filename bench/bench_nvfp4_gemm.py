@@ -7,6 +7,8 @@ the indexer's wq_b): dsv4::nvfp4_linear_multi vs two torch.matmul and two nvfp4_
 top-6 (uniform random routing), d = 4096, I = 2048, T = 1 ... 8192 tokens, routed only and routed + shared expert;
 peer = a per-expert bf16 loop in torch (index_select, 3 matmuls, clamped SwiGLU, index_add_) for the same routing,
 captured in a CUDA graph; at 8 < T <= 64 also with the gemv kernel in 2-token passes (moe_gemv_rows=2; the auto choice to T = 8).
+Beside: dsv4::nvfp4_fp32_linear_multi (wq_a + wkv with the fp32-math projections of the same x), the fp32 kernel
+beside the gemv vs after it (the `beside` override) and each part alone.
 Head: V4-Flash's head (129280 x 4096, fp32 logits) stored bf16 (dsv4::fp32_linear) vs NVFP4 (head_quant); the
 built-in model's (4096 x 256) the same.
 
@@ -15,7 +17,7 @@ through copies of the weights totalling >= 256 MB, so every call streams its wei
 calls), for both the op and the peer. GB/s counts weight bytes (NVFP4: codes + block scales; MoE: the unique
 experts touched); "HBM" is that over 4.26 TB/s. TF/s = 2*M*N*K / time.
 
-Run: python bench/bench_nvfp4_gemm.py   (about a minute; BENCH_NVFP4_PARTS=linear,grouped,multi,moe picks tables)
+Run: python bench/bench_nvfp4_gemm.py   (about a minute; BENCH_NVFP4_PARTS=linear,grouped,multi,beside,moe picks tables)
 """
 import math
 import os
@@ -233,6 +235,43 @@ def _bench_multi_pair(gen, ns, k, what):
     torch.cuda.empty_cache()
 
 
+def bench_beside(gen):
+    """nvfp4_fp32_linear_multi as attention decode calls it: wq_a + wkv (NVFP4) and the fp32-math projections of
+    the same x (two compressors' wkv / wgate, the indexer's weights_proj; bf16 weights as the model holds them), the
+    fp32 kernel beside the gemv (default) and after it (beside=0), against each part alone; the most the overlap
+    can save is the shorter part's time."""
+    ns, fns, k = (1024, 512), (1024, 1024, 256, 256, 64), 4096
+    wbytes = sum(nvfp4_bytes(n, k) for n in ns) + sum(fns) * k * 2
+    copies = max(1, min(64, math.ceil(ROTATE_BYTES / wbytes)))
+    ws = [[rand_kernel_weight((), n, k, gen) for n in ns] for _ in range(copies)]
+    fw = [[torch.randn(n, k, device="cuda", generator=gen).div(64).to(torch.bfloat16) for n in fns]
+          for _ in range(copies)]
+    gs = [torch.tensor(0.01, device="cuda") for _ in ns]
+    print(f"\n## nvfp4_fp32_linear_multi: wq_a + wkv (NVFP4) with the fp32 projections of x ({'+'.join(map(str, fns))}"
+          f" x {k}, bf16), {wbytes / 1e6:.1f} MB; floor = bytes / HBM")
+    print(f"{'M':>3} | {'beside us':>9} {'after us':>9} {'saved':>6} | {'gemv us':>8} {'fp32 us':>8} "
+          f"{'bound':>6} | {'floor us':>8} {'of floor':>8}")
+    for m in (1, 2, 4, 8):
+        x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+
+        def pair(i):
+            w = ws[i % copies]
+            return ops.nvfp4_fp32_linear_multi(x, [a for a, _ in w], [b for _, b in w], gs, fw[i % copies])
+
+        reps = reps_for(wbytes, 0, 0)
+        t_on = graph_us(pair, reps)
+        with kernel_overrides(beside=False):
+            t_off = graph_us(pair, reps)
+        t_g = graph_us(lambda i: ops.nvfp4_linear_multi(x, [a for a, _ in ws[i % copies]],
+                                                        [b for _, b in ws[i % copies]], gs), reps)
+        t_f = graph_us(lambda i: ops.fp32_linear(x, fw[i % copies]), reps)
+        floor = wbytes / HBM * 1e6
+        print(f"{m:3d} | {t_on:9.2f} {t_off:9.2f} {t_off - t_on:6.2f} | {t_g:8.2f} {t_f:8.2f} {min(t_g, t_f):6.2f} | "
+              f"{floor:8.2f} {floor / t_on:8.0%}", flush=True)
+    del ws, fw
+    torch.cuda.empty_cache()
+
+
 class MoePeer:
     """bf16 per-expert loop for a fixed routing (the expert list and token indices are prepared up front)."""
 
@@ -345,9 +384,9 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    parts = os.environ.get("BENCH_NVFP4_PARTS", "linear,grouped,multi,moe,head").split(",")
+    parts = os.environ.get("BENCH_NVFP4_PARTS", "linear,grouped,multi,beside,moe,head").split(",")
     for name, fn in (("linear", bench_linear), ("grouped", bench_grouped), ("multi", bench_multi),
-                     ("moe", bench_moe), ("head", bench_head)):
+                     ("beside", bench_beside), ("moe", bench_moe), ("head", bench_head)):
         if name in parts:
             fn(gen)
             torch.cuda.empty_cache()
