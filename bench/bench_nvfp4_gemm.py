@@ -238,8 +238,8 @@ def _bench_multi_pair(gen, ns, k, what):
 def bench_beside(gen):
     """nvfp4_fp32_linear_multi as attention decode calls it: wq_a + wkv (NVFP4) and the fp32-math projections of
     the same x (two compressors' wkv / wgate, the indexer's weights_proj; bf16 weights as the model holds them), the
-    fp32 kernel beside the gemv (default) and after it (beside=0), against each part alone; the most the overlap
-    can save is the shorter part's time."""
+    fp32 kernel beside the gemv (beside=1) and after it (the default), against each part alone; the most the
+    overlap can save is the shorter part's time."""
     ns, fns, k = (1024, 512), (1024, 1024, 256, 256, 64), 4096
     wbytes = sum(nvfp4_bytes(n, k) for n in ns) + sum(fns) * k * 2
     copies = max(1, min(64, math.ceil(ROTATE_BYTES / wbytes)))
@@ -259,9 +259,9 @@ def bench_beside(gen):
             return ops.nvfp4_fp32_linear_multi(x, [a for a, _ in w], [b for _, b in w], gs, fw[i % copies])
 
         reps = reps_for(wbytes, 0, 0)
-        t_on = graph_us(pair, reps)
-        with kernel_overrides(beside=False):
-            t_off = graph_us(pair, reps)
+        with kernel_overrides(beside=True):
+            t_on = graph_us(pair, reps)
+        t_off = graph_us(pair, reps)
         t_g = graph_us(lambda i: ops.nvfp4_linear_multi(x, [a for a, _ in ws[i % copies]],
                                                         [b for _, b in ws[i % copies]], gs), reps)
         t_f = graph_us(lambda i: ops.fp32_linear(x, fw[i % copies]), reps)

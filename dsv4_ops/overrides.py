@@ -36,7 +36,8 @@ class KernelOverrides:
     other decode kernels keep it; an A/B of the gemv's own PDL). gemv_pdl_rows: under gemv_pdl, only the calls of fewer token rows (M; the MoE's T) launch with it (default 8:
     on an H100 the layer was faster with it at B = 1 and 4, 4-6% faster without it at B = 8).
     beside: under pdl,
-    dsv4::nvfp4_fp32_linear_multi runs its fp32 kernel beside its NVFP4 gemv (off: after it, as two ops; an A/B)."""
+    on runs dsv4::nvfp4_fp32_linear_multi's fp32 kernel beside its NVFP4 gemv (off, the default until an A/B shows
+    it faster: after it, as two ops)."""
     nvfp4_gemm_kernel: str = "auto"
     pdl: bool = True
     moe_local_route: bool = True
@@ -46,7 +47,7 @@ class KernelOverrides:
     moe_gemv_rows: int = 0
     gemv_pdl: bool = True
     gemv_pdl_rows: int = 8
-    beside: bool = True
+    beside: bool = False
 
     def _as_ints(self) -> dict[str, int]:
         for name, value, allowed in (("nvfp4_gemm_kernel", self.nvfp4_gemm_kernel, GEMM_KERNELS),

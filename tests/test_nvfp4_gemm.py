@@ -757,7 +757,8 @@ def test_nvfp4_fp32_linear_multi_cuda():
     launch each), weights of both float dtypes (two fp32 launches), x a strided view (copied first)."""
     gen = torch.Generator().manual_seed(43)
     big = (1024, 1024, 256, 256, 64)
-    overs = ({}, {"beside": False}, {"pdl": False}, {"gemv_pdl": False}, {"gemv_pdl_rows": 2},
+    overs = ({}, {"beside": True}, {"beside": True, "pdl": False}, {"beside": True, "gemv_pdl": False},
+             {"beside": True, "gemv_pdl_rows": 2},
              {"nvfp4_gemm_kernel": "skinny"})
     for m in (1, 2, 3, 8, 12):
         x, w, _, _ = multi_case((1024, 512), 4096, (m,), gen, "cuda")
@@ -808,10 +809,11 @@ def test_nvfp4_fp32_linear_multi_cuda_graph_order(m):
         return [*outs, ops.nvfp4_linear(outs[0], *wa), ops.nvfp4_linear(outs[1], *wb)]
 
     torch.cuda.synchronize()
-    step(True)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        static = step(True)
+    with kernel_overrides(beside=True):  # the launch choices are read at capture
+        step(True)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            static = step(True)
     for _ in range(30):
         x0.copy_(rand_x((m, 4096), gen, "cuda"))
         for t in static:

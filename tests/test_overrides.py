@@ -17,7 +17,7 @@ def test_defaults_are_what_the_library_starts_with():
 def test_scoped_overrides_reach_the_library_and_restore():
     forced = dict(nvfp4_gemm_kernel="skinny", pdl=False, moe_local_route=False, attn_kernel="simt",
                   nvfp4_fused_path="grid", topk_kernel="rows", moe_gemv_rows=2, gemv_pdl=False,
-                  gemv_pdl_rows=3, beside=False)
+                  gemv_pdl_rows=3, beside=True)
     with pytest.raises(KeyError):
         with ov.kernel_overrides(**forced):
             assert ov.native() == ov.current() == ov.KernelOverrides(**forced)

@@ -21,8 +21,8 @@ struct Overrides {
                               // without it, the other decode kernels keep it
   int gemv_pdl_rows = 8;      // under gemv_pdl: only calls of fewer token rows (M, the MoE's T) launch with it (the
                               // layer on an H100: B = 1 / 4 faster with it, B = 8 4-6% faster without, twice)
-  int beside = 1;             // under pdl: dsv4::nvfp4_fp32_linear_multi runs its fp32 kernel beside its gemv; 0 after
-                              // it, as two ops would (an A/B)
+  int beside = 0;             // under pdl: 1 runs dsv4::nvfp4_fp32_linear_multi's fp32 kernel beside its gemv; 0 after
+                              // it, as two ops would (off until an A/B shows it faster: its first form tied)
 };
 
 // The process's overrides (one instance inside libdsv4_ops.so).
