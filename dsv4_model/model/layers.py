@@ -86,11 +86,15 @@ def w4a4_rows(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: to
     return y * xg.unsqueeze(-1)
 
 
+def _nvfp4_weights(projections: Sequence[Linear]) -> dict[str, list[torch.Tensor]]:
+    """The NVFP4 weight lists of the multi ops' calls (w_packed, w_scale, w_global_scale)."""
+    return {"w_packed": [p.weight_packed for p in projections], "w_scale": [p.weight_scale for p in projections],
+            "w_global_scale": [p.weight_global_scale for p in projections]}
+
+
 def _w4a16_run(x: torch.Tensor, projections: Sequence[Linear]) -> list[torch.Tensor]:
     """W4A16 projections of one x in one dsv4::nvfp4_linear_multi call (the values of calling each)."""
-    outs = ops.nvfp4_linear_multi(x.to(torch.bfloat16), w_packed=[p.weight_packed for p in projections],
-                                  w_scale=[p.weight_scale for p in projections],
-                                  w_global_scale=[p.weight_global_scale for p in projections])
+    outs = ops.nvfp4_linear_multi(x.to(torch.bfloat16), **_nvfp4_weights(projections))
     return [o.to(p.form.out_dtype) for o, p in zip(outs, projections)]
 
 
@@ -191,9 +195,7 @@ def project_with_fp32(x: torch.Tensor, projections: Sequence[Projection], fp32_p
     if not (x.dtype == torch.bfloat16 and projections
             and all(isinstance(p, Linear) and p.form.joint is _w4a16_run for p in projections)):
         return project(x, *projections), project(x, *fp32_projections, fp32=True)
-    outs = ops.nvfp4_fp32_linear_multi(x, w_packed=[p.weight_packed for p in projections],
-                                       w_scale=[p.weight_scale for p in projections],
-                                       w_global_scale=[p.weight_global_scale for p in projections],
+    outs = ops.nvfp4_fp32_linear_multi(x, **_nvfp4_weights(projections),
                                        fp32_weight=[p.weight for p in fp32_projections])
     n = len(projections)
     return tuple(o.to(p.form.out_dtype) for o, p in zip(outs[:n], projections)), tuple(outs[n:])

@@ -301,7 +301,7 @@ extern "C" cudaError_t dsv4_nvfp4_linear_launch(const Nvfp4LinearArgs* a, cudaSt
     p.seg_n[i] = int(a->seg_n[i]);
   }
   const int ny = a->nseg > 0 ? a->nseg : p.G;  // blockIdx.y: groups or segments
-  if (a->gemv && a->M <= 8 && reinterpret_cast<uintptr_t>(a->x) % 16 == 0) {
+  if (dsv4_nvfp4_takes_gemv(a)) {
     p.pdl = a->pdl;
     p.trigger_now = a->trigger_now;
     int occ = 2;

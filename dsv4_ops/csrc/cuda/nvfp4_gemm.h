@@ -66,6 +66,12 @@ struct Nvfp4MoeArgs {
                             // tiles, 3 the auto choice between them (dsv4_nvfp4_moe_launch)
 };
 
+// Whether dsv4_nvfp4_linear_launch runs a call (with some rows) on the gemv kernel, the only one that honours
+// trigger_now: M <= 8 rows, gemv chosen, x 16-byte aligned.
+static inline int dsv4_nvfp4_takes_gemv(const Nvfp4LinearArgs* a) {
+  return a->gemv && a->M >= 1 && a->M <= 8 && ((uintptr_t)a->x) % 16 == 0;
+}
+
 #ifdef __cplusplus
 extern "C" {
 #endif

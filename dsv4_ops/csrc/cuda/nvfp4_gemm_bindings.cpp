@@ -404,8 +404,7 @@ std::vector<at::Tensor> multi_impl(const at::Tensor& x, at::TensorList w, at::Te
   check_launch(dsv4_nvfp4_linear_launch(&a, c10::cuda::getCurrentCUDAStream().stream()), op);
   bool any_rows = false;
   for (int i = 0; i < n; ++i) any_rows = any_rows || ns[i] > 0;
-  // the launcher's gemv condition (dsv4_nvfp4_linear_launch; x2 is 16-byte aligned)
-  if (triggered != nullptr) *triggered = trigger_now && a.gemv == 1 && M >= 1 && M <= 8 && any_rows;
+  if (triggered != nullptr) *triggered = trigger_now && any_rows && dsv4_nvfp4_takes_gemv(&a);
   if (hold != nullptr) {
     hold->push_back(x2);
     hold->insert(hold->end(), keep.begin(), keep.end());
